@@ -1,0 +1,26 @@
+# The README's two commands. Each sets up .venv on first use (scripts/setup_env.sh).
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: setup demo test lint format bench
+
+setup:
+	@scripts/setup_env.sh
+
+demo: setup
+	@$(VENV)/bin/kvtransport demo $(ARGS)
+
+lint: setup
+	@$(VENV)/bin/ruff check .
+	@$(VENV)/bin/ruff format --check .
+
+format: setup
+	@$(VENV)/bin/ruff format .
+	@$(VENV)/bin/ruff check --fix .
+
+test: lint
+	@$(PY) -m pytest $(ARGS)
+
+bench: setup
+	@$(PY) scripts/bench_codec.py

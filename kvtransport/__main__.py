@@ -1,0 +1,5 @@
+import sys
+
+from kvtransport.cli import main
+
+sys.exit(main())

@@ -1,0 +1,105 @@
+"""The `kvtransport` console command: discovers subcommands in kvtransport.commands.
+
+Subcommand modules are imported only to build the parser; their heavy imports live
+inside ``run`` so ``kvtransport --help`` and the data-plane daemons start fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+from types import ModuleType
+
+from kvtransport import commands
+from kvtransport.errors import UserError
+
+# Order in `kvtransport --help`; subcommands not listed follow alphabetically.
+PREFERRED_ORDER = [
+    "demo",
+    "simulate",
+    "send",
+    "recv",
+    "sender-daemon",
+    "receiver-daemon",
+    "netem",
+    "prefill",
+    "answer",
+    "card",
+    "profile",
+    "train",
+    "fit-utility",
+]
+
+DESCRIPTION = """\
+kvtransport ships an LLM's already-computed KV cache from one agent to the next over a
+lossy link, most valuable blocks first, protected by a sliding-window erasure code
+(RFC 8681) whose repair rate a Double-DQN policy schedules against the receiver's
+time-to-first-token deadline. The receiver injects whatever arrived as a partial cache.
+"""
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    """argparse that exits with a one-line error (status 2) and a hint to --help."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _command_modules() -> list[ModuleType]:
+    mods = []
+    for info in pkgutil.iter_modules(commands.__path__):
+        if info.name.startswith("_"):
+            continue
+        mod = importlib.import_module(f"kvtransport.commands.{info.name}")
+        if hasattr(mod, "NAME") and hasattr(mod, "run"):
+            mods.append(mod)
+
+    def key(mod: ModuleType) -> tuple[int, str]:
+        name = mod.NAME
+        rank = PREFERRED_ORDER.index(name) if name in PREFERRED_ORDER else len(PREFERRED_ORDER)
+        return rank, name
+
+    return sorted(mods, key=key)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Build the full argument parser (used by main and by the help tests)."""
+    parser = _ArgumentParser(
+        prog="kvtransport",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_ArgumentParser)
+    for mod in _command_modules():
+        p = sub.add_parser(
+            mod.NAME,
+            help=mod.HELP,
+            description=getattr(mod, "DESCRIPTION", mod.HELP),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `kvtransport` command; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args._run(args) or 0)
+    except UserError as exc:
+        print(f"kvtransport {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"kvtransport {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
