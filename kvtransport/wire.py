@@ -1,0 +1,420 @@
+"""Wire format: one versioned header for every kvtransport datagram.
+
+Every datagram (data path and feedback path) starts with the same fixed 28-byte header,
+network byte order, followed by the payload and, when the transfer is authenticated, a
+16-byte keyed BLAKE2b tag over header and payload::
+
+    offset size field         meaning
+    ------ ---- ------------- -----------------------------------------------------------
+     0     2    magic         0x4B56 ("KV")
+     2     1    version       1
+     3     1    type          DatagramType (table below)
+     4     1    flags         bit 0 TAGGED: a 16-byte tag follows the payload
+                              bit 1 RETRANSMIT: an ARQ retransmission of a source symbol
+                              other bits must be 0
+     5     1    reserved      must be 0
+     6     2    payload_len   bytes of payload after the header (tag not included)
+     8     8    transfer_id   random 64-bit id chosen by the sender for one transfer
+    16     4    seq           per-direction packet number: every data-path datagram of a
+                              transfer (manifest, source, repair, control) takes the next
+                              one, so the receiver measures loss and bursts from the gaps;
+                              feedback datagrams number their own sequence
+    20     2    key           FEC payload id, first half (per type, below)
+    22     2    dt_nss        DT (4 high bits) and NSS (12 low bits) per RFC 8681
+    24     4    esi           FEC payload id, ESI part (per type, below)
+    28     n    payload
+    28+n   16   tag           only with TAGGED: BLAKE2b(key=psk, digest_size=16)
+                              over bytes 0 .. 28+n
+
+Per type (the FEC payload id fields are RFC 8681's: a source symbol carries its 32-bit ESI;
+a repair symbol carries Repair_Key 16, DT 4, NSS 12 and the ESI of the first source symbol
+of its window)::
+
+    type             code key                    dt_nss        esi               payload
+    ---------------- ---- ---------------------- ------------- ----------------- -----------
+    SOURCE           1    0                      0             ESI               symbol
+    REPAIR           2    repair_key             DT, NSS       first ESI         symbol
+    BLOCK_REPAIR     3    p << 8 | repair index  NSS = k       first ESI (block) symbol
+    FEEDBACK         4    0                      0             0                 FEEDBACK_*
+    MANIFEST         5    M (manifest symbols)   0             manifest ESI      symbol
+    MANIFEST_REPAIR  6    repair_key             DT, NSS = M   0                 symbol
+    CONTROL          7    0                      0             ControlCode       optional
+
+REPAIR is a streaming RLC repair (RFC 8681 sliding window over GF(2^8)); BLOCK_REPAIR is a
+Reed-Solomon parity symbol of the block of k source symbols starting at ``esi`` (n = k + p
+<= 255, so p and the index fit one byte each); an ARQ retransmission is a SOURCE datagram
+with the RETRANSMIT flag. The transport manifest travels in its own ESI space (MANIFEST and
+MANIFEST_REPAIR) with its own RLC code; see kvtransport.transfer for its content.
+
+Feedback payload (receiver -> sender): ``FEEDBACK_FIXED`` then ``n_ranges`` loss ranges
+``(first ESI u32, count u16)`` of source symbols the receiver still misses, lowest first.
+
+Parsing is defensive: whatever the bytes, :func:`parse` either returns a :class:`Datagram`
+or raises a :class:`WireError` subclass whose ``reason`` names a counter; nothing else
+escapes. Per-packet cost matters (a few microseconds per datagram in Python), so the header
+is one precompiled ``struct.Struct``, datagrams are built in one preallocated buffer by
+:class:`Framer`, payloads come back as memoryview slices, and the keyed hash state is made
+once and copied per packet.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+from enum import IntEnum
+from typing import NamedTuple
+
+MAGIC = 0x4B56
+VERSION = 1
+HEADER = struct.Struct("!HBBBBHQIHHI")
+HEADER_SIZE = HEADER.size  # 28
+TAG_SIZE = 16
+MAX_DATAGRAM = 65507  # largest UDP payload over IPv4
+MAX_PAYLOAD = MAX_DATAGRAM - HEADER_SIZE - TAG_SIZE
+
+FLAG_TAGGED = 0x01
+FLAG_RETRANSMIT = 0x02
+_KNOWN_FLAGS = FLAG_TAGGED | FLAG_RETRANSMIT
+
+MAX_NSS = 0x0FFF
+MAX_DT = 15
+
+
+class DatagramType(IntEnum):
+    """The ``type`` byte of the header."""
+
+    SOURCE = 1
+    REPAIR = 2
+    BLOCK_REPAIR = 3
+    FEEDBACK = 4
+    MANIFEST = 5
+    MANIFEST_REPAIR = 6
+    CONTROL = 7
+
+
+_MAX_TYPE = max(DatagramType)
+
+
+class ControlCode(IntEnum):
+    """The ``esi`` field of a CONTROL datagram."""
+
+    FIN = 1  # the sender has stopped sending for good (deadline reached or all delivered)
+    ABORT = 2  # the sender cancelled the transfer: deliver what you have now
+
+
+# Feedback: echo_seq, echo_delay_us, received, lost, esi_end, decoded_through, unrecovered,
+# source_received, repair_received, loss_rate, burst_mean, flags, n_ranges
+FEEDBACK_FIXED = struct.Struct("!IIIIIIIIIffHH")
+FEEDBACK_RANGE = struct.Struct("!IH")
+FB_MANIFEST_DONE = 0x01  # the receiver has decoded the transport manifest
+FB_ALL_DONE = 0x02  # every source symbol is known: stop sending
+FB_FINISHED = 0x04  # the receiver has yielded its result (deadline, abort or all done)
+MAX_FEEDBACK_RANGES = 128
+
+
+class WireError(ValueError):
+    """A datagram that must be dropped; ``reason`` names the counter to bump."""
+
+    reason = "malformed"
+
+
+class Truncated(WireError):
+    reason = "truncated"
+
+
+class Oversized(WireError):
+    reason = "oversized"
+
+
+class BadMagic(WireError):
+    reason = "bad_magic"
+
+
+class BadVersion(WireError):
+    reason = "bad_version"
+
+
+class BadType(WireError):
+    reason = "bad_type"
+
+
+class BadLength(WireError):
+    """Lengths or fields that contradict each other (payload_len vs datagram size, ...)."""
+
+    reason = "bad_length"
+
+
+class BadTag(WireError):
+    """Missing, unexpected or wrong authentication tag."""
+
+    reason = "bad_tag"
+
+
+class BadPayload(WireError):
+    """A header that parses but a payload (feedback, manifest) that does not."""
+
+    reason = "bad_payload"
+
+
+class Datagram(NamedTuple):
+    """One parsed datagram; ``payload`` is a memoryview into the caller's buffer."""
+
+    type: int
+    flags: int
+    transfer_id: int
+    seq: int
+    key: int
+    dt_nss: int
+    esi: int
+    payload: memoryview
+
+    @property
+    def dt(self) -> int:
+        return self.dt_nss >> 12
+
+    @property
+    def nss(self) -> int:
+        return self.dt_nss & MAX_NSS
+
+
+def _keyed_hash(key: bytes | None) -> object | None:
+    if key is None:
+        return None
+    if not isinstance(key, bytes | bytearray) or not 1 <= len(key) <= 64:
+        raise ValueError("the pre-shared key must be 1..64 bytes (BLAKE2b key)")
+    return hashlib.blake2b(key=bytes(key), digest_size=TAG_SIZE)
+
+
+class Parser:
+    """Parses and authenticates datagrams with one pre-shared key (or none).
+
+    With a key, untagged datagrams and wrong tags raise :class:`BadTag`; without a key,
+    tagged datagrams raise :class:`BadTag` too (they cannot be checked, and accepting
+    them would hide a misconfigured peer).
+    """
+
+    __slots__ = ("_hash",)
+
+    def __init__(self, key: bytes | None = None) -> None:
+        self._hash = _keyed_hash(key)
+
+    def parse(self, data: bytes | bytearray | memoryview) -> Datagram:
+        """Return the datagram in ``data`` or raise a :class:`WireError`."""
+        n = len(data)
+        if n < HEADER_SIZE:
+            raise Truncated(f"{n} bytes < {HEADER_SIZE}-byte header")
+        if n > MAX_DATAGRAM:
+            raise Oversized(f"{n} bytes > {MAX_DATAGRAM}")
+        magic, version, dtype, flags, reserved, plen, tid, seq, key, dt_nss, esi = (
+            HEADER.unpack_from(data, 0)
+        )
+        if magic != MAGIC:
+            raise BadMagic(f"magic {magic:#06x}")
+        if version != VERSION:
+            raise BadVersion(f"version {version}")
+        if dtype == 0 or dtype > _MAX_TYPE:
+            raise BadType(f"type {dtype}")
+        if flags & ~_KNOWN_FLAGS or reserved:
+            raise BadType(f"unknown flags {flags:#x}/{reserved:#x}")
+        end = HEADER_SIZE + plen
+        tagged = flags & FLAG_TAGGED
+        expect = end + TAG_SIZE if tagged else end
+        if n < expect:
+            raise Truncated(f"{n} bytes < {expect} announced")
+        if n > expect:
+            raise BadLength(f"{n} bytes > {expect} announced")
+        h = self._hash
+        if h is not None:
+            if not tagged:
+                raise BadTag("untagged datagram on an authenticated transfer")
+            mv = memoryview(data)
+            hh = h.copy()
+            hh.update(mv[:end])
+            if not hmac.compare_digest(hh.digest(), mv[end:expect]):
+                raise BadTag("tag mismatch")
+        elif tagged:
+            raise BadTag("tagged datagram but no key configured")
+        else:
+            mv = memoryview(data)
+        if flags & FLAG_RETRANSMIT and dtype != DatagramType.SOURCE:
+            raise BadType("RETRANSMIT flag on a non-source datagram")
+        return Datagram(dtype, flags, tid, seq, key, dt_nss, esi, mv[HEADER_SIZE:end])
+
+
+def parse(data: bytes | bytearray | memoryview, key: bytes | None = None) -> Datagram:
+    """One-off parse (tests, tools); hot paths keep a :class:`Parser`."""
+    return Parser(key).parse(data)
+
+
+class Framer:
+    """Builds datagrams of one transfer in one preallocated buffer.
+
+    Hot path: write the payload into :meth:`payload_view` (or let a codec write it
+    there with ``repair_into``), then :meth:`finish` packs the header, appends the tag
+    and returns the datagram as ``bytes`` (the only copy).
+    """
+
+    __slots__ = ("transfer_id", "_hash", "_flags", "_tag_len", "buf", "_mv")
+
+    def __init__(self, transfer_id: int, key: bytes | None = None, max_payload: int = 2048):
+        if not 0 <= transfer_id < 1 << 64:
+            raise ValueError("transfer_id must fit 64 bits")
+        if not 0 < max_payload <= MAX_PAYLOAD:
+            raise ValueError(f"max_payload must be 1..{MAX_PAYLOAD}")
+        self.transfer_id = transfer_id
+        self._hash = _keyed_hash(key)
+        self._flags = FLAG_TAGGED if self._hash is not None else 0
+        self._tag_len = TAG_SIZE if self._hash is not None else 0
+        self.buf = bytearray(HEADER_SIZE + max_payload + TAG_SIZE)
+        self._mv = memoryview(self.buf)
+
+    @property
+    def overhead(self) -> int:
+        """Bytes a datagram carries beyond its payload (header and tag)."""
+        return HEADER_SIZE + self._tag_len
+
+    def payload_view(self, n: int) -> memoryview:
+        """The buffer region where the next datagram's ``n``-byte payload goes."""
+        return self._mv[HEADER_SIZE : HEADER_SIZE + n]
+
+    def finish(
+        self,
+        dtype: int,
+        seq: int,
+        n: int,
+        esi: int = 0,
+        key: int = 0,
+        dt_nss: int = 0,
+        flags: int = 0,
+    ) -> bytes:
+        """Pack the header for an ``n``-byte payload already in place; return the datagram."""
+        HEADER.pack_into(
+            self.buf,
+            0,
+            MAGIC,
+            VERSION,
+            dtype,
+            flags | self._flags,
+            0,
+            n,
+            self.transfer_id,
+            seq,
+            key,
+            dt_nss,
+            esi,
+        )
+        end = HEADER_SIZE + n
+        h = self._hash
+        if h is not None:
+            hh = h.copy()
+            hh.update(self._mv[:end])
+            self._mv[end : end + TAG_SIZE] = hh.digest()
+            end += TAG_SIZE
+        return bytes(self._mv[:end])
+
+    def build(
+        self,
+        dtype: int,
+        seq: int,
+        payload: bytes | bytearray | memoryview = b"",
+        esi: int = 0,
+        key: int = 0,
+        dt_nss: int = 0,
+        flags: int = 0,
+    ) -> bytes:
+        """Copy ``payload`` in and :meth:`finish` (convenience for non-hot datagrams)."""
+        n = len(payload)
+        if n > len(self.buf) - HEADER_SIZE - TAG_SIZE:
+            raise ValueError(f"payload of {n} bytes exceeds the framer's buffer")
+        self._mv[HEADER_SIZE : HEADER_SIZE + n] = payload
+        return self.finish(dtype, seq, n, esi, key, dt_nss, flags)
+
+
+def pack_dt_nss(dt: int, nss: int) -> int:
+    """RFC 8681 DT (4 bits) and NSS (12 bits) in one 16-bit field."""
+    if not 0 <= dt <= MAX_DT or not 1 <= nss <= MAX_NSS:
+        raise ValueError(f"dt {dt} or nss {nss} out of range (0..15, 1..4095)")
+    return dt << 12 | nss
+
+
+def block_repair_key(p: int, index: int) -> int:
+    """The ``key`` field of a BLOCK_REPAIR: parity count p and this parity's index."""
+    if not 1 <= p <= 255 or not 0 <= index < p:
+        raise ValueError(f"block repair p={p} index={index} out of range")
+    return p << 8 | index
+
+
+class Feedback(NamedTuple):
+    """The receiver's report (feedback payload), see the module docstring."""
+
+    echo_seq: int  # highest data-path seq received
+    echo_delay_us: int  # time between receiving echo_seq and sending this report
+    received: int  # data-path datagrams received (unique)
+    lost: int  # data-path datagrams missing from the seq space so far
+    esi_end: int  # highest source ESI known + 1 (0: none)
+    decoded_through: int  # every source ESI below this is known
+    unrecovered: int  # source ESIs below esi_end still unknown
+    source_received: int  # source datagrams received (unique ESIs)
+    repair_received: int  # repair datagrams received
+    loss_rate: float  # receiver's smoothed packet loss rate
+    burst_mean: float  # receiver's smoothed loss-burst length (packets)
+    flags: int  # FB_* bits
+    ranges: tuple[tuple[int, int], ...]  # missing source ESIs: (first, count), lowest first
+
+
+def encode_feedback(fb: Feedback, out: memoryview) -> int:
+    """Write ``fb`` into ``out``; return the number of bytes written."""
+    ranges = fb.ranges[:MAX_FEEDBACK_RANGES]
+    FEEDBACK_FIXED.pack_into(
+        out,
+        0,
+        fb.echo_seq,
+        fb.echo_delay_us,
+        fb.received,
+        fb.lost,
+        fb.esi_end,
+        fb.decoded_through,
+        fb.unrecovered,
+        fb.source_received,
+        fb.repair_received,
+        fb.loss_rate,
+        fb.burst_mean,
+        fb.flags,
+        len(ranges),
+    )
+    off = FEEDBACK_FIXED.size
+    for first, count in ranges:
+        FEEDBACK_RANGE.pack_into(out, off, first, count)
+        off += FEEDBACK_RANGE.size
+    return off
+
+
+def feedback_size(n_ranges: int) -> int:
+    """Payload bytes of a feedback with ``n_ranges`` loss ranges."""
+    return FEEDBACK_FIXED.size + min(n_ranges, MAX_FEEDBACK_RANGES) * FEEDBACK_RANGE.size
+
+
+def decode_feedback(payload: bytes | memoryview) -> Feedback:
+    """Parse a feedback payload; raises :class:`BadPayload` when it is inconsistent."""
+    n = len(payload)
+    if n < FEEDBACK_FIXED.size:
+        raise BadPayload(f"feedback of {n} bytes")
+    fields = FEEDBACK_FIXED.unpack_from(payload, 0)
+    n_ranges = fields[-1]
+    if n_ranges > MAX_FEEDBACK_RANGES or n != feedback_size(n_ranges):
+        raise BadPayload(f"feedback announces {n_ranges} ranges in {n} bytes")
+    loss_rate, burst_mean = fields[9], fields[10]
+    if not (0.0 <= loss_rate <= 1.0) or not (0.0 <= burst_mean < 1e9):  # also rejects NaN
+        raise BadPayload("feedback loss estimates out of range")
+    esi_end, through, unrecovered = fields[4], fields[5], fields[6]
+    if through > esi_end or unrecovered > esi_end - through:
+        raise BadPayload("feedback ESI counters contradict each other")
+    ranges = tuple(
+        FEEDBACK_RANGE.unpack_from(payload, FEEDBACK_FIXED.size + i * FEEDBACK_RANGE.size)
+        for i in range(n_ranges)
+    )
+    for first, count in ranges:
+        if count == 0 or first < through or first + count > esi_end:
+            raise BadPayload("feedback loss range outside the reported window")
+    return Feedback(*fields[:12], ranges)

@@ -1,0 +1,189 @@
+"""Wire format: every datagram type round-trips; every malformed datagram is rejected."""
+
+import struct
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtransport import wire
+from kvtransport.wire import DatagramType as T
+
+KEY = b"0123456789abcdef0123456789abcdef"
+TID = 0xDEADBEEF_01234567
+
+
+def _all_types(framer: wire.Framer) -> list[tuple[bytes, dict]]:
+    """One datagram of every type with distinctive field values."""
+    sym = bytes(range(256)) * 5
+    fb = wire.Feedback(7, 250, 100, 12, 90, 40, 3, 80, 20, 0.12, 2.5, wire.FB_MANIFEST_DONE,
+                       ((41, 2), (60, 1)))  # fmt: skip
+    fb_buf = bytearray(wire.feedback_size(2))
+    n = wire.encode_feedback(fb, memoryview(fb_buf))
+    cases = [
+        (T.SOURCE, dict(esi=123456, payload=sym)),
+        (T.SOURCE, dict(esi=5, payload=sym, flags=wire.FLAG_RETRANSMIT)),
+        (T.REPAIR, dict(esi=77, key=0xBEEF, dt_nss=wire.pack_dt_nss(15, 4095), payload=sym)),
+        (T.BLOCK_REPAIR, dict(esi=64, key=wire.block_repair_key(4, 3), dt_nss=32, payload=sym)),
+        (T.FEEDBACK, dict(payload=bytes(fb_buf[:n]))),
+        (T.MANIFEST, dict(esi=2, key=9, payload=sym)),
+        (T.MANIFEST_REPAIR, dict(key=17, dt_nss=wire.pack_dt_nss(15, 9), payload=sym)),
+        (T.CONTROL, dict(esi=wire.ControlCode.FIN)),
+    ]
+    out = []
+    for i, (dtype, kw) in enumerate(cases):
+        out.append((framer.build(dtype, 1000 + i, **kw), dict(type=dtype, seq=1000 + i, **kw)))
+    return out
+
+
+@pytest.mark.parametrize("key", [None, KEY])
+def test_every_type_round_trips(key):
+    framer = wire.Framer(TID, key)
+    parser = wire.Parser(key)
+    for data, want in _all_types(framer):
+        d = parser.parse(data)
+        assert d.type == want["type"] and d.seq == want["seq"] and d.transfer_id == TID
+        assert bytes(d.payload) == want.get("payload", b"")
+        assert d.esi == want.get("esi", 0) and d.key == want.get("key", 0)
+        assert d.dt_nss == want.get("dt_nss", 0)
+        assert d.flags & wire.FLAG_RETRANSMIT == want.get("flags", 0)
+        assert len(data) == wire.HEADER_SIZE + len(d.payload) + (wire.TAG_SIZE if key else 0)
+
+
+def test_repair_fields_follow_rfc8681_layout():
+    framer = wire.Framer(TID)
+    data = framer.build(T.REPAIR, 1, b"x" * 8, esi=0x01020304, key=0xA1B2,
+                        dt_nss=wire.pack_dt_nss(9, 0x123))  # fmt: skip
+    # repair FEC payload id = Repair_Key(16) | DT(4) NSS(12) | first ESI(32), big endian
+    assert data[20:28] == bytes.fromhex("a1b2912301020304")
+    d = wire.parse(data)
+    assert (d.dt, d.nss) == (9, 0x123)
+    with pytest.raises(ValueError):
+        wire.pack_dt_nss(16, 1)
+    with pytest.raises(ValueError):
+        wire.pack_dt_nss(15, 4096)
+
+
+def test_feedback_payload_round_trips():
+    fb = wire.Feedback(1, 2, 3, 4, 100, 10, 7, 5, 6, 0.25, 3.0, wire.FB_ALL_DONE,
+                       ((10, 3), (20, 4)))  # fmt: skip
+    buf = bytearray(1024)
+    n = wire.encode_feedback(fb, memoryview(buf))
+    assert n == wire.feedback_size(2)
+    assert wire.decode_feedback(bytes(buf[:n])) == fb
+
+
+def _header(**kw):
+    f = dict(magic=wire.MAGIC, version=wire.VERSION, type=T.SOURCE, flags=0, reserved=0,
+             plen=4, tid=TID, seq=0, key=0, dt_nss=0, esi=0)  # fmt: skip
+    f.update(kw)
+    return wire.HEADER.pack(*f.values())
+
+
+@pytest.mark.parametrize(
+    "data, error",
+    [
+        (b"", wire.Truncated),
+        (_header()[:27], wire.Truncated),
+        (_header() + b"abc", wire.Truncated),  # payload shorter than announced
+        (_header() + b"abcde", wire.BadLength),  # trailing bytes
+        (_header(plen=0) + b"x" * 70000, wire.Oversized),
+        (_header(magic=0x4B57) + b"abcd", wire.BadMagic),
+        (_header(version=2) + b"abcd", wire.BadVersion),
+        (_header(type=0) + b"abcd", wire.BadType),
+        (_header(type=99) + b"abcd", wire.BadType),
+        (_header(flags=0x80) + b"abcd", wire.BadType),
+        (_header(reserved=1) + b"abcd", wire.BadType),
+        (_header(type=T.REPAIR, flags=wire.FLAG_RETRANSMIT) + b"abcd", wire.BadType),
+        (_header(flags=wire.FLAG_TAGGED) + b"abcd" + b"t" * 16, wire.BadTag),  # no key here
+        (_header(flags=wire.FLAG_TAGGED) + b"abcd" + b"t" * 15, wire.Truncated),
+    ],
+)
+def test_malformed_datagrams_raise_their_error(data, error):
+    with pytest.raises(error) as info:
+        wire.Parser().parse(data)
+    assert isinstance(info.value, wire.WireError) and info.value.reason
+
+
+def test_authentication_rejects_forged_missing_and_foreign_key_tags():
+    good = wire.Framer(TID, KEY).build(T.SOURCE, 3, b"payload", esi=1)
+    parser = wire.Parser(KEY)
+    assert bytes(parser.parse(good).payload) == b"payload"
+    forged = bytearray(good)
+    forged[-1] ^= 1
+    with pytest.raises(wire.BadTag):
+        parser.parse(bytes(forged))
+    tampered = bytearray(good)
+    tampered[wire.HEADER_SIZE] ^= 1  # flip a payload bit, keep the tag
+    with pytest.raises(wire.BadTag):
+        parser.parse(bytes(tampered))
+    tampered = bytearray(good)
+    tampered[16] ^= 1  # flip a header bit (seq)
+    with pytest.raises(wire.BadTag):
+        parser.parse(bytes(tampered))
+    with pytest.raises(wire.BadTag):  # no tag at all on a keyed transfer
+        parser.parse(wire.Framer(TID).build(T.SOURCE, 3, b"payload", esi=1))
+    with pytest.raises(wire.BadTag):  # tagged with another key
+        parser.parse(wire.Framer(TID, b"another key").build(T.SOURCE, 3, b"payload", esi=1))
+
+
+def test_bad_feedback_payloads_raise_bad_payload():
+    fb = wire.Feedback(1, 2, 3, 4, 100, 10, 7, 5, 6, 0.25, 3.0, 0, ((10, 3),))
+    buf = bytearray(1024)
+    n = wire.encode_feedback(fb, memoryview(buf))
+    good = bytes(buf[:n])
+    bad = [
+        good[:-1],  # truncated range
+        good + b"\0" * 6,  # more ranges than announced
+        good[:10],
+        wire.FEEDBACK_FIXED.pack(1, 2, 3, 4, 5, 10, 0, 0, 0, 0.1, 1.0, 0, 0),  # through > end
+        wire.FEEDBACK_FIXED.pack(1, 2, 3, 4, 50, 10, 41, 0, 0, 0.1, 1.0, 0, 0),  # too many
+        wire.FEEDBACK_FIXED.pack(1, 2, 3, 4, 50, 10, 0, 0, 0, float("nan"), 1.0, 0, 0),
+        wire.FEEDBACK_FIXED.pack(1, 2, 3, 4, 50, 10, 0, 0, 0, 1.5, 1.0, 0, 0),
+        wire.FEEDBACK_FIXED.pack(1, 2, 3, 4, 50, 10, 1, 0, 0, 0.1, 1.0, 0, 1)
+        + struct.pack("!IH", 5, 1),  # range below decoded_through
+        wire.FEEDBACK_FIXED.pack(1, 2, 3, 4, 50, 10, 1, 0, 0, 0.1, 1.0, 0, 1)
+        + struct.pack("!IH", 20, 0),  # empty range
+    ]
+    for payload in bad:
+        with pytest.raises(wire.BadPayload):
+            wire.decode_feedback(payload)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200), st.booleans())
+def test_arbitrary_bytes_only_ever_raise_wire_errors(data, keyed):
+    parser = wire.Parser(KEY if keyed else None)
+    try:
+        d = parser.parse(data)
+    except wire.WireError:
+        return
+    assert d.type in set(T)
+    try:
+        wire.decode_feedback(d.payload)
+    except wire.WireError:
+        pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.binary(min_size=wire.HEADER_SIZE + 4, max_size=120),
+    st.integers(0, 8 * 120 - 1),
+)
+def test_any_single_bit_flip_of_a_tagged_datagram_is_rejected(payload, bit):
+    data = bytearray(wire.Framer(TID, KEY).build(T.SOURCE, 9, payload, esi=3))
+    bit %= 8 * len(data)
+    data[bit // 8] ^= 1 << (bit % 8)
+    with pytest.raises(wire.WireError):
+        wire.Parser(KEY).parse(bytes(data))
+
+
+def test_framer_checks_its_arguments():
+    with pytest.raises(ValueError):
+        wire.Framer(1 << 64)
+    with pytest.raises(ValueError):
+        wire.Framer(1, key=b"")
+    with pytest.raises(ValueError):
+        wire.Framer(1, max_payload=16).build(T.SOURCE, 0, b"x" * 17)
+    with pytest.raises(ValueError):
+        wire.block_repair_key(4, 4)
