@@ -1,0 +1,430 @@
+"""Named link profiles shared by the simulator and the testbed.
+
+A ``Profile`` is a loss model in netem notation plus rate, delay, jitter, queue and
+burst. The built-in ones live in ``data/profiles.toml`` (clean, bernoulli-5, ge-light,
+ge-heavy, 4state-bursty); users add their own in a TOML or JSON file of the same shape::
+
+    [profiles.wifi-bad]               # JSON: {"profiles": {"wifi-bad": {...}}}
+    description = "office Wi-Fi at lunch"
+    loss = "gemodel 3% 25% 70% 0.2%"   # netem notation, or "none"
+    rate_mbps = 50                     # default 100
+    delay_ms = 8                       # default 5
+    jitter_ms = 1                      # default 0
+    jitter_distribution = "normal"     # "uniform" (netem's default) or "normal"
+    queue_bytes = 300000               # default: 50 ms at the rate
+    burst_bytes = 15000                # default: 1 ms at the rate, at least 2 frames
+
+    [profiles.office-trace]
+    trace = "office.csv.gz"            # relative to the profile file; see docs/traces.md
+    trace_offset = 0                   # default: a window start drawn from the seed
+
+``load_profile`` also accepts a netem loss string ("gemodel 2% 30% 80% 0.5%") or a trace
+file path directly. Every mistake in a file is reported on one line (``ProfileError``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import tomllib
+from dataclasses import dataclass, field, replace
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from kvtransport.netem.channel import UDP_OVERHEAD_BYTES, Channel, DelaySampler
+from kvtransport.netem.loss import LossSampler, LossSpec, NoLoss, parse_loss
+from kvtransport.netem.trace import TraceError, TraceReplay, read_trace
+
+from kvtransport.errors import UserError
+
+__all__ = [
+    "Profile",
+    "ProfileError",
+    "builtin_profiles",
+    "load_profiles_file",
+    "load_profile",
+    "make_channel",
+    "DEFAULT_RATE_MBPS",
+    "DEFAULT_DELAY_MS",
+]
+
+DEFAULT_RATE_MBPS = 100.0
+DEFAULT_DELAY_MS = 5.0
+QUEUE_MS = 50.0
+BURST_MS = 1.0
+MAX_FRAME_BYTES = 1514
+NETEM_MIN_LIMIT = 1000
+
+_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+_KEYS = {
+    "description": str,
+    "loss": str,
+    "rate_mbps": (int, float),
+    "delay_ms": (int, float),
+    "jitter_ms": (int, float),
+    "jitter_distribution": str,
+    "queue_bytes": int,
+    "burst_bytes": int,
+    "trace": str,
+    "trace_offset": int,
+}
+
+
+class ProfileError(UserError, ValueError):
+    """A profile name, file or value is wrong; the message is one line."""
+
+
+def _fmt_num(x: float) -> str:
+    return f"{x:.10g}"
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One direction of a link: loss model, rate limit with a byte queue, delay, jitter."""
+
+    name: str
+    loss: LossSpec = field(default_factory=NoLoss)
+    rate_mbps: float = DEFAULT_RATE_MBPS
+    delay_ms: float = DEFAULT_DELAY_MS
+    jitter_ms: float = 0.0
+    jitter_distribution: str = "uniform"
+    queue_bytes: int | None = None
+    burst_bytes: int | None = None
+    description: str = ""
+    source: str = "built-in"
+
+    def __post_init__(self) -> None:
+        if not (self.rate_mbps > 0 and math.isfinite(self.rate_mbps)):
+            raise ProfileError(f"profile {self.name}: rate_mbps must be > 0")
+        if not (self.delay_ms >= 0 and math.isfinite(self.delay_ms)):
+            raise ProfileError(f"profile {self.name}: delay_ms must be >= 0")
+        if not (self.jitter_ms >= 0 and math.isfinite(self.jitter_ms)):
+            raise ProfileError(f"profile {self.name}: jitter_ms must be >= 0")
+        if self.jitter_distribution not in ("uniform", "normal"):
+            raise ProfileError(
+                f"profile {self.name}: jitter_distribution must be 'uniform' or 'normal'"
+            )
+        if self.queue_bytes is not None and self.queue_bytes < MAX_FRAME_BYTES:
+            raise ProfileError(f"profile {self.name}: queue_bytes must be >= {MAX_FRAME_BYTES}")
+        if self.burst_bytes is not None and self.burst_bytes < MAX_FRAME_BYTES:
+            raise ProfileError(f"profile {self.name}: burst_bytes must be >= {MAX_FRAME_BYTES}")
+
+    # -- derived values ----------------------------------------------------------
+
+    @property
+    def is_trace(self) -> bool:
+        return isinstance(self.loss, TraceReplay)
+
+    @property
+    def rate_bps(self) -> float:
+        return self.rate_mbps * 1e6
+
+    def effective_queue_bytes(self) -> int:
+        """The rate limiter's queue limit in bytes (default: 50 ms at the link rate)."""
+        if self.queue_bytes is not None:
+            return self.queue_bytes
+        return max(int(self.rate_bps / 8 * QUEUE_MS / 1e3), 4 * MAX_FRAME_BYTES)
+
+    def effective_burst_bytes(self) -> int:
+        """The token bucket's depth in bytes (default: 1 ms at the rate, >= 2 frames)."""
+        if self.burst_bytes is not None:
+            return self.burst_bytes
+        return max(int(self.rate_bps / 8 * BURST_MS / 1e3), 2 * MAX_FRAME_BYTES)
+
+    def stationary_loss(self) -> float:
+        """Long-run fraction of packets the loss model drops (queue drops excluded)."""
+        return self.loss.stationary_loss()
+
+    def mean_burst_length(self) -> float:
+        """Mean number of consecutive packets the loss model drops."""
+        return self.loss.mean_burst_length()
+
+    def with_overrides(
+        self, rate_mbps: float | None = None, delay_ms: float | None = None
+    ) -> Profile:
+        """The same profile with another rate and/or delay (a trace keeps its delays)."""
+        changes: dict[str, Any] = {}
+        if rate_mbps is not None:
+            changes["rate_mbps"] = float(rate_mbps)
+        if delay_ms is not None:
+            if self.is_trace:
+                raise ProfileError(
+                    f"profile {self.name}: a trace profile takes its delay from the trace"
+                )
+            changes["delay_ms"] = float(delay_ms)
+        return replace(self, **changes) if changes else self
+
+    # -- rendering for tc --------------------------------------------------------
+
+    def netem_limit(self) -> int:
+        """netem's packet limit: room for the byte queue of tiny packets plus in-flight."""
+        in_flight_s = (self.delay_ms + 4 * self.jitter_ms) / 1e3
+        pps = self.rate_bps / 8 / 64
+        return max(NETEM_MIN_LIMIT, int(self.effective_queue_bytes() / 64 + 2 * pps * in_flight_s))
+
+    def netem_args(self, rate: bool = False) -> list[str]:
+        """tc-netem arguments for the loss, delay and jitter of this profile.
+
+        With ``rate=True`` netem's own ``rate`` is appended, for a single self-contained
+        ``tc qdisc add dev DEV root netem ...`` elsewhere. The testbed instead puts a tbf
+        under netem (``tbf_args``) so the queue is limited in bytes, as in the simulator.
+        """
+        if self.is_trace:
+            raise ProfileError(
+                f"profile {self.name}: a trace cannot be replayed by kernel netem (use the relay)"
+            )
+        args = ["limit", str(self.netem_limit())]
+        args += ["delay", f"{_fmt_num(self.delay_ms)}ms"]
+        if self.jitter_ms > 0:
+            args.append(f"{_fmt_num(self.jitter_ms)}ms")
+            if self.jitter_distribution == "normal":
+                args += ["distribution", "normal"]
+        args += self.loss.netem_args()
+        if rate:
+            args += ["rate", _rate_arg(self.rate_mbps)]
+        return args
+
+    def tbf_args(self) -> list[str]:
+        """tc-tbf arguments (rate, burst, limit in bytes) of the rate limiter."""
+        return [
+            "rate",
+            _rate_arg(self.rate_mbps),
+            "burst",
+            str(self.effective_burst_bytes()),
+            "limit",
+            str(self.effective_queue_bytes()),
+        ]
+
+    def describe(self) -> str:
+        """One line: name, loss model and its analytic loss rate, rate, delay."""
+        loss = self.loss.describe()
+        rate = self.stationary_loss()
+        if self.is_trace:
+            delay = "delay from trace"
+        else:
+            delay = f"delay {_fmt_num(self.delay_ms)} ms"
+            if self.jitter_ms:
+                delay += f" +- {_fmt_num(self.jitter_ms)} ms {self.jitter_distribution}"
+        return (
+            f"{self.name}: {loss} (expected loss {rate:.2%}), "
+            f"{_fmt_num(self.rate_mbps)} Mbit/s, {delay}"
+        )
+
+    # -- samplers ----------------------------------------------------------------
+
+    def samplers(self, seed: int | np.random.SeedSequence) -> tuple[LossSampler, LossSampler]:
+        """(loss sampler, per-packet delay sampler) for this profile, seeded.
+
+        Loss and delay use independent streams spawned from ``seed``, so changing the
+        delay or jitter does not change which packets are lost. The testbed relay uses
+        these same samplers; the simulator's Channel wraps them with the rate limiter.
+        """
+        ss = seed if isinstance(seed, np.random.SeedSequence) else np.random.SeedSequence(seed)
+        loss_ss, delay_ss, start_ss = ss.spawn(3)
+        if self.is_trace:
+            try:
+                return self.loss.samplers(np.random.default_rng(start_ss))
+            except TraceError as exc:
+                raise ProfileError(f"profile {self.name}: {exc}") from None
+        loss = self.loss.sampler(np.random.default_rng(loss_ss))
+        delay = DelaySampler(
+            self.delay_ms / 1e3,
+            self.jitter_ms / 1e3,
+            self.jitter_distribution,
+            np.random.default_rng(delay_ss),
+        )
+        return loss, delay
+
+
+def _rate_arg(rate_mbps: float) -> str:
+    bits = rate_mbps * 1e6
+    if bits == int(bits) and int(bits) % 1_000_000 == 0:
+        return f"{int(bits) // 1_000_000}mbit"
+    if bits == int(bits) and int(bits) % 1000 == 0:
+        return f"{int(bits) // 1000}kbit"
+    return f"{int(round(bits))}bit"
+
+
+# ---------------------------------------------------------------------------
+# files
+# ---------------------------------------------------------------------------
+
+
+def _profile_from_mapping(name: str, entry: Any, where: str, base_dir: Path | None) -> Profile:
+    if not _NAME_RE.match(name):
+        raise ProfileError(
+            f"{where}: profile name {name!r} must be lowercase letters, digits, '.', '_' or '-'"
+        )
+    if not isinstance(entry, dict):
+        raise ProfileError(f"{where}: profile {name} must be a table of settings")
+    for key, value in entry.items():
+        if key not in _KEYS:
+            allowed = ", ".join(sorted(_KEYS))
+            raise ProfileError(f"{where}: profile {name}: unknown key {key!r} (allowed: {allowed})")
+        want = _KEYS[key]
+        if isinstance(value, bool) or not isinstance(value, want):
+            kind = want.__name__ if isinstance(want, type) else "number"
+            raise ProfileError(f"{where}: profile {name}: {key} must be a {kind}, got {value!r}")
+    kwargs: dict[str, Any] = {"name": name, "source": where}
+    for key in ("description", "rate_mbps", "delay_ms", "jitter_ms", "queue_bytes",
+                "burst_bytes"):  # fmt: skip
+        if key in entry:
+            kwargs[key] = entry[key]
+    if "jitter_distribution" in entry:
+        kwargs["jitter_distribution"] = entry["jitter_distribution"]
+    if "trace" in entry:
+        if "loss" in entry:
+            raise ProfileError(f"{where}: profile {name}: give either loss or trace, not both")
+        for key in ("delay_ms", "jitter_ms", "jitter_distribution"):
+            if key in entry:
+                raise ProfileError(
+                    f"{where}: profile {name}: {key} does not apply to a trace "
+                    "(the trace's owd_us is the delay)"
+                )
+        path = Path(entry["trace"]).expanduser()
+        if not path.is_absolute() and base_dir is not None:
+            path = base_dir / path
+        offset = entry.get("trace_offset")
+        if offset is not None and offset < 0:
+            raise ProfileError(f"{where}: profile {name}: trace_offset must be >= 0")
+        try:
+            read_trace(path)
+        except TraceError as exc:
+            raise ProfileError(f"{where}: profile {name}: {exc}") from None
+        kwargs["loss"] = TraceReplay(str(path), offset)
+        kwargs["delay_ms"] = 0.0
+    else:
+        if "trace_offset" in entry:
+            raise ProfileError(f"{where}: profile {name}: trace_offset needs a trace")
+        try:
+            kwargs["loss"] = parse_loss(entry.get("loss", "none"))
+        except ValueError as exc:
+            raise ProfileError(f"{where}: profile {name}: {exc}") from None
+    try:
+        return Profile(**kwargs)
+    except ProfileError as exc:
+        raise ProfileError(f"{where}: {exc}") from None
+
+
+def _parse_profiles_text(text: str, where: str, is_json: bool) -> dict[str, Any]:
+    try:
+        doc = json.loads(text) if is_json else tomllib.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ProfileError(f"{where}:{exc.lineno}: invalid JSON ({exc.msg})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ProfileError(f"{where}: invalid TOML ({exc})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("profiles"), dict):
+        raise ProfileError(f"{where}: expected a 'profiles' table of named profiles")
+    extra = set(doc) - {"profiles"}
+    if extra:
+        raise ProfileError(f"{where}: unknown top-level key {sorted(extra)[0]!r}")
+    if not doc["profiles"]:
+        raise ProfileError(f"{where}: the 'profiles' table is empty")
+    return doc["profiles"]
+
+
+def load_profiles_file(path: str | Path) -> dict[str, Profile]:
+    """Read a user's profile file (TOML, or JSON when it ends in .json)."""
+    p = Path(path).expanduser()
+    where = str(path)
+    try:
+        raw = p.read_bytes()
+    except FileNotFoundError:
+        raise ProfileError(f"{where}: no such profiles file") from None
+    except IsADirectoryError:
+        raise ProfileError(f"{where}: is a directory, not a profiles file") from None
+    except OSError as exc:
+        raise ProfileError(f"{where}: cannot read ({exc.strerror})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ProfileError(f"{where}: not a UTF-8 text file") from None
+    is_json = p.suffix.lower() == ".json" or text.lstrip().startswith("{")
+    entries = _parse_profiles_text(text, where, is_json)
+    builtins = builtin_profiles()
+    out = {}
+    for name, entry in entries.items():
+        if name in builtins:
+            raise ProfileError(f"{where}: profile {name!r} is built in; choose another name")
+        out[name] = _profile_from_mapping(name, entry, where, p.resolve().parent)
+    return out
+
+
+_BUILTINS: dict[str, Profile] | None = None
+
+
+def builtin_profiles() -> dict[str, Profile]:
+    """The built-in profiles, by name (from the packaged data/profiles.toml)."""
+    global _BUILTINS
+    if _BUILTINS is None:
+        text = resources.files("kvtransport.netem").joinpath("data/profiles.toml").read_text()
+        entries = _parse_profiles_text(text, "built-in profiles", is_json=False)
+        _BUILTINS = {
+            name: _profile_from_mapping(name, entry, "built-in", None)
+            for name, entry in entries.items()
+        }
+    return dict(_BUILTINS)
+
+
+def load_profile(name_or_path: str | Profile, profiles_file: str | Path | None = None) -> Profile:
+    """Resolve a profile: a name (built-in or from ``profiles_file``), a profiles file
+    holding exactly one profile, a trace file (.csv / .csv.gz), or a netem loss string."""
+    if isinstance(name_or_path, Profile):
+        return name_or_path
+    key = str(name_or_path).strip()
+    known = builtin_profiles()
+    if profiles_file is not None:
+        known.update(load_profiles_file(profiles_file))
+    if key in known:
+        return known[key]
+    path = Path(key).expanduser()
+    lower = key.lower()
+    if lower.endswith((".toml", ".json")):
+        found = load_profiles_file(path)
+        if len(found) != 1:
+            names = ", ".join(sorted(found))
+            raise ProfileError(
+                f"{key}: holds {len(found)} profiles ({names}); name one and pass the file "
+                "with --profiles"
+            )
+        return next(iter(found.values()))
+    if lower.endswith((".csv", ".csv.gz", ".gz")):
+        try:
+            read_trace(path)
+        except TraceError as exc:
+            raise ProfileError(str(exc)) from None
+        return Profile(name=path.name, loss=TraceReplay(str(path)), delay_ms=0.0, source=str(path))
+    if " " in key or key.startswith(("gemodel", "state", "random", "loss")):
+        try:
+            loss = parse_loss(key)
+        except ValueError as exc:
+            raise ProfileError(str(exc)) from None
+        return Profile(name="custom", loss=loss, source="command line")
+    names = ", ".join(sorted(known))
+    raise ProfileError(
+        f"unknown profile {key!r}; known: {names} (or a profiles file, a trace file, "
+        "or netem loss notation like 'gemodel 5% 30% 80% 0.5%')"
+    )
+
+
+def make_channel(
+    profile: str | Profile,
+    seed: int | np.random.SeedSequence = 0,
+    rate_mbps: float | None = None,
+    delay_ms: float | None = None,
+    overhead_bytes: int = UDP_OVERHEAD_BYTES,
+) -> Channel:
+    """A seeded userspace Channel for a profile, optionally with another rate or delay."""
+    prof = load_profile(profile).with_overrides(rate_mbps, delay_ms)
+    loss, delay = prof.samplers(seed)
+    return Channel(
+        loss,
+        delay,
+        rate_bps=prof.rate_bps,
+        queue_bytes=prof.effective_queue_bytes(),
+        burst_bytes=prof.effective_burst_bytes(),
+        overhead_bytes=overhead_bytes,
+    )
