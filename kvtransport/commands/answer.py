@@ -1,0 +1,192 @@
+"""`kvtransport answer`: answer a question from a cache card (or by re-prefilling)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+NAME = "answer"
+HELP = "answer a question from a cache card (injected, optionally degraded) or a context"
+DESCRIPTION = """\
+The downstream agent's side of a handoff. With --card, read the cache card, optionally
+degrade it the way a lossy transfer would (--drop the last FRACTION of the block stream
+sent in --order; --precision re-quantizes the blocks), inject it into the model with
+missing blocks masked per layer, append the question and answer greedily. With
+--context, re-prefill the context instead (the baseline a handoff avoids). With a
+complete card both print the same answer.
+
+--json prints one object with the answer, timings in seconds (load_model, read_card or
+prefill, injection, first_token, total) and the blocks used.
+
+examples:
+  kvtransport answer --card notes.card --question "Who wrote the report?"
+  kvtransport answer --card notes.card --question "..." --drop 0.5 --order random --json
+  kvtransport answer --context notes.txt --question "Who wrote the report?"
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--card", metavar="CARD", help="cache card from `kvtransport prefill`")
+    src.add_argument("--context", metavar="FILE", help="re-prefill this context instead")
+    parser.add_argument("--question", required=True, metavar="Q", help="the question")
+    parser.add_argument(
+        "--model",
+        metavar="M",
+        default=None,
+        help="model (default: SmolLM2-135M-Instruct); must match the card's model",
+    )
+    parser.add_argument(
+        "--drop",
+        type=float,
+        default=0.0,
+        metavar="FRACTION",
+        help="lose the last FRACTION (0..1) of the block stream (default 0)",
+    )
+    parser.add_argument(
+        "--order",
+        choices=("utility", "random", "position"),
+        default="utility",
+        help="stream order the drop applies to (default utility)",
+    )
+    parser.add_argument(
+        "--precision",
+        default=None,
+        metavar="P",
+        help="fp32|fp16|int8|int4|mixed:BYTES: re-quantize the blocks (default: as stored)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random order")
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=64, metavar="N", help="answer length cap"
+    )
+    parser.add_argument("--threads", type=int, default=None, help="torch threads")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _validate(args: argparse.Namespace) -> None:
+    from kvtransport.commands.prefill import check_precision
+    from kvtransport.errors import UserError
+
+    if not 0.0 <= args.drop <= 1.0:
+        raise UserError(f"--drop must be a fraction in [0, 1], not {args.drop}")
+    if args.max_new_tokens < 1:
+        raise UserError("--max-new-tokens must be at least 1")
+    if not args.question.strip():
+        raise UserError("--question is empty")
+    check_precision(args.precision)
+
+
+def run(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from kvtransport import card, hf, utility
+    from kvtransport.commands.prefill import read_text
+    from kvtransport.errors import UserError
+    from kvtransport.model import chat_prompt, load_model
+
+    _validate(args)
+    context = read_text(args.context, "context") if args.context else None
+    t_all = time.perf_counter()
+    # Read the card first: a bad card fails before the slow model load. Its read time is
+    # part of the time to first token (a real receiver has its model loaded already).
+    stored = card.read_card(args.card) if args.card else None
+    t_read = time.perf_counter() - t_all
+    loaded = load_model(args.model, threads=args.threads)
+    timings: dict[str, float] = {"load_model": loaded.load_seconds}
+    tok = loaded.tokenizer
+    _, question_ids = chat_prompt(tok, context or "", args.question)
+
+    # The TTFT clock: model loaded, question known, context not yet processed.
+    t_start = time.perf_counter() - t_read
+    if stored is not None:
+        if stored.manifest.model_id != loaded.model_id:
+            raise UserError(
+                f"card {args.card} holds a cache of {stored.manifest.model_id}, "
+                f"not of {loaded.model_id}"
+            )
+        got = stored.reassemble()
+        timings["read_card"] = t_read
+        timings["reassemble"] = time.perf_counter() - t_start - t_read
+        block_tokens = stored.manifest.geometry.block_tokens
+        utilities = stored.utility_grid()
+    else:
+        got = None
+        kv = hf.prefill(loaded.model, tok, context)
+        timings["prefill"] = time.perf_counter() - t_start
+        block_tokens = 16
+        utilities = utility.cache_utility(kv, block_tokens)
+    if args.drop > 0 or args.precision is not None:
+        t = time.perf_counter()
+        got = card.degrade(
+            got.cache if got is not None else kv,
+            utilities,
+            drop=args.drop,
+            order=args.order,
+            precision=args.precision,
+            block_tokens=block_tokens,
+            seed=args.seed,
+        )
+        timings["degrade"] = time.perf_counter() - t
+    if got is not None:
+        kv, present = got.cache, got.present
+        blocks_info = {
+            "total": got.manifest.geometry.num_blocks,
+            "sent": got.manifest.num_blocks,
+            "used": got.manifest.num_blocks - int(got.missing.size),
+            "missing": int(got.missing.size),
+            "utility_used": round(got.utility_recovered, 6),
+            "precisions": _precision_counts(got.manifest, got.missing),
+        }
+    else:
+        present = np.ones((kv.num_layers, kv.num_tokens), dtype=bool)
+        n_blocks = -(-kv.num_tokens // block_tokens) * kv.num_layers
+        blocks_info = {
+            "total": n_blocks,
+            "sent": n_blocks,
+            "used": n_blocks,
+            "missing": 0,
+            "utility_used": 1.0,
+            "precisions": {np.dtype(kv.keys.dtype).name: n_blocks},
+        }
+    blocks_info["order"] = args.order
+    t_gen = time.perf_counter()
+    gen = hf.greedy_generate(
+        loaded.model,
+        kv,
+        question_ids,
+        present=None if present.all() else present,
+        max_new_tokens=args.max_new_tokens,
+    )
+    answer = tok.decode(gen.tokens, skip_special_tokens=True).strip()
+    timings["injection"] = gen.inject_seconds
+    timings["first_token"] = (t_gen - t_start) + gen.first_token_seconds
+    timings["generate"] = gen.seconds
+    timings["total"] = time.perf_counter() - t_all
+    if args.json:
+        out = {
+            "answer": answer,
+            "source": "card" if args.card else "prefill",
+            "tokens": gen.tokens,
+            "stopped": gen.stopped,
+            "context_tokens": kv.num_tokens,
+            "question_tokens": len(question_ids),
+            "timings": {k: round(v, 4) for k, v in timings.items()},
+            "blocks": blocks_info,
+        }
+        print(json.dumps(out))
+    else:
+        print(answer)
+    return 0
+
+
+def _precision_counts(manifest: Any, missing: Any) -> dict[str, int]:
+    import numpy as np
+
+    from kvtransport.blocks import PRECISIONS
+
+    ok = np.ones(manifest.num_blocks, dtype=bool)
+    ok[missing] = False
+    names, counts = np.unique(manifest.precision[ok], return_counts=True)
+    return {PRECISIONS[int(p)]: int(c) for p, c in zip(names, counts, strict=True)}

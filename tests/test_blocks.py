@@ -1,0 +1,298 @@
+"""Blocks, manifest and stream: determinism, bit-exact reassembly, loss and corruption."""
+
+import json
+import zlib
+
+import numpy as np
+import pytest
+
+from kvtransport import blocks, utility
+from kvtransport.kvcache import KVCache
+from kvtransport.transfer import BlockTable, Transfer
+
+BT = 16
+
+
+def _cache(layers=4, heads=2, tokens=70, dim=64, dtype=np.float32, seed=0, attention=True):
+    rng = np.random.default_rng(seed)
+    k = (rng.standard_normal((layers, heads, tokens, dim)) * 3).astype(dtype)
+    v = rng.standard_normal((layers, heads, tokens, dim)).astype(dtype)
+    att = rng.random((layers, tokens)).astype(np.float32) if attention else None
+    ids = rng.integers(0, 49152, tokens)
+    return KVCache(k, v, ids, "test-model", att)
+
+
+def _encode(cache, precision=None, order="utility", **kw):
+    u = utility.cache_utility(cache, BT)
+    o = utility.stream_order(u, BT, order, seed=1)
+    return blocks.encode_stream(cache, u, o, precision, block_tokens=BT, **kw)
+
+
+def _token_slice(m, i):
+    s = int(m.token_start[i])
+    return slice(s, s + int(m.token_count[i]))
+
+
+def test_encoding_is_deterministic():
+    c = _cache()
+    a, b = _encode(c, created={"by": "test"}), _encode(c, created={"by": "test"})
+    assert a.manifest_bytes == b.manifest_bytes
+    assert np.array_equal(a.payload, b.payload)
+    # and it depends on the content: one changed value changes a checksum
+    c.values[2, 1, 33, 5] += 1
+    assert _encode(c, created={"by": "test"}).manifest_bytes != a.manifest_bytes
+
+
+@pytest.mark.parametrize(
+    "dtype,precision",
+    [(np.float32, None), (np.float16, None), (np.float32, "fp32"), (np.float16, "fp16")],
+)
+def test_round_trip_is_bit_exact(dtype, precision):
+    c = _cache(dtype=dtype)
+    s = _encode(c, precision)
+    r = blocks.decode_stream(s.manifest_bytes, s.payload.copy())
+    assert r.cache.keys.dtype == dtype
+    assert np.array_equal(r.cache.keys, c.keys) and np.array_equal(r.cache.values, c.values)
+    assert np.array_equal(r.cache.token_ids, c.token_ids)
+    assert r.cache.model_id == "test-model"
+    assert r.present.all() and r.missing.size == 0 and r.corrupted.size == 0
+    assert r.utility_recovered == pytest.approx(1.0, abs=1e-6)
+
+
+def test_block_table_is_contiguous_and_matches_layout():
+    c = _cache(tokens=70)  # 5 token blocks per layer, the last one of 6 tokens
+    s = _encode(c)
+    m = s.manifest
+    assert m.num_blocks == 4 * 5
+    assert np.array_equal(s.offsets[1:], s.offsets[:-1] + s.lengths[:-1])
+    assert s.offsets[0] == 0 and s.lengths.sum() == s.payload.size
+    assert set(m.token_count.tolist()) == {16, 6}
+    assert np.all(s.lengths == 2 * 2 * m.token_count * 64 * 4)
+    # each block's bytes are exactly that layer's K then V for its token range
+    for i in range(m.num_blocks):
+        raw = s.payload[s.offsets[i] : s.offsets[i] + s.lengths[i]].view("<f4")
+        k, v = np.split(raw, 2)
+        sl = _token_slice(m, i)
+        assert np.array_equal(k.reshape(2, -1, 64), c.keys[m.layer[i], :, sl])
+        assert np.array_equal(v.reshape(2, -1, 64), c.values[m.layer[i], :, sl])
+    # the transport accepts it as is
+    t = Transfer.from_encoded_stream(s)
+    assert isinstance(t.blocks, BlockTable) and t.blocks.utilities.sum() <= 1.0
+
+
+def test_missing_blocks_are_reported_exactly_and_masked_per_layer():
+    c = _cache()
+    s = _encode(c)
+    m = s.manifest
+    rng = np.random.default_rng(5)
+    complete = rng.random(m.num_blocks) > 0.3
+    payload = s.payload.copy()
+    for i in np.flatnonzero(~complete):  # bytes of lost blocks are garbage, never read
+        payload[s.offsets[i] : s.offsets[i] + s.lengths[i]] = rng.integers(0, 256, s.lengths[i])
+    r = blocks.decode_stream(s.manifest_bytes, payload, complete)
+    assert r.missing.tolist() == np.flatnonzero(~complete).tolist()
+    assert r.corrupted.size == 0
+    expect_present = np.ones((4, 70), bool)
+    for i in range(m.num_blocks):
+        sl, layer = _token_slice(m, i), m.layer[i]
+        if complete[i]:
+            assert np.array_equal(r.cache.keys[layer, :, sl], c.keys[layer, :, sl])
+            assert np.array_equal(r.cache.values[layer, :, sl], c.values[layer, :, sl])
+        else:
+            expect_present[layer, sl] = False
+            assert not r.cache.keys[layer, :, sl].any() and not r.cache.values[layer, :, sl].any()
+    assert np.array_equal(r.present, expect_present)
+    assert r.utility_recovered == pytest.approx(float(m.utility[complete].sum()), rel=1e-6)
+
+
+def test_corrupted_blocks_count_as_missing_and_are_reported():
+    c = _cache()
+    s = _encode(c)
+    payload = s.payload.copy()
+    bad = [0, 7, 19]
+    for i in bad:
+        payload[s.offsets[i] + 11] ^= 0x40
+    complete = np.ones(s.manifest.num_blocks, bool)
+    complete[3] = False
+    r = blocks.decode_stream(s.manifest_bytes, payload, complete)
+    assert r.corrupted.tolist() == bad
+    assert r.missing.tolist() == sorted([*bad, 3])
+    assert blocks.corrupted_blocks(s.manifest, payload, complete).tolist() == bad
+
+
+def test_short_payload_for_a_complete_block_is_an_error():
+    s = _encode(_cache())
+    with pytest.raises(ValueError, match="shorter"):
+        blocks.decode_stream(s.manifest_bytes, s.payload[:-1])
+    complete = np.ones(s.manifest.num_blocks, bool)
+    last = int(np.argmax(s.offsets))
+    complete[last] = False  # the truncated block is not claimed: fine
+    r = blocks.decode_stream(s.manifest_bytes, s.payload[: s.offsets[last]], complete)
+    assert r.missing.tolist() == [last]
+
+
+def test_every_single_byte_corruption_of_the_manifest_is_detected():
+    s = _encode(_cache(layers=2, tokens=40))
+    data = bytearray(s.manifest_bytes)
+    for pos in range(len(data)):
+        bad = bytearray(data)
+        bad[pos] ^= 0x01
+        with pytest.raises(blocks.ManifestError):
+            blocks.Manifest.from_bytes(bytes(bad))
+    for cut in (0, 3, 15, 16, len(data) // 2, len(data) - 1):
+        with pytest.raises(blocks.ManifestError):
+            blocks.Manifest.from_bytes(bytes(data[:cut]))
+    with pytest.raises(blocks.ManifestError):
+        blocks.Manifest.from_bytes(bytes(data) + b"\0")
+
+
+def _reframe(header: dict, body: bytes) -> bytes:
+    """A well-framed manifest (valid CRC) around arbitrary content."""
+    import struct
+
+    head = json.dumps(header).encode()
+    z = zlib.compress(body)
+    out = struct.pack("<4sHHII", b"KVMF", 1, 0, len(head), len(z)) + head + z
+    return out + struct.pack("<I", zlib.crc32(out))
+
+
+def test_well_framed_but_inconsistent_manifests_are_rejected():
+    s = _encode(_cache(layers=2, tokens=40))
+    good = s.manifest
+    header = good.header()
+    n = good.num_blocks
+    cols = lambda layer, tb, prec, util: (  # noqa: E731
+        layer.astype("<u2").tobytes() + tb.astype("<u4").tobytes() + prec.astype("u1").tobytes()
+        + good.checksum.astype("<u4").tobytes() + util.astype("<f4").tobytes()
+    )  # fmt: skip
+    ok = cols(good.layer, good.token_block, good.precision, good.utility)
+    assert blocks.Manifest.from_bytes(_reframe(header, ok)).num_blocks == n
+    bad_layer = good.layer.copy()
+    bad_layer[0] = 9
+    dup_tb = good.token_block.copy()
+    dup_tb[1], dup_tb[0] = good.token_block[0], good.token_block[0]
+    dup_layer = good.layer.copy()
+    dup_layer[1] = good.layer[0]
+    cases = {
+        "outside": cols(bad_layer, good.token_block, good.precision, good.utility),
+        "twice": cols(dup_layer, dup_tb, good.precision, good.utility),
+        "precision": cols(good.layer, good.token_block, good.precision + 7, good.utility),
+        "utilities": cols(good.layer, good.token_block, good.precision, good.utility * 3),
+        "body holds": ok[:-1],
+    }
+    for msg, body in cases.items():
+        with pytest.raises(blocks.ManifestError, match=msg):
+            blocks.Manifest.from_bytes(_reframe(header, body))
+    for key, value, msg in [
+        ("layers", -1, "non-negative"),
+        ("group_size", 24, "group_size"),
+        ("dtype", "int7", "dtype"),
+        ("num_blocks", 10**6, "geometry has fewer"),
+    ]:
+        with pytest.raises(blocks.ManifestError, match=msg):
+            blocks.Manifest.from_bytes(_reframe({**header, key: value}, ok))
+    del header["model_id"]
+    with pytest.raises(blocks.ManifestError, match="lacks"):
+        blocks.Manifest.from_bytes(_reframe(header, ok))
+
+
+def test_manifest_json_round_trip_and_tamper_checks():
+    s = _encode(_cache(), "int8")
+    obj = json.loads(json.dumps(s.manifest.to_json()))
+    back = blocks.Manifest.from_json(obj)
+    assert back.to_bytes() == s.manifest_bytes
+    obj["blocks"]["offset"][3] += 1
+    with pytest.raises(blocks.ManifestError, match="offset"):
+        blocks.Manifest.from_json(obj)
+
+
+def test_manifest_is_compact():
+    # SmolLM2 geometry at 2048 tokens: 30 layers x 128 token blocks = 3840 blocks
+    c = _cache(layers=30, heads=3, tokens=2048, attention=True)
+    s = _encode(c)
+    per_block = (len(s.manifest_bytes) - 4 * 2048) / s.manifest.num_blocks
+    assert per_block < 15, per_block  # raw columns are 15 bytes per block before zlib
+    assert len(s.manifest_bytes) < 0.001 * s.payload.size
+    hashed = _encode(c, include_token_ids=False)
+    assert len(hashed.manifest_bytes) < len(s.manifest_bytes) - 2048
+
+
+def test_token_ids_by_hash_only():
+    c = _cache()
+    s = _encode(c, include_token_ids=False)
+    assert blocks.Manifest.from_bytes(s.manifest_bytes).token_ids is None
+    r = blocks.decode_stream(s.manifest_bytes, s.payload, token_ids=c.token_ids)
+    assert np.array_equal(r.cache.token_ids, c.token_ids)
+    assert (blocks.decode_stream(s.manifest_bytes, s.payload).cache.token_ids == -1).all()
+    wrong = c.token_ids.copy()
+    wrong[0] += 1
+    with pytest.raises(ValueError, match="hash"):
+        blocks.decode_stream(s.manifest_bytes, s.payload, token_ids=wrong)
+
+
+def test_mixed_precisions_and_dropped_blocks():
+    c = _cache(tokens=64)
+    g = blocks.Geometry.of(c, BT)
+    u = utility.cache_utility(c, BT)
+    order = utility.stream_order(u, BT)
+    codes = np.random.default_rng(2).integers(-1, 4, u.shape)
+    codes[:, 0] = 0  # keep the sinks lossless
+    s = blocks.encode_stream(c, u, order, codes, block_tokens=BT)
+    m = s.manifest
+    assert m.num_blocks == int((codes >= 0).sum())
+    flat = m.flat_index()
+    assert np.array_equal(m.precision, codes.reshape(-1)[flat])
+    assert np.array_equal(flat, order[codes.reshape(-1)[order] >= 0])  # order kept
+    assert s.payload.size == sum(
+        g.block_nbytes(blocks.PRECISIONS[p]) for p in codes.reshape(-1) if p >= 0
+    )
+    r = blocks.decode_stream(s.manifest_bytes, s.payload)
+    assert r.missing.size == 0
+    for layer in range(4):
+        for tb in range(4):
+            sl = slice(tb * BT, (tb + 1) * BT)
+            got, want = r.cache.keys[layer, :, sl], c.keys[layer, :, sl]
+            p = codes[layer, tb]
+            assert r.present[layer, sl].all() == (p >= 0)
+            if p < 0:
+                assert not got.any()
+            elif p == 0:
+                assert np.array_equal(got, want)
+            elif p == 1:
+                assert np.allclose(got, want, rtol=2**-10, atol=1e-7)
+            else:
+                span = want.max() - want.min()
+                assert np.abs(got - want).max() <= span / (255 if p == 2 else 15)
+
+
+def test_plan_precision_uniform_and_mixed_budget():
+    c = _cache(layers=6, tokens=160)
+    g = blocks.Geometry.of(c, BT)
+    u = utility.cache_utility(c, BT)
+    assert (blocks.plan_precision(g, u, "int4") == 3).all()
+    full16 = g.num_blocks * g.block_nbytes("fp16")
+    for frac in (0.1, 0.3, 0.6):
+        budget = int(frac * full16)
+        codes = blocks.plan_precision(g, u, f"mixed:{budget}")
+        s = blocks.encode_stream(c, u, utility.stream_order(u, BT), codes, block_tokens=BT)
+        assert 0.9 * budget < s.payload.size <= budget
+    assert blocks.parse_precision("mixed:1.5M") == ("mixed", int(1.5 * 2**20))
+    for bad in ("fp8", "mixed:", "mixed:-3", "mixed:abc"):
+        with pytest.raises(ValueError):
+            blocks.parse_precision(bad)
+
+
+def test_encode_rejects_bad_arguments():
+    c = _cache()
+    u = utility.cache_utility(c, BT)
+    o = utility.stream_order(u, BT)
+    with pytest.raises(ValueError, match="permutation"):
+        blocks.encode_stream(c, u, o[:-1], block_tokens=BT)
+    with pytest.raises(ValueError, match="utilities"):
+        blocks.encode_stream(c, u[:, :-1], o, block_tokens=BT)
+    with pytest.raises(ValueError, match="precision codes"):
+        blocks.encode_stream(c, u, o, np.full(u.shape, 9), block_tokens=BT)
+    huge = _cache()
+    huge.keys[0, 0, 0, 0] = 1e6
+    with pytest.raises(ValueError, match="float16"):
+        blocks.encode_stream(huge, u, o, "fp16", block_tokens=BT)
