@@ -1,0 +1,282 @@
+"""Quality tasks for partial caches, generated locally with fixed seeds.
+
+Two families, both split at the handoff point: the ``context`` is what the upstream agent
+prefills and ships as a KV cache; the ``question`` (and ``answer_prefix``) is what the
+downstream agent appends. ``TaskSample.prompt(tokenizer)`` gives both halves as token ids.
+
+Needle in a haystack, built the way RULER builds its ``niah_*`` tasks: needles are
+sentences "One of the special magic {numbers} for {key} is: {value}." with adjective-noun
+keys and 7-digit numbers (or UUIDs) as values, inserted at random sentence slots of a
+haystack, joined by newlines. Haystacks: ``"noise"`` repeats RULER's "The grass is green..."
+passage (niah_single_1 style); ``"needle"`` is made of distractor needles with other keys
+(niah_multikey_2 style). ``num_keys > 1`` plants needles for several keys and asks about one
+(multi-key); ``num_values > 1`` plants several values for the asked key (multi-value).
+RULER's essay haystack needs Paul Graham's essays, which cannot be downloaded here, so
+it is not offered. The instruction wording follows RULER's template, singularized when one
+value is asked for, and the answer prefix is RULER's.
+
+Facts QA from the ``worlddatax`` package: a list of facts about countries (capitals and
+currencies, with distractor countries), one question about one country, the gold answer.
+
+Every generator is sized by ``target_tokens``: the largest haystack whose chat-templated
+context (``TaskSample.prompt(...)[0]``) has at most that many tokens. The same seed and
+target give the same sample; the gold answers are always present in the context.
+"""
+
+from __future__ import annotations
+
+import random
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+NEEDLE = "One of the special magic {type_v} for {key} is: {value}."
+# RULER's key words are wonderwords adjective-noun pairs; a fixed local vocabulary here.
+_ADJECTIVES = (
+    "ancient bitter brave bright calm clever cold crooked curious damp eager early fancy "
+    "fierce fragile gentle gloomy golden grumpy hollow humble icy jolly lazy lively lucky "
+    "mellow misty modest muddy narrow noisy odd pale polite proud quiet rapid rough rusty "
+    "sandy shaggy shiny silent silly sleepy slim smooth snowy sour spicy steady sticky "
+    "stormy sturdy sweet tame tidy tiny vivid wary wild windy witty woolly young zesty"
+).split()
+_NOUNS = (
+    "anchor apple badger barrel beacon beetle blanket bridge candle canyon castle cedar "
+    "cherry cloud comet copper cottage crater dolphin dragon falcon feather fjord forest "
+    "fountain garden glacier harbor hedgehog helmet island jacket kettle lantern lemon "
+    "lizard meadow mirror monkey needle orchard otter oyster paddle parrot pebble pepper "
+    "pigeon pillow planet puzzle rabbit ribbon saddle salmon shovel spider squirrel statue "
+    "teapot thistle tiger tunnel turnip violin walnut whistle willow wizard"
+).split()
+KEY_WORDS = tuple(sorted(f"{a}-{n}" for a in _ADJECTIVES for n in _NOUNS))
+TASK_NAMES = ("niah_single", "niah_multikey", "niah_multivalue", "facts_qa")
+
+
+@dataclass(frozen=True)
+class TaskSample:
+    """One generated example.
+
+    answers: the gold answers; ``kvtransport.metrics`` scores a prediction against them
+        (any one for EM/contains/F1, all of them for ``contains_all``).
+    """
+
+    task: str
+    seed: int
+    context: str
+    question: str
+    answers: tuple[str, ...]
+    answer_prefix: str = ""
+
+    def prompt(self, tokenizer: Any) -> tuple[list[int], list[int]]:
+        """(context_ids, question_ids), split at the handoff (see model.chat_prompt)."""
+        from kvtransport.model import chat_prompt
+
+        return chat_prompt(tokenizer, self.context, self.question, answer_prefix=self.answer_prefix)
+
+
+def _context_tokens(tokenizer: Any, context: str) -> int:
+    from kvtransport.model import chat_prompt
+
+    return len(chat_prompt(tokenizer, context)[0])
+
+
+def _fit(
+    build: Callable[[int], TaskSample], tokenizer: Any, target: int, lo: int, hi: int
+) -> TaskSample:
+    """The sample with the largest size n in [lo, hi] whose context fits ``target`` tokens.
+
+    Context length grows with n, so a binary search finds it (RULER grows the haystack in
+    fixed increments instead; same result, fewer tokenizer calls).
+    """
+    best = build(lo)
+    if _context_tokens(tokenizer, best.context) > target:
+        raise ValueError(f"target_tokens={target} is too small for even the smallest sample")
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        cand = build(mid)
+        if _context_tokens(tokenizer, cand.context) <= target:
+            lo, best = mid, cand
+        else:
+            hi = mid - 1
+    return best
+
+
+def _random_value(rng: random.Random, kind: str) -> str:
+    if kind == "numbers":
+        return str(rng.randint(10**6, 10**7 - 1))
+    if kind == "uuids":
+        return str(uuid.UUID(int=rng.getrandbits(128), version=4))
+    if kind == "words":
+        return rng.choice(KEY_WORDS)
+    raise ValueError(f"unknown needle type {kind!r} (numbers, uuids, words)")
+
+
+def niah(
+    tokenizer: Any,
+    *,
+    target_tokens: int = 400,
+    seed: int = 0,
+    num_keys: int = 1,
+    num_values: int = 1,
+    haystack: str = "noise",
+    key_type: str = "words",
+    value_type: str = "numbers",
+) -> TaskSample:
+    """A RULER-style needle-in-a-haystack sample (one key asked, ``num_values`` answers)."""
+    if haystack not in ("noise", "needle"):
+        raise ValueError(f"haystack must be 'noise' or 'needle', got {haystack!r}")
+    if num_keys < 1 or num_values < 1:
+        raise ValueError("num_keys and num_values must be at least 1")
+    name = (
+        "niah_multivalue" if num_values > 1 else "niah_multikey" if num_keys > 1 else "niah_single"
+    )
+    name = "niah_multikey" if haystack == "needle" else name
+    rng = random.Random(f"{name}/{haystack}/{key_type}/{value_type}/{seed}")
+    keys: list[str] = []
+    while len(keys) < num_keys:
+        k = _random_value(rng, key_type)
+        if k not in keys:
+            keys.append(k)
+    values = [[_random_value(rng, value_type) for _ in range(num_values)] for _ in keys]
+    needles = [
+        NEEDLE.format(type_v=value_type, key=k, value=v)
+        for k, vs in zip(keys, values, strict=True)
+        for v in vs
+    ]
+    rng.shuffle(needles)
+    asked = rng.randrange(num_keys)
+    query, answers = keys[asked], tuple(values[asked])
+    hay_seed = rng.getrandbits(64)
+
+    single = num_values == 1
+    type_v = value_type[:-1] if single else value_type  # RULER singularizes for one value
+    intro = (
+        f"A special magic {type_v} is hidden within the following text. Make sure to "
+        f"memorize it. I will quiz you about the {type_v} afterwards."
+        if single
+        else f"Some special magic {type_v} are hidden within the following text. Make sure "
+        f"to memorize it. I will quiz you about the {type_v} afterwards."
+    )
+    question = (
+        f"What is the special magic {type_v} for {query} mentioned in the provided text?"
+        if single
+        else f"What are all the special magic {type_v} for {query} mentioned in the provided text?"
+    )
+    prefix = (
+        f"The special magic {type_v} for {query} mentioned in the provided text is"
+        if single
+        else f"The special magic {type_v} for {query} mentioned in the provided text are"
+    )
+
+    def build(n: int) -> TaskSample:
+        hrng = random.Random(hay_seed)  # the same haystack prefix for every size n
+        if haystack == "noise":
+            sentences = [NOISE] * n
+        else:
+            sentences = []
+            while len(sentences) < n:
+                k = _random_value(hrng, key_type)
+                if k in keys:
+                    continue
+                v = _random_value(hrng, value_type)
+                sentences.append(NEEDLE.format(type_v=value_type, key=k, value=v))
+        slots = sorted(hrng.sample(range(n + len(needles)), len(needles)))
+        body = list(sentences)
+        for slot, needle in zip(slots, needles, strict=True):
+            body.insert(slot, needle)
+        context = intro + "\n" + "\n".join(body)
+        return TaskSample(name, seed, context, question, answers, prefix)
+
+    return _fit(build, tokenizer, target_tokens, 0, max(1, target_tokens))
+
+
+# ----------------------------------------------------------------------------- facts QA
+
+
+def _countries() -> list[dict]:
+    import worlddatax
+
+    return sorted(
+        (c for c in worlddatax.get_all_countries() if c.get("capital") and c.get("currency_name")),
+        key=lambda c: str(c["name"]),
+    )
+
+
+def _facts(country: dict) -> dict[str, str]:
+    name = country["name"]
+    return {
+        "capital": f"The capital of {name} is {country['capital']}.",
+        "currency": f"The currency of {name} is the {country['currency_name']} "
+        f"({country['currency_code']}).",
+    }
+
+
+def facts_qa(
+    tokenizer: Any, *, target_tokens: int = 400, seed: int = 0, attribute: str | None = None
+) -> TaskSample:
+    """A question about one country's capital or currency, among distractor facts.
+
+    attribute: "capital", "currency" or None (picked by the seed). Distractors are the
+    facts of other countries (and the asked country's other attribute), shuffled; the
+    answer fact sits at a random depth.
+    """
+    if attribute not in (None, "capital", "currency"):
+        raise ValueError(f"attribute must be 'capital' or 'currency', got {attribute!r}")
+    rng = random.Random(f"facts_qa/{seed}")
+    countries = _countries()
+    target = rng.choice(countries)
+    attr = attribute or rng.choice(("capital", "currency"))
+    others = [c for c in countries if c["name"] != target["name"]]
+    rng.shuffle(others)
+    distractors = [f for c in others for f in _facts(c).values()]
+    answer_fact = _facts(target)[attr]
+    other_fact = _facts(target)["currency" if attr == "capital" else "capital"]
+    if attr == "capital":
+        answers: tuple[str, ...] = (target["capital"],)
+        question = f"What is the capital of {target['name']}?"
+        prefix = f"The capital of {target['name']} is"
+    else:
+        answers = (target["currency_name"],)
+        question = f"What is the currency of {target['name']}?"
+        prefix = f"The currency of {target['name']} is the"
+    intro = "Read the following facts about countries and answer the question after them."
+    depth = rng.random()
+    other_depth = rng.random()
+
+    def build(n: int) -> TaskSample:
+        body = distractors[:n]
+        body.insert(round(other_depth * len(body)), other_fact)
+        body.insert(round(depth * len(body)), answer_fact)
+        context = intro + "\n" + "\n".join(body)
+        return TaskSample("facts_qa", seed, context, question, answers, prefix)
+
+    return _fit(build, tokenizer, target_tokens, 0, len(distractors))
+
+
+def generate(task: str, tokenizer: Any, *, target_tokens: int = 400, seed: int = 0) -> TaskSample:
+    """A sample of a named task: niah_single, niah_multikey, niah_multivalue, facts_qa."""
+    if task == "niah_single":
+        return niah(tokenizer, target_tokens=target_tokens, seed=seed)
+    if task == "niah_multikey":
+        return niah(tokenizer, target_tokens=target_tokens, seed=seed, haystack="needle")
+    if task == "niah_multivalue":
+        return niah(tokenizer, target_tokens=target_tokens, seed=seed, num_values=4)
+    if task == "facts_qa":
+        return facts_qa(tokenizer, target_tokens=target_tokens, seed=seed)
+    raise ValueError(f"unknown task {task!r}; choose from {', '.join(TASK_NAMES)}")
+
+
+def suite(
+    tokenizer: Any,
+    *,
+    n: int,
+    target_tokens: int = 400,
+    seed: int = 0,
+    tasks: tuple[str, ...] = TASK_NAMES,
+) -> list[TaskSample]:
+    """``n`` samples cycling through ``tasks``, seeds ``seed, seed+1, ...``."""
+    return [
+        generate(tasks[i % len(tasks)], tokenizer, target_tokens=target_tokens, seed=seed + i)
+        for i in range(n)
+    ]
