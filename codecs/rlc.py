@@ -17,10 +17,11 @@ coefficient besides its pivot, so each lost symbol is returned as soon as the eq
 whatever the arrival order. Everything that touches bytes runs in numba kernels over
 contiguous ``uint8`` arrays; Python only validates arguments and keeps small counters.
 
-Memory is bounded: the decoder holds at most ``max_window`` consecutive ESIs. An ESI beyond the
-window slides it forward (and ``release_before`` does so explicitly); a released unknown
-symbol is eliminated from the pending equations (one equation is spent doing so), so what the
-remaining equations say about the other unknowns is kept exactly.
+Each row's pivot is its lowest-ESI unknown. Memory is bounded: the decoder holds at most
+``max_window`` consecutive ESIs. An ESI beyond the window slides it forward (and
+``release_before`` does so explicitly); ESIs leave lowest first, so an unknown that leaves is
+the pivot of at most one row and appears in no other: dropping that row keeps exactly what the
+remaining equations say about the ESIs still in the window.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import numpy as np
-from kvtransport.codecs.gf256 import gf_div, gf_inv, region_muladd, region_scale
+from kvtransport.codecs.gf256 import gf_inv, region_muladd, region_scale
 from kvtransport.codecs.tinymt32 import tinymt32_generate_uint32, tinymt32_init
 from numba import njit
 
@@ -390,14 +391,37 @@ class SourceWindow:
 
 
 @njit(cache=True, nogil=True)
-def _first_nonzero(row: np.ndarray) -> int:
+def _first_nonzero_in(row: np.ndarray, lo: int, hi: int) -> int:
+    """Index of the first non-zero byte of row[lo:hi], or -1 (uint64 scan for the bulk)."""
+    j = lo
+    while j < hi and (j & 7) != 0:
+        if row[j] != 0:
+            return j
+        j += 1
     words = row.view(np.uint64)
-    for w in range(words.shape[0]):
+    w = j >> 3
+    while w < (hi >> 3):
         if words[w] != 0:
             for b in range(8):
                 if row[w * 8 + b] != 0:
                     return w * 8 + b
+        w += 1
+    j = max(j, (hi >> 3) << 3)
+    while j < hi:
+        if row[j] != 0:
+            return j
+        j += 1
     return -1
+
+
+@njit(cache=True, nogil=True)
+def _lowest_esi_col(row: np.ndarray, base: int, cap: int) -> int:
+    """Column of the lowest ESI with a non-zero coefficient (ring order from ``base``)."""
+    bcol = base % cap
+    col = _first_nonzero_in(row, bcol, cap)
+    if col < 0:
+        col = _first_nonzero_in(row, 0, bcol)
+    return col
 
 
 @njit(cache=True, nogil=True)
@@ -453,7 +477,8 @@ def _pivot_row(
     touched: np.ndarray,
 ) -> bool:
     """Give row r (reduced against every pivot) a pivot, or drop it if it is all zero."""
-    col = _first_nonzero(coef[r])
+    cap = state.shape[0]
+    col = _lowest_esi_col(coef[r], meta[_BASE], cap)
     if col < 0:
         piv[r] = -1
         meta[_NACT] -= 1
@@ -463,7 +488,6 @@ def _pivot_row(
         inv = gf_inv(c)
         region_scale(coef[r], inv)
         region_scale(pay[r], inv)
-    cap = state.shape[0]
     piv[r] = _esi_of_col(col, meta[_BASE], cap)
     colrow[col] = r
     touched[r] = True
@@ -605,53 +629,37 @@ def _decode_repair(
 
 @njit(cache=True, nogil=True)
 def _decode_release(
-    sym: np.ndarray,
     state: np.ndarray,
     coef: np.ndarray,
-    pay: np.ndarray,
     piv: np.ndarray,
     colrow: np.ndarray,
     meta: np.ndarray,
-    out: np.ndarray,
     bound: int,
 ) -> None:
-    """Eliminate the unknown columns of ESIs below ``bound`` from the pending equations.
+    """Remove the unknown ESIs below ``bound`` from the pending equations.
 
-    A column that is a pivot appears in its pivot row only: that row is dropped. A non-pivot
-    column is cleared from every row with the help of one of them, which is then dropped.
-    Either way the remaining rows span exactly the equations that do not involve it.
+    Every row's pivot is its lowest-ESI unknown, and ESIs leave the window lowest first, so
+    the only row that can involve a departing ESI is the row whose pivot it is: dropping
+    that row keeps exactly the information the other rows hold about the remaining ESIs.
+    Should any other row ever involve it, it is dropped too (losing an equation is safe;
+    keeping one whose column is about to be reused for another ESI would not be).
     """
-    meta[_NOUT] = 0
     cap = state.shape[0]
     base = meta[_BASE]
     end = min(bound, base + cap)
-    touched = np.zeros(piv.shape[0], dtype=np.bool_)
     if meta[_NACT] > 0:
         for e in range(base, end):
             col = e % cap
             if state[col] != UNKNOWN:
                 continue
-            rp = colrow[col]
-            if rp >= 0:
-                colrow[col] = -1
-                piv[rp] = -1
-                meta[_NACT] -= 1
-                continue
-            r0 = -1
+            colrow[col] = -1
             for o in range(piv.shape[0]):
                 if piv[o] >= 0 and coef[o, col] != 0:
-                    if r0 < 0:
-                        r0 = o
-                    else:
-                        f = gf_div(coef[o, col], coef[r0, col])
-                        region_muladd(coef[o], coef[r0], f)
-                        region_muladd(pay[o], pay[r0], f)
-                        touched[o] = True
-            if r0 >= 0:
-                colrow[piv[r0] % cap] = -1
-                piv[r0] = -1
-                meta[_NACT] -= 1
-    _flush_solved(sym, state, coef, pay, piv, colrow, meta, out, touched)
+                    colrow[piv[o] % cap] = -1
+                    piv[o] = -1
+                    meta[_NACT] -= 1
+    if meta[_NACT] == 0:
+        meta[_MAXREF] = -1
 
 
 # --------------------------------------------------------------------------------------------
@@ -724,20 +732,15 @@ class RLCDecoder(SourceWindow):
             self.advance_through()
         return result
 
-    def _slide_to(self, bound: int) -> list[int]:
+    def release_before(self, esi: int) -> None:
+        """Drop every ESI below ``esi``: their symbols, and the pending equations whose
+        lowest unknown they are (those can no longer be solved; the others are kept whole)."""
+        bound = int(esi)
         if bound <= self.base:
-            return []
-        _decode_release(*self._kernel_args(), bound)
+            return
+        _decode_release(self.state, self._coef, self._piv, self._colrow, self._meta, bound)
         self._meta[_BASE] = bound
         self.clear_below(bound)
-        return self._collect([])
-
-    def release_before(self, esi: int) -> list[int]:
-        """Drop every ESI below ``esi`` (symbols and the equations' use of them).
-
-        Returns ESIs that became known as a consequence (normally none).
-        """
-        return self._slide_to(int(esi))
 
     def add_source(self, esi: int, payload: object) -> list[int]:
         """A source symbol arrived; returns the ESIs that became known."""
@@ -753,15 +756,14 @@ class RLCDecoder(SourceWindow):
         if esi < self.base:
             self.stats["stale"] += 1
             return []
-        result: list[int] = []
         if esi >= self.base + self.capacity:
-            result = self._slide_to(esi - self.capacity + 1)
+            self.release_before(esi - self.capacity + 1)
         col = esi % self.capacity
         if self._state_mv[col] != UNKNOWN:
             self.stats["duplicates"] += 1
-            return result
+            return []
         self.store(esi, view)
-        result.append(esi)
+        result = [esi]
         meta = self._meta_mv
         if meta[_NACT] == 0 or esi > meta[_MAXREF]:
             # No pending equation involves it: nothing to eliminate.
@@ -785,10 +787,9 @@ class RLCDecoder(SourceWindow):
                 f"repair payload has {arr.shape[0]} bytes, expected {self.symbol_size}"
             )
         self.stats["repairs"] += 1
-        result: list[int] = []
         last = first_esi + nss - 1
         if last >= self.base + self.capacity:
-            result = self._slide_to(last - self.capacity + 1)
+            self.release_before(last - self.capacity + 1)
         if self._meta_mv[_NACT] >= self._piv.shape[0]:
             self._grow_rows()
         code = _decode_repair(*self._kernel_args(), first_esi, nss, repair_key, dt, arr)
@@ -800,7 +801,7 @@ class RLCDecoder(SourceWindow):
             self.stats["repairs_dependent"] += 1
         else:
             self.stats["repairs_useful"] += 1
-        return self._collect(result)
+        return self._collect([])
 
     def _grow_rows(self) -> None:
         rows = self._piv.shape[0]

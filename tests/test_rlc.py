@@ -1,0 +1,543 @@
+"""RFC 8681 sliding-window RLC codec: coefficient rules, encoder, and the on-the-fly decoder
+checked against an independent rank computation over GF(2^8) written here."""
+
+import random
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from kvtransport.codecs.rlc import RLCDecoder, RLCEncoder, coding_coefficients
+from test_tinymt32 import (  # tests/ is on sys.path under pytest
+    RFC8681_RAND16_SEED1,
+    RFC8681_RAND256_SEED1,
+    RFC8682_SEED1,
+    PureTinyMT32,
+)
+
+# ---------------------------------------------------------------------------------------------
+# An independent GF(2^8) (log/exp built with xtime) and rank oracle
+# ---------------------------------------------------------------------------------------------
+
+
+def _build_field():
+    exp = [0] * 510
+    log = [0] * 256
+    a = 1
+    for i in range(255):
+        exp[i] = exp[i + 255] = a
+        log[a] = i
+        a <<= 1
+        if a & 0x100:
+            a ^= 0x11D
+    mul = np.zeros((256, 256), dtype=np.uint8)
+    for x in range(1, 256):
+        for y in range(1, 256):
+            mul[x, y] = exp[log[x] + log[y]]
+    inv = [0] + [exp[(255 - log[x]) % 255] for x in range(1, 256)]
+    return mul, inv
+
+
+MUL, INV = _build_field()
+
+
+def determined_unknowns(equations):
+    """ESIs whose value the equations fix; each equation is {esi: non-zero coefficient}
+    over unknown ESIs only. A variable is fixed iff its unit vector is in the row space,
+    i.e. iff the reduced row echelon form has a row with that single non-zero entry."""
+    cols = sorted({e for eq in equations for e in eq})
+    if not cols:
+        return set()
+    index = {e: i for i, e in enumerate(cols)}
+    a = np.zeros((len(equations), len(cols)), dtype=np.uint8)
+    for r, eq in enumerate(equations):
+        for e, c in eq.items():
+            a[r, index[e]] = c
+    row = 0
+    pivots = []
+    for col in range(len(cols)):
+        nz = np.flatnonzero(a[row:, col])
+        if nz.size == 0:
+            continue
+        p = row + nz[0]
+        a[[row, p]] = a[[p, row]]
+        a[row] = MUL[INV[a[row, col]]][a[row]]
+        factors = a[:, col].copy()
+        factors[row] = 0
+        a ^= MUL[factors[:, None], a[row][None, :]]
+        pivots.append((row, col))
+        row += 1
+        if row == a.shape[0]:
+            break
+    return {cols[c] for r, c in pivots if np.count_nonzero(a[r]) == 1}
+
+
+def reference_repair(sources, first, nss, key, dt):
+    coefs = pure_coefficients(key, nss, dt)
+    out = np.zeros(len(sources[0]), dtype=np.uint8)
+    for i, c in enumerate(coefs):
+        out ^= MUL[c][sources[first + i]]
+    return out.tobytes()
+
+
+def pure_coefficients(key, nss, dt):
+    """RFC 8681 section 3.6 generate_coding_coefficients for m=8, on the pure-Python TinyMT."""
+    g = PureTinyMT32(key)
+    out = []
+    for _ in range(nss):
+        if dt == 15 or (g.generate_uint32() & 0xF) <= dt:
+            c = 0
+            while c == 0:
+                c = g.generate_uint32() & 0xFF
+            out.append(c)
+        else:
+            out.append(0)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Coding coefficients
+# ---------------------------------------------------------------------------------------------
+
+
+def test_coefficients_follow_the_rfc_draws_for_seed_1():
+    # With DT=15 the coefficients are the non-zero tinymt32_rand256 values in order; with DT<15
+    # each one first draws rand16 (kept if <= DT) then rand256. Both derived here from the
+    # published RFC 8682 / RFC 8681 sequences for seed 1, not from the code under test.
+    assert [v & 0xFF for v in RFC8682_SEED1] == RFC8681_RAND256_SEED1
+    assert [v & 0xF for v in RFC8682_SEED1] == RFC8681_RAND16_SEED1
+    nonzero = [v for v in RFC8681_RAND256_SEED1 if v]
+    assert coding_coefficients(1, 40, 15).tolist() == nonzero[:40]
+
+    expected, i = [], 0
+    while len(expected) < 15:
+        keep = RFC8681_RAND16_SEED1[i] <= 7
+        i += 1
+        if keep:
+            while RFC8681_RAND256_SEED1[i] == 0:
+                i += 1
+            expected.append(RFC8681_RAND256_SEED1[i])
+            i += 1
+        else:
+            expected.append(0)
+    assert coding_coefficients(1, 15, 7).tolist() == expected
+    assert expected == [225, 176, 246, 139, 0, 0, 187, 0, 0, 0, 210, 176, 0, 0, 40]  # by hand
+
+
+@settings(max_examples=80, deadline=None)
+@given(key=st.integers(0, 0xFFFF), nss=st.integers(1, 300), dt=st.integers(0, 15))
+def test_coefficients_match_pure_python_rfc_port(key, nss, dt):
+    assert coding_coefficients(key, nss, dt).tolist() == pure_coefficients(key, nss, dt)
+
+
+def test_dt15_never_draws_zero():
+    for key in range(0, 65536, 97):
+        assert coding_coefficients(key, 4095, 15).all()
+
+
+@pytest.mark.parametrize("dt", [0, 3, 7, 11, 14])
+def test_dt_below_15_zeroes_coefficients_at_the_rfc_rate(dt):
+    coefs = np.concatenate([coding_coefficients(key, 200, dt) for key in range(200)])
+    zero_rate = float(np.mean(coefs == 0))
+    expected = (15 - dt) / 16  # non-zero when rand16 <= dt: probability (dt + 1) / 16
+    sigma = (expected * (1 - expected) / coefs.size) ** 0.5
+    assert abs(zero_rate - expected) < 5 * sigma + 1e-3
+
+
+@pytest.mark.parametrize(
+    ("key", "nss", "dt"), [(-1, 4, 15), (65536, 4, 15), (1, 0, 15), (1, 4096, 15), (1, 4, 16)]
+)
+def test_coefficient_parameters_are_checked(key, nss, dt):
+    with pytest.raises(ValueError):
+        coding_coefficients(key, nss, dt)
+
+
+# ---------------------------------------------------------------------------------------------
+# Encoder
+# ---------------------------------------------------------------------------------------------
+
+
+def test_encoder_repairs_are_rfc_linear_combinations():
+    rng = np.random.default_rng(5)
+    size = 37
+    enc = RLCEncoder(size, window=16)
+    sources = []
+    for i in range(40):
+        payload = rng.integers(0, 256, size, dtype=np.uint8)
+        sources.append(payload)
+        assert enc.add_source(payload) == i
+    for first, nss, key, dt in [
+        (24, 16, 9, 15),
+        (30, 10, 0, 15),
+        (39, 1, 65535, 15),
+        (25, 12, 3, 6),
+    ]:
+        assert enc.repair(first, nss, key, dt) == reference_repair(sources, first, nss, key, dt)
+
+
+def test_encoder_accepts_buffers_and_zero_pads_short_payloads():
+    enc = RLCEncoder(8, window=4)
+    inputs = [b"ab", bytearray(b"cde"), memoryview(b"fghi"), np.frombuffer(b"jk", np.uint8)]
+    for payload in inputs:
+        enc.add_source(payload)
+    assert enc.source(0) == b"ab" + bytes(6)
+    assert enc.source(2) == b"fghi" + bytes(4)
+    enc.add_source(b"12345678")
+    enc.add_source(b"x")  # reuses the slot of ESI 1: no stale bytes may survive
+    assert enc.source(5) == b"x" + bytes(7)
+    with pytest.raises(ValueError, match="exceeds"):
+        enc.add_source(b"123456789")
+
+
+def test_encoder_ring_is_bounded_and_checked():
+    enc = RLCEncoder(4, window=8)
+    for i in range(20):
+        enc.add_source(bytes([i]) * 4)
+    assert (enc.oldest_esi, enc.next_esi) == (12, 20)
+    enc.repair(12, 8, 1)
+    for first, nss in [(11, 8), (13, 8), (19, 2)]:
+        with pytest.raises(ValueError, match="not all held"):
+            enc.repair(first, nss, 1)
+    with pytest.raises(ValueError):
+        enc.repair(12, 8, 70000)
+
+
+def test_repair_into_writes_a_caller_buffer():
+    enc = RLCEncoder(16, window=8)
+    for i in range(8):
+        enc.add_source(bytes(range(i, i + 16)))
+    expected = enc.repair(0, 8, 42, 15)
+    packet = bytearray(24 + 16)
+    enc.repair_into(memoryview(packet)[24:], 0, 8, 42, 15)
+    assert bytes(packet[24:]) == expected and packet[:24] == bytes(24)
+    arr = np.full(20, 0xAA, dtype=np.uint8)
+    enc.repair_into(arr, 0, 8, 42)
+    assert arr[:16].tobytes() == expected and (arr[16:] == 0xAA).all()
+    with pytest.raises(ValueError, match="need 16"):
+        enc.repair_into(bytearray(10), 0, 8, 42)
+    with pytest.raises(TypeError):
+        enc.repair_into(b"\0" * 16, 0, 8, 42)
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoder against the rank oracle
+# ---------------------------------------------------------------------------------------------
+
+
+class Oracle:
+    """What the received packets determine, following the decoder's documented window rules:
+    the window holds ``max_window`` ESIs from ``base``; an ESI past its top slides it; sources
+    below ``base`` are ignored; repairs with a non-zero coefficient below ``base`` are dropped."""
+
+    def __init__(self, max_window):
+        self.w = max_window
+        self.base = 0
+        self.received = set()
+        self.equations = []
+
+    def _slide(self, last):
+        if last >= self.base + self.w:
+            self.base = last - self.w + 1
+
+    def source(self, esi):
+        if esi < self.base:
+            return
+        self._slide(esi)
+        self.received.add(esi)
+
+    def repair(self, first, nss, key, dt):
+        self._slide(first + nss - 1)
+        coefs = pure_coefficients(key, nss, dt)
+        eq = {first + i: c for i, c in enumerate(coefs) if c}
+        if any(e < self.base for e in eq):
+            return
+        self.equations.append(eq)
+
+    def release(self, bound):
+        self.base = max(self.base, bound)
+
+    def known(self):
+        eqs = [{e: c for e, c in eq.items() if e not in self.received} for eq in self.equations]
+        return self.received | determined_unknowns([eq for eq in eqs if eq])
+
+
+def check_equations(dec, sources):
+    """White-box: the pending equations are true, in reduced row echelon form, with each
+    row's pivot its lowest unknown ESI, and none of them already solved."""
+    w = dec.max_window
+    active = [r for r in range(dec._piv.shape[0]) if dec._piv[r] >= 0]
+    assert len(active) == dec.pending_equations
+    pivots = {}
+    for r in active:
+        esi = int(dec._piv[r])
+        assert dec.base <= esi < dec.base + w and not dec.known(esi)
+        pivots[esi % w] = r
+        assert dec._colrow[esi % w] == r and dec._coef[r, esi % w] == 1
+        cols = np.flatnonzero(dec._coef[r])
+        assert cols.max() < w
+        esis = dec.base + (cols - dec.base % w) % w
+        assert esis.min() == esi and len(esis) > 1
+        assert not any(dec.known(int(e)) for e in esis)
+        assert esis.max() <= dec._meta[2]
+        value = np.zeros(dec.symbol_size, dtype=np.uint8)
+        for c, e in zip(cols, esis, strict=True):
+            value ^= MUL[dec._coef[r, c]][sources[int(e)]]
+        assert np.array_equal(value, dec._pay[r, : dec.symbol_size])
+    assert int((dec._colrow >= 0).sum()) == len(pivots)
+    for col, r in pivots.items():
+        assert all(dec._coef[o, col] == 0 for o in active if o != r)
+
+
+def make_stream(
+    n, size, enc_window, max_window, seed, loss_kind, loss, repair_every, dt_mode, reorder,
+    dups, n_releases,
+):  # fmt: skip
+    """A lossy, reordered, duplicated packet sequence of an RLC stream of ``n`` sources."""
+    rng = random.Random(seed)
+    events = []  # (kind, args)
+    for i in range(n):
+        events.append(("source", i))
+        if (i + 1) % repair_every == 0 or i == n - 1:
+            for _ in range(rng.randint(1, 2)):
+                lo = max(0, i + 1 - enc_window)
+                first = rng.randint(lo, i)
+                nss = rng.randint(1, i + 1 - first)
+                dt = 15 if dt_mode == 15 else rng.randint(0, 15)
+                events.append(("repair", (first, nss, rng.randint(0, 0xFFFF), dt)))
+    # Losses: independent, one burst, or a two-state (Gilbert) channel.
+    if loss_kind == "iid":
+        kept = [e for e in events if rng.random() >= loss]
+    elif loss_kind == "burst":
+        start = rng.randint(0, len(events))
+        length = rng.randint(0, max(1, int(loss * len(events))))
+        kept = events[:start] + events[start + length :]
+    else:
+        bad, kept = False, []
+        for e in events:
+            bad = rng.random() < (0.7 if bad else loss / 2)
+            if not bad:
+                kept.append(e)
+    # Reordering (each packet delayed by a random number of slots) and duplicates.
+    keyed = [(i + rng.randint(0, reorder), i, e) for i, e in enumerate(kept)]
+    arrivals = [e for _, _, e in sorted(keyed)]
+    for _ in range(dups if arrivals else 0):
+        k = rng.randint(0, len(arrivals) - 1)
+        arrivals.insert(min(len(arrivals), k + rng.randint(1, 4)), arrivals[k])
+    # Explicit releases, a little behind the highest ESI seen so far (as a receiver would).
+    releases = {}
+    for _ in range(n_releases if arrivals else 0):
+        k = rng.randint(0, len(arrivals) - 1)
+        top = max(a if kind == "source" else a[0] + a[1] - 1 for kind, a in arrivals[: k + 1])
+        releases[k] = rng.randint(max(0, top - max_window), top)
+    return size, enc_window, max_window, seed, n, arrivals, releases
+
+
+@st.composite
+def streams(draw, max_sources, slide):
+    n = draw(st.integers(1, max_sources))
+    enc_window = draw(st.integers(1, 24))
+    return make_stream(
+        n=n,
+        size=draw(st.integers(1, 40)),
+        enc_window=enc_window,
+        max_window=draw(st.integers(enc_window, enc_window + 12))
+        if slide
+        else n + draw(st.integers(0, 8)),
+        seed=draw(st.integers(0, 2**32 - 1)),
+        loss_kind=draw(st.sampled_from(["iid", "burst", "gilbert"])),
+        loss=draw(st.floats(0.0, 0.6)),
+        repair_every=draw(st.integers(1, 6)),
+        dt_mode=draw(st.sampled_from([15, 15, "random"])),
+        reorder=draw(st.integers(0, 8)),
+        dups=draw(st.integers(0, 4)),
+        n_releases=draw(st.integers(0, 2)) if slide else 0,
+    )
+
+
+def run_against_oracle(size, enc_window, max_window, seed, n, arrivals, releases):
+    rng = np.random.default_rng(seed)
+    sources = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(n)]
+    enc = RLCEncoder(size, window=max(enc_window, n))
+    for s in sources:
+        enc.add_source(s)
+    dec = RLCDecoder(size, max_window=max_window)
+    oracle = Oracle(max_window)
+    known_before = set()
+    decoded = set()  # ESIs a call returned that were not that call's own source symbol
+
+    def check(got, own):
+        nonlocal known_before
+        assert dec.base == oracle.base
+        window = range(dec.base, dec.base + max_window)
+        known_now = {e for e in window if dec.known(e)}
+        # Exactly the symbols the received equations determine, as soon as they do.
+        assert known_now == {e for e in oracle.known() if e in window}
+        # Each call returns exactly what became known, once.
+        assert len(got) == len(set(got))
+        assert set(got) == known_now - known_before
+        known_before = known_now
+        # Never a wrong byte.
+        for e in got:
+            assert dec.get(e) == sources[e].tobytes()
+        decoded.update(set(got) - own)
+        check_equations(dec, sources)
+
+    for step, (kind, args) in enumerate(arrivals):
+        if kind == "source":
+            got = dec.add_source(args, sources[args].tobytes())
+            oracle.source(args)
+            check(got, {args})
+        else:
+            first, nss, key, dt = args
+            got = dec.add_repair(first, nss, key, dt, enc.repair(first, nss, key, dt))
+            oracle.repair(first, nss, key, dt)
+            check(got, set())
+        if step in releases:
+            dec.release_before(releases[step])
+            oracle.release(releases[step])
+            check([], set())
+    for e in range(n):
+        value = dec.get(e)
+        assert value is None or value == sources[e].tobytes()
+        assert (e in dec.recovered) == (dec.known(e) and e in decoded)
+    through = -1
+    while through + 1 < n and dec.known(through + 1):
+        through += 1
+    if dec.base == 0:
+        assert dec.decoded_through == through
+    top = min(n, dec.base + max_window)  # missing() reports inside the window only
+    assert dec.missing(0, n) == [e for e in range(dec.base, top) if not dec.known(e)]
+    return dec
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(streams(max_sources=60, slide=False))
+def test_decoder_recovers_exactly_what_the_equations_determine(stream):
+    dec = run_against_oracle(*stream)
+    event(f"recovered {'none' if not dec.stats['recovered'] else 'some'}")
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(streams(max_sources=120, slide=True))
+def test_decoder_with_sliding_window_and_releases(stream):
+    dec = run_against_oracle(*stream)
+    event(f"recovered {'none' if not dec.stats['recovered'] else 'some'}")
+    event(f"stale {'none' if not dec.stats['stale'] else 'some'}")
+
+
+@pytest.mark.parametrize(
+    ("seed", "loss_kind", "slide"),
+    [(1, "gilbert", False), (2, "iid", True), (3, "burst", True), (4, "gilbert", True)],
+)
+def test_decoder_on_longer_streams_against_oracle(seed, loss_kind, slide):
+    stream = make_stream(
+        n=160, size=24, enc_window=24, max_window=40 if slide else 170, seed=seed,
+        loss_kind=loss_kind, loss=0.3, repair_every=3, dt_mode=15 if seed % 2 else "random",
+        reorder=6, dups=5, n_releases=2 if slide else 0,
+    )  # fmt: skip
+    dec = run_against_oracle(*stream)
+    assert dec.stats["recovered"] >= 5
+
+
+def test_repairs_before_their_sources_and_full_loss_recovery():
+    size, n = 16, 12
+    rng = np.random.default_rng(3)
+    sources = [rng.integers(0, 256, size, dtype=np.uint8).tobytes() for _ in range(n)]
+    enc = RLCEncoder(size, window=n)
+    for s in sources:
+        enc.add_source(s)
+    dec = RLCDecoder(size, max_window=32)
+    got = []
+    for key in range(n - 1):  # n-1 equations over n unknowns: nothing is determined yet
+        got += dec.add_repair(0, n, key, 15, enc.repair(0, n, key, 15))
+    assert got == [] and dec.pending_equations == n - 1
+    got += dec.add_source(5, sources[5])  # the last missing piece solves everything
+    assert sorted(got) == list(range(n))
+    assert [dec.get(e) for e in range(n)] == sources
+    assert dec.decoded_through == n - 1 and dec.pending_equations == 0
+    assert set(dec.recovered) == set(range(n)) - {5}
+
+
+def test_release_keeps_what_the_equations_say_about_the_rest():
+    # Two equations over lost x0, x1, x2. Releasing x0 leaves one equation in x1, x2 (the
+    # decoder eliminates x0 rather than dropping both); x2 then arrives and yields x1.
+    size = 8
+    sources = [bytes([i + 1]) * size for i in range(3)]
+    enc = RLCEncoder(size, window=3)
+    for s in sources:
+        enc.add_source(s)
+    dec = RLCDecoder(size, max_window=8)
+    assert dec.add_repair(0, 3, 11, 15, enc.repair(0, 3, 11, 15)) == []
+    assert dec.add_repair(0, 3, 12, 15, enc.repair(0, 3, 12, 15)) == []
+    dec.release_before(1)
+    assert dec.pending_equations == 1
+    assert dec.add_source(2, sources[2]) == [2, 1]
+    assert dec.get(1) == sources[1]
+    assert dec.get(0) is None and dec.decoded_through == -1  # x0 was released unknown
+
+
+def test_duplicates_stale_and_redundant_input_are_counted_not_harmful():
+    dec = RLCDecoder(4, max_window=4)
+    enc = RLCEncoder(4, window=8)
+    for i in range(8):
+        enc.add_source(bytes([i]) * 4)
+    assert dec.add_source(0, b"\0\0\0\0") == [0]
+    assert dec.add_source(0, b"\0\0\0\0") == []
+    assert dec.add_repair(0, 1, 1, 15, enc.repair(0, 1, 1)) == []  # covers only known ESIs
+    assert dec.add_source(6, b"\6\6\6\6") == [6]  # slides the window to 3..6
+    assert dec.base == 3 and dec.get(0) is None
+    assert dec.add_source(1, b"\1\1\1\1") == []  # below the window
+    assert dec.add_repair(2, 2, 5, 15, enc.repair(2, 2, 5)) == []  # touches released ESI 2
+    s = dec.stats
+    assert (s["duplicates"], s["repairs_all_known"], s["stale"]) == (1, 1, 2)
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda d: d.add_source(0, bytes(9)), "exceeds"),
+        (lambda d: d.add_source(-1, b""), "esi"),
+        (lambda d: d.add_repair(0, 4, 1, 15, bytes(7)), "expected 8"),
+        (lambda d: d.add_repair(0, 17, 1, 15, bytes(8)), "max_window"),
+        (lambda d: d.add_repair(0, 4, 1, 16, bytes(8)), "dt"),
+        (lambda d: d.add_repair(0, 0, 1, 15, bytes(8)), "nss"),
+        (lambda d: d.add_repair(2**32 - 2, 4, 1, 15, bytes(8)), "past ESI"),
+    ],
+)
+def test_decoder_rejects_bad_arguments_without_changing_state(call, match):
+    dec = RLCDecoder(8, max_window=16)
+    dec.add_source(3, b"abc")
+    with pytest.raises(ValueError, match=match):
+        call(dec)
+    assert dec.base == 0 and dec.known(3) and dec.pending_equations == 0
+    assert dec.get(3) == b"abc" + bytes(5)
+
+
+def test_memory_stays_bounded_on_a_long_lossy_stream():
+    size, w, n = 32, 64, 20000
+    rng = np.random.default_rng(11)
+    enc = RLCEncoder(size, window=32)
+    dec = RLCDecoder(size, max_window=w)
+    lost = 0
+    bad = False
+    for i in range(n):
+        payload = rng.integers(0, 256, size, dtype=np.uint8)
+        enc.add_source(payload)
+        bad = rng.random() < (0.5 if bad else 0.04)  # bursty: mean loss ~7%
+        if not bad:
+            dec.add_source(i, payload)
+        else:
+            lost += 1
+        if i % 8 == 7 and rng.random() > 0.1:
+            first = max(0, i - 31)
+            dec.add_repair(
+                first, i - first + 1, i & 0xFFFF, 15, enc.repair(first, i - first + 1, i)
+            )
+    assert dec.stats["recovered"] > 0.5 * lost  # the decoder did real work throughout
+    assert dec.base == n - w
+    array_bytes = sum(v.nbytes for v in vars(dec).values() if isinstance(v, np.ndarray))
+    bound = w * (size + 8) + w * (w + size + 8) + 3 * 8 * w + 64  # window + at most w rows
+    assert array_bytes <= bound
+    assert dec.pending_equations <= w and len(dec.recovered) <= w
+    containers = [v for v in vars(dec).values() if isinstance(v, list | set | dict)]
+    assert all(len(c) <= 16 for c in containers)
