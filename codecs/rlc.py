@@ -65,7 +65,7 @@ def _round8(n: int) -> int:
     return (n + 7) & ~7
 
 
-def _byte_view(payload: object) -> memoryview:
+def as_byte_view(payload: object) -> memoryview:
     """A flat unsigned-byte view of bytes, bytearray, memoryview or a uint8 numpy array."""
     if isinstance(payload, np.ndarray):
         if payload.dtype != np.uint8:
@@ -81,11 +81,11 @@ def _byte_view(payload: object) -> memoryview:
     return mv
 
 
-def _u8_array(payload: object) -> np.ndarray:
+def as_u8_array(payload: object) -> np.ndarray:
     """A 1-D contiguous uint8 numpy array over (or copied from) a bytes-like payload."""
     if isinstance(payload, np.ndarray) and payload.dtype == np.uint8 and payload.ndim == 1:
         return np.ascontiguousarray(payload)
-    return np.frombuffer(_byte_view(payload), dtype=np.uint8)
+    return np.frombuffer(as_byte_view(payload), dtype=np.uint8)
 
 
 def _check_repair_params(first_esi: int, nss: int, repair_key: int, dt: int) -> None:
@@ -196,7 +196,7 @@ class RLCEncoder:
         esi = self._next_esi
         if esi > MAX_ESI:
             raise ValueError("ESI space exhausted (RFC 8681 ESIs are 32-bit)")
-        view = _byte_view(payload)
+        view = as_byte_view(payload)
         n = view.nbytes
         if n > self.symbol_size:
             raise ValueError(f"payload of {n} bytes exceeds symbol_size {self.symbol_size}")
@@ -747,7 +747,7 @@ class RLCDecoder(SourceWindow):
         esi = int(esi)
         if not 0 <= esi <= MAX_ESI:
             raise ValueError(f"esi must be in 0..{MAX_ESI}, got {esi}")
-        view = _byte_view(payload)
+        view = as_byte_view(payload)
         if view.nbytes > self.symbol_size:
             raise ValueError(
                 f"payload of {view.nbytes} bytes exceeds symbol_size {self.symbol_size}"
@@ -781,7 +781,7 @@ class RLCDecoder(SourceWindow):
         _check_repair_params(first_esi, nss, repair_key, dt)
         if nss > self.capacity:
             raise ValueError(f"repair covers {nss} symbols, more than max_window {self.capacity}")
-        arr = _u8_array(payload)
+        arr = as_u8_array(payload)
         if arr.shape[0] != self.symbol_size:
             raise ValueError(
                 f"repair payload has {arr.shape[0]} bytes, expected {self.symbol_size}"
