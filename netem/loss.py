@@ -55,9 +55,25 @@ __all__ = [
 _GOOD, _BAD = 0, 1
 
 
-@njit(cache=True, nogil=True)
-def _ge_kernel(u: np.ndarray, state: int, p: float, r: float, loss_good: float,
-               loss_bad: float, out: np.ndarray) -> int:  # fmt: skip
+def _njit(fn):  # noqa: ANN001, ANN202
+    """njit with an on-disk cache, or without one where no cache location is writable
+    (e.g. an unprivileged user without a home directory running the CLI)."""
+    try:
+        return njit(cache=True, nogil=True)(fn)
+    except RuntimeError:
+        return njit(nogil=True)(fn)
+
+
+@_njit
+def _ge_kernel(
+    u: np.ndarray,
+    state: int,
+    p: float,
+    r: float,
+    loss_good: float,
+    loss_bad: float,
+    out: np.ndarray,
+) -> int:
     """netem loss_gilb_ell over len(out) packets; u has shape (n, 2); returns final state."""
     for i in range(out.shape[0]):
         if state == 0:
@@ -71,9 +87,17 @@ def _ge_kernel(u: np.ndarray, state: int, p: float, r: float, loss_good: float,
     return state
 
 
-@njit(cache=True, nogil=True)
-def _four_state_kernel(u: np.ndarray, state: int, p13: float, p31: float, p32: float,
-                       p23: float, p14: float, out: np.ndarray) -> int:  # fmt: skip
+@_njit
+def _four_state_kernel(
+    u: np.ndarray,
+    state: int,
+    p13: float,
+    p31: float,
+    p32: float,
+    p23: float,
+    p14: float,
+    out: np.ndarray,
+) -> int:
     """netem loss_4state over len(out) packets (states 1..4); returns final state."""
     for i in range(out.shape[0]):
         x = u[i]
@@ -294,8 +318,12 @@ class GilbertElliott(LossSpec):
     kind = "gemodel"
 
     def __post_init__(self) -> None:
-        for name, v in (("p", self.p), ("r", self.r), ("1-h", self.loss_bad),
-                        ("1-k", self.loss_good)):  # fmt: skip
+        for name, v in (
+            ("p", self.p),
+            ("r", self.r),
+            ("1-h", self.loss_bad),
+            ("1-k", self.loss_good),
+        ):
             _check_prob(f"gemodel {name}", v)
 
     def sampler(self, rng: np.random.Generator) -> LossSampler:

@@ -47,6 +47,8 @@ __all__ = [
     "load_profiles_file",
     "load_profile",
     "make_channel",
+    "profile_from_mapping",
+    "profile_to_mapping",
     "DEFAULT_RATE_MBPS",
     "DEFAULT_DELAY_MS",
 ]
@@ -269,8 +271,7 @@ def _profile_from_mapping(name: str, entry: Any, where: str, base_dir: Path | No
             kind = want.__name__ if isinstance(want, type) else "number"
             raise ProfileError(f"{where}: profile {name}: {key} must be a {kind}, got {value!r}")
     kwargs: dict[str, Any] = {"name": name, "source": where}
-    for key in ("description", "rate_mbps", "delay_ms", "jitter_ms", "queue_bytes",
-                "burst_bytes"):  # fmt: skip
+    for key in ("description", "rate_mbps", "delay_ms", "jitter_ms", "queue_bytes", "burst_bytes"):
         if key in entry:
             kwargs[key] = entry[key]
     if "jitter_distribution" in entry:
@@ -307,6 +308,32 @@ def _profile_from_mapping(name: str, entry: Any, where: str, base_dir: Path | No
         return Profile(**kwargs)
     except ProfileError as exc:
         raise ProfileError(f"{where}: {exc}") from None
+
+
+def profile_to_mapping(profile: Profile) -> dict[str, Any]:
+    """The profile as one entry of a profiles file (inverse of ``profile_from_mapping``)."""
+    m: dict[str, Any] = {"rate_mbps": profile.rate_mbps}
+    if profile.description:
+        m["description"] = profile.description
+    if profile.is_trace:
+        m["trace"] = profile.loss.path
+        if profile.loss.offset is not None:
+            m["trace_offset"] = profile.loss.offset
+    else:
+        m["loss"] = " ".join(profile.loss.netem_args()[1:]) or "none"
+        m["delay_ms"] = profile.delay_ms
+        m["jitter_ms"] = profile.jitter_ms
+        m["jitter_distribution"] = profile.jitter_distribution
+    if profile.queue_bytes is not None:
+        m["queue_bytes"] = profile.queue_bytes
+    if profile.burst_bytes is not None:
+        m["burst_bytes"] = profile.burst_bytes
+    return m
+
+
+def profile_from_mapping(name: str, entry: dict[str, Any], where: str = "mapping") -> Profile:
+    """Build a profile from one entry of a profiles file (relative paths: to the cwd)."""
+    return _profile_from_mapping(name, entry, where, None)
 
 
 def _parse_profiles_text(text: str, where: str, is_json: bool) -> dict[str, Any]:

@@ -1,0 +1,691 @@
+"""Linux testbed: a sender and a receiver namespace joined by a link impaired per a profile.
+
+Layout (fixed names; ``prefix`` defaults to ``kvt``, tests use their own)::
+
+    netem backend:
+      [kvt-snd] kvt-s 10.77.0.1 <==veth==> kvt-r 10.77.0.2 [kvt-rcv]
+      on kvt-s: root netem (loss, delay, jitter) -> child tbf (rate, byte queue)
+
+    relay backend:
+      [kvt-snd] kvt-s 10.77.0.1 <-> kvt-ms [kvt-mid] kvt-mr <-> kvt-r 10.77.0.2 [kvt-rcv]
+      the relay in kvt-mid bridges kvt-ms <-> kvt-mr (loss, delay, jitter in userspace,
+      the simulator's samplers); tbf (rate, byte queue) on kvt-mr
+
+Both backends give the data direction (snd -> rcv) the full profile in the same order:
+loss, then delay/jitter, then the rate limiter with its byte queue. The reverse direction
+(feedback, rcv -> snd) gets, by ``reverse``: "delay" (the same delay, no loss, no rate
+limit; default), "full" (the whole profile, independently drawn) or "none". MAC addresses
+are fixed and neighbours static, so no ARP crosses the impaired link. IPv6 is off.
+
+The netem backend is used where the kernel has sch_netem (probed); otherwise the relay.
+A kernel-netem caveat: netem drops or keeps a UDP GSO batch as ONE packet; the relay cuts
+GSO batches into datagrams first. Senders that want per-datagram loss under the netem
+backend should not use UDP GSO.
+
+API: ``Testbed(profile, ...).up()`` / ``with Testbed(...) as tb:`` / ``tb.run("snd", argv)``
+/ ``tb.popen("rcv", argv)``; ``teardown(prefix)`` and ``status(prefix)`` work from the
+state directory ``/run/kvtransport/netem/PREFIX`` so the CLI can manage what another
+process set up. Every failure is a ``TestbedError`` with a one-line message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import fcntl
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from kvtransport.netem.profiles import Profile, load_profile
+
+from kvtransport.errors import UserError
+
+__all__ = [
+    "SND_ADDR",
+    "RCV_ADDR",
+    "DEFAULT_PREFIX",
+    "STATE_ROOT",
+    "Testbed",
+    "TestbedError",
+    "build_plan",
+    "check_environment",
+    "netem_available",
+    "netns_exec",
+    "netns_socket",
+    "status",
+    "teardown",
+]
+
+SND_ADDR = "10.77.0.1"
+RCV_ADDR = "10.77.0.2"
+PREFIX_LEN = 24
+SND_MAC = "02:4b:56:00:00:01"
+RCV_MAC = "02:4b:56:00:00:02"
+IF_SND = "kvt-s"
+IF_RCV = "kvt-r"
+IF_MID_SND = "kvt-ms"
+IF_MID_RCV = "kvt-mr"
+DEFAULT_PREFIX = "kvt"
+STATE_ROOT = Path(os.environ.get("KVT_NETEM_STATE", "/run/kvtransport/netem"))
+BACKENDS = ("auto", "netem", "relay")
+REVERSE_MODES = ("delay", "full", "none")
+RELAY_READY_TIMEOUT_S = 20.0
+_PREFIX_RE = re.compile(r"^[a-z][a-z0-9-]{0,15}$")
+
+
+class TestbedError(UserError):
+    """The testbed cannot be set up, used or removed; the message is one line."""
+
+    __test__ = False  # not a pytest test class
+
+
+# ---------------------------------------------------------------------------
+# environment checks and command helpers
+# ---------------------------------------------------------------------------
+
+
+def check_environment() -> None:
+    """Raise a one-line TestbedError unless we are root with `ip` and `tc` available."""
+    for tool, package in (("ip", "iproute2"), ("tc", "iproute2")):
+        if shutil.which(tool) is None:
+            raise TestbedError(f"`{tool}` not found: install {package} (apt-get install {package})")
+    if os.geteuid() != 0:
+        raise TestbedError(
+            "the netem testbed needs root (network namespaces and tc); run it with sudo"
+        )
+    if not Path("/proc/self/ns/net").exists():
+        raise TestbedError("this kernel has no network namespace support")
+
+
+def _run(argv: list[str], check: bool = True, timeout: float = 30.0) -> subprocess.CompletedProcess:
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    except FileNotFoundError:
+        raise TestbedError(f"`{argv[0]}` not found") from None
+    except subprocess.TimeoutExpired:
+        raise TestbedError(f"`{' '.join(argv)}` timed out after {timeout:g} s") from None
+    if check and proc.returncode != 0:
+        err = (proc.stderr or proc.stdout).strip().splitlines()
+        first = err[0] if err else f"exit status {proc.returncode}"
+        raise TestbedError(f"`{' '.join(argv)}` failed: {first}")
+    return proc
+
+
+def netns_exec(ns: str, argv: list[str]) -> list[str]:
+    """The argv that runs ``argv`` inside network namespace ``ns``."""
+    return ["ip", "netns", "exec", ns, *argv]
+
+
+def _netns_list() -> set[str]:
+    proc = _run(["ip", "netns", "list"], check=False)
+    return {line.split()[0] for line in proc.stdout.splitlines() if line.strip()}
+
+
+_CLONE_NEWNET = 0x40000000
+
+
+@contextlib.contextmanager
+def _in_netns(ns: str) -> Iterator[None]:
+    libc = ctypes.CDLL(None, use_errno=True)
+    own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+    try:
+        try:
+            target = os.open(f"/run/netns/{ns}", os.O_RDONLY)
+        except FileNotFoundError:
+            raise TestbedError(f"network namespace {ns} does not exist") from None
+        try:
+            if libc.setns(target, _CLONE_NEWNET) != 0:
+                raise TestbedError(f"setns({ns}) failed: {os.strerror(ctypes.get_errno())}")
+        finally:
+            os.close(target)
+        try:
+            yield
+        finally:
+            libc.setns(own, _CLONE_NEWNET)
+    finally:
+        os.close(own)
+
+
+def netns_socket(
+    ns: str, family: int = socket.AF_INET, type: int = socket.SOCK_DGRAM
+) -> socket.socket:
+    """A socket created inside namespace ``ns`` from this process (it stays there)."""
+    with _in_netns(ns):
+        return socket.socket(family, type)
+
+
+def netem_available() -> bool:
+    """Whether this kernel can run a netem qdisc (probed in a scratch namespace)."""
+    check_environment()
+    ns = f"kvt-probe-{os.getpid()}"
+    _run(["ip", "netns", "add", ns])
+    try:
+        proc = _run(
+            ["tc", "-n", ns, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"],
+            check=False,
+        )
+        return proc.returncode == 0
+    finally:
+        _run(["ip", "netns", "del", ns], check=False)
+
+
+# ---------------------------------------------------------------------------
+# the plan: every command that builds a testbed (pure, testable without root)
+# ---------------------------------------------------------------------------
+
+
+def namespaces(prefix: str, backend: str) -> dict[str, str]:
+    names = {"snd": f"{prefix}-snd", "rcv": f"{prefix}-rcv"}
+    if backend == "relay":
+        names["mid"] = f"{prefix}-mid"
+    return names
+
+
+def _cmd(text: str, *extra: str) -> list[str]:
+    """A command from a space-separated template (no argument contains a space)."""
+    return text.split() + list(extra)
+
+
+def build_plan(
+    profile: Profile, backend: str, reverse: str = "delay", prefix: str = DEFAULT_PREFIX
+) -> list[list[str]]:
+    """The ip/tc commands that build the topology and apply ``profile`` (relay not included)."""
+    if backend not in ("netem", "relay"):
+        raise TestbedError(f"backend must be netem or relay, not {backend!r}")
+    if reverse not in REVERSE_MODES:
+        raise TestbedError(f"reverse must be one of {', '.join(REVERSE_MODES)}")
+    ns = namespaces(prefix, backend)
+    snd, rcv = ns["snd"], ns["rcv"]
+    no_v6 = "net.ipv6.conf.all.disable_ipv6=1 net.ipv6.conf.default.disable_ipv6=1"
+    cmds = [_cmd(f"ip netns add {n}") for n in ns.values()]
+    for n in ns.values():
+        cmds.append(_cmd(f"ip netns exec {n} sysctl -qw {no_v6}"))
+        cmds.append(_cmd(f"ip -n {n} link set dev lo up"))
+    snd_end = f"{IF_SND} address {SND_MAC} netns {snd}"
+    rcv_end = f"{IF_RCV} address {RCV_MAC} netns {rcv}"
+    if backend == "netem":
+        cmds.append(_cmd(f"ip link add {snd_end} type veth peer name {rcv_end}"))
+    else:
+        mid = ns["mid"]
+        cmds.append(_cmd(f"ip link add {snd_end} type veth peer name {IF_MID_SND} netns {mid}"))
+        cmds.append(_cmd(f"ip link add {rcv_end} type veth peer name {IF_MID_RCV} netns {mid}"))
+        for dev in (IF_MID_SND, IF_MID_RCV):
+            cmds.append(_cmd(f"ip -n {mid} link set dev {dev} up"))
+    for n, dev, addr, peer_addr, peer_mac in (
+        (snd, IF_SND, SND_ADDR, RCV_ADDR, RCV_MAC),
+        (rcv, IF_RCV, RCV_ADDR, SND_ADDR, SND_MAC),
+    ):
+        cmds.append(_cmd(f"ip -n {n} addr add {addr}/{PREFIX_LEN} dev {dev}"))
+        cmds.append(_cmd(f"ip -n {n} link set dev {dev} up"))
+        cmds.append(
+            _cmd(f"ip -n {n} neigh replace {peer_addr} lladdr {peer_mac} dev {dev} nud permanent")
+        )
+    if backend == "netem":
+        cmds += _netem_qdiscs(snd, IF_SND, profile)
+        if reverse == "full":
+            cmds += _netem_qdiscs(rcv, IF_RCV, profile)
+        elif reverse == "delay":
+            delay_only = _delay_only(profile).netem_args()
+            cmds.append(
+                _cmd(f"tc -n {rcv} qdisc add dev {IF_RCV} root handle 1: netem", *delay_only)
+            )
+    else:
+        tbf = profile.tbf_args()
+        cmds.append(_cmd(f"tc -n {ns['mid']} qdisc add dev {IF_MID_RCV} root handle 1: tbf", *tbf))
+        if reverse == "full":
+            cmds.append(
+                _cmd(f"tc -n {ns['mid']} qdisc add dev {IF_MID_SND} root handle 1: tbf", *tbf)
+            )
+    return cmds
+
+
+def _netem_qdiscs(ns: str, dev: str, profile: Profile) -> list[list[str]]:
+    """netem (loss, delay, jitter) at the root and tbf (rate, byte queue) as its child."""
+    return [
+        _cmd(f"tc -n {ns} qdisc add dev {dev} root handle 1: netem", *profile.netem_args()),
+        _cmd(f"tc -n {ns} qdisc add dev {dev} parent 1:1 handle 10: tbf", *profile.tbf_args()),
+    ]
+
+
+def _delay_only(profile: Profile) -> Profile:
+    from kvtransport.netem.loss import NoLoss
+
+    return Profile(
+        name=profile.name + "-reverse",
+        loss=NoLoss(),
+        rate_mbps=profile.rate_mbps,
+        delay_ms=profile.delay_ms,
+        jitter_ms=profile.jitter_ms,
+        jitter_distribution=profile.jitter_distribution,
+    )
+
+
+# ---------------------------------------------------------------------------
+# state directory, teardown, status
+# ---------------------------------------------------------------------------
+
+
+def _check_prefix(prefix: str) -> None:
+    if not _PREFIX_RE.match(prefix):
+        raise TestbedError(f"prefix {prefix!r} must be lowercase letters, digits or '-' (<= 16)")
+
+
+def _state_dir(prefix: str) -> Path:
+    return STATE_ROOT / prefix
+
+
+@contextlib.contextmanager
+def _locked(prefix: str) -> Iterator[None]:
+    # one lock file for all prefixes: set-up and tear-down are short, and a per-prefix
+    # file could not be removed safely by `down`
+    STATE_ROOT.mkdir(parents=True, exist_ok=True)
+    with open(STATE_ROOT / ".lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _is_relay(pid: int) -> bool:
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        state = Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][:1]
+    except OSError:
+        return False
+    return b"kvtransport.netem.relay" in cmdline and state != "Z"
+
+
+def _stop_relay(pid: int, timeout_s: float = 5.0) -> bool:
+    """SIGTERM the relay (only if that pid really is our relay); SIGKILL if it lingers."""
+    if not _is_relay(pid):
+        return False
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(ChildProcessError):
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                return True
+        if not _is_relay(pid):
+            return True
+        time.sleep(0.02)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)
+    return True
+
+
+def teardown(prefix: str = DEFAULT_PREFIX) -> list[str]:
+    """Remove a testbed: stop its relay, delete its namespaces and state. Idempotent.
+
+    Returns what was removed (empty if nothing was up).
+    """
+    _check_prefix(prefix)
+    check_environment()
+    removed = []
+    with _locked(prefix):
+        sdir = _state_dir(prefix)
+        state = _read_json(sdir / "state.json") or {}
+        pid = state.get("relay_pid")
+        if isinstance(pid, int) and _stop_relay(pid):
+            removed.append(f"relay (pid {pid})")
+        existing = _netns_list()
+        for n in namespaces(prefix, "relay").values():
+            if n in existing:
+                _run(["ip", "netns", "del", n], check=False)
+                removed.append(f"namespace {n}")
+        if sdir.exists():
+            for f in sdir.iterdir():
+                with contextlib.suppress(OSError):
+                    f.unlink()
+            with contextlib.suppress(OSError):
+                sdir.rmdir()
+    return removed
+
+
+def status(prefix: str = DEFAULT_PREFIX) -> dict[str, Any]:
+    """What is up: the saved state plus live checks (namespaces, relay, qdisc counters)."""
+    _check_prefix(prefix)
+    check_environment()
+    sdir = _state_dir(prefix)
+    state = _read_json(sdir / "state.json")
+    existing = _netns_list()
+    present = [n for n in namespaces(prefix, "relay").values() if n in existing]
+    out: dict[str, Any] = {
+        "prefix": prefix,
+        "up": bool(state) and bool(present),
+        "namespaces": present,
+        "state": state,
+    }
+    if state:
+        pid = state.get("relay_pid")
+        if pid:
+            out["relay_running"] = _is_relay(pid)
+            out["relay"] = _read_json(sdir / "relay-status.json")
+        qd = {}
+        for ns_name, dev in state.get("shaped", []):
+            if ns_name in existing:
+                proc = _run(["tc", "-s", "-n", ns_name, "qdisc", "show", "dev", dev], check=False)
+                qd[f"{ns_name}/{dev}"] = proc.stdout.strip()
+        out["qdiscs"] = qd
+    return out
+
+
+# ---------------------------------------------------------------------------
+# the testbed
+# ---------------------------------------------------------------------------
+
+
+class Testbed:
+    """Two namespaces joined by an impaired link. ``up()`` builds it, ``down()`` removes it.
+
+    Use as a context manager in tests and demos::
+
+        with Testbed("ge-heavy", prefix="kvtt") as tb:
+            rx = tb.popen("rcv", [sys.executable, "-m", "my.receiver", RCV_ADDR])
+            tb.run("snd", [sys.executable, "-m", "my.sender", RCV_ADDR])
+    """
+
+    __test__ = False  # not a pytest test class
+
+    def __init__(
+        self,
+        profile: str | Profile = "ge-heavy",
+        *,
+        rate_mbps: float | None = None,
+        delay_ms: float | None = None,
+        backend: str = "auto",
+        reverse: str = "delay",
+        seed: int = 0,
+        profiles_file: str | Path | None = None,
+        prefix: str = DEFAULT_PREFIX,
+    ) -> None:
+        if backend not in BACKENDS:
+            raise TestbedError(f"backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
+        if reverse not in REVERSE_MODES:
+            raise TestbedError(f"reverse must be one of {', '.join(REVERSE_MODES)}")
+        _check_prefix(prefix)
+        self.profile = load_profile(profile, profiles_file).with_overrides(rate_mbps, delay_ms)
+        self.requested_backend = backend
+        self.backend: str | None = None
+        self.reverse = reverse
+        self.seed = int(seed)
+        self.prefix = prefix
+        self.state_dir = _state_dir(prefix)
+        self._relay: subprocess.Popen | None = None
+
+    # -- names -------------------------------------------------------------------
+
+    @property
+    def snd_ns(self) -> str:
+        return f"{self.prefix}-snd"
+
+    @property
+    def rcv_ns(self) -> str:
+        return f"{self.prefix}-rcv"
+
+    @property
+    def mid_ns(self) -> str:
+        return f"{self.prefix}-mid"
+
+    def ns(self, side: str) -> str:
+        """Namespace of a side: "snd", "rcv" or "mid" (or a namespace name itself)."""
+        return {"snd": self.snd_ns, "rcv": self.rcv_ns, "mid": self.mid_ns}.get(side, side)
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    def _choose_backend(self) -> str:
+        want = self.requested_backend
+        if want == "relay":
+            return "relay"
+        if self.profile.is_trace:
+            if want == "netem":
+                raise TestbedError(
+                    f"profile {self.profile.name} replays a trace, which kernel netem cannot; "
+                    "use --backend relay"
+                )
+            return "relay"
+        have = netem_available()
+        if want == "netem" and not have:
+            raise TestbedError(
+                "this kernel has no sch_netem (tc: Specified qdisc kind is unknown); "
+                "use --backend relay"
+            )
+        return "netem" if have else "relay"
+
+    def up(self) -> Testbed:
+        """Build the testbed; raises TestbedError (and leaves nothing behind) on failure."""
+        check_environment()
+        backend = self._choose_backend()
+        with _locked(self.prefix):
+            existing = _netns_list() & set(namespaces(self.prefix, "relay").values())
+            if existing or (self.state_dir / "state.json").exists():
+                raise TestbedError(
+                    f"a testbed with prefix {self.prefix} is already up "
+                    f"({', '.join(sorted(existing)) or 'stale state'}); run "
+                    f"`kvtransport netem down{self._prefix_flag()}` first"
+                )
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            try:
+                for argv in build_plan(self.profile, backend, self.reverse, self.prefix):
+                    _run(argv)
+                relay_pid = self._start_relay() if backend == "relay" else None
+                self.backend = backend
+                self._write_state(backend, relay_pid)
+            except BaseException:
+                self._abort()
+                raise
+        return self
+
+    def _prefix_flag(self) -> str:
+        return "" if self.prefix == DEFAULT_PREFIX else f" --prefix {self.prefix}"
+
+    def _abort(self) -> None:
+        if self._relay is not None:
+            _stop_relay(self._relay.pid)
+            self._relay = None
+        for n in namespaces(self.prefix, "relay").values():
+            _run(["ip", "netns", "del", n], check=False)
+        for f in self.state_dir.glob("*"):
+            with contextlib.suppress(OSError):
+                f.unlink()
+        with contextlib.suppress(OSError):
+            self.state_dir.rmdir()
+
+    def _start_relay(self) -> int:
+        from kvtransport.netem.profiles import profile_to_mapping
+
+        cfg = {
+            "profile": self.profile.name,
+            "profile_spec": profile_to_mapping(self.profile),
+            "seed": self.seed,
+            "fwd_in": IF_MID_SND,
+            "fwd_out": IF_MID_RCV,
+            "reverse": self.reverse,
+            "status_file": str(self.state_dir / "relay-status.json"),
+            "sndbuf_bytes": max(8 << 20, 4 * self.profile.effective_queue_bytes()),
+        }
+        cfg_path = self.state_dir / "relay.json"
+        cfg_path.write_text(json.dumps(cfg, indent=1))
+        log = open(self.state_dir / "relay.log", "ab")  # noqa: SIM115 (handed to the child)
+        try:
+            self._relay = subprocess.Popen(
+                netns_exec(
+                    self.mid_ns, [sys.executable, "-m", "kvtransport.netem.relay", str(cfg_path)]
+                ),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                close_fds=True,
+            )
+        finally:
+            log.close()
+        (self.state_dir / "relay.pid").write_text(f"{self._relay.pid}\n")
+        status_file = self.state_dir / "relay-status.json"
+        deadline = time.monotonic() + RELAY_READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if status_file.exists():
+                return self._relay.pid
+            if self._relay.poll() is not None:
+                tail = (self.state_dir / "relay.log").read_text(errors="replace").strip()
+                last = tail.splitlines()[-1] if tail else f"exit status {self._relay.returncode}"
+                raise TestbedError(f"the impairment relay failed to start: {last}")
+            time.sleep(0.05)
+        raise TestbedError(f"the impairment relay did not start within {RELAY_READY_TIMEOUT_S} s")
+
+    def _write_state(self, backend: str, relay_pid: int | None) -> None:
+        shaped = (
+            [[self.snd_ns, IF_SND]] + ([[self.rcv_ns, IF_RCV]] if self.reverse != "none" else [])
+            if backend == "netem"
+            else [[self.mid_ns, IF_MID_RCV]]
+            + ([[self.mid_ns, IF_MID_SND]] if self.reverse == "full" else [])
+        )
+        state = {
+            "prefix": self.prefix,
+            "profile": self.profile.name,
+            "description": self.profile.describe(),
+            "backend": backend,
+            "reverse": self.reverse,
+            "seed": self.seed,
+            "rate_mbps": self.profile.rate_mbps,
+            "delay_ms": None if self.profile.is_trace else self.profile.delay_ms,
+            "expected_loss": self.profile.stationary_loss(),
+            "namespaces": namespaces(self.prefix, backend),
+            "addresses": {"snd": SND_ADDR, "rcv": RCV_ADDR},
+            "relay_pid": relay_pid,
+            "shaped": shaped,
+            "created_unix": time.time(),
+        }
+        (self.state_dir / "state.json").write_text(json.dumps(state, indent=1))
+
+    def down(self) -> list[str]:
+        """Remove everything this testbed (or a previous one with its prefix) created."""
+        removed = []
+        if self._relay is not None:
+            if _stop_relay(self._relay.pid):
+                removed.append(f"relay (pid {self._relay.pid})")
+            with contextlib.suppress(Exception):
+                self._relay.wait(timeout=5)
+            self._relay = None
+        return removed + teardown(self.prefix)
+
+    def __enter__(self) -> Testbed:
+        return self.up()
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
+
+    # -- using it ------------------------------------------------------------------
+
+    def command(self, side: str, argv: list[str]) -> list[str]:
+        """The argv that runs ``argv`` in a side's namespace ("snd", "rcv" or "mid")."""
+        return netns_exec(self.ns(side), argv)
+
+    def run(self, side: str, argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
+        """``subprocess.run`` inside a side's namespace (kwargs go to subprocess.run)."""
+        return subprocess.run(self.command(side, argv), **kwargs)
+
+    def popen(self, side: str, argv: list[str], **kwargs: Any) -> subprocess.Popen:
+        """``subprocess.Popen`` inside a side's namespace."""
+        return subprocess.Popen(self.command(side, argv), **kwargs)
+
+    def socket(
+        self, side: str, family: int = socket.AF_INET, type: int = socket.SOCK_DGRAM
+    ) -> socket.socket:
+        """A socket living in a side's namespace, created from this process."""
+        return netns_socket(self.ns(side), family, type)
+
+    def measure_udp(
+        self,
+        rate_mbps: float,
+        count: int,
+        size: int = 1300,
+        port: int = 9000,
+        reverse: bool = False,
+        trace: str | Path | None = None,
+        realtime: bool = True,
+        timeout_s: float = 120.0,
+    ) -> dict[str, Any]:
+        """Send ``count`` paced UDP datagrams across the link with the probe and return its
+        summary (loss rate, loss runs, one-way delay, wire throughput, sender report).
+
+        ``reverse`` measures rcv -> snd. ``realtime`` runs both probe ends at a low
+        SCHED_FIFO priority (via chrt) so that a busy machine does not stall them: a
+        stalled sender's softirq work delays and bunches its packets before they even
+        reach the link, which would read as link delay and queue loss.
+        """
+        src, dst = ("rcv", "snd") if reverse else ("snd", "rcv")
+        addr = SND_ADDR if reverse else RCV_ADDR
+        rt = ["chrt", "-f", "5"] if realtime and shutil.which("chrt") else []
+        probe = [*rt, sys.executable, "-m", "kvtransport.netem.probe"]
+        recv_cmd = [*probe, "recv", f"{addr}:{port}", "--idle-s", "1.0", "--max-s", str(timeout_s)]
+        if trace is not None:
+            recv_cmd += ["--trace", str(trace)]
+        rx = self.popen(dst, recv_cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            line = rx.stdout.readline().strip() if rx.stdout else ""
+            if line != "ready":
+                raise TestbedError(f"probe receiver did not start: {line or rx.stderr.read()}")
+            args = f"send {addr}:{port} --rate-mbps {rate_mbps} --size {size} --count {count}"
+            send_cmd = probe + args.split()
+            tx = self.run(src, send_cmd, capture_output=True, text=True, timeout=timeout_s)
+            if tx.returncode != 0:
+                raise TestbedError(f"probe sender failed: {tx.stderr.strip()[-300:]}")
+            out, err = rx.communicate(timeout=timeout_s)
+        finally:
+            if rx.poll() is None:
+                rx.kill()
+                rx.wait()
+        if rx.returncode != 0:
+            raise TestbedError(f"probe receiver failed: {err.strip()[-300:]}")
+        summary = json.loads(out.strip().splitlines()[-1])
+        summary["sender"] = json.loads(tx.stdout.strip().splitlines()[-1])
+        return summary
+
+    def tbf_drops(self) -> int:
+        """Packets the data direction's rate limiter (tbf) dropped because its queue was
+        full, read from the kernel's qdisc counters (either backend). Link loss and queue
+        loss are told apart this way."""
+        ns, dev = (self.mid_ns, IF_MID_RCV) if self.backend == "relay" else (self.snd_ns, IF_SND)
+        text = _run(["tc", "-s", "-n", ns, "qdisc", "show", "dev", dev]).stdout
+        m = re.search(r"qdisc tbf .*?\n\s*Sent \d+ bytes \d+ pkt \(dropped (\d+)", text)
+        if not m:
+            raise TestbedError(f"no tbf qdisc on {ns}/{dev}")
+        return int(m.group(1))
+
+    def relay_status(self) -> dict[str, Any] | None:
+        """The relay's counters (None for the netem backend)."""
+        return _read_json(self.state_dir / "relay-status.json")
+
+    def qdisc_stats(self) -> dict[str, str]:
+        return status(self.prefix).get("qdiscs", {})
+
+
+@contextlib.contextmanager
+def testbed(profile: str | Profile = "ge-heavy", **kwargs: Any) -> Iterator[Testbed]:
+    """``with testbed("ge-heavy", rate_mbps=50) as tb: ...`` (same arguments as Testbed)."""
+    tb = Testbed(profile, **kwargs)
+    tb.up()
+    try:
+        yield tb
+    finally:
+        tb.down()

@@ -1,0 +1,344 @@
+"""The Linux testbed: command construction everywhere; real namespaces, real UDP, real
+kernel shaping where we are root (CI is), kernel netem where the kernel has it."""
+
+import math
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from kvtransport.netem import load_profile
+from kvtransport.netem.relay import segment_udp4
+from kvtransport.netem.testbed import (
+    RCV_ADDR,
+    SND_ADDR,
+    Testbed,
+    TestbedError,
+    build_plan,
+    netem_available,
+    status,
+    teardown,
+)
+
+PREFIX = f"kvtt{os.getpid() % 100000}"  # our own namespaces: other runs may use kvt-*
+CLI = [sys.executable, "-m", "kvtransport"]
+
+
+def _root_and_netns() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (network namespaces and tc); CI runs as root"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "needs iproute2 (ip, tc)"
+    probe = subprocess.run(["ip", "netns", "add", f"{PREFIX}-probe"], capture_output=True)
+    if probe.returncode != 0:
+        return f"no network namespace support: {probe.stderr.decode().strip()}"
+    subprocess.run(["ip", "netns", "del", f"{PREFIX}-probe"], capture_output=True)
+    return None
+
+
+SKIP = _root_and_netns()
+netns = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
+
+
+def _namespaces() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+def _relays() -> list[int]:
+    pids = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                cmd = (p / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"kvtransport.netem.relay" in cmd and f"/{PREFIX}/".encode() in cmd:
+                pids.append(int(p.name))
+    return pids
+
+
+# ---------------------------------------------------------------------------
+# command construction (no root needed)
+# ---------------------------------------------------------------------------
+
+
+def _joined(cmds):
+    return [" ".join(c) for c in cmds]
+
+
+def test_netem_backend_commands():
+    cmds = _joined(build_plan(load_profile("ge-heavy"), "netem", "delay", prefix="kvt"))
+    assert cmds[:2] == ["ip netns add kvt-snd", "ip netns add kvt-rcv"]
+    assert (
+        "ip link add kvt-s address 02:4b:56:00:00:01 netns kvt-snd type veth "
+        "peer name kvt-r address 02:4b:56:00:00:02 netns kvt-rcv" in cmds
+    )
+    assert "ip -n kvt-snd addr add 10.77.0.1/24 dev kvt-s" in cmds
+    assert (
+        "ip -n kvt-rcv neigh replace 10.77.0.1 lladdr 02:4b:56:00:00:01 dev kvt-r "
+        "nud permanent" in cmds
+    )
+    # data direction: netem (loss, delay) at the root, tbf (rate, byte queue) below it
+    assert cmds[-3:] == [
+        "tc -n kvt-snd qdisc add dev kvt-s root handle 1: netem limit 11718 delay 5ms "
+        "loss gemodel 5% 30% 80% 0.5%",
+        "tc -n kvt-snd qdisc add dev kvt-s parent 1:1 handle 10: tbf rate 100mbit burst 12500 "
+        "limit 625000",
+        "tc -n kvt-rcv qdisc add dev kvt-r root handle 1: netem limit 11718 delay 5ms",
+    ]
+    assert not any("kvt-mid" in c for c in cmds)
+
+
+def test_netem_backend_full_reverse_and_overrides():
+    prof = load_profile("4state-bursty").with_overrides(rate_mbps=20, delay_ms=10)
+    cmds = _joined(build_plan(prof, "netem", "full", prefix="kvtq"))
+    netem = [c for c in cmds if " netem " in c]
+    assert netem == [
+        f"tc -n kvtq-{side} qdisc add dev kvt-{side[0]} root handle 1: netem limit 2734 "
+        "delay 10ms loss state 1% 10% 30% 50% 0.5%"
+        for side in ("snd", "rcv")
+    ]
+    tbf = [c for c in cmds if " tbf " in c]
+    assert len(tbf) == 2 and all("rate 20mbit burst 3028 limit 125000" in c for c in tbf)
+    none = _joined(build_plan(prof, "netem", "none", prefix="kvtq"))
+    assert not any("kvtq-rcv qdisc" in c for c in none)
+
+
+def test_relay_backend_commands():
+    cmds = _joined(build_plan(load_profile("ge-heavy"), "relay", "delay", prefix="kvt"))
+    assert "ip netns add kvt-mid" in cmds
+    assert (
+        "ip link add kvt-s address 02:4b:56:00:00:01 netns kvt-snd type veth peer name "
+        "kvt-ms netns kvt-mid" in cmds
+    )
+    shaping = [c for c in cmds if c.startswith("tc ")]
+    assert shaping == [
+        "tc -n kvt-mid qdisc add dev kvt-mr root handle 1: tbf rate 100mbit burst 12500 "
+        "limit 625000"
+    ]
+    with pytest.raises(TestbedError, match="backend must be"):
+        build_plan(load_profile("clean"), "ebpf")
+
+
+def test_segment_udp4_cuts_a_gso_frame_into_valid_datagrams():
+    payload = bytes(range(256)) * 11  # 2816 bytes -> 1300 + 1300 + 216
+    ip = bytearray(
+        struct.pack(
+            "!BBHHHBBH4s4s",
+            0x45,
+            0,
+            20 + 8 + len(payload),
+            7,
+            0x4000,
+            64,
+            17,
+            0,
+            socket.inet_aton(SND_ADDR),
+            socket.inet_aton(RCV_ADDR),
+        )
+    )
+    udp = struct.pack("!HHHH", 5000, 9000, 8 + len(payload), 0)
+    frame = b"\x02" * 6 + b"\x04" * 6 + b"\x08\x00" + bytes(ip) + udp + payload
+    segs = segment_udp4(frame, 1300)
+    assert [len(s) - 42 for s in segs] == [1300, 1300, 216]
+    assert b"".join(s[42:] for s in segs) == payload
+    for k, s in enumerate(segs):
+        hdr = s[14:34]
+        words = struct.unpack("!10H", hdr)
+        assert (sum(words) + (sum(words) >> 16)) & 0xFFFF == 0xFFFF  # IP checksum valid
+        total, ident = struct.unpack_from("!HH", hdr, 2)
+        assert total == len(s) - 14 and ident == 7 + k
+        sport, dport, ulen, csum = struct.unpack_from("!HHHH", s, 34)
+        assert (sport, dport, ulen, csum) == (5000, 9000, len(s) - 34, 0)
+
+
+# ---------------------------------------------------------------------------
+# real namespaces
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def clean_prefix():
+    yield PREFIX
+    if SKIP is None:
+        teardown(PREFIX)
+
+
+@netns
+@pytest.mark.netns
+def test_up_down_lifecycle(clean_prefix):
+    tb = Testbed("ge-light", prefix=PREFIX, seed=3)
+    tb.up()
+    try:
+        names = _namespaces()
+        expected = {f"{PREFIX}-snd", f"{PREFIX}-rcv"}
+        if tb.backend == "relay":
+            expected.add(f"{PREFIX}-mid")
+            assert len(_relays()) == 1
+        assert expected <= names
+        addr = tb.run(
+            "snd",
+            ["ip", "-o", "-4", "addr", "show", "dev", "kvt-s"],
+            capture_output=True,
+            text=True,
+        ).stdout
+        assert f"{SND_ADDR}/24" in addr
+        st = status(PREFIX)
+        assert st["up"] and st["state"]["profile"] == "ge-light"
+        assert st["state"]["backend"] == tb.backend
+        with pytest.raises(TestbedError, match="already up"):
+            Testbed("clean", prefix=PREFIX).up()
+        # the feedback direction: the profile's delay, no loss
+        back = tb.measure_udp(rate_mbps=5, count=300, reverse=True)
+        assert back["loss_rate"] == 0.0
+        assert 4.9 < back["owd_ms"]["median"] < 7.0
+    finally:
+        removed = tb.down()
+    assert any("namespace" in r for r in removed)
+    assert not (expected & _namespaces())
+    assert _relays() == []
+    assert not status(PREFIX)["up"]
+    assert not Path(f"/run/kvtransport/netem/{PREFIX}").exists()
+    assert teardown(PREFIX) == []  # idempotent
+
+
+@netns
+@pytest.mark.netns
+def test_ge_heavy_loss_over_real_udp_matches_the_profile(clean_prefix):
+    prof = load_profile("ge-heavy")
+    st = prof.loss.stats()
+    n = 20_000
+    with Testbed(prof, prefix=PREFIX, seed=11) as tb:
+        r = tb.measure_udp(rate_mbps=50, count=n)
+        queue_drops = tb.tbf_drops()
+        relay = tb.relay_status()
+    assert r["sent"] == n and r["duplicates"] == 0
+    # paced at half the link rate, the queue must not overflow (a broken shaper would)
+    assert queue_drops <= 0.01 * n
+    link_lost = n - r["received"] - queue_drops
+    rate = link_lost / n
+    sd = math.sqrt(st.asymptotic_var / n)  # includes the burst correlation
+    assert abs(rate - st.loss_rate) < 4 * sd, (rate, st.loss_rate, sd)
+    if relay is not None:  # the relay's own books agree with what the receiver saw
+        assert relay["forward"]["lost"] == link_lost
+        assert relay["forward"]["overruns"] == 0
+    # bursts: the mean run of consecutive losses is the model's (queue drops excluded)
+    if queue_drops == 0:
+        se = r["loss_run_sd"] / math.sqrt(r["loss_runs"])
+        assert abs(r["mean_loss_run"] - st.mean_burst) < 4 * se, (r["mean_loss_run"], se)
+    assert r["owd_ms"]["min"] >= 5.0 and r["owd_ms"]["median"] < 6.0
+
+
+@netns
+@pytest.mark.netns
+def test_rate_limit_holds_when_blasting(clean_prefix):
+    with Testbed("clean", rate_mbps=30, prefix=PREFIX) as tb:
+        r = tb.measure_udp(rate_mbps=60, count=8000)
+        drops = tb.tbf_drops()
+    assert r["throughput_wire_mbps"] == pytest.approx(30, rel=0.05)
+    assert r["received"] + drops == r["sent"]
+    assert drops > 0.4 * r["sent"]
+    # the queue is 50 ms at the rate: a full queue adds ~50 ms to the 5 ms delay
+    assert 45 < r["owd_ms"]["p99"] < 65
+
+
+@netns
+@pytest.mark.netns
+def test_gso_batches_are_cut_into_datagrams(clean_prefix):
+    with Testbed("clean", prefix=PREFIX, backend="relay") as tb:
+        rx = tb.socket("rcv")
+        rx.setsockopt(socket.SOL_SOCKET, 33, 8 << 20)  # SO_RCVBUFFORCE: we read at the end
+        rx.bind((RCV_ADDR, 9100))
+        rx.settimeout(2.0)
+        tx = tb.socket("snd")
+        tx.setsockopt(socket.IPPROTO_UDP, 103, 1000)  # UDP_SEGMENT: 1000-byte datagrams
+        for i in range(50):
+            tx.sendto(bytes([i]) * 8000, (RCV_ADDR, 9100))  # 8 datagrams per send
+            time.sleep(0.002)
+        got = []
+        with pytest.raises(TimeoutError):
+            while True:
+                got.append(rx.recv(65536))
+        relay = tb.relay_status()
+        tx.close()
+        rx.close()
+    assert len(got) == 400 and all(len(d) == 1000 for d in got)
+    assert relay["forward"]["gso_frames_split"] == 50
+
+
+@netns
+@pytest.mark.netns
+def test_kernel_netem_backend_applies_the_profile(clean_prefix):
+    if not netem_available():
+        pytest.skip("this kernel has no sch_netem (the relay backend is tested instead)")
+    with Testbed("bernoulli-5", prefix=PREFIX, backend="netem") as tb:
+        out = tb.run(
+            "snd", ["tc", "qdisc", "show", "dev", "kvt-s"], capture_output=True, text=True
+        ).stdout
+        r = tb.measure_udp(rate_mbps=50, count=10_000)
+    assert "netem" in out and "loss 5%" in out and "tbf" in out
+    assert abs(r["loss_rate"] - 0.05) < 4 * math.sqrt(0.05 * 0.95 / 10_000)
+
+
+@netns
+@pytest.mark.netns
+def test_cli_up_status_down(clean_prefix):
+    def cli(*args):
+        return subprocess.run(
+            [*CLI, "netem", *args, "--prefix", PREFIX], capture_output=True, text=True, timeout=60
+        )
+
+    up = cli("up", "--profile", "bernoulli-5", "--rate-mbps", "50", "--backend", "relay")
+    assert up.returncode == 0, up.stderr
+    assert "backend relay" in up.stdout and "50 Mbit/s" in up.stdout
+    st = cli("status")
+    assert "bernoulli-5" in st.stdout and "running" in st.stdout and "tbf" in st.stdout
+    again = cli("up", "--profile", "clean")
+    assert again.returncode == 2 and "already up" in again.stderr
+    assert "Traceback" not in again.stderr and len(again.stderr.strip().splitlines()) == 1
+    down = cli("down")
+    assert down.returncode == 0 and "removed" in down.stdout
+    assert cli("down").stdout.strip() == "netem down: nothing up"
+
+
+@pytest.mark.skipif(
+    shutil.which("setpriv") is None or os.geteuid() != 0,
+    reason="needs root and setpriv to run the CLI as an unprivileged user",
+)
+def test_cli_refuses_without_root_or_tools():
+    nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    out = subprocess.run(
+        [*nobody, *CLI, "netem", "up", "--profile", "clean"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2
+    assert "needs root" in out.stderr and "Traceback" not in out.stderr
+    env = dict(os.environ, PATH="/nonexistent")
+    out = subprocess.run(
+        [*CLI, "netem", "down"], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert out.returncode == 2 and "`ip` not found" in out.stderr
+
+
+def test_cli_profiles_and_bad_profile_file(tmp_path):
+    out = subprocess.run([*CLI, "netem", "profiles"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    assert "ge-heavy: loss gemodel 5% 30% 80% 0.5% (expected loss 11.86%)" in out.stdout
+    bad = tmp_path / "p.toml"
+    bad.write_text("[profiles.x]\nloss = 'gemodel 5% 30% 80% 0.5% 1% 2%'\n")
+    out = subprocess.run(
+        [*CLI, "netem", "profiles", "--profiles", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and "gemodel takes 1 to 4" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
