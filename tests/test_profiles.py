@@ -54,11 +54,30 @@ def test_netem_and_tbf_arguments_for_every_builtin(name):
 
 
 def test_rendering_of_overrides_jitter_and_odd_rates():
-    p = Profile("x", loss=parse_loss("gemodel 2.5% 25%"), rate_mbps=12.5, delay_ms=2.5,
-                jitter_ms=0.5, jitter_distribution="normal")  # fmt: skip
+    p = Profile(
+        "x",
+        loss=parse_loss("gemodel 2.5% 25%"),
+        rate_mbps=12.5,
+        delay_ms=2.5,
+        jitter_ms=0.5,
+        jitter_distribution="normal",
+    )
     args = p.netem_args(rate=True)
-    assert args[2:] == ["delay", "2.5ms", "0.5ms", "distribution", "normal", "loss", "gemodel",
-                        "2.5%", "25%", "100%", "0%", "rate", "12500kbit"]  # fmt: skip
+    assert args[2:] == [
+        "delay",
+        "2.5ms",
+        "0.5ms",
+        "distribution",
+        "normal",
+        "loss",
+        "gemodel",
+        "2.5%",
+        "25%",
+        "100%",
+        "0%",
+        "rate",
+        "12500kbit",
+    ]
     assert p.tbf_args()[:4] == ["rate", "12500kbit", "burst", str(2 * 1514)]
     q = load_profile("ge-heavy").with_overrides(rate_mbps=1000, delay_ms=20)
     assert q.netem_args()[2:4] == ["delay", "20ms"] and q.tbf_args()[1] == "1000mbit"
