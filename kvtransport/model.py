@@ -149,14 +149,21 @@ def converted_dir(gguf: Path) -> Path:
 
 def load_gguf(gguf: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a GGUF with transformers, de-quantized to fp32 (slow: ~15-20 s for SmolLM2)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    return load_gguf_model(gguf), tokenizer
+
+
+def load_gguf_model(gguf: Path) -> PreTrainedModel:
+    """Only the model of a GGUF (no tokenizer), de-quantized to fp32, in eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32
     )
-    return model.eval(), tokenizer
+    return model.eval()
 
 
 def _fsync_tree(directory: Path) -> None:
@@ -262,7 +269,7 @@ def load_model(spec: str | os.PathLike | None = None, *, threads: int | None = N
         weights_dir = convert_gguf(path, target)
         model_id = path.stem
     else:
-        weights_dir, source, model_id = path, "directory", path.name
+        weights_dir, source, model_id = path, "directory", _directory_model_id(path)
     model, tokenizer = _load_directory(weights_dir)
     _prepare(model, model_id)
     return LoadedModel(
@@ -273,6 +280,20 @@ def load_model(spec: str | os.PathLike | None = None, *, threads: int | None = N
         source=source,
         load_seconds=time.perf_counter() - t0,
     )
+
+
+def _directory_model_id(path: Path) -> str:
+    """A directory's model id: the GGUF's stem for a converted copy, else the dir name.
+
+    So a cache made with ``--model smollm2`` and one made with ``--model <the copy>``
+    carry the same id.
+    """
+    marker = path / _SOURCE_FILE
+    if marker.is_file():
+        first = marker.read_text().strip().splitlines()
+        if first:
+            return Path(first[0]).stem
+    return path.name
 
 
 def _prepare(model: Any, model_id: str) -> None:

@@ -1,0 +1,25 @@
+"""Shared pytest fixtures.
+
+Model fixtures are session-scoped: the real model loads once per test run (about 2 s from
+the cached safetensors copy; the very first run converts the GGUF, about 20 s). Tests that
+use them carry ``@pytest.mark.model``. torch runs on one thread in tests, so parallel
+suites on a 2-core machine do not fight over cores.
+
+To add a fixture: put it here if several test files need it (keep it cheap, or
+session-scoped and documented), otherwise in the test file that uses it.
+"""
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    """The default model (SmolLM2-135M-Instruct) as a kvtransport.model.LoadedModel.
+
+    ``model, tokenizer = smollm`` unpacks it; ``smollm.model_id`` names it. Shared by
+    every test in the session: do not mutate it (switch attention implementations or set
+    layer masks only inside a try/finally or a context manager that restores them).
+    """
+    from kvtransport.model import load_model
+
+    return load_model(threads=1)

@@ -1,0 +1,135 @@
+"""Quality tasks (deterministic, gold in context, sized in tokens) and answer metrics."""
+
+import re
+
+import pytest
+import worlddatax
+
+from kvtransport import metrics, tasks
+from kvtransport.model import chat_prompt
+
+
+@pytest.fixture(scope="module")
+def tok(smollm):
+    return smollm.tokenizer
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("task", tasks.TASK_NAMES)
+def test_generation_is_deterministic_and_sized_in_tokens(tok, task):
+    a = tasks.generate(task, tok, target_tokens=300, seed=7)
+    b = tasks.generate(task, tok, target_tokens=300, seed=7)
+    c = tasks.generate(task, tok, target_tokens=300, seed=8)
+    assert a == b
+    assert (a.context, a.answers) != (c.context, c.answers)
+    n = len(chat_prompt(tok, a.context)[0])
+    assert 300 - 40 <= n <= 300  # the largest haystack that fits, one sentence short at most
+    longer = tasks.generate(task, tok, target_tokens=600, seed=7)
+    assert 600 - 40 <= len(longer.prompt(tok)[0]) <= 600
+    assert longer.answers == a.answers and longer.question == a.question
+    for gold in a.answers:
+        assert gold in a.context
+
+
+@pytest.mark.model
+def test_needles_are_built_the_ruler_way(tok):
+    single = tasks.niah(tok, target_tokens=400, seed=1)
+    lines = single.context.splitlines()
+    assert lines[0].startswith("A special magic number is hidden within the following text.")
+    needles = [x for x in lines if x.startswith("One of the special magic numbers for")]
+    assert len(needles) == 1 and set(lines[1:]) - set(needles) == {tasks.NOISE}
+    key, value = re.fullmatch(
+        r"One of the special magic numbers for (\S+) is: (\d{7})\.", needles[0]
+    ).groups()
+    assert single.answers == (value,) and key in single.question
+    assert (
+        single.answer_prefix
+        == f"The special magic number for {key} mentioned in the provided text is"
+    )
+
+    multikey = tasks.generate("niah_multikey", tok, target_tokens=400, seed=1)
+    lines = multikey.context.splitlines()[1:]
+    keys = [re.match(r"One of the special magic numbers for (\S+) is", x).group(1) for x in lines]
+    assert len(keys) == len(set(keys)) > 10  # every sentence is a needle, all keys distinct
+    asked = [x for x in lines if f" {multikey.question.split(' for ')[1].split(' ')[0]} " in x]
+    assert len(asked) == 1 and multikey.answers[0] in asked[0]
+
+    multivalue = tasks.generate("niah_multivalue", tok, target_tokens=400, seed=1)
+    assert len(multivalue.answers) == 4 and multivalue.question.startswith("What are all")
+    assert all(multivalue.context.count(v) == 1 for v in multivalue.answers)
+
+    uuids = tasks.niah(tok, target_tokens=300, seed=2, value_type="uuids", num_keys=3)
+    assert re.fullmatch(
+        r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}", uuids.answers[0]
+    )
+    assert uuids.context.count("One of the special magic uuids for") == 3
+
+
+@pytest.mark.model
+def test_facts_qa_asks_a_true_fact_among_distractors(tok):
+    by_name = {c["name"]: c for c in worlddatax.get_all_countries()}
+    seen = set()
+    for seed in range(6):
+        s = tasks.facts_qa(tok, target_tokens=300, seed=seed)
+        country = re.fullmatch(r"What is the (capital|currency) of (.+)\?", s.question)
+        attr, name = country.groups()
+        seen.add(attr)
+        truth = by_name[name]["capital" if attr == "capital" else "currency_name"]
+        assert s.answers == (truth,)
+        assert s.context.count(f"The {attr} of {name} is") == 1  # asked exactly once
+        others = {m for m in re.findall(r"The (?:capital|currency) of (.+?) is", s.context)}
+        assert len(others) > 5  # distractor countries
+    assert seen == {"capital", "currency"}
+    with pytest.raises(ValueError, match="attribute"):
+        tasks.facts_qa(tok, attribute="population")
+
+
+@pytest.mark.model
+def test_bad_task_arguments(tok):
+    with pytest.raises(ValueError, match="unknown task"):
+        tasks.generate("niah_essay", tok)
+    with pytest.raises(ValueError, match="too small"):
+        tasks.niah(tok, target_tokens=20)
+    with pytest.raises(ValueError, match="haystack"):
+        tasks.niah(tok, haystack="essay")
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def test_normalization_follows_squad():
+    assert metrics.normalize_answer("  The Euro!  ") == "euro"
+    assert metrics.normalize_answer("An apple, a pear and THE plum.") == "apple pear and plum"
+    assert metrics.normalize_answer("sour-monkey") == "sourmonkey"
+
+
+def test_exact_match_and_contains_by_hand():
+    assert metrics.exact_match(" 4823917.", "4823917") == 1.0
+    assert metrics.exact_match("It is 4823917.", "4823917") == 0.0
+    assert metrics.contains("It is 4823917.", "4823917") == 1.0
+    assert metrics.contains("It is 48239170.", "4823917") == 0.0  # whole tokens only
+    assert metrics.contains("the Cuban peso", ["Euro", "Cuban peso"]) == 1.0
+    assert (
+        metrics.contains_all(
+            "1111111, 2222222 and 4444444", ["1111111", "2222222", "3333333", "4444444"]
+        )
+        == 0.75
+    )
+    with pytest.raises(ValueError):
+        metrics.exact_match("x", [])
+
+
+def test_token_f1_by_hand():
+    # prediction "west african cfa franc" vs gold "west african franc": 3 common tokens,
+    # precision 3/4, recall 3/3, F1 = 2 * 0.75 * 1 / 1.75 = 6/7
+    assert metrics.token_f1("The West African CFA franc.", "West African franc") == pytest.approx(
+        6 / 7
+    )
+    # "new delhi india" vs "new delhi": P = 2/3, R = 1, F1 = 0.8
+    assert metrics.token_f1("New Delhi, India", "New Delhi") == pytest.approx(0.8)
+    assert metrics.token_f1("Paris", "Lyon") == 0.0
+    # best of several golds; repeated tokens count once per occurrence
+    assert metrics.token_f1("peso peso", ["peso", "dollar"]) == pytest.approx(2 * 0.5 * 1 / 1.5)
+    assert metrics.token_f1("", "") == 1.0 and metrics.token_f1("the", "x") == 0.0
+    scores = metrics.score_answer(" Havana.", ("Havana",))
+    assert scores == {"em": 1.0, "contains": 1.0, "contains_all": 1.0, "f1": 1.0}
