@@ -14,6 +14,8 @@ Testbed side (``kvtransport.netem.testbed``, needs root): two network namespaces
 by an impaired link, through kernel netem where available or a userspace relay.
 """
 
+from pathlib import Path
+
 from kvtransport.netem.channel import CHUNK, UDP_OVERHEAD_BYTES, Channel, DelaySampler
 from kvtransport.netem.loss import (
     Bernoulli,
@@ -35,8 +37,12 @@ from kvtransport.netem.profiles import (
 )
 from kvtransport.netem.trace import Trace, TraceError, TraceReplay, read_trace, write_trace
 
+SAMPLE_TRACE = str(Path(__file__).with_name("data") / "sample-trace.csv.gz")
+"""A small example trace in the format of docs/traces.md (synthetic, see its comments)."""
+
 __all__ = [
     "CHUNK",
+    "SAMPLE_TRACE",
     "UDP_OVERHEAD_BYTES",
     "Bernoulli",
     "Channel",

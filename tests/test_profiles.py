@@ -5,6 +5,7 @@ import json
 import numpy as np
 import pytest
 from kvtransport.netem import (
+    SAMPLE_TRACE,
     FourState,
     GilbertElliott,
     Profile,
@@ -201,3 +202,13 @@ def test_make_channel_overrides_rate_and_delay():
     lost = sum(ge.transmit(i * 2e-4, 1000) is None for i in range(n))
     st = load_profile("ge-heavy").loss.stats()
     assert abs(lost / n - st.loss_rate) < 4 * (st.asymptotic_var / n) ** 0.5
+
+
+def test_sample_trace_ships_and_replays():
+    p = load_profile(SAMPLE_TRACE)
+    tr = p.loss.trace()
+    assert len(tr) == 12_000 and 0.02 < tr.loss_rate < 0.15
+    ch = make_channel(p, seed=0)
+    out = [ch.transmit(i * 1e-3, 1300) for i in range(3000)]
+    delays = np.array([a - i * 1e-3 for i, a in enumerate(out) if a is not None])
+    assert 0.004 < np.median(delays) < 0.012
