@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -52,7 +53,12 @@ DEFAULT_RATIO = 4.0
 
 @dataclass
 class SensitivityProfile:
-    """Mean KL per layer under value-cache noise (see module docstring), plus provenance."""
+    """Mean KL per layer under value-cache noise (see module docstring), plus provenance.
+
+    ``layer_weights`` are derived from ``kl`` with ``weight_ratio`` and ``weight_scale``
+    (filled in when not given) and saved along, so a consumer that only wants weights,
+    like ``kvtransport prefill --layer-weights FILE``, reads them directly.
+    """
 
     model_id: str
     kl: list[float]
@@ -62,7 +68,15 @@ class SensitivityProfile:
     command: str | None = None
     created: str | None = None
     seconds: float | None = None
+    weight_ratio: float = DEFAULT_RATIO
+    weight_scale: str = "log"
+    layer_weights: list[float] = field(default_factory=list)
     format: str = FORMAT
+
+    def __post_init__(self) -> None:
+        if not self.layer_weights and self.kl:
+            w = layer_weights(self.kl, ratio=self.weight_ratio, scale=self.weight_scale)
+            self.layer_weights = [float(x) for x in w]
 
     @property
     def num_layers(self) -> int:
@@ -89,13 +103,21 @@ def load_profile(path: str | Path) -> SensitivityProfile:
         raise UserError(f"cannot read sensitivity profile {path}: {exc}") from exc
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise UserError(f"{path} is not a kvtransport sensitivity profile ({FORMAT})")
+    kl = np.asarray(data.get("kl"), dtype=object)
+    if not (
+        kl.ndim == 1
+        and kl.size
+        and all(isinstance(x, int | float) and math.isfinite(x) and x >= 0 for x in kl)
+    ):
+        raise UserError(f"{path}: kl must be a non-empty list of finite non-negative numbers")
     try:
         prof = SensitivityProfile(**data)
-    except TypeError as exc:
+    except (TypeError, ValueError) as exc:
         raise UserError(f"{path}: malformed sensitivity profile: {exc}") from exc
-    kl = np.asarray(prof.kl, dtype=float)
-    if kl.ndim != 1 or kl.size == 0 or not np.all(np.isfinite(kl)) or np.any(kl < 0):
-        raise UserError(f"{path}: kl must be a non-empty list of finite non-negative numbers")
+    if len(prof.layer_weights) != len(prof.kl):
+        raise UserError(
+            f"{path}: {len(prof.layer_weights)} layer weights for {len(prof.kl)} layers"
+        )
     return prof
 
 
@@ -218,12 +240,14 @@ def profile_model(
     seed: int = 1000,
     progress: bool = True,
     command: str | None = None,
+    ratio: float = DEFAULT_RATIO,
 ) -> SensitivityProfile:
     """Measure the per-layer sensitivity profile on a calibration set of task samples.
 
     samples: calibration samples, cycling through the quality tasks (seeds from ``seed``,
     kept apart from the evaluation seeds used elsewhere).
     draws: noise draws per (sample, layer).
+    ratio: the exponential mapping's ratio for the stored ``layer_weights``.
     """
     from tqdm import tqdm
 
@@ -276,4 +300,5 @@ def profile_model(
         command=command,
         created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         seconds=round(time.perf_counter() - t0, 1),
+        weight_ratio=float(ratio),
     )

@@ -82,9 +82,13 @@ def test_profile_command_writes_a_positive_per_layer_profile(smollm, tmp_path):
     assert kl.max() > 10 * kl.min()  # layers differ, by orders of magnitude
     assert prof.command.startswith("kvtransport profile ") and "--samples 1" in prof.command
     assert prof.calibration["samples"] == 1 and prof.noise_scale == 1.0
-    w = prof.weights(ratio=4.0)
+    w = np.array(prof.layer_weights)  # stored with the default ratio, 4
     assert w.sum() == pytest.approx(1.0) and w.max() / w.min() == pytest.approx(4.0)
-    assert int(np.argmax(w)) == int(np.argmax(kl))
+    assert int(np.argmax(w)) == int(np.argmax(kl)) and int(np.argmin(w)) == int(np.argmin(kl))
+    # the file is what `kvtransport prefill --layer-weights FILE` reads
+    from kvtransport.commands.prefill import load_layer_weights
+
+    assert np.allclose(load_layer_weights(str(out), 30), w)
 
 
 @pytest.mark.model
@@ -95,6 +99,7 @@ def test_packaged_profile_of_the_default_model(smollm):
     assert all(x > 0 for x in prof.kl)
     assert prof.command.startswith("kvtransport profile")
     assert prof.calibration["samples"] >= 8
+    assert np.allclose(prof.layer_weights, prof.weights(prof.weight_ratio))
     assert sensitivity.default_profile("no-such-model") is None
 
 

@@ -17,7 +17,7 @@ sensitivity profile, saved as JSON; `kvtransport prefill --layer-weights FILE` a
 utility ordering turn it into layer weights (normalize, then map exponentially with a
 ratio: the most sensitive layer weighs RATIO times the least sensitive one).
 
-Cost: samples x layers forward passes (about a minute for SmolLM2 with the defaults).
+Cost: samples x layers forward passes (one to two minutes for SmolLM2 with the defaults).
 
 example:
   kvtransport profile
@@ -72,7 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         metavar="R",
-        help="also print layer weights for this ratio (default 4)",
+        help="ratio of the layer weights stored in the profile: the most sensitive "
+        "layer weighs R times the least sensitive one (default 4)",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -117,23 +118,24 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         progress=not args.quiet,
         command=command,
+        ratio=DEFAULT_RATIO if args.ratio is None else args.ratio,
     )
     out = Path(args.out).expanduser() if args.out else Path(packaged_profile_name(prof.model_id))
     prof.save(out)
-    ratio = DEFAULT_RATIO if args.ratio is None else args.ratio
-    weights = prof.weights(ratio)
+    weights = prof.layer_weights
     order = sorted(range(prof.num_layers), key=lambda i: -prof.kl[i])
     print(f"wrote {out}: {prof.num_layers} layers of {prof.model_id} in {prof.seconds:.0f} s")
     print("most sensitive layers: " + ", ".join(f"{i} (KL {prof.kl[i]:.3g})" for i in order[:5]))
     print("least sensitive layers: " + ", ".join(f"{i} (KL {prof.kl[i]:.3g})" for i in order[-3:]))
-    print(f"layer weights (ratio {ratio:g}): " + " ".join(f"{w:.3f}" for w in weights))
+    print(f"layer weights (ratio {prof.weight_ratio:g}): " + " ".join(f"{w:.3f}" for w in weights))
     return 0
 
 
 def _argv_of(args: argparse.Namespace) -> str:
     """The options that determine the profile, spelled out for its provenance record."""
     parts = []
-    for name in ("model", "out", "samples", "target_tokens", "noise", "draws", "continuation"):
+    names = ("model", "out", "samples", "target_tokens", "noise", "draws", "continuation", "ratio")
+    for name in names:
         value = getattr(args, name)
         if value is not None:
             parts += [f"--{name.replace('_', '-')}", shlex.quote(str(value))]
