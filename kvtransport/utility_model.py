@@ -1,0 +1,516 @@
+"""Answer quality as a sigmoid of the fraction of the KV cache that arrives.
+
+The sender streams a cache in utility order, so the first bytes carry the most value.
+Measured answer accuracy against the delivered fraction x in [0, 1] follows an S-curve
+
+    U(x) = d + a / (1 + exp(-b (x - c)))          (a > 0, b > 0; floor d, often 0)
+
+convex below the midpoint c and concave above it: U''(x) = a b^2 s (1 - s)(1 - 2 s) with
+s = sigmoid(b (x - c)) is negative exactly when x > c. A floor d shifts U without changing
+its shape, so the concave region starts at c for both variants (clipped to [0, 1]).
+
+This module holds the curve (``SigmoidUtility``), the least-squares fit with scipy
+(``fit_sigmoid``: multi-start, bounded, R^2, floor chosen by AICc only when the data ask for
+it) and the small JSON file of fitted curves per (model, context length) that the sender
+daemon reads (``UtilityTable``; written by ``kvtransport fit-utility``).
+
+The multi-user allocator (kvtransport.allocator) needs two closed forms from the curve:
+the inverse of U' on its concave branch (water-filling) and the tangent from a point
+below the midpoint to the curve (the concave envelope, i.e. the best utility per byte a
+user can get before it is useful). Both live here as the reference implementation; the
+allocator's numba kernels repeat them and are tested against these.
+
+Only numpy is imported at module level (the daemon's data plane reads this file); scipy
+is imported inside the fitting functions.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from kvtransport.errors import UserError
+
+TABLE_FORMAT = "kvtransport.utility/1"
+DEFAULT_TABLE_PATH = "utility_curves.json"
+# Below this many distinct fractions a 3-parameter sigmoid is not identifiable with any
+# residual degrees of freedom left to judge the fit.
+MIN_POINTS = 5
+FLOOR_AICC_MARGIN = 2.0
+FloorChoice = Literal["auto", "yes", "no"]
+
+
+def logistic(z: np.ndarray | float) -> np.ndarray:
+    """Overflow-free logistic function 1 / (1 + exp(-z)), elementwise."""
+    z = np.asarray(z, dtype=np.float64)
+    e = np.exp(-np.abs(z))
+    return np.where(z >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
+@dataclass(frozen=True)
+class SigmoidUtility:
+    """U(x) = d + a / (1 + exp(-b (x - c))) of the delivered fraction x.
+
+    a: amplitude (> 0); b: steepness (> 0); c: midpoint, where the curve turns from convex
+    to concave; d: floor (accuracy with nothing delivered, up to the tail of the sigmoid).
+    """
+
+    a: float
+    b: float
+    c: float
+    d: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("a", "b", "c", "d"):
+            v = getattr(self, name)
+            if not isinstance(v, int | float) or not math.isfinite(v):
+                raise ValueError(f"sigmoid parameter {name}={v!r} must be a finite number")
+        if self.a <= 0 or self.b <= 0:
+            raise ValueError(f"sigmoid needs a > 0 and b > 0 (got a={self.a}, b={self.b})")
+
+    def value(self, x: np.ndarray | float) -> np.ndarray:
+        """U(x)."""
+        return self.d + self.a * logistic(self.b * (np.asarray(x, dtype=np.float64) - self.c))
+
+    __call__ = value
+
+    def derivative(self, x: np.ndarray | float) -> np.ndarray:
+        """U'(x) = a b s (1 - s), largest (a b / 4) at x = c.
+
+        Written as a b e / (1 + e)^2 with e = exp(-|b (x - c)|): s (1 - s) would lose
+        the tail's relative precision to the cancellation in 1 - s.
+        """
+        e = np.exp(-np.abs(self.b * (np.asarray(x, dtype=np.float64) - self.c)))
+        return self.a * self.b * e / (1.0 + e) ** 2
+
+    def second_derivative(self, x: np.ndarray | float) -> np.ndarray:
+        """U''(x) = a b^2 s (1 - s)(1 - 2 s): negative exactly where x > c."""
+        s = logistic(self.b * (np.asarray(x, dtype=np.float64) - self.c))
+        return self.a * self.b**2 * s * (1.0 - s) * (1.0 - 2.0 * s)
+
+    @property
+    def concave_start(self) -> float:
+        """Smallest fraction in [0, 1] from which U is concave (c clipped to [0, 1])."""
+        return float(min(max(self.c, 0.0), 1.0))
+
+    @property
+    def max_slope(self) -> float:
+        """max_x U'(x) = a b / 4, reached at x = c."""
+        return self.a * self.b / 4.0
+
+    def inverse_derivative(self, slope: np.ndarray | float) -> np.ndarray:
+        """The x >= c with U'(x) = slope (the concave branch), for 0 < slope <= a b / 4.
+
+        With g = slope / (a b) = s (1 - s) the branch s >= 1/2 is s = (1 + q) / 2 with
+        q = sqrt(1 - 4 g), and 1 - s = 2 g / (1 + q) (written so that it does not cancel
+        when g is tiny); x = c + logit(s) / b = c + (2 ln(1 + q) - ln(4 g)) / b.
+        Slopes <= 0 map to +inf, slopes above the maximum to c.
+        """
+        m = np.asarray(slope, dtype=np.float64)
+        g = m / (self.a * self.b)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            q = np.sqrt(np.clip(1.0 - 4.0 * g, 0.0, 1.0))
+            x = self.c + (2.0 * np.log1p(q) - np.log(4.0 * g)) / self.b
+        x = np.where(g >= 0.25, self.c, x)
+        return np.where(g <= 0.0, np.inf, x)
+
+    def tangent_from(self, x0: float) -> tuple[float, float]:
+        """The concave envelope's kink for a user now at fraction x0: (x_t, slope).
+
+        Over [x0, 1] the least concave majorant of U is the straight line from (x0, U(x0))
+        to the tangent point x_t, then U itself. The slope (U(x_t) - U(x0)) / (x_t - x0) is
+        the best average utility per unit of fraction the user can get from where it is:
+        the number admission ranks users by. x_t solves h(x) = U'(x)(x - x0) - U(x) + U(x0)
+        = 0 on [max(c, x0), 1]; h is decreasing there (h' = U''(x)(x - x0) < 0) and
+        h(c) >= 0 by the mean value theorem, so bisection finds the unique root; if h(1) > 0
+        the tangent lies beyond the cache and the chord to x = 1 is the envelope.
+        From x0 >= c the curve is already concave: x_t = x0, slope U'(x0).
+        """
+        x0 = float(x0)
+        if x0 >= 1.0:
+            return 1.0, float(self.derivative(1.0))
+        if x0 >= self.c:
+            return x0, float(self.derivative(x0))
+        u0 = float(self.value(x0))
+
+        def h(x: float) -> float:
+            return float(self.derivative(x)) * (x - x0) - float(self.value(x)) + u0
+
+        lo, hi = max(self.c, x0), 1.0
+        if h(hi) >= 0.0:
+            return 1.0, (float(self.value(1.0)) - u0) / (1.0 - x0)
+        for _ in range(200):
+            mid = 0.5 * (lo + hi)
+            if mid <= lo or mid >= hi:
+                break
+            if h(mid) > 0.0:
+                lo = mid
+            else:
+                hi = mid
+        xt = 0.5 * (lo + hi)
+        return xt, (float(self.value(xt)) - u0) / (xt - x0)
+
+    def to_dict(self) -> dict[str, float]:
+        return {"a": self.a, "b": self.b, "c": self.c, "d": self.d}
+
+
+# ----------------------------------------------------------------------------- fitting
+
+
+@dataclass(frozen=True)
+class UtilityFit:
+    """A fitted curve and how well it fits.
+
+    r2: 1 - SSE / SST over the points; rmse: root mean squared residual (accuracy units);
+    floor: whether the floored (4-parameter) variant was chosen; aicc / aicc_alternative:
+    corrected Akaike criteria of the chosen and the other variant (None when not fitted).
+    """
+
+    utility: SigmoidUtility
+    r2: float
+    rmse: float
+    n_points: int
+    floor: bool
+    aicc: float
+    aicc_alternative: float | None
+
+    @property
+    def concave_start(self) -> float:
+        return self.utility.concave_start
+
+
+def _aicc(sse: float, sst: float, n: int, k: int) -> float:
+    """AICc of a least-squares fit with k curve parameters (+1 for the noise variance).
+
+    SSE is floored at 1e-12 SST so that exact fits compare by their parameter count
+    instead of by rounding noise.
+    """
+    kk = k + 1
+    if n - kk - 1 <= 0:
+        return math.inf
+    sse = max(sse, 1e-12 * sst, 1e-300)
+    return n * math.log(sse / n) + 2 * kk + 2 * kk * (kk + 1) / (n - kk - 1)
+
+
+def _fit_variant(x: np.ndarray, y: np.ndarray, with_floor: bool) -> tuple[np.ndarray, float]:
+    """Best least-squares parameters (a, b, c[, d]) over a grid of starts; returns (p, SSE)."""
+    from scipy.optimize import curve_fit
+
+    span = float(y.max() - y.min())
+    ymax, ymin = float(y.max()), float(y.min())
+    scale = max(abs(ymax), abs(ymin), span, 1e-12)
+
+    def f3(xx: np.ndarray, a: float, b: float, c: float) -> np.ndarray:
+        return a * logistic(b * (xx - c))
+
+    def f4(xx: np.ndarray, a: float, b: float, c: float, d: float) -> np.ndarray:
+        return d + a * logistic(b * (xx - c))
+
+    def j3(xx: np.ndarray, a: float, b: float, c: float) -> np.ndarray:
+        s = logistic(b * (xx - c))
+        ds = s * (1.0 - s)
+        return np.stack([s, a * ds * (xx - c), -a * b * ds], axis=1)
+
+    def j4(xx: np.ndarray, a: float, b: float, c: float, d: float) -> np.ndarray:
+        return np.concatenate([j3(xx, a, b, c), np.ones((xx.size, 1))], axis=1)
+
+    b_lo, b_hi = 1e-2, 1e3
+    c_lo, c_hi = -1.0, 2.0
+    if with_floor:
+        func, jac = f4, j4
+        lower = [1e-9 * scale, b_lo, c_lo, ymin - 2.0 * scale]
+        upper = [4.0 * scale, b_hi, c_hi, ymax]
+    else:
+        func, jac = f3, j3
+        lower = [1e-9 * scale, b_lo, c_lo]
+        upper = [4.0 * scale, b_hi, c_hi]
+
+    # Starts: the midpoint where y crosses half its range (and the data's quartiles), the
+    # steepness from the steepest observed rise (U'(c) = a b / 4) and a few fixed values.
+    order = np.argsort(x)
+    xs, ys = x[order], y[order]
+    d0 = ymin if with_floor else 0.0
+    a0 = max(ymax - d0, 1e-6 * scale)
+    half = d0 + 0.5 * a0
+    above = np.nonzero(ys >= half)[0]
+    c_mid = float(xs[above[0]]) if above.size else float(np.median(xs))
+    dx = np.diff(xs)
+    ok = dx > 1e-12
+    steep = float(np.max(np.diff(ys)[ok] / dx[ok])) if ok.any() else 1.0
+    b_est = min(max(4.0 * max(steep, 1e-9) / a0, b_lo * 2), b_hi / 2)
+    c_starts = {c_mid, *np.quantile(xs, [0.25, 0.5, 0.75]).tolist()}
+    b_starts = {b_est, 5.0, 20.0, 80.0}
+
+    best_p, best_sse = None, math.inf
+    for c0 in sorted(c_starts):
+        for b0 in sorted(b_starts):
+            p0 = [a0, b0, c0] + ([d0] if with_floor else [])
+            p0 = np.clip(p0, np.array(lower) + 1e-12, np.array(upper) - 1e-12)
+            try:
+                p, _ = curve_fit(
+                    func, x, y, p0=p0, jac=jac, bounds=(lower, upper), method="trf", maxfev=4000
+                )
+            except (RuntimeError, ValueError):
+                continue
+            sse = float(np.sum((func(x, *p) - y) ** 2))
+            if np.all(np.isfinite(p)) and sse < best_sse:
+                best_p, best_sse = p, sse
+    if best_p is None:
+        raise UserError("the sigmoid fit did not converge from any starting point")
+    return np.asarray(best_p, dtype=np.float64), best_sse
+
+
+def fit_sigmoid(
+    fractions: Sequence[float] | np.ndarray,
+    accuracies: Sequence[float] | np.ndarray,
+    floor: FloorChoice = "auto",
+) -> UtilityFit:
+    """Least-squares sigmoid through measured (fraction, accuracy) points.
+
+    floor="auto" fits both variants and keeps the floored one only if its AICc is lower by
+    more than FLOOR_AICC_MARGIN (the extra parameter must pay for itself; with fewer than 7
+    points the floored variant has no degrees of freedom left and is not considered);
+    "yes"/"no" force the choice.
+    Raises UserError on input no sigmoid can be fitted to (too few distinct fractions,
+    fractions outside [0, 1], non-finite values, constant accuracy).
+    """
+    x = np.asarray(fractions, dtype=np.float64).ravel()
+    y = np.asarray(accuracies, dtype=np.float64).ravel()
+    if x.shape != y.shape:
+        raise UserError(f"{x.size} fractions but {y.size} accuracies")
+    if not (np.all(np.isfinite(x)) and np.all(np.isfinite(y))):
+        raise UserError("fractions and accuracies must be finite numbers")
+    if x.size and (x.min() < 0.0 or x.max() > 1.0):
+        raise UserError(f"fractions must lie in [0, 1] (got {x.min():g}..{x.max():g})")
+    if np.unique(x).size < MIN_POINTS:
+        raise UserError(
+            f"need at least {MIN_POINTS} distinct fractions to fit a sigmoid "
+            f"(got {np.unique(x).size})"
+        )
+    sst = float(np.sum((y - y.mean()) ** 2))
+    if sst <= 0.0:
+        raise UserError("accuracy is the same at every fraction: there is no curve to fit")
+    n = int(x.size)
+
+    variants = {"no": [False], "yes": [True], "auto": [False, True]}[floor]
+    if floor == "auto" and n < 7:
+        variants = [False]
+    fits: dict[bool, tuple[np.ndarray, float, float]] = {}
+    for with_floor in variants:
+        p, sse = _fit_variant(x, y, with_floor)
+        fits[with_floor] = (p, sse, _aicc(sse, sst, n, 4 if with_floor else 3))
+    # The floor must pay for its parameter by more than FLOOR_AICC_MARGIN (Burnham and
+    # Anderson's "substantial support"): a floor that barely helps is noise, and a spurious
+    # floor shifts the curve's value at x = 0 that admission decisions rest on.
+    if len(fits) == 1:
+        chosen = next(iter(fits))
+    else:
+        chosen = fits[True][2] < fits[False][2] - FLOOR_AICC_MARGIN
+    p, sse, aicc = fits[chosen]
+    other = fits.get(not chosen)
+    d = float(p[3]) if chosen else 0.0
+    util = SigmoidUtility(a=float(p[0]), b=float(p[1]), c=float(p[2]), d=d)
+    return UtilityFit(
+        utility=util,
+        r2=1.0 - sse / sst,
+        rmse=math.sqrt(sse / n),
+        n_points=n,
+        floor=chosen,
+        aicc=aicc,
+        aicc_alternative=None if other is None else other[2],
+    )
+
+
+# ----------------------------------------------------------------------- measured data
+
+
+@dataclass
+class MeasuredCurve:
+    """Accuracy measured at several delivered fractions for one (model, context length).
+
+    This is what `kvtransport fit-utility` fits. Today it is read from a points file; the
+    real-model measurement (kvtransport.hf + kvtransport.tasks) will produce the same
+    object, so fitting, the table and the plot do not change when it lands.
+    """
+
+    model: str
+    context_tokens: int
+    fractions: np.ndarray
+    accuracies: np.ndarray
+    source: str = ""
+
+
+# --------------------------------------------------------------------- the curve table
+
+
+@dataclass(frozen=True)
+class UtilityCurve:
+    """One row of the table: a fitted curve for (model, context_tokens) and its quality."""
+
+    model: str
+    context_tokens: int
+    utility: SigmoidUtility
+    r2: float
+    n_points: int
+    floor: bool
+    rmse: float = float("nan")
+    source: str = ""
+
+    @property
+    def concave_start(self) -> float:
+        return self.utility.concave_start
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "context_tokens": self.context_tokens,
+            **self.utility.to_dict(),
+            "r2": self.r2,
+            "rmse": self.rmse,
+            "n_points": self.n_points,
+            "floor": self.floor,
+            "concave_start": self.concave_start,
+            "source": self.source,
+        }
+
+    @classmethod
+    def from_fit(cls, curve: MeasuredCurve, fit: UtilityFit) -> UtilityCurve:
+        return cls(
+            model=curve.model,
+            context_tokens=curve.context_tokens,
+            utility=fit.utility,
+            r2=fit.r2,
+            n_points=fit.n_points,
+            floor=fit.floor,
+            rmse=fit.rmse,
+            source=curve.source,
+        )
+
+
+def _curve_from_dict(row: Any, where: str) -> UtilityCurve:
+    if not isinstance(row, dict):
+        raise UserError(f"{where}: each curve must be a JSON object")
+    missing = [k for k in ("model", "context_tokens", "a", "b", "c") if k not in row]
+    if missing:
+        raise UserError(f"{where}: curve lacks {', '.join(missing)}")
+    model = row["model"]
+    if not isinstance(model, str) or not model:
+        raise UserError(f"{where}: model must be a non-empty string")
+    ctx = row["context_tokens"]
+    if not isinstance(ctx, int) or isinstance(ctx, bool) or ctx <= 0:
+        raise UserError(f"{where}: context_tokens must be a positive integer (got {ctx!r})")
+    nums = {}
+    for k in ("a", "b", "c", "d", "r2", "rmse"):
+        v = row.get(k, 0.0 if k == "d" else float("nan") if k in ("r2", "rmse") else None)
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            raise UserError(f"{where}: {k} must be a number (got {v!r})")
+        nums[k] = float(v)
+    try:
+        util = SigmoidUtility(a=nums["a"], b=nums["b"], c=nums["c"], d=nums["d"])
+    except ValueError as exc:
+        raise UserError(f"{where}: {exc}") from None
+    n_points = row.get("n_points", 0)
+    if not isinstance(n_points, int) or isinstance(n_points, bool) or n_points < 0:
+        raise UserError(f"{where}: n_points must be a non-negative integer")
+    return UtilityCurve(
+        model=model,
+        context_tokens=ctx,
+        utility=util,
+        r2=nums["r2"],
+        n_points=n_points,
+        floor=bool(row.get("floor", nums["d"] != 0.0)),
+        rmse=nums["rmse"],
+        source=str(row.get("source", "")),
+    )
+
+
+@dataclass
+class UtilityTable:
+    """Fitted utility curves keyed by (model, context length); the file the daemon reads.
+
+    File layout (JSON): {"format": "kvtransport.utility/1", "curves": [{"model": ...,
+    "context_tokens": ..., "a": ..., "b": ..., "c": ..., "d": ..., "r2": ...,
+    "concave_start": ..., ...}, ...]}. ``concave_start`` is written for people reading the
+    file; loading recomputes it from c.
+    """
+
+    curves: dict[tuple[str, int], UtilityCurve] = field(default_factory=dict)
+
+    def put(self, curve: UtilityCurve) -> None:
+        self.curves[(curve.model, curve.context_tokens)] = curve
+
+    def get(self, model: str, context_tokens: int) -> UtilityCurve:
+        """The curve fitted for exactly this model and context length (KeyError if none)."""
+        return self.curves[(model, context_tokens)]
+
+    def lookup(self, model: str, context_tokens: int) -> UtilityCurve:
+        """The model's curve whose context length is nearest on a log scale.
+
+        A transfer rarely has exactly a measured context length; the curve of the
+        nearest measured length (ratio-wise: 3000 is nearer 4096 than 2048) stands in.
+        Raises KeyError if the model has no curve at all.
+        """
+        rows = [cv for (m, _), cv in self.curves.items() if m == model]
+        if not rows:
+            known = sorted({m for m, _ in self.curves})
+            raise KeyError(f"no utility curve for model {model!r} (have: {known})")
+        target = math.log(max(int(context_tokens), 1))
+        return min(
+            rows, key=lambda cv: (abs(math.log(cv.context_tokens) - target), cv.context_tokens)
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        rows = [self.curves[k].to_dict() for k in sorted(self.curves)]
+        return {"format": TABLE_FORMAT, "curves": rows}
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write atomically (temp file + rename): a reader never sees half a table."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w") as fh:
+                json.dump(self.to_dict(), fh, indent=2)
+                fh.write("\n")
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> UtilityTable:
+        """Read and validate a table; any problem is a one-line UserError naming the file."""
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            raise UserError(f"{path}: no such utility table") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UserError(f"{path}: cannot read ({exc})") from None
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+        if not isinstance(doc, dict) or doc.get("format") != TABLE_FORMAT:
+            raise UserError(f"{path}: not a utility table (expected format {TABLE_FORMAT!r})")
+        rows = doc.get("curves")
+        if not isinstance(rows, list):
+            raise UserError(f"{path}: 'curves' must be a list")
+        table = cls()
+        for i, row in enumerate(rows):
+            table.put(_curve_from_dict(row, f"{path}: curve {i}"))
+        return table
+
+    def __len__(self) -> int:
+        return len(self.curves)
+
+    def __iter__(self) -> Iterator[UtilityCurve]:
+        return iter(self.curves[k] for k in sorted(self.curves))
