@@ -132,6 +132,7 @@ class _Direction:
             "passed_non_ip": 0,
             "gso_frames_split": 0,
             "late_over_1ms": 0,
+            "malformed": 0,
         }
         self.last_t = 0.0
         self.lag_max = 0.0
@@ -265,14 +266,18 @@ def run_relay(cfg: RelayConfig, stop_after_s: float | None = None) -> dict[str, 
         if ch is None:
             _send(d, data)
             return
-        if data[1] == GSO_UDP_L4 and data[VNET_LEN + 23] == 17:
-            gso_size = VNET_HDR.unpack_from(data)[3]
+        gso_size = VNET_HDR.unpack_from(data)[3]
+        if data[1] == GSO_UDP_L4 and gso_size > 0 and len(data) > VNET_LEN + 42:
+            if data[VNET_LEN + 23] != 17:  # UDP_L4 GSO that is not UDP: malformed
+                d.counters["malformed"] += 1
+                return
             d.counters["gso_frames_split"] += 1
             frames = [NO_VNET + f for f in segment_udp4(data[VNET_LEN:], gso_size)]
         else:
             frames = [data]
         for frame in frames:
-            arrival = ch.transmit(now, len(frame) - VNET_LEN - 42)
+            # no rate limit in this channel (kernel tbf does it), so the size is moot
+            arrival = ch.transmit(now, 0)
             if arrival is None:
                 d.counters["lost"] += 1
                 continue
@@ -319,7 +324,10 @@ def run_relay(cfg: RelayConfig, stop_after_s: float | None = None) -> dict[str, 
                 if lag > 0.001:
                     d.counters["late_over_1ms"] += 1
                 d.last_t = t_rx
-                _ingest(d, data, t_rx)
+                try:
+                    _ingest(d, data, t_rx)
+                except (ValueError, IndexError, struct.error):
+                    d.counters["malformed"] += 1  # never let one odd frame stop the link
         now = time.monotonic()
         while pending and pending[0][0] <= now:
             _release, _o, d, frame = heapq.heappop(pending)

@@ -250,7 +250,7 @@ def test_rate_limit_holds_when_blasting(clean_prefix):
 
 @netns
 @pytest.mark.netns
-def test_gso_batches_are_cut_into_datagrams(clean_prefix):
+def test_relay_cuts_gso_batches_and_survives_garbage(clean_prefix):
     with Testbed("clean", prefix=PREFIX, backend="relay") as tb:
         rx = tb.socket("rcv")
         rx.setsockopt(socket.SOL_SOCKET, 33, 8 << 20)  # SO_RCVBUFFORCE: we read at the end
@@ -265,7 +265,22 @@ def test_gso_batches_are_cut_into_datagrams(clean_prefix):
         with pytest.raises(TimeoutError):
             while True:
                 got.append(rx.recv(65536))
+        # garbage frames (truncated IPv4, unknown ethertype, header only) do not stop the relay
+        raw = tb.socket("snd", socket.AF_PACKET, socket.SOCK_RAW)
+        raw.bind(("kvt-s", 0))
+        eth = bytes.fromhex("024b56000002024b56000001")
+        for frame in (
+            eth + b"\x08\x00" + b"\x45\x00\x01",
+            eth + b"\x88\xb5" + bytes(60),
+            eth + b"\x08\x00",
+        ):
+            raw.send(frame)
+        raw.close()
+        tx.sendto(b"still alive", (RCV_ADDR, 9100))
+        rx.settimeout(5.0)
+        assert rx.recv(100) == b"still alive"
         relay = tb.relay_status()
+        assert status(tb.prefix)["relay_running"]
         tx.close()
         rx.close()
     assert len(got) == 400 and all(len(d) == 1000 for d in got)
