@@ -76,6 +76,7 @@ class RelayConfig:
     fwd_in: str
     fwd_out: str
     reverse: str = "delay"
+    shaper: str = "tbf"
     status_file: str | None = None
     sndbuf_bytes: int = 8 << 20
     rcvbuf_bytes: int = 8 << 20
@@ -138,6 +139,13 @@ class _Direction:
         self.lag_max = 0.0
 
 
+def _wire_payload(frame: bytes) -> int:
+    """Bytes the Channel should count: the frame minus the 42 bytes of Ethernet, IPv4 and
+    UDP headers it adds itself (so a UDP datagram counts as its payload, as in the
+    simulator)."""
+    return len(frame) - VNET_LEN - 42
+
+
 def _packet_socket(ifname: str, cfg: RelayConfig) -> socket.socket:
     s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
     s.setsockopt(SOL_PACKET, PACKET_VNET_HDR, 1)
@@ -182,11 +190,18 @@ def _build_channels(cfg: RelayConfig) -> tuple[Any, Any, str]:
     prof = profile_from_mapping(cfg.profile, cfg.profile_spec, "relay config")
     seeds = np.random.SeedSequence(cfg.seed).spawn(2)
     loss, delay = prof.samplers(seeds[0])
-    fwd = Channel(loss, delay)  # no rate here: kernel tbf limits the rate
+    shaping: dict[str, Any] = {}
+    if cfg.shaper == "relay":  # the simulator's token bucket, on kernel arrival times
+        shaping = {
+            "rate_bps": prof.rate_bps,
+            "queue_bytes": prof.effective_queue_bytes(),
+            "burst_bytes": prof.effective_burst_bytes(),
+        }
+    fwd = Channel(loss, delay, **shaping)  # with shaper "tbf" the kernel limits the rate
     rev = None
     if cfg.reverse == "full":
         rloss, rdelay = prof.samplers(seeds[1])
-        rev = Channel(rloss, rdelay)
+        rev = Channel(rloss, rdelay, **shaping)
     elif cfg.reverse == "delay":
         rng = np.random.default_rng(seeds[1])
         rdelay = DelaySampler(
@@ -276,10 +291,10 @@ def run_relay(cfg: RelayConfig, stop_after_s: float | None = None) -> dict[str, 
         else:
             frames = [data]
         for frame in frames:
-            # no rate limit in this channel (kernel tbf does it), so the size is moot
-            arrival = ch.transmit(now, 0)
+            before = ch.dropped
+            arrival = ch.transmit(now, _wire_payload(frame))
             if arrival is None:
-                d.counters["lost"] += 1
+                d.counters["queue_dropped" if ch.dropped > before else "lost"] += 1
                 continue
             if arrival <= now and not pending:
                 _send(d, frame)

@@ -197,7 +197,7 @@ def test_up_down_lifecycle(clean_prefix):
         # the feedback direction: the profile's delay, no loss
         back = tb.measure_udp(rate_mbps=5, count=300, reverse=True)
         assert back["loss_rate"] == 0.0
-        assert 4.9 < back["owd_ms"]["median"] < 7.0
+        assert 4.95 <= back["owd_ms"]["min"] < 5.5, back["owd_ms"]
     finally:
         removed = tb.down()
     assert any("namespace" in r for r in removed)
@@ -214,38 +214,44 @@ def test_ge_heavy_loss_over_real_udp_matches_the_profile(clean_prefix):
     prof = load_profile("ge-heavy")
     st = prof.loss.stats()
     n = 20_000
-    with Testbed(prof, prefix=PREFIX, seed=11) as tb:
+    # the relay backend shapes with the simulator's own bucket here (kernel tbf is tested
+    # by the rate-limit test): queue drops then follow the model even when the machine
+    # is so busy that the kernel delivers frames late and in bunches
+    backend = "netem" if netem_available() else "relay"
+    with Testbed(prof, prefix=PREFIX, seed=11, backend=backend, shaper="relay") as tb:
         r = tb.measure_udp(rate_mbps=50, count=n)
-        queue_drops = tb.tbf_drops()
+        queue_drops = tb.queue_drops()
         relay = tb.relay_status()
-    assert r["sent"] == n and r["duplicates"] == 0
+    diag = {"probe": r, "queue_drops": queue_drops, "relay": relay}
+    assert r["sent"] == n and r["duplicates"] == 0 and r["sender"]["send_errors"] == 0, diag
     # paced at half the link rate, the queue must not overflow (a broken shaper would)
-    assert queue_drops <= 0.01 * n
+    assert queue_drops <= 0.002 * n, diag
     link_lost = n - r["received"] - queue_drops
     rate = link_lost / n
     sd = math.sqrt(st.asymptotic_var / n)  # includes the burst correlation
-    assert abs(rate - st.loss_rate) < 4 * sd, (rate, st.loss_rate, sd)
+    assert abs(rate - st.loss_rate) < 4 * sd, (rate, st.loss_rate, sd, diag)
     if relay is not None:  # the relay's own books agree with what the receiver saw
         assert relay["forward"]["lost"] == link_lost
         assert relay["forward"]["overruns"] == 0
     # bursts: the mean run of consecutive losses is the model's (queue drops excluded)
-    if queue_drops == 0:
-        se = r["loss_run_sd"] / math.sqrt(r["loss_runs"])
-        assert abs(r["mean_loss_run"] - st.mean_burst) < 4 * se, (r["mean_loss_run"], se)
-    assert r["owd_ms"]["min"] >= 5.0 and r["owd_ms"]["median"] < 6.0
+    se = r["loss_run_sd"] / math.sqrt(r["loss_runs"])
+    assert abs(r["mean_loss_run"] - st.mean_burst) < 4 * se, (r["mean_loss_run"], se, diag)
+    # every packet gets the 5 ms delay (the minimum is robust to a busy machine's stalls)
+    assert 4.95 <= r["owd_ms"]["min"] < 5.5, r["owd_ms"]
 
 
 @netns
 @pytest.mark.netns
-def test_rate_limit_holds_when_blasting(clean_prefix):
-    with Testbed("clean", rate_mbps=30, prefix=PREFIX) as tb:
+@pytest.mark.parametrize("shaper", ["tbf", "relay"])
+def test_rate_limit_holds_when_blasting(clean_prefix, shaper):
+    with Testbed("clean", rate_mbps=30, prefix=PREFIX, shaper=shaper) as tb:
         r = tb.measure_udp(rate_mbps=60, count=8000)
-        drops = tb.tbf_drops()
+        drops = tb.queue_drops()
     assert r["throughput_wire_mbps"] == pytest.approx(30, rel=0.05)
     assert r["received"] + drops == r["sent"]
     assert drops > 0.4 * r["sent"]
     # the queue is 50 ms at the rate: a full queue adds ~50 ms to the 5 ms delay
-    assert 45 < r["owd_ms"]["p99"] < 65
+    assert 50 < r["owd_ms"]["median"] < 60, r["owd_ms"]
 
 
 @netns

@@ -68,6 +68,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the feedback direction: the same delay only (default), the full profile, "
         "or no impairment",
     )
+    up.add_argument(
+        "--shaper",
+        choices=["tbf", "relay"],
+        default="tbf",
+        help="relay backend: rate limit by kernel tbf (default), or by the relay's own token "
+        "bucket on kernel arrival timestamps (exact model even on a CPU-starved machine)",
+    )
     up.add_argument("--seed", type=int, default=0, help="loss-model seed (relay backend)")
     up.add_argument("--replace", action="store_true", help="tear down a running testbed first")
     _prefix(up)
@@ -144,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             profiles_file=args.profiles,
             prefix=args.prefix,
+            shaper=args.shaper,
         ).up()
         why = {
             ("auto", "netem"): "kernel sch_netem available",
@@ -152,7 +160,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"netem up: backend {bed.backend} ({why})")
         print(f"  profile  {bed.profile.describe()}")
         print(f"  link     {bed.snd_ns} {tb.SND_ADDR}  ->  {bed.rcv_ns} {tb.RCV_ADDR}")
-        print(f"  reverse  {args.reverse}")
+        shaper = "netem + tbf" if bed.backend == "netem" else f"relay, rate limit by {bed.shaper}"
+        print(f"  shaping  {shaper}; reverse direction: {args.reverse}")
         print(f"  use      ip netns exec {bed.snd_ns} COMMAND   (and {bed.rcv_ns})")
         return 0
     if args.action == "down":
@@ -178,7 +187,7 @@ def _print_status(st: dict) -> None:
     print(f"netem: {'up' if st['up'] else 'BROKEN'} (prefix {st['prefix']})")
     print(f"  backend     {state['backend']}")
     print(f"  profile     {state['description']}")
-    print(f"  reverse     {state['reverse']}")
+    print(f"  shaping     {state.get('shaper', '?')}; reverse direction: {state['reverse']}")
     print(f"  namespaces  {', '.join(st['namespaces'])}")
     if state.get("relay_pid"):
         alive = "running" if st.get("relay_running") else "NOT RUNNING"
