@@ -14,8 +14,10 @@ Details that make it transparent:
   filled in by offload (veth hands over CHECKSUM_PARTIAL packets) is re-sent with the
   same virtio-net header, so the checksum is completed and the receiver accepts it.
 * UDP GSO super-frames (one send of many datagrams) are cut into their datagrams here,
-  so the loss model applies per datagram, as on a real link (kernel netem would drop
-  or keep a whole GSO batch as one packet). TCP GSO frames pass as one unit.
+  so the loss model applies per datagram, as on a real link. (The testbed also sets
+  ``gso_max_segs 1`` on the end veths, so the kernel normally does this before the relay
+  sees the frames; TCP then sends MTU-sized packets. A TCP GSO frame, should one come,
+  passes as one unit.)
 * ``PACKET_IGNORE_OUTGOING``: the relay never reads back what it sent itself.
 * Non-IPv4 frames (ARP) pass at once, unimpaired.
 

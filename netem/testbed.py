@@ -26,9 +26,13 @@ sent and drops from it (1-3% extra loss on ge-heavy at 50 Mbit/s), while the rel
 bucket, working on arrival timestamps, drops exactly what the model drops.
 
 The netem backend is used where the kernel has sch_netem (probed); otherwise the relay.
-A kernel-netem caveat: netem drops or keeps a UDP GSO batch as ONE packet; the relay cuts
-GSO batches into datagrams first. Senders that want per-datagram loss under the netem
-backend should not use UDP GSO.
+
+Segmentation offload: both end veths have ``gso_max_segs 1``, so TCP builds MTU-sized
+packets and a UDP GSO send (one syscall, many datagrams) is cut into datagrams by the
+kernel before it reaches the relay; loss then applies per datagram, as on a real link.
+Caveat of the netem backend: the netem qdisc sits before that segmentation and drops or
+keeps a whole UDP GSO batch as ONE packet; senders that want per-datagram loss under
+kernel netem should not use UDP GSO (TCP is fine).
 
 API: ``Testbed(profile, ...).up()`` / ``with Testbed(...) as tb:`` / ``tb.run("snd", argv)``
 / ``tb.popen("rcv", argv)``; ``teardown(prefix)`` and ``status(prefix)`` work from the
@@ -241,7 +245,9 @@ def build_plan(
         (rcv, IF_RCV, RCV_ADDR, SND_ADDR, SND_MAC),
     ):
         cmds.append(_cmd(f"ip -n {n} addr add {addr}/{PREFIX_LEN} dev {dev}"))
-        cmds.append(_cmd(f"ip -n {n} link set dev {dev} up"))
+        # one segment per packet: TCP sends MTU-sized packets and the kernel cuts UDP GSO
+        # batches before the link, so loss applies per datagram (see the module doc)
+        cmds.append(_cmd(f"ip -n {n} link set dev {dev} gso_max_segs 1 up"))
         cmds.append(
             _cmd(f"ip -n {n} neigh replace {peer_addr} lladdr {peer_mac} dev {dev} nud permanent")
         )

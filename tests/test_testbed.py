@@ -80,6 +80,7 @@ def test_netem_backend_commands():
         "peer name kvt-r address 02:4b:56:00:00:02 netns kvt-rcv" in cmds
     )
     assert "ip -n kvt-snd addr add 10.77.0.1/24 dev kvt-s" in cmds
+    assert "ip -n kvt-snd link set dev kvt-s gso_max_segs 1 up" in cmds
     assert (
         "ip -n kvt-rcv neigh replace 10.77.0.1 lladdr 02:4b:56:00:00:01 dev kvt-r "
         "nud permanent" in cmds
@@ -289,8 +290,10 @@ def test_relay_cuts_gso_batches_and_survives_garbage(clean_prefix):
         assert status(tb.prefix)["relay_running"]
         tx.close()
         rx.close()
+    # one datagram per segment whoever cut them (the kernel, given gso_max_segs 1 on the
+    # veth, or the relay): the loss model saw 400 packets, not 50
     assert len(got) == 400 and all(len(d) == 1000 for d in got)
-    assert relay["forward"]["gso_frames_split"] == 50
+    assert relay["forward"]["forwarded"] >= 400
 
 
 @netns
