@@ -46,8 +46,12 @@ Reed-Solomon parity symbol of the block of k source symbols starting at ``esi`` 
 with the RETRANSMIT flag. The transport manifest travels in its own ESI space (MANIFEST and
 MANIFEST_REPAIR) with its own RLC code; see kvtransport.transfer for its content.
 
-Feedback payload (receiver -> sender): ``FEEDBACK_FIXED`` then ``n_ranges`` loss ranges
-``(first ESI u32, count u16)`` of source symbols the receiver still misses, lowest first.
+Feedback payload (receiver -> sender): ``FEEDBACK_FIXED`` (counters, loss estimates, flags;
+field list at its definition), then ``n_ranges`` loss ranges ``(first ESI u32, count u16)``
+of recoverable source symbols the receiver still misses, lowest first (the NACK list), then
+``n_segments`` entries ``(segment u32, pending u16)``: how many of its pending repair
+equations have their lowest unknown in the aligned segment of ``REPAIR_SEGMENT`` ESIs, so
+the sender can tell how many more equations each segment needs.
 
 Parsing is defensive: whatever the bytes, :func:`parse` either returns a :class:`Datagram`
 or raises a :class:`WireError` subclass whose ``reason`` names a counter; nothing else
@@ -104,13 +108,18 @@ class ControlCode(IntEnum):
 
 
 # Feedback: echo_seq, echo_delay_us, received, lost, esi_end, decoded_through, unrecovered,
-# source_received, repair_received, loss_rate, burst_mean, flags, n_ranges
-FEEDBACK_FIXED = struct.Struct("!IIIIIIIIIffHH")
+# pending, source_received, repair_received, loss_rate, burst_mean, flags, n_ranges, n_segments
+FEEDBACK_FIXED = struct.Struct("!IIIIIIIIIIffHHH")
 FEEDBACK_RANGE = struct.Struct("!IH")
+FEEDBACK_SEGMENT = struct.Struct("!IH")
 FB_MANIFEST_DONE = 0x01  # the receiver has decoded the transport manifest
 FB_ALL_DONE = 0x02  # every source symbol is known: stop sending
 FB_FINISHED = 0x04  # the receiver has yielded its result (deadline, abort or all done)
-MAX_FEEDBACK_RANGES = 128
+MAX_FEEDBACK_RANGES = 96
+MAX_FEEDBACK_SEGMENTS = 96
+REPAIR_SEGMENT = 64
+"""Reactive RLC repairs stay inside aligned segments of this many ESIs (see
+kvtransport.sender); the receiver reports its pending equations per segment."""
 
 
 class WireError(ValueError):
@@ -354,45 +363,39 @@ class Feedback(NamedTuple):
     lost: int  # data-path datagrams missing from the seq space so far
     esi_end: int  # highest source ESI known + 1 (0: none)
     decoded_through: int  # every source ESI below this is known
-    unrecovered: int  # source ESIs below esi_end still unknown
+    unrecovered: int  # source ESIs below esi_end still unknown and still recoverable
+    pending: int  # independent repair equations held that involve unknown sources
     source_received: int  # source datagrams received (unique ESIs)
     repair_received: int  # repair datagrams received
     loss_rate: float  # receiver's smoothed packet loss rate
     burst_mean: float  # receiver's smoothed loss-burst length (packets)
     flags: int  # FB_* bits
     ranges: tuple[tuple[int, int], ...]  # missing source ESIs: (first, count), lowest first
+    segments: tuple[tuple[int, int], ...] = ()  # (segment index, pending equations pivoted there)
 
 
 def encode_feedback(fb: Feedback, out: memoryview) -> int:
     """Write ``fb`` into ``out``; return the number of bytes written."""
     ranges = fb.ranges[:MAX_FEEDBACK_RANGES]
-    FEEDBACK_FIXED.pack_into(
-        out,
-        0,
-        fb.echo_seq,
-        fb.echo_delay_us,
-        fb.received,
-        fb.lost,
-        fb.esi_end,
-        fb.decoded_through,
-        fb.unrecovered,
-        fb.source_received,
-        fb.repair_received,
-        fb.loss_rate,
-        fb.burst_mean,
-        fb.flags,
-        len(ranges),
-    )
+    segments = fb.segments[:MAX_FEEDBACK_SEGMENTS]
+    FEEDBACK_FIXED.pack_into(out, 0, *fb[:13], len(ranges), len(segments))
     off = FEEDBACK_FIXED.size
     for first, count in ranges:
         FEEDBACK_RANGE.pack_into(out, off, first, count)
         off += FEEDBACK_RANGE.size
+    for seg, pending in segments:
+        FEEDBACK_SEGMENT.pack_into(out, off, seg, pending)
+        off += FEEDBACK_SEGMENT.size
     return off
 
 
-def feedback_size(n_ranges: int) -> int:
-    """Payload bytes of a feedback with ``n_ranges`` loss ranges."""
-    return FEEDBACK_FIXED.size + min(n_ranges, MAX_FEEDBACK_RANGES) * FEEDBACK_RANGE.size
+def feedback_size(n_ranges: int, n_segments: int = 0) -> int:
+    """Payload bytes of a feedback with that many loss ranges and segment entries."""
+    return (
+        FEEDBACK_FIXED.size
+        + min(n_ranges, MAX_FEEDBACK_RANGES) * FEEDBACK_RANGE.size
+        + min(n_segments, MAX_FEEDBACK_SEGMENTS) * FEEDBACK_SEGMENT.size
+    )
 
 
 def decode_feedback(payload: bytes | memoryview) -> Feedback:
@@ -401,20 +404,28 @@ def decode_feedback(payload: bytes | memoryview) -> Feedback:
     if n < FEEDBACK_FIXED.size:
         raise BadPayload(f"feedback of {n} bytes")
     fields = FEEDBACK_FIXED.unpack_from(payload, 0)
-    n_ranges = fields[-1]
-    if n_ranges > MAX_FEEDBACK_RANGES or n != feedback_size(n_ranges):
-        raise BadPayload(f"feedback announces {n_ranges} ranges in {n} bytes")
-    loss_rate, burst_mean = fields[9], fields[10]
+    n_ranges, n_segments = fields[13], fields[14]
+    if (
+        n_ranges > MAX_FEEDBACK_RANGES
+        or n_segments > MAX_FEEDBACK_SEGMENTS
+        or n != feedback_size(n_ranges, n_segments)
+    ):
+        raise BadPayload(f"feedback announces {n_ranges}+{n_segments} entries in {n} bytes")
+    loss_rate, burst_mean = fields[10], fields[11]
     if not (0.0 <= loss_rate <= 1.0) or not (0.0 <= burst_mean < 1e9):  # also rejects NaN
         raise BadPayload("feedback loss estimates out of range")
     esi_end, through, unrecovered = fields[4], fields[5], fields[6]
     if through > esi_end or unrecovered > esi_end - through:
         raise BadPayload("feedback ESI counters contradict each other")
-    ranges = tuple(
-        FEEDBACK_RANGE.unpack_from(payload, FEEDBACK_FIXED.size + i * FEEDBACK_RANGE.size)
-        for i in range(n_ranges)
-    )
+    off = FEEDBACK_FIXED.size
+    step = FEEDBACK_RANGE.size
+    ranges = tuple(FEEDBACK_RANGE.unpack_from(payload, off + i * step) for i in range(n_ranges))
     for first, count in ranges:
         if count == 0 or first < through or first + count > esi_end:
             raise BadPayload("feedback loss range outside the reported window")
-    return Feedback(*fields[:12], ranges)
+    off += n_ranges * step
+    step = FEEDBACK_SEGMENT.size
+    segments = tuple(
+        FEEDBACK_SEGMENT.unpack_from(payload, off + i * step) for i in range(n_segments)
+    )
+    return Feedback(*fields[:13], ranges, segments)

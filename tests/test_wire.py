@@ -16,7 +16,7 @@ TID = 0xDEADBEEF_01234567
 def _all_types(framer: wire.Framer) -> list[tuple[bytes, dict]]:
     """One datagram of every type with distinctive field values."""
     sym = bytes(range(256)) * 5
-    fb = wire.Feedback(7, 250, 100, 12, 90, 40, 3, 80, 20, 0.12, 2.5, wire.FB_MANIFEST_DONE,
+    fb = wire.Feedback(7, 250, 100, 12, 90, 40, 3, 2, 80, 20, 0.12, 2.5, wire.FB_MANIFEST_DONE,
                        ((41, 2), (60, 1)))  # fmt: skip
     fb_buf = bytearray(wire.feedback_size(2))
     n = wire.encode_feedback(fb, memoryview(fb_buf))
@@ -65,11 +65,11 @@ def test_repair_fields_follow_rfc8681_layout():
 
 
 def test_feedback_payload_round_trips():
-    fb = wire.Feedback(1, 2, 3, 4, 100, 10, 7, 5, 6, 0.25, 3.0, wire.FB_ALL_DONE,
-                       ((10, 3), (20, 4)))  # fmt: skip
+    fb = wire.Feedback(1, 2, 3, 4, 100, 10, 7, 1, 5, 6, 0.25, 3.0, wire.FB_ALL_DONE,
+                       ((10, 3), (20, 4)), ((0, 1), (3, 2)))  # fmt: skip
     buf = bytearray(1024)
     n = wire.encode_feedback(fb, memoryview(buf))
-    assert n == wire.feedback_size(2)
+    assert n == wire.feedback_size(2, 2)
     assert wire.decode_feedback(bytes(buf[:n])) == fb
 
 
@@ -128,7 +128,7 @@ def test_authentication_rejects_forged_missing_and_foreign_key_tags():
 
 
 def test_bad_feedback_payloads_raise_bad_payload():
-    fb = wire.Feedback(1, 2, 3, 4, 100, 10, 7, 5, 6, 0.25, 3.0, 0, ((10, 3),))
+    fb = wire.Feedback(1, 2, 3, 4, 100, 10, 7, 1, 5, 6, 0.25, 3.0, 0, ((10, 3),))
     buf = bytearray(1024)
     n = wire.encode_feedback(fb, memoryview(buf))
     good = bytes(buf[:n])
@@ -136,13 +136,13 @@ def test_bad_feedback_payloads_raise_bad_payload():
         good[:-1],  # truncated range
         good + b"\0" * 6,  # more ranges than announced
         good[:10],
-        wire.FEEDBACK_FIXED.pack(1, 2, 3, 4, 5, 10, 0, 0, 0, 0.1, 1.0, 0, 0),  # through > end
-        wire.FEEDBACK_FIXED.pack(1, 2, 3, 4, 50, 10, 41, 0, 0, 0.1, 1.0, 0, 0),  # too many
-        wire.FEEDBACK_FIXED.pack(1, 2, 3, 4, 50, 10, 0, 0, 0, float("nan"), 1.0, 0, 0),
-        wire.FEEDBACK_FIXED.pack(1, 2, 3, 4, 50, 10, 0, 0, 0, 1.5, 1.0, 0, 0),
-        wire.FEEDBACK_FIXED.pack(1, 2, 3, 4, 50, 10, 1, 0, 0, 0.1, 1.0, 0, 1)
+        wire.FEEDBACK_FIXED.pack(1, 2, 3, 4, 5, 10, 0, 0, 0, 0, 0.1, 1.0, 0, 0, 0),  # through > end
+        wire.FEEDBACK_FIXED.pack(1, 2, 3, 4, 50, 10, 41, 0, 0, 0, 0.1, 1.0, 0, 0, 0),  # too many
+        wire.FEEDBACK_FIXED.pack(1, 2, 3, 4, 50, 10, 0, 0, 0, 0, float("nan"), 1.0, 0, 0, 0),
+        wire.FEEDBACK_FIXED.pack(1, 2, 3, 4, 50, 10, 0, 0, 0, 0, 1.5, 1.0, 0, 0, 0),
+        wire.FEEDBACK_FIXED.pack(1, 2, 3, 4, 50, 10, 1, 0, 0, 0, 0.1, 1.0, 0, 1, 0)
         + struct.pack("!IH", 5, 1),  # range below decoded_through
-        wire.FEEDBACK_FIXED.pack(1, 2, 3, 4, 50, 10, 1, 0, 0, 0.1, 1.0, 0, 1)
+        wire.FEEDBACK_FIXED.pack(1, 2, 3, 4, 50, 10, 1, 0, 0, 0, 0.1, 1.0, 0, 1, 0)
         + struct.pack("!IH", 20, 0),  # empty range
     ]
     for payload in bad:

@@ -1,0 +1,146 @@
+"""Loss accounting on both ends of the feedback loop.
+
+The receiver's :class:`LossMonitor` turns the data path's packet numbers (the header's
+``seq``, one per data datagram whatever its type) into counts of received and lost
+datagrams, a smoothed loss rate and a smoothed loss-burst length; these go into every
+feedback report. The sender's :class:`SentLog` remembers, per recent packet number, when it
+left and how many sources and repairs had left by then, so a report that echoes packet
+``seq`` tells the sender its RTT and exactly what is still in flight.
+
+Both are fixed-size rings: state stays bounded on endless streams.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+SEQ_RING = 1 << 14
+_MASK = SEQ_RING - 1
+BURST_GAIN = 1 / 8
+LOSS_MEMORY_PACKETS = 256.0
+
+
+class LossMonitor:
+    """Receiver-side accounting of the data path from packet numbers.
+
+    A gap in the numbers is one loss burst of that many datagrams; a late datagram that
+    fills a gap (reordering) is counted as received again, a repeated number (duplicate) is
+    ignored. ``loss_rate`` is refreshed by :meth:`sample` at each feedback report, weighted
+    by the number of datagrams the interval covered (memory about LOSS_MEMORY_PACKETS).
+    """
+
+    __slots__ = (
+        "_ring",
+        "highest",
+        "received",
+        "duplicates",
+        "bursts",
+        "burst_mean",
+        "loss_rate",
+        "loss_recent",
+        "_prev_lost",
+        "_prev_received",
+        "_sampled",
+    )
+
+    def __init__(self) -> None:
+        self._ring = [-1] * SEQ_RING
+        self.highest = -1
+        self.received = 0
+        self.duplicates = 0
+        self.bursts = 0
+        self.burst_mean = 1.0
+        self.loss_rate = 0.0
+        self.loss_recent = 0.0
+        self._prev_lost = 0
+        self._prev_received = 0
+        self._sampled = False
+
+    @property
+    def lost(self) -> int:
+        """Datagrams missing from the numbers seen so far."""
+        return self.highest + 1 - self.received
+
+    def on_packet(self, seq: int) -> int:
+        """Account datagram ``seq``: returns the length of a newly detected loss burst
+        (0 if none), or -1 for a duplicate (or a number too old to tell)."""
+        h = self.highest
+        if seq <= h - SEQ_RING:
+            self.duplicates += 1
+            return -1
+        slot = seq & _MASK
+        if self._ring[slot] == seq:
+            self.duplicates += 1
+            return -1
+        self._ring[slot] = seq
+        self.received += 1
+        if seq <= h:
+            return 0  # late: fills a gap
+        self.highest = seq
+        gap = seq - h - 1
+        if gap:
+            self.bursts += 1
+            self.burst_mean += BURST_GAIN * (gap - self.burst_mean)
+        return gap
+
+    def sample(self) -> None:
+        """Fold the datagrams since the last call into ``loss_rate`` and ``loss_recent``."""
+        lost, received = self.lost, self.received
+        dl = lost - self._prev_lost
+        dr = received - self._prev_received
+        n = dl + dr
+        if n <= 0:
+            return
+        rate = min(max(dl / n, 0.0), 1.0)
+        self.loss_recent = rate
+        if not self._sampled:
+            self.loss_rate = rate
+            self._sampled = True
+        else:
+            w = min(1.0, n / LOSS_MEMORY_PACKETS)
+            self.loss_rate += w * (rate - self.loss_rate)
+        self._prev_lost, self._prev_received = lost, received
+
+
+class SentLog:
+    """Sender-side ring: per recent packet number, its send time and how many source,
+    repair and reactive-repair datagrams had been sent up to and including it."""
+
+    __slots__ = ("t", "src", "rep", "rea", "newest")
+
+    def __init__(self) -> None:
+        self.t = [0.0] * SEQ_RING
+        self.src = [0] * SEQ_RING
+        self.rep = [0] * SEQ_RING
+        self.rea = [0] * SEQ_RING
+        self.newest = -1
+
+    def record(self, seq: int, t: float, src_total: int, rep_total: int, rea_total: int) -> None:
+        i = seq & _MASK
+        self.t[i] = t
+        self.src[i] = src_total
+        self.rep[i] = rep_total
+        self.rea[i] = rea_total
+        self.newest = seq
+
+    def holds(self, seq: int) -> bool:
+        return 0 <= seq <= self.newest and self.newest - seq < SEQ_RING
+
+    def lookup(self, seq: int) -> tuple[float, int, int, int]:
+        i = seq & _MASK
+        return self.t[i], self.src[i], self.rep[i], self.rea[i]
+
+
+def loss_ranges(known: np.ndarray, lo: int, hi: int, limit: int) -> tuple:
+    """Runs of zeros in ``known[lo:hi]`` as ((first, count), ...), lowest first, at most
+    ``limit`` runs, counts capped at 65535 (the feedback's u16)."""
+    if hi <= lo:
+        return ()
+    seg = known[lo:hi] == 0
+    if not seg.any():
+        return ()
+    d = np.diff(np.concatenate(([False], seg, [False])).astype(np.int8))
+    starts = np.flatnonzero(d == 1)[:limit]
+    ends = np.flatnonzero(d == -1)[:limit]
+    counts = np.minimum(ends - starts, 0xFFFF)
+    return tuple(zip((starts + lo).tolist(), counts.tolist(), strict=True))

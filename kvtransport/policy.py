@@ -1,0 +1,339 @@
+"""Repair policies: one small interface, observation -> discrete action.
+
+The sender asks its policy once per **decision interval** of ``DECISION_PACKETS`` (32)
+data-path slots (manifest, source and repair datagrams alike; at 100 Mbit/s and 1280-byte
+symbols that is about 3.5 ms, close to the receiver's feedback period). Counting slots
+rather than milliseconds keeps the meaning of "repair share" independent of the link rate,
+so one learned policy serves every rate.
+
+**Observation**: a float32 vector of ``OBS_SIZE`` named fields (``OBS_FIELDS``, indices in
+:class:`Obs`), built in place by the sender from its own counters and the latest feedback;
+every field is scaled to a small range (mostly 0..1, counts in units of one interval and
+clipped). The Gymnasium environment of the DDQN sees exactly this vector.
+
+**Action**: an index into the policy's ``actions`` table, rows ``(repair_share, admit)``:
+the share of the next interval's slots that carry repair symbols, and whether new source
+symbols may still be admitted (``admit = 0`` means the whole interval is repair). The shared
+table :data:`ACTIONS` is what adaptive, oracle and DDQN choose from; the fixed-rate
+baselines carry a one-row table with their exact ratio.
+
+**Mode** (``RepairMode``) says what a repair *is* for this policy: a sliding-window RLC
+symbol (``RLC``), nothing (``NONE``), a Reed-Solomon parity of fixed blocks
+(``BLOCK_RS``: ``block_k`` sources then ``block_p`` parities, regardless of the action), or a
+retransmission of a source the receiver NACKed (``ARQ``: retransmissions first, then new
+sources).
+
+Whatever the policy says, the session never admits a source symbol that cannot be useful:
+while ``tail_rule`` is on, the next source is admitted only if the expected surviving slots
+before the deadline cover the repairs still owed plus the rest of that source's block (see
+kvtransport.sender). The clairvoyant oracle turns the rule off and plans admission itself.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import IntEnum
+
+import numpy as np
+
+from kvtransport.errors import UserError
+
+DECISION_PACKETS = 32
+
+
+class Obs(IntEnum):
+    """Indices of the observation vector's fields."""
+
+    TIME_LEFT = 0  # (stop - now) / (stop - start): share of the sending time left, 0..1
+    SOURCE_LEFT = 1  # source symbols not yet sent / all source symbols, 0..1
+    UTILITY_LEFT = 2  # utility of blocks not yet completely sent, 0..1
+    CAPACITY_RATIO = 3  # slots left / (sources unsent + repairs owed), clipped 0..4
+    SLACK = 4  # (expected surviving slots - owed) / interval / 8, clipped -1..8
+    LOSS_RATE = 5  # receiver's smoothed packet loss rate, 0..1
+    LOSS_RECENT = 6  # loss rate over the last feedback interval, 0..1
+    BURST_MEAN = 7  # receiver's smoothed loss-burst length / 10, clipped 0..2
+    DEFICIT = 8  # source symbols sent and known missing / interval, clipped 0..16
+    IN_FLIGHT_SRC = 9  # sources sent after the last reported packet / interval, 0..16
+    IN_FLIGHT_REP = 10  # repairs sent after the last reported packet / interval, 0..16
+    OWED = 11  # expected repairs still needed for what was sent / interval, 0..16
+    FEEDBACK_AGE = 12  # time since the last feedback / smoothed RTT, clipped 0..16
+    RTT = 13  # smoothed RTT in intervals, clipped 0..16
+    MANIFEST_ACKED = 14  # 1 once feedback says the manifest was decoded
+    DECODED = 15  # receiver's decoded-through ESI / all source symbols, 0..1
+    LAST_SHARE = 16  # repair share of the previous action
+    LAST_ADMIT = 17  # admit flag of the previous action
+    PREV_SHARE = 18  # repair share of the action before that
+
+
+OBS_FIELDS = tuple(f.name.lower() for f in Obs)
+OBS_SIZE = len(OBS_FIELDS)
+OBS_CLIP = 16.0
+
+REPAIR_SHARES = (0.0, 1 / 32, 1 / 16, 1 / 8, 3 / 16, 1 / 4, 3 / 8, 1 / 2)
+ACTIONS = np.array([(s, 1.0) for s in REPAIR_SHARES] + [(1.0, 0.0)], dtype=np.float32)
+"""The shared action table: rows (repair share, admit new sources)."""
+N_ACTIONS = len(ACTIONS)
+REPAIR_ONLY = N_ACTIONS - 1
+DEFER = -1
+"""Returned by :class:`ExternalPolicy`: the shell supplies the action (Gymnasium env)."""
+
+
+class RepairMode(IntEnum):
+    NONE = 0
+    RLC = 1
+    BLOCK_RS = 2
+    ARQ = 3
+
+
+@dataclass(frozen=True)
+class PolicyContext:
+    """What a policy may know about a transfer before it starts."""
+
+    n_source: int  # source symbols in the stream
+    symbol_size: int
+    slot_s: float  # seconds between two data-path datagrams at the link rate
+    decision_packets: int  # slots per decision interval
+    budget_s: float  # sending time from start to the sender's stop time
+
+
+class Policy:
+    """Base class: one decision per interval, ``act(obs) -> index into actions``."""
+
+    name = "policy"
+    mode = RepairMode.RLC
+    actions: np.ndarray = ACTIONS
+    tail_rule = True
+    reactive = False
+    block_k = 0
+    block_p = 0
+
+    def reset(self, ctx: PolicyContext) -> None:
+        """Called once per transfer before the first decision."""
+        self.ctx = ctx
+
+    def act(self, obs: np.ndarray) -> int:
+        raise NotImplementedError
+
+
+class NoFEC(Policy):
+    """Sources only, in utility order: whatever is lost stays lost."""
+
+    name = "none"
+    mode = RepairMode.NONE
+    actions = np.array([(0.0, 1.0)], dtype=np.float32)
+
+    def act(self, obs: np.ndarray) -> int:
+        return 0
+
+
+class FixedRLC(Policy):
+    """Streaming RLC at a fixed rate: R repair symbols per N source symbols, spread evenly
+    (repair share R / (R + N)), each over the window the receiver still misses."""
+
+    mode = RepairMode.RLC
+
+    def __init__(self, r: int, n: int) -> None:
+        self.r, self.n = _check_rate(r, n, "fixed")
+        self.name = f"fixed:{r}/{n}"
+        self.actions = np.array([(r / (r + n), 1.0)], dtype=np.float32)
+
+    def act(self, obs: np.ndarray) -> int:
+        return 0
+
+
+class BlockRS(Policy):
+    """Block Reed-Solomon: after every N source symbols, R parity symbols of that block
+    (reedsolo-compatible RS over GF(2^8); N + R <= 255). Blind to feedback."""
+
+    mode = RepairMode.BLOCK_RS
+    actions = np.array([(0.0, 1.0)], dtype=np.float32)
+
+    def __init__(self, r: int, n: int) -> None:
+        self.r, self.n = _check_rate(r, n, "block-rs")
+        if r + n > 255:
+            raise UserError(f"block-rs:{r}/{n}: R + N must be at most 255 (RS over GF(256))")
+        self.name = f"block-rs:{r}/{n}"
+        self.block_k, self.block_p = n, r
+
+    def act(self, obs: np.ndarray) -> int:
+        return 0
+
+
+class ARQ(Policy):
+    """Retransmit what the receiver NACKs (at most once per RTT each), before new sources."""
+
+    name = "arq"
+    mode = RepairMode.ARQ
+    actions = np.array([(0.0, 1.0)], dtype=np.float32)
+
+    def act(self, obs: np.ndarray) -> int:
+        return 0
+
+
+class Adaptive(Policy):
+    """Heuristic RLC scheduler on the feedback's loss and burst estimates.
+
+    Holes that feedback reports are answered first, one RLC repair each over exactly the
+    span holding them (``reactive``: as efficient as ARQ, but any repair fixes any hole).
+    On top, the action's proactive share covers losses feedback cannot report in time:
+    ``p`` times a burst margin when feedback is missing or stale, nothing otherwise. New
+    sources are admitted while the expected surviving slots left cover what is owed, this
+    interval's sources, and ``z`` standard deviations of the losses over the horizon the
+    sender can no longer react to (one RTT plus an interval; inflated for bursts). A
+    shortfall at the end leaves a whole coupled window undecodable, hence the margin.
+    """
+
+    name = "adaptive"
+    mode = RepairMode.RLC
+    reactive = True
+
+    def __init__(self, prior_loss: float = 0.1, z: float = 2.0) -> None:
+        self.prior_loss = prior_loss
+        self.z = z
+        self._shares = ACTIONS[:REPAIR_ONLY, 0].astype(np.float64)
+
+    def act(self, obs: np.ndarray) -> int:
+        ctx = self.ctx
+        n = float(ctx.decision_packets)
+        stale = obs[Obs.FEEDBACK_AGE] >= 4.0
+        p = self.prior_loss if obs[Obs.FEEDBACK_AGE] >= OBS_CLIP else float(obs[Obs.LOSS_RATE])
+        p = min(max(p, float(obs[Obs.LOSS_RECENT]) * 0.5, 0.002), 0.9)
+        burst = max(1.0, float(obs[Obs.BURST_MEAN]) * 10.0)
+        owed = float(obs[Obs.OWED]) * n
+        slots_left = float(obs[Obs.TIME_LEFT]) * ctx.budget_s / ctx.slot_s
+        blind = min(slots_left, float(obs[Obs.RTT]) * n + n)
+        if stale:
+            blind = slots_left
+        sigma = math.sqrt(max(blind, 1.0) * p * (1.0 - p) * (2.0 * burst - 1.0))
+        room = slots_left * (1.0 - p) - owed - self.z * sigma
+        if obs[Obs.SOURCE_LEFT] > 0 and room < n:
+            return REPAIR_ONLY
+        if not stale:
+            return 0
+        want = p * (1.0 + 0.15 * (burst - 1.0))
+        i = int(np.searchsorted(self._shares, min(want, self._shares[-1]) - 1e-9))
+        return min(i, REPAIR_ONLY - 1)
+
+
+class Oracle(Policy):
+    """Clairvoyant reference for evaluation: sees the data channel's future losses.
+
+    The simulator binds the data channel and the sender (``bind_channel``,
+    ``bind_sender``). The oracle reads the loss fate of every slot left before the stop
+    time and of the datagrams in flight, so it knows exactly how many symbols the receiver
+    will miss among what was sent and how many future slots will survive. Reported holes
+    are repaired reactively as in :class:`Adaptive`; it admits sources while the surviving
+    slots left cover what is truly owed plus this interval's sources (no safety margin),
+    and in the last RTT (when feedback can no longer help) sets the proactive share to
+    the losses the next interval will suffer. Not deployable: it reads the channel's
+    random future.
+    """
+
+    name = "oracle"
+    mode = RepairMode.RLC
+    reactive = True
+    tail_rule = False
+
+    def __init__(self) -> None:
+        self.channel = None
+        self.sender = None
+        self._shares = ACTIONS[:REPAIR_ONLY, 0].astype(np.float64)
+        self._fates = np.zeros(0, dtype=np.bool_)
+
+    def bind_channel(self, channel: object) -> None:
+        self.channel = channel
+
+    def bind_sender(self, sender: object) -> None:
+        self.sender = sender
+
+    def act(self, obs: np.ndarray) -> int:
+        if self.channel is None or self.sender is None:
+            raise RuntimeError("the oracle needs the data channel and the sender (bind_*)")
+        s, ch = self.sender, self.channel
+        n = self.ctx.decision_packets
+        slots_left = max(int(float(obs[Obs.TIME_LEFT]) * self.ctx.budget_s / self.ctx.slot_s), 0)
+        future = ch.lookahead_losses(max(slots_left, n))
+        start = ch.sent  # channel index of the next datagram
+        if self._fates.shape[0] < start + future.shape[0]:
+            grown = np.zeros(start + future.shape[0], dtype=np.bool_)
+            grown[: self._fates.shape[0]] = self._fates
+            self._fates = grown
+        self._fates[start : start + future.shape[0]] = future
+        # datagrams in flight: after the last one feedback reported, up to now
+        lost_src, got_pro = 0, 0
+        log = s._log
+        first = max(s._fb_echo + 1, s.seq - 4096, 0)
+        for seq in range(first, s.seq):
+            if seq >= self._fates.shape[0]:
+                break
+            _, src, rep, rea = log.lookup(seq)
+            _, src0, rep0, rea0 = log.lookup(seq - 1) if seq > 0 else (0.0, 0, 0, 0)
+            if src > src0:
+                lost_src += int(self._fates[seq])
+            elif rep - rea > rep0 - rea0 and not self._fates[seq]:
+                got_pro += 1
+        owed = max(0, s.reactive_needed() + lost_src - got_pro)
+        surviving_left = slots_left - int(future[:slots_left].sum())
+        if obs[Obs.SOURCE_LEFT] > 0 and surviving_left - owed < n:
+            return REPAIR_ONLY
+        if slots_left > float(obs[Obs.RTT]) * n + 2 * n:
+            return 0
+        want = float(future[:n].sum()) / n
+        i = int(np.searchsorted(self._shares, min(want, self._shares[-1]) - 1e-9))
+        return min(i, REPAIR_ONLY - 1)
+
+
+class ExternalPolicy(Policy):
+    """The action comes from outside (the Gymnasium environment): ``act`` defers, the
+    sender pauses with the observation ready, and the shell calls ``apply_action``."""
+
+    name = "external"
+    reactive = True
+
+    def __init__(self, mode: RepairMode = RepairMode.RLC) -> None:
+        self.mode = mode
+
+    def act(self, obs: np.ndarray) -> int:
+        return DEFER
+
+
+def _check_rate(r: int, n: int, what: str) -> tuple[int, int]:
+    if r < 0 or n < 1:
+        raise UserError(f"{what}:R/N needs R >= 0 and N >= 1 (got {r}/{n})")
+    return r, n
+
+
+_RATE = re.compile(r"^(fixed|block-rs):(\d+)/(\d+)$")
+_FACTORIES: dict[str, Callable[[], Policy]] = {
+    "none": NoFEC,
+    "arq": ARQ,
+    "adaptive": Adaptive,
+    "oracle": Oracle,
+}
+POLICY_HELP = "none, fixed:R/N, block-rs:R/N, arq, adaptive, oracle (and ddqn once trained)"
+
+
+def register_policy(name: str, factory: Callable[[], Policy]) -> None:
+    """Make ``make_policy(name)`` build ``factory()`` (the DDQN runtime registers itself)."""
+    _FACTORIES[name] = factory
+
+
+def make_policy(spec: str) -> Policy:
+    """Build a policy from its command-line name (see ``POLICY_HELP``)."""
+    spec = spec.strip()
+    m = _RATE.match(spec)
+    if m:
+        kind, r, n = m.group(1), int(m.group(2)), int(m.group(3))
+        return FixedRLC(r, n) if kind == "fixed" else BlockRS(r, n)
+    if spec not in _FACTORIES and spec == "ddqn":
+        try:  # the agents package registers "ddqn" when its runtime is importable
+            importlib.import_module("kvtransport.agents")
+        except ImportError:
+            pass
+    if spec not in _FACTORIES:
+        raise UserError(f"unknown policy {spec!r}; choose from {POLICY_HELP}")
+    return _FACTORIES[spec]()

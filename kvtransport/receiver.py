@@ -1,0 +1,518 @@
+"""The receiving half of the protocol core (sans-I/O): :class:`ReceiverSession`.
+
+Feed it every datagram of its transfer with ``receive_datagram(data, now)``; send what
+``datagrams_to_send(now)`` returns (feedback) back to the sender; call ``handle_timer(now)``
+when ``next_timer()`` has come. When ``finished`` turns true, ``result`` holds the
+:class:`~kvtransport.transfer.TransferResult`.
+
+Per datagram: authenticate and parse (kvtransport.wire); drop and count garbage by reason
+(``drop_reasons``: truncated, bad_magic, bad_tag, foreign_transfer, bad_symbol_size,
+out_of_range, bad_fec, bad_payload, ...); account its packet number (loss and burst
+estimates); then
+
+- SOURCE / REPAIR: into the RLC decoder; every ESI that becomes known (received or
+  recovered) is copied once into the output buffer and counted towards its blocks;
+- BLOCK_REPAIR: into a block Reed-Solomon decoder (kvtransport.codecs.blockrs, holding
+  ``RS_BLOCKS_HELD`` blocks), which from then on also sees every source;
+- MANIFEST / MANIFEST_REPAIR: into the manifest decoder (kvtransport.manifest_fec); once
+  the manifest decodes, the block table is known and completion is counted from the
+  symbols already held;
+- CONTROL: ABORT delivers now; FIN (sender gone) delivers at the deadline, or after a
+  short grace when no deadline is known.
+
+Block completion is incremental: each newly known symbol decrements the missing-symbol
+count of the one or few blocks it overlaps; a block reaching zero adds its utility.
+
+Feedback goes out every ``feedback_interval`` seconds while the transfer is active, at once
+on a newly detected loss (at most every ``MIN_FEEDBACK_GAP``), when the manifest decodes and
+when everything is decoded. It reports the highest packet number seen (and how long ago,
+for the sender's RTT), datagrams received and lost, highest ESI, decoded-through ESI,
+unrecovered count, loss rate, burst length and up to 128 ranges of missing ESIs (NACKs).
+
+The result comes at the deadline (given, or the manifest's deadline counted from the first
+datagram's arrival, which is late by one one-way delay), when everything is decoded, on
+ABORT, or after ``idle_timeout`` without datagrams. State is bounded: symbols beyond
+``max_bytes`` are dropped, the decoder holds ``DECODER_WINDOW`` ESIs, rings are fixed size.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvtransport.codecs.rlc import RLCDecoder
+from kvtransport.feedback import LossMonitor, loss_ranges
+from kvtransport.manifest_fec import ManifestReceiver
+from kvtransport.protocol import (
+    DECODER_WINDOW,
+    DEFAULT_FEEDBACK_INTERVAL,
+    MIN_FEEDBACK_GAP,
+    RELEASE_CHUNK,
+    RELEASE_LAG,
+)
+from kvtransport.transfer import TransferResult, TransportManifest
+from kvtransport.wire import (
+    FB_ALL_DONE,
+    FB_FINISHED,
+    FB_MANIFEST_DONE,
+    MAX_FEEDBACK_RANGES,
+    MAX_FEEDBACK_SEGMENTS,
+    REPAIR_SEGMENT,
+    ControlCode,
+    DatagramType,
+    Feedback,
+    Framer,
+    Parser,
+    WireError,
+    encode_feedback,
+    feedback_size,
+)
+
+_SOURCE = DatagramType.SOURCE
+_REPAIR = DatagramType.REPAIR
+RS_BLOCKS_HELD = 16
+FIN_GRACE = 0.05
+DEFAULT_MAX_BYTES = 1 << 30
+
+
+class ReceiverSession:
+    """Receives one transfer (see the module docstring).
+
+    ``transfer_id=None`` adopts the id of the first valid datagram (a daemon demultiplexes
+    by id before creating the session, so it normally passes the id). ``deadline`` is in the
+    receiver's clock; None takes it from the manifest.
+    """
+
+    def __init__(
+        self,
+        transfer_id: int | None = None,
+        *,
+        key: bytes | None = None,
+        now: float = 0.0,
+        deadline: float | None = None,
+        feedback_interval: float = DEFAULT_FEEDBACK_INTERVAL,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        idle_timeout: float = 10.0,
+    ) -> None:
+        self.transfer_id = transfer_id
+        self._key = key
+        self.parser = Parser(key)
+        self.framer: Framer | None = None
+        self.deadline = deadline
+        self._deadline_given = deadline is not None
+        self.feedback_interval = feedback_interval
+        self.max_bytes = max_bytes
+        self.idle_timeout = idle_timeout
+        self.created = now
+        self.last_activity = now
+
+        self.symbol_size = 0
+        self.decoder: RLCDecoder | None = None
+        self.monitor = LossMonitor()
+        self.manifest_rx = ManifestReceiver()
+        self.manifest: TransportManifest | None = None
+        self.max_symbols = 0
+        self.n_source = 0  # known once the manifest arrives
+        self._known = bytearray(0)
+        self._out = np.zeros(0, dtype=np.uint8)
+        self._out_mv = memoryview(self._out)
+        self.n_known = 0
+        self.esi_end = 0
+        self.through = 0
+        self._released = 0
+        self.source_received = 0
+        self.repair_received = 0
+        self.symbols_recovered = 0
+        self.duplicates = 0
+
+        # blocks (after the manifest)
+        self._blk_first: list[int] = []
+        self._blk_last: list[int] = []
+        self._blk_missing: list[int] = []
+        self._blk_util: list[float] = []
+        self.complete = np.zeros(0, dtype=np.bool_)
+        self.blocks_complete = 0
+        self.utility = 0.0
+
+        self._rs = None  # a BlockRSDecoder once a BLOCK_REPAIR arrives
+
+        self._pending: list[bytes] = []
+        self._fb_seq = 0
+        self._last_fb = -1e300
+        self._next_fb: float | None = None
+        self._highest_at = now
+        self._fin_at: float | None = None
+        self.finished = False
+        self.result: TransferResult | None = None
+        self.timings: dict[str, float] = {}
+        self.drop_reasons: dict[str, int] = {}
+        self.dropped = 0
+        self.feedback_sent = 0
+
+    # ------------------------------------------------------------------ shell API
+
+    def next_timer(self) -> float | None:
+        if self.finished:
+            return None
+        t = self.deadline if self.deadline is not None else self.last_activity + self.idle_timeout
+        if self._fin_at is not None and self._fin_at < t:
+            t = self._fin_at
+        if self._next_fb is not None and self._next_fb < t:
+            t = self._next_fb
+        return t
+
+    def handle_timer(self, now: float) -> None:
+        if self.finished:
+            return
+        if self.deadline is not None and now >= self.deadline:
+            self._finish(now, "deadline")
+        elif self._fin_at is not None and now >= self._fin_at:
+            self._finish(now, "fin")
+        elif self.deadline is None and now >= self.last_activity + self.idle_timeout:
+            self._finish(now, "idle")
+        elif self._next_fb is not None and now >= self._next_fb:
+            self._send_feedback(now)
+
+    def datagrams_to_send(self, now: float) -> list[bytes]:
+        out = self._pending
+        self._pending = []
+        return out
+
+    def receive_datagram(self, data: bytes, now: float) -> None:
+        """Process one datagram; garbage is counted in ``drop_reasons`` and dropped."""
+        try:
+            d = self.parser.parse(data)
+        except WireError as exc:
+            self._drop(exc.reason)
+            return
+        if d.transfer_id != self.transfer_id:
+            if self.transfer_id is None and d.type != DatagramType.FEEDBACK:
+                self.transfer_id = d.transfer_id
+            else:
+                self._drop("foreign_transfer")
+                return
+        t = d.type
+        if t == DatagramType.FEEDBACK:
+            self._drop("unexpected_type")
+            return
+        if self.finished:
+            self._answer_after_finish(now)
+            return
+        if self.framer is None:
+            self.framer = Framer(self.transfer_id, self._key, max_payload=2048)
+            self.timings["first_packet"] = now
+        self.last_activity = now
+        gap = self.monitor.on_packet(d.seq)
+        if self.monitor.highest == d.seq:
+            self._highest_at = now
+        try:
+            if t == _SOURCE:
+                self._on_source(d.esi, d.payload)
+            elif t == _REPAIR:
+                self._on_repair(d)
+            elif t == DatagramType.MANIFEST or t == DatagramType.MANIFEST_REPAIR:
+                self._on_manifest(d, now)
+            elif t == DatagramType.BLOCK_REPAIR:
+                self._on_block_repair(d)
+            else:
+                self._on_control(d.esi, now)
+        except WireError as exc:
+            self._drop(exc.reason)
+            return
+        if self.finished:
+            return
+        if self.manifest is not None and self.n_known == self.n_source:
+            self.timings["complete"] = now
+            self._finish(now, "complete")
+            return
+        if self._next_fb is None:
+            self._next_fb = now + self.feedback_interval
+        if gap > 0 and now - self._last_fb >= MIN_FEEDBACK_GAP:
+            self._send_feedback(now)
+
+    # ------------------------------------------------------------------ symbols
+
+    def _symbol_slot(self, esi: int, size: int) -> None:
+        """Validate a data symbol's ESI and size; size the buffers on first use."""
+        if self.symbol_size == 0:
+            if not 16 <= size <= 65000:
+                raise _Drop("bad_symbol_size")
+            self.symbol_size = size
+            self.max_symbols = max(1, self.max_bytes // size)
+            self.decoder = RLCDecoder(size, max_window=DECODER_WINDOW)
+        elif size != self.symbol_size:
+            raise _Drop("bad_symbol_size")
+        limit = self.n_source if self.manifest is not None else self.max_symbols
+        if esi >= limit:
+            raise _Drop("out_of_range")
+        if esi >= len(self._known):
+            self._grow(esi + 1)
+
+    def _grow(self, need: int) -> None:
+        cap = max(need, 2 * len(self._known), 256)
+        cap = min(cap, self.max_symbols) if self.manifest is None else self.n_source
+        known = bytearray(cap)
+        known[: len(self._known)] = self._known
+        out = np.zeros(cap * self.symbol_size, dtype=np.uint8)
+        out[: self._out.shape[0]] = self._out
+        self._known, self._out = known, out
+        self._out_mv = memoryview(out)
+
+    def _on_source(self, esi: int, payload: memoryview) -> None:
+        self._symbol_slot(esi, len(payload))
+        self.source_received += 1
+        if self._known[esi]:
+            self.duplicates += 1
+            return
+        got = self.decoder.add_source(esi, payload)
+        s = self.symbol_size
+        self._out_mv[esi * s : esi * s + s] = payload
+        self._mark(esi)
+        for e in got:
+            if e != esi and not self._known[e]:
+                self._recovered(e)
+        if self._rs is not None:
+            self._rs_recovered(self._rs.add_source(esi, payload))
+
+    def _on_repair(self, d: object) -> None:
+        first, nss = d.esi, d.dt_nss & 0xFFF
+        self._symbol_slot(first + nss - 1, len(d.payload))
+        self.repair_received += 1
+        try:
+            got = self.decoder.add_repair(first, nss, d.key, d.dt_nss >> 12, d.payload)
+        except ValueError:
+            raise _Drop("bad_fec") from None
+        for e in got:
+            if not self._known[e]:
+                self._recovered(e)
+
+    def _recovered(self, esi: int) -> None:
+        s = self.symbol_size
+        self.decoder.read_into(esi, self._out_mv[esi * s : esi * s + s])
+        self.symbols_recovered += 1
+        self._mark(esi)
+
+    def _mark(self, esi: int) -> None:
+        """ESI ``esi`` became known (its bytes are in the output buffer)."""
+        self._known[esi] = 1
+        self.n_known += 1
+        if esi >= self.esi_end:
+            self.esi_end = esi + 1
+        if esi == self.through:
+            known, t, end = self._known, esi + 1, len(self._known)
+            while t < end and known[t]:
+                t += 1
+            self.through = t
+            if t - RELEASE_LAG - self._released >= RELEASE_CHUNK:
+                self._released = t - RELEASE_LAG
+                self.decoder.release_before(self._released)
+        if self._blk_missing:
+            missing = self._blk_missing
+            for b in range(self._blk_first[esi], self._blk_last[esi] + 1):
+                missing[b] -= 1
+                if missing[b] == 0:
+                    self._block_done(b)
+
+    def _block_done(self, b: int) -> None:
+        self.complete[b] = True
+        self.blocks_complete += 1
+        self.utility += self._blk_util[b]
+
+    # ------------------------------------------------------------------ manifest
+
+    def _on_manifest(self, d: object, now: float) -> None:
+        m = self.manifest_rx.add(d)
+        if m is None:
+            return
+        if self.symbol_size and m.symbol_size != self.symbol_size:
+            raise _Drop("bad_manifest")
+        if m.payload_len > self.max_bytes:
+            raise _Drop("too_large")
+        self.manifest = m
+        self.timings["manifest"] = now
+        if self.symbol_size == 0:
+            self.symbol_size = m.symbol_size
+            self.max_symbols = max(1, self.max_bytes // m.symbol_size)
+            self.decoder = RLCDecoder(m.symbol_size, max_window=DECODER_WINDOW)
+        if self.deadline is None and m.deadline_s > 0:
+            self.deadline = self.timings["first_packet"] + m.deadline_s
+        n = self.n_source = m.n_source
+        # symbols beyond the payload (a forger's, before the manifest) are forgotten
+        if len(self._known) > n:
+            for e in range(n, len(self._known)):
+                if self._known[e]:
+                    self.n_known -= 1
+            self._known = self._known[:n]
+            self._out = self._out[: n * self.symbol_size].copy()
+            self.esi_end = min(self.esi_end, n)
+            self.through = min(self.through, n)
+        if len(self._known) < n:
+            self._grow(n)
+        first, last = m.blocks.symbol_ranges(m.symbol_size)
+        nb = len(m.blocks)
+        # per symbol: the range of blocks it overlaps
+        sym_first = np.searchsorted(last, np.arange(n), side="right")
+        sym_last = np.searchsorted(first, np.arange(n), side="right") - 1
+        self._blk_first = sym_first.tolist()
+        self._blk_last = sym_last.tolist()
+        known = np.frombuffer(self._known, dtype=np.uint8).astype(np.int64)
+        csum = np.concatenate(([0], np.cumsum(known)))
+        missing = (last - first) - (csum[last] - csum[first])
+        self._blk_missing = missing.tolist()
+        self._blk_util = m.blocks.utilities.tolist()
+        self.complete = missing == 0
+        self.blocks_complete = int(self.complete.sum())
+        self.utility = float(m.blocks.utilities[self.complete].sum())
+        if nb == 0:
+            self._blk_missing = []
+        self._send_feedback(now)
+
+    # ------------------------------------------------------------------ block RS
+
+    def _on_block_repair(self, d: object) -> None:
+        first, k = d.esi, d.dt_nss
+        p, index = d.key >> 8, d.key & 0xFF
+        if not (1 <= k and 1 <= p and index < p and k + p <= 255) or first % k:
+            raise _Drop("bad_fec")
+        self._symbol_slot(first, len(d.payload))
+        self.repair_received += 1
+        rs = self._rs
+        if rs is None:
+            from kvtransport.codecs.blockrs import BlockRSDecoder
+
+            rs = self._rs = BlockRSDecoder(self.symbol_size, k, p, max_blocks=RS_BLOCKS_HELD)
+        elif rs.k != k or rs.p != p:
+            raise _Drop("bad_fec")
+        # the RS decoder learns the block's sources from what is already known here (and
+        # the zero symbols that pad the stream's last block)
+        s, known = self.symbol_size, self._known
+        for e in range(first, first + k):
+            if e < len(known):
+                if known[e] and not rs.known(e):
+                    rs.add_source(e, self._out_mv[e * s : e * s + s])
+            elif self.manifest is not None and e >= self.n_source and not rs.known(e):
+                rs.add_source(e, b"")
+        self._rs_recovered(rs.add_repair(first, k, index, 15, d.payload))
+
+    def _rs_recovered(self, esis: list[int]) -> None:
+        s, known, rs = self.symbol_size, self._known, self._rs
+        for e in esis:
+            if e < len(known) and not known[e] and (self.manifest is None or e < self.n_source):
+                rs.read_into(e, self._out_mv[e * s : e * s + s])
+                self.decoder.add_source(e, self._out_mv[e * s : e * s + s])
+                self.symbols_recovered += 1
+                self._mark(e)
+
+    # ------------------------------------------------------------------ control, feedback
+
+    def _on_control(self, code: int, now: float) -> None:
+        if code == ControlCode.ABORT:
+            self._finish(now, "abort")
+        elif code == ControlCode.FIN:
+            if self.deadline is None:
+                self._fin_at = now + FIN_GRACE
+            self._next_fb = None  # the sender is gone: stop reporting
+        else:
+            raise _Drop("bad_control")
+
+    def _feedback(self, now: float) -> Feedback:
+        mon = self.monitor
+        mon.sample()
+        flags = 0
+        if self.manifest is not None:
+            flags |= FB_MANIFEST_DONE
+            if self.n_known == self.n_source:
+                flags |= FB_ALL_DONE
+        if self.finished:
+            flags |= FB_FINISHED
+        ranges = ()
+        holes = self.esi_end - self.n_known
+        if holes:
+            known = np.frombuffer(self._known, dtype=np.uint8)
+            ranges = loss_ranges(known, self.through, self.esi_end, MAX_FEEDBACK_RANGES)
+        segments = pending_by_segment(self.decoder) if self.decoder is not None else ()
+        return Feedback(
+            max(mon.highest, 0),
+            min(int((now - self._highest_at) * 1e6), 0xFFFFFFFF),
+            mon.received,
+            mon.lost,
+            self.esi_end,
+            self.through,
+            holes,
+            self.decoder.pending_equations if self.decoder is not None else 0,
+            self.source_received,
+            self.repair_received,
+            mon.loss_rate,
+            mon.burst_mean,
+            flags,
+            ranges,
+            segments,
+        )
+
+    def _send_feedback(self, now: float) -> None:
+        if self.framer is None:
+            return
+        fb = self._feedback(now)
+        size = feedback_size(len(fb.ranges), len(fb.segments))
+        n = encode_feedback(fb, self.framer.payload_view(size))
+        self._pending.append(self.framer.finish(DatagramType.FEEDBACK, self._fb_seq, n))
+        self._fb_seq += 1
+        self.feedback_sent += 1
+        self._last_fb = now
+        if not self.finished and self._next_fb is not None:
+            self._next_fb = now + self.feedback_interval
+
+    def _answer_after_finish(self, now: float) -> None:
+        """Data after the result: remind the sender (at most once per feedback interval)."""
+        if now - self._last_fb >= self.feedback_interval:
+            self._send_feedback(now)
+
+    # ------------------------------------------------------------------ result
+
+    def _finish(self, now: float, reason: str) -> None:
+        self.finished = True
+        self.timings["finished"] = now
+        m = self.manifest
+        if m is not None:
+            payload = self._out[: m.payload_len]
+            complete = self.complete.copy()
+            missing = np.flatnonzero(~complete)
+            utility = min(self.utility, 1.0)
+        else:
+            payload = np.zeros(0, dtype=np.uint8)
+            complete = np.zeros(0, dtype=np.bool_)
+            missing = np.zeros(0, dtype=np.int64)
+            utility = 0.0
+        self.result = TransferResult(
+            self.transfer_id or 0, m, payload, complete, missing, utility, reason, self.timings
+        )
+        self._next_fb = None
+        self.decoder_stats = dict(self.decoder.stats) if self.decoder is not None else {}
+        self.decoder = None  # free the decoding window
+        self._send_feedback(now)
+
+    def _drop(self, reason: str) -> None:
+        self.dropped += 1
+        self.drop_reasons[reason] = self.drop_reasons.get(reason, 0) + 1
+
+
+def pending_by_segment(decoder: RLCDecoder) -> tuple[tuple[int, int], ...]:
+    """(segment, pending equations whose pivot, i.e. lowest unknown, lies in it), lowest
+    segments first. Reads the decoder's pivot array (the codec exposes only the total
+    ``pending_equations``); without it, reports nothing (the sender then assumes no
+    equation is pending and may send a few repairs too many)."""
+    if decoder.pending_equations == 0:
+        return ()
+    piv = getattr(decoder, "_piv", None)
+    if piv is None:
+        return ()
+    segs, counts = np.unique(piv[piv >= 0] // REPAIR_SEGMENT, return_counts=True)
+    n = MAX_FEEDBACK_SEGMENTS
+    return tuple(zip(segs[:n].tolist(), counts[:n].tolist(), strict=True))
+
+
+class _Drop(WireError):
+    """Internal: a datagram that parsed but cannot be used (reason set per instance)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason

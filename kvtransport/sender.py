@@ -1,0 +1,728 @@
+"""The sending half of the protocol core (sans-I/O): :class:`SenderSession`.
+
+The session never reads a clock or touches a socket. The shell (UDP daemon, simulator,
+Gymnasium environment) calls ``datagrams_to_send(now)`` whenever ``next_timer()`` has come,
+hands every feedback datagram to ``receive_datagram(data, now)``, and sends what comes out.
+
+What it sends, slot by slot (one data-path datagram per slot, slots paced at the link
+rate counting ``LINK_OVERHEAD_BYTES`` per datagram, as shapers do):
+
+1. the transport manifest, protected as kvtransport.manifest_fec describes (its first
+   datagram takes slot 0; it stops once feedback acknowledges it);
+2. then, per the policy's mode: Reed-Solomon parities of the block just completed
+   (BLOCK_RS), or retransmissions of what the receiver NACKed (ARQ), or RLC repairs when
+   the repair credit (the interval's repair share, accumulated per slot) reaches one;
+3. otherwise the next source symbol in utility order, if the policy admits new sources and
+   the tail rule allows: the expected surviving slots left (slots before the stop time
+   times 1 - loss estimate) must cover the repairs still owed plus the symbols needed to
+   finish the block this source starts or continues. A source whose block cannot finish
+   in time is not useful;
+4. otherwise (admission over), RLC repairs for what was already sent until the stop time,
+   so the end of the budget is spent on making the sent window decodable.
+
+RLC repairs cover the window the receiver still misses: from the decoded-through ESI of the
+latest feedback (oldest hole first: in utility order it matters most) up to the highest
+ESI sent, at most ``MAX_REPAIR_SPAN`` symbols and never below what the receiver's decoder
+still holds. Without fresh feedback (older than four RTTs) the window is the last
+``MAX_REPAIR_SPAN`` ESIs.
+
+Stop time = deadline - one-way delay estimate (half the smoothed RTT) - one slot: a datagram
+sent later cannot arrive before the deadline. Then a CONTROL FIN goes out and the session is
+done. Feedback ALL_DONE or FINISHED ends it early.
+
+The policy is asked once per ``decision_packets`` slots with an observation built in place
+(kvtransport.policy documents the fields). An ``ExternalPolicy`` defers: the session stops
+emitting with ``awaiting_action`` set until the shell calls ``apply_action``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import secrets
+from collections import deque
+
+import numpy as np
+
+from kvtransport.codecs.rlc import RLCEncoder
+from kvtransport.feedback import SentLog
+from kvtransport.manifest_fec import ManifestSender
+from kvtransport.policy import (
+    DEFER,
+    OBS_CLIP,
+    OBS_SIZE,
+    Obs,
+    Policy,
+    PolicyContext,
+    RepairMode,
+)
+from kvtransport.protocol import (
+    DECODER_WINDOW,
+    DEFAULT_INITIAL_RTT,
+    DEFAULT_SYMBOL_SIZE,
+    LINK_OVERHEAD_BYTES,
+    MAX_REPAIR_SPAN,
+)
+from kvtransport.transfer import Transfer, TransportManifest
+from kvtransport.wire import (
+    FB_ALL_DONE,
+    FB_FINISHED,
+    FB_MANIFEST_DONE,
+    FLAG_RETRANSMIT,
+    HEADER_SIZE,
+    REPAIR_SEGMENT,
+    TAG_SIZE,
+    ControlCode,
+    DatagramType,
+    Feedback,
+    Framer,
+    Parser,
+    WireError,
+    block_repair_key,
+    decode_feedback,
+    pack_dt_nss,
+)
+
+_SOURCE = DatagramType.SOURCE
+_REPAIR = DatagramType.REPAIR
+_DT_DENSE = 15
+MAX_CATCH_UP = 16
+"""A shell that is late may get at most this many datagrams at once (then pacing resumes)."""
+
+
+class SenderSession:
+    """Sends one transfer before a deadline (see the module docstring).
+
+    ``deadline`` and ``now`` are in the shell's clock (seconds). ``rate_bps`` is the link
+    rate the sender paces to. ``key`` enables authentication (BLAKE2b tags).
+    """
+
+    def __init__(
+        self,
+        transfer: Transfer,
+        policy: Policy,
+        *,
+        rate_bps: float,
+        deadline: float,
+        now: float = 0.0,
+        transfer_id: int | None = None,
+        key: bytes | None = None,
+        symbol_size: int = DEFAULT_SYMBOL_SIZE,
+        decision_packets: int = 32,
+        initial_rtt: float = DEFAULT_INITIAL_RTT,
+        link_overhead: int = LINK_OVERHEAD_BYTES,
+        record: bool = False,
+    ) -> None:
+        if not rate_bps > 0:
+            raise ValueError("rate_bps must be positive")
+        if not 16 <= symbol_size <= 65000:
+            raise ValueError("symbol_size must be 16..65000 bytes")
+        if decision_packets < 1:
+            raise ValueError("decision_packets must be >= 1")
+        self.transfer = transfer
+        self.policy = policy
+        self.mode = policy.mode
+        self.symbol_size = s = symbol_size
+        self.transfer_id = secrets.randbits(64) if transfer_id is None else transfer_id
+        self.framer = Framer(self.transfer_id, key, max_payload=max(s, 2048))
+        self.parser = Parser(key)
+        self.n_source = n = -(-transfer.nbytes // s)
+        self.start = now
+        self.deadline = deadline
+        self.rate_bps = rate_bps
+        self.datagram_bytes = HEADER_SIZE + s + (TAG_SIZE if key else 0)
+        self.slot_s = (self.datagram_bytes + link_overhead) * 8.0 / rate_bps
+        self.decision_packets = decision_packets
+        self._initial_rtt = initial_rtt
+
+        manifest = TransportManifest(
+            s, transfer.nbytes, transfer.blocks, transfer.app_metadata, max(deadline - now, 0.0)
+        )
+        self.manifest = ManifestSender(manifest.to_bytes(), s)
+
+        # source symbols: views into the payload; the last one zero-padded
+        self._payload = memoryview(transfer.payload)
+        tail = transfer.nbytes - (n - 1) * s if n else 0
+        self._last_symbol = bytes(self._payload[(n - 1) * s :]) + bytes(s - tail) if n else b""
+        self._finish_esi, self._utility_after = _block_progress(transfer, s)
+
+        self.encoder = RLCEncoder(s, window=DECODER_WINDOW) if self.mode == RepairMode.RLC else None
+        self._rs = (
+            _BlockRSState(s, policy.block_k, policy.block_p, n)
+            if self.mode == RepairMode.BLOCK_RS
+            else None
+        )
+        self._retx_heap: list[int] = []
+        self._retx_queued = bytearray(n) if self.mode == RepairMode.ARQ else None
+        self._retx_time = [-1e300] * n if self.mode == RepairMode.ARQ else None
+
+        # progress
+        self.next_esi = 0
+        self.seq = 0
+        self.slot = 0
+        self.source_sent = 0
+        self.repair_sent = 0  # RLC repairs, RS parities and retransmissions together
+        self.reactive_sent = 0  # of which sent for holes feedback reported (RLC, ARQ)
+        self.stats = {
+            "manifest_sent": 0,
+            "source_sent": 0,
+            "rlc_repair_sent": 0,
+            "block_repair_sent": 0,
+            "retransmit_sent": 0,
+            "control_sent": 0,
+            "idle_polls": 0,
+            "decisions": 0,
+            "feedback_received": 0,
+            "feedback_stale": 0,
+            "dropped": 0,
+        }
+        self.drop_reasons: dict[str, int] = {}
+        self._next_send: float | None = now
+        self._idle = False
+        self._decision_slot = -1
+        self._repair_key = 0
+        self._credit = 0.0
+        self.share = 0.0
+        self.admit = True
+        self.awaiting_action = False
+        self.done = False
+        self.finish_reason = ""
+        self.finished_at: float | None = None
+        self._pending: list[bytes] = []
+
+        # feedback view
+        self._log = SentLog()
+        self.srtt: float | None = None
+        self.fb_time: float | None = None
+        self._fb_seq = -1
+        self._fb_echo = -1
+        self.fb_loss = 0.0
+        self.fb_loss_recent = 0.0
+        self.fb_burst = 1.0
+        self.fb_through = 0
+        self.fb_esi_end = 0
+        self.fb_deficit = 0
+        self.fb_unseen = 0
+        # reactive RLC repairs: per aligned segment still short of equations, [segment,
+        # equations still to send, one past its highest hole], lowest segment first
+        self._segments: deque[list[int]] = deque()
+        self._seg_flight: deque[tuple[int, int]] = deque()  # (seq, segment) sent after echo
+        self._seg_needed = 0
+        self._fb_src_mark = 0
+        self._fb_rep_mark = 0
+        self._fb_rea_mark = 0
+        self._fb_prev = (0, 0)
+
+        # policy
+        self.obs = np.zeros(OBS_SIZE, dtype=np.float32)
+        self._last = (0.0, 1.0, 0.0)  # last share, last admit, share before
+        budget = max(self.stop_time - now, self.slot_s)
+        policy.reset(PolicyContext(n, s, self.slot_s, decision_packets, budget))
+        self._budget = budget
+        self.record = record
+        self.history: list[tuple] = []
+
+    # ------------------------------------------------------------------ shell API
+
+    def next_timer(self) -> float | None:
+        """When the shell must call ``datagrams_to_send`` next (None: nothing planned)."""
+        if self.done or self.awaiting_action:
+            return None
+        return self._next_send
+
+    def handle_timer(self, now: float) -> None:
+        """Timers only release datagrams; ``datagrams_to_send`` does the work."""
+
+    def datagrams_to_send(self, now: float) -> list[bytes]:
+        """Every datagram whose slot has come by ``now`` (normally one)."""
+        out = self._pending
+        self._pending = []
+        t = self._next_send
+        if self.done or t is None:
+            return out
+        slot_s = self.slot_s
+        burst = 0
+        while t <= now and not self.awaiting_action:
+            if t > self.stop_time:
+                self._finish(t, "deadline", out)
+                return out
+            d = self._emit(t)
+            if d is None:
+                if self.awaiting_action or self.done:
+                    break
+                # nothing useful now: poll again later (feedback also wakes us)
+                self.stats["idle_polls"] += 1
+                if self.n_source == self.next_esi and self.mode == RepairMode.NONE:
+                    self._finish(t, "all sent", out)
+                    return out
+                self._idle = True
+                t = t + max(slot_s, min(self.srtt or self._initial_rtt, 0.005))
+                break
+            self._idle = False
+            out.append(d)
+            burst += 1
+            t += slot_s
+            if burst >= MAX_CATCH_UP and t <= now:
+                t = now  # give up the backlog rather than burst it out
+        self._next_send = t
+        return out
+
+    def receive_datagram(self, data: bytes, now: float) -> None:
+        """Feedback from the receiver (anything else is counted and dropped)."""
+        try:
+            d = self.parser.parse(data)
+            if d.transfer_id != self.transfer_id:
+                self._drop("foreign_transfer")
+                return
+            if d.type != DatagramType.FEEDBACK:
+                self._drop("unexpected_type")
+                return
+            fb = decode_feedback(d.payload)
+        except WireError as exc:
+            self._drop(exc.reason)
+            return
+        if d.seq <= self._fb_seq:
+            self.stats["feedback_stale"] += 1
+            return
+        self._fb_seq = d.seq
+        self.stats["feedback_received"] += 1
+        self._on_feedback(fb, now)
+
+    def apply_action(self, action: int) -> None:
+        """Supply the decision an ExternalPolicy deferred (Gymnasium environment)."""
+        if not self.awaiting_action:
+            raise RuntimeError("no decision is pending")
+        self.awaiting_action = False
+        self._set_action(int(action))
+
+    def cancel(self, now: float) -> None:
+        """Abort the transfer: one CONTROL ABORT tells the receiver to deliver now."""
+        if not self.done:
+            self._pending.append(self._control(ControlCode.ABORT))
+            self._mark_done(now, "cancelled")
+
+    # ------------------------------------------------------------------ estimates
+
+    @property
+    def owd(self) -> float:
+        """One-way delay estimate: half the smoothed RTT (initial RTT before feedback)."""
+        return 0.5 * (self.srtt if self.srtt is not None else self._initial_rtt)
+
+    @property
+    def stop_time(self) -> float:
+        """Last moment a datagram can leave and still arrive before the deadline."""
+        return self.deadline - self.owd - self.slot_s
+
+    def slots_left(self, t: float) -> int:
+        left = self.stop_time - t
+        return int(left / self.slot_s) + 1 if left >= 0 else 0
+
+    def loss_estimate(self) -> float:
+        return self.fb_loss if self.fb_time is not None else 0.0
+
+    def in_flight(self) -> tuple[int, int]:
+        """Sources and repairs sent after the last packet the receiver reported."""
+        return self.source_sent - self._fb_src_mark, self.repair_sent - self._fb_rep_mark
+
+    def reactive_needed(self) -> int:
+        """Repairs the latest feedback asked for that none sent since then addresses."""
+        if self.mode == RepairMode.RLC:
+            return self._seg_needed
+        return max(0, self.fb_deficit - (self.reactive_sent - self._fb_rea_mark))
+
+    def owed(self) -> float:
+        """Expected repair symbols still needed for the sources already sent: reported
+        holes not yet answered, plus the expected losses among sources in flight, minus
+        the expected arrivals of proactive repairs in flight."""
+        if self.mode == RepairMode.NONE:
+            return 0.0
+        p = self.loss_estimate()
+        src, rep = self.in_flight()
+        proactive = rep - (self.reactive_sent - self._fb_rea_mark)
+        unseen = self.fb_unseen
+        return max(0.0, self.reactive_needed() + unseen + p * src - (1.0 - p) * proactive)
+
+    def _tail_ok(self, t: float, esi: int) -> bool:
+        if not self.policy.tail_rule:
+            return self.slots_left(t) > 0
+        need = self._finish_esi[esi] - esi + 1
+        left = self.slots_left(t)
+        if self.mode == RepairMode.NONE:
+            return left >= need
+        if self.mode == RepairMode.BLOCK_RS:  # the RS block and its parities must fit
+            return left >= max(need, self._rs.need(esi))
+        return left * (1.0 - self.loss_estimate()) >= self.owed() + need
+
+    # ------------------------------------------------------------------ emission
+
+    def _emit(self, t: float) -> bytes | None:
+        slot = self.slot
+        if slot % self.decision_packets == 0 and self._decision_slot != slot:
+            self._decide(t)
+            if self.awaiting_action:
+                return None
+        if self.manifest.due(slot):
+            d = self.manifest.emit(self.framer, self.seq, slot)
+            self.stats["manifest_sent"] += 1
+            return self._sent(d, t)
+        mode = self.mode
+        if mode == RepairMode.RLC:
+            reactive = self.reactive_needed() > 0
+            if reactive and self.policy.reactive:
+                d = self._rlc_repair(t, True)
+                if d is not None:
+                    return self._sent(d, t, repair=True, reactive=True)
+            self._credit += self.share
+            if self._credit >= 1.0:
+                self._credit -= 1.0
+                d = self._rlc_repair(t, reactive)
+                if d is not None:
+                    return self._sent(d, t, repair=True, reactive=reactive)
+                self._credit = 0.0
+        elif mode == RepairMode.BLOCK_RS:
+            if self._rs.queue:
+                return self._sent(self._rs_parity(), t, repair=True)
+        elif mode == RepairMode.ARQ:
+            d = self._retransmission(t)
+            if d is not None:
+                return self._sent(d, t, repair=True, reactive=True)
+        esi = self.next_esi
+        if esi < self.n_source:
+            if self.admit and self._tail_ok(t, esi):
+                return self._sent(self._source(esi), t, source=True)
+        if mode == RepairMode.RLC:
+            reactive = self.reactive_needed() > 0
+            d = self._rlc_repair(t, reactive)
+            if d is not None:
+                return self._sent(d, t, repair=True, reactive=reactive)
+            if esi < self.n_source and self._tail_ok(t, esi):
+                return self._sent(self._source(esi), t, source=True)
+        return None
+
+    def _sent(
+        self, d: bytes, t: float, source: bool = False, repair: bool = False, reactive: bool = False
+    ) -> bytes:
+        if source:
+            self.source_sent += 1
+        elif repair:
+            self.repair_sent += 1
+            if reactive:
+                self.reactive_sent += 1
+        self._log.record(self.seq, t, self.source_sent, self.repair_sent, self.reactive_sent)
+        self.seq += 1
+        self.slot += 1
+        return d
+
+    def _source(self, esi: int) -> bytes:
+        s = self.symbol_size
+        sym = self._payload[esi * s : esi * s + s] if esi < self.n_source - 1 else self._last_symbol
+        self.framer.payload_view(s)[:] = sym
+        if self.encoder is not None:
+            self.encoder.add_source(sym)
+        elif self._rs is not None:
+            self._rs.add_source(esi, sym)
+        self.next_esi = esi + 1
+        self.stats["source_sent"] += 1
+        return self.framer.finish(_SOURCE, self.seq, s, esi=esi)
+
+    def _rlc_window(self, t: float, reactive: bool) -> tuple[int, int]:
+        hi = self.next_esi
+        floor = max(0, hi - DECODER_WINDOW + 1)
+        if reactive and self._segments:
+            # the lowest segment still short of equations, from its first hole (at or
+            # above decoded-through) to its last
+            seg, _, end = self._segments[0]
+            return max(seg * REPAIR_SEGMENT, self.fb_through, floor), min(end, hi)
+        fresh = self.fb_time is not None and (self.srtt is None or t - self.fb_time < 4 * self.srtt)
+        lo = max(self.fb_through, floor) if fresh else max(self.fb_through, hi - MAX_REPAIR_SPAN)
+        return lo, min(hi, lo + MAX_REPAIR_SPAN)
+
+    def _rlc_repair(self, t: float, reactive: bool) -> bytes | None:
+        lo, hi = self._rlc_window(t, reactive)
+        if hi <= lo:
+            return None
+        s = self.symbol_size
+        key = self._repair_key
+        self._repair_key = (key + 1) & 0xFFFF
+        nss = hi - lo
+        self.encoder.repair_into(self.framer.payload_view(s), lo, nss, key, _DT_DENSE)
+        if reactive and self._segments:
+            entry = self._segments[0]
+            self._seg_flight.append((self.seq, entry[0]))
+            self._seg_needed -= 1
+            entry[1] -= 1
+            if entry[1] <= 0:
+                self._segments.popleft()
+        self.stats["rlc_repair_sent"] += 1
+        return self.framer.finish(
+            _REPAIR, self.seq, s, esi=lo, key=key, dt_nss=pack_dt_nss(15, nss)
+        )
+
+    def _rs_parity(self) -> bytes:
+        first, p, index, parity = self._rs.queue.popleft()
+        s = self.symbol_size
+        self.framer.payload_view(s)[:] = parity
+        self.stats["block_repair_sent"] += 1
+        return self.framer.finish(
+            DatagramType.BLOCK_REPAIR,
+            self.seq,
+            s,
+            esi=first,
+            key=block_repair_key(p, index),
+            dt_nss=self._rs.k,
+        )
+
+    def _retransmission(self, t: float) -> bytes | None:
+        heap = self._retx_heap
+        while heap:
+            esi = heapq.heappop(heap)
+            self._retx_queued[esi] = 0
+            if esi < self.fb_through:
+                continue  # recovered meanwhile
+            self._retx_time[esi] = t
+            s = self.symbol_size
+            sym = (
+                self._payload[esi * s : esi * s + s]
+                if esi < self.n_source - 1
+                else self._last_symbol
+            )
+            self.framer.payload_view(s)[:] = sym
+            self.stats["retransmit_sent"] += 1
+            return self.framer.finish(_SOURCE, self.seq, s, esi=esi, flags=FLAG_RETRANSMIT)
+        return None
+
+    def _control(self, code: int) -> bytes:
+        d = self.framer.build(DatagramType.CONTROL, self.seq, b"", esi=code)
+        self.seq += 1
+        self.stats["control_sent"] += 1
+        return d
+
+    def _finish(self, t: float, reason: str, out: list[bytes]) -> None:
+        out.append(self._control(ControlCode.FIN))
+        self._mark_done(t, reason)
+
+    def _mark_done(self, t: float, reason: str) -> None:
+        self.done = True
+        self.finish_reason = reason
+        self.finished_at = t
+        self._next_send = None
+
+    # ------------------------------------------------------------------ feedback
+
+    def _on_feedback(self, fb: object, now: float) -> None:
+        self.fb_time = now
+        echo = fb.echo_seq
+        if echo > self._fb_echo and self._log.holds(echo):
+            self._fb_echo = echo
+            sent_t, src_mark, rep_mark, rea_mark = self._log.lookup(echo)
+            rtt = now - sent_t - fb.echo_delay_us * 1e-6
+            if rtt > 0:
+                self.srtt = rtt if self.srtt is None else self.srtt + 0.125 * (rtt - self.srtt)
+            self._fb_src_mark, self._fb_rep_mark, self._fb_rea_mark = src_mark, rep_mark, rea_mark
+        prev_lost, prev_total = self._fb_prev
+        dl = fb.lost - prev_lost
+        dn = dl + fb.received - (prev_total - prev_lost)
+        if dn > 0:
+            self.fb_loss_recent = min(max(dl / dn, 0.0), 1.0)
+        self._fb_prev = (fb.lost, fb.received + fb.lost)
+        self.fb_loss = fb.loss_rate
+        self.fb_burst = fb.burst_mean
+        self.fb_through = max(self.fb_through, min(fb.decoded_through, self.next_esi))
+        self.fb_esi_end = fb.esi_end if fb.esi_end > self.fb_esi_end else self.fb_esi_end
+        # equations the receiver still needs to close the span of the holes it reported
+        # (it already holds ``pending`` independent ones confined to that span), and the
+        # sources sent before the echoed packet that it has not seen at all
+        self.fb_deficit = max(0, fb.unrecovered - fb.pending)
+        self.fb_unseen = max(0, self._fb_src_mark - fb.esi_end)
+        if self.mode == RepairMode.RLC:
+            self._plan_segments(fb)
+        if fb.flags & FB_MANIFEST_DONE:
+            self.manifest.acked = True
+        if fb.flags & (FB_ALL_DONE | FB_FINISHED):
+            if not self.done:
+                self._mark_done(
+                    now, "receiver done" if fb.flags & FB_ALL_DONE else "receiver finished"
+                )
+            return
+        if self.mode == RepairMode.ARQ:
+            self._queue_nacks(fb.ranges, now)
+        if self._idle and not self.done:  # news may give the idle sender work: wake it
+            self._idle = False
+            self._next_send = now
+
+    def _plan_segments(self, fb: Feedback) -> None:
+        """Equations still owed per segment: its recoverable holes, minus the equations the
+        receiver holds pivoted there, minus reactive repairs to it still in flight.
+
+        Reactive repairs never leave their aligned segment, so segments decode on their
+        own: any equation to a segment fixes any one of its holes, a lost one costs one
+        more next round, and the lowest segments (the most useful, in utility order) are
+        served first."""
+        flight = self._seg_flight
+        while flight and flight[0][0] <= self._fb_echo:
+            flight.popleft()  # it had arrived (or was lost) when the receiver reported
+        in_flight: dict[int, int] = {}
+        for _, seg in flight:
+            in_flight[seg] = in_flight.get(seg, 0) + 1
+        pending = dict(fb.segments)
+        floor = max(0, self.next_esi - DECODER_WINDOW + 1)
+        holes: dict[int, list[int]] = {}  # segment -> [holes, end]
+        for first, count in fb.ranges:
+            first_ok = max(first, floor)
+            end = first + count
+            while first_ok < end:
+                seg = first_ok // REPAIR_SEGMENT
+                stop = min(end, (seg + 1) * REPAIR_SEGMENT)
+                h = holes.setdefault(seg, [0, stop])
+                h[0] += stop - first_ok
+                h[1] = stop
+                first_ok = stop
+        plan: deque[list[int]] = deque()
+        total = 0
+        for seg in sorted(holes):
+            n, end = holes[seg]
+            owed = n - pending.get(seg, 0) - in_flight.get(seg, 0)
+            if owed > 0:
+                plan.append([seg, owed, end])
+                total += owed
+        self._segments = plan
+        self._seg_needed = total
+        self.fb_deficit = total if fb.ranges else max(0, fb.unrecovered - fb.pending)
+
+    def _queue_nacks(self, ranges: tuple, now: float) -> None:
+        guard = 1.5 * (self.srtt if self.srtt is not None else self._initial_rtt)
+        queued, times, heap = self._retx_queued, self._retx_time, self._retx_heap
+        hi = self.next_esi
+        for first, count in ranges:
+            for esi in range(first, min(first + count, hi)):
+                if not queued[esi] and now - times[esi] > guard:
+                    queued[esi] = 1
+                    heapq.heappush(heap, esi)
+
+    # ------------------------------------------------------------------ policy
+
+    def observe(self, t: float) -> np.ndarray:
+        """Fill ``self.obs`` (the policy's observation) for time ``t`` and return it."""
+        o = self.obs
+        n = self.n_source or 1
+        iv = float(self.decision_packets)
+        stop = self.stop_time
+        left = self.slots_left(t)
+        p = self.loss_estimate()
+        owed = self.owed()
+        src_f, rep_f = self.in_flight()
+        unsent = self.n_source - self.next_esi
+        o[Obs.TIME_LEFT] = min(max((stop - t) / self._budget, 0.0), 1.0)
+        o[Obs.SOURCE_LEFT] = unsent / n
+        o[Obs.UTILITY_LEFT] = self._utility_after[self.next_esi]
+        o[Obs.CAPACITY_RATIO] = min(left / max(1.0, unsent + owed), 4.0)
+        o[Obs.SLACK] = min(max((left * (1.0 - p) - owed) / iv / 8.0, -1.0), 8.0)
+        o[Obs.LOSS_RATE] = p
+        o[Obs.LOSS_RECENT] = self.fb_loss_recent
+        o[Obs.BURST_MEAN] = min(self.fb_burst / 10.0, 2.0)
+        o[Obs.DEFICIT] = min((self.fb_deficit + self.fb_unseen) / iv, OBS_CLIP)
+        o[Obs.IN_FLIGHT_SRC] = min(src_f / iv, OBS_CLIP)
+        o[Obs.IN_FLIGHT_REP] = min(rep_f / iv, OBS_CLIP)
+        o[Obs.OWED] = min(owed / iv, OBS_CLIP)
+        if self.fb_time is None:
+            o[Obs.FEEDBACK_AGE] = OBS_CLIP
+            o[Obs.RTT] = min(self._initial_rtt / (iv * self.slot_s), OBS_CLIP)
+        else:
+            rtt = self.srtt or self._initial_rtt
+            o[Obs.FEEDBACK_AGE] = min((t - self.fb_time) / max(rtt, 1e-3), OBS_CLIP - 1e-3)
+            o[Obs.RTT] = min(rtt / (iv * self.slot_s), OBS_CLIP)
+        o[Obs.MANIFEST_ACKED] = 1.0 if self.manifest.acked else 0.0
+        o[Obs.DECODED] = self.fb_through / n
+        o[Obs.LAST_SHARE], o[Obs.LAST_ADMIT], o[Obs.PREV_SHARE] = self._last
+        return o
+
+    def _decide(self, t: float) -> None:
+        self._decision_slot = self.slot
+        self.stats["decisions"] += 1
+        obs = self.observe(t)
+        a = self.policy.act(obs)
+        if a == DEFER:
+            self.awaiting_action = True
+            return
+        self._set_action(a)
+        if self.record:
+            self.history.append(
+                (
+                    t,
+                    a,
+                    self.share,
+                    self.admit,
+                    self.source_sent,
+                    self.repair_sent,
+                    float(obs[Obs.LOSS_RATE]),
+                    self.fb_deficit,
+                    float(obs[Obs.OWED]) * self.decision_packets,
+                    self.slots_left(t),
+                )  # fmt: skip
+            )
+
+    def _set_action(self, a: int) -> None:
+        table = self.policy.actions
+        if not 0 <= a < len(table):
+            raise ValueError(f"action {a} outside the policy's table of {len(table)}")
+        share, admit = float(table[a, 0]), bool(table[a, 1] > 0.5)
+        self._last = (share, 1.0 if admit else 0.0, self._last[0])
+        self.share = share if admit else 1.0
+        self.admit = admit
+
+    def _drop(self, reason: str) -> None:
+        self.stats["dropped"] += 1
+        self.drop_reasons[reason] = self.drop_reasons.get(reason, 0) + 1
+
+
+def _block_progress(transfer: Transfer, s: int) -> tuple[list[int], np.ndarray]:
+    """Per ESI: the last ESI of the block its first byte belongs to (a source is useful
+    only if that block can finish), and the utility of blocks not yet fully sent once the
+    sender is about to send that ESI (index n_source: after everything)."""
+    n = -(-transfer.nbytes // s)
+    b = transfer.blocks
+    ends = (b.offsets + b.lengths).astype(np.int64)
+    starts_byte = np.arange(n, dtype=np.int64) * s
+    idx = np.searchsorted(ends, starts_byte, side="right")
+    finish = np.arange(n, dtype=np.int64)
+    inside = idx < len(b)
+    finish[inside] = np.maximum((ends[idx[inside]] + s - 1) // s - 1, finish[inside])
+    # utility still unsent before ESI e: blocks whose last byte lies at or beyond e*s
+    last_sym = (ends - 1) // s
+    done_by = np.zeros(n + 1, dtype=np.float64)
+    np.add.at(done_by, np.minimum(last_sym + 1, n), b.utilities)
+    sent_utility = np.cumsum(done_by)
+    total = float(b.utilities.sum())
+    left = np.clip(total - sent_utility, 0.0, 1.0).astype(np.float32)
+    return finish.tolist(), left
+
+
+class _BlockRSState:
+    """The block Reed-Solomon encoder and the parities waiting to be sent.
+
+    Blocks are ESIs b*k .. b*k+k-1 (kvtransport.codecs.blockrs); the last block of a stream
+    whose length is not a multiple of k is completed with zero symbols that never travel
+    (the receiver knows them from the manifest).
+    """
+
+    def __init__(self, symbol_size: int, k: int, p: int, n_source: int) -> None:
+        from kvtransport.codecs.blockrs import BlockRSEncoder
+
+        self.k, self.p, self.n_source = k, p, n_source
+        self.encoder = BlockRSEncoder(symbol_size, k, p, max_blocks=2)
+        self.queue: deque[tuple[int, int, int, bytes]] = deque()
+
+    def add_source(self, esi: int, sym: memoryview | bytes) -> None:
+        enc = self.encoder
+        enc.add_source(sym)
+        if esi + 1 == self.n_source:
+            while enc.next_esi % self.k:
+                enc.add_source(b"")
+        if enc.next_esi % self.k == 0 and esi + 1 >= enc.next_esi - self.k + 1:
+            block = enc.next_esi // self.k - 1
+            for i, parity in enumerate(enc.repairs(block)):
+                self.queue.append((block * self.k, self.p, i, parity))
+
+    def need(self, esi: int) -> int:
+        """Slots to finish the RS block holding ``esi`` (from ``esi`` on) with its parities."""
+        end = min((esi // self.k + 1) * self.k, self.n_source)
+        return end - esi + self.p
