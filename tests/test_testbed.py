@@ -366,3 +366,39 @@ def test_cli_profiles_and_bad_profile_file(tmp_path):
     )
     assert out.returncode == 2 and "gemodel takes 1 to 4" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_cli_trace_from_irtt(tmp_path):
+    import gzip
+    import json
+
+    trips = [
+        {
+            "seqno": i,
+            "lost": "true_up" if i % 10 == 3 else "false",
+            "delay": {"send": 5_000_000 + 1000 * i, "rtt": 10_000_000},
+        }
+        for i in range(100)
+    ]
+    src = tmp_path / "run.json.gz"
+    src.write_bytes(gzip.compress(json.dumps({"round_trips": trips}).encode()))
+    dest = tmp_path / "run.csv.gz"
+    out = subprocess.run(
+        [*CLI, "netem", "trace-from-irtt", str(src), str(dest)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "100 packets, 10.00% lost" in out.stdout
+    tr = load_profile(str(dest)).loss.trace()
+    assert tr.lost.sum() == 10 and tr.owd_s[0] == pytest.approx(0.005)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    out = subprocess.run(
+        [*CLI, "netem", "trace-from-irtt", str(bad), str(dest)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and "not an irtt JSON result" in out.stderr
