@@ -80,15 +80,18 @@ def encode_cache(
     precision: str | None = None,
     order: str = "utility",
     seed: int = 0,
+    window: int | None = utility.OBSERVATION_WINDOW,
     created: dict[str, Any] | None = None,
 ) -> blocks.EncodedStream:
     """Cache -> block stream: utilities (from attention or given), order, precision.
 
+    utilities: ``[layers, token_blocks]``; default: :func:`kvtransport.utility.cache_utility`
+        with ``layer_weights`` and the observation ``window`` the attention came from.
     precision: None (the cache's own dtype, lossless), a precision name, or ``mixed:BYTES``.
     """
     g = blocks.Geometry.of(cache, block_tokens)
     if utilities is None:
-        utilities = utility.cache_utility(cache, block_tokens, layer_weights)
+        utilities = utility.cache_utility(cache, block_tokens, layer_weights, window=window)
     spec = precision or ("fp32" if g.dtype == "float32" else "fp16")
     codes = blocks.plan_precision(g, utilities, spec)
     order_idx = utility.stream_order(utilities, block_tokens, order, seed=seed)

@@ -7,12 +7,15 @@ The formula (``L`` layers, ``N`` tokens, blocks of ``T`` tokens):
    StreamingLLM shows models park most attention there), ``recent_mass`` decaying
    exponentially with scale ``recent_tokens`` from the last token backwards (the question
    follows the context, so its nearest tokens matter most), and the rest uniform.
-2. Token importance per layer ``imp[l, t] = (1 - prior_weight) * a[l, t] / sum_t a[l, t]
+2. Token importance per layer ``imp[l, t] = (1 - prior_weight) * a'[l, t] / sum_t a'[l, t]
    + prior_weight * p[t]``, where ``a[l, t]`` is the SnapKV attention mass token ``t``
-   received in layer ``l`` from the observation window (``KVCache.attention``); the small
-   prior share keeps every block's utility positive and breaks ties by position. Each
-   row of ``imp`` sums to 1. (SnapKV also pools scores over a few neighbouring tokens to
-   keep clusters together; blocks already sum 16 neighbours, so no pooling here.)
+   received in layer ``l`` from the observation window (the context's last ``W`` queries,
+   ``KVCache.attention``, averaged over those queries) and ``a' = a * W / min(W, N - t)``
+   undoes the causal handicap of the tokens inside the window (only ``N - t`` queries
+   can see token ``t``), i.e. ``a'`` is the mean attention a token gets from the window
+   queries that can see it. The small prior share keeps every block's utility positive and
+   breaks ties by position. Each row of ``imp`` sums to 1. (SnapKV also pools scores over
+   a few neighbouring tokens; blocks already sum 16 neighbours, so no pooling here.)
 3. Block utility ``u[l, b] = w[l] * sum_{t in block b} imp[l, t]`` with layer weights
    ``w`` (RippleKV sensitivity, kvtransport.sensitivity; uniform if not given) normalized
    to sum to 1, hence ``sum u = 1`` over the whole cache.
@@ -20,6 +23,15 @@ The formula (``L`` layers, ``N`` tokens, blocks of ``T`` tokens):
    ``sink_tokens`` tokens) lead, by utility; then all other blocks by utility, highest
    first. Ties go to the lower layer, then the earlier token range. Losing the sink
    tokens wrecks the answer, so they go first regardless of what attention says.
+
+Parameters were chosen on development prompts (task seeds 20000+, disjoint from the
+held-out seeds of scripts/eval_retention.py and from the sensitivity calibration's):
+on ~400-token contexts, top-1 agreement at 25 % of blocks kept was 0.89 with the whole
+context as the window against 0.75 and 0.74 with the last 32 and 128 queries, hence a
+window of 512; the layer weights' ratio matters most on SmolLM2 (0.60 with uniform
+weights, 0.72 at ratio 4, 0.83 at 16, 0.89 at 64), so :func:`default_layer_weights` maps
+the packaged sensitivity profile with ``LAYER_RATIO = 64``; with those weights the
+attention term adds ~0.1 over the position prior alone (0.89 vs 0.79).
 
 Baseline orders for evaluation: ``position`` (token range first, then layer: the prefix
 of the context in every layer, as a sequential sender would send it) and ``random``
@@ -37,6 +49,8 @@ RECENT_TOKENS = 32
 SINK_MASS = 0.3
 RECENT_MASS = 0.3
 PRIOR_WEIGHT = 0.05
+OBSERVATION_WINDOW = 512
+LAYER_RATIO = 64.0
 ORDERS = ("utility", "random", "position")
 
 
@@ -70,14 +84,18 @@ def token_importance(
     num_tokens: int,
     attention: np.ndarray | None = None,
     *,
+    window: int | None = OBSERVATION_WINDOW,
     prior_weight: float = PRIOR_WEIGHT,
     sink_tokens: int = SINK_TOKENS,
     recent_tokens: int = RECENT_TOKENS,
 ) -> np.ndarray:
     """``[layers, tokens]`` float64 importance; every row sums to 1.
 
-    attention: ``[layers, tokens]`` SnapKV attention mass (any non-negative scale); None
-        or an all-zero layer falls back to the position prior for that layer.
+    attention: ``[layers, tokens]`` SnapKV attention mass averaged over the window's
+        queries (any non-negative scale); None or an all-zero layer falls back to the
+        position prior for that layer.
+    window: how many last queries produced ``attention`` (None: all of them), for the
+        causal correction; pass the ``window`` given to ``kvtransport.hf.prefill``.
     """
     prior = position_prior(num_tokens, sink_tokens=sink_tokens, recent_tokens=recent_tokens)
     imp = np.tile(prior, (num_layers, 1))
@@ -88,10 +106,27 @@ def token_importance(
         raise ValueError(f"attention {a.shape} != ({num_layers}, {num_tokens})")
     if not np.all(np.isfinite(a)) or np.any(a < 0):
         raise ValueError("attention mass must be finite and non-negative")
+    w = num_tokens if window is None else min(int(window), num_tokens)
+    if w < 1:
+        raise ValueError(f"observation window {window} must be positive")
+    seen_by = np.minimum(w, num_tokens - np.arange(num_tokens))
+    a = a * (w / seen_by)
     total = a.sum(axis=1, keepdims=True)
     has = total[:, 0] > 0
     imp[has] = (1 - prior_weight) * a[has] / total[has] + prior_weight * prior
     return imp
+
+
+def default_layer_weights(
+    model_id: str, num_layers: int, ratio: float = LAYER_RATIO
+) -> np.ndarray | None:
+    """Layer weights from the model's packaged sensitivity profile, or None (uniform)."""
+    from kvtransport import sensitivity
+
+    prof = sensitivity.default_profile(model_id)
+    if prof is None or prof.num_layers != num_layers:
+        return None
+    return prof.weights(ratio=ratio)
 
 
 def normalized_layer_weights(layer_weights: np.ndarray | None, num_layers: int) -> np.ndarray:
@@ -127,11 +162,20 @@ def cache_utility(
     block_tokens: int,
     layer_weights: np.ndarray | None = None,
     *,
+    window: int | None = OBSERVATION_WINDOW,
     prior_weight: float = PRIOR_WEIGHT,
 ) -> np.ndarray:
-    """Block utilities of a cache from its attention statistics (or the prior)."""
+    """Block utilities of a cache from its attention statistics (or the prior).
+
+    window: the observation window the attention was collected with (see
+        :func:`token_importance`).
+    """
     imp = token_importance(
-        cache.num_layers, cache.num_tokens, cache.attention, prior_weight=prior_weight
+        cache.num_layers,
+        cache.num_tokens,
+        cache.attention,
+        window=window,
+        prior_weight=prior_weight,
     )
     return block_utility(imp, block_tokens, layer_weights)
 

@@ -145,3 +145,26 @@ def test_card_inspect_cli(tmp_path):
     trunc = _cli("card", "inspect", str(path))
     assert trunc.returncode == 2 and "Traceback" not in trunc.stderr
     assert len(trunc.stderr.strip().splitlines()) == 1 and "truncated" in trunc.stderr
+
+
+@pytest.mark.model
+def test_card_injection_continues_generation_exactly(smollm, tmp_path):
+    from kvtransport import hf, tasks
+
+    model, tok = smollm
+    sample = tasks.generate("facts_qa", tok, target_tokens=200, seed=4242)
+    ctx, question = sample.prompt(tok)
+    kv = hf.prefill(model, tok, ctx)
+    want = hf.greedy_generate(model, kv, question, max_new_tokens=16, stop_ids=())
+    path = tmp_path / "ctx.card"
+    card.write_card(path, card.encode_cache(kv, created=card.creation_info()))
+    got = card.load_cache(path)
+    assert got.cache.model_id == smollm.model_id and got.present.all()
+    assert np.array_equal(got.cache.keys, kv.keys) and np.array_equal(got.cache.values, kv.values)
+    gen = hf.greedy_generate(model, got.cache, question, max_new_tokens=16, stop_ids=())
+    assert gen.tokens == want.tokens
+    # the card's utilities come from the prefill's attention: the sinks lead, and the
+    # attention-weighted order differs from plain position order
+    m = card.read_card(path).manifest
+    assert (m.token_start[: kv.num_layers] == 0).all()
+    assert not np.array_equal(m.token_start, np.sort(m.token_start))

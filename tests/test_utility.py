@@ -20,11 +20,17 @@ def test_token_importance_follows_attention_with_a_small_prior():
     rng = np.random.default_rng(0)
     att = rng.random((3, 100))
     att[1] = 0  # a layer without statistics falls back to the prior
-    imp = utility.token_importance(3, 100, att, prior_weight=0.05)
+    imp = utility.token_importance(3, 100, att, window=20, prior_weight=0.05)
     assert np.allclose(imp.sum(axis=1), 1.0)
     prior = utility.position_prior(100)
     assert np.allclose(imp[1], prior)
-    assert np.allclose(imp[0], 0.95 * att[0] / att[0].sum() + 0.05 * prior)
+    # tokens inside the 20-query window are seen by fewer queries: 20 / (100 - t)
+    corrected = att[0] * np.r_[np.ones(80), 20 / (20 - np.arange(20))]
+    assert np.allclose(imp[0], 0.95 * corrected / corrected.sum() + 0.05 * prior)
+    # the whole context as the window: token t is seen by 100 - t queries
+    full = utility.token_importance(3, 100, att, window=None, prior_weight=0.05)
+    corrected = att[0] * 100 / (100 - np.arange(100))
+    assert np.allclose(full[0], 0.95 * corrected / corrected.sum() + 0.05 * prior)
     no_att = utility.token_importance(3, 100, None)
     assert np.allclose(no_att, prior[None])
     with pytest.raises(ValueError):
@@ -51,7 +57,7 @@ def test_utility_order_puts_first_tokens_first_even_against_attention():
     att = rng.random((6, 200))
     att[:, :16] = 0  # attention says the first block is worthless in every layer
     att[2, 100:116] = 50  # and one block elsewhere is precious
-    u = utility.block_utility(utility.token_importance(6, 200, att), 16)
+    u = utility.block_utility(utility.token_importance(6, 200, att, window=1), 16)
     order = utility.stream_order(u, 16, "utility", sink_tokens=4)
     layer, tb = np.divmod(order, u.shape[1])
     assert (tb[:6] == 0).all() and sorted(layer[:6]) == list(range(6))

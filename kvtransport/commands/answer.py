@@ -87,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
     from kvtransport.model import chat_prompt, load_model
 
     _validate(args)
+    degrading = args.drop > 0 or args.precision is not None
     context = read_text(args.context, "context") if args.context else None
     t_all = time.perf_counter()
     # Read the card first: a bad card fails before the slow model load. Its read time is
@@ -113,11 +114,16 @@ def run(args: argparse.Namespace) -> int:
         utilities = stored.utility_grid()
     else:
         got = None
-        kv = hf.prefill(loaded.model, tok, context)
+        # attention statistics only when a degraded cache needs utilities
+        kv = hf.prefill(
+            loaded.model, tok, context, window=utility.OBSERVATION_WINDOW, attention=degrading
+        )
         timings["prefill"] = time.perf_counter() - t_start
         block_tokens = 16
-        utilities = utility.cache_utility(kv, block_tokens)
-    if args.drop > 0 or args.precision is not None:
+        if degrading:
+            weights = utility.default_layer_weights(loaded.model_id, kv.num_layers)
+            utilities = utility.cache_utility(kv, block_tokens, weights)
+    if degrading:
         t = time.perf_counter()
         got = card.degrade(
             got.cache if got is not None else kv,

@@ -54,15 +54,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--layer-weights",
         metavar="JSON",
         default=None,
-        help="layer sensitivity profile (from `kvtransport profile`) or a "
-        "JSON list of per-layer weights; default: uniform",
+        help="'uniform', a layer sensitivity profile (from `kvtransport profile`) or a "
+        "JSON list of per-layer weights; default: the model's packaged profile if it "
+        "ships one, else uniform",
     )
     parser.add_argument(
         "--window",
         type=int,
-        default=32,
+        default=512,
         metavar="N",
-        help="SnapKV observation window: last N context tokens (default 32)",
+        help="SnapKV observation window: attention from the last N context tokens scores "
+        "the blocks (default 512)",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
     parser.add_argument("--json", action="store_true", help="print a JSON summary")
@@ -90,13 +92,20 @@ def read_text(path: str, what: str) -> str:
     return text
 
 
-def load_layer_weights(spec: str | None, num_layers: int):  # noqa: ANN201 - ndarray | None
-    """Layer weights from a JSON file: a list, or an object with a "layer_weights" list."""
+def load_layer_weights(spec: str | None, model_id: str, num_layers: int):  # noqa: ANN201
+    """Layer weights (ndarray) or None for uniform.
+
+    spec: None (the model's packaged sensitivity profile if there is one, else uniform),
+    "uniform", a sensitivity profile JSON from `kvtransport profile`, or a JSON list.
+    """
     import numpy as np
 
+    from kvtransport import sensitivity, utility
     from kvtransport.errors import UserError
 
     if spec is None:
+        return utility.default_layer_weights(model_id, num_layers)
+    if spec == "uniform":
         return None
     try:
         obj = json.loads(Path(spec).read_text(encoding="utf-8"))
@@ -104,14 +113,19 @@ def load_layer_weights(spec: str | None, num_layers: int):  # noqa: ANN201 - nda
         raise UserError(f"layer weights file {spec}: no such file") from None
     except (OSError, ValueError) as exc:
         raise UserError(f"layer weights file {spec} is not readable JSON: {exc}") from None
-    values = obj.get("layer_weights") if isinstance(obj, dict) else obj
+    if isinstance(obj, dict) and obj.get("format") == sensitivity.FORMAT:
+        prof = sensitivity.load_profile(spec)
+        if prof.num_layers != num_layers:
+            raise UserError(f"profile {spec} has {prof.num_layers} layers, model {num_layers}")
+        return prof.weights(ratio=utility.LAYER_RATIO)
     try:
-        w = np.asarray(values, dtype=np.float64)
+        w = np.asarray(obj, dtype=np.float64)
     except (TypeError, ValueError):
         w = np.zeros(0)
     if w.shape != (num_layers,) or not np.all(np.isfinite(w)) or np.any(w < 0) or w.sum() <= 0:
         raise UserError(
-            f"layer weights in {spec} must be {num_layers} non-negative numbers, not all zero"
+            f"layer weights in {spec} must be a sensitivity profile or {num_layers} "
+            "non-negative numbers, not all zero"
         )
     return w
 
@@ -146,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
     from kvtransport.model import load_model
 
     loaded = load_model(args.model, threads=args.threads)
-    weights = load_layer_weights(args.layer_weights, loaded.num_layers)
+    weights = load_layer_weights(args.layer_weights, loaded.model_id, loaded.num_layers)
     t0 = time.perf_counter()
     cache = hf.prefill(loaded.model, loaded.tokenizer, context, window=args.window)
     t_prefill = time.perf_counter() - t0
@@ -154,12 +168,15 @@ def run(args: argparse.Namespace) -> int:
     stream = card.encode_cache(
         cache,
         layer_weights=weights,
+        window=args.window,
         block_tokens=args.block_tokens,
         precision=args.precision,
         created=card.creation_info(
             context_file=None if args.context == "-" else str(Path(args.context).name),
             prefill_seconds=round(t_prefill, 4),
-            layer_weights=args.layer_weights or "uniform",
+            layer_weights=args.layer_weights
+            or ("packaged sensitivity profile" if weights is not None else "uniform"),
+            observation_window=args.window,
         ),
     )
     card.write_card(out, stream)
