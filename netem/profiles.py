@@ -99,7 +99,7 @@ class Profile:
     source: str = "built-in"
 
     def __post_init__(self) -> None:
-        if not (self.rate_mbps > 0 and math.isfinite(self.rate_mbps)):
+        if not self.rate_mbps > 0:  # math.inf: no rate limit (see reverse_profile)
             raise ProfileError(f"profile {self.name}: rate_mbps must be > 0")
         if not (self.delay_ms >= 0 and math.isfinite(self.delay_ms)):
             raise ProfileError(f"profile {self.name}: delay_ms must be >= 0")
@@ -161,11 +161,43 @@ class Profile:
 
     # -- rendering for tc --------------------------------------------------------
 
+    @property
+    def rate_limited(self) -> bool:
+        return math.isfinite(self.rate_mbps)
+
     def netem_limit(self) -> int:
         """netem's packet limit: room for the byte queue of tiny packets plus in-flight."""
         in_flight_s = (self.delay_ms + 4 * self.jitter_ms) / 1e3
-        pps = self.rate_bps / 8 / 64
-        return max(NETEM_MIN_LIMIT, int(self.effective_queue_bytes() / 64 + 2 * pps * in_flight_s))
+        rate_bps = self.rate_bps if self.rate_limited else 1e9  # unlimited: size for 1 Gbit/s
+        queue = self.effective_queue_bytes() if self.rate_limited else 0
+        pps = rate_bps / 8 / 64
+        return max(NETEM_MIN_LIMIT, int(queue / 64 + 2 * pps * in_flight_s))
+
+    def reverse_profile(self, mode: str = "delay") -> Profile:
+        """The feedback direction (receiver -> sender) as the testbed builds it.
+
+        "full": this profile (drawn independently); "delay": the same delay and jitter
+        (a trace: its median one-way delay), no loss, no rate limit; "none": nothing.
+        The simulator can build the same feedback path with
+        ``make_channel(profile.reverse_profile(mode), seed)``.
+        """
+        if mode == "full":
+            return self
+        if mode not in ("delay", "none"):
+            raise ProfileError(f"reverse mode must be full, delay or none, not {mode!r}")
+        delay_ms, jitter_ms = (0.0, 0.0) if mode == "none" else (self.delay_ms, self.jitter_ms)
+        if mode == "delay" and self.is_trace:
+            delay_ms = float(np.nanmedian(self.loss.trace().owd_s)) * 1e3
+        return Profile(
+            name=f"{self.name}-reverse",
+            loss=NoLoss(),
+            rate_mbps=math.inf,
+            delay_ms=delay_ms,
+            jitter_ms=jitter_ms,
+            jitter_distribution=self.jitter_distribution,
+            description=f"feedback direction of {self.name} ({mode})",
+            source=self.source,
+        )
 
     def netem_args(self, rate: bool = False) -> list[str]:
         """tc-netem arguments for the loss, delay and jitter of this profile.
@@ -185,12 +217,14 @@ class Profile:
             if self.jitter_distribution == "normal":
                 args += ["distribution", "normal"]
         args += self.loss.netem_args()
-        if rate:
+        if rate and self.rate_limited:
             args += ["rate", _rate_arg(self.rate_mbps)]
         return args
 
     def tbf_args(self) -> list[str]:
         """tc-tbf arguments (rate, burst, limit in bytes) of the rate limiter."""
+        if not self.rate_limited:
+            raise ProfileError(f"profile {self.name}: no rate limit, so no tbf")
         return [
             "rate",
             _rate_arg(self.rate_mbps),
@@ -210,10 +244,8 @@ class Profile:
             delay = f"delay {_fmt_num(self.delay_ms)} ms"
             if self.jitter_ms:
                 delay += f" +- {_fmt_num(self.jitter_ms)} ms {self.jitter_distribution}"
-        return (
-            f"{self.name}: {loss} (expected loss {rate:.2%}), "
-            f"{_fmt_num(self.rate_mbps)} Mbit/s, {delay}"
-        )
+        link = f"{_fmt_num(self.rate_mbps)} Mbit/s" if self.rate_limited else "no rate limit"
+        return f"{self.name}: {loss} (expected loss {rate:.2%}), {link}, {delay}"
 
     # -- samplers ----------------------------------------------------------------
 
@@ -447,6 +479,8 @@ def make_channel(
     """A seeded userspace Channel for a profile, optionally with another rate or delay."""
     prof = load_profile(profile).with_overrides(rate_mbps, delay_ms)
     loss, delay = prof.samplers(seed)
+    if not prof.rate_limited:
+        return Channel(loss, delay, overhead_bytes=overhead_bytes)
     return Channel(
         loss,
         delay,

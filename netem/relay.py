@@ -185,33 +185,24 @@ def _raise_priority() -> str:
 def _build_channels(cfg: RelayConfig) -> tuple[Any, Any, str]:
     """(forward channel, reverse channel or None, description), from the profile."""
     import numpy as np
-    from kvtransport.netem.channel import Channel, DelaySampler
-    from kvtransport.netem.loss import NoLoss
+    from kvtransport.netem.channel import Channel
     from kvtransport.netem.profiles import profile_from_mapping
 
     prof = profile_from_mapping(cfg.profile, cfg.profile_spec, "relay config")
     seeds = np.random.SeedSequence(cfg.seed).spawn(2)
-    loss, delay = prof.samplers(seeds[0])
-    shaping: dict[str, Any] = {}
-    if cfg.shaper == "relay":  # the simulator's token bucket, on kernel arrival times
-        shaping = {
-            "rate_bps": prof.rate_bps,
-            "queue_bytes": prof.effective_queue_bytes(),
-            "burst_bytes": prof.effective_burst_bytes(),
-        }
-    fwd = Channel(loss, delay, **shaping)  # with shaper "tbf" the kernel limits the rate
-    rev = None
-    if cfg.reverse == "full":
-        rloss, rdelay = prof.samplers(seeds[1])
-        rev = Channel(rloss, rdelay, **shaping)
-    elif cfg.reverse == "delay":
-        rng = np.random.default_rng(seeds[1])
-        rdelay = DelaySampler(
-            prof.delay_ms / 1e3, prof.jitter_ms / 1e3, prof.jitter_distribution, rng
+    shaped = cfg.shaper == "relay"  # else kernel tbf limits the rate
+
+    def channel(p: Any, seed: np.random.SeedSequence) -> Any:
+        loss, delay = p.samplers(seed)
+        if not (shaped and p.rate_limited):
+            return Channel(loss, delay)
+        # the simulator's token bucket, working on the kernel's arrival timestamps
+        return Channel(
+            loss, delay, p.rate_bps, p.effective_queue_bytes(), p.effective_burst_bytes()
         )
-        if prof.is_trace:
-            rdelay = DelaySampler(float(np.nanmedian(prof.loss.trace().owd_s)), 0.0, "uniform", rng)
-        rev = Channel(NoLoss().sampler(rng), rdelay)
+
+    fwd = channel(prof, seeds[0])
+    rev = None if cfg.reverse == "none" else channel(prof.reverse_profile(cfg.reverse), seeds[1])
     return fwd, rev, prof.describe()
 
 

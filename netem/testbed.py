@@ -14,7 +14,8 @@ Layout (fixed names; ``prefix`` defaults to ``kvt``, tests use their own)::
 Both backends give the data direction (snd -> rcv) the full profile in the same order:
 loss, then delay/jitter, then the rate limiter with its byte queue. The reverse direction
 (feedback, rcv -> snd) gets, by ``reverse``: "delay" (the same delay, no loss, no rate
-limit; default), "full" (the whole profile, independently drawn) or "none". MAC addresses
+limit; default), "full" (the whole profile, independently drawn) or "none"; the simulator
+gets the same path from ``Profile.reverse_profile(mode)``. MAC addresses
 are fixed and neighbours static, so no ARP crosses the impaired link. IPv6 is off.
 
 Rate limiting under the relay backend (``shaper``): "tbf" (default) is kernel tbf on
@@ -256,7 +257,7 @@ def build_plan(
         if reverse == "full":
             cmds += _netem_qdiscs(rcv, IF_RCV, profile)
         elif reverse == "delay":
-            delay_only = _delay_only(profile).netem_args()
+            delay_only = profile.reverse_profile("delay").netem_args()
             cmds.append(
                 _cmd(f"tc -n {rcv} qdisc add dev {IF_RCV} root handle 1: netem", *delay_only)
             )
@@ -276,19 +277,6 @@ def _netem_qdiscs(ns: str, dev: str, profile: Profile) -> list[list[str]]:
         _cmd(f"tc -n {ns} qdisc add dev {dev} root handle 1: netem", *profile.netem_args()),
         _cmd(f"tc -n {ns} qdisc add dev {dev} parent 1:1 handle 10: tbf", *profile.tbf_args()),
     ]
-
-
-def _delay_only(profile: Profile) -> Profile:
-    from kvtransport.netem.loss import NoLoss
-
-    return Profile(
-        name=profile.name + "-reverse",
-        loss=NoLoss(),
-        rate_mbps=profile.rate_mbps,
-        delay_ms=profile.delay_ms,
-        jitter_ms=profile.jitter_ms,
-        jitter_distribution=profile.jitter_distribution,
-    )
 
 
 # ---------------------------------------------------------------------------

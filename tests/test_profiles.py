@@ -212,3 +212,21 @@ def test_sample_trace_ships_and_replays():
     out = [ch.transmit(i * 1e-3, 1300) for i in range(3000)]
     delays = np.array([a - i * 1e-3 for i, a in enumerate(out) if a is not None])
     assert 0.004 < np.median(delays) < 0.012
+
+
+def test_reverse_profiles_match_the_testbed_feedback_path(tmp_path):
+    p = load_profile("ge-heavy").with_overrides(delay_ms=7)
+    assert p.reverse_profile("full") is p
+    back = p.reverse_profile("delay")
+    assert back.stationary_loss() == 0.0 and back.delay_ms == 7 and not back.rate_limited
+    ch = make_channel(back, seed=1)
+    # no loss, no rate limit: a burst of 1000 packets all arrive after exactly 7 ms
+    assert [ch.transmit(0.0, 1300) for _ in range(1000)] == [0.007] * 1000
+    assert make_channel(p.reverse_profile("none"), seed=1).transmit(1.0, 100) == 1.0
+    with pytest.raises(ProfileError, match="no tbf"):
+        back.tbf_args()
+    t = tmp_path / "t.csv"
+    write_trace(t, np.array([False, True, False]), np.array([4000.0, 0.0, 6000.0]))
+    assert load_profile(str(t)).reverse_profile("delay").delay_ms == pytest.approx(5.0)
+    with pytest.raises(ProfileError, match="reverse mode"):
+        p.reverse_profile("half")

@@ -91,7 +91,7 @@ def test_netem_backend_commands():
         "loss gemodel 5% 30% 80% 0.5%",
         "tc -n kvt-snd qdisc add dev kvt-s parent 1:1 handle 10: tbf rate 100mbit burst 12500 "
         "limit 625000",
-        "tc -n kvt-rcv qdisc add dev kvt-r root handle 1: netem limit 11718 delay 5ms",
+        "tc -n kvt-rcv qdisc add dev kvt-r root handle 1: netem limit 19531 delay 5ms",
     ]
     assert not any("kvt-mid" in c for c in cmds)
 
