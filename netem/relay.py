@@ -77,7 +77,7 @@ class RelayConfig:
     seed: int
     fwd_in: str
     fwd_out: str
-    reverse: str = "delay"
+    reverse: str = "full"
     shaper: str = "tbf"
     status_file: str | None = None
     sndbuf_bytes: int = 8 << 20

@@ -13,10 +13,11 @@ Layout (fixed names; ``prefix`` defaults to ``kvt``, tests use their own)::
 
 Both backends give the data direction (snd -> rcv) the full profile in the same order:
 loss, then delay/jitter, then the rate limiter with its byte queue. The reverse direction
-(feedback, rcv -> snd) gets, by ``reverse``: "delay" (the same delay, no loss, no rate
-limit; default), "full" (the whole profile, independently drawn) or "none"; the simulator
-gets the same path from ``Profile.reverse_profile(mode)``. MAC addresses
-are fixed and neighbours static, so no ARP crosses the impaired link. IPv6 is off.
+(feedback, rcv -> snd) gets, by ``reverse``: "full" (default: the whole profile, drawn
+independently, as the simulator's default feedback channel), "delay" (the same delay, no
+loss, no rate limit) or "none"; the simulator builds the same path with
+``Profile.reverse_profile(mode)``. MAC addresses are fixed and neighbours static, so no
+ARP crosses the impaired link. IPv6 is off.
 
 Rate limiting under the relay backend (``shaper``): "tbf" (default) is kernel tbf on
 kvt-mr; "relay" runs the simulator's own token bucket in the relay on the kernel's
@@ -213,7 +214,7 @@ def _cmd(text: str, *extra: str) -> list[str]:
 def build_plan(
     profile: Profile,
     backend: str,
-    reverse: str = "delay",
+    reverse: str = "full",
     prefix: str = DEFAULT_PREFIX,
     shaper: str = "tbf",
 ) -> list[list[str]]:
@@ -422,7 +423,7 @@ class Testbed:
         rate_mbps: float | None = None,
         delay_ms: float | None = None,
         backend: str = "auto",
-        reverse: str = "delay",
+        reverse: str = "full",
         seed: int = 0,
         profiles_file: str | Path | None = None,
         prefix: str = DEFAULT_PREFIX,

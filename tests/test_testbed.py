@@ -174,7 +174,7 @@ def clean_prefix():
 @netns
 @pytest.mark.netns
 def test_up_down_lifecycle(clean_prefix):
-    tb = Testbed("ge-light", prefix=PREFIX, seed=3)
+    tb = Testbed("ge-light", prefix=PREFIX, seed=3, reverse="delay")
     tb.up()
     try:
         names = _namespaces()

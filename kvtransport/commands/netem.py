@@ -17,8 +17,8 @@ link impaired per a named profile (the same profiles as `kvtransport simulate`):
 
 The data direction (kvt-snd -> kvt-rcv) gets the whole profile: loss (netem's Bernoulli,
 Gilbert-Elliott `gemodel` or 4-state models, or a trace), then delay and jitter, then a
-token-bucket rate limit with a byte queue. The reverse direction (feedback) gets the same
-delay without loss by default (--reverse full|delay|none).
+token-bucket rate limit with a byte queue. The reverse direction (feedback) gets the whole
+profile too, drawn independently, as in `kvtransport simulate` (--reverse full|delay|none).
 
 Backends: kernel `tc netem` + tbf where the kernel has sch_netem; otherwise (or with
 --backend relay) a userspace relay in a third namespace (kvt-mid) applies loss, delay
@@ -64,9 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     up.add_argument(
         "--reverse",
         choices=["delay", "full", "none"],
-        default="delay",
-        help="the feedback direction: the same delay only (default), the full profile, "
-        "or no impairment",
+        default="full",
+        help="the feedback direction: the full profile (default, as the simulator), the "
+        "same delay only (no loss, no rate limit), or no impairment",
     )
     up.add_argument(
         "--shaper",
