@@ -55,16 +55,7 @@ __all__ = [
 _GOOD, _BAD = 0, 1
 
 
-def _njit(fn):  # noqa: ANN001, ANN202
-    """njit with an on-disk cache, or without one where no cache location is writable
-    (e.g. an unprivileged user without a home directory running the CLI)."""
-    try:
-        return njit(cache=True, nogil=True)(fn)
-    except RuntimeError:
-        return njit(nogil=True)(fn)
-
-
-@_njit
+@njit(cache=True, nogil=True)
 def _ge_kernel(
     u: np.ndarray,
     state: int,
@@ -87,7 +78,7 @@ def _ge_kernel(
     return state
 
 
-@_njit
+@njit(cache=True, nogil=True)
 def _four_state_kernel(
     u: np.ndarray,
     state: int,
