@@ -343,6 +343,7 @@ class ReceiverSession:
                     self.n_known -= 1
             self._known = self._known[:n]
             self._out = self._out[: n * self.symbol_size].copy()
+            self._out_mv = memoryview(self._out)
             self.esi_end = min(self.esi_end, n)
             self.through = min(self.through, n)
         if len(self._known) < n:

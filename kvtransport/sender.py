@@ -291,8 +291,8 @@ class SenderSession:
         """Supply the decision an ExternalPolicy deferred (Gymnasium environment)."""
         if not self.awaiting_action:
             raise RuntimeError("no decision is pending")
-        self.awaiting_action = False
         self._set_action(int(action))
+        self.awaiting_action = False
 
     def cancel(self, now: float) -> None:
         """Abort the transfer: one CONTROL ABORT tells the receiver to deliver now."""

@@ -1,0 +1,396 @@
+"""Sender and receiver sessions over scripted networks with a fake clock.
+
+The driver below is the whole "network": it moves datagrams between the two real sessions
+with fixed delays and lets each test decide, per datagram, whether it is lost, duplicated
+or delayed (reordered). Time only moves when a session's timer or a delivery says so.
+"""
+
+import heapq
+
+import numpy as np
+import pytest
+
+from kvtransport import wire
+from kvtransport.policy import (
+    ACTIONS,
+    REPAIR_ONLY,
+    ExternalPolicy,
+    Obs,
+    make_policy,
+)
+from kvtransport.receiver import ReceiverSession
+from kvtransport.sender import SenderSession
+from kvtransport.transfer import synthetic_transfer
+from kvtransport.wire import DatagramType as T
+
+TID = 0x1234_5678_9ABC_DEF0
+RATE = 100e6
+DELAY = 0.005
+
+
+def _keep(i, d):
+    return [0.0]
+
+
+class Net:
+    """Moves datagrams between a sender and a receiver on a virtual clock.
+
+    ``data(i, parsed)`` and ``back(i, parsed)`` return, per datagram (i-th on that path),
+    the list of extra delays of its copies: [] drops it, [0.0] delivers it once, two
+    entries duplicate it, a positive extra delay reorders it.
+    """
+
+    def __init__(self, sender, receiver, data=_keep, back=_keep, delay=DELAY, key=None):
+        self.s, self.r, self.key = sender, receiver, key
+        self.data, self.back, self.delay = data, back, delay
+        self.heap = []
+        self.n = 0
+        self.sent = []  # (time, parsed datagram) on the data path, as sent
+        self.feedback = []  # (time, parsed datagram) on the feedback path, as sent
+        self.sender_alive = True
+        self.t = 0.0
+
+    def _push(self, t, to_receiver, data, rule, log):
+        parsed = wire.parse(data, self.key)
+        log.append((t, parsed))
+        for extra in rule(len(log) - 1, parsed):
+            self.n += 1
+            heapq.heappush(self.heap, (t + self.delay + extra, self.n, to_receiver, data))
+
+    def run(self, until=10.0, stop_sender_after=None):
+        s, r = self.s, self.r
+        while True:
+            if stop_sender_after is not None and len(self.sent) >= stop_sender_after:
+                self.sender_alive = False
+            ts = s.next_timer() if self.sender_alive else None
+            tr = r.next_timer()
+            te = self.heap[0][0] if self.heap else None
+            cands = [x for x in (te, ts, tr) if x is not None]
+            if not cands:
+                return
+            t = min(cands)
+            if t > until:
+                return
+            assert t >= self.t - 1e-12, "time went backwards"
+            self.t = t
+            if te is not None and te == t:
+                _, _, to_receiver, data = heapq.heappop(self.heap)
+                if to_receiver:
+                    r.receive_datagram(data, t)
+                elif self.sender_alive:
+                    s.receive_datagram(data, t)
+            elif ts is not None and ts == t:
+                s.handle_timer(t)
+                for d in s.datagrams_to_send(t):
+                    self._push(t, True, d, self.data, self.sent)
+            else:
+                r.handle_timer(t)
+            for d in r.datagrams_to_send(t):
+                self._push(t, False, d, self.back, self.feedback)
+            if r.finished and (s.done or not self.sender_alive) and not self.heap:
+                return
+
+    def of_type(self, dtype):
+        return [(t, d) for t, d in self.sent if d.type == dtype]
+
+
+def make_pair(size=200_000, blocks=20, policy="adaptive", rho=None, deadline=1.0, key=None,
+              receiver_deadline="same", **kw):  # fmt: skip
+    tr = synthetic_transfer(size, blocks, "zipf", seed=7)
+    n_source = -(-size // 1280)
+    if rho is not None:
+        deadline = rho * n_source * (28 + 1280 + 42) * 8 / RATE
+    pol = make_policy(policy) if isinstance(policy, str) else policy
+    s = SenderSession(tr, pol, rate_bps=RATE, deadline=deadline, transfer_id=TID, key=key,
+                      initial_rtt=2 * DELAY, **kw)  # fmt: skip
+    rd = deadline if receiver_deadline == "same" else receiver_deadline
+    r = ReceiverSession(TID, key=key, deadline=rd)
+    return tr, s, r
+
+
+def _block_ok(tr, res, b):
+    o, n = int(tr.blocks.offsets[b]), int(tr.blocks.lengths[b])
+    return np.array_equal(res.payload[o : o + n], tr.payload[o : o + n])
+
+
+def _drop_sources(esis):
+    """Lose the first transmission of these source ESIs."""
+    seen = set()
+
+    def rule(i, d):
+        if d.type == T.SOURCE and d.esi in esis and d.esi not in seen:
+            seen.add(d.esi)
+            return []
+        return [0.0]
+
+    return rule
+
+
+def test_clean_transfer_delivers_every_block_byte_for_byte():
+    tr, s, r = make_pair(size=300_000, blocks=25)
+    net = Net(s, r)
+    net.run()
+    res = r.result
+    assert res.reason == "complete" and res.missing.size == 0 and res.complete.all()
+    assert np.array_equal(res.payload, tr.payload)
+    assert res.utility_recovered == pytest.approx(1.0)
+    assert res.app_metadata == b"" and res.manifest.blocks.equals(tr.blocks)
+    # the receiver's ALL_DONE stops the sender long before its deadline
+    assert s.done and s.finish_reason == "receiver done" and s.finished_at < 0.1
+    assert res.timings["complete"] < 0.1
+
+
+def test_lost_sources_are_repaired_inside_their_segment():
+    lost = {10, 11, 12, 70}
+    tr, s, r = make_pair(size=200_000, blocks=20)
+    net = Net(s, r, data=_drop_sources(lost))
+    net.run()
+    res = r.result
+    assert res.reason == "complete" and np.array_equal(res.payload, tr.payload)
+    assert r.symbols_recovered == len(lost)  # decoded from repairs, never resent as sources
+    assert [d.esi for _, d in net.of_type(T.SOURCE)].count(10) == 1
+    # after feedback reported the holes, reactive repairs cover exactly a segment's holes
+    first_fb = min(t for t, d in net.feedback if wire.decode_feedback(d.payload).ranges)
+    later = [d for t, d in net.of_type(T.REPAIR) if t >= first_fb]
+    assert later
+    windows = {(d.esi, d.esi + d.nss) for d in later}
+    seg = wire.REPAIR_SEGMENT
+    assert any(lo <= 10 and hi >= 13 and hi <= seg for lo, hi in windows)
+    assert any(lo >= seg and lo <= 70 < hi <= 2 * seg for lo, hi in windows)
+
+
+def test_feedback_comes_periodically_and_at_once_on_a_loss():
+    tr, s, r = make_pair(size=400_000, blocks=10, policy="none")
+    net = Net(s, r, data=_drop_sources({150}))
+    net.run()
+    times = [t for t, _ in net.feedback]
+    last_arrival = net.sent[-1][0] + DELAY
+    gaps = np.diff([t for t in times if t <= last_arrival])
+    assert len(gaps) > 5 and gaps.max() <= r.feedback_interval + 1e-9
+    # the datagram right after the lost one arrives -> a report leaves at that instant
+    lost_at = next(t for t, d in net.sent if d.type == T.SOURCE and d.esi == 151) + DELAY
+    assert any(abs(t - lost_at) < 1e-9 for t in times)
+    fb = next(wire.decode_feedback(d.payload) for t, d in net.feedback if abs(t - lost_at) < 1e-9)
+    assert (150, 1) in fb.ranges and fb.lost == 1 and fb.unrecovered == 1
+
+
+def test_deadline_cuts_the_stream_and_the_missing_list_is_exact():
+    tr, s, r = make_pair(size=400_000, blocks=40, policy="none", rho=0.5)
+    net = Net(s, r)
+    net.run()
+    res = r.result
+    assert res.reason == "deadline" and s.finish_reason == "deadline"
+    last_data = max(t for t, d in net.sent if d.type != T.CONTROL)
+    assert last_data <= s.stop_time < s.deadline
+    assert last_data + DELAY <= s.deadline  # everything sent could arrive in time
+    sent = {d.esi for _, d in net.of_type(T.SOURCE)}
+    first, last = tr.blocks.symbol_ranges(1280)
+    want_missing = [b for b in range(len(tr.blocks)) if not set(range(first[b], last[b])) <= sent]
+    assert res.missing.tolist() == want_missing and 0 < len(want_missing) < len(tr.blocks)
+    assert res.utility_recovered == pytest.approx(float(tr.blocks.utilities[res.complete].sum()))
+    assert all(_block_ok(tr, res, b) for b in np.flatnonzero(res.complete))
+    # no source was useless: the block holding each one's first byte was completed
+    ends = tr.blocks.offsets + tr.blocks.lengths
+    owner = np.searchsorted(ends, np.array(sorted(sent)) * 1280, side="right")
+    assert res.complete[owner].all()
+
+
+def test_manifest_arrives_even_when_its_whole_first_run_is_lost():
+    def rule(i, d):
+        if d.type in (T.MANIFEST, T.MANIFEST_REPAIR) and i < 20:
+            return []
+        return [0.0]
+
+    tr, s, r = make_pair(size=300_000, blocks=25)
+    net = Net(s, r, data=rule)
+    net.run()
+    res = r.result
+    manifest = [t for t, d in net.sent if d.type in (T.MANIFEST, T.MANIFEST_REPAIR)]
+    assert len([t for t in manifest if t < manifest[0] + 20 * s.slot_s]) >= 5
+    assert res.reason == "complete" and np.array_equal(res.payload, tr.payload)
+    assert res.timings["manifest"] > res.timings["first_packet"]
+
+
+def test_manifest_survives_heavy_random_loss():
+    rng = np.random.default_rng(3)
+    ok = 0
+    for _ in range(10):
+        tr, s, r = make_pair(size=100_000, blocks=10, policy="adaptive")
+        net = Net(s, r, data=lambda i, d: [] if rng.random() < 0.4 else [0.0])
+        net.run()
+        ok += r.manifest is not None
+    assert ok == 10
+
+
+def test_duplicates_and_reordering_change_nothing():
+    tr, s, r = make_pair(size=300_000, blocks=30, policy="adaptive")
+    lost = _drop_sources({5, 6, 7, 90})
+    Net(s, r, data=lost).run()
+    clean = r.result
+
+    tr, s, r = make_pair(size=300_000, blocks=30, policy="adaptive")
+    lost = _drop_sources({5, 6, 7, 90})
+
+    def messy(i, d):
+        out = lost(i, d)
+        if not out:
+            return out
+        jitter = 0.0004 * (i % 3)  # neighbours swap places
+        return [jitter, jitter + 0.0002]  # and every datagram comes twice
+
+    net = Net(s, r, data=messy, back=lambda i, d: [0.0, 0.0001 * (i % 2)])
+    net.run()
+    res = r.result
+    assert r.monitor.duplicates > 100
+    assert res.reason == clean.reason == "complete"
+    assert np.array_equal(res.payload, clean.payload) and np.array_equal(res.payload, tr.payload)
+    assert s.stats["feedback_stale"] > 0  # reordered old reports were ignored
+
+
+def test_total_feedback_loss_leaves_the_sender_finishing_open_loop():
+    rng = np.random.default_rng(5)
+    tr, s, r = make_pair(size=400_000, blocks=40, policy="adaptive", rho=0.9)
+    net = Net(s, r, data=lambda i, d: [] if rng.random() < 0.05 else [0.0], back=lambda i, d: [])
+    net.run()
+    assert s.stats["feedback_received"] == 0
+    assert s.done and s.finish_reason == "deadline"
+    assert s.stats["rlc_repair_sent"] > 0.04 * s.stats["source_sent"]  # protected blind
+    res = r.result
+    assert res.reason == "deadline" and res.utility_recovered > 0.5
+    assert all(_block_ok(tr, res, b) for b in np.flatnonzero(res.complete))
+
+
+def test_sender_death_leaves_the_receiver_delivering_at_the_deadline():
+    tr, s, r = make_pair(size=400_000, blocks=40, policy="adaptive", deadline=0.2,
+                         receiver_deadline=None)  # fmt: skip
+    net = Net(s, r)
+    net.run(stop_sender_after=120)
+    res = r.result
+    assert res is not None and res.reason == "deadline"
+    # no deadline was given to the receiver: it is the manifest's, counted from arrival
+    assert res.timings["finished"] == pytest.approx(res.timings["first_packet"] + 0.2)
+    got = {d.esi for _, d in net.sent if d.type == T.SOURCE}
+    first, last = tr.blocks.symbol_ranges(1280)
+    want = [b for b in range(len(tr.blocks)) if not set(range(first[b], last[b])) <= got]
+    assert res.missing.tolist() == want and len(want) < len(tr.blocks)
+    assert all(_block_ok(tr, res, b) for b in np.flatnonzero(res.complete))
+
+
+def test_garbage_is_counted_by_reason_and_changes_nothing():
+    key = b"k" * 32
+    tr, s, r = make_pair(size=100_000, blocks=10, key=key)
+    good = s.datagrams_to_send(0.0)
+    assert len(good) == 1
+    r.receive_datagram(good[0], 0.005)
+    before = (r.n_known, r.source_received, r.monitor.received)
+    forged = bytearray(good[0])
+    forged[40] ^= 0xFF
+    garbage = [
+        b"\x00" * 10,
+        b"XY" + good[0][2:],
+        bytes(forged),
+        wire.Framer(TID).build(T.SOURCE, 99, b"x" * 1280, esi=3),  # untagged
+        wire.Framer(TID + 1, key).build(T.SOURCE, 99, b"x" * 1280, esi=3),  # foreign
+        wire.Framer(TID, key).build(T.FEEDBACK, 1, b""),  # wrong direction
+        wire.Framer(TID, key).build(T.SOURCE, 98, b"x" * 100, esi=4),  # wrong symbol size
+        wire.Framer(TID, key).build(T.SOURCE, 97, b"x" * 1280, esi=1 << 30),  # beyond payload
+        wire.Framer(TID, key).build(T.CONTROL, 96, b"", esi=77),  # unknown control
+    ]
+    for g in garbage:
+        r.receive_datagram(g, 0.006)
+    assert r.drop_reasons == {
+        "truncated": 1,
+        "bad_magic": 1,
+        "bad_tag": 2,
+        "foreign_transfer": 1,
+        "unexpected_type": 1,
+        "bad_symbol_size": 1,
+        "out_of_range": 1,
+        "bad_control": 1,
+    }
+    assert before[:2] == (r.n_known, r.source_received) and not r.finished
+    for g in (b"", b"junk" * 20, good[0], wire.Framer(TID + 1, key).build(T.FEEDBACK, 1, b"")):
+        s.receive_datagram(g, 0.01)
+    assert s.drop_reasons == {"truncated": 1, "bad_magic": 1, "unexpected_type": 1,
+                              "foreign_transfer": 1}  # fmt: skip
+    assert s.stats["feedback_received"] == 0
+
+
+def test_wrong_key_receiver_accepts_nothing():
+    tr, s, _ = make_pair(size=50_000, blocks=5, key=b"right key")
+    r = ReceiverSession(TID, key=b"wrong key", deadline=1.0)
+    Net(s, r, key=b"right key").run(until=1.5)
+    assert r.n_known == 0 and r.drop_reasons["bad_tag"] > 10 and r.result.manifest is None
+
+
+def test_arq_retransmits_exactly_what_feedback_nacks():
+    tr, s, r = make_pair(size=200_000, blocks=20, policy="arq")
+    net = Net(s, r, data=_drop_sources({20, 21, 100}))
+    net.run()
+    retx = [d for _, d in net.of_type(T.SOURCE) if d.flags & wire.FLAG_RETRANSMIT]
+    assert sorted(d.esi for d in retx) == [20, 21, 100]
+    assert r.result.reason == "complete" and np.array_equal(r.result.payload, tr.payload)
+    assert not net.of_type(T.REPAIR)
+
+
+def test_block_rs_recovers_a_block_from_its_parities():
+    tr, s, r = make_pair(size=40_000, blocks=4, policy="block-rs:4/16")
+    net = Net(s, r, data=_drop_sources({1, 2, 3, 17}))
+    net.run()
+    parities = net.of_type(T.BLOCK_REPAIR)
+    n_source = -(-40_000 // 1280)
+    assert len(parities) == 4 * -(-n_source // 16)
+    assert {(d.esi, d.nss) for _, d in parities} == {(0, 16), (16, 16)}
+    res = r.result
+    assert res.reason == "complete" and np.array_equal(res.payload, tr.payload)
+    assert r.symbols_recovered == 4
+
+
+def test_external_policy_pauses_at_each_decision():
+    tr, s, r = make_pair(size=200_000, blocks=20, policy=ExternalPolicy())
+    assert s.datagrams_to_send(0.0) == [] and s.awaiting_action
+    assert s.next_timer() is None
+    assert s.obs[Obs.TIME_LEFT] == pytest.approx(1.0) and s.obs[Obs.SOURCE_LEFT] == 1.0
+    assert s.obs[Obs.FEEDBACK_AGE] == 16.0  # no feedback yet
+    s.apply_action(0)  # admit, no proactive repair
+    sent = []
+    t = 0.0
+    while not s.awaiting_action:
+        sent += [wire.parse(d) for d in s.datagrams_to_send(t)]
+        t = s.next_timer() or t
+    assert len(sent) == s.decision_packets
+    assert {d.type for d in sent} == {T.MANIFEST, T.MANIFEST_REPAIR, T.SOURCE}
+    assert s.obs[Obs.SOURCE_LEFT] < 1.0 and s.obs[Obs.LAST_SHARE] == 0.0
+    s.apply_action(REPAIR_ONLY)  # stop admitting: what is left is repair
+    more = []
+    while not s.awaiting_action:
+        more += [wire.parse(d) for d in s.datagrams_to_send(t)]
+        t = s.next_timer() or t
+    assert T.SOURCE not in {d.type for d in more}
+    assert sum(d.type == T.REPAIR for d in more) >= s.decision_packets - 4
+    assert s.obs[Obs.LAST_ADMIT] == 0.0 and s.obs[Obs.LAST_SHARE] == 1.0
+    with pytest.raises(ValueError):
+        s.apply_action(len(ACTIONS))
+    s.apply_action(0)
+    with pytest.raises(RuntimeError):
+        s.apply_action(0)
+
+
+def test_pacing_follows_the_link_rate_and_catches_up_when_late():
+    tr, s, r = make_pair(size=400_000, blocks=10, policy="none")
+    slot = (28 + 1280 + 42) * 8 / RATE
+    assert s.slot_s == pytest.approx(slot)
+    assert len(s.datagrams_to_send(0.0)) == 1
+    assert s.next_timer() == pytest.approx(slot)
+    assert s.datagrams_to_send(slot / 2) == []
+    assert len(s.datagrams_to_send(slot * 5.5)) == 5  # late shell: the backlog goes at once
+    assert s.next_timer() == pytest.approx(slot * 6)
+
+
+def test_receiver_state_is_bounded_by_max_bytes():
+    tr, s, _ = make_pair(size=200_000, blocks=10, policy="none")
+    r = ReceiverSession(TID, deadline=1.0, max_bytes=64 * 1280)
+    Net(s, r).run()
+    assert r.drop_reasons.get("out_of_range", 0) + r.drop_reasons.get("too_large", 0) > 0
+    assert len(r._known) <= 64  # never grew past what max_bytes allows
+    assert r.result.manifest is None  # a transfer larger than allowed is refused
