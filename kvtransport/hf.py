@@ -75,9 +75,10 @@ class _AttentionProbe:
         q = query[:, :, q_len - w :, :]
         k = repeat_kv(key, query.shape[1] // key.shape[1])
         scores = torch.matmul(q, k.transpose(-1, -2)) * float(module.scaling)
-        if mask is None:
-            mask = _causal_mask(q_len, kv_len, query.device)
-        m = mask[..., q_len - w :, :]
+        if mask is None:  # causal: only the window's rows, never the full q x kv mask
+            m = _causal_mask(w, kv_len, query.device)
+        else:
+            m = mask[..., q_len - w :, :]
         if m.dtype == torch.bool:
             scores = scores.masked_fill(~m, float("-inf"))
         else:

@@ -270,7 +270,13 @@ def load_model(spec: str | os.PathLike | None = None, *, threads: int | None = N
         model_id = path.stem
     else:
         weights_dir, source, model_id = path, "directory", _directory_model_id(path)
-    model, tokenizer = _load_directory(weights_dir)
+    try:
+        model, tokenizer = _load_directory(weights_dir)
+    except UserError as exc:
+        if kind != "gguf":
+            raise
+        hint = f"a damaged converted copy: delete {weights_dir} to rebuild it"
+        raise UserError(f"{exc} ({hint})") from None
     _prepare(model, model_id)
     return LoadedModel(
         model=model,

@@ -85,3 +85,13 @@ def test_chat_prompt_splits_the_templated_prompt_seamlessly(smollm):
         chat_prompt(tok, "something else entirely", sample.question)[1]
         == q[: len(q) - len(tok(sample.answer_prefix, add_special_tokens=False)["input_ids"])]
     )
+
+
+def test_a_damaged_converted_copy_is_a_user_error_that_says_what_to_do(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVT_CACHE", str(tmp_path))
+    copy = converted_dir(default_gguf_path())
+    assert copy.is_relative_to(tmp_path)
+    copy.mkdir(parents=True)
+    (copy / "config.json").write_text('{"model_type": "llama"}')  # weights missing
+    with pytest.raises(UserError, match=f"delete {copy}"):
+        load_model()
