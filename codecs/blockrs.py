@@ -66,8 +66,8 @@ class BlockRSEncoder:
         if esi > MAX_ESI:
             raise ValueError("ESI space exhausted (ESIs are 32-bit)")
         view = as_byte_view(payload)
-        if view.nbytes > self.symbol_size:
-            raise ValueError(f"payload of {view.nbytes} bytes exceeds symbol_size")
+        if len(view) > self.symbol_size:
+            raise ValueError(f"payload of {len(view)} bytes exceeds symbol_size")
         w = self._window
         if esi >= w.base + w.capacity:
             w.clear_below(esi - w.capacity + 1)
@@ -159,8 +159,8 @@ class BlockRSDecoder(SourceWindow):
         if not 0 <= esi <= MAX_ESI:
             raise ValueError(f"esi must be in 0..{MAX_ESI}, got {esi}")
         view = as_byte_view(payload)
-        if view.nbytes > self.symbol_size:
-            raise ValueError(f"payload of {view.nbytes} bytes exceeds symbol_size")
+        if len(view) > self.symbol_size:
+            raise ValueError(f"payload of {len(view)} bytes exceeds symbol_size")
         self.stats["sources"] += 1
         if esi < self.base:
             self.stats["stale"] += 1

@@ -29,8 +29,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import numpy as np
-from kvtransport.codecs.gf256 import gf_inv, region_muladd, region_scale
-from kvtransport.codecs.tinymt32 import tinymt32_generate_uint32, tinymt32_init
+from kvtransport.codecs.gf256 import as_words, gf_inv, region_muladd, region_scale
+from kvtransport.codecs.tinymt32 import tinymt32_output, tinymt32_seed, tinymt32_step
 from numba import njit
 
 MAX_ESI = 0xFFFFFFFF
@@ -48,11 +48,17 @@ UNKNOWN = 0
 RECEIVED = 1
 RECOVERED = 2
 
-# Layout of the decoder's int64 ``meta`` array shared with the kernels.
+# The decoder's integer state lives in one int64 array ``ints`` shared with the kernels (fewer
+# arguments per call: numba's dispatch costs ~70 ns per array argument):
+#   ints[0:_HEADER]                 scalars below
+#   ints[_HEADER:_HEADER+W]         out: ESIs the last kernel call recovered
+#   ints[_HEADER+W:_HEADER+2W]      colrow: row whose pivot is this column, or -1
+#   ints[_HEADER+2W:]               piv: pivot ESI of each row, or -1 for a free row
 _BASE = 0  # lowest ESI still in the window
 _NACT = 1  # pending equations (active rows)
 _MAXREF = 2  # highest ESI any pending equation may involve (-1 when none)
 _NOUT = 3  # number of ESIs the last kernel call wrote to ``out`` (recovered symbols)
+_HEADER = 8
 
 # Return codes of the repair kernel.
 _REPAIR_STALE = -1  # references a released ESI with a non-zero coefficient
@@ -65,17 +71,24 @@ def _round8(n: int) -> int:
     return (n + 7) & ~7
 
 
-def as_byte_view(payload: object) -> memoryview:
-    """A flat unsigned-byte view of bytes, bytearray, memoryview or a uint8 numpy array."""
-    if isinstance(payload, np.ndarray):
-        if payload.dtype != np.uint8:
-            raise TypeError(f"payload array must be uint8, got {payload.dtype}")
-        payload = np.ascontiguousarray(payload).reshape(-1)
+def as_byte_view(payload: object) -> bytes | bytearray | memoryview:
+    """The payload as a flat sequence of bytes whose ``len`` is its size in bytes.
+
+    Accepts bytes, bytearray, any C-contiguous buffer (memoryview, array, ...) and uint8
+    numpy arrays; bytes and bytearray are returned as they are (the common, fast case).
+    """
+    kind = type(payload)
+    if kind is bytes or kind is bytearray:
+        return payload  # type: ignore[return-value]
+    if kind is np.ndarray:
+        if payload.dtype != np.uint8:  # type: ignore[union-attr]
+            raise TypeError(f"payload array must be uint8, got {payload.dtype}")  # type: ignore[union-attr]
+        if payload.ndim != 1 or not payload.flags.c_contiguous:  # type: ignore[union-attr]
+            payload = np.ascontiguousarray(payload).reshape(-1)
     try:
         mv = memoryview(payload)  # type: ignore[arg-type]
     except TypeError as exc:
-        kind = type(payload).__name__
-        raise TypeError(f"payload must be a bytes-like object, got {kind}") from exc
+        raise TypeError(f"payload must be a bytes-like object, got {kind.__name__}") from exc
     if mv.format != "B" or mv.ndim != 1:
         mv = mv.cast("B")
     return mv
@@ -83,8 +96,8 @@ def as_byte_view(payload: object) -> memoryview:
 
 def as_u8_array(payload: object) -> np.ndarray:
     """A 1-D contiguous uint8 numpy array over (or copied from) a bytes-like payload."""
-    if isinstance(payload, np.ndarray) and payload.dtype == np.uint8 and payload.ndim == 1:
-        return np.ascontiguousarray(payload)
+    if isinstance(payload, np.ndarray) and payload.dtype == np.uint8:
+        return np.ascontiguousarray(payload).reshape(-1)
     return np.frombuffer(as_byte_view(payload), dtype=np.uint8)
 
 
@@ -114,23 +127,18 @@ def coefficients_into(out: np.ndarray, repair_key: int, nss: int, dt: int) -> No
     DT<15: each coefficient is non-zero when tinymt32_rand16 <= DT, i.e. with probability
     (DT+1)/16, and then drawn in 1..255 as above; otherwise it is 0.
     """
-    status = np.empty(4, dtype=np.uint64)
-    tinymt32_init(status, repair_key)
-    if dt == 15:
-        for i in range(nss):
-            c = np.int64(0)
-            while c == 0:
-                c = np.int64(tinymt32_generate_uint32(status) & _M8)
-            out[i] = c
-    else:
-        for i in range(nss):
-            if np.int64(tinymt32_generate_uint32(status) & _M4) <= dt:
-                c = np.int64(0)
-                while c == 0:
-                    c = np.int64(tinymt32_generate_uint32(status) & _M8)
-                out[i] = c
-            else:
+    s0, s1, s2, s3 = tinymt32_seed(repair_key)
+    for i in range(nss):
+        if dt < 15:
+            s0, s1, s2, s3 = tinymt32_step(s0, s1, s2, s3)
+            if np.int64(tinymt32_output(s0, s1, s2, s3) & _M4) > dt:
                 out[i] = 0
+                continue
+        c = np.uint64(0)
+        while c == 0:
+            s0, s1, s2, s3 = tinymt32_step(s0, s1, s2, s3)
+            c = tinymt32_output(s0, s1, s2, s3) & _M8
+        out[i] = c
 
 
 def coding_coefficients(repair_key: int, nss: int, dt: int = 15) -> np.ndarray:
@@ -148,16 +156,24 @@ def coding_coefficients(repair_key: int, nss: int, dt: int = 15) -> np.ndarray:
 
 @njit(cache=True, nogil=True)
 def _encode_repair(
-    ring: np.ndarray, first_esi: int, nss: int, repair_key: int, dt: int, out: np.ndarray
+    ring: np.ndarray,
+    first_esi: int,
+    nss: int,
+    repair_key: int,
+    dt: int,
+    out: np.ndarray,
+    size: int,
 ) -> None:
+    """out[:size] = sum over i of c_i * ring[(first_esi + i) % len(ring)]."""
     coefs = np.empty(nss, dtype=np.uint8)
     coefficients_into(coefs, repair_key, nss, dt)
     cap = ring.shape[0]
-    out[:] = 0
+    dst = out[:size]
+    dst[:] = 0
     for i in range(nss):
         c = coefs[i]
         if c != 0:
-            region_muladd(out, ring[(first_esi + i) % cap], c)
+            region_muladd(dst, ring[(first_esi + i) % cap], c)
 
 
 class RLCEncoder:
@@ -197,7 +213,7 @@ class RLCEncoder:
         if esi > MAX_ESI:
             raise ValueError("ESI space exhausted (RFC 8681 ESIs are 32-bit)")
         view = as_byte_view(payload)
-        n = view.nbytes
+        n = len(view)
         if n > self.symbol_size:
             raise ValueError(f"payload of {n} bytes exceeds symbol_size {self.symbol_size}")
         off = (esi % self.window) * self._stride
@@ -206,6 +222,34 @@ class RLCEncoder:
             self._ring_mv[off + n : off + self._stride] = self._zeros[: self._stride - n]
         self._next_esi = esi + 1
         return esi
+
+    def add_sources(self, data: object) -> int:
+        """Append the symbols cut from one buffer, ``symbol_size`` bytes each (the last one
+        zero-padded); returns the first one's ESI.
+
+        One bulk copy instead of a call per symbol: the fast path for a sender that
+        packetizes a whole block at once. Only the last ``window`` of them are kept.
+        """
+        arr = as_u8_array(data)
+        size = self.symbol_size
+        count = -(-arr.shape[0] // size)
+        first = self._next_esi
+        if first + count - 1 > MAX_ESI:
+            raise ValueError("ESI space exhausted (RFC 8681 ESIs are 32-bit)")
+        full = arr.shape[0] // size
+        i = max(0, count - self.window)  # earlier ones would be overwritten at once
+        while i < full:
+            slot = (first + i) % self.window
+            m = min(full - i, self.window - slot)
+            self._ring[slot : slot + m, :size] = arr[i * size : (i + m) * size].reshape(m, size)
+            i += m
+        if full < count:
+            row = self._ring[(first + full) % self.window]
+            tail = arr[full * size :]
+            row[: tail.shape[0]] = tail
+            row[tail.shape[0] :] = 0
+        self._next_esi = first + count
+        return first
 
     def source(self, esi: int) -> bytes:
         """The (zero-padded) source symbol ``esi``, while it is still in the ring."""
@@ -229,16 +273,21 @@ class RLCEncoder:
         e.g. the payload area of a datagram buffer, so the sender needs no allocation.
         """
         first_esi, nss, repair_key, dt = int(first_esi), int(nss), int(repair_key), int(dt)
-        _check_repair_params(first_esi, nss, repair_key, dt)
-        self._check_span(first_esi, nss)
-        arr = out if isinstance(out, np.ndarray) else np.frombuffer(out, dtype=np.uint8)
+        if (
+            not (0 <= first_esi and 1 <= nss <= MAX_NSS and 0 <= repair_key <= MAX_REPAIR_KEY)
+            or not 0 <= dt <= MAX_DT
+        ):
+            _check_repair_params(first_esi, nss, repair_key, dt)  # raises with the reason
+        if first_esi < self._next_esi - self.window or first_esi + nss > self._next_esi:
+            self._check_span(first_esi, nss)  # raises with the reason
+        arr = out if type(out) is np.ndarray else np.frombuffer(out, dtype=np.uint8)  # type: ignore
         if arr.dtype != np.uint8 or arr.ndim != 1 or not arr.flags.c_contiguous:
             raise TypeError("out must be a 1-D contiguous uint8 buffer")
         if not arr.flags.writeable:
             raise TypeError("out must be writable")
         if arr.shape[0] < self.symbol_size:
             raise ValueError(f"out holds {arr.shape[0]} bytes, need {self.symbol_size}")
-        _encode_repair(self._ring, first_esi, nss, repair_key, dt, arr[: self.symbol_size])
+        _encode_repair(self._ring, first_esi, nss, repair_key, dt, arr, self.symbol_size)
 
     def repair(self, first_esi: int, nss: int, repair_key: int, dt: int = 15) -> bytes:
         """The repair symbol sum_i c_i * S[first_esi + i] over GF(2^8)."""
@@ -351,10 +400,10 @@ class SourceWindow:
         return sorted((self.base + (cols - bcol) % self.capacity).tolist())
 
     # -- updates -------------------------------------------------------------------------
-    def store(self, esi: int, view: memoryview) -> None:
+    def store(self, esi: int, view: bytes | bytearray | memoryview) -> None:
         """Write a symbol's bytes into its slot (zero-padded); the caller sets the state."""
         off = (esi % self.capacity) * self.stride
-        n = view.nbytes
+        n = len(view)
         self._sym_mv[off : off + n] = view
         if n < self.stride:
             self._sym_mv[off + n : off + self.stride] = self._zeros[: self.stride - n]
@@ -373,16 +422,27 @@ class SourceWindow:
 
     def clear_below(self, bound: int) -> None:
         """Forget the slots of ESIs below ``bound`` and move ``base`` up to it."""
-        if bound <= self.base:
+        base = self.base
+        if bound <= base:
             return
-        end = min(bound, self.base + self.capacity)
-        if end - self.base >= self.capacity:
+        cap = self.capacity
+        end = min(bound, base + cap)
+        if end - base <= 16:  # the steady state of a sliding window: one ESI at a time
+            st = self._state_mv
+            for e in range(base, end):
+                st[e % cap] = UNKNOWN
+        elif end - base >= cap:
             self.state[:] = UNKNOWN
         else:
-            cols = np.arange(self.base, end) % self.capacity
-            self.state[cols] = UNKNOWN
+            lo, hi = base % cap, end % cap
+            if lo < hi:
+                self.state[lo:hi] = UNKNOWN
+            else:
+                self.state[lo:] = UNKNOWN
+                self.state[:hi] = UNKNOWN
         self.base = bound
-        self.advance_through()
+        if self._through + 1 >= base:
+            self.advance_through()
 
 
 # --------------------------------------------------------------------------------------------
@@ -398,7 +458,7 @@ def _first_nonzero_in(row: np.ndarray, lo: int, hi: int) -> int:
         if row[j] != 0:
             return j
         j += 1
-    words = row.view(np.uint64)
+    words = as_words(row)
     w = j >> 3
     while w < (hi >> 3):
         if words[w] != 0:
@@ -428,7 +488,7 @@ def _lowest_esi_col(row: np.ndarray, base: int, cap: int) -> int:
 def _only_nonzero_at(row: np.ndarray, col: int) -> bool:
     saved = row[col]
     row[col] = 0
-    words = row.view(np.uint64)
+    words = as_words(row)
     alone = True
     for w in range(words.shape[0]):
         if words[w] != 0:
@@ -443,26 +503,31 @@ def _esi_of_col(col: int, base: int, cap: int) -> int:
     return base + (col - base % cap) % cap
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _split(ints: np.ndarray, cap: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(out, colrow, piv) sections of the decoder's int64 state."""
+    return (
+        ints[_HEADER : _HEADER + cap],
+        ints[_HEADER + cap : _HEADER + 2 * cap],
+        ints[_HEADER + 2 * cap :],
+    )
+
+
 @njit(cache=True, nogil=True)
 def _recover_row(
-    r: int,
-    sym: np.ndarray,
-    state: np.ndarray,
-    pay: np.ndarray,
-    piv: np.ndarray,
-    colrow: np.ndarray,
-    meta: np.ndarray,
-    out: np.ndarray,
+    r: int, sym: np.ndarray, state: np.ndarray, pay: np.ndarray, ints: np.ndarray
 ) -> None:
+    cap = state.shape[0]
+    out, colrow, piv = _split(ints, cap)
     esi = piv[r]
-    col = esi % state.shape[0]
+    col = esi % cap
     sym[col, :] = pay[r, :]
     state[col] = RECOVERED
     colrow[col] = -1
     piv[r] = -1
-    meta[_NACT] -= 1
-    out[meta[_NOUT]] = esi
-    meta[_NOUT] += 1
+    ints[_NACT] -= 1
+    out[ints[_NOUT]] = esi
+    ints[_NOUT] += 1
 
 
 @njit(cache=True, nogil=True)
@@ -471,24 +536,23 @@ def _pivot_row(
     state: np.ndarray,
     coef: np.ndarray,
     pay: np.ndarray,
-    piv: np.ndarray,
-    colrow: np.ndarray,
-    meta: np.ndarray,
+    ints: np.ndarray,
     touched: np.ndarray,
 ) -> bool:
     """Give row r (reduced against every pivot) a pivot, or drop it if it is all zero."""
     cap = state.shape[0]
-    col = _lowest_esi_col(coef[r], meta[_BASE], cap)
+    _, colrow, piv = _split(ints, cap)
+    col = _lowest_esi_col(coef[r], ints[_BASE], cap)
     if col < 0:
         piv[r] = -1
-        meta[_NACT] -= 1
+        ints[_NACT] -= 1
         return False
     c = coef[r, col]
     if c != 1:
         inv = gf_inv(c)
         region_scale(coef[r], inv)
         region_scale(pay[r], inv)
-    piv[r] = _esi_of_col(col, meta[_BASE], cap)
+    piv[r] = _esi_of_col(col, ints[_BASE], cap)
     colrow[col] = r
     touched[r] = True
     for o in range(piv.shape[0]):
@@ -507,18 +571,17 @@ def _flush_solved(
     state: np.ndarray,
     coef: np.ndarray,
     pay: np.ndarray,
-    piv: np.ndarray,
-    colrow: np.ndarray,
-    meta: np.ndarray,
-    out: np.ndarray,
+    ints: np.ndarray,
     touched: np.ndarray,
 ) -> None:
+    """Recover every touched row that has no non-zero coefficient besides its pivot."""
     cap = state.shape[0]
+    _, _, piv = _split(ints, cap)
     for r in range(piv.shape[0]):
         if touched[r] and piv[r] >= 0 and _only_nonzero_at(coef[r], piv[r] % cap):
-            _recover_row(r, sym, state, pay, piv, colrow, meta, out)
-    if meta[_NACT] == 0:
-        meta[_MAXREF] = -1
+            _recover_row(r, sym, state, pay, ints)
+    if ints[_NACT] == 0:
+        ints[_MAXREF] = -1
 
 
 @njit(cache=True, nogil=True)
@@ -527,15 +590,13 @@ def _decode_source(
     state: np.ndarray,
     coef: np.ndarray,
     pay: np.ndarray,
-    piv: np.ndarray,
-    colrow: np.ndarray,
-    meta: np.ndarray,
-    out: np.ndarray,
+    ints: np.ndarray,
     esi: int,
 ) -> None:
     """Source ``esi`` became known (bytes already in ``sym``): strip it from the equations."""
-    meta[_NOUT] = 0
+    ints[_NOUT] = 0
     cap = state.shape[0]
+    _, colrow, piv = _split(ints, cap)
     col = esi % cap
     state[col] = RECEIVED
     touched = np.zeros(piv.shape[0], dtype=np.bool_)
@@ -551,8 +612,8 @@ def _decode_source(
     if rp >= 0:
         # It was the pivot of row rp: that row now needs another pivot.
         colrow[col] = -1
-        _pivot_row(rp, state, coef, pay, piv, colrow, meta, touched)
-    _flush_solved(sym, state, coef, pay, piv, colrow, meta, out, touched)
+        _pivot_row(rp, state, coef, pay, ints, touched)
+    _flush_solved(sym, state, coef, pay, ints, touched)
 
 
 @njit(cache=True, nogil=True)
@@ -561,19 +622,18 @@ def _decode_repair(
     state: np.ndarray,
     coef: np.ndarray,
     pay: np.ndarray,
-    piv: np.ndarray,
-    colrow: np.ndarray,
-    meta: np.ndarray,
-    out: np.ndarray,
+    ints: np.ndarray,
     first_esi: int,
     nss: int,
     repair_key: int,
     dt: int,
     payload: np.ndarray,
 ) -> int:
-    meta[_NOUT] = 0
+    """Add one repair equation (``payload``: the repair symbol, padded to the row stride)."""
+    ints[_NOUT] = 0
     cap = state.shape[0]
-    base = meta[_BASE]
+    _, colrow, piv = _split(ints, cap)
+    base = ints[_BASE]
     coefs = np.empty(nss, dtype=np.uint8)
     coefficients_into(coefs, repair_key, nss, dt)
     any_unknown = False
@@ -586,19 +646,14 @@ def _decode_repair(
                 any_unknown = True
     if not any_unknown:
         return _REPAIR_ALL_KNOWN
-    r = -1
-    for k in range(piv.shape[0]):
-        if piv[k] < 0:
-            r = k
-            break
-    # (The caller guarantees a free row.)
-    meta[_NACT] += 1
+    r = 0
+    while piv[r] >= 0:  # the caller guarantees a free row
+        r += 1
+    ints[_NACT] += 1
     piv[r] = first_esi
     coef[r, :] = 0
-    n = payload.shape[0]
-    pay[r, :n] = payload
-    pay[r, n:] = 0
-    # Strip known source symbols, keep unknown ones as coefficients.
+    pay[r, :] = payload
+    # Strip the known source symbols, keep the unknown ones as coefficients.
     for i in range(nss):
         c = coefs[i]
         if c != 0:
@@ -618,24 +673,17 @@ def _decode_repair(
                 region_muladd(coef[r], coef[rp], f)
                 region_muladd(pay[r], pay[rp], f)
     touched = np.zeros(piv.shape[0], dtype=np.bool_)
-    added = _pivot_row(r, state, coef, pay, piv, colrow, meta, touched)
+    added = _pivot_row(r, state, coef, pay, ints, touched)
     if added:
         last = first_esi + nss - 1
-        if last > meta[_MAXREF]:
-            meta[_MAXREF] = last
-    _flush_solved(sym, state, coef, pay, piv, colrow, meta, out, touched)
+        if last > ints[_MAXREF]:
+            ints[_MAXREF] = last
+    _flush_solved(sym, state, coef, pay, ints, touched)
     return _REPAIR_ADDED if added else _REPAIR_DEPENDENT
 
 
 @njit(cache=True, nogil=True)
-def _decode_release(
-    state: np.ndarray,
-    coef: np.ndarray,
-    piv: np.ndarray,
-    colrow: np.ndarray,
-    meta: np.ndarray,
-    bound: int,
-) -> None:
+def _decode_release(state: np.ndarray, coef: np.ndarray, ints: np.ndarray, bound: int) -> None:
     """Remove the unknown ESIs below ``bound`` from the pending equations.
 
     Every row's pivot is its lowest-ESI unknown, and ESIs leave the window lowest first, so
@@ -645,9 +693,10 @@ def _decode_release(
     keeping one whose column is about to be reused for another ESI would not be).
     """
     cap = state.shape[0]
-    base = meta[_BASE]
+    _, colrow, piv = _split(ints, cap)
+    base = ints[_BASE]
     end = min(bound, base + cap)
-    if meta[_NACT] > 0:
+    if ints[_NACT] > 0:
         for e in range(base, end):
             col = e % cap
             if state[col] != UNKNOWN:
@@ -657,9 +706,9 @@ def _decode_release(
                 if piv[o] >= 0 and coef[o, col] != 0:
                     colrow[piv[o] % cap] = -1
                     piv[o] = -1
-                    meta[_NACT] -= 1
-    if meta[_NACT] == 0:
-        meta[_MAXREF] = -1
+                    ints[_NACT] -= 1
+    if ints[_NACT] == 0:
+        ints[_MAXREF] = -1
 
 
 # --------------------------------------------------------------------------------------------
@@ -679,7 +728,7 @@ class RLCDecoder(SourceWindow):
 
     Invalid arguments (sizes, field ranges, a repair wider than the window) raise ValueError
     or TypeError and leave the decoder unchanged; stale or useless input is counted in
-    ``stats`` and otherwise ignored.
+    ``stats`` and otherwise ignored. Not thread-safe (one decoder per receiving task).
     """
 
     def __init__(self, symbol_size: int, max_window: int = 1024) -> None:
@@ -689,45 +738,52 @@ class RLCDecoder(SourceWindow):
         rows = min(16, self.capacity)
         self._coef = np.zeros((rows, self._wpad), dtype=np.uint8)
         self._pay = np.zeros((rows, self.stride), dtype=np.uint8)
-        self._piv = np.full(rows, -1, dtype=np.int64)
-        self._colrow = np.full(self.capacity, -1, dtype=np.int64)
-        self._meta = np.array([0, 0, -1, 0], dtype=np.int64)
-        self._meta_mv = memoryview(self._meta)
-        self._out = np.zeros(self.capacity, dtype=np.int64)
-        self.stats = {
-            "sources": 0,
-            "duplicates": 0,
-            "repairs": 0,
-            "repairs_useful": 0,
-            "repairs_all_known": 0,
-            "repairs_dependent": 0,
-            "stale": 0,
-            "recovered": 0,
+        self._set_ints(np.concatenate([[0, 0, -1, 0], np.zeros(_HEADER - 4, np.int64)]), rows)
+        self._stage = np.zeros(self.stride, dtype=np.uint8)  # incoming repair payload
+        self._stage_mv = memoryview(self._stage)
+        self._n_sources = self._n_duplicates = self._n_stale = self._n_recovered = 0
+        self._n_repairs = self._n_useful = self._n_all_known = self._n_dependent = 0
+
+    def _set_ints(self, header: np.ndarray, rows: int, colrow: object = -1,
+                  piv: object = None) -> None:  # fmt: skip
+        cap = self.capacity
+        ints = np.full(_HEADER + 2 * cap + rows, -1, dtype=np.int64)
+        ints[:_HEADER] = header
+        ints[_HEADER + cap : _HEADER + 2 * cap] = colrow
+        if piv is not None:
+            ints[_HEADER + 2 * cap : _HEADER + 2 * cap + len(piv)] = piv  # type: ignore[arg-type]
+        self._ints = ints
+        self._ints_mv = memoryview(ints)
+        self._out = ints[_HEADER : _HEADER + cap]
+        self._colrow = ints[_HEADER + cap : _HEADER + 2 * cap]
+        self._piv = ints[_HEADER + 2 * cap :]
+        self._colrow_mv = memoryview(self._colrow)
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Counters: sources, duplicates, stale (below the window), repairs and what became
+        of them (useful, all_known: every symbol already known, dependent), recovered."""
+        return {
+            "sources": self._n_sources,
+            "duplicates": self._n_duplicates,
+            "repairs": self._n_repairs,
+            "repairs_useful": self._n_useful,
+            "repairs_all_known": self._n_all_known,
+            "repairs_dependent": self._n_dependent,
+            "stale": self._n_stale,
+            "recovered": self._n_recovered,
         }
 
     @property
     def pending_equations(self) -> int:
         """Repair equations held that still involve unknown source symbols."""
-        return self._meta_mv[_NACT]
-
-    def _kernel_args(self) -> tuple:
-        return (
-            self.sym,
-            self.state,
-            self._coef,
-            self._pay,
-            self._piv,
-            self._colrow,
-            self._meta,
-            self._out,
-        )
+        return self._ints_mv[_NACT]
 
     def _collect(self, result: list[int]) -> list[int]:
-        n = self._meta_mv[_NOUT]
+        n = self._ints_mv[_NOUT]
         if n:
-            rec = self._out[:n].tolist()
-            self.stats["recovered"] += n
-            result.extend(rec)
+            result.extend(self._out[:n].tolist())
+            self._n_recovered += n
         if result:
             self.advance_through()
         return result
@@ -736,71 +792,115 @@ class RLCDecoder(SourceWindow):
         """Drop every ESI below ``esi``: their symbols, and the pending equations whose
         lowest unknown they are (those can no longer be solved; the others are kept whole)."""
         bound = int(esi)
-        if bound <= self.base:
+        base = self.base
+        if bound <= base:
             return
-        _decode_release(self.state, self._coef, self._piv, self._colrow, self._meta, bound)
-        self._meta[_BASE] = bound
+        if self._ints_mv[_NACT] and self._pivot_below(base, min(bound, base + self.capacity)):
+            _decode_release(self.state, self._coef, self._ints, bound)
+        self._ints_mv[_BASE] = bound
         self.clear_below(bound)
+
+    def _pivot_below(self, base: int, end: int) -> bool:
+        """Is any of the ESIs base..end-1 the pivot of a pending equation? Only such ESIs
+        appear in pending equations when they leave (each row's pivot is its lowest ESI)."""
+        cap = self.capacity
+        if end - base > 16:
+            return True  # let the kernel look
+        colrow = self._colrow_mv
+        return any(colrow[e % cap] >= 0 for e in range(base, end))
 
     def add_source(self, esi: int, payload: object) -> list[int]:
         """A source symbol arrived; returns the ESIs that became known."""
+        # The per-packet hot path of a receiver: kept to few Python operations.
         esi = int(esi)
+        view = payload if type(payload) is bytes else as_byte_view(payload)
+        n = len(view)
+        if n > self.symbol_size or not 0 <= esi <= MAX_ESI:
+            self._reject_source(esi, n)
+        self._n_sources += 1
+        base = self.base
+        cap = self.capacity
+        if esi < base:
+            self._n_stale += 1
+            return []
+        st = self._state_mv
+        ints = self._ints_mv
+        if esi >= base + cap:
+            if esi == base + cap and (ints[_NACT] == 0 or self._colrow_mv[base % cap] < 0):
+                # The steady state of a stream: the oldest ESI leaves, no equation needs it.
+                st[base % cap] = UNKNOWN
+                self.base = ints[_BASE] = base + 1
+            else:
+                self.release_before(esi - cap + 1)
+        col = esi % cap
+        if st[col] != UNKNOWN:
+            self._n_duplicates += 1
+            return []
+        stride = self.stride
+        off = col * stride
+        self._sym_mv[off : off + n] = view
+        if n != stride:
+            self._sym_mv[off + n : off + stride] = self._zeros[: stride - n]
+        if ints[_NACT] == 0 or esi > ints[_MAXREF]:
+            # No pending equation involves it: nothing to eliminate.
+            st[col] = RECEIVED
+            if esi == self._through + 1:  # advance decoded_through (inline advance_through)
+                t, top = esi, self.base + cap
+                while t + 1 < top and st[(t + 1) % cap] != UNKNOWN:
+                    t += 1
+                self._through = t
+            return [esi]
+        _decode_source(self.sym, self.state, self._coef, self._pay, self._ints, esi)
+        return self._collect([esi])
+
+    def _reject_source(self, esi: int, n: int) -> None:
         if not 0 <= esi <= MAX_ESI:
             raise ValueError(f"esi must be in 0..{MAX_ESI}, got {esi}")
-        view = as_byte_view(payload)
-        if view.nbytes > self.symbol_size:
-            raise ValueError(
-                f"payload of {view.nbytes} bytes exceeds symbol_size {self.symbol_size}"
-            )
-        self.stats["sources"] += 1
-        if esi < self.base:
-            self.stats["stale"] += 1
-            return []
-        if esi >= self.base + self.capacity:
-            self.release_before(esi - self.capacity + 1)
-        col = esi % self.capacity
-        if self._state_mv[col] != UNKNOWN:
-            self.stats["duplicates"] += 1
-            return []
-        self.store(esi, view)
-        result = [esi]
-        meta = self._meta_mv
-        if meta[_NACT] == 0 or esi > meta[_MAXREF]:
-            # No pending equation involves it: nothing to eliminate.
-            self._state_mv[col] = RECEIVED
-            self.advance_through()
-            return result
-        _decode_source(*self._kernel_args(), esi)
-        return self._collect(result)
+        raise ValueError(f"payload of {n} bytes exceeds symbol_size {self.symbol_size}")
 
     def add_repair(
         self, first_esi: int, nss: int, repair_key: int, dt: int, payload: object
     ) -> list[int]:
         """A repair symbol arrived; returns the ESIs it allowed to recover."""
         first_esi, nss, repair_key, dt = int(first_esi), int(nss), int(repair_key), int(dt)
-        _check_repair_params(first_esi, nss, repair_key, dt)
-        if nss > self.capacity:
+        if not (
+            0 <= first_esi <= MAX_ESI - nss + 1
+            and 1 <= nss <= min(MAX_NSS, self.capacity)
+            and 0 <= repair_key <= MAX_REPAIR_KEY
+            and 0 <= dt <= MAX_DT
+        ):
+            _check_repair_params(first_esi, nss, repair_key, dt)  # raises with the reason
             raise ValueError(f"repair covers {nss} symbols, more than max_window {self.capacity}")
-        arr = as_u8_array(payload)
-        if arr.shape[0] != self.symbol_size:
-            raise ValueError(
-                f"repair payload has {arr.shape[0]} bytes, expected {self.symbol_size}"
-            )
-        self.stats["repairs"] += 1
+        view = payload if type(payload) is bytes else as_byte_view(payload)
+        if len(view) != self.symbol_size:
+            raise ValueError(f"repair payload has {len(view)} bytes, expected {self.symbol_size}")
+        self._n_repairs += 1
         last = first_esi + nss - 1
         if last >= self.base + self.capacity:
             self.release_before(last - self.capacity + 1)
-        if self._meta_mv[_NACT] >= self._piv.shape[0]:
+        if self._ints_mv[_NACT] >= self._piv.shape[0]:
             self._grow_rows()
-        code = _decode_repair(*self._kernel_args(), first_esi, nss, repair_key, dt, arr)
-        if code == _REPAIR_STALE:
-            self.stats["stale"] += 1
+        self._stage_mv[: self.symbol_size] = view
+        code = _decode_repair(
+            self.sym,
+            self.state,
+            self._coef,
+            self._pay,
+            self._ints,
+            first_esi,
+            nss,
+            repair_key,
+            dt,
+            self._stage,
+        )
+        if code == _REPAIR_ADDED:
+            self._n_useful += 1
         elif code == _REPAIR_ALL_KNOWN:
-            self.stats["repairs_all_known"] += 1
+            self._n_all_known += 1
         elif code == _REPAIR_DEPENDENT:
-            self.stats["repairs_dependent"] += 1
+            self._n_dependent += 1
         else:
-            self.stats["repairs_useful"] += 1
+            self._n_stale += 1
         return self._collect([])
 
     def _grow_rows(self) -> None:
@@ -810,8 +910,7 @@ class RLCDecoder(SourceWindow):
             raise RuntimeError("RLC decoder row storage exhausted")
         coef = np.zeros((new, self._wpad), dtype=np.uint8)
         pay = np.zeros((new, self.stride), dtype=np.uint8)
-        piv = np.full(new, -1, dtype=np.int64)
         coef[:rows] = self._coef
         pay[:rows] = self._pay
-        piv[:rows] = self._piv
-        self._coef, self._pay, self._piv = coef, pay, piv
+        self._coef, self._pay = coef, pay
+        self._set_ints(self._ints[:_HEADER].copy(), new, self._colrow.copy(), self._piv.copy())

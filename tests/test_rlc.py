@@ -189,6 +189,23 @@ def test_encoder_accepts_buffers_and_zero_pads_short_payloads():
         enc.add_source(b"123456789")
 
 
+@pytest.mark.parametrize(("window", "sizes"), [(8, [3, 5, 1, 8]), (4, [11, 2]), (16, [1, 40])])
+def test_add_sources_equals_one_call_per_symbol(window, sizes):
+    size = 6
+    rng = np.random.default_rng(window)
+    one, bulk = RLCEncoder(size, window=window), RLCEncoder(size, window=window)
+    one.add_source(b"\xff" * size)  # start mid-ring so that the bulk copy wraps around
+    bulk.add_source(b"\xff" * size)
+    for count in sizes:
+        data = rng.integers(0, 256, count * size - 2, dtype=np.uint8)  # last symbol short
+        firsts = [one.add_source(data[i : i + size]) for i in range(0, data.size, size)]
+        assert bulk.add_sources(data.tobytes()) == firsts[0]
+        assert bulk.next_esi == one.next_esi
+    for esi in range(bulk.oldest_esi, bulk.next_esi):
+        assert bulk.source(esi) == one.source(esi)
+    assert bulk.repair(bulk.oldest_esi, window, 5) == one.repair(one.oldest_esi, window, 5)
+
+
 def test_encoder_ring_is_bounded_and_checked():
     enc = RLCEncoder(4, window=8)
     for i in range(20):
@@ -278,7 +295,7 @@ def check_equations(dec, sources):
         esis = dec.base + (cols - dec.base % w) % w
         assert esis.min() == esi and len(esis) > 1
         assert not any(dec.known(int(e)) for e in esis)
-        assert esis.max() <= dec._meta[2]
+        assert esis.max() <= dec._ints[2]  # the highest ESI any equation may involve
         value = np.zeros(dec.symbol_size, dtype=np.uint8)
         for c, e in zip(cols, esis, strict=True):
             value ^= MUL[dec._coef[r, c]][sources[int(e)]]
@@ -535,8 +552,11 @@ def test_memory_stays_bounded_on_a_long_lossy_stream():
             )
     assert dec.stats["recovered"] > 0.5 * lost  # the decoder did real work throughout
     assert dec.base == n - w
-    array_bytes = sum(v.nbytes for v in vars(dec).values() if isinstance(v, np.ndarray))
-    bound = w * (size + 8) + w * (w + size + 8) + 3 * 8 * w + 64  # window + at most w rows
+    owned = [v for v in vars(dec).values() if isinstance(v, np.ndarray) and v.base is None]
+    array_bytes = sum(v.nbytes for v in owned)
+    # The window (symbols, states), at most w pending rows (coefficients + payload), the int64
+    # bookkeeping and a staging buffer: a function of w and the symbol size, not of n.
+    bound = w * (size + 1) + w * (w + size) + 8 * (8 + 3 * w) + size
     assert array_bytes <= bound
     assert dec.pending_equations <= w and len(dec.recovered) <= w
     containers = [v for v in vars(dec).values() if isinstance(v, list | set | dict)]

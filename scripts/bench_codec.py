@@ -1,0 +1,449 @@
+"""Erasure-codec benchmark: GF(2^8) kernels, RLC repair generation and decoding, against zfec
+(block Reed-Solomon in C) and reedsolo (block Reed-Solomon in pure Python), side by side.
+
+Everything runs in one process, one core, interleaved round by round so that the noise of a
+shared machine hits every codec alike; compare the ratios first. Prints a table and writes the
+figures to a JSON file.
+
+    .venv/bin/python scripts/bench_codec.py                # full run (about a minute)
+    .venv/bin/python scripts/bench_codec.py --quick        # smoke run (seconds)
+
+Workloads (defaults: symbol 1280 B, window 32, 4 repairs per 32 sources, 10% loss):
+  gf_muladd   dst ^= c * src over 1280-byte symbols. "kernel": called from a numba loop, so it
+              measures the kernel; "per call": one Python call per symbol (numba dispatch
+              included). The 256x256 table kernel is the baseline.
+  repair      a stream of source symbols through the encoder's API with one repair every
+              window/repairs sources over the last `window` sources (RLC; one add_source call
+              per symbol, or one add_sources call per window/repairs symbols), or blocks of
+              `window` sources with `repairs` parity symbols (zfec, reedsolo). GB/s of source.
+  decode      the same streams with independent losses, fed to the decoder's API. GB/s of
+              source. zfec only decodes the blocks that lost a source and cannot be recovered
+              otherwise, so its figure excludes the bookkeeping the RLC decoder does for every
+              packet (buffering each source, tracking what is known).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import zfec
+from kvtransport.codecs import gf256
+from kvtransport.codecs.blockrs import BlockRSDecoder, BlockRSEncoder
+from kvtransport.codecs.rlc import RLCDecoder, RLCEncoder
+from numba import njit
+
+TARGETS_GBPS = {"gf_muladd": 5.0, "repair": 1.5, "decode": 0.5}
+
+
+# ---------------------------------------------------------------------------------------------
+# GF(2^8) region kernels
+# ---------------------------------------------------------------------------------------------
+
+
+@njit(nogil=True)
+def _loop_bitsliced(dst, symbols, coefs, rounds):
+    for _ in range(rounds):
+        for i in range(symbols.shape[0]):
+            gf256.region_muladd(dst, symbols[i], coefs[i])
+
+
+@njit(nogil=True)
+def _loop_table(dst, symbols, coefs, rounds):
+    for _ in range(rounds):
+        for i in range(symbols.shape[0]):
+            gf256.region_muladd_table(dst, symbols[i], coefs[i])
+
+
+def _per_call(dst, symbols, coefs, rounds):
+    muladd = gf256.region_muladd
+    rows = list(symbols)
+    cs = [int(c) for c in coefs]
+    for _ in range(rounds):
+        for row, c in zip(rows, cs, strict=True):
+            muladd(dst, row, c)
+
+
+# ---------------------------------------------------------------------------------------------
+# Workloads: each returns a closure that does the timed work once and reports what it did
+# ---------------------------------------------------------------------------------------------
+
+
+class Stream:
+    """The source data and the packet schedule shared by all codecs."""
+
+    def __init__(self, size: int, window: int, repairs: int, n: int, loss: float, seed: int):
+        if window % repairs:
+            raise SystemExit("--window must be a multiple of --repairs")
+        self.size, self.window, self.repairs = size, window, repairs
+        self.n = n - n % window  # whole blocks for the block codes
+        rng = np.random.default_rng(seed)
+        self.data = rng.integers(0, 256, (self.n, size), dtype=np.uint8)
+        self.payloads = [row.tobytes() for row in self.data]
+        self.every = window // repairs
+        self.loss = loss
+        self.seed = seed
+
+    def rlc_packets(self) -> list[tuple]:
+        """("s", esi, payload) and ("r", first, nss, key, payload) in sending order."""
+        enc = RLCEncoder(self.size, window=self.window)
+        packets: list[tuple] = []
+        for i, p in enumerate(self.payloads):
+            enc.add_source(p)
+            packets.append(("s", i, p))
+            if i % self.every == self.every - 1:
+                first = max(0, i + 1 - self.window)
+                key = i & 0xFFFF
+                nss = i + 1 - first
+                packets.append(("r", first, nss, key, enc.repair(first, nss, key)))
+        return packets
+
+    def lost(self, count: int, salt: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, salt]).random(count) < self.loss
+
+
+def rlc_repair(st: Stream) -> Callable[[], dict]:
+    """One add_source call per source symbol, repair_into every ``every`` sources."""
+
+    def run() -> dict:
+        enc = RLCEncoder(st.size, window=st.window)
+        out = np.empty(st.size, dtype=np.uint8)
+        every, window = st.every, st.window
+        add, repair_into = enc.add_source, enc.repair_into
+        for i, p in enumerate(st.payloads):
+            add(p)
+            if i % every == every - 1:
+                first = max(0, i + 1 - window)
+                repair_into(out, first, i + 1 - first, i & 0xFFFF)
+        return {"source_bytes": st.n * st.size}
+
+    return run
+
+
+def rlc_repair_bulk(st: Stream) -> Callable[[], dict]:
+    """The ``every`` sources between two repairs added with one add_sources call (a sender
+    that packetizes a block at a time)."""
+    chunks = [st.data[i : i + st.every] for i in range(0, st.n, st.every)]
+
+    def run() -> dict:
+        enc = RLCEncoder(st.size, window=st.window)
+        out = np.empty(st.size, dtype=np.uint8)
+        window = st.window
+        add, repair_into = enc.add_sources, enc.repair_into
+        for chunk in chunks:
+            add(chunk)
+            end = enc.next_esi
+            first = max(0, end - window)
+            repair_into(out, first, end - first, end & 0xFFFF)
+        return {"source_bytes": st.n * st.size}
+
+    return run
+
+
+def zfec_repair(st: Stream) -> Callable[[], dict]:
+    k, m = st.window, st.window + st.repairs
+    wanted = tuple(range(k, m))
+
+    def run() -> dict:
+        enc = zfec.Encoder(k, m)
+        for b in range(st.n // k):
+            enc.encode(tuple(st.payloads[b * k : (b + 1) * k]), wanted)
+        return {"source_bytes": st.n * st.size}
+
+    return run
+
+
+def reedsolo_repair(st: Stream, blocks: int) -> Callable[[], dict]:
+    k, p = st.window, st.repairs
+
+    def run() -> dict:
+        enc = BlockRSEncoder(st.size, k, p, max_blocks=blocks)
+        for b in range(blocks):
+            for i in range(k):
+                enc.add_source(st.payloads[b * k + i])
+            enc.repairs(b)
+        return {"source_bytes": blocks * k * st.size}
+
+    return run
+
+
+def rlc_decode(st: Stream) -> Callable[[], dict]:
+    packets = st.rlc_packets()
+    lost = st.lost(len(packets), 1)
+    received = [pk for pk, gone in zip(packets, lost, strict=True) if not gone]
+    n_lost = sum(1 for pk, gone in zip(packets, lost, strict=True) if gone and pk[0] == "s")
+
+    def run() -> dict:
+        dec = RLCDecoder(st.size, max_window=8 * st.window)
+        add_source, add_repair = dec.add_source, dec.add_repair
+        for pk in received:
+            if pk[0] == "s":
+                add_source(pk[1], pk[2])
+            else:
+                add_repair(pk[1], pk[2], pk[3], 15, pk[4])
+        recovered = dec.stats["recovered"]
+        return {
+            "source_bytes": st.n * st.size,
+            "sources_lost": n_lost,
+            "sources_recovered": recovered,
+            "residual_loss": (n_lost - recovered) / st.n,
+        }
+
+    return run
+
+
+def _block_schedule(st: Stream, blocks: int) -> list[tuple[list[int], list[bool]]]:
+    m = st.window + st.repairs
+    lost = st.lost(blocks * m, 2).reshape(blocks, m)
+    return [(list(range(m)), lost[b].tolist()) for b in range(blocks)]
+
+
+def zfec_decode(st: Stream) -> Callable[[], dict]:
+    k, m = st.window, st.window + st.repairs
+    blocks = st.n // k
+    enc = zfec.Encoder(k, m)
+    parity = [
+        enc.encode(tuple(st.payloads[b * k : (b + 1) * k]), tuple(range(k, m)))
+        for b in range(blocks)
+    ]
+    schedule = _block_schedule(st, blocks)
+
+    def run() -> dict:
+        dec = zfec.Decoder(k, m)
+        n_lost = recovered = 0
+        for b, (nums, gone) in enumerate(schedule):
+            lost_src = sum(gone[:k])
+            n_lost += lost_src
+            if lost_src == 0:
+                continue
+            have = [j for j in nums if not gone[j]]
+            if len(have) < k:
+                continue
+            shares = tuple(st.payloads[b * k + j] if j < k else parity[b][j - k] for j in have[:k])
+            dec.decode(shares, tuple(have[:k]))
+            recovered += lost_src
+        return {
+            "source_bytes": st.n * st.size,
+            "sources_lost": n_lost,
+            "sources_recovered": recovered,
+            "residual_loss": (n_lost - recovered) / st.n,
+        }
+
+    return run
+
+
+def reedsolo_decode(st: Stream, blocks: int) -> Callable[[], dict]:
+    k, p = st.window, st.repairs
+    enc = BlockRSEncoder(st.size, k, p, max_blocks=blocks)
+    for i in range(blocks * k):
+        enc.add_source(st.payloads[i])
+    parity = [enc.repairs(b) for b in range(blocks)]
+    schedule = _block_schedule(st, blocks)
+    # Make sure every timed block needs decoding: drop source 0 of each, keep k symbols.
+    for _, gone in schedule:
+        gone[0] = True
+        while sum(not g for g in gone) < k:
+            gone[gone.index(True, 1)] = False
+
+    def run() -> dict:
+        dec = BlockRSDecoder(st.size, k, p, max_blocks=blocks)
+        for b, (nums, gone) in enumerate(schedule):
+            for j in nums:
+                if gone[j]:
+                    continue
+                if j < k:
+                    dec.add_source(b * k + j, st.payloads[b * k + j])
+                else:
+                    dec.add_repair(b * k, k, j - k, 15, parity[b][j - k])
+        return {"source_bytes": blocks * k * st.size, "sources_recovered": dec.stats["recovered"]}
+
+    return run
+
+
+# ---------------------------------------------------------------------------------------------
+# Driver
+# ---------------------------------------------------------------------------------------------
+
+
+def measure(cases: dict[str, Callable[[], dict]], repeats: int) -> dict[str, dict]:
+    """Run every case ``repeats`` times, round-robin. GB/s from the median and best wall time,
+    and from the median CPU time of this process (which leaves out the time other processes
+    held the core: the steadier figure on a shared machine)."""
+    wall: dict[str, list[float]] = {name: [] for name in cases}
+    cpu: dict[str, list[float]] = {name: [] for name in cases}
+    info: dict[str, dict] = {}
+    for _ in range(repeats):
+        for name, run in cases.items():
+            t0, c0 = time.perf_counter(), time.process_time()
+            info[name] = run()
+            cpu[name].append(time.process_time() - c0)
+            wall[name].append(time.perf_counter() - t0)
+    out = {}
+    for name, ts in wall.items():
+        nbytes = info[name]["source_bytes"]
+        cpu_med = max(statistics.median(cpu[name]), 1e-9)
+        out[name] = {
+            **info[name],
+            "seconds_median": statistics.median(ts),
+            "seconds_best": min(ts),
+            "cpu_seconds_median": cpu_med,
+            "gbps_median": nbytes / statistics.median(ts) / 1e9,
+            "gbps_best": nbytes / min(ts) / 1e9,
+            "gbps_cpu": nbytes / cpu_med / 1e9,
+        }
+    return out
+
+
+def gf_cases(size: int, window: int, rounds: int) -> dict[str, Callable[[], dict]]:
+    rng = np.random.default_rng(0)
+    symbols = rng.integers(0, 256, (window, size), dtype=np.uint8)
+    coefs = rng.integers(2, 256, window).astype(np.uint8)
+    dst = np.zeros(size, dtype=np.uint8)
+    # Warm up (compile) before anything is timed, and check the kernels agree.
+    a, b = dst.copy(), dst.copy()
+    _loop_bitsliced(a, symbols, coefs, 1)
+    _loop_table(b, symbols, coefs, 1)
+    if not np.array_equal(a, b):
+        raise SystemExit("bit-sliced and table kernels disagree")
+    _per_call(dst, symbols, coefs, 1)
+
+    def case(fn: Callable, r: int) -> Callable[[], dict]:
+        return lambda: (fn(dst, symbols, coefs, r), {"source_bytes": r * window * size})[1]
+
+    return {
+        "bitsliced uint64 (kernel)": case(_loop_bitsliced, rounds),
+        "256x256 table (kernel)": case(_loop_table, max(1, rounds // 4)),
+        "bitsliced uint64 (per call)": case(_per_call, max(1, rounds // 8)),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--symbol-size", type=int, default=1280, help="bytes per symbol (1280)")
+    ap.add_argument("--window", type=int, default=32, help="RLC window = block size k (32)")
+    ap.add_argument("--repairs", type=int, default=4, help="repairs per window of sources (4)")
+    ap.add_argument("--sources", type=int, default=16384, help="source symbols per stream")
+    ap.add_argument("--loss", type=float, default=0.10, help="independent loss rate (0.10)")
+    ap.add_argument("--rs-blocks", type=int, default=2, help="blocks for reedsolo (slow)")
+    ap.add_argument("--repeats", type=int, default=5, help="timed rounds per case (5)")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
+    ap.add_argument("--out", type=Path, default=Path("results/bench_codec.json"))
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.sources, args.repeats, args.rs_blocks = 2048, 2, 1
+
+    load_before = os.getloadavg()
+    st = Stream(args.symbol_size, args.window, args.repairs, args.sources, args.loss, args.seed)
+    print(
+        f"symbol {st.size} B, window {st.window}, {st.repairs} repairs per {st.window} sources, "
+        f"{st.n} sources, loss {st.loss:.0%}; load average {load_before[0]:.2f}",
+        flush=True,
+    )
+
+    sections: dict[str, dict[str, dict]] = {}
+    gf = gf_cases(st.size, st.window, rounds=2000 if not args.quick else 200)
+    sections["gf_muladd"] = measure(gf, args.repeats)
+    print("  gf_muladd done", flush=True)
+
+    # Warm the codecs up (numba compiles on first use) on a short stream.
+    warm = Stream(st.size, st.window, st.repairs, 4 * st.window, st.loss, 7)
+    for make in (rlc_repair, rlc_repair_bulk, rlc_decode):
+        make(warm)()
+
+    sections["repair"] = measure(
+        {
+            "RLC (numba, this package)": rlc_repair(st),
+            "RLC, add_sources per block": rlc_repair_bulk(st),
+            "zfec (block RS, C)": zfec_repair(st),
+            "reedsolo (block RS, Python)": reedsolo_repair(st, args.rs_blocks),
+        },
+        args.repeats,
+    )
+    print("  repair done", flush=True)
+    sections["decode"] = measure(
+        {
+            "RLC (numba, this package)": rlc_decode(st),
+            "zfec (block RS, C)": zfec_decode(st),
+            "reedsolo (block RS, Python)": reedsolo_decode(st, args.rs_blocks),
+        },
+        args.repeats,
+    )
+    print("  decode done", flush=True)
+
+    rows = []
+    for section, cases in sections.items():
+        base = next(iter(cases.values()))["gbps_median"]
+        for name, r in cases.items():
+            extra = f"residual loss {r['residual_loss']:.2%}" if "residual_loss" in r else ""
+            ratio = base / r["gbps_median"]
+            rows.append(
+                (section, name, r["gbps_median"], r["gbps_best"], r["gbps_cpu"], ratio, extra)
+            )
+    print()
+    head = f"{'workload':10} {'implementation':30} {'GB/s med':>9} {'best':>8} {'per CPU-s':>9}"
+    print(f"{head} {'first/this':>10}  notes")
+    for section, name, med, best, per_cpu, ratio, extra in rows:
+        print(
+            f"{section:10} {name:30} {med:9.3f} {best:8.3f} {per_cpu:9.3f} {ratio:10.1f}  {extra}"
+        )
+    ours = {
+        "gf_muladd": sections["gf_muladd"]["bitsliced uint64 (kernel)"]["gbps_median"],
+        "repair": sections["repair"]["RLC (numba, this package)"]["gbps_median"],
+        "decode": sections["decode"]["RLC (numba, this package)"]["gbps_median"],
+    }
+    verdict = {
+        k: {"target_gbps": TARGETS_GBPS[k], "measured_gbps": v, "met": v >= TARGETS_GBPS[k]}
+        for k, v in ours.items()
+    }
+    print()
+    for k, v in verdict.items():
+        status = "met" if v["met"] else "NOT met"
+        print(
+            f"target {k}: >= {v['target_gbps']} GB/s, measured {v['measured_gbps']:.2f} ({status})"
+        )
+    load_after = os.getloadavg()
+    print(f"load average {load_after[0]:.2f} (2 cores shared: figures scale with what else runs)")
+
+    report = {
+        "params": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "machine": {
+            "cpu": _cpu_name(),
+            "python": sys.version.split()[0],
+            "numpy": np.__version__,
+            "numba": __import__("numba").__version__,
+            "platform": platform.platform(),
+            "load_average_before": load_before,
+            "load_average_after": load_after,
+        },
+        "results": sections,
+        "targets": verdict,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
