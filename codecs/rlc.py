@@ -779,6 +779,13 @@ class RLCDecoder(SourceWindow):
         """Repair equations held that still involve unknown source symbols."""
         return self._ints_mv[_NACT]
 
+    def pending_pivots(self) -> np.ndarray:
+        """The pivot of each pending equation, ascending (int64 array): its lowest unknown
+        ESI. Each lost symbol at or above a pivot may be waiting on that equation, so a
+        receiver can tell the sender where equations are still short."""
+        piv = self._piv
+        return np.sort(piv[piv >= 0])
+
     def _collect(self, result: list[int]) -> list[int]:
         n = self._ints_mv[_NOUT]
         if n:

@@ -125,6 +125,16 @@ def test_region_dot_is_sum_of_products(n, size, seed):
     assert np.array_equal(out, expected)
 
 
+def test_region_kernels_read_from_read_only_buffers():
+    src = np.frombuffer(bytes(range(200)), dtype=np.uint8)  # read-only view of bytes
+    dst = np.zeros(200, dtype=np.uint8)
+    gf256.region_muladd(dst, src, 7)
+    assert np.array_equal(dst, REF[7][src])
+    out = np.empty(200, dtype=np.uint8)
+    gf256.region_dot(out, np.stack([src, src[::-1].copy()]), np.array([3, 3], dtype=np.uint8))
+    assert np.array_equal(out, REF[3][src] ^ REF[3][src[::-1]])
+
+
 def test_region_ops_never_write_past_the_shorter_operand():
     dst = np.zeros(24, dtype=np.uint8)
     src = np.full(13, 7, dtype=np.uint8)

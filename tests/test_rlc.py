@@ -468,6 +468,7 @@ def test_repairs_before_their_sources_and_full_loss_recovery():
     for key in range(n - 1):  # n-1 equations over n unknowns: nothing is determined yet
         got += dec.add_repair(0, n, key, 15, enc.repair(0, n, key, 15))
     assert got == [] and dec.pending_equations == n - 1
+    assert dec.pending_pivots().tolist() == list(range(n - 1))  # lowest unknown of each row
     got += dec.add_source(5, sources[5])  # the last missing piece solves everything
     assert sorted(got) == list(range(n))
     assert [dec.get(e) for e in range(n)] == sources
