@@ -196,6 +196,7 @@ class RLCEncoder:
         self._ring_mv = memoryview(self._ring.reshape(-1))
         self._zeros = bytes(self._stride)
         self._next_esi = 0
+        self._out_checked: np.ndarray | None = None  # last repair_into buffer validated
 
     @property
     def next_esi(self) -> int:
@@ -210,11 +211,11 @@ class RLCEncoder:
     def add_source(self, payload: object) -> int:
         """Append a source symbol; returns its ESI."""
         esi = self._next_esi
-        if esi > MAX_ESI:
-            raise ValueError("ESI space exhausted (RFC 8681 ESIs are 32-bit)")
-        view = as_byte_view(payload)
+        view = payload if type(payload) is bytes else as_byte_view(payload)
         n = len(view)
-        if n > self.symbol_size:
+        if n > self.symbol_size or esi > MAX_ESI:
+            if esi > MAX_ESI:
+                raise ValueError("ESI space exhausted (RFC 8681 ESIs are 32-bit)")
             raise ValueError(f"payload of {n} bytes exceeds symbol_size {self.symbol_size}")
         off = (esi % self.window) * self._stride
         self._ring_mv[off : off + n] = view
@@ -280,13 +281,18 @@ class RLCEncoder:
             _check_repair_params(first_esi, nss, repair_key, dt)  # raises with the reason
         if first_esi < self._next_esi - self.window or first_esi + nss > self._next_esi:
             self._check_span(first_esi, nss)  # raises with the reason
-        arr = out if type(out) is np.ndarray else np.frombuffer(out, dtype=np.uint8)  # type: ignore
-        if arr.dtype != np.uint8 or arr.ndim != 1 or not arr.flags.c_contiguous:
-            raise TypeError("out must be a 1-D contiguous uint8 buffer")
-        if not arr.flags.writeable:
-            raise TypeError("out must be writable")
-        if arr.shape[0] < self.symbol_size:
-            raise ValueError(f"out holds {arr.shape[0]} bytes, need {self.symbol_size}")
+        if out is self._out_checked:  # the same packet buffer again: already validated
+            arr = out
+        else:
+            arr = out if type(out) is np.ndarray else np.frombuffer(out, dtype=np.uint8)  # type: ignore
+            if arr.dtype != np.uint8 or arr.ndim != 1 or not arr.flags.c_contiguous:
+                raise TypeError("out must be a 1-D contiguous uint8 buffer")
+            if not arr.flags.writeable:
+                raise TypeError("out must be writable")
+            if arr.shape[0] < self.symbol_size:
+                raise ValueError(f"out holds {arr.shape[0]} bytes, need {self.symbol_size}")
+            if arr is out:
+                self._out_checked = out
         _encode_repair(self._ring, first_esi, nss, repair_key, dt, arr, self.symbol_size)
 
     def repair(self, first_esi: int, nss: int, repair_key: int, dt: int = 15) -> bytes:

@@ -1,9 +1,11 @@
 """Erasure-codec benchmark: GF(2^8) kernels, RLC repair generation and decoding, against zfec
 (block Reed-Solomon in C) and reedsolo (block Reed-Solomon in pure Python), side by side.
 
-Everything runs in one process, one core, interleaved round by round so that the noise of a
-shared machine hits every codec alike; compare the ratios first. Prints a table and writes the
-figures to a JSON file.
+Everything runs in one process on one core, interleaved round by round so that the noise of
+a shared machine hits every codec alike; compare the ratios first. Each figure is given per
+wall-clock second (median and best of the rounds) and per CPU-second of this process (time
+other processes held the core left out); the targets are judged on the latter. Prints a table
+and writes the figures to a JSON file.
 
     .venv/bin/python scripts/bench_codec.py                # full run (about a minute)
     .venv/bin/python scripts/bench_codec.py --quick        # smoke run (seconds)
@@ -40,6 +42,7 @@ from kvtransport.codecs import gf256
 from kvtransport.codecs.blockrs import BlockRSDecoder, BlockRSEncoder
 from kvtransport.codecs.rlc import RLCDecoder, RLCEncoder
 from numba import njit
+from tqdm import tqdm
 
 TARGETS_GBPS = {"gf_muladd": 5.0, "repair": 1.5, "decode": 0.5}
 
@@ -273,14 +276,14 @@ def reedsolo_decode(st: Stream, blocks: int) -> Callable[[], dict]:
 # ---------------------------------------------------------------------------------------------
 
 
-def measure(cases: dict[str, Callable[[], dict]], repeats: int) -> dict[str, dict]:
+def measure(cases: dict[str, Callable[[], dict]], repeats: int, label: str) -> dict[str, dict]:
     """Run every case ``repeats`` times, round-robin. GB/s from the median and best wall time,
     and from the median CPU time of this process (which leaves out the time other processes
     held the core: the steadier figure on a shared machine)."""
     wall: dict[str, list[float]] = {name: [] for name in cases}
     cpu: dict[str, list[float]] = {name: [] for name in cases}
     info: dict[str, dict] = {}
-    for _ in range(repeats):
+    for _ in tqdm(range(repeats), desc=label, leave=False):
         for name, run in cases.items():
             t0, c0 = time.perf_counter(), time.process_time()
             info[name] = run()
@@ -353,8 +356,7 @@ def main(argv: list[str] | None = None) -> int:
 
     sections: dict[str, dict[str, dict]] = {}
     gf = gf_cases(st.size, st.window, rounds=2000 if not args.quick else 200)
-    sections["gf_muladd"] = measure(gf, args.repeats)
-    print("  gf_muladd done", flush=True)
+    sections["gf_muladd"] = measure(gf, args.repeats, "gf_muladd")
 
     # Warm the codecs up (numba compiles on first use) on a short stream.
     warm = Stream(st.size, st.window, st.repairs, 4 * st.window, st.loss, 7)
@@ -369,8 +371,8 @@ def main(argv: list[str] | None = None) -> int:
             "reedsolo (block RS, Python)": reedsolo_repair(st, args.rs_blocks),
         },
         args.repeats,
+        "repair",
     )
-    print("  repair done", flush=True)
     sections["decode"] = measure(
         {
             "RLC (numba, this package)": rlc_decode(st),
@@ -378,8 +380,8 @@ def main(argv: list[str] | None = None) -> int:
             "reedsolo (block RS, Python)": reedsolo_decode(st, args.rs_blocks),
         },
         args.repeats,
+        "decode",
     )
-    print("  decode done", flush=True)
 
     rows = []
     for section, cases in sections.items():
@@ -398,19 +400,27 @@ def main(argv: list[str] | None = None) -> int:
             f"{section:10} {name:30} {med:9.3f} {best:8.3f} {per_cpu:9.3f} {ratio:10.1f}  {extra}"
         )
     ours = {
-        "gf_muladd": sections["gf_muladd"]["bitsliced uint64 (kernel)"]["gbps_median"],
-        "repair": sections["repair"]["RLC (numba, this package)"]["gbps_median"],
-        "decode": sections["decode"]["RLC (numba, this package)"]["gbps_median"],
+        "gf_muladd": sections["gf_muladd"]["bitsliced uint64 (kernel)"],
+        "repair": sections["repair"]["RLC (numba, this package)"],
+        "decode": sections["decode"]["RLC (numba, this package)"],
     }
+    # Judged on CPU time (one core while we hold it): wall time on a shared 2-core machine
+    # mostly measures the other tenants. Both are printed and kept.
     verdict = {
-        k: {"target_gbps": TARGETS_GBPS[k], "measured_gbps": v, "met": v >= TARGETS_GBPS[k]}
-        for k, v in ours.items()
+        k: {
+            "target_gbps": TARGETS_GBPS[k],
+            "gbps_cpu": r["gbps_cpu"],
+            "gbps_wall_median": r["gbps_median"],
+            "met": r["gbps_cpu"] >= TARGETS_GBPS[k],
+        }
+        for k, r in ours.items()
     }
     print()
     for k, v in verdict.items():
         status = "met" if v["met"] else "NOT met"
         print(
-            f"target {k}: >= {v['target_gbps']} GB/s, measured {v['measured_gbps']:.2f} ({status})"
+            f"target {k}: >= {v['target_gbps']} GB/s per CPU-second: {v['gbps_cpu']:.2f} "
+            f"({status}); wall median {v['gbps_wall_median']:.2f}"
         )
     load_after = os.getloadavg()
     print(f"load average {load_after[0]:.2f} (2 cores shared: figures scale with what else runs)")
