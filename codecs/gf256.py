@@ -193,10 +193,8 @@ def region_scale(dst: np.ndarray, c: int) -> None:
     cc = np.int64(c) & 0xFF
     if cc == 1:
         return
+    # c == 0 goes through the general loop too (all constants 0): see region_muladd.
     n = dst.shape[0]
-    if cc == 0:
-        dst[:] = 0
-        return
     n8 = n & ~7
     d = as_words(dst)
     k = BITSLICE_TABLE[cc]
