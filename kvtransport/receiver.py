@@ -172,6 +172,12 @@ class ReceiverSession:
         elif self._next_fb is not None and now >= self._next_fb:
             self._send_feedback(now)
 
+    def close(self, now: float, reason: str = "shutdown") -> None:
+        """Yield the result now, with what has arrived (the shell is shutting down, or a
+        user asked for the partial result early)."""
+        if not self.finished:
+            self._finish(now, reason)
+
     def datagrams_to_send(self, now: float) -> list[bytes]:
         out = self._pending
         self._pending = []

@@ -37,6 +37,7 @@ emitting with ``awaiting_action`` set until the shell calls ``apply_action``.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import secrets
 from collections import deque
@@ -299,6 +300,26 @@ class SenderSession:
         if not self.done:
             self._pending.append(self._control(ControlCode.ABORT))
             self._mark_done(now, "cancelled")
+
+    def set_rate(self, rate_bps: float, now: float) -> None:
+        """Change the pacing rate mid-flight (a shell sharing one link among several
+        transfers sets each one's rate per slot). The next slot follows the new rate; the
+        policy's context sees the new slot length. 0 pauses: nothing is sent until the next
+        call, and a sender still paused at its deadline finishes there (FIN)."""
+        if not rate_bps >= 0.0:
+            raise ValueError("rate_bps must be >= 0")
+        if self.done:
+            return
+        if rate_bps == 0.0:
+            self._idle = False  # feedback must not wake a paused sender
+            self._next_send = self.deadline
+            return
+        self.slot_s *= self.rate_bps / rate_bps
+        self.rate_bps = rate_bps
+        if getattr(self.policy, "ctx", None) is not None:
+            self.policy.ctx = dataclasses.replace(self.policy.ctx, slot_s=self.slot_s)
+        if self._next_send is None or self._next_send >= self.deadline:  # was paused
+            self._next_send = now
 
     # ------------------------------------------------------------------ estimates
 

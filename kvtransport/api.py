@@ -1,0 +1,378 @@
+"""The daemons' local API: ZeroMQ message layouts, default endpoints, result files.
+
+Control (both daemons): a ROUTER socket, by default on an ``ipc://`` path (a file, so a
+client in another network namespace reaches it too) or ``tcp://127.0.0.1``. A request is a
+multipart message ``[header, *frames]`` (REQ framing); the header is one JSON object with
+an ``op``; the reply is ``[json]`` with ``ok`` and either the answer or ``error`` (one line).
+
+Sender daemon ops::
+
+    submit  {"op": "submit", "to": "HOST:PORT", "deadline_ms": D | "rho": R,
+             "policy": "adaptive", "weight": 1.0, "label": "...",
+             "utility": {"a":..,"b":..,"c":..,"d":..}  (or "model" + "context_tokens"),
+             "transfer_id": "hex" (optional), "initial_rtt_ms": 20}
+            + frames  payload (uint8 stream in utility order), offsets (<u8), lengths
+                      (<u8), utilities (<f8), app_metadata (bytes, may be empty)
+            -> {"ok": true, "transfer_id": "0123...", "deadline_s": .., "n_source": ..}
+    status  {"op": "status"} or {"op": "status", "transfer_id": "hex"}
+            -> {"ok": true, "transfers": [ {...}, ... ]}   (each transfer's state, counters,
+               pacing rate and link share)
+    cancel  {"op": "cancel", "transfer_id": "hex"} -> {"ok": true, "cancelled": bool}
+    stats   / ping
+
+Receiver daemon ops: ``status``, ``abort`` (deliver a transfer's partial result now),
+``stats``, ``ping``. Results go out on a PUB socket as ``[b"result", header, payload,
+offsets, lengths, utilities, complete, app_metadata]``: the header (JSON) has the transfer
+id, utility recovered, reason, the missing block indices and the per-transfer stats; the
+frames are the reassembled stream (complete blocks' bytes at their offsets), the block
+table, a uint8 completeness mask and the application metadata.
+
+Frames travel zero-copy (``copy=False`` both ways): the sender daemon paces straight out
+of the submitted payload frame, and a subscriber's arrays are views of the received frames.
+
+Result files (``--out-dir``): ``<transfer id>.result.safetensors`` with tensors
+``stream``, ``complete`` and ``app_metadata`` plus metadata ``kvtransport.result`` (JSON:
+the result header and the block table). When the application metadata is a
+kvtransport.blocks manifest (the transfer came from a cache card) the file also carries
+the card metadata, so
+:func:`kvtransport.card.read_card` opens it as a cache card; its missing blocks are the
+``complete == 0`` ones (they fail their checksums, as they should).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvtransport.errors import UserError
+from kvtransport.transfer import BlockTable, Transfer, TransferResult
+
+_RUN_DIR = Path(os.environ.get("KVT_RUN_DIR", tempfile.gettempdir()))
+DEFAULT_SENDER_CONTROL = f"ipc://{_RUN_DIR / 'kvtransport-sender.ipc'}"
+DEFAULT_RECEIVER_CONTROL = f"ipc://{_RUN_DIR / 'kvtransport-receiver.ipc'}"
+DEFAULT_RESULTS = f"ipc://{_RUN_DIR / 'kvtransport-results.ipc'}"
+DEFAULT_PORT = 9400
+RESULT_TOPIC = b"result"
+RESULT_KEY = "kvtransport.result"
+TRANSFER_FRAMES = ("payload", "offsets", "lengths", "utilities", "app_metadata")
+
+
+class ApiError(UserError):
+    """A request the daemon refused, or a reply a client could not use (one line)."""
+
+
+def format_tid(tid: int) -> str:
+    """Transfer ids travel as 16 hex digits in JSON (a u64 does not fit a JSON double)."""
+    return f"{tid:016x}"
+
+
+def parse_tid(value: object) -> int:
+    """A transfer id from JSON: hex string (as :func:`format_tid` writes) or int."""
+    try:
+        tid = int(value, 16) if isinstance(value, str) else int(value)
+    except (TypeError, ValueError):
+        raise ApiError(f"transfer_id {value!r} is not a hex u64") from None
+    if not 0 <= tid < 1 << 64:
+        raise ApiError(f"transfer_id {value!r} does not fit 64 bits")
+    return tid
+
+
+def parse_key(spec: str | None) -> bytes | None:
+    """``--key``: a file holding the key (raw bytes, or hex text) or the key in hex."""
+    if spec is None or spec == "":
+        return None
+    path = Path(spec)
+    if path.is_file():
+        try:
+            raw = path.read_bytes()
+        except OSError as exc:
+            raise UserError(f"cannot read key file {spec}: {exc.strerror}") from None
+        text = raw.strip()
+        try:
+            key = bytes.fromhex(text.decode("ascii")) if text else b""
+        except (UnicodeDecodeError, ValueError):
+            key = raw
+    else:
+        try:
+            key = bytes.fromhex(spec)
+        except ValueError:
+            raise UserError(f"--key {spec!r} is neither a file nor hex digits") from None
+    if not 1 <= len(key) <= 64:
+        raise UserError(f"the key must be 1..64 bytes (got {len(key)})")
+    return key
+
+
+def load_json_header(frame: object) -> dict[str, Any]:
+    """The JSON object of a request or reply header frame (ApiError otherwise)."""
+    raw = frame.bytes if hasattr(frame, "bytes") else bytes(frame)
+    try:
+        head = json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ApiError(f"header is not JSON: {exc}") from None
+    if not isinstance(head, dict):
+        raise ApiError("header must be a JSON object")
+    return head
+
+
+def dump_json(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), default=_json_default).encode()
+
+
+def _json_default(obj: object) -> object:
+    if isinstance(obj, np.integer):
+        return int(obj)
+    if isinstance(obj, np.floating):
+        return float(obj)
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    raise TypeError(f"{type(obj).__name__} is not JSON serializable")
+
+
+# --------------------------------------------------------------------- transfers
+
+
+def _as_bytes_view(obj: object) -> memoryview:
+    """A flat byte view of any buffer (numpy array, bytes, torch CPU tensor via numpy)."""
+    if hasattr(obj, "detach") and hasattr(obj, "numpy"):  # torch tensor: no torch import
+        obj = obj.detach().contiguous().numpy()
+    if isinstance(obj, np.ndarray):
+        obj = np.ascontiguousarray(obj)
+    mv = memoryview(obj)
+    return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+
+
+def transfer_frames(transfer: Transfer) -> list[memoryview]:
+    """The five frames of a submit request (views: nothing is copied)."""
+    b = transfer.blocks
+    return [
+        _as_bytes_view(transfer.payload),
+        _as_bytes_view(b.offsets.astype("<u8", copy=False)),
+        _as_bytes_view(b.lengths.astype("<u8", copy=False)),
+        _as_bytes_view(b.utilities.astype("<f8", copy=False)),
+        memoryview(transfer.app_metadata),
+    ]
+
+
+def _frame_buffer(frame: object) -> memoryview:
+    return frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
+
+
+def transfer_from_frames(frames: list) -> Transfer:
+    """Rebuild a submitted transfer; the payload stays a view of its frame (zero-copy)."""
+    if len(frames) not in (4, 5):
+        raise ApiError(
+            f"submit needs frames {', '.join(TRANSFER_FRAMES)} (app_metadata optional); "
+            f"got {len(frames)}"
+        )
+    bufs = [_frame_buffer(f) for f in frames]
+    for name, buf, size in zip(TRANSFER_FRAMES[1:4], bufs[1:4], (8, 8, 8), strict=True):
+        if len(buf) % size:
+            raise ApiError(f"frame {name} has {len(buf)} bytes, not a multiple of {size}")
+    payload = np.frombuffer(bufs[0], dtype=np.uint8)
+    offsets = np.frombuffer(bufs[1], dtype="<u8")
+    lengths = np.frombuffer(bufs[2], dtype="<u8")
+    utilities = np.frombuffer(bufs[3], dtype="<f8")
+    meta = bytes(bufs[4]) if len(bufs) == 5 else b""
+    if payload.size == 0:
+        raise ApiError("the payload frame is empty")
+    try:
+        return Transfer(payload, BlockTable(offsets, lengths, utilities), meta)
+    except ValueError as exc:
+        raise ApiError(f"bad block table: {exc}") from None
+
+
+def transfer_from_card(path: str | os.PathLike) -> Transfer:
+    """A cache card file as a transfer (its blocks manifest travels as app metadata)."""
+    from kvtransport.blocks import EncodedStream
+    from kvtransport.card import read_card
+
+    card = read_card(path)
+    stream = EncodedStream(card.manifest, card.manifest.to_bytes(), card.payload)
+    return Transfer.from_encoded_stream(stream)
+
+
+# --------------------------------------------------------------------- results
+
+
+@dataclass
+class DeliveredResult:
+    """A receiver daemon's result as a subscriber (or a result file reader) sees it.
+
+    ``payload`` holds every complete block's bytes at its offset; ``complete`` is the
+    per-block mask and ``missing`` the indices of blocks that did not arrive in full.
+    """
+
+    transfer_id: int
+    utility_recovered: float
+    reason: str
+    blocks: BlockTable | None
+    complete: np.ndarray
+    missing: np.ndarray
+    payload: np.ndarray
+    app_metadata: bytes | None
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    def block_bytes(self, index: int) -> np.ndarray:
+        """The bytes of block ``index`` (meaningful only if it is complete)."""
+        o = int(self.blocks.offsets[index])
+        return self.payload[o : o + int(self.blocks.lengths[index])]
+
+
+def result_header(result: TransferResult, stats: dict[str, Any]) -> dict[str, Any]:
+    """The JSON part of a published result (and of a result file's metadata)."""
+    return {
+        "transfer_id": format_tid(result.transfer_id),
+        "utility_recovered": float(result.utility_recovered),
+        "reason": result.reason,
+        "manifest": result.manifest is not None,
+        "blocks": int(result.complete.size),
+        "blocks_complete": int(result.complete.sum()),
+        "missing": result.missing.tolist(),
+        "payload_bytes": int(result.payload.size),
+        "stats": stats,
+    }
+
+
+def result_frames(result: TransferResult, stats: dict[str, Any]) -> list:
+    """``[topic, header, payload, offsets, lengths, utilities, complete, app_metadata]``."""
+    m = result.manifest
+    if m is not None:
+        b = m.blocks
+        table = [b.offsets.astype("<u8"), b.lengths.astype("<u8"), b.utilities.astype("<f8")]
+        meta = m.app_metadata
+    else:
+        table = [np.zeros(0, "<u8"), np.zeros(0, "<u8"), np.zeros(0, "<f8")]
+        meta = b""
+    return [
+        RESULT_TOPIC,
+        dump_json(result_header(result, stats)),
+        _as_bytes_view(result.payload),
+        *(_as_bytes_view(t) for t in table),
+        _as_bytes_view(result.complete.astype(np.uint8)),
+        meta,
+    ]
+
+
+def result_from_frames(frames: list) -> DeliveredResult:
+    """Parse a published result (arrays are views of the frames)."""
+    if len(frames) != 8:
+        raise ApiError(f"a result has 8 frames, got {len(frames)}")
+    head = load_json_header(frames[1])
+    bufs = [_frame_buffer(f) for f in frames[2:]]
+    payload = np.frombuffer(bufs[0], dtype=np.uint8)
+    offsets = np.frombuffer(bufs[1], dtype="<u8")
+    lengths = np.frombuffer(bufs[2], dtype="<u8")
+    utilities = np.frombuffer(bufs[3], dtype="<f8")
+    complete = np.frombuffer(bufs[4], dtype=np.uint8).astype(bool)
+    blocks = BlockTable(offsets, lengths, utilities) if head.get("manifest") else None
+    return DeliveredResult(
+        transfer_id=parse_tid(head["transfer_id"]),
+        utility_recovered=float(head["utility_recovered"]),
+        reason=str(head["reason"]),
+        blocks=blocks,
+        complete=complete,
+        missing=np.asarray(head["missing"], dtype=np.int64),
+        payload=payload,
+        app_metadata=bytes(bufs[5]) if head.get("manifest") else None,
+        stats=head.get("stats", {}),
+    )
+
+
+def write_result_file(directory: str | os.PathLike, result: TransferResult, stats: dict) -> Path:
+    """Write a result as ``<tid>.result.safetensors`` atomically (see the module doc)."""
+    from safetensors.numpy import save
+
+    directory = Path(directory)
+    head = result_header(result, stats)
+    m = result.manifest
+    tensors = {
+        "stream": np.ascontiguousarray(result.payload, dtype=np.uint8),
+        "complete": result.complete.astype(np.uint8),
+    }
+    meta = {RESULT_KEY: None}
+    if m is not None:
+        b = m.blocks
+        head["block_table"] = {
+            "offsets": b.offsets.tolist(),
+            "lengths": b.lengths.tolist(),
+            "utilities": b.utilities.tolist(),
+        }
+        tensors["app_metadata"] = np.frombuffer(m.app_metadata, dtype=np.uint8).copy()
+        card_meta = _card_metadata(m.app_metadata)
+        if card_meta is not None:
+            meta.update(card_meta)
+    meta[RESULT_KEY] = json.dumps(head, separators=(",", ":"))
+    data = save(tensors, metadata=meta)
+    path = directory / f"{format_tid(result.transfer_id)}.result.safetensors"
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _card_metadata(app_metadata: bytes) -> dict[str, str] | None:
+    """Card metadata when the app metadata is a kvtransport.blocks manifest, else None."""
+    if not app_metadata:
+        return None
+    from kvtransport import blocks, card
+
+    try:
+        manifest = blocks.Manifest.from_bytes(app_metadata)
+    except (ValueError, KeyError, TypeError):
+        return None
+    text = {
+        "format": card.CARD_FORMAT,
+        "version": card.CARD_VERSION,
+        "manifest": manifest.to_json(),
+    }
+    return {card.METADATA_KEY: json.dumps(text, sort_keys=True, separators=(",", ":"))}
+
+
+def read_result_file(path: str | os.PathLike) -> DeliveredResult:
+    """Read a file written by :func:`write_result_file`."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    path = Path(path)
+    try:
+        tensors = load_file(str(path))
+        with open(path, "rb") as fh:
+            hlen = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(hlen))
+        head = json.loads(header["__metadata__"][RESULT_KEY])
+    except (OSError, SafetensorError, ValueError, KeyError, TypeError) as exc:
+        raise ApiError(f"{path} is not a kvtransport result file: {exc}") from None
+    table = head.get("block_table")
+    blocks = (
+        BlockTable(
+            np.asarray(table["offsets"], np.uint64),
+            np.asarray(table["lengths"], np.uint64),
+            np.asarray(table["utilities"], np.float64),
+        )
+        if table
+        else None
+    )
+    return DeliveredResult(
+        transfer_id=parse_tid(head["transfer_id"]),
+        utility_recovered=float(head["utility_recovered"]),
+        reason=str(head["reason"]),
+        blocks=blocks,
+        complete=tensors["complete"].astype(bool),
+        missing=np.asarray(head["missing"], dtype=np.int64),
+        payload=tensors["stream"],
+        app_metadata=tensors["app_metadata"].tobytes() if table else None,
+        stats=head.get("stats", {}),
+    )

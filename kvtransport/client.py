@@ -1,0 +1,273 @@
+"""A small Python client for the daemons' ZeroMQ API (kvtransport.api).
+
+::
+
+    from kvtransport.client import SenderClient, ResultSubscriber
+
+    with ResultSubscriber() as results, SenderClient() as sender:   # default ipc:// paths
+        tid = sender.submit(transfer, to="10.77.0.2:9400", rho=0.8)  # or a card path
+        print(sender.status(tid))
+        result = results.wait_for(tid, timeout_s=5)                  # DeliveredResult
+        print(result.utility_recovered, result.missing)
+
+Requests use a REQ socket with ``REQ_RELAXED``/``REQ_CORRELATE`` and a receive timeout,
+so a daemon that is not running gives an :class:`~kvtransport.api.ApiError` after
+``timeout_s`` rather than a hang. Transfers are sent zero-copy: the payload frame is the
+caller's buffer (numpy array, bytes or a CPU torch tensor), which must not change until
+``submit`` returns.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from kvtransport.api import (
+    DEFAULT_RECEIVER_CONTROL,
+    DEFAULT_RESULTS,
+    DEFAULT_SENDER_CONTROL,
+    RESULT_TOPIC,
+    ApiError,
+    DeliveredResult,
+    dump_json,
+    format_tid,
+    load_json_header,
+    result_from_frames,
+    transfer_frames,
+    transfer_from_card,
+)
+from kvtransport.transfer import Transfer
+
+DEFAULT_TIMEOUT_S = 5.0
+
+
+def _tid_text(tid: int | str) -> str:
+    return format_tid(tid) if isinstance(tid, int) else str(tid)
+
+
+class _Requester:
+    """One REQ socket to a daemon's control endpoint."""
+
+    def __init__(self, endpoint: str, timeout_s: float, context: Any) -> None:
+        import zmq
+
+        self._zmq = zmq
+        self._own = context is None
+        self.context = context or zmq.Context()
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self.sock = self.context.socket(zmq.REQ)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.REQ_RELAXED, 1)
+        self.sock.setsockopt(zmq.REQ_CORRELATE, 1)
+        self.sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
+        self.sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+        self.sock.connect(endpoint)
+
+    def request(self, head: dict[str, Any], frames: list | None = None) -> dict[str, Any]:
+        """Send one request; return the reply's JSON (ApiError when ``ok`` is false)."""
+        zmq = self._zmq
+        try:
+            self.sock.send_multipart([dump_json(head), *(frames or [])], copy=False)
+            reply = self.sock.recv_multipart()
+        except zmq.Again:
+            raise ApiError(
+                f"no answer from {self.endpoint} within {self.timeout_s:g} s (is the daemon "
+                "running?)"
+            ) from None
+        out = load_json_header(reply[0])
+        if not out.get("ok"):
+            raise ApiError(f"{head.get('op')}: {out.get('error', 'refused')}")
+        return out
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        if self._own:
+            self.context.term()
+
+
+class SenderClient:
+    """Submit transfers to a sender daemon, ask their status, cancel them."""
+
+    def __init__(
+        self,
+        endpoint: str = DEFAULT_SENDER_CONTROL,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        context: Any = None,
+    ) -> None:
+        self._req = _Requester(endpoint, timeout_s, context)
+
+    def submit(
+        self,
+        transfer: Transfer | str | os.PathLike,
+        to: str,
+        *,
+        deadline_ms: float | None = None,
+        rho: float | None = None,
+        policy: str | None = None,
+        weight: float = 1.0,
+        utility: dict[str, float] | None = None,
+        model: str | None = None,
+        context_tokens: int | None = None,
+        label: str = "",
+        transfer_id: int | str | None = None,
+        initial_rtt_ms: float | None = None,
+    ) -> str:
+        """Start a transfer (a :class:`Transfer`, or the path of a cache card) to the
+        receiver at ``to`` (HOST:PORT); returns its transfer id (16 hex digits)."""
+        if not isinstance(transfer, Transfer):
+            transfer = transfer_from_card(transfer)
+        head: dict[str, Any] = {"op": "submit", "to": to, "weight": weight, "label": label}
+        for name, value in (
+            ("deadline_ms", deadline_ms),
+            ("rho", rho),
+            ("policy", policy),
+            ("utility", utility),
+            ("model", model),
+            ("context_tokens", context_tokens),
+            ("initial_rtt_ms", initial_rtt_ms),
+        ):
+            if value is not None:
+                head[name] = value
+        if transfer_id is not None:
+            head["transfer_id"] = _tid_text(transfer_id)
+        return str(self._req.request(head, transfer_frames(transfer))["transfer_id"])
+
+    def status(self, transfer_id: int | str | None = None) -> Any:
+        """One transfer's status (a dict) or, without an id, a list of all of them."""
+        head: dict[str, Any] = {"op": "status"}
+        if transfer_id is not None:
+            head["transfer_id"] = _tid_text(transfer_id)
+            return self._req.request(head)["transfers"][0]
+        return self._req.request(head)["transfers"]
+
+    def cancel(self, transfer_id: int | str) -> bool:
+        """Abort a transfer in flight; False if it was not (or no longer) in flight."""
+        head = {"op": "cancel", "transfer_id": _tid_text(transfer_id)}
+        return bool(self._req.request(head)["cancelled"])
+
+    def wait(
+        self, transfer_id: int | str, timeout_s: float = 30.0, poll_s: float = 0.02
+    ) -> dict[str, Any]:
+        """Poll until the transfer is done; returns its final status."""
+        end = time.monotonic() + timeout_s
+        while True:
+            st = self.status(transfer_id)
+            if st["state"] == "done":
+                return st
+            if time.monotonic() > end:
+                raise ApiError(f"transfer {_tid_text(transfer_id)} not done after {timeout_s} s")
+            time.sleep(poll_s)
+
+    def stats(self) -> dict[str, Any]:
+        return self._req.request({"op": "stats"})["stats"]
+
+    def ping(self) -> dict[str, Any]:
+        return self._req.request({"op": "ping"})
+
+    def close(self) -> None:
+        self._req.close()
+
+    def __enter__(self) -> SenderClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ReceiverClient:
+    """Ask a receiver daemon about its transfers, or have one deliver early."""
+
+    def __init__(
+        self,
+        endpoint: str = DEFAULT_RECEIVER_CONTROL,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        context: Any = None,
+    ) -> None:
+        self._req = _Requester(endpoint, timeout_s, context)
+
+    def status(self, transfer_id: int | str | None = None) -> Any:
+        head: dict[str, Any] = {"op": "status"}
+        if transfer_id is not None:
+            head["transfer_id"] = _tid_text(transfer_id)
+            return self._req.request(head)["transfers"][0]
+        return self._req.request(head)["transfers"]
+
+    def abort(self, transfer_id: int | str) -> bool:
+        """Deliver the transfer's partial result now (published like any result)."""
+        head = {"op": "abort", "transfer_id": _tid_text(transfer_id)}
+        return bool(self._req.request(head)["aborted"])
+
+    def stats(self) -> dict[str, Any]:
+        return self._req.request({"op": "stats"})["stats"]
+
+    def ping(self) -> dict[str, Any]:
+        return self._req.request({"op": "ping"})
+
+    def close(self) -> None:
+        self._req.close()
+
+    def __enter__(self) -> ReceiverClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ResultSubscriber:
+    """Results a receiver daemon publishes (subscribe before the transfer starts: a PUB
+    socket sends nothing to subscribers that were not connected yet)."""
+
+    def __init__(self, endpoint: str = DEFAULT_RESULTS, *, context: Any = None) -> None:
+        import zmq
+
+        self._zmq = zmq
+        self._own = context is None
+        self.context = context or zmq.Context()
+        self.sock = self.context.socket(zmq.SUB)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SUBSCRIBE, RESULT_TOPIC)
+        self.sock.connect(endpoint)
+        self._held: dict[int, DeliveredResult] = {}
+
+    def recv(self, timeout_s: float | None = None) -> DeliveredResult | None:
+        """The next result (None after ``timeout_s``)."""
+        if self._held:
+            return self._held.pop(next(iter(self._held)))
+        return self._recv(timeout_s)
+
+    def _recv(self, timeout_s: float | None) -> DeliveredResult | None:
+        zmq = self._zmq
+        ms = None if timeout_s is None else max(int(timeout_s * 1000), 0)
+        if not self.sock.poll(ms, zmq.POLLIN):
+            return None
+        return result_from_frames(self.sock.recv_multipart(copy=False))
+
+    def wait_for(self, transfer_id: int | str, timeout_s: float = 30.0) -> DeliveredResult:
+        """The result of one transfer (others that arrive meanwhile are kept for recv)."""
+        tid = int(transfer_id, 16) if isinstance(transfer_id, str) else int(transfer_id)
+        if tid in self._held:
+            return self._held.pop(tid)
+        end = time.monotonic() + timeout_s
+        while True:
+            left = end - time.monotonic()
+            res = self._recv(left) if left > 0 else None
+            if res is None:
+                raise ApiError(f"no result for transfer {format_tid(tid)} within {timeout_s} s")
+            if res.transfer_id == tid:
+                return res
+            self._held[res.transfer_id] = res
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        if self._own:
+            self.context.term()
+
+    def __enter__(self) -> ResultSubscriber:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,82 @@
+"""`kvtransport receiver-daemon`: long-running receiver publishing results over ZeroMQ."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvtransport.errors import UserError
+
+NAME = "receiver-daemon"
+HELP = "run the receiver daemon (UDP data plane, results published over ZeroMQ)"
+DESCRIPTION = """\
+Receive any number of transfers on one UDP port (demultiplexed by transfer id, a session
+per transfer), send feedback to their senders, and at each transfer's deadline (or when
+it is complete, or aborted) publish the result (complete blocks, missing-block list,
+stats) on the PUB socket --publish; with --out-dir also write it as
+<transfer id>.result.safetensors (a cache card when a card was sent).
+
+Local clients: kvtransport.client.ResultSubscriber for results, ReceiverClient for
+status/abort on --control. State is bounded: --max-transfers at once, --max-mb per
+transfer, and a transfer whose manifest never comes ends --idle-timeout seconds after its
+last datagram. Garbage, forged and foreign datagrams are counted (status, stats) and
+dropped. SIGTERM or SIGINT: deliver every transfer in progress as a partial result, close,
+exit 0.
+
+Example:
+  kvtransport receiver-daemon --listen :9400 --key psk.hex --out-dir results --stats
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvtransport.api import DEFAULT_RECEIVER_CONTROL, DEFAULT_RESULTS
+
+    p.add_argument("--listen", default="0.0.0.0:9400", metavar="HOST:PORT",
+                   help="UDP address (default 0.0.0.0:9400)")  # fmt: skip
+    p.add_argument("--control", default=DEFAULT_RECEIVER_CONTROL, metavar="ENDPOINT",
+                   help=f"control endpoint (default {DEFAULT_RECEIVER_CONTROL})")  # fmt: skip
+    p.add_argument("--publish", default=DEFAULT_RESULTS, metavar="ENDPOINT",
+                   help=f"ZeroMQ PUB endpoint for results (default {DEFAULT_RESULTS})")  # fmt: skip
+    p.add_argument("--key", metavar="FILE|HEX", help="pre-shared key (as the senders')")
+    p.add_argument("--out-dir", metavar="DIR", help="also write each result into DIR")
+    p.add_argument("--max-transfers", type=int, default=16, help="at once (default 16)")
+    p.add_argument("--max-mb", type=float, default=256.0,
+                   help="largest transfer accepted, MB (default 256)")  # fmt: skip
+    p.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=10.0,
+        help="end a transfer with no manifest this long after its last datagram",
+    )
+    p.add_argument("--no-gro", action="store_true", help="read one datagram per call")
+    p.add_argument("--stats", nargs="?", const="-", metavar="FILE",
+                   help="one JSON line per finished transfer (stdout, or FILE)")  # fmt: skip
+    p.add_argument("-v", "--verbose", action="count", default=0, help="debug logs")
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvtransport.api import parse_key
+    from kvtransport.daemon import StatsWriter, StopSignal, setup_logging
+    from kvtransport.daemon_receiver import ReceiverDaemon
+    from kvtransport.udp import parse_address
+
+    if args.max_transfers < 1 or not args.max_mb > 0 or not args.idle_timeout > 0:
+        raise UserError("--max-transfers, --max-mb and --idle-timeout must be positive")
+    setup_logging(args.verbose, "receiver-daemon")
+    daemon = ReceiverDaemon(
+        bind=parse_address(args.listen, what="--listen"),
+        control=args.control,
+        publish=args.publish,
+        key=parse_key(args.key),
+        out_dir=args.out_dir,
+        gro=not args.no_gro,
+        max_transfers=args.max_transfers,
+        max_bytes=int(args.max_mb * 1e6),
+        idle_timeout=args.idle_timeout,
+        stats=StatsWriter(args.stats),
+    )
+    stop = StopSignal().install()
+    try:
+        daemon.run(stop)
+    finally:
+        stop.restore()
+    return 0

@@ -1,0 +1,119 @@
+"""`kvtransport recv`: receive one transfer over UDP and report (or save) the result."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kvtransport.errors import UserError
+
+NAME = "recv"
+HELP = "receive one transfer over UDP; print the utility recovered, save the result"
+DESCRIPTION = """\
+Wait for one transfer from `kvtransport send` (or a sender daemon), feed it to the
+receiver session (authentication, RLC decoding, feedback to the sender) and stop at its
+deadline, when everything is decoded, or when the sender aborts. Prints the utility
+recovered and which blocks are missing; --out DIR writes the result as
+<transfer id>.result.safetensors (a cache card when a card was sent, see
+kvtransport.api). Datagrams of any other transfer are counted and dropped.
+
+Examples:
+  kvtransport recv --listen :9400 --json
+  kvtransport recv --listen 10.77.0.2:9400 --key psk.hex --out results/
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--listen", default="0.0.0.0:9400", metavar="HOST:PORT",
+                   help="UDP address to receive on (default 0.0.0.0:9400)")  # fmt: skip
+    p.add_argument("--key", metavar="FILE|HEX", help="pre-shared key (as the sender's)")
+    p.add_argument("--out", metavar="DIR", help="write the result file into DIR")
+    p.add_argument("--timeout", type=float, default=60.0,
+                   help="give up if no transfer starts within this many seconds (60)")  # fmt: skip
+    p.add_argument("--idle-timeout", type=float, default=10.0,
+                   help="end a transfer this long after its last datagram when its "
+                   "manifest (and so its deadline) never arrived (default 10 s)")  # fmt: skip
+    p.add_argument("--max-mb", type=float, default=1024.0,
+                   help="largest transfer accepted, MB (default 1024)")  # fmt: skip
+    p.add_argument("--no-gro", action="store_true", help="read one datagram per call")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kvtransport.api import parse_key, write_result_file
+    from kvtransport.daemon import StopSignal, serve, warm_up
+    from kvtransport.daemon_receiver import ReceiverEngine
+    from kvtransport.udp import DatagramSocket, clock, parse_address
+
+    if args.out and not Path(args.out).is_dir():
+        raise UserError(f"--out {args.out} is not a directory")
+    if not args.timeout > 0 or not args.idle_timeout > 0 or not args.max_mb > 0:
+        raise UserError("--timeout, --idle-timeout and --max-mb must be positive")
+    key = parse_key(args.key)
+    bind = parse_address(args.listen, what="--listen")
+    results = []
+    warm_up(key)
+    sock = DatagramSocket(bind, gro=not args.no_gro)
+    host, port = sock.address
+    print(f"kvtransport recv: listening on {host}:{port}", file=sys.stderr, flush=True)
+    stop = StopSignal().install()
+    try:
+        engine = ReceiverEngine(
+            sock,
+            key=key,
+            max_transfers=1,
+            max_bytes=int(args.max_mb * 1e6),
+            idle_timeout=args.idle_timeout,
+            single=True,
+            on_result=results.append,
+        )
+        started = clock()
+
+        def check(now: float) -> None:
+            if results or (engine.adopted is None and now - started > args.timeout):
+                stop.request()
+
+        serve(engine, [], stop, on_idle=check)
+        if not results:
+            engine.close(clock())  # interrupted mid-transfer: deliver what arrived
+        if not results:
+            if stop.signal_name.startswith("SIG"):
+                raise UserError(f"interrupted ({stop.signal_name}) before any transfer arrived")
+            raise UserError(f"no transfer arrived on {args.listen} within {args.timeout:g} s")
+        inc = results[0]
+        stats = inc.stats(clock())
+        stats["engine_drops"] = dict(engine.drop_reasons)
+        stats["socket"] = dict(sock.stats)
+        if args.out:
+            stats["file"] = str(write_result_file(args.out, inc.session.result, stats))
+    finally:
+        stop.restore()
+        sock.close()
+    if args.json:
+        print(json.dumps(stats))
+    else:
+        _print(stats)
+    return 0
+
+
+def _print(st: dict) -> None:
+    print(
+        f"transfer {st['transfer_id']} from {st['from']}: {st['reason']} after "
+        f"{st['elapsed_s'] * 1e3:.1f} ms, utility recovered {st['utility']:.4f}"
+    )
+    blocks = st["blocks"]
+    rows = [
+        ("blocks complete", f"{st['blocks_complete']} of {blocks}" if blocks else "no manifest"),
+        ("datagrams", f"{st['datagrams']} ({st['datagrams_lost']} lost on the way)"),
+        ("source / repair", f"{st['source_received']} / {st['repair_received']}"),
+        ("symbols recovered", str(st["symbols_recovered"])),
+        ("dropped", f"{st['dropped']} {st['drop_reasons'] or ''}".strip()),
+        ("feedback sent", str(st["feedback_sent"])),
+    ]
+    if "file" in st:
+        rows.append(("written to", st["file"]))
+    for k, v in rows:
+        print(f"  {k:20s} {v}")

@@ -1,0 +1,290 @@
+"""What both daemons share: the event loop, the ZeroMQ control server, signals, logs.
+
+A daemon is an *engine* (kvtransport.daemon_sender.SenderEngine or
+kvtransport.daemon_receiver.ReceiverEngine: the sessions and their UDP socket, no ZeroMQ)
+plus control sockets. :func:`serve` runs them on one thread:
+
+    loop:  engine.run_due(now)       timers due: paced datagrams, feedback, deadlines
+           control.drain()           every waiting ZeroMQ request, answered at once
+           select(UDP socket, ZeroMQ descriptors, signal pipe; timeout = engine's next wake)
+           engine.on_readable(now)   every datagram waiting, in one batch
+
+ZeroMQ's descriptor is edge-triggered: it signals that the socket's state *changed*, so
+the loop drains each control socket (``zmq.EVENTS`` says what is left) before every sleep;
+a message that arrives during the sleep then always wakes it. Control sockets are only
+polled this way, never blocked on, so a slow client cannot stall pacing.
+
+SIGTERM and SIGINT set a flag and write to a wake-up pipe (``signal.set_wakeup_fd``), so
+the loop notices at once even in a long sleep; the daemon then shuts its engine down
+cleanly (the sender aborts transfers in flight, telling receivers to deliver; the receiver
+delivers what it holds), closes its sockets and exits 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import signal
+import socket
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any, Protocol
+
+from kvtransport.api import ApiError, dump_json, load_json_header
+from kvtransport.errors import UserError
+from kvtransport.udp import clock, set_timer_slack, wait_readable
+
+log = logging.getLogger("kvtransport.daemon")
+
+MAX_IDLE_SLEEP_S = 0.5
+"""Longest sleep with nothing scheduled (housekeeping and expiry run at least this often)."""
+
+
+class Engine(Protocol):
+    """The data plane a daemon drives (see the module docstring)."""
+
+    def fileno(self) -> int: ...
+
+    def run_due(self, now: float) -> None: ...
+
+    def on_readable(self, now: float) -> None: ...
+
+    def next_wake(self) -> float | None: ...
+
+
+def setup_logging(verbose: int = 0, name: str = "kvtransport") -> None:
+    """Log lines to stderr: time, level, what happened (INFO by default, -v for DEBUG)."""
+    level = logging.DEBUG if verbose else logging.INFO
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"%(asctime)s {name} %(levelname)s %(message)s"))
+    root = logging.getLogger("kvtransport")
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    root.propagate = False
+
+
+class StatsWriter:
+    """One JSON line per finished transfer (``--stats``: to stdout, or appended to a file)."""
+
+    def __init__(self, target: str | None) -> None:
+        self._fh: IO[str] | None = None
+        self._own = False
+        if target == "-":
+            self._fh = sys.stdout
+        elif target:
+            try:
+                self._fh = open(target, "a", buffering=1)  # noqa: SIM115 (lives with the daemon)
+            except OSError as exc:
+                raise UserError(f"cannot open stats file {target}: {exc.strerror}") from None
+            self._own = True
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._fh is not None:
+            self._fh.write(json.dumps(record, separators=(",", ":"), default=str) + "\n")
+            self._fh.flush()
+
+    def close(self) -> None:
+        if self._own and self._fh is not None:
+            self._fh.close()
+        self._fh = None
+
+
+class StopSignal:
+    """SIGTERM/SIGINT -> ``requested`` (and a readable ``fd`` that wakes the loop)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.signal_name = ""
+        self._r, self._w = socket.socketpair()
+        self._r.setblocking(False)
+        self._w.setblocking(False)
+        self._old: dict[int, Any] = {}
+        self._old_fd = -1
+
+    def install(self) -> StopSignal:
+        self._old_fd = signal.set_wakeup_fd(self._w.fileno(), warn_on_full_buffer=False)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.requested = True
+        self.signal_name = signal.Signals(signum).name
+
+    def request(self, why: str = "requested") -> None:
+        """Stop from inside the process (a ``shutdown`` request, a test)."""
+        self.requested = True
+        self.signal_name = why
+        with contextlib.suppress(OSError):
+            self._w.send(b"\0")
+
+    def fileno(self) -> int:
+        return self._r.fileno()
+
+    def drain(self) -> None:
+        with contextlib.suppress(OSError):
+            while self._r.recv(4096):
+                pass
+
+    def restore(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old.clear()
+        with contextlib.suppress(ValueError):
+            signal.set_wakeup_fd(self._old_fd)
+        self._r.close()
+        self._w.close()
+
+
+Handler = Callable[[dict[str, Any], list], tuple[dict[str, Any], list] | dict[str, Any]]
+
+
+def bind_endpoint(sock: Any, endpoint: str) -> None:
+    """Bind a ZeroMQ socket; an ipc:// path gets its directory made. UserError on failure."""
+    import zmq
+
+    if endpoint.startswith("ipc://"):
+        path = Path(endpoint[len("ipc://") :])
+        if path.parent and not path.parent.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError as exc:
+        raise UserError(f"cannot bind {endpoint}: {exc.strerror}") from None
+
+
+class ControlServer:
+    """A ROUTER socket answering JSON requests (see kvtransport.api) without blocking.
+
+    ``handlers`` maps an ``op`` to ``handler(header, frames) -> reply`` (a dict, or
+    ``(dict, frames)``). A handler raising UserError/ValueError answers ``ok: false`` with
+    its message; the daemon keeps running whatever a client sends.
+    """
+
+    def __init__(self, context: Any, endpoint: str, handlers: dict[str, Handler]) -> None:
+        import zmq
+
+        self._zmq = zmq
+        self.endpoint = endpoint
+        self.handlers = handlers
+        self.sock = context.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        bind_endpoint(self.sock, endpoint)
+        self.fd = self.sock.getsockopt(zmq.FD)
+        self.requests = 0
+        self.errors = 0
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def drain(self, max_requests: int = 64) -> int:
+        """Answer every waiting request (at most ``max_requests`` per call)."""
+        zmq = self._zmq
+        sock = self.sock
+        done = 0
+        while done < max_requests and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            try:
+                msg = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            done += 1
+            self._answer(msg)
+        return done
+
+    def _answer(self, msg: list) -> None:
+        zmq = self._zmq
+        try:
+            split = next(i for i, f in enumerate(msg) if len(f) == 0)
+        except StopIteration:
+            return  # not REQ framing: nobody to answer
+        envelope, body = msg[: split + 1], msg[split + 1 :]
+        self.requests += 1
+        frames: list = []
+        try:
+            if not body:
+                raise ApiError("empty request")
+            head = load_json_header(body[0])
+            op = head.get("op")
+            handler = self.handlers.get(op) if isinstance(op, str) else None
+            if handler is None:
+                raise ApiError(f"unknown op {op!r}; expected one of {', '.join(self.handlers)}")
+            reply = handler(head, body[1:])
+            if isinstance(reply, tuple):
+                reply, frames = reply
+            reply = {"ok": True, **reply}
+        except (UserError, ValueError, KeyError, TypeError) as exc:
+            self.errors += 1
+            text = str(exc) if not isinstance(exc, KeyError) else f"missing field {exc}"
+            reply = {"ok": False, "error": text.splitlines()[0] if text else type(exc).__name__}
+            frames = []
+        try:
+            sock_frames = [*envelope, dump_json(reply), *frames]
+            self.sock.send_multipart(sock_frames, zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as exc:  # the client went away: nothing to do
+            log.debug("control reply dropped: %s", exc)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+def serve(
+    engine: Engine,
+    controls: list[ControlServer],
+    stop: StopSignal,
+    *,
+    on_idle: Callable[[float], None] | None = None,
+) -> None:
+    """Run the daemon loop until ``stop.requested`` (see the module docstring)."""
+    set_timer_slack()
+    udp_fd = engine.fileno()
+    fds = [udp_fd, stop.fileno(), *(c.fileno() for c in controls)]
+    while not stop.requested:
+        engine.run_due(clock())
+        for c in controls:
+            c.drain()
+        if on_idle is not None:
+            on_idle(clock())
+        if stop.requested:
+            break
+        wake = engine.next_wake()
+        now = clock()
+        timeout = MAX_IDLE_SLEEP_S if wake is None else min(MAX_IDLE_SLEEP_S, wake - now)
+        ready = wait_readable(fds, timeout)
+        if udp_fd in ready:
+            engine.on_readable(clock())
+        if stop.fileno() in ready:
+            stop.drain()
+
+
+def warm_up(key: bytes | None = None) -> float:
+    """Run a tiny lossy transfer through both sessions in memory; returns the seconds spent.
+
+    The first call of each numba kernel in a process loads it from numba's cache (about
+    0.5 s on these machines, several seconds if it must compile). Paid inside the first
+    transfer, that stall would be measured as round-trip time and shift its stop time,
+    so the shells pay it before they serve.
+    """
+    from kvtransport.policy import make_policy
+    from kvtransport.receiver import ReceiverSession
+    from kvtransport.sender import SenderSession
+    from kvtransport.transfer import synthetic_transfer
+
+    t0 = clock()
+    transfer = synthetic_transfer(64 * 1024, 8, seed=0)
+    sender = SenderSession(
+        transfer, make_policy("fixed:1/4"), rate_bps=1e9, deadline=1.0, now=0.0, key=key
+    )
+    receiver = ReceiverSession(sender.transfer_id, key=key, now=0.0, deadline=1.0)
+    t, n = 0.0, 0
+    while not sender.done and t < 1.0:
+        for d in sender.datagrams_to_send(t):
+            n += 1
+            if n % 5:  # every fifth datagram lost: the decoder has something to recover
+                receiver.receive_datagram(d, t)
+        for fb in receiver.datagrams_to_send(t):
+            sender.receive_datagram(fb, t)
+        t += 1e-4
+    return clock() - t0

@@ -1,0 +1,453 @@
+"""The receiving side over real UDP: :class:`ReceiverEngine` and :class:`ReceiverDaemon`.
+
+:class:`ReceiverEngine` is the data plane: one UDP socket (GRO, kvtransport.udp) and one
+:class:`~kvtransport.receiver.ReceiverSession` per transfer, found by the transfer id in
+the datagram header. ``on_readable(now)`` reads every waiting datagram in one batch and
+hands each to its session, then sends the feedback the batch produced back to the address
+the transfer's datagrams come from; ``run_due(now)`` fires the sessions' timers (periodic
+feedback, deadline, idle expiry).
+
+A transfer's session is created by its first datagram that authenticates and parses (with
+the daemon's key; any data-path type). Waiting for the manifest instead would drop the
+sources that arrive before the first manifest datagram that survives the link (the
+manifest is interleaved with data; on ge-heavy the first one is lost one time in eight);
+the session holds them until the manifest says what they are.
+
+What bounds the state (every datagram is attacker-controlled):
+
+- ``max_transfers`` sessions at once; a new transfer beyond that is dropped and counted
+  (``over_capacity``), never an old one evicted;
+- ``max_bytes`` per transfer: the session refuses symbols beyond it and a manifest
+  announcing more (``too_large``);
+- every session ends by itself: at its deadline (from the manifest, counted from its first
+  datagram), on the sender's ABORT, when everything is decoded, or ``idle_timeout``
+  seconds after its last datagram when no manifest came;
+- a finished session lingers ``linger_s`` to remind a sender that missed the final
+  feedback; then its id goes to a bounded list of recent ids whose late datagrams are
+  dropped (``finished_transfer``) instead of opening a new session.
+
+Garbage never reaches a session unless it carries a known transfer id; there it is
+counted by reason in the session's ``drop_reasons`` (bad tag, truncated, ...), elsewhere
+in the engine's. Each finished transfer goes to ``on_result(incoming)``.
+
+:class:`ReceiverDaemon` adds the ZeroMQ control socket (status, abort, stats, ping), the
+PUB socket that publishes every result (kvtransport.api) and ``--out-dir`` result files.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from kvtransport.errors import UserError
+from kvtransport.receiver import ReceiverSession
+from kvtransport.udp import DatagramSocket
+from kvtransport.wire import HEADER_SIZE, DatagramType, Parser, WireError
+
+log = logging.getLogger("kvtransport.receiver-daemon")
+
+DEFAULT_MAX_TRANSFERS = 16
+DEFAULT_MAX_BYTES = 256 << 20
+DEFAULT_IDLE_TIMEOUT_S = 10.0
+DEFAULT_LINGER_S = 1.0
+RECENT_IDS = 4096
+_TID = struct.Struct("!Q")
+
+
+@dataclass
+class Incoming:
+    """One transfer the engine receives (or received), and its reporting."""
+
+    transfer_id: int
+    session: ReceiverSession
+    peer: Any
+    created: float
+    state: str = "receiving"
+    finished: float | None = None
+    datagrams: int = 0
+
+    def stats(self, now: float) -> dict[str, Any]:
+        s = self.session
+        res = s.result
+        t0 = s.timings.get("first_packet", self.created)
+        timings = {k: round(v - t0, 6) for k, v in s.timings.items() if k != "first_packet"}
+        m = s.manifest
+        mon = s.monitor
+        return {
+            "transfer_id": f"{self.transfer_id:016x}",
+            "state": self.state,
+            "reason": res.reason if res is not None else "",
+            "from": f"{self.peer[0]}:{self.peer[1]}",
+            "utility": round(float(res.utility_recovered if res else s.utility), 6),
+            "manifest": m is not None,
+            "bytes": m.payload_len if m is not None else None,
+            "blocks": len(m.blocks) if m is not None else None,
+            "blocks_complete": s.blocks_complete,
+            "n_source": s.n_source,
+            "symbols_known": s.n_known,
+            "decoded_through": s.through,
+            "datagrams": self.datagrams,
+            "source_received": s.source_received,
+            "repair_received": s.repair_received,
+            "symbols_recovered": s.symbols_recovered,
+            "duplicates": s.duplicates,
+            "datagrams_lost": mon.lost,
+            "loss_rate": round(float(mon.loss_rate), 5),
+            "dropped": s.dropped,
+            "drop_reasons": dict(s.drop_reasons),
+            "feedback_sent": s.feedback_sent,
+            "timings_s": timings,
+            "elapsed_s": round((self.finished if self.finished is not None else now) - t0, 6),
+        }
+
+
+class ReceiverEngine:
+    """Receiver sessions behind one UDP socket (see the module docstring).
+
+    ``single``: the ``recv`` command's mode: the first transfer is the only one; datagrams
+    of any other transfer id are dropped as ``foreign_transfer``.
+    """
+
+    def __init__(
+        self,
+        sock: DatagramSocket,
+        *,
+        key: bytes | None = None,
+        max_transfers: int = DEFAULT_MAX_TRANSFERS,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        idle_timeout: float = DEFAULT_IDLE_TIMEOUT_S,
+        linger_s: float = DEFAULT_LINGER_S,
+        single: bool = False,
+        on_result: Any = None,
+    ) -> None:
+        if max_transfers < 1 or max_bytes < 1 or not idle_timeout > 0:
+            raise UserError("max transfers, max bytes and the idle timeout must be positive")
+        self.sock = sock
+        self.key = key
+        self.parser = Parser(key)
+        self.max_transfers = max_transfers
+        self.max_bytes = max_bytes
+        self.idle_timeout = idle_timeout
+        self.linger_s = linger_s
+        self.single = single
+        self.on_result = on_result
+        self.active: dict[int, Incoming] = {}
+        self.lingering: OrderedDict[int, Incoming] = OrderedDict()
+        self.recent: OrderedDict[int, dict[str, Any]] = OrderedDict()
+        self.adopted: int | None = None
+        self.drop_reasons: dict[str, int] = {}
+        self.dropped = 0
+        self.results = 0
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    # ------------------------------------------------------------------ datagrams
+
+    def on_readable(self, now: float) -> None:
+        """Every waiting datagram to its session; then the feedback they caused goes out."""
+        active = self.active
+        touched: dict[int, Incoming] = {}
+        for data, addr in self.sock.recv_batch():
+            if len(data) < HEADER_SIZE:
+                self._drop("truncated")
+                continue
+            tid = _TID.unpack_from(data, 8)[0]
+            inc = active.get(tid)
+            if inc is None:
+                inc = self.lingering.get(tid)
+                if inc is None:
+                    inc = self._admit(tid, data, addr, now)
+                    if inc is None:
+                        continue
+            inc.datagrams += 1
+            inc.session.receive_datagram(data, now)
+            touched[tid] = inc
+        for inc in touched.values():
+            self._flush(inc, now)
+
+    def _admit(self, tid: int, data: memoryview, addr: Any, now: float) -> Incoming | None:
+        """A datagram of a transfer without a session: open one if it is genuine."""
+        if tid in self.recent:
+            self._drop("finished_transfer")
+            return None
+        if self.single and self.adopted is not None:
+            self._drop("foreign_transfer")
+            return None
+        try:
+            d = self.parser.parse(data)
+        except WireError as exc:
+            self._drop(exc.reason)
+            return None
+        if d.type == DatagramType.FEEDBACK:
+            self._drop("unexpected_type")
+            return None
+        if len(self.active) >= self.max_transfers:
+            self._drop("over_capacity")
+            return None
+        session = ReceiverSession(
+            tid,
+            key=self.key,
+            now=now,
+            max_bytes=self.max_bytes,
+            idle_timeout=self.idle_timeout,
+        )
+        inc = Incoming(tid, session, addr, now)
+        self.active[tid] = inc
+        self.adopted = tid
+        log.info("transfer %016x: first datagram from %s:%d", tid, addr[0], addr[1])
+        return inc
+
+    def _drop(self, reason: str) -> None:
+        self.dropped += 1
+        self.drop_reasons[reason] = self.drop_reasons.get(reason, 0) + 1
+
+    def _flush(self, inc: Incoming, now: float) -> None:
+        out = inc.session.datagrams_to_send(now)
+        if out:
+            self.sock.send(out, inc.peer)
+        if inc.state == "receiving" and inc.session.finished:
+            self._finished(inc, now)
+
+    # ------------------------------------------------------------------ timers
+
+    def next_wake(self) -> float | None:
+        wake = None
+        for inc in self.active.values():
+            t = inc.session.next_timer()
+            if t is not None and (wake is None or t < wake):
+                wake = t
+        if self.lingering:
+            first = next(iter(self.lingering.values()))
+            t = first.finished + self.linger_s
+            if wake is None or t < wake:
+                wake = t
+        return wake
+
+    def run_due(self, now: float) -> None:
+        for inc in list(self.active.values()):
+            s = inc.session
+            t = s.next_timer()
+            if t is not None and t <= now:
+                s.handle_timer(now)
+                self._flush(inc, now)
+        while self.lingering:
+            tid, inc = next(iter(self.lingering.items()))
+            if inc.finished + self.linger_s > now:
+                break
+            del self.lingering[tid]
+            self._remember(tid, inc.stats(now))
+
+    def abort(self, transfer_id: int, now: float, reason: str = "abort") -> bool:
+        """Deliver a transfer's partial result now (an API request, or shutdown)."""
+        inc = self.active.get(transfer_id)
+        if inc is None:
+            return False
+        inc.session.close(now, reason)
+        self._flush(inc, now)
+        return True
+
+    def close(self, now: float) -> None:
+        """Shutdown: every transfer still receiving delivers what it holds."""
+        for tid in list(self.active):
+            self.abort(tid, now, "shutdown")
+
+    # ------------------------------------------------------------------ results
+
+    def _finished(self, inc: Incoming, now: float) -> None:
+        inc.state = "finished"
+        inc.finished = now
+        del self.active[inc.transfer_id]
+        self.lingering[inc.transfer_id] = inc
+        self.results += 1
+        res = inc.session.result
+        log.info(
+            "transfer %016x %s: utility %.4f, %d of %d blocks complete, %d datagrams",
+            inc.transfer_id,
+            res.reason,
+            res.utility_recovered,
+            int(res.complete.sum()),
+            res.complete.size,
+            inc.datagrams,
+        )
+        if self.on_result is not None:
+            self.on_result(inc)
+
+    def _remember(self, tid: int, stats: dict[str, Any]) -> None:
+        self.recent[tid] = stats
+        while len(self.recent) > RECENT_IDS:
+            self.recent.popitem(last=False)
+
+    def status(self, now: float, transfer_id: int | None = None) -> list[dict[str, Any]]:
+        if transfer_id is not None:
+            inc = self.active.get(transfer_id) or self.lingering.get(transfer_id)
+            if inc is not None:
+                return [inc.stats(now)]
+            if transfer_id in self.recent:
+                return [self.recent[transfer_id]]
+            raise UserError(f"no transfer {transfer_id:016x}")
+        live = [i.stats(now) for i in (*self.active.values(), *self.lingering.values())]
+        return live + list(self.recent.values())[-64:]
+
+    def stats(self) -> dict[str, Any]:
+        reasons = dict(self.drop_reasons)
+        dropped = self.dropped
+        for inc in (*self.active.values(), *self.lingering.values()):
+            dropped += inc.session.dropped
+            for k, v in inc.session.drop_reasons.items():
+                reasons[k] = reasons.get(k, 0) + v
+        return {
+            "active": len(self.active),
+            "results": self.results,
+            "dropped": dropped,
+            "drop_reasons": reasons,
+            "engine_dropped": self.dropped,
+            "socket": dict(self.sock.stats),
+        }
+
+
+class ReceiverDaemon:
+    """`kvtransport receiver-daemon`: a :class:`ReceiverEngine`, its control socket, the
+    results publisher and optional result files."""
+
+    def __init__(
+        self,
+        *,
+        bind: tuple[str, int],
+        control: str,
+        publish: str,
+        key: bytes | None = None,
+        out_dir: str | None = None,
+        gro: bool = True,
+        max_transfers: int = DEFAULT_MAX_TRANSFERS,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        idle_timeout: float = DEFAULT_IDLE_TIMEOUT_S,
+        stats: Any = None,
+    ) -> None:
+        import zmq
+
+        from kvtransport.daemon import ControlServer, StatsWriter, warm_up, bind_endpoint
+
+        self.out_dir = out_dir
+        if out_dir is not None:
+            from pathlib import Path
+
+            if not Path(out_dir).is_dir():
+                raise UserError(f"--out-dir {out_dir} is not a directory")
+        self.stats_out = stats if stats is not None else StatsWriter(None)
+        self.warm_up_s = warm_up(key)
+        self.sock = DatagramSocket(bind, gro=gro)
+        self.engine = ReceiverEngine(
+            self.sock,
+            key=key,
+            max_transfers=max_transfers,
+            max_bytes=max_bytes,
+            idle_timeout=idle_timeout,
+            on_result=self._result,
+        )
+        self.context = zmq.Context()
+        try:
+            self.pub = self.context.socket(zmq.PUB)
+            self.pub.setsockopt(zmq.LINGER, 2000)
+            self.pub.setsockopt(zmq.SNDHWM, 64)
+            bind_endpoint(self.pub, publish)
+            self.publish_endpoint = publish
+            self.control = ControlServer(
+                self.context,
+                control,
+                {
+                    "status": self._status,
+                    "abort": self._abort,
+                    "stats": self._stats,
+                    "ping": self._ping,
+                },
+            )
+        except BaseException:
+            self.sock.close()
+            self.context.destroy(linger=0)
+            raise
+        self.published = 0
+
+    def _result(self, inc: Incoming) -> None:
+        import zmq
+
+        from kvtransport.api import result_frames, write_result_file
+        from kvtransport.udp import clock
+
+        res = inc.session.result
+        stats = inc.stats(clock())
+        try:
+            self.pub.send_multipart(result_frames(res, stats), zmq.NOBLOCK, copy=False)
+            self.published += 1
+        except zmq.ZMQError as exc:
+            log.warning("result %016x not published: %s", inc.transfer_id, exc)
+        if self.out_dir is not None:
+            try:
+                path = write_result_file(self.out_dir, res, stats)
+                stats["file"] = str(path)
+                log.info("transfer %016x written to %s", inc.transfer_id, path)
+            except OSError as exc:
+                log.error("transfer %016x: cannot write result: %s", inc.transfer_id, exc)
+        self.stats_out.write({"event": "transfer", "role": "receiver", **stats})
+
+    def _status(self, head: dict[str, Any], frames: list) -> dict[str, Any]:
+        from kvtransport.api import parse_tid
+        from kvtransport.udp import clock
+
+        tid = parse_tid(head["transfer_id"]) if head.get("transfer_id") is not None else None
+        return {"transfers": self.engine.status(clock(), tid)}
+
+    def _abort(self, head: dict[str, Any], frames: list) -> dict[str, Any]:
+        from kvtransport.api import parse_tid
+        from kvtransport.udp import clock
+
+        return {"aborted": self.engine.abort(parse_tid(head["transfer_id"]), clock())}
+
+    def _stats(self, head: dict[str, Any], frames: list) -> dict[str, Any]:
+        return {"stats": {**self.engine.stats(), "published": self.published}}
+
+    def _ping(self, head: dict[str, Any], frames: list) -> dict[str, Any]:
+        import os
+
+        host, port = self.sock.address
+        return {
+            "pid": os.getpid(),
+            "udp": f"{host}:{port}",
+            "role": "receiver",
+            "publish": self.publish_endpoint,
+        }
+
+    def run(self, stop: Any) -> None:
+        from kvtransport.daemon import serve
+        from kvtransport.udp import clock
+
+        host, port = self.sock.address
+        log.info(
+            "receiver daemon up: UDP %s:%d, control %s, results %s, GRO %s",
+            host,
+            port,
+            self.control.endpoint,
+            self.publish_endpoint,
+            "on" if self.sock.gro else "off",
+        )
+        try:
+            serve(self.engine, [self.control], stop)
+        finally:
+            n = len(self.engine.active)
+            self.engine.close(clock())
+            log.info(
+                "receiver daemon stopping (%s): %d partial result(s) delivered",
+                stop.signal_name or "stopped",
+                n,
+            )
+            self.close()
+
+    def close(self) -> None:
+        self.control.close()
+        self.pub.close(linger=2000)
+        self.sock.close()
+        self.context.term()
+        self.stats_out.close()

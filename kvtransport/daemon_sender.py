@@ -1,0 +1,613 @@
+"""The sending side over real UDP: :class:`SenderEngine` and :class:`SenderDaemon`.
+
+:class:`SenderEngine` is the data plane: several :class:`~kvtransport.sender.SenderSession`
+s on one UDP socket (GSO batching, kvtransport.udp), each sending to its own receiver. It
+is driven by :func:`kvtransport.daemon.serve` in the daemon and by a plain loop in
+``kvtransport send``: ``run_due(now)`` sends what is due, ``on_readable(now)`` hands
+feedback to its session (demultiplexed by the header's transfer id), ``next_wake()`` says
+when to come back.
+
+Pacing. Each session paces itself at its rate (its timer is its next slot). The engine
+wakes ``burst_s`` before the earliest slot and asks every session for what is due up to
+``now + burst_s``: datagrams leave in small bursts (a 200 us lead is about two datagrams at
+100 Mbit/s and eighteen at 1 Gbit/s) that the socket sends in one GSO call, and the
+system-call and wake-up costs are shared by the burst. A late loop is caught up by the
+sessions themselves (at most ``MAX_CATCH_UP`` datagrams at once, then pacing resumes).
+
+Several transfers on one link. While more than one transfer is in flight, the engine asks
+kvtransport.allocator's :class:`~kvtransport.allocator.OnlineScheduler` (weighted utility
+water-filling with admission) every ``slot_s`` for each transfer's share of the link and
+sets each session's pacing rate to share x link rate (``SenderSession.set_rate``; a
+deferred transfer pauses, and still finishes at its deadline). Delivered bytes come from
+feedback (decoded-through ESI x symbol size). Each transfer's utility curve is what its
+submitter gave (sigmoid parameters, or a model and context length looked up in the
+``fit-utility`` table), else :func:`stream_utility_curve`. With one transfer in flight it
+simply gets the whole link.
+
+:class:`SenderDaemon` adds the ZeroMQ control socket (kvtransport.api: submit, status,
+cancel, stats, ping), logs and one ``--stats`` JSON line per finished transfer.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvtransport.errors import UserError
+from kvtransport.policy import make_policy
+from kvtransport.protocol import DEFAULT_INITIAL_RTT, DEFAULT_SYMBOL_SIZE
+from kvtransport.sender import SenderSession
+from kvtransport.transfer import Transfer
+from kvtransport.udp import DatagramSocket
+from kvtransport.utility_model import SigmoidUtility
+from kvtransport.wire import HEADER_SIZE
+
+log = logging.getLogger("kvtransport.sender-daemon")
+
+DEFAULT_BURST_S = 200e-6
+DEFAULT_SLOT_S = 0.01
+DEFAULT_MAX_TRANSFERS = 64
+HISTORY = 256
+_TID = struct.Struct("!Q")
+
+
+def stream_utility_curve(transfer: Transfer) -> SigmoidUtility:
+    """The utility-of-delivered-fraction curve the stream itself implies, as a sigmoid.
+
+    A stream in utility order delivers, after a fraction x of its bytes, the utility of
+    the blocks wholly inside that prefix. The logistic a / (1 + exp(-b (x - c))) with a =
+    the stream's total utility, c = the fraction where half of it is in and b = 2 ln 3 /
+    (x75 - x25) (the logistic reaches a/4 and 3a/4 exactly ln 3 / b either side of c)
+    matches that curve's middle and spread in closed form: no fit, microseconds. Used for
+    scheduling when the submitter gave no measured accuracy curve.
+    """
+    b = transfer.blocks
+    total = float(b.utilities.sum())
+    if len(b) == 0 or total <= 0.0:
+        return SigmoidUtility(a=1.0, b=4.0, c=0.5)
+    x = (b.offsets + b.lengths).astype(np.float64) / max(transfer.nbytes, 1)
+    y = np.cumsum(b.utilities)
+    x25, x50, x75 = (
+        x[min(int(np.searchsorted(y, q * total)), len(x) - 1)] for q in (0.25, 0.5, 0.75)
+    )
+    spread = max(float(x75 - x25), 1e-3)
+    return SigmoidUtility(a=total, b=min(2.0 * math.log(3.0) / spread, 1e3), c=float(x50))
+
+
+@dataclass
+class Outgoing:
+    """One transfer in the engine, and what status reports about it."""
+
+    transfer_id: int
+    session: SenderSession
+    dest: tuple[str, int]
+    policy: str
+    size: int
+    submitted: float
+    deadline: float
+    weight: float
+    utility: SigmoidUtility
+    label: str = ""
+    keep: Any = None  # the buffers the payload views (zero-copy ZeroMQ frames)
+    share: float = 1.0
+    admitted: bool = True
+    state: str = "sending"
+    finished: float | None = None
+    sent_datagrams: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def status(self, now: float) -> dict[str, Any]:
+        s = self.session
+        st = s.stats
+        end = self.finished if self.finished is not None else now
+        return {
+            "transfer_id": f"{self.transfer_id:016x}",
+            "label": self.label,
+            "state": self.state,
+            "finish_reason": s.finish_reason,
+            "to": f"{self.dest[0]}:{self.dest[1]}",
+            "policy": self.policy,
+            "bytes": self.size,
+            "n_source": s.n_source,
+            "source_sent": st["source_sent"],
+            "repair_sent": s.repair_sent,
+            "manifest_sent": st["manifest_sent"],
+            "retransmit_sent": st["retransmit_sent"],
+            "datagrams_sent": self.sent_datagrams,
+            "feedback_received": st["feedback_received"],
+            "feedback_dropped": st["dropped"],
+            "drop_reasons": dict(s.drop_reasons),
+            "decoded_through": s.fb_through,
+            "delivered_bytes": min(s.fb_through * s.symbol_size, self.size),
+            "loss_estimate": round(s.loss_estimate(), 5),
+            "srtt_ms": None if s.srtt is None else round(s.srtt * 1e3, 3),
+            "rate_mbps": round(s.rate_bps / 1e6, 3),
+            "share": round(self.share, 5),
+            "admitted": self.admitted,
+            "weight": self.weight,
+            "deadline_s": round(self.deadline - self.submitted, 6),
+            "elapsed_s": round(end - self.submitted, 6),
+        }
+
+
+class SenderEngine:
+    """Sender sessions over one UDP socket (see the module docstring).
+
+    ``rate_bps``: the link rate shared by all transfers. ``on_finish(outgoing)`` is called
+    once per transfer when its session is done (sent FIN or ABORT, or the receiver said it
+    is finished).
+    """
+
+    def __init__(
+        self,
+        sock: DatagramSocket,
+        *,
+        rate_bps: float,
+        key: bytes | None = None,
+        symbol_size: int = DEFAULT_SYMBOL_SIZE,
+        burst_s: float = DEFAULT_BURST_S,
+        slot_s: float = DEFAULT_SLOT_S,
+        max_transfers: int = DEFAULT_MAX_TRANSFERS,
+        on_finish: Any = None,
+    ) -> None:
+        if not (rate_bps > 0 and math.isfinite(rate_bps)):
+            raise UserError("the link rate must be a positive number")
+        self.sock = sock
+        self.rate_bps = float(rate_bps)
+        self.key = key
+        self.symbol_size = symbol_size
+        self.burst_s = burst_s
+        self.slot_s = slot_s
+        self.max_transfers = max_transfers
+        self.on_finish = on_finish
+        self.active: dict[int, Outgoing] = {}
+        self.finished: OrderedDict[int, Outgoing] = OrderedDict()
+        self.drop_reasons: dict[str, int] = {}
+        self.dropped = 0
+        self._scheduler: Any = None
+        self._sched_at: float | None = None
+        self._reschedule_now = False
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    # ------------------------------------------------------------------ transfers
+
+    def submit(
+        self,
+        transfer: Transfer,
+        dest: tuple[str, int],
+        *,
+        now: float,
+        deadline_s: float,
+        policy: str = "adaptive",
+        transfer_id: int | None = None,
+        weight: float = 1.0,
+        utility: SigmoidUtility | None = None,
+        label: str = "",
+        initial_rtt: float = DEFAULT_INITIAL_RTT,
+        keep: Any = None,
+    ) -> Outgoing:
+        """Start sending ``transfer`` to ``dest`` with ``deadline_s`` from ``now``."""
+        if len(self.active) >= self.max_transfers:
+            raise UserError(f"{len(self.active)} transfers in flight (the limit): try later")
+        if not (deadline_s > 0 and math.isfinite(deadline_s)):
+            raise UserError(f"the deadline must be a positive number of seconds ({deadline_s})")
+        if not (weight >= 0 and math.isfinite(weight)):
+            raise UserError("the weight must be a non-negative number")
+        if transfer_id is not None and (transfer_id in self.active or transfer_id in self.finished):
+            raise UserError(f"transfer id {transfer_id:016x} is already in use")
+        pol = make_policy(policy)
+        try:
+            session = SenderSession(
+                transfer,
+                pol,
+                rate_bps=self.rate_bps,
+                deadline=now + deadline_s,
+                now=now,
+                transfer_id=transfer_id,
+                key=self.key,
+                symbol_size=self.symbol_size,
+                initial_rtt=initial_rtt,
+            )
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+        if session.transfer_id in self.active or session.transfer_id in self.finished:
+            raise UserError("transfer id collision (random 64-bit): submit again")
+        out = Outgoing(
+            transfer_id=session.transfer_id,
+            session=session,
+            dest=dest,
+            policy=pol.name,
+            size=transfer.nbytes,
+            submitted=now,
+            deadline=now + deadline_s,
+            weight=float(weight),
+            utility=utility if utility is not None else stream_utility_curve(transfer),
+            label=label,
+            keep=keep,
+        )
+        self.active[out.transfer_id] = out
+        self._reschedule_now = True
+        log.info(
+            "transfer %016x: %d bytes to %s:%d, deadline %.1f ms, policy %s%s",
+            out.transfer_id,
+            out.size,
+            dest[0],
+            dest[1],
+            deadline_s * 1e3,
+            out.policy,
+            f" ({label})" if label else "",
+        )
+        return out
+
+    def cancel(self, transfer_id: int, now: float) -> bool:
+        """Abort a transfer in flight (its receiver is told to deliver what it has)."""
+        out = self.active.get(transfer_id)
+        if out is None:
+            return False
+        out.session.cancel(now)
+        self._flush(out, now)
+        return True
+
+    def close(self, now: float) -> None:
+        """Abort everything still in flight (daemon shutdown)."""
+        for tid in list(self.active):
+            self.cancel(tid, now)
+
+    def status(self, now: float, transfer_id: int | None = None) -> list[dict[str, Any]]:
+        """Status of one transfer (in flight or recently finished) or of all of them."""
+        if transfer_id is not None:
+            out = self.active.get(transfer_id) or self.finished.get(transfer_id)
+            if out is None:
+                raise UserError(f"no transfer {transfer_id:016x}")
+            return [out.status(now)]
+        return [o.status(now) for o in (*self.active.values(), *self.finished.values())]
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "active": len(self.active),
+            "finished": len(self.finished),
+            "dropped": self.dropped,
+            "drop_reasons": dict(self.drop_reasons),
+            "socket": dict(self.sock.stats),
+            "rate_mbps": self.rate_bps / 1e6,
+        }
+
+    # ------------------------------------------------------------------ the loop
+
+    def next_wake(self) -> float | None:
+        """When ``run_due`` has work next (a burst's lead before the earliest slot)."""
+        wake = self._sched_at
+        if self._reschedule_now:
+            return 0.0
+        for out in self.active.values():
+            t = out.session.next_timer()
+            if t is not None:
+                t -= self.burst_s
+                if wake is None or t < wake:
+                    wake = t
+        return wake
+
+    def run_due(self, now: float) -> None:
+        """Send every datagram due up to ``now + burst_s``; finish what is done."""
+        if self._reschedule_now or (self._sched_at is not None and now >= self._sched_at):
+            self._reschedule(now)
+        horizon = now + self.burst_s
+        for out in list(self.active.values()):
+            t = out.session.next_timer()
+            if t is not None and t <= horizon:
+                self._flush(out, horizon)
+            elif out.session.done:
+                self._flush(out, now)
+
+    def _flush(self, out: Outgoing, t: float) -> None:
+        s = out.session
+        datagrams = s.datagrams_to_send(t)
+        if datagrams:
+            out.sent_datagrams += self.sock.send(datagrams, out.dest)
+        if s.done:
+            self._finish(out, t)
+
+    def on_readable(self, now: float) -> None:
+        """Feedback: every datagram waiting, to the session its transfer id names."""
+        active = self.active
+        for data, _addr in self.sock.recv_batch():
+            if len(data) < HEADER_SIZE:
+                self._drop("truncated")
+                continue
+            out = active.get(_TID.unpack_from(data, 8)[0])
+            if out is None:
+                tid = _TID.unpack_from(data, 8)[0]
+                self._drop("finished_transfer" if tid in self.finished else "foreign_transfer")
+                continue
+            out.session.receive_datagram(data, now)
+            if out.session.done:  # the receiver is finished: nothing more to send
+                self._flush(out, now)
+
+    def _drop(self, reason: str) -> None:
+        self.dropped += 1
+        self.drop_reasons[reason] = self.drop_reasons.get(reason, 0) + 1
+
+    def _finish(self, out: Outgoing, now: float) -> None:
+        if out.state == "done":
+            return
+        out.state = "done"
+        out.finished = now
+        out.keep = None
+        del self.active[out.transfer_id]
+        self.finished[out.transfer_id] = out
+        while len(self.finished) > HISTORY:
+            self.finished.popitem(last=False)
+        if self._scheduler is not None:
+            self._scheduler.remove(out.transfer_id, out.session.finish_reason)
+        self._reschedule_now = True
+        s = out.session
+        log.info(
+            "transfer %016x done (%s): %d source + %d repair datagrams in %.1f ms, "
+            "receiver decoded through %d of %d",
+            out.transfer_id,
+            s.finish_reason,
+            s.stats["source_sent"],
+            s.repair_sent,
+            (now - out.submitted) * 1e3,
+            s.fb_through,
+            s.n_source,
+        )
+        if self.on_finish is not None:
+            self.on_finish(out)
+
+    # ------------------------------------------------------------------ link sharing
+
+    def _reschedule(self, now: float) -> None:
+        self._reschedule_now = False
+        live = list(self.active.values())
+        if len(live) <= 1:
+            for out in live:
+                if out.share != 1.0 or out.session.rate_bps != self.rate_bps:
+                    out.session.set_rate(self.rate_bps, now)
+                out.share, out.admitted = 1.0, True
+            self._sched_at = None
+            return
+        from kvtransport import allocator
+
+        if self._scheduler is None:
+            self._scheduler = allocator.OnlineScheduler(self.rate_bps / 8.0, slot_s=self.slot_s)
+        sched = self._scheduler
+        for out in live:
+            if out.transfer_id not in sched.transfers:
+                sched.add(
+                    allocator.Transfer(
+                        id=out.transfer_id,
+                        size=float(out.size),
+                        deadline=out.deadline,
+                        utility=out.utility,
+                        weight=out.weight,
+                        arrival=out.submitted,
+                    )
+                )
+            s = out.session
+            sched.set_delivered(out.transfer_id, min(s.fb_through * s.symbol_size, out.size))
+        decision = sched.step(now)
+        for out in live:
+            share = float(decision.shares.get(out.transfer_id, 0.0))
+            out.session.set_rate(share * self.rate_bps, now)
+            out.share = share
+            out.admitted = out.transfer_id in decision.admitted
+        self._sched_at = decision.until
+
+
+# ---------------------------------------------------------------------- the daemon
+
+
+def deadline_from(
+    head: dict[str, Any], nbytes: int, rate_bps: float, symbol_size: int, tagged: bool
+) -> float:
+    """Seconds to the deadline from a request's ``deadline_ms`` or ``rho``.
+
+    rho is the deadline over the time the whole stream takes loss-free at the link rate
+    (kvtransport.simulator.full_send_time), as in ``kvtransport simulate``.
+    """
+    from kvtransport.simulator import full_send_time
+
+    if head.get("deadline_ms") is not None:
+        if head.get("rho") is not None:
+            raise UserError("give deadline_ms or rho, not both")
+        value = float(head["deadline_ms"]) * 1e-3
+    elif head.get("rho") is not None:
+        rho = float(head["rho"])
+        if not (rho > 0 and math.isfinite(rho)):
+            raise UserError(f"rho must be a positive number, not {head['rho']!r}")
+        value = rho * full_send_time(nbytes, rate_bps, symbol_size, tagged)
+    else:
+        raise UserError("a transfer needs deadline_ms or rho")
+    if not (value > 0 and math.isfinite(value)):
+        raise UserError("the deadline must be a positive number of milliseconds")
+    return value
+
+
+class SenderDaemon:
+    """`kvtransport sender-daemon`: a :class:`SenderEngine` behind a ZeroMQ control socket.
+
+    ``utility_table``: a ``fit-utility`` table for requests naming a model and context
+    length. ``stats``: where the per-transfer JSON lines go (kvtransport.daemon.StatsWriter).
+    """
+
+    def __init__(
+        self,
+        *,
+        bind: tuple[str, int],
+        control: str,
+        rate_bps: float,
+        key: bytes | None = None,
+        policy: str = "adaptive",
+        symbol_size: int = DEFAULT_SYMBOL_SIZE,
+        gso: bool = True,
+        burst_s: float = DEFAULT_BURST_S,
+        slot_s: float = DEFAULT_SLOT_S,
+        max_transfers: int = DEFAULT_MAX_TRANSFERS,
+        utility_table: str | None = None,
+        stats: Any = None,
+    ) -> None:
+        import zmq
+
+        from kvtransport.daemon import ControlServer, StatsWriter, warm_up
+
+        make_policy(policy)  # a bad default fails at start, not at the first submit
+        self.policy = policy
+        self.table = None
+        if utility_table:
+            from kvtransport.utility_model import UtilityTable
+
+            self.table = UtilityTable.load(utility_table)
+        self.stats_out = stats if stats is not None else StatsWriter(None)
+        self.warm_up_s = warm_up(key)
+        self.sock = DatagramSocket(bind, gso=gso)
+        self.engine = SenderEngine(
+            self.sock,
+            rate_bps=rate_bps,
+            key=key,
+            symbol_size=symbol_size,
+            burst_s=burst_s,
+            slot_s=slot_s,
+            max_transfers=max_transfers,
+            on_finish=self._finished,
+        )
+        self.context = zmq.Context()
+        try:
+            self.control = ControlServer(
+                self.context,
+                control,
+                {
+                    "submit": self._submit,
+                    "status": self._status,
+                    "cancel": self._cancel,
+                    "stats": self._stats,
+                    "ping": self._ping,
+                },
+            )
+        except BaseException:
+            self.sock.close()
+            self.context.term()
+            raise
+
+    # ------------------------------------------------------------------ requests
+
+    def _submit(self, head: dict[str, Any], frames: list) -> dict[str, Any]:
+        from kvtransport.api import ApiError, parse_tid, transfer_from_frames
+        from kvtransport.udp import clock, parse_address
+
+        if "to" not in head:
+            raise ApiError("submit needs 'to': the receiver's HOST:PORT")
+        dest = parse_address(str(head["to"]), what="receiver")
+        transfer = transfer_from_frames(frames)
+        e = self.engine
+        deadline_s = deadline_from(
+            head, transfer.nbytes, e.rate_bps, e.symbol_size, e.key is not None
+        )
+        tid = parse_tid(head["transfer_id"]) if head.get("transfer_id") is not None else None
+        out = e.submit(
+            transfer,
+            dest,
+            now=clock(),
+            deadline_s=deadline_s,
+            policy=str(head.get("policy") or self.policy),
+            transfer_id=tid,
+            weight=float(head.get("weight", 1.0)),
+            utility=self._utility(head),
+            label=str(head.get("label", ""))[:200],
+            initial_rtt=float(head.get("initial_rtt_ms", DEFAULT_INITIAL_RTT * 1e3)) * 1e-3,
+            keep=frames,
+        )
+        return {
+            "transfer_id": f"{out.transfer_id:016x}",
+            "deadline_s": deadline_s,
+            "n_source": out.session.n_source,
+            "share": out.share,
+        }
+
+    def _utility(self, head: dict[str, Any]) -> SigmoidUtility | None:
+        spec = head.get("utility")
+        if spec is not None:
+            if not isinstance(spec, dict):
+                raise UserError("utility must be an object {a, b, c, d}")
+            return SigmoidUtility(**{k: float(spec[k]) for k in ("a", "b", "c", "d") if k in spec})
+        if head.get("model") is not None:
+            if self.table is None:
+                raise UserError("this daemon has no --utility-table to look the model up in")
+            try:
+                return self.table.lookup(str(head["model"]), int(head["context_tokens"])).utility
+            except KeyError as exc:
+                raise UserError(str(exc).strip("'\"")) from None
+        return None
+
+    def _status(self, head: dict[str, Any], frames: list) -> dict[str, Any]:
+        from kvtransport.api import parse_tid
+        from kvtransport.udp import clock
+
+        tid = parse_tid(head["transfer_id"]) if head.get("transfer_id") is not None else None
+        return {"transfers": self.engine.status(clock(), tid)}
+
+    def _cancel(self, head: dict[str, Any], frames: list) -> dict[str, Any]:
+        from kvtransport.api import parse_tid
+        from kvtransport.udp import clock
+
+        tid = parse_tid(head["transfer_id"])
+        done = self.engine.cancel(tid, clock())
+        if done:
+            log.info("transfer %016x cancelled by a client", tid)
+        return {"cancelled": done}
+
+    def _stats(self, head: dict[str, Any], frames: list) -> dict[str, Any]:
+        return {"stats": self.engine.stats()}
+
+    def _ping(self, head: dict[str, Any], frames: list) -> dict[str, Any]:
+        import os
+
+        host, port = self.sock.address
+        return {"pid": os.getpid(), "udp": f"{host}:{port}", "role": "sender"}
+
+    def _finished(self, out: Outgoing) -> None:
+        from kvtransport.udp import clock
+
+        self.stats_out.write({"event": "transfer", "role": "sender", **out.status(clock())})
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def run(self, stop: Any) -> None:
+        """Serve until ``stop.requested``; then abort what is in flight and close."""
+        from kvtransport.daemon import serve
+        from kvtransport.udp import clock
+
+        host, port = self.sock.address
+        log.info(
+            "sender daemon up: UDP %s:%d, control %s, link %.1f Mbit/s, GSO %s",
+            host,
+            port,
+            self.control.endpoint,
+            self.engine.rate_bps / 1e6,
+            "on" if self.sock.gso else "off",
+        )
+        try:
+            serve(self.engine, [self.control], stop)
+        finally:
+            n = len(self.engine.active)
+            self.engine.close(clock())
+            log.info(
+                "sender daemon stopping (%s): %d transfer(s) aborted",
+                stop.signal_name or "stopped",
+                n,
+            )
+            self.close()
+
+    def close(self) -> None:
+        self.control.close()
+        self.sock.close()
+        self.context.term()
+        self.stats_out.close()

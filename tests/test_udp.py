@@ -1,0 +1,200 @@
+"""The socket layer (GSO/GRO, errors) and one transfer over real loopback UDP with the
+`kvtransport send` / `kvtransport recv` commands."""
+
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from kvtransport import card
+from kvtransport.api import parse_key, read_result_file
+from kvtransport.cli import main
+from kvtransport.errors import UserError
+from kvtransport.kvcache import KVCache
+from kvtransport.transfer import synthetic_transfer
+from kvtransport.udp import DatagramSocket, parse_address
+
+CLI = [sys.executable, "-m", "kvtransport"]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _recv_all(sock, n, timeout=2.0):
+    got = []
+    end = time.monotonic() + timeout
+    while len(got) < n and time.monotonic() < end:
+        got += [(bytes(d), a) for d, a in sock.recv_batch()]
+        time.sleep(0.001)
+    return got
+
+
+# ---------------------------------------------------------------------------- sockets
+
+
+@pytest.mark.parametrize("gro", [True, False])
+def test_gso_batches_arrive_as_the_same_datagrams_in_order(gro):
+    with DatagramSocket(("127.0.0.1", 0), gro=gro) as rx:
+        with DatagramSocket(("127.0.0.1", 0), rx.address) as tx:
+            rng = np.random.default_rng(0)
+            # 150 full-size datagrams (more than one GSO batch), a shorter last one, then
+            # sizes that must not be glued into a batch
+            sizes = [1324] * 150 + [700, 60, 1324, 1324, 1]
+            sent = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
+            assert tx.send(sent) == len(sent)
+            got = _recv_all(rx, len(sent))
+            src = tx.address
+    assert [d for d, _ in got] == sent
+    assert {a for _, a in got} == {src}
+    assert tx.stats["gso_batches"] >= 3  # 150 datagrams need at least three batches
+    assert tx.stats["send_calls"] < len(sent) / 10
+    assert tx.stats["datagrams_sent"] == len(sent)
+    if gro:
+        assert rx.stats["gro_batches"] >= 1
+        assert rx.stats["recv_calls"] < len(sent)
+    else:
+        assert rx.stats["recv_calls"] == len(sent)
+
+
+def test_unconnected_socket_sends_to_each_destination():
+    with (
+        DatagramSocket(("127.0.0.1", 0)) as a,
+        DatagramSocket(("127.0.0.1", 0)) as b,
+        DatagramSocket(("127.0.0.1", 0)) as tx,
+    ):
+        tx.send([b"to-a"] * 5, a.address)
+        tx.send([b"to-b"] * 3, b.address)
+        assert [d for d, _ in _recv_all(a, 5)] == [b"to-a"] * 5
+        assert [d for d, _ in _recv_all(b, 3)] == [b"to-b"] * 3
+
+
+def test_refused_and_unreachable_are_counted_not_raised():
+    port = _free_port()  # nobody listens there
+    with DatagramSocket(("127.0.0.1", 0), ("127.0.0.1", port)) as tx:
+        for _ in range(20):
+            tx.send([b"x" * 100] * 3)
+            tx.recv_batch()
+            time.sleep(0.002)
+        assert tx.stats["refused"] >= 1  # the ICMP port unreachable came back
+        assert tx.stats["datagrams_sent"] >= 1
+    with DatagramSocket(("127.0.0.1", 0)) as tx:
+        # no route to a link-local address from loopback-only namespaces, or it leaves:
+        # either way nothing is raised
+        tx.send([b"y"] * 2, ("192.0.2.1", 9))
+
+
+def test_truncated_datagram_is_counted():
+    with DatagramSocket(("127.0.0.1", 0), gro=False, batch_bytes=1) as rx:
+        # a tiny batch buffer still reads whole datagrams (it is at least 2 x 64 KiB)
+        with DatagramSocket(("127.0.0.1", 0), rx.address, gso=False) as tx:
+            tx.send([b"z" * 60000])
+            got = _recv_all(rx, 1)
+    assert len(got) == 1 and len(got[0][0]) == 60000 and rx.stats["truncated"] == 0
+
+
+def test_address_and_key_parsing(tmp_path):
+    assert parse_address(":9400") == ("0.0.0.0", 9400)
+    assert parse_address("127.0.0.1:5") == ("127.0.0.1", 5)
+    for bad in ("host:port", "1.2.3.4:70000", "no-such-host.invalid:1"):
+        with pytest.raises(UserError):
+            parse_address(bad)
+    assert parse_key(None) is None
+    assert parse_key("00ff") == b"\x00\xff"
+    (tmp_path / "hex").write_text("0a0b0c\n")
+    assert parse_key(str(tmp_path / "hex")) == b"\x0a\x0b\x0c"
+    (tmp_path / "raw").write_bytes(b"\xff\xfe secret")
+    assert parse_key(str(tmp_path / "raw")) == b"\xff\xfe secret"
+    for bad in ("xyz", "00" * 65):
+        with pytest.raises(UserError):
+            parse_key(bad)
+
+
+# ---------------------------------------------------------------------------- send / recv
+
+
+def _start_recv(*args):
+    """`kvtransport recv` in its own process; returns once it listens."""
+    rx = subprocess.Popen(
+        [*CLI, "recv", "--listen", "127.0.0.1:0", "--json", "--timeout", "30", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    line = rx.stderr.readline()
+    assert "listening on" in line, line + rx.stderr.read()
+    return rx, int(line.rsplit(":", 1)[1])
+
+
+def _run_pair(recv_args, send_args, capsys, timeout=60):
+    """recv in a subprocess, send in this process (the real CLI entry point)."""
+    rx, port = _start_recv(*recv_args)
+    try:
+        assert main(["send", f"127.0.0.1:{port}", "--json", *send_args]) == 0
+        out, err = rx.communicate(timeout=timeout)
+    finally:
+        if rx.poll() is None:
+            rx.kill()
+            rx.wait()
+    assert rx.returncode == 0, err
+    return json.loads(capsys.readouterr().out), json.loads(out)
+
+
+def test_send_recv_synthetic_transfer_is_byte_exact(tmp_path, capsys):
+    key = "5e" * 16
+    sent_st, recv_st = _run_pair(
+        ["--key", key, "--out", str(tmp_path)],
+        ["--key", key, "--size-mb", "1.5", "--rate-mbps", "100", "--rho", "3", "--seed", "7"],
+        capsys,
+    )
+    assert recv_st["reason"] == "complete" and recv_st["utility"] == pytest.approx(1.0)
+    assert sent_st["finish_reason"] in ("receiver done", "receiver finished")
+    assert sent_st["feedback_received"] >= 1 and recv_st["dropped"] == 0
+    res = read_result_file(recv_st["file"])
+    expect = synthetic_transfer(1_500_000, 1_500_000 // 12_288, "zipf", seed=7)
+    assert res.blocks.equals(expect.blocks)
+    assert res.complete.all() and res.missing.size == 0
+    assert np.array_equal(res.payload, expect.payload)
+
+
+def test_send_card_arrives_as_a_readable_card(tmp_path, capsys):
+    rng = np.random.default_rng(4)
+    k = rng.standard_normal((4, 2, 96, 64)).astype(np.float16)
+    v = rng.standard_normal((4, 2, 96, 64)).astype(np.float16)
+    cache = KVCache(k, v, rng.integers(0, 1000, 96), "toy", rng.random((4, 96)).astype("f4"))
+    path = tmp_path / "ctx.card"
+    card.write_card(path, card.encode_cache(cache, created={"by": "test"}))
+    out = tmp_path / "out"
+    out.mkdir()
+    _, recv_st = _run_pair(
+        ["--out", str(out)],
+        ["--card", str(path), "--rate-mbps", "50", "--deadline-ms", "400"],
+        capsys,
+    )
+    assert recv_st["reason"] == "complete"
+    got = card.read_card(recv_st["file"])  # the result file is a cache card
+    back = got.reassemble()
+    assert np.array_equal(back.cache.keys, k) and np.array_equal(back.cache.values, v)
+    assert np.array_equal(got.payload, card.read_card(path).payload)
+
+
+def test_send_and_recv_refuse_bad_arguments_in_one_line(tmp_path, capsys):
+    port = f"127.0.0.1:{_free_port()}"
+    for args, msg in (
+        (["send", port, "--rate-mbps", "0"], "--rate-mbps"),
+        (["send", port, "--policy", "nope"], "unknown policy"),
+        (["send", port, "--key", "zz"], "--key"),
+        (["send", "not-an-address", "--size-mb", "1"], "not HOST:PORT"),
+        (["send", port, "--card", str(tmp_path / "missing.card")], "no such file"),
+        (["recv", "--listen", port, "--out", str(tmp_path / "nodir")], "not a directory"),
+        (["recv", "--listen", port, "--timeout", "0.2"], "no transfer arrived"),
+    ):
+        assert main(args) == 2, args
+        err = capsys.readouterr().err.strip().splitlines()
+        assert msg in err[-1] and "Traceback" not in "".join(err), (args, err)
