@@ -12,10 +12,14 @@ every field is scaled to a small range (mostly 0..1, counts in units of one inte
 clipped). The Gymnasium environment of the DDQN sees exactly this vector.
 
 **Action**: an index into the policy's ``actions`` table, rows ``(repair_share, admit)``:
-the share of the next interval's slots that carry repair symbols, and whether new source
-symbols may still be admitted (``admit = 0`` means the whole interval is repair). The shared
-table :data:`ACTIONS` is what adaptive, oracle and DDQN choose from; the fixed-rate
-baselines carry a one-row table with their exact ratio.
+the share of the next interval's slots that carry proactive repair symbols, and whether new
+source symbols may still be admitted (``admit = 0``: the interval is repair, or a source
+only when nothing is left to repair). The shared table :data:`ACTIONS` is what adaptive,
+oracle and DDQN choose from; the fixed-rate baselines carry a one-row table with their
+exact ratio. A ``reactive`` policy also lets the session answer every hole that feedback
+reports with a repair as soon as it can, before the share is spent (as ARQ would, but any
+repair of a segment fixes any of its holes); the learned policy then decides what feedback
+cannot: how much to protect what is still in flight, and when to stop admitting.
 
 **Mode** (``RepairMode``) says what a repair *is* for this policy: a sliding-window RLC
 symbol (``RLC``), nothing (``NONE``), a Reed-Solomon parity of fixed blocks

@@ -27,12 +27,15 @@ Feedback goes out every ``feedback_interval`` seconds while the transfer is acti
 on a newly detected loss (at most every ``MIN_FEEDBACK_GAP``), when the manifest decodes and
 when everything is decoded. It reports the highest packet number seen (and how long ago,
 for the sender's RTT), datagrams received and lost, highest ESI, decoded-through ESI,
-unrecovered count, loss rate, burst length and up to 128 ranges of missing ESIs (NACKs).
+unrecovered count, pending repair equations (in total and per aligned segment of
+``REPAIR_SEGMENT`` ESIs), loss rate, burst length and up to 96 ranges of missing ESIs
+(the NACK list). See kvtransport.wire for the layout.
 
 The result comes at the deadline (given, or the manifest's deadline counted from the first
 datagram's arrival, which is late by one one-way delay), when everything is decoded, on
-ABORT, or after ``idle_timeout`` without datagrams. State is bounded: symbols beyond
-``max_bytes`` are dropped, the decoder holds ``DECODER_WINDOW`` ESIs, rings are fixed size.
+ABORT, or after ``idle_timeout`` without datagrams when no deadline is known. State is
+bounded: symbols beyond ``max_bytes`` are dropped (a manifest announcing more is refused),
+the decoder holds ``DECODER_WINDOW`` ESIs, rings are fixed size.
 """
 
 from __future__ import annotations
@@ -332,7 +335,9 @@ class ReceiverSession:
         if self.symbol_size and m.symbol_size != self.symbol_size:
             raise _Drop("bad_manifest")
         if m.payload_len > self.max_bytes:
-            raise _Drop("too_large")
+            self._drop("too_large")
+            self._finish(now, "refused")  # bounded state: a transfer too large is refused
+            return
         self.manifest = m
         self.timings["manifest"] = now
         if self.symbol_size == 0:
@@ -434,8 +439,7 @@ class ReceiverSession:
         ranges = ()
         holes = self.esi_end - self.n_known
         if holes:
-            known = np.frombuffer(self._known, dtype=np.uint8)
-            ranges = loss_ranges(known, self.through, self.esi_end, MAX_FEEDBACK_RANGES)
+            ranges = loss_ranges(self._known, self.through, self.esi_end, MAX_FEEDBACK_RANGES)
         segments = pending_by_segment(self.decoder) if self.decoder is not None else ()
         return Feedback(
             max(mon.highest, 0),

@@ -8,23 +8,28 @@ What it sends, slot by slot (one data-path datagram per slot, slots paced at the
 rate counting ``LINK_OVERHEAD_BYTES`` per datagram, as shapers do):
 
 1. the transport manifest, protected as kvtransport.manifest_fec describes (its first
-   datagram takes slot 0; it stops once feedback acknowledges it);
-2. then, per the policy's mode: Reed-Solomon parities of the block just completed
-   (BLOCK_RS), or retransmissions of what the receiver NACKed (ARQ), or RLC repairs when
-   the repair credit (the interval's repair share, accumulated per slot) reaches one;
+   datagram takes slot 0; repetition stops once feedback acknowledges it);
+2. per the policy's mode: Reed-Solomon parities of the block just completed (BLOCK_RS);
+   retransmissions of what feedback NACKed, at most once per 1.5 RTT each (ARQ); for RLC,
+   first the *reactive* repairs feedback asked for (when the policy is ``reactive``), then
+   a *proactive* repair whenever the repair credit (the interval's repair share, added
+   per slot) reaches one;
 3. otherwise the next source symbol in utility order, if the policy admits new sources and
-   the tail rule allows: the expected surviving slots left (slots before the stop time
-   times 1 - loss estimate) must cover the repairs still owed plus the symbols needed to
-   finish the block this source starts or continues. A source whose block cannot finish
-   in time is not useful;
-4. otherwise (admission over), RLC repairs for what was already sent until the stop time,
-   so the end of the budget is spent on making the sent window decodable.
+   the tail rule allows it: the expected surviving slots before the stop time (slots times
+   1 - loss estimate) must cover the repairs still owed plus the symbols that finish the
+   block holding this source's first byte. A source whose block cannot finish in time is
+   useless, so it is not sent;
+4. otherwise RLC repairs for what was already sent, until the stop time (when nothing is
+   left to repair, a source that passes the tail rule goes out rather than an idle slot).
 
-RLC repairs cover the window the receiver still misses: from the decoded-through ESI of the
-latest feedback (oldest hole first: in utility order it matters most) up to the highest
-ESI sent, at most ``MAX_REPAIR_SPAN`` symbols and never below what the receiver's decoder
-still holds. Without fresh feedback (older than four RTTs) the window is the last
-``MAX_REPAIR_SPAN`` ESIs.
+RLC repair windows. Reactive: feedback lists the receiver's holes and, per aligned segment
+of ``REPAIR_SEGMENT`` ESIs, the equations it already holds; each segment owed equations gets
+repairs over its own holes only, lowest segment first. Segments thus decode independently,
+any equation fixes any hole of its segment, a lost repair costs one more next round, and
+windows stay short (decoding cost grows with the window). Proactive: the newest symbols,
+those feedback cannot have reported yet: one RTT plus one interval of them (at least a
+segment, at most ``MAX_REPAIR_SPAN``), never below decoded-through or the receiver's
+decoder window. Both kinds are dense RFC 8681 repairs (DT = 15).
 
 Stop time = deadline - one-way delay estimate (half the smoothed RTT) - one slot: a datagram
 sent later cannot arrive before the deadline. Then a CONTROL FIN goes out and the session is
@@ -45,7 +50,7 @@ from collections import deque
 import numpy as np
 
 from kvtransport.codecs.rlc import RLCEncoder
-from kvtransport.feedback import SentLog
+from kvtransport.feedback import SEQ_RING, SentLog
 from kvtransport.manifest_fec import ManifestSender
 from kvtransport.policy import (
     DEFER,
@@ -83,6 +88,7 @@ from kvtransport.wire import (
     pack_dt_nss,
 )
 
+SEQ_MASK = SEQ_RING - 1
 _SOURCE = DatagramType.SOURCE
 _REPAIR = DatagramType.REPAIR
 _DT_DENSE = 15
@@ -134,6 +140,10 @@ class SenderSession:
         self.slot_s = (self.datagram_bytes + link_overhead) * 8.0 / rate_bps
         self.decision_packets = decision_packets
         self._initial_rtt = initial_rtt
+        self.srtt: float | None = None
+        self.stop_time = 0.0  # last moment a datagram can leave and arrive before the deadline
+        self._proactive_span = REPAIR_SEGMENT
+        self._rtt_changed()
 
         manifest = TransportManifest(
             s, transfer.nbytes, transfer.blocks, transfer.app_metadata, max(deadline - now, 0.0)
@@ -146,7 +156,11 @@ class SenderSession:
         self._last_symbol = bytes(self._payload[(n - 1) * s :]) + bytes(s - tail) if n else b""
         self._finish_esi, self._utility_after = _block_progress(transfer, s)
 
-        self.encoder = RLCEncoder(s, window=DECODER_WINDOW) if self.mode == RepairMode.RLC else None
+        self.encoder = (
+            RLCEncoder(s, window=min(DECODER_WINDOW, max(n, 1)))
+            if self.mode == RepairMode.RLC
+            else None
+        )
         self._rs = (
             _BlockRSState(s, policy.block_k, policy.block_p, n)
             if self.mode == RepairMode.BLOCK_RS
@@ -192,7 +206,6 @@ class SenderSession:
 
         # feedback view
         self._log = SentLog()
-        self.srtt: float | None = None
         self.fb_time: float | None = None
         self._fb_seq = -1
         self._fb_echo = -1
@@ -328,10 +341,11 @@ class SenderSession:
         """One-way delay estimate: half the smoothed RTT (initial RTT before feedback)."""
         return 0.5 * (self.srtt if self.srtt is not None else self._initial_rtt)
 
-    @property
-    def stop_time(self) -> float:
-        """Last moment a datagram can leave and still arrive before the deadline."""
-        return self.deadline - self.owd - self.slot_s
+    def _rtt_changed(self) -> None:
+        rtt_slots = 2.0 * self.owd / self.slot_s
+        span = int(rtt_slots) + self.decision_packets
+        self._proactive_span = min(MAX_REPAIR_SPAN, max(REPAIR_SEGMENT, span))
+        self.stop_time = self.deadline - self.owd - self.slot_s
 
     def slots_left(self, t: float) -> int:
         left = self.stop_time - t
@@ -363,15 +377,22 @@ class SenderSession:
         return max(0.0, self.reactive_needed() + unseen + p * src - (1.0 - p) * proactive)
 
     def _tail_ok(self, t: float, esi: int) -> bool:
+        left_s = self.stop_time - t
+        if left_s < 0.0:
+            return False
         if not self.policy.tail_rule:
-            return self.slots_left(t) > 0
+            return True
+        left = int(left_s / self.slot_s) + 1
         need = self._finish_esi[esi] - esi + 1
-        left = self.slots_left(t)
-        if self.mode == RepairMode.NONE:
+        mode = self.mode
+        if mode == RepairMode.NONE:
             return left >= need
-        if self.mode == RepairMode.BLOCK_RS:  # the RS block and its parities must fit
+        if mode == RepairMode.BLOCK_RS:  # the RS block and its parities must fit
             return left >= max(need, self._rs.need(esi))
-        return left * (1.0 - self.loss_estimate()) >= self.owed() + need
+        surviving = left * (1.0 - self.fb_loss)
+        # cheap bound first: owed() never exceeds what was asked for plus all in flight
+        bound = self.fb_deficit + self.fb_unseen + self.source_sent - self._fb_src_mark
+        return surviving >= bound + need or surviving >= self.owed() + need
 
     # ------------------------------------------------------------------ emission
 
@@ -381,8 +402,9 @@ class SenderSession:
             self._decide(t)
             if self.awaiting_action:
                 return None
-        if self.manifest.due(slot):
-            d = self.manifest.emit(self.framer, self.seq, slot)
+        manifest = self.manifest
+        if not manifest.acked and slot >= manifest.next_slot:
+            d = manifest.emit(self.framer, self.seq, slot)
             self.stats["manifest_sent"] += 1
             return self._sent(d, t)
         mode = self.mode
@@ -428,8 +450,15 @@ class SenderSession:
             self.repair_sent += 1
             if reactive:
                 self.reactive_sent += 1
-        self._log.record(self.seq, t, self.source_sent, self.repair_sent, self.reactive_sent)
-        self.seq += 1
+        seq = self.seq
+        i = seq & SEQ_MASK
+        log = self._log
+        log.t[i] = t
+        log.src[i] = self.source_sent
+        log.rep[i] = self.repair_sent
+        log.rea[i] = self.reactive_sent
+        log.newest = seq
+        self.seq = seq + 1
         self.slot += 1
         return d
 
@@ -453,9 +482,9 @@ class SenderSession:
             # above decoded-through) to its last
             seg, _, end = self._segments[0]
             return max(seg * REPAIR_SEGMENT, self.fb_through, floor), min(end, hi)
-        fresh = self.fb_time is not None and (self.srtt is None or t - self.fb_time < 4 * self.srtt)
-        lo = max(self.fb_through, floor) if fresh else max(self.fb_through, hi - MAX_REPAIR_SPAN)
-        return lo, min(hi, lo + MAX_REPAIR_SPAN)
+        # proactive: the newest symbols, those feedback cannot have reported yet (one RTT
+        # and an interval of them); older holes are the reactive repairs' job
+        return max(self.fb_through, floor, hi - self._proactive_span), hi
 
     def _rlc_repair(self, t: float, reactive: bool) -> bytes | None:
         lo, hi = self._rlc_window(t, reactive)
@@ -538,6 +567,7 @@ class SenderSession:
             rtt = now - sent_t - fb.echo_delay_us * 1e-6
             if rtt > 0:
                 self.srtt = rtt if self.srtt is None else self.srtt + 0.125 * (rtt - self.srtt)
+                self._rtt_changed()
             self._fb_src_mark, self._fb_rep_mark, self._fb_rea_mark = src_mark, rep_mark, rea_mark
         prev_lost, prev_total = self._fb_prev
         dl = fb.lost - prev_lost

@@ -12,10 +12,11 @@ first, then the sender, then the receiver. Both sessions share the virtual clock
 receiver is given the exact deadline and ``utility_recovered`` is what it had decoded *at*
 the deadline.
 
-Step mode for the Gymnasium environment: with an ``ExternalPolicy`` the sender pauses at
-each decision; :meth:`Simulation.run_until_decision` returns there (observation in
-``sim.sender.obs``), :meth:`Simulation.apply_action` resumes, and ``sim.receiver.utility``
-gives the reward as it grows (it stops growing at the deadline).
+Step mode for the Gymnasium environment: build the episode with :func:`make_simulation`
+and ``policy=ExternalPolicy()``; the sender then pauses at each decision,
+:meth:`Simulation.run_until_decision` returns there (observation in ``sim.sender.obs``),
+:meth:`Simulation.apply_action` resumes, and ``sim.utility`` is the reward's running sum (it
+stops growing at the deadline). :meth:`Simulation.result` summarizes the episode.
 
 Determinism: everything random is drawn from the seed (channels, synthetic payload, transfer
 id); the same arguments give the same result, bit for bit.
@@ -133,6 +134,7 @@ class Simulation:
         self._order = 0
         self.feedback_sent = 0
         self.record = record
+        self.meta: dict[str, Any] = {}
         self._decisions_seen = 0
         self.series: dict[str, list[float]] = {
             k: []
@@ -233,6 +235,43 @@ class Simulation:
         if self.run_until_decision():
             raise RuntimeError("the policy deferred its decision; use run_until_decision")
 
+    def result(self, cpu_s: float = 0.0) -> SimResult:
+        """What the transfer achieved (call once it is over)."""
+        s, r = self.sender, self.receiver
+        res = r.result
+        meta = self.meta
+        n_blocks = len(s.transfer.blocks)
+        data_ch, fb_ch = self.data_channel, self.feedback_channel
+        return SimResult(
+            policy=s.policy.name,
+            channel=meta.get("channel", "custom"),
+            rate_mbps=meta.get("rate_mbps", s.rate_bps / 1e6),
+            rho=meta.get("rho", math.nan),
+            seed=meta.get("seed", -1),
+            size_bytes=s.transfer.nbytes,
+            n_source=s.n_source,
+            deadline_s=self.deadline,
+            utility_recovered=res.utility_recovered if res is not None else r.utility,
+            utility_bound=meta.get("utility_bound", math.nan),
+            source_sent=s.stats["source_sent"],
+            repair_sent=s.repair_sent,
+            manifest_sent=s.stats["manifest_sent"],
+            packets_sent=getattr(data_ch, "sent", 0),
+            packets_lost=getattr(data_ch, "lost", 0) + getattr(data_ch, "dropped", 0),
+            feedback_sent=self.feedback_sent,
+            feedback_lost=getattr(fb_ch, "lost", 0) + getattr(fb_ch, "dropped", 0),
+            blocks_total=n_blocks,
+            blocks_missing=int(res.missing.size) if res and res.manifest else n_blocks,
+            symbols_recovered=r.symbols_recovered,
+            manifest_at=r.timings.get("manifest"),
+            complete_at=r.timings.get("complete"),
+            sender_finish=s.finish_reason,
+            receiver_finish=res.reason if res is not None else "running",
+            events=self.events,
+            cpu_s=cpu_s,
+            timeseries=self.series if self.record else {},
+        )
+
     @property
     def utility(self) -> float:
         """Utility the receiver has decoded so far (frozen at the deadline)."""
@@ -276,7 +315,7 @@ def genie_bound(
     return float(min(b.utilities[inside].sum(), 1.0))
 
 
-def simulate(
+def make_simulation(
     transfer: Transfer | None = None,
     *,
     channel: str | Profile = "ge-heavy",
@@ -292,12 +331,14 @@ def simulate(
     symbol_size: int = DEFAULT_SYMBOL_SIZE,
     key: bytes | None = None,
     record: bool = True,
-) -> SimResult:
-    """Simulate one transfer; see ``kvtransport simulate --help`` for the arguments.
+) -> Simulation:
+    """Set up one transfer (see ``kvtransport simulate --help`` for the arguments).
 
     The feedback path defaults to the same profile as the data path (independent draws).
     ``transfer`` defaults to a synthetic stream of ``size_bytes`` in ``n_blocks`` blocks
-    (default: 12 KiB each) with the given utility profile, seeded by ``seed``.
+    (default: 12 KiB each) with the given utility profile. Every random choice (channels,
+    payload, transfer id) derives from ``seed``. The Gymnasium environment builds its
+    episodes here and steps them with ``run_until_decision`` / ``apply_action``.
     """
     if not rho > 0:
         raise ValueError("rho must be positive")
@@ -335,38 +376,19 @@ def simulate(
         initial_rtt=2e-3 * prof.delay_ms + 1e-3,
         record=record,
     )
+    sim.meta = {
+        "channel": prof.name,
+        "rate_mbps": prof.rate_mbps,
+        "rho": rho,
+        "seed": seed,
+        "utility_bound": bound,
+    }
+    return sim
+
+
+def simulate(transfer: Transfer | None = None, **kwargs: Any) -> SimResult:
+    """Run one transfer to its end; arguments as :func:`make_simulation`."""
+    sim = make_simulation(transfer, **kwargs)
     cpu0 = time.process_time()
     sim.run()
-    cpu = time.process_time() - cpu0
-    s, r = sim.sender, sim.receiver
-    res = r.result
-    n_blocks_total = len(transfer.blocks)
-    return SimResult(
-        policy=pol.name,
-        channel=prof.name,
-        rate_mbps=prof.rate_mbps,
-        rho=rho,
-        seed=seed,
-        size_bytes=transfer.nbytes,
-        n_source=s.n_source,
-        deadline_s=deadline,
-        utility_recovered=res.utility_recovered if res is not None else 0.0,
-        utility_bound=bound,
-        source_sent=s.stats["source_sent"],
-        repair_sent=s.repair_sent,
-        manifest_sent=s.stats["manifest_sent"],
-        packets_sent=data_ch.sent,
-        packets_lost=data_ch.lost + data_ch.dropped,
-        feedback_sent=sim.feedback_sent,
-        feedback_lost=fb_ch.lost + fb_ch.dropped,
-        blocks_total=n_blocks_total,
-        blocks_missing=int(res.missing.size) if res and res.manifest else n_blocks_total,
-        symbols_recovered=r.symbols_recovered,
-        manifest_at=r.timings.get("manifest"),
-        complete_at=r.timings.get("complete"),
-        sender_finish=s.finish_reason,
-        receiver_finish=res.reason if res is not None else "running",
-        events=sim.events,
-        cpu_s=cpu,
-        timeseries=sim.series if record else {},
-    )
+    return sim.result(time.process_time() - cpu0)
