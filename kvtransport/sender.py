@@ -203,6 +203,7 @@ class SenderSession:
         self.finish_reason = ""
         self.finished_at: float | None = None
         self._pending: list[bytes] = []
+        self._pending_at = now
 
         # feedback view
         self._log = SentLog()
@@ -239,6 +240,8 @@ class SenderSession:
 
     def next_timer(self) -> float | None:
         """When the shell must call ``datagrams_to_send`` next (None: nothing planned)."""
+        if self._pending:
+            return self._pending_at  # e.g. an ABORT queued by cancel()
         if self.done or self.awaiting_action:
             return None
         return self._next_send
@@ -312,6 +315,7 @@ class SenderSession:
         """Abort the transfer: one CONTROL ABORT tells the receiver to deliver now."""
         if not self.done:
             self._pending.append(self._control(ControlCode.ABORT))
+            self._pending_at = now
             self._mark_done(now, "cancelled")
 
     def set_rate(self, rate_bps: float, now: float) -> None:
@@ -329,6 +333,7 @@ class SenderSession:
             return
         self.slot_s *= self.rate_bps / rate_bps
         self.rate_bps = rate_bps
+        self._rtt_changed()  # stop time and proactive span are counted in slots
         if getattr(self.policy, "ctx", None) is not None:
             self.policy.ctx = dataclasses.replace(self.policy.ctx, slot_s=self.slot_s)
         if self._next_send is None or self._next_send >= self.deadline:  # was paused

@@ -394,3 +394,28 @@ def test_receiver_state_is_bounded_by_max_bytes():
     assert r.drop_reasons.get("out_of_range", 0) + r.drop_reasons.get("too_large", 0) > 0
     assert len(r._known) <= 64  # never grew past what max_bytes allows
     assert r.result.manifest is None  # a transfer larger than allowed is refused
+
+
+def test_cancel_makes_the_receiver_deliver_at_once():
+    tr, s, r = make_pair(size=400_000, blocks=40, policy="adaptive")
+    net = Net(s, r)
+    net.run(until=0.012)
+    s.cancel(net.t)
+    net.run()
+    res = r.result
+    assert s.finish_reason == "cancelled" and res.reason == "abort"
+    assert res.timings["finished"] < 0.02 and 0 < res.complete.sum() < len(tr.blocks)
+    assert all(_block_ok(tr, res, b) for b in np.flatnonzero(res.complete))
+
+
+def test_without_manifest_or_deadline_the_receiver_closes_after_fin():
+    def no_manifest(i, d):
+        return [] if d.type in (T.MANIFEST, T.MANIFEST_REPAIR) else [0.0]
+
+    tr, s, _ = make_pair(size=100_000, blocks=10, policy="none", deadline=0.05)
+    r = ReceiverSession(None)  # adopts the first datagram's transfer id
+    Net(s, r, data=no_manifest).run()
+    res = r.result
+    assert r.transfer_id == TID and res.reason == "fin" and res.manifest is None
+    assert res.missing.size == 0 and res.utility_recovered == 0.0
+    assert r.n_known > 0  # the symbols came, but without a manifest they mean nothing
