@@ -416,13 +416,13 @@ class SenderSession:
         if mode == RepairMode.RLC:
             reactive = self.reactive_needed() > 0
             if reactive and self.policy.reactive:
-                d = self._rlc_repair(t, True)
+                d = self._rlc_repair(True)
                 if d is not None:
                     return self._sent(d, t, repair=True, reactive=True)
             self._credit += self.share
             if self._credit >= 1.0:
                 self._credit -= 1.0
-                d = self._rlc_repair(t, reactive)
+                d = self._rlc_repair(reactive)
                 if d is not None:
                     return self._sent(d, t, repair=True, reactive=reactive)
                 self._credit = 0.0
@@ -439,7 +439,7 @@ class SenderSession:
                 return self._sent(self._source(esi), t, source=True)
         if mode == RepairMode.RLC:
             reactive = self.reactive_needed() > 0
-            d = self._rlc_repair(t, reactive)
+            d = self._rlc_repair(reactive)
             if d is not None:
                 return self._sent(d, t, repair=True, reactive=reactive)
             if esi < self.n_source and self._tail_ok(t, esi):
@@ -479,7 +479,7 @@ class SenderSession:
         self.stats["source_sent"] += 1
         return self.framer.finish(_SOURCE, self.seq, s, esi=esi)
 
-    def _rlc_window(self, t: float, reactive: bool) -> tuple[int, int]:
+    def _rlc_window(self, reactive: bool) -> tuple[int, int]:
         hi = self.next_esi
         floor = max(0, hi - DECODER_WINDOW + 1)
         if reactive and self._segments:
@@ -491,8 +491,8 @@ class SenderSession:
         # and an interval of them); older holes are the reactive repairs' job
         return max(self.fb_through, floor, hi - self._proactive_span), hi
 
-    def _rlc_repair(self, t: float, reactive: bool) -> bytes | None:
-        lo, hi = self._rlc_window(t, reactive)
+    def _rlc_repair(self, reactive: bool) -> bytes | None:
+        lo, hi = self._rlc_window(reactive)
         if hi <= lo:
             return None
         s = self.symbol_size
