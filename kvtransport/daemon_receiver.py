@@ -95,6 +95,7 @@ class Incoming:
             "symbols_recovered": s.symbols_recovered,
             "duplicates": s.duplicates,
             "datagrams_lost": mon.lost,
+            "highest_seq": mon.highest,
             "loss_rate": round(float(mon.loss_rate), 5),
             "dropped": s.dropped,
             "drop_reasons": dict(s.drop_reasons),
@@ -141,6 +142,8 @@ class ReceiverEngine:
         self.drop_reasons: dict[str, int] = {}
         self.dropped = 0
         self.results = 0
+        self._retired_drops: dict[str, int] = {}  # sessions' drops, once they are forgotten
+        self._retired_dropped = 0
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -240,6 +243,9 @@ class ReceiverEngine:
                 break
             del self.lingering[tid]
             self._remember(tid, inc.stats(now))
+            self._retired_dropped += inc.session.dropped
+            for k, v in inc.session.drop_reasons.items():
+                self._retired_drops[k] = self._retired_drops.get(k, 0) + v
 
     def abort(self, transfer_id: int, now: float, reason: str = "abort") -> bool:
         """Deliver a transfer's partial result now (an API request, or shutdown)."""
@@ -294,7 +300,9 @@ class ReceiverEngine:
 
     def stats(self) -> dict[str, Any]:
         reasons = dict(self.drop_reasons)
-        dropped = self.dropped
+        for k, v in self._retired_drops.items():
+            reasons[k] = reasons.get(k, 0) + v
+        dropped = self.dropped + self._retired_dropped
         for inc in (*self.active.values(), *self.lingering.values()):
             dropped += inc.session.dropped
             for k, v in inc.session.drop_reasons.items():
@@ -329,7 +337,7 @@ class ReceiverDaemon:
     ) -> None:
         import zmq
 
-        from kvtransport.daemon import ControlServer, StatsWriter, warm_up, bind_endpoint
+        from kvtransport.daemon import ControlServer, StatsWriter, bind_endpoint, warm_up
 
         self.out_dir = out_dir
         if out_dir is not None:
@@ -379,18 +387,18 @@ class ReceiverDaemon:
 
         res = inc.session.result
         stats = inc.stats(clock())
-        try:
-            self.pub.send_multipart(result_frames(res, stats), zmq.NOBLOCK, copy=False)
-            self.published += 1
-        except zmq.ZMQError as exc:
-            log.warning("result %016x not published: %s", inc.transfer_id, exc)
-        if self.out_dir is not None:
+        if self.out_dir is not None:  # first, so that subscribers learn where it is
             try:
                 path = write_result_file(self.out_dir, res, stats)
                 stats["file"] = str(path)
                 log.info("transfer %016x written to %s", inc.transfer_id, path)
             except OSError as exc:
                 log.error("transfer %016x: cannot write result: %s", inc.transfer_id, exc)
+        try:
+            self.pub.send_multipart(result_frames(res, stats), zmq.NOBLOCK, copy=False)
+            self.published += 1
+        except zmq.ZMQError as exc:
+            log.warning("result %016x not published: %s", inc.transfer_id, exc)
         self.stats_out.write({"event": "transfer", "role": "receiver", **stats})
 
     def _status(self, head: dict[str, Any], frames: list) -> dict[str, Any]:

@@ -96,6 +96,7 @@ class Outgoing:
     label: str = ""
     keep: Any = None  # the buffers the payload views (zero-copy ZeroMQ frames)
     share: float = 1.0
+    rate_bps: float = 0.0  # the pacing rate set last (0: paused by the allocator)
     admitted: bool = True
     state: str = "sending"
     finished: float | None = None
@@ -127,7 +128,7 @@ class Outgoing:
             "delivered_bytes": min(s.fb_through * s.symbol_size, self.size),
             "loss_estimate": round(s.loss_estimate(), 5),
             "srtt_ms": None if s.srtt is None else round(s.srtt * 1e3, 3),
-            "rate_mbps": round(s.rate_bps / 1e6, 3),
+            "rate_mbps": round(self.rate_bps / 1e6, 6),
             "share": round(self.share, 5),
             "admitted": self.admitted,
             "weight": self.weight,
@@ -232,9 +233,10 @@ class SenderEngine:
             utility=utility if utility is not None else stream_utility_curve(transfer),
             label=label,
             keep=keep,
+            rate_bps=self.rate_bps,
         )
         self.active[out.transfer_id] = out
-        self._reschedule_now = True
+        self._reschedule(now)  # shares are right from the first status reply on
         log.info(
             "transfer %016x: %d bytes to %s:%d, deadline %.1f ms, policy %s%s",
             out.transfer_id,
@@ -370,9 +372,9 @@ class SenderEngine:
         live = list(self.active.values())
         if len(live) <= 1:
             for out in live:
-                if out.share != 1.0 or out.session.rate_bps != self.rate_bps:
+                if out.rate_bps != self.rate_bps:
                     out.session.set_rate(self.rate_bps, now)
-                out.share, out.admitted = 1.0, True
+                out.share, out.rate_bps, out.admitted = 1.0, self.rate_bps, True
             self._sched_at = None
             return
         from kvtransport import allocator
@@ -398,7 +400,7 @@ class SenderEngine:
         for out in live:
             share = float(decision.shares.get(out.transfer_id, 0.0))
             out.session.set_rate(share * self.rate_bps, now)
-            out.share = share
+            out.share, out.rate_bps = share, share * self.rate_bps
             out.admitted = out.transfer_id in decision.admitted
         self._sched_at = decision.until
 
