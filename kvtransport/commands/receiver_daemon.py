@@ -29,6 +29,7 @@ Example:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from kvtransport.api import DEFAULT_RECEIVER_CONTROL, DEFAULT_RESULTS
+    from kvtransport.udp import REALTIME_HELP
 
     p.add_argument("--listen", default="0.0.0.0:9400", metavar="HOST:PORT",
                    help="UDP address (default 0.0.0.0:9400)")  # fmt: skip
@@ -50,6 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-gro", action="store_true", help="read one datagram per call")
     p.add_argument("--stats", nargs="?", const="-", metavar="FILE",
                    help="one JSON line per finished transfer (stdout, or FILE)")  # fmt: skip
+    p.add_argument("--realtime", nargs="?", type=int, const=5, metavar="PRIO",
+                   help=REALTIME_HELP)  # fmt: skip
     p.add_argument("-v", "--verbose", action="count", default=0, help="debug logs")
 
 
@@ -57,11 +60,12 @@ def run(args: argparse.Namespace) -> int:
     from kvtransport.api import parse_key
     from kvtransport.daemon import StatsWriter, StopSignal, setup_logging
     from kvtransport.daemon_receiver import ReceiverDaemon
-    from kvtransport.udp import parse_address
+    from kvtransport.udp import parse_address, set_realtime
 
     if args.max_transfers < 1 or not args.max_mb > 0 or not args.idle_timeout > 0:
         raise UserError("--max-transfers, --max-mb and --idle-timeout must be positive")
     setup_logging(args.verbose, "receiver-daemon")
+    set_realtime(args.realtime)
     daemon = ReceiverDaemon(
         bind=parse_address(args.listen, what="--listen"),
         control=args.control,

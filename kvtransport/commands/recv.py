@@ -25,6 +25,8 @@ Examples:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvtransport.udp import REALTIME_HELP
+
     p.add_argument("--listen", default="0.0.0.0:9400", metavar="HOST:PORT",
                    help="UDP address to receive on (default 0.0.0.0:9400)")  # fmt: skip
     p.add_argument("--key", metavar="FILE|HEX", help="pre-shared key (as the sender's)")
@@ -37,6 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-mb", type=float, default=1024.0,
                    help="largest transfer accepted, MB (default 1024)")  # fmt: skip
     p.add_argument("--no-gro", action="store_true", help="read one datagram per call")
+    p.add_argument("--realtime", nargs="?", type=int, const=5, metavar="PRIO",
+                   help=REALTIME_HELP)  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -46,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     from kvtransport.api import parse_key, write_result_file
     from kvtransport.daemon import StopSignal, serve, warm_up
     from kvtransport.daemon_receiver import ReceiverEngine
-    from kvtransport.udp import DatagramSocket, clock, parse_address
+    from kvtransport.udp import DatagramSocket, clock, parse_address, set_realtime
 
     if args.out and not Path(args.out).is_dir():
         raise UserError(f"--out {args.out} is not a directory")
@@ -55,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
     key = parse_key(args.key)
     bind = parse_address(args.listen, what="--listen")
     results = []
+    set_realtime(args.realtime)
     warm_up(key)
     sock = DatagramSocket(bind, gro=not args.no_gro)
     host, port = sock.address

@@ -31,6 +31,8 @@ Examples:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvtransport.udp import REALTIME_HELP
+
     p.add_argument("to", metavar="HOST:PORT", help="the receiver's address")
     what = p.add_mutually_exclusive_group()
     what.add_argument("--card", metavar="FILE", help="send this cache card")
@@ -54,6 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="send the slots due within this lead at once (default 200)")  # fmt: skip
     p.add_argument("--no-gso", action="store_true",
                    help="one send() per datagram (use under kernel netem)")  # fmt: skip
+    p.add_argument("--realtime", nargs="?", type=int, const=5, metavar="PRIO",
+                   help=REALTIME_HELP)  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -79,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     from kvtransport.daemon import StopSignal, serve, warm_up
     from kvtransport.daemon_sender import SenderEngine, deadline_from
     from kvtransport.policy import make_policy
-    from kvtransport.udp import DatagramSocket, clock, parse_address
+    from kvtransport.udp import DatagramSocket, clock, parse_address, set_realtime
 
     if not (args.rate_mbps > 0 and math.isfinite(args.rate_mbps)):
         raise UserError("--rate-mbps must be a positive number")
@@ -98,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
         spec["rho"] = 1.0
     deadline_s = deadline_from(spec, transfer.nbytes, rate, args.symbol_size, key is not None)
 
+    set_realtime(args.realtime)
     warm_up(key)
     sock = DatagramSocket(bind, dest, gso=not args.no_gso)
     stop = StopSignal().install()

@@ -28,6 +28,7 @@ Example:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from kvtransport.api import DEFAULT_SENDER_CONTROL
+    from kvtransport.udp import REALTIME_HELP
 
     p.add_argument("--control", default=DEFAULT_SENDER_CONTROL, metavar="ENDPOINT",
                    help=f"ZeroMQ control endpoint (default {DEFAULT_SENDER_CONTROL})")  # fmt: skip
@@ -49,6 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="one send() per datagram (use under kernel netem)")  # fmt: skip
     p.add_argument("--stats", nargs="?", const="-", metavar="FILE",
                    help="one JSON line per finished transfer (stdout, or FILE)")  # fmt: skip
+    p.add_argument("--realtime", nargs="?", type=int, const=5, metavar="PRIO",
+                   help=REALTIME_HELP)  # fmt: skip
     p.add_argument("-v", "--verbose", action="count", default=0, help="debug logs")
 
 
@@ -56,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     from kvtransport.api import parse_key
     from kvtransport.daemon import StatsWriter, StopSignal, setup_logging
     from kvtransport.daemon_sender import SenderDaemon
-    from kvtransport.udp import parse_address
+    from kvtransport.udp import parse_address, set_realtime
 
     if not (args.rate_mbps > 0 and math.isfinite(args.rate_mbps)):
         raise UserError("--rate-mbps must be a positive number")
@@ -65,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_transfers < 1 or not args.slot_ms > 0 or not 0 <= args.burst_us <= 100_000:
         raise UserError("--max-transfers and --slot-ms must be positive, --burst-us 0..100000")
     setup_logging(args.verbose, "sender-daemon")
+    set_realtime(args.realtime)
     daemon = SenderDaemon(
         bind=parse_address(args.bind, what="--bind"),
         control=args.control,
