@@ -265,7 +265,8 @@ def allocate_precision(
     fid = np.broadcast_to(np.asarray(fidelity, dtype=np.float64), (n, k))
     value = utility[:, None] * fid
     # Options per block: "dropped" (0, 0) plus each level; build the upper convex hull of
-    # (cost, value) from the origin with a vectorized sweep over the k levels by cost.
+    # (cost, value) from the origin, levels taken by increasing cost (k is 3: fp16, int8,
+    # int4). Python loops over blocks: ~0.1 s for the 7680 blocks of a 4K-token cache.
     by_cost = np.argsort(cost, axis=1, kind="stable")
     c_sorted = np.take_along_axis(cost, by_cost, axis=1)
     v_sorted = np.take_along_axis(value, by_cost, axis=1)

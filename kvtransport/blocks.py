@@ -459,10 +459,12 @@ def parse_precision(spec: str) -> tuple[str, int | None]:
 
 
 MIXED_LEVELS = ("fp16", "int8", "int4")
-DEFAULT_FIDELITY = {"fp32": 1.0, "fp16": 1.0, "int8": 0.99, "int4": 0.9}
+DEFAULT_FIDELITY = {"fp32": 1.0, "fp16": 1.0, "int8": 0.999, "int4": 0.98}
 """Share of a block's utility that survives at each precision, used by the mixed
-allocator. int8 and int4 are calibrated from scripts/eval_quant.py's uniform-precision
-runs (teacher-forced top-1 agreement relative to the lossless cache, rounded)."""
+allocator. Calibrated with scripts/eval_quant.py's uniform-precision runs on SmolLM2
+(16 prompts, task seeds 30000+): teacher-forced top-1 agreement with the fp32 answer was
+1.000 for fp16 and int8 and 0.978 [0.952, 1.005] for int4. int8 is set just below 1 so
+that fp16 still wins a block when bytes are plentiful; the agreement saturates there."""
 
 
 def plan_precision(
@@ -684,23 +686,28 @@ def decode_stream(
     ok[corrupted] = False
 
     dtype = _DTYPES[g.dtype]
-    tb, bt = g.token_blocks, g.block_tokens
-    k5 = np.zeros((g.num_layers, g.num_kv_heads, tb, bt, g.head_dim), dtype)
-    v5 = np.zeros_like(k5)
+    n, tb, bt = g.num_tokens, g.token_blocks, g.block_tokens
+    shape = (g.num_layers, g.num_kv_heads, n, g.head_dim)
+    keys, values = np.zeros(shape, dtype), np.zeros(shape, dtype)  # lazily zeroed pages
     present_blocks = np.zeros((g.num_layers, tb), dtype=bool)
     good = np.flatnonzero(ok)
-    counts = m.token_count
+    counts, starts, layers = m.token_count, m.token_start, m.layer
+    # Each block is copied straight into place (one slice assignment per K and V); only
+    # quantized blocks go through an intermediate, dequantized in one vectorized step per
+    # (precision, token count) group.
     for p, c in sorted(set(zip(m.precision[good].tolist(), counts[good].tolist(), strict=True))):
-        idx = good[(m.precision[good] == p) & (counts[good] == c)]
-        rows = np.stack([buf[offset[i] : end[i]] for i in idx.tolist()])
-        kv = _decode_rows(rows, PRECISIONS[p], g, c)
-        ls, ts = m.layer[idx].astype(np.int64), m.token_block[idx].astype(np.int64)
-        k5[ls, :, ts, :c] = kv[:, 0]
-        v5[ls, :, ts, :c] = kv[:, 1]
-        present_blocks[ls, ts] = True
-    n = g.num_tokens
-    keys = k5.reshape(g.num_layers, g.num_kv_heads, tb * bt, g.head_dim)[:, :, :n]
-    values = v5.reshape(g.num_layers, g.num_kv_heads, tb * bt, g.head_dim)[:, :, :n]
+        idx = good[(m.precision[good] == p) & (counts[good] == c)].tolist()
+        name = PRECISIONS[p]
+        if name in _FLOAT:
+            kv = [buf[offset[i] : end[i]].view(_FLOAT[name]).reshape(2, -1, c, g.head_dim)
+                  for i in idx]  # fmt: skip
+        else:
+            kv = _decode_rows(np.stack([buf[offset[i] : end[i]] for i in idx]), name, g, c)
+        for j, i in enumerate(idx):
+            t0 = int(starts[i])
+            keys[layers[i], :, t0 : t0 + c] = kv[j][0]
+            values[layers[i], :, t0 : t0 + c] = kv[j][1]
+        present_blocks[layers[idx], m.token_block[idx]] = True
     present = np.repeat(present_blocks, bt, axis=1)[:, :n]
     if m.token_ids is not None:
         ids = m.token_ids
@@ -710,11 +717,6 @@ def decode_stream(
             raise ValueError("token ids supplied do not match the manifest's hash")
     else:
         ids = np.full(n, -1, dtype=np.int64)
-    cache = KVCache(
-        keys=np.ascontiguousarray(keys),
-        values=np.ascontiguousarray(values),
-        token_ids=ids,
-        model_id=m.model_id,
-    )
+    cache = KVCache(keys=keys, values=values, token_ids=ids, model_id=m.model_id)
     missing = np.flatnonzero(~ok)
     return Reassembled(cache, present, missing, corrupted, m)

@@ -39,6 +39,8 @@ def layer_weights_for(model_id: str, num_layers: int, profile: str | None = None
 
     if profile is None:
         return utility.default_layer_weights(model_id, num_layers)
+    if profile == "uniform":
+        return None
     prof = sensitivity.load_profile(profile)
     if prof.num_layers != num_layers:
         raise SystemExit(f"{profile}: {prof.num_layers} layers, the model has {num_layers}")
@@ -163,7 +165,11 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=24, help="held-out prompts (default 24)")
     p.add_argument("--target-tokens", type=int, default=500, help="context length (tokens)")
     p.add_argument("--ref-tokens", type=int, default=32, help="reference answer length cap")
-    p.add_argument("--profile", default=None, help="sensitivity profile JSON (default: packaged)")
+    p.add_argument(
+        "--profile",
+        default=None,
+        help="sensitivity profile JSON, or 'uniform' (default: the model's packaged profile)",
+    )
     p.add_argument("--random-seeds", type=int, default=3, help="random orders per prompt")
     p.add_argument("--block-tokens", type=int, default=16)
     p.add_argument("--model", default=None)

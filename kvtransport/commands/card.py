@@ -70,7 +70,7 @@ def _print_text(info: dict, table: list[dict]) -> None:
         f"blocks      {info['blocks']} of {info['blocks_in_geometry']} "
         f"({info['block_tokens']} tokens each; quant group {info['group_size']})",
         f"precisions  {prec}",
-        f"stream      {info['stream_bytes']:,} bytes ({info['compression']}x smaller than "
+        f"stream      {info['stream_bytes']:,} bytes ({info['compression']}x compression vs "
         f"{info['dtype']}); manifest {info['manifest_bytes']:,} bytes",
         f"utility     {info['utility_held']} of the cache held; token ids {info['token_ids']}",
         f"created     {json.dumps(info['created'], sort_keys=True)}",
