@@ -1,0 +1,323 @@
+"""Episodes of the repair-scheduling environment: what a transfer is, and how to draw one.
+
+An :class:`EpisodeSpec` is one transfer, fully determined: the data-path and feedback-path
+link profiles (kvtransport.netem), rho, the block table (count, bytes per block, utility
+profile) and the seed of every random draw. :func:`build_simulation` turns it into a
+:class:`kvtransport.simulator.Simulation` of the real sessions, seeded exactly as
+:func:`kvtransport.simulator.simulate` seeds its runs (the same ``SeedSequence(seed)``
+split into data channel, feedback channel, transfer id), so an episode replayed by
+``simulate(transfer=spec_transfer(spec), channel=spec.channel, ...)`` is the same run.
+
+:class:`EpisodeDistribution` draws specs from the training distribution (seeded by the
+caller's generator):
+
+- loss: Gilbert-Elliott (light to heavy bursts), Bernoulli, windows of user trace files
+  when given; a handful of loss-free links;
+- link rate 20..400 Mbit/s (log-uniform), one-way delay 1..20 ms, some jitter;
+- feedback path: the same profile drawn independently (the simulator's and testbed's
+  default), or loss-free, with its own delay (0.5x..2x the data path's) part of the time;
+- rho 0.6..1.2; caches of 100..1800 blocks of 3, 6 or 12 KiB (int4, int8, fp16 blocks
+  of one SmolLM2 layer x 16 tokens);
+- block utilities: measured from the real model (agents/data/utility_profiles.npz,
+  training contexts only) or synthetic (zipf with exponent 0.6..1.4, flat, linear).
+
+Held out from training, so evaluation measures generalization: episode seeds at or above
+``HELD_OUT_SEED`` (training seeds are drawn below it), the measured profiles of the
+evaluation contexts, the netem 4-state loss model (never drawn in training), and a
+neighbourhood of every evaluation channel: a Gilbert-Elliott or Bernoulli draw whose
+(stationary loss, mean burst length) falls within a factor ``EXCLUDE_FACTOR`` of an
+evaluation profile's in both is rejected and redrawn.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+from kvtransport.agents.utility_profiles import load_profiles, resample
+from kvtransport.netem import Bernoulli, GilbertElliott, NoLoss, Profile, load_profile
+from kvtransport.netem.loss import LossSpec
+from kvtransport.netem.trace import TraceReplay, read_trace
+
+from kvtransport.protocol import DEFAULT_SYMBOL_SIZE
+from kvtransport.simulator import Simulation, full_send_time
+from kvtransport.transfer import BlockTable, Transfer, utility_profile
+
+EVAL_CHANNELS = ("bernoulli-5", "ge-light", "ge-heavy", "4state-bursty")
+HELD_OUT_SEED = 1 << 40
+"""Evaluation episode seeds start here; training draws seeds below it."""
+EXCLUDE_FACTOR = 1.3
+MIN_DEADLINE_RTTS = 5.0
+BLOCK_BYTES = (3072, 6144, 12288)
+SYNTHETIC = ("zipf", "flat", "linear")
+
+
+@dataclass(frozen=True)
+class EpisodeSpec:
+    """One transfer (see the module docstring). ``utility`` names the block utilities:
+    ``zipf:S``, ``flat``, ``linear`` or ``measured:SPLIT:INDEX``."""
+
+    seed: int
+    channel: Profile
+    feedback: Profile
+    rho: float
+    n_blocks: int
+    block_bytes: int = 12288
+    utility: str = "zipf:1"
+    symbol_size: int = DEFAULT_SYMBOL_SIZE
+
+    @property
+    def size_bytes(self) -> int:
+        return self.n_blocks * self.block_bytes
+
+    def describe(self) -> str:
+        return (
+            f"{self.channel.describe()}; feedback {self.feedback.name} "
+            f"{self.feedback.delay_ms:g} ms; rho {self.rho:.2f}; {self.n_blocks} blocks x "
+            f"{self.block_bytes} B; utility {self.utility}; seed {self.seed}"
+        )
+
+
+def block_utilities(label: str, n_blocks: int) -> np.ndarray:
+    """Utilities (summing to 1, stream order) of a spec's utility label."""
+    kind, _, rest = label.partition(":")
+    if kind == "measured":
+        split, _, index = rest.partition(":")
+        profiles = load_profiles(split).profiles
+        return resample(profiles[int(index) % len(profiles)], n_blocks)
+    if kind == "zipf":
+        return utility_profile("zipf", n_blocks, float(rest or 1.0))
+    if kind in ("flat", "linear"):
+        return utility_profile(kind, n_blocks)
+    raise ValueError(f"unknown utility profile {label!r}")
+
+
+_PAYLOAD = np.zeros(0, dtype=np.uint8)
+
+
+def _payload(nbytes: int) -> np.ndarray:
+    """A read-only random payload of ``nbytes`` (one shared buffer: the bytes do not
+    change what the protocol does, and drawing megabytes per episode would cost more than
+    some episodes)."""
+    global _PAYLOAD
+    if _PAYLOAD.size < nbytes:
+        size = max(nbytes, 32 << 20)
+        buf = np.frombuffer(np.random.default_rng(20240601).bytes(size), dtype=np.uint8)
+        _PAYLOAD = buf
+    return _PAYLOAD[:nbytes]
+
+
+def spec_transfer(spec: EpisodeSpec) -> Transfer:
+    """The transfer of an episode: equal blocks with the spec's utilities."""
+    n, b = spec.n_blocks, spec.block_bytes
+    offsets = np.arange(n, dtype=np.uint64) * np.uint64(b)
+    lengths = np.full(n, b, dtype=np.uint64)
+    table = BlockTable(offsets, lengths, block_utilities(spec.utility, n))
+    return Transfer(_payload(n * b), table)
+
+
+def build_simulation(spec: EpisodeSpec, policy: object, record: bool = False) -> Simulation:
+    """The real sender and receiver for ``spec`` over its channels, seeded as
+    :func:`kvtransport.simulator.simulate` seeds a run with the same arguments."""
+    from kvtransport.netem import make_channel
+
+    transfer = spec_transfer(spec)
+    prof = spec.channel
+    rate_bps = prof.rate_mbps * 1e6
+    data_seed, fb_seed, tid_seed, _ = np.random.SeedSequence(spec.seed).spawn(4)
+    deadline = spec_deadline(spec)
+    return Simulation(
+        transfer,
+        policy,
+        make_channel(prof, data_seed),
+        make_channel(spec.feedback, fb_seed),
+        rate_bps=rate_bps,
+        deadline=deadline,
+        transfer_id=int(tid_seed.generate_state(2, np.uint64)[0]),
+        symbol_size=spec.symbol_size,
+        initial_rtt=2e-3 * prof.delay_ms + 1e-3,
+        record=record,
+    )
+
+
+def spec_deadline(spec: EpisodeSpec) -> float:
+    """The episode's deadline in seconds (rho times the loss-free send time)."""
+    rate_bps = spec.channel.rate_mbps * 1e6
+    return spec.rho * full_send_time(spec.size_bytes, rate_bps, spec.symbol_size)
+
+
+def round_trip(spec: EpisodeSpec) -> float:
+    """Nominal round-trip time of the episode's link (trace: its median one-way delay)."""
+    fwd = spec.channel
+    if fwd.is_trace:
+        fwd = fwd.reverse_profile("delay")
+    back = spec.feedback.reverse_profile("delay") if spec.feedback.is_trace else spec.feedback
+    return (fwd.delay_ms + back.delay_ms) * 1e-3
+
+
+def _loss_point(loss: LossSpec) -> tuple[float, float]:
+    return loss.stationary_loss(), loss.mean_burst_length()
+
+
+_EVAL_POINTS: list[tuple[float, float]] | None = None
+
+
+def near_eval_channel(loss: LossSpec, factor: float = EXCLUDE_FACTOR) -> bool:
+    """True if ``loss`` is within ``factor`` of an evaluation channel in both stationary
+    loss and mean burst length (such draws are kept out of training)."""
+    global _EVAL_POINTS
+    if _EVAL_POINTS is None:
+        _EVAL_POINTS = [_loss_point(load_profile(n).loss) for n in EVAL_CHANNELS]
+    p, b = _loss_point(loss)
+    lf = math.log(factor)
+    for pe, be in _EVAL_POINTS:
+        if abs(math.log(max(p, 1e-9) / pe)) < lf and abs(math.log(b / be)) < lf:
+            return True
+    return False
+
+
+def _log_uniform(rng: np.random.Generator, lo: float, hi: float) -> float:
+    return float(math.exp(rng.uniform(math.log(lo), math.log(hi))))
+
+
+@dataclass
+class EpisodeDistribution:
+    """The training distribution of episodes (see the module docstring).
+
+    ``trace_files``: loss/delay traces (kvtransport.netem trace CSV) whose random windows
+    make up ``trace_share`` of the episodes. The ``*_range`` fields bound the draws.
+    """
+
+    trace_files: tuple[str, ...] = ()
+    rho_range: tuple[float, float] = (0.6, 1.2)
+    rate_range_mbps: tuple[float, float] = (20.0, 400.0)
+    delay_range_ms: tuple[float, float] = (1.0, 20.0)
+    blocks_range: tuple[int, int] = (100, 1800)
+    block_bytes: tuple[int, ...] = BLOCK_BYTES
+    ge_p_range: tuple[float, float] = (0.002, 0.08)
+    ge_r_range: tuple[float, float] = (0.15, 0.7)
+    ge_bad_range: tuple[float, float] = (0.3, 1.0)
+    ge_good_range: tuple[float, float] = (0.0, 0.01)
+    bernoulli_range: tuple[float, float] = (0.003, 0.2)
+    loss_weights: dict[str, float] = field(
+        default_factory=lambda: {"ge": 0.6, "bernoulli": 0.3, "clean": 0.05, "trace": 0.15}
+    )
+    utility_weights: dict[str, float] = field(
+        default_factory=lambda: {"measured": 0.5, "zipf": 0.3, "flat": 0.1, "linear": 0.1}
+    )
+    held_out: bool = True
+    measured_split: str = "train"
+
+    def __post_init__(self) -> None:
+        self.trace_files = tuple(str(t) for t in self.trace_files)
+        for t in self.trace_files:
+            read_trace(t)  # a bad file fails here, with the trace reader's one-line error
+        self._n_measured = len(load_profiles(self.measured_split))
+
+    # ------------------------------------------------------------------ pieces
+
+    def _pick(self, rng: np.random.Generator, weights: dict[str, float]) -> str:
+        keys = [k for k, w in weights.items() if w > 0 and (k != "trace" or self.trace_files)]
+        w = np.array([weights[k] for k in keys], dtype=np.float64)
+        return keys[int(rng.choice(len(keys), p=w / w.sum()))]
+
+    def _loss(self, rng: np.random.Generator, kind: str) -> LossSpec:
+        for _ in range(1000):
+            if kind == "ge":
+                loss = GilbertElliott(
+                    _log_uniform(rng, *self.ge_p_range),
+                    float(rng.uniform(*self.ge_r_range)),
+                    float(rng.uniform(*self.ge_bad_range)),
+                    float(rng.uniform(*self.ge_good_range)),
+                )
+            else:
+                loss = Bernoulli(_log_uniform(rng, *self.bernoulli_range))
+            if not (self.held_out and near_eval_channel(loss)):
+                return loss
+        raise RuntimeError("could not draw a loss model outside the held-out neighbourhoods")
+
+    def _channel(self, rng: np.random.Generator) -> Profile:
+        kind = self._pick(rng, self.loss_weights)
+        rate = _log_uniform(rng, *self.rate_range_mbps)
+        if kind == "trace":
+            path = self.trace_files[int(rng.integers(len(self.trace_files)))]
+            return Profile(
+                name=f"trace:{path}", loss=TraceReplay(path), rate_mbps=rate, delay_ms=0.0
+            )
+        delay = float(rng.uniform(*self.delay_range_ms))
+        jitter = float(rng.uniform(0.0, 0.2 * delay)) if rng.random() < 0.2 else 0.0
+        loss = NoLoss() if kind == "clean" else self._loss(rng, kind)
+        return Profile(name=kind, loss=loss, rate_mbps=rate, delay_ms=delay, jitter_ms=jitter)
+
+    def _feedback(self, rng: np.random.Generator, data: Profile) -> Profile:
+        u = rng.random()
+        fb = data if u < 0.6 else data.reverse_profile("delay")
+        if u >= 0.8 and not data.is_trace:
+            fb = replace(fb, delay_ms=data.delay_ms * _log_uniform(rng, 0.5, 2.0))
+        return fb
+
+    def _utility(self, rng: np.random.Generator) -> tuple[str, int | None]:
+        kind = self._pick(rng, self.utility_weights)
+        if kind == "measured" and self._n_measured:
+            i = int(rng.integers(self._n_measured))
+            n = len(load_profiles(self.measured_split).profiles[i])
+            return f"measured:{self.measured_split}:{i}", n
+        if kind == "zipf" or kind == "measured":
+            return f"zipf:{rng.uniform(0.6, 1.4):.3f}", None
+        return kind, None
+
+    # ------------------------------------------------------------------ draw
+
+    def sample(self, rng: np.random.Generator) -> EpisodeSpec:
+        """One episode, drawn from ``rng`` (training seeds stay below HELD_OUT_SEED).
+
+        Draws whose deadline is shorter than ``MIN_DEADLINE_RTTS`` round trips are redrawn:
+        there the sender cannot hear from the receiver at all, nothing to learn."""
+        while True:
+            spec = self._draw(rng)
+            if spec_deadline(spec) >= MIN_DEADLINE_RTTS * round_trip(spec):
+                return spec
+
+    def _draw(self, rng: np.random.Generator) -> EpisodeSpec:
+        channel = self._channel(rng)
+        feedback = self._feedback(rng, channel)
+        label, n_blocks = self._utility(rng)
+        if n_blocks is None:
+            n_blocks = int(round(_log_uniform(rng, *self.blocks_range)))
+        block_bytes = int(self.block_bytes[int(rng.integers(len(self.block_bytes)))])
+        return EpisodeSpec(
+            seed=int(rng.integers(0, HELD_OUT_SEED)),
+            channel=channel,
+            feedback=feedback,
+            rho=float(rng.uniform(*self.rho_range)),
+            n_blocks=n_blocks,
+            block_bytes=block_bytes,
+            utility=label,
+        )
+
+
+def eval_spec(
+    channel: str | Profile, rho: float, index: int, utility: str = "measured"
+) -> EpisodeSpec:
+    """Held-out evaluation episode ``index`` on a named channel (at the profile's own rate
+    and delay; feedback over the same profile, as ``kvtransport simulate`` does).
+
+    ``utility="measured"`` takes the held-out contexts' measured profiles in turn, at
+    their own size (12 KiB fp16 blocks); a synthetic name (``zipf:1``) uses 10 MB."""
+    prof = load_profile(channel)
+    if utility == "measured":
+        profiles = load_profiles("eval").profiles
+        i = index % len(profiles)
+        label, n_blocks = f"measured:eval:{i}", len(profiles[i])
+    else:
+        label, n_blocks = utility, 10_000_000 // 12288
+    return EpisodeSpec(
+        seed=HELD_OUT_SEED + index,
+        channel=prof,
+        feedback=prof,
+        rho=float(rho),
+        n_blocks=n_blocks,
+        block_bytes=12288,
+        utility=label,
+    )

@@ -1,0 +1,366 @@
+"""Offline training of the DDQN repair scheduler (behind ``kvtransport train``; imports torch).
+
+The loop, in order:
+
+1. **Demonstrations.** The replay buffer starts with whole episodes played by behaviour
+   policies (kvtransport.policy's adaptive heuristic with margins z in 0..3, the
+   clairvoyant oracle, the session's own tail rule alone, each with a little random
+   noise). This is exploration, not imitation: Double-DQN learns off-policy from these
+   transitions exactly as from its own, and they put states near the decisions that
+   matter (when to stop admitting sources, how much to protect the last RTT) into the
+   buffer from the start, instead of waiting for epsilon-greedy to stumble on them.
+2. **Double DQN** (kvtransport.agents.ddqn) on the environment's observation mapped to
+   the network's features (kvtransport.agents.features), n-step returns, epsilon-greedy.
+3. **Validation** every ``eval_every`` steps: the current network, exported to the numpy
+   runtime the daemon uses, plays a fixed set of held-out episodes (seeds outside the
+   training range, fresh channel draws), side by side with the adaptive heuristic on the
+   same episodes. The best network so far is kept (SB3 zip and exported ``.npz``).
+4. Logs: ``progress.csv`` (one row per validation), SB3's own ``sb3/progress.csv``, and
+   ``learning_curve.png``.
+
+torch runs on one thread: two threads thrash on these 2-core machines.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+from kvtransport.agents.env import RepairSchedulingEnv
+from kvtransport.agents.episodes import (
+    HELD_OUT_SEED,
+    EpisodeDistribution,
+    EpisodeSpec,
+    build_simulation,
+)
+from kvtransport.agents.features import N_FEATURES, feature_bounds, features
+from kvtransport.agents.runtime import DDQNPolicy, QWeights, save_weights
+
+from kvtransport.policy import Adaptive, Obs, Oracle, Policy
+
+VALIDATION_SEED = HELD_OUT_SEED + (1 << 30)
+"""Validation episodes' seeds start here (the final evaluation's start at HELD_OUT_SEED)."""
+
+
+@dataclass
+class TrainConfig:
+    """Everything that defines a training run (recorded next to the weights)."""
+
+    steps: int = 300_000
+    seed: int = 0
+    hidden: tuple[int, ...] = (64, 64)
+    learning_rate: float = 5e-4
+    buffer_size: int = 300_000
+    batch_size: int = 128
+    gamma: float = 0.99
+    credit_on_send: bool = True
+    n_steps: int = 4
+    train_freq: int = 4
+    target_update_interval: int = 2_000
+    exploration_fraction: float = 0.2
+    exploration_initial_eps: float = 0.2
+    exploration_final_eps: float = 0.02
+    demo_steps: int = 40_000
+    eval_every: int = 25_000
+    eval_episodes: int = 40
+    trace_files: tuple[str, ...] = ()
+    distribution: dict = field(default_factory=dict)
+
+
+class FeatureObservation(gym.ObservationWrapper):
+    """The environment as the network sees it: observation -> features(observation)."""
+
+    def __init__(self, env: gym.Env) -> None:
+        super().__init__(env)
+        low, high = feature_bounds()
+        self.observation_space = gym.spaces.Box(low, high, dtype=np.float32)
+
+    def observation(self, observation: np.ndarray) -> np.ndarray:
+        return features(observation)
+
+
+class CreditOnSend(gym.Wrapper):
+    """Re-times the reward for learning without changing any episode's return.
+
+    Potential-based shaping (Ng et al., 1999) with potential ``phi`` = utility of the blocks
+    sent completely but not yet decoded: each step earns the utility the sender finished
+    sending (plus nothing for decoding it later), and the last step pays back whatever was
+    sent but never decoded before the deadline. ``phi`` is 0 at the start and at the end, so
+    the undiscounted sum of the shaped rewards is, episode by episode, exactly the
+    environment's return: the utility recovered before the deadline. What changes is when
+    the learner hears about a decision: a slot spent on needless repair shows up at once as
+    less utility sent, instead of hundreds of steps later as a block that missed the
+    deadline; a tail that cannot be repaired in time shows up as the final pay-back.
+    """
+
+    def __init__(self, env: gym.Env) -> None:
+        super().__init__(env)
+        self._phi = 0.0
+        self._total = 1.0
+
+    def _potential(self, obs: np.ndarray, decoded: float) -> float:
+        sent = self._total - float(obs[Obs.UTILITY_LEFT])
+        return max(sent - decoded, 0.0)
+
+    def reset(self, **kwargs: object) -> tuple[np.ndarray, dict]:
+        obs, info = self.env.reset(**kwargs)
+        self._total = float(self.env.unwrapped.sim.sender.transfer.blocks.utilities.sum())
+        self._phi = self._potential(obs, 0.0)
+        return obs, info
+
+    def step(self, action: int) -> tuple[np.ndarray, float, bool, bool, dict]:
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        phi = 0.0 if terminated or truncated else self._potential(obs, info["utility"])
+        shaped = reward + phi - self._phi
+        self._phi = phi
+        return obs, shaped, terminated, truncated, info
+
+
+def make_env(cfg: TrainConfig) -> gym.Env:
+    dist = EpisodeDistribution(trace_files=cfg.trace_files, **cfg.distribution)
+    env = RepairSchedulingEnv(dist)
+    if cfg.credit_on_send:
+        env = CreditOnSend(env)
+    return FeatureObservation(env)
+
+
+def validation_specs(cfg: TrainConfig, n: int) -> list[EpisodeSpec]:
+    """``n`` fixed episodes from the training distribution with held-out seeds."""
+    dist = EpisodeDistribution(trace_files=cfg.trace_files, **cfg.distribution)
+    rng = np.random.default_rng(12345)
+    return [replace(dist.sample(rng), seed=VALIDATION_SEED + i) for i in range(n)]
+
+
+def play(spec: EpisodeSpec, policy: Policy) -> float:
+    """Utility recovered before the deadline by ``policy`` on one episode."""
+    sim = build_simulation(spec, policy)
+    sim.run()
+    return float(sim.receiver.result.utility_recovered)
+
+
+# ---------------------------------------------------------------------------- demonstrations
+
+
+def _behaviour(kind: str, rng: np.random.Generator) -> tuple[Policy, float]:
+    if kind == "adaptive":
+        return Adaptive(z=float(rng.uniform(0.0, 3.0))), 0.05
+    if kind == "oracle":
+        return Oracle(), 0.05
+    if kind == "tail":
+        return _Constant(0), 0.05
+    return _Constant(0), 1.0  # random
+
+
+class _Constant(Policy):
+    def __init__(self, action: int) -> None:
+        self.action = action
+
+    def act(self, obs: np.ndarray) -> int:
+        return self.action
+
+
+def collect_demonstrations(
+    model: object, env: gym.Env, n_steps: int, seed: int, progress: object = None
+) -> int:
+    """Add whole episodes of behaviour policies to ``model``'s replay buffer."""
+    rng = np.random.default_rng(seed)
+    base = env.unwrapped
+    kinds = ("adaptive", "adaptive", "oracle", "tail", "random")
+    added = 0
+    episode = 0
+    while added < n_steps:
+        obs, _ = env.reset(seed=int(rng.integers(1 << 31)))
+        kind = kinds[episode % len(kinds)]
+        episode += 1
+        pol, eps = _behaviour(kind, rng)
+        pol.reset(base.sim.sender.policy.ctx)
+        if isinstance(pol, Oracle):
+            pol.bind_channel(base.sim.data_channel)
+            pol.bind_sender(base.sim.sender)
+        done = False
+        while not done:
+            raw = base.sim.sender.obs
+            a = int(rng.integers(len(base.actions))) if rng.random() < eps else pol.act(raw)
+            nxt, r, term, trunc, _ = env.step(a)
+            done = term or trunc
+            model.replay_buffer.add(
+                obs[None], nxt[None], np.array([[a]]), np.array([r]), np.array([done]), [{}]
+            )
+            obs = nxt
+            added += 1
+            if progress is not None:
+                progress.update(1)
+    return added
+
+
+# ---------------------------------------------------------------------------- the run
+
+
+@dataclass
+class TrainResult:
+    out: Path
+    best_step: int
+    best_utility: float
+    adaptive_utility: float
+    wall_s: float
+    steps: int
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not rows:
+        return
+    x = [r["step"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(x, [r["val_ddqn"] for r in rows], "o-", label="DDQN (validation)")
+    ax.plot(x, [r["val_adaptive"] for r in rows], "--", label="adaptive heuristic")
+    ax.plot(x, [r["val_oracle"] for r in rows], ":", label="oracle")
+    tr = [(r["step"], r["train_return"]) for r in rows if not math.isnan(r["train_return"])]
+    if tr:
+        ax.plot(*zip(*tr, strict=True), alpha=0.5, label="training return (last 100 episodes)")
+    ax.set_xlabel("environment steps")
+    ax.set_ylabel("utility recovered before the deadline")
+    ax.set_title("kvtransport train: learning curve")
+    ax.legend(loc="lower right")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def train(cfg: TrainConfig, out: str | Path, command: str = "", quiet: bool = False) -> TrainResult:
+    """Run one training (see the module docstring); everything lands in ``out``."""
+    import torch
+    from kvtransport.agents.ddqn import DoubleDQN, export_q_network
+    from stable_baselines3.common.callbacks import BaseCallback
+    from stable_baselines3.common.logger import configure
+    from tqdm import tqdm
+
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = make_env(cfg)
+    actions = env.unwrapped.actions
+    model = DoubleDQN(
+        "MlpPolicy",
+        env,
+        learning_rate=cfg.learning_rate,
+        buffer_size=cfg.buffer_size,
+        learning_starts=1_000,
+        batch_size=cfg.batch_size,
+        gamma=cfg.gamma,
+        n_steps=cfg.n_steps,
+        train_freq=cfg.train_freq,
+        target_update_interval=cfg.target_update_interval,
+        exploration_fraction=cfg.exploration_fraction,
+        exploration_initial_eps=cfg.exploration_initial_eps,
+        exploration_final_eps=cfg.exploration_final_eps,
+        policy_kwargs={"net_arch": list(cfg.hidden)},
+        seed=cfg.seed,
+        device="cpu",
+    )
+    model.set_logger(configure(str(out / "sb3"), ["csv"]))
+    val = validation_specs(cfg, cfg.eval_episodes)
+    bar = tqdm(
+        total=cfg.demo_steps + cfg.steps,
+        desc="train ddqn",
+        unit="step",
+        disable=quiet,
+        smoothing=0.05,
+    )
+    bar.set_postfix_str("baselines on validation episodes")
+    base_adaptive = np.array([play(s, Adaptive()) for s in val])
+    base_oracle = np.array([play(s, Oracle()) for s in val])
+    bar.set_postfix_str("demonstrations")
+    collect_demonstrations(model, env, cfg.demo_steps, cfg.seed, bar)
+
+    provenance = {"command": command, "config": _jsonable(asdict(cfg))}
+    rows: list[dict] = []
+    best = {"utility": -1.0, "step": 0}
+    log_path = out / "progress.csv"
+
+    def validate(step: int) -> None:
+        weights = export_q_network(model, actions, {"step": step})
+        u = np.array([play(s, DDQNPolicy(weights)) for s in val])
+        returns = [e["r"] for e in model.ep_info_buffer] if model.ep_info_buffer else []
+        row = {
+            "step": step,
+            "wall_s": round(time.perf_counter() - t0, 1),
+            "epsilon": round(float(model.exploration_rate), 4),
+            "train_return": float(np.mean(returns)) if returns else float("nan"),
+            "val_ddqn": float(u.mean()),
+            "val_adaptive": float(base_adaptive.mean()),
+            "val_oracle": float(base_oracle.mean()),
+            "val_gap_vs_adaptive": float((u - base_adaptive).mean()),
+            "best": False,
+        }
+        if row["val_ddqn"] > best["utility"]:
+            best.update(utility=row["val_ddqn"], step=step)
+            row["best"] = True
+            model.save(out / "best_model.zip")
+            save_weights(
+                out / "ddqn.npz",
+                weights,
+                {**provenance, "step": step, "validation_utility": row["val_ddqn"]},
+            )
+        rows.append(row)
+        with open(log_path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(row))
+            w.writeheader()
+            w.writerows(rows)
+        _plot(rows, out / "learning_curve.png")
+        bar.set_postfix_str(
+            f"val {row['val_ddqn']:.4f} (adaptive {row['val_adaptive']:.4f}, "
+            f"best {best['utility']:.4f} @ {best['step']})"
+        )
+
+    class _Hook(BaseCallback):
+        def _on_step(self) -> bool:
+            bar.update(1)
+            if self.num_timesteps % cfg.eval_every == 0:
+                validate(self.num_timesteps)
+            return True
+
+    validate(0)
+    model.learn(total_timesteps=cfg.steps, callback=_Hook(), log_interval=10)
+    if cfg.steps % cfg.eval_every:
+        validate(cfg.steps)
+    bar.close()
+    model.save(out / "last_model.zip")
+    wall = time.perf_counter() - t0
+    summary = {
+        "command": command,
+        "config": _jsonable(asdict(cfg)),
+        "best_step": best["step"],
+        "best_validation_utility": best["utility"],
+        "adaptive_validation_utility": float(base_adaptive.mean()),
+        "oracle_validation_utility": float(base_oracle.mean()),
+        "wall_s": wall,
+        "n_features": N_FEATURES,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return TrainResult(
+        out, best["step"], best["utility"], float(base_adaptive.mean()), wall, cfg.steps
+    )
+
+
+def _jsonable(d: dict) -> dict:
+    return json.loads(json.dumps(d, default=list))
+
+
+def load_weights_of(model_zip: str | Path, actions: np.ndarray) -> QWeights:
+    """Export an SB3 checkpoint (zip) to runtime weights."""
+    from kvtransport.agents.ddqn import DoubleDQN, export_q_network
+
+    return export_q_network(DoubleDQN.load(str(model_zip), device="cpu"), actions)

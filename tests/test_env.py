@@ -1,0 +1,163 @@
+"""The repair-scheduling Gymnasium environment: API, reward = utility, episode distribution."""
+
+import gymnasium as gym
+import kvtransport.agents  # noqa: F401  (registers the environment)
+import numpy as np
+import pytest
+from gymnasium.utils.env_checker import check_env
+from kvtransport.agents.env import ENV_ID, RepairSchedulingEnv
+from kvtransport.agents.episodes import (
+    EVAL_CHANNELS,
+    HELD_OUT_SEED,
+    EpisodeDistribution,
+    eval_spec,
+    near_eval_channel,
+    spec_transfer,
+)
+from kvtransport.netem import SAMPLE_TRACE, Bernoulli, FourState, load_profile
+
+from kvtransport.policy import ACTIONS, OBS_SIZE, Policy
+from kvtransport.simulator import simulate
+
+SMALL = {"blocks_range": (60, 160), "utility_weights": {"zipf": 1.0, "flat": 1.0}}
+
+
+class Replay(Policy):
+    """Plays a recorded action sequence (ExternalPolicy's properties: RLC, reactive)."""
+
+    name = "replay"
+    reactive = True
+
+    def __init__(self, actions):
+        self.seq = list(actions)
+        self.i = 0
+
+    def act(self, obs):
+        a = self.seq[self.i]
+        self.i += 1
+        return a
+
+
+def test_registered_and_passes_the_gymnasium_checker():
+    env = gym.make(ENV_ID, distribution=EpisodeDistribution(**SMALL))
+    check_env(env.unwrapped)
+    assert env.action_space.n == len(ACTIONS)
+    assert env.observation_space.shape == (OBS_SIZE,)
+    obs, info = env.reset(seed=3)
+    assert env.observation_space.contains(obs)
+    assert info["utility"] == 0.0
+    env.close()
+
+
+@pytest.mark.parametrize("seed", [5, 11])
+def test_rewards_sum_to_the_utility_the_simulator_reports(seed):
+    """The return of an episode is exactly what `simulate` reports as utility recovered
+    before the deadline for the same transfer, channels, seed and actions."""
+    rng = np.random.default_rng(seed)
+    env = RepairSchedulingEnv(EpisodeDistribution(**SMALL))
+    obs, info = env.reset(seed=seed)
+    spec = info["spec"]
+    actions, rewards, done = [], [], False
+    while not done:
+        a = int(rng.choice(len(ACTIONS), p=[0.5] + [0.45 / 7] * 7 + [0.05]))
+        obs, r, done, trunc, info = env.step(a)
+        assert not trunc and env.observation_space.contains(obs)
+        assert r >= 0.0
+        actions.append(a)
+        rewards.append(r)
+    res = simulate(
+        spec_transfer(spec),
+        channel=spec.channel,
+        feedback_channel=spec.feedback,
+        rho=spec.rho,
+        policy=Replay(actions),
+        seed=spec.seed,
+        symbol_size=spec.symbol_size,
+        record=False,
+    )
+    assert len(actions) > 5
+    assert sum(rewards) == pytest.approx(res.utility_recovered, abs=1e-12)
+    assert info["utility"] == pytest.approx(res.utility_recovered, abs=1e-15)
+    assert res.utility_recovered > 0.2
+
+
+def test_return_counts_nothing_after_the_deadline():
+    """An episode ends after the deadline; the last reward still counts only utility that
+    was decoded by then (the receiver's result at the deadline)."""
+    env = RepairSchedulingEnv()
+    spec = eval_spec("ge-heavy", 0.6, 2, utility="zipf:1")
+    env.reset(options={"spec": spec})
+    total, done = 0.0, False
+    while not done:
+        _, r, done, _, _ = env.step(0)
+        total += r
+    sim = env.sim
+    assert sim.receiver.result.reason == "deadline"
+    assert sim.now >= sim.deadline
+    assert total == pytest.approx(sim.receiver.result.utility_recovered, abs=1e-12)
+    assert total < 0.99  # rho 0.6: not everything fits
+
+
+def test_same_seed_same_episode():
+    a = RepairSchedulingEnv(EpisodeDistribution(**SMALL))
+    b = RepairSchedulingEnv(EpisodeDistribution(**SMALL))
+    oa, ia = a.reset(seed=42)
+    ob, ib = b.reset(seed=42)
+    assert ia["spec"] == ib["spec"] and np.array_equal(oa, ob)
+    for _ in range(4):
+        ra = a.step(1)
+        rb = b.step(1)
+        assert np.array_equal(ra[0], rb[0]) and ra[1] == rb[1]
+    oc, ic = a.reset(seed=43)
+    assert ic["spec"] != ia["spec"]
+
+
+def test_training_distribution_is_wide_and_keeps_the_evaluation_out():
+    dist = EpisodeDistribution(trace_files=(SAMPLE_TRACE,))
+    rng = np.random.default_rng(0)
+    specs = [dist.sample(rng) for _ in range(400)]
+    kinds = {s.channel.loss.kind for s in specs}
+    assert {"gemodel", "random", "trace"} <= kinds
+    assert "state" not in kinds  # the 4-state model is never trained on
+    assert all(s.seed < HELD_OUT_SEED for s in specs)
+    for s in specs:
+        if s.channel.loss.kind in ("gemodel", "random"):
+            assert not near_eval_channel(s.channel.loss)
+    rhos = np.array([s.rho for s in specs])
+    assert rhos.min() < 0.65 and rhos.max() > 1.15
+    rates = np.array([s.channel.rate_mbps for s in specs])
+    assert rates.min() < 30 and rates.max() > 250
+    losses = [s.channel.stationary_loss() for s in specs if s.channel.loss.kind == "gemodel"]
+    assert min(losses) < 0.01 and max(losses) > 0.15
+    utilities = {s.utility.split(":")[0] for s in specs}
+    assert utilities == {"measured", "zipf", "flat", "linear"}
+    assert all(s.utility.startswith("measured:train:") for s in specs if "measured" in s.utility)
+    fb_delays = {
+        round(s.feedback.delay_ms / s.channel.delay_ms, 3)
+        for s in specs
+        if not s.channel.is_trace and s.channel.delay_ms > 0
+    }
+    assert len(fb_delays) > 10  # feedback delays vary on their own
+    # every evaluation channel is itself "near" (so it is excluded), a far one is not
+    for name in EVAL_CHANNELS[:3]:
+        assert near_eval_channel(load_profile(name).loss)
+    assert not near_eval_channel(Bernoulli(0.15))
+    assert isinstance(load_profile("4state-bursty").loss, FourState)
+
+
+def test_trace_window_episode_runs():
+    dist = EpisodeDistribution(trace_files=(SAMPLE_TRACE,), loss_weights={"trace": 1.0}, **SMALL)
+    env = RepairSchedulingEnv(dist)
+    _, info = env.reset(seed=1)
+    assert info["spec"].channel.is_trace
+    done, total = False, 0.0
+    while not done:
+        _, r, done, _, _ = env.step(0)
+        total += r
+    assert 0.0 < total <= 1.0
+
+
+def test_evaluation_episodes_are_held_out():
+    s = eval_spec("ge-heavy", 0.8, 3)
+    assert s.seed >= HELD_OUT_SEED and s.utility.startswith("measured:eval:")
+    assert s.channel.name == "ge-heavy" and s.feedback == s.channel

@@ -1,0 +1,160 @@
+"""The numpy/numba DDQN runtime: same actions as torch, weights files, policy registration."""
+
+import json
+import subprocess
+import sys
+
+import kvtransport.agents  # noqa: F401  (registers ddqn)
+import numpy as np
+import pytest
+import torch as th
+from kvtransport.agents.ddqn import DoubleDQN, export_q_network, torch_qvalues
+from kvtransport.agents.env import RepairSchedulingEnv
+from kvtransport.agents.episodes import EpisodeDistribution
+from kvtransport.agents.features import N_FEATURES, features
+from kvtransport.agents.runtime import (
+    SHIPPED_SIDECAR,
+    SHIPPED_WEIGHTS,
+    DDQNPolicy,
+    load_weights,
+    save_weights,
+    shipped_policy_available,
+)
+from kvtransport.agents.training import TrainConfig, make_env
+
+from kvtransport.errors import UserError
+from kvtransport.policy import ACTIONS, Adaptive, make_policy
+
+th.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def recorded_observations():
+    """Observations recorded from real episodes (adaptive, random and shipped-DDQN
+    actions, so states on and off the learned policy's path)."""
+    env = RepairSchedulingEnv(EpisodeDistribution(blocks_range=(80, 400)))
+    rng = np.random.default_rng(7)
+    shipped = DDQNPolicy() if shipped_policy_available() else None
+    out = []
+    for ep in range(12):
+        obs, _ = env.reset(seed=100 + ep)
+        brain = Adaptive()
+        brain.reset(env.sim.sender.policy.ctx)
+        done = False
+        while not done:
+            out.append(obs)
+            if ep % 3 == 0:
+                a = int(rng.integers(len(ACTIONS)))
+            elif ep % 3 == 1 or shipped is None:
+                a = brain.act(obs)
+            else:
+                a = shipped.act(obs)
+            obs, _, done, _, _ = env.step(a)
+    return np.array(out, dtype=np.float32)
+
+
+def _torch_model_with(weights):
+    """An SB3 DoubleDQN whose online network holds ``weights`` (shapes from them)."""
+    hidden = [int(w.shape[0]) for w, _ in weights.layers[:-1]]
+    model = DoubleDQN(
+        "MlpPolicy",
+        make_env(TrainConfig()),
+        buffer_size=10,
+        policy_kwargs={"net_arch": hidden},
+        device="cpu",
+    )
+    linears = [m for m in model.q_net.q_net if isinstance(m, th.nn.Linear)]
+    with th.no_grad():
+        for m, (w, b) in zip(linears, weights.layers, strict=True):
+            m.weight.copy_(th.as_tensor(w))
+            m.bias.copy_(th.as_tensor(b))
+    return model
+
+
+def _agree(model, policy, observations):
+    feats = features(observations)
+    q_torch = torch_qvalues(model, feats)
+    q_numba = np.array([policy.weights.qvalues(o) for o in observations])
+    np.testing.assert_allclose(q_numba, q_torch, rtol=1e-5, atol=1e-6)
+    a_torch = q_torch.argmax(axis=1)
+    a_numba = np.array([policy.act(o) for o in observations])
+    assert np.array_equal(a_numba, a_torch)
+    return a_numba
+
+
+@pytest.mark.skipif(not shipped_policy_available(), reason="no trained policy shipped yet")
+def test_shipped_policy_acts_like_its_torch_network(recorded_observations):
+    pol = DDQNPolicy()
+    model = _torch_model_with(pol.weights)
+    actions = _agree(model, pol, recorded_observations)
+    assert len(recorded_observations) > 300
+    assert len(np.unique(actions)) >= 2  # a policy that decides something
+
+
+def test_export_of_a_torch_network_acts_the_same(recorded_observations, tmp_path):
+    model = DoubleDQN(
+        "MlpPolicy",
+        make_env(TrainConfig()),
+        buffer_size=10,
+        seed=5,
+        policy_kwargs={"net_arch": [48, 24]},
+        device="cpu",
+    )
+    path = save_weights(tmp_path / "w.npz", export_q_network(model, ACTIONS), {"command": "x"})
+    pol = DDQNPolicy(path)
+    assert pol.weights.meta["command"] == "x"
+    assert pol.weights.n_params == N_FEATURES * 48 + 48 + 48 * 24 + 24 + 25 * len(ACTIONS)
+    _agree(model, pol, recorded_observations)
+
+
+def test_registered_as_the_ddqn_policy():
+    if not shipped_policy_available():
+        with pytest.raises(UserError, match="kvtransport train"):
+            make_policy("ddqn")
+        return
+    pol = make_policy("ddqn")
+    assert isinstance(pol, DDQNPolicy) and pol.name == "ddqn"
+    side = json.loads(SHIPPED_SIDECAR.read_text())
+    assert side["command"].startswith("kvtransport train")
+    assert side["weights"] == SHIPPED_WEIGHTS.name
+    assert SHIPPED_WEIGHTS.stat().st_size < 200_000
+
+
+def test_bad_weights_files_are_one_line_errors(tmp_path):
+    junk = tmp_path / "junk.npz"
+    junk.write_bytes(b"not a zip at all")
+    with pytest.raises(UserError, match="not a DDQN weights file"):
+        load_weights(junk)
+    with pytest.raises(UserError, match="no such"):
+        load_weights(tmp_path / "missing.npz")
+    model = DoubleDQN(
+        "MlpPolicy",
+        make_env(TrainConfig()),
+        buffer_size=10,
+        policy_kwargs={"net_arch": [8]},
+        device="cpu",
+    )
+    w = export_q_network(model, ACTIONS)
+    w.meta["features_version"] = -1
+    old = save_weights(tmp_path / "old.npz", w)
+    with pytest.raises(UserError, match="retrain"):
+        load_weights(old)
+
+
+def test_data_plane_runs_the_policy_without_torch():
+    code = (
+        "import sys, numpy as np\n"
+        "from kvtransport.simulator import simulate\n"
+        "from kvtransport.agents.runtime import DDQNPolicy, QWeights\n"
+        "from kvtransport.agents.features import N_FEATURES\n"
+        "from kvtransport.policy import ACTIONS\n"
+        "rng = np.random.default_rng(0)\n"
+        "w = QWeights([(rng.normal(size=(16, N_FEATURES)), np.zeros(16)),\n"
+        "              (rng.normal(size=(len(ACTIONS), 16)), np.zeros(len(ACTIONS)))], ACTIONS)\n"
+        "r = simulate(policy=DDQNPolicy(w), size_bytes=300_000, seed=1, record=False)\n"
+        "assert 0.0 <= r.utility_recovered <= 1.0 and r.policy == 'ddqn'\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
