@@ -508,15 +508,11 @@ class ReceiverSession:
 
 def pending_by_segment(decoder: RLCDecoder) -> tuple[tuple[int, int], ...]:
     """(segment, pending equations whose pivot, i.e. lowest unknown, lies in it), lowest
-    segments first. Reads the decoder's pivot array (the codec exposes only the total
-    ``pending_equations``); without it, reports nothing (the sender then assumes no
-    equation is pending and may send a few repairs too many)."""
+    segments first, from the decoder's ``pending_pivots()`` (at most
+    ``MAX_FEEDBACK_SEGMENTS`` segments)."""
     if decoder.pending_equations == 0:
         return ()
-    piv = getattr(decoder, "_piv", None)
-    if piv is None:
-        return ()
-    segs, counts = np.unique(piv[piv >= 0] // REPAIR_SEGMENT, return_counts=True)
+    segs, counts = np.unique(decoder.pending_pivots() // REPAIR_SEGMENT, return_counts=True)
     n = MAX_FEEDBACK_SEGMENTS
     return tuple(zip(segs[:n].tolist(), counts[:n].tolist(), strict=True))
 
