@@ -44,7 +44,7 @@ from typing import Any
 
 from kvtransport.errors import UserError
 from kvtransport.receiver import ReceiverSession
-from kvtransport.udp import DatagramSocket
+from kvtransport.udp import DatagramSocket, clock
 from kvtransport.wire import HEADER_SIZE, DatagramType, Parser, WireError
 
 log = logging.getLogger("kvtransport.receiver-daemon")
@@ -54,6 +54,9 @@ DEFAULT_MAX_BYTES = 256 << 20
 DEFAULT_IDLE_TIMEOUT_S = 10.0
 DEFAULT_LINGER_S = 1.0
 RECENT_IDS = 4096
+BATCH = 256
+"""Datagrams handled between two feedback flushes: a backlog is worked off in slices, so
+feedback (and its echo of the highest packet) is never held back by a long batch."""
 _TID = struct.Struct("!Q")
 
 
@@ -151,10 +154,12 @@ class ReceiverEngine:
     # ------------------------------------------------------------------ datagrams
 
     def on_readable(self, now: float) -> None:
-        """Every waiting datagram to its session; then the feedback they caused goes out."""
+        """The waiting datagrams (at most ``BATCH`` of them) to their sessions; then the
+        feedback they caused goes out, stamped with the time it really leaves."""
         active = self.active
         touched: dict[int, Incoming] = {}
-        for data, addr in self.sock.recv_batch():
+        t0 = clock()
+        for data, addr in self.sock.recv_batch(BATCH):
             if len(data) < HEADER_SIZE:
                 self._drop("truncated")
                 continue
@@ -169,8 +174,10 @@ class ReceiverEngine:
             inc.datagrams += 1
             inc.session.receive_datagram(data, now)
             touched[tid] = inc
-        for inc in touched.values():
-            self._flush(inc, now)
+        if touched:
+            later = now + (clock() - t0)  # the batch took time: the sender's RTT must not
+            for inc in touched.values():  # count it as network delay
+                self._flush(inc, later)
 
     def _admit(self, tid: int, data: memoryview, addr: Any, now: float) -> Incoming | None:
         """A datagram of a transfer without a session: open one if it is genuine."""
@@ -383,7 +390,6 @@ class ReceiverDaemon:
         import zmq
 
         from kvtransport.api import result_frames, write_result_file
-        from kvtransport.udp import clock
 
         res = inc.session.result
         stats = inc.stats(clock())
@@ -403,14 +409,12 @@ class ReceiverDaemon:
 
     def _status(self, head: dict[str, Any], frames: list) -> dict[str, Any]:
         from kvtransport.api import parse_tid
-        from kvtransport.udp import clock
 
         tid = parse_tid(head["transfer_id"]) if head.get("transfer_id") is not None else None
         return {"transfers": self.engine.status(clock(), tid)}
 
     def _abort(self, head: dict[str, Any], frames: list) -> dict[str, Any]:
         from kvtransport.api import parse_tid
-        from kvtransport.udp import clock
 
         return {"aborted": self.engine.abort(parse_tid(head["transfer_id"]), clock())}
 
@@ -430,7 +434,6 @@ class ReceiverDaemon:
 
     def run(self, stop: Any) -> None:
         from kvtransport.daemon import serve
-        from kvtransport.udp import clock
 
         host, port = self.sock.address
         log.info(

@@ -101,6 +101,7 @@ class Outgoing:
     state: str = "sending"
     finished: float | None = None
     sent_datagrams: int = 0
+    max_lag: float = 0.0  # worst lateness of the loop behind this session's timer (s)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def status(self, now: float) -> dict[str, Any]:
@@ -121,6 +122,8 @@ class Outgoing:
             "manifest_sent": st["manifest_sent"],
             "retransmit_sent": st["retransmit_sent"],
             "datagrams_sent": self.sent_datagrams,
+            "idle_polls": st["idle_polls"],
+            "max_lag_ms": round(self.max_lag * 1e3, 3),
             "feedback_received": st["feedback_received"],
             "feedback_dropped": st["dropped"],
             "drop_reasons": dict(s.drop_reasons),
@@ -305,6 +308,8 @@ class SenderEngine:
         for out in list(self.active.values()):
             t = out.session.next_timer()
             if t is not None and t <= horizon:
+                if now - t > out.max_lag:
+                    out.max_lag = now - t
                 self._flush(out, horizon)
             elif out.session.done:
                 self._flush(out, now)
