@@ -264,8 +264,11 @@ class DatagramSocket:
                     j += 1  # the last segment of a GSO batch may be shorter
             if j - i > 1:
                 took = self._send_gso(datagrams[i:j], size, addr)
-                if took < 0:  # GSO refused: this run goes one by one below
+                if took < 0:  # GSO failed: one by one; if that works, GSO was the problem
                     took = self._send_each(datagrams[i:j], addr)
+                    if took == j - i:
+                        self.stats["gso_refused"] += 1
+                        self._gso_limit = min(self._gso_limit, size - 1)
             else:
                 took = self._send_each(datagrams[i:j], addr)
             sent += took
@@ -289,8 +292,6 @@ class DatagramSocket:
                 return 0
             except OSError as exc:
                 if exc.errno in _GSO_REFUSED:
-                    self.stats["gso_refused"] += 1
-                    self._gso_limit = min(self._gso_limit, size - 1)
                     return -1
                 self._count_error(exc)
                 return 0
