@@ -57,7 +57,6 @@ _RUN_DIR = Path(os.environ.get("KVT_RUN_DIR", tempfile.gettempdir()))
 DEFAULT_SENDER_CONTROL = f"ipc://{_RUN_DIR / 'kvtransport-sender.ipc'}"
 DEFAULT_RECEIVER_CONTROL = f"ipc://{_RUN_DIR / 'kvtransport-receiver.ipc'}"
 DEFAULT_RESULTS = f"ipc://{_RUN_DIR / 'kvtransport-results.ipc'}"
-DEFAULT_PORT = 9400
 RESULT_TOPIC = b"result"
 RESULT_KEY = "kvtransport.result"
 TRANSFER_FRAMES = ("payload", "offsets", "lengths", "utilities", "app_metadata")

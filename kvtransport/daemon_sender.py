@@ -34,7 +34,7 @@ import logging
 import math
 import struct
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -102,7 +102,6 @@ class Outgoing:
     finished: float | None = None
     sent_datagrams: int = 0
     max_lag: float = 0.0  # worst lateness of the loop behind this session's timer (s)
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def status(self, now: float) -> dict[str, Any]:
         s = self.session
