@@ -636,15 +636,23 @@ class Reassembled:
         return float(self.manifest.utility[ok].sum(dtype=np.float64))
 
 
+def _as_u8(payload: np.ndarray | bytes | bytearray | memoryview) -> np.ndarray:
+    if isinstance(payload, bytes | bytearray | memoryview):
+        return np.frombuffer(payload, dtype=np.uint8)
+    return np.asarray(payload).reshape(-1).view(np.uint8)
+
+
 def corrupted_blocks(
-    manifest: Manifest, payload: np.ndarray, complete: np.ndarray | None = None
+    manifest: Manifest,
+    payload: np.ndarray | bytes | bytearray | memoryview,
+    complete: np.ndarray | None = None,
 ) -> np.ndarray:
     """Stream indices of complete blocks whose bytes fail their CRC-32 (sorted).
 
     Raises ValueError when the payload is too short for a block marked complete.
     """
     m = manifest
-    buf = np.asarray(payload).reshape(-1).view(np.uint8)
+    buf = _as_u8(payload)
     ok = np.ones(m.num_blocks, bool) if complete is None else np.asarray(complete, bool)
     end = m.offset + m.length
     if np.any(ok & (end > buf.size)):
@@ -660,7 +668,7 @@ def corrupted_blocks(
 
 def decode_stream(
     manifest: Manifest | bytes | bytearray | memoryview,
-    payload: np.ndarray | bytes,
+    payload: np.ndarray | bytes | bytearray | memoryview,
     complete: np.ndarray | None = None,
     *,
     token_ids: np.ndarray | None = None,
@@ -676,8 +684,7 @@ def decode_stream(
     """
     m = manifest if isinstance(manifest, Manifest) else Manifest.from_bytes(manifest)
     g = m.geometry
-    buf = np.frombuffer(payload, dtype=np.uint8) if isinstance(payload, bytes) else payload
-    buf = np.asarray(buf).reshape(-1).view(np.uint8)
+    buf = _as_u8(payload)
     ok = np.ones(m.num_blocks, bool) if complete is None else np.asarray(complete, bool).copy()
     if ok.shape != (m.num_blocks,):
         raise ValueError(f"complete mask {ok.shape} != ({m.num_blocks},)")

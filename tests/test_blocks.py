@@ -118,6 +118,9 @@ def test_corrupted_blocks_count_as_missing_and_are_reported():
     assert r.corrupted.tolist() == bad
     assert r.missing.tolist() == sorted([*bad, 3])
     assert blocks.corrupted_blocks(s.manifest, payload, complete).tolist() == bad
+    as_bytes = blocks.decode_stream(s.manifest_bytes, payload.tobytes(), complete)
+    assert as_bytes.missing.tolist() == r.missing.tolist()
+    assert blocks.corrupted_blocks(s.manifest, bytearray(payload.tobytes())).tolist() == bad
 
 
 def test_short_payload_for_a_complete_block_is_an_error():
