@@ -23,4 +23,4 @@ test: lint
 	@$(PY) -m pytest $(ARGS)
 
 bench: setup
-	@$(PY) scripts/bench_codec.py
+	@for b in scripts/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
