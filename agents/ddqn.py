@@ -18,6 +18,8 @@ import numpy as np
 import torch as th
 from kvtransport.agents.runtime import QWeights
 from stable_baselines3 import DQN
+from stable_baselines3.dqn.policies import DQNPolicy, QNetwork
+from torch import nn
 from torch.nn import functional as F
 
 
@@ -37,7 +39,26 @@ def double_dqn_target(
 
 
 class DoubleDQN(DQN):
-    """stable-baselines3 DQN with the Double-DQN target (everything else unchanged)."""
+    """stable-baselines3 DQN with the Double-DQN target, plus an optional large-margin
+    loss on expert demonstrations (DQfD, Hester et al., 2018).
+
+    ``set_expert_transitions(indices, margin)`` marks replay-buffer entries played by an
+    expert; then a quarter of every batch is drawn from them and the loss adds
+    ``weight * mean(max_a [Q(s, a) + margin * (a != a_E)] - Q(s, a_E))``: the expert's
+    action must look at least ``margin`` better than the others in its own states, which
+    anchors the network where the TD signal is weak; the TD loss (on the whole batch) still
+    decides everywhere else. Without experts, training is SB3's with the Double-DQN target.
+    """
+
+    _expert_idx: np.ndarray | None = None
+    expert_margin = 0.0
+    expert_weight = 1.0
+
+    def set_expert_transitions(self, indices: np.ndarray, margin: float,
+                               weight: float = 1.0) -> None:  # fmt: skip
+        self._expert_idx = np.asarray(indices, dtype=np.int64)
+        self.expert_margin = float(margin)
+        self.expert_weight = float(weight)
 
     def td_target(self, replay_data: object) -> th.Tensor:
         discounts = replay_data.discounts if replay_data.discounts is not None else self.gamma
@@ -50,18 +71,41 @@ class DoubleDQN(DQN):
             discounts,
         )
 
+    def _sample(self, batch_size: int) -> tuple[object, int]:
+        """A batch, and how many of its last rows are expert transitions."""
+        buf = self.replay_buffer
+        if self._expert_idx is None or not self._expert_idx.size or self.expert_weight <= 0:
+            return buf.sample(batch_size, env=self._vec_normalize_env), 0
+        n_e = batch_size // 4
+        upper = buf.buffer_size if buf.full else buf.pos
+        inds = np.concatenate(
+            [
+                np.random.randint(0, upper, size=batch_size - n_e),
+                np.random.choice(self._expert_idx, size=n_e),
+            ]
+        )
+        return buf._get_samples(inds, env=self._vec_normalize_env), n_e
+
+    def expert_loss(self, q: th.Tensor, actions: th.Tensor) -> th.Tensor:
+        """The large-margin loss of expert rows ``q`` [n, A] with expert ``actions`` [n, 1]."""
+        margins = th.full_like(q, self.expert_margin)
+        margins.scatter_(1, actions, 0.0)
+        return ((q + margins).max(dim=1).values - q.gather(1, actions).squeeze(1)).mean()
+
     def train(self, gradient_steps: int, batch_size: int = 100) -> None:
         # SB3's DQN.train with td_target in place of the max over the target network
         self.policy.set_training_mode(True)
         self._update_learning_rate(self.policy.optimizer)
         losses = []
         for _ in range(gradient_steps):
-            replay_data = self.replay_buffer.sample(batch_size, env=self._vec_normalize_env)
+            replay_data, n_e = self._sample(batch_size)
             target_q = self.td_target(replay_data)
-            current_q = th.gather(
-                self.q_net(replay_data.observations), 1, replay_data.actions.long()
-            )
+            actions = replay_data.actions.long()
+            q_all = self.q_net(replay_data.observations)
+            current_q = th.gather(q_all, 1, actions)
             loss = F.smooth_l1_loss(current_q, target_q)
+            if n_e:
+                loss = loss + self.expert_weight * self.expert_loss(q_all[-n_e:], actions[-n_e:])
             losses.append(loss.item())
             self.policy.optimizer.zero_grad()
             loss.backward()
@@ -72,15 +116,58 @@ class DoubleDQN(DQN):
         self.logger.record("train/loss", float(np.mean(losses)) if losses else 0.0)
 
 
+class DuelingHead(nn.Module):
+    """Dueling output layer (Wang et al., 2016): Q = V(h) + A(h, a) - mean_a A(h, a).
+
+    The value head absorbs how good a state is (it varies a lot: the utility still to
+    come), so the advantage head only has to learn the small differences between
+    actions. It is linear in ``h``, so it folds into one plain Linear layer for export."""
+
+    def __init__(self, n_in: int, n_actions: int) -> None:
+        super().__init__()
+        self.value = nn.Linear(n_in, 1)
+        self.advantage = nn.Linear(n_in, n_actions)
+
+    def forward(self, h: th.Tensor) -> th.Tensor:
+        a = self.advantage(h)
+        return self.value(h) + a - a.mean(dim=1, keepdim=True)
+
+    def folded(self) -> tuple[np.ndarray, np.ndarray]:
+        """(W, b) of the equivalent Linear layer."""
+        wa = self.advantage.weight.detach().cpu().numpy().astype(np.float64)
+        ba = self.advantage.bias.detach().cpu().numpy().astype(np.float64)
+        wv = self.value.weight.detach().cpu().numpy().astype(np.float64)
+        bv = self.value.bias.detach().cpu().numpy().astype(np.float64)
+        w = wa - wa.mean(axis=0, keepdims=True) + wv
+        b = ba - ba.mean() + bv
+        return w.astype(np.float32), b.astype(np.float32)
+
+
+class DuelingDQNPolicy(DQNPolicy):
+    """SB3's MLP DQN policy with a :class:`DuelingHead` as the last layer."""
+
+    def make_q_net(self) -> QNetwork:
+        net = super().make_q_net()
+        layers = list(net.q_net)
+        last = layers[-1]
+        layers[-1] = DuelingHead(last.in_features, last.out_features)
+        net.q_net = nn.Sequential(*layers).to(self.device)
+        return net
+
+
 def export_q_network(model: DQN, actions: np.ndarray, meta: dict | None = None) -> QWeights:
-    """The online Q-network of an SB3 DQN (MLP policy, ReLU, flatten extractor) as arrays."""
-    net = model.q_net.q_net
-    linears = [m for m in net if isinstance(m, th.nn.Linear)]
-    acts = [m for m in net if not isinstance(m, th.nn.Linear)]
-    if not all(isinstance(m, th.nn.ReLU) for m in acts) or len(acts) != len(linears) - 1:
+    """The online Q-network of an SB3 DQN (MLP policy, ReLU, flatten extractor, plain or
+    dueling last layer) as arrays."""
+    net = list(model.q_net.q_net)
+    dense = (nn.Linear, DuelingHead)
+    linears = [m for m in net if isinstance(m, dense)]
+    acts = [m for m in net if not isinstance(m, dense)]
+    if not all(isinstance(m, nn.ReLU) for m in acts) or len(acts) != len(linears) - 1:
         raise ValueError("export needs an MLP of Linear layers with ReLU between them")
     layers = [
-        (m.weight.detach().cpu().numpy().copy(), m.bias.detach().cpu().numpy().copy())
+        m.folded()
+        if isinstance(m, DuelingHead)
+        else (m.weight.detach().cpu().numpy().copy(), m.bias.detach().cpu().numpy().copy())
         for m in linears
     ]
     return QWeights(layers, actions, meta)

@@ -3,10 +3,9 @@
 An :class:`EpisodeSpec` is one transfer, fully determined: the data-path and feedback-path
 link profiles (kvtransport.netem), rho, the block table (count, bytes per block, utility
 profile) and the seed of every random draw. :func:`build_simulation` turns it into a
-:class:`kvtransport.simulator.Simulation` of the real sessions, seeded exactly as
-:func:`kvtransport.simulator.simulate` seeds its runs (the same ``SeedSequence(seed)``
-split into data channel, feedback channel, transfer id), so an episode replayed by
-``simulate(transfer=spec_transfer(spec), channel=spec.channel, ...)`` is the same run.
+:class:`kvtransport.simulator.Simulation` of the real sessions through
+:func:`kvtransport.simulator.make_simulation`, the set-up ``simulate`` uses, so an episode
+replayed by ``simulate(spec_transfer(spec), channel=spec.channel, ...)`` is the same run.
 
 :class:`EpisodeDistribution` draws specs from the training distribution (seeded by the
 caller's generator):
@@ -15,7 +14,8 @@ caller's generator):
   when given; a handful of loss-free links;
 - link rate 20..400 Mbit/s (log-uniform), one-way delay 1..20 ms, some jitter;
 - feedback path: the same profile drawn independently (the simulator's and testbed's
-  default), or loss-free, with its own delay (0.5x..2x the data path's) part of the time;
+  default), or loss-free, with its own delay (0.5x..2x the data path's) part of the time
+  (``feedback_weights``; a "dead" feedback path that loses everything is available too);
 - rho 0.6..1.2; caches of 100..1800 blocks of 3, 6 or 12 KiB (int4, int8, fp16 blocks
   of one SmolLM2 layer x 16 tokens);
 - block utilities: measured from the real model (agents/data/utility_profiles.npz,
@@ -41,7 +41,7 @@ from kvtransport.netem.loss import LossSpec
 from kvtransport.netem.trace import TraceReplay, read_trace
 
 from kvtransport.protocol import DEFAULT_SYMBOL_SIZE
-from kvtransport.simulator import Simulation, full_send_time
+from kvtransport.simulator import Simulation, full_send_time, make_simulation
 from kvtransport.transfer import BlockTable, Transfer, utility_profile
 
 EVAL_CHANNELS = ("bernoulli-5", "ge-light", "ge-heavy", "4state-bursty")
@@ -118,25 +118,17 @@ def spec_transfer(spec: EpisodeSpec) -> Transfer:
 
 
 def build_simulation(spec: EpisodeSpec, policy: object, record: bool = False) -> Simulation:
-    """The real sender and receiver for ``spec`` over its channels, seeded as
-    :func:`kvtransport.simulator.simulate` seeds a run with the same arguments."""
-    from kvtransport.netem import make_channel
-
-    transfer = spec_transfer(spec)
-    prof = spec.channel
-    rate_bps = prof.rate_mbps * 1e6
-    data_seed, fb_seed, tid_seed, _ = np.random.SeedSequence(spec.seed).spawn(4)
-    deadline = spec_deadline(spec)
-    return Simulation(
-        transfer,
-        policy,
-        make_channel(prof, data_seed),
-        make_channel(spec.feedback, fb_seed),
-        rate_bps=rate_bps,
-        deadline=deadline,
-        transfer_id=int(tid_seed.generate_state(2, np.uint64)[0]),
+    """The real sender and receiver for ``spec`` over its channels: exactly the run
+    ``kvtransport.simulator.make_simulation`` sets up for the same transfer, profiles, rho
+    and seed (``simulate`` with those arguments gives the same result)."""
+    return make_simulation(
+        spec_transfer(spec),
+        channel=spec.channel,
+        feedback_channel=spec.feedback,
+        rho=spec.rho,
+        policy=policy,
+        seed=spec.seed,
         symbol_size=spec.symbol_size,
-        initial_rtt=2e-3 * prof.delay_ms + 1e-3,
         record=record,
     )
 
@@ -203,6 +195,9 @@ class EpisodeDistribution:
     loss_weights: dict[str, float] = field(
         default_factory=lambda: {"ge": 0.6, "bernoulli": 0.3, "clean": 0.05, "trace": 0.15}
     )
+    feedback_weights: dict[str, float] = field(
+        default_factory=lambda: {"same": 0.6, "lossless": 0.2, "lossless_delay": 0.2, "dead": 0.0}
+    )
     utility_weights: dict[str, float] = field(
         default_factory=lambda: {"measured": 0.5, "zipf": 0.3, "flat": 0.1, "linear": 0.1}
     )
@@ -251,10 +246,17 @@ class EpisodeDistribution:
         return Profile(name=kind, loss=loss, rate_mbps=rate, delay_ms=delay, jitter_ms=jitter)
 
     def _feedback(self, rng: np.random.Generator, data: Profile) -> Profile:
-        u = rng.random()
-        fb = data if u < 0.6 else data.reverse_profile("delay")
-        if u >= 0.8 and not data.is_trace:
+        w = self.feedback_weights
+        keys = ("same", "lossless", "lossless_delay", "dead")
+        cum = np.cumsum([w.get(k, 0.0) for k in keys])
+        kind = keys[min(int(np.searchsorted(cum / cum[-1], rng.random(), side="right")), 3)]
+        if kind == "same":
+            return data
+        fb = data.reverse_profile("delay")
+        if kind == "lossless_delay" and not data.is_trace:
             fb = replace(fb, delay_ms=data.delay_ms * _log_uniform(rng, 0.5, 2.0))
+        elif kind == "dead":
+            fb = replace(fb, name="dead", loss=Bernoulli(1.0))
         return fb
 
     def _utility(self, rng: np.random.Generator) -> tuple[str, int | None]:

@@ -3,14 +3,21 @@
 The loop, in order:
 
 1. **Demonstrations.** The replay buffer starts with whole episodes played by behaviour
-   policies (kvtransport.policy's adaptive heuristic with margins z in 0..3, the
-   clairvoyant oracle, the session's own tail rule alone, each with a little random
-   noise). This is exploration, not imitation: Double-DQN learns off-policy from these
-   transitions exactly as from its own, and they put states near the decisions that
-   matter (when to stop admitting sources, how much to protect the last RTT) into the
-   buffer from the start, instead of waiting for epsilon-greedy to stumble on them.
-2. **Double DQN** (kvtransport.agents.ddqn) on the environment's observation mapped to
-   the network's features (kvtransport.agents.features), n-step returns, epsilon-greedy.
+   policies: the clairvoyant oracle, kvtransport.policy's adaptive heuristic with margins
+   z in 0..3, the session's own tail rule alone, and random play, each with a little random
+   noise. Double DQN learns off-policy from all of them as from its own transitions; they
+   put the states where decisions matter (when to stop admitting sources, how much to
+   protect the last RTT) into the buffer from the start.
+2. **Double DQN** (kvtransport.agents.ddqn) with a dueling head, n-step returns and
+   epsilon-greedy exploration, on the environment's observation mapped to the network's
+   features (kvtransport.agents.features) and the reward re-timed by :class:`CreditOnSend`
+   (same return, earlier signal). The oracle's own transitions also get DQfD's large-margin
+   loss: in the oracle's states its action must look ``expert_margin`` better than the
+   others. The per-step value differences between actions are tiny next to the value of a
+   state (a few ten-thousandths of the utility against most of it), so the TD signal alone
+   takes a long time to stop the network from wasting slots mid-transfer; the margin
+   anchors it near the oracle's behaviour, and TD learning decides where the oracle's
+   choices, which rest on its view of the future, do not pay off from observations alone.
 3. **Validation** every ``eval_every`` steps: the current network, exported to the numpy
    runtime the daemon uses, plays a fixed set of held-out episodes (seeds outside the
    training range, fresh channel draws), side by side with the adaptive heuristic on the
@@ -60,8 +67,11 @@ class TrainConfig:
     batch_size: int = 128
     gamma: float = 0.99
     credit_on_send: bool = True
+    dueling: bool = True
+    expert_margin: float = 0.005
+    expert_weight: float = 1.0
     n_steps: int = 4
-    train_freq: int = 4
+    train_freq: int = 2
     target_update_interval: int = 2_000
     exploration_fraction: float = 0.2
     exploration_initial_eps: float = 0.2
@@ -167,13 +177,15 @@ class _Constant(Policy):
 
 def collect_demonstrations(
     model: object, env: gym.Env, n_steps: int, seed: int, progress: object = None
-) -> int:
-    """Add whole episodes of behaviour policies to ``model``'s replay buffer."""
+) -> np.ndarray:
+    """Add whole episodes of behaviour policies to ``model``'s replay buffer; returns the
+    buffer indices of the expert's (the oracle's own, not noise) transitions."""
     rng = np.random.default_rng(seed)
     base = env.unwrapped
-    kinds = ("adaptive", "adaptive", "oracle", "tail", "random")
+    kinds = ("oracle", "adaptive", "oracle", "tail", "random")
     added = 0
     episode = 0
+    expert: list[int] = []
     while added < n_steps:
         obs, _ = env.reset(seed=int(rng.integers(1 << 31)))
         kind = kinds[episode % len(kinds)]
@@ -186,7 +198,10 @@ def collect_demonstrations(
         done = False
         while not done:
             raw = base.sim.sender.obs
-            a = int(rng.integers(len(base.actions))) if rng.random() < eps else pol.act(raw)
+            noise = rng.random() < eps
+            a = int(rng.integers(len(base.actions))) if noise else pol.act(raw)
+            if kind == "oracle" and not noise:
+                expert.append(model.replay_buffer.pos)
             nxt, r, term, trunc, _ = env.step(a)
             done = term or trunc
             model.replay_buffer.add(
@@ -196,7 +211,7 @@ def collect_demonstrations(
             added += 1
             if progress is not None:
                 progress.update(1)
-    return added
+    return np.array(expert, dtype=np.int64)
 
 
 # ---------------------------------------------------------------------------- the run
@@ -241,7 +256,7 @@ def _plot(rows: list[dict], path: Path) -> None:
 def train(cfg: TrainConfig, out: str | Path, command: str = "", quiet: bool = False) -> TrainResult:
     """Run one training (see the module docstring); everything lands in ``out``."""
     import torch
-    from kvtransport.agents.ddqn import DoubleDQN, export_q_network
+    from kvtransport.agents.ddqn import DoubleDQN, DuelingDQNPolicy, export_q_network
     from stable_baselines3.common.callbacks import BaseCallback
     from stable_baselines3.common.logger import configure
     from tqdm import tqdm
@@ -253,7 +268,7 @@ def train(cfg: TrainConfig, out: str | Path, command: str = "", quiet: bool = Fa
     env = make_env(cfg)
     actions = env.unwrapped.actions
     model = DoubleDQN(
-        "MlpPolicy",
+        DuelingDQNPolicy if cfg.dueling else "MlpPolicy",
         env,
         learning_rate=cfg.learning_rate,
         buffer_size=cfg.buffer_size,
@@ -283,7 +298,9 @@ def train(cfg: TrainConfig, out: str | Path, command: str = "", quiet: bool = Fa
     base_adaptive = np.array([play(s, Adaptive()) for s in val])
     base_oracle = np.array([play(s, Oracle()) for s in val])
     bar.set_postfix_str("demonstrations")
-    collect_demonstrations(model, env, cfg.demo_steps, cfg.seed, bar)
+    experts = collect_demonstrations(model, env, cfg.demo_steps, cfg.seed, bar)
+    if cfg.expert_margin > 0 and cfg.expert_weight > 0:
+        model.set_expert_transitions(experts, cfg.expert_margin, cfg.expert_weight)
 
     provenance = {"command": command, "config": _jsonable(asdict(cfg))}
     rows: list[dict] = []

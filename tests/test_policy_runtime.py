@@ -8,7 +8,7 @@ import kvtransport.agents  # noqa: F401  (registers ddqn)
 import numpy as np
 import pytest
 import torch as th
-from kvtransport.agents.ddqn import DoubleDQN, export_q_network, torch_qvalues
+from kvtransport.agents.ddqn import DoubleDQN, DuelingDQNPolicy, export_q_network, torch_qvalues
 from kvtransport.agents.env import RepairSchedulingEnv
 from kvtransport.agents.episodes import EpisodeDistribution
 from kvtransport.agents.features import N_FEATURES, features
@@ -91,20 +91,25 @@ def test_shipped_policy_acts_like_its_torch_network(recorded_observations):
     assert len(np.unique(actions)) >= 2  # a policy that decides something
 
 
-def test_export_of_a_torch_network_acts_the_same(recorded_observations, tmp_path):
+@pytest.mark.parametrize("dueling", [False, True])
+def test_export_of_a_torch_network_acts_the_same(recorded_observations, tmp_path, dueling):
     model = DoubleDQN(
-        "MlpPolicy",
+        DuelingDQNPolicy if dueling else "MlpPolicy",
         make_env(TrainConfig()),
         buffer_size=10,
         seed=5,
         policy_kwargs={"net_arch": [48, 24]},
         device="cpu",
     )
+    with th.no_grad():  # away from the initialization's tiny output weights
+        for p in model.q_net.parameters():
+            p.add_(th.randn_like(p) * 0.2)
     path = save_weights(tmp_path / "w.npz", export_q_network(model, ACTIONS), {"command": "x"})
     pol = DDQNPolicy(path)
     assert pol.weights.meta["command"] == "x"
     assert pol.weights.n_params == N_FEATURES * 48 + 48 + 48 * 24 + 24 + 25 * len(ACTIONS)
-    _agree(model, pol, recorded_observations)
+    actions = _agree(model, pol, recorded_observations)
+    assert len(np.unique(actions)) >= 2
 
 
 def test_registered_as_the_ddqn_policy():
