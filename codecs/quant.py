@@ -161,6 +161,73 @@ def dequantize(q: Quantized, dtype: np.dtype | type = np.float32) -> np.ndarray:
     return out.reshape(shape).astype(dtype, copy=False)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _half_to_float(h: int) -> np.float32:  # pragma: no cover - numba
+    """IEEE binary16 bits -> float32 (exact)."""
+    e = (h >> 10) & 0x1F
+    m = h & 0x3FF
+    if e == 0:
+        v = m * 2.0**-24
+    elif e == 31:
+        v = np.inf if m == 0 else np.nan
+    else:
+        v = (1024 + m) * 2.0 ** (e - 25)
+    return np.float32(-v if h & 0x8000 else v)
+
+
+@njit(cache=True, nogil=True)
+def dequantize_blocks_into(
+    buf: np.ndarray,
+    offsets: np.ndarray,
+    layers: np.ndarray,
+    starts: np.ndarray,
+    count: int,
+    bits: int,
+    group_size: int,
+    keys: np.ndarray,
+    values: np.ndarray,
+) -> None:  # pragma: no cover - numba
+    """Dequantize serialized blocks (kvtransport.blocks layout) straight into a cache.
+
+    buf: uint8 stream; block ``j`` starts at ``offsets[j]``, holds ``count`` tokens of
+    layer ``layers[j]`` from token ``starts[j]``: codes ``[2, H, count, D * bits / 8]``,
+    then little-endian float16 scales and zeros ``[2, H, count, D / group_size]`` each.
+    keys, values: float32 ``[L, H, N, D]``, written in place. One pass over the bytes, no
+    temporaries; the arithmetic (float32 ``q * scale``, then ``+ zero``) is the same as
+    :func:`dequantize`, so both give identical bits.
+    """
+    heads = keys.shape[1]
+    dim = keys.shape[3]
+    per_row = dim * bits // 8
+    groups = dim // group_size
+    n_codes = 2 * heads * count * per_row
+    n_groups = 2 * heads * count * groups
+    for j in range(offsets.size):
+        o = offsets[j]
+        so = o + n_codes
+        zo = so + 2 * n_groups
+        layer = layers[j]
+        t0 = starts[j]
+        for kv in range(2):
+            out = keys if kv == 0 else values
+            for h in range(heads):
+                for t in range(count):
+                    row = (kv * heads + h) * count + t
+                    base = o + row * per_row
+                    for g in range(groups):
+                        gi = row * groups + g
+                        sc = _half_to_float(buf[so + 2 * gi] | (buf[so + 2 * gi + 1] << 8))
+                        zr = _half_to_float(buf[zo + 2 * gi] | (buf[zo + 2 * gi + 1] << 8))
+                        for d in range(g * group_size, (g + 1) * group_size):
+                            if bits == 8:
+                                q = buf[base + d]
+                            elif d % 2 == 0:
+                                q = buf[base + d // 2] & 0x0F
+                            else:
+                                q = buf[base + d // 2] >> 4
+                            out[layer, h, t0 + t, d] = np.float32(q) * sc + zr
+
+
 def pack_int4(codes: np.ndarray) -> np.ndarray:
     """Pack 4-bit codes (uint8 values 0..15) two per byte along the last axis."""
     if codes.shape[-1] % 2:

@@ -705,6 +705,13 @@ def decode_stream(
     for p, c in sorted(set(zip(m.precision[good].tolist(), counts[good].tolist(), strict=True))):
         idx = good[(m.precision[good] == p) & (counts[good] == c)].tolist()
         name = PRECISIONS[p]
+        if name not in _FLOAT and dtype == np.float32:  # one numba pass, straight in place
+            quant.dequantize_blocks_into(
+                buf, offset[idx], layers[idx].astype(np.int64), starts[idx], c,
+                _BITS[name], g.group_size, keys, values,
+            )  # fmt: skip
+            present_blocks[layers[idx], m.token_block[idx]] = True
+            continue
         if name in _FLOAT:
             kv = [buf[offset[i] : end[i]].view(_FLOAT[name]).reshape(2, -1, c, g.head_dim)
                   for i in idx]  # fmt: skip

@@ -196,7 +196,12 @@ def read_card(path: str | os.PathLike) -> CacheCard:
     path = Path(path)
     name = str(path)
     try:
-        data = np.fromfile(path, dtype=np.uint8)
+        # Mapped, not read: the blocks are copied once, straight into the rebuilt cache.
+        # Safe against concurrent writers, whose atomic rename leaves this inode intact.
+        if path.is_dir():
+            raise IsADirectoryError(name)
+        size = path.stat().st_size
+        data = np.memmap(path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
     except FileNotFoundError:
         raise CardError(f"{name}: no such file") from None
     except IsADirectoryError:

@@ -299,3 +299,20 @@ def test_encode_rejects_bad_arguments():
     huge.keys[0, 0, 0, 0] = 1e6
     with pytest.raises(ValueError, match="float16"):
         blocks.encode_stream(huge, u, o, "fp16", block_tokens=BT)
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_quantized_blocks_decode_to_exactly_the_reference_dequantization(precision):
+    from kvtransport.codecs import quant
+
+    c = _cache(tokens=70)  # includes short tail blocks
+    s = _encode(c, precision)
+    r = blocks.decode_stream(s.manifest_bytes, s.payload)
+    m = s.manifest
+    bits = 8 if precision == "int8" else 4
+    for i in range(m.num_blocks):
+        layer, sl = m.layer[i], _token_slice(m, i)
+        kv = np.stack([c.keys[layer, :, sl], c.values[layer, :, sl]])
+        ref = quant.dequantize(quant.quantize(kv, bits, 32))
+        assert np.array_equal(r.cache.keys[layer, :, sl], ref[0])
+        assert np.array_equal(r.cache.values[layer, :, sl], ref[1])
