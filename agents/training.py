@@ -11,12 +11,13 @@ The loop, in order:
 2. **Double DQN** (kvtransport.agents.ddqn) with a dueling head, n-step returns and
    epsilon-greedy exploration, on the environment's observation mapped to the network's
    features (kvtransport.agents.features) and the reward re-timed by :class:`CreditOnSend`
-   (same return, earlier signal). The oracle's own transitions also get DQfD's large-margin
-   loss: in the oracle's states its action must look ``expert_margin`` better than the
-   others. The per-step value differences between actions are tiny next to the value of a
-   state (a few ten-thousandths of the utility against most of it), so the TD signal alone
-   takes a long time to stop the network from wasting slots mid-transfer; the margin
-   anchors it near the oracle's behaviour, and TD learning decides where the oracle's
+   (same return, earlier signal). The experts' own transitions (``EXPERTS``: the oracle and
+   the session's tail rule alone) also get DQfD's large-margin loss: in an expert's states
+   its action must look ``expert_margin`` better than the others. The per-step value
+   differences between actions are tiny next to the value of a state (a few
+   ten-thousandths of the utility against most of it), so the TD signal alone takes long to
+   stop the network from wasting slots mid-transfer; the margin anchors it near the
+   experts' behaviour, and TD learning decides between them, and where the oracle's
    choices, which rest on its view of the future, do not pay off from observations alone.
 3. **Validation** every ``eval_every`` steps: the current network, exported to the numpy
    runtime the daemon uses, plays a fixed set of held-out episodes (seeds outside the
@@ -157,6 +158,13 @@ def play(spec: EpisodeSpec, policy: Policy) -> float:
 # ---------------------------------------------------------------------------- demonstrations
 
 
+EXPERTS = ("oracle", "tail")
+"""Demonstrators whose own choices get the large-margin loss: the clairvoyant oracle, and
+the session's own tail rule with reactive repair alone (action 0 throughout), which the
+oracle does not dominate (it stops admitting up to an interval early). Where the two
+disagree the margin lifts both above the rest and TD learning picks between them."""
+
+
 def _behaviour(kind: str, rng: np.random.Generator) -> tuple[Policy, float]:
     if kind == "adaptive":
         return Adaptive(z=float(rng.uniform(0.0, 3.0))), 0.05
@@ -168,6 +176,12 @@ def _behaviour(kind: str, rng: np.random.Generator) -> tuple[Policy, float]:
 
 
 class _Constant(Policy):
+    """One action throughout, with reactive hole repair like the environment's policy
+    (action 0: the session's tail rule alone decides admission)."""
+
+    name = "tail-rule"
+    reactive = True
+
     def __init__(self, action: int) -> None:
         self.action = action
 
@@ -179,10 +193,10 @@ def collect_demonstrations(
     model: object, env: gym.Env, n_steps: int, seed: int, progress: object = None
 ) -> np.ndarray:
     """Add whole episodes of behaviour policies to ``model``'s replay buffer; returns the
-    buffer indices of the expert's (the oracle's own, not noise) transitions."""
+    buffer indices of the experts' own (not noise) transitions (see ``EXPERTS``)."""
     rng = np.random.default_rng(seed)
     base = env.unwrapped
-    kinds = ("oracle", "adaptive", "oracle", "tail", "random")
+    kinds = ("oracle", "tail", "adaptive", "oracle", "tail", "random")
     added = 0
     episode = 0
     expert: list[int] = []
@@ -200,7 +214,7 @@ def collect_demonstrations(
             raw = base.sim.sender.obs
             noise = rng.random() < eps
             a = int(rng.integers(len(base.actions))) if noise else pol.act(raw)
-            if kind == "oracle" and not noise:
+            if kind in EXPERTS and not noise:
                 expert.append(model.replay_buffer.pos)
             nxt, r, term, trunc, _ = env.step(a)
             done = term or trunc
@@ -240,6 +254,7 @@ def _plot(rows: list[dict], path: Path) -> None:
     ax.plot(x, [r["val_ddqn"] for r in rows], "o-", label="DDQN (validation)")
     ax.plot(x, [r["val_adaptive"] for r in rows], "--", label="adaptive heuristic")
     ax.plot(x, [r["val_oracle"] for r in rows], ":", label="oracle")
+    ax.plot(x, [r["val_tail_rule"] for r in rows], "-.", label="tail rule alone (action 0)")
     tr = [(r["step"], r["train_return"]) for r in rows if not math.isnan(r["train_return"])]
     if tr:
         ax.plot(*zip(*tr, strict=True), alpha=0.5, label="training return (last 100 episodes)")
@@ -297,6 +312,7 @@ def train(cfg: TrainConfig, out: str | Path, command: str = "", quiet: bool = Fa
     bar.set_postfix_str("baselines on validation episodes")
     base_adaptive = np.array([play(s, Adaptive()) for s in val])
     base_oracle = np.array([play(s, Oracle()) for s in val])
+    base_tail = np.array([play(s, _Constant(0)) for s in val])
     bar.set_postfix_str("demonstrations")
     experts = collect_demonstrations(model, env, cfg.demo_steps, cfg.seed, bar)
     if cfg.expert_margin > 0 and cfg.expert_weight > 0:
@@ -319,6 +335,7 @@ def train(cfg: TrainConfig, out: str | Path, command: str = "", quiet: bool = Fa
             "val_ddqn": float(u.mean()),
             "val_adaptive": float(base_adaptive.mean()),
             "val_oracle": float(base_oracle.mean()),
+            "val_tail_rule": float(base_tail.mean()),
             "val_gap_vs_adaptive": float((u - base_adaptive).mean()),
             "best": False,
         }
