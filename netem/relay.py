@@ -20,6 +20,9 @@ Details that make it transparent:
   passes as one unit.)
 * ``PACKET_IGNORE_OUTGOING``: the relay never reads back what it sent itself.
 * Non-IPv4 frames (ARP) pass at once, unimpaired.
+* It loads the channels' compiled loss kernels before it reports ready, so the link's
+  first frames are not held while they load (``_warm_up``), and runs at SCHED_FIFO
+  (``RelayConfig.priority``, the testbed's ``relay_priority``).
 
 Counters (forwarded, lost by the loss model, dropped by the queue, overruns of the
 relay's own socket buffer) are logged and written as JSON to a status file twice a
@@ -82,6 +85,7 @@ class RelayConfig:
     status_file: str | None = None
     sndbuf_bytes: int = 8 << 20
     rcvbuf_bytes: int = 8 << 20
+    priority: int = RT_PRIORITY  # SCHED_FIFO priority (1..99); 0: ordinary scheduling
 
     @classmethod
     def load(cls, path: str | Path) -> RelayConfig:
@@ -166,14 +170,17 @@ def _overruns(s: socket.socket) -> int:
     return drops
 
 
-def _raise_priority() -> str:
+def _raise_priority(priority: int = RT_PRIORITY) -> str:
     """Run the relay ahead of ordinary processes: an emulator that waits for a CPU adds
     delay and bursts no profile asked for. SCHED_FIFO at a low real-time priority (the
     relay sleeps in select between packets, and the kernel's RT throttling still
-    reserves 5% for everyone else); nice -10 if real-time scheduling is refused."""
+    reserves 5% for everyone else); nice -10 if real-time scheduling is refused.
+    ``priority`` 0 leaves the scheduling alone."""
+    if priority <= 0:
+        return "default"
     try:
-        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(RT_PRIORITY))
-        return f"SCHED_FIFO {RT_PRIORITY}"
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(priority))
+        return f"SCHED_FIFO {priority}"
     except (OSError, AttributeError):
         try:
             os.nice(-10)
@@ -206,9 +213,26 @@ def _build_channels(cfg: RelayConfig) -> tuple[Any, Any, str]:
     return fwd, rev, prof.describe()
 
 
+def _warm_up(channels: tuple[Any, ...]) -> float:
+    """Load the channels' compiled kernels before the relay says it is ready.
+
+    A channel draws its loss fates in chunks with a numba kernel, which the process loads
+    from numba's cache on first use (a quarter of a second on a busy machine). Paid at the
+    first frame, that stall held the link's first frames and released them in one burst
+    that overflowed the rate limiter's queue. A clone draws the first chunk instead: its
+    future is the original's, so the channels' sequences do not change. Returns seconds.
+    """
+    t0 = time.monotonic()
+    for ch in channels:
+        if ch is not None:
+            ch.clone().transmit(0.0, 1200)
+    return time.monotonic() - t0
+
+
 def run_relay(cfg: RelayConfig, stop_after_s: float | None = None) -> dict[str, Any]:
     """Run until SIGTERM/SIGINT (or ``stop_after_s``); returns the final counters."""
     fwd_ch, rev_ch, description = _build_channels(cfg)
+    warm_s = _warm_up((fwd_ch, rev_ch))
     a = _packet_socket(cfg.fwd_in, cfg)
     b = _packet_socket(cfg.fwd_out, cfg)
     fwd = _Direction("forward", a, b, fwd_ch)
@@ -222,14 +246,15 @@ def run_relay(cfg: RelayConfig, stop_after_s: float | None = None) -> dict[str, 
         nonlocal stopping
         stopping = True
 
-    priority = _raise_priority()
+    priority = _raise_priority(cfg.priority)
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     started = time.monotonic()
     cpu_at_start = time.process_time()
     print(
         f"relay: {cfg.fwd_in} -> {cfg.fwd_out}: {description}; reverse: {cfg.reverse}; "
-        f"seed {cfg.seed}; pid {os.getpid()}; scheduling {priority}",
+        f"seed {cfg.seed}; pid {os.getpid()}; scheduling {priority}; "
+        f"warm-up {warm_s * 1e3:.0f} ms",
         flush=True,
     )
 

@@ -412,6 +412,11 @@ class Testbed:
         with Testbed("ge-heavy", prefix="kvtt") as tb:
             rx = tb.popen("rcv", [sys.executable, "-m", "my.receiver", RCV_ADDR])
             tb.run("snd", [sys.executable, "-m", "my.sender", RCV_ADDR])
+
+    ``relay_priority`` (relay backend): the relay's SCHED_FIFO priority, 1..99, or 0 for
+    ordinary scheduling; None keeps the relay's default (kvtransport.netem.relay
+    RT_PRIORITY). Give it the same priority as real-time daemons that share its cores
+    (rather than changing the relay's scheduling from outside with ``chrt``).
     """
 
     __test__ = False  # not a pytest test class
@@ -428,6 +433,7 @@ class Testbed:
         profiles_file: str | Path | None = None,
         prefix: str = DEFAULT_PREFIX,
         shaper: str = "tbf",
+        relay_priority: int | None = None,
     ) -> None:
         if backend not in BACKENDS:
             raise TestbedError(f"backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
@@ -435,6 +441,8 @@ class Testbed:
             raise TestbedError(f"reverse must be one of {', '.join(REVERSE_MODES)}")
         if shaper not in SHAPERS:
             raise TestbedError(f"shaper must be one of {', '.join(SHAPERS)}, not {shaper!r}")
+        if relay_priority is not None and not 0 <= relay_priority <= 99:
+            raise TestbedError(f"relay priority must be 0..99, not {relay_priority}")
         _check_prefix(prefix)
         self.profile = load_profile(profile, profiles_file).with_overrides(rate_mbps, delay_ms)
         self.requested_backend = backend
@@ -442,6 +450,7 @@ class Testbed:
         self.reverse = reverse
         self.shaper = shaper
         self.seed = int(seed)
+        self.relay_priority = relay_priority
         self.prefix = prefix
         self.state_dir = _state_dir(prefix)
         self._relay: subprocess.Popen | None = None
@@ -539,6 +548,8 @@ class Testbed:
             "status_file": str(self.state_dir / "relay-status.json"),
             "sndbuf_bytes": max(8 << 20, 4 * self.profile.effective_queue_bytes()),
         }
+        if self.relay_priority is not None:
+            cfg["priority"] = self.relay_priority
         cfg_path = self.state_dir / "relay.json"
         cfg_path.write_text(json.dumps(cfg, indent=1))
         log = open(self.state_dir / "relay.log", "ab")  # noqa: SIM115 (handed to the child)
