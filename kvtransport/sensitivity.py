@@ -48,7 +48,9 @@ from kvtransport.kvcache import KVCache
 
 FORMAT = "kvtransport-sensitivity/1"
 DEFAULT_NOISE_SCALE = 1.0
-DEFAULT_RATIO = 4.0
+DEFAULT_RATIO = 64.0
+"""Most- to least-sensitive layer weight ratio; tuned on development prompts (see
+kvtransport.utility's docstring: top-1 agreement at 25 % kept 0.72 at ratio 4, 0.89 at 64)."""
 
 
 @dataclass

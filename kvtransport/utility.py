@@ -43,6 +43,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvtransport.kvcache import KVCache
+from kvtransport.sensitivity import DEFAULT_RATIO as LAYER_RATIO
 
 SINK_TOKENS = 4
 RECENT_TOKENS = 32
@@ -50,7 +51,6 @@ SINK_MASS = 0.3
 RECENT_MASS = 0.3
 PRIOR_WEIGHT = 0.05
 OBSERVATION_WINDOW = 512
-LAYER_RATIO = 64.0
 ORDERS = ("utility", "random", "position")
 
 

@@ -82,8 +82,9 @@ def test_profile_command_writes_a_positive_per_layer_profile(smollm, tmp_path):
     assert kl.max() > 10 * kl.min()  # layers differ, by orders of magnitude
     assert prof.command.startswith("kvtransport profile ") and "--samples 1" in prof.command
     assert prof.calibration["samples"] == 1 and prof.noise_scale == 1.0
-    w = np.array(prof.layer_weights)  # stored with the default ratio, 4
-    assert w.sum() == pytest.approx(1.0) and w.max() / w.min() == pytest.approx(4.0)
+    w = np.array(prof.layer_weights)  # stored with the default ratio
+    ratio = sensitivity.DEFAULT_RATIO
+    assert w.sum() == pytest.approx(1.0) and w.max() / w.min() == pytest.approx(ratio)
     assert int(np.argmax(w)) == int(np.argmax(kl)) and int(np.argmin(w)) == int(np.argmin(kl))
     # plain JSON for any consumer: the weights are there without kvtransport
     assert np.allclose(json.loads(out.read_text())["layer_weights"], w)
