@@ -1,0 +1,123 @@
+"""`kvtransport demo`: the quick demo on the emulated link (the real model, two link
+processes), its repeatability, and the emulated link against the simulator.
+
+The emulated link runs the sender and receiver sessions in two processes on the link's own
+clock (kvtransport.demo), so for a seed its table is fixed: these tests can assert exact
+repetition and the ordering of the schemes on the demo's seed without tolerating noise.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from kvtransport.demo import SCHEMES, DemoConfig, EmulatedLink, render_table, report_json, run_demo
+from kvtransport.simulator import full_send_time, simulate
+from kvtransport.transfer import synthetic_transfer
+
+FEC = [label for label, spec in SCHEMES if spec != "none"]
+
+
+@pytest.mark.model
+def test_quick_demo_on_the_emulated_link_repeats_and_fec_recovers_more(smollm, tmp_path):
+    cfg = DemoConfig.quick(link="emulated", card_dir=tmp_path, progress=False)
+    first = run_demo(cfg, loaded=smollm)
+    second = run_demo(cfg, loaded=smollm)  # reads the card the first run cached
+
+    assert not first.cache["card_cached"] and second.cache["card_cached"]
+    assert first.link["mode"] == "emulated" and "yes for seed 1" in first.link["deterministic"]
+    # every scheme ran, in table order
+    assert [s.label for s in first.schemes] == [label for label, _ in SCHEMES]
+    by = {s.label: s for s in first.schemes}
+    for s in first.schemes:
+        assert not s.error, s.error
+        assert 0.0 <= s.utility <= 1.0
+        assert 0 <= s.blocks_missing <= s.blocks_total == first.cache["blocks"]
+        assert 0.0 <= s.f1 <= 1.0 and s.ttft_s > s.transfer_s > 0
+        # rho < 1: the transfer ends at the receiver's deadline, never complete
+        assert s.reason == "deadline" and s.utility < 1.0
+    # injecting the whole cache answers exactly as re-prefilling the context does
+    assert first.answers_agree and first.reprefill["answer"] == first.full_answer
+    # on the burst-loss link every FEC scheme recovers more than sending without repair
+    for label in FEC:
+        assert by[label].utility > by["no FEC"].utility, (label, by[label].utility)
+    # the same seed gives the same table (everything but measured compute times)
+    assert first.deterministic_view() == second.deterministic_view()
+    # what people and programs read
+    table = render_table(first)
+    for label, _ in SCHEMES:
+        assert f"\n  {label} " in table
+    assert "emulated" in table and "re-prefill" in table
+    doc = json.loads(report_json(first))
+    assert [s["label"] for s in doc["schemes"]] == [label for label, _ in SCHEMES]
+    assert doc["schemes"][0]["utility"] == by["no FEC"].utility
+
+
+def test_emulated_link_reproduces_the_simulator():
+    """The two link processes exchange datagrams in the simulator's event order over the
+    same seeded channels, so a transfer ends exactly as kvtransport.simulator's does (the
+    receiver takes its deadline from the manifest, as the daemon does; the sender's stop
+    time leaves nothing to arrive in the extra one-way delay)."""
+    tr = synthetic_transfer(1_500_000, 122, "zipf", seed=4)
+    deadline = 0.8 * full_send_time(tr.nbytes, 100e6, 1280)
+    link = EmulatedLink()
+    procs = [p.proc for p in link.peers]
+    try:
+        link.load(tr)
+        for policy in ("none", "block-rs:4/32", "adaptive"):
+            got = link.transfer(policy, deadline_s=deadline, transfer_id=77, seed=9)
+            sim = simulate(tr, channel="ge-heavy", rho=0.8, policy=policy, seed=9, record=False)
+            assert got.utility == sim.utility_recovered, policy
+            assert int((~got.complete).sum()) == sim.blocks_missing, policy
+            assert got.counters["datagrams_sent"] == sim.packets_sent, policy
+            assert got.counters["datagrams_lost"] == sim.packets_lost, policy
+            assert got.counters["repair_sent"] == sim.repair_sent, policy
+    finally:
+        link.close()
+    assert [p.returncode for p in procs] == [0, 0]  # both processes left when told to
+
+
+def test_bad_arguments_give_one_line_errors():
+    cases = [
+        (["--tokens", "5"], "--tokens must be 32..8192"),
+        (["--rho", "0"], "--rho must be in (0, 10]"),
+        (["--threads", "0"], "--threads must be at least 1"),
+    ]
+    for extra, message in cases:
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvtransport", "demo", *extra],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.strip() == f"kvtransport demo: error: {message}, not {extra[1]}", (
+            proc.stderr
+        )
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2"
+)
+def test_relay_is_ready_when_it_says_so_and_takes_the_priority_it_is_given():
+    """The netns link's first transfer follows the testbed's start at once. The relay loads
+    its loss kernels before it reports ready; loaded at the first frame instead, they held
+    the first frames ~0.25 s and released them in a burst that overflowed the tbf queue
+    (hundreds of drops on a probe at 80% of the rate)."""
+    from kvtransport.netem.testbed import Testbed
+
+    with Testbed("ge-heavy", prefix=f"kvtd{os.getpid() % 10000}", seed=3, backend="relay",
+                 relay_priority=7) as tb:  # fmt: skip
+        pid = json.loads((tb.state_dir / "state.json").read_text())["relay_pid"]
+        assert os.sched_getscheduler(pid) == os.SCHED_FIFO
+        assert os.sched_getparam(pid).sched_priority == 7
+        probe = tb.measure_udp(rate_mbps=80, count=3000, size=1300, port=9100)
+        relay = tb.relay_status()["forward"]
+        drops = tb.queue_drops()
+    assert relay["received"] == 3000 and relay["lost"] > 0  # ge-heavy really dropped some
+    assert relay["max_wait_ms"] < 50, relay
+    assert drops == 0, (drops, probe["owd_ms"])
