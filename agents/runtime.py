@@ -16,6 +16,7 @@ observation layout differs from this code is refused with a one-line error.
 from __future__ import annotations
 
 import json
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -164,6 +165,12 @@ def load_weights(path: str | Path) -> QWeights:
         raise UserError(f"{path}: {exc}") from None
 
 
+@lru_cache(maxsize=1)
+def _shipped() -> QWeights:
+    """The shipped weights, read once per process (a daemon builds a policy per transfer)."""
+    return load_weights(SHIPPED_WEIGHTS)
+
+
 def shipped_policy_available() -> bool:
     """True when the package ships trained DDQN weights."""
     return SHIPPED_WEIGHTS.is_file()
@@ -187,7 +194,7 @@ class DDQNPolicy(Policy):
                     "no trained DDQN policy is installed (agents/data/ddqn.npz); "
                     "train one with `kvtransport train`"
                 )
-            weights = SHIPPED_WEIGHTS
+            weights = _shipped()
         if not isinstance(weights, QWeights):
             weights = load_weights(weights)
         self.weights = weights

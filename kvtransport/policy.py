@@ -318,7 +318,17 @@ _FACTORIES: dict[str, Callable[[], Policy]] = {
     "adaptive": Adaptive,
     "oracle": Oracle,
 }
-POLICY_HELP = "none, fixed:R/N, block-rs:R/N, arq, adaptive, oracle (and ddqn once trained)"
+POLICY_HELP = "none, fixed:R/N, block-rs:R/N, arq, adaptive, oracle, ddqn (the shipped DDQN)"
+
+
+def default_policy() -> str:
+    """The policy a shell uses when told none: ``ddqn`` when the package ships trained
+    weights (kvtransport.agents), else ``adaptive``."""
+    try:
+        from kvtransport.agents.runtime import shipped_policy_available
+    except ImportError:
+        return "adaptive"
+    return "ddqn" if shipped_policy_available() else "adaptive"
 
 
 def register_policy(name: str, factory: Callable[[], Policy]) -> None:

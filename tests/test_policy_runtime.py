@@ -23,7 +23,7 @@ from kvtransport.agents.runtime import (
 from kvtransport.agents.training import TrainConfig, make_env
 
 from kvtransport.errors import UserError
-from kvtransport.policy import ACTIONS, Adaptive, make_policy
+from kvtransport.policy import ACTIONS, Adaptive, default_policy, make_policy
 
 th.set_num_threads(1)
 
@@ -119,6 +119,7 @@ def test_registered_as_the_ddqn_policy():
         return
     pol = make_policy("ddqn")
     assert isinstance(pol, DDQNPolicy) and pol.name == "ddqn"
+    assert default_policy() == "ddqn"  # shells that are told no policy use the shipped one
     side = json.loads(SHIPPED_SIDECAR.read_text())
     assert side["command"].startswith("kvtransport train")
     assert side["weights"] == SHIPPED_WEIGHTS.name
