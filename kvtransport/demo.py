@@ -39,6 +39,8 @@ precede (the one-way delay is the look-ahead, so a round covers milliseconds of 
 time). The same seed then gives the same packets, the same partial caches and the same
 answers; only the TTFT's compute part is measured (and varies). Every scheme sees the
 same loss pattern (the channels are re-seeded per scheme), a like-for-like comparison.
+Events run in the simulator's order over the simulator's channels, so a transfer ends
+exactly as ``kvtransport simulate`` says for the same seed (tests/test_demo.py checks it).
 The netns link runs on real clocks and kernel queues and is not repeatable; its relay
 draws loss fates from the seed per packet in arrival order.
 
@@ -88,6 +90,7 @@ DAEMON_PRIORITY = 5  # SCHED_FIFO of the netns daemons (the relay runs above the
 WARM_UP_BYTES = 256 * 1024
 DEFAULT_TOKENS = 512
 QUICK_TOKENS = 128
+MAX_TOKENS = 2048  # 94 MiB of fp32 cache: each scheme's delivery is held until the answers
 DEFAULT_MAX_NEW_TOKENS = 24
 QUICK_MAX_NEW_TOKENS = 12
 _TID_BASE = 0x6B76_7464_0000_0000  # "kvtd": transfer ids are derived from the seed
@@ -503,20 +506,18 @@ class EmulatedLink:
         to_tx: list[tuple[float, int, bytes]] = []
         order = 0
         t_r = 0.0  # the receiver has handled every event up to here
-        s_done = finished = False
+        s_done = False
         result = None
         s_next: float | None = 0.0
         r_next: float | None = None
         limit = deadline_s + 30.0
         look = self.lookahead
         while True:
-            if not to_rx and not to_tx:  # nothing in flight: skip to the next event
-                nxt = min(t for t in (s_next, r_next) if t is not None) if (
-                    s_next is not None or r_next is not None
-                ) else None  # fmt: skip
-                if nxt is None:
+            if not to_rx and not to_tx:  # nothing in flight: skip to the next timer
+                timers = [t for t in (s_next, r_next) if t is not None]
+                if not timers:
                     break
-                t_r = max(t_r, nxt - look)
+                t_r = max(t_r, min(timers) - look)
             h_s = t_r + look
             ins = _pop_until(to_tx, h_s)
             out, s_next, s_done = self.sender.call("advance", h_s, ins)
@@ -536,10 +537,9 @@ class EmulatedLink:
             t_r = h_r
             if rx_result is not None and result is None:
                 result = rx_result
-                finished = True
             if on_progress is not None:
                 on_progress(min(t_r / deadline_s, 1.0))
-            if finished and (s_done or (not to_rx and not to_tx)):
+            if result is not None and (s_done or (not to_rx and not to_tx)):
                 break
             if t_r > limit:
                 break
@@ -581,29 +581,30 @@ def _pop_until(heap: list[tuple[float, int, bytes]], t: float) -> list[tuple[flo
     return out
 
 
-def _warm(policies: list[str]) -> tuple:
-    """Load the sessions' and policies' compiled code in this process: a small simulated
-    transfer per policy (sender and receiver code alike). A policy that cannot be made is
-    left for the transfer that names it to report."""
-    from kvtransport.simulator import simulate
+class _PeerRole:
+    """What both peer processes answer besides their own requests."""
 
-    for policy in policies:
-        with contextlib.suppress(UserError):
-            simulate(policy=policy, size_bytes=120_000, seed=0, record=False)
-    return ()
+    def ping(self) -> tuple:
+        return ()
+
+    def warm(self, policies: list[str]) -> tuple:
+        """Load the sessions' and policies' compiled code in this process: a small
+        simulated transfer per policy (sender and receiver code alike). A policy that
+        cannot be made is left for the transfer that names it to report."""
+        from kvtransport.simulator import simulate
+
+        for policy in policies:
+            with contextlib.suppress(UserError):
+                simulate(policy=policy, size_bytes=120_000, seed=0, record=False)
+        return ()
 
 
-class _SenderPeer:
+class _SenderPeer(_PeerRole):
     """The sender process of the emulated link: a SenderSession on the link's clock."""
 
     def __init__(self) -> None:
         self.transfer = None
         self.session = None
-
-    warm = staticmethod(_warm)
-
-    def ping(self) -> tuple:
-        return ()
 
     def load(self, msg: dict[str, Any]) -> tuple:
         from kvtransport.transfer import BlockTable, Transfer
@@ -657,7 +658,7 @@ class _SenderPeer:
         return ({"source_sent": s.stats["source_sent"], "repair_sent": s.repair_sent},)
 
 
-class _ReceiverPeer:
+class _ReceiverPeer(_PeerRole):
     """The receiver process of the emulated link: a ReceiverSession on the link's clock,
     opened by the transfer's first datagram with the deadline from the manifest, counted
     from that datagram's arrival (as the receiver daemon does)."""
@@ -666,11 +667,6 @@ class _ReceiverPeer:
         self.transfer_id = 0
         self.session = None
         self.reported = False
-
-    warm = staticmethod(_warm)
-
-    def ping(self) -> tuple:
-        return ()
 
     def start(self, msg: dict[str, Any]) -> tuple:
         self.transfer_id = int(msg["transfer_id"])
@@ -1230,8 +1226,8 @@ def _check_config(cfg: DemoConfig) -> None:
 
     if cfg.task not in TASK_NAMES:
         raise UserError(f"--task must be one of {', '.join(TASK_NAMES)}, not {cfg.task!r}")
-    if not 32 <= cfg.tokens <= 8192:
-        raise UserError(f"--tokens must be 32..8192, not {cfg.tokens}")
+    if not 32 <= cfg.tokens <= MAX_TOKENS:
+        raise UserError(f"--tokens must be 32..{MAX_TOKENS}, not {cfg.tokens}")
     if not (cfg.rho > 0 and math.isfinite(cfg.rho)) or cfg.rho > 10:
         raise UserError(f"--rho must be in (0, 10], not {cfg.rho:g}")
     if cfg.threads < 1:
@@ -1249,9 +1245,8 @@ def _determinism_text(link: str, seed: int) -> str:
             "(the link runs on its own clock); TTFT's compute part is measured and varies"
         )
     return (
-        "no: real clocks and kernel queues decide when packets leave and feedback arrives "
-        f"(the relay draws loss per packet from seed {seed} in arrival order); "
-        "use --link emulated for a repeatable table"
+        "no: real clocks and kernel queues decide when packets leave and when feedback "
+        "arrives, so each run differs a little; --link emulated gives a repeatable table"
     )
 
 

@@ -82,7 +82,7 @@ def test_emulated_link_reproduces_the_simulator():
 
 def test_bad_arguments_give_one_line_errors():
     cases = [
-        (["--tokens", "5"], "--tokens must be 32..8192"),
+        (["--tokens", "5"], "--tokens must be 32..2048"),
         (["--rho", "0"], "--rho must be in (0, 10]"),
         (["--threads", "0"], "--threads must be at least 1"),
     ]
