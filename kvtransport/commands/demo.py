@@ -29,10 +29,11 @@ Links (--link):
             differs a little from run to run.
   emulated  the sender and receiver sessions in two processes joined by the userspace
             channel of the same profile, on the link's own clock: the same --seed gives
-            the same table (apart from measured compute times), on any machine and user.
+            the same table run after run (apart from measured compute times), as any
+            user.
   auto      netns when run as root, else emulated (with a note). Default.
 
---quick uses a 128-token context and shorter answers (about half the time). Progress bars
+--quick uses a 128-token context and shorter answers. Progress bars
 go to stderr when it is a terminal; --json prints one JSON object instead of the table.
 
 examples:
@@ -51,10 +52,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="where the cache crosses (default auto: netns as root, else emulated)",
     )
     parser.add_argument("--seed", type=int, default=1, help="task and link seed (default 1)")
+    from kvtransport.tasks import TASK_NAMES
+
     parser.add_argument(
         "--task",
         default="facts_qa",
-        choices=("facts_qa", "niah_single", "niah_multikey", "niah_multivalue"),
+        choices=TASK_NAMES,
         help="the context and question (default facts_qa)",
     )
     parser.add_argument(
