@@ -150,42 +150,57 @@ def markdown(summary: dict, schemes) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(summary: dict, schemes, path: Path) -> None:
+def plot(summary: dict, schemes, path: Path, results: dict | None = None) -> None:
+    """Top row: mean utility with 95 % CIs per channel. Bottom row (with ``results``):
+    each scheme minus the oracle on the same episodes, in thousandths, where the close
+    schemes can be told apart."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    channels = sorted(
-        {k.rsplit("@", 1)[0] for k in summary},
-        key=lambda c: (CHANNELS.index(c) if c in CHANNELS else 99, c),
-    )
-    fig, axes = plt.subplots(1, len(channels), figsize=(4.2 * len(channels), 4), squeeze=False)
-    for ax, ch in zip(axes[0], channels, strict=True):
-        keys = sorted(
-            (k for k in summary if k.startswith(ch + "@")), key=lambda k: float(k.rsplit("@", 1)[1])
-        )
+    channels = sorted({k.rsplit("@", 1)[0] for k in summary}, key=lambda c: (
+        CHANNELS.index(c) if c in CHANNELS else 99, c))  # fmt: skip
+    rows = 2 if results is not None and "oracle" in schemes else 1
+    fig, axes = plt.subplots(rows, len(channels), figsize=(4.2 * len(channels), 3.6 * rows),
+                             squeeze=False, sharex=True)  # fmt: skip
+    for col, ch in enumerate(channels):
+        keys = sorted((k for k in summary if k.startswith(ch + "@")),
+                      key=lambda k: float(k.rsplit("@", 1)[1]))  # fmt: skip
         rhos = [float(k.rsplit("@", 1)[1]) for k in keys]
+        ax = axes[0][col]
         for name in schemes:
             m = [summary[k][name]["mean"] if name in summary[k] else np.nan for k in keys]
             c = [summary[k][name]["ci95"] if name in summary[k] else np.nan for k in keys]
             style = "-" if name in ("ddqn", "oracle", "adaptive") else "--"
-            ax.errorbar(
-                rhos,
-                m,
-                yerr=c,
-                fmt=style,
-                marker="o",
-                ms=3,
-                capsize=2,
-                label=name,
-                lw=2.2 if name == "ddqn" else 1.0,
-            )
+            ax.errorbar(rhos, m, yerr=c, fmt=style, marker="o", ms=3, capsize=2, label=name,
+                        lw=2.2 if name == "ddqn" else 1.0)  # fmt: skip
         ax.set_title(ch)
-        ax.set_xlabel("rho (deadline / loss-free send time)")
         ax.grid(alpha=0.3)
+        if rows == 2:
+            ax2 = axes[1][col]
+            for name in schemes:
+                if name == "oracle":
+                    continue
+                d = []
+                for k in keys:
+                    cell = results[k]
+                    n = min(len(cell.get(name, [])), len(cell["oracle"]))
+                    diff = np.array(cell.get(name, [])[:n]) - np.array(cell["oracle"][:n])
+                    d.append(1e3 * diff.mean() if n else np.nan)
+                style = "-" if name in ("ddqn", "adaptive", "arq") else "--"
+                ax2.plot(rhos, d, style, marker="o", ms=3, label=name,
+                         lw=2.2 if name == "ddqn" else 1.0)  # fmt: skip
+            ax2.axhline(0.0, color="k", lw=0.8)
+            ax2.set_ylim(-4.0, 2.0)
+            ax2.grid(alpha=0.3)
+            ax2.set_xlabel("rho (deadline / loss-free send time)")
+        else:
+            ax.set_xlabel("rho (deadline / loss-free send time)")
     axes[0][0].set_ylabel("utility recovered before the deadline")
     axes[0][-1].legend(loc="lower right", fontsize=8)
+    if rows == 2:
+        axes[1][0].set_ylabel("minus oracle, same episodes (x 1e-3)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -248,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     (out / "eval_policy.json").write_text(json.dumps(doc, indent=1) + "\n")
     (out / "eval_policy.md").write_text(table)
-    plot(summary, schemes, out / "eval_policy.png")
+    plot(summary, schemes, out / "eval_policy.png", results)
     print(table)
     for name, c in checks.items():
         print(
