@@ -45,8 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     when = p.add_mutually_exclusive_group()
     when.add_argument("--deadline-ms", type=float, help="deadline from now, in ms")
     when.add_argument("--rho", type=float, help="deadline / loss-free send time (default 1.0)")
-    p.add_argument("--policy", default="adaptive", help="repair policy, as for simulate "
-                   "(default adaptive)")  # fmt: skip
+    p.add_argument("--policy", help="repair policy, as for simulate "
+                   "(default: ddqn if its weights ship, else adaptive)")  # fmt: skip
     p.add_argument("--key", metavar="FILE|HEX", help="pre-shared key: authenticate datagrams")
     p.add_argument("--symbol-size", type=int, default=1280, help="bytes per symbol (1280)")
     p.add_argument("--bind", default="0.0.0.0:0", metavar="HOST:PORT", help="local address")
@@ -79,6 +79,9 @@ def _transfer(args: argparse.Namespace) -> object:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvtransport.policy import default_policy
+
+    args.policy = args.policy or default_policy()
     from kvtransport.api import parse_key
     from kvtransport.daemon import StopSignal, serve, warm_up
     from kvtransport.daemon_sender import SenderEngine, deadline_from

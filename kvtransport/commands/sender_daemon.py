@@ -35,8 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bind", default="0.0.0.0:0", metavar="HOST:PORT",
                    help="local UDP address (default any port)")  # fmt: skip
     p.add_argument("--rate-mbps", type=float, default=100.0, help="link rate (default 100)")
-    p.add_argument("--policy", default="adaptive",
-                   help="default repair policy for requests that name none (adaptive)")  # fmt: skip
+    p.add_argument("--policy",
+                   help="repair policy for requests that name none "
+                   "(ddqn if its weights ship, else adaptive)")  # fmt: skip
     p.add_argument("--key", metavar="FILE|HEX", help="pre-shared key: authenticate datagrams")
     p.add_argument("--symbol-size", type=int, default=1280, help="bytes per symbol (1280)")
     p.add_argument("--max-transfers", type=int, default=64, help="in flight at once (64)")
@@ -56,6 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvtransport.policy import default_policy
+
+    args.policy = args.policy or default_policy()
     from kvtransport.api import parse_key
     from kvtransport.daemon import StatsWriter, StopSignal, setup_logging
     from kvtransport.daemon_sender import SenderDaemon

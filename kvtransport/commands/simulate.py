@@ -49,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--delay-ms", type=float, help="one-way delay (default: the profile's, 5)")
     p.add_argument("--rho", type=float, default=0.8, help="deadline / loss-free send time "
                    "(default 0.8)")  # fmt: skip
-    p.add_argument("--policy", default="adaptive", help="repair policy (default adaptive)")
+    p.add_argument("--policy", help="repair policy (ddqn if its weights ship, else adaptive)")
     p.add_argument("--seed", type=int, default=1, help="random seed (default 1)")
     p.add_argument("--seeds", type=int, default=1, metavar="N",
                    help="run seeds SEED .. SEED+N-1 and report the mean (default 1)")  # fmt: skip
@@ -82,6 +82,9 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvtransport.policy import default_policy
+
+    args.policy = args.policy or default_policy()
     from kvtransport.netem import load_profile
     from kvtransport.policy import make_policy
     from kvtransport.simulator import simulate
