@@ -187,3 +187,84 @@ def test_framer_checks_its_arguments():
         wire.Framer(1, max_payload=16).build(T.SOURCE, 0, b"x" * 17)
     with pytest.raises(ValueError):
         wire.block_repair_key(4, 4)
+
+
+def _reference_verdict(data: bytes, key: bytes | None):
+    """What the module docstring says of ``data``: the first rule it breaks (as an error
+    class), or the header fields and payload, written out field by field."""
+    import hashlib
+
+    n = len(data)
+    if n < wire.HEADER_SIZE:
+        return wire.Truncated
+    if n > wire.MAX_DATAGRAM:
+        return wire.Oversized
+    magic, version, dtype, flags, reserved, plen, tid, seq, k, dt_nss, esi = wire.HEADER.unpack(
+        data[: wire.HEADER_SIZE]
+    )
+    if magic != wire.MAGIC:
+        return wire.BadMagic
+    if version != wire.VERSION:
+        return wire.BadVersion
+    if dtype not in {int(t) for t in T}:
+        return wire.BadType
+    if flags & ~(wire.FLAG_TAGGED | wire.FLAG_RETRANSMIT) or reserved:
+        return wire.BadType
+    tagged = bool(flags & wire.FLAG_TAGGED)
+    expect = wire.HEADER_SIZE + plen + (wire.TAG_SIZE if tagged else 0)
+    if n < expect:
+        return wire.Truncated
+    if n > expect:
+        return wire.BadLength
+    if tagged != (key is not None):
+        return wire.BadTag
+    end = wire.HEADER_SIZE + plen
+    if key is not None:
+        tag = hashlib.blake2b(data[:end], key=key, digest_size=wire.TAG_SIZE).digest()
+        if tag != data[end:]:
+            return wire.BadTag
+    if flags & wire.FLAG_RETRANSMIT and dtype != T.SOURCE:
+        return wire.BadType
+    return (dtype, flags, tid, seq, k, dt_nss, esi, data[wire.HEADER_SIZE : end])
+
+
+def _mostly(good, *bad):
+    """A field value: usually the good one, sometimes each of the bad ones."""
+    return st.sampled_from([good] * (2 * len(bad) + 2) + list(bad))
+
+
+@settings(max_examples=600, deadline=None)
+@given(
+    _mostly(wire.MAGIC, wire.MAGIC ^ 1, 0),
+    _mostly(wire.VERSION, 0, 2),
+    st.sampled_from(list(range(1, 8)) * 2 + [0, 8, 255]),
+    st.sampled_from([0, 1, 2, 3] * 3 + [4, 0x80, 0xFF]),
+    _mostly(0, 1),
+    st.integers(0, 40),
+    _mostly(0, -17, -16, -1, 1, 16, 17),
+    _mostly("good", "bad", "none"),
+    st.booleans(),
+    st.integers(0, 2**64 - 1),
+)
+def test_parser_verdict_matches_the_documented_rules(
+    magic, version, dtype, flags, reserved, plen, slack, tag, keyed, tid
+):
+    """Every header field, length and tag combination: the parser accepts exactly what the
+    rules accept (with the same fields) and otherwise raises the first rule broken."""
+    import hashlib
+
+    key = KEY if keyed else None
+    header = wire.HEADER.pack(magic, version, dtype, flags, reserved, plen, tid, 77, 5, 9, 3)
+    body = bytes(range(max(0, plen + slack)))
+    data = header + body
+    if tag != "none":
+        t = hashlib.blake2b(data, key=KEY, digest_size=wire.TAG_SIZE).digest()
+        data += t if tag == "good" else bytes(b ^ 1 for b in t)
+    expected = _reference_verdict(data, key)
+    if isinstance(expected, tuple):
+        d = wire.Parser(key).parse(data)
+        assert isinstance(d, wire.Datagram)
+        assert (*d[:7], bytes(d.payload)) == expected
+    else:
+        with pytest.raises(expected):
+            wire.Parser(key).parse(data)
