@@ -80,6 +80,8 @@ def as_byte_view(payload: object) -> bytes | bytearray | memoryview:
     kind = type(payload)
     if kind is bytes or kind is bytearray:
         return payload  # type: ignore[return-value]
+    if kind is memoryview and payload.ndim == 1 and payload.format == "B":  # type: ignore[union-attr]
+        return payload  # type: ignore[return-value]  (a datagram's payload: the hot case)
     if kind is np.ndarray:
         if payload.dtype != np.uint8:  # type: ignore[union-attr]
             raise TypeError(f"payload array must be uint8, got {payload.dtype}")  # type: ignore[union-attr]
@@ -176,15 +178,46 @@ def _encode_repair(
             region_muladd(dst, ring[(first_esi + i) % cap], c)
 
 
+@njit(cache=True, nogil=True)
+def _encode_repair_stream(
+    stream: np.ndarray,
+    first_esi: int,
+    nss: int,
+    repair_key: int,
+    dt: int,
+    out: np.ndarray,
+    size: int,
+) -> None:
+    """As _encode_repair, with source ESI e = stream[e*size : (e+1)*size] (a short last
+    symbol counts as zero-padded: only its bytes are added)."""
+    coefs = np.empty(nss, dtype=np.uint8)
+    coefficients_into(coefs, repair_key, nss, dt)
+    n = stream.shape[0]
+    dst = out[:size]
+    dst[:] = 0
+    for i in range(nss):
+        c = coefs[i]
+        if c != 0:
+            start = (first_esi + i) * size
+            region_muladd(dst, stream[start : min(start + size, n)], c)
+
+
 class RLCEncoder:
     """RFC 8681 sliding-window RLC encoder over GF(2^8).
 
     ``window`` is how many of the most recent source symbols are kept (a ring buffer): a
     repair may cover any run of them. Source payloads shorter than ``symbol_size`` are
     zero-padded (the transport carries the true length itself).
+
+    Stream mode (``stream=`` a bytes-like buffer holding the whole source stream, source ESI
+    e being its bytes ``e*symbol_size ..``, the last symbol zero-padded): a sender that
+    already holds its payload in memory announces what it has sent with
+    :meth:`add_stream_sources` instead of copying every symbol into the ring; repairs read
+    the stream in place (the buffer must not change while the encoder is in use).
+    ``add_source`` is not available in this mode.
     """
 
-    def __init__(self, symbol_size: int, window: int = 256) -> None:
+    def __init__(self, symbol_size: int, window: int = 256, stream: object = None) -> None:
         if symbol_size < 1:
             raise ValueError(f"symbol_size must be positive, got {symbol_size}")
         if window < 1:
@@ -192,11 +225,30 @@ class RLCEncoder:
         self.symbol_size = int(symbol_size)
         self.window = int(window)
         self._stride = _round8(self.symbol_size)
-        self._ring = np.zeros((self.window, self._stride), dtype=np.uint8)
-        self._ring_mv = memoryview(self._ring.reshape(-1))
         self._zeros = bytes(self._stride)
         self._next_esi = 0
-        self._out_checked: np.ndarray | None = None  # last repair_into buffer validated
+        self._out_checked: object = None  # last repair_into buffer validated (an array or
+        self._out_array: np.ndarray | None = None  # a memoryview), and its array
+        self._stream: np.ndarray | None = None
+        if stream is not None:
+            self._stream = as_u8_array(stream)
+            self.stream_symbols = -(-self._stream.shape[0] // self.symbol_size)
+            self._ring = np.zeros((0, self._stride), dtype=np.uint8)
+        else:
+            self._ring = np.zeros((self.window, self._stride), dtype=np.uint8)
+        self._ring_mv = memoryview(self._ring.reshape(-1))
+
+    def add_stream_sources(self, end: int) -> None:
+        """Stream mode: the stream's source symbols below ESI ``end`` have been sent (repairs
+        may cover them from now on; only the last ``window`` of them, as in ring mode)."""
+        if self._stream is None:
+            raise ValueError("add_stream_sources needs an encoder built with stream=")
+        end = int(end)
+        if not self._next_esi <= end <= self.stream_symbols:
+            raise ValueError(
+                f"stream sources end at {end}: outside {self._next_esi}..{self.stream_symbols}"
+            )
+        self._next_esi = end
 
     @property
     def next_esi(self) -> int:
@@ -210,6 +262,8 @@ class RLCEncoder:
 
     def add_source(self, payload: object) -> int:
         """Append a source symbol; returns its ESI."""
+        if self._stream is not None:
+            raise ValueError("a stream-mode encoder takes sources with add_stream_sources")
         esi = self._next_esi
         view = payload if type(payload) is bytes else as_byte_view(payload)
         n = len(view)
@@ -231,6 +285,8 @@ class RLCEncoder:
         One bulk copy instead of a call per symbol: the fast path for a sender that
         packetizes a whole block at once. Only the last ``window`` of them are kept.
         """
+        if self._stream is not None:
+            raise ValueError("a stream-mode encoder takes sources with add_stream_sources")
         arr = as_u8_array(data)
         size = self.symbol_size
         count = -(-arr.shape[0] // size)
@@ -255,6 +311,10 @@ class RLCEncoder:
     def source(self, esi: int) -> bytes:
         """The (zero-padded) source symbol ``esi``, while it is still in the ring."""
         self._check_span(int(esi), 1)
+        if self._stream is not None:
+            s = self.symbol_size
+            sym = self._stream[esi * s : esi * s + s].tobytes()
+            return sym + bytes(s - len(sym))
         off = (esi % self.window) * self._stride
         return self._ring_mv[off : off + self.symbol_size].tobytes()
 
@@ -282,7 +342,7 @@ class RLCEncoder:
         if first_esi < self._next_esi - self.window or first_esi + nss > self._next_esi:
             self._check_span(first_esi, nss)  # raises with the reason
         if out is self._out_checked:  # the same packet buffer again: already validated
-            arr = out
+            arr = self._out_array
         else:
             arr = out if type(out) is np.ndarray else np.frombuffer(out, dtype=np.uint8)  # type: ignore
             if arr.dtype != np.uint8 or arr.ndim != 1 or not arr.flags.c_contiguous:
@@ -291,9 +351,14 @@ class RLCEncoder:
                 raise TypeError("out must be writable")
             if arr.shape[0] < self.symbol_size:
                 raise ValueError(f"out holds {arr.shape[0]} bytes, need {self.symbol_size}")
-            if arr is out:
-                self._out_checked = out
-        _encode_repair(self._ring, first_esi, nss, repair_key, dt, arr, self.symbol_size)
+            if type(out) is np.ndarray or type(out) is memoryview:  # fixed views: keep
+                self._out_checked, self._out_array = out, arr
+        if self._stream is not None:
+            _encode_repair_stream(
+                self._stream, first_esi, nss, repair_key, dt, arr, self.symbol_size
+            )
+        else:
+            _encode_repair(self._ring, first_esi, nss, repair_key, dt, arr, self.symbol_size)
 
     def repair(self, first_esi: int, nss: int, repair_key: int, dt: int = 15) -> bytes:
         """The repair symbol sum_i c_i * S[first_esi + i] over GF(2^8)."""
@@ -866,6 +931,52 @@ class RLCDecoder(SourceWindow):
         _decode_source(self.sym, self.state, self._coef, self._pay, self._ints, esi)
         return self._collect([esi])
 
+    def involves(self, esi: int) -> bool:
+        """Whether a pending equation may involve source ``esi``: only then does the source
+        have elimination work to do (otherwise it just fills its slot)."""
+        ints = self._ints_mv
+        return ints[_NACT] != 0 and esi <= ints[_MAXREF]
+
+    def add_source_run(self, first: int, data: object) -> list[int]:
+        """Source symbols ``first``, ``first + 1``, ... arrived, cut from ``data``
+        (``symbol_size`` bytes each); returns the ESIs that became known.
+
+        Exactly ``add_source`` once per symbol, in order. When no pending equation involves
+        the run (see :meth:`involves`) and it lies inside the window, all new, it is one bulk
+        copy (no per-symbol Python): the fast path for a receiver that hands its sources over
+        in batches.
+        """
+        arr = as_u8_array(data)
+        s = self.symbol_size
+        count, rest = divmod(arr.shape[0], s)
+        if rest:
+            raise ValueError(f"a run of {arr.shape[0]} bytes is not whole {s}-byte symbols")
+        first = int(first)
+        if count == 0:
+            return []
+        lo, hi, cap = first, first + count, self.capacity
+        base = self.base
+        fast = not self.involves(lo) and 0 <= base <= lo and hi <= base + cap
+        fast = fast and hi - 1 <= MAX_ESI
+        if fast:
+            c0, c1 = lo % cap, (hi - 1) % cap + 1  # ring columns (one wrap at most)
+            parts = [(c0, c1, 0)] if c0 < c1 else [(c0, cap, 0), (0, c1, cap - c0)]
+            fast = all((self.state[a:b] == UNKNOWN).all() for a, b, _ in parts)
+        if not fast:
+            got: list[int] = []
+            for i in range(count):
+                got += self.add_source(lo + i, arr[i * s : (i + 1) * s])
+            return got
+        rows = arr.reshape(count, s)
+        for a, b, off in parts:
+            self.sym[a:b, :s] = rows[off : off + b - a]
+            if s < self.stride:
+                self.sym[a:b, s:] = 0
+            self.state[a:b] = RECEIVED
+        self._n_sources += count
+        self.advance_through()
+        return list(range(lo, hi))
+
     def _reject_source(self, esi: int, n: int) -> None:
         if not 0 <= esi <= MAX_ESI:
             raise ValueError(f"esi must be in 0..{MAX_ESI}, got {esi}")
@@ -889,6 +1000,11 @@ class RLCDecoder(SourceWindow):
             raise ValueError(f"repair payload has {len(view)} bytes, expected {self.symbol_size}")
         self._n_repairs += 1
         last = first_esi + nss - 1
+        if last <= self._through and first_esi >= self.base:
+            # Every symbol it covers is known and held: the kernel would find the same
+            # without drawing nss coefficients (the common case on a clean stretch).
+            self._n_all_known += 1
+            return []
         if last >= self.base + self.capacity:
             self.release_before(last - self.capacity + 1)
         if self._ints_mv[_NACT] >= self._piv.shape[0]:

@@ -206,6 +206,56 @@ def test_add_sources_equals_one_call_per_symbol(window, sizes):
     assert bulk.repair(bulk.oldest_esi, window, 5) == one.repair(one.oldest_esi, window, 5)
 
 
+@pytest.mark.parametrize(
+    ("size", "nbytes", "window"), [(37, 37 * 30 - 5, 16), (8, 80, 64), (6, 1, 4)]
+)
+def test_stream_mode_repairs_equal_ring_mode(size, nbytes, window):
+    """A sender holding its payload encodes in place: same repairs, same held span."""
+    rng = np.random.default_rng(nbytes)
+    data = rng.integers(0, 256, nbytes, dtype=np.uint8)
+    n = -(-nbytes // size)
+    ring = RLCEncoder(size, window=window)
+    stream = RLCEncoder(size, window=window, stream=data)
+    assert stream.stream_symbols == n
+    for esi in range(n):
+        ring.add_source(data[esi * size : esi * size + size])  # the last one zero-padded
+        stream.add_stream_sources(esi + 1)
+        assert (stream.oldest_esi, stream.next_esi) == (ring.oldest_esi, ring.next_esi)
+        lo = ring.oldest_esi
+        for first, nss, key, dt in [
+            (lo, esi + 1 - lo, esi, 15),
+            (esi, 1, 7, 15),
+            (lo, esi + 1 - lo, 3, 5),
+        ]:
+            assert stream.repair(first, nss, key, dt) == ring.repair(first, nss, key, dt)
+        assert stream.source(esi) == ring.source(esi)
+    with pytest.raises(ValueError, match="not all held"):
+        stream.repair(max(0, n - window - 1), min(window + 1, n + 1), 1)
+    with pytest.raises(ValueError, match="add_stream_sources"):
+        stream.add_source(b"x")
+    with pytest.raises(ValueError, match="add_stream_sources"):
+        stream.add_sources(b"x")
+    with pytest.raises(ValueError, match="outside"):
+        stream.add_stream_sources(n + 1)  # beyond the stream
+    with pytest.raises(ValueError, match="outside"):
+        stream.add_stream_sources(n - 1)  # backwards
+    with pytest.raises(ValueError, match="stream="):
+        ring.add_stream_sources(1)
+
+
+def test_repair_into_revalidates_a_new_buffer_after_a_cached_one():
+    enc = RLCEncoder(16, window=4)
+    enc.add_source(bytes(range(16)))
+    packet = memoryview(bytearray(40))[24:]
+    enc.repair_into(packet, 0, 1, 3)
+    enc.repair_into(packet, 0, 1, 3)  # the same view: validated once, written again
+    assert bytes(packet) == enc.repair(0, 1, 3)
+    with pytest.raises(ValueError, match="need 16"):
+        enc.repair_into(memoryview(bytearray(8)), 0, 1, 3)
+    with pytest.raises(TypeError, match="writable"):
+        enc.repair_into(memoryview(bytes(16)), 0, 1, 3)
+
+
 def test_encoder_ring_is_bounded_and_checked():
     enc = RLCEncoder(4, window=8)
     for i in range(20):
@@ -440,6 +490,65 @@ def test_decoder_with_sliding_window_and_releases(stream):
     dec = run_against_oracle(*stream)
     event(f"recovered {'none' if not dec.stats['recovered'] else 'some'}")
     event(f"stale {'none' if not dec.stats['stale'] else 'some'}")
+
+
+def _decoder_state(dec):
+    n = dec._ints[1]  # pending rows
+    return (dec.base, dec.decoded_through, dec.stats, dec.state.tobytes(), dec.sym.tobytes(),
+            dec._ints[:4].tolist(), n)  # fmt: skip
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(streams(max_sources=120, slide=True), st.integers(1, 9))
+def test_add_source_run_is_add_source_once_per_symbol(stream, longest):
+    """Runs of consecutive sources handed over in one call leave the decoder exactly as one
+    call per symbol does (bulk path or not), and return the same ESIs."""
+    size, enc_window, max_window, seed, n, arrivals, releases = stream
+    rng = np.random.default_rng(seed)
+    sources = [rng.integers(0, 256, size, dtype=np.uint8).tobytes() for _ in range(n)]
+    enc = RLCEncoder(size, window=max(enc_window, n))
+    for src in sources:
+        enc.add_source(src)
+    one, bulk = RLCDecoder(size, max_window=max_window), RLCDecoder(size, max_window=max_window)
+    run: list[int] = []  # consecutive source ESIs not yet given to ``bulk``
+
+    def flush():
+        if run:
+            got = bulk.add_source_run(run[0], b"".join(sources[e] for e in run))
+            assert got == expected[: len(got)] and len(got) == len(expected)
+            run.clear()
+            expected.clear()
+
+    expected: list[int] = []
+    for step, (kind, args) in enumerate(arrivals):
+        if kind == "source":
+            if run and (args != run[-1] + 1 or len(run) >= longest):
+                flush()
+            run.append(args)
+            expected.extend(one.add_source(args, sources[args]))
+        else:
+            flush()
+            first, nss, key, dt = args
+            payload = enc.repair(first, nss, key, dt)
+            assert one.add_repair(*args, payload) == bulk.add_repair(*args, payload)
+        if step in releases:
+            flush()
+            one.release_before(releases[step])
+            bulk.release_before(releases[step])
+        if not run:
+            assert _decoder_state(one) == _decoder_state(bulk)
+    flush()
+    assert _decoder_state(one) == _decoder_state(bulk)
+
+
+def test_add_source_run_takes_whole_symbols_only():
+    dec = RLCDecoder(4, max_window=8)
+    assert dec.add_source_run(0, b"") == []
+    with pytest.raises(ValueError, match="whole"):
+        dec.add_source_run(0, bytes(6))
+    assert dec.add_source_run(6, bytes(8)) == [6, 7]
+    assert dec.add_source_run(0, bytes(24)) == [0, 1, 2, 3, 4, 5]
+    assert dec.decoded_through == 7 and dec.stats["sources"] == 8
 
 
 @pytest.mark.parametrize(
