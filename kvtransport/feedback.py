@@ -63,6 +63,11 @@ class LossMonitor:
         """Account datagram ``seq``: returns the length of a newly detected loss burst
         (0 if none), or -1 for a duplicate (or a number too old to tell)."""
         h = self.highest
+        if seq == h + 1:  # the next one in order (the common case): cannot be a duplicate
+            self._ring[seq & _MASK] = seq
+            self.received += 1
+            self.highest = seq
+            return 0
         if seq <= h - SEQ_RING:
             self.duplicates += 1
             return -1

@@ -20,8 +20,12 @@ estimates); then
 - CONTROL: ABORT delivers now; FIN (sender gone) delivers at the deadline, or after a
   short grace when no deadline is known.
 
-Block completion is incremental: each newly known symbol decrements the missing-symbol
-count of the one or few blocks it overlaps; a block reaching zero adds its utility.
+Block completion is incremental and costs nothing per symbol on the common path: a symbol
+that becomes known in order (at the decoded-through point) only moves that point, and the
+blocks it passes are completed in one sweep; a symbol known out of order (beyond a hole)
+decrements the missing-symbol count of the one or few blocks it overlaps. A block is
+complete when its count reaches zero or the decoded-through point passes its end, whichever
+comes first, i.e. exactly when its last symbol becomes known; it then adds its utility.
 
 Feedback goes out every ``feedback_interval`` seconds while the transfer is active, at once
 on a newly detected loss (at most every ``MIN_FEEDBACK_GAP``), when the manifest decodes and
@@ -70,8 +74,9 @@ from kvtransport.wire import (
     feedback_size,
 )
 
-_SOURCE = DatagramType.SOURCE
-_REPAIR = DatagramType.REPAIR
+_SOURCE = int(DatagramType.SOURCE)
+_REPAIR = int(DatagramType.REPAIR)
+_FEEDBACK = int(DatagramType.FEEDBACK)
 RS_BLOCKS_HELD = 16
 FIN_GRACE = 0.05
 DEFAULT_MAX_BYTES = 1 << 30
@@ -109,6 +114,7 @@ class ReceiverSession:
         self.last_activity = now
 
         self.symbol_size = 0
+        self._limit = 0  # ESIs at or beyond this are out of range (0: no symbol size yet)
         self.decoder: RLCDecoder | None = None
         self.monitor = LossMonitor()
         self.manifest_rx = ManifestReceiver()
@@ -126,11 +132,18 @@ class ReceiverSession:
         self.repair_received = 0
         self.symbols_recovered = 0
         self.duplicates = 0
+        # a run of sources [_lazy_from, _lazy_to) not yet handed to the decoder
+        self._lazy_from = self._lazy_to = -1
 
-        # blocks (after the manifest)
+        # blocks (after the manifest): per symbol, the range of blocks it overlaps; per
+        # block, its end (one past its last ESI) and its missing-symbol count, which counts
+        # only symbols known out of order (see the module docstring); the sweep resumes at
+        # block ``_blk_next``, the first one decoded-through had not passed
         self._blk_first: list[int] = []
         self._blk_last: list[int] = []
+        self._blk_end: list[int] = []
         self._blk_missing: list[int] = []
+        self._blk_next = 0
         self._blk_util: list[float] = []
         self.complete = np.zeros(0, dtype=np.bool_)
         self.blocks_complete = 0
@@ -193,14 +206,14 @@ class ReceiverSession:
         except WireError as exc:
             self._drop(exc.reason)
             return
-        if d.transfer_id != self.transfer_id:
-            if self.transfer_id is None and d.type != DatagramType.FEEDBACK:
-                self.transfer_id = d.transfer_id
+        t, _, tid, seq, _, _, esi, payload = d
+        if tid != self.transfer_id:
+            if self.transfer_id is None and t != _FEEDBACK:
+                self.transfer_id = tid
             else:
                 self._drop("foreign_transfer")
                 return
-        t = d.type
-        if t == DatagramType.FEEDBACK:
+        if t == _FEEDBACK:
             self._drop("unexpected_type")
             return
         if self.finished:
@@ -210,12 +223,13 @@ class ReceiverSession:
             self.framer = Framer(self.transfer_id, self._key, max_payload=2048)
             self.timings["first_packet"] = now
         self.last_activity = now
-        gap = self.monitor.on_packet(d.seq)
-        if self.monitor.highest == d.seq:
+        mon = self.monitor
+        gap = mon.on_packet(seq)
+        if mon.highest == seq:
             self._highest_at = now
         try:
             if t == _SOURCE:
-                self._on_source(d.esi, d.payload)
+                self._on_source(esi, payload)
             elif t == _REPAIR:
                 self._on_repair(d)
             elif t == DatagramType.MANIFEST or t == DatagramType.MANIFEST_REPAIR:
@@ -245,16 +259,20 @@ class ReceiverSession:
         if self.symbol_size == 0:
             if not 16 <= size <= 65000:
                 raise _Drop("bad_symbol_size")
-            self.symbol_size = size
-            self.max_symbols = max(1, self.max_bytes // size)
-            self.decoder = RLCDecoder(size, max_window=DECODER_WINDOW)
+            self._set_symbol_size(size)
         elif size != self.symbol_size:
             raise _Drop("bad_symbol_size")
-        limit = self.n_source if self.manifest is not None else self.max_symbols
+        limit = self._limit
         if esi >= limit:
             raise _Drop("out_of_range")
         if esi >= len(self._known):
             self._grow(esi + 1)
+
+    def _set_symbol_size(self, size: int) -> None:
+        self.symbol_size = size
+        self.max_symbols = max(1, self.max_bytes // size)
+        self._limit = self.n_source if self.manifest is not None else self.max_symbols
+        self.decoder = RLCDecoder(size, max_window=DECODER_WINDOW)
 
     def _grow(self, need: int) -> None:
         cap = max(need, 2 * len(self._known), 256)
@@ -267,18 +285,33 @@ class ReceiverSession:
         self._out_mv = memoryview(out)
 
     def _on_source(self, esi: int, payload: memoryview) -> None:
-        self._symbol_slot(esi, len(payload))
+        s = self.symbol_size
+        known = self._known
+        if len(payload) != s or esi >= self._limit or esi >= len(known):
+            self._symbol_slot(esi, len(payload))  # first symbol, growth, or a bad one
+            s, known = self.symbol_size, self._known
         self.source_received += 1
-        if self._known[esi]:
+        if known[esi]:
             self.duplicates += 1
             return
-        got = self.decoder.add_source(esi, payload)
-        s = self.symbol_size
-        self._out_mv[esi * s : esi * s + s] = payload
-        self._mark(esi)
-        for e in got:
-            if e != esi and not self._known[e]:
-                self._recovered(e)
+        if esi == self._lazy_to or not self.decoder.involves(esi):
+            # No repair equation waits on it: the decoder learns it later, with the rest of
+            # its run of consecutive arrivals, in one call (see _sync_decoder).
+            if esi != self._lazy_to:
+                self._sync_decoder()
+                self._lazy_from = esi
+            self._lazy_to = esi + 1
+            self._out_mv[esi * s : esi * s + s] = payload
+            self._mark(esi)
+        else:
+            self._sync_decoder()
+            got = self.decoder.add_source(esi, payload)
+            self._out_mv[esi * s : esi * s + s] = payload
+            self._mark(esi)
+            if len(got) > 1:  # the source also completed some equations
+                for e in got:
+                    if e != esi and not known[e]:
+                        self._recovered(e)
         if self._rs is not None:
             self._rs_recovered(self._rs.add_source(esi, payload))
 
@@ -286,6 +319,7 @@ class ReceiverSession:
         first, nss = d.esi, d.dt_nss & 0xFFF
         self._symbol_slot(first + nss - 1, len(d.payload))
         self.repair_received += 1
+        self._sync_decoder()
         try:
             got = self.decoder.add_repair(first, nss, d.key, d.dt_nss >> 12, d.payload)
         except ValueError:
@@ -293,6 +327,25 @@ class ReceiverSession:
         for e in got:
             if not self._known[e]:
                 self._recovered(e)
+
+    def _sync_decoder(self) -> None:
+        """Hand the decoder the run of sources it has not seen yet.
+
+        A source that no pending repair equation involves (the common case) needs nothing
+        from the decoder now: the receiver writes it to its output and marks it, and the
+        decoder learns the whole run of consecutive ESIs that arrived one after the other
+        later, in one bulk call, before anything else reaches or reads it. Its state then is
+        exactly what it would have been, call for call: such a source only fills its slot.
+        """
+        lo, hi = self._lazy_from, self._lazy_to
+        if hi > lo:
+            self._lazy_from = self._lazy_to = -1
+            s = self.symbol_size
+            got = self.decoder.add_source_run(lo, self._out[lo * s : hi * s])
+            known = self._known
+            for e in got:  # all known here already, unless the decoder also recovered
+                if not known[e]:  # something with them: as in _on_source
+                    self._recovered(e)
 
     def _recovered(self, esi: int) -> None:
         s = self.symbol_size
@@ -302,19 +355,33 @@ class ReceiverSession:
 
     def _mark(self, esi: int) -> None:
         """ESI ``esi`` became known (its bytes are in the output buffer)."""
-        self._known[esi] = 1
+        known = self._known
+        known[esi] = 1
         self.n_known += 1
         if esi >= self.esi_end:
             self.esi_end = esi + 1
-        if esi == self.through:
-            known, t, end = self._known, esi + 1, len(self._known)
-            while t < end and known[t]:
-                t += 1
+        if esi == self.through:  # in order: move decoded-through, sweep the blocks it passed
+            t = esi + 1
+            if t < len(known) and known[t]:
+                t = known.find(0, t)
+                if t < 0:
+                    t = len(known)
             self.through = t
             if t - RELEASE_LAG - self._released >= RELEASE_CHUNK:
                 self._released = t - RELEASE_LAG
+                self._sync_decoder()
                 self.decoder.release_before(self._released)
-        if self._blk_missing:
+            if self._blk_missing:
+                ends, b = self._blk_end, self._blk_next
+                if b < len(ends) and ends[b] <= t:
+                    missing = self._blk_missing
+                    while b < len(ends) and ends[b] <= t:
+                        if missing[b]:
+                            missing[b] = 0
+                            self._block_done(b)
+                        b += 1
+                    self._blk_next = b
+        elif self._blk_missing:  # out of order: count it against its blocks
             missing = self._blk_missing
             for b in range(self._blk_first[esi], self._blk_last[esi] + 1):
                 missing[b] -= 1
@@ -332,6 +399,7 @@ class ReceiverSession:
         m = self.manifest_rx.add(d)
         if m is None:
             return
+        self._sync_decoder()
         if self.symbol_size and m.symbol_size != self.symbol_size:
             raise _Drop("bad_manifest")
         if m.payload_len > self.max_bytes:
@@ -340,13 +408,12 @@ class ReceiverSession:
             return
         self.manifest = m
         self.timings["manifest"] = now
+        n = self.n_source = m.n_source
         if self.symbol_size == 0:
-            self.symbol_size = m.symbol_size
-            self.max_symbols = max(1, self.max_bytes // m.symbol_size)
-            self.decoder = RLCDecoder(m.symbol_size, max_window=DECODER_WINDOW)
+            self._set_symbol_size(m.symbol_size)
+        self._limit = n
         if self.deadline is None and m.deadline_s > 0:
             self.deadline = self.timings["first_packet"] + m.deadline_s
-        n = self.n_source = m.n_source
         # symbols beyond the payload (a forger's, before the manifest) are forgotten
         if len(self._known) > n:
             for e in range(n, len(self._known)):
@@ -366,6 +433,9 @@ class ReceiverSession:
         sym_last = np.searchsorted(first, np.arange(n), side="right") - 1
         self._blk_first = sym_first.tolist()
         self._blk_last = sym_last.tolist()
+        self._blk_end = last.tolist()
+        # blocks decoded-through has passed are complete (counted just below)
+        self._blk_next = int(np.searchsorted(last, self.through, side="right"))
         known = np.frombuffer(self._known, dtype=np.uint8).astype(np.int64)
         csum = np.concatenate(([0], np.cumsum(known)))
         missing = (last - first) - (csum[last] - csum[first])
@@ -406,6 +476,7 @@ class ReceiverSession:
         self._rs_recovered(rs.add_repair(first, k, index, 15, d.payload))
 
     def _rs_recovered(self, esis: list[int]) -> None:
+        self._sync_decoder()
         s, known, rs = self.symbol_size, self._known, self._rs
         for e in esis:
             if e < len(known) and not known[e] and (self.manifest is None or e < self.n_source):
@@ -497,6 +568,7 @@ class ReceiverSession:
             self.transfer_id or 0, m, payload, complete, missing, utility, reason, self.timings
         )
         self._next_fb = None
+        self._sync_decoder()
         self.decoder_stats = dict(self.decoder.stats) if self.decoder is not None else {}
         self.decoder = None  # free the decoding window
         self._send_feedback(now)
@@ -512,9 +584,15 @@ def pending_by_segment(decoder: RLCDecoder) -> tuple[tuple[int, int], ...]:
     ``MAX_FEEDBACK_SEGMENTS`` segments)."""
     if decoder.pending_equations == 0:
         return ()
-    segs, counts = np.unique(decoder.pending_pivots() // REPAIR_SEGMENT, return_counts=True)
-    n = MAX_FEEDBACK_SEGMENTS
-    return tuple(zip(segs[:n].tolist(), counts[:n].tolist(), strict=True))
+    out: list[list[int]] = []  # a few dozen pivots at most: a plain loop beats np.unique
+    for seg in (decoder.pending_pivots() // REPAIR_SEGMENT).tolist():
+        if out and out[-1][0] == seg:
+            out[-1][1] += 1
+        elif len(out) < MAX_FEEDBACK_SEGMENTS:
+            out.append([seg, 1])
+        else:
+            break
+    return tuple((seg, count) for seg, count in out)
 
 
 class _Drop(WireError):

@@ -8,8 +8,8 @@ goodput, each configuration side by side in one run.
    objects and timed by CPU clock (see the comment at ``per_packet``), for the split:
 
      header/auth   Framer.finish (header, BLAKE2b tag) and Parser.parse (checks, tag)
-     coding        RLC encoder (add_source, repair_into) / decoder (add_source,
-                   add_repair, read_into, release_before)
+     coding        RLC encoder (add_source, add_stream_sources, repair_into) / decoder
+                   (add_source, add_source_run, add_repair, read_into, release_before)
      state         the rest of the session: policy, feedback, loss accounting, block
                    completion (total minus the two above)
 
@@ -124,9 +124,10 @@ class _Recorder:
         for cls, stage, methods in (
             (Framer, "header_auth", ("__init__", "finish")),
             (Parser, "header_auth", ("__init__", "parse")),
-            (RLCEncoder, "coding", ("__init__", "add_source", "repair_into")),
-            (RLCDecoder, "coding", ("__init__", "add_source", "add_repair", "read_into",
-                                    "release_before")),
+            (RLCEncoder, "coding", ("__init__", "add_source", "add_stream_sources",
+                                    "repair_into")),
+            (RLCDecoder, "coding", ("__init__", "add_source", "add_source_run", "add_repair",
+                                    "read_into", "release_before")),
         ):  # fmt: skip
             for m in methods:
                 self._wrap(cls, m, stage)
