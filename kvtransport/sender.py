@@ -89,8 +89,14 @@ from kvtransport.wire import (
 )
 
 SEQ_MASK = SEQ_RING - 1
-_SOURCE = DatagramType.SOURCE
-_REPAIR = DatagramType.REPAIR
+_SOURCE = int(DatagramType.SOURCE)
+_REPAIR = int(DatagramType.REPAIR)
+# the modes as plain ints: the per-slot code compares them (an enum member lookup costs
+# several times an int comparison)
+_NONE = int(RepairMode.NONE)
+_RLC = int(RepairMode.RLC)
+_BLOCK_RS = int(RepairMode.BLOCK_RS)
+_ARQ = int(RepairMode.ARQ)
 _DT_DENSE = 15
 MAX_CATCH_UP = 16
 """A shell that is late may get at most this many datagrams at once (then pacing resumes)."""
@@ -128,9 +134,13 @@ class SenderSession:
         self.transfer = transfer
         self.policy = policy
         self.mode = policy.mode
+        self._mode = int(policy.mode)
+        self._reactive = bool(policy.reactive)  # policy class constants, read once
+        self._tail_rule = bool(policy.tail_rule)
         self.symbol_size = s = symbol_size
         self.transfer_id = secrets.randbits(64) if transfer_id is None else transfer_id
         self.framer = Framer(self.transfer_id, key, max_payload=max(s, 2048))
+        self._payload_area = self.framer.payload_view(s)  # where each datagram's symbol goes
         self.parser = Parser(key)
         self.n_source = n = -(-transfer.nbytes // s)
         self.start = now
@@ -156,8 +166,10 @@ class SenderSession:
         self._last_symbol = bytes(self._payload[(n - 1) * s :]) + bytes(s - tail) if n else b""
         self._finish_esi, self._utility_after = _block_progress(transfer, s)
 
+        # RLC repairs read the source symbols in place from the payload (stream mode): no
+        # per-source copy into an encoder ring
         self.encoder = (
-            RLCEncoder(s, window=min(DECODER_WINDOW, max(n, 1)))
+            RLCEncoder(s, window=min(DECODER_WINDOW, max(n, 1)), stream=transfer.payload)
             if self.mode == RepairMode.RLC
             else None
         )
@@ -365,7 +377,7 @@ class SenderSession:
 
     def reactive_needed(self) -> int:
         """Repairs the latest feedback asked for that none sent since then addresses."""
-        if self.mode == RepairMode.RLC:
+        if self._mode == _RLC:
             return self._seg_needed
         return max(0, self.fb_deficit - (self.reactive_sent - self._fb_rea_mark))
 
@@ -373,7 +385,7 @@ class SenderSession:
         """Expected repair symbols still needed for the sources already sent: reported
         holes not yet answered, plus the expected losses among sources in flight, minus
         the expected arrivals of proactive repairs in flight."""
-        if self.mode == RepairMode.NONE:
+        if self._mode == _NONE:
             return 0.0
         p = self.loss_estimate()
         src, rep = self.in_flight()
@@ -385,14 +397,14 @@ class SenderSession:
         left_s = self.stop_time - t
         if left_s < 0.0:
             return False
-        if not self.policy.tail_rule:
+        if not self._tail_rule:
             return True
         left = int(left_s / self.slot_s) + 1
         need = self._finish_esi[esi] - esi + 1
-        mode = self.mode
-        if mode == RepairMode.NONE:
+        mode = self._mode
+        if mode == _NONE:
             return left >= need
-        if mode == RepairMode.BLOCK_RS:  # the RS block and its parities must fit
+        if mode == _BLOCK_RS:  # the RS block and its parities must fit
             return left >= max(need, self._rs.need(esi))
         surviving = left * (1.0 - self.fb_loss)
         # cheap bound first: owed() never exceeds what was asked for plus all in flight
@@ -412,38 +424,38 @@ class SenderSession:
             d = manifest.emit(self.framer, self.seq, slot)
             self.stats["manifest_sent"] += 1
             return self._sent(d, t)
-        mode = self.mode
-        if mode == RepairMode.RLC:
-            reactive = self.reactive_needed() > 0
-            if reactive and self.policy.reactive:
+        mode = self._mode
+        if mode == _RLC:
+            reactive = self._seg_needed > 0
+            if reactive and self._reactive:
                 d = self._rlc_repair(True)
                 if d is not None:
-                    return self._sent(d, t, repair=True, reactive=True)
+                    return self._sent(d, t, False, True, True)
             self._credit += self.share
             if self._credit >= 1.0:
                 self._credit -= 1.0
                 d = self._rlc_repair(reactive)
                 if d is not None:
-                    return self._sent(d, t, repair=True, reactive=reactive)
+                    return self._sent(d, t, False, True, reactive)
                 self._credit = 0.0
-        elif mode == RepairMode.BLOCK_RS:
+        elif mode == _BLOCK_RS:
             if self._rs.queue:
-                return self._sent(self._rs_parity(), t, repair=True)
-        elif mode == RepairMode.ARQ:
+                return self._sent(self._rs_parity(), t, False, True)
+        elif mode == _ARQ:
             d = self._retransmission(t)
             if d is not None:
-                return self._sent(d, t, repair=True, reactive=True)
+                return self._sent(d, t, False, True, True)
         esi = self.next_esi
         if esi < self.n_source:
             if self.admit and self._tail_ok(t, esi):
-                return self._sent(self._source(esi), t, source=True)
-        if mode == RepairMode.RLC:
-            reactive = self.reactive_needed() > 0
+                return self._sent(self._source(esi), t, True)
+        if mode == _RLC:
+            reactive = self._seg_needed > 0
             d = self._rlc_repair(reactive)
             if d is not None:
-                return self._sent(d, t, repair=True, reactive=reactive)
+                return self._sent(d, t, False, True, reactive)
             if esi < self.n_source and self._tail_ok(t, esi):
-                return self._sent(self._source(esi), t, source=True)
+                return self._sent(self._source(esi), t, True)
         return None
 
     def _sent(
@@ -470,14 +482,12 @@ class SenderSession:
     def _source(self, esi: int) -> bytes:
         s = self.symbol_size
         sym = self._payload[esi * s : esi * s + s] if esi < self.n_source - 1 else self._last_symbol
-        self.framer.payload_view(s)[:] = sym
-        if self.encoder is not None:
-            self.encoder.add_source(sym)
-        elif self._rs is not None:
+        self._payload_area[:] = sym
+        if self._rs is not None:
             self._rs.add_source(esi, sym)
         self.next_esi = esi + 1
         self.stats["source_sent"] += 1
-        return self.framer.finish(_SOURCE, self.seq, s, esi=esi)
+        return self.framer.finish(_SOURCE, self.seq, s, esi)
 
     def _rlc_window(self, reactive: bool) -> tuple[int, int]:
         hi = self.next_esi
@@ -499,7 +509,10 @@ class SenderSession:
         key = self._repair_key
         self._repair_key = (key + 1) & 0xFFFF
         nss = hi - lo
-        self.encoder.repair_into(self.framer.payload_view(s), lo, nss, key, _DT_DENSE)
+        enc = self.encoder
+        if enc.next_esi != self.next_esi:
+            enc.add_stream_sources(self.next_esi)  # what has been sent so far
+        enc.repair_into(self._payload_area, lo, nss, key, _DT_DENSE)
         if reactive and self._segments:
             entry = self._segments[0]
             self._seg_flight.append((self.seq, entry[0]))
@@ -589,7 +602,7 @@ class SenderSession:
         # sources sent before the echoed packet that it has not seen at all
         self.fb_deficit = max(0, fb.unrecovered - fb.pending)
         self.fb_unseen = max(0, self._fb_src_mark - fb.esi_end)
-        if self.mode == RepairMode.RLC:
+        if self._mode == _RLC:
             self._plan_segments(fb)
         if fb.flags & FB_MANIFEST_DONE:
             self.manifest.acked = True
@@ -599,7 +612,7 @@ class SenderSession:
                     now, "receiver done" if fb.flags & FB_ALL_DONE else "receiver finished"
                 )
             return
-        if self.mode == RepairMode.ARQ:
+        if self._mode == _ARQ:
             self._queue_nacks(fb.ranges, now)
         if self._idle and not self.done:  # news may give the idle sender work: wake it
             self._idle = False
