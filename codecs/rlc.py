@@ -15,7 +15,11 @@ and becomes a new pivot row (or is dropped as linearly dependent). In this form 
 symbol is determined by the equations received exactly when some row has no non-zero
 coefficient besides its pivot, so each lost symbol is returned as soon as the equations allow,
 whatever the arrival order. Everything that touches bytes runs in numba kernels over
-contiguous ``uint8`` arrays; Python only validates arguments and keeps small counters.
+contiguous ``uint8`` arrays (the region products are kvtransport.codecs.gf256's, GFNI where
+the CPU has it); Python only validates arguments and keeps small counters.
+
+numba caches these kernels by this file's content only: after editing gf256 (whose code they
+include), change this file too, or clear codecs/__pycache__, so they are rebuilt.
 
 Each row's pivot is its lowest-ESI unknown. Memory is bounded: the decoder holds at most
 ``max_window`` consecutive ESIs. An ESI beyond the window slides it forward (and
@@ -782,6 +786,41 @@ def _decode_release(state: np.ndarray, coef: np.ndarray, ints: np.ndarray, bound
         ints[_MAXREF] = -1
 
 
+@njit(cache=True, nogil=True)
+def _store_run(
+    sym: np.ndarray,
+    state: np.ndarray,
+    data: np.ndarray,
+    lo: int,
+    count: int,
+    size: int,
+    base: int,
+    through: int,
+) -> int:
+    """Store sources lo .. lo+count-1 (``size`` bytes each in ``data``) as received, when
+    all are unknown (else change nothing and return -2); return decoded-through advanced
+    as SourceWindow.advance_through would. The caller checks that the run is in the
+    window and that no pending equation involves it."""
+    cap = state.shape[0]
+    for i in range(count):
+        if state[(lo + i) % cap] != UNKNOWN:
+            return -2
+    stride = sym.shape[1]
+    for i in range(count):
+        col = (lo + i) % cap
+        row = sym[col]
+        row[:size] = data[i * size : (i + 1) * size]
+        row[size:stride] = 0
+        state[col] = RECEIVED
+    t = through
+    if t + 1 < base:
+        return t
+    top = base + cap
+    while t + 1 < top and state[(t + 1) % cap] != UNKNOWN:
+        t += 1
+    return t
+
+
 # --------------------------------------------------------------------------------------------
 # Decoder
 # --------------------------------------------------------------------------------------------
@@ -951,31 +990,21 @@ class RLCDecoder(SourceWindow):
         count, rest = divmod(arr.shape[0], s)
         if rest:
             raise ValueError(f"a run of {arr.shape[0]} bytes is not whole {s}-byte symbols")
-        first = int(first)
+        lo = int(first)
+        hi = lo + count
         if count == 0:
             return []
-        lo, hi, cap = first, first + count, self.capacity
         base = self.base
-        fast = not self.involves(lo) and 0 <= base <= lo and hi <= base + cap
-        fast = fast and hi - 1 <= MAX_ESI
-        if fast:
-            c0, c1 = lo % cap, (hi - 1) % cap + 1  # ring columns (one wrap at most)
-            parts = [(c0, c1, 0)] if c0 < c1 else [(c0, cap, 0), (0, c1, cap - c0)]
-            fast = all((self.state[a:b] == UNKNOWN).all() for a, b, _ in parts)
-        if not fast:
-            got: list[int] = []
-            for i in range(count):
-                got += self.add_source(lo + i, arr[i * s : (i + 1) * s])
-            return got
-        rows = arr.reshape(count, s)
-        for a, b, off in parts:
-            self.sym[a:b, :s] = rows[off : off + b - a]
-            if s < self.stride:
-                self.sym[a:b, s:] = 0
-            self.state[a:b] = RECEIVED
-        self._n_sources += count
-        self.advance_through()
-        return list(range(lo, hi))
+        if not self.involves(lo) and 0 <= base <= lo and hi <= base + self.capacity <= MAX_ESI:
+            t = _store_run(self.sym, self.state, arr, lo, count, s, base, self._through)
+            if t >= -1:  # stored (-2: some ESI of the run was known already)
+                self._n_sources += count
+                self._through = t
+                return list(range(lo, hi))
+        got: list[int] = []
+        for i in range(count):
+            got += self.add_source(lo + i, arr[i * s : (i + 1) * s])
+        return got
 
     def _reject_source(self, esi: int, n: int) -> None:
         if not 0 <= esi <= MAX_ESI:

@@ -79,7 +79,26 @@ def _unaligned(arr: np.ndarray, offset: int) -> np.ndarray:
     return view
 
 
-@settings(max_examples=60, deadline=None)
+# every variant this host can run (GFNI only where the CPU has it), each checked on its own
+MULADD_VARIANTS = [gf256.region_muladd_bitsliced] + (
+    [gf256.region_muladd_gfni] if gf256.HAVE_GFNI else []
+)
+SCALE_VARIANTS = [gf256.region_scale_bitsliced] + (
+    [gf256.region_scale_gfni] if gf256.HAVE_GFNI else []
+)
+
+
+def test_affine_matrices_multiply_by_their_constant():
+    """The GFNI kernels' matrices, checked on the bit level without the instruction: row i
+    (byte 7-i) dotted with x gives bit i of c * x."""
+    for c in range(256):
+        q = int(gf256.AFFINE_TABLE[c])
+        for x in range(256):
+            y = sum((bin((q >> (8 * (7 - i))) & x & 0xFF).count("1") & 1) << i for i in range(8))
+            assert y == REF[c][x]
+
+
+@settings(max_examples=100, deadline=None)
 @given(
     data=st.binary(min_size=0, max_size=300),
     c=st.integers(0, 255),
@@ -94,6 +113,11 @@ def test_region_kernels_match_reference(data, c, offset):
     gf256.region_muladd(dst, src, c)
     assert np.array_equal(dst, expected)
 
+    for muladd in MULADD_VARIANTS:
+        dst = _unaligned(dst0, (offset + 5) % 8)
+        muladd(dst, src, c)
+        assert np.array_equal(dst, expected)
+
     dst = dst0.copy()
     gf256.region_muladd_table(dst, src, c)
     assert np.array_equal(dst, expected)
@@ -101,6 +125,10 @@ def test_region_kernels_match_reference(data, c, offset):
     scaled = src.copy()
     gf256.region_scale(scaled, c)
     assert np.array_equal(scaled, REF[c][src])
+    for scale in SCALE_VARIANTS:
+        scaled = _unaligned(src, (offset + 1) % 8)
+        scale(scaled, c)
+        assert np.array_equal(scaled, REF[c][src])
 
     x = dst0.copy()
     gf256.region_xor(x, src)
