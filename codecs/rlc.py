@@ -795,16 +795,23 @@ def _store_run(
     count: int,
     size: int,
     base: int,
+    new_base: int,
     through: int,
 ) -> int:
     """Store sources lo .. lo+count-1 (``size`` bytes each in ``data``) as received, when
-    all are unknown (else change nothing and return -2); return decoded-through advanced
-    as SourceWindow.advance_through would. The caller checks that the run is in the
-    window and that no pending equation involves it."""
+    those in the window are all unknown (else change nothing and return -2), first sliding
+    the window from ``base`` to ``new_base`` (<= lo; only with no equation pending, so the
+    slide just forgets slots); return decoded-through advanced as
+    SourceWindow.advance_through would from ``new_base``. The caller checks that no
+    pending equation involves the run and that it fits the window after the slide."""
     cap = state.shape[0]
     for i in range(count):
-        if state[(lo + i) % cap] != UNKNOWN:
+        e = lo + i
+        if e < base + cap and state[e % cap] != UNKNOWN:
             return -2
+    for e in range(base, min(new_base, base + cap)):
+        state[e % cap] = UNKNOWN
+    base = new_base
     stride = sym.shape[1]
     for i in range(count):
         col = (lo + i) % cap
@@ -926,7 +933,7 @@ class RLCDecoder(SourceWindow):
         colrow = self._colrow_mv
         return any(colrow[e % cap] >= 0 for e in range(base, end))
 
-    def add_source(self, esi: int, payload: object) -> list[int]:
+    def _add_source(self, esi: int, payload: object) -> list[int]:
         """A source symbol arrived; returns the ESIs that became known."""
         # The per-packet hot path of a receiver: kept to few Python operations.
         esi = int(esi)
@@ -981,9 +988,10 @@ class RLCDecoder(SourceWindow):
         (``symbol_size`` bytes each); returns the ESIs that became known.
 
         Exactly ``add_source`` once per symbol, in order. When no pending equation involves
-        the run (see :meth:`involves`) and it lies inside the window, all new, it is one bulk
-        copy (no per-symbol Python): the fast path for a receiver that hands its sources over
-        in batches.
+        the run (see :meth:`involves`) and it is new and fits the window (sliding it along as
+        the calls would, when no equation is pending at all), it is one kernel call (no
+        per-symbol Python): the fast path for a receiver that hands its sources over in
+        batches.
         """
         arr = as_u8_array(data)
         s = self.symbol_size
@@ -994,17 +1002,27 @@ class RLCDecoder(SourceWindow):
         hi = lo + count
         if count == 0:
             return []
-        base = self.base
-        if not self.involves(lo) and 0 <= base <= lo and hi <= base + self.capacity <= MAX_ESI:
-            t = _store_run(self.sym, self.state, arr, lo, count, s, base, self._through)
+        base, cap = self.base, self.capacity
+        new_base = max(base, hi - cap)  # what the calls would slide the window to
+        if (
+            not self.involves(lo)
+            and 0 <= base <= lo
+            and hi - 1 <= MAX_ESI
+            and (new_base == base or (self._ints_mv[_NACT] == 0 and count <= cap))
+        ):
+            t = _store_run(self.sym, self.state, arr, lo, count, s, base, new_base, self._through)
             if t >= -1:  # stored (-2: some ESI of the run was known already)
+                if new_base != base:
+                    self.base = self._ints_mv[_BASE] = new_base
                 self._n_sources += count
                 self._through = t
                 return list(range(lo, hi))
         got: list[int] = []
         for i in range(count):
-            got += self.add_source(lo + i, arr[i * s : (i + 1) * s])
+            got += self._add_source(lo + i, arr[i * s : (i + 1) * s])
         return got
+
+    add_source = _add_source  # (the public name; add_source_run calls the body directly)
 
     def _reject_source(self, esi: int, n: int) -> None:
         if not 0 <= esi <= MAX_ESI:
