@@ -336,9 +336,10 @@ def fit_sigmoid(
 class MeasuredCurve:
     """Accuracy measured at several delivered fractions for one (model, context length).
 
-    This is what `kvtransport fit-utility` fits. Today it is read from a points file; the
-    real-model measurement (kvtransport.hf + kvtransport.tasks) will produce the same
-    object, so fitting, the table and the plot do not change when it lands.
+    This is what `kvtransport fit-utility` fits, read from a points file or measured with
+    the real model (:func:`measure_curves`). metric: which quality measure (MEASURES; ""
+    when a points file does not say); samples: prompts averaged per point (0: unknown);
+    spread: the standard error of each point's mean over the prompts (empty: unknown).
     """
 
     model: str
@@ -346,6 +347,169 @@ class MeasuredCurve:
     fractions: np.ndarray
     accuracies: np.ndarray
     source: str = ""
+    metric: str = ""
+    samples: int = 0
+    spread: np.ndarray = field(default_factory=lambda: np.zeros(0))
+
+
+# ------------------------------------------------------------ real-model measurement
+
+MEASURES = ("accuracy", "f1", "top1")
+"""Quality measures of an answer given the first x of the cache (kvtransport.metrics):
+accuracy: RULER's string match, the fraction of the gold answers found in the generated
+answer (``contains_all``; plain containment for single-answer tasks); f1: SQuAD token
+F1 against the best gold answer; top1: teacher-forced top-1 agreement with the full
+cache's own greedy answer (1 at x = 1 by construction)."""
+DEFAULT_MEASURE = "accuracy"
+DEFAULT_FRACTIONS = (
+    0.0, 0.025, 0.05, 0.075, 0.1, 0.125, 0.15, 0.175, 0.2,
+    0.25, 0.3, 0.35, 0.4, 0.5, 0.6, 0.8, 1.0,
+)  # fmt: skip
+"""Dense below 0.2: in utility order most of the answer arrives with the first blocks."""
+MEASURE_SEED = 30_000
+"""First task seed of the measurement prompts: disjoint from the sensitivity calibration
+(small seeds), scripts/eval_retention.py (10000+) and the utility-order tuning (20000+)."""
+MAX_ANSWER_TOKENS = 40
+"""Greedy answer cap: four 7-digit values (the multi-value needle task) need about 36."""
+
+
+@dataclass(frozen=True)
+class SampleMeasurement:
+    """One prompt's quality at each delivered fraction.
+
+    values[m][k]: measure m with the first fractions[k] of the blocks (utility order);
+    answer: the full cache's answer; generated: how many fractions needed a greedy run
+    (the others reproduced the full answer exactly, see :func:`measure_sample`).
+    """
+
+    task: str
+    seed: int
+    tokens: int
+    fractions: np.ndarray
+    values: dict[str, np.ndarray]
+    answer: str
+    generated: int
+
+
+def measure_sample(
+    model: Any,
+    tokenizer: Any,
+    sample: Any,
+    fractions: Sequence[float] = DEFAULT_FRACTIONS,
+    *,
+    block_tokens: int = 16,
+    layer_weights: np.ndarray | None = None,
+    max_answer_tokens: int = MAX_ANSWER_TOKENS,
+    progress: Any = None,
+) -> SampleMeasurement:
+    """Answer quality of one task sample when only the first x of its cache arrives.
+
+    The context is prefilled once and its blocks ordered as the sender streams them
+    (kvtransport.utility: SnapKV attention x layer weights, sink blocks first); for each
+    fraction x the first round(x * blocks) blocks are present and the rest masked per layer
+    (kvtransport.hf, as the receiver injects a partial cache). The full cache's greedy
+    answer (with its stop token) is the reference for top-1 agreement. Shortcut, exact:
+    when the partial cache's teacher-forced top-1 prediction matches every reference token,
+    its greedy answer *is* the reference (greedy decoding picks the top-1 token at each
+    step), so only the other fractions are decoded. progress: called once per fraction.
+    """
+    from kvtransport import hf, metrics, utility
+
+    ctx, question = sample.prompt(tokenizer)
+    kv = hf.prefill(model, tokenizer, ctx, window=utility.OBSERVATION_WINDOW)
+    gen = hf.greedy_generate(model, kv, question, max_new_tokens=max_answer_tokens)
+    reference = list(gen.tokens)
+    if gen.stopped:  # the stop token belongs to the answer: which one the model chose
+        logits, _ = hf.cache_forward(model, kv, list(question) + reference, last=1)
+        reference.append(int(logits[-1].argmax()))
+    full_answer = tokenizer.decode(gen.tokens, skip_special_tokens=True)
+    u = utility.cache_utility(kv, block_tokens, layer_weights)
+    order = utility.stream_order(u, block_tokens)
+    fr = np.asarray(fractions, dtype=np.float64)
+    values = {m: np.zeros(fr.size) for m in MEASURES}
+    generated = 0
+    for k, x in enumerate(fr):
+        keep = utility.kept_mask(order, u.shape, float(x))
+        present = np.repeat(keep, block_tokens, axis=1)[:, : kv.num_tokens]
+        if reference:
+            hits = hf.teacher_forced_top1(model, kv, question, reference, present=present)
+        else:  # the model stopped at once; nothing to agree with
+            hits = np.ones(1, dtype=bool)
+        if hits.all():
+            answer = full_answer
+        else:
+            g = hf.greedy_generate(
+                model, kv, question, present=present, max_new_tokens=max_answer_tokens
+            )
+            answer = tokenizer.decode(g.tokens, skip_special_tokens=True)
+            generated += 1
+        values["accuracy"][k] = metrics.contains_all(answer, sample.answers)
+        values["f1"][k] = metrics.token_f1(answer, sample.answers)
+        values["top1"][k] = float(hits.mean())
+        if progress is not None:
+            progress(1)
+    return SampleMeasurement(
+        sample.task, sample.seed, kv.num_tokens, fr, values, full_answer, generated
+    )
+
+
+def measure_curves(
+    model: Any,
+    tokenizer: Any,
+    model_id: str,
+    context_tokens: int,
+    samples: int,
+    fractions: Sequence[float] = DEFAULT_FRACTIONS,
+    *,
+    seed: int = MEASURE_SEED,
+    tasks: Sequence[str] | None = None,
+    block_tokens: int = 16,
+    layer_weights: np.ndarray | None = None,
+    progress: Any = None,
+) -> tuple[dict[str, MeasuredCurve], list[SampleMeasurement]]:
+    """Mean quality vs delivered fraction over ``samples`` prompts of one context length.
+
+    Prompts cycle through the tasks (kvtransport.tasks.suite: RULER-style needles and
+    facts QA, seeds from ``seed``), each sized to ``context_tokens``. Returns one
+    MeasuredCurve per measure (MEASURES; the mean over prompts at each fraction, with its
+    standard error) and the per-prompt measurements.
+    """
+    from kvtransport import tasks as task_lib
+
+    if samples < 1:
+        raise ValueError("samples must be at least 1")
+    names = tuple(tasks) if tasks else task_lib.TASK_NAMES
+    suite = task_lib.suite(
+        tokenizer, n=samples, target_tokens=context_tokens, seed=seed, tasks=names
+    )
+    per = [
+        measure_sample(
+            model,
+            tokenizer,
+            s,
+            fractions,
+            block_tokens=block_tokens,
+            layer_weights=layer_weights,
+            progress=progress,
+        )
+        for s in suite
+    ]
+    fr = np.asarray(fractions, dtype=np.float64)
+    curves = {}
+    for m in MEASURES:
+        y = np.stack([p.values[m] for p in per])
+        se = y.std(axis=0, ddof=1) / math.sqrt(len(per)) if len(per) > 1 else np.zeros(fr.size)
+        curves[m] = MeasuredCurve(
+            model=model_id,
+            context_tokens=int(context_tokens),
+            fractions=fr.copy(),
+            accuracies=y.mean(axis=0),
+            source=f"measured: {len(per)} prompts ({', '.join(names)}), seeds {seed}+",
+            metric=m,
+            samples=len(per),
+            spread=se,
+        )
+    return curves, per
 
 
 # --------------------------------------------------------------------- the curve table
@@ -353,7 +517,13 @@ class MeasuredCurve:
 
 @dataclass(frozen=True)
 class UtilityCurve:
-    """One row of the table: a fitted curve for (model, context_tokens) and its quality."""
+    """One row of the table: a fitted curve for (model, context_tokens) and its quality.
+
+    Provenance (optional, for people and re-fits; the daemon needs only the curve):
+    metric: the quality measure fitted (MEASURES); samples: prompts per point; points:
+    the measured (fraction, accuracy) pairs the curve was fitted to; command: the
+    command line that produced the row.
+    """
 
     model: str
     context_tokens: int
@@ -363,13 +533,22 @@ class UtilityCurve:
     floor: bool
     rmse: float = float("nan")
     source: str = ""
+    metric: str = ""
+    samples: int = 0
+    points: tuple[tuple[float, float], ...] = ()
+    command: str = ""
 
     @property
     def concave_start(self) -> float:
         return self.utility.concave_start
 
+    @property
+    def ceiling(self) -> float:
+        """U(1): the quality with the whole cache delivered."""
+        return float(self.utility(1.0))
+
     def to_dict(self) -> dict[str, Any]:
-        return {
+        row: dict[str, Any] = {
             "model": self.model,
             "context_tokens": self.context_tokens,
             **self.utility.to_dict(),
@@ -380,9 +559,18 @@ class UtilityCurve:
             "concave_start": self.concave_start,
             "source": self.source,
         }
+        if self.metric:
+            row["metric"] = self.metric
+        if self.samples:
+            row["samples"] = self.samples
+        if self.points:
+            row["points"] = [[round(f, 6), round(a, 6)] for f, a in self.points]
+        if self.command:
+            row["command"] = self.command
+        return row
 
     @classmethod
-    def from_fit(cls, curve: MeasuredCurve, fit: UtilityFit) -> UtilityCurve:
+    def from_fit(cls, curve: MeasuredCurve, fit: UtilityFit, command: str = "") -> UtilityCurve:
         return cls(
             model=curve.model,
             context_tokens=curve.context_tokens,
@@ -392,7 +580,26 @@ class UtilityCurve:
             floor=fit.floor,
             rmse=fit.rmse,
             source=curve.source,
+            metric=curve.metric,
+            samples=curve.samples,
+            points=tuple(
+                (float(f), float(a)) for f, a in zip(curve.fractions, curve.accuracies, strict=True)
+            ),
+            command=command,
         )
+
+
+def _points_from(row: dict[str, Any], where: str) -> tuple[tuple[float, float], ...]:
+    pts = row.get("points", [])
+    ok = isinstance(pts, list) and all(
+        isinstance(p, list)
+        and len(p) == 2
+        and all(isinstance(v, int | float) and not isinstance(v, bool) for v in p)
+        for p in pts
+    )
+    if not ok:
+        raise UserError(f"{where}: points must be a list of [fraction, accuracy] pairs")
+    return tuple((float(f), float(a)) for f, a in pts)
 
 
 def _curve_from_dict(row: Any, where: str) -> UtilityCurve:
@@ -417,19 +624,40 @@ def _curve_from_dict(row: Any, where: str) -> UtilityCurve:
         util = SigmoidUtility(a=nums["a"], b=nums["b"], c=nums["c"], d=nums["d"])
     except ValueError as exc:
         raise UserError(f"{where}: {exc}") from None
-    n_points = row.get("n_points", 0)
-    if not isinstance(n_points, int) or isinstance(n_points, bool) or n_points < 0:
-        raise UserError(f"{where}: n_points must be a non-negative integer")
+    counts = {}
+    for k in ("n_points", "samples"):
+        v = row.get(k, 0)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise UserError(f"{where}: {k} must be a non-negative integer")
+        counts[k] = v
     return UtilityCurve(
         model=model,
         context_tokens=ctx,
         utility=util,
         r2=nums["r2"],
-        n_points=n_points,
+        n_points=counts["n_points"],
         floor=bool(row.get("floor", nums["d"] != 0.0)),
         rmse=nums["rmse"],
         source=str(row.get("source", "")),
+        metric=str(row.get("metric", "")),
+        samples=counts["samples"],
+        points=_points_from(row, where),
+        command=str(row.get("command", "")),
     )
+
+
+def packaged_table_name(model_id: str) -> str:
+    """File name of a model's shipped utility table in kvtransport/data/."""
+    return f"{model_id}-utility.json"
+
+
+def packaged_model_ids() -> list[str]:
+    """Models that ship a utility table as package data."""
+    from importlib import resources
+
+    suffix = packaged_table_name("")
+    data = resources.files("kvtransport") / "data"
+    return sorted(f.name[: -len(suffix)] for f in data.iterdir() if f.name.endswith(suffix))
 
 
 @dataclass
@@ -514,3 +742,18 @@ class UtilityTable:
 
     def __iter__(self) -> Iterator[UtilityCurve]:
         return iter(self.curves[k] for k in sorted(self.curves))
+
+    @classmethod
+    def packaged(cls, model_id: str) -> UtilityTable | None:
+        """The table shipped as package data for ``model_id`` (None if there is none).
+
+        Written by ``kvtransport fit-utility --measure`` (each curve records the command);
+        the sender daemon and scripts/eval_multiuser.py read it when given no table.
+        """
+        from importlib import resources
+
+        ref = resources.files("kvtransport") / "data" / packaged_table_name(model_id)
+        if not ref.is_file():
+            return None
+        with resources.as_file(ref) as p:
+            return cls.load(p)
