@@ -159,21 +159,26 @@ class ReceiverEngine:
         active = self.active
         touched: dict[int, Incoming] = {}
         t0 = clock()
+        unpack = _TID.unpack_from
+        last_tid, inc, receive = -1, None, None  # consecutive datagrams: one lookup
         for data, addr in self.sock.recv_batch(BATCH):
             if len(data) < HEADER_SIZE:
                 self._drop("truncated")
                 continue
-            tid = _TID.unpack_from(data, 8)[0]
-            inc = active.get(tid)
-            if inc is None:
-                inc = self.lingering.get(tid)
+            tid = unpack(data, 8)[0]
+            if tid != last_tid:
+                inc = active.get(tid)
                 if inc is None:
-                    inc = self._admit(tid, data, addr, now)
+                    inc = self.lingering.get(tid)
                     if inc is None:
-                        continue
+                        inc = self._admit(tid, data, addr, now)
+                        if inc is None:
+                            last_tid = -1
+                            continue
+                last_tid, receive = tid, inc.session.receive_datagram
+                touched[tid] = inc
             inc.datagrams += 1
-            inc.session.receive_datagram(data, now)
-            touched[tid] = inc
+            receive(data, now)
         if touched:
             later = now + (clock() - t0)  # the batch took time: the sender's RTT must not
             for inc in touched.values():  # count it as network delay
