@@ -905,10 +905,11 @@ class UtilityWaterFilling:
     first. In fluid runs with arrivals spread over 0.3-1 s (100 Mbit/s and 1 Gbit/s, 4-32
     users, the SmolLM2 accuracy curves, 6-12 MB caches, 500 ms windows, 2 seeds) value-first
     serving raised the worst ratio to the clairvoyant bound from 0.948 to 0.987 (mean 0.991
-    to 0.998); with steeper curves (b = 20) from 0.928 to 0.965. (An admission threshold
-    learned from the recent arrivals' clearing price added under 0.005 on top and was
-    dropped.) Capacity the plan leaves unused goes to deferred transfers, most utility per
-    byte first: it is free, and it brings them closer to admission.
+    to 0.998); with steeper curves (b = 20) from 0.928 to 0.965. Two ways of anticipating
+    arrivals from the recent ones were tried and dropped: an admission threshold at their
+    clearing price (under +0.005) and that price as a floor under the water level (worse:
+    0.949-0.978). Capacity the plan leaves unused goes to deferred transfers, most utility
+    per byte first: it is free, and it brings them closer to admission.
 
     sticky: keep admitted transfers admitted while their minimum fits (see the module
     docstring for why the default re-decides). admitted: ids admitted at the last slot;

@@ -513,7 +513,7 @@ class MultiSimulation:
             packets_dropped=getattr(ch, "dropped", 0),
             wire_bytes=self.wire_bytes,
             decoded_bytes=decoded,
-            payload_capacity_Bps=self._capacity(),
+            payload_capacity_Bps=self.scheduler.capacity_Bps,
             slots=self.slots,
             events=self.events,
             cpu_s=time.process_time() - cpu0,

@@ -425,3 +425,55 @@ def test_online_admission_drops_a_poor_early_transfer_for_better_later_ones():
     sticky = simulate_fluid(ts, cap, UtilityWaterFilling(sticky=True), 0.01)
     assert redecide.weighted_utility > sticky.weighted_utility
     assert all(redecide.fractions[f"g{i}"] >= good.concave_start for i in range(3))
+
+
+def test_value_first_serving_keeps_every_deadline_and_serves_value_first():
+    """A slot of the plan: what the deadlines force, then by utility per byte."""
+    rng = np.random.default_rng(12)
+    cap, until = 10e6, 0.01
+    for _ in range(200):
+        n = int(rng.integers(2, 9))
+        deadlines = np.sort(rng.uniform(until, 0.5, n))
+        room = cap * (deadlines - 0.0)
+        wants = rng.uniform(0, 1, n) * np.diff(np.concatenate([[0.0], room]))
+        sigma = rng.uniform(1e-8, 1e-6, n)
+        budget = cap * until
+        out = al._value_first_fill(budget, cap, until, deadlines, wants, sigma)
+        assert np.all(out >= -1e-9) and np.all(out <= wants + 1e-6)
+        assert out.sum() <= budget * (1 + 1e-12)
+        # What is left of the plan still fits the capacity after this slot.
+        left = np.cumsum(wants - out)
+        assert np.all(left <= cap * (deadlines - until) * (1 + 1e-9) + 1e-6)
+        assert out.sum() >= min(budget, wants.sum()) * (1 - 1e-9)  # work-conserving
+    # Two users, no deadline pressure: the valuable one first even with a later deadline.
+    out = al._value_first_fill(1e5, 1e7, 0.01, np.array([0.3, 0.5]), np.array([5e5, 5e5]),
+                               np.array([1e-7, 5e-7]))  # fmt: skip
+    assert out.tolist() == [0.0, 1e5]
+    # ... unless its deadline forces the other: 5e5 bytes due in 50 ms at 10 MB/s.
+    out = al._value_first_fill(1e5, 1e7, 0.01, np.array([0.05, 0.5]), np.array([4.5e5, 5e5]),
+                               np.array([1e-7, 5e-7]))  # fmt: skip
+    assert out[0] == pytest.approx(5e4) and out[1] == pytest.approx(5e4)
+
+
+def test_clairvoyant_bound_holds_with_many_identical_transfers():
+    """Identical transfers in staggered windows (ties everywhere): a valid, feasible bound."""
+    u_small = SigmoidUtility(0.9, 7.0, 0.25)
+    u_big = SigmoidUtility(0.7, 10.0, 0.14)
+    cap = 12e6
+    for seed in range(3):
+        rng = np.random.default_rng(seed)
+        kinds = [(5.9e6, u_small), (11.8e6, u_big)]
+        ts = []
+        for i, a in enumerate(np.sort(rng.uniform(0, 0.3, 8))):
+            size, u = kinds[int(rng.integers(2))]
+            ts.append(Transfer(i, size, a + 0.5, u, 1.0, a))
+        cb = clairvoyant_bound(ts, cap, rel_tol=1e-3, max_nodes=60)
+        assert cb.achievable <= cb.upper + 1e-12
+        for cls in POLICIES:
+            assert simulate_fluid(ts, cap, cls(), 0.01).weighted_utility <= cb.upper * (1 + 1e-6)
+        # Hall's condition on every interval between an arrival and a deadline.
+        for a in {t.arrival for t in ts}:
+            for d in {t.deadline for t in ts}:
+                if d > a:
+                    inside = sum(cb.bytes[t.id] for t in ts if t.arrival >= a and t.deadline <= d)
+                    assert inside <= cap * (d - a) * (1 + 1e-9)

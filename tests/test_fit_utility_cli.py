@@ -161,3 +161,55 @@ def test_missing_model_and_corrupt_table_are_one_line_errors(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and "not a utility table" in err and len(err.strip().splitlines()) == 1
     assert table.read_text() == "[1, 2]"  # the user's file is left alone
+
+
+@pytest.mark.parametrize(
+    "args, msg",
+    [
+        (["--measure", "--context-tokens", "0"], "positive integers"),
+        (["--measure", "--context-tokens", "abc"], "positive integers"),
+        (["--measure", "--fractions", "0,0.5,1"], "at least 5 distinct"),
+        (["--measure", "--fractions", "0,0.2,0.4,0.6,1.5"], "numbers in [0, 1]"),
+        (["--measure", "--samples", "0"], "--samples must be at least 1"),
+        (["--points", "p.csv", "--context-tokens", "256,512"], "takes one length"),
+    ],
+)
+def test_bad_measure_arguments_are_one_line_errors(tmp_path, capsys, monkeypatch, args, msg):
+    """Refused before any model is loaded (these return in well under a second)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "p.csv").write_text("fraction,accuracy\n0.1,0.2\n")
+    rc = main(["fit-utility", *args, "--out", str(tmp_path / "u.json")])
+    err = capsys.readouterr().err
+    assert rc == 2 and msg in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "u.json").exists()
+
+
+def test_points_and_measure_exclude_each_other(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["fit-utility", "--points", "p.csv", "--measure"])
+    assert exc.value.code == 2
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_saved_measure_points_refit_by_metric_and_record_the_command(tmp_path, capsys):
+    """--save-points output (one entry per measure) read back with --points --metric."""
+    from kvtransport.commands.fit_utility import save_points
+    from kvtransport.utility_model import MeasuredCurve
+
+    x = np.linspace(0, 1, 11)
+    curves = [
+        MeasuredCurve("m", 256, x, SigmoidUtility(0.9, 8.0, 0.25)(x), "measured", "accuracy", 4),
+        MeasuredCurve("m", 256, x, SigmoidUtility(0.7, 12.0, 0.15)(x), "measured", "f1", 4),
+    ]
+    pts = tmp_path / "pts.json"
+    save_points(str(pts), curves)
+    out = tmp_path / "u.json"
+    args = ["fit-utility", "--points", str(pts), "--metric", "f1", "--out", str(out)]
+    assert main(args) == 0
+    row = UtilityTable.load(out).get("m", 256)
+    assert row.metric == "f1" and abs(row.utility.c - 0.15) < 1e-3
+    assert row.command == f"kvtransport fit-utility --points {pts} --metric f1 --out {out}"
+    assert len(row.points) == 11
+    capsys.readouterr()
+    assert main(["fit-utility", "--points", str(pts), "--metric", "top1", "--out", str(out)]) == 2
+    assert "no points for the 'top1' measure" in capsys.readouterr().err

@@ -5,12 +5,16 @@ import json
 import numpy as np
 import pytest
 
+from kvtransport import metrics
 from kvtransport.errors import UserError
 from kvtransport.utility_model import (
+    MEASURE_SEED,
     SigmoidUtility,
     UtilityCurve,
     UtilityTable,
     fit_sigmoid,
+    measure_sample,
+    packaged_model_ids,
 )
 
 X = np.linspace(0.0, 1.0, 41)
@@ -184,3 +188,59 @@ def test_corrupt_table_is_a_one_line_user_error(tmp_path, content, msg):
 def test_missing_table_is_a_user_error(tmp_path):
     with pytest.raises(UserError, match="no such utility table"):
         UtilityTable.load(tmp_path / "absent.json")
+
+
+def test_table_keeps_the_provenance_of_each_curve(tmp_path):
+    row = UtilityCurve(
+        "m", 512, SigmoidUtility(0.7, 9.0, 0.14), 0.96, 3, False, 0.04,
+        source="measured", metric="accuracy", samples=20,
+        points=((0.0, 0.2), (0.5, 0.6), (1.0, 0.7)), command="kvtransport fit-utility --measure",
+    )  # fmt: skip
+    t = UtilityTable()
+    t.put(row)
+    t.save(tmp_path / "u.json")
+    back = UtilityTable.load(tmp_path / "u.json").get("m", 512)
+    assert back == row
+    assert back.ceiling == pytest.approx(float(row.utility(1.0)))
+    bad = json.loads((tmp_path / "u.json").read_text())
+    bad["curves"][0]["points"] = [[0.1, "x"]]
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    with pytest.raises(UserError, match="points must be a list of"):
+        UtilityTable.load(tmp_path / "bad.json")
+
+
+def test_the_packaged_table_was_measured_and_says_how():
+    models = packaged_model_ids()
+    assert "SmolLM2-135M-Instruct.Q4_1" in models
+    table = UtilityTable.packaged("SmolLM2-135M-Instruct.Q4_1")
+    assert UtilityTable.packaged("no-such-model") is None
+    assert sorted(cv.context_tokens for cv in table) == [256, 512]
+    for cv in table:
+        assert cv.metric == "accuracy" and cv.samples >= 16
+        assert cv.command.startswith("kvtransport fit-utility --measure")
+        assert len(cv.points) == cv.n_points >= 15
+        # The fit describes the points it was fitted to (R^2 recomputed from them).
+        x, y = np.array(cv.points).T
+        sse = float(np.sum((cv.utility(x) - y) ** 2))
+        assert 1 - sse / float(np.sum((y - y.mean()) ** 2)) == pytest.approx(cv.r2, abs=1e-9)
+        assert cv.r2 > 0.9
+        assert 0.0 < cv.concave_start < 0.5  # utility order: useful early
+        assert 0.5 < cv.ceiling <= 1.0
+
+
+@pytest.mark.model
+def test_measuring_with_the_real_model_reproduces_the_full_answer_at_x_1(smollm):
+    """The measurement's two ends: the whole cache is the reference, none of it is not."""
+    from kvtransport import tasks
+
+    model, tok = smollm
+    sample = tasks.generate("niah_single", tok, target_tokens=160, seed=MEASURE_SEED)
+    calls = []
+    m = measure_sample(model, tok, sample, (0.0, 1.0), progress=calls.append)
+    assert calls == [1, 1]
+    assert m.fractions.tolist() == [0.0, 1.0]
+    assert m.values["top1"][1] == 1.0  # the full cache agrees with itself
+    assert m.values["top1"][0] < 1.0  # nothing delivered: another answer
+    assert m.values["accuracy"][1] == metrics.contains_all(m.answer, sample.answers)
+    assert m.generated == 1  # only x = 0 needed decoding (x = 1 is the reference)
+    assert m.values["accuracy"][0] == 0.0  # a 7-digit needle is not guessed
