@@ -316,17 +316,23 @@ class ReceiverSession:
             self._rs_recovered(self._rs.add_source(esi, payload))
 
     def _on_repair(self, d: object) -> None:
-        first, nss = d.esi, d.dt_nss & 0xFFF
-        self._symbol_slot(first + nss - 1, len(d.payload))
+        _, _, _, _, key, dt_nss, first, payload = d
+        nss = dt_nss & 0xFFF
+        last = first + nss - 1
+        s = self.symbol_size
+        if s == 0 or len(payload) != s or last >= self._limit or last >= len(self._known):
+            self._symbol_slot(last, len(payload))  # first symbol, growth, or a bad one
         self.repair_received += 1
         self._sync_decoder()
         try:
-            got = self.decoder.add_repair(first, nss, d.key, d.dt_nss >> 12, d.payload)
+            got = self.decoder.add_repair(first, nss, key, dt_nss >> 12, payload)
         except ValueError:
             raise _Drop("bad_fec") from None
-        for e in got:
-            if not self._known[e]:
-                self._recovered(e)
+        if got:
+            known = self._known
+            for e in got:
+                if not known[e]:
+                    self._recovered(e)
 
     def _sync_decoder(self) -> None:
         """Hand the decoder the run of sources it has not seen yet.
@@ -383,10 +389,13 @@ class ReceiverSession:
                     self._blk_next = b
         elif self._blk_missing:  # out of order: count it against its blocks
             missing = self._blk_missing
-            for b in range(self._blk_first[esi], self._blk_last[esi] + 1):
-                missing[b] -= 1
-                if missing[b] == 0:
+            b, last = self._blk_first[esi], self._blk_last[esi]
+            while b <= last:  # usually one block
+                m = missing[b] - 1
+                missing[b] = m
+                if not m:
                     self._block_done(b)
+                b += 1
 
     def _block_done(self, b: int) -> None:
         self.complete[b] = True

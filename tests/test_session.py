@@ -9,7 +9,7 @@ import heapq
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from kvtransport.codecs.rlc import RLCEncoder
 
@@ -489,3 +489,31 @@ def test_block_completion_follows_the_known_symbols_in_any_arrival_order(data):
     for b in np.flatnonzero(res.complete):
         assert _block_ok(tr, res, b)
     assert np.array_equal(res.missing, np.flatnonzero(~res.complete))
+
+
+@settings(max_examples=150, deadline=None)
+@example([(T.REPAIR, 0, 0, 0, 0)])  # NSS 0 before the symbol size is known
+@example([(T.SOURCE, 0, 0, 0, 16), (T.REPAIR, 0, 0xF000, 1, 16), (T.REPAIR, 0, 0xF001, 1, 16)])
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from([T.SOURCE, T.REPAIR, T.BLOCK_REPAIR]),
+            st.integers(0, 40),  # esi / first
+            st.one_of(st.sampled_from([0, 1, 0xF000, 0xF001, 0xF008]), st.integers(0, 0xFFFF)),
+            st.integers(0, 0xFFFF),  # key
+            st.sampled_from([0, 1, 15, 16, 64, 65]),  # payload size
+        ),
+        max_size=25,
+    )
+)
+def test_any_data_datagram_is_used_or_counted_never_raised(items):
+    """Arbitrary field values in well-framed data datagrams, before and after the symbol
+    size is known: each is used or dropped by reason; nothing escapes, counts stay true."""
+    r = ReceiverSession(TID, deadline=10.0, max_bytes=64 * 64)
+    framer = wire.Framer(TID)
+    for seq, (dtype, esi, dt_nss, key, size) in enumerate(items):
+        payload = bytes((seq + i) & 0xFF for i in range(size))
+        r.receive_datagram(framer.build(dtype, seq, payload, esi=esi, key=key, dt_nss=dt_nss), 0)
+        assert r.n_known == sum(r._known)
+    assert r.dropped == sum(r.drop_reasons.values())
+    assert r.dropped + r.source_received + r.repair_received >= len(items)  # each one or both
