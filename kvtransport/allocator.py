@@ -708,7 +708,13 @@ def plan_horizon(
 
 @dataclass
 class Transfer:
-    """A KV-cache transfer in flight: what the scheduler knows about it."""
+    """A KV-cache transfer in flight: what the scheduler knows about it.
+
+    delivered: bytes counted as delivered (a sender: sources sent less the repairs still
+    owed for them); pending: of the rest, bytes that complete what was already sent (the
+    repairs its receiver still needs). A hole blocks every byte after it in the stream,
+    so this allocator serves pending bytes before anything else.
+    """
 
     id: Hashable
     size: float
@@ -717,6 +723,7 @@ class Transfer:
     weight: float = 1.0
     arrival: float = 0.0
     delivered: float = 0.0
+    pending: float = 0.0
 
     def __post_init__(self) -> None:
         if not (self.size > 0 and math.isfinite(self.size)):
@@ -943,10 +950,16 @@ class UtilityWaterFilling:
         self.admitted = {t.id for t, a in zip(active, plan.admitted, strict=True) if a}
         budget = capacity_Bps * (until - now)
         wants = np.where(plan.admitted, plan.bytes, 0.0)
+        # Repairs owed for what was already sent come first, admitted or not: the plan
+        # counts those bytes as delivered, and until they arrive a hole blocks the rest.
+        pending = np.minimum([t.pending for t in active], sizes - dl)
+        first = _edf_fill(budget, deadlines, pending)
+        wants = np.maximum(wants - first, 0.0)
+        rest = budget - first.sum()
         if self.serve == "edf":
-            out = _edf_fill(budget, deadlines, wants)
+            out = first + _edf_fill(rest, deadlines, wants)
         else:
-            out = _value_first_fill(budget, capacity_Bps, until, deadlines, wants, plan.sigma)
+            out = first + _value_first_fill(rest, capacity_Bps, until, deadlines, wants, plan.sigma)
         left = budget - out.sum()
         if left > 1e-9 * budget:
             # Spare capacity: deferred users by utility per byte, then anyone by deadline.
@@ -1024,9 +1037,14 @@ class OnlineScheduler:
             self.policy.forget(transfer_id)
             self._departed.append((transfer_id, reason))
 
-    def set_delivered(self, transfer_id: Hashable, delivered_bytes: float) -> None:
+    def set_delivered(
+        self, transfer_id: Hashable, delivered_bytes: float, pending_bytes: float | None = None
+    ) -> None:
+        """Progress of a transfer; pending_bytes (optional): repairs owed (see Transfer)."""
         t = self.transfers[transfer_id]
         t.delivered = min(max(float(delivered_bytes), 0.0), t.size)
+        if pending_bytes is not None:
+            t.pending = min(max(float(pending_bytes), 0.0), t.remaining)
 
     def add_delivered(self, transfer_id: Hashable, nbytes: float) -> None:
         t = self.transfers[transfer_id]

@@ -14,10 +14,17 @@ What the scheduler sees, per handover, is what a sender daemon can know: the cac
 the deadline minus the one-way delay (the last moment a datagram can leave and still
 arrive), its accuracy curve, and its progress: source bytes sent, less the repairs its
 feedback says are still owed (:meth:`SenderSession.owed`), never below what the receiver
-reported decoded. Its capacity is the link's *payload* rate: the wire rate times the share
-of each datagram that is payload (symbol / (header + symbol + tag + link overhead)) times
-(1 - the loss rate the senders' feedback reports), so that a plan in payload bytes is one
-the link can carry.
+reported decoded; and those owed repairs, which this allocator serves first (a hole
+blocks the rest of the stream). Its capacity is the link's *payload* rate: the wire rate
+times the share of each datagram that is payload (symbol / (header + symbol + tag + link
+overhead)) times (1 - the loss rate the senders' feedback reports), so that a plan in
+payload bytes is one the link can carry. An adaptive repair policy that has not yet heard
+from its own receiver starts from that link loss instead of its blind 10 % prior.
+
+Pacing through the rate hook: a share below one datagram per slot pauses the sender
+(paced that slowly, its next datagram and its stop time would move past the following
+slots), and when a share grows, a datagram still scheduled at the old, slower pace is
+re-anchored to now (a pause and a resume: ``set_rate`` itself keeps the pending slot).
 
 A handover's accuracy is its fitted sigmoid (kvtransport.utility_model) at the fraction of
 its cache delivered *in utility order* when its deadline came: the bytes of the longest
@@ -293,13 +300,15 @@ class MultiSimulation:
         loss = min(self._link_loss() or 0.0, 0.9)
         return self.rate_bps / 8.0 * self.efficiency * (1.0 - loss)
 
-    def _progress(self, p: _Pair) -> float:
-        """Bytes the scheduler counts as delivered (see the module docstring)."""
+    def _progress_and_owed(self, p: _Pair) -> tuple[float, float]:
+        """(delivered, pending) for the scheduler: sources sent less the repairs owed for
+        them (never below what the receiver decoded), and those repairs in bytes."""
         s = p.sender
         sym = self.symbol_size
         sent = p.h.size if s.next_esi >= s.n_source else s.next_esi * sym
-        est = max(sent - s.owed() * sym, s.fb_through * sym)
-        return float(min(max(est, 0.0), p.h.size))
+        owed = s.owed() * sym
+        est = float(min(max(max(sent - owed, s.fb_through * sym), 0.0), p.h.size))
+        return est, float(min(owed, p.h.size - est))
 
     def _scheduled(self, p: _Pair) -> ScheduledTransfer:
         h = p.h
@@ -316,13 +325,13 @@ class MultiSimulation:
         sched = self.scheduler
         live = [p for p in self.pairs if p.sender is not None and not p.sender.done]
         for p in live:
-            prog = self._progress(p)
+            prog, owed = self._progress_and_owed(p)
             if p.h.id not in sched.transfers:
                 # left the scheduler as delivered, but feedback since reported holes
                 if prog >= p.h.size or p.h.deadline - self.delay_s <= now:
                     continue
                 sched.add(self._scheduled(p))
-            sched.set_delivered(p.h.id, prog)
+            sched.set_delivered(p.h.id, prog, owed)
         sched.set_capacity(self._capacity())
         loss = self._link_loss()
         if loss is not None:

@@ -11,8 +11,21 @@ its shape, so the concave region starts at c for both variants (clipped to [0, 1
 
 This module holds the curve (``SigmoidUtility``), the least-squares fit with scipy
 (``fit_sigmoid``: multi-start, bounded, R^2, floor chosen by AICc only when the data ask for
-it) and the small JSON file of fitted curves per (model, context length) that the sender
-daemon reads (``UtilityTable``; written by ``kvtransport fit-utility``).
+it), the measurement with the real model (``measure_curves``: answer quality of task
+prompts with only the first x of each cache present, in utility order) and the small JSON
+file of fitted curves per (model, context length) that the sender daemon reads
+(``UtilityTable``; written by ``kvtransport fit-utility``, shipped for the default model as
+kvtransport/data/<model>-utility.json, ``UtilityTable.packaged``).
+
+Measured on SmolLM2-135M-Instruct (20 prompts per length: needle single/multi-key/
+multi-value and facts QA; the packaged table; rows record the command): answer accuracy
+(RULER string match) R^2 = 0.971 at 256 tokens and 0.955 at 512, token F1 0.969 / 0.984,
+teacher-forced top-1 agreement 0.988 / 0.990. The residuals (RMS 0.04) are half the
+points' own standard error over 20 prompts (0.09): the fit is as good as the sampling
+noise lets it be; R^2 > 0.99 needs several times more prompts. The concave region begins
+at c = 0.25 (256 tokens) and 0.14 (512) of the cache for accuracy, 0.09 / 0.04 for top-1
+agreement: with the utility order, everything after the first 4-25 % of the bytes is the
+diminishing-returns part of the curve.
 
 The multi-user allocator (kvtransport.allocator) needs two closed forms from the curve:
 the inverse of U' on its concave branch (water-filling) and the tangent from a point

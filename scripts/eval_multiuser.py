@@ -258,7 +258,7 @@ def plot(summary: list[dict[str, Any]], policies: tuple[str, ...], path: Path, t
             for k, p in enumerate(policies):
                 style = "-o" if p == ALLOCATOR else "--."
                 ax.plot(x, [s[p]["accuracy"] for s in rows], style, color=f"C{k}", label=p)
-            ax.plot(x, [s["clairvoyant"] for s in rows], "k-", lw=2, alpha=0.5,
+            ax.plot(x, [s["clairvoyant"] for s in rows], "k-", lw=7, alpha=0.18, zorder=0,
                     label="clairvoyant bound")  # fmt: skip
             ax.plot(x, [s["ceiling"] for s in rows], "k:", label="full-cache ceiling")
             ax.set_xscale("log", base=2)

@@ -477,3 +477,20 @@ def test_clairvoyant_bound_holds_with_many_identical_transfers():
                 if d > a:
                     inside = sum(cb.bytes[t.id] for t in ts if t.arrival >= a and t.deadline <= d)
                     assert inside <= cap * (d - a) * (1 + 1e-9)
+
+
+def test_repairs_owed_are_served_before_anything_else():
+    """A hole blocks the rest of the stream: pending bytes go first, admitted or not."""
+    u = SigmoidUtility(0.9, 10.0, 0.2)
+    sched = OnlineScheduler(1e7, UtilityWaterFilling(), slot_s=0.01)
+    for i in range(3):
+        sched.add(Transfer(i, 4e6, 0.5, u))
+    sched.set_delivered(0, 3.9e6, pending_bytes=2e4)  # nearly done, 20 kB of repairs owed
+    sched.set_delivered(1, 0.0)
+    sched.set_delivered(2, 0.0)
+    dec = sched.step(0.0)
+    assert dec.rates[0] * 0.01 >= 2e4 * (1 - 1e-9)
+    assert sum(dec.rates.values()) == pytest.approx(1e7)
+    assert sched.transfers[0].pending == 2e4
+    sched.set_delivered(0, 3.99e6, pending_bytes=5e4)  # capped at what remains
+    assert sched.transfers[0].pending == pytest.approx(1e4)

@@ -236,7 +236,7 @@ def test_measuring_with_the_real_model_reproduces_the_full_answer_at_x_1(smollm)
     model, tok = smollm
     sample = tasks.generate("niah_single", tok, target_tokens=160, seed=MEASURE_SEED)
     calls = []
-    m = measure_sample(model, tok, sample, (0.0, 1.0), progress=calls.append)
+    m = measure_sample(model, tok, sample, (0.0, 1.0), max_answer_tokens=16, progress=calls.append)
     assert calls == [1, 1]
     assert m.fractions.tolist() == [0.0, 1.0]
     assert m.values["top1"][1] == 1.0  # the full cache agrees with itself

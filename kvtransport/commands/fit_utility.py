@@ -44,8 +44,10 @@ first x of the blocks present (the rest masked per layer, as the receiver inject
 partial cache), for x on a grid. Three measures are fitted: accuracy (RULER string
 match: the share of gold answers in the answer), f1 (token F1) and top1 (teacher-forced
 top-1 agreement with the full cache's answer); --metric picks the one written to the
-table. Each row records the command that produced it. On a 2-core CPU a 512-token prompt
-takes about half a minute.
+table. Each row records the command that produced it. On a busy 2-core CPU the packaged
+table (20 prompts at 256 and at 512 tokens, 17 fractions) took an hour; a prompt costs
+one prefill, one teacher-forced pass per fraction and a greedy answer for each fraction
+whose top-1 predictions differ from the full cache's answer.
 
 examples:
   kvtransport fit-utility --points measured.csv --out utility_curves.json --plot fit.png
