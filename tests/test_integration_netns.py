@@ -19,9 +19,15 @@ an ordinary-priority sender is descheduled for milliseconds at a time and loses 
 third of its slots (measured here: utility 0.61-0.68 against the simulator's 0.89), which
 is the host's doing, not the protocol's. A first small transfer warms the fresh link up.
 
+Even at real-time priority a loaded host can stall the sender for several milliseconds
+(the sender reports its worst lateness behind its pacing timer, ``max_lag_ms``). The
+simulator models a sender that gets every slot, so a run whose sender fell more than
+``MAX_LAG_MS`` behind (2 % of the ~260 ms window; a 10 ms stall costs ~0.04 utility) is not
+a sample of the same experiment: it is reported and replaced, up to ``MAX_ATTEMPTS``
+runs in all. Too few valid runs fail the test with the lags, they are never averaged in.
+
 Needs root; CI runs as root."""
 
-import json
 import math
 import os
 import shutil
@@ -42,6 +48,8 @@ RHO = 0.8
 POLICY = "adaptive"
 UTILITY = "linear"  # spreads utility over the stream, so the comparison has teeth
 RUNS = 3
+MAX_ATTEMPTS = 6
+MAX_LAG_MS = 5.0
 SIM_SEEDS = 20
 Z = 4.0
 FLOOR = 0.01
@@ -87,12 +95,10 @@ def test_daemons_across_ge_heavy_agree_with_the_simulator(tmp_path):
     real, results = [], []
     # the relay backend shapes with the simulator's own token bucket (robust to the kernel
     # handing the relay frames in bunches on a busy machine; see netem.testbed)
-    with Testbed(PROFILE, prefix=PREFIX, seed=5, backend=backend, shaper="relay") as tb:
-        relay = (tb.relay_status() or {}) and json.loads(
-            (tb.state_dir / "state.json").read_text()
-        ).get("relay_pid")
-        if relay:  # the link itself must not stall either
-            subprocess.run(["chrt", "-a", "-f", "-p", "5", str(relay)], capture_output=True)
+    stalled = []
+    with Testbed(
+        PROFILE, prefix=PREFIX, seed=5, backend=backend, shaper="relay", relay_priority=5
+    ) as tb:
         try:
             # real-time priority: on a machine busy with other work a stalled sender loses
             # its slots, which is the host's doing, not the protocol's (the testbed's probe
@@ -109,7 +115,9 @@ def test_daemons_across_ge_heavy_agree_with_the_simulator(tmp_path):
             warm = synthetic_transfer(300_000, 24, UTILITY, seed=99)
             tid = d.sender.submit(warm, f"{RCV_ADDR}:9400", rho=2.0)
             d.sub.wait_for(tid, timeout_s=30)
-            for run in range(RUNS):
+            for run in range(MAX_ATTEMPTS):
+                if len(real) == RUNS:
+                    break
                 tr = synthetic_transfer(SIZE, SIZE // DEFAULT_BLOCK_BYTES, UTILITY, seed=100 + run)
                 tid = d.sender.submit(
                     tr,
@@ -120,15 +128,19 @@ def test_daemons_across_ge_heavy_agree_with_the_simulator(tmp_path):
                 )
                 res = d.sub.wait_for(tid, timeout_s=30)
                 sst = d.sender.wait(tid, timeout_s=10)
-                # no delivered block differs from what was sent
+                # no delivered block differs from what was sent, stalled or not
                 assert_blocks_exact(res, tr)
                 assert res.reason in ("deadline", "complete"), res.stats
+                if sst["max_lag_ms"] > MAX_LAG_MS:
+                    stalled.append((res.utility_recovered, sst["max_lag_ms"]))
+                    continue
                 real.append(res.utility_recovered)
                 results.append((res.stats, sst))
         finally:
             rcs = d.stop()
             teardown(PREFIX)
     assert rcs == (0, 0)
+    assert len(real) == RUNS, f"host stalled the sender in too many runs: {stalled}"
     sim = simulated_utilities()
     sd = float(sim.std(ddof=1))
     tol = max(Z * sd * math.sqrt(1 / RUNS + 1 / SIM_SEEDS), FLOOR)
@@ -142,6 +154,7 @@ def test_daemons_across_ge_heavy_agree_with_the_simulator(tmp_path):
         "sent": [(r[1]["source_sent"], r[1]["repair_sent"]) for r in results],
         "idle": [r[1]["idle_polls"] for r in results],
         "lag_ms": [r[1]["max_lag_ms"] for r in results],
+        "stalled (utility, lag_ms)": stalled,
     }
     print("netns agreement:", diag)
     # the link really was ge-heavy (about 12% loss in bursts), not a clean one
