@@ -45,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import secrets
+import struct
 from collections import deque
 
 import numpy as np
@@ -98,6 +99,8 @@ _RLC = int(RepairMode.RLC)
 _BLOCK_RS = int(RepairMode.BLOCK_RS)
 _ARQ = int(RepairMode.ARQ)
 _DT_DENSE = 15
+_pack_obs = struct.Struct(f"={OBS_SIZE}f").pack_into
+"""Writes the observation's fields, in ``Obs`` order, into its float32 buffer at once."""
 MAX_CATCH_UP = 16
 """A shell that is late may get at most this many datagrams at once (then pacing resumes)."""
 
@@ -164,7 +167,8 @@ class SenderSession:
         self._payload = memoryview(transfer.payload)
         tail = transfer.nbytes - (n - 1) * s if n else 0
         self._last_symbol = bytes(self._payload[(n - 1) * s :]) + bytes(s - tail) if n else b""
-        self._finish_esi, self._utility_after = _block_progress(transfer, s)
+        self._finish_esi, utility_after = _block_progress(transfer, s)
+        self._utility_after = utility_after.tolist()  # float32 values as Python floats
 
         # RLC repairs read the source symbols in place from the payload (stream mode): no
         # per-source copy into an encoder ring
@@ -241,6 +245,8 @@ class SenderSession:
 
         # policy
         self.obs = np.zeros(OBS_SIZE, dtype=np.float32)
+        self._obs_buf = memoryview(self.obs)  # observe() packs all fields into it at once
+        self._iv = float(decision_packets)
         self._last = (0.0, 1.0, 0.0)  # last share, last admit, share before
         budget = max(self.stop_time - now, self.slot_s)
         policy.reset(PolicyContext(n, s, self.slot_s, decision_packets, budget))
@@ -670,39 +676,81 @@ class SenderSession:
     # ------------------------------------------------------------------ policy
 
     def observe(self, t: float) -> np.ndarray:
-        """Fill ``self.obs`` (the policy's observation) for time ``t`` and return it."""
-        o = self.obs
+        """Fill ``self.obs`` (the policy's observation) for time ``t`` and return it.
+
+        This runs once per decision on the data path, so it is written for speed: the
+        arithmetic of ``slots_left``, ``loss_estimate``, ``in_flight`` and ``owed`` inlined
+        on plain Python numbers (the same expressions in the same order, so the same
+        values), clipping by comparisons (``min``/``max`` calls cost several times more;
+        ``b if b < a else a`` is exactly ``min(a, b)``), and all fields written by one
+        ``struct.pack_into`` over the array's buffer (float64 -> float32 rounds as numpy's
+        cast does; item-by-item numpy stores cost an index conversion and a cast each)."""
+        iv = self._iv
         n = self.n_source or 1
-        iv = float(self.decision_packets)
-        stop = self.stop_time
-        left = self.slots_left(t)
-        p = self.loss_estimate()
-        owed = self.owed()
-        src_f, rep_f = self.in_flight()
+        left_s = self.stop_time - t
+        left = int(left_s / self.slot_s) + 1 if left_s >= 0 else 0
+        fb_time = self.fb_time
+        p = self.fb_loss if fb_time is not None else 0.0
+        src_f = self.source_sent - self._fb_src_mark
+        rep_f = self.repair_sent - self._fb_rep_mark
+        mode = self._mode
+        if mode == _NONE:
+            owed = 0.0
+        else:
+            rea_f = self.reactive_sent - self._fb_rea_mark
+            if mode == _RLC:
+                needed = self._seg_needed
+            else:
+                needed = self.fb_deficit - rea_f
+                needed = needed if needed > 0 else 0
+            owed = needed + self.fb_unseen + p * src_f - (1.0 - p) * (rep_f - rea_f)
+            owed = owed if owed > 0.0 else 0.0
         unsent = self.n_source - self.next_esi
-        o[Obs.TIME_LEFT] = min(max((stop - t) / self._budget, 0.0), 1.0)
-        o[Obs.SOURCE_LEFT] = unsent / n
-        o[Obs.UTILITY_LEFT] = self._utility_after[self.next_esi]
-        o[Obs.CAPACITY_RATIO] = min(left / max(1.0, unsent + owed), 4.0)
-        o[Obs.SLACK] = min(max((left * (1.0 - p) - owed) / iv / 8.0, -1.0), 8.0)
-        o[Obs.LOSS_RATE] = p
-        o[Obs.LOSS_RECENT] = self.fb_loss_recent
-        o[Obs.BURST_MEAN] = min(self.fb_burst / 10.0, 2.0)
-        o[Obs.DEFICIT] = min((self.fb_deficit + self.fb_unseen) / iv, OBS_CLIP)
-        o[Obs.IN_FLIGHT_SRC] = min(src_f / iv, OBS_CLIP)
-        o[Obs.IN_FLIGHT_REP] = min(rep_f / iv, OBS_CLIP)
-        o[Obs.OWED] = min(owed / iv, OBS_CLIP)
-        if self.fb_time is None:
-            o[Obs.FEEDBACK_AGE] = OBS_CLIP
-            o[Obs.RTT] = min(self._initial_rtt / (iv * self.slot_s), OBS_CLIP)
+        clip = OBS_CLIP
+        if fb_time is None:
+            age = clip
+            rtt_iv = self._initial_rtt / (iv * self.slot_s)
         else:
             rtt = self.srtt or self._initial_rtt
-            o[Obs.FEEDBACK_AGE] = min((t - self.fb_time) / max(rtt, 1e-3), OBS_CLIP - 1e-3)
-            o[Obs.RTT] = min(rtt / (iv * self.slot_s), OBS_CLIP)
-        o[Obs.MANIFEST_ACKED] = 1.0 if self.manifest.acked else 0.0
-        o[Obs.DECODED] = self.fb_through / n
-        o[Obs.LAST_SHARE], o[Obs.LAST_ADMIT], o[Obs.PREV_SHARE] = self._last
-        return o
+            age = (t - fb_time) / (rtt if rtt > 1e-3 else 1e-3)
+            age = age if age < clip - 1e-3 else clip - 1e-3
+            rtt_iv = rtt / (iv * self.slot_s)
+        time_left = left_s / self._budget
+        time_left = 0.0 if 0.0 > time_left else (time_left if time_left < 1.0 else 1.0)
+        cap = unsent + owed
+        cap = left / (cap if cap > 1.0 else 1.0)
+        slack = (left * (1.0 - p) - owed) / iv / 8.0
+        slack = -1.0 if -1.0 > slack else (slack if slack < 8.0 else 8.0)
+        burst = self.fb_burst / 10.0
+        deficit = (self.fb_deficit + self.fb_unseen) / iv
+        src_f /= iv
+        rep_f /= iv
+        owed /= iv
+        last_share, last_admit, prev_share = self._last
+        _pack_obs(
+            self._obs_buf,
+            0,
+            time_left,  # TIME_LEFT
+            unsent / n,  # SOURCE_LEFT
+            self._utility_after[self.next_esi],  # UTILITY_LEFT
+            cap if cap < 4.0 else 4.0,  # CAPACITY_RATIO
+            slack,  # SLACK
+            p,  # LOSS_RATE
+            self.fb_loss_recent,  # LOSS_RECENT
+            burst if burst < 2.0 else 2.0,  # BURST_MEAN
+            deficit if deficit < clip else clip,  # DEFICIT
+            src_f if src_f < clip else clip,  # IN_FLIGHT_SRC
+            rep_f if rep_f < clip else clip,  # IN_FLIGHT_REP
+            owed if owed < clip else clip,  # OWED
+            age,  # FEEDBACK_AGE
+            rtt_iv if rtt_iv < clip else clip,  # RTT
+            1.0 if self.manifest.acked else 0.0,  # MANIFEST_ACKED
+            self.fb_through / n,  # DECODED
+            last_share,  # LAST_SHARE
+            last_admit,  # LAST_ADMIT
+            prev_share,  # PREV_SHARE
+        )
+        return self.obs
 
     def _decide(self, t: float) -> None:
         self._decision_slot = self.slot

@@ -143,7 +143,7 @@ def layer_weights(lm: Any) -> np.ndarray | None:
     return utility.default_layer_weights(lm.model_id, lm.num_layers)
 
 
-@dataclass
+@dataclass(eq=False)
 class Case:
     """One prompt prefilled once by the real model (see the module docstring)."""
 

@@ -11,8 +11,9 @@ sigmoid (kvtransport/data/<model>-utility.json, measured by `kvtransport fit-uti
 
 Every scenario runs in kvtransport.multisim with the real SenderSession/ReceiverSession
 pairs (adaptive RLC repair) sharing one channel, once per slot policy: equal share,
-proportional to size, earliest deadline first and this allocator (UtilityWaterFilling),
-each setting the sessions' pacing rates every 10 ms through their rate hook. A user's
+proportional to size, earliest deadline first and this allocator (UtilityWaterFilling,
+with a guard of three loss-detection rounds, see make_policy), each setting the
+sessions' pacing rates every 10 ms through their rate hook. A user's
 accuracy is its curve at the fraction of its cache decoded (in utility order) by its
 deadline.
 
@@ -50,14 +51,18 @@ POLICIES = ("equal-share", "proportional", "edf", "water-filling")
 ALLOCATOR = "water-filling"
 
 
-def make_policy(name: str) -> Any:
+def make_policy(name: str, delay_s: float = 0.0) -> Any:
+    """A slot policy by name. The allocator's guard (see UtilityWaterFilling) is three
+    rounds of loss detection on this link: RTT (2 x one-way delay) + feedback interval."""
     from kvtransport import allocator as al
+    from kvtransport.protocol import DEFAULT_FEEDBACK_INTERVAL
 
+    if name == "water-filling":
+        return al.UtilityWaterFilling(guard_s=3.0 * (2.0 * delay_s + DEFAULT_FEEDBACK_INTERVAL))
     return {
         "equal-share": al.EqualShare,
         "proportional": al.ProportionalToSize,
         "edf": al.EarliestDeadlineFirst,
-        "water-filling": al.UtilityWaterFilling,
     }[name]()
 
 
@@ -146,7 +151,11 @@ def run_scenario(
         best = 0.0
         for name in policies:
             out = simulate_handovers(
-                handovers, make_policy(name), channel=channel, rate_mbps=rate_mbps, seed=seed
+                handovers,
+                make_policy(name, delay_s),
+                channel=channel,
+                rate_mbps=rate_mbps,
+                seed=seed,
             )
             best = max(best, out.efficiency)
             res[name] = {

@@ -494,3 +494,16 @@ def test_repairs_owed_are_served_before_anything_else():
     assert sched.transfers[0].pending == 2e4
     sched.set_delivered(0, 3.99e6, pending_bytes=5e4)  # capped at what remains
     assert sched.transfers[0].pending == pytest.approx(1e4)
+
+
+def test_the_guard_serves_forced_bytes_before_the_last_repair_round():
+    poor, good = SigmoidUtility(0.5, 10.0, 0.3), SigmoidUtility(0.95, 10.0, 0.1)
+    ts = [Transfer("a", 1e6, 0.12, poor), Transfer("b", 1e6, 0.5, good)]
+    late = UtilityWaterFilling().allocate(0.0, 0.01, 1e7, ts)
+    assert late.tolist() == [0.0, 1e5]  # "a" fits later: the valuable one goes first
+    guarded = UtilityWaterFilling(guard_s=0.03).allocate(0.0, 0.01, 1e7, ts)
+    # "a" must be through 30 ms early: 1 MB in the 80 ms left -> 0.2 MB due now (capped
+    # by this slot's 0.1 MB).
+    assert guarded.tolist() == [1e5, 0.0]
+    with pytest.raises(ValueError, match="guard_s"):
+        UtilityWaterFilling(guard_s=-1.0)
