@@ -337,7 +337,7 @@ class Settings:
     bench_runs: int = 3
     bench_transport_args: tuple[str, ...] = ("--no-goodput", "--repeats", "1")
     bench_policy_args: tuple[str, ...] = ("--episodes", "10")
-    multiuser_args: tuple[str, ...] = ()
+    multiuser_args: tuple[str, ...] = ("--seeds", "5")  # n=2 gives t-intervals wider than the range
 
     @classmethod
     def full(cls) -> Settings:
