@@ -12,7 +12,13 @@ caller's generator):
 
 - loss: Gilbert-Elliott (light to heavy bursts), Bernoulli, windows of user trace files
   when given; a handful of loss-free links;
-- link rate 20..400 Mbit/s (log-uniform), one-way delay 1..20 ms, some jitter;
+- link rate 20..400 Mbit/s (log-uniform), one-way delay 1..20 ms, some jitter; and, for
+  ``high_rtt_share`` of the episodes, a long link (one-way 20..90 ms: edge backhaul,
+  cellular, satellite) whose deadline may be as short as ``high_rtt_min_rtts`` round
+  trips: there the last round trip before the deadline is a large share of the transfer
+  that feedback cannot cover, and when to stop admitting and how much to protect
+  proactively decide the outcome (at short delays reactive repair after feedback is
+  nearly as good as the clairvoyant oracle, so there is little to learn);
 - feedback path: the same profile drawn independently (the simulator's and testbed's
   default), or loss-free, with its own delay (0.5x..2x the data path's) part of the time
   (``feedback_weights``; a "dead" feedback path that loses everything is available too);
@@ -185,6 +191,9 @@ class EpisodeDistribution:
     rho_range: tuple[float, float] = (0.6, 1.2)
     rate_range_mbps: tuple[float, float] = (20.0, 400.0)
     delay_range_ms: tuple[float, float] = (1.0, 20.0)
+    high_rtt_share: float = 0.5
+    high_delay_range_ms: tuple[float, float] = (20.0, 90.0)
+    high_rtt_min_rtts: float = 2.0
     blocks_range: tuple[int, int] = (100, 1800)
     block_bytes: tuple[int, ...] = BLOCK_BYTES
     ge_p_range: tuple[float, float] = (0.002, 0.08)
@@ -240,7 +249,8 @@ class EpisodeDistribution:
             return Profile(
                 name=f"trace:{path}", loss=TraceReplay(path), rate_mbps=rate, delay_ms=0.0
             )
-        delay = float(rng.uniform(*self.delay_range_ms))
+        high = self.high_rtt_share > 0 and rng.random() < self.high_rtt_share
+        delay = float(rng.uniform(*(self.high_delay_range_ms if high else self.delay_range_ms)))
         jitter = float(rng.uniform(0.0, 0.2 * delay)) if rng.random() < 0.2 else 0.0
         loss = NoLoss() if kind == "clean" else self._loss(rng, kind)
         return Profile(name=kind, loss=loss, rate_mbps=rate, delay_ms=delay, jitter_ms=jitter)
@@ -274,11 +284,14 @@ class EpisodeDistribution:
     def sample(self, rng: np.random.Generator) -> EpisodeSpec:
         """One episode, drawn from ``rng`` (training seeds stay below HELD_OUT_SEED).
 
-        Draws whose deadline is shorter than ``MIN_DEADLINE_RTTS`` round trips are redrawn:
-        there the sender cannot hear from the receiver at all, nothing to learn."""
+        Draws whose deadline is shorter than ``MIN_DEADLINE_RTTS`` round trips
+        (``high_rtt_min_rtts`` on long links) are redrawn: there the sender cannot hear
+        from the receiver at all, nothing to learn."""
         while True:
             spec = self._draw(rng)
-            if spec_deadline(spec) >= MIN_DEADLINE_RTTS * round_trip(spec):
+            long_link = spec.channel.delay_ms >= self.delay_range_ms[1]
+            least = self.high_rtt_min_rtts if long_link else MIN_DEADLINE_RTTS
+            if spec_deadline(spec) >= least * round_trip(spec):
                 return spec
 
     def _draw(self, rng: np.random.Generator) -> EpisodeSpec:
@@ -300,14 +313,21 @@ class EpisodeDistribution:
 
 
 def eval_spec(
-    channel: str | Profile, rho: float, index: int, utility: str = "measured"
+    channel: str | Profile,
+    rho: float,
+    index: int,
+    utility: str = "measured",
+    delay_ms: float | None = None,
 ) -> EpisodeSpec:
     """Held-out evaluation episode ``index`` on a named channel (at the profile's own rate
-    and delay; feedback over the same profile, as ``kvtransport simulate`` does).
+    and delay, or one-way ``delay_ms`` both ways; feedback over the same profile, as
+    ``kvtransport simulate`` does).
 
     ``utility="measured"`` takes the held-out contexts' measured profiles in turn, at
     their own size (12 KiB fp16 blocks); a synthetic name (``zipf:1``) uses 10 MB."""
     prof = load_profile(channel)
+    if delay_ms is not None:
+        prof = replace(prof, delay_ms=float(delay_ms))
     if utility == "measured":
         profiles = load_profiles("eval").profiles
         i = index % len(profiles)

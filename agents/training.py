@@ -11,13 +11,13 @@ The loop, in order:
 2. **Double DQN** (kvtransport.agents.ddqn) with a dueling head, n-step returns and
    epsilon-greedy exploration, on the environment's observation mapped to the network's
    features (kvtransport.agents.features) and the reward re-timed by :class:`CreditOnSend`
-   (same return, earlier signal). The experts' own transitions (``EXPERTS``: the oracle and
-   the session's tail rule alone) also get DQfD's large-margin loss: in an expert's states
-   its action must look ``expert_margin`` better than the others. The per-step value
-   differences between actions are tiny next to the value of a state (a few
-   ten-thousandths of the utility against most of it), so the TD signal alone takes long to
-   stop the network from wasting slots mid-transfer; the margin anchors it near the
-   experts' behaviour, and TD learning decides between them, and where the oracle's
+   (same return, earlier signal). The experts' own transitions (``EXPERTS``: the oracle,
+   the session's tail rule alone and the adaptive heuristic) also get DQfD's large-margin
+   loss: in an expert's states its action must look ``expert_margin`` better than the
+   others. The per-step value differences between actions are tiny next to the value of a
+   state (a few ten-thousandths of the utility against most of it), so the TD signal alone
+   takes long to stop the network from wasting slots mid-transfer; the margin anchors it
+   near the experts' behaviour, and TD learning decides between them, and where the oracle's
    choices, which rest on its view of the future, do not pay off from observations alone.
 3. **Validation** every ``eval_every`` steps: the current network, exported to the numpy
    runtime the daemon uses, plays a fixed set of held-out episodes (seeds outside the
@@ -158,16 +158,18 @@ def play(spec: EpisodeSpec, policy: Policy) -> float:
 # ---------------------------------------------------------------------------- demonstrations
 
 
-EXPERTS = ("oracle", "tail")
-"""Demonstrators whose own choices get the large-margin loss: the clairvoyant oracle, and
-the session's own tail rule with reactive repair alone (action 0 throughout), which the
-oracle does not dominate (it stops admitting up to an interval early). Where the two
-disagree the margin lifts both above the rest and TD learning picks between them."""
+EXPERTS = ("oracle", "tail", "adaptive")
+"""Demonstrators whose own choices get the large-margin loss: the clairvoyant oracle, the
+session's own tail rule with reactive repair alone (action 0 throughout), which the oracle
+does not dominate (it stops admitting up to an interval early), and the adaptive heuristic
+(margins z in 1..3), which beats both on long links, where the oracle's plan without the
+tail rule and the tail rule's margin-free admission lose whole windows in the last round
+trip. Where they disagree the margin lifts them above the rest and TD learning picks."""
 
 
 def _behaviour(kind: str, rng: np.random.Generator) -> tuple[Policy, float]:
     if kind == "adaptive":
-        return Adaptive(z=float(rng.uniform(0.0, 3.0))), 0.05
+        return Adaptive(z=float(rng.uniform(1.0, 3.0))), 0.05
     if kind == "oracle":
         return Oracle(), 0.05
     if kind == "tail":

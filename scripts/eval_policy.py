@@ -7,7 +7,18 @@ profiles: 100 Mbit/s, 5 ms, feedback over the same profile) and rho in {0.6, 0.8
     none, fixed:4/32 (streaming RLC), block-rs:4/32 (Reed-Solomon), arq, adaptive,
     ddqn (the shipped weights, or --weights), oracle (clairvoyant reference)
 
-on the same episodes (common random numbers: every scheme sees the same channel seeds).
+and tail-rule (the DDQN's action 0 throughout: no proactive repair, keep admitting, the
+session's tail rule and reactive repair doing the rest; a learned policy that does not
+beat it is a constant), on the same episodes (common random numbers: every scheme sees
+the same channel seeds).
+
+High-RTT cells (``--set high-rtt``, part of the default ``all``): the same held-out
+episodes over long links (one-way 20, 40, 80 ms both ways: edge backhaul, cellular,
+satellite) on bernoulli-5, ge-heavy and 4state-bursty at rho 0.7, 0.85, 1.0, where the
+last round trip before the deadline is a large part of the transfer and feedback cannot
+cover it. Cells are named ``CHANNEL+DELAYms@RHO``; their table gives the paired
+differences (same episodes) of the DDQN against tail-rule and adaptive, and the oracle's
+headroom over the better of the two, with 95 % t-intervals.
 Episodes are held out from training (kvtransport.agents.episodes): seeds from
 HELD_OUT_SEED on, block utilities measured from the real model on evaluation contexts
 never used in training (at each context's own cache size, 12 KiB fp16 blocks), and
@@ -18,7 +29,8 @@ block-rs runs its parities through reedsolo (pure Python, ~1 s per MB), so it pl
 the first --block-rs-episodes episodes of each cell; the table gives each scheme's n.
 
 Writes eval_policy.json (every utility, summaries, target checks), eval_policy.md (the
-table) and eval_policy.png into --out and prints the table.
+tables), eval_policy.png (original cells) and eval_policy_high_rtt.png into --out and
+prints the tables.
 
     .venv/bin/python scripts/eval_policy.py --episodes 24 --out results/eval_policy
 """
@@ -33,9 +45,17 @@ from pathlib import Path
 
 import numpy as np
 
-SCHEMES = ("none", "fixed:4/32", "block-rs:4/32", "arq", "adaptive", "ddqn", "oracle")
+SCHEMES = (
+    "none", "fixed:4/32", "block-rs:4/32", "arq", "adaptive", "tail-rule", "ddqn", "oracle"
+)  # fmt: skip
 CHANNELS = ("bernoulli-5", "ge-light", "ge-heavy", "4state-bursty")
 RHOS = (0.6, 0.8, 1.0, 1.2)
+HIGH_RTT_SCHEMES = ("tail-rule", "adaptive", "ddqn", "oracle")
+HIGH_RTT_CHANNELS = ("bernoulli-5", "ge-heavy", "4state-bursty")
+HIGH_RTT_DELAYS_MS = (20.0, 40.0, 80.0)
+HIGH_RTT_RHOS = (0.7, 0.85, 1.0)
+PAIRED = ("tail-rule", "adaptive")
+"""Schemes the DDQN is compared with episode by episode in every cell's pairs table."""
 
 
 def make_scheme(name: str, weights: str | None):
@@ -45,6 +65,10 @@ def make_scheme(name: str, weights: str | None):
 
     if name == "ddqn":
         return DDQNPolicy(weights)
+    if name == "tail-rule":
+        from kvtransport.agents.training import _Constant
+
+        return _Constant(0)
     return make_policy(name)
 
 
@@ -58,7 +82,21 @@ def mean_ci(x: np.ndarray) -> tuple[float, float]:
     return float(x.mean()), float(stats.t.ppf(0.975, x.size - 1) * x.std(ddof=1) / np.sqrt(x.size))
 
 
-def run_cell(channel: str, rho: float, schemes, n: int, n_rs: int, weights, utility: str):
+def cell_key(channel: str, rho: float, delay_ms: float | None = None) -> str:
+    """``CHANNEL@RHO``, or ``CHANNEL+DELAYms@RHO`` for a high-RTT cell."""
+    return f"{channel}{'' if delay_ms is None else f'+{delay_ms:g}ms'}@{rho:g}"
+
+
+def run_cell(
+    channel: str,
+    rho: float,
+    schemes,
+    n: int,
+    n_rs: int,
+    weights,
+    utility: str,
+    delay_ms: float | None = None,
+):
     from kvtransport.agents.episodes import build_simulation, eval_spec
 
     out = {}
@@ -66,11 +104,20 @@ def run_cell(channel: str, rho: float, schemes, n: int, n_rs: int, weights, util
         k = min(n, n_rs) if name.startswith("block-rs") else n
         vals = []
         for i in range(k):
-            sim = build_simulation(eval_spec(channel, rho, i, utility), make_scheme(name, weights))
+            spec = eval_spec(channel, rho, i, utility, delay_ms=delay_ms)
+            sim = build_simulation(spec, make_scheme(name, weights))
             sim.run()
             vals.append(float(sim.receiver.result.utility_recovered))
         out[name] = vals
     return out
+
+
+def _paired(a, b) -> dict:
+    """Mean and 95 % half-width of a - b over the episodes both played (same seeds)."""
+    n = min(len(a), len(b))
+    d = np.array(a[:n]) - np.array(b[:n])
+    m, c = mean_ci(d)
+    return {"mean": m, "ci95": c, "n": n, "equal": int((d == 0).sum())}
 
 
 def summarize(results: dict, schemes) -> dict:
@@ -97,6 +144,10 @@ def summarize(results: dict, schemes) -> dict:
                 }
             if "oracle" in cell:
                 s["ddqn_over_oracle"] = s["ddqn"]["mean"] / s["oracle"]["mean"]
+            s["ddqn_minus"] = {m: _paired(cell["ddqn"], cell[m]) for m in PAIRED if m in cell}
+        if "oracle" in cell and all(m in cell for m in PAIRED):
+            best = max(PAIRED, key=lambda m: s[m]["mean"])
+            s["oracle_headroom"] = {"over": best, **_paired(cell["oracle"], cell[best])}
         summary[key] = s
     return summary
 
@@ -107,6 +158,15 @@ def targets(summary: dict) -> dict:
     checks = {}
     for key, s in summary.items():
         channel, rho = key.rsplit("@", 1)
+        if "+" in channel:  # high-RTT cell: does the DDQN beat both, beyond noise?
+            for m, d in s.get("ddqn_minus", {}).items():
+                checks[f"ddqn > {m} on {key} (paired CI)"] = {
+                    "ok": d["mean"] - d["ci95"] > 0.0,
+                    "margin": d["mean"],
+                    "ci95": d["ci95"],
+                    "high_rtt": True,
+                }
+            continue
         if float(rho) <= 1.0 and "ddqn_minus_best_other" in s:
             m = s["ddqn_minus_best_other"]
             checks[f"ddqn >= {m['scheme']} on {key}"] = {
@@ -148,6 +208,73 @@ def markdown(summary: dict, schemes) -> str:
             + " |"
         )
     return "\n".join(lines) + "\n"
+
+
+def markdown_pairs(summary: dict) -> str:
+    """Per cell: the DDQN minus each of ``PAIRED`` on the same episodes, and the oracle's
+    headroom over the better of them (mean ± 95 % CI; * where the CI excludes zero)."""
+
+    def fmt(d: dict | None) -> str:
+        if not d:
+            return "-"
+        star = "*" if abs(d["mean"]) > d["ci95"] else ""
+        return f"{d['mean']:+.4f} ± {d['ci95']:.4f}{star}"
+
+    head = "| cell | " + " | ".join(f"DDQN - {m}" for m in PAIRED) + " | oracle - best of them |"
+    lines = [head, "|" + "---|" * (len(PAIRED) + 2)]
+    for key, s in summary.items():
+        pairs = s.get("ddqn_minus", {})
+        h = s.get("oracle_headroom")
+        lines.append(
+            f"| {key} | "
+            + " | ".join(fmt(pairs.get(m)) for m in PAIRED)
+            + f" | {fmt(h)}{' (' + h['over'] + ')' if h else ''} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot_high_rtt(summary: dict, schemes, path: Path) -> None:
+    """High-RTT cells: one panel per (rho, channel), utility (95 % CI) against the one-way
+    delay, one line per scheme."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = {}
+    for key in summary:
+        head, rho = key.rsplit("@", 1)
+        if "+" not in head:
+            continue
+        channel, delay = head.split("+", 1)
+        cells.setdefault((float(rho), channel), []).append((float(delay[:-2]), key))
+    if not cells:
+        return
+    rhos = sorted({r for r, _ in cells})
+    channels = sorted({c for _, c in cells}, key=lambda c: (
+        CHANNELS.index(c) if c in CHANNELS else 99, c))  # fmt: skip
+    fig, axes = plt.subplots(len(rhos), len(channels), squeeze=False,
+                             figsize=(4.0 * len(channels), 3.0 * len(rhos)))  # fmt: skip
+    for i, rho in enumerate(rhos):
+        for j, ch in enumerate(channels):
+            ax = axes[i][j]
+            pts = sorted(cells.get((rho, ch), []))
+            x = [d for d, _ in pts]
+            for name in schemes:
+                m = [summary[k][name]["mean"] if name in summary[k] else np.nan for _, k in pts]
+                c = [summary[k][name]["ci95"] if name in summary[k] else np.nan for _, k in pts]
+                ax.errorbar(x, m, yerr=c, marker="o", ms=3, capsize=2, label=name,
+                            lw=2.2 if name == "ddqn" else 1.0)  # fmt: skip
+            ax.set_title(f"{ch}, rho {rho:g}", fontsize=9)
+            ax.grid(alpha=0.3)
+            if i == len(rhos) - 1:
+                ax.set_xlabel("one-way delay (ms)")
+            if j == 0:
+                ax.set_ylabel("utility before deadline")
+    axes[0][-1].legend(loc="lower left", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def plot(summary: dict, schemes, path: Path, results: dict | None = None) -> None:
@@ -222,6 +349,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--channels", default=",".join(CHANNELS), help="comma-separated profiles")
     p.add_argument("--rhos", default=",".join(map(str, RHOS)), help="comma-separated rhos")
     p.add_argument("--schemes", default=",".join(SCHEMES), help="comma-separated schemes")
+    p.add_argument(
+        "--set",
+        choices=("all", "original", "high-rtt"),
+        default="all",
+        help="cells: the 4 channels x 4 rho (original), the long-link cells (high-rtt) or "
+        "both (default all)",
+    )
+    p.add_argument("--high-rtt-channels", default=",".join(HIGH_RTT_CHANNELS),
+                   help="profiles of the high-RTT cells")  # fmt: skip
+    p.add_argument("--high-rtt-delays", default=",".join(f"{d:g}" for d in HIGH_RTT_DELAYS_MS),
+                   help="one-way delays (ms) of the high-RTT cells")  # fmt: skip
+    p.add_argument("--high-rtt-rhos", default=",".join(f"{r:g}" for r in HIGH_RTT_RHOS),
+                   help="rhos of the high-RTT cells")  # fmt: skip
+    p.add_argument("--high-rtt-schemes", default=",".join(HIGH_RTT_SCHEMES),
+                   help="schemes played in the high-RTT cells")  # fmt: skip
+    p.add_argument("--high-rtt-episodes", type=int, default=40,
+                   help="episodes per high-RTT cell (default 40)")  # fmt: skip
     p.add_argument("--weights", help="DDQN weights file (default: the shipped policy)")
     p.add_argument(
         "--utility",
@@ -234,25 +378,50 @@ def main(argv: list[str] | None = None) -> int:
     import kvtransport.agents  # noqa: F401  (registers ddqn)
     from tqdm import tqdm
 
-    schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
-    channels = [c.strip() for c in args.channels.split(",") if c.strip()]
-    rhos = [float(r) for r in args.rhos.split(",") if r.strip()]
-    for s in schemes:
+    def names(text: str) -> list[str]:
+        return [x.strip() for x in text.split(",") if x.strip()]
+
+    schemes = names(args.schemes)
+    hi_schemes = names(args.high_rtt_schemes)
+    for s in dict.fromkeys(schemes + hi_schemes):
         make_scheme(s, args.weights)  # fail fast on a bad name or weights file
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
+    # (channel, rho, delay or None, schemes, episodes)
+    cells = []
+    if args.set in ("all", "original"):
+        for c in names(args.channels):
+            for r in names(args.rhos):
+                cells.append((c, float(r), None, schemes, args.episodes))
+    if args.set in ("all", "high-rtt"):
+        for c in names(args.high_rtt_channels):
+            for d in names(args.high_rtt_delays):
+                for r in names(args.high_rtt_rhos):
+                    cells.append((c, float(r), float(d), hi_schemes, args.high_rtt_episodes))
     results = {}
-    cells = [(c, r) for c in channels for r in rhos]
-    for ch, rho in tqdm(cells, desc="eval cells", disable=args.quiet, file=sys.stderr):
-        results[f"{ch}@{rho:g}"] = run_cell(
-            ch, rho, schemes, args.episodes, args.block_rs_episodes, args.weights, args.utility
+    for ch, rho, delay, sch, n in tqdm(cells, desc="eval cells", disable=args.quiet,
+                                       file=sys.stderr):  # fmt: skip
+        results[cell_key(ch, rho, delay)] = run_cell(
+            ch, rho, sch, n, args.block_rs_episodes, args.weights, args.utility, delay
         )
-    summary = summarize(results, schemes)
+    all_schemes = list(dict.fromkeys(schemes + hi_schemes))
+    summary = summarize(results, all_schemes)
     checks = targets(summary)
-    table = markdown(summary, schemes)
+    original = {k: v for k, v in summary.items() if "+" not in k.rsplit("@", 1)[0]}
+    high = {k: v for k, v in summary.items() if k not in original}
+    table = ""
+    if original:
+        table += markdown(original, schemes) + "\n" + markdown_pairs(original)
+    if high:
+        table += ("\n" if table else "") + "High-RTT cells (one-way delay both ways):\n\n"
+        table += markdown(high, hi_schemes) + "\n" + markdown_pairs(high)
     doc = {
+        "command": " ".join(
+            [Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]
+        ),
         "episodes": args.episodes,
+        "high_rtt_episodes": args.high_rtt_episodes,
         "block_rs_episodes": args.block_rs_episodes,
         "utility": args.utility,
         "weights": args.weights or "shipped",
@@ -263,14 +432,17 @@ def main(argv: list[str] | None = None) -> int:
     }
     (out / "eval_policy.json").write_text(json.dumps(doc, indent=1) + "\n")
     (out / "eval_policy.md").write_text(table)
-    plot(summary, schemes, out / "eval_policy.png", results)
+    if original:
+        plot(original, schemes, out / "eval_policy.png", results)
+    if high:
+        plot_high_rtt(high, hi_schemes, out / "eval_policy_high_rtt.png")
     print(table)
     for name, c in checks.items():
         print(
             ("PASS " if c["ok"] else "MISS ")
             + name
             + "  "
-            + ", ".join(f"{k}={v:+.5f}" for k, v in c.items() if k != "ok")
+            + ", ".join(f"{k}={v:+.5f}" for k, v in c.items() if k not in ("ok", "high_rtt"))
         )
     return 0
 

@@ -12,6 +12,8 @@ from kvtransport.agents.episodes import (
     EpisodeDistribution,
     eval_spec,
     near_eval_channel,
+    round_trip,
+    spec_deadline,
     spec_transfer,
 )
 from kvtransport.netem import SAMPLE_TRACE, Bernoulli, FourState, load_profile
@@ -138,6 +140,19 @@ def test_training_distribution_is_wide_and_keeps_the_evaluation_out():
         if not s.channel.is_trace and s.channel.delay_ms > 0
     }
     assert len(fb_delays) > 10  # feedback delays vary on their own
+    # long links (one-way 20..90 ms) make up about high_rtt_share of the non-trace draws,
+    # with deadlines down to high_rtt_min_rtts round trips (short links keep 5)
+    links = [s for s in specs if not s.channel.is_trace]
+    long = [s for s in links if s.channel.delay_ms >= dist.delay_range_ms[1]]
+    assert 0.3 < len(long) / len(links) < 0.6
+    assert max(s.channel.delay_ms for s in long) > 70
+    rtts = [spec_deadline(s) / round_trip(s) for s in long]
+    assert min(rtts) >= dist.high_rtt_min_rtts and min(rtts) < 4.0
+    assert all(spec_deadline(s) >= 5.0 * round_trip(s) for s in links if s not in long)
+    # without the long-link share the draws are those of the short-link distribution
+    short = EpisodeDistribution(trace_files=(SAMPLE_TRACE,), high_rtt_share=0.0)
+    rng0 = np.random.default_rng(0)
+    assert all(short.sample(rng0).channel.delay_ms < 20.0 for _ in range(100))
     # every evaluation channel is itself "near" (so it is excluded), a far one is not
     for name in EVAL_CHANNELS[:3]:
         assert near_eval_channel(load_profile(name).loss)
@@ -161,3 +176,6 @@ def test_evaluation_episodes_are_held_out():
     s = eval_spec("ge-heavy", 0.8, 3)
     assert s.seed >= HELD_OUT_SEED and s.utility.startswith("measured:eval:")
     assert s.channel.name == "ge-heavy" and s.feedback == s.channel
+    far = eval_spec("ge-heavy", 0.8, 3, delay_ms=40)
+    assert far.channel.delay_ms == far.feedback.delay_ms == 40.0
+    assert far.seed == s.seed and far.channel.loss == s.channel.loss

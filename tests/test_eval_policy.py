@@ -1,9 +1,12 @@
-"""A small run of scripts/eval_policy.py: the shipped DDQN on held-out ge-heavy episodes."""
+"""A small run of scripts/eval_policy.py: the shipped DDQN on held-out ge-heavy episodes,
+over the profile's own 5 ms link and over a 40 ms (high-RTT) one."""
 
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+import numpy as np
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "eval_policy.py"
 
@@ -12,7 +15,8 @@ def test_shipped_ddqn_beats_no_fec_on_held_out_ge_heavy(tmp_path):
     out = subprocess.run(
         [sys.executable, str(SCRIPT), "--channels", "ge-heavy", "--rhos", "0.8",
          "--episodes", "4", "--schemes", "none,adaptive,ddqn", "--out", str(tmp_path),
-         "--quiet"],
+         "--high-rtt-channels", "ge-heavy", "--high-rtt-delays", "40",
+         "--high-rtt-rhos", "0.85", "--high-rtt-episodes", "4", "--quiet"],
         capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
@@ -29,3 +33,25 @@ def test_shipped_ddqn_beats_no_fec_on_held_out_ge_heavy(tmp_path):
     table = (tmp_path / "eval_policy.md").read_text()
     assert table.startswith("| channel | rho | none | adaptive | ddqn |")
     assert "| ge-heavy | 0.8 |" in table
+
+    # the high-RTT cell: the same held-out episodes over a 40 ms link, with the paired
+    # differences of the DDQN against always-action-0 (tail-rule) and adaptive
+    hi = doc["utilities"]["ge-heavy+40ms@0.85"]
+    assert set(hi) == {"tail-rule", "adaptive", "ddqn", "oracle"}
+    assert all(len(v) == 4 for v in hi.values())
+    assert hi["adaptive"] != cell["adaptive"]
+    sh = doc["summary"]["ge-heavy+40ms@0.85"]
+    for other in ("tail-rule", "adaptive"):
+        d = np.array(hi["ddqn"]) - np.array(hi[other])
+        assert np.isclose(sh["ddqn_minus"][other]["mean"], d.mean())
+        assert sh["ddqn_minus"][other]["ci95"] > 0 or np.all(d == d[0])
+    best = max(("tail-rule", "adaptive"), key=lambda m: np.mean(hi[m]))
+    assert sh["oracle_headroom"]["over"] == best
+    assert np.isclose(sh["oracle_headroom"]["mean"], np.mean(hi["oracle"]) - np.mean(hi[best]))
+    checks = {k for k, c in doc["targets"].items() if c.get("high_rtt")}
+    assert checks == {
+        "ddqn > tail-rule on ge-heavy+40ms@0.85 (paired CI)",
+        "ddqn > adaptive on ge-heavy+40ms@0.85 (paired CI)",
+    }
+    assert "| ge-heavy+40ms@0.85 |" in table and "High-RTT cells" in table
+    assert (tmp_path / "eval_policy_high_rtt.png").stat().st_size > 10_000
