@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import Any, Self
 
 from kvtransport.api import (
     DEFAULT_RECEIVER_CONTROL,
@@ -46,19 +46,46 @@ def _tid_text(tid: int | str) -> str:
     return format_tid(tid) if isinstance(tid, int) else str(tid)
 
 
-class _Requester:
-    """One REQ socket to a daemon's control endpoint."""
+class _Closing:
+    """``with`` closes it."""
 
-    def __init__(self, endpoint: str, timeout_s: float, context: Any) -> None:
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _Socket(_Closing):
+    """A ZeroMQ socket (no linger) in the caller's context, or in one of its own that
+    closing it ends."""
+
+    def __init__(self, kind: str, context: Any) -> None:
         import zmq
 
         self._zmq = zmq
         self._own = context is None
         self.context = context or zmq.Context()
+        self.sock = self.context.socket(getattr(zmq, kind))
+        self.sock.setsockopt(zmq.LINGER, 0)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        if self._own:
+            self.context.term()
+
+
+class _Requester(_Socket):
+    """One REQ socket to a daemon's control endpoint."""
+
+    def __init__(self, endpoint: str, timeout_s: float, context: Any) -> None:
+        super().__init__("REQ", context)
+        zmq = self._zmq
         self.endpoint = endpoint
         self.timeout_s = timeout_s
-        self.sock = self.context.socket(zmq.REQ)
-        self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.REQ_RELAXED, 1)
         self.sock.setsockopt(zmq.REQ_CORRELATE, 1)
         self.sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
@@ -81,23 +108,43 @@ class _Requester:
             raise ApiError(f"{head.get('op')}: {out.get('error', 'refused')}")
         return out
 
-    def close(self) -> None:
-        self.sock.close(linger=0)
-        if self._own:
-            self.context.term()
 
+class _DaemonClient(_Closing):
+    """What both daemons answer: status, stats, ping (see kvtransport.api)."""
 
-class SenderClient:
-    """Submit transfers to a sender daemon, ask their status, cancel them."""
+    DEFAULT_ENDPOINT = ""
 
     def __init__(
         self,
-        endpoint: str = DEFAULT_SENDER_CONTROL,
+        endpoint: str | None = None,
         *,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         context: Any = None,
     ) -> None:
-        self._req = _Requester(endpoint, timeout_s, context)
+        self._req = _Requester(endpoint or self.DEFAULT_ENDPOINT, timeout_s, context)
+
+    def status(self, transfer_id: int | str | None = None) -> Any:
+        """One transfer's status (a dict) or, without an id, a list of all of them."""
+        head: dict[str, Any] = {"op": "status"}
+        if transfer_id is not None:
+            head["transfer_id"] = _tid_text(transfer_id)
+            return self._req.request(head)["transfers"][0]
+        return self._req.request(head)["transfers"]
+
+    def stats(self) -> dict[str, Any]:
+        return self._req.request({"op": "stats"})["stats"]
+
+    def ping(self) -> dict[str, Any]:
+        return self._req.request({"op": "ping"})
+
+    def close(self) -> None:
+        self._req.close()
+
+
+class SenderClient(_DaemonClient):
+    """Submit transfers to a sender daemon, ask their status, cancel them."""
+
+    DEFAULT_ENDPOINT = DEFAULT_SENDER_CONTROL
 
     def submit(
         self,
@@ -135,14 +182,6 @@ class SenderClient:
             head["transfer_id"] = _tid_text(transfer_id)
         return str(self._req.request(head, transfer_frames(transfer))["transfer_id"])
 
-    def status(self, transfer_id: int | str | None = None) -> Any:
-        """One transfer's status (a dict) or, without an id, a list of all of them."""
-        head: dict[str, Any] = {"op": "status"}
-        if transfer_id is not None:
-            head["transfer_id"] = _tid_text(transfer_id)
-            return self._req.request(head)["transfers"][0]
-        return self._req.request(head)["transfers"]
-
     def cancel(self, transfer_id: int | str) -> bool:
         """Abort a transfer in flight; False if it was not (or no longer) in flight."""
         head = {"op": "cancel", "transfer_id": _tid_text(transfer_id)}
@@ -161,75 +200,25 @@ class SenderClient:
                 raise ApiError(f"transfer {_tid_text(transfer_id)} not done after {timeout_s} s")
             time.sleep(poll_s)
 
-    def stats(self) -> dict[str, Any]:
-        return self._req.request({"op": "stats"})["stats"]
 
-    def ping(self) -> dict[str, Any]:
-        return self._req.request({"op": "ping"})
-
-    def close(self) -> None:
-        self._req.close()
-
-    def __enter__(self) -> SenderClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class ReceiverClient:
+class ReceiverClient(_DaemonClient):
     """Ask a receiver daemon about its transfers, or have one deliver early."""
 
-    def __init__(
-        self,
-        endpoint: str = DEFAULT_RECEIVER_CONTROL,
-        *,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-        context: Any = None,
-    ) -> None:
-        self._req = _Requester(endpoint, timeout_s, context)
-
-    def status(self, transfer_id: int | str | None = None) -> Any:
-        head: dict[str, Any] = {"op": "status"}
-        if transfer_id is not None:
-            head["transfer_id"] = _tid_text(transfer_id)
-            return self._req.request(head)["transfers"][0]
-        return self._req.request(head)["transfers"]
+    DEFAULT_ENDPOINT = DEFAULT_RECEIVER_CONTROL
 
     def abort(self, transfer_id: int | str) -> bool:
         """Deliver the transfer's partial result now (published like any result)."""
         head = {"op": "abort", "transfer_id": _tid_text(transfer_id)}
         return bool(self._req.request(head)["aborted"])
 
-    def stats(self) -> dict[str, Any]:
-        return self._req.request({"op": "stats"})["stats"]
 
-    def ping(self) -> dict[str, Any]:
-        return self._req.request({"op": "ping"})
-
-    def close(self) -> None:
-        self._req.close()
-
-    def __enter__(self) -> ReceiverClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class ResultSubscriber:
+class ResultSubscriber(_Socket):
     """Results a receiver daemon publishes (subscribe before the transfer starts: a PUB
     socket sends nothing to subscribers that were not connected yet)."""
 
     def __init__(self, endpoint: str = DEFAULT_RESULTS, *, context: Any = None) -> None:
-        import zmq
-
-        self._zmq = zmq
-        self._own = context is None
-        self.context = context or zmq.Context()
-        self.sock = self.context.socket(zmq.SUB)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.SUBSCRIBE, RESULT_TOPIC)
+        super().__init__("SUB", context)
+        self.sock.setsockopt(self._zmq.SUBSCRIBE, RESULT_TOPIC)
         self.sock.connect(endpoint)
         self._held: dict[int, DeliveredResult] = {}
 
@@ -260,14 +249,3 @@ class ResultSubscriber:
             if res.transfer_id == tid:
                 return res
             self._held[res.transfer_id] = res
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
-        if self._own:
-            self.context.term()
-
-    def __enter__(self) -> ResultSubscriber:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

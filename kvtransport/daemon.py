@@ -54,6 +54,22 @@ class Engine(Protocol):
     def next_wake(self) -> float | None: ...
 
 
+class DropCounts:
+    """What both engines share besides the loop: their UDP socket's descriptor and the
+    datagrams they drop before any session sees them, counted by reason."""
+
+    sock: Any
+    dropped: int
+    drop_reasons: dict[str, int]
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def _drop(self, reason: str) -> None:
+        self.dropped += 1
+        self.drop_reasons[reason] = self.drop_reasons.get(reason, 0) + 1
+
+
 def setup_logging(verbose: int = 0, name: str = "kvtransport") -> None:
     """Log lines to stderr: time, level, what happened (INFO by default, -v for DEBUG)."""
     level = logging.DEBUG if verbose else logging.INFO
@@ -228,6 +244,107 @@ class ControlServer:
 
     def close(self) -> None:
         self.sock.close(linger=0)
+
+
+class DaemonShell:
+    """What both daemons share around their engine: the ZeroMQ context and control socket,
+    the ``status``/``stats``/``ping`` requests, the stats lines and the lifecycle.
+
+    A subclass sets ``role`` ("sender" or "receiver") and ``log``, makes ``self.sock``,
+    ``self.engine`` and ``self.stats_out``, then calls :meth:`_start_control`; it says what
+    its start-up log line adds (:meth:`_describe`) and what shutdown did to the transfers
+    still in flight (``STOP_TEXT``). The engine must have ``active``, ``status(now, tid)``,
+    ``stats()`` and ``close(now)``.
+    """
+
+    role = ""
+    STOP_TEXT = ""
+    log = log
+    sock: Any
+    engine: Any
+    stats_out: StatsWriter
+    context: Any
+    control: ControlServer
+
+    def _start_control(
+        self, control: str, handlers: dict[str, Handler], before: Callable[[], None] | None = None
+    ) -> None:
+        """Make the context and the control server: ``handlers`` (the daemon's own ops, in
+        the order errors list them) then ``stats`` and ``ping``. ``before`` may open more
+        sockets first; on failure everything opened so far is closed and the error raised."""
+        import zmq
+
+        self.context = zmq.Context()
+        try:
+            if before is not None:
+                before()
+            self.control = ControlServer(
+                self.context,
+                control,
+                {**handlers, "stats": self._stats, "ping": self._ping},
+            )
+        except BaseException:
+            self.sock.close()
+            self.context.destroy(linger=0)
+            raise
+
+    def _status(self, head: dict[str, Any], frames: list) -> dict[str, Any]:
+        from kvtransport.api import parse_tid
+
+        tid = parse_tid(head["transfer_id"]) if head.get("transfer_id") is not None else None
+        return {"transfers": self.engine.status(clock(), tid)}
+
+    def _stats(self, head: dict[str, Any], frames: list) -> dict[str, Any]:
+        return {"stats": self.engine.stats()}
+
+    def _ping(self, head: dict[str, Any], frames: list) -> dict[str, Any]:
+        import os
+
+        host, port = self.sock.address
+        return {"pid": os.getpid(), "udp": f"{host}:{port}", "role": self.role}
+
+    def _describe(self) -> str:
+        """The start-up log line's last part (link rate, endpoints, offloads)."""
+        return ""
+
+    def run(self, stop: StopSignal) -> None:
+        """Serve until ``stop.requested``; then shut the engine down and close."""
+        host, port = self.sock.address
+        self.log.info(
+            "%s daemon up: UDP %s:%d, control %s, %s",
+            self.role,
+            host,
+            port,
+            self.control.endpoint,
+            self._describe(),
+        )
+        try:
+            serve(self.engine, [self.control], stop)
+        finally:
+            n = len(self.engine.active)
+            self.engine.close(clock())
+            self.log.info(
+                "%s daemon stopping (%s): %d %s",
+                self.role,
+                stop.signal_name or "stopped",
+                n,
+                self.STOP_TEXT,
+            )
+            self.close()
+
+    def run_until_signalled(self) -> None:
+        """:meth:`run` with SIGTERM/SIGINT as the stop (the commands' way)."""
+        stop = StopSignal().install()
+        try:
+            self.run(stop)
+        finally:
+            stop.restore()
+
+    def close(self) -> None:
+        self.control.close()
+        self.sock.close()
+        self.context.term()
+        self.stats_out.close()
 
 
 def serve(

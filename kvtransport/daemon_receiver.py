@@ -42,6 +42,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from kvtransport.daemon import DaemonShell, DropCounts
 from kvtransport.errors import UserError
 from kvtransport.receiver import ReceiverSession
 from kvtransport.udp import DatagramSocket, clock
@@ -108,7 +109,7 @@ class Incoming:
         }
 
 
-class ReceiverEngine:
+class ReceiverEngine(DropCounts):
     """Receiver sessions behind one UDP socket (see the module docstring).
 
     ``single``: the ``recv`` command's mode: the first transfer is the only one; datagrams
@@ -147,9 +148,6 @@ class ReceiverEngine:
         self.results = 0
         self._retired_drops: dict[str, int] = {}  # sessions' drops, once they are forgotten
         self._retired_dropped = 0
-
-    def fileno(self) -> int:
-        return self.sock.fileno()
 
     # ------------------------------------------------------------------ datagrams
 
@@ -215,10 +213,6 @@ class ReceiverEngine:
         self.adopted = tid
         log.info("transfer %016x: first datagram from %s:%d", tid, addr[0], addr[1])
         return inc
-
-    def _drop(self, reason: str) -> None:
-        self.dropped += 1
-        self.drop_reasons[reason] = self.drop_reasons.get(reason, 0) + 1
 
     def _flush(self, inc: Incoming, now: float) -> None:
         out = inc.session.datagrams_to_send(now)
@@ -329,9 +323,13 @@ class ReceiverEngine:
         }
 
 
-class ReceiverDaemon:
+class ReceiverDaemon(DaemonShell):
     """`kvtransport receiver-daemon`: a :class:`ReceiverEngine`, its control socket, the
     results publisher and optional result files."""
+
+    role = "receiver"
+    STOP_TEXT = "partial result(s) delivered"
+    log = log
 
     def __init__(
         self,
@@ -347,9 +345,7 @@ class ReceiverDaemon:
         idle_timeout: float = DEFAULT_IDLE_TIMEOUT_S,
         stats: Any = None,
     ) -> None:
-        import zmq
-
-        from kvtransport.daemon import ControlServer, StatsWriter, bind_endpoint, warm_up
+        from kvtransport.daemon import StatsWriter, warm_up
 
         self.out_dir = out_dir
         if out_dir is not None:
@@ -368,28 +364,21 @@ class ReceiverDaemon:
             idle_timeout=idle_timeout,
             on_result=self._result,
         )
-        self.context = zmq.Context()
-        try:
-            self.pub = self.context.socket(zmq.PUB)
-            self.pub.setsockopt(zmq.LINGER, 2000)
-            self.pub.setsockopt(zmq.SNDHWM, 64)
-            bind_endpoint(self.pub, publish)
-            self.publish_endpoint = publish
-            self.control = ControlServer(
-                self.context,
-                control,
-                {
-                    "status": self._status,
-                    "abort": self._abort,
-                    "stats": self._stats,
-                    "ping": self._ping,
-                },
-            )
-        except BaseException:
-            self.sock.close()
-            self.context.destroy(linger=0)
-            raise
+        self.publish_endpoint = publish
         self.published = 0
+        self._start_control(
+            control, {"status": self._status, "abort": self._abort}, before=self._open_publisher
+        )
+
+    def _open_publisher(self) -> None:
+        import zmq
+
+        from kvtransport.daemon import bind_endpoint
+
+        self.pub = self.context.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 2000)
+        self.pub.setsockopt(zmq.SNDHWM, 64)
+        bind_endpoint(self.pub, self.publish_endpoint)
 
     def _result(self, inc: Incoming) -> None:
         import zmq
@@ -412,12 +401,6 @@ class ReceiverDaemon:
             log.warning("result %016x not published: %s", inc.transfer_id, exc)
         self.stats_out.write({"event": "transfer", "role": "receiver", **stats})
 
-    def _status(self, head: dict[str, Any], frames: list) -> dict[str, Any]:
-        from kvtransport.api import parse_tid
-
-        tid = parse_tid(head["transfer_id"]) if head.get("transfer_id") is not None else None
-        return {"transfers": self.engine.status(clock(), tid)}
-
     def _abort(self, head: dict[str, Any], frames: list) -> dict[str, Any]:
         from kvtransport.api import parse_tid
 
@@ -427,43 +410,11 @@ class ReceiverDaemon:
         return {"stats": {**self.engine.stats(), "published": self.published}}
 
     def _ping(self, head: dict[str, Any], frames: list) -> dict[str, Any]:
-        import os
+        return {**super()._ping(head, frames), "publish": self.publish_endpoint}
 
-        host, port = self.sock.address
-        return {
-            "pid": os.getpid(),
-            "udp": f"{host}:{port}",
-            "role": "receiver",
-            "publish": self.publish_endpoint,
-        }
-
-    def run(self, stop: Any) -> None:
-        from kvtransport.daemon import serve
-
-        host, port = self.sock.address
-        log.info(
-            "receiver daemon up: UDP %s:%d, control %s, results %s, GRO %s",
-            host,
-            port,
-            self.control.endpoint,
-            self.publish_endpoint,
-            "on" if self.sock.gro else "off",
-        )
-        try:
-            serve(self.engine, [self.control], stop)
-        finally:
-            n = len(self.engine.active)
-            self.engine.close(clock())
-            log.info(
-                "receiver daemon stopping (%s): %d partial result(s) delivered",
-                stop.signal_name or "stopped",
-                n,
-            )
-            self.close()
+    def _describe(self) -> str:
+        return f"results {self.publish_endpoint}, GRO {'on' if self.sock.gro else 'off'}"
 
     def close(self) -> None:
-        self.control.close()
         self.pub.close(linger=2000)
-        self.sock.close()
-        self.context.term()
-        self.stats_out.close()
+        super().close()

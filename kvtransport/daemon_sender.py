@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtransport.daemon import DaemonShell, DropCounts
 from kvtransport.errors import UserError
 from kvtransport.policy import make_policy
 from kvtransport.protocol import DEFAULT_INITIAL_RTT, DEFAULT_SYMBOL_SIZE
@@ -139,7 +140,7 @@ class Outgoing:
         }
 
 
-class SenderEngine:
+class SenderEngine(DropCounts):
     """Sender sessions over one UDP socket (see the module docstring).
 
     ``rate_bps``: the link rate shared by all transfers. ``on_finish(outgoing)`` is called
@@ -176,9 +177,6 @@ class SenderEngine:
         self._scheduler: Any = None
         self._sched_at: float | None = None
         self._reschedule_now = False
-
-    def fileno(self) -> int:
-        return self.sock.fileno()
 
     # ------------------------------------------------------------------ transfers
 
@@ -337,10 +335,6 @@ class SenderEngine:
             if out.session.done:  # the receiver is finished: nothing more to send
                 self._flush(out, now)
 
-    def _drop(self, reason: str) -> None:
-        self.dropped += 1
-        self.drop_reasons[reason] = self.drop_reasons.get(reason, 0) + 1
-
     def _finish(self, out: Outgoing, now: float) -> None:
         if out.state == "done":
             return
@@ -438,12 +432,16 @@ def deadline_from(
     return value
 
 
-class SenderDaemon:
+class SenderDaemon(DaemonShell):
     """`kvtransport sender-daemon`: a :class:`SenderEngine` behind a ZeroMQ control socket.
 
     ``utility_table``: a ``fit-utility`` table for requests naming a model and context
     length. ``stats``: where the per-transfer JSON lines go (kvtransport.daemon.StatsWriter).
     """
+
+    role = "sender"
+    STOP_TEXT = "transfer(s) aborted"
+    log = log
 
     def __init__(
         self,
@@ -461,9 +459,7 @@ class SenderDaemon:
         utility_table: str | None = None,
         stats: Any = None,
     ) -> None:
-        import zmq
-
-        from kvtransport.daemon import ControlServer, StatsWriter, warm_up
+        from kvtransport.daemon import StatsWriter, warm_up
 
         make_policy(policy)  # a bad default fails at start, not at the first submit
         self.policy = policy
@@ -485,23 +481,9 @@ class SenderDaemon:
             max_transfers=max_transfers,
             on_finish=self._finished,
         )
-        self.context = zmq.Context()
-        try:
-            self.control = ControlServer(
-                self.context,
-                control,
-                {
-                    "submit": self._submit,
-                    "status": self._status,
-                    "cancel": self._cancel,
-                    "stats": self._stats,
-                    "ping": self._ping,
-                },
-            )
-        except BaseException:
-            self.sock.close()
-            self.context.term()
-            raise
+        self._start_control(
+            control, {"submit": self._submit, "status": self._status, "cancel": self._cancel}
+        )
 
     # ------------------------------------------------------------------ requests
 
@@ -553,13 +535,6 @@ class SenderDaemon:
                 raise UserError(str(exc).strip("'\"")) from None
         return None
 
-    def _status(self, head: dict[str, Any], frames: list) -> dict[str, Any]:
-        from kvtransport.api import parse_tid
-        from kvtransport.udp import clock
-
-        tid = parse_tid(head["transfer_id"]) if head.get("transfer_id") is not None else None
-        return {"transfers": self.engine.status(clock(), tid)}
-
     def _cancel(self, head: dict[str, Any], frames: list) -> dict[str, Any]:
         from kvtransport.api import parse_tid
         from kvtransport.udp import clock
@@ -570,50 +545,12 @@ class SenderDaemon:
             log.info("transfer %016x cancelled by a client", tid)
         return {"cancelled": done}
 
-    def _stats(self, head: dict[str, Any], frames: list) -> dict[str, Any]:
-        return {"stats": self.engine.stats()}
-
-    def _ping(self, head: dict[str, Any], frames: list) -> dict[str, Any]:
-        import os
-
-        host, port = self.sock.address
-        return {"pid": os.getpid(), "udp": f"{host}:{port}", "role": "sender"}
-
     def _finished(self, out: Outgoing) -> None:
         from kvtransport.udp import clock
 
         self.stats_out.write({"event": "transfer", "role": "sender", **out.status(clock())})
 
-    # ------------------------------------------------------------------ lifecycle
-
-    def run(self, stop: Any) -> None:
-        """Serve until ``stop.requested``; then abort what is in flight and close."""
-        from kvtransport.daemon import serve
-        from kvtransport.udp import clock
-
-        host, port = self.sock.address
-        log.info(
-            "sender daemon up: UDP %s:%d, control %s, link %.1f Mbit/s, GSO %s",
-            host,
-            port,
-            self.control.endpoint,
-            self.engine.rate_bps / 1e6,
-            "on" if self.sock.gso else "off",
+    def _describe(self) -> str:
+        return (
+            f"link {self.engine.rate_bps / 1e6:.1f} Mbit/s, GSO {'on' if self.sock.gso else 'off'}"
         )
-        try:
-            serve(self.engine, [self.control], stop)
-        finally:
-            n = len(self.engine.active)
-            self.engine.close(clock())
-            log.info(
-                "sender daemon stopping (%s): %d transfer(s) aborted",
-                stop.signal_name or "stopped",
-                n,
-            )
-            self.close()
-
-    def close(self) -> None:
-        self.control.close()
-        self.sock.close()
-        self.context.term()
-        self.stats_out.close()

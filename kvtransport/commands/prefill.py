@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+from kvtransport.commands import _common
+
 NAME = "prefill"
 HELP = "prefill a context with the model and write its KV cache as a cache card"
 DESCRIPTION = """\
@@ -33,13 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="text file holding the context ('-' reads stdin)",
     )
     parser.add_argument("--out", required=True, metavar="CARD", help="cache card to write")
-    parser.add_argument(
-        "--model",
-        metavar="M",
-        default=None,
-        help="model: a HuggingFace directory, a .gguf file, or 'smollm2' "
-        "(default: SmolLM2-135M-Instruct)",
-    )
+    _common.add_model(parser)
     parser.add_argument(
         "--precision",
         default=None,

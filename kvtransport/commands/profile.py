@@ -6,6 +6,8 @@ import argparse
 import shlex
 from pathlib import Path
 
+from kvtransport.commands import _common
+
 NAME = "profile"
 HELP = "measure a model's per-layer sensitivity to KV-cache damage (layer weights)"
 DESCRIPTION = """\
@@ -26,13 +28,7 @@ example:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model",
-        metavar="M",
-        default=None,
-        help="model: a HuggingFace directory, a .gguf file, or 'smollm2' "
-        "(default: SmolLM2-135M-Instruct)",
-    )
+    _common.add_model(parser)
     parser.add_argument(
         "--out",
         metavar="FILE",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from kvtransport.commands import _common
 from kvtransport.errors import UserError
 
 NAME = "receiver-daemon"
@@ -29,7 +30,6 @@ Example:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from kvtransport.api import DEFAULT_RECEIVER_CONTROL, DEFAULT_RESULTS
-    from kvtransport.udp import REALTIME_HELP
 
     p.add_argument("--listen", default="0.0.0.0:9400", metavar="HOST:PORT",
                    help="UDP address (default 0.0.0.0:9400)")  # fmt: skip
@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"control endpoint (default {DEFAULT_RECEIVER_CONTROL})")  # fmt: skip
     p.add_argument("--publish", default=DEFAULT_RESULTS, metavar="ENDPOINT",
                    help=f"ZeroMQ PUB endpoint for results (default {DEFAULT_RESULTS})")  # fmt: skip
-    p.add_argument("--key", metavar="FILE|HEX", help="pre-shared key (as the senders')")
+    _common.add_key(p, "pre-shared key (as the senders')")
     p.add_argument("--out-dir", metavar="DIR", help="also write each result into DIR")
     p.add_argument("--max-transfers", type=int, default=16, help="at once (default 16)")
     p.add_argument("--max-mb", type=float, default=256.0,
@@ -49,16 +49,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="end a transfer with no manifest this long after its last datagram",
     )
     p.add_argument("--no-gro", action="store_true", help="read one datagram per call")
-    p.add_argument("--stats", nargs="?", const="-", metavar="FILE",
-                   help="one JSON line per finished transfer (stdout, or FILE)")  # fmt: skip
-    p.add_argument("--realtime", nargs="?", type=int, const=5, metavar="PRIO",
-                   help=REALTIME_HELP)  # fmt: skip
-    p.add_argument("-v", "--verbose", action="count", default=0, help="debug logs")
+    _common.add_daemon_output(p)
 
 
 def run(args: argparse.Namespace) -> int:
     from kvtransport.api import parse_key
-    from kvtransport.daemon import StatsWriter, StopSignal, setup_logging
+    from kvtransport.daemon import StatsWriter, setup_logging
     from kvtransport.daemon_receiver import ReceiverDaemon
     from kvtransport.udp import parse_address, set_realtime
 
@@ -78,9 +74,5 @@ def run(args: argparse.Namespace) -> int:
         idle_timeout=args.idle_timeout,
         stats=StatsWriter(args.stats),
     )
-    stop = StopSignal().install()
-    try:
-        daemon.run(stop)
-    finally:
-        stop.restore()
+    daemon.run_until_signalled()
     return 0

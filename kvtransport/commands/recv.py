@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
+from kvtransport.commands import _common
 from kvtransport.errors import UserError
 
 NAME = "recv"
@@ -25,11 +25,9 @@ Examples:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from kvtransport.udp import REALTIME_HELP
-
     p.add_argument("--listen", default="0.0.0.0:9400", metavar="HOST:PORT",
                    help="UDP address to receive on (default 0.0.0.0:9400)")  # fmt: skip
-    p.add_argument("--key", metavar="FILE|HEX", help="pre-shared key (as the sender's)")
+    _common.add_key(p, "pre-shared key (as the sender's)")
     p.add_argument("--out", metavar="DIR", help="write the result file into DIR")
     p.add_argument("--timeout", type=float, default=60.0,
                    help="give up if no transfer starts within this many seconds (60)")  # fmt: skip
@@ -39,8 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-mb", type=float, default=1024.0,
                    help="largest transfer accepted, MB (default 1024)")  # fmt: skip
     p.add_argument("--no-gro", action="store_true", help="read one datagram per call")
-    p.add_argument("--realtime", nargs="?", type=int, const=5, metavar="PRIO",
-                   help=REALTIME_HELP)  # fmt: skip
+    _common.add_realtime(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -48,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from kvtransport.api import parse_key, write_result_file
-    from kvtransport.daemon import StopSignal, serve, warm_up
+    from kvtransport.daemon import serve, warm_up
     from kvtransport.daemon_receiver import ReceiverEngine
     from kvtransport.udp import DatagramSocket, clock, parse_address, set_realtime
 
@@ -64,8 +61,7 @@ def run(args: argparse.Namespace) -> int:
     sock = DatagramSocket(bind, gro=not args.no_gro)
     host, port = sock.address
     print(f"kvtransport recv: listening on {host}:{port}", file=sys.stderr, flush=True)
-    stop = StopSignal().install()
-    try:
+    with _common.stoppable(sock) as stop:
         engine = ReceiverEngine(
             sock,
             key=key,
@@ -94,13 +90,7 @@ def run(args: argparse.Namespace) -> int:
         stats["socket"] = dict(sock.stats)
         if args.out:
             stats["file"] = str(write_result_file(args.out, inc.session.result, stats))
-    finally:
-        stop.restore()
-        sock.close()
-    if args.json:
-        print(json.dumps(stats))
-    else:
-        _print(stats)
+    _common.report(args, stats, _print)
     return 0
 
 
@@ -120,5 +110,4 @@ def _print(st: dict) -> None:
     ]
     if "file" in st:
         rows.append(("written to", st["file"]))
-    for k, v in rows:
-        print(f"  {k:20s} {v}")
+    _common.print_rows(rows, 20)

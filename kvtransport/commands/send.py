@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import json
-import math
 
+from kvtransport.commands import _common
 from kvtransport.errors import UserError
 
 NAME = "send"
@@ -31,8 +30,6 @@ Examples:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from kvtransport.udp import REALTIME_HELP
-
     p.add_argument("to", metavar="HOST:PORT", help="the receiver's address")
     what = p.add_mutually_exclusive_group()
     what.add_argument("--card", metavar="FILE", help="send this cache card")
@@ -47,17 +44,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     when.add_argument("--rho", type=float, help="deadline / loss-free send time (default 1.0)")
     p.add_argument("--policy", help="repair policy, as for simulate "
                    "(default: ddqn if its weights ship, else adaptive)")  # fmt: skip
-    p.add_argument("--key", metavar="FILE|HEX", help="pre-shared key: authenticate datagrams")
-    p.add_argument("--symbol-size", type=int, default=1280, help="bytes per symbol (1280)")
+    _common.add_key(p, "pre-shared key: authenticate datagrams")
+    _common.add_pacing(p)
     p.add_argument("--bind", default="0.0.0.0:0", metavar="HOST:PORT", help="local address")
     p.add_argument("--initial-rtt-ms", type=float, default=20.0,
                    help="RTT assumed before the first feedback (default 20)")  # fmt: skip
-    p.add_argument("--burst-us", type=float, default=200.0,
-                   help="send the slots due within this lead at once (default 200)")  # fmt: skip
-    p.add_argument("--no-gso", action="store_true",
-                   help="one send() per datagram (use under kernel netem)")  # fmt: skip
-    p.add_argument("--realtime", nargs="?", type=int, const=5, metavar="PRIO",
-                   help=REALTIME_HELP)  # fmt: skip
+    _common.add_realtime(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -79,22 +71,12 @@ def _transfer(args: argparse.Namespace) -> object:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtransport.policy import default_policy
-
-    args.policy = args.policy or default_policy()
     from kvtransport.api import parse_key
-    from kvtransport.daemon import StopSignal, serve, warm_up
+    from kvtransport.daemon import serve, warm_up
     from kvtransport.daemon_sender import SenderEngine, deadline_from
-    from kvtransport.policy import make_policy
     from kvtransport.udp import DatagramSocket, clock, parse_address, set_realtime
 
-    if not (args.rate_mbps > 0 and math.isfinite(args.rate_mbps)):
-        raise UserError("--rate-mbps must be a positive number")
-    if not 64 <= args.symbol_size <= 8192:
-        raise UserError("--symbol-size must be 64..8192 bytes")
-    if not 0 <= args.burst_us <= 100_000:
-        raise UserError("--burst-us must be 0..100000")
-    make_policy(args.policy)
+    _common.check_sending(args)
     key = parse_key(args.key)
     dest = parse_address(args.to, what="receiver")
     bind = parse_address(args.bind, what="--bind")
@@ -108,8 +90,7 @@ def run(args: argparse.Namespace) -> int:
     set_realtime(args.realtime)
     warm_up(key)
     sock = DatagramSocket(bind, dest, gso=not args.no_gso)
-    stop = StopSignal().install()
-    try:
+    with _common.stoppable(sock) as stop:
         engine = SenderEngine(
             sock, rate_bps=rate, key=key, symbol_size=args.symbol_size,
             burst_s=args.burst_us * 1e-6,
@@ -127,13 +108,7 @@ def run(args: argparse.Namespace) -> int:
         engine.close(clock())
         status = out.status(clock())
         status["socket"] = dict(sock.stats)
-    finally:
-        stop.restore()
-        sock.close()
-    if args.json:
-        print(json.dumps(status))
-    else:
-        _print(status)
+    _common.report(args, status, _print)
     return 130 if interrupted else 0
 
 
@@ -152,5 +127,4 @@ def _print(st: dict) -> None:
         ("feedback received", str(st["feedback_received"])),
         ("send calls / datagrams", f"{st['socket']['send_calls']} / {st['datagrams_sent']}"),
     ]
-    for k, v in rows:
-        print(f"  {k:24s} {v}")
+    _common.print_rows(rows, 24)

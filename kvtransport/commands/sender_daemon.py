@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import math
 
+from kvtransport.commands import _common
 from kvtransport.errors import UserError
 
 NAME = "sender-daemon"
@@ -28,7 +28,6 @@ Example:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from kvtransport.api import DEFAULT_SENDER_CONTROL
-    from kvtransport.udp import REALTIME_HELP
 
     p.add_argument("--control", default=DEFAULT_SENDER_CONTROL, metavar="ENDPOINT",
                    help=f"ZeroMQ control endpoint (default {DEFAULT_SENDER_CONTROL})")  # fmt: skip
@@ -38,39 +37,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy",
                    help="repair policy for requests that name none "
                    "(ddqn if its weights ship, else adaptive)")  # fmt: skip
-    p.add_argument("--key", metavar="FILE|HEX", help="pre-shared key: authenticate datagrams")
-    p.add_argument("--symbol-size", type=int, default=1280, help="bytes per symbol (1280)")
+    _common.add_key(p, "pre-shared key: authenticate datagrams")
+    _common.add_pacing(p)
     p.add_argument("--max-transfers", type=int, default=64, help="in flight at once (64)")
     p.add_argument("--slot-ms", type=float, default=10.0,
                    help="link-sharing decision period when several transfers run (10)")  # fmt: skip
-    p.add_argument("--burst-us", type=float, default=200.0,
-                   help="send the slots due within this lead at once (default 200)")  # fmt: skip
     p.add_argument("--utility-table", metavar="FILE",
                    help="fitted utility curves (from fit-utility) for link sharing")  # fmt: skip
-    p.add_argument("--no-gso", action="store_true",
-                   help="one send() per datagram (use under kernel netem)")  # fmt: skip
-    p.add_argument("--stats", nargs="?", const="-", metavar="FILE",
-                   help="one JSON line per finished transfer (stdout, or FILE)")  # fmt: skip
-    p.add_argument("--realtime", nargs="?", type=int, const=5, metavar="PRIO",
-                   help=REALTIME_HELP)  # fmt: skip
-    p.add_argument("-v", "--verbose", action="count", default=0, help="debug logs")
+    _common.add_daemon_output(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtransport.policy import default_policy
-
-    args.policy = args.policy or default_policy()
     from kvtransport.api import parse_key
-    from kvtransport.daemon import StatsWriter, StopSignal, setup_logging
+    from kvtransport.daemon import StatsWriter, setup_logging
     from kvtransport.daemon_sender import SenderDaemon
     from kvtransport.udp import parse_address, set_realtime
 
-    if not (args.rate_mbps > 0 and math.isfinite(args.rate_mbps)):
-        raise UserError("--rate-mbps must be a positive number")
-    if not 64 <= args.symbol_size <= 8192:
-        raise UserError("--symbol-size must be 64..8192 bytes")
-    if args.max_transfers < 1 or not args.slot_ms > 0 or not 0 <= args.burst_us <= 100_000:
-        raise UserError("--max-transfers and --slot-ms must be positive, --burst-us 0..100000")
+    _common.check_sending(args)
+    if args.max_transfers < 1 or not args.slot_ms > 0:
+        raise UserError("--max-transfers and --slot-ms must be positive")
     setup_logging(args.verbose, "sender-daemon")
     set_realtime(args.realtime)
     daemon = SenderDaemon(
@@ -87,9 +72,5 @@ def run(args: argparse.Namespace) -> int:
         utility_table=args.utility_table,
         stats=StatsWriter(args.stats),
     )
-    stop = StopSignal().install()
-    try:
-        daemon.run(stop)
-    finally:
-        stop.restore()
+    daemon.run_until_signalled()
     return 0

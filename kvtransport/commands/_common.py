@@ -1,0 +1,110 @@
+"""Argument groups and run-time steps that several subcommands share.
+
+Not a subcommand: the CLI skips modules whose name starts with an underscore. Kept cheap
+to import (no numpy, torch or ZeroMQ at module level), like the command modules' own
+``add_arguments``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from kvtransport.errors import UserError
+
+MODEL_HELP = (
+    "model: a HuggingFace directory, a .gguf file, or 'smollm2' (default: SmolLM2-135M-Instruct)"
+)
+
+
+def add_model(parser: argparse.ArgumentParser) -> None:
+    """``--model M``, for the commands that load the language model."""
+    parser.add_argument("--model", metavar="M", default=None, help=MODEL_HELP)
+
+
+def add_key(parser: argparse.ArgumentParser, help_text: str) -> None:
+    """``--key FILE|HEX`` (kvtransport.api.parse_key reads it); both ends must agree."""
+    parser.add_argument("--key", metavar="FILE|HEX", help=help_text)
+
+
+def add_realtime(parser: argparse.ArgumentParser) -> None:
+    """``--realtime [PRIO]``: SCHED_FIFO for the UDP loop (kvtransport.udp.set_realtime)."""
+    from kvtransport.udp import REALTIME_HELP
+
+    parser.add_argument(
+        "--realtime", nargs="?", type=int, const=5, metavar="PRIO", help=REALTIME_HELP
+    )
+
+
+def add_pacing(parser: argparse.ArgumentParser) -> None:
+    """The sending side's symbol size, burst lead and GSO switch (send, sender-daemon)."""
+    parser.add_argument("--symbol-size", type=int, default=1280, help="bytes per symbol (1280)")
+    parser.add_argument(
+        "--burst-us",
+        type=float,
+        default=200.0,
+        help="send the slots due within this lead at once (default 200)",
+    )
+    parser.add_argument(
+        "--no-gso", action="store_true", help="one send() per datagram (use under kernel netem)"
+    )
+
+
+def add_daemon_output(parser: argparse.ArgumentParser) -> None:
+    """What both daemons report: ``--stats`` lines, ``--realtime``, ``-v`` logs."""
+    parser.add_argument(
+        "--stats",
+        nargs="?",
+        const="-",
+        metavar="FILE",
+        help="one JSON line per finished transfer (stdout, or FILE)",
+    )
+    add_realtime(parser)
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="debug logs")
+
+
+def check_sending(args: argparse.Namespace) -> None:
+    """Validate the sending side's shared options; an unset ``--policy`` becomes the
+    default policy (ddqn if its weights ship, else adaptive), which must be makeable."""
+    from kvtransport.policy import default_policy, make_policy
+
+    args.policy = args.policy or default_policy()
+    if not (args.rate_mbps > 0 and math.isfinite(args.rate_mbps)):
+        raise UserError("--rate-mbps must be a positive number")
+    if not 64 <= args.symbol_size <= 8192:
+        raise UserError("--symbol-size must be 64..8192 bytes")
+    if not 0 <= args.burst_us <= 100_000:
+        raise UserError("--burst-us must be 0..100000")
+    make_policy(args.policy)
+
+
+@contextlib.contextmanager
+def stoppable(sock: Any) -> Iterator[Any]:
+    """A kvtransport.daemon.StopSignal for one-shot send/recv (SIGTERM/SIGINT stop the
+    loop); on exit the signal handlers are restored and ``sock`` is closed."""
+    from kvtransport.daemon import StopSignal
+
+    stop = StopSignal().install()
+    try:
+        yield stop
+    finally:
+        stop.restore()
+        sock.close()
+
+
+def report(args: argparse.Namespace, record: dict[str, Any], show: Callable[[dict], None]) -> None:
+    """One JSON object with ``--json``, else ``show(record)`` for people."""
+    if args.json:
+        print(json.dumps(record))
+    else:
+        show(record)
+
+
+def print_rows(rows: list[tuple[str, str]], width: int) -> None:
+    """Indented ``name value`` lines, names padded to ``width``."""
+    for k, v in rows:
+        print(f"  {k:{width}s} {v}")
