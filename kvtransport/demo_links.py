@@ -1,0 +1,176 @@
+"""The links the demo's transfers cross, and what a transfer delivers.
+
+:class:`Link` is what kvtransport.demo needs of a link; two implement it:
+
+- :class:`~kvtransport.demo_netns.NetnsLink` (root): the real ``kvtransport
+  sender-daemon`` and ``receiver-daemon`` in the netem testbed's two network namespaces;
+- :class:`~kvtransport.demo_emulated.EmulatedLink` (any user): the sender and receiver
+  sessions in two processes joined by the userspace channel, on the link's own clock.
+
+:func:`choose_link` picks one for ``--link``, :func:`open_link` opens it (falling back to
+the emulated link when asked to). Both carry the ``ge-heavy`` profile in both directions.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvtransport.errors import UserError
+
+PROFILE = "ge-heavy"
+LINKS = ("auto", "netns", "emulated")
+INITIAL_RTT_S = 0.011  # 2 x the profile's 5 ms + 1 ms, as the simulator assumes
+
+
+@dataclass
+class LinkOutcome:
+    """What one transfer delivered, whichever link carried it.
+
+    transfer_s: from the first datagram's departure (emulated: link time) or the submit
+    request (netns: wall time) until the receiver's result.
+    """
+
+    utility: float
+    reason: str
+    complete: np.ndarray  # bool per block (empty if the manifest never arrived)
+    payload: np.ndarray  # uint8: every complete block's bytes at its offset
+    app_metadata: bytes | None  # the blocks manifest, None if it never arrived
+    transfer_s: float
+    counters: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_result(
+        cls, res: Any, transfer_s: float, counters: dict[str, Any] | None = None
+    ) -> LinkOutcome:
+        """From a receiver's result (kvtransport.transfer.TransferResult, or the daemon's
+        published kvtransport.api.DeliveredResult)."""
+        return cls(
+            utility=float(res.utility_recovered),
+            reason=res.reason,
+            complete=np.asarray(res.complete, dtype=bool),
+            payload=np.asarray(res.payload, dtype=np.uint8),
+            app_metadata=res.app_metadata,
+            transfer_s=float(transfer_s),
+            counters=counters if counters is not None else {},
+        )
+
+
+def _no_progress(fraction: float) -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class TransferRequest:
+    """One scheme's transfer, as :meth:`Link.transfer` was asked for it.
+
+    seed: the link's loss pattern (the emulated link re-seeds its channels with it; the
+    netns relay's pattern is fixed when the testbed starts). progress: called with the
+    fraction of the deadline gone (0..1).
+    """
+
+    policy: str
+    deadline_s: float
+    transfer_id: int
+    seed: int
+    progress: Callable[[float], None]
+
+
+class Link(abc.ABC):
+    """A link between a sender and a receiver that the demo drives.
+
+    Its life: the constructor starts it (and starts loading the code of the policies it
+    is given, in parallel with the caller's work), :meth:`ready` waits for that,
+    :meth:`load` hands it the transfer once, :meth:`transfer` sends it once per scheme,
+    :meth:`close` stops everything it started.
+    """
+
+    name = ""
+
+    @abc.abstractmethod
+    def describe(self) -> str:
+        """One line for the table's header: what carries the cache, and how."""
+
+    @abc.abstractmethod
+    def ready(self) -> None:
+        """Wait until the link can carry a measured transfer."""
+
+    @abc.abstractmethod
+    def load(self, transfer: Any) -> None:
+        """The transfer (kvtransport.transfer.Transfer) every scheme sends."""
+
+    def transfer(
+        self,
+        policy: str,
+        *,
+        deadline_s: float,
+        transfer_id: int,
+        seed: int,
+        on_progress: Callable[[float], None] | None = None,
+    ) -> LinkOutcome:
+        """Send the loaded transfer with ``policy``; returns what the receiver delivered.
+
+        ``on_progress(fraction)`` follows the transfer towards its deadline (0..1)."""
+        progress = on_progress or _no_progress
+        return self._transfer(TransferRequest(policy, deadline_s, transfer_id, seed, progress))
+
+    @abc.abstractmethod
+    def _transfer(self, req: TransferRequest) -> LinkOutcome: ...
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop the processes (and remove the namespaces) the link started."""
+
+
+def choose_link(requested: str) -> tuple[str, str]:
+    """(link, note): "netns" or "emulated", and why when "auto" did not pick netns.
+
+    ``auto`` takes the namespaces when the process is root and ``ip``/``tc`` exist, else
+    the emulated link (a note, not an error). Asking for ``netns`` without root is a
+    UserError.
+    """
+    if requested not in LINKS:
+        raise UserError(f"--link must be one of {', '.join(LINKS)}, not {requested!r}")
+    if requested == "emulated":
+        return "emulated", ""
+    from kvtransport.netem.testbed import check_environment
+
+    try:
+        check_environment()
+    except UserError as exc:
+        if requested == "netns":
+            raise
+        return "emulated", f"network namespaces unavailable ({exc}); using the emulated link"
+    return "netns", ""
+
+
+@contextlib.contextmanager
+def open_link(
+    link: str, seed: int, policies: tuple[str, ...] = (), *, fallback: bool = False
+) -> Iterator[tuple[Link, str]]:
+    """(link object, note) for "netns" or "emulated", closed on exit; both start loading
+    ``policies`` at once. With ``fallback``, a testbed that cannot come up gives the
+    emulated link and a note saying why."""
+    from kvtransport.demo_emulated import EmulatedLink
+    from kvtransport.demo_netns import NetnsLink
+
+    note = ""
+    if link == "netns":
+        try:
+            obj: Link = NetnsLink(seed, policies=policies)
+        except UserError as exc:
+            if not fallback:
+                raise
+            note = f"the netns testbed did not come up ({exc}); using the emulated link"
+            obj = EmulatedLink(policies=policies)
+    else:
+        obj = EmulatedLink(policies=policies)
+    try:
+        yield obj, note
+    finally:
+        obj.close()

@@ -1,0 +1,117 @@
+"""The model's side of the demo: the context's cache card (one prefill, then kept between
+runs), the receiver's partial cache rebuilt from what arrived, and the answer from it.
+
+torch and transformers are imported inside the functions (kvtransport.hf), as everywhere
+outside the model code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvtransport.demo_links import LinkOutcome
+from kvtransport.errors import UserError
+
+BLOCK_TOKENS = 16
+
+
+def default_card_dir() -> Path:
+    """``$KVT_CACHE/demo`` (default ``~/.cache/kvtransport/demo``)."""
+    from kvtransport.model import cache_root
+
+    return cache_root().parent / "demo"
+
+
+def _card_key(model_id: str, context_ids: list[int], weights: np.ndarray | None) -> str:
+    from kvtransport import __version__, utility
+
+    h = hashlib.sha256()
+    h.update(f"{__version__}|{model_id}|{BLOCK_TOKENS}|{utility.OBSERVATION_WINDOW}|".encode())
+    h.update(np.asarray(context_ids, dtype="<i8").tobytes())
+    if weights is not None:
+        h.update(np.asarray(weights, dtype="<f8").tobytes())
+    return h.hexdigest()[:16]
+
+
+def prepare_card(
+    loaded: Any, task: Any, context_ids: list[int], card_dir: Path | None
+) -> tuple[Any, bool, float]:
+    """The context's block stream (kvtransport.blocks.EncodedStream), from the card cache
+    or from one prefill; returns (stream, cached, prefill seconds).
+
+    The manifest's creation info holds no time stamp, so the same context always gives
+    the same bytes (the emulated link's repeatability starts here).
+    """
+    from kvtransport import __version__, blocks, card, hf, utility
+
+    weights = utility.default_layer_weights(loaded.model_id, loaded.num_layers)
+    path = None
+    if card_dir is not None:
+        key = _card_key(loaded.model_id, context_ids, weights)
+        path = Path(card_dir) / f"{task.task}-seed{task.seed}-{len(context_ids)}tok-{key}.card"
+        if path.is_file():
+            try:
+                stored = card.read_card(path)
+            except card.CardError:
+                stored = None  # damaged: rebuilt below
+            if stored is not None and stored.manifest.model_id == loaded.model_id:
+                ids = stored.manifest.token_ids
+                if ids is not None and ids.tolist() == list(context_ids):
+                    m = stored.manifest
+                    return blocks.EncodedStream(m, m.to_bytes(), stored.payload), True, 0.0
+    t0 = time.perf_counter()
+    kv = hf.prefill(loaded.model, loaded.tokenizer, context_ids, window=utility.OBSERVATION_WINDOW)
+    prefill_s = time.perf_counter() - t0
+    stream = card.encode_cache(
+        kv,
+        layer_weights=weights,
+        block_tokens=BLOCK_TOKENS,
+        window=utility.OBSERVATION_WINDOW,
+        created={"tool": f"kvtransport {__version__}", "by": "kvtransport demo",
+                 "task": task.task, "seed": task.seed},
+    )  # fmt: skip
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            card.write_card(path, stream)
+        except (OSError, UserError):
+            pass  # a read-only cache directory only costs the next run a prefill
+    return stream, False, prefill_s
+
+
+def answer(loaded: Any, kv: Any, present: np.ndarray | None, question_ids: list[int],
+           max_new_tokens: int) -> tuple[str, float]:  # fmt: skip
+    """(answer text, seconds from injection start to the first token)."""
+    from kvtransport import hf
+
+    if present is not None and present.all():
+        present = None
+    gen = hf.greedy_generate(
+        loaded.model, kv, question_ids, present=present, max_new_tokens=max_new_tokens
+    )
+    text = loaded.tokenizer.decode(gen.tokens, skip_special_tokens=True).strip()
+    return text, gen.first_token_seconds
+
+
+def rebuild(stream: Any, outcome: LinkOutcome, context_ids: list[int]) -> tuple[Any, np.ndarray]:
+    """The receiver's cache and presence mask from what arrived (all masked if the
+    manifest never came: the receiver then knows nothing of the context)."""
+    from kvtransport import blocks
+    from kvtransport.kvcache import KVCache
+
+    if outcome.app_metadata is None:
+        g = stream.manifest.geometry
+        shape = (g.num_layers, g.num_kv_heads, g.num_tokens, g.head_dim)
+        zeros = np.zeros(shape, dtype=np.float32)
+        kv = KVCache(zeros, zeros.copy(), np.asarray(context_ids, dtype=np.int64),
+                     stream.manifest.model_id)  # fmt: skip
+        return kv, np.zeros((g.num_layers, g.num_tokens), dtype=bool)
+    got = blocks.decode_stream(
+        outcome.app_metadata, outcome.payload, outcome.complete, token_ids=context_ids
+    )
+    return got.cache, got.present
