@@ -23,7 +23,6 @@ Writes quant.json and quant.png into --out and prints the table.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -150,48 +149,48 @@ def main(argv=None) -> int:
         help=f"first task seed (default {HELD_OUT_SEED}; the int8/int4 fidelities in "
         "kvtransport.blocks were calibrated on these, use another to evaluate held-out)",
     )
-    p.add_argument("--profile", default=None, help="sensitivity profile JSON (default: packaged)")
+    p.add_argument(
+        "--profile", default=None, help="sensitivity profile JSON, or 'uniform' (default: packaged)"
+    )
     p.add_argument("--model", default=None)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default="results/quant", help="output directory")
     args = p.parse_args(argv)
 
-    from tqdm import tqdm
+    from eval_retention import layer_weights_for, run_prompts, save_report, weights_label
 
-    from kvtransport import blocks, sensitivity, tasks, utility
+    from kvtransport import blocks, tasks
     from kvtransport.model import load_model
 
     lm = load_model(args.model, threads=args.threads)
-    if args.profile:
-        weights = sensitivity.load_profile(args.profile).weights(ratio=utility.LAYER_RATIO)
-    else:
-        weights = utility.default_layer_weights(lm.model_id, lm.num_layers)
+    weights = layer_weights_for(lm.model_id, lm.num_layers, args.profile)
     samples = tasks.suite(
         lm.tokenizer, n=args.prompts, target_tokens=args.target_tokens, seed=args.seed
     )
     t0 = time.perf_counter()
-    records = [
-        measure_prompt(lm.model, lm.tokenizer, s, layer_weights=weights)
-        for s in tqdm(samples, desc="prompts", file=sys.stderr)
-    ]
+    records = run_prompts(
+        samples, lambda s: measure_prompt(lm.model, lm.tokenizer, s, layer_weights=weights)
+    )
     summary = summarize(records)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     meta = {
         "model_id": lm.model_id,
         "prompts": args.prompts,
         "target_tokens": args.target_tokens,
         "seed": args.seed,
         "fidelity": blocks.DEFAULT_FIDELITY,
-        "layer_weights": (args.profile or "packaged profile") if weights is not None else "uniform",
+        "layer_weights": weights_label(args.profile, weights),
         "seconds": round(time.perf_counter() - t0, 1),
     }
-    (out / "quant.json").write_text(
-        json.dumps({"meta": meta, "summary": summary, "records": records}, indent=1)
+    title = f"{lm.model_id}: KV quantization, {args.prompts} prompts"
+    save_report(
+        args.out,
+        "quant",
+        meta,
+        summary,
+        records,
+        lambda path: plot(summary, path, title),
+        format_table(summary),
     )
-    plot(summary, out / "quant.png", f"{lm.model_id}: KV quantization, {args.prompts} prompts")
-    print(format_table(summary))
-    print(f"wrote {out / 'quant.json'} and {out / 'quant.png'}")
     return 0
 
 

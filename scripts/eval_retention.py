@@ -47,6 +47,32 @@ def layer_weights_for(model_id: str, num_layers: int, profile: str | None = None
     return prof.weights(ratio=utility.LAYER_RATIO)
 
 
+def weights_label(profile: str | None, weights) -> str:
+    """How the layer weights were chosen, for a report's meta block."""
+    return (profile or "packaged profile") if weights is not None else "uniform"
+
+
+def run_prompts(samples, measure) -> list[dict]:
+    """``measure(sample)`` for every sample, with a progress bar on stderr."""
+    from tqdm import tqdm
+
+    return [measure(s) for s in tqdm(samples, desc="prompts", file=sys.stderr)]
+
+
+def save_report(out_dir: str, name: str, meta: dict, summary: dict, records: list[dict],
+                plot_to, table: str) -> None:  # fmt: skip
+    """Write NAME.json (meta, summary, records) and NAME.png (``plot_to(path)``) into
+    ``out_dir``, then print the table and where the files went."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(
+        json.dumps({"meta": meta, "summary": summary, "records": records}, indent=1)
+    )
+    plot_to(out / f"{name}.png")
+    print(table)
+    print(f"wrote {out / f'{name}.json'} and {out / f'{name}.png'}")
+
+
 def reference_answer(model, tokenizer, kv, question, max_tokens: int = 32) -> list[int]:
     """The full cache's greedy answer, ending with the stop token when it stopped."""
     from kvtransport import hf
@@ -177,8 +203,6 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="results/retention", help="output directory")
     args = p.parse_args(argv)
 
-    from tqdm import tqdm
-
     from kvtransport import tasks
     from kvtransport.model import load_model
 
@@ -188,8 +212,9 @@ def main(argv=None) -> int:
         lm.tokenizer, n=args.prompts, target_tokens=args.target_tokens, seed=HELD_OUT_SEED
     )
     t0 = time.perf_counter()
-    records = [
-        measure_prompt(
+    records = run_prompts(
+        samples,
+        lambda s: measure_prompt(
             lm.model,
             lm.tokenizer,
             s,
@@ -197,12 +222,9 @@ def main(argv=None) -> int:
             ref_tokens=args.ref_tokens,
             block_tokens=args.block_tokens,
             layer_weights=weights,
-        )
-        for s in tqdm(samples, desc="prompts", file=sys.stderr)
-    ]
+        ),
+    )
     summary = summarize(records)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     meta = {
         "model_id": lm.model_id,
         "prompts": args.prompts,
@@ -210,19 +232,19 @@ def main(argv=None) -> int:
         "ref_tokens": args.ref_tokens,
         "random_seeds": args.random_seeds,
         "block_tokens": args.block_tokens,
-        "layer_weights": (args.profile or "packaged profile") if weights is not None else "uniform",
+        "layer_weights": weights_label(args.profile, weights),
         "seconds": round(time.perf_counter() - t0, 1),
     }
-    (out / "retention.json").write_text(
-        json.dumps({"meta": meta, "summary": summary, "records": records}, indent=1)
-    )
-    plot(
+    title = f"{lm.model_id}\npartial retention, {args.prompts} held-out prompts, 95% CI"
+    save_report(
+        args.out,
+        "retention",
+        meta,
         summary,
-        out / "retention.png",
-        title=f"{lm.model_id}\npartial retention, {args.prompts} held-out prompts, 95% CI",
+        records,
+        lambda path: plot(summary, path, title=title),
+        format_table(summary),
     )
-    print(format_table(summary))
-    print(f"wrote {out / 'retention.json'} and {out / 'retention.png'}")
     return 0
 
 
