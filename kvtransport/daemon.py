@@ -28,7 +28,7 @@ import logging
 import signal
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any, Protocol
 
@@ -376,13 +376,19 @@ def serve(
             stop.drain()
 
 
-def warm_up(key: bytes | None = None) -> float:
-    """Run a tiny lossy transfer through both sessions in memory; returns the seconds spent.
+def warm_up(
+    key: bytes | None = None, policies: Sequence[str] = ("fixed:1/4",), allocator: bool = False
+) -> float:
+    """Run a tiny lossy transfer through both sessions in memory once per policy in
+    ``policies``, and with ``allocator`` one slot of the multi-transfer scheduler; returns
+    the seconds spent.
 
     The first call of each numba kernel in a process loads it from numba's cache (about
-    0.5 s on these machines, several seconds if it must compile). Paid inside the first
-    transfer, that stall would be measured as round-trip time and shift its stop time,
-    so the shells pay it before they serve.
+    0.5 s on these machines) or, on a fresh install, compiles it (several seconds). Paid
+    inside the first transfer, that stall would be measured as round-trip time and could
+    cost the transfer its deadline, so the shells pay it before they serve: the codec's
+    kernels with any RLC policy, the DDQN's (features, network) with ``ddqn``, the
+    allocator's only once a second transfer shares the link.
     """
     from kvtransport.policy import make_policy
     from kvtransport.receiver import ReceiverSession
@@ -391,17 +397,28 @@ def warm_up(key: bytes | None = None) -> float:
 
     t0 = clock()
     transfer = synthetic_transfer(64 * 1024, 8, seed=0)
-    sender = SenderSession(
-        transfer, make_policy("fixed:1/4"), rate_bps=1e9, deadline=1.0, now=0.0, key=key
-    )
-    receiver = ReceiverSession(sender.transfer_id, key=key, now=0.0, deadline=1.0)
-    t, n = 0.0, 0
-    while not sender.done and t < 1.0:
-        for d in sender.datagrams_to_send(t):
-            n += 1
-            if n % 5:  # every fifth datagram lost: the decoder has something to recover
-                receiver.receive_datagram(d, t)
-        for fb in receiver.datagrams_to_send(t):
-            sender.receive_datagram(fb, t)
-        t += 1e-4
+    for name in dict.fromkeys(policies):
+        sender = SenderSession(
+            transfer, make_policy(name), rate_bps=1e9, deadline=1.0, now=0.0, key=key
+        )
+        receiver = ReceiverSession(sender.transfer_id, key=key, now=0.0, deadline=1.0)
+        t, n = 0.0, 0
+        while not sender.done and t < 1.0:
+            batch = sender.datagrams_to_send(t)
+            for d in reversed(batch):  # reordered: repairs may arrive before their sources
+                n += 1
+                if n % 5:  # every fifth datagram lost: the decoder has something to recover
+                    receiver.receive_datagram(d, t)
+            for fb in receiver.datagrams_to_send(t):
+                if t > 2e-3:  # earlier feedback lost, as on a long round trip: the
+                    sender.receive_datagram(fb, t)  # manifest's repairs go out too
+            t += 1e-4
+    if allocator:
+        from kvtransport import allocator as al
+        from kvtransport.utility_model import SigmoidUtility
+
+        sched = al.OnlineScheduler(1.25e7)
+        for i in range(2):
+            sched.add(al.Transfer(i, 1e6 * (i + 1), 0.5, SigmoidUtility(0.9, 10.0, 0.2)))
+        sched.step(0.0)
     return clock() - t0

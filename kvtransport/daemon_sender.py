@@ -469,7 +469,7 @@ class SenderDaemon(DaemonShell):
 
             self.table = UtilityTable.load(utility_table)
         self.stats_out = stats if stats is not None else StatsWriter(None)
-        self.warm_up_s = warm_up(key)
+        self.warm_up_s = warm_up(key, ("fixed:1/4", policy), allocator=True)
         self.sock = DatagramSocket(bind, gso=gso)
         self.engine = SenderEngine(
             self.sock,
