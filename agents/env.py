@@ -45,6 +45,7 @@ _BOUNDS = {
     Obs.OWED: (0.0, OBS_CLIP),
     Obs.FEEDBACK_AGE: (0.0, OBS_CLIP),
     Obs.RTT: (0.0, OBS_CLIP),
+    Obs.RTT_LONG: (0.0, 4.0),
 }
 
 

@@ -7,10 +7,13 @@ environment's observation stays exactly the daemon's:
 - ``room``: expected surviving slots left minus the repairs still owed, in decision
   intervals (``8 * SLACK``), clipped to -4..8: where admission has to stop;
 - ``left``: slots left before the stop time, in intervals (from SLACK, OWED and the loss
-  estimate), clipped to 0..16, and the blind horizon (one RTT plus an interval, all of
-  what is left once feedback is stale) that feedback can no longer cover;
+  estimate), clipped to 0..64, and the blind horizon (one RTT plus an interval, all of
+  what is left once feedback is stale) that feedback can no longer cover, from the
+  unclipped ``RTT_LONG`` (long links: one-way 20..90 ms is 10..50 intervals at 100
+  Mbit/s, past the 16 intervals ``RTT`` holds);
 - ``sigma``: the standard deviation of the losses over that blind horizon, inflated for
-  bursts (a Gilbert-like variance ``n p (1-p) (2b - 1)``), in intervals;
+  bursts (a Gilbert-like variance ``n p (1-p) (2b - 1)``), in intervals, and
+  ``blind_loss``, the expected losses over it (what proactive repair has to cover);
 - ``room - z sigma`` for z = 1, 2, 3: the margins a cautious scheduler would keep;
 - whether feedback is stale (no report for four RTTs) or has never come.
 
@@ -33,6 +36,7 @@ EXTRA_FEATURES = (
     "left",
     "blind",
     "sigma",
+    "blind_loss",
     "room_1sigma",
     "room_2sigma",
     "room_3sigma",
@@ -41,7 +45,7 @@ EXTRA_FEATURES = (
 )
 N_FEATURES = OBS_SIZE + len(EXTRA_FEATURES)
 FEATURE_NAMES = tuple(f.name.lower() for f in Obs) + EXTRA_FEATURES
-FEATURES_VERSION = 1
+FEATURES_VERSION = 2
 """Bumped whenever the feature definition changes: exported weights record it."""
 
 _IV = float(DECISION_PACKETS)
@@ -51,7 +55,7 @@ _I_SLACK, _I_OWED, _I_LOSS, _I_BURST = (
     int(Obs.LOSS_RATE),
     int(Obs.BURST_MEAN),
 )
-_I_RTT, _I_AGE = int(Obs.RTT), int(Obs.FEEDBACK_AGE)
+_I_RTT_LONG, _I_AGE = int(Obs.RTT_LONG), int(Obs.FEEDBACK_AGE)
 
 
 @njit(cache=True, nogil=True, fastmath=False)
@@ -68,19 +72,20 @@ def features_into(obs: np.ndarray, out: np.ndarray) -> None:
         left = 0.0
     no_fb = obs[_I_AGE] >= OBS_CLIP
     stale = obs[_I_AGE] >= 4.0
-    blind = min(left, float(obs[_I_RTT]) + 1.0)
+    blind = min(left, float(obs[_I_RTT_LONG]) * 64.0 + 1.0)
     if stale:
         blind = left
     sigma = math.sqrt(max(blind * _IV, 1.0) * p * (1.0 - p) * (2.0 * burst - 1.0)) / _IV
     out[n] = min(max(room, -4.0), 8.0) / 4.0
-    out[n + 1] = min(left, 16.0) / 16.0
-    out[n + 2] = min(blind, 16.0) / 16.0
-    out[n + 3] = min(sigma, 4.0)
-    out[n + 4] = min(max(room - sigma, -4.0), 8.0) / 4.0
-    out[n + 5] = min(max(room - 2.0 * sigma, -4.0), 8.0) / 4.0
-    out[n + 6] = min(max(room - 3.0 * sigma, -4.0), 8.0) / 4.0
-    out[n + 7] = 1.0 if stale else 0.0
-    out[n + 8] = 1.0 if no_fb else 0.0
+    out[n + 1] = min(left, 64.0) / 64.0
+    out[n + 2] = min(blind, 64.0) / 64.0
+    out[n + 3] = min(sigma, 8.0) / 2.0
+    out[n + 4] = min(p * blind, 8.0) / 8.0
+    out[n + 5] = min(max(room - sigma, -4.0), 8.0) / 4.0
+    out[n + 6] = min(max(room - 2.0 * sigma, -4.0), 8.0) / 4.0
+    out[n + 7] = min(max(room - 3.0 * sigma, -4.0), 8.0) / 4.0
+    out[n + 8] = 1.0 if stale else 0.0
+    out[n + 9] = 1.0 if no_fb else 0.0
 
 
 def features(obs: np.ndarray) -> np.ndarray:
@@ -102,6 +107,6 @@ def feature_bounds() -> tuple[np.ndarray, np.ndarray]:
     from kvtransport.agents.env import observation_space
 
     space = observation_space()
-    low = np.concatenate([space.low, [-1, 0, 0, 0, -1, -1, -1, 0, 0]]).astype(np.float32)
-    high = np.concatenate([space.high, [2, 1, 1, 4, 2, 2, 2, 1, 1]]).astype(np.float32)
+    low = np.concatenate([space.low, [-1, 0, 0, 0, 0, -1, -1, -1, 0, 0]]).astype(np.float32)
+    high = np.concatenate([space.high, [2, 1, 1, 4, 1, 2, 2, 2, 1, 1]]).astype(np.float32)
     return low, high

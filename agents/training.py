@@ -3,16 +3,18 @@
 The loop, in order:
 
 1. **Demonstrations.** The replay buffer starts with whole episodes played by behaviour
-   policies: the clairvoyant oracle, kvtransport.policy's adaptive heuristic with margins
-   z in 0..3, the session's own tail rule alone, and random play, each with a little random
-   noise. Double DQN learns off-policy from all of them as from its own transitions; they
+   policies: the best of the clairvoyant oracle, the session's own tail rule alone and
+   kvtransport.policy's adaptive heuristic (z = 1, 2, 3) on each episode, the adaptive
+   heuristic with margins z in 0..3, the tail rule, and random play, each with a little
+   random noise. Double DQN learns off-policy from all of them as from its own transitions; they
    put the states where decisions matter (when to stop admitting sources, how much to
    protect the last RTT) into the buffer from the start.
 2. **Double DQN** (kvtransport.agents.ddqn) with a dueling head, n-step returns and
    epsilon-greedy exploration, on the environment's observation mapped to the network's
    features (kvtransport.agents.features) and the reward re-timed by :class:`CreditOnSend`
-   (same return, earlier signal). The experts' own transitions (``EXPERTS``: the oracle,
-   the session's tail rule alone and the adaptive heuristic) also get DQfD's large-margin
+   (same return, earlier signal). The experts' own transitions (``EXPERTS``: episodes
+   played by whichever of the oracle, the session's tail rule alone and the adaptive
+   heuristic with a few margins did best on that episode) also get DQfD's large-margin
    loss: in an expert's states its action must look ``expert_margin`` better than the
    others. The per-step value differences between actions are tiny next to the value of a
    state (a few ten-thousandths of the utility against most of it), so the TD signal alone
@@ -66,7 +68,11 @@ class TrainConfig:
     learning_rate: float = 5e-4
     buffer_size: int = 300_000
     batch_size: int = 128
-    gamma: float = 0.99
+    gamma: float = 0.999
+    """Near 1: the objective is the undiscounted utility at the deadline, and what the
+    first round trip's repair share buys shows up only at the end (hundreds of steps
+    later on long links; at 0.99 it was worth an eighth of its value and the network
+    kept admitting sources blindly)."""
     credit_on_send: bool = True
     dueling: bool = True
     expert_margin: float = 0.005
@@ -158,20 +164,42 @@ def play(spec: EpisodeSpec, policy: Policy) -> float:
 # ---------------------------------------------------------------------------- demonstrations
 
 
-EXPERTS = ("oracle", "tail", "adaptive")
-"""Demonstrators whose own choices get the large-margin loss: the clairvoyant oracle, the
-session's own tail rule with reactive repair alone (action 0 throughout), which the oracle
-does not dominate (it stops admitting up to an interval early), and the adaptive heuristic
-(margins z in 1..3), which beats both on long links, where the oracle's plan without the
-tail rule and the tail rule's margin-free admission lose whole windows in the last round
-trip. Where they disagree the margin lifts them above the rest and TD learning picks."""
+DEMONSTRATORS = ("tail", "adaptive:2", "adaptive:1", "adaptive:3", "oracle")
+"""Candidates for an episode's expert (first of equals wins): the session's tail rule
+with reactive repair alone (action 0 throughout), the adaptive heuristic with margins z =
+2, 1, 3, and the clairvoyant oracle. None dominates: at short delays the tail rule and
+the oracle are within a thousandth of each other and the adaptive margin costs a little;
+on long links (one-way 40 ms and more) the tail rule's margin-free admission and the
+oracle's plan without it lose whole windows in the last round trips, and adaptive wins by
+up to a tenth of the utility."""
+
+EXPERTS = ("best",)
+"""Episodes whose behaviour transitions get the large-margin loss: those played by the
+best of ``DEMONSTRATORS`` on that very episode (each candidate is played on it first).
+Where the candidates disagree across episodes, the margin lifts whichever did best there
+and TD learning generalizes between them from the observation."""
 
 
-def _behaviour(kind: str, rng: np.random.Generator) -> tuple[Policy, float]:
+def demonstrator(name: str) -> Policy:
+    """A fresh policy for a name in ``DEMONSTRATORS``."""
+    if name == "tail":
+        return _Constant(0)
+    if name == "oracle":
+        return Oracle()
+    return Adaptive(z=float(name.split(":", 1)[1]))
+
+
+def best_demonstrator(spec: EpisodeSpec) -> str:
+    """The candidate of ``DEMONSTRATORS`` that recovers the most utility on ``spec``."""
+    scores = [play(spec, demonstrator(n)) for n in DEMONSTRATORS]
+    return DEMONSTRATORS[int(np.argmax(scores))]
+
+
+def _behaviour(kind: str, rng: np.random.Generator, spec: EpisodeSpec) -> tuple[Policy, float]:
+    if kind == "best":
+        return demonstrator(best_demonstrator(spec)), 0.05
     if kind == "adaptive":
-        return Adaptive(z=float(rng.uniform(1.0, 3.0))), 0.05
-    if kind == "oracle":
-        return Oracle(), 0.05
+        return Adaptive(z=float(rng.uniform(0.0, 3.0))), 0.05
     if kind == "tail":
         return _Constant(0), 0.05
     return _Constant(0), 1.0  # random
@@ -198,15 +226,15 @@ def collect_demonstrations(
     buffer indices of the experts' own (not noise) transitions (see ``EXPERTS``)."""
     rng = np.random.default_rng(seed)
     base = env.unwrapped
-    kinds = ("oracle", "tail", "adaptive", "oracle", "tail", "random")
+    kinds = ("best", "adaptive", "best", "tail", "best", "random")
     added = 0
     episode = 0
     expert: list[int] = []
     while added < n_steps:
-        obs, _ = env.reset(seed=int(rng.integers(1 << 31)))
+        obs, info = env.reset(seed=int(rng.integers(1 << 31)))
         kind = kinds[episode % len(kinds)]
         episode += 1
-        pol, eps = _behaviour(kind, rng)
+        pol, eps = _behaviour(kind, rng, info["spec"])
         pol.reset(base.sim.sender.policy.ctx)
         if isinstance(pol, Oracle):
             pol.bind_channel(base.sim.data_channel)

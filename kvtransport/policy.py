@@ -71,6 +71,7 @@ class Obs(IntEnum):
     LAST_SHARE = 16  # repair share of the previous action
     LAST_ADMIT = 17  # admit flag of the previous action
     PREV_SHARE = 18  # repair share of the action before that
+    RTT_LONG = 19  # smoothed RTT in intervals / 64, clipped 0..4 (RTT clips at 16 intervals)
 
 
 OBS_FIELDS = tuple(f.name.lower() for f in Obs)

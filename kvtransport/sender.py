@@ -726,6 +726,7 @@ class SenderSession:
         src_f /= iv
         rep_f /= iv
         owed /= iv
+        rtt_long = rtt_iv / 64.0
         last_share, last_admit, prev_share = self._last
         _pack_obs(
             self._obs_buf,
@@ -749,6 +750,7 @@ class SenderSession:
             last_share,  # LAST_SHARE
             last_admit,  # LAST_ADMIT
             prev_share,  # PREV_SHARE
+            rtt_long if rtt_long < 4.0 else 4.0,  # RTT_LONG
         )
         return self.obs
 

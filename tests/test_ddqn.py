@@ -142,13 +142,16 @@ def test_a_tiny_training_run_improves_on_the_untrained_network(tmp_path):
     impossible and only a proactive share near the loss rate saves the transfer. A few
     thousand steps must lift the validation return far above the untrained network's and
     most of the way to the adaptive heuristic (which falls back to its prior loss
-    estimate without feedback, close to right here)."""
+    estimate without feedback, close to right here). Half of the demonstrations are the
+    per-episode best demonstrator, here always the adaptive heuristic's one share, so the
+    learner sees the other actions mostly through its own exploration: 8 000 steps (4 000
+    reached 0.58 where the old demonstration mix reached 0.64; this test took 26 s then)."""
     cfg = TrainConfig(
-        steps=4_000,
+        steps=8_000,
         seed=1,
         hidden=(32, 32),
         demo_steps=1_000,
-        eval_every=4_000,
+        eval_every=8_000,
         eval_episodes=8,
         learning_rate=1e-3,
         target_update_interval=500,
@@ -162,6 +165,7 @@ def test_a_tiny_training_run_improves_on_the_untrained_network(tmp_path):
             "blocks_range": (80, 160),
             "block_bytes": (6144,),
             "delay_range_ms": (2.0, 4.0),
+            "high_rtt_share": 0.0,
             "rate_range_mbps": (50.0, 100.0),
             "utility_weights": {"flat": 1.0},
             "held_out": False,
@@ -173,7 +177,7 @@ def test_a_tiny_training_run_improves_on_the_untrained_network(tmp_path):
     untrained = float(rows[0]["val_ddqn"])
     trained = float(rows[-1]["val_ddqn"])
     adaptive = float(rows[0]["val_adaptive"])
-    assert int(rows[-1]["step"]) == 4_000
+    assert int(rows[-1]["step"]) == 8_000
     assert res.best_utility == pytest.approx(max(float(r["val_ddqn"]) for r in rows))
     assert untrained < 0.75 * adaptive  # the starting point is poor ...
     assert trained > untrained + 0.1  # ... and training fixes most of it

@@ -18,7 +18,7 @@ from kvtransport.agents.episodes import (
 )
 from kvtransport.netem import SAMPLE_TRACE, Bernoulli, FourState, load_profile
 
-from kvtransport.policy import ACTIONS, OBS_SIZE, Policy
+from kvtransport.policy import ACTIONS, OBS_SIZE, Obs, Policy
 from kvtransport.simulator import simulate
 
 SMALL = {"blocks_range": (60, 160), "utility_weights": {"zipf": 1.0, "flat": 1.0}}
@@ -179,3 +179,23 @@ def test_evaluation_episodes_are_held_out():
     far = eval_spec("ge-heavy", 0.8, 3, delay_ms=40)
     assert far.channel.delay_ms == far.feedback.delay_ms == 40.0
     assert far.seed == s.seed and far.channel.loss == s.channel.loss
+
+
+def test_long_round_trips_are_observed_past_the_rtt_clip():
+    """RTT clips at 16 intervals (what the heuristics read); RTT_LONG carries the smoothed
+    RTT up to 256 intervals, so the network can tell a 40 ms link from an 80 ms one."""
+    seen = {}
+    for delay in (5.0, 40.0, 80.0):
+        env = RepairSchedulingEnv()
+        obs, _ = env.reset(options={"spec": eval_spec("ge-heavy", 1.0, 0, delay_ms=delay)})
+        done = False
+        while not done and obs[Obs.FEEDBACK_AGE] >= 16.0:
+            obs, _, done, _, _ = env.step(0)
+        assert not done and env.observation_space.contains(obs)
+        if obs[Obs.RTT] < 16.0:
+            assert obs[Obs.RTT_LONG] * 64.0 == pytest.approx(obs[Obs.RTT], rel=1e-5)
+        seen[delay] = (float(obs[Obs.RTT]), float(obs[Obs.RTT_LONG]) * 64.0)
+    assert seen[5.0][0] < 16.0
+    assert seen[40.0][0] == seen[80.0][0] == 16.0  # the clipped field cannot tell them apart
+    assert 16.0 < seen[40.0][1] < seen[80.0][1]
+    assert seen[80.0][1] == pytest.approx(2 * seen[40.0][1], rel=0.15)
