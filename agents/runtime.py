@@ -26,19 +26,6 @@ from numba import njit
 from kvtransport.errors import UserError
 from kvtransport.policy import OBS_FIELDS, Policy, RepairMode
 
-COMPILED_FEATURES_VERSION = 2
-"""The feature version compiled into :func:`act_kernel`. numba (0.68) keys a cached kernel
-on a hash of its own file's text, not of the modules it inlines: a change to features.py
-alone would leave the cached ``act_kernel`` running the old features (it happened: a
-network trained on version 2 was validated through a kernel with version 1 inlined).
-Bumping ``FEATURES_VERSION`` therefore means bumping this constant too, which changes this
-file and recompiles the kernel; the import fails until both agree."""
-if COMPILED_FEATURES_VERSION != FEATURES_VERSION:  # pragma: no cover - a developer's slip
-    raise ImportError(
-        f"agents/runtime.py compiles features v{COMPILED_FEATURES_VERSION} but features.py "
-        f"is v{FEATURES_VERSION}: update COMPILED_FEATURES_VERSION (recompiles act_kernel)"
-    )
-
 SHIPPED_WEIGHTS = Path(__file__).with_name("data") / "ddqn.npz"
 SHIPPED_SIDECAR = SHIPPED_WEIGHTS.with_suffix(".json")
 

@@ -33,7 +33,6 @@ from functools import lru_cache
 
 import numpy as np
 import reedsolo
-from kvtransport.codecs import gf256, rlc
 from kvtransport.codecs.gf256 import INV_TABLE, MUL_TABLE, region_dot
 from kvtransport.codecs.rlc import (
     MAX_ESI,
@@ -45,10 +44,6 @@ from kvtransport.codecs.rlc import (
     as_u8_array,
 )
 from numba import njit
-
-from kvtransport.kernel_cache import depends_on
-
-depends_on(__file__, gf256.__file__, rlc.__file__)  # their kernels and constants compile in
 
 MAX_CODEWORD = 255
 """k + p may not exceed 255 symbols (one RS codeword over GF(2^8))."""

@@ -33,14 +33,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import numpy as np
-from kvtransport.codecs import gf256, tinymt32
 from kvtransport.codecs.gf256 import as_words, gf_inv, region_muladd, region_scale
 from kvtransport.codecs.tinymt32 import tinymt32_output, tinymt32_seed, tinymt32_step
 from numba import njit
-
-from kvtransport.kernel_cache import depends_on
-
-depends_on(__file__, gf256.__file__, tinymt32.__file__)  # their kernels compile into ours
 
 MAX_ESI = 0xFFFFFFFF
 """ESIs are 32-bit in RFC 8681 FEC payload ids."""

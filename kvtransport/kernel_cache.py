@@ -1,33 +1,149 @@
 """Keep numba's on-disk kernel cache honest across modules.
 
-``@njit(cache=True)`` keys a cached kernel on the stamp (mtime and size) of the one file
-that defines it. A kernel that calls another module's kernels, or reads its constants, has
-that code compiled into it, so an edit to the other module alone (a ``git pull`` in an
-editable install that changes only gf256.py) would leave it running the old code without a
-word. Each such module calls :func:`depends_on` before it defines its kernels: when a file
-it compiles in is newer than its own, its own mtime moves up to match, numba sees a new
-stamp and recompiles. The cost is a few ``stat`` calls at import.
+numba (0.68) accepts a cached kernel when a hash of the text of the one file that defines
+it matches. A kernel that calls another module's kernels, or reads its constants, has that
+code compiled in, so an edit to the other module alone (gf256.py under rlc's kernels,
+policy.py's observation layout under the DDQN's feature kernel) leaves it running the old
+code without a word. It happened: DDQN training runs were validated through a kernel with
+the previous feature layout compiled in.
+
+The fix goes through numba's documented cache location (``NUMBA_CACHE_DIR``): the cache
+lives in a folder named by a digest of every kernel source and of every package module they
+import (found by scanning the sources, so a new kernel module is covered without a list to
+maintain). Any edit to one of them starts a fresh folder, and every kernel compiles once
+(about 15 s for the data path on these machines); edits anywhere else cost nothing. Only
+the newest few folders are kept.
+
+:func:`configure` runs from ``kvtransport/__init__.py``, before any kernel is defined.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+SUBPACKAGES = ("codecs", "agents", "netem")
+"""Folders imported as kvtransport.<name>: beside kvtransport/ in an editable install (the
+package-dir mapping), inside it in a regular one."""
+KEEP = 3
+"""Digest folders kept (the newest by modification time)."""
+_IMPORT = re.compile(r"^\s*(?:from|import)\s+(kvtransport(?:\.\w+)*)", re.MULTILINE)
+_DIGEST_NAME = re.compile(r"[0-9a-f]{16}")
 
 
-def depends_on(module_file: str, *dependency_files: str) -> bool:
-    """Make ``module_file`` no older than any of ``dependency_files``; True if it moved.
+def package_dirs(kvtransport_dir: Path) -> dict[str, Path]:
+    """Module prefix -> folder, for kvtransport and its mapped subpackages."""
+    out = {"kvtransport": kvtransport_dir}
+    for sub in SUBPACKAGES:
+        for cand in (kvtransport_dir / sub, kvtransport_dir.parent / sub):
+            if cand.is_dir():
+                out[f"kvtransport.{sub}"] = cand
+                break
+    return out
 
-    Read-only installs (and files that vanished) are left alone: there every file arrives
-    together from one package, so nothing can be stale."""
+
+def _module_file(name: str, dirs: dict[str, Path]) -> Path | None:
+    """The source file of module ``name`` (kvtransport.x.y), or None if not ours."""
+    parts = name.split(".")
+    for n in (2, 1):
+        prefix = ".".join(parts[:n])
+        if prefix in dirs and len(parts) > n:
+            path = dirs[prefix].joinpath(*parts[n:])
+            for cand in (path.with_suffix(".py"), path / "__init__.py"):
+                if cand.is_file():
+                    return cand
+            return None
+    return None
+
+
+def kernel_sources(dirs: dict[str, Path]) -> list[Path]:
+    """Every source defining numba kernels, and the package modules they import
+    (transitively), sorted."""
+    todo = [
+        p
+        for folder in dirs.values()
+        for p in folder.glob("*.py")
+        if "njit" in p.read_text(encoding="utf-8", errors="replace")
+    ]
+    seen: set[Path] = set()
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        for name in _IMPORT.findall(path.read_text(encoding="utf-8", errors="replace")):
+            dep = _module_file(name, dirs)
+            if dep is not None and dep not in seen:
+                todo.append(dep)
+    return sorted(seen)
+
+
+def source_digest(files: list[Path], root: Path) -> str:
+    """16 hex digits over the files' paths (relative to ``root``) and contents."""
+    h = hashlib.sha256()
+    for f in files:
+        h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def _default_base() -> Path:
+    """~/.cache/kvtransport/numba, or a per-user temp folder when home is not writable
+    (an unprivileged daemon user without a home)."""
+    home = Path.home()
+    if os.access(home, os.W_OK):
+        return home / ".cache" / "kvtransport" / "numba"
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    return Path(tempfile.gettempdir()) / f"kvtransport-numba-{uid}"
+
+
+def prune(base: Path, keep: int = KEEP) -> None:
+    """Remove all but the ``keep`` newest digest folders in ``base`` (other folders stay)."""
     try:
-        own = os.stat(module_file).st_mtime_ns
-        newest = max(os.stat(f).st_mtime_ns for f in dependency_files)
-    except (OSError, ValueError):
-        return False
-    if newest <= own:
-        return False
-    try:
-        os.utime(module_file, ns=(newest, newest))
+        olds = sorted(
+            (p for p in base.iterdir() if p.is_dir() and _DIGEST_NAME.fullmatch(p.name)),
+            key=lambda p: p.stat().st_mtime,
+            reverse=True,
+        )[keep:]
     except OSError:
-        return False
-    return True
+        return
+    for p in olds:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def configure(kvtransport_dir: Path) -> Path | None:
+    """Point numba's cache at the folder of the current kernel sources; returns it.
+
+    A ``NUMBA_CACHE_DIR`` the user set is the base the digest folder goes in; one that
+    already names this digest (inherited from a parent process) is kept as it is. Does
+    nothing (None) if the sources cannot be read."""
+    dirs = package_dirs(kvtransport_dir)
+    try:
+        digest = source_digest(kernel_sources(dirs), kvtransport_dir.parent)
+    except OSError:
+        return None
+    current = os.environ.get("NUMBA_CACHE_DIR")
+    if current and Path(current).name == digest:
+        target = Path(current)
+    else:
+        base = Path(current) if current else _default_base()
+        target = base / digest
+        try:
+            fresh = not target.exists()
+            target.mkdir(parents=True, exist_ok=True)
+            if fresh:
+                prune(base)
+        except OSError:
+            return None
+    with contextlib.suppress(OSError):
+        os.utime(target)  # in use: pruning keeps the recently used folders
+    os.environ["NUMBA_CACHE_DIR"] = str(target)
+    config = sys.modules.get("numba.core.config")
+    if config is not None:  # numba imported first: its config has read the variable already
+        config.CACHE_DIR = str(target)
+    return target
