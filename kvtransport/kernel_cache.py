@@ -120,26 +120,32 @@ def configure(kvtransport_dir: Path) -> Path | None:
     """Point numba's cache at the folder of the current kernel sources; returns it.
 
     A ``NUMBA_CACHE_DIR`` the user set is the base the digest folder goes in; one that
-    already names this digest (inherited from a parent process) is kept as it is. Does
-    nothing (None) if the sources cannot be read."""
+    already names this digest (inherited from a parent process) is kept as it is, unless
+    this process cannot write there (a child running as another user): then the default
+    base. Does nothing (None) if the sources cannot be read or no folder is writable."""
     dirs = package_dirs(kvtransport_dir)
     try:
         digest = source_digest(kernel_sources(dirs), kvtransport_dir.parent)
     except OSError:
         return None
     current = os.environ.get("NUMBA_CACHE_DIR")
-    if current and Path(current).name == digest:
-        target = Path(current)
-    else:
-        base = Path(current) if current else _default_base()
-        target = base / digest
+    candidates = []
+    if current:  # inherited from a parent process (already this digest), or the user's base
+        candidates.append(Path(current) if Path(current).name == digest else Path(current) / digest)
+    candidates.append(_default_base() / digest)  # e.g. a child running as another user
+    for target in candidates:
         try:
             fresh = not target.exists()
             target.mkdir(parents=True, exist_ok=True)
-            if fresh:
-                prune(base)
         except OSError:
-            return None
+            continue
+        if not os.access(target, os.W_OK | os.X_OK):
+            continue
+        if fresh:
+            prune(target.parent)
+        break
+    else:
+        return None
     with contextlib.suppress(OSError):
         os.utime(target)  # in use: pruning keeps the recently used folders
     os.environ["NUMBA_CACHE_DIR"] = str(target)
