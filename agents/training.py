@@ -37,6 +37,7 @@ import csv
 import json
 import math
 import time
+import warnings
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -441,4 +442,10 @@ def load_weights_of(model_zip: str | Path, actions: np.ndarray) -> QWeights:
     """Export an SB3 checkpoint (zip) to runtime weights."""
     from kvtransport.agents.ddqn import DoubleDQN, export_q_network
 
-    return export_q_network(DoubleDQN.load(str(model_zip), device="cpu"), actions)
+    with warnings.catch_warnings():
+        # The checkpoint stores the NStepReplayBuffer that training set up from n_steps;
+        # reloading it makes SB3 warn that n_steps "is ignored". Training did use n-step
+        # returns (DoubleDQN's target reads the buffer's discounts); the export needs none.
+        warnings.filterwarnings("ignore", message=r"`n_steps=\d+` is ignored")
+        model = DoubleDQN.load(str(model_zip), device="cpu")
+    return export_q_network(model, actions)
