@@ -130,6 +130,7 @@ class Outgoing:
             "decoded_through": s.fb_through,
             "delivered_bytes": min(s.fb_through * s.symbol_size, self.size),
             "loss_estimate": round(s.loss_estimate(), 5),
+            "decisions": s.decision_latency(),
             "srtt_ms": None if s.srtt is None else round(s.srtt * 1e3, 3),
             "rate_mbps": round(self.rate_bps / 1e6, 6),
             "share": round(self.share, 5),
@@ -349,9 +350,10 @@ class SenderEngine(DropCounts):
             self._scheduler.remove(out.transfer_id, out.session.finish_reason)
         self._reschedule_now = True
         s = out.session
+        dec = s.decision_latency() or {"n": 0, "mean_us": 0.0, "p99_us": 0.0}
         log.info(
             "transfer %016x done (%s): %d source + %d repair datagrams in %.1f ms, "
-            "receiver decoded through %d of %d",
+            "receiver decoded through %d of %d; %d %s decisions, %.1f us mean, %.1f us p99",
             out.transfer_id,
             s.finish_reason,
             s.stats["source_sent"],
@@ -359,6 +361,10 @@ class SenderEngine(DropCounts):
             (now - out.submitted) * 1e3,
             s.fb_through,
             s.n_source,
+            dec["n"],
+            out.policy,
+            dec["mean_us"],
+            dec["p99_us"],
         )
         if self.on_finish is not None:
             self.on_finish(out)

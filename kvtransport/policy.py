@@ -7,9 +7,11 @@ rather than milliseconds keeps the meaning of "repair share" independent of the 
 so one learned policy serves every rate.
 
 **Observation**: a float32 vector of ``OBS_SIZE`` named fields (``OBS_FIELDS``, indices in
-:class:`Obs`), built in place by the sender from its own counters and the latest feedback;
-every field is scaled to a small range (mostly 0..1, counts in units of one interval and
-clipped). The Gymnasium environment of the DDQN sees exactly this vector.
+:class:`Obs`), built in place from the sender's own counters and the latest feedback by a
+numba kernel (kvtransport.observation); every field is scaled to a small range (mostly
+0..1, counts in units of one interval and clipped). The Gymnasium environment of the DDQN
+sees exactly this vector. The sender calls ``policy.decide(raw, obs)``, which fills the
+observation and calls ``act``; a compiled policy does both in one kernel.
 
 **Action**: an index into the policy's ``actions`` table, rows ``(repair_share, admit)``:
 the share of the next interval's slots that carry proactive repair symbols, and whether new
@@ -45,38 +47,18 @@ from enum import IntEnum
 import numpy as np
 
 from kvtransport.errors import UserError
+from kvtransport.observation import (  # noqa: F401 (the observation's names, re-exported)
+    MODE_NONE,
+    MODE_RLC,
+    OBS_CLIP,
+    OBS_FIELDS,
+    OBS_SIZE,
+    Obs,
+    observe_into,
+)
 
 DECISION_PACKETS = 32
 
-
-class Obs(IntEnum):
-    """Indices of the observation vector's fields."""
-
-    TIME_LEFT = 0  # (stop - now) / (stop - start): share of the sending time left, 0..1
-    SOURCE_LEFT = 1  # source symbols not yet sent / all source symbols, 0..1
-    UTILITY_LEFT = 2  # utility of blocks not yet completely sent, 0..1
-    CAPACITY_RATIO = 3  # slots left / (sources unsent + repairs owed), clipped 0..4
-    SLACK = 4  # (expected surviving slots - owed) / interval / 8, clipped -1..8
-    LOSS_RATE = 5  # receiver's smoothed packet loss rate, 0..1
-    LOSS_RECENT = 6  # loss rate over the last feedback interval, 0..1
-    BURST_MEAN = 7  # receiver's smoothed loss-burst length / 10, clipped 0..2
-    DEFICIT = 8  # source symbols sent and known missing / interval, clipped 0..16
-    IN_FLIGHT_SRC = 9  # sources sent after the last reported packet / interval, 0..16
-    IN_FLIGHT_REP = 10  # repairs sent after the last reported packet / interval, 0..16
-    OWED = 11  # expected repairs still needed for what was sent / interval, 0..16
-    FEEDBACK_AGE = 12  # time since the last feedback / smoothed RTT, clipped 0..16
-    RTT = 13  # smoothed RTT in intervals, clipped 0..16
-    MANIFEST_ACKED = 14  # 1 once feedback says the manifest was decoded
-    DECODED = 15  # receiver's decoded-through ESI / all source symbols, 0..1
-    LAST_SHARE = 16  # repair share of the previous action
-    LAST_ADMIT = 17  # admit flag of the previous action
-    PREV_SHARE = 18  # repair share of the action before that
-    RTT_LONG = 19  # smoothed RTT in intervals / 64, clipped 0..4 (RTT clips at 16 intervals)
-
-
-OBS_FIELDS = tuple(f.name.lower() for f in Obs)
-OBS_SIZE = len(OBS_FIELDS)
-OBS_CLIP = 16.0
 
 REPAIR_SHARES = (0.0, 1 / 32, 1 / 16, 1 / 8, 3 / 16, 1 / 4, 3 / 8, 1 / 2)
 ACTIONS = np.array([(s, 1.0) for s in REPAIR_SHARES] + [(1.0, 0.0)], dtype=np.float32)
@@ -88,8 +70,8 @@ DEFER = -1
 
 
 class RepairMode(IntEnum):
-    NONE = 0
-    RLC = 1
+    NONE = MODE_NONE  # the observation kernel tells these two apart by number
+    RLC = MODE_RLC
     BLOCK_RS = 2
     ARQ = 3
 
@@ -122,6 +104,13 @@ class Policy:
 
     def act(self, obs: np.ndarray) -> int:
         raise NotImplementedError
+
+    def decide(self, raw: np.ndarray, obs: np.ndarray) -> int:
+        """The sender's call: fill ``obs`` from the sender state ``raw``
+        (kvtransport.observation) and act on it. A policy compiled with numba overrides
+        this to do both in one kernel call."""
+        observe_into(raw, obs)
+        return self.act(obs)
 
 
 class NoFEC(Policy):

@@ -1,8 +1,10 @@
 """The sending half of the protocol core (sans-I/O): :class:`SenderSession`.
 
-The session never reads a clock or touches a socket. The shell (UDP daemon, simulator,
-Gymnasium environment) calls ``datagrams_to_send(now)`` whenever ``next_timer()`` has come,
-hands every feedback datagram to ``receive_datagram(data, now)``, and sends what comes out.
+The session never reads a clock (save a performance counter that times its policy
+decisions, ``decision_ns``, which nothing it sends depends on) or touches a socket. The
+shell (UDP daemon, simulator, Gymnasium environment) calls ``datagrams_to_send(now)``
+whenever ``next_timer()`` has come, hands every feedback datagram to
+``receive_datagram(data, now)``, and sends what comes out.
 
 What it sends, slot by slot (one data-path datagram per slot, slots paced at the link
 rate counting ``LINK_OVERHEAD_BYTES`` per datagram, as shapers do):
@@ -46,16 +48,24 @@ import dataclasses
 import heapq
 import secrets
 import struct
+from array import array
 from collections import deque
+from time import perf_counter_ns
 
 import numpy as np
 
 from kvtransport.codecs.rlc import RLCEncoder
 from kvtransport.feedback import SEQ_RING, SentLog
 from kvtransport.manifest_fec import ManifestSender
+from kvtransport.observation import (
+    RAW_DECISION,
+    RAW_FEEDBACK,
+    RAW_SIZE,
+    RAW_TRANSFER,
+    observe_into,
+)
 from kvtransport.policy import (
     DEFER,
-    OBS_CLIP,
     OBS_SIZE,
     Obs,
     Policy,
@@ -99,8 +109,18 @@ _RLC = int(RepairMode.RLC)
 _BLOCK_RS = int(RepairMode.BLOCK_RS)
 _ARQ = int(RepairMode.ARQ)
 _DT_DENSE = 15
-_pack_obs = struct.Struct(f"={OBS_SIZE}f").pack_into
-"""Writes the observation's fields, in ``Obs`` order, into its float32 buffer at once."""
+
+
+def _packer(group: tuple[int, int]) -> tuple[object, int]:
+    """``struct.pack_into`` for one group of ``Raw`` fields, and the group's byte offset."""
+    first, end = group
+    return struct.Struct(f"={end - first}d").pack_into, first * 8
+
+
+_pack_decision, _AT_DECISION = _packer(RAW_DECISION)
+_pack_feedback, _AT_FEEDBACK = _packer(RAW_FEEDBACK)
+_pack_transfer, _AT_TRANSFER = _packer(RAW_TRANSFER)
+
 MAX_CATCH_UP = 16
 """A shell that is late may get at most this many datagrams at once (then pacing resumes)."""
 
@@ -245,12 +265,18 @@ class SenderSession:
 
         # policy
         self.obs = np.zeros(OBS_SIZE, dtype=np.float32)
-        self._obs_buf = memoryview(self.obs)  # observe() packs all fields into it at once
-        self._iv = float(decision_packets)
+        self._raw = np.zeros(RAW_SIZE, dtype=np.float64)  # see _state()
+        self._raw_buf = memoryview(self._raw)
         self._last = (0.0, 1.0, 0.0)  # last share, last admit, share before
         budget = max(self.stop_time - now, self.slot_s)
         policy.reset(PolicyContext(n, s, self.slot_s, decision_packets, budget))
+        self._policy_decide = policy.decide
+        self.decision_ns = array("q")
+        """Latency of each decision (state packing + ``policy.decide``), in ns of
+        ``perf_counter``: instrumentation only, it never changes what is sent."""
         self._budget = budget
+        self._state_transfer()
+        self._state_feedback()
         self.record = record
         self.history: list[tuple] = []
 
@@ -352,10 +378,22 @@ class SenderSession:
         self.slot_s *= self.rate_bps / rate_bps
         self.rate_bps = rate_bps
         self._rtt_changed()  # stop time and proactive span are counted in slots
+        self._state_transfer()
+        self._state_feedback()
         if getattr(self.policy, "ctx", None) is not None:
             self.policy.ctx = dataclasses.replace(self.policy.ctx, slot_s=self.slot_s)
         if self._next_send is None or self._next_send >= self.deadline:  # was paused
             self._next_send = now
+
+    def decision_latency(self) -> dict[str, float] | None:
+        """Count, mean, p50 and p99 (us) of this transfer's policy decisions as the
+        session timed them (``decision_ns``); None before the first decision."""
+        if not self.decision_ns:
+            return None
+        us = np.frombuffer(self.decision_ns, dtype=np.int64) / 1e3
+        p50, p99 = np.percentile(us, (50, 99))
+        return {"n": int(us.size), "mean_us": float(us.mean()), "p50_us": float(p50),
+                "p99_us": float(p99)}  # fmt: skip
 
     # ------------------------------------------------------------------ estimates
 
@@ -612,6 +650,7 @@ class SenderSession:
             self._plan_segments(fb)
         if fb.flags & FB_MANIFEST_DONE:
             self.manifest.acked = True
+        self._state_feedback()
         if fb.flags & (FB_ALL_DONE | FB_FINISHED):
             if not self.done:
                 self._mark_done(
@@ -676,89 +715,74 @@ class SenderSession:
     # ------------------------------------------------------------------ policy
 
     def observe(self, t: float) -> np.ndarray:
-        """Fill ``self.obs`` (the policy's observation) for time ``t`` and return it.
+        """Fill ``self.obs`` (the policy's observation) for time ``t`` and return it."""
+        observe_into(self._state(t), self.obs)
+        return self.obs
 
-        This runs once per decision on the data path, so it is written for speed: the
-        arithmetic of ``slots_left``, ``loss_estimate``, ``in_flight`` and ``owed`` inlined
-        on plain Python numbers (the same expressions in the same order, so the same
-        values), clipping by comparisons (``min``/``max`` calls cost several times more;
-        ``b if b < a else a`` is exactly ``min(a, b)``), and all fields written by one
-        ``struct.pack_into`` over the array's buffer (float64 -> float32 rounds as numpy's
-        cast does; item-by-item numpy stores cost an index conversion and a cast each)."""
-        iv = self._iv
-        n = self.n_source or 1
-        left_s = self.stop_time - t
-        left = int(left_s / self.slot_s) + 1 if left_s >= 0 else 0
-        fb_time = self.fb_time
-        p = self.fb_loss if fb_time is not None else 0.0
-        src_f = self.source_sent - self._fb_src_mark
-        rep_f = self.repair_sent - self._fb_rep_mark
-        mode = self._mode
-        if mode == _NONE:
-            owed = 0.0
-        else:
-            rea_f = self.reactive_sent - self._fb_rea_mark
-            if mode == _RLC:
-                needed = self._seg_needed
-            else:
-                needed = self.fb_deficit - rea_f
-                needed = needed if needed > 0 else 0
-            owed = needed + self.fb_unseen + p * src_f - (1.0 - p) * (rep_f - rea_f)
-            owed = owed if owed > 0.0 else 0.0
-        unsent = self.n_source - self.next_esi
-        clip = OBS_CLIP
-        if fb_time is None:
-            age = clip
-            rtt_iv = self._initial_rtt / (iv * self.slot_s)
-        else:
-            rtt = self.srtt or self._initial_rtt
-            age = (t - fb_time) / (rtt if rtt > 1e-3 else 1e-3)
-            age = age if age < clip - 1e-3 else clip - 1e-3
-            rtt_iv = rtt / (iv * self.slot_s)
-        time_left = left_s / self._budget
-        time_left = 0.0 if 0.0 > time_left else (time_left if time_left < 1.0 else 1.0)
-        cap = unsent + owed
-        cap = left / (cap if cap > 1.0 else 1.0)
-        slack = (left * (1.0 - p) - owed) / iv / 8.0
-        slack = -1.0 if -1.0 > slack else (slack if slack < 8.0 else 8.0)
-        burst = self.fb_burst / 10.0
-        deficit = (self.fb_deficit + self.fb_unseen) / iv
-        src_f /= iv
-        rep_f /= iv
-        owed /= iv
-        rtt_long = rtt_iv / 64.0
+    def _state(self, t: float) -> np.ndarray:
+        """The raw sender state the observation is computed from (kvtransport.observation
+        ``Raw``), its per-decision fields packed now; the feedback and per-transfer fields
+        were packed when they changed (``_state_feedback``, ``_state_transfer``). One
+        ``struct.pack_into`` per group: item-by-item numpy stores cost an index conversion
+        and a cast each."""
         last_share, last_admit, prev_share = self._last
-        _pack_obs(
-            self._obs_buf,
-            0,
-            time_left,  # TIME_LEFT
-            unsent / n,  # SOURCE_LEFT
+        _pack_decision(
+            self._raw_buf,
+            _AT_DECISION,
+            t,  # T
+            self.next_esi,  # NEXT_ESI
+            self.source_sent,  # SOURCE_SENT
+            self.repair_sent,  # REPAIR_SENT
+            self.reactive_sent,  # REACTIVE_SENT
+            self._seg_needed,  # SEG_NEEDED
             self._utility_after[self.next_esi],  # UTILITY_LEFT
-            cap if cap < 4.0 else 4.0,  # CAPACITY_RATIO
-            slack,  # SLACK
-            p,  # LOSS_RATE
-            self.fb_loss_recent,  # LOSS_RECENT
-            burst if burst < 2.0 else 2.0,  # BURST_MEAN
-            deficit if deficit < clip else clip,  # DEFICIT
-            src_f if src_f < clip else clip,  # IN_FLIGHT_SRC
-            rep_f if rep_f < clip else clip,  # IN_FLIGHT_REP
-            owed if owed < clip else clip,  # OWED
-            age,  # FEEDBACK_AGE
-            rtt_iv if rtt_iv < clip else clip,  # RTT
-            1.0 if self.manifest.acked else 0.0,  # MANIFEST_ACKED
-            self.fb_through / n,  # DECODED
             last_share,  # LAST_SHARE
             last_admit,  # LAST_ADMIT
             prev_share,  # PREV_SHARE
-            rtt_long if rtt_long < 4.0 else 4.0,  # RTT_LONG
         )
-        return self.obs
+        return self._raw
+
+    def _state_feedback(self) -> None:
+        """Pack the state feedback changes (and the stop time, which the RTT moves)."""
+        _pack_feedback(
+            self._raw_buf,
+            _AT_FEEDBACK,
+            self.stop_time,  # STOP_TIME
+            self.fb_time is not None,  # HAS_FEEDBACK
+            self.fb_time or 0.0,  # FB_TIME
+            self.fb_loss,  # FB_LOSS
+            self.fb_loss_recent,  # FB_LOSS_RECENT
+            self.fb_burst,  # FB_BURST
+            self.fb_deficit,  # FB_DEFICIT
+            self.fb_unseen,  # FB_UNSEEN
+            self.fb_through,  # FB_THROUGH
+            self.srtt or 0.0,  # SRTT
+            self._fb_src_mark,  # SOURCE_MARK
+            self._fb_rep_mark,  # REPAIR_MARK
+            self._fb_rea_mark,  # REACTIVE_MARK
+            self.manifest.acked,  # MANIFEST_ACKED
+        )
+
+    def _state_transfer(self) -> None:
+        """Pack the per-transfer state (at the start and when the rate changes)."""
+        _pack_transfer(
+            self._raw_buf,
+            _AT_TRANSFER,
+            self.slot_s,  # SLOT_S
+            self._budget,  # BUDGET
+            self.decision_packets,  # INTERVAL
+            self.n_source,  # N_SOURCE
+            self._initial_rtt,  # INITIAL_RTT
+            self._mode,  # MODE
+        )
 
     def _decide(self, t: float) -> None:
         self._decision_slot = self.slot
         self.stats["decisions"] += 1
-        obs = self.observe(t)
-        a = self.policy.act(obs)
+        t0 = perf_counter_ns()
+        a = self._policy_decide(self._state(t), self.obs)
+        self.decision_ns.append(perf_counter_ns() - t0)
+        obs = self.obs
         if a == DEFER:
             self.awaiting_action = True
             return

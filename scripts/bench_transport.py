@@ -54,6 +54,7 @@ CONFIGS = [
     ("auth", "none", True),
     ("plain", "none", False),
     ("adaptive+auth", "adaptive", True),
+    ("ddqn+auth", "ddqn", True),
 ]
 KEY = bytes(range(32))
 SYMBOL = 1280
@@ -384,7 +385,7 @@ def _role_send(args: argparse.Namespace) -> None:
     if args.realtime:
         set_realtime(5)
     key = KEY if args.auth else None
-    warm_up(key)
+    warm_up(key, ("fixed:1/4", args.policy))  # as the sender daemon warms its default
     size = int(args.goodput_mb * 1e6)
     tr = synthetic_transfer(size, max(1, size // 12_288), seed=2)
     dest = ("127.0.0.1", args.port)
@@ -439,6 +440,10 @@ def _goodput_once(policy: str, auth: bool, args: argparse.Namespace) -> dict:
         "repairs": s["status"]["repair_sent"],
         "srtt_ms": s["status"]["srtt_ms"] or 0.0,
         "sender_us_per_datagram": s["cpu_s"] / max(s["status"]["datagrams_sent"], 1) * 1e6,
+        # the sender's own timing of its policy decisions, in the daemon between sendmsg
+        # calls (every policy decides once per interval; 0 if the transfer made none)
+        "decision_mean_us": (s["status"]["decisions"] or {}).get("mean_us", 0.0),
+        "decision_p99_us": (s["status"]["decisions"] or {}).get("p99_us", 0.0),
         "receiver_us_per_datagram": r["cpu_s"] / max(r["received"], 1) * 1e6,
     }
 
@@ -488,12 +493,14 @@ def _table(pp: dict, sock: dict, gp: dict | None) -> str:
         lines.append("")
         lines.append("loopback goodput (medians; CPU-bound = bytes / busier process's CPU s)")
         lines.append(f"{'config':15s} {'Gbit/s':>7s} {'vs plain':>8s} {'CPU-bound':>9s} "
-                     f"{'snd us/dg':>9s} {'rcv us/dg':>9s} {'loss':>6s}")  # fmt: skip
+                     f"{'snd us/dg':>9s} {'rcv us/dg':>9s} {'loss':>6s} "
+                     f"{'decision us mean/p99':>21s}")  # fmt: skip
         for name, c in gp.items():
             lines.append(
                 f"{name:15s} {c['goodput_gbps']:7.3f} {c['goodput_gbps'] / base:8.2f} "
                 f"{c['cpu_bound_gbps']:9.3f} {c['sender_us_per_datagram']:9.2f} "
-                f"{c['receiver_us_per_datagram']:9.2f} {100 * c['loss']:5.1f}%"
+                f"{c['receiver_us_per_datagram']:9.2f} {100 * c['loss']:5.1f}% "
+                f"{c['decision_mean_us']:10.2f} / {c['decision_p99_us']:6.2f}"
             )
     return "\n".join(lines)
 

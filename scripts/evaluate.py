@@ -131,8 +131,8 @@ def headline(records: dict[int, dict[str, Any]]) -> list[str]:
         lat = r["control_latency_us"]
         out.append(
             f"fig 4: {t:.2f} ms per 1000 packets (published ~30); DDQN decision "
-            f"{lat['decision_cpu.mean_us']['mean']:.1f} us mean, "
-            f"{lat['decision_cpu.p99_us']['mean']:.1f} us p99 CPU (published 76 / 94)"
+            f"{lat['in_situ.mean_us']['mean']:.1f} us mean, "
+            f"{lat['in_situ.p99_us']['mean']:.1f} us p99 in situ (published 76 / 94)"
         )
     if r := records.get(5):
         for row in r["rows"]:

@@ -137,6 +137,10 @@ def test_submit_status_and_published_result(daemons):
     assert st["finish_reason"] in ("receiver done", "receiver finished")
     assert st["source_sent"] == st["n_source"] == -(-1_500_000 // 1280)
     assert st["feedback_received"] >= 1 and st["srtt_ms"] is not None
+    # the sender timed each policy decision (one per 32 data-path slots) in the daemon
+    dec, slots = st["decisions"], st["datagrams_sent"]
+    assert slots // 32 <= dec["n"] <= slots // 32 + 2, (dec, slots)
+    assert 0.0 < dec["p50_us"] <= dec["p99_us"] and dec["mean_us"] > 0.0
     rst = daemons.receiver.status(tid)
     assert rst["reason"] == "complete" and rst["blocks_complete"] == 122
     # the result file (--out-dir) holds the same bytes

@@ -10,7 +10,7 @@ import pytest
 import torch as th
 from kvtransport.agents.ddqn import DoubleDQN, DuelingDQNPolicy, export_q_network, torch_qvalues
 from kvtransport.agents.env import RepairSchedulingEnv
-from kvtransport.agents.episodes import EpisodeDistribution
+from kvtransport.agents.episodes import EpisodeDistribution, build_simulation
 from kvtransport.agents.features import N_FEATURES, features
 from kvtransport.agents.runtime import (
     SHIPPED_SIDECAR,
@@ -23,7 +23,14 @@ from kvtransport.agents.runtime import (
 from kvtransport.agents.training import TrainConfig, make_env
 
 from kvtransport.errors import UserError
-from kvtransport.policy import ACTIONS, Adaptive, default_policy, make_policy
+from kvtransport.policy import (
+    ACTIONS,
+    OBS_FIELDS,
+    Adaptive,
+    Policy,
+    default_policy,
+    make_policy,
+)
 
 th.set_num_threads(1)
 
@@ -150,6 +157,46 @@ def test_bad_weights_files_are_one_line_errors(tmp_path):
     old = save_weights(tmp_path / "old.npz", w)
     with pytest.raises(UserError, match="retrain"):
         load_weights(old)
+
+
+@pytest.mark.skipif(not shipped_policy_available(), reason="no trained policy shipped yet")
+def test_fused_decision_equals_the_observation_then_the_network():
+    """The sender calls ``DDQNPolicy.decide``: observation, features and network in one
+    kernel. It must give the observation and action of the two-step path every other
+    policy takes (``Policy.decide``: ``observe_into``, then ``act``), on every sender
+    state of real transfers."""
+    states = []
+    rng = np.random.default_rng(11)
+    for _ in range(6):
+        pol = DDQNPolicy()
+        fused = pol.decide
+        pol.decide = lambda raw, obs, fused=fused: states.append(raw.copy()) or fused(raw, obs)
+        build_simulation(EpisodeDistribution().sample(rng), pol).run()
+    assert len(states) > 300
+    pol = DDQNPolicy()
+    actions = set()
+    for raw in states:
+        o1, o2 = np.full(len(OBS_FIELDS), np.nan, np.float32), np.zeros(len(OBS_FIELDS), np.float32)
+        a1 = pol.decide(raw, o1)
+        a2 = Policy.decide(pol, raw, o2)
+        assert a1 == a2 and np.array_equal(o1, o2)
+        actions.add(a1)
+    assert len(actions) >= 2
+
+
+def test_a_subclass_that_overrides_act_sees_every_decision():
+    seen = []
+
+    class Counting(DDQNPolicy):
+        def act(self, obs):
+            a = super().act(obs)
+            seen.append(a)
+            return a
+
+    spec = EpisodeDistribution().sample(np.random.default_rng(3))
+    sim = build_simulation(spec, Counting(DDQNPolicy().weights))
+    sim.run()
+    assert len(seen) == sim.sender.stats["decisions"] > 10
 
 
 def test_data_plane_runs_the_policy_without_torch():

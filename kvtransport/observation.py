@@ -1,0 +1,178 @@
+"""The policy's observation: its fields (:class:`Obs`) and the kernel that computes them.
+
+The sender asks its policy for an action once per decision interval, on the data path, so
+the observation is built by a numba kernel rather than by Python arithmetic: the sender
+copies its raw counters and the latest feedback into a float64 vector (:class:`Raw`, one
+``struct.pack_into``) and :func:`observe_into` derives the scaled fields from it. A policy
+that is itself a numba kernel (the DDQN runtime) calls ``observe_into`` inside its own
+kernel, so one compiled call goes from the sender's counters to the action; Python policies
+get the filled observation and act on it (``Policy.decide``). Either way there is one
+implementation of the observation, and the Gymnasium environment sees exactly what the
+daemon's policy sees.
+
+The fields' definitions in words are in :class:`Obs`; the estimates they scale are the
+sender's (``SenderSession.slots_left``, ``loss_estimate``, ``in_flight``, ``owed``), and
+``tests/test_observe.py`` pins every field to them.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+import numpy as np
+from numba import njit
+
+
+class Obs(IntEnum):
+    """Indices of the observation vector's fields."""
+
+    TIME_LEFT = 0  # (stop - now) / (stop - start): share of the sending time left, 0..1
+    SOURCE_LEFT = 1  # source symbols not yet sent / all source symbols, 0..1
+    UTILITY_LEFT = 2  # utility of blocks not yet completely sent, 0..1
+    CAPACITY_RATIO = 3  # slots left / (sources unsent + repairs owed), clipped 0..4
+    SLACK = 4  # (expected surviving slots - owed) / interval / 8, clipped -1..8
+    LOSS_RATE = 5  # receiver's smoothed packet loss rate, 0..1
+    LOSS_RECENT = 6  # loss rate over the last feedback interval, 0..1
+    BURST_MEAN = 7  # receiver's smoothed loss-burst length / 10, clipped 0..2
+    DEFICIT = 8  # source symbols sent and known missing / interval, clipped 0..16
+    IN_FLIGHT_SRC = 9  # sources sent after the last reported packet / interval, 0..16
+    IN_FLIGHT_REP = 10  # repairs sent after the last reported packet / interval, 0..16
+    OWED = 11  # expected repairs still needed for what was sent / interval, 0..16
+    FEEDBACK_AGE = 12  # time since the last feedback / smoothed RTT, clipped 0..16
+    RTT = 13  # smoothed RTT in intervals, clipped 0..16
+    MANIFEST_ACKED = 14  # 1 once feedback says the manifest was decoded
+    DECODED = 15  # receiver's decoded-through ESI / all source symbols, 0..1
+    LAST_SHARE = 16  # repair share of the previous action
+    LAST_ADMIT = 17  # admit flag of the previous action
+    PREV_SHARE = 18  # repair share of the action before that
+    RTT_LONG = 19  # smoothed RTT in intervals / 64, clipped 0..4 (RTT clips at 16 intervals)
+
+
+OBS_FIELDS = tuple(f.name.lower() for f in Obs)
+OBS_SIZE = len(OBS_FIELDS)
+OBS_CLIP = 16.0
+
+
+class Raw(IntEnum):
+    """The sender state an observation is computed from (float64 vector indices), in three
+    groups by when they change, each written by one ``struct.pack_into`` at that moment:
+    at every decision (``T`` .. ``PREV_SHARE``), when feedback arrives (``STOP_TIME`` ..
+    ``MANIFEST_ACKED``: the decision then packs 10 fields, not 30) and when the transfer
+    starts or its rate changes (``SLOT_S`` .. ``MODE``)."""
+
+    # at every decision
+    T = 0  # the decision's time (shell clock, s)
+    NEXT_ESI = 1  # next source symbol to admit
+    SOURCE_SENT = 2  # sources sent so far
+    REPAIR_SENT = 3  # repairs sent so far (all kinds)
+    REACTIVE_SENT = 4  # repairs sent for holes feedback reported
+    SEG_NEEDED = 5  # RLC: equations the reported segments still lack
+    UTILITY_LEFT = 6  # utility of blocks not yet completely sent
+    LAST_SHARE = 7  # repair share of the previous action
+    LAST_ADMIT = 8  # admit flag of the previous action
+    PREV_SHARE = 9  # repair share of the action before that
+    # when feedback arrives (and the RTT estimate with it)
+    STOP_TIME = 10  # last moment a datagram can leave and arrive in time
+    HAS_FEEDBACK = 11  # 1 once any feedback arrived
+    FB_TIME = 12  # arrival time of the latest feedback
+    FB_LOSS = 13  # receiver's smoothed loss rate
+    FB_LOSS_RECENT = 14  # loss rate over the last feedback interval
+    FB_BURST = 15  # receiver's smoothed loss-burst length (packets)
+    FB_DEFICIT = 16  # sources the receiver reported missing
+    FB_UNSEEN = 17  # sources sent before the reported packet that it never mentioned
+    FB_THROUGH = 18  # receiver's decoded-through ESI
+    SRTT = 19  # smoothed RTT (0: none measured yet)
+    SOURCE_MARK = 20  # sources sent up to the last packet feedback reported
+    REPAIR_MARK = 21  # repairs sent up to it
+    REACTIVE_MARK = 22  # reactive repairs sent up to it
+    MANIFEST_ACKED = 23  # 1 once feedback acknowledged the manifest
+    # per transfer (the slot length changes with the rate)
+    SLOT_S = 24  # seconds per data-path slot at the paced rate
+    BUDGET = 25  # sending time from start to the stop time (s)
+    INTERVAL = 26  # slots per decision interval
+    N_SOURCE = 27  # source symbols in the stream
+    INITIAL_RTT = 28  # RTT assumed before any measurement (s)
+    MODE = 29  # the policy's RepairMode as a number
+
+
+RAW_SIZE = len(Raw)
+RAW_DECISION = (int(Raw.T), int(Raw.STOP_TIME))
+RAW_FEEDBACK = (int(Raw.STOP_TIME), int(Raw.SLOT_S))
+RAW_TRANSFER = (int(Raw.SLOT_S), RAW_SIZE)
+"""The three groups as (first, end) index ranges."""
+
+# RepairMode values (kvtransport.policy), as plain ints for the kernel
+MODE_NONE, MODE_RLC = 0, 1
+
+
+@njit(cache=True, nogil=True)
+def observe_into(raw: np.ndarray, obs: np.ndarray) -> None:
+    """Write the observation (float32[OBS_SIZE], ``Obs`` order) of sender state ``raw``.
+
+    float64 arithmetic in the order of the sender's estimate methods, each field rounded
+    to float32 once when stored."""
+    t = raw[Raw.T]
+    slot_s = raw[Raw.SLOT_S]
+    iv = raw[Raw.INTERVAL]
+    n_source = raw[Raw.N_SOURCE]
+    n = n_source if n_source != 0.0 else 1.0
+    left_s = raw[Raw.STOP_TIME] - t
+    left = float(int(left_s / slot_s) + 1) if left_s >= 0.0 else 0.0
+    has_fb = raw[Raw.HAS_FEEDBACK] != 0.0
+    p = raw[Raw.FB_LOSS] if has_fb else 0.0
+    src_f = raw[Raw.SOURCE_SENT] - raw[Raw.SOURCE_MARK]
+    rep_f = raw[Raw.REPAIR_SENT] - raw[Raw.REPAIR_MARK]
+    mode = int(raw[Raw.MODE])
+    if mode == MODE_NONE:
+        owed = 0.0
+    else:
+        rea_f = raw[Raw.REACTIVE_SENT] - raw[Raw.REACTIVE_MARK]
+        if mode == MODE_RLC:
+            needed = raw[Raw.SEG_NEEDED]
+        else:
+            needed = raw[Raw.FB_DEFICIT] - rea_f
+            needed = needed if needed > 0.0 else 0.0
+        owed = needed + raw[Raw.FB_UNSEEN] + p * src_f - (1.0 - p) * (rep_f - rea_f)
+        owed = owed if owed > 0.0 else 0.0
+    unsent = n_source - raw[Raw.NEXT_ESI]
+    clip = OBS_CLIP
+    if not has_fb:
+        age = clip
+        rtt_iv = raw[Raw.INITIAL_RTT] / (iv * slot_s)
+    else:
+        rtt = raw[Raw.SRTT] if raw[Raw.SRTT] != 0.0 else raw[Raw.INITIAL_RTT]
+        age = (t - raw[Raw.FB_TIME]) / (rtt if rtt > 1e-3 else 1e-3)
+        age = age if age < clip - 1e-3 else clip - 1e-3
+        rtt_iv = rtt / (iv * slot_s)
+    time_left = left_s / raw[Raw.BUDGET]
+    time_left = 0.0 if 0.0 > time_left else (time_left if time_left < 1.0 else 1.0)
+    cap = unsent + owed
+    cap = left / (cap if cap > 1.0 else 1.0)
+    slack = (left * (1.0 - p) - owed) / iv / 8.0
+    slack = -1.0 if -1.0 > slack else (slack if slack < 8.0 else 8.0)
+    burst = raw[Raw.FB_BURST] / 10.0
+    deficit = (raw[Raw.FB_DEFICIT] + raw[Raw.FB_UNSEEN]) / iv
+    src_f /= iv
+    rep_f /= iv
+    owed /= iv
+    rtt_long = rtt_iv / 64.0
+    obs[Obs.TIME_LEFT] = time_left
+    obs[Obs.SOURCE_LEFT] = unsent / n
+    obs[Obs.UTILITY_LEFT] = raw[Raw.UTILITY_LEFT]
+    obs[Obs.CAPACITY_RATIO] = cap if cap < 4.0 else 4.0
+    obs[Obs.SLACK] = slack
+    obs[Obs.LOSS_RATE] = p
+    obs[Obs.LOSS_RECENT] = raw[Raw.FB_LOSS_RECENT]
+    obs[Obs.BURST_MEAN] = burst if burst < 2.0 else 2.0
+    obs[Obs.DEFICIT] = deficit if deficit < clip else clip
+    obs[Obs.IN_FLIGHT_SRC] = src_f if src_f < clip else clip
+    obs[Obs.IN_FLIGHT_REP] = rep_f if rep_f < clip else clip
+    obs[Obs.OWED] = owed if owed < clip else clip
+    obs[Obs.FEEDBACK_AGE] = age
+    obs[Obs.RTT] = rtt_iv if rtt_iv < clip else clip
+    obs[Obs.MANIFEST_ACKED] = raw[Raw.MANIFEST_ACKED]
+    obs[Obs.DECODED] = raw[Raw.FB_THROUGH] / n
+    obs[Obs.LAST_SHARE] = raw[Raw.LAST_SHARE]
+    obs[Obs.LAST_ADMIT] = raw[Raw.LAST_ADMIT]
+    obs[Obs.PREV_SHARE] = raw[Raw.PREV_SHARE]
+    obs[Obs.RTT_LONG] = rtt_long if rtt_long < 4.0 else 4.0
