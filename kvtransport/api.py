@@ -50,6 +50,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtransport.atomic import atomic_write
 from kvtransport.errors import UserError
 from kvtransport.transfer import BlockTable, Transfer, TransferResult
 
@@ -284,7 +285,11 @@ def result_from_frames(frames: list) -> DeliveredResult:
 
 
 def write_result_file(directory: str | os.PathLike, result: TransferResult, stats: dict) -> Path:
-    """Write a result as ``<tid>.result.safetensors`` atomically (see the module doc)."""
+    """Write a result as ``<tid>.result.safetensors`` atomically (see the module doc).
+
+    A directory that is missing or not writable raises
+    :class:`~kvtransport.atomic.AtomicWriteError` (a UserError and an OSError).
+    """
     from safetensors.numpy import save
 
     directory = Path(directory)
@@ -308,18 +313,7 @@ def write_result_file(directory: str | os.PathLike, result: TransferResult, stat
             meta.update(card_meta)
     meta[RESULT_KEY] = json.dumps(head, separators=(",", ":"))
     data = save(tensors, metadata=meta)
-    path = directory / f"{format_tid(result.transfer_id)}.result.safetensors"
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return atomic_write(directory / f"{format_tid(result.transfer_id)}.result.safetensors", data)
 
 
 def _card_metadata(app_metadata: bytes) -> dict[str, str] | None:

@@ -11,18 +11,17 @@ A card holds exactly what the transport would ship, so one code path serves both
   a columnar block table: layer, token range, precision, byte offset and length, CRC-32,
   utility; plus the token ids).
 
-Writes are atomic: the file is written to a temporary sibling, fsynced, renamed over the
-target, and the directory is fsynced, so a reader sees the old card or the new one, never
-half of one. Reading validates everything (safetensors framing, metadata, block table
-against the geometry, stream length, every block's CRC-32) and turns any problem into a
-one-line :class:`CardError`.
+Writes are atomic (kvtransport.atomic): the file is written to a temporary sibling,
+fsynced, renamed over the target, and the directory is fsynced, so a reader sees the old
+card or the new one, never half of one. Reading validates everything (safetensors
+framing, metadata, block table against the geometry, stream length, every block's CRC-32)
+and turns any problem into a one-line :class:`CardError`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from kvtransport import blocks, utility
+from kvtransport.atomic import atomic_write
 from kvtransport.errors import UserError
 from kvtransport.kvcache import KVCache
 
@@ -143,7 +143,11 @@ def creation_info(**extra: Any) -> dict[str, Any]:
 
 
 def write_card(path: str | os.PathLike, stream: blocks.EncodedStream) -> Path:
-    """Write ``stream`` as a card at ``path`` atomically; returns the path."""
+    """Write ``stream`` as a card at ``path`` atomically; returns the path.
+
+    A directory that is missing or not writable raises
+    :class:`~kvtransport.atomic.AtomicWriteError` (a UserError and an OSError).
+    """
     from safetensors.numpy import save
 
     path = Path(path)
@@ -154,25 +158,7 @@ def write_card(path: str | os.PathLike, stream: blocks.EncodedStream) -> Path:
     }
     text = json.dumps(meta, sort_keys=True, separators=(",", ":"))
     data = save({TENSOR_NAME: stream.payload}, metadata={METADATA_KEY: text})
-    directory = path.parent if str(path.parent) else Path(".")
-    if not directory.is_dir():
-        raise CardError(f"cannot write {path}: directory {directory} does not exist")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dfd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
-    return path
+    return atomic_write(path, data)
 
 
 def _read_header(raw: memoryview, name: str) -> tuple[dict[str, Any], int]:
