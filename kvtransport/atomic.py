@@ -7,7 +7,9 @@ place would let such a reader, or a crash, leave a file that is half old and hal
 filesystem and an atomic ``rename``), fsyncs it, renames it over the target and fsyncs
 the directory, without which the rename itself may not survive a power cut. The temporary
 file is removed on any failure, interrupts included, so a failed write leaves the previous
-file byte-identical and no litter.
+file byte-identical and no litter. The new file gets the permissions ``open`` would give it
+(0666 less the umask), not the temporary file's private 0600: a result file that a daemon
+running as root writes must stay readable by the agent that consumes it.
 
 Failures of the filesystem (missing or unwritable directory, disk full, file too large)
 raise :class:`AtomicWriteError`, one line naming the file. It is a
@@ -37,6 +39,19 @@ def _error(path: Path, exc: OSError) -> AtomicWriteError:
     return err
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it (``os.umask`` can only be read by
+    setting it, which races with other threads creating files); 0o022 if unknown."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
+
+
 def atomic_write(path: str | os.PathLike, data: bytes | bytearray | memoryview) -> Path:
     """Replace ``path`` with ``data`` atomically; returns the path.
 
@@ -56,6 +71,7 @@ def atomic_write(path: str | os.PathLike, data: bytes | bytearray | memoryview) 
     except OSError as exc:
         raise _error(path, exc) from exc
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 would hide the file from others
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()

@@ -42,7 +42,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +49,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from kvtransport.atomic import atomic_write
 from kvtransport.errors import UserError
 
 TABLE_FORMAT = "kvtransport.utility/1"
@@ -713,18 +713,10 @@ class UtilityTable:
         return {"format": TABLE_FORMAT, "curves": rows}
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write atomically (temp file + rename): a reader never sees half a table."""
+        """Write atomically (kvtransport.atomic): a reader never sees half a table."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w") as fh:
-                json.dump(self.to_dict(), fh, indent=2)
-                fh.write("\n")
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        atomic_write(path, (json.dumps(self.to_dict(), indent=2) + "\n").encode())
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> UtilityTable:

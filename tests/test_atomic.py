@@ -37,6 +37,16 @@ def test_replacement_is_a_new_inode_so_open_readers_keep_the_old_bytes(tmp_path)
     assert path.read_bytes() == new and _names(tmp_path) == ["a.bin"]
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_the_file_gets_the_permissions_open_would_give_not_the_temp_files(tmp_path, umask):
+    old = os.umask(umask)
+    try:
+        atomic_write(tmp_path / "a.bin", b"x")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "a.bin").stat().st_mode & 0o777 == 0o666 & ~umask
+
+
 def test_concurrent_readers_never_see_a_torn_file(tmp_path):
     path = tmp_path / "a.bin"
     versions = [bytes([i]) * 400_000 for i in range(24)]
