@@ -29,6 +29,9 @@ QUICK_TOKENS = 128
 MAX_TOKENS = 2048  # 94 MiB of fp32 cache: each scheme's delivery is held until the answers
 DEFAULT_MAX_NEW_TOKENS = 24
 QUICK_MAX_NEW_TOKENS = 12
+DEFAULT_QUESTIONS = 5
+QUICK_QUESTIONS = 3
+MAX_QUESTIONS = 10
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,10 @@ class DemoConfig:
 
     card_dir: where cache cards are kept between runs (None: no caching).
     threads: torch threads for prefill and decoding (the TTFT figures depend on it).
+    questions: how many questions each received cache answers (the task's own first, then
+        other facts of the same context: kvtransport.tasks.question_set; fewer when the
+        context states fewer facts). One answer flips on small cache differences; the
+        mean F1 and the count of answers equal to the full cache's over several do not.
     """
 
     task: str = "facts_qa"
@@ -48,16 +55,26 @@ class DemoConfig:
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     card_dir: Path | None = None
     progress: bool = True
+    questions: int = DEFAULT_QUESTIONS
 
     @classmethod
     def quick(cls, **overrides: Any) -> DemoConfig:
-        base = {"tokens": QUICK_TOKENS, "max_new_tokens": QUICK_MAX_NEW_TOKENS}
+        base = {
+            "tokens": QUICK_TOKENS,
+            "max_new_tokens": QUICK_MAX_NEW_TOKENS,
+            "questions": QUICK_QUESTIONS,
+        }
         return cls(**{**base, **overrides})
 
 
 @dataclass
 class SchemeResult:
-    """One row of the table."""
+    """One row of the table.
+
+    answers, f1s: per question (DemoReport.questions' order); answer is the first (the
+    task's own question), f1 the mean over all of them, matches how many answers equal the
+    full cache's (SQuAD-normalized exact match).
+    """
 
     label: str
     policy: str
@@ -67,6 +84,9 @@ class SchemeResult:
     reason: str = ""
     answer: str = ""
     f1: float | None = None
+    answers: list[str] = field(default_factory=list)
+    f1s: list[float] = field(default_factory=list)
+    matches: int | None = None
     transfer_s: float | None = None
     rebuild_s: float | None = None
     first_token_s: float | None = None
@@ -78,7 +98,11 @@ class SchemeResult:
 
 @dataclass
 class DemoReport:
-    """Everything the demo measured (``to_dict`` for --json, ``render_table`` for people)."""
+    """Everything the demo measured (``to_dict`` for --json, ``render_table`` for people).
+
+    task and full_answer are about the task's own question (Q1); questions holds every
+    question asked: {question, gold, full_answer, reprefill_answer, gold_f1_full}.
+    """
 
     config: dict[str, Any]
     link: dict[str, Any]
@@ -88,9 +112,10 @@ class DemoReport:
     send_time_s: float
     full_answer: str
     reprefill: dict[str, Any]
-    answers_agree: bool
+    answers_agree: bool  # the full cache answered every question as re-prefilling did
     schemes: list[SchemeResult]
     timings: dict[str, float]
+    questions: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -99,9 +124,10 @@ class DemoReport:
 
     def deterministic_view(self) -> dict[str, Any]:
         """The parts a seed fixes on the emulated link (measured timings left out)."""
-        keep = ("label", "utility", "blocks_missing", "reason", "answer", "f1", "transfer_s")
+        keep = ("label", "utility", "blocks_missing", "reason", "answers", "f1s", "matches",
+                "transfer_s")  # fmt: skip
         return {
-            "full_answer": self.full_answer,
+            "questions": [(q["question"], q["full_answer"]) for q in self.questions],
             "cache": {k: v for k, v in self.cache.items() if k != "card_cached"},
             "schemes": [{k: getattr(s, k) for k in keep} | s.counters for s in self.schemes],
         }
@@ -129,8 +155,10 @@ def _clip(text: str, width: int) -> str:
 
 
 def render_table(rep: DemoReport) -> str:
-    """The human-readable report: header, side-by-side table, what the columns mean."""
+    """The human-readable report: header, side-by-side table, the questions, what the
+    columns mean."""
     c, t = rep.cache, rep.task
+    k = len(rep.questions)
     lines = [
         "kvtransport demo: a KV-cache handoff across a burst-loss link",
         f"  link      {rep.link['description']}",
@@ -139,8 +167,8 @@ def render_table(rep: DemoReport) -> str:
         lines.append(f"  note      {rep.link['note']}")
     lines += [
         f"  repeats   {rep.link['deterministic']}",
-        f"  task      {t['name']} (seed {t['seed']}): {t['question']}  "
-        f"[gold: {'; '.join(t['gold'])}]",
+        f"  task      {t['name']} (seed {t['seed']}): {_count(k, 'question')} about one context, "
+        "each answered on every scheme's received cache (listed below the table)",
         f"  cache     {c['model_id']}: {c['context_tokens']} context tokens, {c['layers']} "
         f"layers, {c['blocks']} blocks of {c['block_tokens']} tokens, "
         f"{c['bytes'] / 2**20:.1f} MiB {c['dtype']}"
@@ -149,56 +177,81 @@ def render_table(rep: DemoReport) -> str:
         f"(the whole cache takes {rep.send_time_s * 1e3:.0f} ms loss-free at the link rate)",
         "",
     ]
-    head = ("scheme", "utility", "blocks missing", "answer", "F1", "TTFT s", "speed-up")
+    aw = 30
+    head = ("scheme", "utility", "blocks missing", "answer to Q1", "F1", "same answer",
+            "TTFT s", "speed-up")  # fmt: skip
     rows: list[tuple[str, ...]] = [
-        ("full cache", "1.000", f"0/{c['blocks']}", _clip(rep.full_answer, 34), "1.00", "-", "-")
-    ]
+        ("full cache", "1.000", f"0/{c['blocks']}", _clip(rep.full_answer, aw), "1.00",
+         f"{k}/{k}", "-", "-")
+    ]  # fmt: skip
     for s in rep.schemes:
         if s.utility is None:
-            rows.append((s.label, "-", "-", _clip(s.error or "did not run", 34), "-", "-", "-"))
+            rows.append((s.label, "-", "-", _clip(s.error or "did not run", aw), "-", "-", "-",
+                         "-"))  # fmt: skip
             continue
         rows.append(
             (
                 s.label,
                 f"{s.utility:.3f}",
                 f"{s.blocks_missing}/{s.blocks_total}",
-                _clip(s.answer, 34),
+                _clip(s.answer, aw),
                 f"{s.f1:.2f}",
+                f"{s.matches}/{len(s.answers)}",
                 f"{s.ttft_s:.2f}",
                 f"{s.speedup:.1f}x" if s.speedup else "-",
             )
         )
     rp = rep.reprefill
+    re_answers = [q["reprefill_answer"] for q in rep.questions]
+    full_answers = [q["full_answer"] for q in rep.questions]
+    re_f1 = [_f1(a, b) for a, b in zip(re_answers, full_answers, strict=True)]
+    re_same = sum(_same(a, b) for a, b in zip(re_answers, full_answers, strict=True))
     rows.append(
-        ("re-prefill", "-", "-", _clip(rp["answer"], 34),
-         f"{_f1(rp['answer'], rep.full_answer):.2f}", f"{rp['ttft_s']:.2f}", "1.0x")
+        ("re-prefill", "-", "-", _clip(rp["answer"], aw), f"{sum(re_f1) / max(k, 1):.2f}",
+         f"{re_same}/{k}", f"{rp['ttft_s']:.2f}", "1.0x")
     )  # fmt: skip
-    widths = [max(len(r[k]) for r in [head, *rows]) for k in range(len(head))]
-    right = {1, 2, 4, 5, 6}
+    widths = [max(len(r[j]) for r in [head, *rows]) for j in range(len(head))]
+    right = {1, 2, 4, 5, 6, 7}
 
     def fmt(r: tuple[str, ...]) -> str:
         cells = [
-            x.rjust(w) if k in right else x.ljust(w)
-            for k, (x, w) in enumerate(zip(r, widths, strict=True))
+            x.rjust(w) if j in right else x.ljust(w)
+            for j, (x, w) in enumerate(zip(r, widths, strict=True))
         ]
         return "  " + "  ".join(cells).rstrip()
 
     lines.append(fmt(head))
     lines.append("  " + "  ".join("-" * w for w in widths))
     lines += [fmt(r) for r in rows]
-    agree = "equals" if rep.answers_agree else "DIFFERS FROM"
+    lines += ["", "  questions (the full cache's answer; the gold answer in brackets):"]
+    for i, q in enumerate(rep.questions, 1):
+        lines.append(
+            f"    Q{i}  {q['question']}  {_clip(q['full_answer'], 40)}  [{'; '.join(q['gold'])}]"
+        )
+    agree = "equal" if rep.answers_agree else "DIFFER FROM"
     lines += [
         "",
-        f"  The full-cache answer {agree} the re-prefill answer.",
+        f"  The full-cache answers {agree} the re-prefill answers.",
         "  utility: share of the cache's utility in blocks complete at the receiver's deadline;",
-        "  F1: token F1 of the answer against the full-cache answer;",
-        "  TTFT: transfer until the receiver's result + rebuild + injection + first token,",
+        f"  F1: token F1 of each answer against the full-cache answer, mean of the {k} questions;",
+        "  same answer: answers equal to the full cache's (after SQuAD normalization);",
+        "  TTFT (Q1): transfer until the receiver's result + rebuild + injection + first token,",
         f"  against re-prefilling the context ({rp['prefill_s']:.2f} s) + first token; "
         f"torch threads: {rep.config['threads']}.",
         f"  wall time {rep.timings['total']:.1f} s "
         f"(transfers {rep.timings['transfers']:.1f} s, answers {rep.timings['answers']:.1f} s).",
     ]
     return "\n".join(lines)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def _same(a: str, b: str) -> bool:
+    from kvtransport.metrics import exact_match
+
+    return bool(exact_match(a, b))
 
 
 def _f1(a: str, b: str) -> float:

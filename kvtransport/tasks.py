@@ -26,9 +26,10 @@ target give the same sample; the gold answers are always present in the context.
 from __future__ import annotations
 
 import random
+import re
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
@@ -112,6 +113,19 @@ def _random_value(rng: random.Random, kind: str) -> str:
     raise ValueError(f"unknown needle type {kind!r} (numbers, uuids, words)")
 
 
+def _niah_question(type_v: str, query: str, single: bool) -> tuple[str, str]:
+    """(question, answer prefix) asking for ``query``'s value(s), in RULER's wording."""
+    if single:
+        return (
+            f"What is the special magic {type_v} for {query} mentioned in the provided text?",
+            f"The special magic {type_v} for {query} mentioned in the provided text is",
+        )
+    return (
+        f"What are all the special magic {type_v} for {query} mentioned in the provided text?",
+        f"The special magic {type_v} for {query} mentioned in the provided text are",
+    )
+
+
 def niah(
     tokenizer: Any,
     *,
@@ -158,16 +172,7 @@ def niah(
         else f"Some special magic {type_v} are hidden within the following text. Make sure "
         f"to memorize it. I will quiz you about the {type_v} afterwards."
     )
-    question = (
-        f"What is the special magic {type_v} for {query} mentioned in the provided text?"
-        if single
-        else f"What are all the special magic {type_v} for {query} mentioned in the provided text?"
-    )
-    prefix = (
-        f"The special magic {type_v} for {query} mentioned in the provided text is"
-        if single
-        else f"The special magic {type_v} for {query} mentioned in the provided text are"
-    )
+    question, prefix = _niah_question(type_v, query, single)
 
     def build(n: int) -> TaskSample:
         hrng = random.Random(hay_seed)  # the same haystack prefix for every size n
@@ -212,6 +217,18 @@ def _facts(country: dict) -> dict[str, str]:
     }
 
 
+def _facts_question(country: dict, attr: str) -> tuple[str, str, tuple[str, ...]]:
+    """(question, answer prefix, gold answers) about one attribute of ``country``."""
+    name = country["name"]
+    if attr == "capital":
+        return f"What is the capital of {name}?", f"The capital of {name} is", (country["capital"],)
+    return (
+        f"What is the currency of {name}?",
+        f"The currency of {name} is the",
+        (country["currency_name"],),
+    )
+
+
 def facts_qa(
     tokenizer: Any, *, target_tokens: int = 400, seed: int = 0, attribute: str | None = None
 ) -> TaskSample:
@@ -232,14 +249,7 @@ def facts_qa(
     distractors = [f for c in others for f in _facts(c).values()]
     answer_fact = _facts(target)[attr]
     other_fact = _facts(target)["currency" if attr == "capital" else "capital"]
-    if attr == "capital":
-        answers: tuple[str, ...] = (target["capital"],)
-        question = f"What is the capital of {target['name']}?"
-        prefix = f"The capital of {target['name']} is"
-    else:
-        answers = (target["currency_name"],)
-        question = f"What is the currency of {target['name']}?"
-        prefix = f"The currency of {target['name']} is the"
+    question, prefix, answers = _facts_question(target, attr)
     intro = "Read the following facts about countries and answer the question after them."
     depth = rng.random()
     other_depth = rng.random()
@@ -265,6 +275,65 @@ def generate(task: str, tokenizer: Any, *, target_tokens: int = 400, seed: int =
     if task == "facts_qa":
         return facts_qa(tokenizer, target_tokens=target_tokens, seed=seed)
     raise ValueError(f"unknown task {task!r}; choose from {', '.join(TASK_NAMES)}")
+
+
+_NEEDLE_LINE = re.compile(r"One of the special magic (\S+) for (\S+) is: (\S+)\.")
+
+
+def question_set(sample: TaskSample, k: int) -> tuple[TaskSample, ...]:
+    """``sample`` first, then up to ``k - 1`` other questions about the same context.
+
+    Why: one question is a knife edge for judging a partial cache. A small model's answer to
+    it can flip on a small difference in what arrived, so one answer says little about how
+    much of the context survived; several questions about the same received cache do.
+
+    Each extra question is a TaskSample with the sample's task, seed and context (so the
+    same context token ids and the same cache) that asks for another fact the context
+    states exactly once: another country's capital or currency (facts_qa) or another key's
+    value (needle haystacks). They are drawn by the seed, one from each of ``k - 1`` equal
+    stretches of those facts in context order, so they cover the context front to back.
+    A context with no other such fact (niah_single's noise haystack, niah_multivalue's one
+    key) gives the sample alone. ``sample`` itself is never changed.
+    """
+    if k < 1:
+        raise ValueError("k must be at least 1")
+    candidates = [
+        q
+        for q in _context_questions(sample)
+        if (q.question, q.answers) != (sample.question, sample.answers)
+    ]
+    rng = random.Random(f"question_set/{sample.task}/{sample.seed}")
+    m = k - 1
+    if len(candidates) <= m:
+        picked = candidates
+    else:
+        n = len(candidates)
+        picked = [candidates[rng.randrange(j * n // m, (j + 1) * n // m)] for j in range(m)]
+    return (sample, *picked)
+
+
+def _context_questions(sample: TaskSample) -> list[TaskSample]:
+    """One single-answer question per fact the context states once, in context order."""
+    lines = sample.context.splitlines()
+    out: list[TaskSample] = []
+    if sample.task == "facts_qa":
+        by_line: dict[str, tuple[dict, str]] = {}
+        for c in _countries():
+            for attr, line in _facts(c).items():
+                by_line[line] = (c, attr)
+        for line in lines:
+            if line in by_line and lines.count(line) == 1:
+                question, prefix, answers = _facts_question(*by_line[line])
+                out.append(replace(sample, question=question, answers=answers,
+                                   answer_prefix=prefix))  # fmt: skip
+        return out
+    needles = [m.groups() for line in lines if (m := _NEEDLE_LINE.fullmatch(line))]
+    keys = [key for _type, key, _value in needles]
+    for type_v, key, value in needles:
+        if keys.count(key) == 1:
+            question, prefix = _niah_question(type_v[:-1], key, True)
+            out.append(replace(sample, question=question, answers=(value,), answer_prefix=prefix))
+    return out
 
 
 def suite(

@@ -85,6 +85,39 @@ def test_facts_qa_asks_a_true_fact_among_distractors(tok):
 
 
 @pytest.mark.model
+def test_question_set_asks_other_facts_the_same_context_states_once(tok):
+    for task, k, expect in [("facts_qa", 5, 5), ("niah_multikey", 5, 5), ("niah_single", 5, 1),
+                            ("niah_multivalue", 4, 1), ("facts_qa", 1, 1)]:  # fmt: skip
+        s = tasks.generate(task, tok, target_tokens=400, seed=3)
+        qs = tasks.question_set(s, k)
+        assert qs == tasks.question_set(s, k)  # the seed decides
+        assert qs[0] is s and len(qs) == expect, (task, len(qs))
+        assert len({q.question for q in qs}) == len(qs)  # no question twice
+        ctx = s.prompt(tok)[0]
+        for q in qs[1:]:
+            assert (q.task, q.seed, q.context) == (s.task, s.seed, s.context)
+            assert q.prompt(tok)[0] == ctx  # the same cache answers every question
+            (gold,) = q.answers
+            if task == "facts_qa":
+                attr, name = re.fullmatch(r"What is the (capital|currency) of (.+)\?",
+                                          q.question).groups()  # fmt: skip
+                assert s.context.count(f"The {attr} of {name} is") == 1
+                assert f"\n{q.answer_prefix} {gold}" in s.context  # the fact, stated once
+            else:
+                key = re.search(r"for (\S+) mentioned", q.question).group(1)
+                assert s.context.count(f" for {key} is: ") == 1
+                assert f"One of the special magic numbers for {key} is: {gold}." in s.context
+    # the picks spread over the context: one from each of k-1 stretches of its facts
+    s = tasks.generate("facts_qa", tok, target_tokens=600, seed=5)
+    at = [
+        s.context.index(f"{q.answer_prefix} {q.answers[0]}") for q in tasks.question_set(s, 5)[1:]
+    ]
+    assert at == sorted(at) and at[-1] - at[0] > len(s.context) // 3
+    with pytest.raises(ValueError, match="at least 1"):
+        tasks.question_set(s, 0)
+
+
+@pytest.mark.model
 def test_bad_task_arguments(tok):
     with pytest.raises(ValueError, match="unknown task"):
         tasks.generate("niah_essay", tok)

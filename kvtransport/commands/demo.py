@@ -18,10 +18,14 @@ per scheme, under a deadline of rho x the loss-free send time:
   no FEC, block RS 4/32 (Reed-Solomon), RLC 4/32 (fixed-rate sliding-window code),
   adaptive (heuristic on feedback), DDQN (the shipped Double-DQN repair policy)
 
-The receiver injects whatever arrived (missing blocks masked per layer) and answers. The
-table shows, per scheme: the utility recovered before the deadline, the blocks missing,
-the answer and its token F1 against the full-cache answer, and the time to first token
-(transfer + rebuild + injection + first token) against re-prefilling the context.
+The receiver injects whatever arrived (missing blocks masked per layer) and answers
+--questions questions about the context on it: the task's own, then other facts the same
+context states (drawn by the seed). One answer is a knife edge (a 135M model's answer can
+flip on a small difference in the cache); several show how much of the context survived.
+The table shows, per scheme: the utility recovered before the deadline, the blocks
+missing, the answer to the first question, the mean token F1 of the answers against the
+full cache's answers, how many answers equal the full cache's, and the time to first
+token (transfer + rebuild + injection + first token) against re-prefilling the context.
 
 Links (--link):
   netns     the real sender-daemon and receiver-daemon in two network namespaces of the
@@ -33,7 +37,7 @@ Links (--link):
             user.
   auto      netns when run as root, else emulated (with a note). Default.
 
---quick uses a 128-token context and shorter answers. Progress bars
+--quick uses a 128-token context, shorter answers and 3 questions. Progress bars
 go to stderr when it is a terminal; --json prints one JSON object instead of the table.
 
 examples:
@@ -78,6 +82,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="answer length cap (default 24; 12 with --quick)",
     )  # fmt: skip
     parser.add_argument(
+        "--questions", type=int, default=None, metavar="K",
+        help="questions asked of each received cache (default 5; 3 with --quick; fewer if "
+        "the context states fewer facts)",
+    )  # fmt: skip
+    parser.add_argument(
         "--no-card-cache",
         action="store_true",
         help="always prefill; do not read or write cards in the cache directory",
@@ -108,6 +117,8 @@ def run(args: argparse.Namespace) -> int:
         overrides["tokens"] = args.tokens
     if args.max_new_tokens is not None:
         overrides["max_new_tokens"] = args.max_new_tokens
+    if args.questions is not None:
+        overrides["questions"] = args.questions
     cfg = DemoConfig(**{**base.__dict__, **overrides})
     report = run_demo(cfg)
     print(report_json(report) if args.json else render_table(report))
