@@ -30,7 +30,6 @@ MAX_TOKENS = 2048  # 94 MiB of fp32 cache: each scheme's delivery is held until 
 DEFAULT_MAX_NEW_TOKENS = 24
 QUICK_MAX_NEW_TOKENS = 12
 DEFAULT_QUESTIONS = 5
-QUICK_QUESTIONS = 3
 MAX_QUESTIONS = 10
 
 
@@ -59,11 +58,7 @@ class DemoConfig:
 
     @classmethod
     def quick(cls, **overrides: Any) -> DemoConfig:
-        base = {
-            "tokens": QUICK_TOKENS,
-            "max_new_tokens": QUICK_MAX_NEW_TOKENS,
-            "questions": QUICK_QUESTIONS,
-        }
+        base = {"tokens": QUICK_TOKENS, "max_new_tokens": QUICK_MAX_NEW_TOKENS}
         return cls(**{**base, **overrides})
 
 

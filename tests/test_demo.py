@@ -42,9 +42,9 @@ def test_quick_demo_on_the_emulated_link_repeats_and_fec_recovers_more(smollm, t
         # rho < 1: the transfer ends at the receiver's deadline, never complete
         assert s.reason == "deadline" and s.utility < 1.0
     norm = metrics.normalize_answer
-    # three questions about the one context: the task's own first, no question twice
+    # five questions about the one context: the task's own first, no question twice
     qs = [q["question"] for q in first.questions]
-    assert len(qs) == 3 == len(set(qs)) and qs[0] == first.task["question"]
+    assert len(qs) == 5 == len(set(qs)) and qs[0] == first.task["question"]
     assert [q["full_answer"] for q in first.questions][0] == first.full_answer
     # injecting the whole cache answers every question exactly as re-prefilling does
     assert first.answers_agree and first.reprefill["answer"] == first.full_answer
@@ -52,8 +52,8 @@ def test_quick_demo_on_the_emulated_link_repeats_and_fec_recovers_more(smollm, t
         q["full_answer"] for q in first.questions
     ]
     for s in first.schemes:
-        assert len(s.answers) == len(s.f1s) == 3 and s.answer == s.answers[0]
-        assert s.f1 == pytest.approx(sum(s.f1s) / 3)
+        assert len(s.answers) == len(s.f1s) == 5 and s.answer == s.answers[0]
+        assert s.f1 == pytest.approx(sum(s.f1s) / 5)
         full = [norm(q["full_answer"]) for q in first.questions]
         same = [norm(a) == f for a, f in zip(s.answers, full, strict=True)]
         assert s.matches == sum(same)
@@ -76,11 +76,11 @@ def test_quick_demo_on_the_emulated_link_repeats_and_fec_recovers_more(smollm, t
     assert "emulated" in table and "re-prefill" in table
     for i, q in enumerate(qs, 1):
         assert f"\n    Q{i}  {q}  " in table
-    assert f"  {by['DDQN'].matches}/3  " in table.split("\n  DDQN ")[1].split("\n")[0]
+    assert f"  {by['DDQN'].matches}/5  " in table.split("\n  DDQN ")[1].split("\n")[0]
     doc = json.loads(report_json(first))
     assert [s["label"] for s in doc["schemes"]] == [label for label, _ in SCHEMES]
     assert doc["schemes"][0]["utility"] == by["no FEC"].utility
-    assert doc["schemes"][-1]["f1s"] == by["DDQN"].f1s and len(doc["questions"]) == 3
+    assert doc["schemes"][-1]["f1s"] == by["DDQN"].f1s and len(doc["questions"]) == 5
 
 
 def test_emulated_link_reproduces_the_simulator():

@@ -37,7 +37,7 @@ Links (--link):
             user.
   auto      netns when run as root, else emulated (with a note). Default.
 
---quick uses a 128-token context, shorter answers and 3 questions. Progress bars
+--quick uses a 128-token context and shorter answers. Progress bars
 go to stderr when it is a terminal; --json prints one JSON object instead of the table.
 
 examples:
@@ -83,8 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--questions", type=int, default=None, metavar="K",
-        help="questions asked of each received cache (default 5; 3 with --quick; fewer if "
-        "the context states fewer facts)",
+        help="questions asked of each received cache (default 5; fewer if the context "
+        "states fewer facts)",
     )  # fmt: skip
     parser.add_argument(
         "--no-card-cache",
