@@ -255,13 +255,16 @@ def _answer_all(
     outcomes: dict[int, LinkOutcome],
     ui: _Progress,
 ) -> dict[str, Any]:
-    """Re-prefill (the TTFT baseline), the full cache's answers (the F1 references), then
-    each scheme's answers from its partial cache (rebuilt once, every question asked of
-    it); fills the rows, returns the baselines."""
-    from kvtransport import blocks, hf, metrics
+    """Re-prefill (the TTFT baseline), the full cache's answers (the F1 references), the
+    answers with no cache at all (the floor: what the model answers from the question
+    alone, e.g. a capital it knows), then each scheme's answers from its partial cache
+    (rebuilt once, every question asked of it); fills the rows, returns the baselines."""
+    import numpy as np
+
+    from kvtransport import blocks, hf
 
     lm, qs, n_new = prep.loaded, prep.probe_ids, cfg.max_new_tokens
-    with ui.bar(len(qs) * (2 + len(outcomes)), "answering", unit="answer") as bar:
+    with ui.bar(len(qs) * (3 + len(outcomes)), "answering", unit="answer") as bar:
 
         def ask(kv: Any, present: Any) -> tuple[list[str], float]:
             """Every question's answer from one cache; seconds to Q1's first token."""
@@ -283,6 +286,10 @@ def _answer_all(
         full_answers, _ = ask(full.cache, None)
         del full
         reprefill_ttft = prefill_s + re_first
+        # the floor: nothing of the context (every block masked), the question alone
+        nothing = LinkOutcome(0.0, "", np.zeros(0, bool), np.zeros(0, np.uint8), None, 0.0)
+        floor_answers, _ = ask(*rebuild(stream, nothing, prep.context_ids))
+        floor = _scores(floor_answers, full_answers)
         n_blocks = stream.manifest.num_blocks
         for i, out in outcomes.items():
             row = rows[i]
@@ -291,13 +298,8 @@ def _answer_all(
             row.rebuild_s = time.perf_counter() - t0
             row.answers, row.first_token_s = ask(kv, present)
             row.answer = row.answers[0]
-            row.f1s = [metrics.token_f1(a, f) for a, f in zip(row.answers, full_answers,
-                                                                strict=True)]  # fmt: skip
-            row.f1 = sum(row.f1s) / len(row.f1s)
-            row.matches = sum(
-                int(metrics.exact_match(a, f)) for a, f in zip(row.answers, full_answers,
-                                                               strict=True)
-            )  # fmt: skip
+            sc = _scores(row.answers, full_answers)
+            row.f1s, row.f1, row.matches = sc["f1s"], sc["f1"], sc["matches"]
             row.utility = out.utility
             row.blocks_total = n_blocks
             missing = int((~out.complete).sum()) if out.app_metadata is not None else n_blocks
@@ -310,7 +312,23 @@ def _answer_all(
     return {
         "full_answers": full_answers,
         "reprefill_answers": re_answers,
+        "no_cache": floor,
         "reprefill": {"answer": re_answers[0], "prefill_s": prefill_s, "ttft_s": reprefill_ttft},
+    }
+
+
+def _scores(answers: list[str], full_answers: list[str]) -> dict[str, Any]:
+    """Per-question token F1 against the full cache's answers, their mean, and how many
+    answers equal the full cache's (SQuAD-normalized exact match)."""
+    from kvtransport import metrics
+
+    pairs = list(zip(answers, full_answers, strict=True))
+    f1s = [metrics.token_f1(a, f) for a, f in pairs]
+    return {
+        "answers": list(answers),
+        "f1s": f1s,
+        "f1": sum(f1s) / len(f1s),
+        "matches": sum(int(metrics.exact_match(a, f)) for a, f in pairs),
     }
 
 
@@ -360,6 +378,7 @@ def _report(
         send_time_s=prep.send_time_s,
         full_answer=full_answer,
         reprefill=baseline["reprefill"],
+        no_cache=baseline["no_cache"],
         answers_agree=baseline["reprefill_answers"] == full_answers,
         schemes=rows,
         timings=timings,

@@ -97,6 +97,8 @@ class DemoReport:
 
     task and full_answer are about the task's own question (Q1); questions holds every
     question asked: {question, gold, full_answer, reprefill_answer, gold_f1_full}.
+    no_cache is the floor: the answers with every block masked (nothing of the context),
+    which a question the model can answer from what it knows already matches.
     """
 
     config: dict[str, Any]
@@ -111,6 +113,8 @@ class DemoReport:
     schemes: list[SchemeResult]
     timings: dict[str, float]
     questions: list[dict[str, Any]] = field(default_factory=list)
+    # the floor: every block masked (answers, f1s, f1, matches as in SchemeResult)
+    no_cache: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -123,6 +127,7 @@ class DemoReport:
                 "transfer_s")  # fmt: skip
         return {
             "questions": [(q["question"], q["full_answer"]) for q in self.questions],
+            "no_cache": self.no_cache,
             "cache": {k: v for k, v in self.cache.items() if k != "card_cached"},
             "schemes": [{k: getattr(s, k) for k in keep} | s.counters for s in self.schemes],
         }
@@ -196,6 +201,11 @@ def render_table(rep: DemoReport) -> str:
                 f"{s.speedup:.1f}x" if s.speedup else "-",
             )
         )
+    nc = rep.no_cache
+    rows.append(
+        ("no cache", "0.000", f"{c['blocks']}/{c['blocks']}", _clip(nc["answers"][0], aw),
+         f"{nc['f1']:.2f}", f"{nc['matches']}/{k}", "-", "-")
+    )  # fmt: skip
     rp = rep.reprefill
     re_answers = [q["reprefill_answer"] for q in rep.questions]
     full_answers = [q["full_answer"] for q in rep.questions]
@@ -230,6 +240,7 @@ def render_table(rep: DemoReport) -> str:
         "  utility: share of the cache's utility in blocks complete at the receiver's deadline;",
         f"  F1: token F1 of each answer against the full-cache answer, mean of the {k} questions;",
         "  same answer: answers equal to the full cache's (after SQuAD normalization);",
+        "  no cache: every block masked, the question alone (what the model knows anyway);",
         "  TTFT (Q1): transfer until the receiver's result + rebuild + injection + first token,",
         f"  against re-prefilling the context ({rp['prefill_s']:.2f} s) + first token; "
         f"torch threads: {rep.config['threads']}.",

@@ -26,6 +26,8 @@ The table shows, per scheme: the utility recovered before the deadline, the bloc
 missing, the answer to the first question, the mean token F1 of the answers against the
 full cache's answers, how many answers equal the full cache's, and the time to first
 token (transfer + rebuild + injection + first token) against re-prefilling the context.
+The "no cache" row is the floor: every block masked, the question alone (a 135M model
+knows some capitals without the context; a badly damaged cache can do worse than that).
 
 Links (--link):
   netns     the real sender-daemon and receiver-daemon in two network namespaces of the
