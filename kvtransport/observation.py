@@ -54,11 +54,12 @@ OBS_CLIP = 16.0
 
 
 class Raw(IntEnum):
-    """The sender state an observation is computed from (float64 vector indices), in three
-    groups by when they change, each written by one ``struct.pack_into`` at that moment:
-    at every decision (``T`` .. ``PREV_SHARE``), when feedback arrives (``STOP_TIME`` ..
+    """The sender state an observation is computed from (float64 vector indices), in groups
+    by when they change, each written by one ``struct.pack_into`` at that moment: at every
+    decision (``T`` .. ``PREV_SHARE``), when feedback arrives (``HAS_FEEDBACK`` ..
     ``MANIFEST_ACKED``: the decision then packs 10 fields, not 30) and when the transfer
-    starts or its rate changes (``SLOT_S`` .. ``MODE``)."""
+    starts or its rate changes (``SLOT_S`` .. ``MODE``). ``STOP_TIME`` is stored alone
+    whenever the RTT estimate or the rate moves it."""
 
     # at every decision
     T = 0  # the decision's time (shell clock, s)
@@ -71,8 +72,9 @@ class Raw(IntEnum):
     LAST_SHARE = 7  # repair share of the previous action
     LAST_ADMIT = 8  # admit flag of the previous action
     PREV_SHARE = 9  # repair share of the action before that
-    # when feedback arrives (and the RTT estimate with it)
+    # when the RTT estimate or the rate moves it
     STOP_TIME = 10  # last moment a datagram can leave and arrive in time
+    # when feedback arrives
     HAS_FEEDBACK = 11  # 1 once any feedback arrived
     FB_TIME = 12  # arrival time of the latest feedback
     FB_LOSS = 13  # receiver's smoothed loss rate
@@ -97,9 +99,9 @@ class Raw(IntEnum):
 
 RAW_SIZE = len(Raw)
 RAW_DECISION = (int(Raw.T), int(Raw.STOP_TIME))
-RAW_FEEDBACK = (int(Raw.STOP_TIME), int(Raw.SLOT_S))
+RAW_FEEDBACK = (int(Raw.HAS_FEEDBACK), int(Raw.SLOT_S))
 RAW_TRANSFER = (int(Raw.SLOT_S), RAW_SIZE)
-"""The three groups as (first, end) index ranges."""
+"""The packed groups as (first, end) index ranges."""
 
 # RepairMode values (kvtransport.policy), as plain ints for the kernel
 MODE_NONE, MODE_RLC = 0, 1

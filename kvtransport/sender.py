@@ -62,6 +62,7 @@ from kvtransport.observation import (
     RAW_FEEDBACK,
     RAW_SIZE,
     RAW_TRANSFER,
+    Raw,
     observe_into,
 )
 from kvtransport.policy import (
@@ -176,6 +177,8 @@ class SenderSession:
         self.srtt: float | None = None
         self.stop_time = 0.0  # last moment a datagram can leave and arrive before the deadline
         self._proactive_span = REPAIR_SEGMENT
+        self._raw = np.zeros(RAW_SIZE, dtype=np.float64)  # the policy's input, see _state()
+        self._raw_buf = memoryview(self._raw)
         self._rtt_changed()
 
         manifest = TransportManifest(
@@ -265,8 +268,6 @@ class SenderSession:
 
         # policy
         self.obs = np.zeros(OBS_SIZE, dtype=np.float32)
-        self._raw = np.zeros(RAW_SIZE, dtype=np.float64)  # see _state()
-        self._raw_buf = memoryview(self._raw)
         self._last = (0.0, 1.0, 0.0)  # last share, last admit, share before
         budget = max(self.stop_time - now, self.slot_s)
         policy.reset(PolicyContext(n, s, self.slot_s, decision_packets, budget))
@@ -379,7 +380,6 @@ class SenderSession:
         self.rate_bps = rate_bps
         self._rtt_changed()  # stop time and proactive span are counted in slots
         self._state_transfer()
-        self._state_feedback()
         if getattr(self.policy, "ctx", None) is not None:
             self.policy.ctx = dataclasses.replace(self.policy.ctx, slot_s=self.slot_s)
         if self._next_send is None or self._next_send >= self.deadline:  # was paused
@@ -407,6 +407,7 @@ class SenderSession:
         span = int(rtt_slots) + self.decision_packets
         self._proactive_span = min(MAX_REPAIR_SPAN, max(REPAIR_SEGMENT, span))
         self.stop_time = self.deadline - self.owd - self.slot_s
+        self._raw[Raw.STOP_TIME] = self.stop_time
 
     def slots_left(self, t: float) -> int:
         left = self.stop_time - t
@@ -721,8 +722,8 @@ class SenderSession:
 
     def _state(self, t: float) -> np.ndarray:
         """The raw sender state the observation is computed from (kvtransport.observation
-        ``Raw``), its per-decision fields packed now; the feedback and per-transfer fields
-        were packed when they changed (``_state_feedback``, ``_state_transfer``). One
+        ``Raw``), its per-decision fields packed now; the others were written when they
+        changed (``_state_feedback``, ``_state_transfer``, ``_rtt_changed``). One
         ``struct.pack_into`` per group: item-by-item numpy stores cost an index conversion
         and a cast each."""
         last_share, last_admit, prev_share = self._last
@@ -743,11 +744,11 @@ class SenderSession:
         return self._raw
 
     def _state_feedback(self) -> None:
-        """Pack the state feedback changes (and the stop time, which the RTT moves)."""
+        """Pack the state feedback changes (the stop time it moves is written by
+        ``_rtt_changed``, which a rate change calls too)."""
         _pack_feedback(
             self._raw_buf,
             _AT_FEEDBACK,
-            self.stop_time,  # STOP_TIME
             self.fb_time is not None,  # HAS_FEEDBACK
             self.fb_time or 0.0,  # FB_TIME
             self.fb_loss,  # FB_LOSS
