@@ -43,6 +43,9 @@ class LinkOutcome:
     app_metadata: bytes | None  # the blocks manifest, None if it never arrived
     transfer_s: float
     counters: dict[str, Any] = field(default_factory=dict)
+    # per block (stream order): seconds from the transfer's start until the block was
+    # complete at the receiver, inf if it never was (None: the link did not record it)
+    arrival_s: np.ndarray | None = None
 
     @classmethod
     def from_result(
