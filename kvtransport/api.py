@@ -217,6 +217,8 @@ class DeliveredResult:
     payload: np.ndarray
     app_metadata: bytes | None
     stats: dict[str, Any] = field(default_factory=dict)
+    # per block: seconds from its completion to the result (inf: never complete)
+    complete_age_s: np.ndarray | None = None
 
     def block_bytes(self, index: int) -> np.ndarray:
         """The bytes of block ``index`` (meaningful only if it is complete)."""
@@ -234,6 +236,10 @@ def result_header(result: TransferResult, stats: dict[str, Any]) -> dict[str, An
         "blocks": int(result.complete.size),
         "blocks_complete": int(result.complete.sum()),
         "missing": result.missing.tolist(),
+        # seconds from each block's completion to the result; -1: never complete
+        "complete_age_s": np.where(
+            np.isfinite(age := result.complete_age_s), np.round(age, 6), -1.0
+        ).tolist(),
         "payload_bytes": int(result.payload.size),
         "stats": stats,
     }
@@ -281,6 +287,7 @@ def result_from_frames(frames: list) -> DeliveredResult:
         payload=payload,
         app_metadata=bytes(bufs[5]) if head.get("manifest") else None,
         stats=head.get("stats", {}),
+        complete_age_s=_complete_age(head, complete.size),
     )
 
 
@@ -368,4 +375,17 @@ def read_result_file(path: str | os.PathLike) -> DeliveredResult:
         payload=tensors["stream"],
         app_metadata=tensors["app_metadata"].tobytes() if table else None,
         stats=head.get("stats", {}),
+        complete_age_s=_complete_age(head, tensors["complete"].size),
     )
+
+
+def _complete_age(head: dict[str, Any], blocks: int) -> np.ndarray | None:
+    """The header's per-block completion ages (inf: never), None if absent or malformed."""
+    raw = head.get("complete_age_s")
+    if not isinstance(raw, list) or len(raw) != blocks:
+        return None
+    try:
+        age = np.asarray(raw, dtype=np.float64)
+    except (TypeError, ValueError):
+        return None
+    return np.where(age >= 0, age, np.inf)

@@ -51,9 +51,19 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from kvtransport.demo_emulated import EmulatedLink, PeerError
-from kvtransport.demo_links import LINKS, PROFILE, LinkOutcome, choose_link, open_link
-from kvtransport.demo_model import answer, default_card_dir, prepare_card, rebuild
+from kvtransport.demo_links import LINKS, LinkOutcome, choose_link, open_link
+from kvtransport.demo_model import (
+    answer,
+    blocks_decode,
+    default_card_dir,
+    link_profile,
+    plan_stream,
+    prepare_card,
+    rebuild,
+)
 from kvtransport.demo_netns import NetnsLink
 from kvtransport.demo_report import (
     MAX_QUESTIONS,
@@ -138,7 +148,11 @@ def run_demo(cfg: DemoConfig, loaded: Any = None) -> DemoReport:
     timings: dict[str, float] = {}
     rows = _scheme_rows()
     policies = tuple(r.policy for r in rows if not r.error)
-    with open_link(link, cfg.seed, policies, fallback=cfg.link == "auto") as (lk, fell_back):
+    profile = link_profile(cfg.rate_mbps)
+    with open_link(link, cfg.seed, policies, fallback=cfg.link == "auto", profile=profile) as (
+        lk,
+        fell_back,
+    ):
         if fell_back:
             link, note = lk.name, fell_back
         if note:
@@ -173,7 +187,7 @@ def _scheme_rows() -> list[SchemeResult]:
 
 @dataclass
 class _Prepared:
-    """The model, the task's two halves and the block stream that crosses the link."""
+    """The model, the task's two halves, the plan and the block stream that crosses."""
 
     loaded: Any
     sample: Any
@@ -181,15 +195,20 @@ class _Prepared:
     question_ids: list[int]
     probes: tuple[Any, ...]  # the questions asked (TaskSamples; probes[0] is sample)
     probe_ids: list[list[int]]  # their question ids (probe_ids[0] is question_ids)
-    stream: Any
+    stream: Any  # the full cache's stream (fp32, utility order): the card
     cached: bool
+    speed: Any  # the receiver's measured compute speed (kvtransport.cache_builder)
+    budget_s: float  # the TTFT budget
+    plan: Any  # kvtransport.plan.HandoffPlan
+    planned: Any  # the stream the plan sends (kvtransport.blocks.EncodedStream)
     transfer: Any
-    send_time_s: float
-    deadline_s: float
+    send_time_s: float  # the planned stream's loss-free time at the link rate
+    deadline_s: float  # the transport's deadline (from the transfer's start)
 
 
 def _prepare(cfg: DemoConfig, loaded: Any, ui: _Progress, timings: dict[str, float]) -> _Prepared:
     from kvtransport import tasks
+    from kvtransport.cache_builder import ComputeSpeed
     from kvtransport.model import load_model, set_threads
     from kvtransport.protocol import DEFAULT_SYMBOL_SIZE
     from kvtransport.simulator import full_send_time
@@ -211,11 +230,26 @@ def _prepare(cfg: DemoConfig, loaded: Any, ui: _Progress, timings: dict[str, flo
     stream, cached, timings["card_prefill"] = prepare_card(
         loaded, sample, context_ids, cfg.card_dir
     )
-    transfer = Transfer.from_encoded_stream(stream)
-    send_time = full_send_time(transfer.nbytes, _profile_rate_bps(), DEFAULT_SYMBOL_SIZE)
+    t = time.perf_counter()
+    if cfg.compute_speed is not None:
+        speed = ComputeSpeed(*cfg.compute_speed)
+    else:
+        speed = ComputeSpeed.measure(loaded.model, context_ids)
+    timings["measure_speed"] = time.perf_counter() - t
+    profile = link_profile(cfg.rate_mbps)
+    # the receiver's own estimate of re-prefilling (context, then the question): the
+    # budget is a share of it, as a user would set a TTFT target
+    budget_s = cfg.budget * (speed.seconds(len(context_ids)) + speed.seconds(len(question_ids)))
+    plan, planned, rebuild_s = plan_stream(loaded, stream, context_ids, profile, speed,
+                                           budget_s, len(question_ids), cfg.precision)  # fmt: skip
+    transfer = Transfer.from_encoded_stream(planned)
+    send_time = full_send_time(transfer.nbytes, profile.rate_bps, DEFAULT_SYMBOL_SIZE)
+    timings["plan"] = time.perf_counter() - t
+    ui.note(f"plan: {plan.describe()}")
+    deadline = max(budget_s - speed.seconds(len(question_ids)) - rebuild_s, plan.finish_s)
     return _Prepared(
         loaded, sample, context_ids, question_ids, probes, probe_ids, stream, cached,
-        transfer, send_time, cfg.rho * send_time,
+        speed, budget_s, plan, planned, transfer, send_time, deadline,
     )  # fmt: skip
 
 
@@ -257,14 +291,16 @@ def _answer_all(
 ) -> dict[str, Any]:
     """Re-prefill (the TTFT baseline), the full cache's answers (the F1 references), the
     answers with no cache at all (the floor: what the model answers from the question
-    alone, e.g. a capital it knows), then each scheme's answers from its partial cache
-    (rebuilt once, every question asked of it); fills the rows, returns the baselines."""
+    alone), a dead link (the receiver's race computes everything: the fallback), then
+    each scheme's answers from the cache its race built (kvtransport.race: the planned
+    prefix computed, the rest loaded as it arrived or recomputed); fills the rows,
+    returns the baselines."""
     import numpy as np
 
     from kvtransport import blocks, hf
 
     lm, qs, n_new = prep.loaded, prep.probe_ids, cfg.max_new_tokens
-    with ui.bar(len(qs) * (3 + len(outcomes)), "answering", unit="answer") as bar:
+    with ui.bar(len(qs) * (4 + len(outcomes)), "answering", unit="answer") as bar:
 
         def ask(kv: Any, present: Any) -> tuple[list[str], float]:
             """Every question's answer from one cache; seconds to Q1's first token."""
@@ -290,31 +326,65 @@ def _answer_all(
         nothing = LinkOutcome(0.0, "", np.zeros(0, bool), np.zeros(0, np.uint8), None, 0.0)
         floor_answers, _ = ask(*rebuild(stream, nothing, prep.context_ids))
         floor = _scores(floor_answers, full_answers)
-        n_blocks = stream.manifest.num_blocks
+        dead = _race_row(prep, nothing, ask, full_answers, reprefill_ttft,
+                         SchemeResult("link down", "-"))  # fmt: skip
         for i, out in outcomes.items():
-            row = rows[i]
-            t0 = time.perf_counter()
-            kv, present = rebuild(stream, out, prep.context_ids)
-            row.rebuild_s = time.perf_counter() - t0
-            row.answers, row.first_token_s = ask(kv, present)
-            row.answer = row.answers[0]
-            sc = _scores(row.answers, full_answers)
-            row.f1s, row.f1, row.matches = sc["f1s"], sc["f1"], sc["matches"]
-            row.utility = out.utility
-            row.blocks_total = n_blocks
-            missing = int((~out.complete).sum()) if out.app_metadata is not None else n_blocks
-            row.blocks_missing = missing
-            row.reason = out.reason
-            row.transfer_s = out.transfer_s
-            row.ttft_s = out.transfer_s + row.rebuild_s + row.first_token_s
-            row.speedup = reprefill_ttft / row.ttft_s
-            row.counters = out.counters
+            _race_row(prep, out, ask, full_answers, reprefill_ttft, rows[i])
     return {
         "full_answers": full_answers,
         "reprefill_answers": re_answers,
         "no_cache": floor,
+        "link_down": dead,
         "reprefill": {"answer": re_answers[0], "prefill_s": prefill_s, "ttft_s": reprefill_ttft},
     }
+
+
+def _race_row(
+    prep: _Prepared,
+    out: LinkOutcome,
+    ask: Any,
+    full_answers: list[str],
+    reprefill_ttft: float,
+    row: SchemeResult,
+) -> SchemeResult:
+    """One transfer's outcome -> the receiver's race -> answers and TTFT into ``row``."""
+    from kvtransport.race import range_ready_at, run_race
+
+    n_blocks = prep.planned.manifest.num_blocks
+    t0 = time.perf_counter()
+    received, ready_at = None, None
+    if out.app_metadata is not None:
+        got = blocks_decode(prep.planned, out, prep.context_ids)
+        received = got.cache
+        ready_at = range_ready_at(got.manifest, out.arrival_s)
+    row.rebuild_s = time.perf_counter() - t0
+    plan = prep.plan
+    if ready_at is None:
+        ready_at = np.full_like(plan.expect_at, np.inf)
+    race = run_race(
+        prep.loaded.model, prep.context_ids, split=plan.split, received=received,
+        ready_at=ready_at, expect_at=plan.expect_at, speed=prep.speed,
+        block_tokens=prep.planned.manifest.geometry.block_tokens,
+    )  # fmt: skip
+    row.answers, row.first_token_s = ask(race.kv, None)
+    row.answer = row.answers[0]
+    sc = _scores(row.answers, full_answers)
+    row.f1s, row.f1, row.matches = sc["f1s"], sc["f1"], sc["matches"]
+    row.utility = min(out.utility + plan.prefix_utility, 1.0)
+    row.blocks_total = n_blocks
+    missing = int((~out.complete).sum()) if out.app_metadata is not None else n_blocks
+    row.blocks_missing = missing
+    row.reason = out.reason
+    row.transfer_s = out.transfer_s
+    row.race_s = race.seconds
+    row.computed_tokens = race.computed
+    row.recomputed_tokens = race.recomputed
+    row.loaded_tokens = race.loaded
+    row.waited_s = race.waited_s
+    row.ttft_s = race.seconds + row.rebuild_s + row.first_token_s
+    row.speedup = reprefill_ttft / row.ttft_s
+    row.counters = out.counters
+    return row
 
 
 def _scores(answers: list[str], full_answers: list[str]) -> dict[str, Any]:
@@ -371,11 +441,14 @@ def _report(
             "blocks": prep.stream.manifest.num_blocks,
             "block_tokens": g.block_tokens,
             "dtype": g.dtype,
-            "bytes": prep.transfer.nbytes,
+            "bytes": prep.stream.payload.size,
             "card_cached": prep.cached,
         },
         deadline_s=prep.deadline_s,
         send_time_s=prep.send_time_s,
+        budget_s=prep.budget_s,
+        plan=_plan_dict(prep),
+        link_down=baseline["link_down"],
         full_answer=full_answer,
         reprefill=baseline["reprefill"],
         no_cache=baseline["no_cache"],
@@ -396,10 +469,22 @@ def _report(
     )  # fmt: skip
 
 
-def _profile_rate_bps() -> float:
-    from kvtransport.netem import load_profile
+def _plan_dict(prep: _Prepared) -> dict[str, Any]:
+    from kvtransport.blocks import PRECISIONS
 
-    return load_profile(PROFILE).rate_bps
+    p = prep.plan
+    codes, counts = np.unique(p.precision[p.precision >= 0], return_counts=True)
+    return {
+        "text": p.describe(),
+        "split_tokens": p.split,
+        "blocks": {PRECISIONS[int(c)]: int(n) for c, n in zip(codes, counts, strict=True)},
+        "payload_bytes": p.payload_bytes,
+        "planned_compute_s": p.compute_s,
+        "planned_link_s": p.link_s,
+        "fits": p.fits,
+        "compute_speed": {"per_call_s": prep.speed.per_call_s,
+                          "per_token_s": prep.speed.per_token_s},
+    }  # fmt: skip
 
 
 def _check_config(cfg: DemoConfig) -> None:
@@ -409,8 +494,23 @@ def _check_config(cfg: DemoConfig) -> None:
         raise UserError(f"--task must be one of {', '.join(TASK_NAMES)}, not {cfg.task!r}")
     if not 32 <= cfg.tokens <= MAX_TOKENS:
         raise UserError(f"--tokens must be 32..{MAX_TOKENS}, not {cfg.tokens}")
-    if not (cfg.rho > 0 and math.isfinite(cfg.rho)) or cfg.rho > 10:
-        raise UserError(f"--rho must be in (0, 10], not {cfg.rho:g}")
+    if not (cfg.budget > 0 and math.isfinite(cfg.budget)) or cfg.budget > 1:
+        raise UserError(f"--budget must be in (0, 1], not {cfg.budget:g}")
+    if cfg.rate_mbps is not None and not (1 <= cfg.rate_mbps <= 10_000):
+        raise UserError(f"--rate-mbps must be in [1, 10000], not {cfg.rate_mbps:g}")
+    from kvtransport.blocks import PRECISIONS
+
+    if not cfg.precision or any(p not in PRECISIONS for p in cfg.precision):
+        raise UserError(
+            f"--precision must list names from {', '.join(PRECISIONS)}, best first, "
+            f"not {','.join(cfg.precision)!r}"
+        )
+    if cfg.compute_speed is not None and not (
+        len(cfg.compute_speed) == 2
+        and all(math.isfinite(x) and 0 <= x < 10 for x in cfg.compute_speed)
+        and cfg.compute_speed[1] > 0
+    ):
+        raise UserError("--compute-speed must be CALL_MS,TOKEN_MS with TOKEN_MS > 0")
     if cfg.threads < 1:
         raise UserError(f"--threads must be at least 1, not {cfg.threads}")
     if cfg.max_new_tokens < 1:

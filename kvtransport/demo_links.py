@@ -52,7 +52,9 @@ class LinkOutcome:
         cls, res: Any, transfer_s: float, counters: dict[str, Any] | None = None
     ) -> LinkOutcome:
         """From a receiver's result (kvtransport.transfer.TransferResult, or the daemon's
-        published kvtransport.api.DeliveredResult)."""
+        published kvtransport.api.DeliveredResult); block arrival times are counted back
+        from the result, which came ``transfer_s`` after the transfer's start."""
+        age = getattr(res, "complete_age_s", None)
         return cls(
             utility=float(res.utility_recovered),
             reason=res.reason,
@@ -61,6 +63,7 @@ class LinkOutcome:
             app_metadata=res.app_metadata,
             transfer_s=float(transfer_s),
             counters=counters if counters is not None else {},
+            arrival_s=None if age is None else float(transfer_s) - np.asarray(age, np.float64),
         )
 
 
@@ -154,25 +157,31 @@ def choose_link(requested: str) -> tuple[str, str]:
 
 @contextlib.contextmanager
 def open_link(
-    link: str, seed: int, policies: tuple[str, ...] = (), *, fallback: bool = False
+    link: str,
+    seed: int,
+    policies: tuple[str, ...] = (),
+    *,
+    fallback: bool = False,
+    profile: Any = PROFILE,
 ) -> Iterator[tuple[Link, str]]:
-    """(link object, note) for "netns" or "emulated", closed on exit; both start loading
-    ``policies`` at once. With ``fallback``, a testbed that cannot come up gives the
-    emulated link and a note saying why."""
+    """(link object, note) for "netns" or "emulated" carrying ``profile`` (a name or a
+    kvtransport.netem Profile), closed on exit; both start loading ``policies`` at once.
+    With ``fallback``, a testbed that cannot come up gives the emulated link and a note
+    saying why."""
     from kvtransport.demo_emulated import EmulatedLink
     from kvtransport.demo_netns import NetnsLink
 
     note = ""
     if link == "netns":
         try:
-            obj: Link = NetnsLink(seed, policies=policies)
+            obj: Link = NetnsLink(seed, profile=profile, policies=policies)
         except UserError as exc:
             if not fallback:
                 raise
             note = f"the netns testbed did not come up ({exc}); using the emulated link"
-            obj = EmulatedLink(policies=policies)
+            obj = EmulatedLink(profile=profile, policies=policies)
     else:
-        obj = EmulatedLink(policies=policies)
+        obj = EmulatedLink(profile=profile, policies=policies)
     try:
         yield obj, note
     finally:

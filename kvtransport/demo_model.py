@@ -115,3 +115,68 @@ def rebuild(stream: Any, outcome: LinkOutcome, context_ids: list[int]) -> tuple[
         outcome.app_metadata, outcome.payload, outcome.complete, token_ids=context_ids
     )
     return got.cache, got.present
+
+
+def link_profile(rate_mbps: float | None) -> Any:
+    """The demo's link profile (kvtransport.demo_links.PROFILE), at another rate if given."""
+    from kvtransport.demo_links import PROFILE
+    from kvtransport.netem import load_profile
+
+    return load_profile(PROFILE).with_overrides(rate_mbps, None)
+
+
+def blocks_decode(planned: Any, outcome: LinkOutcome, context_ids: list[int]) -> Any:
+    """The blocks that arrived (kvtransport.blocks.Reassembled) of a planned stream."""
+    from kvtransport import blocks
+
+    return blocks.decode_stream(
+        outcome.app_metadata, outcome.payload, outcome.complete, token_ids=context_ids
+    )
+
+
+def plan_stream(
+    loaded: Any,
+    stream: Any,
+    context_ids: list[int],
+    profile: Any,
+    speed: Any,
+    budget_s: float,
+    question_tokens: int,
+    levels: tuple[str, ...],
+) -> tuple[Any, Any, float]:
+    """Plan the handoff (kvtransport.plan) for a TTFT budget and encode what it sends.
+
+    The link's part of the budget is what is left after the receiver's own work once the
+    cache is in place: rebuilding the received blocks (measured on the planned stream, so
+    the plan is made twice) and the question's forward pass. Returns (plan, the planned
+    stream in prefix order, rebuild seconds).
+    """
+    from kvtransport import blocks, utility
+    from kvtransport.plan import LinkEstimate, plan_handoff
+    from kvtransport.protocol import DEFAULT_SYMBOL_SIZE
+
+    full = blocks.decode_stream(stream.manifest, stream.payload, token_ids=context_ids)
+    m = stream.manifest
+    g = m.geometry
+    u = np.zeros((g.num_layers, g.token_blocks))
+    u[m.layer.astype(np.int64), m.token_block.astype(np.int64)] = m.utility
+    link = LinkEstimate(
+        rate_bps=profile.rate_bps,
+        loss=float(profile.stationary_loss()),
+        one_way_s=profile.delay_ms / 1e3,
+        symbol_size=DEFAULT_SYMBOL_SIZE,
+    )
+    order = utility.stream_order(u, g.block_tokens, "position")
+    answer_s = float(speed.seconds(question_tokens))
+    rebuild_s = 0.0
+    for _ in range(2):
+        budget = max(budget_s - answer_s - rebuild_s, 1e-3)
+        plan = plan_handoff(g, u, link=link, speed=speed, budget_s=budget, levels=levels)
+        planned = blocks.encode_stream(
+            full.cache, u, order, plan.precision, block_tokens=g.block_tokens,
+            created=dict(m.created, plan=f"split {plan.split}"),
+        )  # fmt: skip
+        t0 = time.perf_counter()
+        blocks.decode_stream(planned.manifest, planned.payload, token_ids=context_ids)
+        rebuild_s = time.perf_counter() - t0
+    return plan, planned, rebuild_s

@@ -30,6 +30,8 @@ MAX_TOKENS = 2048  # 94 MiB of fp32 cache: each scheme's delivery is held until 
 DEFAULT_MAX_NEW_TOKENS = 24
 QUICK_MAX_NEW_TOKENS = 12
 DEFAULT_QUESTIONS = 5
+DEFAULT_BUDGET = 0.3
+DEFAULT_PRECISIONS = ("fp16", "int8")
 MAX_QUESTIONS = 10
 
 
@@ -39,6 +41,13 @@ class DemoConfig:
 
     card_dir: where cache cards are kept between runs (None: no caching).
     threads: torch threads for prefill and decoding (the TTFT figures depend on it).
+    budget: the TTFT budget as a share of the receiver's own estimate of re-prefilling
+        (the handoff plan fits the cache into it; kvtransport.plan).
+    rate_mbps: the link's rate (None: the profile's 100 Mbit/s).
+    precision: the precisions the plan may send, best first (the last is the floor).
+    compute_speed: (seconds per call, seconds per token) of the receiver's compute, used
+        by the plan instead of measuring it (a fixed plan makes the emulated link's
+        transfers repeat exactly).
     questions: how many questions each received cache answers (the task's own first, then
         other facts of the same context: kvtransport.tasks.question_set; fewer when the
         context states fewer facts). One answer flips on small cache differences; the
@@ -48,7 +57,10 @@ class DemoConfig:
     task: str = "facts_qa"
     tokens: int = DEFAULT_TOKENS
     seed: int = 1
-    rho: float = 0.8
+    budget: float = DEFAULT_BUDGET
+    rate_mbps: float | None = None
+    precision: tuple[str, ...] = DEFAULT_PRECISIONS
+    compute_speed: tuple[float, float] | None = None
     link: str = "auto"
     threads: int = 1
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
@@ -83,6 +95,11 @@ class SchemeResult:
     f1s: list[float] = field(default_factory=list)
     matches: int | None = None
     transfer_s: float | None = None
+    race_s: float | None = None  # the receiver's cache complete (kvtransport.race)
+    computed_tokens: int | None = None  # by the receiver: its prefix and what it recomputed
+    recomputed_tokens: int | None = None  # of those, after the planned prefix
+    loaded_tokens: int | None = None  # from the link
+    waited_s: float | None = None
     rebuild_s: float | None = None
     first_token_s: float | None = None
     ttft_s: float | None = None
@@ -112,6 +129,9 @@ class DemoReport:
     answers_agree: bool  # the full cache answered every question as re-prefilling did
     schemes: list[SchemeResult]
     timings: dict[str, float]
+    budget_s: float = 0.0  # the TTFT budget
+    plan: dict[str, Any] = field(default_factory=dict)
+    link_down: SchemeResult | None = None  # the receiver alone (100 % loss): the fallback
     questions: list[dict[str, Any]] = field(default_factory=list)
     # the floor: every block masked (answers, f1s, f1, matches as in SchemeResult)
     no_cache: dict[str, Any] = field(default_factory=dict)
@@ -119,16 +139,18 @@ class DemoReport:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["schemes"] = [asdict(s) for s in self.schemes]
+        d["link_down"] = asdict(self.link_down) if self.link_down is not None else None
         return d
 
     def deterministic_view(self) -> dict[str, Any]:
         """The parts a seed fixes on the emulated link (measured timings left out)."""
-        keep = ("label", "utility", "blocks_missing", "reason", "answers", "f1s", "matches",
-                "transfer_s")  # fmt: skip
+        keep = ("label", "utility", "blocks_missing", "reason", "transfer_s")
+        plan = {k: v for k, v in self.plan.items() if k != "compute_speed"}
         return {
             "questions": [(q["question"], q["full_answer"]) for q in self.questions],
             "no_cache": self.no_cache,
             "cache": {k: v for k, v in self.cache.items() if k != "card_cached"},
+            "plan": plan,
             "schemes": [{k: getattr(s, k) for k in keep} | s.counters for s in self.schemes],
         }
 
@@ -136,8 +158,9 @@ class DemoReport:
 def determinism_text(link: str, seed: int) -> str:
     if link == "emulated":
         return (
-            f"yes for seed {seed}: utility, blocks, answers, F1 and link times repeat exactly "
-            "(the link runs on its own clock); TTFT's compute part is measured and varies"
+            f"yes for seed {seed} and one plan: utility, blocks and link times repeat exactly "
+            "(the link runs on its own clock); the plan follows the measured compute speed "
+            "(fixed with --compute-speed) and TTFT's compute part is measured"
         )
     return (
         "no: real clocks and kernel queues decide when packets leave and when feedback "
@@ -160,7 +183,7 @@ def render_table(rep: DemoReport) -> str:
     c, t = rep.cache, rep.task
     k = len(rep.questions)
     lines = [
-        "kvtransport demo: a KV-cache handoff across a burst-loss link",
+        "kvtransport demo: a KV-cache handoff across a burst-loss link, against re-prefill",
         f"  link      {rep.link['description']}",
     ]
     if rep.link["note"]:
@@ -173,27 +196,31 @@ def render_table(rep: DemoReport) -> str:
         f"layers, {c['blocks']} blocks of {c['block_tokens']} tokens, "
         f"{c['bytes'] / 2**20:.1f} MiB {c['dtype']}"
         + (" (card from the cache directory)" if c["card_cached"] else ""),
-        f"  deadline  rho {rep.config['rho']:g}: {rep.deadline_s * 1e3:.0f} ms "
-        f"(the whole cache takes {rep.send_time_s * 1e3:.0f} ms loss-free at the link rate)",
+        f"  budget    TTFT {rep.budget_s * 1e3:.0f} ms ({rep.config['budget']:g} of the "
+        f"receiver's re-prefill estimate); transport deadline {rep.deadline_s * 1e3:.0f} ms",
+        f"  plan      {rep.plan.get('text', '')}",
         "",
     ]
     aw = 30
-    head = ("scheme", "utility", "blocks missing", "answer to Q1", "F1", "same answer",
-            "TTFT s", "speed-up")  # fmt: skip
+    head = ("scheme", "utility", "blocks missing", "computed", "answer to Q1", "F1",
+            "same answer", "TTFT s", "speed-up")  # fmt: skip
+    n_tok = c["context_tokens"]
     rows: list[tuple[str, ...]] = [
-        ("full cache", "1.000", f"0/{c['blocks']}", _clip(rep.full_answer, aw), "1.00",
+        ("full cache", "1.000", f"0/{c['blocks']}", "-", _clip(rep.full_answer, aw), "1.00",
          f"{k}/{k}", "-", "-")
     ]  # fmt: skip
-    for s in rep.schemes:
-        if s.utility is None:
-            rows.append((s.label, "-", "-", _clip(s.error or "did not run", aw), "-", "-", "-",
-                         "-"))  # fmt: skip
+    race_rows = [*rep.schemes, *([rep.link_down] if rep.link_down is not None else [])]
+    for s in race_rows:
+        if s.ttft_s is None:
+            rows.append((s.label, "-", "-", "-", _clip(s.error or "did not run", aw), "-", "-",
+                         "-", "-"))  # fmt: skip
             continue
         rows.append(
             (
                 s.label,
                 f"{s.utility:.3f}",
                 f"{s.blocks_missing}/{s.blocks_total}",
+                f"{s.computed_tokens}/{n_tok}",
                 _clip(s.answer, aw),
                 f"{s.f1:.2f}",
                 f"{s.matches}/{len(s.answers)}",
@@ -203,7 +230,7 @@ def render_table(rep: DemoReport) -> str:
         )
     nc = rep.no_cache
     rows.append(
-        ("no cache", "0.000", f"{c['blocks']}/{c['blocks']}", _clip(nc["answers"][0], aw),
+        ("no cache", "0.000", "-", "-", _clip(nc["answers"][0], aw),
          f"{nc['f1']:.2f}", f"{nc['matches']}/{k}", "-", "-")
     )  # fmt: skip
     rp = rep.reprefill
@@ -212,11 +239,11 @@ def render_table(rep: DemoReport) -> str:
     re_f1 = [_f1(a, b) for a, b in zip(re_answers, full_answers, strict=True)]
     re_same = sum(_same(a, b) for a, b in zip(re_answers, full_answers, strict=True))
     rows.append(
-        ("re-prefill", "-", "-", _clip(rp["answer"], aw), f"{sum(re_f1) / max(k, 1):.2f}",
-         f"{re_same}/{k}", f"{rp['ttft_s']:.2f}", "1.0x")
+        ("re-prefill", "-", "-", f"{n_tok}/{n_tok}", _clip(rp["answer"], aw),
+         f"{sum(re_f1) / max(k, 1):.2f}", f"{re_same}/{k}", f"{rp['ttft_s']:.2f}", "1.0x")
     )  # fmt: skip
     widths = [max(len(r[j]) for r in [head, *rows]) for j in range(len(head))]
-    right = {1, 2, 4, 5, 6, 7}
+    right = {1, 2, 3, 5, 6, 7, 8}
 
     def fmt(r: tuple[str, ...]) -> str:
         cells = [
@@ -237,11 +264,15 @@ def render_table(rep: DemoReport) -> str:
     lines += [
         "",
         f"  The full-cache answers {agree} the re-prefill answers.",
-        "  utility: share of the cache's utility in blocks complete at the receiver's deadline;",
+        "  utility: share of the cache's utility in place at the transport's deadline (the",
+        "  receiver's planned prefix and the blocks complete); blocks missing: of those sent;",
+        "  computed: context tokens the receiver computed itself (its planned prefix, and what",
+        "  never arrived, recomputed exactly); every scheme answers from a complete cache;",
         f"  F1: token F1 of each answer against the full-cache answer, mean of the {k} questions;",
         "  same answer: answers equal to the full cache's (after SQuAD normalization);",
         "  no cache: every block masked, the question alone (what the model knows anyway);",
-        "  TTFT (Q1): transfer until the receiver's result + rebuild + injection + first token,",
+        "  TTFT (Q1): the receiver's cache complete (computing while loading) + rebuild +",
+        "  injection + first token; link down: the receiver alone, nothing arrives (100 % loss);",
         f"  against re-prefilling the context ({rp['prefill_s']:.2f} s) + first token; "
         f"torch threads: {rep.config['threads']}.",
         f"  wall time {rep.timings['total']:.1f} s "

@@ -146,6 +146,8 @@ class ReceiverSession:
         self._blk_next = 0
         self._blk_util: list[float] = []
         self.complete = np.zeros(0, dtype=np.bool_)
+        self.complete_at = np.zeros(0, dtype=np.float64)  # when each block completed
+        self._now = now  # the time of the datagram being handled
         self.blocks_complete = 0
         self.utility = 0.0
 
@@ -223,6 +225,7 @@ class ReceiverSession:
             self.framer = Framer(self.transfer_id, self._key, max_payload=2048)
             self.timings["first_packet"] = now
         self.last_activity = now
+        self._now = now
         mon = self.monitor
         gap = mon.on_packet(seq)
         if mon.highest == seq:
@@ -399,6 +402,7 @@ class ReceiverSession:
 
     def _block_done(self, b: int) -> None:
         self.complete[b] = True
+        self.complete_at[b] = self._now
         self.blocks_complete += 1
         self.utility += self._blk_util[b]
 
@@ -451,6 +455,7 @@ class ReceiverSession:
         self._blk_missing = missing.tolist()
         self._blk_util = m.blocks.utilities.tolist()
         self.complete = missing == 0
+        self.complete_at = np.where(self.complete, now, np.inf)
         self.blocks_complete = int(self.complete.sum())
         self.utility = float(m.blocks.utilities[self.complete].sum())
         if nb == 0:
@@ -566,16 +571,19 @@ class ReceiverSession:
         if m is not None:
             payload = self._out[: m.payload_len]
             complete = self.complete.copy()
+            complete_at = self.complete_at.copy()
             missing = np.flatnonzero(~complete)
             utility = min(self.utility, 1.0)
         else:
             payload = np.zeros(0, dtype=np.uint8)
             complete = np.zeros(0, dtype=np.bool_)
+            complete_at = np.zeros(0, dtype=np.float64)
             missing = np.zeros(0, dtype=np.int64)
             utility = 0.0
         self.result = TransferResult(
-            self.transfer_id or 0, m, payload, complete, missing, utility, reason, self.timings
-        )
+            self.transfer_id or 0, m, payload, complete, missing, utility, reason, self.timings,
+            complete_at,
+        )  # fmt: skip
         self._next_fb = None
         self._sync_decoder()
         self.decoder_stats = dict(self.decoder.stats) if self.decoder is not None else {}

@@ -258,10 +258,20 @@ class TransferResult:
     utility_recovered: float
     reason: str  # "complete", "deadline", "abort", "fin", "idle"
     timings: dict[str, float] = field(default_factory=dict)
+    # per block: the session time at which it became complete (inf: never)
+    complete_at: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float64))
 
     @property
     def app_metadata(self) -> bytes | None:
         return self.manifest.app_metadata if self.manifest is not None else None
+
+    @property
+    def complete_age_s(self) -> np.ndarray:
+        """Per block: seconds from its completion to the result (inf: never complete)."""
+        finished = self.timings.get("finished")
+        if finished is None or self.complete_at.size != self.complete.size:
+            return np.full(self.complete.size, np.inf)
+        return finished - self.complete_at
 
     def block_bytes(self, index: int) -> np.ndarray:
         """The bytes of block ``index`` (meaningful only if it is complete)."""

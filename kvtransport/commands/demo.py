@@ -74,8 +74,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="context size in tokens (default 512; 128 with --quick)",
     )
     parser.add_argument(
-        "--rho", type=float, default=0.8, help="deadline / loss-free send time (default 0.8)"
-    )
+        "--budget", type=float, default=None, metavar="SHARE",
+        help="TTFT budget as a share of the receiver's re-prefill estimate (default 0.3)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--rate-mbps", type=float, default=None, metavar="R",
+        help="link rate in Mbit/s (default: the ge-heavy profile's 100)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--compute-speed", default=None, metavar="CALL_MS,TOKEN_MS",
+        help="the receiver's compute cost for the plan instead of measuring it (a fixed "
+        "plan makes --link emulated repeat exactly)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--precision", default=None, metavar="LIST",
+        help="precisions the plan may send, best first (default fp16,int8; e.g. fp32 or "
+        "fp16,int8,int4)",
+    )  # fmt: skip
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads for prefill and decoding (1)"
     )
@@ -109,7 +124,6 @@ def run(args: argparse.Namespace) -> int:
     overrides = {
         "task": args.task,
         "seed": args.seed,
-        "rho": args.rho,
         "link": args.link,
         "threads": args.threads,
         "card_dir": None if args.no_card_cache else Path(default_card_dir()),
@@ -121,7 +135,25 @@ def run(args: argparse.Namespace) -> int:
         overrides["max_new_tokens"] = args.max_new_tokens
     if args.questions is not None:
         overrides["questions"] = args.questions
+    if args.budget is not None:
+        overrides["budget"] = args.budget
+    if args.rate_mbps is not None:
+        overrides["rate_mbps"] = args.rate_mbps
+    if args.compute_speed is not None:
+        overrides["compute_speed"] = _speed(args.compute_speed)
+    if args.precision is not None:
+        overrides["precision"] = tuple(p.strip() for p in args.precision.split(",") if p.strip())
     cfg = DemoConfig(**{**base.__dict__, **overrides})
     report = run_demo(cfg)
     print(report_json(report) if args.json else render_table(report))
     return 0
+
+
+def _speed(text: str) -> tuple[float, float]:
+    from kvtransport.errors import UserError
+
+    try:
+        call_ms, token_ms = (float(x) for x in text.split(","))
+    except ValueError:
+        raise UserError(f"--compute-speed must be CALL_MS,TOKEN_MS, not {text!r}") from None
+    return call_ms / 1e3, token_ms / 1e3

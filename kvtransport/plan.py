@@ -1,0 +1,214 @@
+"""The handoff planner: what the receiver computes, what crosses the link, at which precision.
+
+Before the first datagram the sender decides, from the TTFT budget, the link estimate and
+the receiver's measured compute speed (kvtransport.cache_builder.ComputeSpeed):
+
+- the **split**: the context's first ``split`` tokens, which the receiver computes itself
+  while the rest streams in (compute while loading); their blocks are not sent;
+- each sent block's **precision** (fp16 or int8 by default; int4 only when asked): every
+  block starts at the cheapest level and blocks are upgraded in utility order while the
+  bytes still cross within the budget;
+- the **stream order**: token ranges front first, every layer of a range together (the
+  ``position`` order of kvtransport.utility), so that what the deadline cuts off or the
+  channel destroys sits in few token ranges at the tail, which the receiver recomputes
+  cheaply (kvtransport.race);
+- the planned arrival of every token range, which the receiver uses to decide between
+  waiting for a range and computing it.
+
+The objective is the expected answer fidelity: the utility-weighted share of the cache
+that the receiver holds exactly (computed) or at a precision's fidelity
+(kvtransport.blocks.DEFAULT_FIDELITY), with everything in place by the budget; among
+equal plans the one that finishes first. The link time of ``b`` payload bytes is the
+loss-free wire time inflated by the expected loss and a repair margin, plus one one-way
+delay. When nothing fits the budget (even all at the cheapest precision), the plan is the
+split that finishes soonest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvtransport.blocks import DEFAULT_FIDELITY, PRECISIONS, Geometry
+from kvtransport.cache_builder import ComputeSpeed
+from kvtransport.simulator import full_send_time
+
+DEFAULT_LEVELS = ("fp16", "int8")
+DEFAULT_REPAIR_MARGIN = 0.15
+
+
+@dataclass(frozen=True)
+class LinkEstimate:
+    """What the sender assumes of the link: rate, loss share, one-way delay."""
+
+    rate_bps: float
+    loss: float
+    one_way_s: float
+    symbol_size: int
+
+    def seconds(self, payload_bytes: float, repair_margin: float = DEFAULT_REPAIR_MARGIN) -> float:
+        """Expected time until ``payload_bytes`` are at the receiver (0 bytes: 0 s)."""
+        if payload_bytes <= 0:
+            return 0.0
+        wire = full_send_time(int(payload_bytes), self.rate_bps, self.symbol_size)
+        return self.one_way_s + wire * (1.0 + repair_margin) / max(1.0 - self.loss, 0.05)
+
+    def max_bytes(self, seconds: float, repair_margin: float = DEFAULT_REPAIR_MARGIN) -> int:
+        """The most payload bytes expected at the receiver within ``seconds``."""
+        lo, hi = 0, 1
+        while self.seconds(hi, repair_margin) <= seconds:
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.seconds(mid, repair_margin) <= seconds else (lo, mid)
+        return lo
+
+
+@dataclass(frozen=True)
+class HandoffPlan:
+    """A plan (see the module docstring).
+
+    precision: codes ``[layers, token_blocks]`` (index into kvtransport.blocks.PRECISIONS;
+        -1 for the receiver's prefix). expect_at: per token range, the planned arrival in
+        seconds from the start (inf for the prefix). fidelity: the objective's value.
+    """
+
+    split: int
+    precision: np.ndarray
+    expect_at: np.ndarray
+    payload_bytes: int
+    compute_s: float
+    link_s: float
+    fidelity: float
+    fits: bool  # everything is planned in place by the budget
+    prefix_utility: float  # the share of the cache's utility the receiver computes
+
+    @property
+    def finish_s(self) -> float:
+        return max(self.compute_s, self.link_s)
+
+    def describe(self) -> str:
+        names, counts = np.unique(self.precision[self.precision >= 0], return_counts=True)
+        mix = ", ".join(f"{c} {PRECISIONS[int(p)]}" for p, c in zip(names, counts, strict=True))
+        return (
+            f"receiver computes tokens 0-{self.split}, the link carries {mix or 'nothing'} "
+            f"blocks ({self.payload_bytes / 2**20:.1f} MiB); planned in place at "
+            f"{self.finish_s * 1e3:.0f} ms"
+        )
+
+
+def plan_handoff(
+    geometry: Geometry,
+    utilities: np.ndarray,
+    *,
+    link: LinkEstimate,
+    speed: ComputeSpeed,
+    budget_s: float,
+    levels: tuple[str, ...] = DEFAULT_LEVELS,
+    repair_margin: float = DEFAULT_REPAIR_MARGIN,
+    fidelity: dict[str, float] | None = None,
+) -> HandoffPlan:
+    """The best plan for ``budget_s`` seconds (see the module docstring).
+
+    utilities: ``[layers, token_blocks]`` block utilities (normalized here); levels: the
+    precisions the link may carry, best first (the last is the floor every sent block
+    gets).
+    """
+    g = geometry
+    u = np.asarray(utilities, dtype=np.float64)
+    if u.shape != (g.num_layers, g.token_blocks):
+        raise ValueError(f"utilities {u.shape} != ({g.num_layers}, {g.token_blocks})")
+    if not levels or any(p not in PRECISIONS for p in levels):
+        raise ValueError(f"levels must be names from {PRECISIONS}, not {levels}")
+    if not budget_s > 0:
+        raise ValueError(f"budget must be positive, not {budget_s}")
+    u = u / u.sum()
+    fid = np.array([(fidelity or DEFAULT_FIDELITY)[p] for p in levels])
+    cost = g.cost_table(levels).reshape(g.num_layers, g.token_blocks, len(levels))
+    best: tuple[tuple[float, float], HandoffPlan] | None = None
+    fastest: tuple[float, HandoffPlan] | None = None
+    for k in range(g.token_blocks + 1):
+        split = min(k * g.block_tokens, g.num_tokens)
+        compute_s = float(speed.seconds(split))
+        if compute_s > budget_s and best is not None:
+            break  # a longer prefix only computes longer
+        level = np.full((g.num_layers, g.token_blocks), len(levels) - 1)
+        level[:, :k] = -1
+        plan = _plan(g, u, k, level, cost, fid, link, repair_margin, compute_s, budget_s, levels)
+        if plan.fits:
+            plan = _upgrade(g, u, k, level, cost, fid, link, repair_margin, compute_s,
+                            budget_s, levels)  # fmt: skip
+            key = (round(plan.fidelity, 9), -plan.finish_s)
+            if best is None or key > best[0]:
+                best = (key, plan)
+        if fastest is None or plan.finish_s < fastest[0]:
+            fastest = (plan.finish_s, plan)
+    assert fastest is not None
+    return best[1] if best is not None else fastest[1]
+
+
+def _upgrade(
+    g: Geometry,
+    u: np.ndarray,
+    k: int,
+    level: np.ndarray,
+    cost: np.ndarray,
+    fid: np.ndarray,
+    link: LinkEstimate,
+    margin: float,
+    compute_s: float,
+    budget_s: float,
+    levels: tuple[str, ...],
+) -> HandoffPlan:
+    """Raise sent blocks one level at a time in utility order while the bytes still fit
+    (the longest prefix of the utility order whose extra bytes fit, level by level)."""
+    level = level.copy()
+    room = link.max_bytes(budget_s, margin) - int(cost[:, k:, -1].sum())
+    for target in range(len(levels) - 2, -1, -1):
+        cand = np.argwhere(level == target + 1)
+        cand = cand[np.argsort(-u[cand[:, 0], cand[:, 1]], kind="stable")]
+        extra = cost[cand[:, 0], cand[:, 1], target] - cost[cand[:, 0], cand[:, 1], target + 1]
+        take = int(np.searchsorted(np.cumsum(extra), room, side="right"))
+        level[cand[:take, 0], cand[:take, 1]] = target
+        room -= int(extra[:take].sum())
+    return _plan(g, u, k, level, cost, fid, link, margin, compute_s, budget_s, levels)
+
+
+def _plan(
+    g: Geometry,
+    u: np.ndarray,
+    k: int,
+    level: np.ndarray,
+    cost: np.ndarray,
+    fid: np.ndarray,
+    link: LinkEstimate,
+    margin: float,
+    compute_s: float,
+    budget_s: float,
+    levels: tuple[str, ...],
+) -> HandoffPlan:
+    sent = level >= 0
+    lv = np.maximum(level, 0)
+    block_bytes = np.where(sent, np.take_along_axis(cost, lv[..., None], 2)[..., 0], 0)
+    per_range = block_bytes.sum(axis=0)  # position order: a range's layers back to back
+    cum = np.cumsum(per_range)
+    expect = np.array([link.seconds(float(c), margin) for c in cum])
+    expect[:k] = np.inf
+    nbytes = int(cum[-1]) if cum.size else 0
+    link_s = link.seconds(nbytes, margin)
+    codes = np.array([PRECISIONS.index(p) for p in levels])
+    precision = np.where(sent, codes[lv], -1)
+    fidelity = float(u[~sent].sum() + (u * np.where(sent, fid[lv], 0.0)).sum())
+    fits = compute_s <= budget_s and link_s <= budget_s
+    return HandoffPlan(
+        split=min(k * g.block_tokens, g.num_tokens),
+        precision=precision.astype(np.int64),
+        expect_at=expect,
+        payload_bytes=nbytes,
+        compute_s=compute_s,
+        link_s=link_s,
+        fidelity=fidelity,
+        fits=fits,
+        prefix_utility=float(u[:, :k].sum()),
+    )

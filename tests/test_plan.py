@@ -1,0 +1,91 @@
+"""The handoff planner: byte budget, utility-ordered upgrades, split against link speed."""
+
+import numpy as np
+import pytest
+
+from kvtransport import blocks, utility
+from kvtransport.cache_builder import ComputeSpeed
+from kvtransport.kvcache import KVCache
+from kvtransport.plan import LinkEstimate, plan_handoff
+
+GEOM = blocks.Geometry(num_layers=30, num_kv_heads=3, num_tokens=504, head_dim=64)
+SPEED = ComputeSpeed(per_call_s=0.01, per_token_s=0.004)  # ~2 s for 504 tokens
+LINK = LinkEstimate(rate_bps=100e6, loss=0.12, one_way_s=0.005, symbol_size=1280)
+FP16, INT8 = blocks.PRECISIONS.index("fp16"), blocks.PRECISIONS.index("int8")
+
+
+def _utilities(seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    u = rng.gamma(0.5, size=(GEOM.num_layers, GEOM.token_blocks))
+    return u / u.sum()
+
+
+def _bytes(plan) -> int:
+    cost = GEOM.cost_table(blocks.PRECISIONS).reshape(GEOM.num_layers, GEOM.token_blocks, -1)
+    sent = plan.precision >= 0
+    return int(np.take_along_axis(cost, np.maximum(plan.precision, 0)[..., None], 2)[sent].sum())
+
+
+@pytest.mark.parametrize("budget", [0.6, 0.8, 1.2])
+def test_plan_fits_its_budget(budget):
+    plan = plan_handoff(GEOM, _utilities(), link=LINK, speed=SPEED, budget_s=budget)
+    assert plan.fits
+    assert plan.payload_bytes == _bytes(plan)
+    assert LINK.seconds(plan.payload_bytes) <= budget
+    assert SPEED.seconds(plan.split) <= budget
+    assert np.all(plan.precision[:, : plan.split // GEOM.block_tokens] == -1)
+    assert np.all(plan.precision[:, plan.split // GEOM.block_tokens :] >= 0)
+
+
+def test_more_budget_never_lowers_fidelity_and_upgrades_by_utility():
+    u = _utilities(1)
+    plans = [plan_handoff(GEOM, u, link=LINK, speed=SPEED, budget_s=b) for b in (0.6, 0.8, 1.5)]
+    fid = [p.fidelity for p in plans]
+    assert fid == sorted(fid) and fid[0] < fid[-1]
+    for p in plans:
+        sent = p.precision >= 0
+        hi, lo = u[p.precision == FP16], u[p.precision == INT8]
+        if hi.size and lo.size:
+            assert hi.min() >= lo.max()  # fp16 went to the most useful blocks
+        assert sent.any()
+
+
+def test_a_slower_link_moves_work_to_the_receiver():
+    u = _utilities(2)
+    fast = plan_handoff(GEOM, u, link=LINK, speed=SPEED, budget_s=0.6)
+    slow_link = LinkEstimate(rate_bps=30e6, loss=0.12, one_way_s=0.005, symbol_size=1280)
+    slow = plan_handoff(GEOM, u, link=slow_link, speed=SPEED, budget_s=0.6)
+    assert slow.split > fast.split
+
+
+def test_an_impossible_budget_gives_the_fastest_plan():
+    plan = plan_handoff(GEOM, _utilities(), link=LINK, speed=SPEED, budget_s=0.05)
+    assert not plan.fits
+    for k in range(GEOM.token_blocks + 1):
+        split = min(k * GEOM.block_tokens, GEOM.num_tokens)
+        rest = GEOM.cost_table(("int8",)).reshape(GEOM.num_layers, -1)[:, k:].sum()
+        assert plan.finish_s <= max(SPEED.seconds(split), LINK.seconds(rest)) + 1e-12
+
+
+def test_expected_arrivals_follow_the_prefix_order():
+    plan = plan_handoff(GEOM, _utilities(), link=LINK, speed=SPEED, budget_s=0.7)
+    k = plan.split // GEOM.block_tokens
+    assert np.all(np.isinf(plan.expect_at[:k]))
+    assert np.all(np.diff(plan.expect_at[k:]) > 0)
+    assert plan.expect_at[-1] == pytest.approx(plan.link_s)
+
+
+def test_the_planned_stream_carries_exactly_the_planned_bytes():
+    rng = np.random.default_rng(0)
+    g = blocks.Geometry(num_layers=4, num_kv_heads=2, num_tokens=100, head_dim=32)
+    shape = (g.num_layers, g.num_kv_heads, g.num_tokens, g.head_dim)
+    kv = KVCache(rng.normal(size=shape).astype(np.float32),
+                 rng.normal(size=shape).astype(np.float32), np.arange(100), "m")  # fmt: skip
+    u = rng.random((g.num_layers, g.token_blocks))
+    link = LinkEstimate(rate_bps=10e6, loss=0.0, one_way_s=0.001, symbol_size=1280)
+    plan = plan_handoff(g, u, link=link, speed=SPEED, budget_s=0.08)
+    order = utility.stream_order(u, g.block_tokens, "position")
+    s = blocks.encode_stream(kv, u, order, plan.precision)
+    assert s.payload.size == plan.payload_bytes
+    tb = s.manifest.token_block.astype(int)
+    assert np.all(np.diff(tb) >= 0) and tb.min() == plan.split // g.block_tokens

@@ -1,0 +1,138 @@
+"""The receiver's race on the real model: every path builds the exact cache.
+
+A cache built by computing ranges (the receiver's prefix, holes, or everything when the
+link is dead) must equal one full prefill; a cache built by loading must hold exactly
+what was loaded. Each test poisons what must not be used, so a race that loads a range
+it should have computed (or the reverse) fails.
+"""
+
+import numpy as np
+import pytest
+
+from kvtransport import hf, tasks
+from kvtransport.cache_builder import CacheBuilder, ComputeSpeed
+from kvtransport.kvcache import KVCache
+from kvtransport.race import range_ready_at, run_race
+
+pytestmark = pytest.mark.model
+BT = 16
+TOL = 2e-4  # float32 rounding of a chunked against a one-shot prefill (measured ~3e-5)
+SPEED = ComputeSpeed(per_call_s=0.01, per_token_s=0.004)
+
+
+@pytest.fixture(scope="module")
+def context(smollm):
+    sample = tasks.generate("facts_qa", smollm.tokenizer, target_tokens=160, seed=3)
+    ctx, question = sample.prompt(smollm.tokenizer)
+    kv = hf.prefill(smollm.model, smollm.tokenizer, ctx, attention=False)
+    return ctx, question, kv
+
+
+def _err(a: KVCache, b: KVCache, lo: int = 0, hi: int | None = None) -> float:
+    sl = slice(lo, hi)
+    return float(
+        max(
+            np.abs(a.keys[:, :, sl] - b.keys[:, :, sl]).max(),
+            np.abs(a.values[:, :, sl] - b.values[:, :, sl]).max(),
+        )
+    )
+
+
+def _poisoned(kv: KVCache, ranges: list[int]) -> KVCache:
+    """``kv`` with the given token ranges replaced by garbage (must never be loaded)."""
+    keys, values = kv.keys.copy(), kv.values.copy()
+    for r in ranges:
+        keys[:, :, r * BT : (r + 1) * BT] = 100.0
+        values[:, :, r * BT : (r + 1) * BT] = -100.0
+    return KVCache(keys, values, kv.token_ids, kv.model_id)
+
+
+def test_builder_chunks_equal_one_prefill(smollm, context):
+    ctx, _, kv = context
+    b = CacheBuilder(smollm.model, ctx)
+    for n in (5, 27, 64):
+        b.compute(n)
+    b.load(kv.keys[:, :, 96:130], kv.values[:, :, 96:130])
+    b.compute(len(ctx) - 130)
+    built = b.kv()
+    assert _err(built, kv) < TOL
+    with pytest.raises(ValueError):
+        b.compute(1)  # nothing left
+
+
+def test_dead_link_computes_everything_exactly_in_few_calls(smollm, context):
+    ctx, _, kv = context
+    ranges = -(-len(ctx) // BT)
+    never = np.full(ranges, np.inf)
+    res = run_race(smollm.model, ctx, split=0, received=None, ready_at=never,
+                   expect_at=never, speed=SPEED, block_tokens=BT, max_chunk=32)  # fmt: skip
+    assert res.computed == len(ctx) and res.loaded == 0
+    assert _err(res.kv, kv) < TOL
+    calls = [s for s in res.steps if s.action == "compute"]
+    assert len(calls) <= int(np.ceil(np.log2(ranges))) + 1  # the chunk cap doubles
+
+
+def test_split_prefix_computed_rest_loaded(smollm, context):
+    ctx, _, kv = context
+    ranges = -(-len(ctx) // BT)
+    split = 3 * BT
+    ready = np.zeros(ranges)  # everything after the prefix arrived at once
+    received = _poisoned(kv, [0, 1, 2])  # the prefix was never sent
+    res = run_race(smollm.model, ctx, split=split, received=received, ready_at=ready,
+                   expect_at=ready, speed=SPEED, block_tokens=BT)  # fmt: skip
+    assert res.computed == split and res.loaded == len(ctx) - split and res.recomputed == 0
+    assert _err(res.kv, kv) < TOL
+    assert [s.action for s in res.steps] == ["compute", "load"]
+
+
+def test_holes_are_recomputed_exactly(smollm, context):
+    ctx, _, kv = context
+    ranges = -(-len(ctx) // BT)
+    ready = np.zeros(ranges)
+    holes = [2, 5, 6]
+    ready[holes] = np.inf  # lost beyond repair: the received bytes there are garbage
+    res = run_race(smollm.model, ctx, split=BT, received=_poisoned(kv, [0, *holes]),
+                   ready_at=ready, expect_at=np.zeros(ranges), speed=SPEED,
+                   block_tokens=BT)  # fmt: skip
+    assert res.recomputed == len(holes) * BT
+    assert _err(res.kv, kv) < TOL
+    computed = {s.start // BT for s in res.steps if s.action == "compute" for _ in [0]}
+    assert computed == {0, 2, 5}  # the prefix, hole 2, holes 5-6 in one call
+
+
+def test_waits_for_a_range_due_now_instead_of_computing_it(smollm, context):
+    ctx, _, kv = context
+    ranges = -(-len(ctx) // BT)
+    # the range after the prefix arrives 5 ms after the prefix is done: cheaper to wait
+    res0 = run_race(smollm.model, ctx, split=2 * BT, received=kv, ready_at=np.zeros(ranges),
+                    expect_at=np.zeros(ranges), speed=SPEED, block_tokens=BT)  # fmt: skip
+    t_prefix = res0.steps[0].t1
+    ready = np.full(ranges, t_prefix + 0.005)
+    res = run_race(smollm.model, ctx, split=2 * BT, received=_poisoned(kv, [0, 1]),
+                   ready_at=ready, expect_at=ready, speed=SPEED, block_tokens=BT)  # fmt: skip
+    actions = [s.action for s in res.steps]
+    assert actions[:3] == ["compute", "wait", "load"] and res.recomputed == 0
+    assert res.waited_s > 0
+    # the same range overdue by far more than the slack is computed, not waited for
+    late = np.full(ranges, np.inf)
+    res = run_race(smollm.model, ctx, split=2 * BT, received=kv, ready_at=late,
+                   expect_at=np.zeros(ranges), speed=SPEED, block_tokens=BT)  # fmt: skip
+    assert "wait" not in [s.action for s in res.steps] and res.recomputed == len(ctx) - 2 * BT
+
+
+def test_range_ready_at_is_the_last_layer(smollm, context):
+    from kvtransport import blocks, utility
+
+    ctx, _, kv = context
+    g = blocks.Geometry.of(kv, BT)
+    u = np.ones((g.num_layers, g.token_blocks))
+    prec = np.full(u.shape, blocks.PRECISIONS.index("int8"))
+    prec[:, 0] = -1  # the receiver's prefix: not sent
+    s = blocks.encode_stream(kv, u, utility.stream_order(u, BT, "position"), prec)
+    m = s.manifest
+    arrival = np.arange(m.num_blocks, dtype=float)
+    arrival[5] = np.inf
+    ready = range_ready_at(m, arrival)
+    assert np.isinf(ready[0])  # never sent
+    assert np.isinf(ready[1])  # one layer's block never came
+    assert ready[2] == arrival[(m.token_block == 2) & (m.layer == g.num_layers - 1)][0]
