@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -240,8 +241,10 @@ def tcp_across(
                   text=True)  # fmt: skip
     tx = None
     try:
-        line = rx.stdout.readline().strip() if rx.stdout else ""
+        started = select.select([rx.stdout], [], [], 30.0)[0]  # it imports numpy first
+        line = rx.stdout.readline().strip() if started else ""
         if line != "ready":
+            rx.kill()
             rx.wait(timeout=10)
             raise UserError(f"the TCP baseline receiver did not start: {_last(rx.stderr)}")
         cc = ["--congestion", congestion] if congestion else []
