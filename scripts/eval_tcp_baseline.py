@@ -118,7 +118,8 @@ def main() -> int:
     transfers = {pr: demo_like_transfer(args.tokens, pr) for pr in args.precisions}
     before, t_start = machine(), time.time()
     runs = []
-    work = Path(tempfile.mkdtemp(prefix="kvt-tcp-eval-"))
+    tmp = tempfile.TemporaryDirectory(prefix="kvt-tcp-eval-")  # the stream and what arrived
+    work = Path(tmp.name)
     for seed in args.seeds:
         prefix = f"kvte{os.getpid() % 100000}"
         with Testbed(args.profile, prefix=prefix, seed=seed, shaper="relay") as tb:
@@ -152,6 +153,7 @@ def main() -> int:
                         f"{run['goodput_mbps']:.2f} Mbit/s",
                         flush=True,
                     )
+    tmp.cleanup()
     wall = time.time() - t_start
     after = machine()
     header = ["payload", "TCP", "complete after"] + [f"blocks by {d:g} s" for d in deadlines]
