@@ -10,7 +10,9 @@ from the seed per packet in arrival order.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -25,6 +27,7 @@ from kvtransport.demo_links import INITIAL_RTT_S, PROFILE, Link, LinkOutcome, Tr
 from kvtransport.errors import UserError
 
 RECEIVER_PORT = 9400
+TCP_PORT = 9401  # the TCP baseline's receiver (kvtransport.tcp_baseline)
 DAEMON_PRIORITY = 5  # SCHED_FIFO of the netns daemons (the relay runs above them)
 WARM_UP_BYTES = 256 * 1024
 
@@ -157,6 +160,11 @@ class NetnsLink(Link):
         }
         return LinkOutcome.from_result(res, transfer_s, counters)
 
+    def tcp_transfer(self, deadline_s: float, congestion: str | None = None) -> LinkOutcome:
+        """The loaded transfer over one TCP connection across the same link, cut
+        ``deadline_s`` after its first byte (see :func:`tcp_across`)."""
+        return tcp_across(self.tb, self._loaded, deadline_s, self.dir, congestion=congestion)
+
     def _wait_result(
         self, tid: str, t0: float, deadline_s: float, progress: Callable[[float], None]
     ) -> Any:
@@ -193,3 +201,119 @@ class NetnsLink(Link):
         with contextlib.suppress(Exception):
             self.tb.down()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def tcp_across(
+    tb: Any,
+    transfer: Any,
+    deadline_s: float,
+    workdir: Path,
+    *,
+    congestion: str | None = None,
+    port: int = TCP_PORT,
+    priority: int = DAEMON_PRIORITY,
+) -> LinkOutcome:
+    """The TCP baseline across testbed ``tb``: ``python -m kvtransport.tcp_baseline recv``
+    in the receiver namespace, ``send`` in the sender namespace (both at SCHED_FIFO
+    ``priority``, like the daemons), one connection carrying ``transfer``
+    (kvtransport.transfer.Transfer) until it is complete or ``deadline_s`` after its first
+    byte, when the receiver cuts it.
+
+    The outcome's ``arrival_s`` counts from the connection's first byte at the receiver
+    (as the UDP receiver's deadline counts from the first datagram); ``transfer_s`` from
+    the sender's connect() until the receiver finished (one host, one monotonic clock), so
+    it includes the handshake (``counters["connect_s"]``). ``congestion``: the TCP
+    congestion control (None: the namespace's default). Counters: payload bytes received,
+    bytes of complete blocks, the sender's retransmitted segments and bytes (TCP_INFO).
+    """
+    from kvtransport.netem.testbed import RCV_ADDR
+    from kvtransport.tcp_baseline import write_stream
+
+    workdir = Path(workdir)
+    stream = workdir / "tcp-stream.bin"
+    out = workdir / "tcp-rx"
+    write_stream(stream, transfer)
+    mod = [sys.executable, "-m", "kvtransport.tcp_baseline"]
+    rt = ["--realtime", str(priority)] if priority else []
+    dest = f"{RCV_ADDR}:{port}"
+    rx = tb.popen("rcv", [*mod, "recv", dest, "--deadline-s", f"{deadline_s:g}",
+                  "--out", str(out), *rt], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                  text=True)  # fmt: skip
+    tx = None
+    try:
+        started = select.select([rx.stdout], [], [], 30.0)[0]  # it imports numpy first
+        line = rx.stdout.readline().strip() if started else ""
+        if line != "ready":
+            rx.kill()
+            rx.wait(timeout=10)
+            raise UserError(f"the TCP baseline receiver did not start: {_last(rx.stderr)}")
+        cc = ["--congestion", congestion] if congestion else []
+        tx = tb.popen("snd", [*mod, "send", dest, str(stream), "--timeout-s",
+                      f"{deadline_s + 30:g}", *cc, *rt], stdout=subprocess.PIPE,
+                      stderr=subprocess.PIPE, text=True)  # fmt: skip
+        tx_out, tx_err = tx.communicate(timeout=deadline_s + 60)
+        rx_out, rx_err = rx.communicate(timeout=deadline_s + 60)
+    finally:
+        for proc in (tx, rx):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    if tx.returncode != 0:
+        raise UserError(f"the TCP baseline sender failed: {_last_text(tx_err)}")
+    if rx.returncode != 0:
+        raise UserError(f"the TCP baseline receiver failed: {_last_text(rx_err)}")
+    return _tcp_outcome(transfer, out, json.loads(tx_out.strip().splitlines()[-1]))
+
+
+def _last(stream: Any) -> str:
+    return _last_text(stream.read() if stream is not None else "")
+
+
+def _last_text(text: str) -> str:
+    lines = text.strip().splitlines()
+    return lines[-1] if lines else "no output"
+
+
+def _tcp_outcome(transfer: Any, out: Path, sent: dict[str, Any]) -> LinkOutcome:
+    """The LinkOutcome of a TCP baseline run from the receiver's files in ``out`` and the
+    sender's JSON report ``sent``."""
+    import numpy as np
+
+    from kvtransport.transfer import TransportManifest
+
+    rec = json.loads((out / "result.json").read_text())
+    mbytes = (out / "manifest.bin").read_bytes()
+    manifest = TransportManifest.from_bytes(mbytes) if rec["manifest"] else None
+    arrival = np.array([np.inf if a is None else a for a in rec["arrival_s"]], dtype=float)
+    complete = np.isfinite(arrival)
+    payload = np.fromfile(out / "payload.bin", dtype=np.uint8)
+    if manifest is not None:
+        blocks = manifest.blocks
+        utility = float(blocks.utilities[complete].sum())
+        delivered = int(blocks.lengths[complete].sum())
+    else:
+        utility, delivered = 0.0, 0
+    timings, tcp = rec["timings"], sent["tcp"]
+    finished = timings["finished_mono"]
+    counters = {
+        "bytes_received": rec["bytes_received"],
+        "bytes_delivered": delivered,
+        "retransmits": tcp.get("total_retrans"),
+        "bytes_retransmitted": tcp.get("bytes_retrans"),
+        "segments_sent": tcp.get("data_segs_out"),
+        "connect_s": sent["connect_s"],
+        "first_byte_s": timings.get("first_byte_s"),
+        "min_rtt_ms": tcp["min_rtt_us"] / 1e3 if "min_rtt_us" in tcp else None,
+        "congestion": tcp.get("congestion", ""),
+        "sender": sent["reason"],
+    }
+    return LinkOutcome(
+        utility=utility,
+        reason=rec["reason"],
+        complete=complete,
+        payload=payload,
+        app_metadata=manifest.app_metadata if manifest is not None else None,
+        transfer_s=finished - sent["start_mono"],
+        counters=counters,
+        arrival_s=arrival,
+    )
