@@ -146,7 +146,7 @@ def run_demo(cfg: DemoConfig, loaded: Any = None) -> DemoReport:
     link, note = choose_link(cfg.link)
     ui = _Progress(cfg.progress)
     timings: dict[str, float] = {}
-    rows = _scheme_rows()
+    rows = _scheme_rows(cfg.schemes)
     policies = tuple(r.policy for r in rows if not r.error)
     profile = link_profile(cfg.rate_mbps)
     with open_link(link, cfg.seed, policies, fallback=cfg.link == "auto", profile=profile) as (
@@ -163,6 +163,8 @@ def run_demo(cfg: DemoConfig, loaded: Any = None) -> DemoReport:
         lk.ready()
         lk.load(prep.transfer)
         outcomes = _run_transfers(lk, rows, prep.deadline_s, cfg.seed, ui)
+        if link == "netns":  # the same bytes over TCP through the same link
+            rows += _tcp_rows(lk, prep.deadline_s, outcomes, len(rows), ui)
         timings["transfers"] = time.perf_counter() - t
     t = time.perf_counter()
     baseline = _answer_all(cfg, prep, rows, outcomes, ui)
@@ -171,12 +173,14 @@ def run_demo(cfg: DemoConfig, loaded: Any = None) -> DemoReport:
     return _report(cfg, link, note, link_text, prep, baseline, rows, timings)
 
 
-def _scheme_rows() -> list[SchemeResult]:
+def _scheme_rows(labels: tuple[str, ...] | None = None) -> list[SchemeResult]:
     """One row per scheme; a policy that cannot be made here (no shipped DDQN weights, say)
     keeps its row with the reason instead of stopping the demo."""
     from kvtransport.policy import make_policy
 
-    rows = [SchemeResult(label, spec) for label, spec in SCHEMES]
+    rows = [
+        SchemeResult(label, spec) for label, spec in SCHEMES if labels is None or label in labels
+    ]
     for row in rows:
         try:
             make_policy(row.policy)
@@ -280,6 +284,36 @@ def _run_transfers(
             except PeerError as exc:
                 row.error = str(exc)
     return outcomes
+
+
+TCP_CONGESTION = ("cubic", "bbr")
+"""TCP congestion controls of the TCP rows (where the kernel has them): cubic is Linux's
+default; bbr does not back off on random loss."""
+
+
+def _tcp_rows(
+    lk: Any, deadline_s: float, outcomes: dict[int, LinkOutcome], first: int, ui: _Progress
+) -> list[SchemeResult]:
+    """What users of a KV store over TCP get: the planned stream over one TCP connection
+    (kvtransport.tcp_baseline) through the same link, cut at the same deadline."""
+    available = Path("/proc/sys/net/ipv4/tcp_available_congestion_control")
+    try:
+        have = set(available.read_text().split())
+    except OSError:
+        have = set()
+    rows = []
+    for cc in TCP_CONGESTION:
+        row = SchemeResult(f"TCP {cc}", f"tcp:{cc}")
+        if cc not in have:
+            row.error = f"unavailable: this kernel has no {cc}"
+        else:
+            ui.note(f"TCP ({cc}) across the same link ...")
+            try:
+                outcomes[first + len(rows)] = lk.tcp_transfer(deadline_s, congestion=cc)
+            except UserError as exc:
+                row.error = str(exc)
+        rows.append(row)
+    return rows
 
 
 def _answer_all(
@@ -511,6 +545,9 @@ def _check_config(cfg: DemoConfig) -> None:
         and cfg.compute_speed[1] > 0
     ):
         raise UserError("--compute-speed must be CALL_MS,TOKEN_MS with TOKEN_MS > 0")
+    known = [label for label, _ in SCHEMES]
+    if cfg.schemes is not None and (not cfg.schemes or set(cfg.schemes) - set(known)):
+        raise UserError(f"schemes must be labels among {', '.join(known)}")
     if cfg.threads < 1:
         raise UserError(f"--threads must be at least 1, not {cfg.threads}")
     if cfg.max_new_tokens < 1:

@@ -63,8 +63,15 @@ class LinkOutcome:
             app_metadata=res.app_metadata,
             transfer_s=float(transfer_s),
             counters=counters if counters is not None else {},
-            arrival_s=None if age is None else float(transfer_s) - np.asarray(age, np.float64),
+            arrival_s=None if age is None else _arrival(res.complete, age, transfer_s),
         )
+
+
+def _arrival(complete: Any, age: Any, transfer_s: float) -> np.ndarray:
+    """Per block: seconds from the transfer's start to its completion (inf: never)."""
+    age = np.asarray(age, dtype=np.float64)
+    done = np.asarray(complete, dtype=bool) & np.isfinite(age)
+    return np.where(done, float(transfer_s) - np.where(done, age, 0.0), np.inf)
 
 
 def _no_progress(fraction: float) -> None:

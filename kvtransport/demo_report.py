@@ -61,6 +61,7 @@ class DemoConfig:
     rate_mbps: float | None = None
     precision: tuple[str, ...] = DEFAULT_PRECISIONS
     compute_speed: tuple[float, float] | None = None
+    schemes: tuple[str, ...] | None = None  # labels of SCHEMES to run (None: all)
     link: str = "auto"
     threads: int = 1
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
