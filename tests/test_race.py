@@ -103,16 +103,16 @@ def test_holes_are_recomputed_exactly(smollm, context):
 def test_waits_for_a_range_due_now_instead_of_computing_it(smollm, context):
     ctx, _, kv = context
     ranges = -(-len(ctx) // BT)
-    # the range after the prefix arrives 5 ms after the prefix is done: cheaper to wait
-    res0 = run_race(smollm.model, ctx, split=2 * BT, received=kv, ready_at=np.zeros(ranges),
-                    expect_at=np.zeros(ranges), speed=SPEED, block_tokens=BT)  # fmt: skip
-    t_prefix = res0.steps[0].t1
-    ready = np.full(ranges, t_prefix + 0.005)
+    # the ranges after the prefix are due at 10 s and come then; computing one would
+    # (by the speed the plan assumes) take longer than waiting: the race waits and loads
+    slow = ComputeSpeed(per_call_s=60.0, per_token_s=1.0)
+    ready = np.full(ranges, 10.0)
     res = run_race(smollm.model, ctx, split=2 * BT, received=_poisoned(kv, [0, 1]),
-                   ready_at=ready, expect_at=ready, speed=SPEED, block_tokens=BT)  # fmt: skip
+                   ready_at=ready, expect_at=ready, speed=slow, block_tokens=BT)  # fmt: skip
     actions = [s.action for s in res.steps]
-    assert actions[:3] == ["compute", "wait", "load"] and res.recomputed == 0
-    assert res.waited_s > 0
+    assert actions == ["compute", "wait", "load"] and res.recomputed == 0
+    assert res.steps[1].t1 == 10.0 and res.waited_s == pytest.approx(10.0 - res.steps[0].t1)
+    assert _err(res.kv, kv) < TOL
     # the same range overdue by far more than the slack is computed, not waited for
     late = np.full(ranges, np.inf)
     res = run_race(smollm.model, ctx, split=2 * BT, received=kv, ready_at=late,
