@@ -382,7 +382,7 @@ def _race_row(
     row: SchemeResult,
 ) -> SchemeResult:
     """One transfer's outcome -> the receiver's race -> answers and TTFT into ``row``."""
-    from kvtransport.race import range_ready_at, run_race
+    from kvtransport.race import LinkView, range_ready_at, run_race
 
     n_blocks = prep.planned.manifest.num_blocks
     t0 = time.perf_counter()
@@ -397,7 +397,8 @@ def _race_row(
         ready_at = np.full_like(plan.expect_at, np.inf)
     race = run_race(
         prep.loaded.model, prep.context_ids, split=plan.split, received=received,
-        ready_at=ready_at, expect_at=plan.expect_at, speed=prep.speed,
+        ready_at=ready_at, link=LinkView(plan.expect_at, plan.range_bytes, prep.deadline_s),
+        speed=prep.speed,
         block_tokens=prep.planned.manifest.geometry.block_tokens,
     )  # fmt: skip
     row.answers, row.first_token_s = ask(race.kv, None)

@@ -77,6 +77,7 @@ class HandoffPlan:
     split: int
     precision: np.ndarray
     expect_at: np.ndarray
+    range_bytes: np.ndarray  # per token range, the payload bytes sent for it
     payload_bytes: int
     compute_s: float
     link_s: float
@@ -205,6 +206,7 @@ def _plan(
         split=min(k * g.block_tokens, g.num_tokens),
         precision=precision.astype(np.int64),
         expect_at=expect,
+        range_bytes=per_range.astype(np.int64),
         payload_bytes=nbytes,
         compute_s=compute_s,
         link_s=link_s,

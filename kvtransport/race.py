@@ -14,12 +14,16 @@ always the whole cache, exact up to the quantization of what was loaded:
   time is one chunked prefill (plus nothing: the receiver never idles on a range that is
   overdue).
 
-The wait-or-compute rule for a range that has not arrived: wait if its planned arrival
-(``expect_at``) is no more than ``slack_s`` in the past and no later than the time
-computing the range would take; otherwise compute a run of consecutive ranges that have
-not arrived, up to a cap of ``max_chunk`` tokens that doubles with every compute in a row
-(so a dead link costs a handful of calls, not one per range), taking in an arrived gap
-when computing it costs less than the extra call it saves.
+The wait-or-compute rule for a range that has not arrived compares computing it with
+waiting for it (:meth:`LinkView.expected`, from what arrived so far): at the link's
+frontier the range is due when the bytes still owed before it cross at the delivery rate
+seen so far (before the first arrival, when the plan says; a link silent well past that is
+dead); a hole behind the frontier is due ``hole_wait_s`` after the first later range
+arrived (repair fills a loss within about a round trip); after the sender's deadline
+nothing more is due. The receiver waits when computing would take longer, otherwise it
+computes a run of ranges, extended while computing through the next range still beats
+waiting for it, capped at ``max_chunk`` tokens, a cap that doubles with every compute in a
+row (a dead link costs a handful of calls, not one per range).
 
 :func:`run_race` replays the race against a transfer's measured arrival timeline
 (``ready_at``: when each token range was complete at the receiver, counted from the
@@ -42,7 +46,8 @@ from kvtransport.cache_builder import CacheBuilder, ComputeSpeed
 from kvtransport.kvcache import KVCache
 
 DEFAULT_MAX_CHUNK = 128
-DEFAULT_SLACK_S = 0.02
+DEFAULT_HOLE_WAIT_S = 0.05
+POLL_S = 0.002
 
 
 def range_ready_at(manifest: Any, arrival_s: np.ndarray | None) -> np.ndarray:
@@ -93,6 +98,41 @@ class RaceResult:
         return self.computed - prefix
 
 
+@dataclass(frozen=True)
+class LinkView:
+    """What the receiver knows of the link before anything arrives: the plan.
+
+    expect_at / range_bytes: per token range, the planned arrival (inf: not sent) and the
+    bytes the link carries for it; deadline_s: when the sender stops (from the start);
+    hole_wait_s: how long a range may stay missing once a later range has arrived (a
+    loss that repair fills within about a round trip) before it is computed.
+    """
+
+    expect_at: np.ndarray
+    range_bytes: np.ndarray
+    deadline_s: float
+    hole_wait_s: float = DEFAULT_HOLE_WAIT_S
+
+    def expected(self, ready_at: np.ndarray, r: int, clock: float) -> float:
+        """When range ``r`` should arrive, from what arrived by ``clock`` (inf: it will
+        not, as far as the receiver can tell)."""
+        arrived = ready_at <= clock
+        if clock > self.deadline_s + self.hole_wait_s or not np.isfinite(self.expect_at[r]):
+            return np.inf  # the sender has stopped, or never sends it
+        later = np.flatnonzero(arrived[r + 1 :])
+        if later.size:  # a hole behind the link's frontier: repair comes soon or never
+            due = float(ready_at[r + 1 :][later].min()) + self.hole_wait_s
+            return due if due > clock else np.inf
+        if not arrived.any():  # nothing yet: the plan, until its first arrival is overdue
+            sent = np.isfinite(self.expect_at)
+            first = float(self.expect_at[sent].min()) if sent.any() else np.inf
+            return float(self.expect_at[r]) if clock <= 2 * first + self.hole_wait_s else np.inf
+        last = float(ready_at[arrived].max())
+        rate = float(self.range_bytes[arrived].sum()) / max(last, 1e-6)
+        owed = float(self.range_bytes[: r + 1][~arrived[: r + 1]].sum())
+        return clock + owed / rate
+
+
 def run_race(
     model: Any,
     token_ids: list[int],
@@ -100,22 +140,21 @@ def run_race(
     split: int,
     received: KVCache | None,
     ready_at: np.ndarray,
-    expect_at: np.ndarray,
+    link: LinkView,
     speed: ComputeSpeed,
     block_tokens: int,
     max_chunk: int = DEFAULT_MAX_CHUNK,
-    slack_s: float = DEFAULT_SLACK_S,
 ) -> RaceResult:
     """Replay the race (see the module docstring) and return the cache it built.
 
     received: the K/V that arrived (zeros elsewhere), ``[layers, heads, tokens, dim]``,
-        or None when nothing did; ready_at / expect_at: per token range of
-        ``block_tokens``, the measured and the planned arrival (inf: never / not sent).
+        or None when nothing did; ready_at: per token range of ``block_tokens``, when it
+        was complete at the receiver (inf: never); link: the plan's view of the link.
     """
     n = len(token_ids)
     ranges = -(-n // block_tokens)
-    if ready_at.shape != (ranges,) or expect_at.shape != (ranges,):
-        raise ValueError(f"ready_at and expect_at must have {ranges} token ranges")
+    if ready_at.shape != (ranges,) or link.expect_at.shape != (ranges,):
+        raise ValueError(f"ready_at and the link's expect_at must have {ranges} token ranges")
     if split < 0 or split > n or (split % block_tokens and split != n):
         raise ValueError(f"split {split} is not a token range boundary of {n} tokens")
     if received is None:
@@ -135,8 +174,7 @@ def run_race(
 
     if split:
         timed("compute", split, b.compute, split)
-    range_cost = speed.seconds(block_tokens)
-    merge_tokens = speed.per_call_s / speed.per_token_s
+    range_cost = float(speed.seconds(block_tokens))
     computes_in_a_row = 0
     while b.filled < n:
         r = b.filled // block_tokens
@@ -149,29 +187,24 @@ def run_race(
             timed("load", hi - lo, b.load, received.keys[:, :, lo:hi], received.values[:, :, lo:hi])
             computes_in_a_row = 0
             continue
-        due = expect_at[r]
-        if clock - slack_s <= due <= clock + range_cost:
-            wake = min(max(due, clock) + slack_s, clock + range_cost)
-            t1 = min(ready_at[r], wake)
+        due = link.expected(ready_at, r, clock)
+        if clock + range_cost >= due:  # waiting beats computing: wait, then look again
+            t1 = min(float(ready_at[r]), clock + max(POLL_S, min(due - clock, range_cost)))
             steps.append(RaceStep("wait", b.filled, 0, clock, t1))
             clock = t1
-            if ready_at[r] <= clock:
-                continue
-        # compute the ranges that have not arrived: up to the chunk cap, which doubles
-        # with every compute in a row (a dead link costs few calls), and over an arrived
-        # gap shorter than what one more call would cost
+            continue
+        # compute the ranges not in place while computing through each beats waiting for
+        # it, up to a cap that doubles with every compute in a row (few calls when dead)
         cap = max_chunk << min(computes_in_a_row, 8)
         end = r + 1
-        while end < ranges and (end + 1 - r) * block_tokens <= cap:
-            if ready_at[end] > clock:
-                end += 1
-                continue
-            gap = end
-            while gap < ranges and ready_at[gap] <= clock:
-                gap += 1
-            if gap >= ranges or (gap - end) * block_tokens > merge_tokens:
-                break
-            end = gap
+        while (
+            end < ranges
+            and (end + 1 - r) * block_tokens <= cap
+            and ready_at[end] > clock
+            and clock + speed.seconds((end + 1 - r) * block_tokens)
+            < link.expected(ready_at, end, clock)
+        ):
+            end += 1
         hi = min(end * block_tokens, n)
         timed("compute", hi - b.filled, b.compute, hi - b.filled)
         computes_in_a_row += 1

@@ -46,6 +46,7 @@ def test_a_receiver_session_records_when_each_block_completed():
     """Over a lossy channel, every complete block has a time inside the transfer, and the
     blocks recovered late (by repair) complete after blocks further down the stream."""
     from kvtransport.netem import make_channel
+
     from kvtransport.policy import make_policy
     from kvtransport.simulator import Simulation, full_send_time
     from kvtransport.transfer import synthetic_transfer

@@ -12,12 +12,19 @@ import pytest
 from kvtransport import hf, tasks
 from kvtransport.cache_builder import CacheBuilder, ComputeSpeed
 from kvtransport.kvcache import KVCache
-from kvtransport.race import range_ready_at, run_race
+from kvtransport.race import LinkView, range_ready_at, run_race
 
 pytestmark = pytest.mark.model
 BT = 16
 TOL = 2e-4  # float32 rounding of a chunked against a one-shot prefill (measured ~3e-5)
 SPEED = ComputeSpeed(per_call_s=0.01, per_token_s=0.004)
+RANGE_BYTES = 30 * 7000  # an int8 range of SmolLM2 (30 layers)
+
+
+def _link(expect_at, deadline_s=1.0):
+    """The plan's view: ranges due at ``expect_at``, each of RANGE_BYTES bytes."""
+    expect_at = np.asarray(expect_at, dtype=float)
+    return LinkView(expect_at, np.where(np.isfinite(expect_at), RANGE_BYTES, 0), deadline_s)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +72,8 @@ def test_dead_link_computes_everything_exactly_in_few_calls(smollm, context):
     ranges = -(-len(ctx) // BT)
     never = np.full(ranges, np.inf)
     res = run_race(smollm.model, ctx, split=0, received=None, ready_at=never,
-                   expect_at=never, speed=SPEED, block_tokens=BT, max_chunk=32)  # fmt: skip
+                   link=_link(np.full(ranges, 0.01)), speed=SPEED, block_tokens=BT,
+                   max_chunk=32)  # fmt: skip
     assert res.computed == len(ctx) and res.loaded == 0
     assert _err(res.kv, kv) < TOL
     calls = [s for s in res.steps if s.action == "compute"]
@@ -77,9 +85,10 @@ def test_split_prefix_computed_rest_loaded(smollm, context):
     ranges = -(-len(ctx) // BT)
     split = 3 * BT
     ready = np.zeros(ranges)  # everything after the prefix arrived at once
+    ready[:3] = np.inf
     received = _poisoned(kv, [0, 1, 2])  # the prefix was never sent
     res = run_race(smollm.model, ctx, split=split, received=received, ready_at=ready,
-                   expect_at=ready, speed=SPEED, block_tokens=BT)  # fmt: skip
+                   link=_link(ready), speed=SPEED, block_tokens=BT)  # fmt: skip
     assert res.computed == split and res.loaded == len(ctx) - split and res.recomputed == 0
     assert _err(res.kv, kv) < TOL
     assert [s.action for s in res.steps] == ["compute", "load"]
@@ -89,15 +98,36 @@ def test_holes_are_recomputed_exactly(smollm, context):
     ctx, _, kv = context
     ranges = -(-len(ctx) // BT)
     ready = np.zeros(ranges)
+    ready[0] = np.inf  # the receiver's prefix
     holes = [2, 5, 6]
     ready[holes] = np.inf  # lost beyond repair: the received bytes there are garbage
+    plan = np.full(ranges, 0.001)
+    plan[0] = np.inf
     res = run_race(smollm.model, ctx, split=BT, received=_poisoned(kv, [0, *holes]),
-                   ready_at=ready, expect_at=np.zeros(ranges), speed=SPEED,
+                   ready_at=ready, link=_link(plan, deadline_s=0.01), speed=SPEED,
                    block_tokens=BT)  # fmt: skip
     assert res.recomputed == len(holes) * BT
     assert _err(res.kv, kv) < TOL
-    computed = {s.start // BT for s in res.steps if s.action == "compute" for _ in [0]}
+    computed = {s.start // BT for s in res.steps if s.action == "compute"}
     assert computed == {0, 2, 5}  # the prefix, hole 2, holes 5-6 in one call
+
+
+def test_a_hole_is_waited_for_while_repair_may_fill_it(smollm, context):
+    ctx, _, kv = context
+    ranges = -(-len(ctx) // BT)
+    plan = np.full(ranges, 0.001)
+    plan[0] = np.inf
+    ready = plan.copy()
+    ready[3] = 0.03  # repaired 29 ms after the ranges behind it: within hole_wait_s
+    slow = ComputeSpeed(per_call_s=1.0, per_token_s=0.1)  # computing a range takes long
+    res = run_race(smollm.model, ctx, split=BT, received=_poisoned(kv, [0]),
+                   ready_at=ready, link=_link(plan), speed=slow, block_tokens=BT)  # fmt: skip
+    assert res.recomputed == 0 and _err(res.kv, kv) < TOL
+    # the same hole never filled is computed once its wait is over, not waited for forever
+    ready[3] = np.inf
+    res = run_race(smollm.model, ctx, split=BT, received=_poisoned(kv, [0, 3]),
+                   ready_at=ready, link=_link(plan), speed=slow, block_tokens=BT)  # fmt: skip
+    assert res.recomputed == BT and _err(res.kv, kv) < TOL
 
 
 def test_waits_for_a_range_due_now_instead_of_computing_it(smollm, context):
@@ -107,17 +137,35 @@ def test_waits_for_a_range_due_now_instead_of_computing_it(smollm, context):
     # (by the speed the plan assumes) take longer than waiting: the race waits and loads
     slow = ComputeSpeed(per_call_s=60.0, per_token_s=1.0)
     ready = np.full(ranges, 10.0)
+    ready[:2] = np.inf
     res = run_race(smollm.model, ctx, split=2 * BT, received=_poisoned(kv, [0, 1]),
-                   ready_at=ready, expect_at=ready, speed=slow, block_tokens=BT)  # fmt: skip
+                   ready_at=ready, link=_link(ready, deadline_s=10.0), speed=slow,
+                   block_tokens=BT)  # fmt: skip
     actions = [s.action for s in res.steps]
-    assert actions == ["compute", "wait", "load"] and res.recomputed == 0
-    assert res.steps[1].t1 == 10.0 and res.waited_s == pytest.approx(10.0 - res.steps[0].t1)
+    assert actions[0] == "compute" and actions[-1] == "load" and res.recomputed == 0
+    assert set(actions[1:-1]) == {"wait"} and res.steps[-2].t1 == 10.0
     assert _err(res.kv, kv) < TOL
-    # the same range overdue by far more than the slack is computed, not waited for
-    late = np.full(ranges, np.inf)
-    res = run_race(smollm.model, ctx, split=2 * BT, received=kv, ready_at=late,
-                   expect_at=np.zeros(ranges), speed=SPEED, block_tokens=BT)  # fmt: skip
+    # a link silent long past the plan's first arrival is dead: compute, never wait
+    plan = np.full(ranges, 0.001)
+    plan[:2] = np.inf
+    res = run_race(smollm.model, ctx, split=2 * BT, received=kv, ready_at=np.full(ranges, np.inf),
+                   link=_link(plan), speed=SPEED, block_tokens=BT)  # fmt: skip
     assert "wait" not in [s.action for s in res.steps] and res.recomputed == len(ctx) - 2 * BT
+
+
+def test_a_link_slower_than_planned_is_waited_for_when_computing_costs_more(smollm, context):
+    """The plan expected everything by 10 ms; the link delivers 50 times slower. The
+    receiver estimates the next range from the rate seen so far and waits for it (a
+    receiver trusting only the plan would find every range overdue and compute it)."""
+    ctx, _, kv = context
+    ranges = -(-len(ctx) // BT)
+    plan = np.linspace(0.001, 0.01, ranges)
+    plan[0] = np.inf
+    ready = 50 * plan  # the last range at 0.5 s
+    slow = ComputeSpeed(per_call_s=0.5, per_token_s=0.01)
+    res = run_race(smollm.model, ctx, split=BT, received=_poisoned(kv, [0]), ready_at=ready,
+                   link=_link(plan, deadline_s=1.0), speed=slow, block_tokens=BT)  # fmt: skip
+    assert res.recomputed == 0 and _err(res.kv, kv) < TOL
 
 
 def test_range_ready_at_is_the_last_layer(smollm, context):
