@@ -40,7 +40,8 @@ class ComputeSpeed:
     def seconds(self, tokens: int | np.ndarray) -> Any:
         """The time to compute ``tokens`` tokens in one call (0 for none)."""
         t = np.asarray(tokens, dtype=np.float64)
-        out = np.where(t > 0, self.per_call_s + t * self.per_token_s, 0.0)
+        some = t > 0
+        out = np.where(some, self.per_call_s + np.where(some, t, 1.0) * self.per_token_s, 0.0)
         return float(out) if out.ndim == 0 else out
 
     @classmethod

@@ -244,8 +244,8 @@ def _prepare(cfg: DemoConfig, loaded: Any, ui: _Progress, timings: dict[str, flo
     # the receiver's own estimate of re-prefilling (context, then the question): the
     # budget is a share of it, as a user would set a TTFT target
     budget_s = cfg.budget * (speed.seconds(len(context_ids)) + speed.seconds(len(question_ids)))
-    plan, planned, rebuild_s = plan_stream(loaded, stream, context_ids, profile, speed,
-                                           budget_s, len(question_ids), cfg.precision)  # fmt: skip
+    plan, planned, rebuild_s = plan_stream(stream, context_ids, profile, speed, budget_s,
+                                           len(question_ids), cfg.precision)  # fmt: skip
     transfer = Transfer.from_encoded_stream(planned)
     send_time = full_send_time(transfer.nbytes, profile.rate_bps, DEFAULT_SYMBOL_SIZE)
     timings["plan"] = time.perf_counter() - t

@@ -135,7 +135,6 @@ def blocks_decode(planned: Any, outcome: LinkOutcome, context_ids: list[int]) ->
 
 
 def plan_stream(
-    loaded: Any,
     stream: Any,
     context_ids: list[int],
     profile: Any,
@@ -149,33 +148,25 @@ def plan_stream(
     The link's part of the budget is what is left after the receiver's own work once the
     cache is in place: rebuilding the received blocks (measured on the planned stream, so
     the plan is made twice) and the question's forward pass. Returns (plan, the planned
-    stream in prefix order, rebuild seconds).
+    stream, rebuild seconds).
     """
-    from kvtransport import blocks, utility
-    from kvtransport.plan import LinkEstimate, plan_handoff
+    from kvtransport import blocks
+    from kvtransport.plan import LinkEstimate, planned_stream
     from kvtransport.protocol import DEFAULT_SYMBOL_SIZE
 
-    full = blocks.decode_stream(stream.manifest, stream.payload, token_ids=context_ids)
-    m = stream.manifest
-    g = m.geometry
-    u = np.zeros((g.num_layers, g.token_blocks))
-    u[m.layer.astype(np.int64), m.token_block.astype(np.int64)] = m.utility
     link = LinkEstimate(
         rate_bps=profile.rate_bps,
         loss=float(profile.stationary_loss()),
         one_way_s=profile.delay_ms / 1e3,
         symbol_size=DEFAULT_SYMBOL_SIZE,
     )
-    order = utility.stream_order(u, g.block_tokens, "position")
     answer_s = float(speed.seconds(question_tokens))
     rebuild_s = 0.0
     for _ in range(2):
         budget = max(budget_s - answer_s - rebuild_s, 1e-3)
-        plan = plan_handoff(g, u, link=link, speed=speed, budget_s=budget, levels=levels)
-        planned = blocks.encode_stream(
-            full.cache, u, order, plan.precision, block_tokens=g.block_tokens,
-            created=dict(m.created, plan=f"split {plan.split}"),
-        )  # fmt: skip
+        ids = np.asarray(context_ids)
+        plan, planned = planned_stream(stream, link=link, budget_s=budget, speed=speed,
+                                       levels=levels, token_ids=ids)  # fmt: skip
         t0 = time.perf_counter()
         blocks.decode_stream(planned.manifest, planned.payload, token_ids=context_ids)
         rebuild_s = time.perf_counter() - t0

@@ -30,12 +30,22 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvtransport.blocks import DEFAULT_FIDELITY, PRECISIONS, Geometry
+from kvtransport.blocks import (
+    DEFAULT_FIDELITY,
+    PRECISIONS,
+    EncodedStream,
+    Geometry,
+    decode_stream,
+    encode_stream,
+)
 from kvtransport.cache_builder import ComputeSpeed
 from kvtransport.simulator import full_send_time
+from kvtransport.utility import stream_order
 
 DEFAULT_LEVELS = ("fp16", "int8")
 DEFAULT_REPAIR_MARGIN = 0.15
+NO_RECEIVER_COMPUTE = ComputeSpeed(per_call_s=float("inf"), per_token_s=float("inf"))
+"""A receiver that computes nothing itself: every plan with it has split 0."""
 
 
 @dataclass(frozen=True)
@@ -214,3 +224,37 @@ def _plan(
         fits=fits,
         prefix_utility=float(u[:, :k].sum()),
     )
+
+
+def planned_stream(
+    stream: EncodedStream,
+    *,
+    link: LinkEstimate,
+    budget_s: float,
+    speed: ComputeSpeed | None = None,
+    levels: tuple[str, ...] = DEFAULT_LEVELS,
+    token_ids: np.ndarray | None = None,
+) -> tuple[HandoffPlan, EncodedStream]:
+    """Plan a card's stream for ``budget_s`` and re-encode it the way the plan sends it.
+
+    The stream is decoded (numpy only: no model), planned, and encoded again in prefix
+    order at the planned precisions, without the receiver's prefix. ``speed`` is the
+    receiver's compute speed; None plans nothing for the receiver to compute (split 0).
+    token_ids: needed when the stream's manifest carries only their hash.
+    """
+    m = stream.manifest
+    g = m.geometry
+    full = decode_stream(m, stream.payload, token_ids=token_ids)
+    if full.missing.size:
+        raise ValueError("the stream to plan is incomplete")
+    u = np.zeros((g.num_layers, g.token_blocks))
+    u[m.layer.astype(np.int64), m.token_block.astype(np.int64)] = m.utility
+    if not u.sum() > 0:
+        u[:] = 1.0
+    plan = plan_handoff(g, u, link=link, speed=speed or NO_RECEIVER_COMPUTE,
+                        budget_s=budget_s, levels=levels)  # fmt: skip
+    order = stream_order(u, g.block_tokens, "position")
+    created = dict(m.created, plan=f"split {plan.split}, budget {budget_s * 1e3:.0f} ms")
+    out = encode_stream(full.cache, u, order, plan.precision, block_tokens=g.block_tokens,
+                        group_size=g.group_size, created=created)  # fmt: skip
+    return plan, out

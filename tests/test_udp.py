@@ -177,7 +177,7 @@ def test_send_card_arrives_as_a_readable_card(tmp_path, capsys):
     out.mkdir()
     _, recv_st = _run_pair(
         ["--out", str(out)],
-        ["--card", str(path), "--rate-mbps", "50", "--deadline-ms", "400"],
+        ["--card", str(path), "--rate-mbps", "50", "--deadline-ms", "400", "--precision", "keep"],
         capsys,
     )
     assert recv_st["reason"] == "complete"
@@ -185,6 +185,37 @@ def test_send_card_arrives_as_a_readable_card(tmp_path, capsys):
     back = got.reassemble()
     assert np.array_equal(back.cache.keys, k) and np.array_equal(back.cache.values, v)
     assert np.array_equal(got.payload, card.read_card(path).payload)
+
+
+def test_send_plans_a_card_for_its_deadline(tmp_path, capsys):
+    """With a deadline the card crosses as the plan encodes it: prefix order, fp16 for the
+    most useful blocks and int8 for the rest, within the bytes the deadline allows."""
+    from kvtransport import blocks
+
+    rng = np.random.default_rng(5)
+    k = rng.standard_normal((4, 2, 256, 64)).astype(np.float32)
+    v = rng.standard_normal((4, 2, 256, 64)).astype(np.float32)
+    cache = KVCache(k, v, rng.integers(0, 1000, 256), "toy", rng.random((4, 256)).astype("f4"))
+    path = tmp_path / "ctx.card"
+    card.write_card(path, card.encode_cache(cache, created={"by": "test"}))
+    out = tmp_path / "out"
+    out.mkdir()
+    # 1 MiB fp32, 0.5 MiB fp16, 0.28 MiB int8: 100 ms at 50 Mbit/s fits a mix
+    _, recv_st = _run_pair(
+        ["--out", str(out)],
+        ["--card", str(path), "--rate-mbps", "50", "--deadline-ms", "100"],
+        capsys,
+    )
+    assert recv_st["reason"] == "complete"
+    got = card.read_card(recv_st["file"])
+    m = got.manifest
+    names = {blocks.PRECISIONS[p] for p in m.precision.tolist()}
+    assert names == {"fp16", "int8"}
+    assert np.all(np.diff(m.token_block.astype(int)) >= 0)  # token ranges front first
+    fp16 = m.precision == blocks.PRECISIONS.index("fp16")
+    assert m.utility[fp16].min() >= m.utility[~fp16].max()  # fp16 for the most useful
+    back = got.reassemble().cache
+    assert np.abs(back.keys - k).max() < 0.05 and np.abs(back.values - v).max() < 0.05
 
 
 def test_send_and_recv_refuse_bad_arguments_in_one_line(tmp_path, capsys):

@@ -19,8 +19,12 @@ What to send: --card FILE (a cache card from `kvtransport prefill`), or a synthe
 stream of --size-mb random bytes in 12 KiB blocks with --utility block utilities.
 
 The deadline is --deadline-ms from now, or --rho times the time the whole stream takes
-loss-free at the link rate. Both ends must use the same --key (a file with the key, raw
-or hex, or the key in hex) or none.
+loss-free at the link rate. With --deadline-ms a card is planned for it (kvtransport.plan):
+each block goes as fp16 or int8 (--precision), upgraded by utility while the bytes still
+cross in time at --rate-mbps and --loss-estimate, in prefix order (token ranges front first,
+so what the deadline cuts off is a tail the receiver recomputes cheaply); --precision keep
+sends the card as it is, fp32 only when asked (--precision fp32). Both ends must use the
+same --key (a file with the key, raw or hex, or the key in hex) or none.
 
 Examples:
   kvtransport recv --listen :9400 &
@@ -42,6 +46,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     when = p.add_mutually_exclusive_group()
     when.add_argument("--deadline-ms", type=float, help="deadline from now, in ms")
     when.add_argument("--rho", type=float, help="deadline / loss-free send time (default 1.0)")
+    p.add_argument("--precision", default="auto", metavar="LIST",
+                   help="card with --deadline-ms: precisions the plan may send, best first "
+                   "(default auto = fp16,int8; keep: as the card is; e.g. fp32)")  # fmt: skip
+    p.add_argument("--loss-estimate", type=float, default=0.05, metavar="P",
+                   help="loss share the plan assumes (default 0.05)")  # fmt: skip
     p.add_argument("--policy", help="repair policy, as for simulate "
                    "(default: ddqn if its weights ship, else adaptive)")  # fmt: skip
     _common.add_key(p, "pre-shared key: authenticate datagrams")
@@ -59,7 +68,9 @@ def _transfer(args: argparse.Namespace) -> object:
     from kvtransport.transfer import synthetic_transfer
 
     if args.card:
-        return transfer_from_card(args.card)
+        if args.precision == "keep" or args.deadline_ms is None:
+            return transfer_from_card(args.card)
+        return _planned_card(args)
     size_mb = 10.0 if args.size_mb is None else args.size_mb
     if not (0 < size_mb <= 4096):
         raise UserError("--size-mb must be in (0, 4096]")
@@ -68,6 +79,41 @@ def _transfer(args: argparse.Namespace) -> object:
     if not 1 <= blocks <= size:
         raise UserError("--blocks must be between 1 and the stream size in bytes")
     return synthetic_transfer(size, blocks, args.utility, seed=args.seed)
+
+
+def _planned_card(args: argparse.Namespace) -> object:
+    """The card re-encoded by the handoff plan for the deadline (see the description)."""
+    from kvtransport.blocks import PRECISIONS, EncodedStream
+    from kvtransport.card import read_card
+    from kvtransport.plan import DEFAULT_LEVELS, LinkEstimate, planned_stream
+    from kvtransport.transfer import Transfer
+
+    levels = DEFAULT_LEVELS
+    if args.precision != "auto":
+        levels = tuple(p.strip() for p in args.precision.split(",") if p.strip())
+        if not levels or any(p not in PRECISIONS for p in levels):
+            raise UserError(
+                f"--precision must be auto, keep or names from {', '.join(PRECISIONS)}, "
+                f"not {args.precision!r}"
+            )
+    if not 0 <= args.loss_estimate < 0.9:
+        raise UserError(f"--loss-estimate must be in [0, 0.9), not {args.loss_estimate:g}")
+    card = read_card(args.card)
+    stream = EncodedStream(card.manifest, card.manifest.to_bytes(), card.payload)
+    link = LinkEstimate(
+        rate_bps=args.rate_mbps * 1e6,
+        loss=args.loss_estimate,
+        one_way_s=args.initial_rtt_ms * 5e-4,
+        symbol_size=args.symbol_size,
+    )
+    try:
+        plan, planned = planned_stream(stream, link=link, budget_s=args.deadline_ms * 1e-3,
+                                       levels=levels)  # fmt: skip
+    except ValueError as exc:
+        raise UserError(f"{args.card}: cannot plan this card ({exc})") from None
+    if not args.json:
+        print(f"plan: {plan.describe()}")
+    return Transfer.from_encoded_stream(planned)
 
 
 def run(args: argparse.Namespace) -> int:
