@@ -31,6 +31,7 @@ DEFAULT_MAX_NEW_TOKENS = 24
 QUICK_MAX_NEW_TOKENS = 12
 DEFAULT_QUESTIONS = 5
 DEFAULT_BUDGET = 0.3
+QUICK_BUDGET = 0.6
 DEFAULT_PRECISIONS = ("fp16", "int8")
 MAX_QUESTIONS = 10
 
@@ -71,7 +72,8 @@ class DemoConfig:
 
     @classmethod
     def quick(cls, **overrides: Any) -> DemoConfig:
-        base = {"tokens": QUICK_TOKENS, "max_new_tokens": QUICK_MAX_NEW_TOKENS}
+        base = {"tokens": QUICK_TOKENS, "max_new_tokens": QUICK_MAX_NEW_TOKENS,
+                "budget": QUICK_BUDGET}  # fmt: skip
         return cls(**{**base, **overrides})
 
 

@@ -27,7 +27,7 @@ STREAMING = ["RLC 4/32", "adaptive", "DDQN"]  # the sliding-window RLC schemes
 def test_quick_demo_on_the_emulated_link_repeats_and_fec_recovers_more(smollm, tmp_path):
     speed = (0.01, 0.004)  # a fixed compute speed: the same plan, the same transfers
     cfg = DemoConfig.quick(link="emulated", card_dir=tmp_path, progress=False,
-                           compute_speed=speed, budget=0.6)  # fmt: skip
+                           compute_speed=speed)  # fmt: skip
     first = run_demo(cfg, loaded=smollm)
     second = run_demo(cfg, loaded=smollm)  # reads the card the first run cached
 

@@ -8,26 +8,30 @@ from pathlib import Path
 NAME = "demo"
 HELP = "hand a real model's KV cache across a burst-loss link: five repair schemes side by side"
 DESCRIPTION = """\
-One handoff, end to end. The real model (SmolLM2-135M-Instruct) prefills the context of a
-seeded task once and its KV cache becomes a cache card (blocks in utility order; kept in
+One handoff, end to end, against re-prefilling. The real model (SmolLM2-135M-Instruct)
+prefills the context of a seeded task once; its KV cache becomes a cache card (kept in
 $KVT_CACHE/demo, default ~/.cache/kvtransport/demo, so the next run skips that prefill).
-A sender and a receiver start once in processes of their own, and the card crosses the
-ge-heavy link (100 Mbit/s, 5 ms, Gilbert-Elliott bursts, about 12% loss, both ways) once
-per scheme, under a deadline of rho x the loss-free send time:
+
+The receiver must answer within a TTFT budget (--budget, a share of its own estimate of
+re-prefilling the context; it measures its compute speed first). The plan
+(kvtransport.plan) splits the work: the receiver computes the first tokens of the context
+itself while the rest crosses the link as fp16 or int8 blocks (upgraded by utility while
+the bytes fit the budget), token ranges front first. The link is ge-heavy (100 Mbit/s or
+--rate-mbps, 5 ms, Gilbert-Elliott bursts, about 12% loss, both ways); the stream crosses
+once per repair scheme:
 
   no FEC, block RS 4/32 (Reed-Solomon), RLC 4/32 (fixed-rate sliding-window code),
   adaptive (heuristic on feedback), DDQN (the shipped Double-DQN repair policy)
+  and, on --link netns, the same bytes over TCP (cubic and bbr) through the same link
 
-The receiver injects whatever arrived (missing blocks masked per layer) and answers
---questions questions about the context on it: the task's own, then other facts the same
-context states (drawn by the seed). One answer is a knife edge (a 135M model's answer can
-flip on a small difference in the cache); several show how much of the context survived.
-The table shows, per scheme: the utility recovered before the deadline, the blocks
-missing, the answer to the first question, the mean token F1 of the answers against the
-full cache's answers, how many answers equal the full cache's, and the time to first
-token (transfer + rebuild + injection + first token) against re-prefilling the context.
-The "no cache" row is the floor: every block masked, the question alone (a 135M model
-knows some capitals without the context; a badly damaged cache can do worse than that).
+For each, the receiver races (kvtransport.race): it loads token ranges as they arrive,
+waits for one due any moment, and computes (exactly, at their own positions) what has
+not arrived, so it always answers from the whole cache; "link down" is the receiver
+alone (nothing arrives): the fallback. It answers --questions questions about the
+context; the table shows per scheme the utility in place at the deadline, the blocks
+missing, the tokens the receiver computed, the answers against the full cache's, and
+the time to first token against re-prefilling measured in the same run. The "no cache"
+row is the floor: the question alone.
 
 Links (--link):
   netns     the real sender-daemon and receiver-daemon in two network namespaces of the
@@ -39,7 +43,8 @@ Links (--link):
             user.
   auto      netns when run as root, else emulated (with a note). Default.
 
---quick uses a 128-token context and shorter answers. Progress bars
+--quick uses a 128-token context, shorter answers and a budget of 0.6 (at 128 tokens the
+question's own forward pass is a large share of re-prefilling). Progress bars
 go to stderr when it is a terminal; --json prints one JSON object instead of the table.
 
 examples:
