@@ -51,7 +51,7 @@ _NOUNS = (
     "teapot thistle tiger tunnel turnip violin walnut whistle willow wizard"
 ).split()
 KEY_WORDS = tuple(sorted(f"{a}-{n}" for a in _ADJECTIVES for n in _NOUNS))
-TASK_NAMES = ("niah_single", "niah_multikey", "niah_multivalue", "facts_qa")
+TASK_NAMES = ("niah_single", "niah_multikey", "niah_multivalue", "facts_qa", "fiction_qa")
 
 
 @dataclass(frozen=True)
@@ -264,8 +264,187 @@ def facts_qa(
     return _fit(build, tokenizer, target_tokens, 0, len(distractors))
 
 
+# ----------------------------------------------------------------------------- fiction QA
+
+# Invented names: a noun of _NOUNS and a place-name ending ("Cedarholm", "Otterford"), and
+# people a given name and such a surname. A model cannot know any fact about them, so with
+# no context its answers are guesses. (Names of random syllables were tried first: the
+# 135M model confuses them with one another far more often than these.)
+_ENDINGS = "ford mere holm wick stead vale by thorpe haven moor dale brook ton field gate".split()
+_GIVEN = (
+    "Alric Bertil Corwin Dagny Elowen Fenna Gideon Hesper Isolde Jory Kestrel Linnea Merrick "
+    "Nell Oriel Perrin Quill Rowan Sable Tamsin Ulric Vesna Wren Yara Zebedee Brannoc Cato "
+    "Delphine Emrys Thaddeus"
+).split()
+_GOODS = (
+    "saffron, amber, cork, indigo, pewter, walnut oil, sealskin, juniper, flint, "
+    "quills, tallow, lacquer, goat cheese, slate, linen, cinnabar, myrrh, felt hats, "
+    "brass bells, dried figs, whetstones, beeswax, oyster pearls, cedar planks"
+).split(", ")
+_COLOURS = (
+    "violet, amber, teal, crimson, ochre, silver, jade, indigo, scarlet, turquoise, "
+    "magenta, bronze, lilac, copper, mauve, emerald, saffron, maroon"
+).split(", ")
+_TRADES = (
+    "glassblower, beekeeper, cartographer, lighthouse keeper, clockmaker, tanner, "
+    "falconer, bookbinder, potter, ropemaker, harpist, stonemason, weaver, cooper"
+).split(", ")
+# kind -> (attribute, fact sentence, question, value kind); every sentence ends with
+# "{v}.", so the answer prefix is the sentence up to the value, with the entity in it.
+_FICTION: dict[str, tuple[tuple[str, str, str, str], ...]] = {
+    "town": (
+        ("founder", "The town of {e} was founded by {v}.", "Who founded the town of {e}?",
+         "person"),
+        ("river", "The river that flows through {e} is the {v}.",
+         "Which river flows through the town of {e}?", "word"),
+        ("export", "The main export of the town of {e} is {v}.",
+         "What is the main export of the town of {e}?", "goods"),
+        ("year", "The town of {e} was built in the year {v}.",
+         "In which year was the town of {e} built?", "year"),
+    ),
+    "planet": (
+        ("moon", "The largest moon of the planet {e} is called {v}.",
+         "What is the largest moon of the planet {e} called?", "word"),
+        ("discoverer", "The planet {e} was discovered by {v}.",
+         "Who discovered the planet {e}?", "person"),
+        ("colour", "The sky of the planet {e} is {v}.",
+         "What colour is the sky of the planet {e}?", "colour"),
+        ("capital", "The capital city of the planet {e} is {v}.",
+         "What is the capital city of the planet {e}?", "word"),
+    ),
+    "company": (
+        ("founder", "The company {e} was founded by {v}.", "Who founded the company {e}?",
+         "person"),
+        ("city", "The headquarters of the company {e} are in {v}.",
+         "Where are the headquarters of the company {e}?", "word"),
+        ("product", "The company {e} sells {v}.", "What does the company {e} sell?", "goods"),
+        ("year", "The company {e} was founded in the year {v}.",
+         "In which year was the company {e} founded?", "year"),
+    ),
+    "person": (
+        ("birthplace", "{e} was born in the village of {v}.",
+         "In which village was {e} born?", "word"),
+        ("trade", "{e} works as a {v}.", "What does {e} work as?", "trade"),
+        ("pet", "The pet dog of {e} is named {v}.", "What is the name of the pet dog of {e}?",
+         "word"),
+        ("colour", "The favourite colour of {e} is {v}.", "What is the favourite colour of {e}?",
+         "colour"),
+    ),
+}  # fmt: skip
+_FICTION_INTRO = (
+    "Read the following facts about an invented world (its towns, planets, companies and "
+    "people) and answer the question after them."
+)
+# without it the model goes on reciting facts after the answer
+_FICTION_ASK = " Answer in a few words."
+_FICTION_SENTENCES = [
+    (re.compile(re.escape(s).replace(r"\{e\}", "(.+?)").replace(r"\{v\}", "(.+)")), kind, attr)
+    for kind, attrs in _FICTION.items()
+    for attr, s, _q, _v in attrs
+]
+
+
+@dataclass(frozen=True)
+class _Fact:
+    kind: str
+    entity: str
+    attr: str
+    value: str
+
+    def _spec(self) -> tuple[str, str, str, str]:
+        return next(a for a in _FICTION[self.kind] if a[0] == self.attr)
+
+    @property
+    def sentence(self) -> str:
+        return self._spec()[1].format(e=self.entity, v=self.value)
+
+    def question(self, sample: TaskSample) -> TaskSample:
+        """``sample`` asking for this fact (answer prefix: the sentence up to the value)."""
+        _attr, sentence, question, _kind = self._spec()
+        prefix = sentence.split("{v}")[0].rstrip().format(e=self.entity)
+        return replace(sample, question=question.format(e=self.entity) + _FICTION_ASK,
+                       answers=(self.value,), answer_prefix=prefix)  # fmt: skip
+
+
+class _Names:
+    """Invented words, never the same one twice (so each fact is stated once)."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng, self.used = rng, set()
+
+    def word(self) -> str:
+        for _ in range(10_000):
+            w = self.rng.choice(_NOUNS).capitalize() + self.rng.choice(_ENDINGS)
+            if w not in self.used:
+                self.used.add(w)
+                return w
+        raise ValueError("fiction_qa ran out of invented names; ask for fewer tokens")
+
+    def person(self) -> str:
+        while True:
+            p = f"{self.rng.choice(_GIVEN)} {self.rng.choice(_NOUNS).capitalize()}"
+            p += self.rng.choice(_ENDINGS)
+            if p not in self.used:
+                self.used.add(p)
+                return p
+
+
+def _fiction_entity(rng: random.Random, names: _Names, kind: str) -> list[_Fact]:
+    entity = names.person() if kind == "person" else names.word()
+    facts = []
+    for attr, _s, _q, vkind in _FICTION[kind]:
+        if vkind in ("person", "word"):
+            value = getattr(names, vkind)()
+        elif vkind == "year":
+            value = str(rng.randint(1100, 1999))
+        else:
+            value = rng.choice({"goods": _GOODS, "colour": _COLOURS, "trade": _TRADES}[vkind])
+        facts.append(_Fact(kind, entity, attr, value))
+    return facts
+
+
+def fiction_qa(tokenizer: Any, *, target_tokens: int = 400, seed: int = 0) -> TaskSample:
+    """A question about one attribute of one invented entity, among facts about others.
+
+    The world is made up from the seed: towns, planets, companies and people with invented
+    names (seeded syllables), four attributes each (a founder, a river, a year, a colour,
+    ...), each stated once in its own sentence (one a line). Unlike facts_qa, a model cannot
+    know any of it, so with no context its answer is a guess. The asked entity's facts sit
+    at random depths; the other entities' facts, shuffled, pad the context to the target.
+    """
+    rng = random.Random(f"fiction_qa/{seed}")
+    names = _Names(rng)
+    kinds = sorted(_FICTION)
+    asked = _fiction_entity(rng, names, rng.choice(kinds))
+    pick = rng.randrange(len(asked))
+    # a sentence takes more than 5 tokens: enough facts for any context that fits
+    n_max = max(8, target_tokens // 5)
+    others = [_fiction_entity(rng, names, rng.choice(kinds)) for _ in range(n_max // 4 + 1)]
+    flat = [f for entity in others for f in entity]
+    depth = rng.random()
+    probe = TaskSample("fiction_qa", seed, "", "", ())
+    sample = asked[pick].question(probe)
+
+    def build(n: int) -> TaskSample:
+        # the first n facts of the other entities, one paragraph (line) per entity
+        paragraphs = [[f.sentence for f in others[i][: n - 4 * i]] for i in range((n + 3) // 4)]
+        paragraphs.insert(round(depth * len(paragraphs)), [f.sentence for f in asked])
+        body = "\n".join(" ".join(p) for p in paragraphs)
+        return replace(sample, context=_FICTION_INTRO + "\n" + body)
+
+    return _fit(build, tokenizer, target_tokens, 0, len(flat))
+
+
+def _fiction_fact(line: str) -> _Fact | None:
+    """The fact a context sentence states, if it is one of fiction_qa's sentences."""
+    for pattern, kind, attr in _FICTION_SENTENCES:
+        if m := pattern.fullmatch(line):
+            return _Fact(kind, m.group(1), attr, m.group(2))
+    return None
+
+
 def generate(task: str, tokenizer: Any, *, target_tokens: int = 400, seed: int = 0) -> TaskSample:
-    """A sample of a named task: niah_single, niah_multikey, niah_multivalue, facts_qa."""
+    """A sample of a named task (one of TASK_NAMES)."""
     if task == "niah_single":
         return niah(tokenizer, target_tokens=target_tokens, seed=seed)
     if task == "niah_multikey":
@@ -274,6 +453,8 @@ def generate(task: str, tokenizer: Any, *, target_tokens: int = 400, seed: int =
         return niah(tokenizer, target_tokens=target_tokens, seed=seed, num_values=4)
     if task == "facts_qa":
         return facts_qa(tokenizer, target_tokens=target_tokens, seed=seed)
+    if task == "fiction_qa":
+        return fiction_qa(tokenizer, target_tokens=target_tokens, seed=seed)
     raise ValueError(f"unknown task {task!r}; choose from {', '.join(TASK_NAMES)}")
 
 
@@ -327,6 +508,11 @@ def _context_questions(sample: TaskSample) -> list[TaskSample]:
                 out.append(replace(sample, question=question, answers=answers,
                                    answer_prefix=prefix))  # fmt: skip
         return out
+    if sample.task == "fiction_qa":
+        sentences = [x for line in lines for x in re.split(r"(?<=\.) ", line)]
+        facts = [f for x in sentences if (f := _fiction_fact(x))]
+        asked = [(f.entity, f.attr) for f in facts]
+        return [f.question(sample) for f in facts if asked.count((f.entity, f.attr)) == 1]
     needles = [m.groups() for line in lines if (m := _NEEDLE_LINE.fullmatch(line))]
     keys = [key for _type, key, _value in needles]
     for type_v, key, value in needles:
