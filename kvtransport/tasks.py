@@ -291,6 +291,11 @@ _TRADES = (
 ).split(", ")
 # kind -> (attribute, fact sentence, question, value kind); every sentence ends with
 # "{v}.", so the answer prefix is the sentence up to the value, with the entity in it.
+_INSTRUMENTS = "lute harp flute oboe fiddle bagpipes cello zither accordion banjo".split()
+# kind -> (attribute, fact sentence, question, value kind); every sentence ends with
+# "{v}.", so the answer prefix is the sentence up to the value, with the entity in it. An
+# entity states four of its kind's eight: the fewer facts share a sentence pattern, the
+# less the small model confuses one entity's fact with another's.
 _FICTION: dict[str, tuple[tuple[str, str, str, str], ...]] = {
     "town": (
         ("founder", "The town of {e} was founded by {v}.", "Who founded the town of {e}?",
@@ -301,6 +306,14 @@ _FICTION: dict[str, tuple[tuple[str, str, str, str], ...]] = {
          "What is the main export of the town of {e}?", "goods"),
         ("year", "The town of {e} was built in the year {v}.",
          "In which year was the town of {e} built?", "year"),
+        ("emblem", "The emblem of the town of {e} is a {v}.",
+         "What is the emblem of the town of {e}?", "noun"),
+        ("mayor", "The mayor of the town of {e} is {v}.", "Who is the mayor of the town of {e}?",
+         "person"),
+        ("valley", "The town of {e} lies in the valley of {v}.",
+         "In which valley does the town of {e} lie?", "word"),
+        ("roofs", "The roofs of the town of {e} are painted {v}.",
+         "What colour are the roofs of the town of {e} painted?", "colour"),
     ),
     "planet": (
         ("moon", "The largest moon of the planet {e} is called {v}.",
@@ -311,6 +324,14 @@ _FICTION: dict[str, tuple[tuple[str, str, str, str], ...]] = {
          "What colour is the sky of the planet {e}?", "colour"),
         ("capital", "The capital city of the planet {e} is {v}.",
          "What is the capital city of the planet {e}?", "word"),
+        ("creature", "The planet {e} is home to a creature called the {v}.",
+         "What creature is the planet {e} home to?", "word"),
+        ("star", "The planet {e} orbits the star {v}.", "Which star does the planet {e} orbit?",
+         "word"),
+        ("year", "The planet {e} was first mapped in the year {v}.",
+         "In which year was the planet {e} first mapped?", "year"),
+        ("crop", "The farmers of the planet {e} grow {v}.",
+         "What do the farmers of the planet {e} grow?", "goods"),
     ),
     "company": (
         ("founder", "The company {e} was founded by {v}.", "Who founded the company {e}?",
@@ -320,6 +341,14 @@ _FICTION: dict[str, tuple[tuple[str, str, str, str], ...]] = {
         ("product", "The company {e} sells {v}.", "What does the company {e} sell?", "goods"),
         ("year", "The company {e} was founded in the year {v}.",
          "In which year was the company {e} founded?", "year"),
+        ("logo", "The logo of the company {e} shows a {v}.",
+         "What does the logo of the company {e} show?", "noun"),
+        ("engineer", "The chief engineer of the company {e} is {v}.",
+         "Who is the chief engineer of the company {e}?", "person"),
+        ("partner", "The company {e} trades with the town of {v}.",
+         "Which town does the company {e} trade with?", "word"),
+        ("vans", "The delivery vans of the company {e} are {v}.",
+         "What colour are the delivery vans of the company {e}?", "colour"),
     ),
     "person": (
         ("birthplace", "{e} was born in the village of {v}.",
@@ -329,6 +358,10 @@ _FICTION: dict[str, tuple[tuple[str, str, str, str], ...]] = {
          "word"),
         ("colour", "The favourite colour of {e} is {v}.", "What is the favourite colour of {e}?",
          "colour"),
+        ("instrument", "{e} plays the {v}.", "Which instrument does {e} play?", "instrument"),
+        ("friend", "The best friend of {e} is {v}.", "Who is the best friend of {e}?", "person"),
+        ("home", "{e} lives on the planet {v}.", "On which planet does {e} live?", "word"),
+        ("born", "{e} was born in the year {v}.", "In which year was {e} born?", "year"),
     ),
 }  # fmt: skip
 _FICTION_INTRO = (
@@ -367,38 +400,48 @@ class _Fact:
 
 
 class _Names:
-    """Invented words, never the same one twice (so each fact is stated once)."""
+    """Invented names, never the same one twice (so each fact is stated once). Their nouns
+    and given names are dealt from shuffled decks, so that names share no word until a
+    deck runs out (a large context): the model tells such names apart best."""
 
     def __init__(self, rng: random.Random) -> None:
         self.rng, self.used = rng, set()
+        self.decks: dict[tuple[str, ...], list[str]] = {}
 
-    def word(self) -> str:
+    def _deal(self, words: tuple[str, ...] | list[str]) -> str:
+        key = tuple(words)
+        deck = self.decks.setdefault(key, [])
+        if not deck:
+            deck.extend(self.rng.sample(key, len(key)))
+        return deck.pop()
+
+    def _unique(self, make: Callable[[], str]) -> str:
         for _ in range(10_000):
-            w = self.rng.choice(_NOUNS).capitalize() + self.rng.choice(_ENDINGS)
-            if w not in self.used:
-                self.used.add(w)
-                return w
+            name = make()
+            if name not in self.used:
+                self.used.add(name)
+                return name
         raise ValueError("fiction_qa ran out of invented names; ask for fewer tokens")
 
+    def word(self) -> str:
+        return self._unique(lambda: self._deal(_NOUNS).capitalize() + self.rng.choice(_ENDINGS))
+
     def person(self) -> str:
-        while True:
-            p = f"{self.rng.choice(_GIVEN)} {self.rng.choice(_NOUNS).capitalize()}"
-            p += self.rng.choice(_ENDINGS)
-            if p not in self.used:
-                self.used.add(p)
-                return p
+        return self._unique(lambda: f"{self._deal(_GIVEN)} {self.word()}")
 
 
 def _fiction_entity(rng: random.Random, names: _Names, kind: str) -> list[_Fact]:
     entity = names.person() if kind == "person" else names.word()
     facts = []
-    for attr, _s, _q, vkind in _FICTION[kind]:
+    for attr, _s, _q, vkind in sorted(rng.sample(_FICTION[kind], 4)):
         if vkind in ("person", "word"):
             value = getattr(names, vkind)()
         elif vkind == "year":
             value = str(rng.randint(1100, 1999))
         else:
-            value = rng.choice({"goods": _GOODS, "colour": _COLOURS, "trade": _TRADES}[vkind])
+            lists = {"goods": _GOODS, "colour": _COLOURS, "trade": _TRADES, "noun": _NOUNS,
+                     "instrument": _INSTRUMENTS}  # fmt: skip
+            value = rng.choice(lists[vkind])
         facts.append(_Fact(kind, entity, attr, value))
     return facts
 
@@ -419,24 +462,24 @@ def fiction_qa(tokenizer: Any, *, target_tokens: int = 400, seed: int = 0) -> Ta
     pick = rng.randrange(len(asked))
     # a sentence takes more than 5 tokens: enough facts for any context that fits
     n_max = max(8, target_tokens // 5)
-    others = [_fiction_entity(rng, names, rng.choice(kinds)) for _ in range(n_max // 4 + 1)]
-    flat = [f for entity in others for f in entity]
-    depth = rng.random()
+    others = [f for _ in range(n_max // 4 + 1) for f in _fiction_entity(rng, names,
+              rng.choice(kinds))]  # fmt: skip
+    rng.shuffle(others)
+    depths = [rng.random() for _ in asked]
     probe = TaskSample("fiction_qa", seed, "", "", ())
     sample = asked[pick].question(probe)
 
     def build(n: int) -> TaskSample:
-        # the first n facts of the other entities, one paragraph (line) per entity
-        paragraphs = [[f.sentence for f in others[i][: n - 4 * i]] for i in range((n + 3) // 4)]
-        paragraphs.insert(round(depth * len(paragraphs)), [f.sentence for f in asked])
-        body = "\n".join(" ".join(p) for p in paragraphs)
-        return replace(sample, context=_FICTION_INTRO + "\n" + body)
+        body = [f.sentence for f in others[:n]]
+        for fact, depth in zip(asked, depths, strict=True):
+            body.insert(round(depth * len(body)), fact.sentence)
+        return replace(sample, context=_FICTION_INTRO + "\n" + "\n".join(body))
 
-    return _fit(build, tokenizer, target_tokens, 0, len(flat))
+    return _fit(build, tokenizer, target_tokens, 0, len(others))
 
 
 def _fiction_fact(line: str) -> _Fact | None:
-    """The fact a context sentence states, if it is one of fiction_qa's sentences."""
+    """The fact a context line states, if it is one of fiction_qa's sentences."""
     for pattern, kind, attr in _FICTION_SENTENCES:
         if m := pattern.fullmatch(line):
             return _Fact(kind, m.group(1), attr, m.group(2))
@@ -509,8 +552,7 @@ def _context_questions(sample: TaskSample) -> list[TaskSample]:
                                    answer_prefix=prefix))  # fmt: skip
         return out
     if sample.task == "fiction_qa":
-        sentences = [x for line in lines for x in re.split(r"(?<=\.) ", line)]
-        facts = [f for x in sentences if (f := _fiction_fact(x))]
+        facts = [f for line in lines if (f := _fiction_fact(line))]
         asked = [(f.entity, f.attr) for f in facts]
         return [f.question(sample) for f in facts if asked.count((f.entity, f.attr)) == 1]
     needles = [m.groups() for line in lines if (m := _NEEDLE_LINE.fullmatch(line))]
