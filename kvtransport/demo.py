@@ -3,7 +3,7 @@
 What :func:`run_demo` (``kvtransport demo``) does:
 
 1. The real model (kvtransport.model; SmolLM2-135M-Instruct by default) prefills the
-   context of a seeded task (kvtransport.tasks: facts QA or a RULER-style needle) once. The
+   context of a seeded task (kvtransport.tasks: invented facts by default) once. The
    cache becomes a cache card (kvtransport.card: blocks in utility order), kept in
    ``$KVT_CACHE/demo`` so that the next run with the same task skips this prefill.
 2. A sender and a receiver start once, in processes of their own, and the card crosses
@@ -257,8 +257,9 @@ def _answer_all(
 ) -> dict[str, Any]:
     """Re-prefill (the TTFT baseline), the full cache's answers (the F1 references), the
     answers with no cache at all (the floor: what the model answers from the question
-    alone, e.g. a capital it knows), then each scheme's answers from its partial cache
-    (rebuilt once, every question asked of it); fills the rows, returns the baselines."""
+    alone, e.g. a capital it knows with facts_qa), then each scheme's answers from its
+    partial cache (rebuilt once, every question asked of it); fills the rows, returns the
+    baselines."""
     import numpy as np
 
     from kvtransport import blocks, hf

@@ -26,8 +26,9 @@ The table shows, per scheme: the utility recovered before the deadline, the bloc
 missing, the answer to the first question, the mean token F1 of the answers against the
 full cache's answers, how many answers equal the full cache's, and the time to first
 token (transfer + rebuild + injection + first token) against re-prefilling the context.
-The "no cache" row is the floor: every block masked, the question alone (a 135M model
-knows some capitals without the context; a badly damaged cache can do worse than that).
+The "no cache" row is the floor: every block masked, the question alone (the default
+task's facts are invented, so the model cannot know them; with --task facts_qa it knows
+some capitals without the context, and a badly damaged cache can do worse than that).
 
 Links (--link):
   netns     the real sender-daemon and receiver-daemon in two network namespaces of the
@@ -62,9 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument(
         "--task",
-        default="facts_qa",
+        default="fiction_qa",
         choices=TASK_NAMES,
-        help="the context and question (default facts_qa)",
+        help="the context and question (default fiction_qa: facts about an invented world)",
     )
     parser.add_argument(
         "--tokens",
