@@ -3,7 +3,7 @@
 What :func:`run_demo` (``kvtransport demo``) does:
 
 1. The real model (kvtransport.model; SmolLM2-135M-Instruct by default) prefills the
-   context of a seeded task (kvtransport.tasks: facts QA or a RULER-style needle) once. The
+   context of a seeded task (kvtransport.tasks: invented facts by default) once. The
    cache becomes a cache card (kvtransport.card: blocks in utility order), kept in
    ``$KVT_CACHE/demo`` so that the next run with the same task skips this prefill.
 2. A sender and a receiver start once, in processes of their own, and the card crosses

@@ -55,7 +55,7 @@ class DemoConfig:
         mean F1 and the count of answers equal to the full cache's over several do not.
     """
 
-    task: str = "facts_qa"
+    task: str = "fiction_qa"
     tokens: int = DEFAULT_TOKENS
     seed: int = 1
     budget: float = DEFAULT_BUDGET

@@ -17,6 +17,11 @@ value is asked for, and the answer prefix is RULER's.
 
 Facts QA from the ``worlddatax`` package: a list of facts about countries (capitals and
 currencies, with distractor countries), one question about one country, the gold answer.
+A small model knows many capitals, so it answers some of these with no context at all.
+
+Fiction QA: the same shape about an invented world (towns, planets, companies and people
+with made-up names, four facts each, one sentence a line); nothing in it can be known
+without the context, so a question alone scores next to nothing.
 
 Every generator is sized by ``target_tokens``: the largest haystack whose chat-templated
 context (``TaskSample.prompt(...)[0]``) has at most that many tokens. The same seed and
@@ -51,7 +56,10 @@ _NOUNS = (
     "teapot thistle tiger tunnel turnip violin walnut whistle willow wizard"
 ).split()
 KEY_WORDS = tuple(sorted(f"{a}-{n}" for a in _ADJECTIVES for n in _NOUNS))
-TASK_NAMES = ("niah_single", "niah_multikey", "niah_multivalue", "facts_qa")
+TASK_NAMES = ("niah_single", "niah_multikey", "niah_multivalue", "facts_qa", "fiction_qa")
+# suite()'s default cycle: the tasks the packaged sensitivity profile and utility table
+# were measured on, so that the commands they record still reproduce them
+SUITE_TASKS = TASK_NAMES[:4]
 
 
 @dataclass(frozen=True)
@@ -264,8 +272,230 @@ def facts_qa(
     return _fit(build, tokenizer, target_tokens, 0, len(distractors))
 
 
+# ----------------------------------------------------------------------------- fiction QA
+
+# Invented names: a noun of _NOUNS and a place-name ending ("Cedarholm", "Otterford"), and
+# people a given name and such a surname. A model cannot know any fact about them, so with
+# no context its answers are guesses. (Names of random syllables were tried first: the
+# 135M model confuses them with one another far more often than these.)
+_ENDINGS = "ford mere holm wick stead vale by thorpe haven moor dale brook ton field gate".split()
+_GIVEN = (
+    "Alric Bertil Corwin Dagny Elowen Fenna Gideon Hesper Isolde Jory Kestrel Linnea Merrick "
+    "Nell Oriel Perrin Quill Rowan Sable Tamsin Ulric Vesna Wren Yara Zebedee Brannoc Cato "
+    "Delphine Emrys Thaddeus"
+).split()
+_GOODS = (
+    "saffron, amber, cork, indigo, pewter, walnut oil, sealskin, juniper, flint, "
+    "quills, tallow, lacquer, goat cheese, slate, linen, cinnabar, myrrh, felt hats, "
+    "brass bells, dried figs, whetstones, beeswax, oyster pearls, cedar planks"
+).split(", ")
+_COLOURS = (
+    "violet, amber, teal, crimson, ochre, silver, jade, indigo, scarlet, turquoise, "
+    "magenta, bronze, lilac, copper, mauve, emerald, saffron, maroon"
+).split(", ")
+_TRADES = (
+    "glassblower, beekeeper, cartographer, lighthouse keeper, clockmaker, tanner, "
+    "falconer, bookbinder, potter, ropemaker, harpist, stonemason, weaver, cooper"
+).split(", ")
+# kind -> (attribute, fact sentence, question, value kind); every sentence ends with
+# "{v}.", so the answer prefix is the sentence up to the value, with the entity in it.
+_INSTRUMENTS = "lute harp flute oboe fiddle bagpipes cello zither accordion banjo".split()
+# kind -> (attribute, fact sentence, question, value kind); every sentence ends with
+# "{v}.", so the answer prefix is the sentence up to the value, with the entity in it. An
+# entity states four of its kind's eight: the fewer facts share a sentence pattern, the
+# less the small model confuses one entity's fact with another's.
+_FICTION: dict[str, tuple[tuple[str, str, str, str], ...]] = {
+    "town": (
+        ("founder", "The town of {e} was founded by {v}.", "Who founded the town of {e}?",
+         "person"),
+        ("river", "The river that flows through {e} is the {v}.",
+         "Which river flows through the town of {e}?", "word"),
+        ("export", "The main export of the town of {e} is {v}.",
+         "What is the main export of the town of {e}?", "goods"),
+        ("year", "The town of {e} was built in the year {v}.",
+         "In which year was the town of {e} built?", "year"),
+        ("emblem", "The emblem of the town of {e} is a {v}.",
+         "What is the emblem of the town of {e}?", "noun"),
+        ("mayor", "The mayor of the town of {e} is {v}.", "Who is the mayor of the town of {e}?",
+         "person"),
+        ("valley", "The town of {e} lies in the valley of {v}.",
+         "In which valley does the town of {e} lie?", "word"),
+        ("roofs", "The roofs of the town of {e} are painted {v}.",
+         "What colour are the roofs of the town of {e} painted?", "colour"),
+    ),
+    "planet": (
+        ("moon", "The largest moon of the planet {e} is called {v}.",
+         "What is the largest moon of the planet {e} called?", "word"),
+        ("discoverer", "The planet {e} was discovered by {v}.",
+         "Who discovered the planet {e}?", "person"),
+        ("colour", "The sky of the planet {e} is {v}.",
+         "What colour is the sky of the planet {e}?", "colour"),
+        ("capital", "The capital city of the planet {e} is {v}.",
+         "What is the capital city of the planet {e}?", "word"),
+        ("creature", "The planet {e} is home to a creature called the {v}.",
+         "What creature is the planet {e} home to?", "word"),
+        ("star", "The planet {e} orbits the star {v}.", "Which star does the planet {e} orbit?",
+         "word"),
+        ("year", "The planet {e} was first mapped in the year {v}.",
+         "In which year was the planet {e} first mapped?", "year"),
+        ("crop", "The farmers of the planet {e} grow {v}.",
+         "What do the farmers of the planet {e} grow?", "goods"),
+    ),
+    "company": (
+        ("founder", "The company {e} was founded by {v}.", "Who founded the company {e}?",
+         "person"),
+        ("city", "The headquarters of the company {e} are in {v}.",
+         "Where are the headquarters of the company {e}?", "word"),
+        ("product", "The company {e} sells {v}.", "What does the company {e} sell?", "goods"),
+        ("year", "The company {e} was founded in the year {v}.",
+         "In which year was the company {e} founded?", "year"),
+        ("logo", "The logo of the company {e} shows a {v}.",
+         "What does the logo of the company {e} show?", "noun"),
+        ("engineer", "The chief engineer of the company {e} is {v}.",
+         "Who is the chief engineer of the company {e}?", "person"),
+        ("partner", "The company {e} trades with the town of {v}.",
+         "Which town does the company {e} trade with?", "word"),
+        ("vans", "The delivery vans of the company {e} are {v}.",
+         "What colour are the delivery vans of the company {e}?", "colour"),
+    ),
+    "person": (
+        ("birthplace", "{e} was born in the village of {v}.",
+         "In which village was {e} born?", "word"),
+        ("trade", "{e} works as a {v}.", "What does {e} work as?", "trade"),
+        ("pet", "The pet dog of {e} is named {v}.", "What is the name of the pet dog of {e}?",
+         "word"),
+        ("colour", "The favourite colour of {e} is {v}.", "What is the favourite colour of {e}?",
+         "colour"),
+        ("instrument", "{e} plays the {v}.", "Which instrument does {e} play?", "instrument"),
+        ("friend", "The best friend of {e} is {v}.", "Who is the best friend of {e}?", "person"),
+        ("home", "{e} lives on the planet {v}.", "On which planet does {e} live?", "word"),
+        ("born", "{e} was born in the year {v}.", "In which year was {e} born?", "year"),
+    ),
+}  # fmt: skip
+_FICTION_INTRO = (
+    "Read the following facts about an invented world (its towns, planets, companies and "
+    "people) and answer the question after them."
+)
+# without it the model goes on reciting facts after the answer
+_FICTION_ASK = " Answer in a few words."
+_FICTION_SENTENCES = [
+    (re.compile(re.escape(s).replace(r"\{e\}", "(.+?)").replace(r"\{v\}", "(.+)")), kind, attr)
+    for kind, attrs in _FICTION.items()
+    for attr, s, _q, _v in attrs
+]
+
+
+@dataclass(frozen=True)
+class _Fact:
+    kind: str
+    entity: str
+    attr: str
+    value: str
+
+    def _spec(self) -> tuple[str, str, str, str]:
+        return next(a for a in _FICTION[self.kind] if a[0] == self.attr)
+
+    @property
+    def sentence(self) -> str:
+        return self._spec()[1].format(e=self.entity, v=self.value)
+
+    def question(self, sample: TaskSample) -> TaskSample:
+        """``sample`` asking for this fact (answer prefix: the sentence up to the value)."""
+        _attr, sentence, question, _kind = self._spec()
+        prefix = sentence.split("{v}")[0].rstrip().format(e=self.entity)
+        return replace(sample, question=question.format(e=self.entity) + _FICTION_ASK,
+                       answers=(self.value,), answer_prefix=prefix)  # fmt: skip
+
+
+class _Names:
+    """Invented names, never the same one twice (so each fact is stated once). Their nouns
+    and given names are dealt from shuffled decks, so that names share no word until a
+    deck runs out (a large context): the model tells such names apart best."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng, self.used = rng, set()
+        self.decks: dict[tuple[str, ...], list[str]] = {}
+
+    def _deal(self, words: tuple[str, ...] | list[str]) -> str:
+        key = tuple(words)
+        deck = self.decks.setdefault(key, [])
+        if not deck:
+            deck.extend(self.rng.sample(key, len(key)))
+        return deck.pop()
+
+    def _unique(self, make: Callable[[], str]) -> str:
+        for _ in range(10_000):
+            name = make()
+            if name not in self.used:
+                self.used.add(name)
+                return name
+        raise ValueError("fiction_qa ran out of invented names; ask for fewer tokens")
+
+    def word(self) -> str:
+        return self._unique(lambda: self._deal(_NOUNS).capitalize() + self.rng.choice(_ENDINGS))
+
+    def person(self) -> str:
+        return self._unique(lambda: f"{self._deal(_GIVEN)} {self.word()}")
+
+
+def _fiction_entity(rng: random.Random, names: _Names, kind: str) -> list[_Fact]:
+    entity = names.person() if kind == "person" else names.word()
+    facts = []
+    for attr, _s, _q, vkind in sorted(rng.sample(_FICTION[kind], 4)):
+        if vkind in ("person", "word"):
+            value = getattr(names, vkind)()
+        elif vkind == "year":
+            value = str(rng.randint(1100, 1999))
+        else:
+            lists = {"goods": _GOODS, "colour": _COLOURS, "trade": _TRADES, "noun": _NOUNS,
+                     "instrument": _INSTRUMENTS}  # fmt: skip
+            value = rng.choice(lists[vkind])
+        facts.append(_Fact(kind, entity, attr, value))
+    return facts
+
+
+def fiction_qa(tokenizer: Any, *, target_tokens: int = 400, seed: int = 0) -> TaskSample:
+    """A question about one attribute of one invented entity, among facts about others.
+
+    The world is made up from the seed: towns, planets, companies and people with invented
+    names (seeded syllables), four attributes each (a founder, a river, a year, a colour,
+    ...), each stated once in its own sentence (one a line). Unlike facts_qa, a model cannot
+    know any of it, so with no context its answer is a guess. The asked entity's facts sit
+    at random depths; the other entities' facts, shuffled, pad the context to the target.
+    """
+    rng = random.Random(f"fiction_qa/{seed}")
+    names = _Names(rng)
+    kinds = sorted(_FICTION)
+    asked = _fiction_entity(rng, names, rng.choice(kinds))
+    pick = rng.randrange(len(asked))
+    # a sentence takes more than 5 tokens: enough facts for any context that fits
+    n_max = max(8, target_tokens // 5)
+    others = [f for _ in range(n_max // 4 + 1) for f in _fiction_entity(rng, names,
+              rng.choice(kinds))]  # fmt: skip
+    rng.shuffle(others)
+    depths = [rng.random() for _ in asked]
+    probe = TaskSample("fiction_qa", seed, "", "", ())
+    sample = asked[pick].question(probe)
+
+    def build(n: int) -> TaskSample:
+        body = [f.sentence for f in others[:n]]
+        for fact, depth in zip(asked, depths, strict=True):
+            body.insert(round(depth * len(body)), fact.sentence)
+        return replace(sample, context=_FICTION_INTRO + "\n" + "\n".join(body))
+
+    return _fit(build, tokenizer, target_tokens, 0, len(others))
+
+
+def _fiction_fact(line: str) -> _Fact | None:
+    """The fact a context line states, if it is one of fiction_qa's sentences."""
+    for pattern, kind, attr in _FICTION_SENTENCES:
+        if m := pattern.fullmatch(line):
+            return _Fact(kind, m.group(1), attr, m.group(2))
+    return None
+
+
 def generate(task: str, tokenizer: Any, *, target_tokens: int = 400, seed: int = 0) -> TaskSample:
-    """A sample of a named task: niah_single, niah_multikey, niah_multivalue, facts_qa."""
+    """A sample of a named task (one of TASK_NAMES)."""
     if task == "niah_single":
         return niah(tokenizer, target_tokens=target_tokens, seed=seed)
     if task == "niah_multikey":
@@ -274,6 +504,8 @@ def generate(task: str, tokenizer: Any, *, target_tokens: int = 400, seed: int =
         return niah(tokenizer, target_tokens=target_tokens, seed=seed, num_values=4)
     if task == "facts_qa":
         return facts_qa(tokenizer, target_tokens=target_tokens, seed=seed)
+    if task == "fiction_qa":
+        return fiction_qa(tokenizer, target_tokens=target_tokens, seed=seed)
     raise ValueError(f"unknown task {task!r}; choose from {', '.join(TASK_NAMES)}")
 
 
@@ -327,6 +559,10 @@ def _context_questions(sample: TaskSample) -> list[TaskSample]:
                 out.append(replace(sample, question=question, answers=answers,
                                    answer_prefix=prefix))  # fmt: skip
         return out
+    if sample.task == "fiction_qa":
+        facts = [f for line in lines if (f := _fiction_fact(line))]
+        asked = [(f.entity, f.attr) for f in facts]
+        return [f.question(sample) for f in facts if asked.count((f.entity, f.attr)) == 1]
     needles = [m.groups() for line in lines if (m := _NEEDLE_LINE.fullmatch(line))]
     keys = [key for _type, key, _value in needles]
     for type_v, key, value in needles:
@@ -342,7 +578,7 @@ def suite(
     n: int,
     target_tokens: int = 400,
     seed: int = 0,
-    tasks: tuple[str, ...] = TASK_NAMES,
+    tasks: tuple[str, ...] = SUITE_TASKS,
 ) -> list[TaskSample]:
     """``n`` samples cycling through ``tasks``, seeds ``seed, seed+1, ...``."""
     return [

@@ -491,7 +491,7 @@ def measure_curves(
 
     if samples < 1:
         raise ValueError("samples must be at least 1")
-    names = tuple(tasks) if tasks else task_lib.TASK_NAMES
+    names = tuple(tasks) if tasks else task_lib.SUITE_TASKS
     suite = task_lib.suite(
         tokenizer, n=samples, target_tokens=context_tokens, seed=seed, tasks=names
     )
