@@ -99,6 +99,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"kvtransport {args.command}: interrupted", file=sys.stderr)
         return 130
+    except ModuleNotFoundError as exc:
+        from kvtransport.extras import missing_extra_message
+
+        msg = missing_extra_message(exc)
+        if msg is None:
+            raise
+        print(f"kvtransport {args.command}: error: {msg}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
