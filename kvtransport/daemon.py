@@ -144,6 +144,12 @@ class StopSignal:
             while self._r.recv(4096):
                 pass
 
+    def close(self) -> None:
+        """Close the wake-up pair of a stop that was never installed (an in-process loop
+        in a worker thread: the application keeps its signal handlers)."""
+        self._r.close()
+        self._w.close()
+
     def restore(self) -> None:
         for sig, old in self._old.items():
             signal.signal(sig, old)
