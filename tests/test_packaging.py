@@ -126,6 +126,7 @@ def test_data_plane_imports_and_runs_without_the_extras():
     [
         (["train", "--steps", "10", "--out", "{tmp}"], "train"),
         (["simulate", "--size-mb", "1", "--plot", "{tmp}/p.png"], "eval"),
+        (["receiver-daemon", "--metrics-port", "0", "--listen", "127.0.0.1:0"], "metrics"),
     ],
 )
 def test_a_command_missing_its_extra_says_which_in_one_line(tmp_path, argv, extra):
