@@ -29,11 +29,10 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
+from kvtransport.agents import ENV_ID  # noqa: F401 (re-exported: tests import it here)
 from kvtransport.agents.episodes import EpisodeDistribution, EpisodeSpec, build_simulation
 
 from kvtransport.policy import ACTIONS, OBS_CLIP, OBS_SIZE, ExternalPolicy, Obs
-
-ENV_ID = "kvtransport/RepairScheduling-v0"
 
 _BOUNDS = {
     Obs.CAPACITY_RATIO: (0.0, 4.0),

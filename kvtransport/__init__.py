@@ -1,4 +1,14 @@
-"""kvtransport: FEC-protected KV-cache transport for multi-agent LLM handoffs."""
+"""kvtransport: FEC-protected KV-cache transport for multi-agent LLM handoffs.
+
+The embeddable API (kvtransport.inprocess, kvtransport.partial), loaded on first use so
+that ``import kvtransport`` stays cheap::
+
+    kvtransport.send(cache_or_card, to="HOST:PORT", deadline_ms=300, key=None)
+    kvtransport.Receiver(listen="HOST:PORT")        # .address, .result(), await it
+    kvtransport.receive(listen="HOST:PORT")          # one transfer's DeliveredResult
+    kvtransport.send_async(...), kvtransport.receive_async(...)
+    kvtransport.partial_cache(result)                # KVCache + presence mask for a model
+"""
 
 from pathlib import Path as _Path
 
@@ -9,3 +19,26 @@ __version__ = "0.1.0"
 # numba's cache must be pointed at the folder of the current kernel sources before any
 # kernel is defined (every kernel lives in a submodule, so this runs first).
 _kernel_cache.configure(_Path(__file__).resolve().parent)
+
+_API = {
+    "send": "kvtransport.inprocess",
+    "send_async": "kvtransport.inprocess",
+    "receive": "kvtransport.inprocess",
+    "receive_async": "kvtransport.inprocess",
+    "Receiver": "kvtransport.inprocess",
+    "partial_cache": "kvtransport.partial",
+    "DeliveredResult": "kvtransport.api",
+}
+__all__ = ["__version__", *_API]
+
+
+def __getattr__(name: str) -> object:
+    """The embeddable API's names, imported on first use (PEP 562)."""
+    module = _API.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvtransport' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -225,6 +225,27 @@ class DeliveredResult:
         o = int(self.blocks.offsets[index])
         return self.payload[o : o + int(self.blocks.lengths[index])]
 
+    @property
+    def is_complete(self) -> bool:
+        """Every block arrived (False when the manifest, and so the block list, did not)."""
+        return self.blocks is not None and bool(self.complete.all())
+
+    @classmethod
+    def from_result(cls, result: TransferResult, stats: dict[str, Any]) -> DeliveredResult:
+        """A receiver session's result as a subscriber sees it (no copy of the payload)."""
+        m = result.manifest
+        return cls(
+            transfer_id=result.transfer_id,
+            utility_recovered=float(result.utility_recovered),
+            reason=result.reason,
+            blocks=m.blocks if m is not None else None,
+            complete=np.asarray(result.complete, dtype=bool),
+            missing=np.asarray(result.missing, dtype=np.int64),
+            payload=result.payload,
+            app_metadata=m.app_metadata if m is not None else None,
+            stats=stats,
+        )
+
 
 def result_header(result: TransferResult, stats: dict[str, Any]) -> dict[str, Any]:
     """The JSON part of a published result (and of a result file's metadata)."""

@@ -629,6 +629,12 @@ class Reassembled:
     manifest: Manifest
 
     @property
+    def mask(self) -> np.ndarray | None:
+        """``present`` for injection, or None when every slot arrived (the model then runs
+        its stock attention: kvtransport.hf's ``present=None``)."""
+        return None if self.present.all() else self.present
+
+    @property
     def utility_recovered(self) -> float:
         """Share of the whole cache's utility that arrived intact."""
         ok = np.ones(self.manifest.num_blocks, dtype=bool)

@@ -72,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_ArgumentParser)
+    parser.commands = sub.choices  # name -> subparser (--config sets its defaults)
     for mod in _command_modules():
         p = sub.add_parser(
             mod.NAME,
@@ -92,6 +93,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        if getattr(args, "config", None):
+            from kvtransport.config import apply_config
+
+            args = apply_config(parser, parser.commands[args.command], argv)
         return int(args._run(args) or 0)
     except UserError as exc:
         print(f"kvtransport {args.command}: error: {exc}", file=sys.stderr)
@@ -99,6 +104,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"kvtransport {args.command}: interrupted", file=sys.stderr)
         return 130
+    except ModuleNotFoundError as exc:
+        from kvtransport.extras import missing_extra_message
+
+        msg = missing_extra_message(exc)
+        if msg is None:
+            raise
+        print(f"kvtransport {args.command}: error: {msg}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

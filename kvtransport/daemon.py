@@ -70,11 +70,36 @@ class DropCounts:
         self.drop_reasons[reason] = self.drop_reasons.get(reason, 0) + 1
 
 
-def setup_logging(verbose: int = 0, name: str = "kvtransport") -> None:
-    """Log lines to stderr: time, level, what happened (INFO by default, -v for DEBUG)."""
+class JsonLogFormatter(logging.Formatter):
+    """One JSON object per record: ``ts`` (Unix seconds), ``level``, ``daemon``,
+    ``logger``, ``msg`` (and ``exc`` with a traceback's last line)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {
+            "ts": round(record.created, 6),
+            "level": record.levelname,
+            "daemon": self.name,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info).splitlines()[-1]
+        return json.dumps(out, separators=(",", ":"), default=str)
+
+
+def setup_logging(verbose: int = 0, name: str = "kvtransport", json_lines: bool = False) -> None:
+    """Log lines to stderr: time, level, what happened (INFO by default, -v for DEBUG);
+    ``json_lines``: one JSON object per line instead (:class:`JsonLogFormatter`)."""
     level = logging.DEBUG if verbose else logging.INFO
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(f"%(asctime)s {name} %(levelname)s %(message)s"))
+    if json_lines:
+        handler.setFormatter(JsonLogFormatter(name))
+    else:
+        handler.setFormatter(logging.Formatter(f"%(asctime)s {name} %(levelname)s %(message)s"))
     root = logging.getLogger("kvtransport")
     root.handlers[:] = [handler]
     root.setLevel(level)
@@ -143,6 +168,12 @@ class StopSignal:
         with contextlib.suppress(OSError):
             while self._r.recv(4096):
                 pass
+
+    def close(self) -> None:
+        """Close the wake-up pair of a stop that was never installed (an in-process loop
+        in a worker thread: the application keeps its signal handlers)."""
+        self._r.close()
+        self._w.close()
 
     def restore(self) -> None:
         for sig, old in self._old.items():

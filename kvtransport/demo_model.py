@@ -101,19 +101,9 @@ def answer(loaded: Any, kv: Any, present: np.ndarray | None, question_ids: list[
 def rebuild(stream: Any, outcome: LinkOutcome, context_ids: list[int]) -> tuple[Any, np.ndarray]:
     """The receiver's cache and presence mask from what arrived (all masked if the
     manifest never came: the receiver then knows nothing of the context)."""
-    from kvtransport import blocks
-    from kvtransport.kvcache import KVCache
+    from kvtransport.partial import partial_cache
 
-    if outcome.app_metadata is None:
-        g = stream.manifest.geometry
-        shape = (g.num_layers, g.num_kv_heads, g.num_tokens, g.head_dim)
-        zeros = np.zeros(shape, dtype=np.float32)
-        kv = KVCache(zeros, zeros.copy(), np.asarray(context_ids, dtype=np.int64),
-                     stream.manifest.model_id)  # fmt: skip
-        return kv, np.zeros((g.num_layers, g.num_tokens), dtype=bool)
-    got = blocks.decode_stream(
-        outcome.app_metadata, outcome.payload, outcome.complete, token_ids=context_ids
-    )
+    got = partial_cache(outcome, token_ids=context_ids, expected=stream.manifest)
     return got.cache, got.present
 
 

@@ -218,6 +218,31 @@ def test_send_plans_a_card_for_its_deadline(tmp_path, capsys):
     assert np.abs(back.keys - k).max() < 0.05 and np.abs(back.values - v).max() < 0.05
 
 
+def test_recv_exit_status_tells_partial_from_complete(capsys):
+    """0 for a complete transfer (the tests above), 3 when blocks missed the deadline."""
+    rx, port = _start_recv()
+    try:
+        send = ["--size-mb", "2", "--rate-mbps", "20", "--deadline-ms", "150", "--json"]
+        assert main(["send", f"127.0.0.1:{port}", *send]) == 0
+        out, err = rx.communicate(timeout=60)
+    finally:
+        if rx.poll() is None:
+            rx.kill()
+            rx.wait()
+    st = json.loads(out)
+    assert st["manifest"] and 0 < st["blocks_complete"] < st["blocks"], st
+    assert rx.returncode == 3, err
+
+
+def test_recv_exit_status_without_a_manifest_is_nothing_usable():
+    from kvtransport.api import DeliveredResult
+    from kvtransport.commands.recv import EXIT_NOTHING, exit_status
+
+    nothing = DeliveredResult(1, 0.0, "idle", None, np.zeros(0, bool), np.zeros(0, np.int64),
+                              np.zeros(0, np.uint8), None)  # fmt: skip
+    assert exit_status(nothing) == EXIT_NOTHING != 0
+
+
 def test_send_and_recv_refuse_bad_arguments_in_one_line(tmp_path, capsys):
     port = f"127.0.0.1:{_free_port()}"
     for args, msg in (

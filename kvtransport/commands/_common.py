@@ -65,6 +65,39 @@ def add_daemon_output(parser: argparse.ArgumentParser) -> None:
     )
     add_realtime(parser)
     parser.add_argument("-v", "--verbose", action="count", default=0, help="debug logs")
+    add_operability(parser)
+
+
+def add_operability(parser: argparse.ArgumentParser) -> None:
+    """The daemons' ``--metrics-port``, ``--log-json`` and ``--config`` (kvtransport.config)."""
+    parser.add_argument(
+        "--metrics-port",
+        metavar="[HOST:]PORT",
+        help="serve Prometheus metrics on http://HOST:PORT/metrics (HOST default 127.0.0.1; "
+        "needs the 'metrics' extra)",
+    )
+    parser.add_argument("--log-json", action="store_true", help="log one JSON object per line")
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help="TOML file of options (keys as the flags: rate-mbps = 100); flags override it",
+    )
+
+
+def daemon_stats(args: argparse.Namespace, role: str) -> tuple[Any, Any]:
+    """The ``--stats`` writer, and with ``--metrics-port`` the metrics it also feeds
+    (already serving; attach the daemon once it exists). Returns (writer, metrics|None)."""
+    from kvtransport.daemon import StatsWriter
+
+    writer = StatsWriter(args.stats)
+    if not args.metrics_port:
+        return writer, None
+    from kvtransport.daemon_metrics import DaemonMetrics, MetricsStats, parse_metrics_address
+
+    host, port = parse_metrics_address(args.metrics_port)
+    metrics = DaemonMetrics(role)
+    metrics.serve(host, port)
+    return MetricsStats(writer, metrics), metrics
 
 
 def check_sending(args: argparse.Namespace) -> None:

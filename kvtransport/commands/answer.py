@@ -85,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
     from kvtransport.commands.prefill import read_text
     from kvtransport.errors import UserError
     from kvtransport.model import chat_prompt, load_model
+    from kvtransport.partial import partial_cache
 
     _validate(args)
     degrading = args.drop > 0 or args.precision is not None
@@ -107,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
                 f"card {args.card} holds a cache of {stored.manifest.model_id}, "
                 f"not of {loaded.model_id}"
             )
-        got = stored.reassemble()
+        got = partial_cache(stored)
         timings["read_card"] = t_read
         timings["reassemble"] = time.perf_counter() - t_start - t_read
         block_tokens = stored.manifest.geometry.block_tokens

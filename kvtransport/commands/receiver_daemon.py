@@ -54,14 +54,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvtransport.api import parse_key
-    from kvtransport.daemon import StatsWriter, setup_logging
+    from kvtransport.daemon import setup_logging
     from kvtransport.daemon_receiver import ReceiverDaemon
     from kvtransport.udp import parse_address, set_realtime
 
     if args.max_transfers < 1 or not args.max_mb > 0 or not args.idle_timeout > 0:
         raise UserError("--max-transfers, --max-mb and --idle-timeout must be positive")
-    setup_logging(args.verbose, "receiver-daemon")
+    setup_logging(args.verbose, "receiver-daemon", json_lines=args.log_json)
     set_realtime(args.realtime)
+    stats, metrics = _common.daemon_stats(args, "receiver")
     daemon = ReceiverDaemon(
         bind=parse_address(args.listen, what="--listen"),
         control=args.control,
@@ -72,7 +73,9 @@ def run(args: argparse.Namespace) -> int:
         max_transfers=args.max_transfers,
         max_bytes=int(args.max_mb * 1e6),
         idle_timeout=args.idle_timeout,
-        stats=StatsWriter(args.stats),
+        stats=stats,
     )
+    if metrics is not None:
+        metrics.attach(daemon)
     daemon.run_until_signalled()
     return 0

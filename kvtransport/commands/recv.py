@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from kvtransport.commands import _common
 from kvtransport.errors import UserError
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from kvtransport.api import DeliveredResult
+
+EXIT_COMPLETE = 0
+EXIT_PARTIAL = 3
+EXIT_NOTHING = 4
 
 NAME = "recv"
 HELP = "receive one transfer over UDP; print the utility recovered, save the result"
@@ -17,6 +25,10 @@ deadline, when everything is decoded, or when the sender aborts. Prints the util
 recovered and which blocks are missing; --out DIR writes the result as
 <transfer id>.result.safetensors (a cache card when a card was sent, see
 kvtransport.api). Datagrams of any other transfer are counted and dropped.
+
+Exit status: 0 when every block arrived, 3 when the result is partial (blocks missing at
+the deadline or on abort), 4 when the manifest never arrived (nothing usable), 2 when no
+transfer arrived or on bad input, 130 when interrupted.
 
 Examples:
   kvtransport recv --listen :9400 --json
@@ -45,9 +57,9 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from kvtransport.api import parse_key, write_result_file
-    from kvtransport.daemon import serve, warm_up
-    from kvtransport.daemon_receiver import ReceiverEngine
-    from kvtransport.udp import DatagramSocket, clock, parse_address, set_realtime
+    from kvtransport.daemon import warm_up
+    from kvtransport.inprocess import delivered, run_receive
+    from kvtransport.udp import DatagramSocket, parse_address, set_realtime
 
     if args.out and not Path(args.out).is_dir():
         raise UserError(f"--out {args.out} is not a directory")
@@ -55,43 +67,34 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--timeout, --idle-timeout and --max-mb must be positive")
     key = parse_key(args.key)
     bind = parse_address(args.listen, what="--listen")
-    results = []
     set_realtime(args.realtime)
     warm_up(key)
     sock = DatagramSocket(bind, gro=not args.no_gro)
     host, port = sock.address
     print(f"kvtransport recv: listening on {host}:{port}", file=sys.stderr, flush=True)
     with _common.stoppable(sock) as stop:
-        engine = ReceiverEngine(
-            sock,
-            key=key,
-            max_transfers=1,
+        inc, engine = run_receive(
+            sock, stop=stop, key=key, timeout_s=args.timeout, idle_timeout_s=args.idle_timeout,
             max_bytes=int(args.max_mb * 1e6),
-            idle_timeout=args.idle_timeout,
-            single=True,
-            on_result=results.append,
-        )
-        started = clock()
-
-        def check(now: float) -> None:
-            if results or (engine.adopted is None and now - started > args.timeout):
-                stop.request()
-
-        serve(engine, [], stop, on_idle=check)
-        if not results:
-            engine.close(clock())  # interrupted mid-transfer: deliver what arrived
-        if not results:
+        )  # fmt: skip
+        if inc is None:
             if stop.signal_name.startswith("SIG"):
                 raise UserError(f"interrupted ({stop.signal_name}) before any transfer arrived")
             raise UserError(f"no transfer arrived on {args.listen} within {args.timeout:g} s")
-        inc = results[0]
-        stats = inc.stats(clock())
-        stats["engine_drops"] = dict(engine.drop_reasons)
-        stats["socket"] = dict(sock.stats)
+        result = delivered(inc, engine)
+        stats = result.stats
         if args.out:
             stats["file"] = str(write_result_file(args.out, inc.session.result, stats))
     _common.report(args, stats, _print)
-    return 0
+    return exit_status(result)
+
+
+def exit_status(result: DeliveredResult) -> int:
+    """0: every block arrived; 3: partial (some blocks missing at the deadline or abort);
+    4: the manifest never arrived, so nothing of the transfer is usable."""
+    if result.blocks is None:
+        return EXIT_NOTHING
+    return EXIT_COMPLETE if result.is_complete else EXIT_PARTIAL
 
 
 def _print(st: dict) -> None:

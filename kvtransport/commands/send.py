@@ -118,9 +118,10 @@ def _planned_card(args: argparse.Namespace) -> object:
 
 def run(args: argparse.Namespace) -> int:
     from kvtransport.api import parse_key
-    from kvtransport.daemon import serve, warm_up
-    from kvtransport.daemon_sender import SenderEngine, deadline_from
-    from kvtransport.udp import DatagramSocket, clock, parse_address, set_realtime
+    from kvtransport.daemon import warm_up
+    from kvtransport.daemon_sender import deadline_from
+    from kvtransport.inprocess import run_send
+    from kvtransport.udp import DatagramSocket, parse_address, set_realtime
 
     _common.check_sending(args)
     key = parse_key(args.key)
@@ -137,23 +138,11 @@ def run(args: argparse.Namespace) -> int:
     warm_up(key)
     sock = DatagramSocket(bind, dest, gso=not args.no_gso)
     with _common.stoppable(sock) as stop:
-        engine = SenderEngine(
-            sock, rate_bps=rate, key=key, symbol_size=args.symbol_size,
-            burst_s=args.burst_us * 1e-6,
-        )  # fmt: skip
-        out = engine.submit(
-            transfer,
-            dest,
-            now=clock(),
-            deadline_s=deadline_s,
-            policy=args.policy,
+        status, interrupted = run_send(
+            sock, transfer, dest, rate_bps=rate, deadline_s=deadline_s, stop=stop, key=key,
+            policy=args.policy, symbol_size=args.symbol_size, burst_s=args.burst_us * 1e-6,
             initial_rtt=args.initial_rtt_ms * 1e-3,
-        )
-        serve(engine, [], stop, on_idle=lambda now: None if engine.active else stop.request())
-        interrupted = bool(engine.active)
-        engine.close(clock())
-        status = out.status(clock())
-        status["socket"] = dict(sock.stats)
+        )  # fmt: skip
     _common.report(args, status, _print)
     return 130 if interrupted else 0
 

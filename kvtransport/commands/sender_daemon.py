@@ -49,15 +49,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvtransport.api import parse_key
-    from kvtransport.daemon import StatsWriter, setup_logging
+    from kvtransport.daemon import setup_logging
     from kvtransport.daemon_sender import SenderDaemon
     from kvtransport.udp import parse_address, set_realtime
 
     _common.check_sending(args)
     if args.max_transfers < 1 or not args.slot_ms > 0:
         raise UserError("--max-transfers and --slot-ms must be positive")
-    setup_logging(args.verbose, "sender-daemon")
+    setup_logging(args.verbose, "sender-daemon", json_lines=args.log_json)
     set_realtime(args.realtime)
+    stats, metrics = _common.daemon_stats(args, "sender")
     daemon = SenderDaemon(
         bind=parse_address(args.bind, what="--bind"),
         control=args.control,
@@ -70,7 +71,9 @@ def run(args: argparse.Namespace) -> int:
         slot_s=args.slot_ms * 1e-3,
         max_transfers=args.max_transfers,
         utility_table=args.utility_table,
-        stats=StatsWriter(args.stats),
+        stats=stats,
     )
+    if metrics is not None:
+        metrics.attach(daemon)
     daemon.run_until_signalled()
     return 0

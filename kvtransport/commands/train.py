@@ -34,6 +34,8 @@ examples:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    # The defaults are TrainConfig's (kvtransport.agents.training; not imported here: it
+    # needs gymnasium). tests/test_packaging.py holds them equal.
     p.add_argument(
         "--steps",
         type=int,
@@ -51,16 +53,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--demo-steps",
         type=int,
-        default=30_000,
+        default=40_000,
         metavar="N",
-        help="demonstration steps put in the replay buffer first (default 30000)",
+        help="demonstration steps put in the replay buffer first (default 40000)",
     )
     p.add_argument(
         "--eval-every",
         type=int,
-        default=20_000,
+        default=25_000,
         metavar="N",
-        help="validate every N steps (default 20000)",
+        help="validate every N steps (default 25000)",
     )
     p.add_argument(
         "--eval-episodes",

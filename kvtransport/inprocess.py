@@ -1,0 +1,366 @@
+"""Send and receive a KV cache from your own Python code, no daemon: the embeddable API.
+
+::
+
+    import kvtransport
+
+    with kvtransport.Receiver(listen="127.0.0.1:0") as rx:   # bound; receives in a thread
+        sent = kvtransport.send("ctx.card", to=rx.address, deadline_ms=300)
+        got = rx.result(timeout_s=10)                         # a DeliveredResult
+    partial = kvtransport.partial_cache(got)                  # KVCache + presence mask
+
+The same runs under asyncio: ``await kvtransport.send_async(...)`` and ``await rx`` (or
+``await rx.result_async()``, ``await kvtransport.receive_async(...)``) never block the
+event loop; the UDP loop runs in a worker thread.
+
+What travels is exactly what ``kvtransport send`` / ``recv`` and the daemons send: the
+same engines (kvtransport.daemon_sender.SenderEngine, kvtransport.daemon_receiver.
+ReceiverEngine) on the same loop (kvtransport.daemon.serve). :func:`run_send` and
+:func:`run_receive` are that loop for one transfer, shared with the two commands.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import threading
+from collections.abc import Generator
+from typing import Any
+
+from kvtransport.api import DeliveredResult, parse_key
+from kvtransport.daemon import StopSignal, serve, warm_up
+from kvtransport.errors import UserError
+from kvtransport.protocol import DEFAULT_INITIAL_RTT, DEFAULT_SYMBOL_SIZE
+from kvtransport.transfer import Transfer
+from kvtransport.udp import DatagramSocket, clock, parse_address
+
+DEFAULT_LISTEN = "0.0.0.0:9400"
+_warmed: set[tuple[bool, str]] = set()
+_warm_lock = threading.Lock()
+
+
+# ---------------------------------------------------------------------- one transfer
+
+
+def run_send(
+    sock: DatagramSocket,
+    transfer: Transfer,
+    dest: tuple[str, int],
+    *,
+    rate_bps: float,
+    deadline_s: float,
+    stop: StopSignal,
+    key: bytes | None = None,
+    policy: str = "adaptive",
+    symbol_size: int = DEFAULT_SYMBOL_SIZE,
+    burst_s: float | None = None,
+    initial_rtt: float = DEFAULT_INITIAL_RTT,
+) -> tuple[dict[str, Any], bool]:
+    """Send one transfer on ``sock`` until it is done or ``stop`` is requested.
+
+    Returns ``(status, interrupted)``: the sender's final status (as ``send --json``
+    prints it, with the socket's counters) and whether ``stop`` cut it short.
+    """
+    from kvtransport.daemon_sender import DEFAULT_BURST_S, SenderEngine
+
+    engine = SenderEngine(
+        sock,
+        rate_bps=rate_bps,
+        key=key,
+        symbol_size=symbol_size,
+        burst_s=DEFAULT_BURST_S if burst_s is None else burst_s,
+    )
+    out = engine.submit(
+        transfer, dest, now=clock(), deadline_s=deadline_s, policy=policy, initial_rtt=initial_rtt
+    )
+    try:
+        serve(engine, [], stop, on_idle=lambda now: None if engine.active else stop.request())
+    finally:
+        interrupted = bool(engine.active)
+        engine.close(clock())
+    status = out.status(clock())
+    status["socket"] = dict(sock.stats)
+    return status, interrupted
+
+
+def run_receive(
+    sock: DatagramSocket,
+    *,
+    stop: StopSignal,
+    key: bytes | None = None,
+    timeout_s: float = 60.0,
+    idle_timeout_s: float = 10.0,
+    max_bytes: int = 1 << 30,
+) -> tuple[Any, Any]:
+    """Receive the first transfer that reaches ``sock`` (datagrams of others are dropped).
+
+    Ends at the transfer's result, when no transfer started within ``timeout_s``, or on
+    ``stop`` (a transfer in progress then delivers what it holds). Returns
+    ``(incoming, engine)``: the :class:`~kvtransport.daemon_receiver.Incoming` (None when
+    no transfer arrived) and the engine, whose counters say what was dropped.
+    """
+    from kvtransport.daemon_receiver import ReceiverEngine
+
+    results: list[Any] = []
+    engine = ReceiverEngine(
+        sock,
+        key=key,
+        max_transfers=1,
+        max_bytes=max_bytes,
+        idle_timeout=idle_timeout_s,
+        single=True,
+        on_result=results.append,
+    )
+    started = clock()
+
+    def check(now: float) -> None:
+        if results or (engine.adopted is None and now - started > timeout_s):
+            stop.request("timeout" if not results else "done")
+
+    try:
+        serve(engine, [], stop, on_idle=check)
+    finally:
+        if not results:
+            engine.close(clock())  # cut short mid-transfer: deliver what arrived
+    return (results[0] if results else None), engine
+
+
+def delivered(incoming: Any, engine: Any) -> DeliveredResult:
+    """An engine's finished transfer as the result a subscriber would get."""
+    stats = incoming.stats(clock())
+    stats["engine_drops"] = dict(engine.drop_reasons)
+    stats["socket"] = dict(engine.sock.stats)
+    return DeliveredResult.from_result(incoming.session.result, stats)
+
+
+# ---------------------------------------------------------------------- inputs
+
+
+def as_transfer(what: Any) -> Transfer:
+    """A :class:`Transfer` from a transfer, a cache card (path or CacheCard), a block
+    stream (kvtransport.blocks.EncodedStream) or a KVCache (encoded with the card
+    defaults: utility order, utilities from its attention statistics or the prior)."""
+    from kvtransport import blocks, card
+    from kvtransport.kvcache import KVCache
+
+    if isinstance(what, Transfer):
+        return what
+    if isinstance(what, str | os.PathLike):
+        from kvtransport.api import transfer_from_card
+
+        return transfer_from_card(what)
+    if isinstance(what, card.CacheCard):
+        m = what.manifest
+        what = blocks.EncodedStream(m, m.to_bytes(), what.payload)
+    elif isinstance(what, KVCache):
+        what = card.encode_cache(what)
+    if isinstance(what, blocks.EncodedStream):
+        return Transfer.from_encoded_stream(what)
+    raise UserError(
+        f"cannot send a {type(what).__name__}: give a cache card (path), a KVCache, "
+        "a kvtransport.blocks.EncodedStream or a kvtransport.transfer.Transfer"
+    )
+
+
+def _address(to: str | tuple[str, int], what: str) -> tuple[str, int]:
+    if isinstance(to, tuple):
+        return parse_address(f"{to[0]}:{to[1]}", what=what)
+    return parse_address(str(to), what=what)
+
+
+def _key(key: bytes | str | None) -> bytes | None:
+    """Raw bytes as they are; text is a key file or hex digits (as ``--key``)."""
+    if isinstance(key, bytes | bytearray):
+        return bytes(key)
+    return parse_key(key)
+
+
+def _warm(key: bytes | None, policy: str) -> None:
+    """Load (or compile) the numba kernels once per process and policy before the first
+    transfer (kvtransport.daemon.warm_up): a stall inside a transfer would count as RTT."""
+    with _warm_lock:
+        if (key is not None, policy) not in _warmed:
+            warm_up(key, ("fixed:1/4", policy))
+            _warmed.add((key is not None, policy))
+
+
+# ---------------------------------------------------------------------- sending
+
+
+def send(
+    cache_or_card: Any,
+    to: str | tuple[str, int],
+    *,
+    deadline_ms: float | None = None,
+    rho: float | None = None,
+    key: bytes | str | None = None,
+    rate_mbps: float = 100.0,
+    policy: str | None = None,
+    bind: str = "0.0.0.0:0",
+    symbol_size: int = DEFAULT_SYMBOL_SIZE,
+    initial_rtt_ms: float = DEFAULT_INITIAL_RTT * 1e3,
+    gso: bool = True,
+) -> dict[str, Any]:
+    """Send a KV cache to a receiver (``kvtransport.Receiver``, ``kvtransport recv`` or a
+    receiver daemon) at ``to`` and return when the transfer is over.
+
+    cache_or_card: see :func:`as_transfer`. The deadline is ``deadline_ms`` from now, or
+    ``rho`` times the loss-free send time at ``rate_mbps`` (default rho 1). ``key``: the
+    pre-shared key (bytes, a key file or hex digits); both ends must agree. ``policy``:
+    the repair policy (default: the shipped DDQN, else adaptive).
+
+    Returns the sender's final status (``transfer_id``, ``finish_reason``,
+    ``decoded_through`` of ``n_source``, datagrams, loss estimate, ...). Blocks the calling
+    thread for at most the deadline plus a round trip; see :func:`send_async`.
+    """
+    from kvtransport.daemon_sender import deadline_from
+    from kvtransport.policy import default_policy, make_policy
+
+    raw_key = _key(key)
+    dest = _address(to, "receiver")
+    local = parse_address(bind, what="bind")
+    transfer = as_transfer(cache_or_card)
+    policy = policy or default_policy()
+    make_policy(policy)
+    rate = float(rate_mbps) * 1e6
+    if not rate > 0:
+        raise UserError("rate_mbps must be a positive number")
+    if deadline_ms is None and rho is None:
+        rho = 1.0
+    spec = {"deadline_ms": deadline_ms, "rho": rho}
+    deadline_s = deadline_from(spec, transfer.nbytes, rate, symbol_size, raw_key is not None)
+    _warm(raw_key, policy)
+    stop = StopSignal()  # not installed: signals stay the application's
+    sock = DatagramSocket(local, dest, gso=gso)
+    try:
+        status, _ = run_send(
+            sock,
+            transfer,
+            dest,
+            rate_bps=rate,
+            deadline_s=deadline_s,
+            stop=stop,
+            key=raw_key,
+            policy=policy,
+            symbol_size=symbol_size,
+            initial_rtt=initial_rtt_ms * 1e-3,
+        )
+    finally:
+        sock.close()
+        stop.close()
+    return status
+
+
+async def send_async(cache_or_card: Any, to: str | tuple[str, int], **kwargs: Any) -> dict:
+    """:func:`send` in a worker thread: awaiting it never blocks the event loop."""
+    return await asyncio.to_thread(send, cache_or_card, to, **kwargs)
+
+
+# ---------------------------------------------------------------------- receiving
+
+
+class Receiver:
+    """Receive one transfer in a background thread; the UDP port is bound on creation.
+
+    ``listen``: HOST:PORT (port 0: any; :attr:`address` says which). Get the result with
+    :meth:`result` (blocking), ``await receiver`` or :meth:`result_async`. Closing (or
+    leaving the ``with`` block) stops the loop; a transfer still in progress then delivers
+    what it holds. One Receiver serves one transfer, as ``kvtransport recv`` does; run the
+    receiver daemon for many.
+    """
+
+    def __init__(
+        self,
+        listen: str = DEFAULT_LISTEN,
+        *,
+        key: bytes | str | None = None,
+        timeout_s: float = 60.0,
+        idle_timeout_s: float = 10.0,
+        max_mb: float = 1024.0,
+        gro: bool = True,
+    ) -> None:
+        if not (timeout_s > 0 and idle_timeout_s > 0 and max_mb > 0):
+            raise UserError("timeout_s, idle_timeout_s and max_mb must be positive")
+        raw_key = _key(key)
+        bind = parse_address(listen, what="listen")
+        _warm(raw_key, "fixed:1/4")
+        self.sock = DatagramSocket(bind, gro=gro)
+        self._stop = StopSignal()
+        self._future: concurrent.futures.Future[DeliveredResult] = concurrent.futures.Future()
+        self._timeout_s = timeout_s
+        self._thread = threading.Thread(
+            target=self._run,
+            kwargs=dict(
+                key=raw_key,
+                timeout_s=timeout_s,
+                idle_timeout_s=idle_timeout_s,
+                max_bytes=int(max_mb * 1e6),
+            ),  # fmt: skip
+            name="kvtransport-receiver",
+            daemon=True,
+        )
+        self._thread.start()
+
+    @property
+    def address(self) -> str:
+        """``HOST:PORT`` the receiver listens on (what a sender's ``to`` names)."""
+        host, port = self.sock.address
+        return f"{'127.0.0.1' if host == '0.0.0.0' else host}:{port}"
+
+    def _run(self, **kwargs: Any) -> None:
+        try:
+            inc, engine = run_receive(self.sock, stop=self._stop, **kwargs)
+            if inc is None:
+                why = self._stop.signal_name
+                raise UserError(
+                    f"no transfer arrived on {self.address} within {self._timeout_s:g} s"
+                    if why == "timeout"
+                    else f"receiver closed ({why}) before any transfer arrived"
+                )
+            self._future.set_result(delivered(inc, engine))
+        except BaseException as exc:  # handed to whoever waits for the result
+            self._future.set_exception(exc)
+
+    def result(self, timeout_s: float | None = None) -> DeliveredResult:
+        """The transfer's result (blocks until its deadline, completion or abort)."""
+        try:
+            return self._future.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise UserError(f"no result within {timeout_s:g} s") from None
+
+    async def result_async(self) -> DeliveredResult:
+        """:meth:`result` for asyncio."""
+        return await asyncio.wrap_future(self._future)
+
+    def __await__(self) -> Generator[Any, None, DeliveredResult]:
+        return self.result_async().__await__()
+
+    def close(self) -> None:
+        """Stop the loop (a transfer in progress delivers what it holds) and unbind."""
+        self._stop.request("closed")
+        self._thread.join()
+        self.sock.close()
+        self._stop.close()
+
+    def __enter__(self) -> Receiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def receive(listen: str = DEFAULT_LISTEN, **kwargs: Any) -> DeliveredResult:
+    """Wait for one transfer on ``listen`` and return its result (see :class:`Receiver`
+    for the options). Bind and send in that order: start it before the sender."""
+    with Receiver(listen, **kwargs) as rx:
+        return rx.result()
+
+
+async def receive_async(listen: str = DEFAULT_LISTEN, **kwargs: Any) -> DeliveredResult:
+    """:func:`receive` for asyncio (the port is bound when this coroutine starts)."""
+    rx = await asyncio.to_thread(Receiver, listen, **kwargs)
+    try:
+        return await rx
+    finally:
+        await asyncio.to_thread(rx.close)

@@ -1,0 +1,139 @@
+"""The embeddable API (kvtransport.send / Receiver / receive, partial_cache) over real
+loopback UDP, and the README's example run as written."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kvtransport
+from kvtransport import card
+from kvtransport.api import write_result_file
+from kvtransport.errors import UserError
+from kvtransport.kvcache import KVCache
+from kvtransport.transfer import synthetic_transfer
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _toy_cache(seed: int = 4, tokens: int = 96) -> KVCache:
+    rng = np.random.default_rng(seed)
+    k = rng.standard_normal((4, 2, tokens, 64)).astype(np.float16)
+    v = rng.standard_normal((4, 2, tokens, 64)).astype(np.float16)
+    att = rng.random((4, tokens)).astype("f4")
+    return KVCache(k, v, rng.integers(0, 1000, tokens), "toy", att)
+
+
+def test_send_and_receive_in_process_are_byte_exact_with_a_key():
+    t = synthetic_transfer(600_000, 48, seed=11)
+    key = bytes(range(16))
+    with kvtransport.Receiver(listen="127.0.0.1:0", key=key, timeout_s=20) as rx:
+        sent = kvtransport.send(t, to=rx.address, deadline_ms=1500, rate_mbps=100, key=key)
+        got = rx.result(timeout_s=20)
+    assert sent["finish_reason"] in ("receiver done", "receiver finished")
+    assert got.reason == "complete" and got.is_complete
+    assert got.transfer_id == int(sent["transfer_id"], 16)
+    assert got.blocks.equals(t.blocks)
+    assert np.array_equal(got.payload[: t.nbytes], t.payload)
+
+
+def test_a_wrong_key_delivers_nothing_and_says_so():
+    t = synthetic_transfer(100_000, 8, seed=1)
+    with kvtransport.Receiver(listen="127.0.0.1:0", key=b"right key", timeout_s=1.5) as rx:
+        kvtransport.send(t, to=rx.address, deadline_ms=300, key=b"wrong key")
+        with pytest.raises(UserError, match="no transfer arrived"):
+            rx.result(timeout_s=20)
+
+
+def test_async_partial_transfer_gives_the_cache_of_what_arrived(tmp_path):
+    """A deadline far below the send time: the result is partial, and partial_cache puts
+    exactly the complete blocks back (from the result and from its result file)."""
+    cache = _toy_cache()
+
+    async def handoff():
+        with kvtransport.Receiver(listen="127.0.0.1:0", timeout_s=20) as rx:
+            sent, got = await asyncio.gather(
+                kvtransport.send_async(cache, to=rx.address, deadline_ms=120, rate_mbps=5), rx
+            )
+        return sent, got
+
+    sent, got = asyncio.run(handoff())
+    assert 0 < int(got.complete.sum()) < got.complete.size and not got.is_complete
+    partial = kvtransport.partial_cache(got)
+    assert partial.mask is not None and 0 < partial.present.mean() < 1
+    m = partial.manifest
+    for i in range(m.num_blocks):
+        layer, t0 = int(m.layer[i]), int(m.token_start[i])
+        t1 = t0 + int(m.token_count[i])
+        assert bool(partial.present[layer, t0:t1].all()) == bool(got.complete[i])
+        want = cache.keys[layer, :, t0:t1] if got.complete[i] else 0
+        assert np.array_equal(partial.cache.keys[layer, :, t0:t1], np.zeros_like(
+            cache.keys[layer, :, t0:t1]) + want)  # fmt: skip
+    # the same from the result file a receiver daemon or `recv --out` writes
+    path = write_result_file(tmp_path, _as_transfer_result(got), got.stats)
+    again = kvtransport.partial_cache(path)
+    assert np.array_equal(again.present, partial.present)
+    assert np.array_equal(again.cache.keys, partial.cache.keys)
+
+
+def _as_transfer_result(got):
+    from kvtransport.transfer import TransferResult, TransportManifest
+
+    manifest = TransportManifest(1280, int(got.payload.size), got.blocks, got.app_metadata)
+    return TransferResult(
+        got.transfer_id, manifest, got.payload, got.complete, got.missing,
+        got.utility_recovered, got.reason,
+    )  # fmt: skip
+
+
+def test_partial_cache_without_a_manifest_needs_the_expected_one():
+    from kvtransport.api import DeliveredResult
+
+    cache = _toy_cache(tokens=32)
+    stream = card.encode_cache(cache)
+    nothing = DeliveredResult(1, 0.0, "idle", None, np.zeros(0, bool), np.zeros(0, np.int64),
+                              np.zeros(0, np.uint8), None)  # fmt: skip
+    with pytest.raises(UserError, match="manifest never arrived"):
+        kvtransport.partial_cache(nothing)
+    got = kvtransport.partial_cache(nothing, expected=stream.manifest)
+    assert got.cache.keys.shape == cache.keys.shape and not got.present.any()
+    assert got.missing.size == stream.manifest.num_blocks
+
+
+def test_send_refuses_what_it_cannot_send_in_one_line():
+    with pytest.raises(UserError, match="cannot send a dict"):
+        kvtransport.send({}, to="127.0.0.1:9")
+    with pytest.raises(UserError, match="not HOST:PORT"):
+        kvtransport.send(synthetic_transfer(1000, 2), to="nowhere")
+
+
+def _readme_example() -> str:
+    text = README.read_text()
+    section = text.split("## From your own Python code", 1)[1].split("\n## ", 1)[0]
+    (code,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    return code
+
+
+@pytest.mark.model
+def test_readme_example_runs_and_answers_as_the_local_cache_does():
+    code = _readme_example()
+    assert len([ln for ln in code.splitlines() if ln.strip()]) <= 16  # an example
+    ns: dict = {"__name__": "readme_example"}
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, str(README), "exec"), ns)
+    got, partial, cache, lm = ns["got"], ns["partial"], ns["cache"], ns["lm"]
+    assert got.reason == "complete" and got.is_complete
+    assert np.array_equal(partial.cache.keys, cache.keys)
+    assert np.array_equal(partial.cache.values, cache.values)
+    from kvtransport import hf
+
+    local = hf.greedy_generate(lm.model, cache, ns["question"])
+    assert ns["gen"].tokens == local.tokens and local.tokens
+    assert out.getvalue().startswith("complete 1.000 ")
