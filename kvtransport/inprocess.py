@@ -137,30 +137,41 @@ def delivered(incoming: Any, engine: Any) -> DeliveredResult:
 # ---------------------------------------------------------------------- inputs
 
 
-def as_transfer(what: Any) -> Transfer:
+def as_transfer(what: Any, plan: Any = None) -> Transfer:
     """A :class:`Transfer` from a transfer, a cache card (path or CacheCard), a block
     stream (kvtransport.blocks.EncodedStream) or a KVCache (encoded with the card
-    defaults: utility order, utilities from its attention statistics or the prior)."""
+    defaults: utility order, utilities from its attention statistics or the prior).
+
+    plan: None, or ``(link, budget_s, levels)`` to send a cache, card or stream as the
+    handoff plan encodes it for that budget (kvtransport.plan.planned_stream); a
+    :class:`Transfer` is opaque bytes and is sent as it is.
+    """
     from kvtransport import blocks, card
     from kvtransport.kvcache import KVCache
 
     if isinstance(what, Transfer):
         return what
     if isinstance(what, str | os.PathLike):
-        from kvtransport.api import transfer_from_card
-
-        return transfer_from_card(what)
+        what = card.read_card(what)
     if isinstance(what, card.CacheCard):
         m = what.manifest
         what = blocks.EncodedStream(m, m.to_bytes(), what.payload)
     elif isinstance(what, KVCache):
         what = card.encode_cache(what)
-    if isinstance(what, blocks.EncodedStream):
-        return Transfer.from_encoded_stream(what)
-    raise UserError(
-        f"cannot send a {type(what).__name__}: give a cache card (path), a KVCache, "
-        "a kvtransport.blocks.EncodedStream or a kvtransport.transfer.Transfer"
-    )
+    if not isinstance(what, blocks.EncodedStream):
+        raise UserError(
+            f"cannot send a {type(what).__name__}: give a cache card (path), a KVCache, "
+            "a kvtransport.blocks.EncodedStream or a kvtransport.transfer.Transfer"
+        )
+    if plan is not None:
+        from kvtransport.plan import planned_stream
+
+        link, budget_s, levels = plan
+        try:
+            _, what = planned_stream(what, link=link, budget_s=budget_s, levels=levels)
+        except ValueError as exc:
+            raise UserError(f"cannot plan this cache: {exc}") from None
+    return Transfer.from_encoded_stream(what)
 
 
 def _address(to: str | tuple[str, int], what: str) -> tuple[str, int]:
@@ -201,6 +212,8 @@ def send(
     symbol_size: int = DEFAULT_SYMBOL_SIZE,
     initial_rtt_ms: float = DEFAULT_INITIAL_RTT * 1e3,
     gso: bool = True,
+    precision: str | tuple[str, ...] = "auto",
+    loss_estimate: float = 0.05,
 ) -> dict[str, Any]:
     """Send a KV cache to a receiver (``kvtransport.Receiver``, ``kvtransport recv`` or a
     receiver daemon) at ``to`` and return when the transfer is over.
@@ -208,7 +221,11 @@ def send(
     cache_or_card: see :func:`as_transfer`. The deadline is ``deadline_ms`` from now, or
     ``rho`` times the loss-free send time at ``rate_mbps`` (default rho 1). ``key``: the
     pre-shared key (bytes, a key file or hex digits); both ends must agree. ``policy``:
-    the repair policy (default: the shipped DDQN, else adaptive).
+    the repair policy (default: the shipped DDQN, else adaptive). With ``deadline_ms``
+    a cache, card or stream is sent as the handoff plan encodes it for that deadline
+    (kvtransport.plan: ``precision`` "auto" = fp16 or int8 per block by utility, for
+    ``rate_mbps`` and ``loss_estimate``, token ranges front first; "keep" sends it as it
+    is; e.g. "fp32" only when asked).
 
     Returns the sender's final status (``transfer_id``, ``finish_reason``,
     ``decoded_through`` of ``n_source``, datagrams, loss estimate, ...). Blocks the calling
@@ -220,7 +237,20 @@ def send(
     raw_key = _key(key)
     dest = _address(to, "receiver")
     local = parse_address(bind, what="bind")
-    transfer = as_transfer(cache_or_card)
+    plan = None
+    if deadline_ms is not None and precision != "keep":
+        from kvtransport.plan import LinkEstimate, parse_levels
+
+        try:
+            levels = parse_levels(precision)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+        if not 0 <= loss_estimate < 0.9:
+            raise UserError(f"loss_estimate must be in [0, 0.9), not {loss_estimate}")
+        link = LinkEstimate(float(rate_mbps) * 1e6, loss_estimate, initial_rtt_ms * 5e-4,
+                            symbol_size)  # fmt: skip
+        plan = (link, float(deadline_ms) * 1e-3, levels)
+    transfer = as_transfer(cache_or_card, plan)
     policy = policy or default_policy()
     make_policy(policy)
     rate = float(rate_mbps) * 1e6

@@ -226,6 +226,23 @@ def _plan(
     )
 
 
+def parse_levels(spec: str | tuple[str, ...]) -> tuple[str, ...]:
+    """``auto`` (fp16,int8) or precision names best first ("fp16,int8", "fp32", ...).
+
+    Raises ValueError naming the choices otherwise."""
+    if isinstance(spec, str):
+        if spec.strip() == "auto":
+            return DEFAULT_LEVELS
+        spec = tuple(p.strip() for p in spec.split(",") if p.strip())
+    levels = tuple(spec)
+    if not levels or any(p not in PRECISIONS for p in levels):
+        raise ValueError(
+            f"precision must be auto or names from {', '.join(PRECISIONS)}, best first, "
+            f"not {','.join(levels) or 'nothing'!r}"
+        )
+    return levels
+
+
 def planned_stream(
     stream: EncodedStream,
     *,

@@ -59,7 +59,10 @@ def test_async_partial_transfer_gives_the_cache_of_what_arrived(tmp_path):
     async def handoff():
         with kvtransport.Receiver(listen="127.0.0.1:0", timeout_s=20) as rx:
             sent, got = await asyncio.gather(
-                kvtransport.send_async(cache, to=rx.address, deadline_ms=120, rate_mbps=5), rx
+                kvtransport.send_async(
+                    cache, to=rx.address, deadline_ms=120, rate_mbps=5, precision="keep"
+                ),
+                rx,
             )
         return sent, got
 
@@ -80,6 +83,30 @@ def test_async_partial_transfer_gives_the_cache_of_what_arrived(tmp_path):
     again = kvtransport.partial_cache(path)
     assert np.array_equal(again.present, partial.present)
     assert np.array_equal(again.cache.keys, partial.cache.keys)
+
+
+def test_send_with_a_deadline_sends_the_plan():
+    """With a deadline the API plans the cache (fp16/int8 by utility, prefix order); the
+    receiver gets those blocks, within quantization error of the cache."""
+    from kvtransport import blocks
+
+    cache = _toy_cache()
+
+    async def handoff():
+        with kvtransport.Receiver(listen="127.0.0.1:0", timeout_s=20) as rx:
+            return await asyncio.gather(
+                kvtransport.send_async(cache, to=rx.address, deadline_ms=150, rate_mbps=20), rx
+            )
+
+    _, got = asyncio.run(handoff())
+    partial = kvtransport.partial_cache(got)
+    m = partial.manifest
+    assert {blocks.PRECISIONS[p] for p in m.precision.tolist()} <= {"fp16", "int8"}
+    assert np.all(np.diff(m.token_block.astype(int)) >= 0)
+    ok = partial.present
+    assert ok.any()
+    err = np.abs(partial.cache.keys - cache.keys).max(axis=(1, 3))  # [layers, tokens]
+    assert err[ok].max() < 0.05
 
 
 def _as_transfer_result(got):
@@ -130,8 +157,10 @@ def test_readme_example_runs_and_answers_as_the_local_cache_does():
         exec(compile(code, str(README), "exec"), ns)
     got, partial, cache, lm = ns["got"], ns["partial"], ns["cache"], ns["lm"]
     assert got.reason == "complete" and got.is_complete
-    assert np.array_equal(partial.cache.keys, cache.keys)
-    assert np.array_equal(partial.cache.values, cache.values)
+    # with its deadline the cache crossed as the plan encoded it (fp16 here: it fits)
+    scale = np.abs(cache.keys).max()
+    assert np.abs(partial.cache.keys - cache.keys).max() <= scale * 2**-10
+    assert not np.array_equal(partial.cache.keys, cache.keys)  # it was re-encoded
     from kvtransport import hf
 
     local = hf.greedy_generate(lm.model, cache, ns["question"])

@@ -83,19 +83,15 @@ def _transfer(args: argparse.Namespace) -> object:
 
 def _planned_card(args: argparse.Namespace) -> object:
     """The card re-encoded by the handoff plan for the deadline (see the description)."""
-    from kvtransport.blocks import PRECISIONS, EncodedStream
+    from kvtransport.blocks import EncodedStream
     from kvtransport.card import read_card
-    from kvtransport.plan import DEFAULT_LEVELS, LinkEstimate, planned_stream
+    from kvtransport.plan import LinkEstimate, parse_levels, planned_stream
     from kvtransport.transfer import Transfer
 
-    levels = DEFAULT_LEVELS
-    if args.precision != "auto":
-        levels = tuple(p.strip() for p in args.precision.split(",") if p.strip())
-        if not levels or any(p not in PRECISIONS for p in levels):
-            raise UserError(
-                f"--precision must be auto, keep or names from {', '.join(PRECISIONS)}, "
-                f"not {args.precision!r}"
-            )
+    try:
+        levels = parse_levels(args.precision)
+    except ValueError as exc:
+        raise UserError(f"--{exc} (or keep)") from None
     if not 0 <= args.loss_estimate < 0.9:
         raise UserError(f"--loss-estimate must be in [0, 0.9), not {args.loss_estimate:g}")
     card = read_card(args.card)
