@@ -244,13 +244,13 @@ def _prepare(cfg: DemoConfig, loaded: Any, ui: _Progress, timings: dict[str, flo
     # the receiver's own estimate of re-prefilling (context, then the question): the
     # budget is a share of it, as a user would set a TTFT target
     budget_s = cfg.budget * (speed.seconds(len(context_ids)) + speed.seconds(len(question_ids)))
-    plan, planned, rebuild_s = plan_stream(stream, context_ids, profile, speed, budget_s,
-                                           len(question_ids), cfg.precision)  # fmt: skip
+    plan, planned, link_budget = plan_stream(stream, context_ids, profile, speed, budget_s,
+                                             len(question_ids), cfg.precision)  # fmt: skip
     transfer = Transfer.from_encoded_stream(planned)
     send_time = full_send_time(transfer.nbytes, profile.rate_bps, DEFAULT_SYMBOL_SIZE)
     timings["plan"] = time.perf_counter() - t
     ui.note(f"plan: {plan.describe()}")
-    deadline = max(budget_s - speed.seconds(len(question_ids)) - rebuild_s, plan.finish_s)
+    deadline = max(link_budget, plan.finish_s)
     return _Prepared(
         loaded, sample, context_ids, question_ids, probes, probe_ids, stream, cached,
         speed, budget_s, plan, planned, transfer, send_time, deadline,
