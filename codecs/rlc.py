@@ -206,6 +206,52 @@ def _encode_repair_stream(
             region_muladd(dst, stream[start : min(start + size, n)], c)
 
 
+_TILE = 2048
+"""Bytes of every repair built per pass over the sources in _encode_repairs: r tiles of
+accumulators plus the source tile stay in L1 while all nss sources stream through (a
+multiple of 64, so only the last tile has a scalar tail)."""
+
+
+@njit(cache=True, nogil=True)
+def _encode_repairs(
+    flat: np.ndarray,
+    stride: int,
+    cap: int,
+    first_esi: int,
+    nss: int,
+    keys: np.ndarray,
+    dt: int,
+    out: np.ndarray,
+    size: int,
+) -> None:
+    """out[k, :size] = repair of key keys[k] over ESIs first_esi .. first_esi+nss-1, for all
+    k in one pass: each source tile is read from memory once and multiplied into every
+    repair's accumulator tile while it sits in L1.
+
+    Source ESI e is flat[(e % cap) * stride :][:size], cut short at the end of ``flat``
+    (a short last symbol counts as zero-padded): the encoder's ring (flattened rows of
+    ``stride`` bytes, ``cap`` of them) and stream mode (``stride`` = ``size``) alike."""
+    r = keys.shape[0]
+    coefs = np.empty((r, nss), dtype=np.uint8)
+    for k in range(r):
+        coefficients_into(coefs[k], keys[k], nss, dt)
+    n = flat.shape[0]
+    for k in range(r):
+        out[k, :size] = 0
+    for t0 in range(0, size, _TILE):
+        t1 = min(t0 + _TILE, size)
+        for i in range(nss):
+            start = ((first_esi + i) % cap) * stride + t0
+            stop = min(start + t1 - t0, n)
+            if stop <= start:
+                continue
+            src = flat[start:stop]
+            for k in range(r):
+                c = coefs[k, i]
+                if c != 0:
+                    region_muladd(out[k, t0:t1], src, c)
+
+
 class RLCEncoder:
     """RFC 8681 sliding-window RLC encoder over GF(2^8).
 
@@ -363,6 +409,43 @@ class RLCEncoder:
             )
         else:
             _encode_repair(self._ring, first_esi, nss, repair_key, dt, arr, self.symbol_size)
+
+    def repairs_into(
+        self, out: np.ndarray, first_esi: int, nss: int, repair_keys: object, dt: int = 15
+    ) -> None:
+        """Write the repair symbol of each key in ``repair_keys`` over the same source span
+        into the rows of ``out`` (a writable 2-D C-contiguous uint8 array, one row of at
+        least ``symbol_size`` bytes per key), in one pass over the sources.
+
+        Row k is bit-identical to ``repair(first_esi, nss, repair_keys[k], dt)``; the pass
+        reads each source once for all the repairs instead of once per repair (see
+        _encode_repairs), the fast path for a sender that needs several repairs of a span.
+        """
+        first_esi, nss, dt = int(first_esi), int(nss), int(dt)
+        keys = np.asarray(repair_keys, dtype=np.int64).reshape(-1)
+        if keys.size == 0:
+            return
+        if not (keys.min() >= 0 and keys.max() <= MAX_REPAIR_KEY):
+            raise ValueError(f"repair keys must be in 0..{MAX_REPAIR_KEY}")
+        _check_repair_params(first_esi, nss, int(keys[0]), dt)
+        self._check_span(first_esi, nss)
+        if not (
+            type(out) is np.ndarray
+            and out.dtype == np.uint8
+            and out.ndim == 2
+            and out.flags.c_contiguous
+            and out.flags.writeable
+        ):
+            raise TypeError("out must be a writable 2-D C-contiguous uint8 array")
+        if out.shape[0] < keys.size or out.shape[1] < self.symbol_size:
+            raise ValueError(
+                f"out is {out.shape[0]}x{out.shape[1]}, need {keys.size}x{self.symbol_size}"
+            )
+        if self._stream is not None:
+            flat, stride, cap = self._stream, self.symbol_size, max(self.stream_symbols, 1)
+        else:
+            flat, stride, cap = self._ring.reshape(-1), self._stride, self.window
+        _encode_repairs(flat, stride, cap, first_esi, nss, keys, dt, out, self.symbol_size)
 
     def repair(self, first_esi: int, nss: int, repair_key: int, dt: int = 15) -> bytes:
         """The repair symbol sum_i c_i * S[first_esi + i] over GF(2^8)."""

@@ -243,6 +243,51 @@ def test_stream_mode_repairs_equal_ring_mode(size, nbytes, window):
         ring.add_stream_sources(1)
 
 
+@pytest.mark.parametrize(
+    ("size", "window", "nbytes"), [(1280, 48, 1280 * 60 - 7), (37, 16, 37 * 40), (5000, 6, 9997)]
+)
+def test_repairs_into_is_one_repair_call_per_key(size, window, nbytes):
+    """The one-pass multi-repair kernel: row k is exactly repair(..., keys[k]), ring and
+    stream mode, dense and sparse, tiles of a long symbol and a short last symbol."""
+    rng = np.random.default_rng(size)
+    data = rng.integers(0, 256, nbytes, dtype=np.uint8)
+    n = -(-nbytes // size)
+    ring, stream = RLCEncoder(size, window=window), RLCEncoder(size, window=window, stream=data)
+    for e in range(n):
+        ring.add_source(data[e * size : (e + 1) * size])
+    stream.add_stream_sources(n)
+    lo = max(0, n - window)
+    keys = [3, 65535, 0, 77, 12]
+    out = np.full((6, size + 9), 0xAA, dtype=np.uint8)
+    for enc in (ring, stream):
+        for first, nss in [(lo, n - lo), (n - 1, 1), (lo + 1, max(1, n - lo - 3))]:
+            for dt in (15, 4):
+                enc.repairs_into(out, first, nss, keys, dt)
+                for k, key in enumerate(keys):
+                    assert out[k, :size].tobytes() == enc.repair(first, nss, key, dt)
+                assert (out[5] == 0xAA).all() and (out[:, size:] == 0xAA).all()
+
+
+def test_repairs_into_checks_its_arguments():
+    enc = RLCEncoder(16, window=4)
+    for i in range(6):
+        enc.add_source(bytes([i]) * 16)
+    out = np.zeros((2, 16), dtype=np.uint8)
+    with pytest.raises(ValueError, match="need 3x16"):
+        enc.repairs_into(out, 2, 4, [1, 2, 3])
+    with pytest.raises(ValueError, match="not all held"):
+        enc.repairs_into(out, 1, 4, [1])
+    with pytest.raises(ValueError, match="repair keys"):
+        enc.repairs_into(out, 2, 4, [1, 65536])
+    with pytest.raises(TypeError, match="2-D"):
+        enc.repairs_into(out[0], 2, 4, [1])
+    frozen = np.zeros((2, 16), np.uint8)
+    frozen.setflags(write=False)
+    for bad in (frozen, np.zeros((16, 2), np.uint8).T):  # read-only, not C-contiguous
+        with pytest.raises(TypeError, match="writable 2-D C-contiguous"):
+            enc.repairs_into(bad, 2, 4, [1])
+
+
 def test_repair_into_revalidates_a_new_buffer_after_a_cached_one():
     enc = RLCEncoder(16, window=4)
     enc.add_source(bytes(range(16)))

@@ -163,6 +163,31 @@ def test_lost_sources_are_repaired_inside_their_segment():
     assert any(lo >= seg and lo <= 70 < hi <= 2 * seg for lo, hi in windows)
 
 
+def test_repairs_built_ahead_in_one_pass_are_the_rfc_repairs_of_their_header():
+    """Reactive repairs owed over one span, and tail repairs, are built several at a time
+    (RLCEncoder.repairs_into); each one sent must still be the repair its header names."""
+    lost = set(range(10, 22)) | {70, 71, 72, 300}
+    tr, s, r = make_pair(size=600_000, blocks=20)
+    batches = []
+    build = s.encoder.repairs_into
+
+    def spy(out, first, nss, keys, dt=15):
+        batches.append(len(keys))
+        build(out, first, nss, keys, dt)
+
+    s.encoder.repairs_into = spy
+    net = Net(s, r, data=_drop_sources(lost))
+    net.run()
+    assert r.result.reason == "complete" and np.array_equal(r.result.payload, tr.payload)
+    assert batches and max(batches) > 1  # the one-pass path ran
+    ref = RLCEncoder(1280, window=4096, stream=tr.payload)
+    ref.add_stream_sources(ref.stream_symbols)
+    repairs = net.of_type(T.REPAIR)
+    assert len(repairs) >= sum(batches)
+    for _, d in repairs:
+        assert bytes(d.payload) == ref.repair(d.esi, d.nss, d.key, 15)
+
+
 def test_feedback_comes_periodically_and_at_once_on_a_loss():
     tr, s, r = make_pair(size=400_000, blocks=10, policy="none")
     net = Net(s, r, data=_drop_sources({150}))
