@@ -62,7 +62,13 @@ _BASE = 0  # lowest ESI still in the window
 _NACT = 1  # pending equations (active rows)
 _MAXREF = 2  # highest ESI any pending equation may involve (-1 when none)
 _NOUT = 3  # number of ESIs the last kernel call wrote to ``out`` (recovered symbols)
+_THROUGH = 4  # decoded-through, handed to and back from _decode_batch (Python keeps its own)
 _HEADER = 8
+
+# Counters _decode_batch adds to (the order of RLCDecoder.stats), then the results it wrote.
+_C_SOURCES, _C_DUPLICATES, _C_STALE, _C_RECOVERED = 0, 1, 2, 3
+_C_REPAIRS, _C_USEFUL, _C_ALL_KNOWN, _C_DEPENDENT = 4, 5, 6, 7
+_C_RESULTS = 8
 
 # Return codes of the repair kernel.
 _REPAIR_STALE = -1  # references a released ESI with a non-zero coefficient
@@ -911,6 +917,125 @@ def _store_run(
     return t
 
 
+@njit(cache=True, nogil=True)
+def _advance_through(state: np.ndarray, base: int, t: int) -> int:
+    """SourceWindow.advance_through on the kernel side: decoded-through ``t`` moved over the
+    known ESIs that follow it (unchanged once it fell below ``base``)."""
+    if t + 1 < base:
+        return t
+    cap = state.shape[0]
+    top = base + cap
+    while t + 1 < top and state[(t + 1) % cap] != UNKNOWN:
+        t += 1
+    return t
+
+
+@njit(cache=True, nogil=True)
+def _release_in(state: np.ndarray, coef: np.ndarray, ints: np.ndarray, bound: int) -> None:
+    """RLCDecoder.release_before on the kernel side (decoded-through in ints[_THROUGH])."""
+    base = ints[_BASE]
+    if bound <= base:
+        return
+    cap = state.shape[0]
+    end = min(bound, base + cap)
+    if ints[_NACT] > 0:
+        colrow = ints[_HEADER + cap : _HEADER + 2 * cap]
+        for e in range(base, end):
+            if colrow[e % cap] >= 0:
+                _decode_release(state, coef, ints, bound)
+                break
+    for e in range(base, end):
+        state[e % cap] = UNKNOWN
+    ints[_BASE] = bound
+    if ints[_THROUGH] + 1 >= base:
+        ints[_THROUGH] = _advance_through(state, bound, ints[_THROUGH])
+
+
+@njit(cache=True, nogil=True)
+def _decode_batch(
+    sym: np.ndarray,
+    state: np.ndarray,
+    coef: np.ndarray,
+    pay: np.ndarray,
+    ints: np.ndarray,
+    meta: np.ndarray,
+    payloads: np.ndarray,
+    counts: np.ndarray,
+    results: np.ndarray,
+) -> None:
+    """Packets i = 0.. in order, exactly as RLCDecoder.add_source / add_repair take them one
+    by one: row i of ``meta`` is (esi, 0, 0, 0) for a source symbol, (first_esi, nss,
+    repair_key, dt) for a repair (already validated), its bytes row i of ``payloads``. The
+    ESIs that became known go to ``results`` (counts[_C_RESULTS] of them), the stats
+    counters are added to ``counts``. The caller guarantees a free equation row for every
+    repair of the batch."""
+    cap = state.shape[0]
+    size = payloads.shape[1]
+    stride = sym.shape[1]
+    out = ints[_HEADER : _HEADER + cap]
+    colrow = ints[_HEADER + cap : _HEADER + 2 * cap]
+    stage = np.zeros(stride, dtype=np.uint8)
+    nres = counts[_C_RESULTS]
+    for i in range(meta.shape[0]):
+        first = meta[i, 0]
+        nss = meta[i, 1]
+        ints[_NOUT] = 0
+        if nss == 0:  # a source symbol
+            counts[_C_SOURCES] += 1
+            base = ints[_BASE]
+            if first < base:
+                counts[_C_STALE] += 1
+                continue
+            if first >= base + cap:
+                if first == base + cap and (ints[_NACT] == 0 or colrow[base % cap] < 0):
+                    state[base % cap] = UNKNOWN
+                    ints[_BASE] = base + 1
+                else:
+                    _release_in(state, coef, ints, first - cap + 1)
+            col = first % cap
+            if state[col] != UNKNOWN:
+                counts[_C_DUPLICATES] += 1
+                continue
+            row = sym[col]
+            row[:size] = payloads[i]
+            row[size:] = 0
+            results[nres] = first
+            nres += 1
+            if ints[_NACT] == 0 or first > ints[_MAXREF]:
+                state[col] = RECEIVED
+                if first == ints[_THROUGH] + 1:
+                    ints[_THROUGH] = _advance_through(state, ints[_BASE], first - 1)
+                continue
+            _decode_source(sym, state, coef, pay, ints, first)
+        else:
+            counts[_C_REPAIRS] += 1
+            last = first + nss - 1
+            if last <= ints[_THROUGH] and first >= ints[_BASE]:
+                counts[_C_ALL_KNOWN] += 1
+                continue
+            if last >= ints[_BASE] + cap:
+                _release_in(state, coef, ints, last - cap + 1)
+            stage[:size] = payloads[i]
+            code = _decode_repair(
+                sym, state, coef, pay, ints, first, nss, meta[i, 2], meta[i, 3], stage
+            )
+            if code == _REPAIR_ADDED:
+                counts[_C_USEFUL] += 1
+            elif code == _REPAIR_ALL_KNOWN:
+                counts[_C_ALL_KNOWN] += 1
+            elif code == _REPAIR_DEPENDENT:
+                counts[_C_DEPENDENT] += 1
+            else:
+                counts[_C_STALE] += 1
+        n = ints[_NOUT]
+        for k in range(n):
+            results[nres + k] = out[k]
+        nres += n
+        counts[_C_RECOVERED] += n
+        ints[_THROUGH] = _advance_through(state, ints[_BASE], ints[_THROUGH])
+    counts[_C_RESULTS] = nres
+
+
 # --------------------------------------------------------------------------------------------
 # Decoder
 # --------------------------------------------------------------------------------------------
@@ -1161,6 +1286,59 @@ class RLCDecoder(SourceWindow):
         else:
             self._n_stale += 1
         return self._collect([])
+
+    def add_packets(self, meta: object, payloads: object) -> list[int]:
+        """A run of packets in arrival order, in one call; returns the ESIs that became known.
+
+        Row i of ``meta`` (n x 4 integers) is ``(esi, 0, 0, 0)`` for a source symbol and
+        ``(first_esi, nss, repair_key, dt)`` for a repair (nss >= 1); its bytes are row i of
+        ``payloads`` (n x symbol_size uint8, or a bytes-like of n * symbol_size bytes; a
+        short source is zero-padded by the caller). The decoder ends exactly as after
+        ``add_source`` / ``add_repair`` once per packet, in order, and returns what those
+        calls would have, concatenated: one kernel call for the whole run, no per-packet
+        Python. Invalid rows raise ValueError before anything changes.
+        """
+        m = np.ascontiguousarray(meta, dtype=np.int64)
+        size = self.symbol_size
+        if m.ndim != 2 or m.shape[1] != 4:
+            raise ValueError(f"meta must be n x 4 (esi, nss, repair_key, dt), got {m.shape}")
+        n = m.shape[0]
+        pay = as_u8_array(payloads)
+        if pay.size != n * size:
+            raise ValueError(f"payloads hold {pay.size} bytes, expected {n} x {size}")
+        if n == 0:
+            return []
+        pay = pay.reshape(n, size)
+        first, nss, key, dt = m[:, 0], m[:, 1], m[:, 2], m[:, 3]
+        rep = nss != 0
+        bad = (first < 0) | (first + np.maximum(nss, 1) - 1 > MAX_ESI)
+        bad |= rep & ((nss < 1) | (nss > min(MAX_NSS, self.capacity)))
+        bad |= rep & ((key < 0) | (key > MAX_REPAIR_KEY) | (dt < 0) | (dt > MAX_DT))
+        bad |= ~rep & ((key != 0) | (dt != 0))
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise ValueError(f"packet {i}: invalid (esi, nss, repair_key, dt) {m[i].tolist()}")
+        need = min(self.capacity, self._ints_mv[_NACT] + int(rep.sum()))
+        while self._piv.shape[0] < need:
+            self._grow_rows()
+        counts = np.zeros(_C_RESULTS + 1, dtype=np.int64)
+        results = np.empty(n + self._ints_mv[_NACT] + 1, dtype=np.int64)
+        self._ints[_THROUGH] = self._through
+        _decode_batch(
+            self.sym, self.state, self._coef, self._pay, self._ints, m, pay, counts, results
+        )
+        self.base = int(self._ints[_BASE])
+        self._through = int(self._ints[_THROUGH])
+        c = counts.tolist()
+        self._n_sources += c[_C_SOURCES]
+        self._n_duplicates += c[_C_DUPLICATES]
+        self._n_stale += c[_C_STALE]
+        self._n_recovered += c[_C_RECOVERED]
+        self._n_repairs += c[_C_REPAIRS]
+        self._n_useful += c[_C_USEFUL]
+        self._n_all_known += c[_C_ALL_KNOWN]
+        self._n_dependent += c[_C_DEPENDENT]
+        return results[: c[_C_RESULTS]].tolist()
 
     def _grow_rows(self) -> None:
         rows = self._piv.shape[0]

@@ -586,6 +586,73 @@ def test_add_source_run_is_add_source_once_per_symbol(stream, longest):
     assert _decoder_state(one) == _decoder_state(bulk)
 
 
+def _settled_state(dec):
+    """_decoder_state without the scratch count of the last kernel call (ints[3])."""
+    state = list(_decoder_state(dec))
+    state[5] = state[5][:3]
+    return tuple(state)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(streams(max_sources=120, slide=True), st.integers(1, 12))
+def test_add_packets_is_one_call_per_packet(stream, longest):
+    """Runs of sources and repairs handed over in one add_packets call leave the decoder
+    exactly as add_source / add_repair once per packet do, and return the same ESIs."""
+    size, enc_window, max_window, seed, n, arrivals, releases = stream
+    rng = np.random.default_rng(seed)
+    sources = [rng.integers(0, 256, size, dtype=np.uint8).tobytes() for _ in range(n)]
+    enc = RLCEncoder(size, window=max(enc_window, n))
+    for src in sources:
+        enc.add_source(src)
+    one, batch = RLCDecoder(size, max_window=max_window), RLCDecoder(size, max_window=max_window)
+    meta, pays, expected = [], [], []
+
+    def flush():
+        if meta:
+            assert batch.add_packets(meta, b"".join(pays)) == expected
+            meta.clear(), pays.clear(), expected.clear()
+            assert _settled_state(one) == _settled_state(batch)
+            assert one.pending_pivots().tolist() == batch.pending_pivots().tolist()
+
+    for step, (kind, args) in enumerate(arrivals):
+        if kind == "source":
+            meta.append((args, 0, 0, 0))
+            pays.append(sources[args])
+            expected.extend(one.add_source(args, sources[args]))
+        else:
+            payload = enc.repair(*args)
+            meta.append(args)
+            pays.append(payload)
+            expected.extend(one.add_repair(*args, payload))
+        if len(meta) >= longest:
+            flush()
+        if step in releases:
+            flush()
+            one.release_before(releases[step])
+            batch.release_before(releases[step])
+    flush()
+    for e in range(n):
+        assert batch.get(e) == one.get(e)
+
+
+def test_add_packets_rejects_bad_rows_without_changing_state():
+    dec = RLCDecoder(4, max_window=8)
+    assert dec.add_packets(np.zeros((0, 4), np.int64), b"") == []
+    assert dec.add_packets([(1, 0, 0, 0)], bytes(4)) == [1]
+    before = _decoder_state(dec)
+    for meta, match in [
+        ([(0, 0, 0, 0), (2, 9, 1, 15)], "packet 1"),  # nss beyond the window
+        ([(0, 2, 70000, 15)], "packet 0"),  # repair key
+        ([(0, 2, 1, 16)], "packet 0"),  # dt
+        ([(-1, 0, 0, 0)], "packet 0"),  # esi
+        ([(0, 0, 0, 0)] * 2, "expected 2 x 4"),  # payload size
+        ([(0, 0, 0)], "n x 4"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            dec.add_packets(meta, bytes(4 * (len(meta) if "expected" not in match else 1)))
+        assert _decoder_state(dec) == before
+
+
 def test_add_source_run_takes_whole_symbols_only():
     dec = RLCDecoder(4, max_window=8)
     assert dec.add_source_run(0, b"") == []
