@@ -22,12 +22,20 @@ one instruction per 64 bytes instead: multiplying by c is an 8x8 bit matrix over
 column j is c * 2^j, the bit-slice constants above), and ``vgf2p8affineqb`` applies such a
 matrix to every byte of a 64-byte vector, whatever the field polynomial (the instruction's own
 multiply, ``vgf2p8mulb``, is fixed to AES's 0x11B and cannot serve here). About 2x the
-bit-sliced kernel on 1280-byte symbols. Both variants stay callable by name
-(``region_muladd_gfni``, ``region_muladd_bitsliced``, ...) for tests and benchmarks; the
-plain names are the one the host runs, picked once at import from the host CPU's features
-(the portable one when NUMBA_CPU_NAME or NUMBA_CPU_FEATURES make numba compile for another
-CPU). numba keys its on-disk cache by CPU features, so a cache built here is not reused on a
-CPU without GFNI. Like any numba cache, it does not notice edits to this file from the
+bit-sliced kernel on 1280-byte symbols.
+
+Without GFNI, on x86 CPUs with AVX2 (``HAVE_SHUFFLE``), the split-nibble shuffle kernel:
+c * b = T_lo[b & 15] ^ T_hi[b >> 4] with the constant's two 16-byte tables
+(``NIBBLE_TABLE``), each lookup one ``vpshufb`` over 32 bytes. About 10x the bit-sliced
+kernel (see scripts/bench_codec.py). Every variant stays callable by name
+(``region_muladd_gfni``, ``region_muladd_shuffle``, ``region_muladd_bitsliced``, ... and
+``KERNELS``) for tests and benchmarks; the plain names are the one the host runs
+(``KERNEL``), picked once at import: the fastest of ``AVAILABLE`` (the portable bit-sliced
+one when NUMBA_CPU_NAME or NUMBA_CPU_FEATURES make numba compile for another CPU), or the one
+the environment variable KVTRANSPORT_GF_KERNEL names. numba keys its on-disk cache by CPU
+features, so a cache built here is not reused on a CPU without GFNI or AVX2, and
+kvtransport.kernel_cache puts the kernels compiled under a forced choice in a folder of
+their own. Like any numba cache, it does not notice edits to this file from the
 cached kernels of other modules that call these (touch them, or clear their __pycache__).
 
 All region kernels are ``@njit(cache=True, nogil=True)`` and accept 1-D C-contiguous ``uint8``
@@ -99,20 +107,35 @@ def _affine_matrices() -> np.ndarray:
 AFFINE_TABLE = _affine_matrices()
 
 
-def _host_has_gfni() -> bool:
+def _nibble_tables() -> np.ndarray:
+    """Per constant c, 32 bytes: c * x for x in 0..15, then c * (x << 4) for x in 0..15.
+    c * b is their two entries for b's low and high nibble XOR-ed (multiplying by c is
+    GF(2)-linear): the two 16-byte shuffle tables of the split-nibble kernel."""
+    x = np.arange(16)
+    return np.ascontiguousarray(np.concatenate([MUL_TABLE[:, x], MUL_TABLE[:, x << 4]], axis=1))
+
+
+NIBBLE_TABLE = _nibble_tables()
+
+
+def _host_features() -> dict[str, bool]:
+    """The host CPU's features, or {} when numba compiles for another CPU (NUMBA_CPU_NAME,
+    NUMBA_CPU_FEATURES) or the host cannot be queried: then only portable kernels run."""
     if os.environ.get("NUMBA_CPU_NAME", "host") != "host" or os.environ.get("NUMBA_CPU_FEATURES"):
-        return False
+        return {}
     try:
         from llvmlite import binding
 
-        features = binding.get_host_cpu_features()
+        return dict(binding.get_host_cpu_features())
     except Exception:  # noqa: BLE001 (no host feature query: take the portable kernels)
-        return False
-    return all(features.get(f, False) for f in ("gfni", "avx512f", "avx512bw"))
+        return {}
 
 
-HAVE_GFNI = _host_has_gfni()
+_FEATURES = _host_features()
+HAVE_GFNI = all(_FEATURES.get(f, False) for f in ("gfni", "avx512f", "avx512bw"))
 """The host runs the GFNI region kernels (see the module docstring)."""
+HAVE_SHUFFLE = bool(_FEATURES.get("avx2", False))
+"""The host runs the split-nibble shuffle kernels (AVX2 ``vpshufb``)."""
 
 _LSB = np.uint64(0x0101010101010101)
 _S1 = np.uint64(1)
@@ -200,6 +223,55 @@ def _affine64(typingctx, dst, src, off, mat):  # noqa: ANN001, ANN201
         return None
     sig = types.void(dst, src, types.intp, types.uint64)
     return sig, lambda c, b, s, a: _affine_codegen(c, b, s, a, False)
+
+
+def _shuffle_codegen(context, builder, sig, args, with_xor):  # noqa: ANN001, ANN202
+    """dst[off:off+32] (^)= c * src[off:off+32] by split-nibble shuffles: two vpshufb
+    lookups (low and high nibble of each byte) into the constant's 16-byte tables."""
+    dst = make_array(sig.args[0])(context, builder, args[0])
+    src = make_array(sig.args[1])(context, builder, args[1])
+    tab = make_array(sig.args[3])(context, builder, args[3])
+    off = args[2]
+    i8, i32 = ir.IntType(8), ir.IntType(32)
+    v16, v32 = ir.VectorType(i8, 16), ir.VectorType(i8, 32)
+    dptr = builder.bitcast(builder.gep(dst.data, [off]), v32.as_pointer())
+    sptr = builder.bitcast(builder.gep(src.data, [off]), v32.as_pointer())
+    tptr = builder.bitcast(tab.data, v16.as_pointer())
+    twice = ir.Constant(ir.VectorType(i32, 32), [i % 16 for i in range(32)])
+    lo_t = builder.load(tptr, align=1)
+    hi_t = builder.load(builder.gep(tptr, [ir.Constant(i32, 1)]), align=1)
+    lo_t = builder.shuffle_vector(lo_t, lo_t, twice)  # the table in both 128-bit lanes
+    hi_t = builder.shuffle_vector(hi_t, hi_t, twice)
+    x = builder.load(sptr, align=1)
+    mask = ir.Constant(v32, [0x0F] * 32)
+    lo = builder.and_(x, mask)
+    hi = builder.and_(builder.lshr(x, ir.Constant(v32, [4] * 32)), mask)
+    fnty = ir.FunctionType(v32, [v32, v32])
+    fn = builder.module.declare_intrinsic("llvm.x86.avx2.pshuf.b", fnty=fnty)
+    r = builder.xor(builder.call(fn, [lo_t, lo]), builder.call(fn, [hi_t, hi]))
+    if with_xor:
+        r = builder.xor(r, builder.load(dptr, align=1))
+    builder.store(r, dptr, align=1)
+    return context.get_dummy_value()
+
+
+@intrinsic
+def _shuffle_xor32(typingctx, dst, src, off, tab):  # noqa: ANN001, ANN201
+    """dst[off:off+32] ^= c * src[off:off+32], ``tab`` = NIBBLE_TABLE[c] (numba code only;
+    the caller checks bounds; HAVE_SHUFFLE hosts only)."""
+    if not (_u8_c_array(dst) and dst.mutable and _u8_c_array(src) and _u8_c_array(tab)):
+        return None
+    sig = types.void(dst, src, types.intp, tab)
+    return sig, lambda c, b, s, a: _shuffle_codegen(c, b, s, a, True)
+
+
+@intrinsic
+def _shuffle32(typingctx, dst, src, off, tab):  # noqa: ANN001, ANN201
+    """dst[off:off+32] = c * src[off:off+32], like _shuffle_xor32."""
+    if not (_u8_c_array(dst) and dst.mutable and _u8_c_array(src) and _u8_c_array(tab)):
+        return None
+    sig = types.void(dst, src, types.intp, tab)
+    return sig, lambda c, b, s, a: _shuffle_codegen(c, b, s, a, False)
 
 
 @njit(cache=True, nogil=True)
@@ -351,10 +423,71 @@ def region_scale_gfni(dst: np.ndarray, c: int) -> None:
         j += 1
 
 
-region_muladd = region_muladd_gfni if HAVE_GFNI else region_muladd_bitsliced
-"""dst ^= c * src over GF(2^8) (``min(len(dst), len(src))`` bytes): the host's variant."""
-region_scale = region_scale_gfni if HAVE_GFNI else region_scale_bitsliced
-"""dst = c * dst in place: the host's variant."""
+@njit(cache=True, nogil=True)
+def region_muladd_shuffle(dst: np.ndarray, src: np.ndarray, c: int) -> None:
+    """dst ^= c * src over GF(2^8): split-nibble vpshufb, 32 bytes a step (HAVE_SHUFFLE)."""
+    cc = np.int64(c) & 0xFF
+    if cc == 0:
+        return
+    n = min(dst.shape[0], src.shape[0])
+    t = NIBBLE_TABLE[cc]
+    j = 0
+    while j + 32 <= n:
+        _shuffle_xor32(dst, src, j, t)
+        j += 32
+    row = MUL_TABLE[cc]  # the last n % 32 bytes (see region_muladd_gfni)
+    while j < n:
+        dst[j] ^= row[src[j]]
+        j += 1
+
+
+@njit(cache=True, nogil=True)
+def region_scale_shuffle(dst: np.ndarray, c: int) -> None:
+    """dst = c * dst in place, like region_muladd_shuffle (HAVE_SHUFFLE hosts only)."""
+    cc = np.int64(c) & 0xFF
+    if cc == 1:
+        return
+    n = dst.shape[0]
+    t = NIBBLE_TABLE[cc]
+    j = 0
+    while j + 32 <= n:
+        _shuffle32(dst, dst, j, t)
+        j += 32
+    row = MUL_TABLE[cc]
+    while j < n:
+        dst[j] = row[dst[j]]
+        j += 1
+
+
+KERNELS = {
+    "gfni": (region_muladd_gfni, region_scale_gfni),
+    "shuffle": (region_muladd_shuffle, region_scale_shuffle),
+    "bitsliced": (region_muladd_bitsliced, region_scale_bitsliced),
+}
+"""Every (muladd, scale) region kernel pair by name, fastest first."""
+AVAILABLE = tuple(
+    k for k, ok in (("gfni", HAVE_GFNI), ("shuffle", HAVE_SHUFFLE), ("bitsliced", True)) if ok
+)
+"""The kernels this host runs (all bit-identical), fastest first."""
+KERNEL_ENV = "KVTRANSPORT_GF_KERNEL"
+"""Environment variable that forces one of AVAILABLE (tests, benchmarks); its value is part
+of kvtransport.kernel_cache's digest, so kernels compiled with another choice are not reused."""
+
+
+def _pick_kernel() -> str:
+    forced = os.environ.get(KERNEL_ENV, "").strip()
+    if not forced:
+        return AVAILABLE[0]
+    if forced not in AVAILABLE:
+        raise ValueError(f"{KERNEL_ENV}={forced!r}: this host runs one of {', '.join(AVAILABLE)}")
+    return forced
+
+
+KERNEL = _pick_kernel()
+"""The region kernel the plain names below run, picked at import: the fastest the host has
+(GFNI, else the split-nibble shuffle, else bit-sliced), or the one KVTRANSPORT_GF_KERNEL
+names."""
+region_muladd, region_scale = KERNELS[KERNEL]
 
 
 @njit(cache=True, nogil=True)

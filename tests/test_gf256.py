@@ -1,6 +1,10 @@
 """GF(2^8) arithmetic of the RFC 8681 field, checked against hand-worked products and an
 independent shift-and-add multiplier written here."""
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -172,3 +176,62 @@ def test_region_ops_never_write_past_the_shorter_operand():
     gf256.region_muladd(dst, src, 3)  # processes min(len) = 13 bytes
     assert dst[:13].tolist() == [0] * 13
     assert not dst[13:].any()
+
+
+@pytest.mark.parametrize("name", gf256.AVAILABLE)
+def test_each_kernel_the_host_runs_matches_the_reference_on_random_data(name):
+    """Every region kernel this host can run (GFNI, split-nibble shuffle, bit-sliced),
+    forced by name: bit-identical to the shift-and-add reference for all 256 constants,
+    on lengths around the vector widths and unaligned buffers."""
+    muladd, scale = gf256.KERNELS[name]
+    rng = np.random.default_rng(len(name))
+    for c in range(256):
+        n = int(rng.choice([0, 1, 31, 32, 33, 63, 64, 65, 127, 1280, 1283, 4099]))
+        src = _unaligned(rng.integers(0, 256, n, dtype=np.uint8), int(rng.integers(0, 8)))
+        dst0 = rng.integers(0, 256, n, dtype=np.uint8)
+        dst = _unaligned(dst0, int(rng.integers(0, 8)))
+        muladd(dst, src, c)
+        assert np.array_equal(dst, dst0 ^ REF[c][src]), (name, c, n)
+        before = src.copy()
+        scale(src, c)
+        assert np.array_equal(src, REF[c][before]), (name, c, n)
+
+
+def test_the_host_kernel_is_picked_at_import_fastest_first():
+    assert gf256.AVAILABLE[-1] == "bitsliced" and gf256.KERNEL in gf256.AVAILABLE
+    assert ("gfni" in gf256.AVAILABLE) == gf256.HAVE_GFNI
+    assert ("shuffle" in gf256.AVAILABLE) == gf256.HAVE_SHUFFLE
+    if not os.environ.get(gf256.KERNEL_ENV):
+        assert gf256.KERNEL == gf256.AVAILABLE[0]
+    assert (gf256.region_muladd, gf256.region_scale) == gf256.KERNELS[gf256.KERNEL]
+
+
+FORCED = """
+import numpy as np
+from kvtransport.codecs import gf256
+rng = np.random.default_rng(3)
+sym = rng.integers(0, 256, (9, 1000), dtype=np.uint8)
+coefs = rng.integers(0, 256, 9, dtype=np.uint8)
+out = np.empty(1000, dtype=np.uint8)
+gf256.region_dot(out, sym, coefs)  # compiled in with the forced kernel
+ref = np.zeros(1000, dtype=np.uint8)
+for i in range(9):
+    ref ^= gf256.MUL_TABLE[coefs[i]][sym[i]]
+assert np.array_equal(out, ref)
+assert (gf256.region_muladd, gf256.region_scale) == gf256.KERNELS[gf256.KERNEL]
+print(gf256.KERNEL)
+"""
+
+
+@pytest.mark.parametrize("name", [*gf256.AVAILABLE, "nope"])
+def test_the_kernel_can_be_forced_by_environment(name, tmp_path):
+    env = {**os.environ, gf256.KERNEL_ENV: name, "NUMBA_CACHE_DIR": str(tmp_path)}
+    run = subprocess.run(
+        [sys.executable, "-c", FORCED], env=env, capture_output=True, text=True, timeout=300
+    )
+    if name == "nope":
+        assert run.returncode != 0
+        assert f"{gf256.KERNEL_ENV}='nope': this host runs one of" in run.stderr
+    else:
+        assert run.returncode == 0, run.stderr
+        assert run.stdout.split() == [name]
