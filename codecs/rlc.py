@@ -25,7 +25,9 @@ Each row's pivot is its lowest-ESI unknown. Memory is bounded: the decoder holds
 ``max_window`` consecutive ESIs. An ESI beyond the window slides it forward (and
 ``release_before`` does so explicitly); ESIs leave lowest first, so an unknown that leaves is
 the pivot of at most one row and appears in no other: dropping that row keeps exactly what the
-remaining equations say about the ESIs still in the window.
+remaining equations say about the ESIs still in the window. At most ``max_pending``
+equations are pending at once (a repair that finds no room is dropped and counted), so the
+coefficient rows take at most ``max_pending * max_window`` bytes whatever arrives.
 """
 
 from __future__ import annotations
@@ -63,12 +65,14 @@ _NACT = 1  # pending equations (active rows)
 _MAXREF = 2  # highest ESI any pending equation may involve (-1 when none)
 _NOUT = 3  # number of ESIs the last kernel call wrote to ``out`` (recovered symbols)
 _THROUGH = 4  # decoded-through, handed to and back from _decode_batch (Python keeps its own)
+_MAXPEND = 5  # most pending equations held (RLCDecoder max_pending)
 _HEADER = 8
 
 # Counters _decode_batch adds to (the order of RLCDecoder.stats), then the results it wrote.
 _C_SOURCES, _C_DUPLICATES, _C_STALE, _C_RECOVERED = 0, 1, 2, 3
 _C_REPAIRS, _C_USEFUL, _C_ALL_KNOWN, _C_DEPENDENT = 4, 5, 6, 7
-_C_RESULTS = 8
+_C_DROPPED = 8
+_C_RESULTS = 9
 
 # Return codes of the repair kernel.
 _REPAIR_STALE = -1  # references a released ESI with a non-zero coefficient
@@ -1015,6 +1019,9 @@ def _decode_batch(
                 continue
             if last >= ints[_BASE] + cap:
                 _release_in(state, coef, ints, last - cap + 1)
+            if ints[_NACT] >= ints[_MAXPEND]:
+                counts[_C_DROPPED] += 1
+                continue
             stage[:size] = payloads[i]
             code = _decode_repair(
                 sym, state, coef, pay, ints, first, nss, meta[i, 2], meta[i, 3], stage
@@ -1056,18 +1063,27 @@ class RLCDecoder(SourceWindow):
     ``stats`` and otherwise ignored. Not thread-safe (one decoder per receiving task).
     """
 
-    def __init__(self, symbol_size: int, max_window: int = 1024) -> None:
+    def __init__(
+        self, symbol_size: int, max_window: int = 1024, max_pending: int | None = None
+    ) -> None:
         super().__init__(symbol_size, max_window)
         self.max_window = self.capacity
+        self.max_pending = self.capacity if max_pending is None else int(max_pending)
+        if not 1 <= self.max_pending <= self.capacity:
+            raise ValueError(f"max_pending must be in 1..{self.capacity}, got {max_pending}")
         self._wpad = _round8(self.capacity)
-        rows = min(16, self.capacity)
+        rows = min(16, self.max_pending)
         self._coef = np.zeros((rows, self._wpad), dtype=np.uint8)
         self._pay = np.zeros((rows, self.stride), dtype=np.uint8)
-        self._set_ints(np.concatenate([[0, 0, -1, 0], np.zeros(_HEADER - 4, np.int64)]), rows)
+        header = np.zeros(_HEADER, np.int64)
+        header[:4] = [0, 0, -1, 0]
+        header[_MAXPEND] = self.max_pending
+        self._set_ints(header, rows)
         self._stage = np.zeros(self.stride, dtype=np.uint8)  # incoming repair payload
         self._stage_mv = memoryview(self._stage)
         self._n_sources = self._n_duplicates = self._n_stale = self._n_recovered = 0
         self._n_repairs = self._n_useful = self._n_all_known = self._n_dependent = 0
+        self._n_dropped = 0
 
     def _set_ints(self, header: np.ndarray, rows: int, colrow: object = -1,
                   piv: object = None) -> None:  # fmt: skip
@@ -1087,7 +1103,8 @@ class RLCDecoder(SourceWindow):
     @property
     def stats(self) -> dict[str, int]:
         """Counters: sources, duplicates, stale (below the window), repairs and what became
-        of them (useful, all_known: every symbol already known, dependent), recovered."""
+        of them (useful, all_known: every symbol already known, dependent, dropped: no
+        room left under max_pending), recovered."""
         return {
             "sources": self._n_sources,
             "duplicates": self._n_duplicates,
@@ -1095,6 +1112,7 @@ class RLCDecoder(SourceWindow):
             "repairs_useful": self._n_useful,
             "repairs_all_known": self._n_all_known,
             "repairs_dependent": self._n_dependent,
+            "repairs_dropped": self._n_dropped,
             "stale": self._n_stale,
             "recovered": self._n_recovered,
         }
@@ -1263,6 +1281,9 @@ class RLCDecoder(SourceWindow):
         if last >= self.base + self.capacity:
             self.release_before(last - self.capacity + 1)
         if self._ints_mv[_NACT] >= self._piv.shape[0]:
+            if self._piv.shape[0] >= self.max_pending:
+                self._n_dropped += 1  # bounded state: no room for another equation
+                return []
             self._grow_rows()
         self._stage_mv[: self.symbol_size] = view
         code = _decode_repair(
@@ -1318,7 +1339,7 @@ class RLCDecoder(SourceWindow):
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
             raise ValueError(f"packet {i}: invalid (esi, nss, repair_key, dt) {m[i].tolist()}")
-        need = min(self.capacity, self._ints_mv[_NACT] + int(rep.sum()))
+        need = min(self.max_pending, self._ints_mv[_NACT] + int(rep.sum()))
         while self._piv.shape[0] < need:
             self._grow_rows()
         counts = np.zeros(_C_RESULTS + 1, dtype=np.int64)
@@ -1338,11 +1359,12 @@ class RLCDecoder(SourceWindow):
         self._n_useful += c[_C_USEFUL]
         self._n_all_known += c[_C_ALL_KNOWN]
         self._n_dependent += c[_C_DEPENDENT]
+        self._n_dropped += c[_C_DROPPED]
         return results[: c[_C_RESULTS]].tolist()
 
     def _grow_rows(self) -> None:
         rows = self._piv.shape[0]
-        new = min(2 * rows, self.capacity)
+        new = min(2 * rows, self.max_pending)
         if new <= rows:  # cannot happen: each pending row owns a distinct unknown column
             raise RuntimeError("RLC decoder row storage exhausted")
         coef = np.zeros((new, self._wpad), dtype=np.uint8)

@@ -594,8 +594,8 @@ def _settled_state(dec):
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(streams(max_sources=120, slide=True), st.integers(1, 12))
-def test_add_packets_is_one_call_per_packet(stream, longest):
+@given(streams(max_sources=120, slide=True), st.integers(1, 12), st.integers(1, 40))
+def test_add_packets_is_one_call_per_packet(stream, longest, max_pending):
     """Runs of sources and repairs handed over in one add_packets call leave the decoder
     exactly as add_source / add_repair once per packet do, and return the same ESIs."""
     size, enc_window, max_window, seed, n, arrivals, releases = stream
@@ -604,7 +604,9 @@ def test_add_packets_is_one_call_per_packet(stream, longest):
     enc = RLCEncoder(size, window=max(enc_window, n))
     for src in sources:
         enc.add_source(src)
-    one, batch = RLCDecoder(size, max_window=max_window), RLCDecoder(size, max_window=max_window)
+    pend = min(max_pending, max_window)
+    one = RLCDecoder(size, max_window=max_window, max_pending=pend)
+    batch = RLCDecoder(size, max_window=max_window, max_pending=pend)
     meta, pays, expected = [], [], []
 
     def flush():
@@ -633,6 +635,24 @@ def test_add_packets_is_one_call_per_packet(stream, longest):
     flush()
     for e in range(n):
         assert batch.get(e) == one.get(e)
+
+
+def test_max_pending_bounds_the_equations_held_and_counts_the_rest():
+    size, w = 16, 64
+    rng = np.random.default_rng(9)
+    sources = rng.integers(0, 256, (w, size), dtype=np.uint8)
+    enc = RLCEncoder(size, window=w)
+    enc.add_sources(sources)
+    dec = RLCDecoder(size, max_window=w, max_pending=5)
+    for key in range(12):  # every source lost: each repair is a new equation
+        assert dec.add_repair(0, w, key, 15, enc.repair(0, w, key)) == []
+    assert dec.pending_equations == 5 and dec._coef.shape[0] == 5
+    assert dec.stats["repairs_dropped"] == 7 and dec.stats["repairs_useful"] == 5
+    got = dec.add_packets([(e, 0, 0, 0) for e in range(5, w)], sources[5:])
+    assert sorted(got) == list(range(w))  # the five equations held still solve their part
+    assert all(dec.get(e) == sources[e].tobytes() for e in range(w))
+    with pytest.raises(ValueError, match="max_pending"):
+        RLCDecoder(size, max_window=w, max_pending=w + 1)
 
 
 def test_add_packets_rejects_bad_rows_without_changing_state():
