@@ -274,6 +274,118 @@ def _shuffle32(typingctx, dst, src, off, tab):  # noqa: ANN001, ANN201
     return sig, lambda c, b, s, a: _shuffle_codegen(c, b, s, a, False)
 
 
+def _shuffle_multi_intrinsic(rows: int, vecs: int):  # noqa: ANN202
+    """An intrinsic that multiplies ``32 * vecs`` bytes at offset j of m sources into ``rows``
+    repairs at once, the accumulators in registers across all sources:
+
+        out[k0 + k, j : j + 32 * vecs] ^= sum over i < m of coefs[k0 + k, i] * src_i
+
+    with src_i = flat[offsets[i] + j :], and tables NIBBLE_TABLE[coefs[...]] (``nib``).
+    Each source vector is loaded and split into nibbles once for all the rows. Numba code
+    only; the caller checks every bound."""
+
+    def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
+        out = make_array(sig.args[0])(context, builder, args[0])
+        flat = make_array(sig.args[1])(context, builder, args[1])
+        offs = make_array(sig.args[2])(context, builder, args[2])
+        coefs = make_array(sig.args[3])(context, builder, args[3])
+        nib = make_array(sig.args[4])(context, builder, args[4])
+        k0, j, m = args[5], args[6], args[7]
+        i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
+        v16, v32 = ir.VectorType(i8, 16), ir.VectorType(i8, 32)
+        twice = ir.Constant(ir.VectorType(i32, 32), [i % 16 for i in range(32)])
+        mask = ir.Constant(v32, [0x0F] * 32)
+        four = ir.Constant(v32, [4] * 32)
+        zero = ir.Constant(v32, [0] * 32)
+        fn = builder.module.declare_intrinsic(
+            "llvm.x86.avx2.pshuf.b", fnty=ir.FunctionType(v32, [v32, v32])
+        )
+        out_stride = builder.extract_value(out.strides, 0)
+        coef_stride = builder.extract_value(coefs.strides, 0)
+        n_acc = rows * vecs
+        entry = builder.block
+        loop = builder.append_basic_block("multi.loop")
+        done = builder.append_basic_block("multi.done")
+        builder.cbranch(builder.icmp_signed(">", m, ir.Constant(i64, 0)), loop, done)
+        builder.position_at_end(loop)
+        i = builder.phi(i64)
+        i.add_incoming(ir.Constant(i64, 0), entry)
+        accs = [builder.phi(v32) for _ in range(n_acc)]
+        for a in accs:
+            a.add_incoming(zero, entry)
+        off = builder.load(builder.gep(offs.data, [i]))
+        base = builder.gep(flat.data, [builder.add(off, j)])
+        los, his = [], []
+        for v in range(vecs):
+            ptr = builder.bitcast(builder.gep(base, [ir.Constant(i64, 32 * v)]), v32.as_pointer())
+            x = builder.load(ptr, align=1)
+            los.append(builder.and_(x, mask))
+            his.append(builder.and_(builder.lshr(x, four), mask))
+        new = []
+        for k in range(rows):
+            row = builder.add(k0, ir.Constant(i64, k))
+            cptr = builder.gep(coefs.data, [builder.add(builder.mul(row, coef_stride), i)])
+            c = builder.zext(builder.load(cptr), i64)
+            tptr = builder.bitcast(
+                builder.gep(nib.data, [builder.mul(c, ir.Constant(i64, 32))]), v16.as_pointer()
+            )
+            lo_t = builder.load(tptr, align=1)
+            hi_t = builder.load(builder.gep(tptr, [ir.Constant(i32, 1)]), align=1)
+            lo_t = builder.shuffle_vector(lo_t, lo_t, twice)
+            hi_t = builder.shuffle_vector(hi_t, hi_t, twice)
+            for v in range(vecs):
+                prod = builder.xor(
+                    builder.call(fn, [lo_t, los[v]]), builder.call(fn, [hi_t, his[v]])
+                )
+                new.append(builder.xor(accs[k * vecs + v], prod))
+        i_next = builder.add(i, ir.Constant(i64, 1))
+        i.add_incoming(i_next, builder.block)
+        for a, b in zip(accs, new, strict=True):
+            a.add_incoming(b, builder.block)
+        builder.cbranch(builder.icmp_signed("<", i_next, m), loop, done)
+        builder.position_at_end(done)
+        results = []
+        for k in range(n_acc):
+            ph = builder.phi(v32)
+            ph.add_incoming(zero, entry)
+            ph.add_incoming(new[k], loop)
+            results.append(ph)
+        for k in range(rows):
+            row = builder.add(k0, ir.Constant(i64, k))
+            rbase = builder.gep(out.data, [builder.add(builder.mul(row, out_stride), j)])
+            for v in range(vecs):
+                ptr = builder.bitcast(
+                    builder.gep(rbase, [ir.Constant(i64, 32 * v)]), v32.as_pointer()
+                )
+                acc = builder.xor(results[k * vecs + v], builder.load(ptr, align=1))
+                builder.store(acc, ptr, align=1)
+        return context.get_dummy_value()
+
+    @intrinsic
+    def multi(typingctx, out, flat, offsets, coefs, nib, k0, j, m):  # noqa: ANN001, ANN202
+        ok = (
+            isinstance(out, types.Array) and out.ndim == 2 and out.dtype == types.uint8
+            and out.layout == "C" and out.mutable and _u8_c_array(flat)
+            and isinstance(offsets, types.Array) and offsets.ndim == 1
+            and offsets.dtype == types.int64 and offsets.layout == "C"
+            and isinstance(coefs, types.Array) and coefs.ndim == 2
+            and coefs.dtype == types.uint8 and coefs.layout == "C"
+            and isinstance(nib, types.Array) and nib.ndim == 2 and nib.dtype == types.uint8
+            and nib.layout == "C"
+        )  # fmt: skip
+        if not ok:
+            return None
+        sig = types.void(out, flat, offsets, coefs, nib, types.intp, types.intp, types.intp)
+        return sig, codegen
+
+    return multi
+
+
+_MULTI = {(r, v): _shuffle_multi_intrinsic(r, v) for r in (1, 2, 3, 4) for v in (1, 2)}
+_multi_4x64, _multi_3x64, _multi_2x64, _multi_1x64 = (_MULTI[(r, 2)] for r in (4, 3, 2, 1))
+_multi_4x32, _multi_3x32, _multi_2x32, _multi_1x32 = (_MULTI[(r, 1)] for r in (4, 3, 2, 1))
+
+
 @njit(cache=True, nogil=True)
 def gf_mul(a: int, b: int) -> int:
     """Product of two field elements (ints in 0..255)."""
@@ -459,6 +571,60 @@ def region_scale_shuffle(dst: np.ndarray, c: int) -> None:
         j += 1
 
 
+@njit(cache=True, nogil=True)
+def _check_multi(out: np.ndarray, flat: np.ndarray, offsets: np.ndarray, coefs: np.ndarray,
+                 m: int, n: int) -> None:  # fmt: skip
+    if not (0 <= n <= out.shape[1] and 0 <= m <= offsets.shape[0] and m <= coefs.shape[1]):
+        raise ValueError("region_muladd_multi: n or m out of bounds")
+    if coefs.shape[0] > out.shape[0]:
+        raise ValueError("region_muladd_multi: more coefficient rows than output rows")
+    for i in range(m):
+        if offsets[i] < 0 or offsets[i] + n > flat.shape[0]:
+            raise ValueError("region_muladd_multi: a source runs past the buffer")
+
+
+@njit(cache=True, nogil=True)
+def region_muladd_multi_shuffle(
+    out: np.ndarray, flat: np.ndarray, offsets: np.ndarray, coefs: np.ndarray, m: int, n: int
+) -> None:
+    """region_muladd_multi with the split-nibble shuffle, the accumulators of up to four
+    outputs in registers over all m sources, 64 bytes a step (HAVE_SHUFFLE hosts only)."""
+    _check_multi(out, flat, offsets, coefs, m, n)
+    r = coefs.shape[0]
+    k0 = 0
+    while k0 < r:
+        g = min(4, r - k0)
+        j = 0
+        while j + 64 <= n:
+            if g == 4:
+                _multi_4x64(out, flat, offsets, coefs, NIBBLE_TABLE, k0, j, m)
+            elif g == 3:
+                _multi_3x64(out, flat, offsets, coefs, NIBBLE_TABLE, k0, j, m)
+            elif g == 2:
+                _multi_2x64(out, flat, offsets, coefs, NIBBLE_TABLE, k0, j, m)
+            else:
+                _multi_1x64(out, flat, offsets, coefs, NIBBLE_TABLE, k0, j, m)
+            j += 64
+        if j + 32 <= n:
+            if g == 4:
+                _multi_4x32(out, flat, offsets, coefs, NIBBLE_TABLE, k0, j, m)
+            elif g == 3:
+                _multi_3x32(out, flat, offsets, coefs, NIBBLE_TABLE, k0, j, m)
+            elif g == 2:
+                _multi_2x32(out, flat, offsets, coefs, NIBBLE_TABLE, k0, j, m)
+            else:
+                _multi_1x32(out, flat, offsets, coefs, NIBBLE_TABLE, k0, j, m)
+            j += 32
+        if j < n:  # the last n % 32 bytes by table
+            for k in range(k0, k0 + g):
+                for i in range(m):
+                    row = MUL_TABLE[coefs[k, i]]
+                    o = offsets[i]
+                    for b in range(j, n):
+                        out[k, b] ^= row[flat[o + b]]
+        k0 += g
+
+
 KERNELS = {
     "gfni": (region_muladd_gfni, region_scale_gfni),
     "shuffle": (region_muladd_shuffle, region_scale_shuffle),
@@ -488,6 +654,39 @@ KERNEL = _pick_kernel()
 (GFNI, else the split-nibble shuffle, else bit-sliced), or the one KVTRANSPORT_GF_KERNEL
 names."""
 region_muladd, region_scale = KERNELS[KERNEL]
+
+_TILE = 2048
+"""Bytes of every output a tile of region_muladd_multi_tiled builds per pass over the
+sources: the output tiles and a source tile stay in L1 (a multiple of 64: only the last tile
+has a scalar tail)."""
+
+
+@njit(cache=True, nogil=True)
+def region_muladd_multi_tiled(
+    out: np.ndarray, flat: np.ndarray, offsets: np.ndarray, coefs: np.ndarray, m: int, n: int
+) -> None:
+    """region_muladd_multi through the host's region_muladd, tile by tile: each source tile
+    is read from memory once for all outputs (the outputs' tiles stay in L1)."""
+    _check_multi(out, flat, offsets, coefs, m, n)
+    r = coefs.shape[0]
+    for t0 in range(0, n, _TILE):
+        t1 = min(t0 + _TILE, n)
+        for i in range(m):
+            src = flat[offsets[i] + t0 : offsets[i] + t1]
+            for k in range(r):
+                c = coefs[k, i]
+                if c != 0:
+                    region_muladd(out[k, t0:t1], src, c)
+
+
+region_muladd_multi = (
+    region_muladd_multi_shuffle if KERNEL == "shuffle" else region_muladd_multi_tiled
+)
+"""out[k, :n] ^= sum over i < m of coefs[k, i] * flat[offsets[i] : offsets[i] + n], for every
+row k of ``coefs`` (uint8, r x >= m; ``out``: uint8, >= r x n, C-contiguous; ``offsets``:
+int64): several outputs (the repairs of one span) from one pass over the sources. Raises
+ValueError if a source runs past ``flat`` or n, m exceed the arrays. The host's variant: the
+register-accumulator shuffle kernel, else tiles of region_muladd."""
 
 
 @njit(cache=True, nogil=True)

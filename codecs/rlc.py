@@ -35,7 +35,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import numpy as np
-from kvtransport.codecs.gf256 import as_words, gf_inv, region_muladd, region_scale
+from kvtransport.codecs.gf256 import (
+    as_words,
+    gf_inv,
+    region_muladd,
+    region_muladd_multi,
+    region_scale,
+)
 from kvtransport.codecs.tinymt32 import tinymt32_output, tinymt32_seed, tinymt32_step
 from numba import njit
 
@@ -171,58 +177,6 @@ def coding_coefficients(repair_key: int, nss: int, dt: int = 15) -> np.ndarray:
 
 
 @njit(cache=True, nogil=True)
-def _encode_repair(
-    ring: np.ndarray,
-    first_esi: int,
-    nss: int,
-    repair_key: int,
-    dt: int,
-    out: np.ndarray,
-    size: int,
-) -> None:
-    """out[:size] = sum over i of c_i * ring[(first_esi + i) % len(ring)]."""
-    coefs = np.empty(nss, dtype=np.uint8)
-    coefficients_into(coefs, repair_key, nss, dt)
-    cap = ring.shape[0]
-    dst = out[:size]
-    dst[:] = 0
-    for i in range(nss):
-        c = coefs[i]
-        if c != 0:
-            region_muladd(dst, ring[(first_esi + i) % cap], c)
-
-
-@njit(cache=True, nogil=True)
-def _encode_repair_stream(
-    stream: np.ndarray,
-    first_esi: int,
-    nss: int,
-    repair_key: int,
-    dt: int,
-    out: np.ndarray,
-    size: int,
-) -> None:
-    """As _encode_repair, with source ESI e = stream[e*size : (e+1)*size] (a short last
-    symbol counts as zero-padded: only its bytes are added)."""
-    coefs = np.empty(nss, dtype=np.uint8)
-    coefficients_into(coefs, repair_key, nss, dt)
-    n = stream.shape[0]
-    dst = out[:size]
-    dst[:] = 0
-    for i in range(nss):
-        c = coefs[i]
-        if c != 0:
-            start = (first_esi + i) * size
-            region_muladd(dst, stream[start : min(start + size, n)], c)
-
-
-_TILE = 2048
-"""Bytes of every repair built per pass over the sources in _encode_repairs: r tiles of
-accumulators plus the source tile stay in L1 while all nss sources stream through (a
-multiple of 64, so only the last tile has a scalar tail)."""
-
-
-@njit(cache=True, nogil=True)
 def _encode_repairs(
     flat: np.ndarray,
     stride: int,
@@ -233,33 +187,57 @@ def _encode_repairs(
     dt: int,
     out: np.ndarray,
     size: int,
-) -> None:
+) -> bool:
     """out[k, :size] = repair of key keys[k] over ESIs first_esi .. first_esi+nss-1, for all
-    k in one pass: each source tile is read from memory once and multiplied into every
-    repair's accumulator tile while it sits in L1.
+    k in one pass over the sources (gf256.region_muladd_multi: each source read once for
+    every repair, the accumulators in registers where the kernel allows).
 
     Source ESI e is flat[(e % cap) * stride :][:size], cut short at the end of ``flat``
     (a short last symbol counts as zero-padded): the encoder's ring (flattened rows of
-    ``stride`` bytes, ``cap`` of them) and stream mode (``stride`` = ``size``) alike."""
+    ``stride`` bytes, ``cap`` of them) and stream mode (``stride`` = ``size``) alike.
+    Returns False, writing nothing, if a key is outside 0..MAX_REPAIR_KEY."""
     r = keys.shape[0]
+    for k in range(r):
+        if not 0 <= keys[k] <= MAX_REPAIR_KEY:
+            return False
     coefs = np.empty((r, nss), dtype=np.uint8)
     for k in range(r):
         coefficients_into(coefs[k], keys[k], nss, dt)
-    n = flat.shape[0]
+    offsets = np.empty(nss, dtype=np.int64)
+    for i in range(nss):
+        offsets[i] = ((first_esi + i) % cap) * stride
     for k in range(r):
         out[k, :size] = 0
-    for t0 in range(0, size, _TILE):
-        t1 = min(t0 + _TILE, size)
-        for i in range(nss):
-            start = ((first_esi + i) % cap) * stride + t0
-            stop = min(start + t1 - t0, n)
-            if stop <= start:
-                continue
-            src = flat[start:stop]
-            for k in range(r):
-                c = coefs[k, i]
-                if c != 0:
-                    region_muladd(out[k, t0:t1], src, c)
+    n = flat.shape[0]
+    full = nss
+    while full > 0 and offsets[full - 1] + size > n:
+        full -= 1  # a short symbol at the end of a stream: added on its own below
+    region_muladd_multi(out, flat, offsets, coefs, full, size)
+    for i in range(full, nss):
+        src = flat[offsets[i] : min(offsets[i] + size, n)]
+        for k in range(r):
+            region_muladd(out[k, :size], src, coefs[k, i])
+    return True
+
+
+@njit(cache=True, nogil=True)
+def _encode_repair(
+    flat: np.ndarray,
+    stride: int,
+    cap: int,
+    first_esi: int,
+    nss: int,
+    repair_key: int,
+    dt: int,
+    out: np.ndarray,
+    size: int,
+) -> None:
+    """out[:size] = the repair of ``repair_key`` (_encode_repairs with one key)."""
+    keys = np.empty(1, dtype=np.int64)
+    keys[0] = repair_key
+    _encode_repairs(
+        flat, stride, cap, first_esi, nss, keys, dt, out[:size].reshape((1, size)), size
+    )
 
 
 class RLCEncoder:
@@ -296,7 +274,9 @@ class RLCEncoder:
             self._ring = np.zeros((0, self._stride), dtype=np.uint8)
         else:
             self._ring = np.zeros((self.window, self._stride), dtype=np.uint8)
-        self._ring_mv = memoryview(self._ring.reshape(-1))
+        self._ring_flat = self._ring.reshape(-1)
+        self._ring_mv = memoryview(self._ring_flat)
+        self._outs_checked: object = None  # last repairs_into array validated
 
     def add_stream_sources(self, end: int) -> None:
         """Stream mode: the stream's source symbols below ESI ``end`` have been sent (repairs
@@ -414,11 +394,10 @@ class RLCEncoder:
             if type(out) is np.ndarray or type(out) is memoryview:  # fixed views: keep
                 self._out_checked, self._out_array = out, arr
         if self._stream is not None:
-            _encode_repair_stream(
-                self._stream, first_esi, nss, repair_key, dt, arr, self.symbol_size
-            )
+            flat, stride, cap = self._stream, self.symbol_size, max(self.stream_symbols, 1)
         else:
-            _encode_repair(self._ring, first_esi, nss, repair_key, dt, arr, self.symbol_size)
+            flat, stride, cap = self._ring_flat, self._stride, self.window
+        _encode_repair(flat, stride, cap, first_esi, nss, repair_key, dt, arr, self.symbol_size)
 
     def repairs_into(
         self, out: np.ndarray, first_esi: int, nss: int, repair_keys: object, dt: int = 15
@@ -432,30 +411,33 @@ class RLCEncoder:
         _encode_repairs), the fast path for a sender that needs several repairs of a span.
         """
         first_esi, nss, dt = int(first_esi), int(nss), int(dt)
-        keys = np.asarray(repair_keys, dtype=np.int64).reshape(-1)
-        if keys.size == 0:
-            return
-        if not (keys.min() >= 0 and keys.max() <= MAX_REPAIR_KEY):
-            raise ValueError(f"repair keys must be in 0..{MAX_REPAIR_KEY}")
-        _check_repair_params(first_esi, nss, int(keys[0]), dt)
-        self._check_span(first_esi, nss)
-        if not (
-            type(out) is np.ndarray
-            and out.dtype == np.uint8
-            and out.ndim == 2
-            and out.flags.c_contiguous
-            and out.flags.writeable
-        ):
-            raise TypeError("out must be a writable 2-D C-contiguous uint8 array")
-        if out.shape[0] < keys.size or out.shape[1] < self.symbol_size:
-            raise ValueError(
-                f"out is {out.shape[0]}x{out.shape[1]}, need {keys.size}x{self.symbol_size}"
-            )
+        keys = repair_keys
+        if not (type(keys) is np.ndarray and keys.dtype == np.int64 and keys.ndim == 1):
+            keys = np.asarray(repair_keys, dtype=np.int64).reshape(-1)
+        if not (0 <= first_esi and 1 <= nss <= MAX_NSS and 0 <= dt <= MAX_DT):
+            _check_repair_params(first_esi, nss, 0, dt)  # raises with the reason
+        if first_esi < self._next_esi - self.window or first_esi + nss > self._next_esi:
+            self._check_span(first_esi, nss)  # raises with the reason
+        if out is not self._outs_checked:  # validated once per output array
+            if not (
+                type(out) is np.ndarray
+                and out.dtype == np.uint8
+                and out.ndim == 2
+                and out.flags.c_contiguous
+                and out.flags.writeable
+            ):
+                raise TypeError("out must be a writable 2-D C-contiguous uint8 array")
+            if out.shape[1] < self.symbol_size:
+                raise ValueError(f"out rows hold {out.shape[1]} bytes, need {self.symbol_size}")
+            self._outs_checked = out
+        if out.shape[0] < keys.shape[0]:
+            raise ValueError(f"out has {out.shape[0]} rows, need {keys.shape[0]} (one per key)")
         if self._stream is not None:
             flat, stride, cap = self._stream, self.symbol_size, max(self.stream_symbols, 1)
         else:
-            flat, stride, cap = self._ring.reshape(-1), self._stride, self.window
-        _encode_repairs(flat, stride, cap, first_esi, nss, keys, dt, out, self.symbol_size)
+            flat, stride, cap = self._ring_flat, self._stride, self.window
+        if not _encode_repairs(flat, stride, cap, first_esi, nss, keys, dt, out, self.symbol_size):
+            raise ValueError(f"repair keys must be in 0..{MAX_REPAIR_KEY}")
 
     def repair(self, first_esi: int, nss: int, repair_key: int, dt: int = 15) -> bytes:
         """The repair symbol sum_i c_i * S[first_esi + i] over GF(2^8)."""

@@ -204,6 +204,10 @@ def test_the_host_kernel_is_picked_at_import_fastest_first():
     if not os.environ.get(gf256.KERNEL_ENV):
         assert gf256.KERNEL == gf256.AVAILABLE[0]
     assert (gf256.region_muladd, gf256.region_scale) == gf256.KERNELS[gf256.KERNEL]
+    shuffle = gf256.KERNEL == "shuffle"
+    assert gf256.region_muladd_multi is (
+        gf256.region_muladd_multi_shuffle if shuffle else gf256.region_muladd_multi_tiled
+    )
 
 
 FORCED = """
@@ -219,6 +223,9 @@ for i in range(9):
     ref ^= gf256.MUL_TABLE[coefs[i]][sym[i]]
 assert np.array_equal(out, ref)
 assert (gf256.region_muladd, gf256.region_scale) == gf256.KERNELS[gf256.KERNEL]
+multi = np.zeros((1, 1000), dtype=np.uint8)
+gf256.region_muladd_multi(multi, sym.reshape(-1), np.arange(9) * 1000, coefs[None, :], 9, 1000)
+assert np.array_equal(multi[0], ref)
 print(gf256.KERNEL)
 """
 
@@ -235,3 +242,37 @@ def test_the_kernel_can_be_forced_by_environment(name, tmp_path):
     else:
         assert run.returncode == 0, run.stderr
         assert run.stdout.split() == [name]
+
+
+MULTI_VARIANTS = [gf256.region_muladd_multi_tiled] + (
+    [gf256.region_muladd_multi_shuffle] if gf256.HAVE_SHUFFLE else []
+)
+
+
+@pytest.mark.parametrize("multi", MULTI_VARIANTS, ids=lambda f: f.__name__)
+def test_multi_output_kernels_are_sums_of_reference_products(multi):
+    """Several outputs from one pass over the sources (register accumulators in groups of
+    four outputs, 64- and 32-byte steps, a table tail): every output row equals the sum of
+    reference products, rows past the coefficients and bytes past n untouched."""
+    rng = np.random.default_rng(11)
+    for r in (1, 2, 3, 4, 5, 9):
+        for n in (0, 5, 32, 64, 100, 1280, 1283):
+            m = int(rng.integers(0, 40))
+            flat = rng.integers(0, 256, 40 * 1300, dtype=np.uint8)
+            offsets = rng.integers(0, flat.size - n + 1, size=m + 1).astype(np.int64)
+            coefs = rng.integers(0, 256, (r, m + 2)).astype(np.uint8)
+            out = rng.integers(0, 256, (r + 1, n + 3), dtype=np.uint8)
+            expected = out.copy()
+            for k in range(r):
+                for i in range(m):
+                    expected[k, :n] ^= REF[coefs[k, i]][flat[offsets[i] : offsets[i] + n]]
+            multi(out, flat, offsets, coefs, m, n)
+            assert np.array_equal(out, expected), (r, n, m)
+    out = np.zeros((2, 64), dtype=np.uint8)
+    coefs = np.ones((2, 1), dtype=np.uint8)
+    with pytest.raises(ValueError, match="past the buffer"):
+        multi(out, np.zeros(100, np.uint8), np.array([40], np.int64), coefs, 1, 64)
+    with pytest.raises(ValueError, match="out of bounds"):
+        multi(out, np.zeros(100, np.uint8), np.array([0], np.int64), coefs, 1, 65)
+    with pytest.raises(ValueError, match="output rows"):
+        multi(out[:1], np.zeros(100, np.uint8), np.array([0], np.int64), coefs, 1, 64)

@@ -273,8 +273,10 @@ def test_repairs_into_checks_its_arguments():
     for i in range(6):
         enc.add_source(bytes([i]) * 16)
     out = np.zeros((2, 16), dtype=np.uint8)
-    with pytest.raises(ValueError, match="need 3x16"):
+    with pytest.raises(ValueError, match="need 3"):
         enc.repairs_into(out, 2, 4, [1, 2, 3])
+    with pytest.raises(ValueError, match="need 16"):
+        enc.repairs_into(np.zeros((2, 15), np.uint8), 2, 4, [1])
     with pytest.raises(ValueError, match="not all held"):
         enc.repairs_into(out, 1, 4, [1])
     with pytest.raises(ValueError, match="repair keys"):
