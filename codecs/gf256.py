@@ -426,6 +426,32 @@ def region_xor(dst: np.ndarray, src: np.ndarray) -> None:
 
 
 @njit(cache=True, nogil=True)
+def region_copy(dst: np.ndarray, src: np.ndarray) -> None:
+    """dst[:n] = src[:n], n = min(len(dst), len(src)), in uint64 words: numba's own slice
+    assignment loops byte by byte (about 0.8 us per 1280 bytes, this about 35 ns)."""
+    n = min(dst.shape[0], src.shape[0])
+    n8 = n & ~7
+    d = as_words(dst)
+    s = as_words(src)
+    for j in range(n8 >> 3):
+        d[j] = s[j]
+    for j in range(n8, n):
+        dst[j] = src[j]
+
+
+@njit(cache=True, nogil=True)
+def region_zero(dst: np.ndarray) -> None:
+    """dst[:] = 0 in uint64 words (see region_copy)."""
+    n = dst.shape[0]
+    n8 = n & ~7
+    d = as_words(dst)
+    for j in range(n8 >> 3):
+        d[j] = 0
+    for j in range(n8, n):
+        dst[j] = 0
+
+
+@njit(cache=True, nogil=True)
 def region_muladd_bitsliced(dst: np.ndarray, src: np.ndarray, c: int) -> None:
     """dst ^= c * src over GF(2^8), bit-sliced in uint64 lanes."""
     cc = np.int64(c) & 0xFF

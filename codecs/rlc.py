@@ -38,9 +38,11 @@ import numpy as np
 from kvtransport.codecs.gf256 import (
     as_words,
     gf_inv,
+    region_copy,
     region_muladd,
     region_muladd_multi,
     region_scale,
+    region_zero,
 )
 from kvtransport.codecs.tinymt32 import tinymt32_output, tinymt32_seed, tinymt32_step
 from numba import njit
@@ -207,7 +209,7 @@ def _encode_repairs(
     for i in range(nss):
         offsets[i] = ((first_esi + i) % cap) * stride
     for k in range(r):
-        out[k, :size] = 0
+        region_zero(out[k, :size])
     n = flat.shape[0]
     full = nss
     while full > 0 and offsets[full - 1] + size > n:
@@ -671,7 +673,7 @@ def _recover_row(
     out, colrow, piv = _split(ints, cap)
     esi = piv[r]
     col = esi % cap
-    sym[col, :] = pay[r, :]
+    region_copy(sym[col], pay[r])
     state[col] = RECOVERED
     colrow[col] = -1
     piv[r] = -1
@@ -801,17 +803,25 @@ def _decode_repair(
         r += 1
     ints[_NACT] += 1
     piv[r] = first_esi
-    coef[r, :] = 0
-    pay[r, :] = payload
-    # Strip the known source symbols, keep the unknown ones as coefficients.
+    region_zero(coef[r])
+    region_copy(pay[r], payload)
+    # Strip the known source symbols (in one pass, gf256.region_muladd_multi), keep the
+    # unknown ones as coefficients.
+    stride = sym.shape[1]
+    offs = np.empty(nss, dtype=np.int64)
+    known = np.empty((1, nss), dtype=np.uint8)
+    m = 0
     for i in range(nss):
         c = coefs[i]
         if c != 0:
             col = (first_esi + i) % cap
             if state[col] != UNKNOWN:
-                region_muladd(pay[r], sym[col], c)
+                offs[m] = col * stride
+                known[0, m] = c
+                m += 1
             else:
                 coef[r, col] = c
+    region_muladd_multi(pay[r].reshape((1, stride)), sym.reshape(-1), offs, known, m, stride)
     # Reduce against the pivot rows. A pivot row is zero in every other pivot column, so one
     # pass over the columns of this repair suffices.
     for i in range(nss):
@@ -891,8 +901,8 @@ def _store_run(
     for i in range(count):
         col = (lo + i) % cap
         row = sym[col]
-        row[:size] = data[i * size : (i + 1) * size]
-        row[size:stride] = 0
+        region_copy(row, data[i * size : (i + 1) * size])
+        region_zero(row[size:stride])
         state[col] = RECEIVED
     t = through
     if t + 1 < base:
@@ -935,6 +945,25 @@ def _release_in(state: np.ndarray, coef: np.ndarray, ints: np.ndarray, bound: in
     ints[_BASE] = bound
     if ints[_THROUGH] + 1 >= base:
         ints[_THROUGH] = _advance_through(state, bound, ints[_THROUGH])
+
+
+@njit(cache=True, nogil=True)
+def _count_repairs(meta: np.ndarray, max_nss: int) -> int:
+    """The number of repairs among add_packets' rows, or -1 - i for the first invalid row i
+    (a checked loop: numpy's vector checks cost more than decoding a short run)."""
+    count = 0
+    for i in range(meta.shape[0]):
+        first, nss, key, dt = meta[i, 0], meta[i, 1], meta[i, 2], meta[i, 3]
+        if first < 0 or first + max(nss, 1) - 1 > MAX_ESI:
+            return -1 - i
+        if nss == 0:
+            if key != 0 or dt != 0:
+                return -1 - i
+        elif not (1 <= nss <= max_nss and 0 <= key <= MAX_REPAIR_KEY and 0 <= dt <= MAX_DT):
+            return -1 - i
+        else:
+            count += 1
+    return count
 
 
 @njit(cache=True, nogil=True)
@@ -983,8 +1012,8 @@ def _decode_batch(
                 counts[_C_DUPLICATES] += 1
                 continue
             row = sym[col]
-            row[:size] = payloads[i]
-            row[size:] = 0
+            region_copy(row, payloads[i])
+            region_zero(row[size:])
             results[nres] = first
             nres += 1
             if ints[_NACT] == 0 or first > ints[_MAXREF]:
@@ -1004,7 +1033,7 @@ def _decode_batch(
             if ints[_NACT] >= ints[_MAXPEND]:
                 counts[_C_DROPPED] += 1
                 continue
-            stage[:size] = payloads[i]
+            region_copy(stage, payloads[i])
             code = _decode_repair(
                 sym, state, coef, pay, ints, first, nss, meta[i, 2], meta[i, 3], stage
             )
@@ -1312,16 +1341,11 @@ class RLCDecoder(SourceWindow):
         if n == 0:
             return []
         pay = pay.reshape(n, size)
-        first, nss, key, dt = m[:, 0], m[:, 1], m[:, 2], m[:, 3]
-        rep = nss != 0
-        bad = (first < 0) | (first + np.maximum(nss, 1) - 1 > MAX_ESI)
-        bad |= rep & ((nss < 1) | (nss > min(MAX_NSS, self.capacity)))
-        bad |= rep & ((key < 0) | (key > MAX_REPAIR_KEY) | (dt < 0) | (dt > MAX_DT))
-        bad |= ~rep & ((key != 0) | (dt != 0))
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
+        repairs = _count_repairs(m, min(MAX_NSS, self.capacity))
+        if repairs < 0:
+            i = -1 - repairs
             raise ValueError(f"packet {i}: invalid (esi, nss, repair_key, dt) {m[i].tolist()}")
-        need = min(self.max_pending, self._ints_mv[_NACT] + int(rep.sum()))
+        need = min(self.max_pending, self._ints_mv[_NACT] + repairs)
         while self._piv.shape[0] < need:
             self._grow_rows()
         counts = np.zeros(_C_RESULTS + 1, dtype=np.int64)

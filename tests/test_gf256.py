@@ -276,3 +276,19 @@ def test_multi_output_kernels_are_sums_of_reference_products(multi):
         multi(out, np.zeros(100, np.uint8), np.array([0], np.int64), coefs, 1, 65)
     with pytest.raises(ValueError, match="output rows"):
         multi(out[:1], np.zeros(100, np.uint8), np.array([0], np.int64), coefs, 1, 64)
+
+
+def test_region_copy_and_zero_touch_exactly_the_shorter_length():
+    rng = np.random.default_rng(4)
+    for n_dst, n_src, off in [(0, 5, 0), (13, 13, 3), (1280, 1283, 5), (40, 17, 1)]:
+        src = _unaligned(rng.integers(0, 256, n_src, dtype=np.uint8), off)
+        buf = rng.integers(0, 256, n_dst + 8, dtype=np.uint8)
+        before = buf.copy()
+        dst = buf[off : off + n_dst]
+        gf256.region_copy(dst, src)
+        n = min(n_dst, n_src)
+        assert np.array_equal(dst[:n], src[:n])
+        assert np.array_equal(buf[off + n :], before[off + n :])
+        assert np.array_equal(buf[:off], before[:off])
+        gf256.region_zero(dst)
+        assert not dst.any() and np.array_equal(buf[off + n_dst :], before[off + n_dst :])
