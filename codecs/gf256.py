@@ -274,6 +274,10 @@ def _shuffle32(typingctx, dst, src, off, tab):  # noqa: ANN001, ANN201
     return sig, lambda c, b, s, a: _shuffle_codegen(c, b, s, a, False)
 
 
+_PREFETCH_AHEAD = 256
+"""Bytes ahead of the current step that region_muladd_multi_shuffle prefetches per source."""
+
+
 def _shuffle_multi_intrinsic(rows: int, vecs: int):  # noqa: ANN202
     """An intrinsic that multiplies ``32 * vecs`` bytes at offset j of m sources into ``rows``
     repairs at once, the accumulators in registers across all sources:
@@ -300,6 +304,11 @@ def _shuffle_multi_intrinsic(rows: int, vecs: int):  # noqa: ANN202
         fn = builder.module.declare_intrinsic(
             "llvm.x86.avx2.pshuf.b", fnty=ir.FunctionType(v32, [v32, v32])
         )
+        prefetch = builder.module.declare_intrinsic(
+            "llvm.prefetch",
+            [i8.as_pointer()],
+            fnty=ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]),
+        )
         out_stride = builder.extract_value(out.strides, 0)
         coef_stride = builder.extract_value(coefs.strides, 0)
         n_acc = rows * vecs
@@ -315,6 +324,12 @@ def _shuffle_multi_intrinsic(rows: int, vecs: int):  # noqa: ANN202
             a.add_incoming(zero, entry)
         off = builder.load(builder.gep(offs.data, [i]))
         base = builder.gep(flat.data, [builder.add(off, j)])
+        # the sources are read in lockstep, more streams than hardware prefetchers follow:
+        # ask for this source's bytes a few steps ahead (a prefetch never faults)
+        ahead = builder.gep(base, [ir.Constant(i64, _PREFETCH_AHEAD)])
+        builder.call(
+            prefetch, [ahead, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)]
+        )
         los, his = [], []
         for v in range(vecs):
             ptr = builder.bitcast(builder.gep(base, [ir.Constant(i64, 32 * v)]), v32.as_pointer())

@@ -457,19 +457,23 @@ def block_repair_cases(st: Stream, cold_mb: float, hot_rounds: int) -> dict[str,
         enc = RLCEncoder(size, window=data.size // size, stream=data)
         enc.add_stream_sources(enc.stream_symbols)
         out = np.empty((r, size), dtype=np.uint8)
-        keys = np.arange(r, dtype=np.int64)
+        # the keys of every block's repairs, made before the clock starts (a numpy
+        # operation per block would cost about what the block's repairs do)
+        keys = list(np.arange(rounds * blocks * r, dtype=np.int64).reshape(-1, r) & 0xFFFF)
+        key_lists = [row.tolist() for row in keys]
+        rows = list(out)
 
         def run() -> dict:
             repairs_into, repair_into = enc.repairs_into, enc.repair_into
-            key = 0
+            t = 0
             for _ in range(rounds):
                 for b in range(blocks):
                     if one_pass:
-                        repairs_into(out, b * k, k, (keys + key) & 0xFFFF)
+                        repairs_into(out, b * k, k, keys[t])
                     else:
-                        for j in range(r):
-                            repair_into(out[j], b * k, k, (key + j) & 0xFFFF)
-                    key += r
+                        for j, key in enumerate(key_lists[t]):
+                            repair_into(rows[j], b * k, k, key)
+                    t += 1
             return {"source_bytes": rounds * blocks * k * size}
 
         return run
