@@ -59,6 +59,8 @@ from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic
 from numba.np.arrayobj import make_array, populate_array
 
+from kvtransport.errors import UserError
+
 POLY = 0x11D
 """x^8 + x^4 + x^3 + x^2 + 1, the RFC 8681 / RFC 5510 field polynomial for m=8."""
 
@@ -686,7 +688,7 @@ def _pick_kernel() -> str:
     if not forced:
         return AVAILABLE[0]
     if forced not in AVAILABLE:
-        raise ValueError(f"{KERNEL_ENV}={forced!r}: this host runs one of {', '.join(AVAILABLE)}")
+        raise UserError(f"{KERNEL_ENV}={forced!r}: this host runs one of {', '.join(AVAILABLE)}")
     return forced
 
 
