@@ -22,12 +22,20 @@ one instruction per 64 bytes instead: multiplying by c is an 8x8 bit matrix over
 column j is c * 2^j, the bit-slice constants above), and ``vgf2p8affineqb`` applies such a
 matrix to every byte of a 64-byte vector, whatever the field polynomial (the instruction's own
 multiply, ``vgf2p8mulb``, is fixed to AES's 0x11B and cannot serve here). About 2x the
-bit-sliced kernel on 1280-byte symbols. Both variants stay callable by name
-(``region_muladd_gfni``, ``region_muladd_bitsliced``, ...) for tests and benchmarks; the
-plain names are the one the host runs, picked once at import from the host CPU's features
-(the portable one when NUMBA_CPU_NAME or NUMBA_CPU_FEATURES make numba compile for another
-CPU). numba keys its on-disk cache by CPU features, so a cache built here is not reused on a
-CPU without GFNI. Like any numba cache, it does not notice edits to this file from the
+bit-sliced kernel on 1280-byte symbols.
+
+Without GFNI, on x86 CPUs with AVX2 (``HAVE_SHUFFLE``), the split-nibble shuffle kernel:
+c * b = T_lo[b & 15] ^ T_hi[b >> 4] with the constant's two 16-byte tables
+(``NIBBLE_TABLE``), each lookup one ``vpshufb`` over 32 bytes. About 10x the bit-sliced
+kernel (see scripts/bench_codec.py). Every variant stays callable by name
+(``region_muladd_gfni``, ``region_muladd_shuffle``, ``region_muladd_bitsliced``, ... and
+``KERNELS``) for tests and benchmarks; the plain names are the one the host runs
+(``KERNEL``), picked once at import: the fastest of ``AVAILABLE`` (the portable bit-sliced
+one when NUMBA_CPU_NAME or NUMBA_CPU_FEATURES make numba compile for another CPU), or the one
+the environment variable KVTRANSPORT_GF_KERNEL names. numba keys its on-disk cache by CPU
+features, so a cache built here is not reused on a CPU without GFNI or AVX2, and
+kvtransport.kernel_cache puts the kernels compiled under a forced choice in a folder of
+their own. Like any numba cache, it does not notice edits to this file from the
 cached kernels of other modules that call these (touch them, or clear their __pycache__).
 
 All region kernels are ``@njit(cache=True, nogil=True)`` and accept 1-D C-contiguous ``uint8``
@@ -50,6 +58,8 @@ from numba import njit, types
 from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic
 from numba.np.arrayobj import make_array, populate_array
+
+from kvtransport.errors import UserError
 
 POLY = 0x11D
 """x^8 + x^4 + x^3 + x^2 + 1, the RFC 8681 / RFC 5510 field polynomial for m=8."""
@@ -99,20 +109,35 @@ def _affine_matrices() -> np.ndarray:
 AFFINE_TABLE = _affine_matrices()
 
 
-def _host_has_gfni() -> bool:
+def _nibble_tables() -> np.ndarray:
+    """Per constant c, 32 bytes: c * x for x in 0..15, then c * (x << 4) for x in 0..15.
+    c * b is their two entries for b's low and high nibble XOR-ed (multiplying by c is
+    GF(2)-linear): the two 16-byte shuffle tables of the split-nibble kernel."""
+    x = np.arange(16)
+    return np.ascontiguousarray(np.concatenate([MUL_TABLE[:, x], MUL_TABLE[:, x << 4]], axis=1))
+
+
+NIBBLE_TABLE = _nibble_tables()
+
+
+def _host_features() -> dict[str, bool]:
+    """The host CPU's features, or {} when numba compiles for another CPU (NUMBA_CPU_NAME,
+    NUMBA_CPU_FEATURES) or the host cannot be queried: then only portable kernels run."""
     if os.environ.get("NUMBA_CPU_NAME", "host") != "host" or os.environ.get("NUMBA_CPU_FEATURES"):
-        return False
+        return {}
     try:
         from llvmlite import binding
 
-        features = binding.get_host_cpu_features()
+        return dict(binding.get_host_cpu_features())
     except Exception:  # noqa: BLE001 (no host feature query: take the portable kernels)
-        return False
-    return all(features.get(f, False) for f in ("gfni", "avx512f", "avx512bw"))
+        return {}
 
 
-HAVE_GFNI = _host_has_gfni()
+_FEATURES = _host_features()
+HAVE_GFNI = all(_FEATURES.get(f, False) for f in ("gfni", "avx512f", "avx512bw"))
 """The host runs the GFNI region kernels (see the module docstring)."""
+HAVE_SHUFFLE = bool(_FEATURES.get("avx2", False))
+"""The host runs the split-nibble shuffle kernels (AVX2 ``vpshufb``)."""
 
 _LSB = np.uint64(0x0101010101010101)
 _S1 = np.uint64(1)
@@ -202,6 +227,184 @@ def _affine64(typingctx, dst, src, off, mat):  # noqa: ANN001, ANN201
     return sig, lambda c, b, s, a: _affine_codegen(c, b, s, a, False)
 
 
+def _shuffle_codegen(context, builder, sig, args, with_xor):  # noqa: ANN001, ANN202
+    """dst[off:off+32] (^)= c * src[off:off+32] by split-nibble shuffles: two vpshufb
+    lookups (low and high nibble of each byte) into the constant's 16-byte tables."""
+    dst = make_array(sig.args[0])(context, builder, args[0])
+    src = make_array(sig.args[1])(context, builder, args[1])
+    tab = make_array(sig.args[3])(context, builder, args[3])
+    off = args[2]
+    i8, i32 = ir.IntType(8), ir.IntType(32)
+    v16, v32 = ir.VectorType(i8, 16), ir.VectorType(i8, 32)
+    dptr = builder.bitcast(builder.gep(dst.data, [off]), v32.as_pointer())
+    sptr = builder.bitcast(builder.gep(src.data, [off]), v32.as_pointer())
+    tptr = builder.bitcast(tab.data, v16.as_pointer())
+    twice = ir.Constant(ir.VectorType(i32, 32), [i % 16 for i in range(32)])
+    lo_t = builder.load(tptr, align=1)
+    hi_t = builder.load(builder.gep(tptr, [ir.Constant(i32, 1)]), align=1)
+    lo_t = builder.shuffle_vector(lo_t, lo_t, twice)  # the table in both 128-bit lanes
+    hi_t = builder.shuffle_vector(hi_t, hi_t, twice)
+    x = builder.load(sptr, align=1)
+    mask = ir.Constant(v32, [0x0F] * 32)
+    lo = builder.and_(x, mask)
+    hi = builder.and_(builder.lshr(x, ir.Constant(v32, [4] * 32)), mask)
+    fnty = ir.FunctionType(v32, [v32, v32])
+    fn = builder.module.declare_intrinsic("llvm.x86.avx2.pshuf.b", fnty=fnty)
+    r = builder.xor(builder.call(fn, [lo_t, lo]), builder.call(fn, [hi_t, hi]))
+    if with_xor:
+        r = builder.xor(r, builder.load(dptr, align=1))
+    builder.store(r, dptr, align=1)
+    return context.get_dummy_value()
+
+
+@intrinsic
+def _shuffle_xor32(typingctx, dst, src, off, tab):  # noqa: ANN001, ANN201
+    """dst[off:off+32] ^= c * src[off:off+32], ``tab`` = NIBBLE_TABLE[c] (numba code only;
+    the caller checks bounds; HAVE_SHUFFLE hosts only)."""
+    if not (_u8_c_array(dst) and dst.mutable and _u8_c_array(src) and _u8_c_array(tab)):
+        return None
+    sig = types.void(dst, src, types.intp, tab)
+    return sig, lambda c, b, s, a: _shuffle_codegen(c, b, s, a, True)
+
+
+@intrinsic
+def _shuffle32(typingctx, dst, src, off, tab):  # noqa: ANN001, ANN201
+    """dst[off:off+32] = c * src[off:off+32], like _shuffle_xor32."""
+    if not (_u8_c_array(dst) and dst.mutable and _u8_c_array(src) and _u8_c_array(tab)):
+        return None
+    sig = types.void(dst, src, types.intp, tab)
+    return sig, lambda c, b, s, a: _shuffle_codegen(c, b, s, a, False)
+
+
+_PREFETCH_AHEAD = 256
+"""Bytes ahead of the current step that region_muladd_multi_shuffle prefetches per source
+(0: none). Cache-cold repairs of 32 x 1280 B blocks: 2.1 GB/s without, 4.9-5.4 with; no
+difference outside the noise on a hot block."""
+
+
+def _shuffle_multi_intrinsic(rows: int, vecs: int):  # noqa: ANN202
+    """An intrinsic that multiplies ``32 * vecs`` bytes at offset j of m sources into ``rows``
+    repairs at once, the accumulators in registers across all sources:
+
+        out[k0 + k, j : j + 32 * vecs] ^= sum over i < m of coefs[k0 + k, i] * src_i
+
+    with src_i = flat[offsets[i] + j :], and tables NIBBLE_TABLE[coefs[...]] (``nib``).
+    Each source vector is loaded and split into nibbles once for all the rows. Numba code
+    only; the caller checks every bound."""
+
+    def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
+        out = make_array(sig.args[0])(context, builder, args[0])
+        flat = make_array(sig.args[1])(context, builder, args[1])
+        offs = make_array(sig.args[2])(context, builder, args[2])
+        coefs = make_array(sig.args[3])(context, builder, args[3])
+        nib = make_array(sig.args[4])(context, builder, args[4])
+        k0, j, m = args[5], args[6], args[7]
+        i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
+        v16, v32 = ir.VectorType(i8, 16), ir.VectorType(i8, 32)
+        twice = ir.Constant(ir.VectorType(i32, 32), [i % 16 for i in range(32)])
+        mask = ir.Constant(v32, [0x0F] * 32)
+        four = ir.Constant(v32, [4] * 32)
+        zero = ir.Constant(v32, [0] * 32)
+        fn = builder.module.declare_intrinsic(
+            "llvm.x86.avx2.pshuf.b", fnty=ir.FunctionType(v32, [v32, v32])
+        )
+        prefetch = builder.module.declare_intrinsic(
+            "llvm.prefetch",
+            [i8.as_pointer()],
+            fnty=ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]),
+        )
+        out_stride = builder.extract_value(out.strides, 0)
+        coef_stride = builder.extract_value(coefs.strides, 0)
+        n_acc = rows * vecs
+        entry = builder.block
+        loop = builder.append_basic_block("multi.loop")
+        done = builder.append_basic_block("multi.done")
+        builder.cbranch(builder.icmp_signed(">", m, ir.Constant(i64, 0)), loop, done)
+        builder.position_at_end(loop)
+        i = builder.phi(i64)
+        i.add_incoming(ir.Constant(i64, 0), entry)
+        accs = [builder.phi(v32) for _ in range(n_acc)]
+        for a in accs:
+            a.add_incoming(zero, entry)
+        off = builder.load(builder.gep(offs.data, [i]))
+        base = builder.gep(flat.data, [builder.add(off, j)])
+        # the sources are read in lockstep, more streams than hardware prefetchers follow:
+        # ask for this source's bytes a few steps ahead (a prefetch never faults)
+        if _PREFETCH_AHEAD:
+            ahead = builder.gep(base, [ir.Constant(i64, _PREFETCH_AHEAD)])
+            locality = ir.Constant(i32, 3)
+            builder.call(prefetch, [ahead, ir.Constant(i32, 0), locality, ir.Constant(i32, 1)])
+        los, his = [], []
+        for v in range(vecs):
+            ptr = builder.bitcast(builder.gep(base, [ir.Constant(i64, 32 * v)]), v32.as_pointer())
+            x = builder.load(ptr, align=1)
+            los.append(builder.and_(x, mask))
+            his.append(builder.and_(builder.lshr(x, four), mask))
+        new = []
+        for k in range(rows):
+            row = builder.add(k0, ir.Constant(i64, k))
+            cptr = builder.gep(coefs.data, [builder.add(builder.mul(row, coef_stride), i)])
+            c = builder.zext(builder.load(cptr), i64)
+            tptr = builder.bitcast(
+                builder.gep(nib.data, [builder.mul(c, ir.Constant(i64, 32))]), v16.as_pointer()
+            )
+            lo_t = builder.load(tptr, align=1)
+            hi_t = builder.load(builder.gep(tptr, [ir.Constant(i32, 1)]), align=1)
+            lo_t = builder.shuffle_vector(lo_t, lo_t, twice)
+            hi_t = builder.shuffle_vector(hi_t, hi_t, twice)
+            for v in range(vecs):
+                prod = builder.xor(
+                    builder.call(fn, [lo_t, los[v]]), builder.call(fn, [hi_t, his[v]])
+                )
+                new.append(builder.xor(accs[k * vecs + v], prod))
+        i_next = builder.add(i, ir.Constant(i64, 1))
+        i.add_incoming(i_next, builder.block)
+        for a, b in zip(accs, new, strict=True):
+            a.add_incoming(b, builder.block)
+        builder.cbranch(builder.icmp_signed("<", i_next, m), loop, done)
+        builder.position_at_end(done)
+        results = []
+        for k in range(n_acc):
+            ph = builder.phi(v32)
+            ph.add_incoming(zero, entry)
+            ph.add_incoming(new[k], loop)
+            results.append(ph)
+        for k in range(rows):
+            row = builder.add(k0, ir.Constant(i64, k))
+            rbase = builder.gep(out.data, [builder.add(builder.mul(row, out_stride), j)])
+            for v in range(vecs):
+                ptr = builder.bitcast(
+                    builder.gep(rbase, [ir.Constant(i64, 32 * v)]), v32.as_pointer()
+                )
+                acc = builder.xor(results[k * vecs + v], builder.load(ptr, align=1))
+                builder.store(acc, ptr, align=1)
+        return context.get_dummy_value()
+
+    @intrinsic
+    def multi(typingctx, out, flat, offsets, coefs, nib, k0, j, m):  # noqa: ANN001, ANN202
+        ok = (
+            isinstance(out, types.Array) and out.ndim == 2 and out.dtype == types.uint8
+            and out.layout == "C" and out.mutable and _u8_c_array(flat)
+            and isinstance(offsets, types.Array) and offsets.ndim == 1
+            and offsets.dtype == types.int64 and offsets.layout == "C"
+            and isinstance(coefs, types.Array) and coefs.ndim == 2
+            and coefs.dtype == types.uint8 and coefs.layout == "C"
+            and isinstance(nib, types.Array) and nib.ndim == 2 and nib.dtype == types.uint8
+            and nib.layout == "C"
+        )  # fmt: skip
+        if not ok:
+            return None
+        sig = types.void(out, flat, offsets, coefs, nib, types.intp, types.intp, types.intp)
+        return sig, codegen
+
+    return multi
+
+
+_MULTI = {(r, v): _shuffle_multi_intrinsic(r, v) for r in (1, 2, 3, 4) for v in (1, 2)}
+_multi_4x64, _multi_3x64, _multi_2x64, _multi_1x64 = (_MULTI[(r, 2)] for r in (4, 3, 2, 1))
+_multi_4x32, _multi_3x32, _multi_2x32, _multi_1x32 = (_MULTI[(r, 1)] for r in (4, 3, 2, 1))
+
+
 @njit(cache=True, nogil=True)
 def gf_mul(a: int, b: int) -> int:
     """Product of two field elements (ints in 0..255)."""
@@ -239,6 +442,32 @@ def region_xor(dst: np.ndarray, src: np.ndarray) -> None:
         d[j] ^= s[j]
     for j in range(n8, n):
         dst[j] ^= src[j]
+
+
+@njit(cache=True, nogil=True)
+def region_copy(dst: np.ndarray, src: np.ndarray) -> None:
+    """dst[:n] = src[:n], n = min(len(dst), len(src)), in uint64 words: numba's own slice
+    assignment loops byte by byte (about 0.8 us per 1280 bytes, this about 35 ns)."""
+    n = min(dst.shape[0], src.shape[0])
+    n8 = n & ~7
+    d = as_words(dst)
+    s = as_words(src)
+    for j in range(n8 >> 3):
+        d[j] = s[j]
+    for j in range(n8, n):
+        dst[j] = src[j]
+
+
+@njit(cache=True, nogil=True)
+def region_zero(dst: np.ndarray) -> None:
+    """dst[:] = 0 in uint64 words (see region_copy)."""
+    n = dst.shape[0]
+    n8 = n & ~7
+    d = as_words(dst)
+    for j in range(n8 >> 3):
+        d[j] = 0
+    for j in range(n8, n):
+        dst[j] = 0
 
 
 @njit(cache=True, nogil=True)
@@ -351,10 +580,158 @@ def region_scale_gfni(dst: np.ndarray, c: int) -> None:
         j += 1
 
 
-region_muladd = region_muladd_gfni if HAVE_GFNI else region_muladd_bitsliced
-"""dst ^= c * src over GF(2^8) (``min(len(dst), len(src))`` bytes): the host's variant."""
-region_scale = region_scale_gfni if HAVE_GFNI else region_scale_bitsliced
-"""dst = c * dst in place: the host's variant."""
+@njit(cache=True, nogil=True)
+def region_muladd_shuffle(dst: np.ndarray, src: np.ndarray, c: int) -> None:
+    """dst ^= c * src over GF(2^8): split-nibble vpshufb, 32 bytes a step (HAVE_SHUFFLE)."""
+    cc = np.int64(c) & 0xFF
+    if cc == 0:
+        return
+    n = min(dst.shape[0], src.shape[0])
+    t = NIBBLE_TABLE[cc]
+    j = 0
+    while j + 32 <= n:
+        _shuffle_xor32(dst, src, j, t)
+        j += 32
+    row = MUL_TABLE[cc]  # the last n % 32 bytes (see region_muladd_gfni)
+    while j < n:
+        dst[j] ^= row[src[j]]
+        j += 1
+
+
+@njit(cache=True, nogil=True)
+def region_scale_shuffle(dst: np.ndarray, c: int) -> None:
+    """dst = c * dst in place, like region_muladd_shuffle (HAVE_SHUFFLE hosts only)."""
+    cc = np.int64(c) & 0xFF
+    if cc == 1:
+        return
+    n = dst.shape[0]
+    t = NIBBLE_TABLE[cc]
+    j = 0
+    while j + 32 <= n:
+        _shuffle32(dst, dst, j, t)
+        j += 32
+    row = MUL_TABLE[cc]
+    while j < n:
+        dst[j] = row[dst[j]]
+        j += 1
+
+
+@njit(cache=True, nogil=True)
+def _check_multi(out: np.ndarray, flat: np.ndarray, offsets: np.ndarray, coefs: np.ndarray,
+                 m: int, n: int) -> None:  # fmt: skip
+    if not (0 <= n <= out.shape[1] and 0 <= m <= offsets.shape[0] and m <= coefs.shape[1]):
+        raise ValueError("region_muladd_multi: n or m out of bounds")
+    if coefs.shape[0] > out.shape[0]:
+        raise ValueError("region_muladd_multi: more coefficient rows than output rows")
+    for i in range(m):
+        if offsets[i] < 0 or offsets[i] + n > flat.shape[0]:
+            raise ValueError("region_muladd_multi: a source runs past the buffer")
+
+
+@njit(cache=True, nogil=True)
+def region_muladd_multi_shuffle(
+    out: np.ndarray, flat: np.ndarray, offsets: np.ndarray, coefs: np.ndarray, m: int, n: int
+) -> None:
+    """region_muladd_multi with the split-nibble shuffle, the accumulators of up to four
+    outputs in registers over all m sources, 64 bytes a step (HAVE_SHUFFLE hosts only)."""
+    _check_multi(out, flat, offsets, coefs, m, n)
+    r = coefs.shape[0]
+    k0 = 0
+    while k0 < r:
+        g = min(4, r - k0)
+        j = 0
+        while j + 64 <= n:
+            if g == 4:
+                _multi_4x64(out, flat, offsets, coefs, NIBBLE_TABLE, k0, j, m)
+            elif g == 3:
+                _multi_3x64(out, flat, offsets, coefs, NIBBLE_TABLE, k0, j, m)
+            elif g == 2:
+                _multi_2x64(out, flat, offsets, coefs, NIBBLE_TABLE, k0, j, m)
+            else:
+                _multi_1x64(out, flat, offsets, coefs, NIBBLE_TABLE, k0, j, m)
+            j += 64
+        if j + 32 <= n:
+            if g == 4:
+                _multi_4x32(out, flat, offsets, coefs, NIBBLE_TABLE, k0, j, m)
+            elif g == 3:
+                _multi_3x32(out, flat, offsets, coefs, NIBBLE_TABLE, k0, j, m)
+            elif g == 2:
+                _multi_2x32(out, flat, offsets, coefs, NIBBLE_TABLE, k0, j, m)
+            else:
+                _multi_1x32(out, flat, offsets, coefs, NIBBLE_TABLE, k0, j, m)
+            j += 32
+        if j < n:  # the last n % 32 bytes by table
+            for k in range(k0, k0 + g):
+                for i in range(m):
+                    row = MUL_TABLE[coefs[k, i]]
+                    o = offsets[i]
+                    for b in range(j, n):
+                        out[k, b] ^= row[flat[o + b]]
+        k0 += g
+
+
+KERNELS = {
+    "gfni": (region_muladd_gfni, region_scale_gfni),
+    "shuffle": (region_muladd_shuffle, region_scale_shuffle),
+    "bitsliced": (region_muladd_bitsliced, region_scale_bitsliced),
+}
+"""Every (muladd, scale) region kernel pair by name, fastest first."""
+AVAILABLE = tuple(
+    k for k, ok in (("gfni", HAVE_GFNI), ("shuffle", HAVE_SHUFFLE), ("bitsliced", True)) if ok
+)
+"""The kernels this host runs (all bit-identical), fastest first."""
+KERNEL_ENV = "KVTRANSPORT_GF_KERNEL"
+"""Environment variable that forces one of AVAILABLE (tests, benchmarks); its value is part
+of kvtransport.kernel_cache's digest, so kernels compiled with another choice are not reused."""
+
+
+def _pick_kernel() -> str:
+    forced = os.environ.get(KERNEL_ENV, "").strip()
+    if not forced:
+        return AVAILABLE[0]
+    if forced not in AVAILABLE:
+        raise UserError(f"{KERNEL_ENV}={forced!r}: this host runs one of {', '.join(AVAILABLE)}")
+    return forced
+
+
+KERNEL = _pick_kernel()
+"""The region kernel the plain names below run, picked at import: the fastest the host has
+(GFNI, else the split-nibble shuffle, else bit-sliced), or the one KVTRANSPORT_GF_KERNEL
+names."""
+region_muladd, region_scale = KERNELS[KERNEL]
+
+_TILE = 2048
+"""Bytes of every output a tile of region_muladd_multi_tiled builds per pass over the
+sources: the output tiles and a source tile stay in L1 (a multiple of 64: only the last tile
+has a scalar tail)."""
+
+
+@njit(cache=True, nogil=True)
+def region_muladd_multi_tiled(
+    out: np.ndarray, flat: np.ndarray, offsets: np.ndarray, coefs: np.ndarray, m: int, n: int
+) -> None:
+    """region_muladd_multi through the host's region_muladd, tile by tile: each source tile
+    is read from memory once for all outputs (the outputs' tiles stay in L1)."""
+    _check_multi(out, flat, offsets, coefs, m, n)
+    r = coefs.shape[0]
+    for t0 in range(0, n, _TILE):
+        t1 = min(t0 + _TILE, n)
+        for i in range(m):
+            src = flat[offsets[i] + t0 : offsets[i] + t1]
+            for k in range(r):
+                c = coefs[k, i]
+                if c != 0:
+                    region_muladd(out[k, t0:t1], src, c)
+
+
+region_muladd_multi = (
+    region_muladd_multi_shuffle if KERNEL == "shuffle" else region_muladd_multi_tiled
+)
+"""out[k, :n] ^= sum over i < m of coefs[k, i] * flat[offsets[i] : offsets[i] + n], for every
+row k of ``coefs`` (uint8, r x >= m; ``out``: uint8, >= r x n, C-contiguous; ``offsets``:
+int64): several outputs (the repairs of one span) from one pass over the sources. Raises
+ValueError if a source runs past ``flat`` or n, m exceed the arrays. The host's variant: the
+register-accumulator shuffle kernel, else tiles of region_muladd."""
 
 
 @njit(cache=True, nogil=True)

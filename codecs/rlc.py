@@ -25,7 +25,9 @@ Each row's pivot is its lowest-ESI unknown. Memory is bounded: the decoder holds
 ``max_window`` consecutive ESIs. An ESI beyond the window slides it forward (and
 ``release_before`` does so explicitly); ESIs leave lowest first, so an unknown that leaves is
 the pivot of at most one row and appears in no other: dropping that row keeps exactly what the
-remaining equations say about the ESIs still in the window.
+remaining equations say about the ESIs still in the window. At most ``max_pending``
+equations are pending at once (a repair that finds no room is dropped and counted), so the
+coefficient rows take at most ``max_pending * max_window`` bytes whatever arrives.
 """
 
 from __future__ import annotations
@@ -33,7 +35,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import numpy as np
-from kvtransport.codecs.gf256 import as_words, gf_inv, region_muladd, region_scale
+from kvtransport.codecs.gf256 import (
+    as_words,
+    gf_inv,
+    region_copy,
+    region_muladd,
+    region_muladd_multi,
+    region_scale,
+    region_zero,
+)
 from kvtransport.codecs.tinymt32 import tinymt32_output, tinymt32_seed, tinymt32_step
 from numba import njit
 
@@ -62,7 +72,15 @@ _BASE = 0  # lowest ESI still in the window
 _NACT = 1  # pending equations (active rows)
 _MAXREF = 2  # highest ESI any pending equation may involve (-1 when none)
 _NOUT = 3  # number of ESIs the last kernel call wrote to ``out`` (recovered symbols)
+_THROUGH = 4  # decoded-through, handed to and back from _decode_batch (Python keeps its own)
+_MAXPEND = 5  # most pending equations held (RLCDecoder max_pending)
 _HEADER = 8
+
+# Counters _decode_batch adds to (the order of RLCDecoder.stats), then the results it wrote.
+_C_SOURCES, _C_DUPLICATES, _C_STALE, _C_RECOVERED = 0, 1, 2, 3
+_C_REPAIRS, _C_USEFUL, _C_ALL_KNOWN, _C_DEPENDENT = 4, 5, 6, 7
+_C_DROPPED = 8
+_C_RESULTS = 9
 
 # Return codes of the repair kernel.
 _REPAIR_STALE = -1  # references a released ESI with a non-zero coefficient
@@ -161,30 +179,54 @@ def coding_coefficients(repair_key: int, nss: int, dt: int = 15) -> np.ndarray:
 
 
 @njit(cache=True, nogil=True)
-def _encode_repair(
-    ring: np.ndarray,
+def _encode_repairs(
+    flat: np.ndarray,
+    stride: int,
+    cap: int,
     first_esi: int,
     nss: int,
-    repair_key: int,
+    keys: np.ndarray,
     dt: int,
     out: np.ndarray,
     size: int,
-) -> None:
-    """out[:size] = sum over i of c_i * ring[(first_esi + i) % len(ring)]."""
-    coefs = np.empty(nss, dtype=np.uint8)
-    coefficients_into(coefs, repair_key, nss, dt)
-    cap = ring.shape[0]
-    dst = out[:size]
-    dst[:] = 0
+) -> bool:
+    """out[k, :size] = repair of key keys[k] over ESIs first_esi .. first_esi+nss-1, for all
+    k in one pass over the sources (gf256.region_muladd_multi: each source read once for
+    every repair, the accumulators in registers where the kernel allows).
+
+    Source ESI e is flat[(e % cap) * stride :][:size], cut short at the end of ``flat``
+    (a short last symbol counts as zero-padded): the encoder's ring (flattened rows of
+    ``stride`` bytes, ``cap`` of them) and stream mode (``stride`` = ``size``) alike.
+    Returns False, writing nothing, if a key is outside 0..MAX_REPAIR_KEY."""
+    r = keys.shape[0]
+    for k in range(r):
+        if not 0 <= keys[k] <= MAX_REPAIR_KEY:
+            return False
+    coefs = np.empty((r, nss), dtype=np.uint8)
+    for k in range(r):
+        coefficients_into(coefs[k], keys[k], nss, dt)
+    offsets = np.empty(nss, dtype=np.int64)
     for i in range(nss):
-        c = coefs[i]
-        if c != 0:
-            region_muladd(dst, ring[(first_esi + i) % cap], c)
+        offsets[i] = ((first_esi + i) % cap) * stride
+    for k in range(r):
+        region_zero(out[k, :size])
+    n = flat.shape[0]
+    full = nss
+    while full > 0 and offsets[full - 1] + size > n:
+        full -= 1  # a short symbol at the end of a stream: added on its own below
+    region_muladd_multi(out, flat, offsets, coefs, full, size)
+    for i in range(full, nss):
+        src = flat[offsets[i] : min(offsets[i] + size, n)]
+        for k in range(r):
+            region_muladd(out[k, :size], src, coefs[k, i])
+    return True
 
 
 @njit(cache=True, nogil=True)
-def _encode_repair_stream(
-    stream: np.ndarray,
+def _encode_repair(
+    flat: np.ndarray,
+    stride: int,
+    cap: int,
     first_esi: int,
     nss: int,
     repair_key: int,
@@ -192,18 +234,12 @@ def _encode_repair_stream(
     out: np.ndarray,
     size: int,
 ) -> None:
-    """As _encode_repair, with source ESI e = stream[e*size : (e+1)*size] (a short last
-    symbol counts as zero-padded: only its bytes are added)."""
-    coefs = np.empty(nss, dtype=np.uint8)
-    coefficients_into(coefs, repair_key, nss, dt)
-    n = stream.shape[0]
-    dst = out[:size]
-    dst[:] = 0
-    for i in range(nss):
-        c = coefs[i]
-        if c != 0:
-            start = (first_esi + i) * size
-            region_muladd(dst, stream[start : min(start + size, n)], c)
+    """out[:size] = the repair of ``repair_key`` (_encode_repairs with one key)."""
+    keys = np.empty(1, dtype=np.int64)
+    keys[0] = repair_key
+    _encode_repairs(
+        flat, stride, cap, first_esi, nss, keys, dt, out[:size].reshape((1, size)), size
+    )
 
 
 class RLCEncoder:
@@ -240,7 +276,9 @@ class RLCEncoder:
             self._ring = np.zeros((0, self._stride), dtype=np.uint8)
         else:
             self._ring = np.zeros((self.window, self._stride), dtype=np.uint8)
-        self._ring_mv = memoryview(self._ring.reshape(-1))
+        self._ring_flat = self._ring.reshape(-1)
+        self._ring_mv = memoryview(self._ring_flat)
+        self._outs_checked: object = None  # last repairs_into array validated
 
     def add_stream_sources(self, end: int) -> None:
         """Stream mode: the stream's source symbols below ESI ``end`` have been sent (repairs
@@ -358,11 +396,50 @@ class RLCEncoder:
             if type(out) is np.ndarray or type(out) is memoryview:  # fixed views: keep
                 self._out_checked, self._out_array = out, arr
         if self._stream is not None:
-            _encode_repair_stream(
-                self._stream, first_esi, nss, repair_key, dt, arr, self.symbol_size
-            )
+            flat, stride, cap = self._stream, self.symbol_size, max(self.stream_symbols, 1)
         else:
-            _encode_repair(self._ring, first_esi, nss, repair_key, dt, arr, self.symbol_size)
+            flat, stride, cap = self._ring_flat, self._stride, self.window
+        _encode_repair(flat, stride, cap, first_esi, nss, repair_key, dt, arr, self.symbol_size)
+
+    def repairs_into(
+        self, out: np.ndarray, first_esi: int, nss: int, repair_keys: object, dt: int = 15
+    ) -> None:
+        """Write the repair symbol of each key in ``repair_keys`` over the same source span
+        into the rows of ``out`` (a writable 2-D C-contiguous uint8 array, one row of at
+        least ``symbol_size`` bytes per key), in one pass over the sources.
+
+        Row k is bit-identical to ``repair(first_esi, nss, repair_keys[k], dt)``; the pass
+        reads each source once for all the repairs instead of once per repair (see
+        _encode_repairs), the fast path for a sender that needs several repairs of a span.
+        """
+        first_esi, nss, dt = int(first_esi), int(nss), int(dt)
+        keys = repair_keys
+        if not (type(keys) is np.ndarray and keys.dtype == np.int64 and keys.ndim == 1):
+            keys = np.asarray(repair_keys, dtype=np.int64).reshape(-1)
+        if not (0 <= first_esi and 1 <= nss <= MAX_NSS and 0 <= dt <= MAX_DT):
+            _check_repair_params(first_esi, nss, 0, dt)  # raises with the reason
+        if first_esi < self._next_esi - self.window or first_esi + nss > self._next_esi:
+            self._check_span(first_esi, nss)  # raises with the reason
+        if out is not self._outs_checked:  # validated once per output array
+            if not (
+                type(out) is np.ndarray
+                and out.dtype == np.uint8
+                and out.ndim == 2
+                and out.flags.c_contiguous
+                and out.flags.writeable
+            ):
+                raise TypeError("out must be a writable 2-D C-contiguous uint8 array")
+            if out.shape[1] < self.symbol_size:
+                raise ValueError(f"out rows hold {out.shape[1]} bytes, need {self.symbol_size}")
+            self._outs_checked = out
+        if out.shape[0] < keys.shape[0]:
+            raise ValueError(f"out has {out.shape[0]} rows, need {keys.shape[0]} (one per key)")
+        if self._stream is not None:
+            flat, stride, cap = self._stream, self.symbol_size, max(self.stream_symbols, 1)
+        else:
+            flat, stride, cap = self._ring_flat, self._stride, self.window
+        if not _encode_repairs(flat, stride, cap, first_esi, nss, keys, dt, out, self.symbol_size):
+            raise ValueError(f"repair keys must be in 0..{MAX_REPAIR_KEY}")
 
     def repair(self, first_esi: int, nss: int, repair_key: int, dt: int = 15) -> bytes:
         """The repair symbol sum_i c_i * S[first_esi + i] over GF(2^8)."""
@@ -596,7 +673,7 @@ def _recover_row(
     out, colrow, piv = _split(ints, cap)
     esi = piv[r]
     col = esi % cap
-    sym[col, :] = pay[r, :]
+    region_copy(sym[col], pay[r])
     state[col] = RECOVERED
     colrow[col] = -1
     piv[r] = -1
@@ -726,17 +803,25 @@ def _decode_repair(
         r += 1
     ints[_NACT] += 1
     piv[r] = first_esi
-    coef[r, :] = 0
-    pay[r, :] = payload
-    # Strip the known source symbols, keep the unknown ones as coefficients.
+    region_zero(coef[r])
+    region_copy(pay[r], payload)
+    # Strip the known source symbols (in one pass, gf256.region_muladd_multi), keep the
+    # unknown ones as coefficients.
+    stride = sym.shape[1]
+    offs = np.empty(nss, dtype=np.int64)
+    known = np.empty((1, nss), dtype=np.uint8)
+    m = 0
     for i in range(nss):
         c = coefs[i]
         if c != 0:
             col = (first_esi + i) % cap
             if state[col] != UNKNOWN:
-                region_muladd(pay[r], sym[col], c)
+                offs[m] = col * stride
+                known[0, m] = c
+                m += 1
             else:
                 coef[r, col] = c
+    region_muladd_multi(pay[r].reshape((1, stride)), sym.reshape(-1), offs, known, m, stride)
     # Reduce against the pivot rows. A pivot row is zero in every other pivot column, so one
     # pass over the columns of this repair suffices.
     for i in range(nss):
@@ -816,8 +901,8 @@ def _store_run(
     for i in range(count):
         col = (lo + i) % cap
         row = sym[col]
-        row[:size] = data[i * size : (i + 1) * size]
-        row[size:stride] = 0
+        region_copy(row, data[i * size : (i + 1) * size])
+        region_zero(row[size:stride])
         state[col] = RECEIVED
     t = through
     if t + 1 < base:
@@ -826,6 +911,147 @@ def _store_run(
     while t + 1 < top and state[(t + 1) % cap] != UNKNOWN:
         t += 1
     return t
+
+
+@njit(cache=True, nogil=True)
+def _advance_through(state: np.ndarray, base: int, t: int) -> int:
+    """SourceWindow.advance_through on the kernel side: decoded-through ``t`` moved over the
+    known ESIs that follow it (unchanged once it fell below ``base``)."""
+    if t + 1 < base:
+        return t
+    cap = state.shape[0]
+    top = base + cap
+    while t + 1 < top and state[(t + 1) % cap] != UNKNOWN:
+        t += 1
+    return t
+
+
+@njit(cache=True, nogil=True)
+def _release_in(state: np.ndarray, coef: np.ndarray, ints: np.ndarray, bound: int) -> None:
+    """RLCDecoder.release_before on the kernel side (decoded-through in ints[_THROUGH])."""
+    base = ints[_BASE]
+    if bound <= base:
+        return
+    cap = state.shape[0]
+    end = min(bound, base + cap)
+    if ints[_NACT] > 0:
+        colrow = ints[_HEADER + cap : _HEADER + 2 * cap]
+        for e in range(base, end):
+            if colrow[e % cap] >= 0:
+                _decode_release(state, coef, ints, bound)
+                break
+    for e in range(base, end):
+        state[e % cap] = UNKNOWN
+    ints[_BASE] = bound
+    if ints[_THROUGH] + 1 >= base:
+        ints[_THROUGH] = _advance_through(state, bound, ints[_THROUGH])
+
+
+@njit(cache=True, nogil=True)
+def _count_repairs(meta: np.ndarray, max_nss: int) -> int:
+    """The number of repairs among add_packets' rows, or -1 - i for the first invalid row i
+    (a checked loop: numpy's vector checks cost more than decoding a short run)."""
+    count = 0
+    for i in range(meta.shape[0]):
+        first, nss, key, dt = meta[i, 0], meta[i, 1], meta[i, 2], meta[i, 3]
+        if first < 0 or first + max(nss, 1) - 1 > MAX_ESI:
+            return -1 - i
+        if nss == 0:
+            if key != 0 or dt != 0:
+                return -1 - i
+        elif not (1 <= nss <= max_nss and 0 <= key <= MAX_REPAIR_KEY and 0 <= dt <= MAX_DT):
+            return -1 - i
+        else:
+            count += 1
+    return count
+
+
+@njit(cache=True, nogil=True)
+def _decode_batch(
+    sym: np.ndarray,
+    state: np.ndarray,
+    coef: np.ndarray,
+    pay: np.ndarray,
+    ints: np.ndarray,
+    meta: np.ndarray,
+    payloads: np.ndarray,
+    counts: np.ndarray,
+    results: np.ndarray,
+) -> None:
+    """Packets i = 0.. in order, exactly as RLCDecoder.add_source / add_repair take them one
+    by one: row i of ``meta`` is (esi, 0, 0, 0) for a source symbol, (first_esi, nss,
+    repair_key, dt) for a repair (already validated), its bytes row i of ``payloads``. The
+    ESIs that became known go to ``results`` (counts[_C_RESULTS] of them), the stats
+    counters are added to ``counts``. The caller guarantees a free equation row for every
+    repair of the batch."""
+    cap = state.shape[0]
+    size = payloads.shape[1]
+    stride = sym.shape[1]
+    out = ints[_HEADER : _HEADER + cap]
+    colrow = ints[_HEADER + cap : _HEADER + 2 * cap]
+    stage = np.zeros(stride, dtype=np.uint8)
+    nres = counts[_C_RESULTS]
+    for i in range(meta.shape[0]):
+        first = meta[i, 0]
+        nss = meta[i, 1]
+        ints[_NOUT] = 0
+        if nss == 0:  # a source symbol
+            counts[_C_SOURCES] += 1
+            base = ints[_BASE]
+            if first < base:
+                counts[_C_STALE] += 1
+                continue
+            if first >= base + cap:
+                if first == base + cap and (ints[_NACT] == 0 or colrow[base % cap] < 0):
+                    state[base % cap] = UNKNOWN
+                    ints[_BASE] = base + 1
+                else:
+                    _release_in(state, coef, ints, first - cap + 1)
+            col = first % cap
+            if state[col] != UNKNOWN:
+                counts[_C_DUPLICATES] += 1
+                continue
+            row = sym[col]
+            region_copy(row, payloads[i])
+            region_zero(row[size:])
+            results[nres] = first
+            nres += 1
+            if ints[_NACT] == 0 or first > ints[_MAXREF]:
+                state[col] = RECEIVED
+                if first == ints[_THROUGH] + 1:
+                    ints[_THROUGH] = _advance_through(state, ints[_BASE], first - 1)
+                continue
+            _decode_source(sym, state, coef, pay, ints, first)
+        else:
+            counts[_C_REPAIRS] += 1
+            last = first + nss - 1
+            if last <= ints[_THROUGH] and first >= ints[_BASE]:
+                counts[_C_ALL_KNOWN] += 1
+                continue
+            if last >= ints[_BASE] + cap:
+                _release_in(state, coef, ints, last - cap + 1)
+            if ints[_NACT] >= ints[_MAXPEND]:
+                counts[_C_DROPPED] += 1
+                continue
+            region_copy(stage, payloads[i])
+            code = _decode_repair(
+                sym, state, coef, pay, ints, first, nss, meta[i, 2], meta[i, 3], stage
+            )
+            if code == _REPAIR_ADDED:
+                counts[_C_USEFUL] += 1
+            elif code == _REPAIR_ALL_KNOWN:
+                counts[_C_ALL_KNOWN] += 1
+            elif code == _REPAIR_DEPENDENT:
+                counts[_C_DEPENDENT] += 1
+            else:
+                counts[_C_STALE] += 1
+        n = ints[_NOUT]
+        for k in range(n):
+            results[nres + k] = out[k]
+        nres += n
+        counts[_C_RECOVERED] += n
+        ints[_THROUGH] = _advance_through(state, ints[_BASE], ints[_THROUGH])
+    counts[_C_RESULTS] = nres
 
 
 # --------------------------------------------------------------------------------------------
@@ -848,18 +1074,27 @@ class RLCDecoder(SourceWindow):
     ``stats`` and otherwise ignored. Not thread-safe (one decoder per receiving task).
     """
 
-    def __init__(self, symbol_size: int, max_window: int = 1024) -> None:
+    def __init__(
+        self, symbol_size: int, max_window: int = 1024, max_pending: int | None = None
+    ) -> None:
         super().__init__(symbol_size, max_window)
         self.max_window = self.capacity
+        self.max_pending = self.capacity if max_pending is None else int(max_pending)
+        if not 1 <= self.max_pending <= self.capacity:
+            raise ValueError(f"max_pending must be in 1..{self.capacity}, got {max_pending}")
         self._wpad = _round8(self.capacity)
-        rows = min(16, self.capacity)
+        rows = min(16, self.max_pending)
         self._coef = np.zeros((rows, self._wpad), dtype=np.uint8)
         self._pay = np.zeros((rows, self.stride), dtype=np.uint8)
-        self._set_ints(np.concatenate([[0, 0, -1, 0], np.zeros(_HEADER - 4, np.int64)]), rows)
+        header = np.zeros(_HEADER, np.int64)
+        header[:4] = [0, 0, -1, 0]
+        header[_MAXPEND] = self.max_pending
+        self._set_ints(header, rows)
         self._stage = np.zeros(self.stride, dtype=np.uint8)  # incoming repair payload
         self._stage_mv = memoryview(self._stage)
         self._n_sources = self._n_duplicates = self._n_stale = self._n_recovered = 0
         self._n_repairs = self._n_useful = self._n_all_known = self._n_dependent = 0
+        self._n_dropped = 0
 
     def _set_ints(self, header: np.ndarray, rows: int, colrow: object = -1,
                   piv: object = None) -> None:  # fmt: skip
@@ -879,7 +1114,8 @@ class RLCDecoder(SourceWindow):
     @property
     def stats(self) -> dict[str, int]:
         """Counters: sources, duplicates, stale (below the window), repairs and what became
-        of them (useful, all_known: every symbol already known, dependent), recovered."""
+        of them (useful, all_known: every symbol already known, dependent, dropped: no
+        room left under max_pending), recovered."""
         return {
             "sources": self._n_sources,
             "duplicates": self._n_duplicates,
@@ -887,6 +1123,7 @@ class RLCDecoder(SourceWindow):
             "repairs_useful": self._n_useful,
             "repairs_all_known": self._n_all_known,
             "repairs_dependent": self._n_dependent,
+            "repairs_dropped": self._n_dropped,
             "stale": self._n_stale,
             "recovered": self._n_recovered,
         }
@@ -1055,6 +1292,9 @@ class RLCDecoder(SourceWindow):
         if last >= self.base + self.capacity:
             self.release_before(last - self.capacity + 1)
         if self._ints_mv[_NACT] >= self._piv.shape[0]:
+            if self._piv.shape[0] >= self.max_pending:
+                self._n_dropped += 1  # bounded state: no room for another equation
+                return []
             self._grow_rows()
         self._stage_mv[: self.symbol_size] = view
         code = _decode_repair(
@@ -1079,9 +1319,58 @@ class RLCDecoder(SourceWindow):
             self._n_stale += 1
         return self._collect([])
 
+    def add_packets(self, meta: object, payloads: object) -> list[int]:
+        """A run of packets in arrival order, in one call; returns the ESIs that became known.
+
+        Row i of ``meta`` (n x 4 integers) is ``(esi, 0, 0, 0)`` for a source symbol and
+        ``(first_esi, nss, repair_key, dt)`` for a repair (nss >= 1); its bytes are row i of
+        ``payloads`` (n x symbol_size uint8, or a bytes-like of n * symbol_size bytes; a
+        short source is zero-padded by the caller). The decoder ends exactly as after
+        ``add_source`` / ``add_repair`` once per packet, in order, and returns what those
+        calls would have, concatenated: one kernel call for the whole run, no per-packet
+        Python. Invalid rows raise ValueError before anything changes.
+        """
+        m = np.ascontiguousarray(meta, dtype=np.int64)
+        size = self.symbol_size
+        if m.ndim != 2 or m.shape[1] != 4:
+            raise ValueError(f"meta must be n x 4 (esi, nss, repair_key, dt), got {m.shape}")
+        n = m.shape[0]
+        pay = as_u8_array(payloads)
+        if pay.size != n * size:
+            raise ValueError(f"payloads hold {pay.size} bytes, expected {n} x {size}")
+        if n == 0:
+            return []
+        pay = pay.reshape(n, size)
+        repairs = _count_repairs(m, min(MAX_NSS, self.capacity))
+        if repairs < 0:
+            i = -1 - repairs
+            raise ValueError(f"packet {i}: invalid (esi, nss, repair_key, dt) {m[i].tolist()}")
+        need = min(self.max_pending, self._ints_mv[_NACT] + repairs)
+        while self._piv.shape[0] < need:
+            self._grow_rows()
+        counts = np.zeros(_C_RESULTS + 1, dtype=np.int64)
+        results = np.empty(n + self._ints_mv[_NACT] + 1, dtype=np.int64)
+        self._ints[_THROUGH] = self._through
+        _decode_batch(
+            self.sym, self.state, self._coef, self._pay, self._ints, m, pay, counts, results
+        )
+        self.base = int(self._ints[_BASE])
+        self._through = int(self._ints[_THROUGH])
+        c = counts.tolist()
+        self._n_sources += c[_C_SOURCES]
+        self._n_duplicates += c[_C_DUPLICATES]
+        self._n_stale += c[_C_STALE]
+        self._n_recovered += c[_C_RECOVERED]
+        self._n_repairs += c[_C_REPAIRS]
+        self._n_useful += c[_C_USEFUL]
+        self._n_all_known += c[_C_ALL_KNOWN]
+        self._n_dependent += c[_C_DEPENDENT]
+        self._n_dropped += c[_C_DROPPED]
+        return results[: c[_C_RESULTS]].tolist()
+
     def _grow_rows(self) -> None:
         rows = self._piv.shape[0]
-        new = min(2 * rows, self.capacity)
+        new = min(2 * rows, self.max_pending)
         if new <= rows:  # cannot happen: each pending row owns a distinct unknown column
             raise RuntimeError("RLC decoder row storage exhausted")
         coef = np.zeros((new, self._wpad), dtype=np.uint8)

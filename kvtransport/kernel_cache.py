@@ -33,6 +33,9 @@ SUBPACKAGES = ("codecs", "agents", "netem")
 package-dir mapping), inside it in a regular one."""
 KEEP = 3
 """Digest folders kept (the newest by modification time)."""
+DIGEST_ENV = ("KVTRANSPORT_GF_KERNEL",)
+"""Environment variables that change which code the kernels compile in (a forced GF(2^8)
+region kernel, see kvtransport.codecs.gf256): when set, their values join the digest."""
 _IMPORT = re.compile(r"^\s*(?:from|import)\s+(kvtransport(?:\.\w+)*)", re.MULTILINE)
 _DIGEST_NAME = re.compile(r"[0-9a-f]{16}")
 
@@ -84,11 +87,16 @@ def kernel_sources(dirs: dict[str, Path]) -> list[Path]:
     return sorted(seen)
 
 
-def source_digest(files: list[Path], root: Path) -> str:
-    """16 hex digits over the files' paths (relative to ``root``) and contents."""
+def source_digest(files: list[Path], root: Path, env: dict[str, str] | None = None) -> str:
+    """16 hex digits over the files' paths (relative to ``root``) and contents, and the
+    set variables of DIGEST_ENV in ``env`` (none: the same digest as without them)."""
     h = hashlib.sha256()
     for f in files:
         h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
+    for name in DIGEST_ENV:
+        value = (env or {}).get(name)
+        if value:
+            h.update(f"{name}={value}".encode() + b"\0")
     return h.hexdigest()[:16]
 
 
@@ -125,7 +133,7 @@ def configure(kvtransport_dir: Path) -> Path | None:
     base. Does nothing (None) if the sources cannot be read or no folder is writable."""
     dirs = package_dirs(kvtransport_dir)
     try:
-        digest = source_digest(kernel_sources(dirs), kvtransport_dir.parent)
+        digest = source_digest(kernel_sources(dirs), kvtransport_dir.parent, dict(os.environ))
     except OSError:
         return None
     current = os.environ.get("NUMBA_CACHE_DIR")

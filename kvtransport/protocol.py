@@ -9,11 +9,49 @@ from __future__ import annotations
 DEFAULT_SYMBOL_SIZE = 1280
 """Source/repair symbol bytes: 1280 + 28 header + 16 tag + 42 link overhead < 1500 MTU."""
 
-DECODER_WINDOW = 4096
-"""Source ESIs the receiver's RLC decoder holds (5 MB at 1280-byte symbols); the sender's
-encoder keeps as many, and no repair reaches below ``highest ESI sent - DECODER_WINDOW + 1``.
-A hole older than that is given up, so it must exceed a few bandwidth-delay products: at
-100 Mbit/s it covers 0.45 s, at 1 Gbit/s 45 ms."""
+MIN_DECODER_WINDOW = 4096
+"""The smallest decoder window decoder_window() returns (0.45 s at 100 Mbit/s)."""
+
+
+def decoder_window(rate_bps: float, rtt_s: float, symbol_size: int = DEFAULT_SYMBOL_SIZE) -> int:
+    """Source ESIs a decoder must hold for a link of ``rate_bps`` and round trip ``rtt_s``.
+
+    A hole is reported after about one round trip of sending and repaired one more round trip
+    later, so the window spans two bandwidth-delay products of datagrams (symbol, 28-byte
+    header, 16-byte tag, LINK_OVERHEAD_BYTES), rounded up to a power of two, at least
+    MIN_DECODER_WINDOW.
+    """
+    if not (rate_bps > 0 and rtt_s >= 0 and symbol_size > 0):
+        raise ValueError("rate_bps and symbol_size must be positive, rtt_s non-negative")
+    wire = symbol_size + 28 + 16 + LINK_OVERHEAD_BYTES
+    need = 2.0 * rate_bps * rtt_s / (8 * wire)
+    window = MIN_DECODER_WINDOW
+    while window < need:
+        window *= 2
+    return window
+
+
+LINK_OVERHEAD_BYTES = 42
+"""Ethernet (14) + IPv4 (20) + UDP (8): what a link shaper counts besides the datagram, so
+the sender's pacing matches kvtransport.netem's channel and tbf on the testbed."""
+
+DESIGN_RATE_BPS = 1e9
+DESIGN_RTT_S = 0.040
+"""The fastest link the fixed limits below are sized for: 1 Gbit/s with a 40 ms round trip
+(a 20 ms one-way path)."""
+
+DECODER_WINDOW = decoder_window(DESIGN_RATE_BPS, DESIGN_RTT_S)
+"""Source ESIs the receiver's RLC decoder holds: 8192, two bandwidth-delay products at the
+design link (10.5 MB of symbols at 1280 bytes; 0.9 s at 100 Mbit/s, 90 ms at 1 Gbit/s). The
+sender's encoder keeps as many, and no repair reaches below ``highest ESI sent -
+DECODER_WINDOW + 1``: a hole older than that is given up. The value is not negotiated, so
+both sides take this constant (a receiver holding fewer only wastes repairs)."""
+
+MAX_PENDING_EQUATIONS = DECODER_WINDOW // 4
+"""Repair equations the receiver's decoder holds pending at most (RLCDecoder max_pending):
+its coefficient rows stay within MAX_PENDING_EQUATIONS * DECODER_WINDOW bytes (16 MB, what
+the 4096-ESI window allowed before) whatever a peer sends; a quarter of the window
+unrecovered at once is beyond any loss the repair policies can serve."""
 
 RELEASE_LAG = 512
 """The receiver keeps this many decoded ESIs behind its decoded-through point before it
@@ -23,12 +61,12 @@ RELEASE_CHUNK = 128
 """The receiver releases decoder state in steps of this many ESIs (amortizes the cost)."""
 
 MAX_REPAIR_SPAN = 1024
-"""Most source symbols one proactive RLC repair covers (NSS); encoding and decoding cost grow
-with it. Reactive repairs stay inside one aligned segment of REPAIR_SEGMENT symbols."""
-
-LINK_OVERHEAD_BYTES = 42
-"""Ethernet (14) + IPv4 (20) + UDP (8): what a link shaper counts besides the datagram, so
-the sender's pacing matches kvtransport.netem's channel and tbf on the testbed."""
+"""Most source symbols one proactive RLC repair covers (NSS); the sender spans one round
+trip of slots plus a decision interval (set from rate and RTT), up to this. It caps CPU, not
+memory: encoding and decoding a repair each cost NSS symbol multiply-adds (about 50 us at
+1024 and 25 GB/s), paid per repair, so a 1 Gbit/s x 40 ms flight (3,700 symbols) would
+cost ~0.2 ms per repair. Reactive repairs stay inside one aligned segment of
+REPAIR_SEGMENT symbols. Must not exceed DECODER_WINDOW."""
 
 DEFAULT_FEEDBACK_INTERVAL = 0.004
 """Seconds between periodic feedback reports (more on loss events)."""

@@ -39,7 +39,8 @@ The result comes at the deadline (given, or the manifest's deadline counted from
 datagram's arrival, which is late by one one-way delay), when everything is decoded, on
 ABORT, or after ``idle_timeout`` without datagrams when no deadline is known. State is
 bounded: symbols beyond ``max_bytes`` are dropped (a manifest announcing more is refused),
-the decoder holds ``DECODER_WINDOW`` ESIs, rings are fixed size.
+the decoder holds ``DECODER_WINDOW`` ESIs and at most ``MAX_PENDING_EQUATIONS`` pending
+repair equations, rings are fixed size.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from kvtransport.manifest_fec import ManifestReceiver
 from kvtransport.protocol import (
     DECODER_WINDOW,
     DEFAULT_FEEDBACK_INTERVAL,
+    MAX_PENDING_EQUATIONS,
     MIN_FEEDBACK_GAP,
     RELEASE_CHUNK,
     RELEASE_LAG,
@@ -275,7 +277,9 @@ class ReceiverSession:
         self.symbol_size = size
         self.max_symbols = max(1, self.max_bytes // size)
         self._limit = self.n_source if self.manifest is not None else self.max_symbols
-        self.decoder = RLCDecoder(size, max_window=DECODER_WINDOW)
+        self.decoder = RLCDecoder(
+            size, max_window=DECODER_WINDOW, max_pending=MAX_PENDING_EQUATIONS
+        )
 
     def _grow(self, need: int) -> None:
         cap = max(need, 2 * len(self._known), 256)

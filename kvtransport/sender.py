@@ -110,6 +110,12 @@ _RLC = int(RepairMode.RLC)
 _BLOCK_RS = int(RepairMode.BLOCK_RS)
 _ARQ = int(RepairMode.ARQ)
 _DT_DENSE = 15
+_REPAIR_BATCH = 8
+"""Most RLC repairs built ahead in one pass over their sources (RLCEncoder.repairs_into)
+when the sender knows it will send several over the same span (see _rlc_repair)."""
+_TAIL_BATCH = 4
+"""Repairs built ahead once every source is sent: the span then holds until feedback moves
+decoded-through, and at most this many minus one are built in vain when it does."""
 
 
 def _packer(group: tuple[int, int]) -> tuple[object, int]:
@@ -205,6 +211,11 @@ class SenderSession:
             if self.mode == RepairMode.BLOCK_RS
             else None
         )
+        # repairs built ahead over one span (rows), for keys _ahead_key.. (see _rlc_repair)
+        self._ahead = np.zeros((_REPAIR_BATCH if self.encoder else 0, s), dtype=np.uint8)
+        self._ahead_span = (-1, 0)
+        self._ahead_key = -1
+        self._ahead_i = self._ahead_n = 0
         self._retx_heap: list[int] = []
         self._retx_queued = bytearray(n) if self.mode == RepairMode.ARQ else None
         self._retx_time = [-1e300] * n if self.mode == RepairMode.ARQ else None
@@ -557,7 +568,28 @@ class SenderSession:
         enc = self.encoder
         if enc.next_esi != self.next_esi:
             enc.add_stream_sources(self.next_esi)  # what has been sent so far
-        enc.repair_into(self._payload_area, lo, nss, key, _DT_DENSE)
+        i = self._ahead_i
+        if i < self._ahead_n and key == self._ahead_key and (lo, nss) == self._ahead_span:
+            self._payload_area[:] = self._ahead[i]  # built ahead, bit-identical
+            self._ahead_i = i + 1
+            self._ahead_key = (key + 1) & 0xFFFF
+        else:
+            self._ahead_n = 0
+            # several repairs over this span to come: build them in one pass over its sources
+            if reactive and self._segments:
+                count = min(self._segments[0][1], _REPAIR_BATCH)
+            elif self.next_esi >= self.n_source:
+                count = _TAIL_BATCH
+            else:
+                count = 1  # sources still go out between repairs, moving the span
+            if count > 1:
+                keys = np.arange(key, key + count, dtype=np.int64) & 0xFFFF
+                enc.repairs_into(self._ahead, lo, nss, keys, _DT_DENSE)
+                self._payload_area[:] = self._ahead[0]
+                self._ahead_span, self._ahead_key = (lo, nss), (key + 1) & 0xFFFF
+                self._ahead_i, self._ahead_n = 1, count
+            else:
+                enc.repair_into(self._payload_area, lo, nss, key, _DT_DENSE)
         if reactive and self._segments:
             entry = self._segments[0]
             self._seg_flight.append((self.seq, entry[0]))

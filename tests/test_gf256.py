@@ -1,6 +1,10 @@
 """GF(2^8) arithmetic of the RFC 8681 field, checked against hand-worked products and an
 independent shift-and-add multiplier written here."""
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -172,3 +176,119 @@ def test_region_ops_never_write_past_the_shorter_operand():
     gf256.region_muladd(dst, src, 3)  # processes min(len) = 13 bytes
     assert dst[:13].tolist() == [0] * 13
     assert not dst[13:].any()
+
+
+@pytest.mark.parametrize("name", gf256.AVAILABLE)
+def test_each_kernel_the_host_runs_matches_the_reference_on_random_data(name):
+    """Every region kernel this host can run (GFNI, split-nibble shuffle, bit-sliced),
+    forced by name: bit-identical to the shift-and-add reference for all 256 constants,
+    on lengths around the vector widths and unaligned buffers."""
+    muladd, scale = gf256.KERNELS[name]
+    rng = np.random.default_rng(len(name))
+    for c in range(256):
+        n = int(rng.choice([0, 1, 31, 32, 33, 63, 64, 65, 127, 1280, 1283, 4099]))
+        src = _unaligned(rng.integers(0, 256, n, dtype=np.uint8), int(rng.integers(0, 8)))
+        dst0 = rng.integers(0, 256, n, dtype=np.uint8)
+        dst = _unaligned(dst0, int(rng.integers(0, 8)))
+        muladd(dst, src, c)
+        assert np.array_equal(dst, dst0 ^ REF[c][src]), (name, c, n)
+        before = src.copy()
+        scale(src, c)
+        assert np.array_equal(src, REF[c][before]), (name, c, n)
+
+
+def test_the_host_kernel_is_picked_at_import_fastest_first():
+    assert gf256.AVAILABLE[-1] == "bitsliced" and gf256.KERNEL in gf256.AVAILABLE
+    assert ("gfni" in gf256.AVAILABLE) == gf256.HAVE_GFNI
+    assert ("shuffle" in gf256.AVAILABLE) == gf256.HAVE_SHUFFLE
+    if not os.environ.get(gf256.KERNEL_ENV):
+        assert gf256.KERNEL == gf256.AVAILABLE[0]
+    assert (gf256.region_muladd, gf256.region_scale) == gf256.KERNELS[gf256.KERNEL]
+    shuffle = gf256.KERNEL == "shuffle"
+    assert gf256.region_muladd_multi is (
+        gf256.region_muladd_multi_shuffle if shuffle else gf256.region_muladd_multi_tiled
+    )
+
+
+FORCED = """
+import numpy as np
+from kvtransport.codecs import gf256
+rng = np.random.default_rng(3)
+sym = rng.integers(0, 256, (9, 1000), dtype=np.uint8)
+coefs = rng.integers(0, 256, 9, dtype=np.uint8)
+out = np.empty(1000, dtype=np.uint8)
+gf256.region_dot(out, sym, coefs)  # compiled in with the forced kernel
+ref = np.zeros(1000, dtype=np.uint8)
+for i in range(9):
+    ref ^= gf256.MUL_TABLE[coefs[i]][sym[i]]
+assert np.array_equal(out, ref)
+assert (gf256.region_muladd, gf256.region_scale) == gf256.KERNELS[gf256.KERNEL]
+multi = np.zeros((1, 1000), dtype=np.uint8)
+gf256.region_muladd_multi(multi, sym.reshape(-1), np.arange(9) * 1000, coefs[None, :], 9, 1000)
+assert np.array_equal(multi[0], ref)
+print(gf256.KERNEL)
+"""
+
+
+@pytest.mark.parametrize("name", [*gf256.AVAILABLE, "nope"])
+def test_the_kernel_can_be_forced_by_environment(name, tmp_path):
+    env = {**os.environ, gf256.KERNEL_ENV: name, "NUMBA_CACHE_DIR": str(tmp_path)}
+    run = subprocess.run(
+        [sys.executable, "-c", FORCED], env=env, capture_output=True, text=True, timeout=300
+    )
+    if name == "nope":
+        assert run.returncode != 0
+        assert f"{gf256.KERNEL_ENV}='nope': this host runs one of" in run.stderr
+    else:
+        assert run.returncode == 0, run.stderr
+        assert run.stdout.split() == [name]
+
+
+MULTI_VARIANTS = [gf256.region_muladd_multi_tiled] + (
+    [gf256.region_muladd_multi_shuffle] if gf256.HAVE_SHUFFLE else []
+)
+
+
+@pytest.mark.parametrize("multi", MULTI_VARIANTS, ids=lambda f: f.__name__)
+def test_multi_output_kernels_are_sums_of_reference_products(multi):
+    """Several outputs from one pass over the sources (register accumulators in groups of
+    four outputs, 64- and 32-byte steps, a table tail): every output row equals the sum of
+    reference products, rows past the coefficients and bytes past n untouched."""
+    rng = np.random.default_rng(11)
+    for r in (1, 2, 3, 4, 5, 9):
+        for n in (0, 5, 32, 64, 100, 1280, 1283):
+            m = int(rng.integers(0, 40))
+            flat = rng.integers(0, 256, 40 * 1300, dtype=np.uint8)
+            offsets = rng.integers(0, flat.size - n + 1, size=m + 1).astype(np.int64)
+            coefs = rng.integers(0, 256, (r, m + 2)).astype(np.uint8)
+            out = rng.integers(0, 256, (r + 1, n + 3), dtype=np.uint8)
+            expected = out.copy()
+            for k in range(r):
+                for i in range(m):
+                    expected[k, :n] ^= REF[coefs[k, i]][flat[offsets[i] : offsets[i] + n]]
+            multi(out, flat, offsets, coefs, m, n)
+            assert np.array_equal(out, expected), (r, n, m)
+    out = np.zeros((2, 64), dtype=np.uint8)
+    coefs = np.ones((2, 1), dtype=np.uint8)
+    with pytest.raises(ValueError, match="past the buffer"):
+        multi(out, np.zeros(100, np.uint8), np.array([40], np.int64), coefs, 1, 64)
+    with pytest.raises(ValueError, match="out of bounds"):
+        multi(out, np.zeros(100, np.uint8), np.array([0], np.int64), coefs, 1, 65)
+    with pytest.raises(ValueError, match="output rows"):
+        multi(out[:1], np.zeros(100, np.uint8), np.array([0], np.int64), coefs, 1, 64)
+
+
+def test_region_copy_and_zero_touch_exactly_the_shorter_length():
+    rng = np.random.default_rng(4)
+    for n_dst, n_src, off in [(0, 5, 0), (13, 13, 3), (1280, 1283, 5), (40, 17, 1)]:
+        src = _unaligned(rng.integers(0, 256, n_src, dtype=np.uint8), off)
+        buf = rng.integers(0, 256, n_dst + 8, dtype=np.uint8)
+        before = buf.copy()
+        dst = buf[off : off + n_dst]
+        gf256.region_copy(dst, src)
+        n = min(n_dst, n_src)
+        assert np.array_equal(dst[:n], src[:n])
+        assert np.array_equal(buf[off + n :], before[off + n :])
+        assert np.array_equal(buf[:off], before[:off])
+        gf256.region_zero(dst)
+        assert not dst.any() and np.array_equal(buf[off + n_dst :], before[off + n_dst :])

@@ -49,6 +49,19 @@ def test_the_digest_follows_imported_constants_but_not_unrelated_modules(tmp_pat
     assert d1 != d0 and len(d1) == 16  # the kernel's constant changed: a fresh cache
 
 
+def test_a_forced_gf_kernel_gets_its_own_cache_folder(tmp_path):
+    kv = _tree(tmp_path)
+    files = kernel_cache.kernel_sources(kernel_cache.package_dirs(kv))
+    plain = kernel_cache.source_digest(files, tmp_path)
+    assert kernel_cache.source_digest(files, tmp_path, {"HOME": "/x"}) == plain
+    assert kernel_cache.source_digest(files, tmp_path, {"KVTRANSPORT_GF_KERNEL": ""}) == plain
+    forced = {
+        k: kernel_cache.source_digest(files, tmp_path, {"KVTRANSPORT_GF_KERNEL": k})
+        for k in ("bitsliced", "shuffle", "gfni")
+    }
+    assert len(set(forced.values()) | {plain}) == 4
+
+
 def test_configure_names_the_folder_reuses_an_inherited_one_and_prunes_old(tmp_path, monkeypatch):
     kv = _tree(tmp_path)
     base = tmp_path / "cache"

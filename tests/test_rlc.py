@@ -243,6 +243,53 @@ def test_stream_mode_repairs_equal_ring_mode(size, nbytes, window):
         ring.add_stream_sources(1)
 
 
+@pytest.mark.parametrize(
+    ("size", "window", "nbytes"), [(1280, 48, 1280 * 60 - 7), (37, 16, 37 * 40), (5000, 6, 9997)]
+)
+def test_repairs_into_is_one_repair_call_per_key(size, window, nbytes):
+    """The one-pass multi-repair kernel: row k is exactly repair(..., keys[k]), ring and
+    stream mode, dense and sparse, tiles of a long symbol and a short last symbol."""
+    rng = np.random.default_rng(size)
+    data = rng.integers(0, 256, nbytes, dtype=np.uint8)
+    n = -(-nbytes // size)
+    ring, stream = RLCEncoder(size, window=window), RLCEncoder(size, window=window, stream=data)
+    for e in range(n):
+        ring.add_source(data[e * size : (e + 1) * size])
+    stream.add_stream_sources(n)
+    lo = max(0, n - window)
+    keys = [3, 65535, 0, 77, 12]
+    out = np.full((6, size + 9), 0xAA, dtype=np.uint8)
+    for enc in (ring, stream):
+        for first, nss in [(lo, n - lo), (n - 1, 1), (lo + 1, max(1, n - lo - 3))]:
+            for dt in (15, 4):
+                enc.repairs_into(out, first, nss, keys, dt)
+                for k, key in enumerate(keys):
+                    assert out[k, :size].tobytes() == enc.repair(first, nss, key, dt)
+                assert (out[5] == 0xAA).all() and (out[:, size:] == 0xAA).all()
+
+
+def test_repairs_into_checks_its_arguments():
+    enc = RLCEncoder(16, window=4)
+    for i in range(6):
+        enc.add_source(bytes([i]) * 16)
+    out = np.zeros((2, 16), dtype=np.uint8)
+    with pytest.raises(ValueError, match="need 3"):
+        enc.repairs_into(out, 2, 4, [1, 2, 3])
+    with pytest.raises(ValueError, match="need 16"):
+        enc.repairs_into(np.zeros((2, 15), np.uint8), 2, 4, [1])
+    with pytest.raises(ValueError, match="not all held"):
+        enc.repairs_into(out, 1, 4, [1])
+    with pytest.raises(ValueError, match="repair keys"):
+        enc.repairs_into(out, 2, 4, [1, 65536])
+    with pytest.raises(TypeError, match="2-D"):
+        enc.repairs_into(out[0], 2, 4, [1])
+    frozen = np.zeros((2, 16), np.uint8)
+    frozen.setflags(write=False)
+    for bad in (frozen, np.zeros((16, 2), np.uint8).T):  # read-only, not C-contiguous
+        with pytest.raises(TypeError, match="writable 2-D C-contiguous"):
+            enc.repairs_into(bad, 2, 4, [1])
+
+
 def test_repair_into_revalidates_a_new_buffer_after_a_cached_one():
     enc = RLCEncoder(16, window=4)
     enc.add_source(bytes(range(16)))
@@ -539,6 +586,93 @@ def test_add_source_run_is_add_source_once_per_symbol(stream, longest):
             assert _decoder_state(one) == _decoder_state(bulk)
     flush()
     assert _decoder_state(one) == _decoder_state(bulk)
+
+
+def _settled_state(dec):
+    """_decoder_state without the scratch count of the last kernel call (ints[3])."""
+    state = list(_decoder_state(dec))
+    state[5] = state[5][:3]
+    return tuple(state)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(streams(max_sources=120, slide=True), st.integers(1, 12), st.integers(1, 40))
+def test_add_packets_is_one_call_per_packet(stream, longest, max_pending):
+    """Runs of sources and repairs handed over in one add_packets call leave the decoder
+    exactly as add_source / add_repair once per packet do, and return the same ESIs."""
+    size, enc_window, max_window, seed, n, arrivals, releases = stream
+    rng = np.random.default_rng(seed)
+    sources = [rng.integers(0, 256, size, dtype=np.uint8).tobytes() for _ in range(n)]
+    enc = RLCEncoder(size, window=max(enc_window, n))
+    for src in sources:
+        enc.add_source(src)
+    pend = min(max_pending, max_window)
+    one = RLCDecoder(size, max_window=max_window, max_pending=pend)
+    batch = RLCDecoder(size, max_window=max_window, max_pending=pend)
+    meta, pays, expected = [], [], []
+
+    def flush():
+        if meta:
+            assert batch.add_packets(meta, b"".join(pays)) == expected
+            meta.clear(), pays.clear(), expected.clear()
+            assert _settled_state(one) == _settled_state(batch)
+            assert one.pending_pivots().tolist() == batch.pending_pivots().tolist()
+
+    for step, (kind, args) in enumerate(arrivals):
+        if kind == "source":
+            meta.append((args, 0, 0, 0))
+            pays.append(sources[args])
+            expected.extend(one.add_source(args, sources[args]))
+        else:
+            payload = enc.repair(*args)
+            meta.append(args)
+            pays.append(payload)
+            expected.extend(one.add_repair(*args, payload))
+        if len(meta) >= longest:
+            flush()
+        if step in releases:
+            flush()
+            one.release_before(releases[step])
+            batch.release_before(releases[step])
+    flush()
+    for e in range(n):
+        assert batch.get(e) == one.get(e)
+
+
+def test_max_pending_bounds_the_equations_held_and_counts_the_rest():
+    size, w = 16, 64
+    rng = np.random.default_rng(9)
+    sources = rng.integers(0, 256, (w, size), dtype=np.uint8)
+    enc = RLCEncoder(size, window=w)
+    enc.add_sources(sources)
+    dec = RLCDecoder(size, max_window=w, max_pending=5)
+    for key in range(12):  # every source lost: each repair is a new equation
+        assert dec.add_repair(0, w, key, 15, enc.repair(0, w, key)) == []
+    assert dec.pending_equations == 5 and dec._coef.shape[0] == 5
+    assert dec.stats["repairs_dropped"] == 7 and dec.stats["repairs_useful"] == 5
+    got = dec.add_packets([(e, 0, 0, 0) for e in range(5, w)], sources[5:])
+    assert sorted(got) == list(range(w))  # the five equations held still solve their part
+    assert all(dec.get(e) == sources[e].tobytes() for e in range(w))
+    with pytest.raises(ValueError, match="max_pending"):
+        RLCDecoder(size, max_window=w, max_pending=w + 1)
+
+
+def test_add_packets_rejects_bad_rows_without_changing_state():
+    dec = RLCDecoder(4, max_window=8)
+    assert dec.add_packets(np.zeros((0, 4), np.int64), b"") == []
+    assert dec.add_packets([(1, 0, 0, 0)], bytes(4)) == [1]
+    before = _decoder_state(dec)
+    for meta, match in [
+        ([(0, 0, 0, 0), (2, 9, 1, 15)], "packet 1"),  # nss beyond the window
+        ([(0, 2, 70000, 15)], "packet 0"),  # repair key
+        ([(0, 2, 1, 16)], "packet 0"),  # dt
+        ([(-1, 0, 0, 0)], "packet 0"),  # esi
+        ([(0, 0, 0, 0)] * 2, "expected 2 x 4"),  # payload size
+        ([(0, 0, 0)], "n x 4"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            dec.add_packets(meta, bytes(4 * (len(meta) if "expected" not in match else 1)))
+        assert _decoder_state(dec) == before
 
 
 def test_add_source_run_takes_whole_symbols_only():

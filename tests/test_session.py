@@ -13,7 +13,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from kvtransport.codecs.rlc import RLCEncoder
 
-from kvtransport import wire
+from kvtransport import protocol, wire
 from kvtransport.manifest_fec import ManifestSender
 from kvtransport.policy import (
     ACTIONS,
@@ -161,6 +161,45 @@ def test_lost_sources_are_repaired_inside_their_segment():
     seg = wire.REPAIR_SEGMENT
     assert any(lo <= 10 and hi >= 13 and hi <= seg for lo, hi in windows)
     assert any(lo >= seg and lo <= 70 < hi <= 2 * seg for lo, hi in windows)
+
+
+def test_repairs_built_ahead_in_one_pass_are_the_rfc_repairs_of_their_header():
+    """Reactive repairs owed over one span, and tail repairs, are built several at a time
+    (RLCEncoder.repairs_into); each one sent must still be the repair its header names."""
+    lost = set(range(10, 22)) | {70, 71, 72, 300}
+    tr, s, r = make_pair(size=600_000, blocks=20)
+    batches = []
+    build = s.encoder.repairs_into
+
+    def spy(out, first, nss, keys, dt=15):
+        batches.append(len(keys))
+        build(out, first, nss, keys, dt)
+
+    s.encoder.repairs_into = spy
+    net = Net(s, r, data=_drop_sources(lost))
+    net.run()
+    assert r.result.reason == "complete" and np.array_equal(r.result.payload, tr.payload)
+    assert batches and max(batches) > 1  # the one-pass path ran
+    ref = RLCEncoder(1280, window=4096, stream=tr.payload)
+    ref.add_stream_sources(ref.stream_symbols)
+    repairs = net.of_type(T.REPAIR)
+    assert len(repairs) >= sum(batches)
+    for _, d in repairs:
+        assert bytes(d.payload) == ref.repair(d.esi, d.nss, d.key, 15)
+
+
+def test_decoder_limits_are_sized_for_a_gigabit_link_with_40ms_rtt():
+    bdp = 1e9 * 0.040 / 8 / (1280 + 28 + 16 + 42)  # datagrams in flight
+    assert protocol.DECODER_WINDOW == protocol.decoder_window(1e9, 0.040) >= 2 * bdp
+    assert protocol.decoder_window(100e6, 0.020) == protocol.MIN_DECODER_WINDOW
+    assert protocol.decoder_window(10e9, 0.040) >= 20 * bdp
+    assert protocol.MAX_REPAIR_SPAN <= protocol.DECODER_WINDOW
+    # bounded state: the coefficient rows stay within what the 4096-ESI window allowed
+    assert protocol.MAX_PENDING_EQUATIONS * protocol.DECODER_WINDOW <= 4096 * 4096
+    _, s, r = make_pair(size=20_000)
+    Net(s, r).run(until=DELAY + 0.0005)  # the decoder exists from the first symbol on
+    assert r.decoder.max_window == protocol.DECODER_WINDOW
+    assert r.decoder.max_pending == protocol.MAX_PENDING_EQUATIONS
 
 
 def test_feedback_comes_periodically_and_at_once_on_a_loss():
