@@ -211,3 +211,24 @@ def run_race(
     computed = sum(s.tokens for s in steps if s.action == "compute")
     waited = sum(s.t1 - s.t0 for s in steps if s.action == "wait")
     return RaceResult(b.kv(), clock, computed, n - computed, waited, steps)
+
+
+def complete_missing(
+    model: Any, token_ids: list[int], received: KVCache, present: np.ndarray, block_tokens: int
+) -> RaceResult:
+    """The whole cache from a partial one after the fact (nothing more will arrive):
+    every token range present in all layers is loaded, every other one recomputed exactly.
+
+    present: ``[layers, tokens]`` as kvtransport.blocks.Reassembled gives it.
+    """
+    n = len(token_ids)
+    if present.shape != (received.num_layers, n):
+        raise ValueError(f"present {present.shape} != ({received.num_layers}, {n})")
+    ranges = -(-n // block_tokens)
+    pad = ranges * block_tokens - n
+    whole = np.pad(present.all(axis=0), (0, pad), constant_values=True)
+    ready_at = np.where(whole.reshape(ranges, block_tokens).all(axis=1), 0.0, np.inf)
+    link = LinkView(np.where(np.isfinite(ready_at), 0.0, np.inf), np.zeros(ranges), -1.0)
+    speed = ComputeSpeed(0.0, 1e-3)  # nothing is due: the speed only sizes waits
+    return run_race(model, token_ids, split=0, received=received, ready_at=ready_at,
+                    link=link, speed=speed, block_tokens=block_tokens)  # fmt: skip

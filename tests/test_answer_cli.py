@@ -77,3 +77,12 @@ def test_card_and_reprefill_give_the_same_answer(capsys, tmp_path, smollm):
     assert b["sent"] == made["blocks"] and b["missing"] == round(0.75 * made["blocks"])
     assert b["precisions"] == {"int4": b["used"]} and 0 < b["utility_used"] < 1
     assert b["order"] == "position"
+
+    # --complete: the dropped tail (fp32 blocks kept) is recomputed from the card's token
+    # ids, and the answer is the full card's again, token for token
+    drop = ["--drop", "0.3", "--order", "utility"]
+    code, out, err = _run(capsys, "answer", "--card", str(path), *q, *drop, "--complete")
+    assert code == 0, err
+    done = json.loads(out)
+    assert done["blocks"]["missing"] > 0 and done["blocks"]["recomputed_tokens"] > 0
+    assert done["tokens"] == from_card["tokens"]

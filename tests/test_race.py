@@ -184,3 +184,15 @@ def test_range_ready_at_is_the_last_layer(smollm, context):
     assert np.isinf(ready[0])  # never sent
     assert np.isinf(ready[1])  # one layer's block never came
     assert ready[2] == arrival[(m.token_block == 2) & (m.layer == g.num_layers - 1)][0]
+
+
+def test_complete_missing_recomputes_only_ranges_with_a_missing_block(smollm, context):
+    from kvtransport.race import complete_missing
+
+    ctx, _, kv = context
+    present = np.ones((kv.num_layers, len(ctx)), dtype=bool)
+    present[7, 2 * BT : 3 * BT] = False  # one layer's block of range 2
+    present[:, 4 * BT : 5 * BT] = False  # all of range 4
+    res = complete_missing(smollm.model, ctx, _poisoned(kv, [2, 4]), present, BT)
+    assert res.recomputed == res.computed == 2 * BT
+    assert _err(res.kv, kv) < TOL

@@ -13,7 +13,9 @@ DESCRIPTION = """\
 The downstream agent's side of a handoff. With --card, read the cache card, optionally
 degrade it the way a lossy transfer would (--drop the last FRACTION of the block stream
 sent in --order; --precision re-quantizes the blocks), inject it into the model with
-missing blocks masked per layer, append the question and answer greedily. With
+missing blocks masked per layer (or, with --complete, the token ranges with a missing
+block recomputed exactly from the card's token ids: kvtransport.race), append the
+question and answer greedily. With
 --context, re-prefill the context instead (the baseline a handoff avoids). With a
 complete card both print the same answer.
 
@@ -58,6 +60,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="fp32|fp16|int8|int4|mixed:BYTES: re-quantize the blocks (default: as stored)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random order")
+    parser.add_argument(
+        "--complete",
+        action="store_true",
+        help="recompute the token ranges with a missing block instead of masking them",
+    )
     parser.add_argument(
         "--max-new-tokens", type=int, default=64, metavar="N", help="answer length cap"
     )
@@ -158,6 +165,17 @@ def run(args: argparse.Namespace) -> int:
             "precisions": {np.dtype(kv.keys.dtype).name: n_blocks},
         }
     blocks_info["order"] = args.order
+    if args.complete and got is not None and not present.all():
+        from kvtransport.race import complete_missing
+
+        ids = got.cache.token_ids
+        if ids is None or np.any(ids < 0):
+            raise UserError("--complete needs the context's token ids; this card has none")
+        t = time.perf_counter()
+        done = complete_missing(loaded.model, ids.tolist(), kv, present, block_tokens)
+        kv, present = done.kv, np.ones_like(present)
+        timings["complete"] = time.perf_counter() - t
+        blocks_info["recomputed_tokens"] = done.computed
     t_gen = time.perf_counter()
     gen = hf.greedy_generate(
         loaded.model,
