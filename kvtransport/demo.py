@@ -212,7 +212,8 @@ def _prepare(cfg: DemoConfig, loaded: Any, ui: _Progress, timings: dict[str, flo
         loaded, sample, context_ids, cfg.card_dir
     )
     transfer = Transfer.from_encoded_stream(stream)
-    send_time = full_send_time(transfer.nbytes, _profile_rate_bps(), DEFAULT_SYMBOL_SIZE)
+    # both links seal every datagram (a per-run key): a 16-byte tag each
+    send_time = full_send_time(transfer.nbytes, _profile_rate_bps(), DEFAULT_SYMBOL_SIZE, True)
     return _Prepared(
         loaded, sample, context_ids, question_ids, probes, probe_ids, stream, cached,
         transfer, send_time, cfg.rho * send_time,

@@ -19,8 +19,9 @@ What to send: --card FILE (a cache card from `kvtransport prefill`), or a synthe
 stream of --size-mb random bytes in 12 KiB blocks with --utility block utilities.
 
 The deadline is --deadline-ms from now, or --rho times the time the whole stream takes
-loss-free at the link rate. Both ends must use the same --key (a file with the key, raw
-or hex, or the key in hex) or none.
+loss-free at the link rate. Both ends must use the same pre-shared key (--key-file, or
+the default key file ~/.config/kvtransport/key, made on first use: copy it to the peer
+host); --insecure on both ends runs without one.
 
 Examples:
   kvtransport recv --listen :9400 &
@@ -44,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     when.add_argument("--rho", type=float, help="deadline / loss-free send time (default 1.0)")
     p.add_argument("--policy", help="repair policy, as for simulate "
                    "(default: ddqn if its weights ship, else adaptive)")  # fmt: skip
-    _common.add_key(p, "pre-shared key: authenticate datagrams")
+    _common.add_key(p)
     _common.add_pacing(p)
     p.add_argument("--bind", default="0.0.0.0:0", metavar="HOST:PORT", help="local address")
     p.add_argument("--initial-rtt-ms", type=float, default=20.0,
@@ -71,13 +72,12 @@ def _transfer(args: argparse.Namespace) -> object:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtransport.api import parse_key
     from kvtransport.daemon import serve, warm_up
     from kvtransport.daemon_sender import SenderEngine, deadline_from
     from kvtransport.udp import DatagramSocket, clock, parse_address, set_realtime
 
     _common.check_sending(args)
-    key = parse_key(args.key)
+    key = _common.key_from(args)
     dest = parse_address(args.to, what="receiver")
     bind = parse_address(args.bind, what="--bind")
     transfer = _transfer(args)
