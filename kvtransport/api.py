@@ -1,7 +1,10 @@
 """The daemons' local API: ZeroMQ message layouts, default endpoints, result files.
 
 Control (both daemons): a ROUTER socket, by default on an ``ipc://`` path (a file, so a
-client in another network namespace reaches it too) or ``tcp://127.0.0.1``. A request is a
+client in another network namespace reaches it too) in a private runtime directory
+(:func:`runtime_dir`, mode 0700), or on ``tcp://`` loopback only (control is not
+authenticated: :func:`check_endpoint` refuses other hosts, and ipc:// directories that are
+not the user's own, on both the daemon's and the client's side). A request is a
 multipart message ``[header, *frames]`` (REQ framing); the header is one JSON object with
 an ``op``; the reply is ``[json]`` with ``ok`` and either the answer or ``error`` (one line).
 
@@ -54,7 +57,56 @@ from kvtransport.atomic import atomic_write
 from kvtransport.errors import UserError
 from kvtransport.transfer import BlockTable, Transfer, TransferResult
 
-_RUN_DIR = Path(os.environ.get("KVT_RUN_DIR", tempfile.gettempdir()))
+
+def runtime_dir() -> Path:
+    """Where the default ipc:// sockets live: ``$KVT_RUN_DIR``, else
+    ``$XDG_RUNTIME_DIR/kvtransport``, else ``/tmp/kvtransport-<uid>``; made 0700 when a
+    daemon or client first uses it (:func:`check_endpoint`)."""
+    env = os.environ.get("KVT_RUN_DIR")
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg:
+        return Path(xdg) / "kvtransport"
+    return Path(tempfile.gettempdir()) / f"kvtransport-{os.getuid()}"
+
+
+_LOOPBACK = ("127.", "[::1]", "localhost")
+
+
+def check_endpoint(endpoint: str) -> str:
+    """``endpoint`` if a daemon may bind it or a client may trust it, else a one-line
+    UserError. ``tcp://`` must be a loopback address; ``ipc://``'s directory is made (mode
+    0700) when missing and must then be owned by this user and closed to others' writes,
+    so nobody else can squat the socket path; ``inproc://`` is process-local."""
+    if endpoint.startswith("inproc://"):
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        host = endpoint[len("tcp://") :].rsplit(":", 1)[0]
+        if not host.startswith(_LOOPBACK):
+            raise UserError(
+                f"control endpoint {endpoint} is not on loopback: control requests are not "
+                "authenticated; use ipc:// or tcp://127.0.0.1:PORT"
+            )
+        return endpoint
+    if not endpoint.startswith("ipc://"):
+        raise UserError(f"endpoint {endpoint!r}: use ipc://PATH or tcp://127.0.0.1:PORT")
+    path = Path(endpoint[len("ipc://") :])
+    directory = path.parent
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = directory.stat()
+    except OSError as exc:
+        raise UserError(f"cannot use {endpoint}: {directory}: {exc.strerror}") from None
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise UserError(
+            f"{endpoint}: directory {directory} is not private (owner uid {st.st_uid}, mode "
+            f"{st.st_mode & 0o7777:04o}); use a directory only you can write (chmod 700)"
+        )
+    return endpoint
+
+
+_RUN_DIR = runtime_dir()
 DEFAULT_SENDER_CONTROL = f"ipc://{_RUN_DIR / 'kvtransport-sender.ipc'}"
 DEFAULT_RECEIVER_CONTROL = f"ipc://{_RUN_DIR / 'kvtransport-receiver.ipc'}"
 DEFAULT_RESULTS = f"ipc://{_RUN_DIR / 'kvtransport-results.ipc'}"
@@ -81,31 +133,6 @@ def parse_tid(value: object) -> int:
     if not 0 <= tid < 1 << 64:
         raise ApiError(f"transfer_id {value!r} does not fit 64 bits")
     return tid
-
-
-def parse_key(spec: str | None) -> bytes | None:
-    """``--key``: a file holding the key (raw bytes, or hex text) or the key in hex."""
-    if spec is None or spec == "":
-        return None
-    path = Path(spec)
-    if path.is_file():
-        try:
-            raw = path.read_bytes()
-        except OSError as exc:
-            raise UserError(f"cannot read key file {spec}: {exc.strerror}") from None
-        text = raw.strip()
-        try:
-            key = bytes.fromhex(text.decode("ascii")) if text else b""
-        except (UnicodeDecodeError, ValueError):
-            key = raw
-    else:
-        try:
-            key = bytes.fromhex(spec)
-        except ValueError:
-            raise UserError(f"--key {spec!r} is neither a file nor hex digits") from None
-    if not 1 <= len(key) <= 64:
-        raise UserError(f"the key must be 1..64 bytes (got {len(key)})")
-    return key
 
 
 def load_json_header(frame: object) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from kvtransport.api import (
     RESULT_TOPIC,
     ApiError,
     DeliveredResult,
+    check_endpoint,
     dump_json,
     format_tid,
     load_json_header,
@@ -82,6 +83,7 @@ class _Requester(_Socket):
     """One REQ socket to a daemon's control endpoint."""
 
     def __init__(self, endpoint: str, timeout_s: float, context: Any) -> None:
+        check_endpoint(endpoint)  # no request to a socket another user could have put there
         super().__init__("REQ", context)
         zmq = self._zmq
         self.endpoint = endpoint
@@ -217,6 +219,7 @@ class ResultSubscriber(_Socket):
     socket sends nothing to subscribers that were not connected yet)."""
 
     def __init__(self, endpoint: str = DEFAULT_RESULTS, *, context: Any = None) -> None:
+        check_endpoint(endpoint)
         super().__init__("SUB", context)
         self.sock.setsockopt(self._zmq.SUBSCRIBE, RESULT_TOPIC)
         self.sock.connect(endpoint)

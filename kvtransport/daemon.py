@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any, Protocol
 
-from kvtransport.api import ApiError, dump_json, load_json_header
+from kvtransport.api import ApiError, check_endpoint, dump_json, load_json_header
 from kvtransport.errors import UserError
 from kvtransport.udp import clock, set_timer_slack, wait_readable
 
@@ -189,17 +189,26 @@ Handler = Callable[[dict[str, Any], list], tuple[dict[str, Any], list] | dict[st
 
 
 def bind_endpoint(sock: Any, endpoint: str) -> None:
-    """Bind a ZeroMQ socket; an ipc:// path gets its directory made. UserError on failure."""
+    """Bind a ZeroMQ socket to a checked endpoint (kvtransport.api.check_endpoint: loopback
+    tcp, or ipc in a private directory, made 0700 when missing); an ipc:// socket file is
+    made owner-only. UserError on failure."""
     import zmq
 
-    if endpoint.startswith("ipc://"):
-        path = Path(endpoint[len("ipc://") :])
-        if path.parent and not path.parent.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
+    check_endpoint(endpoint)
     try:
         sock.bind(endpoint)
     except zmq.ZMQError as exc:
         raise UserError(f"cannot bind {endpoint}: {exc.strerror}") from None
+    if endpoint.startswith("ipc://"):
+        with contextlib.suppress(OSError):
+            Path(endpoint[len("ipc://") :]).chmod(0o600)
+
+
+def remove_ipc_file(endpoint: str) -> None:
+    """Remove the socket file of a bound ipc:// endpoint (after its socket is closed)."""
+    if endpoint.startswith("ipc://"):
+        with contextlib.suppress(OSError):
+            Path(endpoint[len("ipc://") :]).unlink()
 
 
 class ControlServer:
@@ -275,6 +284,7 @@ class ControlServer:
 
     def close(self) -> None:
         self.sock.close(linger=0)
+        remove_ipc_file(self.endpoint)
 
 
 class DaemonShell:

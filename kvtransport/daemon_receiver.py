@@ -337,7 +337,7 @@ class ReceiverDaemon(DaemonShell):
         bind: tuple[str, int],
         control: str,
         publish: str,
-        key: bytes | None = None,
+        key: bytes | None,
         out_dir: str | None = None,
         gro: bool = True,
         max_transfers: int = DEFAULT_MAX_TRANSFERS,
@@ -416,5 +416,8 @@ class ReceiverDaemon(DaemonShell):
         return f"results {self.publish_endpoint}, GRO {'on' if self.sock.gro else 'off'}"
 
     def close(self) -> None:
+        from kvtransport.daemon import remove_ipc_file
+
         self.pub.close(linger=2000)
+        remove_ipc_file(self.publish_endpoint)
         super().close()

@@ -455,7 +455,7 @@ class SenderDaemon(DaemonShell):
         bind: tuple[str, int],
         control: str,
         rate_bps: float,
-        key: bytes | None = None,
+        key: bytes | None,
         policy: str = "adaptive",
         symbol_size: int = DEFAULT_SYMBOL_SIZE,
         gso: bool = True,

@@ -247,7 +247,8 @@ def _prepare(cfg: DemoConfig, loaded: Any, ui: _Progress, timings: dict[str, flo
     plan, planned, link_budget = plan_stream(stream, context_ids, profile, speed, budget_s,
                                              len(question_ids), cfg.precision)  # fmt: skip
     transfer = Transfer.from_encoded_stream(planned)
-    send_time = full_send_time(transfer.nbytes, profile.rate_bps, DEFAULT_SYMBOL_SIZE)
+    # both links seal every datagram (a per-run key): a 16-byte tag each
+    send_time = full_send_time(transfer.nbytes, profile.rate_bps, DEFAULT_SYMBOL_SIZE, True)
     timings["plan"] = time.perf_counter() - t
     ui.note(f"plan: {plan.describe()}")
     deadline = max(link_budget, plan.finish_s)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import heapq
 import math
+import secrets
 import signal
 import socket
 import subprocess
@@ -151,6 +152,7 @@ class EmulatedLink(Link):
 
         self.profile = load_profile(profile)
         self.symbol_size = symbol_size or DEFAULT_SYMBOL_SIZE
+        self.key = secrets.token_bytes(32)  # per run: datagrams between the peers are sealed
         self.lookahead = self._min_delay()
         self.peers: list[_Peer] = []
         self.sender = self._spawn("sender")
@@ -207,9 +209,10 @@ class EmulatedLink(Link):
                 "transfer_id": req.transfer_id,
                 "symbol_size": self.symbol_size,
                 "initial_rtt": INITIAL_RTT_S,
+                "key": self.key,
             },
         )
-        self.receiver.call("start", {"transfer_id": req.transfer_id})
+        self.receiver.call("start", {"transfer_id": req.transfer_id, "key": self.key})
         to_rx: list[tuple[float, int, bytes]] = []
         to_tx: list[tuple[float, int, bytes]] = []
         order = 0
@@ -355,6 +358,7 @@ class _SenderPeer(_PeerRole):
             transfer_id=msg["transfer_id"],
             symbol_size=msg["symbol_size"],
             initial_rtt=msg["initial_rtt"],
+            key=msg["key"],
         )
         return ()
 
@@ -383,11 +387,13 @@ class _ReceiverPeer(_PeerRole):
 
     def __init__(self) -> None:
         self.transfer_id = 0
+        self.key: bytes | None = None
         self.session = None
         self.reported = False
 
     def start(self, msg: dict[str, Any]) -> tuple:
         self.transfer_id = int(msg["transfer_id"])
+        self.key = msg["key"]
         self.session = None
         self.reported = False
         return ()
@@ -401,7 +407,7 @@ class _ReceiverPeer(_PeerRole):
             s = self.session
             if datagram is not None:
                 if s is None:
-                    s = self.session = ReceiverSession(self.transfer_id, now=t)
+                    s = self.session = ReceiverSession(self.transfer_id, key=self.key, now=t)
                 s.receive_datagram(datagram, t)
             else:
                 s.handle_timer(t)

@@ -41,12 +41,14 @@ class NetnsLink(Link):
     and sends one small warm-up transfer per policy in ``policies``. The testbed is private
     to this process (prefix from the pid) and removed by :meth:`close`; the daemons'
     control and result sockets are ipc:// files in a private temporary directory, so
-    nothing collides with other runs.
+    nothing collides with other runs, and a key made for this run (a 0600 file in that
+    directory) seals their datagrams.
     """
 
     name = "netns"
 
     def __init__(self, seed: int, profile: str = PROFILE, policies: tuple[str, ...] = ()) -> None:
+        from kvtransport.keys import generate_key_file
         from kvtransport.netem.testbed import RCV_ADDR, Testbed
 
         self.policies = policies
@@ -57,11 +59,13 @@ class NetnsLink(Link):
             name: f"ipc://{self.dir}/{name}.ipc" for name in ("sender", "receiver", "results")
         }
         self.dest = f"{RCV_ADDR}:{RECEIVER_PORT}"
+        key_file = self.dir / "key"
+        generate_key_file(key_file)  # per run: the demo's fixed transfer ids never meet a key twice
         self.tb = Testbed(profile, prefix=f"kvd{os.getpid() % 100000}", seed=seed, shaper="relay")
         self.tb.up()
         try:
             cli = [sys.executable, "-m", "kvtransport"]
-            rt = ["--realtime", str(DAEMON_PRIORITY)]
+            rt = ["--realtime", str(DAEMON_PRIORITY), "--key-file", str(key_file)]
             ep = self.endpoints
             self._spawn("receiver", "rcv", [*cli, "receiver-daemon", "--listen", self.dest,
                         "--control", ep["receiver"], "--publish", ep["results"], *rt])  # fmt: skip

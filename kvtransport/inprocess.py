@@ -28,7 +28,7 @@ import threading
 from collections.abc import Generator
 from typing import Any
 
-from kvtransport.api import DeliveredResult, parse_key
+from kvtransport.api import DeliveredResult
 from kvtransport.daemon import StopSignal, serve, warm_up
 from kvtransport.errors import UserError
 from kvtransport.protocol import DEFAULT_INITIAL_RTT, DEFAULT_SYMBOL_SIZE
@@ -180,11 +180,17 @@ def _address(to: str | tuple[str, int], what: str) -> tuple[str, int]:
     return parse_address(str(to), what=what)
 
 
-def _key(key: bytes | str | None) -> bytes | None:
-    """Raw bytes as they are; text is a key file or hex digits (as ``--key``)."""
+def _key(key: bytes | str | None, insecure: bool = False) -> bytes | None:
+    """Secure by default, as the commands: raw bytes as they are; text is a key file or
+    hex digits (as ``--key``); None is the default key file (made on first use), or no key
+    at all only with ``insecure`` (kvtransport.keys.resolve_key)."""
+    from kvtransport.keys import check_key, resolve_key
+
     if isinstance(key, bytes | bytearray):
-        return bytes(key)
-    return parse_key(key)
+        if insecure:
+            raise UserError("insecure runs without a key; drop key= or insecure=")
+        return check_key(bytes(key), "key")
+    return resolve_key(None, key, insecure)
 
 
 def _warm(key: bytes | None, policy: str) -> None:
@@ -206,6 +212,7 @@ def send(
     deadline_ms: float | None = None,
     rho: float | None = None,
     key: bytes | str | None = None,
+    insecure: bool = False,
     rate_mbps: float = 100.0,
     policy: str | None = None,
     bind: str = "0.0.0.0:0",
@@ -220,7 +227,8 @@ def send(
 
     cache_or_card: see :func:`as_transfer`. The deadline is ``deadline_ms`` from now, or
     ``rho`` times the loss-free send time at ``rate_mbps`` (default rho 1). ``key``: the
-    pre-shared key (bytes, a key file or hex digits); both ends must agree. ``policy``:
+    pre-shared key (bytes, a key file or hex digits; default: the default key file, as
+    the commands use; ``insecure=True`` sends in the clear); both ends must agree. ``policy``:
     the repair policy (default: the shipped DDQN, else adaptive). With ``deadline_ms``
     a cache, card or stream is sent as the handoff plan encodes it for that deadline
     (kvtransport.plan: ``precision`` "auto" = fp16 or int8 per block by utility, for
@@ -234,7 +242,7 @@ def send(
     from kvtransport.daemon_sender import deadline_from
     from kvtransport.policy import default_policy, make_policy
 
-    raw_key = _key(key)
+    raw_key = _key(key, insecure)
     dest = _address(to, "receiver")
     local = parse_address(bind, what="bind")
     plan = None
@@ -305,6 +313,7 @@ class Receiver:
         listen: str = DEFAULT_LISTEN,
         *,
         key: bytes | str | None = None,
+        insecure: bool = False,
         timeout_s: float = 60.0,
         idle_timeout_s: float = 10.0,
         max_mb: float = 1024.0,
@@ -312,7 +321,7 @@ class Receiver:
     ) -> None:
         if not (timeout_s > 0 and idle_timeout_s > 0 and max_mb > 0):
             raise UserError("timeout_s, idle_timeout_s and max_mb must be positive")
-        raw_key = _key(key)
+        raw_key = _key(key, insecure)
         bind = parse_address(listen, what="listen")
         _warm(raw_key, "fixed:1/4")
         self.sock = DatagramSocket(bind, gro=gro)

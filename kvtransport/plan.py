@@ -50,18 +50,20 @@ NO_RECEIVER_COMPUTE = ComputeSpeed(per_call_s=float("inf"), per_token_s=float("i
 
 @dataclass(frozen=True)
 class LinkEstimate:
-    """What the sender assumes of the link: rate, loss share, one-way delay."""
+    """What the sender assumes of the link: rate, loss share, one-way delay; whether
+    datagrams carry an authentication tag (sealed, the default)."""
 
     rate_bps: float
     loss: float
     one_way_s: float
     symbol_size: int
+    sealed: bool = True
 
     def seconds(self, payload_bytes: float, repair_margin: float = DEFAULT_REPAIR_MARGIN) -> float:
         """Expected time until ``payload_bytes`` are at the receiver (0 bytes: 0 s)."""
         if payload_bytes <= 0:
             return 0.0
-        wire = full_send_time(int(payload_bytes), self.rate_bps, self.symbol_size)
+        wire = full_send_time(int(payload_bytes), self.rate_bps, self.symbol_size, self.sealed)
         return self.one_way_s + wire * (1.0 + repair_margin) / max(1.0 - self.loss, 0.05)
 
     def max_bytes(self, seconds: float, repair_margin: float = DEFAULT_REPAIR_MARGIN) -> int:

@@ -1,15 +1,16 @@
 """Wire format: one versioned header for every kvtransport datagram.
 
 Every datagram (data path and feedback path) starts with the same fixed 28-byte header,
-network byte order, followed by the payload and, when the transfer is authenticated, a
-16-byte keyed BLAKE2b tag over header and payload::
+network byte order, followed by the payload; with a pre-shared key (the default everywhere
+a user runs the transport) the payload is sealed with AES-256-GCM (see "Sealing" below)::
 
     offset size field         meaning
     ------ ---- ------------- -----------------------------------------------------------
      0     2    magic         0x4B56 ("KV")
-     2     1    version       1
+     2     1    version       2
      3     1    type          DatagramType (table below)
-     4     1    flags         bit 0 TAGGED: a 16-byte tag follows the payload
+     4     1    flags         bit 0 SEALED: the payload is AES-GCM ciphertext and a 16-byte
+                              tag follows it
                               bit 1 RETRANSMIT: an ARQ retransmission of a source symbol
                               other bits must be 0
      5     1    reserved      must be 0
@@ -22,9 +23,20 @@ network byte order, followed by the payload and, when the transfer is authentica
     20     2    key           FEC payload id, first half (per type, below)
     22     2    dt_nss        DT (4 high bits) and NSS (12 low bits) per RFC 8681
     24     4    esi           FEC payload id, ESI part (per type, below)
-    28     n    payload
-    28+n   16   tag           only with TAGGED: BLAKE2b(key=psk, digest_size=16)
-                              over bytes 0 .. 28+n
+    28     n    payload       plaintext, or with SEALED its AES-GCM ciphertext (same length)
+    28+n   16   tag           only with SEALED: the AES-GCM tag over header and payload
+
+Sealing (one mechanism for every type: sources, repairs, manifest, feedback, control).
+Each transfer has its own AES-256 key, ``HKDF-SHA256(ikm = pre-shared key, salt =
+transfer_id as 8 bytes, info = "kvtransport/2 datagram AES-256-GCM")``; the transfer id is
+64 random bits the sender draws per transfer, so it is the per-transfer salt. The 96-bit
+GCM nonce is ``direction (u32: 0 sender -> receiver, 1 the FEEDBACK type, receiver ->
+sender) | seq (u64)``: each direction numbers its datagrams 0, 1, 2, ... (a :class:`Framer`
+refuses to go back), so no nonce repeats under one key. The 28-byte header is the
+associated data: every header bit is authenticated, and a datagram moved to another
+transfer, direction or sequence number fails its tag. Without a key (the explicit
+``--insecure`` mode) datagrams carry plaintext and no tag, and a keyed parser rejects
+them (and an unkeyed one rejects sealed ones) as ``bad_tag``.
 
 Per type (the FEC payload id fields are RFC 8681's: a source symbol carries its 32-bit ESI;
 a repair symbol carries Repair_Key 16, DT 4, NSS 12 and the ESI of the first source symbol
@@ -57,29 +69,40 @@ Parsing is defensive: whatever the bytes, :func:`parse` either returns a :class:
 or raises a :class:`WireError` subclass whose ``reason`` names a counter; nothing else
 escapes. Per-packet cost matters (a few microseconds per datagram in Python), so the header
 is one precompiled ``struct.Struct``, datagrams are built in one preallocated buffer by
-:class:`Framer`, payloads come back as memoryview slices, and the keyed hash state is made
-once and copied per packet.
+:class:`Framer`, payloads come back as memoryviews (slices of the caller's buffer when
+unsealed, of the decrypted copy when sealed), and each transfer's AES-GCM context is
+derived once and kept (a :class:`Parser` keeps the most recent ``MAX_CACHED_KEYS``).
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import struct
 from enum import IntEnum
 from typing import NamedTuple, NoReturn
 
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
 MAGIC = 0x4B56
-VERSION = 1
+VERSION = 2
 HEADER = struct.Struct("!HBBBBHQIHHI")
 HEADER_SIZE = HEADER.size  # 28
 TAG_SIZE = 16
 MAX_DATAGRAM = 65507  # largest UDP payload over IPv4
 MAX_PAYLOAD = MAX_DATAGRAM - HEADER_SIZE - TAG_SIZE
 
-FLAG_TAGGED = 0x01
+FLAG_SEALED = 0x01
 FLAG_RETRANSMIT = 0x02
-_KNOWN_FLAGS = FLAG_TAGGED | FLAG_RETRANSMIT
+_KNOWN_FLAGS = FLAG_SEALED | FLAG_RETRANSMIT
+
+MIN_KEY_BYTES = 16
+MAX_KEY_BYTES = 64
+MAX_CACHED_KEYS = 256
+"""Per-transfer AES-GCM contexts a :class:`Parser` keeps (forged transfer ids cannot grow
+it beyond this; an evicted genuine transfer's context is derived again)."""
+_HKDF_INFO = b"kvtransport/2 datagram AES-256-GCM"
 
 MAX_NSS = 0x0FFF
 MAX_DT = 15
@@ -104,11 +127,12 @@ _SOURCE_TYPE = int(DatagramType.SOURCE)
 # reserved as one u16 (so a good header passes a few integer tests).
 _FAST = struct.Struct("!IHHQIHHI")
 _PREFIX = MAGIC << 16 | VERSION << 8
-_TAGGED_BIT = FLAG_TAGGED << 8
+_SEALED_BIT = FLAG_SEALED << 8
 _RETRANSMIT_BIT = FLAG_RETRANSMIT << 8
 _BAD_BITS = 0xFFFF & ~(_KNOWN_FLAGS << 8)  # unknown flags, or a non-zero reserved byte
 _tuple_new = tuple.__new__  # a Datagram without the Python-level NamedTuple constructor
-_compare_digest = hmac.compare_digest
+_NONCE = struct.Struct("!IQ")  # direction, seq: the 96-bit GCM nonce
+_FEEDBACK_TYPE = 4  # DatagramType.FEEDBACK: the receiver -> sender direction
 
 
 class ControlCode(IntEnum):
@@ -166,7 +190,8 @@ class BadLength(WireError):
 
 
 class BadTag(WireError):
-    """Missing, unexpected or wrong authentication tag."""
+    """Missing, unexpected or wrong authentication tag (a sealed datagram that does not
+    open under this transfer's key, or a sealed/unsealed mismatch)."""
 
     reason = "bad_tag"
 
@@ -198,35 +223,58 @@ class Datagram(NamedTuple):
         return self.dt_nss & MAX_NSS
 
 
-def _keyed_hash(key: bytes | None) -> object | None:
-    if key is None:
-        return None
-    if not isinstance(key, bytes | bytearray) or not 1 <= len(key) <= 64:
-        raise ValueError("the pre-shared key must be 1..64 bytes (BLAKE2b key)")
-    return hashlib.blake2b(key=bytes(key), digest_size=TAG_SIZE)
+def check_key(key: bytes) -> bytes:
+    """``key`` as bytes if it is a usable pre-shared key (16..64 bytes), else ValueError."""
+    if not isinstance(key, bytes | bytearray) or not (MIN_KEY_BYTES <= len(key) <= MAX_KEY_BYTES):
+        n = len(key) if isinstance(key, bytes | bytearray) else type(key).__name__
+        raise ValueError(
+            f"the pre-shared key must be {MIN_KEY_BYTES}..{MAX_KEY_BYTES} bytes (got {n})"
+        )
+    return bytes(key)
+
+
+def transfer_cipher(key: bytes, transfer_id: int) -> AESGCM:
+    """The AES-256-GCM context of one transfer: its key is HKDF-SHA256 of the pre-shared
+    ``key`` (already checked) salted with the transfer id (module docstring)."""
+    kdf = HKDF(
+        algorithm=hashes.SHA256(),
+        length=32,
+        salt=transfer_id.to_bytes(8, "big"),
+        info=_HKDF_INFO,
+    )
+    return AESGCM(kdf.derive(key))
 
 
 class Parser:
-    """Parses and authenticates datagrams with one pre-shared key (or none).
+    """Parses and opens datagrams under one pre-shared key (or none: insecure mode).
 
-    With a key, untagged datagrams and wrong tags raise :class:`BadTag`; without a key,
-    tagged datagrams raise :class:`BadTag` too (they cannot be checked, and accepting
-    them would hide a misconfigured peer).
+    With a key, unsealed datagrams and ones that do not open under their transfer's key
+    raise :class:`BadTag`; without a key, sealed datagrams raise :class:`BadTag` too (they
+    cannot be opened, and accepting them would hide a misconfigured peer). Per-transfer
+    contexts are cached (at most ``MAX_CACHED_KEYS``, oldest evicted first).
     """
 
-    __slots__ = ("_hash",)
+    __slots__ = ("_key", "_ciphers")
 
     def __init__(self, key: bytes | None = None) -> None:
-        self._hash = _keyed_hash(key)
+        self._key = None if key is None else check_key(key)
+        self._ciphers: dict[int, AESGCM] = {}
+
+    def _cipher(self, tid: int) -> AESGCM:
+        ciphers = self._ciphers
+        if len(ciphers) >= MAX_CACHED_KEYS:
+            del ciphers[next(iter(ciphers))]
+        c = ciphers[tid] = transfer_cipher(self._key, tid)
+        return c
 
     def parse(self, data: bytes | bytearray | memoryview) -> Datagram:
         """Return the datagram in ``data`` or raise a :class:`WireError`.
 
         The hot path of every receiver: a well-formed datagram passes one combined test of
         the header (magic, version, type, flags and lengths in a few integer comparisons)
-        and, with a key, one tag check on a copy of the precomputed keyed state; anything
-        that fails it goes through :meth:`_reject`, which names the first problem in the
-        documented order.
+        and, with a key, one AES-GCM open with its transfer's cached context; anything
+        that fails the header test goes through :meth:`_reject`, which names the first
+        problem in the documented order.
         """
         n = len(data)
         if n < HEADER_SIZE:
@@ -234,27 +282,36 @@ class Parser:
         mvt, fr, plen, tid, seq, key, dt_nss, esi = _FAST.unpack_from(data, 0)
         dtype = mvt & 0xFF
         end = HEADER_SIZE + plen
-        h = self._hash
+        sealed = self._key is not None
         if (
             mvt & 0xFFFFFF00 != _PREFIX
             or fr & _BAD_BITS
             or not 0 < dtype <= _MAX_TYPE
-            or n != (end + TAG_SIZE if h is not None else end)
+            or n != (end + TAG_SIZE if sealed else end)
             or n > MAX_DATAGRAM
-            or (fr & _TAGGED_BIT) != (_TAGGED_BIT if h is not None else 0)
+            or (fr & _SEALED_BIT) != (_SEALED_BIT if sealed else 0)
         ):
             self._reject(data)
         mv = memoryview(data)
-        if h is not None:
-            hh = h.copy()
-            hh.update(mv[:end])
-            if not _compare_digest(hh.digest(), mv[end:n]):
-                raise BadTag("tag mismatch")
         if fr & _RETRANSMIT_BIT and dtype != _SOURCE_TYPE:
             raise BadType("RETRANSMIT flag on a non-source datagram")
-        return _tuple_new(
-            Datagram, (dtype, fr >> 8, tid, seq, key, dt_nss, esi, mv[HEADER_SIZE:end])
-        )
+        if sealed:
+            c = self._ciphers.get(tid)
+            if c is None:
+                c = self._cipher(tid)
+            try:
+                payload = memoryview(
+                    c.decrypt(
+                        _NONCE.pack(dtype == _FEEDBACK_TYPE, seq),
+                        mv[HEADER_SIZE:n],
+                        mv[:HEADER_SIZE],
+                    )
+                )
+            except InvalidTag:
+                raise BadTag("datagram does not open under its transfer's key") from None
+        else:
+            payload = mv[HEADER_SIZE:end]
+        return _tuple_new(Datagram, (dtype, fr >> 8, tid, seq, key, dt_nss, esi, payload))
 
     def _reject(self, data: bytes | bytearray | memoryview) -> NoReturn:
         """Raise the :class:`WireError` that names what is wrong with ``data`` (checked in
@@ -274,16 +331,16 @@ class Parser:
         if flags & ~_KNOWN_FLAGS or reserved:
             raise BadType(f"unknown flags {flags:#x}/{reserved:#x}")
         end = HEADER_SIZE + plen
-        tagged = flags & FLAG_TAGGED
-        expect = end + TAG_SIZE if tagged else end
+        sealed = flags & FLAG_SEALED
+        expect = end + TAG_SIZE if sealed else end
         if n < expect:
             raise Truncated(f"{n} bytes < {expect} announced")
         if n > expect:
             raise BadLength(f"{n} bytes > {expect} announced")
-        if self._hash is not None and not tagged:
-            raise BadTag("untagged datagram on an authenticated transfer")
-        if self._hash is None and tagged:
-            raise BadTag("tagged datagram but no key configured")
+        if self._key is not None and not sealed:
+            raise BadTag("unsealed datagram but a key is configured")
+        if self._key is None and sealed:
+            raise BadTag("sealed datagram but no key configured (insecure mode)")
         raise WireError("malformed")  # pragma: no cover (parse lets only good ones through)
 
 
@@ -296,21 +353,24 @@ class Framer:
     """Builds datagrams of one transfer in one preallocated buffer.
 
     Hot path: write the payload into :meth:`payload_view` (or let a codec write it
-    there with ``repair_into``), then :meth:`finish` packs the header, appends the tag
-    and returns the datagram as ``bytes`` (the only copy).
+    there with ``repair_into``), then :meth:`finish` packs the header, seals the payload
+    (with a key) and returns the datagram as ``bytes``. Sequence numbers must increase
+    per direction (FEEDBACK, everything else): the nonce is made of them, so a repeat
+    raises ValueError instead of reusing a nonce.
     """
 
-    __slots__ = ("transfer_id", "_hash", "_flags", "_tag_len", "buf", "_mv")
+    __slots__ = ("transfer_id", "_cipher", "_flags", "_tag_len", "_next_seq", "buf", "_mv")
 
-    def __init__(self, transfer_id: int, key: bytes | None = None, max_payload: int = 2048):
+    def __init__(self, transfer_id: int, key: bytes | None = None, max_payload: int = 2048) -> None:
         if not 0 <= transfer_id < 1 << 64:
             raise ValueError("transfer_id must fit 64 bits")
         if not 0 < max_payload <= MAX_PAYLOAD:
             raise ValueError(f"max_payload must be 1..{MAX_PAYLOAD}")
         self.transfer_id = transfer_id
-        self._hash = _keyed_hash(key)
-        self._flags = FLAG_TAGGED if self._hash is not None else 0
-        self._tag_len = TAG_SIZE if self._hash is not None else 0
+        self._cipher = None if key is None else transfer_cipher(check_key(key), transfer_id)
+        self._flags = FLAG_SEALED if key is not None else 0
+        self._tag_len = TAG_SIZE if key is not None else 0
+        self._next_seq = [0, 0]  # per direction: the lowest seq not yet used
         self.buf = bytearray(HEADER_SIZE + max_payload + TAG_SIZE)
         self._mv = memoryview(self.buf)
 
@@ -333,7 +393,12 @@ class Framer:
         dt_nss: int = 0,
         flags: int = 0,
     ) -> bytes:
-        """Pack the header for an ``n``-byte payload already in place; return the datagram."""
+        """Pack the header for an ``n``-byte payload already in place, seal it; return the
+        datagram."""
+        direction = dtype == _FEEDBACK_TYPE
+        nxt = self._next_seq
+        if seq < nxt[direction]:
+            raise ValueError(f"seq {seq} already used in this direction (nonce reuse)")
         HEADER.pack_into(
             self.buf,
             0,
@@ -349,14 +414,14 @@ class Framer:
             dt_nss,
             esi,
         )
+        nxt[direction] = seq + 1
         end = HEADER_SIZE + n
-        h = self._hash
-        if h is not None:
-            hh = h.copy()
-            hh.update(self._mv[:end])
-            self._mv[end : end + TAG_SIZE] = hh.digest()
-            end += TAG_SIZE
-        return bytes(self._mv[:end])
+        c = self._cipher
+        mv = self._mv
+        if c is None:
+            return bytes(mv[:end])
+        header = bytes(mv[:HEADER_SIZE])
+        return header + c.encrypt(_NONCE.pack(direction, seq), mv[HEADER_SIZE:end], header)
 
     def build(
         self,

@@ -9,7 +9,20 @@ To add a fixture: put it here if several test files need it (keep it cheap, or
 session-scoped and documented), otherwise in the test file that uses it.
 """
 
+import atexit
+import os
+import shutil
+import tempfile
+
 import pytest
+
+# Keys and control sockets of everything the tests start (in this process and in the
+# daemons they spawn, which inherit the environment) stay in a private directory of this
+# run: the default key file is made there on first use, never in the user's home.
+_PRIVATE = tempfile.mkdtemp(prefix="kvt-test-")
+os.environ.setdefault("KVT_KEY_FILE", os.path.join(_PRIVATE, "key"))
+os.environ.setdefault("KVT_RUN_DIR", os.path.join(_PRIVATE, "run"))
+atexit.register(shutil.rmtree, _PRIVATE, True)
 
 
 @pytest.fixture(scope="session")

@@ -94,14 +94,17 @@ def test_emulated_link_reproduces_the_simulator():
     receiver takes its deadline from the manifest, as the daemon does; the sender's stop
     time leaves nothing to arrive in the extra one-way delay)."""
     tr = synthetic_transfer(1_500_000, 122, "zipf", seed=4)
-    deadline = 0.8 * full_send_time(tr.nbytes, 100e6, 1280)
+    deadline = 0.8 * full_send_time(tr.nbytes, 100e6, 1280, True)  # sealed: 16-byte tags
     link = EmulatedLink()
     procs = [p.proc for p in link.peers]
     try:
         link.load(tr)
         for policy in ("none", "block-rs:4/32", "adaptive"):
             got = link.transfer(policy, deadline_s=deadline, transfer_id=77, seed=9)
-            sim = simulate(tr, channel="ge-heavy", rho=0.8, policy=policy, seed=9, record=False)
+            sim = simulate(
+                tr, channel="ge-heavy", rho=0.8, policy=policy, seed=9, record=False,
+                key=b"any key of 16+ bytes",  # the link seals with its own per-run key
+            )  # fmt: skip
             assert got.utility == sim.utility_recovered, policy
             assert int((~got.complete).sum()) == sim.blocks_missing, policy
             assert got.counters["datagrams_sent"] == sim.packets_sent, policy

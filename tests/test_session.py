@@ -360,9 +360,9 @@ def test_garbage_is_counted_by_reason_and_changes_nothing():
 
 
 def test_wrong_key_receiver_accepts_nothing():
-    tr, s, _ = make_pair(size=50_000, blocks=5, key=b"right key")
-    r = ReceiverSession(TID, key=b"wrong key", deadline=1.0)
-    Net(s, r, key=b"right key").run(until=1.5)
+    tr, s, _ = make_pair(size=50_000, blocks=5, key=b"the right key, 32 bytes long....")
+    r = ReceiverSession(TID, key=b"the wrong key, 32 bytes long....", deadline=1.0)
+    Net(s, r, key=b"the right key, 32 bytes long....").run(until=1.5)
     assert r.n_known == 0 and r.drop_reasons["bad_tag"] > 10 and r.result.manifest is None
 
 

@@ -5,13 +5,14 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
 import pytest
 
 from kvtransport import card
-from kvtransport.api import parse_key, read_result_file
+from kvtransport.api import read_result_file
 from kvtransport.cli import main
 from kvtransport.errors import UserError
 from kvtransport.kvcache import KVCache
@@ -102,21 +103,12 @@ def test_a_tiny_batch_buffer_still_reads_whole_datagrams():
     assert len(got) == 1 and len(got[0][0]) == 60000 and rx.stats["truncated"] == 0
 
 
-def test_address_and_key_parsing(tmp_path):
+def test_address_parsing():
     assert parse_address(":9400") == ("0.0.0.0", 9400)
     assert parse_address("127.0.0.1:5") == ("127.0.0.1", 5)
     for bad in ("host:port", "1.2.3.4:70000", "no-such-host.invalid:1"):
         with pytest.raises(UserError):
             parse_address(bad)
-    assert parse_key(None) is None
-    assert parse_key("00ff") == b"\x00\xff"
-    (tmp_path / "hex").write_text("0a0b0c\n")
-    assert parse_key(str(tmp_path / "hex")) == b"\x0a\x0b\x0c"
-    (tmp_path / "raw").write_bytes(b"\xff\xfe secret")
-    assert parse_key(str(tmp_path / "raw")) == b"\xff\xfe secret"
-    for bad in ("xyz", "00" * 65):
-        with pytest.raises(UserError):
-            parse_key(bad)
 
 
 # ---------------------------------------------------------------------------- send / recv
@@ -130,8 +122,11 @@ def _start_recv(*args):
         stderr=subprocess.PIPE,
         text=True,
     )
-    line = rx.stderr.readline()
-    assert "listening on" in line, line + rx.stderr.read()
+    lines = [rx.stderr.readline()]
+    while "pre-shared key" in lines[-1]:  # a key file made on first use is logged first
+        lines.append(rx.stderr.readline())
+    line = lines[-1]
+    assert "listening on" in line, "".join(lines) + rx.stderr.read()
     return rx, int(line.rsplit(":", 1)[1])
 
 
@@ -257,3 +252,84 @@ def test_send_and_recv_refuse_bad_arguments_in_one_line(tmp_path, capsys):
         assert main(args) == 2, args
         err = capsys.readouterr().err.strip().splitlines()
         assert msg in err[-1] and "Traceback" not in "".join(err), (args, err)
+
+
+class _TamperingProxy:
+    """A man in the middle on loopback: every datagram, either way, is preceded by a copy
+    with one random bit flipped; everything that crosses is recorded."""
+
+    def __init__(self, rx_port, seed=3):
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.settimeout(0.2)
+        self.port = self.sock.getsockname()[1]
+        self.rx = ("127.0.0.1", rx_port)
+        self.sender = None
+        self.rng = np.random.default_rng(seed)
+        self.wire = []
+        self.tampered = {"to_receiver": 0, "to_sender": 0}
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _loop(self):
+        while not self.stop.is_set():
+            try:
+                data, addr = self.sock.recvfrom(65536)
+            except TimeoutError:
+                continue
+            if addr == self.rx:
+                dest, way = self.sender, "to_sender"
+            else:
+                self.sender, dest, way = addr, self.rx, "to_receiver"
+            if dest is None:
+                continue
+            bad = bytearray(data)
+            bit = int(self.rng.integers(0, 8 * len(bad)))
+            bad[bit // 8] ^= 1 << (bit % 8)
+            self.sock.sendto(bytes(bad), dest)
+            self.sock.sendto(data, dest)
+            self.tampered[way] += 1
+            self.wire.append(data)
+
+    def close(self):
+        self.stop.set()
+        self.thread.join()
+        self.sock.close()
+
+
+def test_default_setup_survives_a_tampering_man_in_the_middle_and_hides_the_payload(
+    tmp_path, capsys
+):
+    """No key options at all (the default key file on both ends): a tampered copy ahead of
+    every datagram both ways; the transfer is byte-exact, every tampered copy is dropped,
+    and no 24-byte run of the payload is readable on the wire."""
+    rx, port = _start_recv("--idle-timeout", "2", "--out", str(tmp_path))
+    proxy = _TamperingProxy(port)
+    try:
+        args = ["send", f"127.0.0.1:{proxy.port}", "--json", "--size-mb", "0.5"]
+        assert main([*args, "--rate-mbps", "50", "--rho", "4", "--seed", "11"]) == 0
+        out, err = rx.communicate(timeout=60)
+    finally:
+        if rx.poll() is None:
+            rx.kill()
+            rx.wait()
+        proxy.close()
+    assert rx.returncode == 0, err
+    sent_st, recv_st = json.loads(capsys.readouterr().out), json.loads(out)
+    assert recv_st["reason"] == "complete" and recv_st["utility"] == pytest.approx(1.0)
+    expect = synthetic_transfer(500_000, 500_000 // 12_288, "zipf", seed=11)
+    assert recv_st["source_received"] == -(-500_000 // 1280)
+    # every tampered copy that reached a session was dropped (none was accepted)
+    assert recv_st["source_received"] - 1 <= recv_st["dropped"] <= proxy.tampered["to_receiver"]
+    res = read_result_file(recv_st["file"])
+    assert res.complete.all() and np.array_equal(res.payload, expect.payload)
+    # the sender: tampered feedback dropped, only genuine feedback counted
+    assert 0 < sum(sent_st["drop_reasons"].values()) <= proxy.tampered["to_sender"]
+    assert sent_st["feedback_received"] <= proxy.tampered["to_sender"]
+    blob = b"".join(proxy.wire)
+    rng = np.random.default_rng(0)
+    payload = expect.payload.tobytes()
+    for esi in rng.integers(0, len(payload) // 1280, 300):
+        off = int(esi) * 1280 + int(rng.integers(0, 1280 - 24))
+        assert payload[off : off + 24] not in blob

@@ -3,6 +3,10 @@
 import struct
 
 import pytest
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -89,14 +93,14 @@ def _header(**kw):
         (_header() + b"abcde", wire.BadLength),  # trailing bytes
         (_header(plen=0) + b"x" * 70000, wire.Oversized),
         (_header(magic=0x4B57) + b"abcd", wire.BadMagic),
-        (_header(version=2) + b"abcd", wire.BadVersion),
+        (_header(version=1) + b"abcd", wire.BadVersion),  # the BLAKE2b-tag format
         (_header(type=0) + b"abcd", wire.BadType),
         (_header(type=99) + b"abcd", wire.BadType),
         (_header(flags=0x80) + b"abcd", wire.BadType),
         (_header(reserved=1) + b"abcd", wire.BadType),
         (_header(type=T.REPAIR, flags=wire.FLAG_RETRANSMIT) + b"abcd", wire.BadType),
-        (_header(flags=wire.FLAG_TAGGED) + b"abcd" + b"t" * 16, wire.BadTag),  # no key here
-        (_header(flags=wire.FLAG_TAGGED) + b"abcd" + b"t" * 15, wire.Truncated),
+        (_header(flags=wire.FLAG_SEALED) + b"abcd" + b"t" * 16, wire.BadTag),  # no key here
+        (_header(flags=wire.FLAG_SEALED) + b"abcd" + b"t" * 15, wire.Truncated),
     ],
 )
 def test_malformed_datagrams_raise_their_error(data, error):
@@ -123,8 +127,37 @@ def test_authentication_rejects_forged_missing_and_foreign_key_tags():
         parser.parse(bytes(tampered))
     with pytest.raises(wire.BadTag):  # no tag at all on a keyed transfer
         parser.parse(wire.Framer(TID).build(T.SOURCE, 3, b"payload", esi=1))
-    with pytest.raises(wire.BadTag):  # tagged with another key
-        parser.parse(wire.Framer(TID, b"another key").build(T.SOURCE, 3, b"payload", esi=1))
+    with pytest.raises(wire.BadTag):  # sealed with another key
+        parser.parse(wire.Framer(TID, b"another key, 16+ bytes").build(T.SOURCE, 3, b"payload"))
+
+
+def test_sealed_datagrams_carry_no_plaintext_byte_run():
+    """Every type's payload is ciphertext on the wire: no 8-byte run of any payload appears
+    in its datagram (an identity or header-only "seal" fails this)."""
+    for data, want in _all_types(wire.Framer(TID, KEY)):
+        plain = bytes(want.get("payload", b""))
+        for i in range(len(plain) - 7):
+            assert plain[i : i + 8] not in data, (want["type"], i)
+        if plain:
+            assert bytes(wire.Parser(KEY).parse(data).payload) == plain
+
+
+def test_a_sealed_datagram_moved_to_another_transfer_seq_or_direction_is_rejected():
+    good = wire.Framer(TID, KEY).build(T.SOURCE, 41, b"secret symbol", esi=7)
+    parser = wire.Parser(KEY)
+    assert parser.parse(good).esi == 7
+    moves = {
+        "transfer": (8, (TID ^ 1).to_bytes(8, "big")),
+        "seq": (16, (42).to_bytes(4, "big")),
+        "direction": (3, bytes([T.FEEDBACK])),
+        "esi": (24, (8).to_bytes(4, "big")),
+    }
+    for what, (off, new) in moves.items():
+        moved = bytearray(good)
+        moved[off : off + len(new)] = new
+        with pytest.raises(wire.BadTag):
+            parser.parse(bytes(moved))
+        assert what
 
 
 def test_bad_feedback_payloads_raise_bad_payload():
@@ -181,8 +214,16 @@ def test_any_single_bit_flip_of_a_tagged_datagram_is_rejected(payload, bit):
 def test_framer_checks_its_arguments():
     with pytest.raises(ValueError):
         wire.Framer(1 << 64)
-    with pytest.raises(ValueError):
-        wire.Framer(1, key=b"")
+    for short in (b"", b"k", b"15 bytes secret"):
+        with pytest.raises(ValueError, match="16..64 bytes"):
+            wire.Framer(1, key=short)
+        with pytest.raises(ValueError, match="16..64 bytes"):
+            wire.Parser(short)
+    framer = wire.Framer(1, key=KEY)
+    framer.build(T.SOURCE, 5, b"x")
+    with pytest.raises(ValueError, match="nonce reuse"):  # a seq twice in one direction
+        framer.build(T.REPAIR, 5, b"y")
+    framer.build(T.FEEDBACK, 0, b"")  # the other direction numbers its own
     with pytest.raises(ValueError):
         wire.Framer(1, max_payload=16).build(T.SOURCE, 0, b"x" * 17)
     with pytest.raises(ValueError):
@@ -192,7 +233,6 @@ def test_framer_checks_its_arguments():
 def _reference_verdict(data: bytes, key: bytes | None):
     """What the module docstring says of ``data``: the first rule it breaks (as an error
     class), or the header fields and payload, written out field by field."""
-    import hashlib
 
     n = len(data)
     if n < wire.HEADER_SIZE:
@@ -208,9 +248,9 @@ def _reference_verdict(data: bytes, key: bytes | None):
         return wire.BadVersion
     if dtype not in {int(t) for t in T}:
         return wire.BadType
-    if flags & ~(wire.FLAG_TAGGED | wire.FLAG_RETRANSMIT) or reserved:
+    if flags & ~(wire.FLAG_SEALED | wire.FLAG_RETRANSMIT) or reserved:
         return wire.BadType
-    tagged = bool(flags & wire.FLAG_TAGGED)
+    tagged = bool(flags & wire.FLAG_SEALED)
     expect = wire.HEADER_SIZE + plen + (wire.TAG_SIZE if tagged else 0)
     if n < expect:
         return wire.Truncated
@@ -218,14 +258,35 @@ def _reference_verdict(data: bytes, key: bytes | None):
         return wire.BadLength
     if tagged != (key is not None):
         return wire.BadTag
-    end = wire.HEADER_SIZE + plen
-    if key is not None:
-        tag = hashlib.blake2b(data[:end], key=key, digest_size=wire.TAG_SIZE).digest()
-        if tag != data[end:]:
-            return wire.BadTag
     if flags & wire.FLAG_RETRANSMIT and dtype != T.SOURCE:
         return wire.BadType
-    return (dtype, flags, tid, seq, k, dt_nss, esi, data[wire.HEADER_SIZE : end])
+    end = wire.HEADER_SIZE + plen
+    payload = data[wire.HEADER_SIZE : end]
+    if key is not None:
+        try:
+            payload = _open(data, key, tid, dtype, seq)
+        except InvalidTag:
+            return wire.BadTag
+    return (dtype, flags, tid, seq, k, dt_nss, esi, payload)
+
+
+def _transfer_key(key: bytes, tid: int) -> AESGCM:
+    """The documented per-transfer key, written out with the primitives."""
+    hkdf = HKDF(hashes.SHA256(), 32, tid.to_bytes(8, "big"), b"kvtransport/2 datagram AES-256-GCM")
+    return AESGCM(hkdf.derive(key))
+
+
+def _nonce(dtype: int, seq: int) -> bytes:
+    return (1 if dtype == T.FEEDBACK else 0).to_bytes(4, "big") + seq.to_bytes(8, "big")
+
+
+def _open(data: bytes, key: bytes, tid: int, dtype: int, seq: int) -> bytes:
+    h = wire.HEADER_SIZE
+    return _transfer_key(key, tid).decrypt(_nonce(dtype, seq), data[h:], data[:h])
+
+
+def _seal(header: bytes, body: bytes, key: bytes, tid: int, dtype: int, seq: int) -> bytes:
+    return header + _transfer_key(key, tid).encrypt(_nonce(dtype, seq), body, header)
 
 
 def _mostly(good, *bad):
@@ -251,15 +312,14 @@ def test_parser_verdict_matches_the_documented_rules(
 ):
     """Every header field, length and tag combination: the parser accepts exactly what the
     rules accept (with the same fields) and otherwise raises the first rule broken."""
-    import hashlib
-
     key = KEY if keyed else None
     header = wire.HEADER.pack(magic, version, dtype, flags, reserved, plen, tid, 77, 5, 9, 3)
     body = bytes(range(max(0, plen + slack)))
     data = header + body
     if tag != "none":
-        t = hashlib.blake2b(data, key=KEY, digest_size=wire.TAG_SIZE).digest()
-        data += t if tag == "good" else bytes(b ^ 1 for b in t)
+        data = _seal(header, body, KEY, tid, dtype, 77)
+        if tag == "bad":
+            data = data[:-1] + bytes([data[-1] ^ 1])
     expected = _reference_verdict(data, key)
     if isinstance(expected, tuple):
         d = wire.Parser(key).parse(data)

@@ -26,9 +26,30 @@ def add_model(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", metavar="M", default=None, help=MODEL_HELP)
 
 
-def add_key(parser: argparse.ArgumentParser, help_text: str) -> None:
-    """``--key FILE|HEX`` (kvtransport.api.parse_key reads it); both ends must agree."""
-    parser.add_argument("--key", metavar="FILE|HEX", help=help_text)
+KEY_HELP = (
+    "Datagrams are encrypted and authenticated (AES-256-GCM) with a pre-shared key both "
+    "hosts hold: --key-file FILE, --key FILE|HEX, or by default ~/.config/kvtransport/key "
+    "(made on first use, mode 0600: copy it to the peer host with scp -p). --insecure runs "
+    "without one (plaintext, forgeable)."
+)
+
+
+def add_key(parser: argparse.ArgumentParser) -> None:
+    """``--key-file FILE``, ``--key FILE|HEX`` and ``--insecure`` (see kvtransport.keys);
+    both ends must use the same key. :func:`key_from` reads them."""
+    g = parser.add_argument_group("pre-shared key", KEY_HELP)
+    g.add_argument("--key-file", metavar="FILE", help="the key file (hex or raw, mode 0600)")
+    g.add_argument("--key", metavar="FILE|HEX", help="a key file, or the key in hex")
+    g.add_argument(
+        "--insecure", action="store_true", help="no key: plaintext, unauthenticated datagrams"
+    )
+
+
+def key_from(args: argparse.Namespace) -> bytes | None:
+    """The key :func:`add_key`'s options name (None only with ``--insecure``)."""
+    from kvtransport.keys import resolve_key
+
+    return resolve_key(args.key_file, args.key, args.insecure)
 
 
 def add_realtime(parser: argparse.ArgumentParser) -> None:

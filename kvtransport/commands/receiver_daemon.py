@@ -24,7 +24,7 @@ dropped. SIGTERM or SIGINT: deliver every transfer in progress as a partial resu
 exit 0.
 
 Example:
-  kvtransport receiver-daemon --listen :9400 --key psk.hex --out-dir results --stats
+  kvtransport receiver-daemon --listen :9400 --key-file psk.hex --out-dir results --stats
 """
 
 
@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"control endpoint (default {DEFAULT_RECEIVER_CONTROL})")  # fmt: skip
     p.add_argument("--publish", default=DEFAULT_RESULTS, metavar="ENDPOINT",
                    help=f"ZeroMQ PUB endpoint for results (default {DEFAULT_RESULTS})")  # fmt: skip
-    _common.add_key(p, "pre-shared key (as the senders')")
+    _common.add_key(p)
     p.add_argument("--out-dir", metavar="DIR", help="also write each result into DIR")
     p.add_argument("--max-transfers", type=int, default=16, help="at once (default 16)")
     p.add_argument("--max-mb", type=float, default=256.0,
@@ -53,7 +53,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtransport.api import parse_key
     from kvtransport.daemon import setup_logging
     from kvtransport.daemon_receiver import ReceiverDaemon
     from kvtransport.udp import parse_address, set_realtime
@@ -67,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         bind=parse_address(args.listen, what="--listen"),
         control=args.control,
         publish=args.publish,
-        key=parse_key(args.key),
+        key=_common.key_from(args),
         out_dir=args.out_dir,
         gro=not args.no_gro,
         max_transfers=args.max_transfers,

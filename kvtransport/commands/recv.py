@@ -32,14 +32,14 @@ transfer arrived or on bad input, 130 when interrupted.
 
 Examples:
   kvtransport recv --listen :9400 --json
-  kvtransport recv --listen 10.77.0.2:9400 --key psk.hex --out results/
+  kvtransport recv --listen 10.77.0.2:9400 --key-file psk.hex --out results/
 """
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen", default="0.0.0.0:9400", metavar="HOST:PORT",
                    help="UDP address to receive on (default 0.0.0.0:9400)")  # fmt: skip
-    _common.add_key(p, "pre-shared key (as the sender's)")
+    _common.add_key(p)
     p.add_argument("--out", metavar="DIR", help="write the result file into DIR")
     p.add_argument("--timeout", type=float, default=60.0,
                    help="give up if no transfer starts within this many seconds (60)")  # fmt: skip
@@ -56,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from kvtransport.api import parse_key, write_result_file
+    from kvtransport.api import write_result_file
     from kvtransport.daemon import warm_up
     from kvtransport.inprocess import delivered, run_receive
     from kvtransport.udp import DatagramSocket, parse_address, set_realtime
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--out {args.out} is not a directory")
     if not args.timeout > 0 or not args.idle_timeout > 0 or not args.max_mb > 0:
         raise UserError("--timeout, --idle-timeout and --max-mb must be positive")
-    key = parse_key(args.key)
+    key = _common.key_from(args)
     bind = parse_address(args.listen, what="--listen")
     set_realtime(args.realtime)
     warm_up(key)

@@ -24,7 +24,8 @@ each block goes as fp16 or int8 (--precision), upgraded by utility while the byt
 cross in time at --rate-mbps and --loss-estimate, in prefix order (token ranges front first,
 so what the deadline cuts off is a tail the receiver recomputes cheaply); --precision keep
 sends the card as it is, fp32 only when asked (--precision fp32). Both ends must use the
-same --key (a file with the key, raw or hex, or the key in hex) or none.
+same pre-shared key (--key-file, or the default key file ~/.config/kvtransport/key, made
+on first use: copy it to the peer host); --insecure on both ends runs without one.
 
 Examples:
   kvtransport recv --listen :9400 &
@@ -53,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="loss share the plan assumes (default 0.05)")  # fmt: skip
     p.add_argument("--policy", help="repair policy, as for simulate "
                    "(default: ddqn if its weights ship, else adaptive)")  # fmt: skip
-    _common.add_key(p, "pre-shared key: authenticate datagrams")
+    _common.add_key(p)
     _common.add_pacing(p)
     p.add_argument("--bind", default="0.0.0.0:0", metavar="HOST:PORT", help="local address")
     p.add_argument("--initial-rtt-ms", type=float, default=20.0,
@@ -113,14 +114,13 @@ def _planned_card(args: argparse.Namespace) -> object:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtransport.api import parse_key
     from kvtransport.daemon import warm_up
     from kvtransport.daemon_sender import deadline_from
     from kvtransport.inprocess import run_send
     from kvtransport.udp import DatagramSocket, parse_address, set_realtime
 
     _common.check_sending(args)
-    key = parse_key(args.key)
+    key = _common.key_from(args)
     dest = parse_address(args.to, what="receiver")
     bind = parse_address(args.bind, what="--bind")
     transfer = _transfer(args)

@@ -22,7 +22,7 @@ namespaces; or tcp://127.0.0.1:PORT). SIGTERM or SIGINT: abort the transfers in 
 prints one JSON line per finished transfer (to stdout, or appended to FILE).
 
 Example:
-  kvtransport sender-daemon --rate-mbps 100 --key psk.hex --stats
+  kvtransport sender-daemon --rate-mbps 100 --key-file psk.hex --stats
 """
 
 
@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy",
                    help="repair policy for requests that name none "
                    "(ddqn if its weights ship, else adaptive)")  # fmt: skip
-    _common.add_key(p, "pre-shared key: authenticate datagrams")
+    _common.add_key(p)
     _common.add_pacing(p)
     p.add_argument("--max-transfers", type=int, default=64, help="in flight at once (64)")
     p.add_argument("--slot-ms", type=float, default=10.0,
@@ -48,7 +48,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtransport.api import parse_key
     from kvtransport.daemon import setup_logging
     from kvtransport.daemon_sender import SenderDaemon
     from kvtransport.udp import parse_address, set_realtime
@@ -63,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         bind=parse_address(args.bind, what="--bind"),
         control=args.control,
         rate_bps=args.rate_mbps * 1e6,
-        key=parse_key(args.key),
+        key=_common.key_from(args),
         policy=args.policy,
         symbol_size=args.symbol_size,
         gso=not args.no_gso,
