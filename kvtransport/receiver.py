@@ -39,10 +39,15 @@ The result comes at the deadline (given, or the manifest's deadline counted from
 datagram's arrival, which is late by one one-way delay), when everything is decoded, on
 ABORT, or after ``idle_timeout`` without datagrams when no deadline is known. State is
 bounded: symbols beyond ``max_bytes`` are dropped (a manifest announcing more is refused),
-the decoder holds ``DECODER_WINDOW`` ESIs, rings are fixed size.
+the output buffer grows only as far as the shell's ``reserve(extra_bytes)`` allows (a
+daemon's budget for all transfers in flight: beyond it symbols are dropped as
+``over_budget`` and a manifest is refused), the decoder holds ``DECODER_WINDOW`` ESIs,
+rings are fixed size.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 
@@ -100,8 +105,11 @@ class ReceiverSession:
         feedback_interval: float = DEFAULT_FEEDBACK_INTERVAL,
         max_bytes: int = DEFAULT_MAX_BYTES,
         idle_timeout: float = 10.0,
+        reserve: Callable[[int], bool] | None = None,
     ) -> None:
         self.transfer_id = transfer_id
+        self._reserve = reserve
+        self.reserved = 0  # bytes of output buffer ``reserve`` granted this session
         self._key = key
         self.parser = Parser(key)
         self.framer: Framer | None = None
@@ -274,9 +282,21 @@ class ReceiverSession:
         self._limit = self.n_source if self.manifest is not None else self.max_symbols
         self.decoder = RLCDecoder(size, max_window=DECODER_WINDOW)
 
+    def _grant(self, nbytes: int) -> bool:
+        """Ask the shell's ``reserve`` for the output buffer to reach ``nbytes``."""
+        extra = nbytes - self.reserved
+        if extra > 0 and self._reserve is not None and not self._reserve(extra):
+            return False
+        self.reserved = max(self.reserved, nbytes)
+        return True
+
     def _grow(self, need: int) -> None:
         cap = max(need, 2 * len(self._known), 256)
         cap = min(cap, self.max_symbols) if self.manifest is None else self.n_source
+        if not self._grant(cap * self.symbol_size):
+            if self.manifest is not None or not self._grant(need * self.symbol_size):
+                raise _Drop("over_budget")
+            cap = need
         known = bytearray(cap)
         known[: len(self._known)] = self._known
         out = np.zeros(cap * self.symbol_size, dtype=np.uint8)
@@ -409,11 +429,17 @@ class ReceiverSession:
         if m is None:
             return
         self._sync_decoder()
-        if self.symbol_size and m.symbol_size != self.symbol_size:
+        if (self.symbol_size and m.symbol_size != self.symbol_size) or not (
+            16 <= m.symbol_size <= 65000
+        ):
             raise _Drop("bad_manifest")
         if m.payload_len > self.max_bytes:
             self._drop("too_large")
             self._finish(now, "refused")  # bounded state: a transfer too large is refused
+            return
+        if not self._grant(m.n_source * m.symbol_size):
+            self._drop("over_budget")
+            self._finish(now, "refused")  # the shell's memory budget is spent
             return
         self.manifest = m
         self.timings["manifest"] = now

@@ -363,6 +363,19 @@ class SenderSession:
             self._pending_at = now
             self._mark_done(now, "cancelled")
 
+    def release(self) -> None:
+        """Drop every reference to the payload (and the encoders that read it) once the
+        session is done; counters, estimates and ``status`` figures stay. A shell that
+        keeps finished sessions for reporting calls it, so their payloads can be freed.
+        ``transfer`` is None afterwards."""
+        if not self.done:
+            raise RuntimeError("release() is for finished sessions")
+        self.transfer = None
+        self._payload = memoryview(b"")
+        self._last_symbol = b""
+        self.encoder = None
+        self._rs = None
+
     def set_rate(self, rate_bps: float, now: float) -> None:
         """Change the pacing rate mid-flight (a shell sharing one link among several
         transfers sets each one's rate per slot). The next slot follows the new rate; the
