@@ -48,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=10.0,
         help="end a transfer with no manifest this long after its last datagram",
     )
+    p.add_argument("--budget-mb", type=float, default=None, metavar="MB",
+                   help="buffers of all transfers held at once, MB (default: the larger of "
+                   "--max-mb and 1073.7)")  # fmt: skip
     p.add_argument("--no-gro", action="store_true", help="read one datagram per call")
     _common.add_daemon_output(p)
 
@@ -72,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
         max_transfers=args.max_transfers,
         max_bytes=int(args.max_mb * 1e6),
         idle_timeout=args.idle_timeout,
+        budget_bytes=None if args.budget_mb is None else int(args.budget_mb * 1e6),
         stats=StatsWriter(args.stats),
     )
     daemon.run_until_signalled()
