@@ -157,14 +157,40 @@ class StopSignal:
 Handler = Callable[[dict[str, Any], list], tuple[dict[str, Any], list] | dict[str, Any]]
 
 
+ENDPOINT_SCHEMES = ("ipc://", "tcp://", "inproc://")
+
+
+def check_endpoint(endpoint: str, what: str = "endpoint") -> None:
+    """A ZeroMQ endpoint a daemon can bind, checked before any slow start-up work: a known
+    scheme, and for ipc:// a path whose nearest existing ancestor is a directory (the
+    rest is made at bind). UserError (one line) otherwise."""
+    if not endpoint.startswith(ENDPOINT_SCHEMES):
+        raise UserError(f"{what} {endpoint!r} must start with ipc://, tcp:// or inproc://")
+    if endpoint.startswith("ipc://"):
+        path = Path(endpoint[len("ipc://") :])
+        if endpoint.endswith("/") or path.is_dir():
+            raise UserError(f"{what} {endpoint!r} is a directory, not a socket file")
+        parent = path.parent
+        while not parent.exists() and parent != parent.parent:
+            parent = parent.parent
+        if not parent.is_dir():
+            raise UserError(f"{what} {endpoint!r}: {parent} is not a directory")
+
+
 def bind_endpoint(sock: Any, endpoint: str) -> None:
     """Bind a ZeroMQ socket; an ipc:// path gets its directory made. UserError on failure."""
     import zmq
 
+    check_endpoint(endpoint)
     if endpoint.startswith("ipc://"):
         path = Path(endpoint[len("ipc://") :])
         if path.parent and not path.parent.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise UserError(
+                    f"cannot make {path.parent} for {endpoint}: {exc.strerror}"
+                ) from None
     try:
         sock.bind(endpoint)
     except zmq.ZMQError as exc:

@@ -386,8 +386,10 @@ class ReceiverDaemon(DaemonShell):
         budget_bytes: int | None = None,
         stats: Any = None,
     ) -> None:
-        from kvtransport.daemon import StatsWriter, warm_up
+        from kvtransport.daemon import StatsWriter, check_endpoint, warm_up
 
+        check_endpoint(control, "control")  # before the slow warm-up
+        check_endpoint(publish, "publish")
         self.out_dir = out_dir
         if out_dir is not None:
             from pathlib import Path

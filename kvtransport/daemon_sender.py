@@ -485,8 +485,9 @@ class SenderDaemon(DaemonShell):
         utility_table: str | None = None,
         stats: Any = None,
     ) -> None:
-        from kvtransport.daemon import StatsWriter, warm_up
+        from kvtransport.daemon import StatsWriter, check_endpoint, warm_up
 
+        check_endpoint(control, "control")  # before the slow warm-up
         make_policy(policy)  # a bad default fails at start, not at the first submit
         self.policy = policy
         self.table = None

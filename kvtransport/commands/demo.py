@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from kvtransport.bounds import float_arg, int_arg
+
 NAME = "demo"
 HELP = "hand a real model's KV cache across a burst-loss link: five repair schemes side by side"
 DESCRIPTION = """\
@@ -57,7 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="where the cache crosses (default auto: netns as root, else emulated)",
     )
-    parser.add_argument("--seed", type=int, default=1, help="task and link seed (default 1)")
+    parser.add_argument(
+        "--seed", type=int_arg(0, 2**32 - 1), default=1, help="task and link seed (default 1)"
+    )
     from kvtransport.tasks import TASK_NAMES
 
     parser.add_argument(
@@ -68,23 +72,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--tokens",
-        type=int,
+        type=int_arg(16, 1 << 20),
         default=None,
         metavar="N",
         help="context size in tokens (default 512; 128 with --quick)",
     )
     parser.add_argument(
-        "--rho", type=float, default=0.8, help="deadline / loss-free send time (default 0.8)"
+        "--rho",
+        type=float_arg(0, 1e4, lo_open=True),
+        default=0.8,
+        help="deadline / loss-free send time (default 0.8)",
     )
     parser.add_argument(
-        "--threads", type=int, default=1, help="torch threads for prefill and decoding (1)"
+        "--threads",
+        type=int_arg(1, 1024),
+        default=1,
+        help="torch threads for prefill and decoding (1)",
     )
     parser.add_argument(
-        "--max-new-tokens", type=int, default=None, metavar="N",
+        "--max-new-tokens", type=int_arg(1, 1 << 16), default=None, metavar="N",
         help="answer length cap (default 24; 12 with --quick)",
     )  # fmt: skip
     parser.add_argument(
-        "--questions", type=int, default=None, metavar="K",
+        "--questions", type=int_arg(1, 1000), default=None, metavar="K",
         help="questions asked of each received cache (default 5; fewer if the context "
         "states fewer facts)",
     )  # fmt: skip

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from kvtransport.bounds import float_arg, int_arg
 from kvtransport.commands import _common
 from kvtransport.errors import UserError
 
@@ -39,16 +40,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"ZeroMQ PUB endpoint for results (default {DEFAULT_RESULTS})")  # fmt: skip
     _common.add_key(p, "pre-shared key (as the senders')")
     p.add_argument("--out-dir", metavar="DIR", help="also write each result into DIR")
-    p.add_argument("--max-transfers", type=int, default=16, help="at once (default 16)")
-    p.add_argument("--max-mb", type=float, default=256.0,
+    p.add_argument(
+        "--max-transfers", type=int_arg(1, 4096), default=16, help="at once (default 16)"
+    )
+    p.add_argument("--max-mb", type=float_arg(0, 1e6, lo_open=True), default=256.0,
                    help="largest transfer accepted, MB (default 256)")  # fmt: skip
     p.add_argument(
         "--idle-timeout",
-        type=float,
+        type=float_arg(0, 3600, lo_open=True),
         default=10.0,
         help="end a transfer with no manifest this long after its last datagram",
     )
-    p.add_argument("--budget-mb", type=float, default=None, metavar="MB",
+    p.add_argument("--budget-mb", type=float_arg(0, 1e7, lo_open=True), default=None, metavar="MB",
                    help="buffers of all transfers held at once, MB (default: the larger of "
                    "--max-mb and 1073.7)")  # fmt: skip
     p.add_argument("--no-gro", action="store_true", help="read one datagram per call")
