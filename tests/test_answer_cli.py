@@ -8,7 +8,10 @@ from kvtransport.cli import main
 
 
 def _run(capsys, *argv):
-    code = main(list(argv))
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:  # argparse's own usage errors (bounded option types)
+        code = exc.code
     out, err = capsys.readouterr()
     return code, out, err
 

@@ -35,16 +35,14 @@ NUMERIC = {
                                     "--threads": ("i", 1, False)},
     ("prefill", "--context", "c.txt", "--out", "o.card"): {
         "--block-tokens": ("i", 1, False), "--window": ("i", 1, False)},
-    ("profile",): {"--samples": ("i", 1, False), "--target-tokens": ("i", 120, False),
+    ("profile",): {"--target-tokens": ("i", 120, False),
                    "--noise": ("f", 0, False), "--draws": ("i", 1, False),
                    "--ratio": ("f", 1, False)},
     ("train",): {"--steps": ("i", 1, False), "--eval-every": ("i", 1, False),
                  "--eval-episodes": ("i", 1, False), "--demo-steps": ("i", 0, False)},
-    ("demo",): {"--tokens": ("i", 16, False), "--rho": ("f", 0, True),
-                "--questions": ("i", 1, False), "--max-new-tokens": ("i", 1, False)},
+    ("demo",): {"--max-new-tokens": ("i", 1, False)},
     ("netem", "up", "--profile", "clean"): {"--rate-mbps": ("f", 0, True),
                                             "--delay-ms": ("f", 0, False)},
-    ("fit-utility", "--measure"): {"--samples": ("i", 1, False)},
 }  # fmt: skip
 
 
@@ -141,6 +139,12 @@ RUNTIME = [
     ["netem", "up", "--profile", "clean", "--backend", "teleport"],
     ["netem", "trace-from-irtt", "{tmp}/none.json"],
     ["demo", "--task", "chess"],
+    ["demo", "--tokens", "5"],
+    ["demo", "--rho", "nan"],
+    ["demo", "--rho", "inf"],
+    ["demo", "--questions", "0"],
+    ["profile", "--samples", "0"],
+    ["fit-utility", "--measure", "--samples", "0"],
     ["demo", "--link", "pigeon"],
     ["no-such-command"],
     ["simulate", "--no-such-option"],

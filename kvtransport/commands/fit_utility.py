@@ -86,7 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--samples",
-        type=int_arg(1, 1_000_000),
+        type=int,
         default=DEFAULT_SAMPLES,
         metavar="N",
         help=f"--measure: prompts per context length (default {DEFAULT_SAMPLES})",

@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--samples",
-        type=int_arg(1, 1_000_000),
+        type=int,
         default=8,
         metavar="N",
         help="calibration samples (default 8)",
