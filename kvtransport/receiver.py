@@ -47,6 +47,7 @@ rings are fixed size.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 
 import numpy as np
@@ -134,6 +135,8 @@ class ReceiverSession:
         self._out_mv = memoryview(self._out)
         self.n_known = 0
         self.esi_end = 0
+        self._ends: deque[tuple[float, int]] = deque()  # (when, esi_end) as it grew
+        self._settled_end = 0  # esi_end as of the reordering window ago (see _feedback)
         self.through = 0
         self._released = 0
         self.source_received = 0
@@ -232,9 +235,10 @@ class ReceiverSession:
             self.timings["first_packet"] = now
         self.last_activity = now
         mon = self.monitor
-        gap = mon.on_packet(seq)
+        gap = mon.on_packet(seq, now)
         if mon.highest == seq:
             self._highest_at = now
+        end0 = self.esi_end
         try:
             if t == _SOURCE:
                 self._on_source(esi, payload)
@@ -249,6 +253,8 @@ class ReceiverSession:
         except WireError as exc:
             self._drop(exc.reason)
             return
+        if self.esi_end > end0:
+            self._ends.append((now, self.esi_end))
         if self.finished:
             return
         if self.manifest is not None and self.n_known == self.n_source:
@@ -534,7 +540,13 @@ class ReceiverSession:
 
     def _feedback(self, now: float) -> Feedback:
         mon = self.monitor
-        mon.sample()
+        mon.sample(now)
+        # holes are reported only below the ESI end of one reordering window ago: a
+        # datagram that is merely late (jitter) is not asked for again
+        ends, cutoff = self._ends, now - mon.window_s
+        while ends and ends[0][0] <= cutoff:
+            self._settled_end = ends.popleft()[1]
+        end = min(self._settled_end, self.esi_end)
         flags = 0
         if self.manifest is not None:
             flags |= FB_MANIFEST_DONE
@@ -544,8 +556,10 @@ class ReceiverSession:
             flags |= FB_FINISHED
         ranges = ()
         holes = self.esi_end - self.n_known
+        if holes and end < self.esi_end:
+            holes -= self._known.count(0, end, self.esi_end)  # those still in the window
         if holes:
-            ranges = loss_ranges(self._known, self.through, self.esi_end, MAX_FEEDBACK_RANGES)
+            ranges = loss_ranges(self._known, self.through, end, MAX_FEEDBACK_RANGES)
         segments = pending_by_segment(self.decoder) if self.decoder is not None else ()
         return Feedback(
             max(mon.highest, 0),

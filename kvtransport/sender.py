@@ -122,6 +122,13 @@ _pack_decision, _AT_DECISION = _packer(RAW_DECISION)
 _pack_feedback, _AT_FEEDBACK = _packer(RAW_FEEDBACK)
 _pack_transfer, _AT_TRANSFER = _packer(RAW_TRANSFER)
 
+OPEN_LOOP_RTTS = 4.0
+"""Round trips without feedback after which the sender repairs open-loop."""
+OPEN_LOOP_MIN_S = 0.02
+"""... but never before this much silence."""
+OPEN_LOOP_MAX_SHARE = 0.5
+"""The most of the slots open-loop repair takes."""
+
 MAX_CATCH_UP = 16
 """A shell that is late may get at most this many datagrams at once (then pacing resumes)."""
 
@@ -177,6 +184,8 @@ class SenderSession:
         self.srtt: float | None = None
         self.stop_time = 0.0  # last moment a datagram can leave and arrive before the deadline
         self._proactive_span = REPAIR_SEGMENT
+        self._open_loop = False  # no feedback for a while: repair open-loop (_silent)
+        self._decision_t = now
         self._raw = np.zeros(RAW_SIZE, dtype=np.float64)  # the policy's input, see _state()
         self._raw_buf = memoryview(self._raw)
         self._rtt_changed()
@@ -342,9 +351,11 @@ class SenderSession:
         except WireError as exc:
             self._drop(exc.reason)
             return
-        if d.seq <= self._fb_seq:
-            self.stats["feedback_stale"] += 1
-            return
+        if d.seq <= self._fb_seq or self._restarted(fb):
+            if not self._restarted(fb):
+                self.stats["feedback_stale"] += 1
+                return
+            self._receiver_restarted(fb, now)
         self._fb_seq = d.seq
         self.stats["feedback_received"] += 1
         self._on_feedback(fb, now)
@@ -557,7 +568,8 @@ class SenderSession:
             return max(seg * REPAIR_SEGMENT, self.fb_through, floor), min(end, hi)
         # proactive: the newest symbols, those feedback cannot have reported yet (one RTT
         # and an interval of them); older holes are the reactive repairs' job
-        return max(self.fb_through, floor, hi - self._proactive_span), hi
+        span = MAX_REPAIR_SPAN if self._open_loop else self._proactive_span
+        return max(self.fb_through, floor, hi - span), hi
 
     def _rlc_repair(self, reactive: bool) -> bytes | None:
         lo, hi = self._rlc_window(reactive)
@@ -677,6 +689,34 @@ class SenderSession:
             self._idle = False
             self._next_send = now
 
+    def _restarted(self, fb: Feedback) -> bool:
+        """Feedback of a receiver that lost its state (restarted): the manifest was
+        acknowledged, this report says it is not decoded, and it reports a packet newer
+        than any report before (so it is not an old report overtaken by newer ones)."""
+        return (
+            self.manifest.acked and not fb.flags & FB_MANIFEST_DONE and fb.echo_seq > self._fb_echo
+        )
+
+    def _receiver_restarted(self, fb: Feedback, now: float) -> None:
+        """Start over with a receiver that knows nothing: its feedback numbers restart, its
+        decoded-through is its own; the manifest goes out again (the full protected run)
+        with the time left to the deadline, so the new receiver delivers by it."""
+        self.stats["receiver_restarts"] = self.stats.get("receiver_restarts", 0) + 1
+        self._fb_seq = -1
+        self.fb_through = 0
+        self.fb_esi_end = 0
+        self._fb_prev = (0, 0)
+        self._segments.clear()
+        self._seg_flight.clear()
+        self._seg_needed = 0
+        t = self.transfer
+        left = max(self.deadline - now, 0.0)
+        manifest = TransportManifest(
+            self.symbol_size, t.nbytes, t.blocks, t.app_metadata, left
+        )  # fmt: skip
+        self.manifest = ManifestSender(manifest.to_bytes(), self.symbol_size)
+        self.manifest.next_slot = self.slot
+
     def _plan_segments(self, fb: Feedback) -> None:
         """Equations still owed per segment: its recoverable holes, minus the equations the
         receiver holds pivoted there, minus reactive repairs to it still in flight.
@@ -792,6 +832,7 @@ class SenderSession:
 
     def _decide(self, t: float) -> None:
         self._decision_slot = self.slot
+        self._decision_t = t
         self.stats["decisions"] += 1
         t0 = perf_counter_ns()
         a = self._policy_decide(self._state(t), self.obs)
@@ -825,6 +866,28 @@ class SenderSession:
         self._last = (share, 1.0 if admit else 0.0, self._last[0])
         self.share = share if admit else 1.0
         self.admit = admit
+        self._open_loop = self._mode == _RLC and self._silent(self._decision_t)
+        if self._open_loop:
+            self.share = max(self.share, self._open_loop_share(self._decision_t))
+
+    def _silent(self, t: float) -> bool:
+        """No feedback for OPEN_LOOP_RTTS round trips (at least OPEN_LOOP_MIN_S): since the
+        start, or since the last report. The sender then repairs open-loop."""
+        since = self.fb_time if self.fb_time is not None else self.start
+        rtt = self.srtt if self.srtt is not None else self._initial_rtt
+        return t - since > max(OPEN_LOOP_RTTS * rtt, OPEN_LOOP_MIN_S)
+
+    def _open_loop_share(self, t: float) -> float:
+        """Open loop, nothing tells the sender what was lost, so the slack (slots before
+        the stop time beyond the sources still to send) is spread evenly over the rest of
+        the stream as proactive repairs over the widest span (``MAX_REPAIR_SPAN``): every
+        part of the stream gets repairs while it is still inside the decoder's window, not
+        only the newest span once all sources are out."""
+        left = self.slots_left(t)
+        sources = self.n_source - self.next_esi
+        if left <= 0:
+            return 0.0
+        return min(max(left - sources, 0) / left, OPEN_LOOP_MAX_SHARE)
 
     def _drop(self, reason: str) -> None:
         self.stats["dropped"] += 1
