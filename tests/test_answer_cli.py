@@ -8,10 +8,7 @@ from kvtransport.cli import main
 
 
 def _run(capsys, *argv):
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:  # argparse's own usage errors (bounded option types)
-        code = exc.code
+    code = main(list(argv))
     out, err = capsys.readouterr()
     return code, out, err
 
