@@ -126,6 +126,9 @@ OPEN_LOOP_RTTS = 4.0
 """Round trips without feedback after which the sender repairs open-loop."""
 OPEN_LOOP_MIN_S = 0.02
 """... but never before this much silence."""
+OPEN_LOOP_SPAN = 512
+"""Open loop, each proactive repair covers at least this many newest symbols (wider spans
+recover more of an unreported loss pattern, but cost more to encode and decode)."""
 OPEN_LOOP_MAX_SHARE = 0.5
 """The most of the slots open-loop repair takes."""
 
@@ -568,7 +571,9 @@ class SenderSession:
             return max(seg * REPAIR_SEGMENT, self.fb_through, floor), min(end, hi)
         # proactive: the newest symbols, those feedback cannot have reported yet (one RTT
         # and an interval of them); older holes are the reactive repairs' job
-        span = MAX_REPAIR_SPAN if self._open_loop else self._proactive_span
+        span = (
+            max(OPEN_LOOP_SPAN, self._proactive_span) if self._open_loop else self._proactive_span
+        )
         return max(self.fb_through, floor, hi - span), hi
 
     def _rlc_repair(self, reactive: bool) -> bytes | None:
@@ -880,9 +885,9 @@ class SenderSession:
     def _open_loop_share(self, t: float) -> float:
         """Open loop, nothing tells the sender what was lost, so the slack (slots before
         the stop time beyond the sources still to send) is spread evenly over the rest of
-        the stream as proactive repairs over the widest span (``MAX_REPAIR_SPAN``): every
-        part of the stream gets repairs while it is still inside the decoder's window, not
-        only the newest span once all sources are out."""
+        the stream as proactive repairs over at least ``OPEN_LOOP_SPAN`` newest symbols:
+        every part of the stream gets repairs while it is still inside the decoder's
+        window, not only the newest span once all sources are out."""
         left = self.slots_left(t)
         sources = self.n_source - self.next_esi
         if left <= 0:
