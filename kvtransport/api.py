@@ -375,7 +375,7 @@ def _card_metadata(app_metadata: bytes) -> dict[str, str] | None:
 
     try:
         manifest = blocks.Manifest.from_bytes(app_metadata)
-    except (ValueError, KeyError, TypeError):
+    except Exception:  # bytes from the network: whatever they are, not a card's manifest
         return None
     text = {
         "format": card.CARD_FORMAT,

@@ -467,6 +467,14 @@ class ReceiverDaemon(DaemonShell):
             self._publish(None, now)
 
     def _result(self, inc: Incoming) -> None:
+        """Write, publish and log a finished transfer. It runs inside the data plane's
+        receive loop on what the network sent: a failure is logged, never raised."""
+        try:
+            self._deliver(inc)
+        except Exception:
+            log.exception("transfer %016x: result not delivered", inc.transfer_id)
+
+    def _deliver(self, inc: Incoming) -> None:
         from kvtransport.api import result_frames, write_result_file
 
         res = inc.session.result

@@ -149,3 +149,23 @@ def test_lagging_subscriber_loses_nothing_unseen(tmp_path, monkeypatch):
     finally:
         sub.close()
         d.close()
+
+
+def test_a_forged_card_manifest_cannot_size_memory():
+    """The application metadata a receiver gets may claim anything: geometry fields are
+    bounded, and its zlib body is inflated no further than its header announces (a
+    decompression bomb is refused after a few bytes, not after gigabytes)."""
+    import resource
+
+    import pytest
+    from test_blocks import _cache, _encode, _reframe
+
+    from kvtransport import blocks
+
+    header = _encode(_cache(layers=2, tokens=40)).manifest.header()
+    with pytest.raises(blocks.ManifestError, match="non-negative"):
+        blocks.Manifest.from_bytes(_reframe({**header, "tokens": 10**30}, b""))
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(blocks.ManifestError, match="body holds"):
+        blocks.Manifest.from_bytes(_reframe(header, bytes(256 << 20)))  # 256 MiB of zeros
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0 < 100_000  # KiB
