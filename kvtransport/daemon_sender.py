@@ -128,6 +128,7 @@ class Outgoing:
             "max_lag_ms": round(self.max_lag * 1e3, 3),
             "feedback_received": st["feedback_received"],
             "feedback_dropped": st["dropped"],
+            "receiver_restarts": st["receiver_restarts"],
             "drop_reasons": dict(s.drop_reasons),
             "decoded_through": s.fb_through,
             "delivered_bytes": min(s.fb_through * s.symbol_size, self.size),

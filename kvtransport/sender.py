@@ -239,6 +239,7 @@ class SenderSession:
             "decisions": 0,
             "feedback_received": 0,
             "feedback_stale": 0,
+            "receiver_restarts": 0,
             "dropped": 0,
         }
         self.drop_reasons: dict[str, int] = {}
@@ -706,7 +707,7 @@ class SenderSession:
         """Start over with a receiver that knows nothing: its feedback numbers restart, its
         decoded-through is its own; the manifest goes out again (the full protected run)
         with the time left to the deadline, so the new receiver delivers by it."""
-        self.stats["receiver_restarts"] = self.stats.get("receiver_restarts", 0) + 1
+        self.stats["receiver_restarts"] += 1
         self._fb_seq = -1
         self.fb_through = 0
         self.fb_esi_end = 0

@@ -47,6 +47,7 @@ def restart(size_mb: float, seed: int, policy: str, at: float = 0.4, rho: float 
     return {
         "scenario": "restart",
         "seed": seed,
+        "receiver_restarts_seen": sim.sender.stats["receiver_restarts"],
         "deadline_s": sim.deadline,
         "restart_s": at * sim.deadline,
         "manifest": res is not None and res.manifest is not None,

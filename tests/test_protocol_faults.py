@@ -22,6 +22,7 @@ _SPEC.loader.exec_module(faults)
 @pytest.mark.parametrize("at", [0.3, 0.6])
 def test_a_restarted_receiver_delivers_an_exact_partial_result_by_the_deadline(at):
     r = faults.restart(2.0, seed=1, policy="adaptive", at=at)
+    assert r["receiver_restarts_seen"] == 1
     assert r["manifest"] and r["reason"] == "deadline"
     assert r["finished_s"] <= r["deadline_s"]
     assert r["missing_exact"] and r["wrong_blocks"] == 0
