@@ -85,6 +85,9 @@ _REPAIR = int(DatagramType.REPAIR)
 _FEEDBACK = int(DatagramType.FEEDBACK)
 RS_BLOCKS_HELD = 16
 FIN_GRACE = 0.05
+FEEDBACK_QUIET_S = 1.0
+"""Periodic feedback pauses after this long without a datagram (a sender paused by its
+link share, or gone, or a forger that sent a few datagrams) and resumes with the next one."""
 DEFAULT_MAX_BYTES = 1 << 30
 
 
@@ -197,7 +200,10 @@ class ReceiverSession:
         elif self.deadline is None and now >= self.last_activity + self.idle_timeout:
             self._finish(now, "idle")
         elif self._next_fb is not None and now >= self._next_fb:
-            self._send_feedback(now)
+            if now - self.last_activity > FEEDBACK_QUIET_S:
+                self._next_fb = None  # nobody is sending: stop reporting until data comes
+            else:
+                self._send_feedback(now)
 
     def close(self, now: float, reason: str = "shutdown") -> None:
         """Yield the result now, with what has arrived (the shell is shutting down, or a
@@ -621,6 +627,9 @@ class ReceiverSession:
         self.decoder_stats = dict(self.decoder.stats) if self.decoder is not None else {}
         self.decoder = None  # free the decoding window
         self._send_feedback(now)
+        # the final count (``lost``) settles every gap; the loss rate is left as it was:
+        # datagrams still in flight now are not a loss sample
+        self.monitor.settle(float("inf"))
 
     def _drop(self, reason: str) -> None:
         self.dropped += 1

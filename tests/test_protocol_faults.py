@@ -81,3 +81,30 @@ def test_open_loop_repair_covers_the_whole_stream():
     r = faults.feedback_loss(6.0, seed=1, policy="ddqn")
     assert r["feedback_received"] == 0
     assert r["utility"] >= 0.8
+
+
+def test_periodic_feedback_pauses_when_nothing_arrives():
+    """A forger's few datagrams (a manifest with an hour's deadline) buy at most a second
+    of feedback, not an hour of it; the next datagram resumes it."""
+    from kvtransport.policy import make_policy
+    from kvtransport.receiver import ReceiverSession
+    from kvtransport.sender import SenderSession
+    from kvtransport.transfer import synthetic_transfer
+
+    s = SenderSession(synthetic_transfer(50_000, 4), make_policy("none"), rate_bps=1e9,
+                      deadline=3600.0, transfer_id=9)  # fmt: skip
+    sent = s.datagrams_to_send(1e-4)[:8]
+    r = ReceiverSession(9)
+    for d in sent[:6]:
+        r.receive_datagram(d, 0.0)
+    assert r.manifest is not None and r.deadline > 3000
+    fb, t = 0, 0.0
+    while t < 60.0:
+        t = r.next_timer()
+        r.handle_timer(t)
+        fb += len(r.datagrams_to_send(t))
+        if r.next_timer() >= r.deadline:
+            break
+    assert fb <= 1.0 / r.feedback_interval + 5  # about a second's worth, of 60 s
+    r.receive_datagram(sent[6], t + 1.0)  # data again: reports resume
+    assert r.next_timer() < t + 1.0 + 2 * r.feedback_interval
