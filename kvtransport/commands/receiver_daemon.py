@@ -19,8 +19,10 @@ stats) on the PUB socket --publish; with --out-dir also write it as
 
 Local clients: kvtransport.client.ResultSubscriber for results, ReceiverClient for
 status/abort on --control. State is bounded: --max-transfers at once, --max-mb per
-transfer, and a transfer whose manifest never comes ends --idle-timeout seconds after its
-last datagram. Garbage, forged and foreign datagrams are counted (status, stats) and
+transfer, --budget-mb for the buffers of all of them, and a transfer whose manifest never
+comes ends --idle-timeout seconds after its last datagram. A subscriber that lags gets its
+results late, in order (each carries a "seq"); past the daemon's backlog the loss is
+counted (stats: publish_lost) and, with --out-dir, the result is still in its file. Garbage, forged and foreign datagrams are counted (status, stats) and
 dropped. SIGTERM or SIGINT: deliver every transfer in progress as a partial result, close,
 exit 0.
 
