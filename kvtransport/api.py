@@ -74,30 +74,34 @@ def runtime_dir() -> Path:
 _LOOPBACK = ("127.", "[::1]", "localhost")
 
 
-def check_endpoint(endpoint: str) -> str:
+def check_endpoint(endpoint: str, what: str = "endpoint") -> str:
     """``endpoint`` if a daemon may bind it or a client may trust it, else a one-line
-    UserError. ``tcp://`` must be a loopback address; ``ipc://``'s directory is made (mode
-    0700) when missing and must then be owned by this user and closed to others' writes,
-    so nobody else can squat the socket path; ``inproc://`` is process-local."""
+    UserError naming it as ``what``. Daemons check before any slow start-up work.
+    ``tcp://`` must be a loopback address; ``ipc://`` must name a socket file (not a
+    directory) whose directory is made (mode 0700) when missing and must then be owned by
+    this user and closed to others' writes, so nobody else can squat the socket path;
+    ``inproc://`` is process-local."""
     if endpoint.startswith("inproc://"):
         return endpoint
     if endpoint.startswith("tcp://"):
         host = endpoint[len("tcp://") :].rsplit(":", 1)[0]
         if not host.startswith(_LOOPBACK):
             raise UserError(
-                f"control endpoint {endpoint} is not on loopback: control requests are not "
+                f"{what} {endpoint} is not on loopback: control requests are not "
                 "authenticated; use ipc:// or tcp://127.0.0.1:PORT"
             )
         return endpoint
     if not endpoint.startswith("ipc://"):
-        raise UserError(f"endpoint {endpoint!r}: use ipc://PATH or tcp://127.0.0.1:PORT")
+        raise UserError(f"{what} {endpoint!r}: use ipc://PATH or tcp://127.0.0.1:PORT")
     path = Path(endpoint[len("ipc://") :])
+    if endpoint.endswith("/") or path.is_dir():
+        raise UserError(f"{what} {endpoint!r} is a directory, not a socket file")
     directory = path.parent
     try:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         st = directory.stat()
     except OSError as exc:
-        raise UserError(f"cannot use {endpoint}: {directory}: {exc.strerror}") from None
+        raise UserError(f"cannot use {what} {endpoint}: {directory}: {exc.strerror}") from None
     if st.st_uid != os.getuid() or st.st_mode & 0o022:
         raise UserError(
             f"{endpoint}: directory {directory} is not private (owner uid {st.st_uid}, mode "
@@ -125,26 +129,77 @@ def format_tid(tid: int) -> str:
 
 
 def parse_tid(value: object) -> int:
-    """A transfer id from JSON: hex string (as :func:`format_tid` writes) or int."""
+    """A transfer id from JSON: hex string (as :func:`format_tid` writes, at most 16
+    digits) or a JSON integer; a float (``1.5``), a bool or anything else is refused."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | str)
+        or (isinstance(value, str) and not 1 <= len(value) <= 16)
+    ):
+        raise ApiError(f"transfer_id {_short(value)} is not a hex u64")
     try:
-        tid = int(value, 16) if isinstance(value, str) else int(value)
-    except (TypeError, ValueError):
-        raise ApiError(f"transfer_id {value!r} is not a hex u64") from None
+        tid = int(value, 16) if isinstance(value, str) else value
+    except ValueError:
+        raise ApiError(f"transfer_id {_short(value)} is not a hex u64") from None
     if not 0 <= tid < 1 << 64:
-        raise ApiError(f"transfer_id {value!r} does not fit 64 bits")
+        raise ApiError(f"transfer_id {_short(value)} does not fit 64 bits")
     return tid
 
 
-def load_json_header(frame: object) -> dict[str, Any]:
-    """The JSON object of a request or reply header frame (ApiError otherwise)."""
+def _short(value: object) -> str:
+    s = repr(value)
+    return s if len(s) <= 40 else s[:37] + "..."
+
+
+MAX_HEADER_BYTES = 64 * 1024
+"""The largest JSON header a request may have (a request holds a few fields)."""
+
+MAX_HEADER_DEPTH = 8
+"""The deepest nesting of objects and arrays a header may have (``utility`` is depth 2)."""
+
+
+def load_json_header(frame: object, max_bytes: int | None = None) -> dict[str, Any]:
+    """The JSON object of a request or reply header frame (ApiError otherwise). With
+    ``max_bytes`` (a daemon reading a request) it is also refused when larger than that or
+    nested deeper than ``MAX_HEADER_DEPTH``."""
     raw = frame.bytes if hasattr(frame, "bytes") else bytes(frame)
+    if max_bytes is not None:
+        if len(raw) > max_bytes:
+            raise ApiError(f"header of {len(raw)} bytes is larger than {max_bytes}")
+        opens = raw.count(b"[") + raw.count(b"{")
+        if opens > MAX_HEADER_DEPTH and _nesting(raw) > MAX_HEADER_DEPTH:
+            raise ApiError(f"header nests deeper than {MAX_HEADER_DEPTH} levels")
     try:
         head = json.loads(raw)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise ApiError(f"header is not JSON: {exc}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ApiError(f"header is not JSON: {text}") from None
     if not isinstance(head, dict):
         raise ApiError("header must be a JSON object")
     return head
+
+
+def _nesting(raw: bytes) -> int:
+    """The deepest bracket nesting in JSON text, brackets inside strings not counted (an
+    upper bound is enough: it only has to stop a nesting bomb before the parser recurses)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for c in raw:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == 0x5C:  # backslash
+                escaped = True
+            elif c == 0x22:  # quote
+                in_string = False
+        elif c == 0x22:
+            in_string = True
+        elif c in (0x5B, 0x7B):  # [ {
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c in (0x5D, 0x7D):
+            depth -= 1
+    return deepest
 
 
 def dump_json(obj: dict[str, Any]) -> bytes:
@@ -379,7 +434,7 @@ def _card_metadata(app_metadata: bytes) -> dict[str, str] | None:
 
     try:
         manifest = blocks.Manifest.from_bytes(app_metadata)
-    except (ValueError, KeyError, TypeError):
+    except Exception:  # bytes from the network: whatever they are, not a card's manifest
         return None
     text = {
         "format": card.CARD_FORMAT,

@@ -245,12 +245,16 @@ class Manifest:
             raise ManifestError("manifest checksum mismatch (corrupted)")
         try:
             head = json.loads(buf[_FIXED.size : _FIXED.size + jlen])
-            body = zlib.decompress(buf[_FIXED.size + jlen : -4])
-        except (ValueError, zlib.error) as exc:
+        except (ValueError, RecursionError) as exc:
             raise ManifestError(f"manifest undecodable: {exc}") from exc
         geometry, n, model_id, sha, created = _parse_header(head)
         tokens = geometry.num_tokens if flags & _FLAG_TOKEN_IDS else 0
         sizes = [2 * n, 4 * n, n, 4 * n, 4 * n, 4 * tokens]
+        try:  # at most the size the header announces (no decompression bomb)
+            z = zlib.decompressobj()
+            body = z.decompress(buf[_FIXED.size + jlen : -4], sum(sizes) + 1)
+        except zlib.error as exc:
+            raise ManifestError(f"manifest undecodable: {exc}") from exc
         if len(body) != sum(sizes):
             raise ManifestError(f"manifest body holds {len(body)} bytes, expected {sum(sizes)}")
         cuts = np.cumsum([0, *sizes])
@@ -322,6 +326,11 @@ class Manifest:
         return m
 
 
+MAX_GEOMETRY = 1 << 24
+"""Largest value a manifest's geometry field (layers, heads, tokens, ...) may have: a
+manifest may come from the network, and its fields size what is read next."""
+
+
 def _parse_header(head: Any) -> tuple[Geometry, int, str, str, dict[str, Any]]:
     if not isinstance(head, dict):
         raise ManifestError("manifest header is not a JSON object")
@@ -333,8 +342,10 @@ def _parse_header(head: Any) -> tuple[Geometry, int, str, str, dict[str, Any]]:
         created = head.get("created", {})
     except KeyError as exc:
         raise ManifestError(f"manifest header lacks {exc}") from exc
-    if not all(type(v) is int and v >= 0 for v in ints.values()):
-        raise ManifestError("manifest geometry fields must be non-negative integers")
+    if not all(type(v) is int and 0 <= v <= MAX_GEOMETRY for v in ints.values()):
+        raise ManifestError(
+            f"manifest geometry fields must be non-negative integers <= {MAX_GEOMETRY}"
+        )
     if min(ints["layers"], ints["kv_heads"], ints["head_dim"], ints["block_tokens"]) < 1:
         raise ManifestError("manifest geometry has an empty dimension")
     if ints["group_size"] < 2 or ints["group_size"] % 2 or ints["head_dim"] % ints["group_size"]:

@@ -86,9 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `kvtransport` command; returns the exit status."""
+    """Entry point of the `kvtransport` command; returns the exit status (a usage error
+    found by argparse, such as an option value out of its bounds, returns 2 too, after
+    its one-line message; ``--help`` returns 0)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 2
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2

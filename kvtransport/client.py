@@ -224,6 +224,11 @@ class ResultSubscriber(_Socket):
         self.sock.setsockopt(self._zmq.SUBSCRIBE, RESULT_TOPIC)
         self.sock.connect(endpoint)
         self._held: dict[int, DeliveredResult] = {}
+        self._seq: int | None = None
+        self.lost = 0
+        """Results this subscriber missed: gaps in the daemon's result ``seq`` (the daemon
+        holds results for a lagging subscriber, so this stays 0 unless its backlog
+        overflowed; a missed result is in its --out-dir file, if it writes them)."""
 
     def recv(self, timeout_s: float | None = None) -> DeliveredResult | None:
         """The next result (None after ``timeout_s``)."""
@@ -236,7 +241,13 @@ class ResultSubscriber(_Socket):
         ms = None if timeout_s is None else max(int(timeout_s * 1000), 0)
         if not self.sock.poll(ms, zmq.POLLIN):
             return None
-        return result_from_frames(self.sock.recv_multipart(copy=False))
+        res = result_from_frames(self.sock.recv_multipart(copy=False))
+        seq = res.stats.get("seq")
+        if isinstance(seq, int):
+            if self._seq is not None and seq > self._seq + 1:
+                self.lost += seq - self._seq - 1
+            self._seq = seq  # (a restarted daemon counts from 1 again)
+        return res
 
     def wait_for(self, transfer_id: int | str, timeout_s: float = 30.0) -> DeliveredResult:
         """The result of one transfer (others that arrive meanwhile are kept for recv)."""

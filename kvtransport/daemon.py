@@ -32,7 +32,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any, Protocol
 
-from kvtransport.api import ApiError, check_endpoint, dump_json, load_json_header
+from kvtransport.api import (
+    MAX_HEADER_BYTES,
+    ApiError,
+    check_endpoint,
+    dump_json,
+    load_json_header,
+)
 from kvtransport.errors import UserError
 from kvtransport.udp import clock, set_timer_slack, wait_readable
 
@@ -216,7 +222,9 @@ class ControlServer:
 
     ``handlers`` maps an ``op`` to ``handler(header, frames) -> reply`` (a dict, or
     ``(dict, frames)``). A handler raising UserError/ValueError answers ``ok: false`` with
-    its message; the daemon keeps running whatever a client sends.
+    its message; any other exception (a bug) is logged with its traceback and answered
+    ``ok: false`` too: the daemon keeps running whatever a client sends. A handler must
+    therefore change nothing until it has validated the whole request (kvtransport.bounds).
     """
 
     def __init__(self, context: Any, endpoint: str, handlers: dict[str, Handler]) -> None:
@@ -262,7 +270,7 @@ class ControlServer:
         try:
             if not body:
                 raise ApiError("empty request")
-            head = load_json_header(body[0])
+            head = load_json_header(body[0], MAX_HEADER_BYTES)
             op = head.get("op")
             handler = self.handlers.get(op) if isinstance(op, str) else None
             if handler is None:
@@ -275,6 +283,12 @@ class ControlServer:
             self.errors += 1
             text = str(exc) if not isinstance(exc, KeyError) else f"missing field {exc}"
             reply = {"ok": False, "error": text.splitlines()[0] if text else type(exc).__name__}
+            frames = []
+        except Exception as exc:  # a bug a request reached: answer it, keep serving
+            self.errors += 1
+            log.exception("control request failed")
+            text = str(exc).splitlines()[0] if str(exc) else ""
+            reply = {"ok": False, "error": f"internal error: {type(exc).__name__} {text}"[:300]}
             frames = []
         try:
             sock_frames = [*envelope, dump_json(reply), *frames]
@@ -344,6 +358,9 @@ class DaemonShell:
         host, port = self.sock.address
         return {"pid": os.getpid(), "udp": f"{host}:{port}", "role": self.role}
 
+    def _on_idle(self, now: float) -> None:
+        """Once per loop turn, after the control requests (a subclass's housekeeping)."""
+
     def _describe(self) -> str:
         """The start-up log line's last part (link rate, endpoints, offloads)."""
         return ""
@@ -360,7 +377,7 @@ class DaemonShell:
             self._describe(),
         )
         try:
-            serve(self.engine, [self.control], stop)
+            serve(self.engine, [self.control], stop, on_idle=self._on_idle)
         finally:
             n = len(self.engine.active)
             self.engine.close(clock())

@@ -15,10 +15,15 @@ the session holds them until the manifest says what they are.
 
 What bounds the state (every datagram is attacker-controlled):
 
-- ``max_transfers`` sessions at once; a new transfer beyond that is dropped and counted
+- ``max_transfers`` sessions at once (a session that finished inside the current batch
+  no longer counts); a new transfer beyond that is dropped and counted
   (``over_capacity``), never an old one evicted;
 - ``max_bytes`` per transfer: the session refuses symbols beyond it and a manifest
   announcing more (``too_large``);
+- ``budget_bytes`` for all of them: the output buffers of the sessions held (receiving,
+  or finished and lingering) never exceed it; a session that would is refused its
+  symbols (``over_budget``) or, at its manifest, the whole transfer (result reason
+  ``refused``);
 - every session ends by itself: at its deadline (from the manifest, counted from its first
   datagram), on the sender's ABORT, when everything is decoded, or ``idle_timeout``
   seconds after its last datagram when no manifest came;
@@ -38,10 +43,11 @@ from __future__ import annotations
 
 import logging
 import struct
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
 
+from kvtransport.api import load_json_header
 from kvtransport.daemon import DaemonShell, DropCounts
 from kvtransport.errors import UserError
 from kvtransport.receiver import ReceiverSession
@@ -54,6 +60,13 @@ DEFAULT_MAX_TRANSFERS = 16
 DEFAULT_MAX_BYTES = 256 << 20
 DEFAULT_IDLE_TIMEOUT_S = 10.0
 DEFAULT_LINGER_S = 1.0
+DEFAULT_BUDGET_BYTES = 1 << 30
+"""Output-buffer bytes all transfers held at once may take (``budget_bytes``)."""
+MAX_IDLE_TIMEOUT_S = 3600.0
+PUB_HWM = 64
+"""Results queued per subscriber in ZeroMQ before the daemon's own backlog takes over."""
+PUB_BACKLOG = 1024
+"""Results the daemon holds for lagging subscribers before it gives the oldest up."""
 RECENT_IDS = 4096
 BATCH = 256
 """Datagrams handled between two feedback flushes: a backlog is worked off in slices, so
@@ -127,9 +140,19 @@ class ReceiverEngine(DropCounts):
         linger_s: float = DEFAULT_LINGER_S,
         single: bool = False,
         on_result: Any = None,
+        budget_bytes: int | None = None,
     ) -> None:
-        if max_transfers < 1 or max_bytes < 1 or not idle_timeout > 0:
-            raise UserError("max transfers, max bytes and the idle timeout must be positive")
+        if max_transfers < 1 or max_bytes < 1 or not 0 < idle_timeout <= MAX_IDLE_TIMEOUT_S:
+            raise UserError(
+                "max transfers and max bytes must be positive, the idle timeout in "
+                f"(0, {MAX_IDLE_TIMEOUT_S:g}] s"
+            )
+        self.budget_bytes = (
+            max(max_bytes, DEFAULT_BUDGET_BYTES) if budget_bytes is None else budget_bytes
+        )
+        if self.budget_bytes < 1:
+            raise UserError("the memory budget must be positive")
+        self.held_bytes = 0  # output buffers granted to sessions not yet forgotten
         self.sock = sock
         self.key = key
         self.parser = Parser(key)
@@ -198,7 +221,7 @@ class ReceiverEngine(DropCounts):
         if d.type == DatagramType.FEEDBACK:
             self._drop("unexpected_type")
             return None
-        if len(self.active) >= self.max_transfers:
+        if len(self.active) >= self.max_transfers and self._live() >= self.max_transfers:
             self._drop("over_capacity")
             return None
         session = ReceiverSession(
@@ -207,12 +230,26 @@ class ReceiverEngine(DropCounts):
             now=now,
             max_bytes=self.max_bytes,
             idle_timeout=self.idle_timeout,
+            reserve=self._reserve,
         )
         inc = Incoming(tid, session, addr, now)
         self.active[tid] = inc
         self.adopted = tid
         log.info("transfer %016x: first datagram from %s:%d", tid, addr[0], addr[1])
         return inc
+
+    def _live(self) -> int:
+        """Sessions still receiving: one that finished earlier in this batch (its result
+        goes out when the batch is flushed) no longer counts against admission."""
+        return sum(not inc.session.finished for inc in self.active.values())
+
+    def _reserve(self, nbytes: int) -> bool:
+        """A session's request for ``nbytes`` more output buffer (kvtransport.receiver):
+        granted while everything held stays within ``budget_bytes``."""
+        if self.held_bytes + nbytes > self.budget_bytes:
+            return False
+        self.held_bytes += nbytes
+        return True
 
     def _flush(self, inc: Incoming, now: float) -> None:
         out = inc.session.datagrams_to_send(now)
@@ -248,6 +285,7 @@ class ReceiverEngine(DropCounts):
             if inc.finished + self.linger_s > now:
                 break
             del self.lingering[tid]
+            self.held_bytes -= inc.session.reserved  # its buffers go with it
             self._remember(tid, inc.stats(now))
             self._retired_dropped += inc.session.dropped
             for k, v in inc.session.drop_reasons.items():
@@ -319,6 +357,8 @@ class ReceiverEngine(DropCounts):
             "dropped": dropped,
             "drop_reasons": reasons,
             "engine_dropped": self.dropped,
+            "held_bytes": self.held_bytes,
+            "budget_bytes": self.budget_bytes,
             "socket": dict(self.sock.stats),
         }
 
@@ -343,10 +383,14 @@ class ReceiverDaemon(DaemonShell):
         max_transfers: int = DEFAULT_MAX_TRANSFERS,
         max_bytes: int = DEFAULT_MAX_BYTES,
         idle_timeout: float = DEFAULT_IDLE_TIMEOUT_S,
+        budget_bytes: int | None = None,
         stats: Any = None,
     ) -> None:
+        from kvtransport.api import check_endpoint
         from kvtransport.daemon import StatsWriter, warm_up
 
+        check_endpoint(control, "control")  # before the slow warm-up
+        check_endpoint(publish, "publish")
         self.out_dir = out_dir
         if out_dir is not None:
             from pathlib import Path
@@ -362,10 +406,14 @@ class ReceiverDaemon(DaemonShell):
             max_transfers=max_transfers,
             max_bytes=max_bytes,
             idle_timeout=idle_timeout,
+            budget_bytes=budget_bytes,
             on_result=self._result,
         )
         self.publish_endpoint = publish
-        self.published = 0
+        self.published = 0  # results handed to the PUB socket
+        self.publish_lost = 0  # results given up (see _publish)
+        self._seq = 0
+        self._backlog: deque[list] = deque()
         self._start_control(
             control, {"status": self._status, "abort": self._abort}, before=self._open_publisher
         )
@@ -377,12 +425,57 @@ class ReceiverDaemon(DaemonShell):
 
         self.pub = self.context.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 2000)
-        self.pub.setsockopt(zmq.SNDHWM, 64)
+        self.pub.setsockopt(zmq.SNDHWM, PUB_HWM)
+        # a subscriber's full queue makes send() fail (EAGAIN) instead of dropping the
+        # result unseen: it waits in the backlog instead (see _publish)
+        self.pub.setsockopt(zmq.XPUB_NODROP, 1)
         bind_endpoint(self.pub, self.publish_endpoint)
 
-    def _result(self, inc: Incoming) -> None:
+    def _publish(self, frames: list | None, now: float = 0.0) -> None:
+        """Send ``frames`` (a result; None: only retry the backlog) after the results
+        still waiting: in order, none dropped while the backlog has room.
+
+        A subscriber that lags fills its queue (``PUB_HWM`` results); results then wait
+        here, up to ``PUB_BACKLOG``; beyond that the oldest is given up, counted in
+        ``publish_lost``, logged with its transfer id (and its file, with --out-dir: the
+        result stays retrievable there). Each result header carries ``seq`` (1, 2, ... per
+        daemon run) so a subscriber sees a gap too (ResultSubscriber.lost)."""
         import zmq
 
+        backlog = self._backlog
+        if frames is not None:
+            backlog.append(frames)
+            while len(backlog) > PUB_BACKLOG:
+                lost = backlog.popleft()
+                self.publish_lost += 1
+                tid = load_json_header(lost[1]).get("transfer_id")
+                log.warning("result %s given up: subscribers lag (%d lost)", tid, self.publish_lost)
+        while backlog:
+            try:
+                self.pub.send_multipart(backlog[0], zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return  # a subscriber's queue is full: retried from the loop
+            except zmq.ZMQError as exc:
+                lost = backlog.popleft()
+                self.publish_lost += 1
+                log.warning("result not published: %s", exc)
+                continue
+            backlog.popleft()
+            self.published += 1
+
+    def _on_idle(self, now: float) -> None:
+        if self._backlog:
+            self._publish(None, now)
+
+    def _result(self, inc: Incoming) -> None:
+        """Write, publish and log a finished transfer. It runs inside the data plane's
+        receive loop on what the network sent: a failure is logged, never raised."""
+        try:
+            self._deliver(inc)
+        except Exception:
+            log.exception("transfer %016x: result not delivered", inc.transfer_id)
+
+    def _deliver(self, inc: Incoming) -> None:
         from kvtransport.api import result_frames, write_result_file
 
         res = inc.session.result
@@ -394,11 +487,8 @@ class ReceiverDaemon(DaemonShell):
                 log.info("transfer %016x written to %s", inc.transfer_id, path)
             except OSError as exc:
                 log.error("transfer %016x: cannot write result: %s", inc.transfer_id, exc)
-        try:
-            self.pub.send_multipart(result_frames(res, stats), zmq.NOBLOCK, copy=False)
-            self.published += 1
-        except zmq.ZMQError as exc:
-            log.warning("result %016x not published: %s", inc.transfer_id, exc)
+        self._seq += 1
+        self._publish(result_frames(res, {**stats, "seq": self._seq}))
         self.stats_out.write({"event": "transfer", "role": "receiver", **stats})
 
     def _abort(self, head: dict[str, Any], frames: list) -> dict[str, Any]:
@@ -407,7 +497,14 @@ class ReceiverDaemon(DaemonShell):
         return {"aborted": self.engine.abort(parse_tid(head["transfer_id"]), clock())}
 
     def _stats(self, head: dict[str, Any], frames: list) -> dict[str, Any]:
-        return {"stats": {**self.engine.stats(), "published": self.published}}
+        return {
+            "stats": {
+                **self.engine.stats(),
+                "published": self.published,
+                "publish_backlog": len(self._backlog),
+                "publish_lost": self.publish_lost,
+            }
+        }
 
     def _ping(self, head: dict[str, Any], frames: list) -> dict[str, Any]:
         return {**super()._ping(head, frames), "publish": self.publish_endpoint}

@@ -39,6 +39,8 @@ from typing import Any
 
 import numpy as np
 
+from kvtransport import bounds
+from kvtransport.bounds import MAX_DEADLINE_S, MAX_INITIAL_RTT_S, MIN_DEADLINE_S
 from kvtransport.daemon import DaemonShell, DropCounts
 from kvtransport.errors import UserError
 from kvtransport.policy import make_policy
@@ -126,6 +128,7 @@ class Outgoing:
             "max_lag_ms": round(self.max_lag * 1e3, 3),
             "feedback_received": st["feedback_received"],
             "feedback_dropped": st["dropped"],
+            "receiver_restarts": st["receiver_restarts"],
             "drop_reasons": dict(s.drop_reasons),
             "decoded_through": s.fb_through,
             "delivered_bytes": min(s.fb_through * s.symbol_size, self.size),
@@ -199,8 +202,15 @@ class SenderEngine(DropCounts):
         """Start sending ``transfer`` to ``dest`` with ``deadline_s`` from ``now``."""
         if len(self.active) >= self.max_transfers:
             raise UserError(f"{len(self.active)} transfers in flight (the limit): try later")
-        if not (deadline_s > 0 and math.isfinite(deadline_s)):
-            raise UserError(f"the deadline must be a positive number of seconds ({deadline_s})")
+        if not MIN_DEADLINE_S <= deadline_s <= MAX_DEADLINE_S:
+            raise UserError(
+                f"the deadline must be {MIN_DEADLINE_S:g}..{MAX_DEADLINE_S:g} s ({deadline_s})"
+            )
+        if not 0.0 < initial_rtt <= bounds.MAX_INITIAL_RTT_S:
+            raise UserError(
+                f"the initial RTT must be in (0, {bounds.MAX_INITIAL_RTT_S * 1e3:g}] ms "
+                f"({initial_rtt * 1e3:g})"
+            )
         if not (weight >= 0 and math.isfinite(weight)):
             raise UserError("the weight must be a non-negative number")
         if transfer_id is not None and (transfer_id in self.active or transfer_id in self.finished):
@@ -237,7 +247,12 @@ class SenderEngine(DropCounts):
             rate_bps=self.rate_bps,
         )
         self.active[out.transfer_id] = out
-        self._reschedule(now)  # shares are right from the first status reply on
+        try:
+            self._reschedule(now)  # shares are right from the first status reply on
+        except Exception:
+            del self.active[out.transfer_id]  # refused: nothing of it may run
+            self._reschedule_now = True
+            raise
         log.info(
             "transfer %016x: %d bytes to %s:%d, deadline %.1f ms, policy %s%s",
             out.transfer_id,
@@ -342,6 +357,7 @@ class SenderEngine(DropCounts):
         out.state = "done"
         out.finished = now
         out.keep = None
+        out.session.release()  # the payload goes now, the status figures stay
         del self.active[out.transfer_id]
         self.finished[out.transfer_id] = out
         while len(self.finished) > HISTORY:
@@ -415,7 +431,8 @@ class SenderEngine(DropCounts):
 def deadline_from(
     head: dict[str, Any], nbytes: int, rate_bps: float, symbol_size: int, tagged: bool
 ) -> float:
-    """Seconds to the deadline from a request's ``deadline_ms`` or ``rho``.
+    """Seconds to the deadline from a request's ``deadline_ms`` or ``rho``, bounded to
+    [MIN_DEADLINE_S, MAX_DEADLINE_S] (kvtransport.bounds); UserError otherwise.
 
     rho is the deadline over the time the whole stream takes loss-free at the link rate
     (kvtransport.simulator.full_send_time), as in ``kvtransport simulate``.
@@ -425,16 +442,20 @@ def deadline_from(
     if head.get("deadline_ms") is not None:
         if head.get("rho") is not None:
             raise UserError("give deadline_ms or rho, not both")
-        value = float(head["deadline_ms"]) * 1e-3
+        ms = bounds.number(
+            head["deadline_ms"], "deadline_ms", 0.0, 1e3 * MAX_DEADLINE_S, lo_open=True
+        )
+        value = ms * 1e-3
     elif head.get("rho") is not None:
-        rho = float(head["rho"])
-        if not (rho > 0 and math.isfinite(rho)):
-            raise UserError(f"rho must be a positive number, not {head['rho']!r}")
+        rho = bounds.number(head["rho"], "rho", 0.0, bounds.MAX_RHO, lo_open=True)
         value = rho * full_send_time(nbytes, rate_bps, symbol_size, tagged)
     else:
         raise UserError("a transfer needs deadline_ms or rho")
-    if not (value > 0 and math.isfinite(value)):
-        raise UserError("the deadline must be a positive number of milliseconds")
+    if not MIN_DEADLINE_S <= value <= MAX_DEADLINE_S:
+        raise UserError(
+            f"the deadline must be {MIN_DEADLINE_S * 1e3:g} ms to {MAX_DEADLINE_S:g} s "
+            f"(got {value:.6g} s)"
+        )
     return value
 
 
@@ -465,8 +486,10 @@ class SenderDaemon(DaemonShell):
         utility_table: str | None = None,
         stats: Any = None,
     ) -> None:
+        from kvtransport.api import check_endpoint
         from kvtransport.daemon import StatsWriter, warm_up
 
+        check_endpoint(control, "control")  # before the slow warm-up
         make_policy(policy)  # a bad default fails at start, not at the first submit
         self.policy = policy
         self.table = None
@@ -494,29 +517,37 @@ class SenderDaemon(DaemonShell):
     # ------------------------------------------------------------------ requests
 
     def _submit(self, head: dict[str, Any], frames: list) -> dict[str, Any]:
+        """Validate the whole request (kvtransport.bounds), then start the transfer: a
+        request answered ``ok: false`` changes nothing."""
         from kvtransport.api import ApiError, parse_tid, transfer_from_frames
         from kvtransport.udp import clock, parse_address
 
         if "to" not in head:
             raise ApiError("submit needs 'to': the receiver's HOST:PORT")
-        dest = parse_address(str(head["to"]), what="receiver")
+        dest = parse_address(bounds.text(head["to"], "to", 300), what="receiver")
         transfer = transfer_from_frames(frames)
         e = self.engine
         deadline_s = deadline_from(
             head, transfer.nbytes, e.rate_bps, e.symbol_size, e.key is not None
         )
         tid = parse_tid(head["transfer_id"]) if head.get("transfer_id") is not None else None
+        policy = head.get("policy")
+        policy = bounds.text(policy, "policy", 200) if policy is not None else self.policy
+        rtt_ms = head.get("initial_rtt_ms")
+        if rtt_ms is None:
+            rtt_ms = DEFAULT_INITIAL_RTT * 1e3
+        rtt_ms = bounds.number(rtt_ms, "initial_rtt_ms", 0.0, 1e3 * MAX_INITIAL_RTT_S, lo_open=True)
         out = e.submit(
             transfer,
             dest,
             now=clock(),
             deadline_s=deadline_s,
-            policy=str(head.get("policy") or self.policy),
+            policy=policy,
             transfer_id=tid,
-            weight=float(head.get("weight", 1.0)),
+            weight=bounds.number(head.get("weight", 1.0), "weight", 0.0, bounds.MAX_WEIGHT),
             utility=self._utility(head),
-            label=str(head.get("label", ""))[:200],
-            initial_rtt=float(head.get("initial_rtt_ms", DEFAULT_INITIAL_RTT * 1e3)) * 1e-3,
+            label=bounds.text(head.get("label", ""), "label", 200),
+            initial_rtt=rtt_ms * 1e-3,
             keep=frames,
         )
         return {
@@ -531,12 +562,18 @@ class SenderDaemon(DaemonShell):
         if spec is not None:
             if not isinstance(spec, dict):
                 raise UserError("utility must be an object {a, b, c, d}")
-            return SigmoidUtility(**{k: float(spec[k]) for k in ("a", "b", "c", "d") if k in spec})
+            extra = set(spec) - {"a", "b", "c", "d"}
+            if extra:
+                raise UserError(f"utility has unknown fields {sorted(extra)[:4]}")
+            params = {k: bounds.number(v, f"utility.{k}", -1e6, 1e6) for k, v in spec.items()}
+            return SigmoidUtility(**params)
         if head.get("model") is not None:
             if self.table is None:
                 raise UserError("this daemon has no --utility-table to look the model up in")
+            model = bounds.text(head["model"], "model", 500)
+            ctx = bounds.whole(head.get("context_tokens"), "context_tokens", 1, 1 << 24)
             try:
-                return self.table.lookup(str(head["model"]), int(head["context_tokens"])).utility
+                return self.table.lookup(model, ctx).utility
             except KeyError as exc:
                 raise UserError(str(exc).strip("'\"")) from None
         return None

@@ -12,10 +12,19 @@ Both are fixed-size rings: state stays bounded on endless streams.
 
 from __future__ import annotations
 
+from collections import deque
+
 SEQ_RING = 1 << 14
 _MASK = SEQ_RING - 1
 BURST_GAIN = 1 / 8
 LOSS_MEMORY_PACKETS = 256.0
+REORDER_MARGIN = 1.25
+"""The reordering window is this many times the longest reordering seen (QUIC: 9/8 RTT)."""
+MAX_REORDER_S = 0.5
+"""Reordering beyond this is not tolerated (the window never exceeds 1.25 x this)."""
+REORDER_SCAN = 64
+"""A late datagram's reordering is timed against the first of the next this many numbers
+that arrived."""
 
 
 class LossMonitor:
@@ -25,10 +34,18 @@ class LossMonitor:
     fills a gap (reordering) is counted as received again, a repeated number (duplicate) is
     ignored. ``loss_rate`` is refreshed by :meth:`sample` at each feedback report, weighted
     by the number of datagrams the interval covered (memory about LOSS_MEMORY_PACKETS).
+
+    Reordering tolerance (as QUIC's time threshold, RFC 9002 6.1.2): a missing number
+    counts as lost only once a later one has been held for the reordering window,
+    ``REORDER_MARGIN`` x the longest reordering seen (how long a late datagram arrived
+    after the first datagram numbered above it); numbers within the window are *settled*
+    later. Jitter that reorders thus stops reading as loss after its first late
+    datagrams; without reordering the window is 0 and every gap counts at once.
     """
 
     __slots__ = (
         "_ring",
+        "_at",
         "highest",
         "received",
         "duplicates",
@@ -36,6 +53,10 @@ class LossMonitor:
         "burst_mean",
         "loss_rate",
         "loss_recent",
+        "reorder_s",
+        "settled",
+        "settled_received",
+        "_tops",
         "_prev_lost",
         "_prev_received",
         "_sampled",
@@ -43,6 +64,7 @@ class LossMonitor:
 
     def __init__(self) -> None:
         self._ring = [-1] * SEQ_RING
+        self._at = [0.0] * SEQ_RING  # arrival time per ring slot
         self.highest = -1
         self.received = 0
         self.duplicates = 0
@@ -50,23 +72,35 @@ class LossMonitor:
         self.burst_mean = 1.0
         self.loss_rate = 0.0
         self.loss_recent = 0.0
+        self.reorder_s = 0.0
+        self.settled = -1  # numbers up to here are settled: received or lost
+        self.settled_received = 0  # of which received
+        self._tops: deque[tuple[float, int]] = deque()  # (arrival, number): each new highest
         self._prev_lost = 0
         self._prev_received = 0
         self._sampled = False
 
     @property
     def lost(self) -> int:
-        """Datagrams missing from the numbers seen so far."""
-        return self.highest + 1 - self.received
+        """Datagrams declared lost: missing among the settled numbers."""
+        return self.settled + 1 - self.settled_received
 
-    def on_packet(self, seq: int) -> int:
-        """Account datagram ``seq``: returns the length of a newly detected loss burst
-        (0 if none), or -1 for a duplicate (or a number too old to tell)."""
+    @property
+    def window_s(self) -> float:
+        """How long a gap may stay open before it counts as loss (0: at once)."""
+        return REORDER_MARGIN * self.reorder_s
+
+    def on_packet(self, seq: int, now: float = 0.0) -> int:
+        """Account datagram ``seq`` arriving at ``now``: returns the length of a newly
+        detected gap (0 if none), or -1 for a duplicate (or a number too old to tell)."""
         h = self.highest
         if seq == h + 1:  # the next one in order (the common case): cannot be a duplicate
-            self._ring[seq & _MASK] = seq
+            i = seq & _MASK
+            self._ring[i] = seq
+            self._at[i] = now
             self.received += 1
             self.highest = seq
+            self._tops.append((now, seq))
             return 0
         if seq <= h - SEQ_RING:
             self.duplicates += 1
@@ -76,19 +110,54 @@ class LossMonitor:
             self.duplicates += 1
             return -1
         self._ring[slot] = seq
+        self._at[slot] = now
         self.received += 1
-        if seq <= h:
-            return 0  # late: fills a gap
+        if seq <= h:  # late: fills a gap
+            if seq <= self.settled:
+                self.settled_received += 1  # counted lost already: it was not
+            self._late(seq, now)
+            return 0
         self.highest = seq
+        self._tops.append((now, seq))
         gap = seq - h - 1
         if gap:
             self.bursts += 1
             self.burst_mean += BURST_GAIN * (gap - self.burst_mean)
         return gap
 
-    def sample(self) -> None:
-        """Fold the datagrams since the last call into ``loss_rate`` and ``loss_recent``."""
-        lost, received = self.lost, self.received
+    def _late(self, seq: int, now: float) -> None:
+        """A late arrival: how long after the first later-numbered datagram it came."""
+        ring, at = self._ring, self._at
+        for nxt in range(seq + 1, min(seq + 1 + REORDER_SCAN, self.highest + 1)):
+            i = nxt & _MASK
+            if ring[i] == nxt:
+                delay = now - at[i]
+                if delay > self.reorder_s:
+                    self.reorder_s = min(delay, MAX_REORDER_S)
+                return
+
+    def settle(self, now: float) -> None:
+        """Settle the numbers whose reordering window has passed by ``now``."""
+        tops = self._tops
+        target = self.settled
+        cutoff = now - self.window_s
+        while tops and tops[0][0] <= cutoff:
+            target = tops.popleft()[1]
+        if target <= self.settled:
+            return
+        ring = self._ring
+        got = 0
+        for s in range(max(self.settled + 1, target - SEQ_RING + 1), target + 1):
+            if ring[s & _MASK] == s:
+                got += 1
+        self.settled_received += got
+        self.settled = target
+
+    def sample(self, now: float = 0.0) -> None:
+        """Fold the datagrams settled since the last call into ``loss_rate`` and
+        ``loss_recent``."""
+        self.settle(now)
+        lost, received = self.lost, self.settled_received
         dl = lost - self._prev_lost
         dr = received - self._prev_received
         n = dl + dr

@@ -39,11 +39,16 @@ The result comes at the deadline (given, or the manifest's deadline counted from
 datagram's arrival, which is late by one one-way delay), when everything is decoded, on
 ABORT, or after ``idle_timeout`` without datagrams when no deadline is known. State is
 bounded: symbols beyond ``max_bytes`` are dropped (a manifest announcing more is refused),
-the decoder holds ``DECODER_WINDOW`` ESIs and at most ``MAX_PENDING_EQUATIONS`` pending
-repair equations, rings are fixed size.
+the output buffer grows only as far as the shell's ``reserve(extra_bytes)`` allows (a
+daemon's budget for all transfers in flight: beyond it symbols are dropped as
+``over_budget`` and a manifest is refused), the decoder holds ``DECODER_WINDOW`` ESIs and
+at most ``MAX_PENDING_EQUATIONS`` pending repair equations, rings are fixed size.
 """
 
 from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
 
 import numpy as np
 
@@ -81,6 +86,9 @@ _REPAIR = int(DatagramType.REPAIR)
 _FEEDBACK = int(DatagramType.FEEDBACK)
 RS_BLOCKS_HELD = 16
 FIN_GRACE = 0.05
+FEEDBACK_QUIET_S = 1.0
+"""Periodic feedback pauses after this long without a datagram (a sender paused by its
+link share, or gone, or a forger that sent a few datagrams) and resumes with the next one."""
 DEFAULT_MAX_BYTES = 1 << 30
 
 
@@ -102,8 +110,11 @@ class ReceiverSession:
         feedback_interval: float = DEFAULT_FEEDBACK_INTERVAL,
         max_bytes: int = DEFAULT_MAX_BYTES,
         idle_timeout: float = 10.0,
+        reserve: Callable[[int], bool] | None = None,
     ) -> None:
         self.transfer_id = transfer_id
+        self._reserve = reserve
+        self.reserved = 0  # bytes of output buffer ``reserve`` granted this session
         self._key = key
         self.parser = Parser(key)
         self.framer: Framer | None = None
@@ -128,6 +139,8 @@ class ReceiverSession:
         self._out_mv = memoryview(self._out)
         self.n_known = 0
         self.esi_end = 0
+        self._ends: deque[tuple[float, int]] = deque()  # (when, esi_end) as it grew
+        self._settled_end = 0  # esi_end as of the reordering window ago (see _feedback)
         self.through = 0
         self._released = 0
         self.source_received = 0
@@ -190,7 +203,10 @@ class ReceiverSession:
         elif self.deadline is None and now >= self.last_activity + self.idle_timeout:
             self._finish(now, "idle")
         elif self._next_fb is not None and now >= self._next_fb:
-            self._send_feedback(now)
+            if now - self.last_activity > FEEDBACK_QUIET_S:
+                self._next_fb = None  # nobody is sending: stop reporting until data comes
+            else:
+                self._send_feedback(now)
 
     def close(self, now: float, reason: str = "shutdown") -> None:
         """Yield the result now, with what has arrived (the shell is shutting down, or a
@@ -229,9 +245,10 @@ class ReceiverSession:
         self.last_activity = now
         self._now = now
         mon = self.monitor
-        gap = mon.on_packet(seq)
+        gap = mon.on_packet(seq, now)
         if mon.highest == seq:
             self._highest_at = now
+        end0 = self.esi_end
         try:
             if t == _SOURCE:
                 self._on_source(esi, payload)
@@ -246,6 +263,8 @@ class ReceiverSession:
         except WireError as exc:
             self._drop(exc.reason)
             return
+        if self.esi_end > end0:
+            self._ends.append((now, self.esi_end))
         if self.finished:
             return
         if self.manifest is not None and self.n_known == self.n_source:
@@ -281,9 +300,21 @@ class ReceiverSession:
             size, max_window=DECODER_WINDOW, max_pending=MAX_PENDING_EQUATIONS
         )
 
+    def _grant(self, nbytes: int) -> bool:
+        """Ask the shell's ``reserve`` for the output buffer to reach ``nbytes``."""
+        extra = nbytes - self.reserved
+        if extra > 0 and self._reserve is not None and not self._reserve(extra):
+            return False
+        self.reserved = max(self.reserved, nbytes)
+        return True
+
     def _grow(self, need: int) -> None:
         cap = max(need, 2 * len(self._known), 256)
         cap = min(cap, self.max_symbols) if self.manifest is None else self.n_source
+        if not self._grant(cap * self.symbol_size):
+            if self.manifest is not None or not self._grant(need * self.symbol_size):
+                raise _Drop("over_budget")
+            cap = need
         known = bytearray(cap)
         known[: len(self._known)] = self._known
         out = np.zeros(cap * self.symbol_size, dtype=np.uint8)
@@ -417,11 +448,17 @@ class ReceiverSession:
         if m is None:
             return
         self._sync_decoder()
-        if self.symbol_size and m.symbol_size != self.symbol_size:
+        if (self.symbol_size and m.symbol_size != self.symbol_size) or not (
+            16 <= m.symbol_size <= 65000
+        ):
             raise _Drop("bad_manifest")
         if m.payload_len > self.max_bytes:
             self._drop("too_large")
             self._finish(now, "refused")  # bounded state: a transfer too large is refused
+            return
+        if not self._grant(m.n_source * m.symbol_size):
+            self._drop("over_budget")
+            self._finish(now, "refused")  # the shell's memory budget is spent
             return
         self.manifest = m
         self.timings["manifest"] = now
@@ -517,7 +554,13 @@ class ReceiverSession:
 
     def _feedback(self, now: float) -> Feedback:
         mon = self.monitor
-        mon.sample()
+        mon.sample(now)
+        # holes are reported only below the ESI end of one reordering window ago: a
+        # datagram that is merely late (jitter) is not asked for again
+        ends, cutoff = self._ends, now - mon.window_s
+        while ends and ends[0][0] <= cutoff:
+            self._settled_end = ends.popleft()[1]
+        end = min(self._settled_end, self.esi_end)
         flags = 0
         if self.manifest is not None:
             flags |= FB_MANIFEST_DONE
@@ -527,8 +570,10 @@ class ReceiverSession:
             flags |= FB_FINISHED
         ranges = ()
         holes = self.esi_end - self.n_known
+        if holes and end < self.esi_end:
+            holes -= self._known.count(0, end, self.esi_end)  # those still in the window
         if holes:
-            ranges = loss_ranges(self._known, self.through, self.esi_end, MAX_FEEDBACK_RANGES)
+            ranges = loss_ranges(self._known, self.through, end, MAX_FEEDBACK_RANGES)
         segments = pending_by_segment(self.decoder) if self.decoder is not None else ()
         return Feedback(
             max(mon.highest, 0),
@@ -593,6 +638,9 @@ class ReceiverSession:
         self.decoder_stats = dict(self.decoder.stats) if self.decoder is not None else {}
         self.decoder = None  # free the decoding window
         self._send_feedback(now)
+        # the final count (``lost``) settles every gap; the loss rate is left as it was:
+        # datagrams still in flight now are not a loss sample
+        self.monitor.settle(float("inf"))
 
     def _drop(self, reason: str) -> None:
         self.dropped += 1

@@ -128,6 +128,16 @@ _pack_decision, _AT_DECISION = _packer(RAW_DECISION)
 _pack_feedback, _AT_FEEDBACK = _packer(RAW_FEEDBACK)
 _pack_transfer, _AT_TRANSFER = _packer(RAW_TRANSFER)
 
+OPEN_LOOP_RTTS = 4.0
+"""Round trips without feedback after which the sender repairs open-loop."""
+OPEN_LOOP_MIN_S = 0.02
+"""... but never before this much silence."""
+OPEN_LOOP_SPAN = 512
+"""Open loop, each proactive repair covers at least this many newest symbols (wider spans
+recover more of an unreported loss pattern, but cost more to encode and decode)."""
+OPEN_LOOP_MAX_SHARE = 0.5
+"""The most of the slots open-loop repair takes."""
+
 MAX_CATCH_UP = 16
 """A shell that is late may get at most this many datagrams at once (then pacing resumes)."""
 
@@ -183,6 +193,8 @@ class SenderSession:
         self.srtt: float | None = None
         self.stop_time = 0.0  # last moment a datagram can leave and arrive before the deadline
         self._proactive_span = REPAIR_SEGMENT
+        self._open_loop = False  # no feedback for a while: repair open-loop (_silent)
+        self._decision_t = now
         self._raw = np.zeros(RAW_SIZE, dtype=np.float64)  # the policy's input, see _state()
         self._raw_buf = memoryview(self._raw)
         self._rtt_changed()
@@ -238,6 +250,7 @@ class SenderSession:
             "decisions": 0,
             "feedback_received": 0,
             "feedback_stale": 0,
+            "receiver_restarts": 0,
             "dropped": 0,
         }
         self.drop_reasons: dict[str, int] = {}
@@ -353,9 +366,11 @@ class SenderSession:
         except WireError as exc:
             self._drop(exc.reason)
             return
-        if d.seq <= self._fb_seq:
-            self.stats["feedback_stale"] += 1
-            return
+        if d.seq <= self._fb_seq or self._restarted(fb):
+            if not self._restarted(fb):
+                self.stats["feedback_stale"] += 1
+                return
+            self._receiver_restarted(fb, now)
         self._fb_seq = d.seq
         self.stats["feedback_received"] += 1
         self._on_feedback(fb, now)
@@ -373,6 +388,19 @@ class SenderSession:
             self._pending.append(self._control(ControlCode.ABORT))
             self._pending_at = now
             self._mark_done(now, "cancelled")
+
+    def release(self) -> None:
+        """Drop every reference to the payload (and the encoders that read it) once the
+        session is done; counters, estimates and ``status`` figures stay. A shell that
+        keeps finished sessions for reporting calls it, so their payloads can be freed.
+        ``transfer`` is None afterwards."""
+        if not self.done:
+            raise RuntimeError("release() is for finished sessions")
+        self.transfer = None
+        self._payload = memoryview(b"")
+        self._last_symbol = b""
+        self.encoder = None
+        self._rs = None
 
     def set_rate(self, rate_bps: float, now: float) -> None:
         """Change the pacing rate mid-flight (a shell sharing one link among several
@@ -555,7 +583,10 @@ class SenderSession:
             return max(seg * REPAIR_SEGMENT, self.fb_through, floor), min(end, hi)
         # proactive: the newest symbols, those feedback cannot have reported yet (one RTT
         # and an interval of them); older holes are the reactive repairs' job
-        return max(self.fb_through, floor, hi - self._proactive_span), hi
+        span = (
+            max(OPEN_LOOP_SPAN, self._proactive_span) if self._open_loop else self._proactive_span
+        )
+        return max(self.fb_through, floor, hi - span), hi
 
     def _rlc_repair(self, reactive: bool) -> bytes | None:
         lo, hi = self._rlc_window(reactive)
@@ -696,6 +727,34 @@ class SenderSession:
             self._idle = False
             self._next_send = now
 
+    def _restarted(self, fb: Feedback) -> bool:
+        """Feedback of a receiver that lost its state (restarted): the manifest was
+        acknowledged, this report says it is not decoded, and it reports a packet newer
+        than any report before (so it is not an old report overtaken by newer ones)."""
+        return (
+            self.manifest.acked and not fb.flags & FB_MANIFEST_DONE and fb.echo_seq > self._fb_echo
+        )
+
+    def _receiver_restarted(self, fb: Feedback, now: float) -> None:
+        """Start over with a receiver that knows nothing: its feedback numbers restart, its
+        decoded-through is its own; the manifest goes out again (the full protected run)
+        with the time left to the deadline, so the new receiver delivers by it."""
+        self.stats["receiver_restarts"] += 1
+        self._fb_seq = -1
+        self.fb_through = 0
+        self.fb_esi_end = 0
+        self._fb_prev = (0, 0)
+        self._segments.clear()
+        self._seg_flight.clear()
+        self._seg_needed = 0
+        t = self.transfer
+        left = max(self.deadline - now, 0.0)
+        manifest = TransportManifest(
+            self.symbol_size, t.nbytes, t.blocks, t.app_metadata, left
+        )  # fmt: skip
+        self.manifest = ManifestSender(manifest.to_bytes(), self.symbol_size)
+        self.manifest.next_slot = self.slot
+
     def _plan_segments(self, fb: Feedback) -> None:
         """Equations still owed per segment: its recoverable holes, minus the equations the
         receiver holds pivoted there, minus reactive repairs to it still in flight.
@@ -811,6 +870,7 @@ class SenderSession:
 
     def _decide(self, t: float) -> None:
         self._decision_slot = self.slot
+        self._decision_t = t
         self.stats["decisions"] += 1
         t0 = perf_counter_ns()
         a = self._policy_decide(self._state(t), self.obs)
@@ -844,6 +904,28 @@ class SenderSession:
         self._last = (share, 1.0 if admit else 0.0, self._last[0])
         self.share = share if admit else 1.0
         self.admit = admit
+        self._open_loop = self._mode == _RLC and self._silent(self._decision_t)
+        if self._open_loop:
+            self.share = max(self.share, self._open_loop_share(self._decision_t))
+
+    def _silent(self, t: float) -> bool:
+        """No feedback for OPEN_LOOP_RTTS round trips (at least OPEN_LOOP_MIN_S): since the
+        start, or since the last report. The sender then repairs open-loop."""
+        since = self.fb_time if self.fb_time is not None else self.start
+        rtt = self.srtt if self.srtt is not None else self._initial_rtt
+        return t - since > max(OPEN_LOOP_RTTS * rtt, OPEN_LOOP_MIN_S)
+
+    def _open_loop_share(self, t: float) -> float:
+        """Open loop, nothing tells the sender what was lost, so the slack (slots before
+        the stop time beyond the sources still to send) is spread evenly over the rest of
+        the stream as proactive repairs over at least ``OPEN_LOOP_SPAN`` newest symbols:
+        every part of the stream gets repairs while it is still inside the decoder's
+        window, not only the newest span once all sources are out."""
+        left = self.slots_left(t)
+        sources = self.n_source - self.next_esi
+        if left <= 0:
+            return 0.0
+        return min(max(left - sources, 0) / left, OPEN_LOOP_MAX_SHARE)
 
     def _drop(self, reason: str) -> None:
         self.stats["dropped"] += 1

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvtransport.bounds import MAX_DEADLINE_S
 from kvtransport.wire import BadPayload
 
 UTILITY_PROFILES = ("zipf", "flat", "linear")
@@ -219,8 +220,10 @@ class TransportManifest:
             raise BadPayload("not a version-1 transport manifest")
         if fixed + zlen + alen != len(body) or not 0 < sym <= 65535 or n > MAX_BLOCKS:
             raise BadPayload("transport manifest lengths are inconsistent")
-        if not (deadline >= 0.0 and np.isfinite(deadline)):
-            raise BadPayload("transport manifest deadline is not a time")
+        if not (0.0 <= deadline <= MAX_DEADLINE_S):
+            raise BadPayload(
+                f"transport manifest deadline is not a time in 0..{MAX_DEADLINE_S:g} s"
+            )
         want = 24 * n
         try:
             z = zlib.decompressobj()

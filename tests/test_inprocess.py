@@ -45,7 +45,9 @@ def test_send_and_receive_in_process_are_byte_exact_with_a_key():
 
 def test_a_wrong_key_delivers_nothing_and_says_so():
     t = synthetic_transfer(100_000, 8, seed=1)
-    with kvtransport.Receiver(listen="127.0.0.1:0", key=b"the right key, 16+ bytes", timeout_s=1.5) as rx:
+    with kvtransport.Receiver(
+        listen="127.0.0.1:0", key=b"the right key, 16+ bytes", timeout_s=1.5
+    ) as rx:
         kvtransport.send(t, to=rx.address, deadline_ms=300, key=b"the wrong key, 16+ bytes")
         with pytest.raises(UserError, match="no transfer arrived"):
             rx.result(timeout_s=20)

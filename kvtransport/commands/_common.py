@@ -14,6 +14,7 @@ import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from kvtransport.bounds import float_arg, int_arg
 from kvtransport.errors import UserError
 
 MODEL_HELP = (
@@ -57,16 +58,18 @@ def add_realtime(parser: argparse.ArgumentParser) -> None:
     from kvtransport.udp import REALTIME_HELP
 
     parser.add_argument(
-        "--realtime", nargs="?", type=int, const=5, metavar="PRIO", help=REALTIME_HELP
+        "--realtime", nargs="?", type=int_arg(1, 99), const=5, metavar="PRIO", help=REALTIME_HELP
     )
 
 
 def add_pacing(parser: argparse.ArgumentParser) -> None:
     """The sending side's symbol size, burst lead and GSO switch (send, sender-daemon)."""
-    parser.add_argument("--symbol-size", type=int, default=1280, help="bytes per symbol (1280)")
+    parser.add_argument(
+        "--symbol-size", type=int_arg(64, 8192), default=1280, help="bytes per symbol (1280)"
+    )
     parser.add_argument(
         "--burst-us",
-        type=float,
+        type=float_arg(0, 100_000),
         default=200.0,
         help="send the slots due within this lead at once (default 200)",
     )

@@ -7,6 +7,8 @@ import json
 import time
 from typing import Any
 
+from kvtransport.bounds import float_arg, int_arg
+
 NAME = "answer"
 HELP = "answer a question from a cache card (injected, optionally degraded) or a context"
 DESCRIPTION = """\
@@ -42,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--drop",
-        type=float,
+        type=float_arg(0, 1),
         default=0.0,
         metavar="FRACTION",
         help="lose the last FRACTION (0..1) of the block stream (default 0)",
@@ -59,16 +61,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="P",
         help="fp32|fp16|int8|int4|mixed:BYTES: re-quantize the blocks (default: as stored)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random order")
+    parser.add_argument(
+        "--seed", type=int_arg(0, 2**32 - 1), default=0, help="seed of the random order"
+    )
     parser.add_argument(
         "--complete",
         action="store_true",
         help="recompute the token ranges with a missing block instead of masking them",
     )
     parser.add_argument(
-        "--max-new-tokens", type=int, default=64, metavar="N", help="answer length cap"
+        "--max-new-tokens",
+        type=int_arg(1, 1 << 16),
+        default=64,
+        metavar="N",
+        help="answer length cap",
     )
-    parser.add_argument("--threads", type=int, default=None, help="torch threads")
+    parser.add_argument("--threads", type=int_arg(1, 1024), default=None, help="torch threads")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -114,6 +122,13 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(
                 f"card {args.card} holds a cache of {stored.manifest.model_id}, "
                 f"not of {loaded.model_id}"
+            )
+        geo = stored.manifest.geometry
+        want = (loaded.num_layers, loaded.num_kv_heads, loaded.head_dim)
+        if (geo.num_layers, geo.num_kv_heads, geo.head_dim) != want:
+            raise UserError(
+                f"card {args.card} has {geo.num_layers} layers x {geo.num_kv_heads} kv heads x "
+                f"{geo.head_dim} head_dim; {loaded.model_id} has {want[0]} x {want[1]} x {want[2]}"
             )
         got = partial_cache(stored)
         timings["read_card"] = t_read

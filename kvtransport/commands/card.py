@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from kvtransport.bounds import int_arg
+
 NAME = "card"
 HELP = "inspect cache cards (model, geometry, precisions, block table, checksums)"
 DESCRIPTION = """\
@@ -29,7 +31,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("file", metavar="FILE", help="the cache card")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument(
-        "--blocks", type=int, default=8, metavar="N", help="list the first N blocks (default 8)"
+        "--blocks",
+        type=int_arg(0, 1 << 31),
+        default=8,
+        metavar="N",
+        help="list the first N blocks (default 8)",
     )
 
 

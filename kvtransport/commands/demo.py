@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from kvtransport.bounds import int_arg
+
 NAME = "demo"
 HELP = "hand a real model's KV cache across a burst-loss link: five repair schemes side by side"
 DESCRIPTION = """\
@@ -63,7 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="where the cache crosses (default auto: netns as root, else emulated)",
     )
-    parser.add_argument("--seed", type=int, default=1, help="task and link seed (default 1)")
+    parser.add_argument(
+        "--seed", type=int_arg(0, 2**32 - 1), default=1, help="task and link seed (default 1)"
+    )
     from kvtransport.tasks import TASK_NAMES
 
     parser.add_argument(
@@ -98,10 +102,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "fp16,int8,int4)",
     )  # fmt: skip
     parser.add_argument(
-        "--threads", type=int, default=1, help="torch threads for prefill and decoding (1)"
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads for prefill and decoding (1)",
     )
     parser.add_argument(
-        "--max-new-tokens", type=int, default=None, metavar="N",
+        "--max-new-tokens", type=int_arg(1, 1 << 16), default=None, metavar="N",
         help="answer length cap (default 24; 12 with --quick)",
     )  # fmt: skip
     parser.add_argument(

@@ -16,6 +16,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from kvtransport.bounds import int_arg
 from kvtransport.errors import UserError
 
 NAME = "fit-utility"
@@ -102,7 +103,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="--measure: the measure written to the table (default accuracy; all are printed)",
     )
     parser.add_argument(
-        "--seed", type=int, default=None, metavar="S", help="--measure: first prompt seed"
+        "--seed",
+        type=int_arg(0, 2**32 - 1),
+        default=None,
+        metavar="S",
+        help="--measure: first prompt seed",
     )
     parser.add_argument(
         "--save-points",
@@ -110,7 +115,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="--measure: also write every measure's mean points as JSON (re-fit with --points)",
     )
     parser.add_argument(
-        "--threads", type=int, default=1, metavar="N", help="--measure: torch threads (default 1)"
+        "--threads",
+        type=int_arg(1, 1024),
+        default=1,
+        metavar="N",
+        help="--measure: torch threads (default 1)",
     )
     parser.add_argument(
         "--floor",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from kvtransport.bounds import float_arg, int_arg
 from kvtransport.errors import UserError
 
 NAME = "netem"
@@ -52,8 +53,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "from --profiles), a profiles file, a trace file, or netem loss notation in quotes",
     )
     up.add_argument("--profiles", metavar="FILE", help="your own profiles (TOML or JSON)")
-    up.add_argument("--rate-mbps", type=float, metavar="R", help="override the link rate")
-    up.add_argument("--delay-ms", type=float, metavar="D", help="override the one-way delay")
+    up.add_argument(
+        "--rate-mbps",
+        type=float_arg(0, 1e6, lo_open=True),
+        metavar="R",
+        help="override the link rate",
+    )
+    up.add_argument(
+        "--delay-ms", type=float_arg(0, 1e4), metavar="D", help="override the one-way delay"
+    )
     up.add_argument(
         "--backend",
         choices=["auto", "netem", "relay"],
@@ -75,7 +83,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="relay backend: rate limit by kernel tbf (default), or by the relay's own token "
         "bucket on kernel arrival timestamps (exact model even on a CPU-starved machine)",
     )
-    up.add_argument("--seed", type=int, default=0, help="loss-model seed (relay backend)")
+    up.add_argument(
+        "--seed", type=int_arg(0, 2**32 - 1), default=0, help="loss-model seed (relay backend)"
+    )
     up.add_argument("--replace", action="store_true", help="tear down a running testbed first")
     _prefix(up)
 
@@ -118,7 +128,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     tr.add_argument(
         "--base-owd-ms",
-        type=float,
+        type=float_arg(0, 1e4),
         help="shift delays so the smallest equals this (for clocks with an unknown offset)",
     )
 

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from kvtransport.bounds import int_arg
 from kvtransport.commands import _common
 
 NAME = "prefill"
@@ -44,7 +45,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "default: the cache's own dtype, lossless",
     )
     parser.add_argument(
-        "--block-tokens", type=int, default=16, metavar="N", help="tokens per block (default 16)"
+        "--block-tokens",
+        type=int_arg(1, 1 << 20),
+        default=16,
+        metavar="N",
+        help="tokens per block (default 16)",
     )
     parser.add_argument(
         "--layer-weights",
@@ -56,13 +61,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--window",
-        type=int,
+        type=int_arg(1, 1 << 20),
         default=512,
         metavar="N",
         help="SnapKV observation window: attention from the last N context tokens scores "
         "the blocks (default 512)",
     )
-    parser.add_argument("--threads", type=int, default=None, help="torch threads")
+    parser.add_argument("--threads", type=int_arg(1, 1024), default=None, help="torch threads")
     parser.add_argument("--json", action="store_true", help="print a JSON summary")
 
 
@@ -151,6 +156,9 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if not out.parent.is_dir() and str(out.parent):
         raise UserError(f"cannot write {out}: directory {out.parent} does not exist")
+    spec = args.layer_weights
+    if spec not in (None, "uniform") and not Path(spec).is_file():  # before the model load
+        raise UserError(f"layer weights file {spec}: no such file")
 
     from kvtransport import hf
     from kvtransport.model import load_model

@@ -6,6 +6,7 @@ import argparse
 import shlex
 from pathlib import Path
 
+from kvtransport.bounds import float_arg, int_arg
 from kvtransport.commands import _common
 
 NAME = "profile"
@@ -36,42 +37,52 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="where to write the profile JSON (default: MODEL_ID-sensitivity.json here)",
     )
     parser.add_argument(
-        "--samples", type=int, default=8, metavar="N", help="calibration samples (default 8)"
+        "--samples",
+        type=int,
+        default=8,
+        metavar="N",
+        help="calibration samples (default 8)",
     )
     parser.add_argument(
         "--target-tokens",
-        type=int,
+        type=int_arg(120, 1 << 20),
         default=400,
         metavar="N",
         help="context length of each calibration sample in tokens (default 400)",
     )
     parser.add_argument(
         "--noise",
-        type=float,
+        type=float_arg(0, 1e3),
         default=None,
         metavar="SIGMA",
         help="relative noise scale: noise norm ~ SIGMA x value norm (default 1.0)",
     )
     parser.add_argument(
-        "--draws", type=int, default=1, metavar="N", help="noise draws per sample and layer"
+        "--draws",
+        type=int_arg(1, 1_000_000),
+        default=1,
+        metavar="N",
+        help="noise draws per sample and layer",
     )
     parser.add_argument(
         "--continuation",
-        type=int,
+        type=int_arg(1, 1 << 16),
         default=8,
         metavar="N",
         help="answer tokens over which the KL is averaged (default 8)",
     )
-    parser.add_argument("--seed", type=int, default=1000, help="calibration seed (default 1000)")
+    parser.add_argument(
+        "--seed", type=int_arg(0, 2**32 - 1), default=1000, help="calibration seed (default 1000)"
+    )
     parser.add_argument(
         "--ratio",
-        type=float,
+        type=float_arg(1, 1e6),
         default=None,
         metavar="R",
         help="ratio of the layer weights stored in the profile: the most sensitive "
         "layer weighs R times the least sensitive one (default 4)",
     )
-    parser.add_argument("--threads", type=int, default=None, help="torch threads")
+    parser.add_argument("--threads", type=int_arg(1, 1024), default=None, help="torch threads")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from kvtransport.bounds import float_arg, int_arg
 from kvtransport.commands import _common
 from kvtransport.errors import UserError
 
@@ -18,10 +19,12 @@ stats) on the PUB socket --publish; with --out-dir also write it as
 
 Local clients: kvtransport.client.ResultSubscriber for results, ReceiverClient for
 status/abort on --control. State is bounded: --max-transfers at once, --max-mb per
-transfer, and a transfer whose manifest never comes ends --idle-timeout seconds after its
-last datagram. Garbage, forged and foreign datagrams are counted (status, stats) and
-dropped. SIGTERM or SIGINT: deliver every transfer in progress as a partial result, close,
-exit 0.
+transfer, --budget-mb for the buffers of all of them, and a transfer whose manifest never
+comes ends --idle-timeout seconds after its last datagram. A subscriber that lags gets its
+results late, in order (each carries a "seq"); past the daemon's backlog the loss is
+counted (stats: publish_lost) and, with --out-dir, the result is still in its file.
+Garbage, forged and foreign datagrams are counted (status, stats) and dropped. SIGTERM
+or SIGINT: deliver every transfer in progress as a partial result, close, exit 0.
 
 Example:
   kvtransport receiver-daemon --listen :9400 --key-file psk.hex --out-dir results --stats
@@ -39,15 +42,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"ZeroMQ PUB endpoint for results (default {DEFAULT_RESULTS})")  # fmt: skip
     _common.add_key(p)
     p.add_argument("--out-dir", metavar="DIR", help="also write each result into DIR")
-    p.add_argument("--max-transfers", type=int, default=16, help="at once (default 16)")
-    p.add_argument("--max-mb", type=float, default=256.0,
+    p.add_argument(
+        "--max-transfers", type=int_arg(1, 4096), default=16, help="at once (default 16)"
+    )
+    p.add_argument("--max-mb", type=float_arg(0, 1e6, lo_open=True), default=256.0,
                    help="largest transfer accepted, MB (default 256)")  # fmt: skip
     p.add_argument(
         "--idle-timeout",
-        type=float,
+        type=float_arg(0, 3600, lo_open=True),
         default=10.0,
         help="end a transfer with no manifest this long after its last datagram",
     )
+    p.add_argument("--budget-mb", type=float_arg(0, 1e7, lo_open=True), default=None, metavar="MB",
+                   help="buffers of all transfers held at once, MB (default: the larger of "
+                   "--max-mb and 1073.7)")  # fmt: skip
     p.add_argument("--no-gro", action="store_true", help="read one datagram per call")
     _common.add_daemon_output(p)
 
@@ -72,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
         max_transfers=args.max_transfers,
         max_bytes=int(args.max_mb * 1e6),
         idle_timeout=args.idle_timeout,
+        budget_bytes=None if args.budget_mb is None else int(args.budget_mb * 1e6),
         stats=stats,
     )
     if metrics is not None:

@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
+from kvtransport.bounds import float_arg
 from kvtransport.commands import _common
 from kvtransport.errors import UserError
 
@@ -41,12 +42,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="UDP address to receive on (default 0.0.0.0:9400)")  # fmt: skip
     _common.add_key(p)
     p.add_argument("--out", metavar="DIR", help="write the result file into DIR")
-    p.add_argument("--timeout", type=float, default=60.0,
+    p.add_argument("--timeout", type=float_arg(0, 1e6, lo_open=True), default=60.0,
                    help="give up if no transfer starts within this many seconds (60)")  # fmt: skip
-    p.add_argument("--idle-timeout", type=float, default=10.0,
+    p.add_argument("--idle-timeout", type=float_arg(0, 3600, lo_open=True), default=10.0,
                    help="end a transfer this long after its last datagram when its "
                    "manifest (and so its deadline) never arrived (default 10 s)")  # fmt: skip
-    p.add_argument("--max-mb", type=float, default=1024.0,
+    p.add_argument("--max-mb", type=float_arg(0, 1e6, lo_open=True), default=1024.0,
                    help="largest transfer accepted, MB (default 1024)")  # fmt: skip
     p.add_argument("--no-gro", action="store_true", help="read one datagram per call")
     _common.add_realtime(p)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from kvtransport.bounds import float_arg, int_arg
 from kvtransport.commands import _common
 from kvtransport.errors import UserError
 
@@ -38,26 +39,45 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("to", metavar="HOST:PORT", help="the receiver's address")
     what = p.add_mutually_exclusive_group()
     what.add_argument("--card", metavar="FILE", help="send this cache card")
-    what.add_argument("--size-mb", type=float, help="synthetic stream size in MB (default 10)")
-    p.add_argument("--blocks", type=int, help="synthetic: number of blocks (default 12 KiB each)")
+    what.add_argument(
+        "--size-mb",
+        type=float_arg(0, 4096, lo_open=True),
+        help="synthetic stream size in MB (default 10)",
+    )
+    p.add_argument(
+        "--blocks", type=int_arg(1, 10**9), help="synthetic: number of blocks (default 12 KiB each)"
+    )
     p.add_argument("--utility", default="zipf", choices=("zipf", "flat", "linear"),
                    help="synthetic: block utility profile (default zipf)")  # fmt: skip
-    p.add_argument("--seed", type=int, default=1, help="synthetic: payload seed (default 1)")
-    p.add_argument("--rate-mbps", type=float, default=100.0, help="link rate (default 100)")
+    p.add_argument(
+        "--seed", type=int_arg(0, 2**32 - 1), default=1, help="synthetic: payload seed (default 1)"
+    )
+    p.add_argument(
+        "--rate-mbps",
+        type=float_arg(0, 1e6, lo_open=True),
+        default=100.0,
+        help="link rate (default 100)",
+    )
     when = p.add_mutually_exclusive_group()
-    when.add_argument("--deadline-ms", type=float, help="deadline from now, in ms")
-    when.add_argument("--rho", type=float, help="deadline / loss-free send time (default 1.0)")
+    when.add_argument(
+        "--deadline-ms", type=float_arg(0, 3.6e6, lo_open=True), help="deadline from now, in ms"
+    )
+    when.add_argument(
+        "--rho",
+        type=float_arg(0, 1e4, lo_open=True),
+        help="deadline / loss-free send time (default 1.0)",
+    )
     p.add_argument("--precision", default="auto", metavar="LIST",
                    help="card with --deadline-ms: precisions the plan may send, best first "
                    "(default auto = fp16,int8; keep: as the card is; e.g. fp32)")  # fmt: skip
-    p.add_argument("--loss-estimate", type=float, default=0.05, metavar="P",
+    p.add_argument("--loss-estimate", type=float_arg(0, 0.9), default=0.05, metavar="P",
                    help="loss share the plan assumes (default 0.05)")  # fmt: skip
     p.add_argument("--policy", help="repair policy, as for simulate "
                    "(default: ddqn if its weights ship, else adaptive)")  # fmt: skip
     _common.add_key(p)
     _common.add_pacing(p)
     p.add_argument("--bind", default="0.0.0.0:0", metavar="HOST:PORT", help="local address")
-    p.add_argument("--initial-rtt-ms", type=float, default=20.0,
+    p.add_argument("--initial-rtt-ms", type=float_arg(0, 10_000, lo_open=True), default=20.0,
                    help="RTT assumed before the first feedback (default 20)")  # fmt: skip
     _common.add_realtime(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from kvtransport.bounds import float_arg, int_arg
 from kvtransport.commands import _common
 from kvtransport.errors import UserError
 
@@ -33,14 +34,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"ZeroMQ control endpoint (default {DEFAULT_SENDER_CONTROL})")  # fmt: skip
     p.add_argument("--bind", default="0.0.0.0:0", metavar="HOST:PORT",
                    help="local UDP address (default any port)")  # fmt: skip
-    p.add_argument("--rate-mbps", type=float, default=100.0, help="link rate (default 100)")
+    p.add_argument(
+        "--rate-mbps",
+        type=float_arg(0, 1e6, lo_open=True),
+        default=100.0,
+        help="link rate (default 100)",
+    )
     p.add_argument("--policy",
                    help="repair policy for requests that name none "
                    "(ddqn if its weights ship, else adaptive)")  # fmt: skip
     _common.add_key(p)
     _common.add_pacing(p)
-    p.add_argument("--max-transfers", type=int, default=64, help="in flight at once (64)")
-    p.add_argument("--slot-ms", type=float, default=10.0,
+    p.add_argument(
+        "--max-transfers", type=int_arg(1, 4096), default=64, help="in flight at once (64)"
+    )
+    p.add_argument("--slot-ms", type=float_arg(0, 1e4, lo_open=True), default=10.0,
                    help="link-sharing decision period when several transfers run (10)")  # fmt: skip
     p.add_argument("--utility-table", metavar="FILE",
                    help="fitted utility curves (from fit-utility) for link sharing")  # fmt: skip

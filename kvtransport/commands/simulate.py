@@ -6,7 +6,9 @@ import argparse
 import json
 import math
 import sys
+from pathlib import Path
 
+from kvtransport.bounds import float_arg, int_arg
 from kvtransport.errors import UserError
 
 NAME = "simulate"
@@ -45,19 +47,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="PROFILE",
         help="profile of the feedback path (default: the same as --channel)",
     )
-    p.add_argument("--rate-mbps", type=float, help="link rate (default: the profile's, 100)")
-    p.add_argument("--delay-ms", type=float, help="one-way delay (default: the profile's, 5)")
-    p.add_argument("--rho", type=float, default=0.8, help="deadline / loss-free send time "
-                   "(default 0.8)")  # fmt: skip
+    p.add_argument(
+        "--rate-mbps",
+        type=float_arg(0, 1e6, lo_open=True),
+        help="link rate (default: the profile's, 100)",
+    )
+    p.add_argument(
+        "--delay-ms", type=float_arg(0, 1e4), help="one-way delay (default: the profile's, 5)"
+    )
+    p.add_argument("--rho", type=float_arg(0, 1e4, lo_open=True), default=0.8,
+                   help="deadline / loss-free send time (default 0.8)")  # fmt: skip
     p.add_argument("--policy", help="repair policy (ddqn if its weights ship, else adaptive)")
-    p.add_argument("--seed", type=int, default=1, help="random seed (default 1)")
-    p.add_argument("--seeds", type=int, default=1, metavar="N",
+    p.add_argument("--seed", type=int_arg(0, 2**32 - 1), default=1, help="random seed (default 1)")
+    p.add_argument("--seeds", type=int_arg(1, 100_000), default=1, metavar="N",
                    help="run seeds SEED .. SEED+N-1 and report the mean (default 1)")  # fmt: skip
-    p.add_argument("--size-mb", type=float, default=10.0, help="stream size in MB (default 10)")
-    p.add_argument("--blocks", type=int, help="number of blocks (default: 12 KiB each)")
+    p.add_argument(
+        "--size-mb",
+        type=float_arg(0, 4096, lo_open=True),
+        default=10.0,
+        help="stream size in MB (default 10)",
+    )
+    p.add_argument(
+        "--blocks", type=int_arg(1, 10**9), help="number of blocks (default: 12 KiB each)"
+    )
     p.add_argument("--utility", default="zipf", choices=("zipf", "flat", "linear"),
                    help="block utility profile (default zipf)")  # fmt: skip
-    p.add_argument("--symbol-size", type=int, default=1280, help="bytes per symbol (1280)")
+    p.add_argument(
+        "--symbol-size", type=int_arg(64, 8192), default=1280, help="bytes per symbol (1280)"
+    )
     p.add_argument("--auth", action="store_true", help="authenticate every datagram (BLAKE2b)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="PNG", help="write utility and symbols over time")
@@ -76,6 +93,8 @@ def _check(args: argparse.Namespace) -> None:
         raise UserError("--delay-ms must be >= 0")
     if not 64 <= args.symbol_size <= 8192:
         raise UserError("--symbol-size must be 64..8192 bytes")
+    if args.plot and not Path(args.plot).expanduser().parent.is_dir():  # before the work
+        raise UserError(f"cannot write --plot {args.plot}: its directory does not exist")
     size = int(args.size_mb * 1e6)
     if args.blocks is not None and not 1 <= args.blocks <= size:
         raise UserError("--blocks must be between 1 and the stream size in bytes")

@@ -6,6 +6,7 @@ import argparse
 import shlex
 from pathlib import Path
 
+from kvtransport.bounds import int_arg
 from kvtransport.errors import UserError
 
 NAME = "train"
@@ -38,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # needs gymnasium). tests/test_packaging.py holds them equal.
     p.add_argument(
         "--steps",
-        type=int,
+        type=int_arg(1, 10**10),
         default=300_000,
         metavar="N",
         help="environment steps of training (default 300000)",
@@ -46,27 +47,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--out", default="runs/ddqn", metavar="DIR", help="output directory (default runs/ddqn)"
     )
-    p.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (default 0)")
+    p.add_argument(
+        "--seed", type=int_arg(0, 2**32 - 1), default=0, metavar="S", help="random seed (default 0)"
+    )
     p.add_argument(
         "--hidden", default="64,64", metavar="H1,H2", help="hidden layer sizes (default 64,64)"
     )
     p.add_argument(
         "--demo-steps",
-        type=int,
+        type=int_arg(0, 10**10),
         default=40_000,
         metavar="N",
         help="demonstration steps put in the replay buffer first (default 40000)",
     )
     p.add_argument(
         "--eval-every",
-        type=int,
+        type=int_arg(1, 10**10),
         default=25_000,
         metavar="N",
         help="validate every N steps (default 25000)",
     )
     p.add_argument(
         "--eval-episodes",
-        type=int,
+        type=int_arg(1, 1_000_000),
         default=40,
         metavar="N",
         help="held-out validation episodes (default 40)",

@@ -1,0 +1,110 @@
+"""Faults the protocol must survive (issue 12), at small scale on the simulator's virtual
+clock with the real sessions; scripts/eval_protocol_faults.py runs the same scenarios at
+full scale. A restarted receiver gets the manifest again and delivers an exact partial
+result by the deadline; jitter is not read as loss; with every feedback datagram lost,
+open-loop repair covers the whole stream."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from kvtransport.feedback import LossMonitor
+
+_SPEC = importlib.util.spec_from_file_location(
+    "eval_protocol_faults",
+    Path(__file__).resolve().parents[1] / "scripts" / "eval_protocol_faults.py",
+)
+faults = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(faults)
+
+
+@pytest.mark.parametrize("at", [0.3, 0.6])
+def test_a_restarted_receiver_delivers_an_exact_partial_result_by_the_deadline(at):
+    r = faults.restart(2.0, seed=1, policy="adaptive", at=at)
+    assert r["receiver_restarts_seen"] == 1
+    assert r["manifest"] and r["reason"] == "deadline"
+    assert r["finished_s"] <= r["deadline_s"]
+    assert r["missing_exact"] and r["wrong_blocks"] == 0
+    assert 0 < r["blocks_complete"] <= r["blocks_total"]
+
+
+def test_reordering_is_not_loss_once_its_window_is_learned():
+    mon = LossMonitor()
+    t = 0.0
+    # every 10th datagram arrives 3 ms late, none is lost
+    late = []
+    for seq in range(2000):
+        t += 1e-4
+        if seq % 10 == 5:
+            late.append((t + 3e-3, seq))
+        else:
+            mon.on_packet(seq, t)
+        while late and late[0][0] <= t:
+            mon.on_packet(late.pop(0)[1], t)
+        if seq % 20 == 0:
+            mon.sample(t)
+    for when, seq in late:
+        mon.on_packet(seq, when)
+    mon.sample(t + 0.1)
+    assert mon.received == 2000 and mon.lost == 0
+    assert 2.5e-3 < mon.reorder_s < 3.5e-3
+    assert mon.loss_rate < 0.01  # only the first late ones, before the window was known
+    # a real loss still counts, once its window has passed
+    mon.on_packet(2001, t + 0.2)
+    mon.sample(t + 0.2)
+    assert mon.lost == 0
+    mon.sample(t + 0.2 + 2 * mon.window_s)
+    assert mon.lost == 1
+
+
+def test_without_reordering_every_gap_counts_at_once():
+    mon = LossMonitor()
+    for seq in (0, 1, 2, 5, 6):
+        mon.on_packet(seq, seq * 1e-3)
+    mon.sample(6e-3)
+    assert mon.window_s == 0 and mon.lost == 2 and mon.loss_rate == pytest.approx(2 / 7)
+
+
+def test_jitter_does_not_inflate_loss_or_repairs():
+    """5 +- 4 ms jitter with 2 % loss: repairs within 2x of the same link without jitter."""
+    plain = faults.jitter(4.0, seed=1, policy="adaptive", jitter_ms=0.0)
+    jittered = faults.jitter(4.0, seed=1, policy="adaptive", jitter_ms=4.0)
+    assert jittered["repair_sent"] <= 2 * plain["repair_sent"]
+    assert jittered["receiver_loss_estimate"] < 2 * jittered["loss_true"]
+    assert jittered["utility"] >= plain["utility"] - 0.02
+
+
+def test_open_loop_repair_covers_the_whole_stream():
+    """No feedback at all, 10 % loss, rho 1.2: repairs reach every part of the stream while
+    it is inside the decoder window (a stream longer than the window)."""
+    r = faults.feedback_loss(6.0, seed=1, policy="ddqn")
+    assert r["feedback_received"] == 0
+    assert r["utility"] >= 0.8
+
+
+def test_periodic_feedback_pauses_when_nothing_arrives():
+    """A forger's few datagrams (a manifest with an hour's deadline) buy at most a second
+    of feedback, not an hour of it; the next datagram resumes it."""
+    from kvtransport.policy import make_policy
+    from kvtransport.receiver import ReceiverSession
+    from kvtransport.sender import SenderSession
+    from kvtransport.transfer import synthetic_transfer
+
+    s = SenderSession(synthetic_transfer(50_000, 4), make_policy("none"), rate_bps=1e9,
+                      deadline=3600.0, transfer_id=9)  # fmt: skip
+    sent = s.datagrams_to_send(1e-4)[:8]
+    r = ReceiverSession(9)
+    for d in sent[:6]:
+        r.receive_datagram(d, 0.0)
+    assert r.manifest is not None and r.deadline > 3000
+    fb, t = 0, 0.0
+    while t < 60.0:
+        t = r.next_timer()
+        r.handle_timer(t)
+        fb += len(r.datagrams_to_send(t))
+        if r.next_timer() >= r.deadline:
+            break
+    assert fb <= 1.0 / r.feedback_interval + 5  # about a second's worth, of 60 s
+    r.receive_datagram(sent[6], t + 1.0)  # data again: reports resume
+    assert r.next_timer() < t + 1.0 + 2 * r.feedback_interval
