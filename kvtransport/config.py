@@ -66,6 +66,8 @@ def _convert(path: str, key: str, action: argparse.Action, value: Any) -> Any:
         raise UserError(f"{where} needs a value, not {str(value).lower()}")
     try:  # exactly what the flag's text would give
         out = action.type(str(value)) if action.type else str(value)
+    except argparse.ArgumentTypeError as exc:  # a bounded type says what it wants
+        raise UserError(f"{where}: {exc}") from None
     except (TypeError, ValueError):
         kind = getattr(action.type, "__name__", "value")
         raise UserError(f"{where} must be a {kind}, not {value!r}") from None

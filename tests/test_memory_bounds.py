@@ -109,7 +109,7 @@ def test_receiver_session_asks_the_budget_before_growing():
 
 def test_lagging_subscriber_loses_nothing_unseen(tmp_path, monkeypatch):
     d = ReceiverDaemon(
-        bind=("127.0.0.1", 0), control=f"ipc://{tmp_path}/c.ipc",
+        bind=("127.0.0.1", 0), key=None, control=f"ipc://{tmp_path}/c.ipc",
         publish=f"ipc://{tmp_path}/p.ipc",
     )  # fmt: skip
     from kvtransport.client import ResultSubscriber

@@ -132,9 +132,9 @@ def test_config_gives_defaults_and_flags_override_them(tmp_path):
     ("text", "needle"),
     [
         ("rate-mbps = 100\n", "unknown key 'rate-mbps' for receiver-daemon"),
-        ("[receiver-daemon]\nmax-mb = 'big'\n", "max-mb must be a float"),
+        ("[receiver-daemon]\nmax-mb = 'big'\n", "max-mb: invalid float value: 'big'"),
         ("[receiver-daemon]\nno-gro = 1\n", "no-gro is a switch"),
-        ("[receiver-daemon]\nmax-transfers = 2.5\n", "max-transfers must be a int"),
+        ("[receiver-daemon]\nmax-transfers = 2.5\n", "max-transfers: invalid int value: '2.5'"),
         ("listen = [1, 2]\n", "listen must be a single value"),
         ("this is = not toml\n", "is not TOML"),
         (None, "no such file"),

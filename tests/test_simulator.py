@@ -57,7 +57,7 @@ def test_clean_link_with_time_to_spare_delivers_everything_early():
 
 
 def test_ten_megabytes_with_authentication():
-    r = simulate(policy="adaptive", seed=5, key=b"simulation key")
+    r = simulate(policy="adaptive", seed=5, key=b"simulation key, 16+ bytes")
     assert r.size_bytes == 10_000_000 and r.n_source == 7813
     assert r.deadline_s == pytest.approx(0.8 * full_send_time(10_000_000, 100e6, 1280, True))
     assert 0.9 < r.utility_recovered <= r.utility_bound
