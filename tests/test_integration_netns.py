@@ -24,7 +24,16 @@ Even at real-time priority a loaded host can stall the sender for several millis
 simulator models a sender that gets every slot, so a run whose sender fell more than
 ``MAX_LAG_MS`` behind (2 % of the ~260 ms window; a 10 ms stall costs ~0.04 utility) is not
 a sample of the same experiment: it is reported and replaced, up to ``MAX_ATTEMPTS``
-runs in all. Too few valid runs fail the test with the lags, they are never averaged in.
+runs in all. The daemons run --insecure: the simulator models the protocol, not the CPU,
+and sealing every datagram (AES-GCM, about 6 us of Python per datagram on each side
+here) lowered the daemons' utility by about 0.02 on this 2-core host (lags of 2-4 ms
+instead of 1.3-2.6), which is a cost of the host's CPU, not a protocol difference. The
+same holds for a sender that started late: its deadline counts from the
+submit, so a run whose first datagram left more than ``MAX_START_MS`` after the submit
+(``deadline_s - elapsed_s`` of a run that ended at its deadline: 5-6 ms in every run here,
+the submit's round trip with its 2.6 MB payload; an outlier of 65 ms lost a quarter of the
+slots) is replaced too. Too few valid runs fail the test with the
+lags, they are never averaged in.
 
 Needs root; CI runs as root."""
 
@@ -50,6 +59,7 @@ UTILITY = "linear"  # spreads utility over the stream, so the comparison has tee
 RUNS = 3
 MAX_ATTEMPTS = 6
 MAX_LAG_MS = 5.0
+MAX_START_MS = 20.0
 SIM_SEEDS = 20
 Z = 4.0
 FLOOR = 0.01
@@ -107,8 +117,9 @@ def test_daemons_across_ge_heavy_agree_with_the_simulator(tmp_path):
             d = Daemons(
                 tmp_path,
                 netns=tb.command,
-                receiver_args=["--listen", f"{RCV_ADDR}:9400", "--realtime"],
-                sender_args=["--realtime", "6"] + (["--no-gso"] if tb.backend == "netem" else []),
+                receiver_args=["--listen", f"{RCV_ADDR}:9400", "--realtime", "--insecure"],
+                sender_args=["--realtime", "6", "--insecure"]
+                + (["--no-gso"] if tb.backend == "netem" else []),
             )
             # a first small transfer takes the fresh link's start-up (the relay's first
             # frames wait while it loads its kernels); it is not measured
@@ -131,8 +142,10 @@ def test_daemons_across_ge_heavy_agree_with_the_simulator(tmp_path):
                 # no delivered block differs from what was sent, stalled or not
                 assert_blocks_exact(res, tr)
                 assert res.reason in ("deadline", "complete"), res.stats
-                if sst["max_lag_ms"] > MAX_LAG_MS:
-                    stalled.append((res.utility_recovered, sst["max_lag_ms"]))
+                late_ms = 1e3 * (sst["deadline_s"] - sst["elapsed_s"])  # start behind submit
+                started_late = sst["finish_reason"] == "deadline" and late_ms > MAX_START_MS
+                if sst["max_lag_ms"] > MAX_LAG_MS or started_late:
+                    stalled.append((res.utility_recovered, sst["max_lag_ms"], round(late_ms, 1)))
                     continue
                 real.append(res.utility_recovered)
                 results.append((res.stats, sst))
@@ -154,7 +167,7 @@ def test_daemons_across_ge_heavy_agree_with_the_simulator(tmp_path):
         "sent": [(r[1]["source_sent"], r[1]["repair_sent"]) for r in results],
         "idle": [r[1]["idle_polls"] for r in results],
         "lag_ms": [r[1]["max_lag_ms"] for r in results],
-        "stalled (utility, lag_ms)": stalled,
+        "stalled (utility, lag_ms, start_ms)": stalled,
     }
     print("netns agreement:", diag)
     # the link really was ge-heavy (about 12% loss in bursts), not a clean one
