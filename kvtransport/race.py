@@ -23,7 +23,10 @@ arrived (repair fills a loss within about a round trip); after the sender's dead
 nothing more is due. The receiver waits when computing would take longer, otherwise it
 computes a run of ranges, extended while computing through the next range still beats
 waiting for it, capped at ``max_chunk`` tokens, a cap that doubles with every compute in a
-row (a dead link costs a handful of calls, not one per range).
+row (a dead link costs a handful of calls, not one per range). Once nothing more can
+arrive (the sender's deadline has passed, or a link that never delivered anything is long
+overdue) the receiver finishes the cheaper way by its cost model: the rest of the context
+in one call, or each run of missing ranges in one call each, loading what arrived between.
 
 :func:`run_race` replays the race against a transfer's measured arrival timeline
 (``ready_at``: when each token range was complete at the receiver, counted from the
@@ -113,6 +116,17 @@ class LinkView:
     deadline_s: float
     hole_wait_s: float = DEFAULT_HOLE_WAIT_S
 
+    def silent(self, ready_at: np.ndarray, clock: float) -> bool:
+        """Nothing more will arrive: the sender has stopped, or the link never delivered
+        anything and its first arrival is long overdue (a dead link)."""
+        if clock > self.deadline_s + self.hole_wait_s:
+            return True
+        if np.any(ready_at <= clock):
+            return False
+        sent = np.isfinite(self.expect_at)
+        first = float(self.expect_at[sent].min()) if sent.any() else -np.inf
+        return clock > 2 * first + self.hole_wait_s
+
     def expected(self, ready_at: np.ndarray, r: int, clock: float) -> float:
         """When range ``r`` should arrive, from what arrived by ``clock`` (inf: it will
         not, as far as the receiver can tell)."""
@@ -124,9 +138,7 @@ class LinkView:
             due = float(ready_at[r + 1 :][later].min()) + self.hole_wait_s
             return due if due > clock else np.inf
         if not arrived.any():  # nothing yet: the plan, until its first arrival is overdue
-            sent = np.isfinite(self.expect_at)
-            first = float(self.expect_at[sent].min()) if sent.any() else np.inf
-            return float(self.expect_at[r]) if clock <= 2 * first + self.hole_wait_s else np.inf
+            return np.inf if self.silent(ready_at, clock) else float(self.expect_at[r])
         last = float(ready_at[arrived].max())
         rate = float(self.range_bytes[arrived].sum()) / max(last, 1e-6)
         owed = float(self.range_bytes[: r + 1][~arrived[: r + 1]].sum())
@@ -193,9 +205,18 @@ def run_race(
             steps.append(RaceStep("wait", b.filled, 0, clock, t1))
             clock = t1
             continue
-        # compute the ranges not in place while computing through each beats waiting for
-        # it, up to a cap that doubles with every compute in a row (few calls when dead)
-        cap = max_chunk << min(computes_in_a_row, 8)
+        if link.silent(ready_at, clock):  # nothing more comes: the cheaper way to the end
+            holes = ready_at[r:] > clock
+            runs = int(holes[0]) + int(np.count_nonzero(holes[1:] & ~holes[:-1]))
+            piecewise = runs * speed.per_call_s + holes.sum() * block_tokens * speed.per_token_s
+            if speed.seconds(n - b.filled) <= piecewise:
+                timed("compute", n - b.filled, b.compute, n - b.filled)
+                continue
+            cap = n  # each run of holes in one call
+        else:
+            # compute the ranges not in place while computing through each beats waiting
+            # for it, up to a cap that doubles with every compute in a row
+            cap = max_chunk << min(computes_in_a_row, 8)
         end = r + 1
         while (
             end < ranges
