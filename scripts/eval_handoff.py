@@ -93,6 +93,54 @@ def concentration(loaded: object, tokens: int = 512, seed: int = 1) -> dict:
     return res
 
 
+def fallback(loaded: object, tokens: int, repeats: int, seed: int = 1) -> dict:
+    """The dead link against re-prefill, interleaved ``repeats`` times on one context
+    (each side: the context's cache, then the first answer token): the receiver's race
+    with nothing arriving computes the planned prefix, finds the link silent and computes
+    the rest in one call."""
+    import numpy as np
+
+    from kvtransport import hf
+    from kvtransport.demo import DemoConfig, _prepare, _Progress
+    from kvtransport.demo_model import answer
+    from kvtransport.race import LinkView, run_race
+
+    cfg = DemoConfig(tokens=tokens, seed=seed, link="emulated", progress=False)
+    prep = _prepare(cfg, loaded, _Progress(False), {})
+    lm, plan = prep.loaded, prep.plan
+    ranges = plan.expect_at.size
+    link = LinkView(plan.expect_at, plan.range_bytes, prep.deadline_s)
+    bt = prep.planned.manifest.geometry.block_tokens
+    re_s, dead_s = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        kv = hf.prefill(lm.model, lm.tokenizer, prep.context_ids, attention=False)
+        pre = time.perf_counter() - t0
+        re_s.append(pre + answer(lm, kv, None, prep.question_ids, 1)[1])
+        race = run_race(lm.model, prep.context_ids, split=plan.split, received=None,
+                        ready_at=np.full(ranges, np.inf), link=link, speed=prep.speed,
+                        block_tokens=bt)  # fmt: skip
+        dead_s.append(race.seconds + answer(lm, race.kv, None, prep.question_ids, 1)[1])
+    ratios = [d / r for d, r in zip(dead_s, re_s, strict=True)]
+    return {"tokens": len(prep.context_ids), "reprefill_s": re_s, "link_down_s": dead_s,
+            "ratio_median": statistics.median(ratios), "ratio_max": max(ratios)}  # fmt: skip
+
+
+def render_fallback(rows: list[dict]) -> str:
+    lines = [
+        "| context | re-prefill TTFT (median s) | link down TTFT (median s) | "
+        "link down / re-prefill: median, worst of the pairs |",
+        "|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['tokens']} tok | {statistics.median(r['reprefill_s']):.2f} | "
+            f"{statistics.median(r['link_down_s']):.2f} | {r['ratio_median']:.3f}, "
+            f"{r['ratio_max']:.3f} ({len(r['reprefill_s'])} interleaved pairs) |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def render(doc: dict) -> str:
     lines = [
         f"TTFT budget {doc['budget']:g} of the receiver's re-prefill estimate; emulated "
@@ -135,6 +183,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", default="1-8", help="e.g. 1-8 or 1,3")
     p.add_argument("--budget", type=float, default=None, help="TTFT budget share (demo default)")
     p.add_argument("--out", default="results/eval_handoff")
+    p.add_argument(
+        "--fallback",
+        default="",
+        metavar="TOKENS",
+        help="only the dead-link measurement, at these context sizes (e.g. 512,2048)",
+    )
+    p.add_argument("--repeats", type=int, default=5, help="interleaved pairs for --fallback")
     args = p.parse_args(argv)
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     bad = [c for c in configs if c not in CONFIGS]
@@ -144,10 +199,16 @@ def main(argv: list[str] | None = None) -> int:
     from kvtransport.model import load_model
 
     loaded = load_model(threads=1)
-    doc = run(configs, _seeds(args.seeds), args.budget or DEFAULT_BUDGET, loaded)
-    doc["concentration"] = concentration(loaded)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.fallback:
+        rows = [fallback(loaded, int(t), args.repeats) for t in args.fallback.split(",")]
+        (out / "fallback.json").write_text(json.dumps(rows, indent=1))
+        (out / "fallback.md").write_text(render_fallback(rows))
+        print(render_fallback(rows))
+        return 0
+    doc = run(configs, _seeds(args.seeds), args.budget or DEFAULT_BUDGET, loaded)
+    doc["concentration"] = concentration(loaded)
     (out / "handoff.json").write_text(json.dumps(doc, indent=1))
     (out / "handoff.md").write_text(render(doc))
     print(render(doc))
