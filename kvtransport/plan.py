@@ -139,6 +139,7 @@ def plan_handoff(
     u = u / u.sum()
     fid = np.array([(fidelity or DEFAULT_FIDELITY)[p] for p in levels])
     cost = g.cost_table(levels).reshape(g.num_layers, g.token_blocks, len(levels))
+    task = _Task(g, u, cost, fid, link, repair_margin, budget_s, levels)
     best: tuple[tuple[float, float], HandoffPlan] | None = None
     fastest: tuple[float, HandoffPlan] | None = None
     for k in range(g.token_blocks + 1):
@@ -148,10 +149,9 @@ def plan_handoff(
             break  # a longer prefix only computes longer
         level = np.full((g.num_layers, g.token_blocks), len(levels) - 1)
         level[:, :k] = -1
-        plan = _plan(g, u, k, level, cost, fid, link, repair_margin, compute_s, budget_s, levels)
+        plan = task.plan(k, level, compute_s)
         if plan.fits:
-            plan = _upgrade(g, u, k, level, cost, fid, link, repair_margin, compute_s,
-                            budget_s, levels)  # fmt: skip
+            plan = task.upgraded(k, level, compute_s)
             key = (round(plan.fidelity, 9), -plan.finish_s)
             if best is None or key > best[0]:
                 best = (key, plan)
@@ -161,71 +161,63 @@ def plan_handoff(
     return best[1] if best is not None else fastest[1]
 
 
-def _upgrade(
-    g: Geometry,
-    u: np.ndarray,
-    k: int,
-    level: np.ndarray,
-    cost: np.ndarray,
-    fid: np.ndarray,
-    link: LinkEstimate,
-    margin: float,
-    compute_s: float,
-    budget_s: float,
-    levels: tuple[str, ...],
-) -> HandoffPlan:
-    """Raise sent blocks one level at a time in utility order while the bytes still fit
-    (the longest prefix of the utility order whose extra bytes fit, level by level)."""
-    level = level.copy()
-    room = link.max_bytes(budget_s, margin) - int(cost[:, k:, -1].sum())
-    for target in range(len(levels) - 2, -1, -1):
-        cand = np.argwhere(level == target + 1)
-        cand = cand[np.argsort(-u[cand[:, 0], cand[:, 1]], kind="stable")]
-        extra = cost[cand[:, 0], cand[:, 1], target] - cost[cand[:, 0], cand[:, 1], target + 1]
-        take = int(np.searchsorted(np.cumsum(extra), room, side="right"))
-        level[cand[:take, 0], cand[:take, 1]] = target
-        room -= int(extra[:take].sum())
-    return _plan(g, u, k, level, cost, fid, link, margin, compute_s, budget_s, levels)
+@dataclass(frozen=True)
+class _Task:
+    """One planning problem: the cache, its utilities, the cost and fidelity per level,
+    the link and the budget; :meth:`plan` prices a split and a level per block."""
 
+    g: Geometry
+    u: np.ndarray
+    cost: np.ndarray  # [layers, token_blocks, levels] bytes
+    fid: np.ndarray  # per level
+    link: LinkEstimate
+    margin: float
+    budget_s: float
+    levels: tuple[str, ...]
 
-def _plan(
-    g: Geometry,
-    u: np.ndarray,
-    k: int,
-    level: np.ndarray,
-    cost: np.ndarray,
-    fid: np.ndarray,
-    link: LinkEstimate,
-    margin: float,
-    compute_s: float,
-    budget_s: float,
-    levels: tuple[str, ...],
-) -> HandoffPlan:
-    sent = level >= 0
-    lv = np.maximum(level, 0)
-    block_bytes = np.where(sent, np.take_along_axis(cost, lv[..., None], 2)[..., 0], 0)
-    per_range = block_bytes.sum(axis=0)  # position order: a range's layers back to back
-    cum = np.cumsum(per_range)
-    expect = np.array([link.seconds(float(c), margin) for c in cum])
-    expect[:k] = np.inf
-    nbytes = int(cum[-1]) if cum.size else 0
-    link_s = link.seconds(nbytes, margin)
-    codes = np.array([PRECISIONS.index(p) for p in levels])
-    precision = np.where(sent, codes[lv], -1)
-    fidelity = float(u[~sent].sum() + (u * np.where(sent, fid[lv], 0.0)).sum())
-    fits = compute_s <= budget_s and link_s <= budget_s
-    return HandoffPlan(
-        split=min(k * g.block_tokens, g.num_tokens),
-        precision=precision.astype(np.int64),
-        expect_at=expect,
-        range_bytes=per_range.astype(np.int64),
-        payload_bytes=nbytes,
-        compute_s=compute_s,
-        link_s=link_s,
-        fidelity=fidelity,
-        fits=fits,
-        prefix_utility=float(u[:, :k].sum()),
-    )
+    def upgraded(self, k: int, level: np.ndarray, compute_s: float) -> HandoffPlan:
+        """Raise sent blocks one level at a time in utility order while the bytes still
+        fit (the longest prefix of the utility order whose extra bytes fit, per level)."""
+        level = level.copy()
+        cost, u = self.cost, self.u
+        room = self.link.max_bytes(self.budget_s, self.margin) - int(cost[:, k:, -1].sum())
+        for target in range(len(self.levels) - 2, -1, -1):
+            cand = np.argwhere(level == target + 1)
+            cand = cand[np.argsort(-u[cand[:, 0], cand[:, 1]], kind="stable")]
+            extra = cost[cand[:, 0], cand[:, 1], target] - cost[cand[:, 0], cand[:, 1], target + 1]
+            take = int(np.searchsorted(np.cumsum(extra), room, side="right"))
+            level[cand[:take, 0], cand[:take, 1]] = target
+            room -= int(extra[:take].sum())
+        return self.plan(k, level, compute_s)
+
+    def plan(self, k: int, level: np.ndarray, compute_s: float) -> HandoffPlan:
+        """The plan with the first ``k`` token ranges computed and ``level`` per block."""
+        g, link = self.g, self.link
+        sent = level >= 0
+        lv = np.maximum(level, 0)
+        block_bytes = np.where(sent, np.take_along_axis(self.cost, lv[..., None], 2)[..., 0], 0)
+        per_range = block_bytes.sum(axis=0)  # position order: a range's layers back to back
+        cum = np.cumsum(per_range)
+        expect = np.array([link.seconds(float(c), self.margin) for c in cum])
+        expect[:k] = np.inf
+        nbytes = int(cum[-1]) if cum.size else 0
+        link_s = link.seconds(nbytes, self.margin)
+        codes = np.array([PRECISIONS.index(p) for p in self.levels])
+        precision = np.where(sent, codes[lv], -1)
+        u = self.u
+        fidelity = float(u[~sent].sum() + (u * np.where(sent, self.fid[lv], 0.0)).sum())
+        return HandoffPlan(
+            split=min(k * g.block_tokens, g.num_tokens),
+            precision=precision.astype(np.int64),
+            expect_at=expect,
+            range_bytes=per_range.astype(np.int64),
+            payload_bytes=nbytes,
+            compute_s=compute_s,
+            link_s=link_s,
+            fidelity=fidelity,
+            fits=compute_s <= self.budget_s and link_s <= self.budget_s,
+            prefix_utility=float(u[:, :k].sum()),
+        )
 
 
 def parse_levels(spec: str | tuple[str, ...]) -> tuple[str, ...]:
