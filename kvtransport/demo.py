@@ -57,7 +57,6 @@ from kvtransport.demo_emulated import EmulatedLink, PeerError
 from kvtransport.demo_links import LINKS, LinkOutcome, choose_link, open_link
 from kvtransport.demo_model import (
     answer,
-    blocks_decode,
     default_card_dir,
     link_profile,
     plan_stream,
@@ -383,13 +382,14 @@ def _race_row(
     row: SchemeResult,
 ) -> SchemeResult:
     """One transfer's outcome -> the receiver's race -> answers and TTFT into ``row``."""
+    from kvtransport.partial import partial_cache
     from kvtransport.race import LinkView, range_ready_at, run_race
 
     n_blocks = prep.planned.manifest.num_blocks
     t0 = time.perf_counter()
     received, ready_at = None, None
     if out.app_metadata is not None:
-        got = blocks_decode(prep.planned, out, prep.context_ids)
+        got = partial_cache(out, token_ids=prep.context_ids, expected=prep.planned.manifest)
         received = got.cache
         ready_at = range_ready_at(got.manifest, out.arrival_s)
     row.rebuild_s = time.perf_counter() - t0

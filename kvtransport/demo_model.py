@@ -115,15 +115,6 @@ def link_profile(rate_mbps: float | None) -> Any:
     return load_profile(PROFILE).with_overrides(rate_mbps, None)
 
 
-def blocks_decode(planned: Any, outcome: LinkOutcome, context_ids: list[int]) -> Any:
-    """The blocks that arrived (kvtransport.blocks.Reassembled) of a planned stream."""
-    from kvtransport import blocks
-
-    return blocks.decode_stream(
-        outcome.app_metadata, outcome.payload, outcome.complete, token_ids=context_ids
-    )
-
-
 REBUILD_BYTES_PER_S = 200e6
 """The receiver's rebuild speed assumed by the plan (dequantizing and placing blocks:
 kvtransport.blocks.decode_stream ran at 240-360 MB/s on int8/fp16 blocks on a loaded
