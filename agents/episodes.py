@@ -56,7 +56,6 @@ HELD_OUT_SEED = 1 << 40
 EXCLUDE_FACTOR = 1.3
 MIN_DEADLINE_RTTS = 5.0
 BLOCK_BYTES = (3072, 6144, 12288)
-SYNTHETIC = ("zipf", "flat", "linear")
 
 
 @dataclass(frozen=True)

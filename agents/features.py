@@ -44,7 +44,6 @@ EXTRA_FEATURES = (
     "no_feedback",
 )
 N_FEATURES = OBS_SIZE + len(EXTRA_FEATURES)
-FEATURE_NAMES = tuple(f.name.lower() for f in Obs) + EXTRA_FEATURES
 FEATURES_VERSION = 2
 """Bumped whenever the feature definition changes: exported weights record it."""
 

@@ -37,7 +37,6 @@ import csv
 import json
 import math
 import time
-import warnings
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -51,7 +50,7 @@ from kvtransport.agents.episodes import (
     build_simulation,
 )
 from kvtransport.agents.features import N_FEATURES, feature_bounds, features
-from kvtransport.agents.runtime import DDQNPolicy, QWeights, save_weights
+from kvtransport.agents.runtime import DDQNPolicy, save_weights
 
 from kvtransport.policy import Adaptive, Obs, Oracle, Policy
 
@@ -436,16 +435,3 @@ def train(cfg: TrainConfig, out: str | Path, command: str = "", quiet: bool = Fa
 
 def _jsonable(d: dict) -> dict:
     return json.loads(json.dumps(d, default=list))
-
-
-def load_weights_of(model_zip: str | Path, actions: np.ndarray) -> QWeights:
-    """Export an SB3 checkpoint (zip) to runtime weights."""
-    from kvtransport.agents.ddqn import DoubleDQN, export_q_network
-
-    with warnings.catch_warnings():
-        # The checkpoint stores the NStepReplayBuffer that training set up from n_steps;
-        # reloading it makes SB3 warn that n_steps "is ignored". Training did use n-step
-        # returns (DoubleDQN's target reads the buffer's discounts); the export needs none.
-        warnings.filterwarnings("ignore", message=r"`n_steps=\d+` is ignored")
-        model = DoubleDQN.load(str(model_zip), device="cpu")
-    return export_q_network(model, actions)

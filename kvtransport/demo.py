@@ -18,7 +18,7 @@ What :func:`run_demo` (``kvtransport demo``) does:
      or rate limiting plus the userspace relay where the kernel has no sch_netem), at
      real-time priority, driven through the ZeroMQ client API (kvtransport.client).
    - ``emulated`` (any user, and the fallback when not root): the sender and receiver
-     sessions (kvtransport.session, the code inside the daemons) in two processes, joined
+     sessions (kvtransport.sender and .receiver, inside the daemons) in two processes, joined
      by the userspace channel of the same profile (kvtransport.netem.Channel: the loss
      models the simulator and the relay use) on the link's own clock.
 3. For each scheme the receiver rebuilds the partial cache once, injects it with the

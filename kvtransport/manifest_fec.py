@@ -65,9 +65,6 @@ class ManifestSender:
         self.next_slot = 0
         self._gap = FIRST_REPEAT_GAP
 
-    def due(self, slot: int) -> bool:
-        return not self.acked and slot >= self.next_slot
-
     def emit(self, framer: Framer, seq: int, slot: int) -> bytes:
         """The next manifest datagram (source symbols first, then fresh repairs)."""
         i = self.sent

@@ -119,7 +119,6 @@ class ReceiverSession:
         self.parser = Parser(key)
         self.framer: Framer | None = None
         self.deadline = deadline
-        self._deadline_given = deadline is not None
         self.feedback_interval = feedback_interval
         self.max_bytes = max_bytes
         self.idle_timeout = idle_timeout
@@ -635,7 +634,6 @@ class ReceiverSession:
         )  # fmt: skip
         self._next_fb = None
         self._sync_decoder()
-        self.decoder_stats = dict(self.decoder.stats) if self.decoder is not None else {}
         self.decoder = None  # free the decoding window
         self._send_feedback(now)
         # the final count (``lost``) settles every gap; the loss rate is left as it was:

@@ -25,7 +25,7 @@ little-endian::
     ..  4  CRC-32 of everything before
 
 The session sends these bytes as their own symbols with heavy protection (see
-kvtransport.session). :class:`TransferResult` is what a receiver yields at the deadline or
+kvtransport.manifest_fec). :class:`TransferResult` is what a receiver yields at the deadline or
 when everything is decoded: every complete block's bytes, a completeness mask, the exact
 list of missing blocks, the utility recovered and timings.
 """

@@ -373,7 +373,6 @@ accuracy: RULER's string match, the fraction of the gold answers found in the ge
 answer (``contains_all``; plain containment for single-answer tasks); f1: SQuAD token
 F1 against the best gold answer; top1: teacher-forced top-1 agreement with the full
 cache's own greedy answer (1 at x = 1 by construction)."""
-DEFAULT_MEASURE = "accuracy"
 DEFAULT_FRACTIONS = (
     0.0, 0.025, 0.05, 0.075, 0.1, 0.125, 0.15, 0.175, 0.2,
     0.25, 0.3, 0.35, 0.4, 0.5, 0.6, 0.8, 1.0,

@@ -708,9 +708,6 @@ class Testbed:
         """The relay's counters (None for the netem backend)."""
         return _read_json(self.state_dir / "relay-status.json")
 
-    def qdisc_stats(self) -> dict[str, str]:
-        return status(self.prefix).get("qdiscs", {})
-
 
 @contextlib.contextmanager
 def testbed(profile: str | Profile = "ge-heavy", **kwargs: Any) -> Iterator[Testbed]:
