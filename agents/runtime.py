@@ -26,8 +26,8 @@ from kvtransport.agents.features import FEATURES_VERSION, N_FEATURES, features_i
 from numba import njit
 
 from kvtransport.errors import UserError
-from kvtransport.observation import observe_into
-from kvtransport.policy import OBS_FIELDS, Policy, RepairMode
+from kvtransport.observation import OBS_FIELDS, observe_into
+from kvtransport.policy_base import Policy, RepairMode
 
 SHIPPED_WEIGHTS = Path(__file__).with_name("data") / "ddqn.npz"
 SHIPPED_SIDECAR = SHIPPED_WEIGHTS.with_suffix(".json")

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
-from kvtransport.agents.env import RepairSchedulingEnv
+from kvtransport.agents.env import RepairSchedulingEnv, observation_space
 from kvtransport.agents.episodes import (
     HELD_OUT_SEED,
     EpisodeDistribution,
@@ -95,7 +95,8 @@ class FeatureObservation(gym.ObservationWrapper):
 
     def __init__(self, env: gym.Env) -> None:
         super().__init__(env)
-        low, high = feature_bounds()
+        space = observation_space()
+        low, high = feature_bounds(space.low, space.high)
         self.observation_space = gym.spaces.Box(low, high, dtype=np.float32)
 
     def observation(self, observation: np.ndarray) -> np.ndarray:

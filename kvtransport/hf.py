@@ -186,9 +186,15 @@ def _probing(model: Any, window: int | None) -> Iterator[_AttentionProbe]:
 # ----------------------------------------------------------------------------- prefill
 
 
+def model_id_of(model: Any) -> str:
+    """The model_id kvtransport.model.load_model attached (``kvt_model_id``), else the
+    config's name_or_path."""
+    return str(getattr(model, "kvt_model_id", None) or model.config.name_or_path)
+
+
 def _as_ids(tokenizer: Any, text_or_ids: str | Sequence[int] | np.ndarray) -> list[int]:
     if isinstance(text_or_ids, str):
-        from kvtransport.model import chat_prompt
+        from kvtransport.prompt import chat_prompt
 
         return chat_prompt(tokenizer, text_or_ids)[0]
     ids = [int(t) for t in np.asarray(text_or_ids).reshape(-1)]
@@ -208,14 +214,12 @@ def prefill(
     """Run the context through the model once and return its KV cache as numpy.
 
     text_or_ids: a context string (wrapped as the user turn's context by
-        ``kvtransport.model.chat_prompt``, the same split a question is later appended to)
+        ``kvtransport.prompt.chat_prompt``, the same split a question is later appended to)
         or token ids used as they are.
     window: size of the SnapKV observation window (the context's last queries).
     attention: collect the attention statistics (``KVCache.attention``); a little slower.
     """
     import torch
-
-    from kvtransport.model import model_id_of
 
     ids = _as_ids(tokenizer, text_or_ids)
     install_masked_attention(model)
@@ -269,8 +273,6 @@ def to_model_cache(model: Any, kv: KVCache, present: np.ndarray | None = None) -
     """
     import torch
     from transformers import DynamicCache
-
-    from kvtransport.model import model_id_of
 
     present = _check_present(kv, present)
     cfg = model.config
