@@ -45,6 +45,7 @@ import hashlib
 import json
 import struct
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -688,7 +689,7 @@ def decode_stream(
     payload: np.ndarray | bytes | bytearray | memoryview,
     complete: np.ndarray | None = None,
     *,
-    token_ids: np.ndarray | None = None,
+    token_ids: np.ndarray | Sequence[int] | None = None,
 ) -> Reassembled:
     """Rebuild a cache from a (possibly partial) payload.
 

@@ -45,7 +45,7 @@ def missing_extra_message(exc: ModuleNotFoundError) -> str | None:
     if extra is None:
         return None
     return (
-        f"this needs the '{extra}' extra (no module named {exc.name.split('.')[0]!r}): "
+        f"this needs the '{extra}' extra (no module named {(exc.name or '').split('.')[0]!r}): "
         f"pip install 'kvtransport[{extra}]'"
     )
 

@@ -193,7 +193,7 @@ def loss_ranges(known: bytearray, lo: int, hi: int, limit: int) -> tuple:
     """Runs of zero bytes in ``known[lo:hi]`` as ((first, count), ...), lowest first, at most
     ``limit`` runs, counts capped at 65535 (the feedback's u16). Two C-level ``find`` calls
     per run: feedback goes out every millisecond or so and usually has few holes."""
-    out = []
+    out: list[tuple[int, int]] = []
     find = known.find
     pos = find(0, lo, hi)
     while pos >= 0 and len(out) < limit:

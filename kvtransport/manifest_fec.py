@@ -126,7 +126,12 @@ class ManifestReceiver:
         self._known += len(got)
         if self._known < self.m:
             return None
-        stream = b"".join(self._decoder.get(i) for i in range(self.m))
+        parts = []
+        for i in range(self.m):
+            sym = self._decoder.get(i)
+            assert sym is not None  # m symbols known: the decoder holds every one
+            parts.append(sym)
+        stream = b"".join(parts)
         (n,) = _LEN.unpack_from(stream)
         if n > len(stream) - _LEN.size:
             self._reset()

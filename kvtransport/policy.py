@@ -40,6 +40,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -61,6 +62,10 @@ from kvtransport.policy_base import (  # noqa: F401 (the interface, re-exported)
     PolicyContext,
     RepairMode,
 )
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from kvtransport.netem import Channel
+    from kvtransport.sender import SenderSession
 
 N_ACTIONS = len(ACTIONS)
 REPAIR_ONLY = N_ACTIONS - 1
@@ -188,15 +193,15 @@ class Oracle(Policy):
     tail_rule = False
 
     def __init__(self) -> None:
-        self.channel = None
-        self.sender = None
+        self.channel: Channel | None = None
+        self.sender: SenderSession | None = None
         self._shares = ACTIONS[:REPAIR_ONLY, 0].astype(np.float64)
         self._fates = np.zeros(0, dtype=np.bool_)
 
-    def bind_channel(self, channel: object) -> None:
+    def bind_channel(self, channel: Channel) -> None:
         self.channel = channel
 
-    def bind_sender(self, sender: object) -> None:
+    def bind_sender(self, sender: SenderSession) -> None:
         self.sender = sender
 
     def act(self, obs: np.ndarray) -> int:

@@ -274,6 +274,7 @@ class Parser:
         ciphers = self._ciphers
         if len(ciphers) >= MAX_CACHED_KEYS:
             del ciphers[next(iter(ciphers))]
+        assert self._key is not None  # parse() seals and opens only with a key
         c = ciphers[tid] = transfer_cipher(self._key, tid)
         return c
 
@@ -539,4 +540,4 @@ def decode_feedback(payload: bytes | memoryview) -> Feedback:
     segments = tuple(
         FEEDBACK_SEGMENT.unpack_from(payload, off + i * step) for i in range(n_segments)
     )
-    return Feedback(*fields[:13], ranges, segments)
+    return Feedback._make((*fields[:13], ranges, segments))
