@@ -33,6 +33,7 @@ from gymnasium import spaces
 from kvtransport.agents.episodes import EpisodeDistribution, EpisodeSpec, build_simulation
 
 from kvtransport.policy import ACTIONS, OBS_CLIP, OBS_SIZE, ExternalPolicy, Obs
+from kvtransport.simulator import Simulation
 
 ENV_ID = "kvtransport/RepairScheduling-v0"
 
@@ -80,7 +81,7 @@ class RepairSchedulingEnv(gym.Env):
         self.actions = np.asarray(actions, dtype=np.float32)
         self.observation_space = observation_space()
         self.action_space = spaces.Discrete(len(self.actions))
-        self.sim = None
+        self.sim: Simulation | None = None
         self.episode: EpisodeSpec | None = None
         self._utility = 0.0
 

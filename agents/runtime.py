@@ -141,7 +141,8 @@ def save_weights(path: str | Path, weights: QWeights, provenance: dict | None = 
         arrays[f"W{i}"], arrays[f"b{i}"] = w, b
     path = Path(path)
     with open(path, "wb") as f:
-        np.savez_compressed(f, meta=np.array(json.dumps(meta)), **arrays)
+        # numpy's stub reads **arrays as possibly naming allow_pickle (a bool)
+        np.savez_compressed(f, meta=np.array(json.dumps(meta)), **arrays)  # type: ignore[arg-type]
     return path
 
 
@@ -218,4 +219,4 @@ class DDQNPolicy(Policy):
         otherwise make without it."""
         super().__init_subclass__(**kwargs)
         if "act" in cls.__dict__ and "decide" not in cls.__dict__:
-            cls.decide = Policy.decide
+            cls.decide = Policy.decide  # type: ignore[method-assign]  # on purpose

@@ -356,7 +356,7 @@ def _tcp_rows(
         have = set(available.read_text().split())
     except OSError:
         have = set()
-    rows = []
+    rows: list[SchemeResult] = []
     for cc in TCP_CONGESTION:
         row = SchemeResult(f"TCP {cc}", f"tcp:{cc}")
         if cc not in have:

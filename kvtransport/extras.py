@@ -14,6 +14,8 @@ Modules outside the data plane import these lazily; the CLI turns a
 
 from __future__ import annotations
 
+from types import ModuleType
+
 from kvtransport.errors import UserError
 
 EXTRA_OF = {
@@ -50,7 +52,7 @@ def missing_extra_message(exc: ModuleNotFoundError) -> str | None:
     )
 
 
-def require(module: str) -> object:
+def require(module: str) -> ModuleType:
     """Import ``module`` (an optional package), or raise a UserError naming its extra."""
     import importlib
 

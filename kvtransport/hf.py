@@ -64,6 +64,12 @@ class _AttentionProbe:
         self.window = window
         self.mass: list[np.ndarray | None] = [None] * num_layers
 
+    def stacked(self) -> np.ndarray:
+        """float32 ``[layers, tokens]``: every layer's mass (each layer must have run)."""
+        if any(m is None for m in self.mass):
+            raise RuntimeError("the attention probe missed a layer")
+        return np.stack([m for m in self.mass if m is not None]).astype(np.float32)
+
     def record(
         self, module: Any, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None
     ) -> None:
@@ -238,7 +244,7 @@ def prefill(
     cache = out.cache if hasattr(out, "cache") else out.past_key_values
     keys = np.stack([layer.keys[0].float().numpy() for layer in cache.layers])
     values = np.stack([layer.values[0].float().numpy() for layer in cache.layers])
-    att = np.stack(probe.mass).astype(np.float32) if attention else None
+    att = probe.stacked() if attention else None
     return KVCache(
         keys=keys,
         values=values,
@@ -343,7 +349,7 @@ def cache_forward(
         if observe:
             with _probing(model, None) as probe:
                 out = model(**args)
-            mass = np.stack(probe.mass).astype(np.float32)
+            mass = probe.stacked()
         else:
             out = model(**args)
             mass = None

@@ -42,7 +42,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -237,6 +237,8 @@ def _fit_variant(x: np.ndarray, y: np.ndarray, with_floor: bool) -> tuple[np.nda
 
     b_lo, b_hi = 1e-2, 1e3
     c_lo, c_hi = -1.0, 2.0
+    func: Callable[..., np.ndarray]
+    jac: Callable[..., np.ndarray]
     if with_floor:
         func, jac = f4, j4
         lower = [1e-9 * scale, b_lo, c_lo, ymin - 2.0 * scale]

@@ -674,7 +674,8 @@ class Testbed:
         try:
             line = rx.stdout.readline().strip() if rx.stdout else ""
             if line != "ready":
-                raise TestbedError(f"probe receiver did not start: {line or rx.stderr.read()}")
+                err = rx.stderr.read() if rx.stderr else ""
+                raise TestbedError(f"probe receiver did not start: {line or err}")
             args = f"send {addr}:{port} --rate-mbps {rate_mbps} --size {size} --count {count}"
             send_cmd = probe + args.split()
             tx = self.run(src, send_cmd, capture_output=True, text=True, timeout=timeout_s)
