@@ -233,7 +233,9 @@ class Simulation:
         s, r = self.sender, self.receiver
         res = r.result
         meta = self.meta
-        n_blocks = len(s.transfer.blocks)
+        transfer = s.transfer
+        assert transfer is not None  # the simulation never releases its sender
+        n_blocks = len(transfer.blocks)
         data_ch, fb_ch = self.data_channel, self.feedback_channel
         return SimResult(
             policy=s.policy.name,
@@ -241,7 +243,7 @@ class Simulation:
             rate_mbps=meta.get("rate_mbps", s.rate_bps / 1e6),
             rho=meta.get("rho", math.nan),
             seed=meta.get("seed", -1),
-            size_bytes=s.transfer.nbytes,
+            size_bytes=transfer.nbytes,
             n_source=s.n_source,
             deadline_s=self.deadline,
             utility_recovered=res.utility_recovered if res is not None else r.utility,
