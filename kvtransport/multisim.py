@@ -180,6 +180,18 @@ class _Pair:
     slots: int = 0
     outcome: HandoverOutcome | None = None
 
+    @property
+    def tx(self) -> SenderSession:
+        """The sender, once the handover has arrived."""
+        assert self.sender is not None
+        return self.sender
+
+    @property
+    def rx(self) -> ReceiverSession:
+        """The receiver, once the handover has arrived."""
+        assert self.receiver is not None
+        return self.receiver
+
 
 class MultiSimulation:
     """Handovers over one shared link, their rates set by an OnlineScheduler each slot.
@@ -264,12 +276,12 @@ class MultiSimulation:
     def _arm(self, i: int) -> None:
         """Re-read both sessions' timers of pair i; push the ones that moved."""
         p = self.pairs[i]
-        ts = p.sender.next_timer()
+        ts = p.tx.next_timer()
         if ts != p.sender_armed:
             p.sender_armed = ts
             if ts is not None:
                 self._push(ts, _SENDER, i, ts)
-        tr = p.receiver.next_timer()
+        tr = p.rx.next_timer()
         if tr != p.receiver_armed:
             p.receiver_armed = tr
             if tr is not None:
@@ -284,7 +296,7 @@ class MultiSimulation:
                 self._push(arrival, _TO_RECEIVER, i, d)
 
     def _send_feedback(self, i: int, t: float) -> None:
-        out = self.pairs[i].receiver.datagrams_to_send(t)
+        out = self.pairs[i].rx.datagrams_to_send(t)
         ch = self.feedback_channel
         for d in out:
             arrival = ch.transmit(t, len(d))
@@ -303,7 +315,7 @@ class MultiSimulation:
     def _progress_and_owed(self, p: _Pair) -> tuple[float, float]:
         """(delivered, pending) for the scheduler: sources sent less the repairs owed for
         them (never below what the receiver decoded), and those repairs in bytes."""
-        s = p.sender
+        s = p.tx
         sym = self.symbol_size
         sent = p.h.size if s.next_esi >= s.n_source else s.next_esi * sym
         owed = s.owed() * sym
@@ -336,8 +348,8 @@ class MultiSimulation:
         loss = self._link_loss()
         if loss is not None:
             for p in live:  # sessions not yet heard from start from the link's loss
-                if p.sender.fb_time is None and isinstance(p.sender.policy, Adaptive):
-                    p.sender.policy.prior_loss = min(max(loss, 0.002), 0.9)
+                if p.tx.fb_time is None and isinstance(p.tx.policy, Adaptive):
+                    p.tx.policy.prior_loss = min(max(loss, 0.002), 0.9)
         dec = sched.step(now)
         self.slots += 1
         for p in live:
@@ -362,7 +374,7 @@ class MultiSimulation:
             self._slot_at = None
 
     def _set_rate(self, p: _Pair, rate_bps: float, now: float) -> None:
-        s = p.sender
+        s = p.tx
         if s.done:
             return
         if rate_bps < self.min_rate_bps:
@@ -427,7 +439,7 @@ class MultiSimulation:
 
     def _check_finished(self, i: int, now: float) -> None:
         p = self.pairs[i]
-        r = p.receiver
+        r = p.rx
         if p.finished or not r.finished:
             return
         p.finished = True
@@ -441,7 +453,7 @@ class MultiSimulation:
             prefix = int(b.offsets[first_missing]) if first_missing < done.size else h.size
             fraction = prefix / h.size
             complete = float(b.lengths[done].sum()) / h.size
-        s = p.sender
+        s = p.tx
         p.outcome = HandoverOutcome(
             id=h.id,
             arrival=h.arrival,
@@ -473,19 +485,19 @@ class MultiSimulation:
             self.events += 1
             if kind == _TO_RECEIVER:
                 p = pairs[i]
-                p.receiver.receive_datagram(data, t)
+                p.rx.receive_datagram(data, t)
                 self._send_feedback(i, t)
                 self._arm(i)
                 self._check_finished(i, t)
             elif kind == _TO_SENDER:
-                pairs[i].sender.receive_datagram(data, t)
+                pairs[i].tx.receive_datagram(data, t)
                 self._arm(i)
             elif kind == _SENDER:
                 p = pairs[i]
                 if p.sender_armed != data:
                     continue  # superseded
                 p.sender_armed = None
-                s = p.sender
+                s = p.tx
                 s.handle_timer(t)
                 out = s.datagrams_to_send(t)
                 if out:
@@ -496,7 +508,7 @@ class MultiSimulation:
                 if p.receiver_armed != data:
                     continue
                 p.receiver_armed = None
-                p.receiver.handle_timer(t)
+                p.rx.handle_timer(t)
                 self._send_feedback(i, t)
                 self._arm(i)
                 self._check_finished(i, t)
@@ -507,8 +519,8 @@ class MultiSimulation:
                 if data != self._slot_at:
                     continue
                 self._on_slot(t)
-        outcomes = [p.outcome for p in pairs]
-        if any(o is None for o in outcomes):  # pragma: no cover - a loop invariant
+        outcomes = [p.outcome for p in pairs if p.outcome is not None]
+        if len(outcomes) < len(pairs):  # pragma: no cover - a loop invariant
             raise RuntimeError("a handover never finished")
         ch = self.data_channel
         decoded = sum(int(o.complete_fraction * o.size) for o in outcomes)
