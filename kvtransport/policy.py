@@ -57,6 +57,7 @@ from kvtransport.observation import (  # noqa: F401 (the observation's names, re
 from kvtransport.policy_base import (  # noqa: F401 (the interface, re-exported)
     ACTIONS,
     DECISION_PACKETS,
+    DEFER,
     REPAIR_SHARES,
     Policy,
     PolicyContext,
@@ -69,8 +70,6 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
 N_ACTIONS = len(ACTIONS)
 REPAIR_ONLY = N_ACTIONS - 1
-DEFER = -1
-"""Returned by :class:`ExternalPolicy`: the shell supplies the action (Gymnasium env)."""
 
 
 class NoFEC(Policy):

@@ -20,6 +20,9 @@ DECISION_PACKETS = 32
 REPAIR_SHARES = (0.0, 1 / 32, 1 / 16, 1 / 8, 3 / 16, 1 / 4, 3 / 8, 1 / 2)
 ACTIONS = np.array([(s, 1.0) for s in REPAIR_SHARES] + [(1.0, 0.0)], dtype=np.float32)
 """The shared action table: rows (repair share, admit new sources)."""
+DEFER = -1
+"""What ``act`` returns to leave the decision to the shell (kvtransport.policy's
+ExternalPolicy: the Gymnasium environment supplies the action)."""
 
 
 class RepairMode(IntEnum):

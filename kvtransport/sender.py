@@ -59,21 +59,16 @@ from kvtransport.codecs.rlc import RLCEncoder
 from kvtransport.feedback import SEQ_RING, SentLog
 from kvtransport.manifest_fec import ManifestSender
 from kvtransport.observation import (
+    OBS_SIZE,
     RAW_DECISION,
     RAW_FEEDBACK,
     RAW_SIZE,
     RAW_TRANSFER,
+    Obs,
     Raw,
     observe_into,
 )
-from kvtransport.policy import (
-    DEFER,
-    OBS_SIZE,
-    Obs,
-    Policy,
-    PolicyContext,
-    RepairMode,
-)
+from kvtransport.policy_base import DEFER, Policy, PolicyContext, RepairMode
 from kvtransport.protocol import (
     DECODER_WINDOW,
     DEFAULT_INITIAL_RTT,
