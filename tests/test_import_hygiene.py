@@ -1,4 +1,4 @@
-"""The data plane loads no training, evaluation or simulation stack.
+"""The data plane loads no training, evaluation or simulation stack; no import cycles.
 
 A fresh interpreter goes through what ``kvtransport sender-daemon`` and
 ``receiver-daemon`` load before they serve: the CLI, both daemon modules, the policy a
@@ -13,9 +13,14 @@ imports ``scipy.linalg.cython_blas`` (numba's BLAS); nothing beyond that may loa
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
+from pathlib import Path
+
+import kvtransport
+from kvtransport.kernel_cache import package_dirs
 
 FORBIDDEN = (
     "gymnasium",
@@ -65,3 +70,61 @@ def test_daemons_and_ddqn_runtime_import_no_training_or_simulation_stack():
     )
     loaded = json.loads(out.stdout.strip().splitlines()[-1])
     assert loaded == [], f"the data plane imported {loaded}"
+
+
+def _package_modules() -> dict[str, Path]:
+    """Every module of the package (its mapped subpackages included): name -> file."""
+    out: dict[str, Path] = {}
+    for prefix, folder in package_dirs(Path(kvtransport.__file__).resolve().parent).items():
+        for path in folder.rglob("*.py"):
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out.setdefault(".".join([prefix, *parts]), path)
+    return out
+
+
+def _imports(path: Path, known: dict[str, Path]) -> set[str]:
+    """The package's modules ``path`` imports anywhere: at the top, inside functions, under
+    TYPE_CHECKING, or by name through importlib.import_module."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "attr", None) == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+        ):
+            names = [str(node.args[0].value)]
+        found.update(n for n in names if n in known)
+    return found
+
+
+def test_no_import_cycles_among_the_package_modules():
+    modules = _package_modules()
+    graph = {m: _imports(path, modules) - {m} for m, path in modules.items()}
+    cycles: list[list[str]] = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        path.append(m)
+        for dep in sorted(graph[m]):
+            if state.get(dep) == 1:
+                cycles.append(path[path.index(dep) :] + [dep])
+            elif dep not in state:
+                visit(dep)
+        path.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+    assert len(modules) > 50 and graph["kvtransport.daemon_sender"]  # the scan sees them
+    assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
