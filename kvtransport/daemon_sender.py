@@ -14,15 +14,15 @@ wakes ``burst_s`` before the earliest slot and asks every session for what is du
 system-call and wake-up costs are shared by the burst. A late loop is caught up by the
 sessions themselves (at most ``MAX_CATCH_UP`` datagrams at once, then pacing resumes).
 
-Several transfers on one link. While more than one transfer is in flight, the engine asks
-kvtransport.allocator's :class:`~kvtransport.allocator.OnlineScheduler` (weighted utility
-water-filling with admission) every ``slot_s`` for each transfer's share of the link and
-sets each session's pacing rate to share x link rate (``SenderSession.set_rate``; a
-deferred transfer pauses, and still finishes at its deadline). Delivered bytes come from
-feedback (decoded-through ESI x symbol size). Each transfer's utility curve is what its
-submitter gave (sigmoid parameters, or a model and context length looked up in the
-``fit-utility`` table), else :func:`stream_utility_curve`. With one transfer in flight it
-simply gets the whole link.
+Several transfers on one link. The engine's :class:`~kvtransport.link_share.LinkShare`
+(the same code the multi-user simulator runs) re-plans every ``slot_s`` and whenever a
+transfer starts or ends: kvtransport.allocator's weighted utility water-filling with
+admission gives each transfer a share of the link, which becomes its pacing rate (a
+deferred transfer pauses, and still finishes at its deadline); the link's one-way delay
+it plans with is half the shortest round trip the sessions measured. Each transfer's
+utility curve is what its submitter gave (sigmoid parameters, or a model and context
+length looked up in the ``fit-utility`` table), else :func:`stream_utility_curve`. A
+transfer alone on the link gets all of it.
 
 :class:`SenderDaemon` adds the ZeroMQ control socket (kvtransport.api: submit, status,
 cancel, stats, ping), logs and one ``--stats`` JSON line per finished transfer.
@@ -43,6 +43,7 @@ from kvtransport import bounds
 from kvtransport.bounds import MAX_DEADLINE_S, MAX_INITIAL_RTT_S, MIN_DEADLINE_S
 from kvtransport.daemon import DaemonShell, DropCounts
 from kvtransport.errors import UserError
+from kvtransport.link_share import LinkShare, Member
 from kvtransport.policy import make_policy
 from kvtransport.protocol import DEFAULT_INITIAL_RTT, DEFAULT_SYMBOL_SIZE
 from kvtransport.sender import SenderSession
@@ -87,27 +88,39 @@ def stream_utility_curve(transfer: Transfer) -> SigmoidUtility:
 class Outgoing:
     """One transfer in the engine, and what status reports about it."""
 
-    transfer_id: int
-    session: SenderSession
+    link: Member  # the session and its place on the shared link (kvtransport.link_share)
     dest: tuple[str, int]
     policy: str
-    size: int
-    submitted: float
-    deadline: float
-    weight: float
-    utility: SigmoidUtility
     label: str = ""
     keep: Any = None  # the buffers the payload views (zero-copy ZeroMQ frames)
-    share: float = 1.0
-    rate_bps: float = 0.0  # the pacing rate set last (0: paused by the allocator)
-    admitted: bool = True
     state: str = "sending"
     finished: float | None = None
     sent_datagrams: int = 0
     max_lag: float = 0.0  # worst lateness of the loop behind this session's timer (s)
 
+    @property
+    def transfer_id(self) -> int:
+        return self.link.id
+
+    @property
+    def session(self) -> SenderSession:
+        return self.link.session
+
+    @property
+    def size(self) -> int:
+        return self.link.size
+
+    @property
+    def submitted(self) -> float:
+        return self.link.arrival
+
+    @property
+    def deadline(self) -> float:
+        return self.link.deadline
+
     def status(self, now: float) -> dict[str, Any]:
         s = self.session
+        m = self.link
         st = s.stats
         end = self.finished if self.finished is not None else now
         return {
@@ -135,10 +148,10 @@ class Outgoing:
             "loss_estimate": round(s.loss_estimate(), 5),
             "decisions": s.decision_latency(),
             "srtt_ms": None if s.srtt is None else round(s.srtt * 1e3, 3),
-            "rate_mbps": round(self.rate_bps / 1e6, 6),
-            "share": round(self.share, 5),
-            "admitted": self.admitted,
-            "weight": self.weight,
+            "rate_mbps": round(m.rate_bps / 1e6, 6),
+            "share": round(m.share, 5),
+            "admitted": m.admitted,
+            "weight": m.weight,
             "deadline_s": round(self.deadline - self.submitted, 6),
             "elapsed_s": round(end - self.submitted, 6),
         }
@@ -178,7 +191,9 @@ class SenderEngine(DropCounts):
         self.finished: OrderedDict[int, Outgoing] = OrderedDict()
         self.drop_reasons: dict[str, int] = {}
         self.dropped = 0
-        self._scheduler: Any = None
+        self.link = LinkShare(
+            self.rate_bps, slot_s=slot_s, symbol_size=symbol_size, tagged=key is not None
+        )
         self._sched_at: float | None = None
         self._reschedule_now = False
 
@@ -232,25 +247,24 @@ class SenderEngine(DropCounts):
             raise UserError(str(exc)) from None
         if session.transfer_id in self.active or session.transfer_id in self.finished:
             raise UserError("transfer id collision (random 64-bit): submit again")
-        out = Outgoing(
-            transfer_id=session.transfer_id,
+        member = Member(
+            id=session.transfer_id,
             session=session,
-            dest=dest,
-            policy=pol.name,
             size=transfer.nbytes,
-            submitted=now,
             deadline=now + deadline_s,
-            weight=float(weight),
             utility=utility if utility is not None else stream_utility_curve(transfer),
-            label=label,
-            keep=keep,
+            weight=float(weight),
+            arrival=now,
             rate_bps=self.rate_bps,
         )
+        out = Outgoing(link=member, dest=dest, policy=pol.name, label=label, keep=keep)
         self.active[out.transfer_id] = out
+        self.link.join(member)
         try:
             self._reschedule(now)  # shares are right from the first status reply on
         except Exception:
             del self.active[out.transfer_id]  # refused: nothing of it may run
+            self.link.leave(out.transfer_id, "refused")
             self._reschedule_now = True
             raise
         log.info(
@@ -362,8 +376,7 @@ class SenderEngine(DropCounts):
         self.finished[out.transfer_id] = out
         while len(self.finished) > HISTORY:
             self.finished.popitem(last=False)
-        if self._scheduler is not None:
-            self._scheduler.remove(out.transfer_id, out.session.finish_reason)
+        self.link.leave(out.transfer_id, out.session.finish_reason or "finished")
         self._reschedule_now = True
         s = out.session
         dec = s.decision_latency() or {"n": 0, "mean_us": 0.0, "p99_us": 0.0}
@@ -389,40 +402,12 @@ class SenderEngine(DropCounts):
 
     def _reschedule(self, now: float) -> None:
         self._reschedule_now = False
-        live = list(self.active.values())
-        if len(live) <= 1:
-            for out in live:
-                if out.rate_bps != self.rate_bps:
-                    out.session.set_rate(self.rate_bps, now)
-                out.share, out.rate_bps, out.admitted = 1.0, self.rate_bps, True
-            self._sched_at = None
-            return
-        from kvtransport import allocator
-
-        if self._scheduler is None:
-            self._scheduler = allocator.OnlineScheduler(self.rate_bps / 8.0, slot_s=self.slot_s)
-        sched = self._scheduler
-        for out in live:
-            if out.transfer_id not in sched.transfers:
-                sched.add(
-                    allocator.Transfer(
-                        id=out.transfer_id,
-                        size=float(out.size),
-                        deadline=out.deadline,
-                        utility=out.utility,
-                        weight=out.weight,
-                        arrival=out.submitted,
-                    )
-                )
-            s = out.session
-            sched.set_delivered(out.transfer_id, min(s.fb_through * s.symbol_size, out.size))
-        decision = sched.step(now)
-        for out in live:
-            share = float(decision.shares.get(out.transfer_id, 0.0))
-            out.session.set_rate(share * self.rate_bps, now)
-            out.share, out.rate_bps = share, share * self.rate_bps
-            out.admitted = out.transfer_id in decision.admitted
-        self._sched_at = decision.until
+        # the link's one-way delay, for the allocator's last useful send time: half the
+        # shortest smoothed round trip any transfer measured (0 until one has)
+        rtts = [o.session.srtt for o in self.active.values() if o.session.srtt is not None]
+        if rtts:
+            self.link.one_way_s = min(rtts) / 2.0
+        self._sched_at = self.link.step(now)
 
 
 # ---------------------------------------------------------------------- the daemon
@@ -552,7 +537,7 @@ class SenderDaemon(DaemonShell):
             "transfer_id": f"{out.transfer_id:016x}",
             "deadline_s": deadline_s,
             "n_source": out.session.n_source,
-            "share": out.share,
+            "share": out.link.share,
         }
 
     def _utility(self, head: dict[str, Any]) -> SigmoidUtility | None:

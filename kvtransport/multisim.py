@@ -10,21 +10,12 @@ allocator or a baseline) decides every ``slot_s`` (and whenever a handover arriv
 the link is shared, and each sender's pacing rate is set through its rate hook
 (``SenderSession.set_rate``): share x link rate; a share of 0 pauses the sender.
 
-What the scheduler sees, per handover, is what a sender daemon can know: the cache size,
-the deadline minus the one-way delay (the last moment a datagram can leave and still
-arrive), its accuracy curve, and its progress: source bytes sent, less the repairs its
-feedback says are still owed (:meth:`SenderSession.owed`), never below what the receiver
-reported decoded; and those owed repairs, which this allocator serves first (a hole
-blocks the rest of the stream). Its capacity is the link's *payload* rate: the wire rate
-times the share of each datagram that is payload (symbol / (header + symbol + tag + link
-overhead)) times (1 - the loss rate the senders' feedback reports), so that a plan in
-payload bytes is one the link can carry. An adaptive repair policy that has not yet heard
-from its own receiver starts from that link loss instead of its blind 10 % prior.
-
-Pacing through the rate hook: a share below one datagram per slot pauses the sender
-(paced that slowly, its next datagram and its stop time would move past the following
-slots), and when a share grows, a datagram still scheduled at the old, slower pace is
-re-anchored to now (a pause and a resume: ``set_rate`` itself keeps the pending slot).
+How the link is shared is kvtransport.link_share's :class:`~kvtransport.link_share.
+LinkShare`, the code the sender daemon runs: what the scheduler sees of each handover
+(progress less owed repairs, owed repairs served first, the deadline less the one-way
+delay, the payload capacity net of the reported loss), pausing below one datagram per
+slot, re-anchoring a sender whose share grew, and the repair prior of a session not yet
+heard from. Here the one-way delay is the profile's.
 
 A handover's accuracy is its fitted sigmoid (kvtransport.utility_model) at the fraction of
 its cache delivered *in utility order* when its deadline came: the bytes of the longest
@@ -51,17 +42,16 @@ from typing import Any
 
 import numpy as np
 
-from kvtransport.allocator import OnlineScheduler, SlotPolicy
-from kvtransport.allocator import Transfer as ScheduledTransfer
+from kvtransport.allocator import SlotPolicy
+from kvtransport.link_share import LinkShare, Member, payload_efficiency
 from kvtransport.netem import Channel, Profile, load_profile, make_channel
-from kvtransport.policy import Adaptive, make_policy
+from kvtransport.policy import make_policy
 from kvtransport.protocol import DEFAULT_SYMBOL_SIZE, LINK_OVERHEAD_BYTES
 from kvtransport.receiver import ReceiverSession
 from kvtransport.sender import SenderSession
 from kvtransport.simulator import DEFAULT_BLOCK_BYTES
 from kvtransport.transfer import BlockTable, Transfer, utility_profile
 from kvtransport.utility_model import SigmoidUtility
-from kvtransport.wire import HEADER_SIZE, TAG_SIZE
 
 DEFAULT_SLOT_S = 0.01
 # Event kinds, in the order they are handled at equal times.
@@ -157,12 +147,6 @@ class MultiResult:
         return d
 
 
-def payload_efficiency(symbol_size: int = DEFAULT_SYMBOL_SIZE, tagged: bool = False) -> float:
-    """Share of the wire bytes of a data datagram that is payload (symbol)."""
-    wire = HEADER_SIZE + symbol_size + (TAG_SIZE if tagged else 0) + LINK_OVERHEAD_BYTES
-    return symbol_size / wire
-
-
 @dataclass
 class _Pair:
     """A handover's sessions and bookkeeping inside the loop."""
@@ -172,12 +156,10 @@ class _Pair:
     tid: int
     sender: SenderSession | None = None
     receiver: ReceiverSession | None = None
+    member: Member | None = None
     sender_armed: float | None = None
     receiver_armed: float | None = None
-    paused: bool = False
     finished: bool = False
-    admitted_slots: int = 0
-    slots: int = 0
     outcome: HandoverOutcome | None = None
 
     @property
@@ -191,6 +173,12 @@ class _Pair:
         """The receiver, once the handover has arrived."""
         assert self.receiver is not None
         return self.receiver
+
+    @property
+    def mb(self) -> Member:
+        """Its share of the link, once the handover has arrived."""
+        assert self.member is not None
+        return self.member
 
 
 class MultiSimulation:
@@ -233,12 +221,15 @@ class MultiSimulation:
         self.symbol_size = symbol_size
         self.key = key
         self.slot_s = slot_s
-        self.fixed_capacity = capacity_Bps
-        self.efficiency = payload_efficiency(symbol_size, key is not None)
-        wire = HEADER_SIZE + symbol_size + (TAG_SIZE if key else 0) + LINK_OVERHEAD_BYTES
-        # Below one datagram per slot a share is paused instead: a sender paced that slowly
-        # would put its next datagram (and its stop time) past the following slots.
-        self.min_rate_bps = wire * 8.0 / slot_s
+        self.link = LinkShare(
+            self.rate_bps,
+            slot_policy,
+            slot_s=slot_s,
+            symbol_size=symbol_size,
+            tagged=key is not None,
+            one_way_s=self.delay_s,
+            capacity_Bps=capacity_Bps,
+        )
         ss = np.random.SeedSequence(seed)
         data_seed, fb_seed, id_seed, payload_seed = ss.spawn(4)
         self.data_channel: Channel = make_channel(self.profile, data_seed)
@@ -256,13 +247,11 @@ class MultiSimulation:
             edges = np.minimum(np.arange(n_blocks + 1, dtype=np.int64) * block_bytes, h.size)
             blocks = BlockTable(edges[:-1], np.diff(edges), utility_profile("zipf", n_blocks))
             self.pairs.append(_Pair(h, Transfer(pool[: h.size], blocks), int(tid)))
-        self.scheduler = OnlineScheduler(self._capacity(), slot_policy, slot_s)
         self.policy_name = getattr(slot_policy, "name", type(slot_policy).__name__)
         self._heap: list[tuple[float, int, int, int, Any]] = []
         self._order = 0
         self._slot_at: float | None = None
         self.events = 0
-        self.slots = 0
         self.wire_bytes = 0
         for i, p in enumerate(self.pairs):
             self._push(p.h.arrival, _ARRIVAL, i, None)
@@ -305,127 +294,26 @@ class MultiSimulation:
 
     # ------------------------------------------------------------------ scheduling
 
-    def _capacity(self) -> float:
-        """Payload bytes/s the link carries: wire rate x payload share x (1 - loss)."""
-        if self.fixed_capacity is not None:
-            return float(self.fixed_capacity)
-        loss = min(self._link_loss() or 0.0, 0.9)
-        return self.rate_bps / 8.0 * self.efficiency * (1.0 - loss)
-
-    def _progress_and_owed(self, p: _Pair) -> tuple[float, float]:
-        """(delivered, pending) for the scheduler: sources sent less the repairs owed for
-        them (never below what the receiver decoded), and those repairs in bytes."""
-        s = p.tx
-        sym = self.symbol_size
-        sent = p.h.size if s.next_esi >= s.n_source else s.next_esi * sym
-        owed = s.owed() * sym
-        est = float(min(max(max(sent - owed, s.fb_through * sym), 0.0), p.h.size))
-        return est, float(min(owed, p.h.size - est))
-
-    def _scheduled(self, p: _Pair) -> ScheduledTransfer:
-        h = p.h
-        return ScheduledTransfer(
-            id=h.id,
-            size=float(h.size),
-            deadline=max(h.deadline - self.delay_s, h.arrival),
-            utility=h.utility,
-            weight=h.weight,
-            arrival=h.arrival,
-        )
-
     def _on_slot(self, now: float) -> None:
-        sched = self.scheduler
-        live = [p for p in self.pairs if p.sender is not None and not p.sender.done]
-        for p in live:
-            prog, owed = self._progress_and_owed(p)
-            if p.h.id not in sched.transfers:
-                # left the scheduler as delivered, but feedback since reported holes
-                if prog >= p.h.size or p.h.deadline - self.delay_s <= now:
-                    continue
-                sched.add(self._scheduled(p))
-            sched.set_delivered(p.h.id, prog, owed)
-        sched.set_capacity(self._capacity())
-        loss = self._link_loss()
-        if loss is not None:
-            for p in live:  # sessions not yet heard from start from the link's loss
-                if p.tx.fb_time is None and isinstance(p.tx.policy, Adaptive):
-                    p.tx.policy.prior_loss = min(max(loss, 0.002), 0.9)
-        dec = sched.step(now)
-        self.slots += 1
-        for p in live:
-            share = dec.shares.get(p.h.id)
-            if share is not None:
-                p.slots += 1
-                p.admitted_slots += p.h.id in dec.admitted
-            self._set_rate(p, (share or 0.0) * self.rate_bps, now)
+        nxt = self.link.step(now)
         for i, p in enumerate(self.pairs):
             if p.sender is not None:
                 self._arm(i)
-        pending = any(p.sender is None for p in self.pairs)
-        if sched.transfers or pending:
-            nxt = (
-                dec.until
-                if sched.transfers
-                else min(p.h.arrival for p in self.pairs if p.sender is None)
-            )
-            self._slot_at = nxt
+        waiting = [p.h.arrival for p in self.pairs if p.sender is None]
+        if nxt is None and waiting:
+            nxt = min(waiting)
+        self._slot_at = nxt
+        if nxt is not None:
             self._push(nxt, _SLOT, -1, nxt)
-        else:
-            self._slot_at = None
-
-    def _set_rate(self, p: _Pair, rate_bps: float, now: float) -> None:
-        s = p.tx
-        if s.done:
-            return
-        if rate_bps < self.min_rate_bps:
-            if not p.paused:
-                s.set_rate(0.0, now)
-                p.paused = True
-            return
-        if p.paused:
-            s.set_rate(rate_bps, now)  # a paused sender resumes now
-            p.paused = False
-            return
-        if rate_bps == s.rate_bps:
-            return
-        s.set_rate(rate_bps, now)
-        nxt = s.next_timer()
-        slot = (s.datagram_bytes + LINK_OVERHEAD_BYTES) * 8.0 / rate_bps
-        if nxt is not None and nxt > now + slot:
-            # The pending datagram was paced at the old, slower rate: re-anchor it at the
-            # new one (a pause and a resume put the next datagram at `now`).
-            s.set_rate(0.0, now)
-            s.set_rate(rate_bps, now)
 
     # ------------------------------------------------------------------ handovers
-
-    def _link_loss(self) -> float | None:
-        """Mean loss rate the live senders' feedback reports (None: no feedback yet)."""
-        losses = [
-            p.sender.loss_estimate()
-            for p in self.pairs
-            if p.sender is not None and not p.finished and p.sender.fb_time is not None
-        ]
-        return float(np.mean(losses)) if losses else None
-
-    def _repair_policy(self) -> Any:
-        """A new session's repair policy. An adaptive one starts from the loss the link's
-        other sessions report instead of its blind prior (10%), and is updated each slot
-        until its own feedback arrives: the shell knows its link, and on a fast link the
-        blind prior's proactive repairs over the first RTT cost a session that the
-        allocator serves alone at the full rate a few percent of its bytes."""
-        pol = make_policy(self.repair_policy)
-        loss = self._link_loss()
-        if isinstance(pol, Adaptive) and loss is not None:
-            pol.prior_loss = min(max(loss, 0.002), 0.9)
-        return pol
 
     def _arrive(self, i: int, now: float) -> None:
         p = self.pairs[i]
         h = p.h
         p.sender = SenderSession(
             p.transfer,
-            self._repair_policy(),
+            make_policy(self.repair_policy),
             rate_bps=self.rate_bps,
             deadline=h.deadline,
             now=now,
@@ -435,7 +323,17 @@ class MultiSimulation:
             initial_rtt=2.0 * self.delay_s + 1e-3,
         )
         p.receiver = ReceiverSession(p.tid, key=self.key, now=now, deadline=h.deadline)
-        self.scheduler.add(self._scheduled(p))
+        p.member = Member(
+            id=h.id,
+            session=p.sender,
+            size=h.size,
+            deadline=h.deadline,
+            utility=h.utility,
+            weight=h.weight,
+            arrival=h.arrival,
+            rate_bps=self.rate_bps,
+        )
+        self.link.join(p.member)
 
     def _check_finished(self, i: int, now: float) -> None:
         p = self.pairs[i]
@@ -443,6 +341,7 @@ class MultiSimulation:
         if p.finished or not r.finished:
             return
         p.finished = True
+        self.link.leave(p.h.id)
         res = r.result
         h = p.h
         fraction = complete = 0.0
@@ -468,8 +367,8 @@ class MultiSimulation:
             repair_sent=s.repair_sent,
             sender_finish=s.finish_reason or "running",
             receiver_finish=res.reason if res is not None else "running",
-            admitted_slots=p.admitted_slots,
-            slots=p.slots,
+            admitted_slots=p.mb.admitted_slots,
+            slots=p.mb.slots,
         )
 
     # ------------------------------------------------------------------ the loop
@@ -534,8 +433,8 @@ class MultiSimulation:
             packets_dropped=getattr(ch, "dropped", 0),
             wire_bytes=self.wire_bytes,
             decoded_bytes=decoded,
-            payload_capacity_Bps=self.scheduler.capacity_Bps,
-            slots=self.slots,
+            payload_capacity_Bps=self.link.scheduler.capacity_Bps,
+            slots=self.link.steps,
             events=self.events,
             cpu_s=time.process_time() - cpu0,
         )

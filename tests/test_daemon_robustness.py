@@ -45,6 +45,19 @@ def daemons(tmp_path_factory):
     d.stop()
 
 
+def kernel_udp_drops(*ports: int) -> int:
+    """Datagrams the kernel dropped on the IPv4 UDP sockets bound to these local ports
+    (receive buffer full), from the ``drops`` column of /proc/net/udp."""
+    total = 0
+    with open("/proc/net/udp") as f:
+        next(f)
+        for line in f:
+            fields = line.split()
+            if int(fields[1].split(":")[1], 16) in ports:
+                total += int(fields[-1])
+    return total
+
+
 def _wait(cond, timeout=10.0, step=0.005):
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -310,10 +323,14 @@ def test_reordering_and_duplication_change_nothing(daemons):
         return out
 
     proxy = Proxy(daemons.rx_port, data=impair)
+    drops_before = kernel_udp_drops(daemons.rx_port, proxy.port)
     try:
         tr = synthetic_transfer(2_000_000, 162, seed=34)
         tid = daemons.sender.submit(tr, f"127.0.0.1:{proxy.port}", deadline_ms=1500)
         res = daemons.sub.wait_for(tid, timeout_s=10)
+        # the proxy doubles the stream in bursts: on a slow host the receiver's (or the
+        # proxy's) socket buffer overflows, and the kernel's drops are loss too
+        kernel_drops = kernel_udp_drops(daemons.rx_port, proxy.port) - drops_before
     finally:
         proxy.close()
     assert res.reason == "complete" and res.utility_recovered == pytest.approx(1.0)
@@ -321,7 +338,8 @@ def test_reordering_and_duplication_change_nothing(daemons):
     st = res.stats
     assert st["duplicates"] > 100 and st["dropped"] == 0, st
     # reordering is not loss and duplicates do not hide loss: the receiver counted exactly
-    # the datagrams the proxy dropped (up to a last shuffled window it stopped counting in)
+    # the datagrams the proxy dropped (up to a last shuffled window it stopped counting in),
+    # plus at most what the kernel dropped (a dropped duplicate is no loss)
     below = sum(1 for s in dropped if s < st["highest_seq"])
-    assert below <= st["datagrams_lost"] <= below + 6, (below, st)
+    assert below <= st["datagrams_lost"] <= below + kernel_drops + 6, (below, kernel_drops, st)
     assert below > 50

@@ -36,7 +36,8 @@ def test_equal_share_splits_the_one_link_evenly_and_never_overfills_its_queue():
 
 
 def test_edf_serves_the_earliest_deadline_first_with_real_sessions():
-    hs = [Handover(0, 0.0, 0.06, 500_000, U), Handover(1, 0.0, 0.12, 800_000, U)]
+    # 1.5 MB wanted, about 1.44 MB of payload fits in 120 ms
+    hs = [Handover(0, 0.0, 0.06, 500_000, U), Handover(1, 0.0, 0.12, 1_000_000, U)]
     res = simulate_handovers(hs, EarliestDeadlineFirst(), rate_mbps=RATE, seed=1)
     first, second = res.outcomes
     assert first.fraction == 1.0  # 0.5 MB fits its 60 ms (0.7 MB)

@@ -1,0 +1,65 @@
+"""The shared link's allocator-to-rates step on a virtual clock, with real sender sessions
+(kvtransport.link_share: the code the sender daemon and the multi-user simulator share)."""
+
+import pytest
+
+from kvtransport.allocator import EqualShare, UtilityWaterFilling
+from kvtransport.link_share import LinkShare, Member
+from kvtransport.policy import make_policy
+from kvtransport.sender import SenderSession
+from kvtransport.transfer import synthetic_transfer
+from kvtransport.utility_model import SigmoidUtility
+
+U = SigmoidUtility(0.85, 10.0, 0.2)
+SYMBOL = 1200
+SLOT = 0.01
+
+
+def _member(tid: int, size: int, deadline: float, weight: float = 1.0, rate=100e6) -> Member:
+    tr = synthetic_transfer(size, max(1, size // 12_288), seed=tid)
+    s = SenderSession(
+        tr, make_policy("adaptive"), rate_bps=rate, deadline=deadline, now=0.0,
+        transfer_id=tid, symbol_size=SYMBOL,
+    )  # fmt: skip
+    return Member(tid, s, size, deadline, U, weight, 0.0, rate_bps=rate)
+
+
+def _link(rate: float, policy=None) -> LinkShare:
+    return LinkShare(rate, policy, slot_s=SLOT, symbol_size=SYMBOL, tagged=True)
+
+
+def test_weights_decide_who_gets_the_overloaded_link():
+    link = _link(100e6)
+    light, heavy = _member(1, 2_000_000, 0.1), _member(2, 2_000_000, 0.1, weight=2.0)
+    link.join(light)
+    link.join(heavy)
+    until = link.step(0.0)
+    assert until == pytest.approx(SLOT)
+    # 4 MB wanted, ~1.2 MB fits: the weight-2 transfer is served first
+    assert heavy.share > light.share
+    assert heavy.session.rate_bps == pytest.approx(heavy.share * 100e6)
+    assert light.share + heavy.share <= 1.0 + 1e-9
+
+
+def test_a_share_below_a_datagram_per_slot_pauses_and_a_lone_transfer_gets_the_link():
+    rate = 1.5e6  # one datagram per 10 ms slot is ~1 Mbit/s: half of this link is less
+    link = _link(rate, EqualShare())
+    a, b = _member(1, 200_000, 2.0, rate=rate), _member(2, 200_000, 2.0, rate=rate)
+    link.join(a)
+    link.join(b)
+    link.step(0.0)
+    assert a.share == pytest.approx(0.5) and b.share == pytest.approx(0.5)
+    assert a.paused and b.paused
+    assert a.rate_bps == 0.0 and a.session.next_timer() == pytest.approx(2.0)  # the deadline
+    link.leave(2)
+    assert link.step(0.05) is None  # alone: nothing to re-plan until someone joins
+    assert not a.paused and a.share == 1.0
+    assert a.rate_bps == rate and a.session.next_timer() == pytest.approx(0.05)
+
+
+def test_the_allocator_plans_to_the_deadline_less_the_one_way_delay():
+    link = LinkShare(100e6, UtilityWaterFilling(), slot_s=SLOT, symbol_size=SYMBOL,
+                     tagged=False, one_way_s=0.02)  # fmt: skip
+    m = _member(1, 500_000, 0.1)
+    link.join(m)
+    assert link.scheduler.transfers[1].deadline == pytest.approx(0.08)
