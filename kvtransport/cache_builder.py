@@ -94,11 +94,13 @@ class CacheBuilder:
         """Run the next ``n`` context tokens through the model at their own positions."""
         import torch
 
+        from kvtransport import hf
+
         n = self._check(n)
         start = self.filled
         ids = torch.tensor([self.token_ids[start : start + n]], dtype=torch.long)
         positions = torch.arange(start, start + n, dtype=torch.long)[None]
-        with torch.inference_mode():
+        with torch.inference_mode(), hf.causal_chunks(self.model):
             self.model(
                 input_ids=ids,
                 position_ids=positions,

@@ -93,6 +93,52 @@ class _AttentionProbe:
         self.mass[module.layer_idx] = probs.mean(dim=(0, 1, 2)).cpu().numpy()
 
 
+def _causal_chunk_attention(
+    module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: Any
+) -> torch.Tensor | None:
+    """Attention of ``q`` new tokens that follow ``p = kv - q`` cached ones, causal, as two
+    flash-kernel calls merged by their log-sum-exp: the new tokens over the cached keys
+    (all visible, dense) and over themselves (square, causal). That is exactly the work of
+    a one-shot causal prefill's rows; one SDPA call with the bottom-right causal mask
+    computes all q x kv scores (q^2 / 2 of them masked out) on a slower masked kernel.
+    Returns [batch, q, heads, dim] as transformers' SDPA does; None where the flash CPU
+    kernel is not available (the caller uses SDPA with a mask then)."""
+    import torch
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if op is None or query.device.type != "cpu":
+        return None
+    q_len, kv_len = query.shape[2], key.shape[2]
+    groups = query.shape[1] // key.shape[1]
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    p = kv_len - q_len
+    scale = None if scale is None else float(scale)
+    own, own_lse = op(query, key[:, :, p:], value[:, :, p:], 0.0, True, scale=scale)
+    if p:
+        past, past_lse = op(query, key[:, :, :p], value[:, :, :p], 0.0, False, scale=scale)
+        lse = torch.logaddexp(past_lse, own_lse)
+        own = past * torch.exp(past_lse - lse)[..., None].to(past.dtype) + own * torch.exp(
+            own_lse - lse
+        )[..., None].to(own.dtype)
+    return own.transpose(1, 2).contiguous()
+
+
+@contextmanager
+def causal_chunks(model: Any) -> Iterator[None]:
+    """While active, the model's forward calls are plain causal continuations (batch 1,
+    no padding, the new tokens right after the cached ones): attention may ignore the mask
+    transformers passes and use :func:`_causal_chunk_attention`."""
+    mods = _attention_modules(model)
+    for mod in mods:
+        mod._kvt_causal_chunks = True
+    try:
+        yield
+    finally:
+        for mod in mods:
+            mod.__dict__.pop("_kvt_causal_chunks", None)
+
+
 def _masked_sdpa(
     module: Any,
     query: torch.Tensor,
@@ -107,6 +153,16 @@ def _masked_sdpa(
 
     q_len, kv_len = query.shape[2], key.shape[2]
     visible = getattr(module, "_kvt_visible", None)
+    probe = getattr(module, "_kvt_probe", None)
+    if (
+        visible is None
+        and probe is None
+        and 1 < q_len < kv_len
+        and getattr(module, "_kvt_causal_chunks", False)
+    ):
+        out = _causal_chunk_attention(module, query, key, value, kwargs.get("scaling"))
+        if out is not None:
+            return out, None
     if visible is not None:
         if attention_mask is None:
             attention_mask = _causal_mask(q_len, kv_len, query.device)
@@ -119,7 +175,6 @@ def _masked_sdpa(
     elif attention_mask is None and 1 < q_len != kv_len:
         # Guard: stock SDPA's is_causal path would crop the keys to q_len here.
         attention_mask = _causal_mask(q_len, kv_len, query.device)
-    probe = getattr(module, "_kvt_probe", None)
     if probe is not None:
         probe.record(module, query, key, attention_mask)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
