@@ -14,6 +14,7 @@ demo: setup
 lint: setup
 	@$(VENV)/bin/ruff check .
 	@$(VENV)/bin/ruff format --check .
+	@$(PY) scripts/typecheck.py
 
 format: setup
 	@$(VENV)/bin/ruff format .

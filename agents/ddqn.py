@@ -18,6 +18,7 @@ import numpy as np
 import torch as th
 from kvtransport.agents.runtime import QWeights
 from stable_baselines3 import DQN
+from stable_baselines3.common.type_aliases import ReplayBufferSamples
 from stable_baselines3.dqn.policies import DQNPolicy, QNetwork
 from torch import nn
 from torch.nn import functional as F
@@ -60,7 +61,7 @@ class DoubleDQN(DQN):
         self.expert_margin = float(margin)
         self.expert_weight = float(weight)
 
-    def td_target(self, replay_data: object) -> th.Tensor:
+    def td_target(self, replay_data: ReplayBufferSamples) -> th.Tensor:
         discounts = replay_data.discounts if replay_data.discounts is not None else self.gamma
         return double_dqn_target(
             self.q_net,
@@ -71,9 +72,10 @@ class DoubleDQN(DQN):
             discounts,
         )
 
-    def _sample(self, batch_size: int) -> tuple[object, int]:
+    def _sample(self, batch_size: int) -> tuple[ReplayBufferSamples, int]:
         """A batch, and how many of its last rows are expert transitions."""
         buf = self.replay_buffer
+        assert buf is not None  # made by DQN._setup_model
         if self._expert_idx is None or not self._expert_idx.size or self.expert_weight <= 0:
             return buf.sample(batch_size, env=self._vec_normalize_env), 0
         n_e = batch_size // 4

@@ -1,4 +1,5 @@
-"""The Gymnasium environment ``kvtransport/RepairScheduling-v0``.
+"""The Gymnasium environment ``kvtransport/RepairScheduling-v0`` (``ENV_ID``, registered
+with gymnasium on import of this module).
 
 One episode is one transfer (kvtransport.agents.episodes draws it); the environment is a
 third shell around the real protocol core: it drives a
@@ -29,10 +30,12 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
-from kvtransport.agents import ENV_ID  # noqa: F401 (re-exported: tests import it here)
 from kvtransport.agents.episodes import EpisodeDistribution, EpisodeSpec, build_simulation
 
 from kvtransport.policy import ACTIONS, OBS_CLIP, OBS_SIZE, ExternalPolicy, Obs
+from kvtransport.simulator import Simulation
+
+ENV_ID = "kvtransport/RepairScheduling-v0"
 
 _BOUNDS = {
     Obs.CAPACITY_RATIO: (0.0, 4.0),
@@ -78,7 +81,7 @@ class RepairSchedulingEnv(gym.Env):
         self.actions = np.asarray(actions, dtype=np.float32)
         self.observation_space = observation_space()
         self.action_space = spaces.Discrete(len(self.actions))
-        self.sim = None
+        self.sim: Simulation | None = None
         self.episode: EpisodeSpec | None = None
         self._utility = 0.0
 
@@ -111,3 +114,7 @@ class RepairSchedulingEnv(gym.Env):
         reward = u - self._utility
         self._utility = u
         return sim.sender.obs.copy(), float(reward), not running, False, {"utility": u}
+
+
+if ENV_ID not in gym.registry:
+    gym.register(id=ENV_ID, entry_point="kvtransport.agents.env:RepairSchedulingEnv")

@@ -46,6 +46,7 @@ from kvtransport.netem import Bernoulli, GilbertElliott, NoLoss, Profile, load_p
 from kvtransport.netem.loss import LossSpec
 from kvtransport.netem.trace import TraceReplay, read_trace
 
+from kvtransport.policy import Policy
 from kvtransport.protocol import DEFAULT_SYMBOL_SIZE
 from kvtransport.simulator import Simulation, full_send_time, make_simulation
 from kvtransport.transfer import BlockTable, Transfer, utility_profile
@@ -56,7 +57,6 @@ HELD_OUT_SEED = 1 << 40
 EXCLUDE_FACTOR = 1.3
 MIN_DEADLINE_RTTS = 5.0
 BLOCK_BYTES = (3072, 6144, 12288)
-SYNTHETIC = ("zipf", "flat", "linear")
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,7 @@ def spec_transfer(spec: EpisodeSpec) -> Transfer:
     return Transfer(_payload(n * b), table)
 
 
-def build_simulation(spec: EpisodeSpec, policy: object, record: bool = False) -> Simulation:
+def build_simulation(spec: EpisodeSpec, policy: Policy, record: bool = False) -> Simulation:
     """The real sender and receiver for ``spec`` over its channels: exactly the run
     ``kvtransport.simulator.make_simulation`` sets up for the same transfer, profiles, rho
     and seed (``simulate`` with those arguments gives the same result)."""
@@ -228,6 +228,7 @@ class EpisodeDistribution:
 
     def _loss(self, rng: np.random.Generator, kind: str) -> LossSpec:
         for _ in range(1000):
+            loss: LossSpec
             if kind == "ge":
                 loss = GilbertElliott(
                     _log_uniform(rng, *self.ge_p_range),

@@ -29,7 +29,8 @@ import math
 import numpy as np
 from numba import njit
 
-from kvtransport.policy import DECISION_PACKETS, OBS_CLIP, OBS_SIZE, Obs
+from kvtransport.observation import OBS_CLIP, OBS_SIZE, Obs
+from kvtransport.policy_base import DECISION_PACKETS
 
 EXTRA_FEATURES = (
     "room",
@@ -44,7 +45,6 @@ EXTRA_FEATURES = (
     "no_feedback",
 )
 N_FEATURES = OBS_SIZE + len(EXTRA_FEATURES)
-FEATURE_NAMES = tuple(f.name.lower() for f in Obs) + EXTRA_FEATURES
 FEATURES_VERSION = 2
 """Bumped whenever the feature definition changes: exported weights record it."""
 
@@ -102,11 +102,9 @@ def features(obs: np.ndarray) -> np.ndarray:
     return out.reshape(*o.shape[:-1], N_FEATURES)
 
 
-def feature_bounds() -> tuple[np.ndarray, np.ndarray]:
-    """(low, high) of every feature, for the training wrapper's observation space."""
-    from kvtransport.agents.env import observation_space
-
-    space = observation_space()
-    low = np.concatenate([space.low, [-1, 0, 0, 0, 0, -1, -1, -1, 0, 0]]).astype(np.float32)
-    high = np.concatenate([space.high, [2, 1, 1, 4, 1, 2, 2, 2, 1, 1]]).astype(np.float32)
+def feature_bounds(obs_low: np.ndarray, obs_high: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(low, high) of every feature, for the training wrapper's observation space, from the
+    observation's own bounds (kvtransport.agents.env.observation_space)."""
+    low = np.concatenate([obs_low, [-1, 0, 0, 0, 0, -1, -1, -1, 0, 0]]).astype(np.float32)
+    high = np.concatenate([obs_high, [2, 1, 1, 4, 1, 2, 2, 2, 1, 1]]).astype(np.float32)
     return low, high

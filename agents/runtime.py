@@ -26,8 +26,8 @@ from kvtransport.agents.features import FEATURES_VERSION, N_FEATURES, features_i
 from numba import njit
 
 from kvtransport.errors import UserError
-from kvtransport.observation import observe_into
-from kvtransport.policy import OBS_FIELDS, Policy, RepairMode
+from kvtransport.observation import OBS_FIELDS, observe_into
+from kvtransport.policy_base import Policy, RepairMode
 
 SHIPPED_WEIGHTS = Path(__file__).with_name("data") / "ddqn.npz"
 SHIPPED_SIDECAR = SHIPPED_WEIGHTS.with_suffix(".json")
@@ -141,7 +141,8 @@ def save_weights(path: str | Path, weights: QWeights, provenance: dict | None = 
         arrays[f"W{i}"], arrays[f"b{i}"] = w, b
     path = Path(path)
     with open(path, "wb") as f:
-        np.savez_compressed(f, meta=np.array(json.dumps(meta)), **arrays)
+        # numpy's stub reads **arrays as possibly naming allow_pickle (a bool)
+        np.savez_compressed(f, meta=np.array(json.dumps(meta)), **arrays)  # type: ignore[arg-type]
     return path
 
 
@@ -218,4 +219,4 @@ class DDQNPolicy(Policy):
         otherwise make without it."""
         super().__init_subclass__(**kwargs)
         if "act" in cls.__dict__ and "decide" not in cls.__dict__:
-            cls.decide = Policy.decide
+            cls.decide = Policy.decide  # type: ignore[method-assign]  # on purpose

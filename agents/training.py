@@ -37,13 +37,13 @@ import csv
 import json
 import math
 import time
-import warnings
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import gymnasium as gym
 import numpy as np
-from kvtransport.agents.env import RepairSchedulingEnv
+from kvtransport.agents.env import RepairSchedulingEnv, observation_space
 from kvtransport.agents.episodes import (
     HELD_OUT_SEED,
     EpisodeDistribution,
@@ -51,9 +51,13 @@ from kvtransport.agents.episodes import (
     build_simulation,
 )
 from kvtransport.agents.features import N_FEATURES, feature_bounds, features
-from kvtransport.agents.runtime import DDQNPolicy, QWeights, save_weights
+from kvtransport.agents.runtime import DDQNPolicy, save_weights
 
 from kvtransport.policy import Adaptive, Obs, Oracle, Policy
+from kvtransport.simulator import Simulation
+
+if TYPE_CHECKING:  # pragma: no cover - typing only (ddqn imports torch: loaded in train)
+    from kvtransport.agents.ddqn import DoubleDQN
 
 VALIDATION_SEED = HELD_OUT_SEED + (1 << 30)
 """Validation episodes' seeds start here (the final evaluation's start at HELD_OUT_SEED)."""
@@ -96,7 +100,8 @@ class FeatureObservation(gym.ObservationWrapper):
 
     def __init__(self, env: gym.Env) -> None:
         super().__init__(env)
-        low, high = feature_bounds()
+        space = observation_space()
+        low, high = feature_bounds(space.low, space.high)
         self.observation_space = gym.spaces.Box(low, high, dtype=np.float32)
 
     def observation(self, observation: np.ndarray) -> np.ndarray:
@@ -126,23 +131,41 @@ class CreditOnSend(gym.Wrapper):
         sent = self._total - float(obs[Obs.UTILITY_LEFT])
         return max(sent - decoded, 0.0)
 
-    def reset(self, **kwargs: object) -> tuple[np.ndarray, dict]:
+    def reset(self, **kwargs: Any) -> tuple[np.ndarray, dict]:
         obs, info = self.env.reset(**kwargs)
-        self._total = float(self.env.unwrapped.sim.sender.transfer.blocks.utilities.sum())
+        transfer = _simulation(self.env).sender.transfer
+        assert transfer is not None  # a running episode's sender keeps its transfer
+        self._total = float(transfer.blocks.utilities.sum())
         self._phi = self._potential(obs, 0.0)
         return obs, info
 
     def step(self, action: int) -> tuple[np.ndarray, float, bool, bool, dict]:
         obs, reward, terminated, truncated, info = self.env.step(action)
         phi = 0.0 if terminated or truncated else self._potential(obs, info["utility"])
-        shaped = reward + phi - self._phi
+        shaped = float(reward) + phi - self._phi
         self._phi = phi
         return obs, shaped, terminated, truncated, info
 
 
+def _scheduling_env(env: gym.Env) -> RepairSchedulingEnv:
+    """The RepairSchedulingEnv under ``env``'s wrappers."""
+    core = env.unwrapped
+    if not isinstance(core, RepairSchedulingEnv):
+        raise TypeError(f"not a RepairSchedulingEnv: {type(core).__name__}")
+    return core
+
+
+def _simulation(env: gym.Env) -> Simulation:
+    """The running episode's simulation (after ``reset``)."""
+    sim = _scheduling_env(env).sim
+    if sim is None:
+        raise RuntimeError("call reset() first")
+    return sim
+
+
 def make_env(cfg: TrainConfig) -> gym.Env:
     dist = EpisodeDistribution(trace_files=cfg.trace_files, **cfg.distribution)
-    env = RepairSchedulingEnv(dist)
+    env: gym.Env = RepairSchedulingEnv(dist)
     if cfg.credit_on_send:
         env = CreditOnSend(env)
     return FeatureObservation(env)
@@ -159,7 +182,9 @@ def play(spec: EpisodeSpec, policy: Policy) -> float:
     """Utility recovered before the deadline by ``policy`` on one episode."""
     sim = build_simulation(spec, policy)
     sim.run()
-    return float(sim.receiver.result.utility_recovered)
+    res = sim.receiver.result
+    assert res is not None  # run() goes on until the receiver's result
+    return float(res.utility_recovered)
 
 
 # ---------------------------------------------------------------------------- demonstrations
@@ -221,12 +246,14 @@ class _Constant(Policy):
 
 
 def collect_demonstrations(
-    model: object, env: gym.Env, n_steps: int, seed: int, progress: object = None
+    model: DoubleDQN, env: gym.Env, n_steps: int, seed: int, progress: Any = None
 ) -> np.ndarray:
     """Add whole episodes of behaviour policies to ``model``'s replay buffer; returns the
     buffer indices of the experts' own (not noise) transitions (see ``EXPERTS``)."""
     rng = np.random.default_rng(seed)
-    base = env.unwrapped
+    n_actions = len(_scheduling_env(env).actions)
+    buf = model.replay_buffer
+    assert buf is not None  # made with the model
     kinds = ("best", "adaptive", "best", "tail", "best", "random")
     added = 0
     episode = 0
@@ -236,22 +263,21 @@ def collect_demonstrations(
         kind = kinds[episode % len(kinds)]
         episode += 1
         pol, eps = _behaviour(kind, rng, info["spec"])
-        pol.reset(base.sim.sender.policy.ctx)
+        sim = _simulation(env)
+        pol.reset(sim.sender.policy.ctx)
         if isinstance(pol, Oracle):
-            pol.bind_channel(base.sim.data_channel)
-            pol.bind_sender(base.sim.sender)
+            pol.bind_channel(sim.data_channel)
+            pol.bind_sender(sim.sender)
         done = False
         while not done:
-            raw = base.sim.sender.obs
+            raw = sim.sender.obs
             noise = rng.random() < eps
-            a = int(rng.integers(len(base.actions))) if noise else pol.act(raw)
+            a = int(rng.integers(n_actions)) if noise else pol.act(raw)
             if kind in EXPERTS and not noise:
-                expert.append(model.replay_buffer.pos)
+                expert.append(buf.pos)
             nxt, r, term, trunc, _ = env.step(a)
             done = term or trunc
-            model.replay_buffer.add(
-                obs[None], nxt[None], np.array([[a]]), np.array([r]), np.array([done]), [{}]
-            )
+            buf.add(obs[None], nxt[None], np.array([[a]]), np.array([r]), np.array([done]), [{}])
             obs = nxt
             added += 1
             if progress is not None:
@@ -326,7 +352,7 @@ def train(cfg: TrainConfig, out: str | Path, command: str = "", quiet: bool = Fa
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     env = make_env(cfg)
-    actions = env.unwrapped.actions
+    actions = _scheduling_env(env).actions
     model = DoubleDQN(
         DuelingDQNPolicy if cfg.dueling else "MlpPolicy",
         env,
@@ -430,22 +456,9 @@ def train(cfg: TrainConfig, out: str | Path, command: str = "", quiet: bool = Fa
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return TrainResult(
-        out, best["step"], best["utility"], float(base_adaptive.mean()), wall, cfg.steps
+        out, int(best["step"]), best["utility"], float(base_adaptive.mean()), wall, cfg.steps
     )
 
 
 def _jsonable(d: dict) -> dict:
     return json.loads(json.dumps(d, default=list))
-
-
-def load_weights_of(model_zip: str | Path, actions: np.ndarray) -> QWeights:
-    """Export an SB3 checkpoint (zip) to runtime weights."""
-    from kvtransport.agents.ddqn import DoubleDQN, export_q_network
-
-    with warnings.catch_warnings():
-        # The checkpoint stores the NStepReplayBuffer that training set up from n_steps;
-        # reloading it makes SB3 warn that n_steps "is ignored". Training did use n-step
-        # returns (DoubleDQN's target reads the buffer's discounts); the export needs none.
-        warnings.filterwarnings("ignore", message=r"`n_steps=\d+` is ignored")
-        model = DoubleDQN.load(str(model_zip), device="cpu")
-    return export_q_network(model, actions)

@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     meta["command"] = "python -m kvtransport.agents.utility_profiles " + " ".join(
         f"--{k} {v}" for k, v in (("train", args.train), ("eval", args.eval))
     )
-    np.savez_compressed(args.out, meta=np.array(json.dumps(meta)), **arrays)
+    # numpy's stub reads **arrays as possibly naming allow_pickle (a bool)
+    np.savez_compressed(args.out, meta=np.array(json.dumps(meta)), **arrays)  # type: ignore[arg-type]
     print(f"wrote {args.out}")
     return 0
 

@@ -51,13 +51,21 @@ makes many such calls per packet.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.core.imputils import impl_ret_borrowed
-from numba.extending import intrinsic
 from numba.np.arrayobj import make_array, populate_array
+
+if TYPE_CHECKING:
+    # numba types an @intrinsic's call with its typing context as the first argument;
+    # compiled code calls it without, so to mypy an intrinsic is untyped.
+    def intrinsic(func: Callable[..., Any]) -> Any: ...
+else:
+    from numba.extending import intrinsic
 
 from kvtransport.errors import UserError
 

@@ -351,7 +351,9 @@ def allocate_precision(
                     hull_c.pop(), hull_v.pop(), hull_l.pop()
                 else:
                     break
-            hull_c.append(c), hull_v.append(v), hull_l.append(int(by_cost[i, j]))
+            hull_c.append(c)
+            hull_v.append(v)
+            hull_l.append(int(by_cost[i, j]))
         for a in range(1, len(hull_c)):
             steps.append((i, hull_l[a], hull_c[a] - hull_c[a - 1], hull_v[a] - hull_v[a - 1]))
     level = np.full(n, -1, dtype=np.int64)

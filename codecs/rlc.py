@@ -33,6 +33,7 @@ coefficient rows take at most ``max_pending * max_window`` bytes whatever arrive
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 from kvtransport.codecs.gf256 import (
@@ -87,13 +88,14 @@ _REPAIR_STALE = -1  # references a released ESI with a non-zero coefficient
 _REPAIR_ALL_KNOWN = 0  # every source symbol it covers is already known
 _REPAIR_ADDED = 1  # stored as a new pivot row (and maybe solved some symbols)
 _REPAIR_DEPENDENT = 2  # linearly dependent on what the decoder already had
+_NO_BUFFER = object()
 
 
 def _round8(n: int) -> int:
     return (n + 7) & ~7
 
 
-def as_byte_view(payload: object) -> bytes | bytearray | memoryview:
+def as_byte_view(payload: Any) -> bytes | bytearray | memoryview:
     """The payload as a flat sequence of bytes whose ``len`` is its size in bytes.
 
     Accepts bytes, bytearray, any C-contiguous buffer (memoryview, array, ...) and uint8
@@ -101,16 +103,16 @@ def as_byte_view(payload: object) -> bytes | bytearray | memoryview:
     """
     kind = type(payload)
     if kind is bytes or kind is bytearray:
-        return payload  # type: ignore[return-value]
-    if kind is memoryview and payload.ndim == 1 and payload.format == "B":  # type: ignore[union-attr]
-        return payload  # type: ignore[return-value]  (a datagram's payload: the hot case)
+        return payload
+    if kind is memoryview and payload.ndim == 1 and payload.format == "B":
+        return payload  # a datagram's payload: the hot case
     if kind is np.ndarray:
-        if payload.dtype != np.uint8:  # type: ignore[union-attr]
-            raise TypeError(f"payload array must be uint8, got {payload.dtype}")  # type: ignore[union-attr]
-        if payload.ndim != 1 or not payload.flags.c_contiguous:  # type: ignore[union-attr]
+        if payload.dtype != np.uint8:
+            raise TypeError(f"payload array must be uint8, got {payload.dtype}")
+        if payload.ndim != 1 or not payload.flags.c_contiguous:
             payload = np.ascontiguousarray(payload).reshape(-1)
     try:
-        mv = memoryview(payload)  # type: ignore[arg-type]
+        mv = memoryview(payload)
     except TypeError as exc:
         raise TypeError(f"payload must be a bytes-like object, got {kind.__name__}") from exc
     if mv.format != "B" or mv.ndim != 1:
@@ -267,8 +269,10 @@ class RLCEncoder:
         self._stride = _round8(self.symbol_size)
         self._zeros = bytes(self._stride)
         self._next_esi = 0
-        self._out_checked: object = None  # last repair_into buffer validated (an array or
-        self._out_array: np.ndarray | None = None  # a memoryview), and its array
+        # the last repair_into buffer validated (an array or a memoryview) and its array;
+        # none yet: a private sentinel no caller can pass
+        self._out_checked: object = _NO_BUFFER
+        self._out_array = np.zeros(0, dtype=np.uint8)
         self._stream: np.ndarray | None = None
         if stream is not None:
             self._stream = as_u8_array(stream)
@@ -368,7 +372,7 @@ class RLCEncoder:
             )
 
     def repair_into(
-        self, out: object, first_esi: int, nss: int, repair_key: int, dt: int = 15
+        self, out: Any, first_esi: int, nss: int, repair_key: int, dt: int = 15
     ) -> None:
         """Write the repair symbol into ``out`` (its first ``symbol_size`` bytes).
 
@@ -386,7 +390,7 @@ class RLCEncoder:
         if out is self._out_checked:  # the same packet buffer again: already validated
             arr = self._out_array
         else:
-            arr = out if type(out) is np.ndarray else np.frombuffer(out, dtype=np.uint8)  # type: ignore
+            arr = out if type(out) is np.ndarray else np.frombuffer(out, dtype=np.uint8)
             if arr.dtype != np.uint8 or arr.ndim != 1 or not arr.flags.c_contiguous:
                 raise TypeError("out must be a 1-D contiguous uint8 buffer")
             if not arr.flags.writeable:
@@ -519,7 +523,7 @@ class SourceWindow:
         off = (esi % self.capacity) * self.stride
         return self._sym_mv[off : off + self.symbol_size].tobytes()
 
-    def read_into(self, esi: int, out: object) -> bool:
+    def read_into(self, esi: int, out: Any) -> bool:
         """Copy the symbol into ``out`` (writable, >= symbol_size bytes); False if unknown."""
         esi = int(esi)
         if not self.known(esi):
@@ -1096,14 +1100,14 @@ class RLCDecoder(SourceWindow):
         self._n_repairs = self._n_useful = self._n_all_known = self._n_dependent = 0
         self._n_dropped = 0
 
-    def _set_ints(self, header: np.ndarray, rows: int, colrow: object = -1,
-                  piv: object = None) -> None:  # fmt: skip
+    def _set_ints(self, header: np.ndarray, rows: int, colrow: int | np.ndarray = -1,
+                  piv: np.ndarray | None = None) -> None:  # fmt: skip
         cap = self.capacity
         ints = np.full(_HEADER + 2 * cap + rows, -1, dtype=np.int64)
         ints[:_HEADER] = header
         ints[_HEADER + cap : _HEADER + 2 * cap] = colrow
         if piv is not None:
-            ints[_HEADER + 2 * cap : _HEADER + 2 * cap + len(piv)] = piv  # type: ignore[arg-type]
+            ints[_HEADER + 2 * cap : _HEADER + 2 * cap + len(piv)] = piv
         self._ints = ints
         self._ints_mv = memoryview(ints)
         self._out = ints[_HEADER : _HEADER + cap]

@@ -1085,7 +1085,9 @@ class OnlineScheduler:
         for t in self.transfers.values():
             if t.arrival > now:
                 until = min(until, t.arrival)
-        nbytes = self.policy.allocate(now, until, self.capacity_Bps, active) if active else []
+        nbytes: np.ndarray | list[float] = (
+            self.policy.allocate(now, until, self.capacity_Bps, active) if active else []
+        )
         dt = until - now
         budget = self.capacity_Bps * dt
         rates: dict[Hashable, float] = {}
@@ -1314,7 +1316,7 @@ class _Relaxation:
                 self._add(int(j), int(k))
             gap = t - _envelope_value(P, tot)
             cuts = np.flatnonzero(gap > 0.1 * tol * max(abs(bound), 1e-12) / n)
-            for i in cuts:
+            for i in cuts.tolist():
                 lines[i].append(_tangent(P, i, float(tot[i])))
             if bad.size == 0 and gap.sum() <= tol * max(abs(bound), 1e-12):
                 return bound, tot

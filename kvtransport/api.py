@@ -158,7 +158,7 @@ MAX_HEADER_DEPTH = 8
 """The deepest nesting of objects and arrays a header may have (``utility`` is depth 2)."""
 
 
-def load_json_header(frame: object, max_bytes: int | None = None) -> dict[str, Any]:
+def load_json_header(frame: Any, max_bytes: int | None = None) -> dict[str, Any]:
     """The JSON object of a request or reply header frame (ApiError otherwise). With
     ``max_bytes`` (a daemon reading a request) it is also refused when larger than that or
     nested deeper than ``MAX_HEADER_DEPTH``."""
@@ -219,7 +219,7 @@ def _json_default(obj: object) -> object:
 # --------------------------------------------------------------------- transfers
 
 
-def _as_bytes_view(obj: object) -> memoryview:
+def _as_bytes_view(obj: Any) -> memoryview:
     """A flat byte view of any buffer (numpy array, bytes, torch CPU tensor via numpy)."""
     if hasattr(obj, "detach") and hasattr(obj, "numpy"):  # torch tensor: no torch import
         obj = obj.detach().contiguous().numpy()
@@ -241,7 +241,7 @@ def transfer_frames(transfer: Transfer) -> list[memoryview]:
     ]
 
 
-def _frame_buffer(frame: object) -> memoryview:
+def _frame_buffer(frame: Any) -> memoryview:
     return frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
 
 
@@ -304,6 +304,8 @@ class DeliveredResult:
 
     def block_bytes(self, index: int) -> np.ndarray:
         """The bytes of block ``index`` (meaningful only if it is complete)."""
+        if self.blocks is None:
+            raise ValueError("no manifest arrived: no block is complete")
         o = int(self.blocks.offsets[index])
         return self.payload[o : o + int(self.blocks.lengths[index])]
 
@@ -409,7 +411,7 @@ def write_result_file(directory: str | os.PathLike, result: TransferResult, stat
         "stream": np.ascontiguousarray(result.payload, dtype=np.uint8),
         "complete": result.complete.astype(np.uint8),
     }
-    meta = {RESULT_KEY: None}
+    meta = {RESULT_KEY: ""}  # first in order; its value is set last (below)
     if m is not None:
         b = m.blocks
         head["block_table"] = {

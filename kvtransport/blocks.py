@@ -45,6 +45,7 @@ import hashlib
 import json
 import struct
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -259,7 +260,7 @@ class Manifest:
             raise ManifestError(f"manifest body holds {len(body)} bytes, expected {sum(sizes)}")
         cuts = np.cumsum([0, *sizes])
         col = [body[cuts[i] : cuts[i + 1]] for i in range(len(sizes))]
-        arrays = dict(
+        arrays: dict[str, np.ndarray] = dict(
             layer=np.frombuffer(col[0], "<u2").astype(np.uint16),
             token_block=np.frombuffer(col[1], "<u4").astype(np.uint32),
             precision=np.frombuffer(col[2], "u1").astype(np.uint8),
@@ -494,6 +495,7 @@ def plan_precision(
     shape = (geometry.num_layers, geometry.token_blocks)
     if name != "mixed":
         return np.full(shape, PRECISIONS.index(name), dtype=np.int64)
+    assert budget is not None  # parse_precision gives "mixed" its byte budget
     fid = fidelity or DEFAULT_FIDELITY
     cost = geometry.cost_table(MIXED_LEVELS)
     alloc = quant.allocate_precision(
@@ -688,7 +690,7 @@ def decode_stream(
     payload: np.ndarray | bytes | bytearray | memoryview,
     complete: np.ndarray | None = None,
     *,
-    token_ids: np.ndarray | None = None,
+    token_ids: np.ndarray | Sequence[int] | None = None,
 ) -> Reassembled:
     """Rebuild a cache from a (possibly partial) payload.
 
@@ -729,6 +731,7 @@ def decode_stream(
             )  # fmt: skip
             present_blocks[layers[idx], m.token_block[idx]] = True
             continue
+        kv: list[np.ndarray] | np.ndarray
         if name in _FLOAT:
             kv = [buf[offset[i] : end[i]].view(_FLOAT[name]).reshape(2, -1, c, g.head_dim)
                   for i in idx]  # fmt: skip

@@ -208,7 +208,7 @@ def read_card(path: str | os.PathLike) -> CacheCard:
         raise CardError(f"{name} has corrupt card metadata: {exc}") from None
     if version != CARD_VERSION:
         raise CardError(f"{name} is card version {version}; this kvtransport reads {CARD_VERSION}")
-    info = header.get(TENSOR_NAME)
+    info: Any = header.get(TENSOR_NAME)  # untrusted JSON: any shape fails below
     try:
         if info["dtype"] != "U8" or len(info["shape"]) != 1:
             raise ValueError("not a uint8 vector")

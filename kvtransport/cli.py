@@ -43,6 +43,8 @@ time-to-first-token deadline. The receiver injects whatever arrived as a partial
 class _ArgumentParser(argparse.ArgumentParser):
     """argparse that exits with a one-line error (status 2) and a hint to --help."""
 
+    commands: dict[str, _ArgumentParser]  # name -> subparser (build_parser)
+
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
@@ -64,7 +66,7 @@ def _command_modules() -> list[ModuleType]:
     return sorted(mods, key=key)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> _ArgumentParser:
     """Build the full argument parser (used by main and by the help tests)."""
     parser = _ArgumentParser(
         prog="kvtransport",

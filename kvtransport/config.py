@@ -65,7 +65,7 @@ def _convert(path: str, key: str, action: argparse.Action, value: Any) -> Any:
             return action.const if value else action.default
         raise UserError(f"{where} needs a value, not {str(value).lower()}")
     try:  # exactly what the flag's text would give
-        out = action.type(str(value)) if action.type else str(value)
+        out = action.type(str(value)) if callable(action.type) else str(value)
     except argparse.ArgumentTypeError as exc:  # a bounded type says what it wants
         raise UserError(f"{where}: {exc}") from None
     except (TypeError, ValueError):

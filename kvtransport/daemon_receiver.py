@@ -44,8 +44,9 @@ from __future__ import annotations
 import logging
 import struct
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from kvtransport.api import load_json_header
 from kvtransport.daemon import DaemonShell, DropCounts
@@ -181,21 +182,25 @@ class ReceiverEngine(DropCounts):
         touched: dict[int, Incoming] = {}
         t0 = clock()
         unpack = _TID.unpack_from
-        last_tid, inc, receive = -1, None, None  # consecutive datagrams: one lookup
+        # consecutive datagrams: one lookup; the first datagram (tid != -1) sets both
+        last_tid = -1
+        inc = cast(Incoming, None)
+        receive = cast(Callable[[bytes, float], object], None)
         for data, addr in self.sock.recv_batch(BATCH):
             if len(data) < HEADER_SIZE:
                 self._drop("truncated")
                 continue
             tid = unpack(data, 8)[0]
             if tid != last_tid:
-                inc = active.get(tid)
-                if inc is None:
-                    inc = self.lingering.get(tid)
-                    if inc is None:
-                        inc = self._admit(tid, data, addr, now)
-                        if inc is None:
+                found = active.get(tid)
+                if found is None:
+                    found = self.lingering.get(tid)
+                    if found is None:
+                        found = self._admit(tid, data, addr, now)
+                        if found is None:
                             last_tid = -1
                             continue
+                inc = found
                 last_tid, receive = tid, inc.session.receive_datagram
                 touched[tid] = inc
             inc.datagrams += 1
@@ -268,6 +273,7 @@ class ReceiverEngine(DropCounts):
                 wake = t
         if self.lingering:
             first = next(iter(self.lingering.values()))
+            assert first.finished is not None  # a lingering transfer has finished
             t = first.finished + self.linger_s
             if wake is None or t < wake:
                 wake = t
@@ -282,6 +288,7 @@ class ReceiverEngine(DropCounts):
                 self._flush(inc, now)
         while self.lingering:
             tid, inc = next(iter(self.lingering.items()))
+            assert inc.finished is not None  # a lingering transfer has finished
             if inc.finished + self.linger_s > now:
                 break
             del self.lingering[tid]
@@ -314,6 +321,7 @@ class ReceiverEngine(DropCounts):
         self.lingering[inc.transfer_id] = inc
         self.results += 1
         res = inc.session.result
+        assert res is not None  # the session has finished
         log.info(
             "transfer %016x %s: utility %.4f, %d of %d blocks complete, %d datagrams",
             inc.transfer_id,
@@ -479,6 +487,7 @@ class ReceiverDaemon(DaemonShell):
         from kvtransport.api import result_frames, write_result_file
 
         res = inc.session.result
+        assert res is not None  # delivered once finished
         stats = inc.stats(clock())
         if self.out_dir is not None:  # first, so that subscribers learn where it is
             try:

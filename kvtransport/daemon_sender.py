@@ -50,7 +50,7 @@ from kvtransport.sender import SenderSession
 from kvtransport.transfer import Transfer
 from kvtransport.udp import DatagramSocket
 from kvtransport.utility_model import SigmoidUtility
-from kvtransport.wire import HEADER_SIZE
+from kvtransport.wire import HEADER_SIZE, full_send_time
 
 log = logging.getLogger("kvtransport.sender-daemon")
 
@@ -420,10 +420,8 @@ def deadline_from(
     [MIN_DEADLINE_S, MAX_DEADLINE_S] (kvtransport.bounds); UserError otherwise.
 
     rho is the deadline over the time the whole stream takes loss-free at the link rate
-    (kvtransport.simulator.full_send_time), as in ``kvtransport simulate``.
+    (kvtransport.wire.full_send_time), as in ``kvtransport simulate``.
     """
-    from kvtransport.simulator import full_send_time
-
     if head.get("deadline_ms") is not None:
         if head.get("rho") is not None:
             raise UserError("give deadline_ms or rho, not both")

@@ -18,7 +18,7 @@ What :func:`run_demo` (``kvtransport demo``) does:
      or rate limiting plus the userspace relay where the kernel has no sch_netem), at
      real-time priority, driven through the ZeroMQ client API (kvtransport.client).
    - ``emulated`` (any user, and the fallback when not root): the sender and receiver
-     sessions (kvtransport.session, the code inside the daemons) in two processes, joined
+     sessions (kvtransport.sender and .receiver, inside the daemons) in two processes, joined
      by the userspace channel of the same profile (kvtransport.netem.Channel: the loss
      models the simulator and the relay use) on the link's own clock.
 3. For each scheme the receiver rebuilds the partial cache once, injects it with the
@@ -44,9 +44,11 @@ in order.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -54,7 +56,7 @@ from typing import Any
 import numpy as np
 
 from kvtransport.demo_emulated import EmulatedLink, PeerError
-from kvtransport.demo_links import LINKS, LinkOutcome, choose_link, open_link
+from kvtransport.demo_links import LINKS, PROFILE, Link, LinkOutcome
 from kvtransport.demo_model import (
     answer,
     default_card_dir,
@@ -94,6 +96,59 @@ __all__ = [
     "run_demo",
     "transfer_id_for",
 ]
+
+
+def choose_link(requested: str) -> tuple[str, str]:
+    """(link, note): "netns" or "emulated", and why when "auto" did not pick netns.
+
+    ``auto`` takes the namespaces when the process is root and ``ip``/``tc`` exist, else
+    the emulated link (a note, not an error). Asking for ``netns`` without root is a
+    UserError.
+    """
+    if requested not in LINKS:
+        raise UserError(f"--link must be one of {', '.join(LINKS)}, not {requested!r}")
+    if requested == "emulated":
+        return "emulated", ""
+    from kvtransport.netem.testbed import check_environment
+
+    try:
+        check_environment()
+    except UserError as exc:
+        if requested == "netns":
+            raise
+        return "emulated", f"network namespaces unavailable ({exc}); using the emulated link"
+    return "netns", ""
+
+
+@contextlib.contextmanager
+def open_link(
+    link: str,
+    seed: int,
+    policies: tuple[str, ...] = (),
+    *,
+    fallback: bool = False,
+    profile: Any = PROFILE,
+) -> Iterator[tuple[Link, str]]:
+    """(link object, note) for "netns" or "emulated" carrying ``profile`` (a name or a
+    kvtransport.netem Profile), closed on exit; both start loading ``policies`` at once.
+    With ``fallback``, a testbed that cannot come up gives the emulated link and a note
+    saying why."""
+    note = ""
+    if link == "netns":
+        try:
+            obj: Link = NetnsLink(seed, profile=profile, policies=policies)
+        except UserError as exc:
+            if not fallback:
+                raise
+            note = f"the netns testbed did not come up ({exc}); using the emulated link"
+            obj = EmulatedLink(profile=profile, policies=policies)
+    else:
+        obj = EmulatedLink(profile=profile, policies=policies)
+    try:
+        yield obj, note
+    finally:
+        obj.close()
+
 
 _answer = answer  # the names scripts/_eval_common.py and scripts/_eval_model.py import
 _rebuild = rebuild
@@ -214,8 +269,8 @@ def _prepare(cfg: DemoConfig, loaded: Any, ui: _Progress, timings: dict[str, flo
     from kvtransport.cache_builder import ComputeSpeed
     from kvtransport.model import load_model, set_threads
     from kvtransport.protocol import DEFAULT_SYMBOL_SIZE
-    from kvtransport.simulator import full_send_time
     from kvtransport.transfer import Transfer
+    from kvtransport.wire import full_send_time
 
     t = time.perf_counter()
     if loaded is None:
@@ -301,7 +356,7 @@ def _tcp_rows(
         have = set(available.read_text().split())
     except OSError:
         have = set()
-    rows = []
+    rows: list[SchemeResult] = []
     for cc in TCP_CONGESTION:
         row = SchemeResult(f"TCP {cc}", f"tcp:{cc}")
         if cc not in have:

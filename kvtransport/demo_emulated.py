@@ -31,12 +31,17 @@ import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvtransport.demo_links import INITIAL_RTT_S, PROFILE, Link, LinkOutcome, TransferRequest
 from kvtransport.errors import UserError
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from kvtransport.receiver import ReceiverSession
+    from kvtransport.sender import SenderSession
+    from kvtransport.transfer import Transfer
 
 
 def _peer_command(role: str, fd: int) -> list[str]:
@@ -171,7 +176,10 @@ class EmulatedLink(Link):
     def _min_delay(self) -> float:
         if self.profile.is_trace:
             raise UserError("the emulated link needs a profile with a fixed delay, not a trace")
+        from kvtransport.netem.channel import DelaySampler
+
         _loss, delay = self.profile.samplers(0)
+        assert isinstance(delay, DelaySampler)  # a fixed-delay profile's
         low = delay.bounds()[0]
         if not low > 0:
             raise UserError(
@@ -333,8 +341,8 @@ class _SenderPeer(_PeerRole):
     """The sender process of the emulated link: a SenderSession on the link's clock."""
 
     def __init__(self) -> None:
-        self.transfer = None
-        self.session = None
+        self.transfer: Transfer | None = None
+        self.session: SenderSession | None = None
 
     def load(self, msg: dict[str, Any]) -> tuple:
         from kvtransport.transfer import BlockTable, Transfer
@@ -366,6 +374,8 @@ class _SenderPeer(_PeerRole):
         """Feedback arrivals and pacing timers up to ``horizon``, in time order (arrivals
         first on a tie, as in kvtransport.simulator); returns what was sent and when."""
         s = self.session
+        if s is None:
+            raise ValueError("no transfer started")
         out: list[tuple[float, bytes]] = []
         for t, datagram in _events(inputs, horizon, s.next_timer):
             if datagram is not None:
@@ -377,6 +387,8 @@ class _SenderPeer(_PeerRole):
 
     def stats(self) -> tuple:
         s = self.session
+        if s is None:
+            raise ValueError("no transfer started")
         return ({"source_sent": s.stats["source_sent"], "repair_sent": s.repair_sent},)
 
 
@@ -388,7 +400,7 @@ class _ReceiverPeer(_PeerRole):
     def __init__(self) -> None:
         self.transfer_id = 0
         self.key: bytes | None = None
-        self.session = None
+        self.session: ReceiverSession | None = None
         self.reported = False
 
     def start(self, msg: dict[str, Any]) -> tuple:
@@ -410,6 +422,7 @@ class _ReceiverPeer(_PeerRole):
                     s = self.session = ReceiverSession(self.transfer_id, key=self.key, now=t)
                 s.receive_datagram(datagram, t)
             else:
+                assert s is not None  # timers come from the session only
                 s.handle_timer(t)
             out.extend((t, d) for d in s.datagrams_to_send(t))
             if s.finished and not self.reported:

@@ -7,21 +7,18 @@
 - :class:`~kvtransport.demo_emulated.EmulatedLink` (any user): the sender and receiver
   sessions in two processes joined by the userspace channel, on the link's own clock.
 
-:func:`choose_link` picks one for ``--link``, :func:`open_link` opens it (falling back to
-the emulated link when asked to). Both carry the ``ge-heavy`` profile in both directions.
+Both carry the ``ge-heavy`` profile in both directions; kvtransport.demo picks and opens
+one (``choose_link``, ``open_link``). This module knows neither implementation.
 """
 
 from __future__ import annotations
 
 import abc
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-
-from kvtransport.errors import UserError
 
 PROFILE = "ge-heavy"
 LINKS = ("auto", "netns", "emulated")
@@ -138,58 +135,3 @@ class Link(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Stop the processes (and remove the namespaces) the link started."""
-
-
-def choose_link(requested: str) -> tuple[str, str]:
-    """(link, note): "netns" or "emulated", and why when "auto" did not pick netns.
-
-    ``auto`` takes the namespaces when the process is root and ``ip``/``tc`` exist, else
-    the emulated link (a note, not an error). Asking for ``netns`` without root is a
-    UserError.
-    """
-    if requested not in LINKS:
-        raise UserError(f"--link must be one of {', '.join(LINKS)}, not {requested!r}")
-    if requested == "emulated":
-        return "emulated", ""
-    from kvtransport.netem.testbed import check_environment
-
-    try:
-        check_environment()
-    except UserError as exc:
-        if requested == "netns":
-            raise
-        return "emulated", f"network namespaces unavailable ({exc}); using the emulated link"
-    return "netns", ""
-
-
-@contextlib.contextmanager
-def open_link(
-    link: str,
-    seed: int,
-    policies: tuple[str, ...] = (),
-    *,
-    fallback: bool = False,
-    profile: Any = PROFILE,
-) -> Iterator[tuple[Link, str]]:
-    """(link object, note) for "netns" or "emulated" carrying ``profile`` (a name or a
-    kvtransport.netem Profile), closed on exit; both start loading ``policies`` at once.
-    With ``fallback``, a testbed that cannot come up gives the emulated link and a note
-    saying why."""
-    from kvtransport.demo_emulated import EmulatedLink
-    from kvtransport.demo_netns import NetnsLink
-
-    note = ""
-    if link == "netns":
-        try:
-            obj: Link = NetnsLink(seed, profile=profile, policies=policies)
-        except UserError as exc:
-            if not fallback:
-                raise
-            note = f"the netns testbed did not come up ({exc}); using the emulated link"
-            obj = EmulatedLink(profile=profile, policies=policies)
-    else:
-        obj = EmulatedLink(profile=profile, policies=policies)
-    try:
-        yield obj, note
-    finally:
-        obj.close()

@@ -14,6 +14,8 @@ Modules outside the data plane import these lazily; the CLI turns a
 
 from __future__ import annotations
 
+from types import ModuleType
+
 from kvtransport.errors import UserError
 
 EXTRA_OF = {
@@ -45,12 +47,12 @@ def missing_extra_message(exc: ModuleNotFoundError) -> str | None:
     if extra is None:
         return None
     return (
-        f"this needs the '{extra}' extra (no module named {exc.name.split('.')[0]!r}): "
+        f"this needs the '{extra}' extra (no module named {(exc.name or '').split('.')[0]!r}): "
         f"pip install 'kvtransport[{extra}]'"
     )
 
 
-def require(module: str) -> object:
+def require(module: str) -> ModuleType:
     """Import ``module`` (an optional package), or raise a UserError naming its extra."""
     import importlib
 

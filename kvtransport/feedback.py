@@ -49,10 +49,8 @@ class LossMonitor:
         "highest",
         "received",
         "duplicates",
-        "bursts",
         "burst_mean",
         "loss_rate",
-        "loss_recent",
         "reorder_s",
         "settled",
         "settled_received",
@@ -68,10 +66,8 @@ class LossMonitor:
         self.highest = -1
         self.received = 0
         self.duplicates = 0
-        self.bursts = 0
         self.burst_mean = 1.0
         self.loss_rate = 0.0
-        self.loss_recent = 0.0
         self.reorder_s = 0.0
         self.settled = -1  # numbers up to here are settled: received or lost
         self.settled_received = 0  # of which received
@@ -121,7 +117,6 @@ class LossMonitor:
         self._tops.append((now, seq))
         gap = seq - h - 1
         if gap:
-            self.bursts += 1
             self.burst_mean += BURST_GAIN * (gap - self.burst_mean)
         return gap
 
@@ -154,8 +149,7 @@ class LossMonitor:
         self.settled = target
 
     def sample(self, now: float = 0.0) -> None:
-        """Fold the datagrams settled since the last call into ``loss_rate`` and
-        ``loss_recent``."""
+        """Fold the datagrams settled since the last call into ``loss_rate``."""
         self.settle(now)
         lost, received = self.lost, self.settled_received
         dl = lost - self._prev_lost
@@ -164,7 +158,6 @@ class LossMonitor:
         if n <= 0:
             return
         rate = min(max(dl / n, 0.0), 1.0)
-        self.loss_recent = rate
         if not self._sampled:
             self.loss_rate = rate
             self._sampled = True
@@ -176,7 +169,8 @@ class LossMonitor:
 
 class SentLog:
     """Sender-side ring: per recent packet number, its send time and how many source,
-    repair and reactive-repair datagrams had been sent up to and including it."""
+    repair and reactive-repair datagrams had been sent up to and including it. The sender
+    fills slot ``seq & (SEQ_RING - 1)`` inline on its per-datagram path."""
 
     __slots__ = ("t", "src", "rep", "rea", "newest")
 
@@ -186,14 +180,6 @@ class SentLog:
         self.rep = [0] * SEQ_RING
         self.rea = [0] * SEQ_RING
         self.newest = -1
-
-    def record(self, seq: int, t: float, src_total: int, rep_total: int, rea_total: int) -> None:
-        i = seq & _MASK
-        self.t[i] = t
-        self.src[i] = src_total
-        self.rep[i] = rep_total
-        self.rea[i] = rea_total
-        self.newest = seq
 
     def holds(self, seq: int) -> bool:
         return 0 <= seq <= self.newest and self.newest - seq < SEQ_RING
@@ -207,7 +193,7 @@ def loss_ranges(known: bytearray, lo: int, hi: int, limit: int) -> tuple:
     """Runs of zero bytes in ``known[lo:hi]`` as ((first, count), ...), lowest first, at most
     ``limit`` runs, counts capped at 65535 (the feedback's u16). Two C-level ``find`` calls
     per run: feedback goes out every millisecond or so and usually has few holes."""
-    out = []
+    out: list[tuple[int, int]] = []
     find = known.find
     pos = find(0, lo, hi)
     while pos >= 0 and len(out) < limit:

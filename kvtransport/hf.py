@@ -64,6 +64,12 @@ class _AttentionProbe:
         self.window = window
         self.mass: list[np.ndarray | None] = [None] * num_layers
 
+    def stacked(self) -> np.ndarray:
+        """float32 ``[layers, tokens]``: every layer's mass (each layer must have run)."""
+        if any(m is None for m in self.mass):
+            raise RuntimeError("the attention probe missed a layer")
+        return np.stack([m for m in self.mass if m is not None]).astype(np.float32)
+
     def record(
         self, module: Any, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None
     ) -> None:
@@ -241,9 +247,15 @@ def _probing(model: Any, window: int | None) -> Iterator[_AttentionProbe]:
 # ----------------------------------------------------------------------------- prefill
 
 
+def model_id_of(model: Any) -> str:
+    """The model_id kvtransport.model.load_model attached (``kvt_model_id``), else the
+    config's name_or_path."""
+    return str(getattr(model, "kvt_model_id", None) or model.config.name_or_path)
+
+
 def _as_ids(tokenizer: Any, text_or_ids: str | Sequence[int] | np.ndarray) -> list[int]:
     if isinstance(text_or_ids, str):
-        from kvtransport.model import chat_prompt
+        from kvtransport.prompt import chat_prompt
 
         return chat_prompt(tokenizer, text_or_ids)[0]
     ids = [int(t) for t in np.asarray(text_or_ids).reshape(-1)]
@@ -263,14 +275,12 @@ def prefill(
     """Run the context through the model once and return its KV cache as numpy.
 
     text_or_ids: a context string (wrapped as the user turn's context by
-        ``kvtransport.model.chat_prompt``, the same split a question is later appended to)
+        ``kvtransport.prompt.chat_prompt``, the same split a question is later appended to)
         or token ids used as they are.
     window: size of the SnapKV observation window (the context's last queries).
     attention: collect the attention statistics (``KVCache.attention``); a little slower.
     """
     import torch
-
-    from kvtransport.model import model_id_of
 
     ids = _as_ids(tokenizer, text_or_ids)
     install_masked_attention(model)
@@ -289,7 +299,7 @@ def prefill(
     cache = out.cache if hasattr(out, "cache") else out.past_key_values
     keys = np.stack([layer.keys[0].float().numpy() for layer in cache.layers])
     values = np.stack([layer.values[0].float().numpy() for layer in cache.layers])
-    att = np.stack(probe.mass).astype(np.float32) if attention else None
+    att = probe.stacked() if attention else None
     return KVCache(
         keys=keys,
         values=values,
@@ -324,8 +334,6 @@ def to_model_cache(model: Any, kv: KVCache, present: np.ndarray | None = None) -
     """
     import torch
     from transformers import DynamicCache
-
-    from kvtransport.model import model_id_of
 
     present = _check_present(kv, present)
     cfg = model.config
@@ -396,7 +404,7 @@ def cache_forward(
         if observe:
             with _probing(model, None) as probe:
                 out = model(**args)
-            mass = np.stack(probe.mass).astype(np.float32)
+            mass = probe.stacked()
         else:
             out = model(**args)
             mass = None

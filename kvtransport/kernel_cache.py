@@ -27,6 +27,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 SUBPACKAGES = ("codecs", "agents", "netem")
 """Folders imported as kvtransport.<name>: beside kvtransport/ in an editable install (the
@@ -157,7 +158,7 @@ def configure(kvtransport_dir: Path) -> Path | None:
     with contextlib.suppress(OSError):
         os.utime(target)  # in use: pruning keeps the recently used folders
     os.environ["NUMBA_CACHE_DIR"] = str(target)
-    config = sys.modules.get("numba.core.config")
+    config: Any = sys.modules.get("numba.core.config")
     if config is not None:  # numba imported first: its config has read the variable already
         config.CACHE_DIR = str(target)
     return target

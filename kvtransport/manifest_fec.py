@@ -65,9 +65,6 @@ class ManifestSender:
         self.next_slot = 0
         self._gap = FIRST_REPEAT_GAP
 
-    def due(self, slot: int) -> bool:
-        return not self.acked and slot >= self.next_slot
-
     def emit(self, framer: Framer, seq: int, slot: int) -> bytes:
         """The next manifest datagram (source symbols first, then fresh repairs)."""
         i = self.sent
@@ -129,7 +126,12 @@ class ManifestReceiver:
         self._known += len(got)
         if self._known < self.m:
             return None
-        stream = b"".join(self._decoder.get(i) for i in range(self.m))
+        parts = []
+        for i in range(self.m):
+            sym = self._decoder.get(i)
+            assert sym is not None  # m symbols known: the decoder holds every one
+            parts.append(sym)
+        stream = b"".join(parts)
         (n,) = _LEN.unpack_from(stream)
         if n > len(stream) - _LEN.size:
             self._reset()

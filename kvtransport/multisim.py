@@ -162,6 +162,24 @@ class _Pair:
     finished: bool = False
     outcome: HandoverOutcome | None = None
 
+    @property
+    def tx(self) -> SenderSession:
+        """The sender, once the handover has arrived."""
+        assert self.sender is not None
+        return self.sender
+
+    @property
+    def rx(self) -> ReceiverSession:
+        """The receiver, once the handover has arrived."""
+        assert self.receiver is not None
+        return self.receiver
+
+    @property
+    def mb(self) -> Member:
+        """Its share of the link, once the handover has arrived."""
+        assert self.member is not None
+        return self.member
+
 
 class MultiSimulation:
     """Handovers over one shared link, their rates set by an OnlineScheduler each slot.
@@ -247,12 +265,12 @@ class MultiSimulation:
     def _arm(self, i: int) -> None:
         """Re-read both sessions' timers of pair i; push the ones that moved."""
         p = self.pairs[i]
-        ts = p.sender.next_timer()
+        ts = p.tx.next_timer()
         if ts != p.sender_armed:
             p.sender_armed = ts
             if ts is not None:
                 self._push(ts, _SENDER, i, ts)
-        tr = p.receiver.next_timer()
+        tr = p.rx.next_timer()
         if tr != p.receiver_armed:
             p.receiver_armed = tr
             if tr is not None:
@@ -267,7 +285,7 @@ class MultiSimulation:
                 self._push(arrival, _TO_RECEIVER, i, d)
 
     def _send_feedback(self, i: int, t: float) -> None:
-        out = self.pairs[i].receiver.datagrams_to_send(t)
+        out = self.pairs[i].rx.datagrams_to_send(t)
         ch = self.feedback_channel
         for d in out:
             arrival = ch.transmit(t, len(d))
@@ -319,7 +337,7 @@ class MultiSimulation:
 
     def _check_finished(self, i: int, now: float) -> None:
         p = self.pairs[i]
-        r = p.receiver
+        r = p.rx
         if p.finished or not r.finished:
             return
         p.finished = True
@@ -334,7 +352,7 @@ class MultiSimulation:
             prefix = int(b.offsets[first_missing]) if first_missing < done.size else h.size
             fraction = prefix / h.size
             complete = float(b.lengths[done].sum()) / h.size
-        s = p.sender
+        s = p.tx
         p.outcome = HandoverOutcome(
             id=h.id,
             arrival=h.arrival,
@@ -349,8 +367,8 @@ class MultiSimulation:
             repair_sent=s.repair_sent,
             sender_finish=s.finish_reason or "running",
             receiver_finish=res.reason if res is not None else "running",
-            admitted_slots=p.member.admitted_slots,
-            slots=p.member.slots,
+            admitted_slots=p.mb.admitted_slots,
+            slots=p.mb.slots,
         )
 
     # ------------------------------------------------------------------ the loop
@@ -366,19 +384,19 @@ class MultiSimulation:
             self.events += 1
             if kind == _TO_RECEIVER:
                 p = pairs[i]
-                p.receiver.receive_datagram(data, t)
+                p.rx.receive_datagram(data, t)
                 self._send_feedback(i, t)
                 self._arm(i)
                 self._check_finished(i, t)
             elif kind == _TO_SENDER:
-                pairs[i].sender.receive_datagram(data, t)
+                pairs[i].tx.receive_datagram(data, t)
                 self._arm(i)
             elif kind == _SENDER:
                 p = pairs[i]
                 if p.sender_armed != data:
                     continue  # superseded
                 p.sender_armed = None
-                s = p.sender
+                s = p.tx
                 s.handle_timer(t)
                 out = s.datagrams_to_send(t)
                 if out:
@@ -389,7 +407,7 @@ class MultiSimulation:
                 if p.receiver_armed != data:
                     continue
                 p.receiver_armed = None
-                p.receiver.handle_timer(t)
+                p.rx.handle_timer(t)
                 self._send_feedback(i, t)
                 self._arm(i)
                 self._check_finished(i, t)
@@ -400,8 +418,8 @@ class MultiSimulation:
                 if data != self._slot_at:
                     continue
                 self._on_slot(t)
-        outcomes = [p.outcome for p in pairs]
-        if any(o is None for o in outcomes):  # pragma: no cover - a loop invariant
+        outcomes = [p.outcome for p in pairs if p.outcome is not None]
+        if len(outcomes) < len(pairs):  # pragma: no cover - a loop invariant
             raise RuntimeError("a handover never finished")
         ch = self.data_channel
         decoded = sum(int(o.complete_fraction * o.size) for o in outcomes)

@@ -39,8 +39,8 @@ from kvtransport.blocks import (
     encode_stream,
 )
 from kvtransport.cache_builder import ComputeSpeed
-from kvtransport.simulator import full_send_time
 from kvtransport.utility import stream_order
+from kvtransport.wire import full_send_time
 
 DEFAULT_LEVELS = ("fp16", "int8")
 DEFAULT_REPAIR_MARGIN = 0.15

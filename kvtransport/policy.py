@@ -37,12 +37,10 @@ kvtransport.sender). The clairvoyant oracle turns the rule off and plans admissi
 
 from __future__ import annotations
 
-import importlib
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
-from enum import IntEnum
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -56,61 +54,22 @@ from kvtransport.observation import (  # noqa: F401 (the observation's names, re
     Obs,
     observe_into,
 )
+from kvtransport.policy_base import (  # noqa: F401 (the interface, re-exported)
+    ACTIONS,
+    DECISION_PACKETS,
+    DEFER,
+    REPAIR_SHARES,
+    Policy,
+    PolicyContext,
+    RepairMode,
+)
 
-DECISION_PACKETS = 32
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from kvtransport.netem import Channel
+    from kvtransport.sender import SenderSession
 
-
-REPAIR_SHARES = (0.0, 1 / 32, 1 / 16, 1 / 8, 3 / 16, 1 / 4, 3 / 8, 1 / 2)
-ACTIONS = np.array([(s, 1.0) for s in REPAIR_SHARES] + [(1.0, 0.0)], dtype=np.float32)
-"""The shared action table: rows (repair share, admit new sources)."""
 N_ACTIONS = len(ACTIONS)
 REPAIR_ONLY = N_ACTIONS - 1
-DEFER = -1
-"""Returned by :class:`ExternalPolicy`: the shell supplies the action (Gymnasium env)."""
-
-
-class RepairMode(IntEnum):
-    NONE = MODE_NONE  # the observation kernel tells these two apart by number
-    RLC = MODE_RLC
-    BLOCK_RS = 2
-    ARQ = 3
-
-
-@dataclass(frozen=True)
-class PolicyContext:
-    """What a policy may know about a transfer before it starts."""
-
-    n_source: int  # source symbols in the stream
-    symbol_size: int
-    slot_s: float  # seconds between two data-path datagrams at the link rate
-    decision_packets: int  # slots per decision interval
-    budget_s: float  # sending time from start to the sender's stop time
-
-
-class Policy:
-    """Base class: one decision per interval, ``act(obs) -> index into actions``."""
-
-    name = "policy"
-    mode = RepairMode.RLC
-    actions: np.ndarray = ACTIONS
-    tail_rule = True
-    reactive = False
-    block_k = 0
-    block_p = 0
-
-    def reset(self, ctx: PolicyContext) -> None:
-        """Called once per transfer before the first decision."""
-        self.ctx = ctx
-
-    def act(self, obs: np.ndarray) -> int:
-        raise NotImplementedError
-
-    def decide(self, raw: np.ndarray, obs: np.ndarray) -> int:
-        """The sender's call: fill ``obs`` from the sender state ``raw``
-        (kvtransport.observation) and act on it. A policy compiled with numba overrides
-        this to do both in one kernel call."""
-        observe_into(raw, obs)
-        return self.act(obs)
 
 
 class NoFEC(Policy):
@@ -233,15 +192,15 @@ class Oracle(Policy):
     tail_rule = False
 
     def __init__(self) -> None:
-        self.channel = None
-        self.sender = None
+        self.channel: Channel | None = None
+        self.sender: SenderSession | None = None
         self._shares = ACTIONS[:REPAIR_ONLY, 0].astype(np.float64)
         self._fates = np.zeros(0, dtype=np.bool_)
 
-    def bind_channel(self, channel: object) -> None:
+    def bind_channel(self, channel: Channel) -> None:
         self.channel = channel
 
-    def bind_sender(self, sender: object) -> None:
+    def bind_sender(self, sender: SenderSession) -> None:
         self.sender = sender
 
     def act(self, obs: np.ndarray) -> int:
@@ -302,11 +261,21 @@ def _check_rate(r: int, n: int, what: str) -> tuple[int, int]:
 
 
 _RATE = re.compile(r"^(fixed|block-rs):(\d+)/(\d+)$")
+
+
+def _ddqn() -> Policy:
+    """The shipped DDQN runtime (numpy/numba only; imported on first use)."""
+    from kvtransport.agents.runtime import DDQNPolicy
+
+    return DDQNPolicy()
+
+
 _FACTORIES: dict[str, Callable[[], Policy]] = {
     "none": NoFEC,
     "arq": ARQ,
     "adaptive": Adaptive,
     "oracle": Oracle,
+    "ddqn": _ddqn,
 }
 POLICY_HELP = "none, fixed:R/N, block-rs:R/N, arq, adaptive, oracle, ddqn (the shipped DDQN)"
 
@@ -322,7 +291,7 @@ def default_policy() -> str:
 
 
 def register_policy(name: str, factory: Callable[[], Policy]) -> None:
-    """Make ``make_policy(name)`` build ``factory()`` (the DDQN runtime registers itself)."""
+    """Make ``make_policy(name)`` build ``factory()``."""
     _FACTORIES[name] = factory
 
 
@@ -333,11 +302,6 @@ def make_policy(spec: str) -> Policy:
     if m:
         kind, r, n = m.group(1), int(m.group(2)), int(m.group(3))
         return FixedRLC(r, n) if kind == "fixed" else BlockRS(r, n)
-    if spec not in _FACTORIES and spec == "ddqn":
-        try:  # the agents package registers "ddqn" when its runtime is importable
-            importlib.import_module("kvtransport.agents")
-        except ImportError:
-            pass
     if spec not in _FACTORIES:
         raise UserError(f"unknown policy {spec!r}; choose from {POLICY_HELP}")
     return _FACTORIES[spec]()

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -72,6 +73,7 @@ from kvtransport.wire import (
     MAX_FEEDBACK_SEGMENTS,
     REPAIR_SEGMENT,
     ControlCode,
+    Datagram,
     DatagramType,
     Feedback,
     Framer,
@@ -80,6 +82,9 @@ from kvtransport.wire import (
     encode_feedback,
     feedback_size,
 )
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from kvtransport.codecs.blockrs import BlockRSDecoder
 
 _SOURCE = int(DatagramType.SOURCE)
 _REPAIR = int(DatagramType.REPAIR)
@@ -119,7 +124,6 @@ class ReceiverSession:
         self.parser = Parser(key)
         self.framer: Framer | None = None
         self.deadline = deadline
-        self._deadline_given = deadline is not None
         self.feedback_interval = feedback_interval
         self.max_bytes = max_bytes
         self.idle_timeout = idle_timeout
@@ -166,7 +170,7 @@ class ReceiverSession:
         self.blocks_complete = 0
         self.utility = 0.0
 
-        self._rs = None  # a BlockRSDecoder once a BLOCK_REPAIR arrives
+        self._rs: BlockRSDecoder | None = None  # once a BLOCK_REPAIR arrives
 
         self._pending: list[bytes] = []
         self._fb_seq = 0
@@ -332,7 +336,9 @@ class ReceiverSession:
         if known[esi]:
             self.duplicates += 1
             return
-        if esi == self._lazy_to or not self.decoder.involves(esi):
+        decoder = self.decoder
+        assert decoder is not None  # made with the first symbol (_symbol_slot)
+        if esi == self._lazy_to or not decoder.involves(esi):
             # No repair equation waits on it: the decoder learns it later, with the rest of
             # its run of consecutive arrivals, in one call (see _sync_decoder).
             if esi != self._lazy_to:
@@ -343,7 +349,7 @@ class ReceiverSession:
             self._mark(esi)
         else:
             self._sync_decoder()
-            got = self.decoder.add_source(esi, payload)
+            got = decoder.add_source(esi, payload)
             self._out_mv[esi * s : esi * s + s] = payload
             self._mark(esi)
             if len(got) > 1:  # the source also completed some equations
@@ -353,7 +359,7 @@ class ReceiverSession:
         if self._rs is not None:
             self._rs_recovered(self._rs.add_source(esi, payload))
 
-    def _on_repair(self, d: object) -> None:
+    def _on_repair(self, d: Datagram) -> None:
         _, _, _, _, key, dt_nss, first, payload = d
         nss = dt_nss & 0xFFF
         last = first + nss - 1
@@ -362,8 +368,10 @@ class ReceiverSession:
             self._symbol_slot(last, len(payload))  # first symbol, growth, or a bad one
         self.repair_received += 1
         self._sync_decoder()
+        decoder = self.decoder
+        assert decoder is not None  # made with the first symbol (_symbol_slot)
         try:
-            got = self.decoder.add_repair(first, nss, key, dt_nss >> 12, payload)
+            got = decoder.add_repair(first, nss, key, dt_nss >> 12, payload)
         except ValueError:
             raise _Drop("bad_fec") from None
         if got:
@@ -385,6 +393,7 @@ class ReceiverSession:
         if hi > lo:
             self._lazy_from = self._lazy_to = -1
             s = self.symbol_size
+            assert self.decoder is not None  # sources have arrived
             got = self.decoder.add_source_run(lo, self._out[lo * s : hi * s])
             known = self._known
             for e in got:  # all known here already, unless the decoder also recovered
@@ -393,6 +402,7 @@ class ReceiverSession:
 
     def _recovered(self, esi: int) -> None:
         s = self.symbol_size
+        assert self.decoder is not None  # it recovered esi
         self.decoder.read_into(esi, self._out_mv[esi * s : esi * s + s])
         self.symbols_recovered += 1
         self._mark(esi)
@@ -414,6 +424,7 @@ class ReceiverSession:
             if t - RELEASE_LAG - self._released >= RELEASE_CHUNK:
                 self._released = t - RELEASE_LAG
                 self._sync_decoder()
+                assert self.decoder is not None  # symbols have arrived
                 self.decoder.release_before(self._released)
             if self._blk_missing:
                 ends, b = self._blk_end, self._blk_next
@@ -443,7 +454,7 @@ class ReceiverSession:
 
     # ------------------------------------------------------------------ manifest
 
-    def _on_manifest(self, d: object, now: float) -> None:
+    def _on_manifest(self, d: Datagram, now: float) -> None:
         m = self.manifest_rx.add(d)
         if m is None:
             return
@@ -505,7 +516,7 @@ class ReceiverSession:
 
     # ------------------------------------------------------------------ block RS
 
-    def _on_block_repair(self, d: object) -> None:
+    def _on_block_repair(self, d: Datagram) -> None:
         first, k = d.esi, d.dt_nss
         p, index = d.key >> 8, d.key & 0xFF
         if not (1 <= k and 1 <= p and index < p and k + p <= 255) or first % k:
@@ -532,11 +543,12 @@ class ReceiverSession:
 
     def _rs_recovered(self, esis: list[int]) -> None:
         self._sync_decoder()
-        s, known, rs = self.symbol_size, self._known, self._rs
+        s, known, rs, decoder = self.symbol_size, self._known, self._rs, self.decoder
+        assert rs is not None and decoder is not None  # a block repair has arrived
         for e in esis:
             if e < len(known) and not known[e] and (self.manifest is None or e < self.n_source):
                 rs.read_into(e, self._out_mv[e * s : e * s + s])
-                self.decoder.add_source(e, self._out_mv[e * s : e * s + s])
+                decoder.add_source(e, self._out_mv[e * s : e * s + s])
                 self.symbols_recovered += 1
                 self._mark(e)
 
@@ -635,7 +647,6 @@ class ReceiverSession:
         )  # fmt: skip
         self._next_fb = None
         self._sync_decoder()
-        self.decoder_stats = dict(self.decoder.stats) if self.decoder is not None else {}
         self.decoder = None  # free the decoding window
         self._send_feedback(now)
         # the final count (``lost``) settles every gap; the loss rate is left as it was:

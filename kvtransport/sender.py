@@ -50,6 +50,7 @@ import secrets
 import struct
 from array import array
 from collections import deque
+from collections.abc import Callable
 from time import perf_counter_ns
 
 import numpy as np
@@ -58,21 +59,16 @@ from kvtransport.codecs.rlc import RLCEncoder
 from kvtransport.feedback import SEQ_RING, SentLog
 from kvtransport.manifest_fec import ManifestSender
 from kvtransport.observation import (
+    OBS_SIZE,
     RAW_DECISION,
     RAW_FEEDBACK,
     RAW_SIZE,
     RAW_TRANSFER,
+    Obs,
     Raw,
     observe_into,
 )
-from kvtransport.policy import (
-    DEFER,
-    OBS_SIZE,
-    Obs,
-    Policy,
-    PolicyContext,
-    RepairMode,
-)
+from kvtransport.policy_base import DEFER, Policy, PolicyContext, RepairMode
 from kvtransport.protocol import (
     DECODER_WINDOW,
     DEFAULT_INITIAL_RTT,
@@ -118,7 +114,7 @@ _TAIL_BATCH = 4
 decoded-through, and at most this many minus one are built in vain when it does."""
 
 
-def _packer(group: tuple[int, int]) -> tuple[object, int]:
+def _packer(group: tuple[int, int]) -> tuple[Callable[..., None], int]:
     """``struct.pack_into`` for one group of ``Raw`` fields, and the group's byte offset."""
     first, end = group
     return struct.Struct(f"={end - first}d").pack_into, first * 8
@@ -171,7 +167,7 @@ class SenderSession:
             raise ValueError("symbol_size must be 16..65000 bytes")
         if decision_packets < 1:
             raise ValueError("decision_packets must be >= 1")
-        self.transfer = transfer
+        self.transfer: Transfer | None = transfer  # None once released
         self.policy = policy
         self.mode = policy.mode
         self._mode = int(policy.mode)
@@ -229,8 +225,8 @@ class SenderSession:
         self._ahead_key = -1
         self._ahead_i = self._ahead_n = 0
         self._retx_heap: list[int] = []
-        self._retx_queued = bytearray(n) if self.mode == RepairMode.ARQ else None
-        self._retx_time = [-1e300] * n if self.mode == RepairMode.ARQ else None
+        self._retx_queued = bytearray(n) if self.mode == RepairMode.ARQ else bytearray()
+        self._retx_time = [-1e300] * n if self.mode == RepairMode.ARQ else []
 
         # progress
         self.next_esi = 0
@@ -489,6 +485,7 @@ class SenderSession:
         if mode == _NONE:
             return left >= need
         if mode == _BLOCK_RS:  # the RS block and its parities must fit
+            assert self._rs is not None  # the BLOCK_RS mode's state
             return left >= max(need, self._rs.need(esi))
         surviving = left * (1.0 - self.fb_loss)
         # cheap bound first: owed() never exceeds what was asked for plus all in flight
@@ -498,6 +495,7 @@ class SenderSession:
     # ------------------------------------------------------------------ emission
 
     def _emit(self, t: float) -> bytes | None:
+        d: bytes | None
         slot = self.slot
         if slot % self.decision_packets == 0 and self._decision_slot != slot:
             self._decide(t)
@@ -523,6 +521,7 @@ class SenderSession:
                     return self._sent(d, t, False, True, reactive)
                 self._credit = 0.0
         elif mode == _BLOCK_RS:
+            assert self._rs is not None  # the BLOCK_RS mode's state
             if self._rs.queue:
                 return self._sent(self._rs_parity(), t, False, True)
         elif mode == _ARQ:
@@ -597,6 +596,7 @@ class SenderSession:
         self._repair_key = (key + 1) & 0xFFFF
         nss = hi - lo
         enc = self.encoder
+        assert enc is not None  # the RLC mode's encoder
         if enc.next_esi != self.next_esi:
             enc.add_stream_sources(self.next_esi)  # what has been sent so far
         i = self._ahead_i
@@ -634,6 +634,7 @@ class SenderSession:
         )
 
     def _rs_parity(self) -> bytes:
+        assert self._rs is not None  # the BLOCK_RS mode's state
         first, p, index, parity = self._rs.queue.popleft()
         s = self.symbol_size
         self.framer.payload_view(s)[:] = parity
@@ -684,7 +685,7 @@ class SenderSession:
 
     # ------------------------------------------------------------------ feedback
 
-    def _on_feedback(self, fb: object, now: float) -> None:
+    def _on_feedback(self, fb: Feedback, now: float) -> None:
         self.fb_time = now
         echo = fb.echo_seq
         if echo > self._fb_echo and self._log.holds(echo):
@@ -748,6 +749,7 @@ class SenderSession:
         self._seg_flight.clear()
         self._seg_needed = 0
         t = self.transfer
+        assert t is not None  # released only once done
         left = max(self.deadline - now, 0.0)
         manifest = TransportManifest(
             self.symbol_size, t.nbytes, t.blocks, t.app_metadata, left

@@ -38,18 +38,11 @@ from kvtransport.protocol import DEFAULT_SYMBOL_SIZE, LINK_OVERHEAD_BYTES
 from kvtransport.receiver import ReceiverSession
 from kvtransport.sender import SenderSession
 from kvtransport.transfer import Transfer, synthetic_transfer
-from kvtransport.wire import HEADER_SIZE, TAG_SIZE
+from kvtransport.wire import HEADER_SIZE, TAG_SIZE, full_send_time
 
 DEFAULT_SIZE_BYTES = 10_000_000
 DEFAULT_BLOCK_BYTES = 12_288
 """One SmolLM2 block (one layer, 16 tokens, K and V, fp16, 3 kv heads x 64) is 12 KiB."""
-
-
-def full_send_time(n_bytes: int, rate_bps: float, symbol_size: int, tagged: bool = False) -> float:
-    """Seconds to send a payload's source symbols loss-free at the link rate: rho's unit."""
-    n_source = -(-n_bytes // symbol_size)
-    wire = HEADER_SIZE + symbol_size + (TAG_SIZE if tagged else 0) + LINK_OVERHEAD_BYTES
-    return n_source * wire * 8.0 / rate_bps
 
 
 @dataclass
@@ -240,7 +233,9 @@ class Simulation:
         s, r = self.sender, self.receiver
         res = r.result
         meta = self.meta
-        n_blocks = len(s.transfer.blocks)
+        transfer = s.transfer
+        assert transfer is not None  # the simulation never releases its sender
+        n_blocks = len(transfer.blocks)
         data_ch, fb_ch = self.data_channel, self.feedback_channel
         return SimResult(
             policy=s.policy.name,
@@ -248,7 +243,7 @@ class Simulation:
             rate_mbps=meta.get("rate_mbps", s.rate_bps / 1e6),
             rho=meta.get("rho", math.nan),
             seed=meta.get("seed", -1),
-            size_bytes=s.transfer.nbytes,
+            size_bytes=transfer.nbytes,
             n_source=s.n_source,
             deadline_s=self.deadline,
             utility_recovered=res.utility_recovered if res is not None else r.utility,

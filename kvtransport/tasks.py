@@ -413,7 +413,8 @@ class _Names:
     deck runs out (a large context): the model tells such names apart best."""
 
     def __init__(self, rng: random.Random) -> None:
-        self.rng, self.used = rng, set()
+        self.rng = rng
+        self.used: set[str] = set()
         self.decks: dict[tuple[str, ...], list[str]] = {}
 
     def _deal(self, words: tuple[str, ...] | list[str]) -> str:

@@ -221,6 +221,7 @@ def receive(
     reason, error = "complete", ""
     try:
         magic, mlen = _HEAD.unpack(read_exact(_HEAD.size))
+        assert first is not None  # read_into sets it on the first byte
         if magic != MAGIC:
             raise BadPayload(f"not a KVTC stream (magic {magic!r})")
         if mlen > MAX_MANIFEST_BYTES:

@@ -25,7 +25,7 @@ little-endian::
     ..  4  CRC-32 of everything before
 
 The session sends these bytes as their own symbols with heavy protection (see
-kvtransport.session). :class:`TransferResult` is what a receiver yields at the deadline or
+kvtransport.manifest_fec). :class:`TransferResult` is what a receiver yields at the deadline or
 when everything is decoded: every complete block's bytes, a completeness mask, the exact
 list of missing blocks, the utility recovered and timings.
 """
@@ -35,11 +35,15 @@ from __future__ import annotations
 import struct
 import zlib
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvtransport.bounds import MAX_DEADLINE_S
 from kvtransport.wire import BadPayload
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from kvtransport.blocks import EncodedStream
 
 UTILITY_PROFILES = ("zipf", "flat", "linear")
 MANIFEST_MAGIC = b"KVTM"
@@ -124,7 +128,7 @@ class Transfer:
         return int(self.payload.shape[0])
 
     @classmethod
-    def from_encoded_stream(cls, stream: object) -> Transfer:
+    def from_encoded_stream(cls, stream: EncodedStream) -> Transfer:
         """From kvtransport.blocks.EncodedStream (its manifest travels as app metadata)."""
         return cls(
             payload=stream.payload,
@@ -278,6 +282,8 @@ class TransferResult:
 
     def block_bytes(self, index: int) -> np.ndarray:
         """The bytes of block ``index`` (meaningful only if it is complete)."""
+        if self.manifest is None:
+            raise ValueError("no manifest arrived: no block is complete")
         b = self.manifest.blocks
         o = int(b.offsets[index])
         return self.payload[o : o + int(b.lengths[index])]

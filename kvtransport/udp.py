@@ -1,6 +1,6 @@
 """The socket layer: UDP with segmentation offload, a precise wait, and the shells' clock.
 
-The protocol sessions (kvtransport.session) never touch a socket; the daemons and the
+The protocol sessions (kvtransport.sender, .receiver) never touch a socket; the daemons and the
 ``send``/``recv`` commands move their datagrams through :class:`DatagramSocket`:
 
 - **Sending** takes a list of datagrams (what ``datagrams_to_send`` returned). Runs of

@@ -42,7 +42,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -237,6 +237,8 @@ def _fit_variant(x: np.ndarray, y: np.ndarray, with_floor: bool) -> tuple[np.nda
 
     b_lo, b_hi = 1e-2, 1e3
     c_lo, c_hi = -1.0, 2.0
+    func: Callable[..., np.ndarray]
+    jac: Callable[..., np.ndarray]
     if with_floor:
         func, jac = f4, j4
         lower = [1e-9 * scale, b_lo, c_lo, ymin - 2.0 * scale]
@@ -373,7 +375,6 @@ accuracy: RULER's string match, the fraction of the gold answers found in the ge
 answer (``contains_all``; plain containment for single-answer tasks); f1: SQuAD token
 F1 against the best gold answer; top1: teacher-forced top-1 agreement with the full
 cache's own greedy answer (1 at x = 1 by construction)."""
-DEFAULT_MEASURE = "accuracy"
 DEFAULT_FRACTIONS = (
     0.0, 0.025, 0.05, 0.075, 0.1, 0.125, 0.15, 0.175, 0.2,
     0.25, 0.3, 0.35, 0.4, 0.5, 0.6, 0.8, 1.0,

@@ -85,6 +85,8 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from kvtransport.protocol import LINK_OVERHEAD_BYTES
+
 MAGIC = 0x4B56
 VERSION = 2
 HEADER = struct.Struct("!HBBBBHQIHHI")
@@ -106,6 +108,14 @@ _HKDF_INFO = b"kvtransport/2 datagram AES-256-GCM"
 
 MAX_NSS = 0x0FFF
 MAX_DT = 15
+
+
+def full_send_time(n_bytes: int, rate_bps: float, symbol_size: int, tagged: bool = False) -> float:
+    """Seconds to send a payload's source symbols loss-free at the link rate: rho's unit
+    (a deadline of ``rho`` is ``rho * full_send_time(...)``)."""
+    n_source = -(-n_bytes // symbol_size)
+    wire = HEADER_SIZE + symbol_size + (TAG_SIZE if tagged else 0) + LINK_OVERHEAD_BYTES
+    return n_source * wire * 8.0 / rate_bps
 
 
 class DatagramType(IntEnum):
@@ -264,6 +274,7 @@ class Parser:
         ciphers = self._ciphers
         if len(ciphers) >= MAX_CACHED_KEYS:
             del ciphers[next(iter(ciphers))]
+        assert self._key is not None  # parse() seals and opens only with a key
         c = ciphers[tid] = transfer_cipher(self._key, tid)
         return c
 
@@ -529,4 +540,4 @@ def decode_feedback(payload: bytes | memoryview) -> Feedback:
     segments = tuple(
         FEEDBACK_SEGMENT.unpack_from(payload, off + i * step) for i in range(n_segments)
     )
-    return Feedback(*fields[:13], ranges, segments)
+    return Feedback._make((*fields[:13], ranges, segments))

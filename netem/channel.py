@@ -99,6 +99,8 @@ class Channel:
         self._rate_Bps = self.rate_bps / 8.0 if self.rate_bps else 0.0
         # token bucket: tokens (bytes) as of time _tok_t; bucket starts full, like tbf
         self._tokens = float(self.burst_bytes or 0)
+        self._burst = self.burst_bytes or 0  # the two limits, set whenever _rate_Bps is
+        self._cap = self.queue_bytes or 0
         self._tok_t = 0.0
         self._last_dep = -1e300
         self._queue: deque[tuple[float, int]] = deque()
@@ -145,13 +147,13 @@ class Channel:
             q = self._queue
             while q and q[0][0] <= t_send:
                 self._backlog -= q.popleft()[1]
-            if size > self.burst_bytes or self._backlog + size > self.queue_bytes:
+            if size > self._burst or self._backlog + size > self._cap:
                 self.dropped += 1
                 return None
             start = t_send if t_send > self._last_dep else self._last_dep
             tokens = self._tokens + (start - self._tok_t) * self._rate_Bps
-            if tokens > self.burst_bytes:
-                tokens = self.burst_bytes
+            if tokens > self._burst:
+                tokens = self._burst
             if tokens >= size:
                 dep = start
                 tokens -= size

@@ -180,6 +180,8 @@ class LossSampler:
     state are copied), which is how a clairvoyant oracle looks ahead.
     """
 
+    rng: np.random.Generator  # set by the samplers that draw at random (clone copies it)
+
     def draw(self, n: int) -> np.ndarray:
         raise NotImplementedError
 

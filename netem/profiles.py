@@ -61,7 +61,7 @@ MAX_FRAME_BYTES = 1514
 NETEM_MIN_LIMIT = 1000
 
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
-_KEYS = {
+_KEYS: dict[str, type | tuple[type, ...]] = {
     "description": str,
     "loss": str,
     "rate_mbps": (int, float),
@@ -186,7 +186,7 @@ class Profile:
         if mode not in ("delay", "none"):
             raise ProfileError(f"reverse mode must be full, delay or none, not {mode!r}")
         delay_ms, jitter_ms = (0.0, 0.0) if mode == "none" else (self.delay_ms, self.jitter_ms)
-        if mode == "delay" and self.is_trace:
+        if mode == "delay" and isinstance(self.loss, TraceReplay):
             delay_ms = float(np.nanmedian(self.loss.trace().owd_s)) * 1e3
         return Profile(
             name=f"{self.name}-reverse",
@@ -258,7 +258,7 @@ class Profile:
         """
         ss = seed if isinstance(seed, np.random.SeedSequence) else np.random.SeedSequence(seed)
         loss_ss, delay_ss, start_ss = ss.spawn(3)
-        if self.is_trace:
+        if isinstance(self.loss, TraceReplay):
             try:
                 return self.loss.samplers(np.random.default_rng(start_ss))
             except TraceError as exc:
@@ -347,7 +347,7 @@ def profile_to_mapping(profile: Profile) -> dict[str, Any]:
     m: dict[str, Any] = {"rate_mbps": profile.rate_mbps}
     if profile.description:
         m["description"] = profile.description
-    if profile.is_trace:
+    if isinstance(profile.loss, TraceReplay):
         m["trace"] = profile.loss.path
         if profile.loss.offset is not None:
             m["trace_offset"] = profile.loss.offset

@@ -674,7 +674,8 @@ class Testbed:
         try:
             line = rx.stdout.readline().strip() if rx.stdout else ""
             if line != "ready":
-                raise TestbedError(f"probe receiver did not start: {line or rx.stderr.read()}")
+                err = rx.stderr.read() if rx.stderr else ""
+                raise TestbedError(f"probe receiver did not start: {line or err}")
             args = f"send {addr}:{port} --rate-mbps {rate_mbps} --size {size} --count {count}"
             send_cmd = probe + args.split()
             tx = self.run(src, send_cmd, capture_output=True, text=True, timeout=timeout_s)
@@ -707,9 +708,6 @@ class Testbed:
     def relay_status(self) -> dict[str, Any] | None:
         """The relay's counters (None for the netem backend)."""
         return _read_json(self.state_dir / "relay-status.json")
-
-    def qdisc_stats(self) -> dict[str, str]:
-        return status(self.prefix).get("qdiscs", {})
 
 
 @contextlib.contextmanager

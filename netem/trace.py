@@ -196,7 +196,7 @@ def write_trace(
         seq = np.arange(lost.shape[0], dtype=np.int64)
     if not (lost.shape == owd_us.shape == np.shape(seq)):
         raise ValueError("seq, lost and owd_us must have the same length")
-    lines = []
+    lines: list[str] = []
     if comment:
         lines.extend(f"# {c}" for c in comment.splitlines())
     lines.append(",".join(HEADER))

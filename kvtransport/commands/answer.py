@@ -137,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
         utilities = stored.utility_grid()
     else:
         got = None
+        assert context is not None  # --card or --context, exactly one (argparse)
         # attention statistics only when a degraded cache needs utilities
         kv = hf.prefill(
             loaded.model, tok, context, window=utility.OBSERVATION_WINDOW, attention=degrading

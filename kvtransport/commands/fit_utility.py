@@ -379,7 +379,7 @@ def measure(args: argparse.Namespace) -> list[Any]:
     lm = load_model(args.model, threads=args.threads)
     weights = utility.default_layer_weights(lm.model_id, lm.num_layers)
     seed = MEASURE_SEED if args.seed is None else args.seed
-    curves = []
+    curves: list[Any] = []
     total = len(contexts) * args.samples * len(fractions)
     with tqdm(total=total, desc="measuring", unit="answer", file=sys.stderr) as bar:
         for ctx in contexts:

@@ -166,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
         why = {
             ("auto", "netem"): "kernel sch_netem available",
             ("auto", "relay"): "this kernel has no sch_netem",
-        }.get((args.backend, bed.backend), "forced by --backend")
+        }.get((args.backend, str(bed.backend)), "forced by --backend")
         print(f"netem up: backend {bed.backend} ({why})")
         print(f"  profile  {bed.profile.describe()}")
         print(f"  link     {bed.snd_ns} {tb.SND_ADDR}  ->  {bed.rcv_ns} {tb.RCV_ADDR}")

@@ -7,6 +7,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from kvtransport.bounds import int_arg
 from kvtransport.commands import _common
@@ -185,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
     )
     card.write_card(out, stream)
     t_write = time.perf_counter() - t1
-    info = {
+    info: dict[str, Any] = {
         "card": str(out),
         "model_id": cache.model_id,
         "tokens": cache.num_tokens,

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from kvtransport.bounds import float_arg, int_arg
 from kvtransport.commands import _common
 from kvtransport.errors import UserError
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from kvtransport.transfer import Transfer
 
 NAME = "send"
 HELP = "send one transfer (a cache card or a synthetic stream) over UDP"
@@ -83,7 +87,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def _transfer(args: argparse.Namespace) -> object:
+def _transfer(args: argparse.Namespace) -> Transfer:
     from kvtransport.api import transfer_from_card
     from kvtransport.simulator import DEFAULT_BLOCK_BYTES
     from kvtransport.transfer import synthetic_transfer
@@ -102,7 +106,7 @@ def _transfer(args: argparse.Namespace) -> object:
     return synthetic_transfer(size, blocks, args.utility, seed=args.seed)
 
 
-def _planned_card(args: argparse.Namespace) -> object:
+def _planned_card(args: argparse.Namespace) -> Transfer:
     """The card re-encoded by the handoff plan for the deadline (see the description)."""
     from kvtransport.blocks import EncodedStream
     from kvtransport.card import read_card

@@ -7,9 +7,13 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvtransport.bounds import float_arg, int_arg
 from kvtransport.errors import UserError
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from kvtransport.simulator import SimResult
 
 NAME = "simulate"
 HELP = "simulate a transfer over a lossy link model (real sessions, virtual clock)"
@@ -196,7 +200,7 @@ def _print(results: list) -> None:
         print(f"  {k:22s} {v}")
 
 
-def _plot(res: object, path: str) -> None:
+def _plot(res: SimResult, path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
