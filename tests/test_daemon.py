@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import zmq
 
-from kvtransport.api import read_result_file
+from kvtransport.api import ApiError, read_result_file
 from kvtransport.client import ReceiverClient, ResultSubscriber, SenderClient
 from kvtransport.daemon_sender import SenderEngine
 from kvtransport.keys import resolve_key
@@ -27,6 +27,7 @@ from kvtransport.udp import DatagramSocket, clock, wait_readable
 
 CLI = [sys.executable, "-m", "kvtransport"]
 LINK_MBPS = 100.0
+START_TIMEOUT_S = 180.0
 
 
 class Daemons:
@@ -56,14 +57,44 @@ class Daemons:
                  str(LINK_MBPS), "--stats", *keyed, *sender_args],
             ),
         )  # fmt: skip
+        try:
+            # on a cold numba cache a daemon compiles its kernels before it answers (about
+            # 20 s, more on a busy host): wait for each as long as it is alive
+            self.rx_info = self._ready(ReceiverClient, self.receiver_ctl, self.rx, "receiver")
+            self.tx_info = self._ready(SenderClient, self.sender_ctl, self.tx, "sender")
+        except BaseException:
+            self.kill()  # a failed start leaves no daemon behind
+            raise
         self.sender = SenderClient(self.sender_ctl, timeout_s=20)
         self.receiver = ReceiverClient(self.receiver_ctl, timeout_s=20)
         self.sub = ResultSubscriber(self.results)
-        self.rx_info = self.receiver.ping()
-        self.tx_info = self.sender.ping()
         self.rx_port = int(self.rx_info["udp"].rsplit(":", 1)[1])
         self.tx_port = int(self.tx_info["udp"].rsplit(":", 1)[1])
         time.sleep(0.2)  # the subscription reaches the PUB socket
+
+    def _ready(self, client_type, endpoint, proc, name, timeout_s=START_TIMEOUT_S):
+        """The daemon's ping reply, polled until it answers, exits, or ``timeout_s``."""
+        end = time.monotonic() + timeout_s
+        while True:
+            client = client_type(endpoint, timeout_s=2)
+            try:
+                return client.ping()
+            except ApiError:
+                if proc.poll() is not None:
+                    tail = self.log(name)[-2000:]
+                    raise RuntimeError(f"the {name} daemon exited: {tail}") from None
+                if time.monotonic() > end:
+                    raise
+            finally:
+                client.close()
+
+    def kill(self):
+        for proc in (self.tx, self.rx):
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            for f in proc.files:
+                f.close()
 
     def _spawn(self, name, argv):
         out = open(self.dir / f"{name}.out", "w")  # noqa: SIM115 (closed in stop)
