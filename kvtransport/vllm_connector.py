@@ -29,9 +29,9 @@ on both engines (vLLM's request ids differ).
   every block after it through ``get_block_ids_with_load_errors``. With
   ``kv_load_failure_policy`` "recompute", vLLM recomputes from the first failed block.
 
-Supported: one KV cache group of full attention, paged caches on the CPU in float32 or
-float16 (vLLM's CPU layout ``[blocks, heads, block_size, 2 * head_dim]`` or the
-``[2, blocks, block_size, heads, head_dim]`` layout), tensor parallel size 1.
+Supported: one KV cache group of full attention, vLLM's CPU backend with float32 or
+float16 caches (its "vec" kernels' block layout, see :func:`paged_views`), tensor
+parallel size 1.
 """
 
 from __future__ import annotations
@@ -116,23 +116,38 @@ def _layer_index(name: str) -> int:
     return int(found[0])
 
 
+def cpu_isa(dtype: torch.dtype, block_size: int, head_dim: int) -> str:
+    """The kernel family vLLM's CPU attention picks (it decides the block layout)."""
+    from vllm.v1.attention.backends import cpu_attn
+
+    return str(cpu_attn._get_attn_isa(dtype, block_size, head_dim))
+
+
 def paged_views(kv_caches: dict[str, torch.Tensor], head_dim: int) -> tuple[list, list]:
     """Per layer (in layer order), numpy K and V views ``[blocks, heads, block_size, dim]``
-    of vLLM's paged KV tensors (shared memory: writes land in vLLM's cache)."""
+    of vLLM's paged KV tensors (shared memory: writes land in vLLM's cache).
+
+    vLLM's CPU backend allocates ``[blocks, heads, block_size, 2 * dim]`` per layer; inside
+    a (block, head) its "vec"/"vec16" kernels keep K dim-major (``[dim, block_size]``, for
+    the QK product) and then V token-major (``[block_size, dim]``). Other layouts (the AMX
+    kernels' bfloat16 tiles, GPU backends) are refused.
+    """
     keys, values = [], []
     for name in sorted(kv_caches, key=_layer_index):
         t = kv_caches[name]
         if t.device.type != "cpu" or t.dtype not in (torch.float32, torch.float16):
             raise ValueError(f"KV cache {name}: {t.dtype} on {t.device}; the connector "
                              "takes float32 or float16 caches on the CPU")  # fmt: skip
-        if t.dim() == 4 and t.shape[-1] == 2 * head_dim:  # CPU: [nb, H, bs, 2D], K then V
-            nb, heads, bs, _ = t.shape
-            kv = t.view(nb, heads, 2 * bs, head_dim)
-            k, v = kv[:, :, :bs], kv[:, :, bs:]
-        elif t.dim() == 5 and t.shape[0] == 2:  # [2, nb, bs, H, D]
-            k, v = t[0].permute(0, 2, 1, 3), t[1].permute(0, 2, 1, 3)
-        else:
-            raise ValueError(f"KV cache {name}: layout {tuple(t.shape)} is not supported")
+        if t.dim() != 4 or t.shape[-1] != 2 * head_dim:
+            raise ValueError(f"KV cache {name}: layout {tuple(t.shape)} is not vLLM's CPU one")
+        nb, heads, bs, _ = t.shape
+        isa = cpu_isa(t.dtype, bs, head_dim)
+        if isa not in ("vec", "vec16"):
+            raise ValueError(f"KV cache {name}: the CPU attention kernels {isa!r} keep a "
+                             "block layout the connector does not read")  # fmt: skip
+        kv = t.view(nb, heads, 2, bs * head_dim)
+        k = kv[:, :, 0].unflatten(-1, (head_dim, bs)).transpose(2, 3)
+        v = kv[:, :, 1].unflatten(-1, (bs, head_dim))
         keys.append(k.numpy())
         values.append(v.numpy())
     return keys, values

@@ -81,9 +81,12 @@ def _blocks(ids: list[int]) -> KVCacheBlocks:
     return KVCacheBlocks(blocks=([KVCacheBlock(i) for i in ids],))
 
 
-def _kv(paged: dict[str, torch.Tensor], block: int, dim: int) -> torch.Tensor:
-    """All layers' K and V of one block, as [layers, heads, 2 * block_size, dim]."""
-    return torch.stack([t[block].reshape(t.shape[1], -1, dim) for t in paged.values()])
+def _tokens(paged: dict[str, torch.Tensor], block_ids: list[int], tokens: list[int]):
+    """The request's KV as the connector reads vLLM's pages (a KVCache)."""
+    from kvtransport import vllm_blocks as vb
+    from kvtransport.vllm_connector import paged_views
+
+    return vb.gather(*paged_views(paged, 64), block_ids, tokens, "m")
 
 
 def _handoff(model_dir, tokens: list[int], deadline_ms: float, rate_mbps: float = 100):
@@ -151,18 +154,39 @@ def test_vllm_loads_the_connector_from_its_module_path(model_dir):
         0, False)  # fmt: skip
 
 
+def test_vllm_cpu_kernels_write_the_layout_the_connector_reads():
+    """vLLM's own cache-write op (the one its CPU attention runs) puts each token's K and V
+    where paged_views reads them, the partial last block included."""
+    from vllm import _custom_ops as ops
+
+    from kvtransport.vllm_connector import cpu_isa, paged_views
+
+    heads, dim, n = 3, 64, 45
+    kv = torch.zeros(4, heads, BS, 2 * dim)
+    key_cache, value_cache = kv.view(4, heads, 2 * BS, dim).chunk(2, dim=2)
+    g = torch.Generator().manual_seed(7)
+    key, value = torch.randn(n, heads, dim, generator=g), torch.randn(n, heads, dim, generator=g)
+    block_ids = [3, 1]
+    slots = torch.tensor([block_ids[t // BS] * BS + t % BS for t in range(n)])
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots,
+                                   cpu_isa(torch.float32, BS, dim))  # fmt: skip
+    from kvtransport import vllm_blocks as vb
+
+    got = vb.gather(*paged_views({"model.layers.0.attn": kv}, dim), block_ids, range(n), "m")
+    assert torch.equal(torch.from_numpy(got.keys[0]), key.transpose(0, 1))
+    assert torch.equal(torch.from_numpy(got.values[0]), value.transpose(0, 1))
+
+
 def test_complete_push_lands_bit_identical_in_the_decode_engines_blocks(model_dir):
     tokens = list(range(1000, 1150))  # 150 tokens: 5 blocks, the last one partial
     src, dst, p_ids, c_ids, errors, stats = _handoff(model_dir, tokens, deadline_ms=3000)
     assert errors == set()
-    dim = 64
-    for b in range(4):
-        assert torch.equal(_kv(dst, c_ids[b], dim), _kv(src, p_ids[b], dim))
-    # the last block: only its 22 tokens (K rows 0-21 and V rows 32-53)
-    last_d, last_s = _kv(dst, c_ids[4], dim), _kv(src, p_ids[4], dim)
-    assert torch.equal(last_d[:, :, :22], last_s[:, :, :22])
-    assert torch.equal(last_d[:, :, BS : BS + 22], last_s[:, :, BS : BS + 22])
-    assert not last_d[:, :, 22:BS].any()
+    want, got = _tokens(src, p_ids, tokens), _tokens(dst, c_ids, tokens)
+    assert np.array_equal(got.keys, want.keys) and np.array_equal(got.values, want.values)
+    from kvtransport.vllm_connector import paged_views
+
+    k, v = paged_views(dst, 64)
+    assert not k[3][c_ids[4], :, 22:].any() and not v[3][c_ids[4], :, 22:].any()
     assert stats.data["tokens_loaded"] == 150 and stats.data["tokens_failed"] == 0
 
 
@@ -175,8 +199,8 @@ def test_a_deadline_cut_loads_a_prefix_and_reports_the_tail_as_load_errors(model
     assert 0 < loaded < len(tokens) and loaded % BS == 0
     k = loaded // BS
     assert errors == set(c_ids[k:])  # every block from the first incomplete one
-    dim = 64
-    for b in range(k):
-        assert torch.equal(_kv(dst, c_ids[b], dim), _kv(src, p_ids[b], dim))
-    assert not _kv(dst, c_ids[k], dim).any()  # nothing of the failed blocks written
+    want, got = _tokens(src, p_ids, tokens), _tokens(dst, c_ids, tokens)
+    assert np.array_equal(got.keys[:, :, :loaded], want.keys[:, :, :loaded])
+    assert not got.keys[:, :, loaded:].any()  # nothing of the failed blocks written
+    assert not any(t[c_ids[k]].any() for t in dst.values())
     assert np.isclose(stats.data["tokens_failed"], len(tokens) - loaded)
