@@ -12,8 +12,9 @@ that arrived complete in *every* layer; the blocks after it are reported failed.
 This module is numpy and the embeddable API only:
 
 - :func:`gather` / :func:`scatter`: a request's tokens between per-layer paged arrays
-  (K and V views ``[num_blocks, kv_heads, block_size, head_dim]``, as vLLM's CPU backend
-  lays a block out) and a :class:`~kvtransport.kvcache.KVCache`;
+  (logical K and V views ``[num_blocks, kv_heads, block_size, head_dim]``, strided as the
+  engine stores them: kvtransport.vllm_connector.paged_views) and a
+  :class:`~kvtransport.kvcache.KVCache`;
 - :func:`encode_request`: the cache as a prefix-ordered, lossless block stream whose
   manifest names the request (``created["request"]``);
 - :func:`load_plan`: from a received result, the usable prefix and the vLLM block ids
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -273,7 +275,9 @@ class Inbox:
 
     The receiver daemon's engine (kvtransport.daemon_receiver.ReceiverEngine) on its loop
     (kvtransport.daemon.serve). A transfer without a tagged manifest is counted in
-    ``untagged`` and dropped. :meth:`take` hands a result out once.
+    ``untagged`` and dropped. :meth:`take` hands a result out once; at most
+    ``max_results`` results wait to be taken (the oldest beyond are dropped and counted in
+    ``expired``: a request that never reached this engine).
     """
 
     listen: str = "0.0.0.0:9400"
@@ -281,8 +285,10 @@ class Inbox:
     insecure: bool = False
     max_transfers: int = 64
     max_mb: float = 1024.0
+    max_results: int = 256
     untagged: int = 0
-    results: dict[str, DeliveredResult] = field(default_factory=dict)
+    expired: int = 0
+    results: OrderedDict[str, DeliveredResult] = field(default_factory=OrderedDict)
 
     def __post_init__(self) -> None:
         from kvtransport.daemon import StopSignal
@@ -321,6 +327,9 @@ class Inbox:
                 self.untagged += 1
             else:
                 self.results[tag] = result
+                while len(self.results) > self.max_results:
+                    self.results.popitem(last=False)
+                    self.expired += 1
 
     def take(self, tag: str) -> DeliveredResult | None:
         """The result of request ``tag`` if it has ended (once; None otherwise)."""

