@@ -184,3 +184,18 @@ def test_a_deadline_cut_over_udp_loads_a_prefix_and_fails_the_tail():
     # the stream's front arrived: completion is (nearly) a prefix of the stream order
     first_gap = int(np.flatnonzero(~got.complete)[0])
     assert plan.prefix == (first_gap // 8) * BS
+
+
+def test_the_inbox_keeps_at_most_max_results_untaken():
+    keys, values = _paged(2)
+    inbox = vb.Inbox(listen="127.0.0.1:0", key=KEY, max_results=1)
+    pusher = vb.Pusher(max_parallel=1, key=KEY, rate_mbps=200)
+    try:
+        for tag in ("old", "new"):
+            c = vb.gather(keys, values, [0], list(range(20)), "toy")
+            pusher.push(vb.encode_request(c, tag, BS), tag, inbox.address, deadline_ms=1000)
+        got = _wait(inbox, "new")
+    finally:
+        pusher.close()
+        inbox.close()
+    assert got is not None and inbox.take("old") is None and inbox.expired == 1
