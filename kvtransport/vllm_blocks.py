@@ -237,6 +237,13 @@ class Pusher:
     """
 
     def __init__(self, max_parallel: int = 2, **send_options: Any) -> None:
+        from kvtransport.inprocess import _key, _warm
+        from kvtransport.policy import default_policy
+
+        # Load (or compile) the sender's kernels now: done by the first push instead, it
+        # took seconds on a busy host and the consumer gave up waiting for that transfer.
+        key = _key(send_options.get("key"), bool(send_options.get("insecure", False)))
+        _warm(key, send_options.get("policy") or default_policy())
         self._pool = concurrent.futures.ThreadPoolExecutor(max_parallel, "kvt-push")
         self._options = send_options
         self._sent: list[_Sent] = []
