@@ -222,6 +222,11 @@ def load_plan(
 # ---------------------------------------------------------------------- transport
 
 
+def _status(future: concurrent.futures.Future) -> dict[str, Any]:
+    exc = future.exception()
+    return {"error": f"{type(exc).__name__}: {exc}"} if exc else future.result()
+
+
 @dataclass
 class _Sent:
     tag: str
@@ -234,9 +239,11 @@ class Pusher:
     ``send_options`` go to :func:`kvtransport.send` (``key``, ``insecure``,
     ``rate_mbps``, ...). :meth:`push` returns at once; :meth:`poll` returns the tags whose
     transfer ended, with the sender's final status (or the exception as ``error``).
+    ``on_done(tag, status)``, if given, is called with the same in the sending thread as
+    each transfer ends (when nobody polls: an idle engine).
     """
 
-    def __init__(self, max_parallel: int = 2, **send_options: Any) -> None:
+    def __init__(self, max_parallel: int = 2, on_done: Any = None, **send_options: Any) -> None:
         from kvtransport.inprocess import _key, _warm
         from kvtransport.policy import default_policy
 
@@ -246,6 +253,7 @@ class Pusher:
         _warm(key, send_options.get("policy") or default_policy())
         self._pool = concurrent.futures.ThreadPoolExecutor(max_parallel, "kvt-push")
         self._options = send_options
+        self._on_done = on_done
         self._sent: list[_Sent] = []
 
     def push(self, stream: blocks.EncodedStream, tag: str, to: str, deadline_ms: float) -> None:
@@ -253,7 +261,10 @@ class Pusher:
         import kvtransport
 
         opts = dict(self._options, deadline_ms=deadline_ms, precision="keep")
-        self._sent.append(_Sent(tag, self._pool.submit(kvtransport.send, stream, to, **opts)))
+        future = self._pool.submit(kvtransport.send, stream, to, **opts)
+        if self._on_done is not None:
+            future.add_done_callback(lambda f: self._on_done(tag, _status(f)))
+        self._sent.append(_Sent(tag, future))
 
     def poll(self) -> dict[str, dict[str, Any]]:
         """Transfers that ended since the last poll: tag -> status."""
@@ -263,8 +274,7 @@ class Pusher:
             if not s.future.done():
                 keep.append(s)
                 continue
-            exc = s.future.exception()
-            done[s.tag] = {"error": f"{type(exc).__name__}: {exc}"} if exc else s.future.result()
+            done[s.tag] = _status(s.future)
         self._sent = keep
         return done
 

@@ -29,7 +29,8 @@ on both engines (vLLM's request ids differ).
   every block after it through ``get_block_ids_with_load_errors``. With
   ``kv_load_failure_policy`` "recompute", vLLM recomputes from the first failed block.
   ``load_log`` (a file path) appends one JSON line per finished load (request, tag,
-  tokens, loaded, failed_blocks, waited_ms, why).
+  tokens, loaded, failed_blocks, waited_ms, why); a producer's ``push_log`` one per
+  finished push (tag, finish_reason, decoded_through of n_source, error).
 
 Supported: one KV cache group of full attention, vLLM's CPU backend with float32 or
 float16 caches (its "vec" kernels' block layout, see :func:`paged_views`), tensor
@@ -198,7 +199,9 @@ class KVTransportConnector(KVConnectorBase_V1):
                 logger.info("kvtransport: receiving KV on %s", self.inbox.address)
             if self.is_producer:
                 rate = float(extra.get("rate_mbps", 100.0))
-                self.pusher = vb.Pusher(rate_mbps=rate, **transport)
+                self.push_log = extra.get("push_log")  # a file: one JSON line per push
+                on_done = self._log_push if self.push_log else None
+                self.pusher = vb.Pusher(rate_mbps=rate, on_done=on_done, **transport)
 
     # ------------------------------------------------------------------ scheduler side
 
@@ -286,6 +289,12 @@ class KVTransportConnector(KVConnectorBase_V1):
         self._done_sending.add(s.req_id)  # copied out: vLLM may free the blocks
         self._count("pushes")
         self._count("tokens_pushed", len(s.token_ids))
+
+    def _log_push(self, tag: str, status: dict[str, Any]) -> None:
+        keep = ("transfer_id", "finish_reason", "decoded_through", "n_source", "error")
+        record = {"tag": tag, **{k: status[k] for k in keep if k in status}}
+        with open(self.push_log, "a") as fh:
+            fh.write(json.dumps(record) + "\n")
 
     def _finish_load(self, load: _Load, result: Any, waited_s: float) -> None:
         plan = vb.load_plan(result, block_ids=load.block_ids, block_size=self.block_size,

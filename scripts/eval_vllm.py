@@ -147,7 +147,9 @@ def _cases(n: int) -> list[tuple[str, str, str]]:
 def run_prefill(args) -> None:
     from vllm import SamplingParams
 
-    extra = {"push_to": args.push_to, "deadline_ms": args.full_deadline_ms, "rate_mbps": 100}
+    pushes = Path(args.result + ".pushes")
+    extra = {"push_to": args.push_to, "deadline_ms": args.full_deadline_ms, "rate_mbps": 100,
+             "push_log": str(pushes)}  # fmt: skip
     llm = _engine("kv_producer", extra, args)
     todo = [(t, k, p) for t, k, p in _cases(args.prompts) if k != "lost"]
     sps = []
@@ -161,8 +163,13 @@ def run_prefill(args) -> None:
     outs = llm.chat([_messages(p) for _, _, p in todo], sps, use_tqdm=False)
     prefill_s = time.perf_counter() - t0
     handed = [o.kv_transfer_params for o in outs]
-    time.sleep(args.full_deadline_ms * 1e-3 + 2.0)  # let the last pushes end
-    json.dump({"prefill_s": prefill_s, "requests": len(todo), "handed": handed},
+    end = time.monotonic() + 300  # every push ends (pushes run two at a time)
+    while time.monotonic() < end and (
+        not pushes.exists() or len(pushes.read_text().splitlines()) < len(todo)
+    ):
+        time.sleep(0.2)
+    sent = [json.loads(line) for line in pushes.read_text().splitlines()] if pushes.exists() else []
+    json.dump({"prefill_s": prefill_s, "requests": len(todo), "handed": handed, "pushes": sent},
               open(args.result, "w"))  # fmt: skip
 
 
@@ -218,6 +225,7 @@ def _summary(dec: dict, pre: dict, args) -> dict:
     full = [r for r in rows if r["kind"] == "full"]
     ratios = [r["ttft_s"] / own[r["prompt"]]["ttft_s"] for r in full
               if r["ttft_s"] and own[r["prompt"]]["ttft_s"]]  # fmt: skip
+    out["pushes"] = {p["tag"]: p.get("finish_reason", p.get("error")) for p in pre["pushes"]}
     out["full_ttft_over_own_median"] = round(statistics.median(ratios), 3) if ratios else None
     out["prompt_tokens_median"] = statistics.median(r["prompt_tokens"] for r in full)
     return out

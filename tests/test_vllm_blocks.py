@@ -130,7 +130,8 @@ def test_push_over_udp_loads_the_exact_cache_into_the_consumers_blocks():
         "b": vb.gather(keys, values, [5, 9], list(range(200, 250)), "toy"),
     }
     inbox = vb.Inbox(listen="127.0.0.1:0", key=KEY)
-    pusher = vb.Pusher(key=KEY, rate_mbps=200)
+    ended: dict = {}
+    pusher = vb.Pusher(key=KEY, rate_mbps=200, on_done=ended.__setitem__)
     try:
         for tag, c in caches.items():
             pusher.push(vb.encode_request(c, tag, BS), tag, inbox.address, deadline_ms=2000)
@@ -144,6 +145,7 @@ def test_push_over_udp_loads_the_exact_cache_into_the_consumers_blocks():
         pusher.close()
         inbox.close()
     assert set(status) == {"a", "b"} and all("error" not in s for s in status.values())
+    assert ended == status  # on_done saw each end as poll did
     dk, dv = _zeros()
     dest = {"a": [0, 2, 6], "b": [8, 10]}
     for tag, c in caches.items():
