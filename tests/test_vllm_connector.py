@@ -1,0 +1,206 @@
+"""kvtransport.vllm_connector against vLLM's own classes (skipped where vLLM is absent).
+
+Run in the vLLM environment (scripts/setup_vllm_env.sh)::
+
+    .venv-vllm/bin/python -m pytest tests/test_vllm_connector.py -q
+
+vLLM's factory loads the connector from ``kv_connector_module_path`` for a real
+VllmConfig; the scheduler-side instances see real ``Request`` and ``KVCacheBlocks``
+objects; the worker-side instances write into torch tensors laid out as vLLM's CPU
+backend lays its paged cache; KV crosses real loopback UDP.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
+from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+
+BS, NBLOCKS = 32, 24
+KEY = "00112233445566778899aabbccddeeff"
+
+
+def _port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    from kvtransport.model import convert_gguf, default_gguf_path
+
+    return str(convert_gguf(default_gguf_path()))
+
+
+def _config(model_dir: str, role: str, extra: dict) -> VllmConfig:
+    tc = KVTransferConfig(kv_connector="KVTransportConnector",
+                          kv_connector_module_path="kvtransport.vllm_connector", kv_role=role,
+                          kv_load_failure_policy="recompute",
+                          kv_connector_extra_config=dict(extra, key=KEY))  # fmt: skip
+    return VllmConfig(model_config=ModelConfig(model=model_dir, dtype="float32"),
+                      cache_config=CacheConfig(block_size=BS), kv_transfer_config=tc)  # fmt: skip
+
+
+def _connector(cfg: VllmConfig, role: KVConnectorRole):
+    cls = KVConnectorFactory.get_connector_class(cfg.kv_transfer_config)
+    return cls(cfg, role, None)
+
+
+def _paged(cfg: VllmConfig, seed: int | None) -> dict[str, torch.Tensor]:
+    """Per layer, vLLM's CPU paged KV: [blocks, kv_heads, block_size, 2 * head_dim]."""
+    mc = cfg.model_config
+    layers = mc.hf_config.num_hidden_layers
+    heads, dim = mc.get_total_num_kv_heads(), mc.get_head_size()
+    g = torch.Generator().manual_seed(seed or 0)
+    shape = (NBLOCKS, heads, BS, 2 * dim)
+    make = (lambda: torch.randn(shape, generator=g)) if seed is not None else (
+        lambda: torch.zeros(shape))  # fmt: skip
+    return {f"model.layers.{i}.self_attn.attn": make() for i in range(layers)}
+
+
+def _request(rid: str, tokens: list[int], params: dict) -> Request:
+    sp = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params})
+    return Request(rid, tokens, sp, None)
+
+
+def _blocks(ids: list[int]) -> KVCacheBlocks:
+    return KVCacheBlocks(blocks=([KVCacheBlock(i) for i in ids],))
+
+
+def _tokens(paged: dict[str, torch.Tensor], block_ids: list[int], tokens: list[int]):
+    """The request's KV as the connector reads vLLM's pages (a KVCache)."""
+    from kvtransport import vllm_blocks as vb
+    from kvtransport.vllm_connector import paged_views
+
+    return vb.gather(*paged_views(paged, 64), block_ids, tokens, "m")
+
+
+def _handoff(model_dir, tokens: list[int], deadline_ms: float, rate_mbps: float = 100):
+    """Producer and consumer connectors, both roles each, one request pushed and loaded.
+    Returns (src pages, dst pages, producer block ids, consumer block ids, load errors,
+    consumer stats, producer's request_finished answer)."""
+    port = _port()
+    p_cfg = _config(model_dir, "kv_producer",
+                    {"push_to": f"127.0.0.1:{port}", "rate_mbps": rate_mbps})  # fmt: skip
+    c_cfg = _config(model_dir, "kv_consumer", {"listen": f"127.0.0.1:{port}", "wait_ms": 5000})
+    p_sched, p_work = _connector(p_cfg, KVConnectorRole.SCHEDULER), None
+    c_sched, c_work = _connector(c_cfg, KVConnectorRole.SCHEDULER), None
+    try:
+        p_work = _connector(p_cfg, KVConnectorRole.WORKER)
+        c_work = _connector(c_cfg, KVConnectorRole.WORKER)
+        src, dst = _paged(p_cfg, seed=1), _paged(c_cfg, seed=None)
+        p_work.register_kv_caches(src)
+        c_work.register_kv_caches(dst)
+        n_blocks = -(-len(tokens) // BS)
+        p_ids = list(range(3, 3 + n_blocks))
+        c_ids = list(range(NBLOCKS - n_blocks, NBLOCKS))[::-1]  # other ids, other order
+        # prefill engine: the request finishes; its blocks are held and pushed
+        params = {"do_remote_decode": True, "kvt_request": "t1", "kvt_deadline_ms": deadline_ms}
+        req = _request("p-1", tokens, params)
+        assert p_sched.get_num_new_matched_tokens(req, 0) == (0, False)  # a producer loads nothing
+        delay, handed = p_sched.request_finished(req, p_ids)
+        assert delay is True and handed == {"do_remote_prefill": True, "kvt_request": "t1"}
+        p_work.bind_connector_metadata(p_sched.build_connector_meta(None))
+        p_work.start_load_kv(None)
+        assert p_work.get_finished({"p-1"}) == ({"p-1"}, None)  # copied out: blocks freed
+        # decode engine: the same prompt, with what the prefill engine handed back
+        creq = _request("d-7", tokens, handed)
+        assert c_sched.get_num_new_matched_tokens(creq, 0) == (len(tokens), True)
+        c_sched.update_state_after_alloc(creq, _blocks(c_ids), len(tokens))
+        assert c_sched.get_num_new_matched_tokens(creq, 0) == (0, False)  # claimed once
+        c_work.bind_connector_metadata(c_sched.build_connector_meta(None))
+        recving, errors = None, set()
+        end = time.monotonic() + 20
+        while recving is None and time.monotonic() < end:
+            c_work.start_load_kv(None)
+            errors |= c_work.get_block_ids_with_load_errors()
+            _, recving = c_work.get_finished(set())
+            c_work.bind_connector_metadata(c_sched.build_connector_meta(None))
+            time.sleep(0.005)
+        assert recving == {"d-7"}
+        stats = c_work.get_kv_connector_stats()
+        return src, dst, p_ids, c_ids, errors, stats
+    finally:
+        for c in (p_work, c_work):
+            if c is not None:
+                c.shutdown()
+
+
+def test_vllm_loads_the_connector_from_its_module_path(model_dir):
+    cfg = _config(model_dir, "kv_consumer", {})
+    cls = KVConnectorFactory.get_connector_class(cfg.kv_transfer_config)
+    from kvtransport.vllm_connector import KVTransportConnector
+
+    assert cls is KVTransportConnector
+    stats = cls.build_kv_connector_stats({"loads": 2, "load_wait_s": 0.5})
+    stats.aggregate(cls.build_kv_connector_stats({"loads": 2, "load_wait_s": 0.3}))
+    assert stats.reduce()["mean_load_wait_ms"] == pytest.approx(200.0)
+    plain = _request("x", [1, 2, 3], {})
+    assert _connector(cfg, KVConnectorRole.SCHEDULER).get_num_new_matched_tokens(plain, 0) == (
+        0, False)  # fmt: skip
+
+
+def test_vllm_cpu_kernels_write_the_layout_the_connector_reads():
+    """vLLM's own cache-write op (the one its CPU attention runs) puts each token's K and V
+    where paged_views reads them, the partial last block included."""
+    from vllm import _custom_ops as ops
+
+    from kvtransport.vllm_connector import cpu_isa, paged_views
+
+    heads, dim, n = 3, 64, 45
+    kv = torch.zeros(4, heads, BS, 2 * dim)
+    key_cache, value_cache = kv.view(4, heads, 2 * BS, dim).chunk(2, dim=2)
+    g = torch.Generator().manual_seed(7)
+    key, value = torch.randn(n, heads, dim, generator=g), torch.randn(n, heads, dim, generator=g)
+    block_ids = [3, 1]
+    slots = torch.tensor([block_ids[t // BS] * BS + t % BS for t in range(n)])
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots,
+                                   cpu_isa(torch.float32, BS, dim))  # fmt: skip
+    from kvtransport import vllm_blocks as vb
+
+    got = vb.gather(*paged_views({"model.layers.0.attn": kv}, dim), block_ids, range(n), "m")
+    assert torch.equal(torch.from_numpy(got.keys[0]), key.transpose(0, 1))
+    assert torch.equal(torch.from_numpy(got.values[0]), value.transpose(0, 1))
+
+
+def test_complete_push_lands_bit_identical_in_the_decode_engines_blocks(model_dir):
+    tokens = list(range(1000, 1150))  # 150 tokens: 5 blocks, the last one partial
+    src, dst, p_ids, c_ids, errors, stats = _handoff(model_dir, tokens, deadline_ms=3000)
+    assert errors == set()
+    want, got = _tokens(src, p_ids, tokens), _tokens(dst, c_ids, tokens)
+    assert np.array_equal(got.keys, want.keys) and np.array_equal(got.values, want.values)
+    from kvtransport.vllm_connector import paged_views
+
+    k, v = paged_views(dst, 64)
+    assert not k[3][c_ids[4], :, 22:].any() and not v[3][c_ids[4], :, 22:].any()
+    assert stats.data["tokens_loaded"] == 150 and stats.data["tokens_failed"] == 0
+
+
+def test_a_deadline_cut_loads_a_prefix_and_reports_the_tail_as_load_errors(model_dir):
+    tokens = list(range(2000, 2000 + 20 * BS))  # 20 blocks, 27.6 MB of fp32 KV
+    src, dst, p_ids, c_ids, errors, stats = _handoff(
+        model_dir, tokens, deadline_ms=300, rate_mbps=100
+    )
+    loaded = stats.data["tokens_loaded"]
+    assert 0 < loaded < len(tokens) and loaded % BS == 0
+    k = loaded // BS
+    assert errors == set(c_ids[k:])  # every block from the first incomplete one
+    want, got = _tokens(src, p_ids, tokens), _tokens(dst, c_ids, tokens)
+    assert np.array_equal(got.keys[:, :, :loaded], want.keys[:, :, :loaded])
+    assert not got.keys[:, :, loaded:].any()  # nothing of the failed blocks written
+    assert not any(t[c_ids[k]].any() for t in dst.values())
+    assert np.isclose(stats.data["tokens_failed"], len(tokens) - loaded)
