@@ -258,10 +258,10 @@ class Pusher:
 
     def push(self, stream: blocks.EncodedStream, tag: str, to: str, deadline_ms: float) -> None:
         """Start sending ``stream`` to ``to`` with a deadline ``deadline_ms`` from now."""
-        import kvtransport
+        from kvtransport.inprocess import send
 
         opts = dict(self._options, deadline_ms=deadline_ms, precision="keep")
-        future = self._pool.submit(kvtransport.send, stream, to, **opts)
+        future = self._pool.submit(send, stream, to, **opts)
         if self._on_done is not None:
             future.add_done_callback(lambda f: self._on_done(tag, _status(f)))
         self._sent.append(_Sent(tag, future))

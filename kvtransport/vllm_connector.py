@@ -96,7 +96,7 @@ class KVTransportStats(KVConnectorStats):
     """Counters of one interval: sends, loads, tokens loaded and recomputed, load waits."""
 
     def reset(self) -> None:
-        self.data = {}
+        self.data: dict[str, Any] = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVTransportStats:
         for k, v in other.data.items():
@@ -177,7 +177,8 @@ class KVTransportConnector(KVConnectorBase_V1):
         if self.block_tokens < 1 or self.block_size % self.block_tokens:
             raise ValueError(f"block_tokens {self.block_tokens} must divide the block size "
                              f"{self.block_size}")  # fmt: skip
-        transport = {"key": extra.get("key"), "insecure": bool(extra.get("insecure", False))}
+        key = extra.get("key")
+        insecure = bool(extra.get("insecure", False))
         # scheduler side
         self._loads: list[_Load] = []
         self._sends: list[_Send] = []
@@ -195,13 +196,13 @@ class KVTransportConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.WORKER:
             if self.is_consumer:
                 listen = str(extra.get("listen", DEFAULT_LISTEN))
-                self.inbox = vb.Inbox(listen=listen, **transport)
+                self.inbox = vb.Inbox(listen=listen, key=key, insecure=insecure)
                 logger.info("kvtransport: receiving KV on %s", self.inbox.address)
             if self.is_producer:
                 rate = float(extra.get("rate_mbps", 100.0))
                 self.push_log = extra.get("push_log")  # a file: one JSON line per push
                 on_done = self._log_push if self.push_log else None
-                self.pusher = vb.Pusher(rate_mbps=rate, on_done=on_done, **transport)
+                self.pusher = vb.Pusher(rate_mbps=rate, on_done=on_done, key=key, insecure=insecure)
 
     # ------------------------------------------------------------------ scheduler side
 
@@ -293,6 +294,7 @@ class KVTransportConnector(KVConnectorBase_V1):
     def _log_push(self, tag: str, status: dict[str, Any]) -> None:
         keep = ("transfer_id", "finish_reason", "decoded_through", "n_source", "error")
         record = {"tag": tag, **{k: status[k] for k in keep if k in status}}
+        assert self.push_log is not None  # set whenever this callback is
         with open(self.push_log, "a") as fh:
             fh.write(json.dumps(record) + "\n")
 
