@@ -47,7 +47,7 @@ from kvtransport.policy import make_policy
 from kvtransport.protocol import DEFAULT_INITIAL_RTT, DEFAULT_SYMBOL_SIZE
 from kvtransport.sender import SenderSession
 from kvtransport.transfer import Transfer
-from kvtransport.udp import DatagramSocket
+from kvtransport.udp import DatagramSocket, wall_offset
 from kvtransport.utility_model import SigmoidUtility
 from kvtransport.wire import HEADER_SIZE
 
@@ -227,6 +227,7 @@ class SenderEngine(DropCounts):
                 key=self.key,
                 symbol_size=self.symbol_size,
                 initial_rtt=initial_rtt,
+                wall_offset=wall_offset(),
             )
         except ValueError as exc:
             raise UserError(str(exc)) from None
