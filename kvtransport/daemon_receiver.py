@@ -433,12 +433,15 @@ class ReceiverDaemon(DaemonShell):
         stats: Any = None,
         replay_file: str | None = None,
         replay_window_s: float = DEFAULT_WINDOW_S,
+        curve_secret_file: str | None = None,
     ) -> None:
         from kvtransport.api import check_endpoint
-        from kvtransport.daemon import StatsWriter, warm_up
+        from kvtransport.daemon import StatsWriter, curve_secret, warm_up
 
-        check_endpoint(control, "control")  # before the slow warm-up
-        check_endpoint(publish, "publish")
+        self.curve_secret = curve_secret(curve_secret_file)
+        curve = self.curve_secret is not None
+        check_endpoint(control, "control", curve=curve)  # before the slow warm-up
+        check_endpoint(publish, "publish", curve=curve)
         self.out_dir = out_dir
         if out_dir is not None:
             from pathlib import Path
@@ -483,7 +486,7 @@ class ReceiverDaemon(DaemonShell):
         # a subscriber's full queue makes send() fail (EAGAIN) instead of dropping the
         # result unseen: it waits in the backlog instead (see _publish)
         self.pub.setsockopt(zmq.XPUB_NODROP, 1)
-        bind_endpoint(self.pub, self.publish_endpoint)
+        bind_endpoint(self.pub, self.publish_endpoint, self.curve_secret)
 
     def _publish(self, frames: list | None, now: float = 0.0) -> None:
         """Send ``frames`` (a result; None: only retry the backlog) after the results

@@ -486,11 +486,14 @@ class SenderDaemon(DaemonShell):
         max_transfers: int = DEFAULT_MAX_TRANSFERS,
         utility_table: str | None = None,
         stats: Any = None,
+        curve_secret_file: str | None = None,
     ) -> None:
         from kvtransport.api import check_endpoint
-        from kvtransport.daemon import StatsWriter, warm_up
+        from kvtransport.daemon import StatsWriter, curve_secret, warm_up
 
-        check_endpoint(control, "control")  # before the slow warm-up
+        self.curve_secret = curve_secret(curve_secret_file)
+        # before the slow warm-up
+        check_endpoint(control, "control", curve=self.curve_secret is not None)
         make_policy(policy)  # a bad default fails at start, not at the first submit
         self.policy = policy
         self.table = None

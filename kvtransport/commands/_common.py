@@ -72,6 +72,16 @@ def add_replay(parser: argparse.ArgumentParser) -> None:
                    help=f"freshness window, seconds (default {DEFAULT_WINDOW_S:g})")  # fmt: skip
 
 
+def add_curve(parser: argparse.ArgumentParser) -> None:
+    """``--curve-secret FILE``: ZeroMQ CURVE on a daemon's control/result sockets."""
+    parser.add_argument(
+        "--curve-secret", metavar="FILE",
+        help="encrypt and authenticate the ZeroMQ sockets with CURVE, this daemon's secret "
+        "key in FILE (made on first use, mode 0600; its public key in FILE.pub, which "
+        "clients pass as curve_server_key); needed for tcp:// off loopback",
+    )  # fmt: skip
+
+
 def add_realtime(parser: argparse.ArgumentParser) -> None:
     """``--realtime [PRIO]``: SCHED_FIFO for the UDP loop (kvtransport.udp.set_realtime)."""
     from kvtransport.udp import REALTIME_HELP

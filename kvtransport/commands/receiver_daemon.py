@@ -60,6 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "--max-mb and 1073.7)")  # fmt: skip
     p.add_argument("--no-gro", action="store_true", help="read one datagram per call")
     _common.add_replay(p)
+    _common.add_curve(p)
     _common.add_daemon_output(p)
 
 
@@ -87,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
         stats=stats,
         replay_file=args.replay_file,
         replay_window_s=args.replay_window,
+        curve_secret_file=args.curve_secret,
     )
     if metrics is not None:
         metrics.attach(daemon)
