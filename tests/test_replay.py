@@ -212,3 +212,60 @@ def test_a_receiver_killed_mid_transfer_accepts_the_senders_fresh_manifest(tmp_p
     assert sender.out.session.stats["receiver_restarts"] == 1
     assert res.reason in ("complete", "deadline") and res.complete.sum() > 100, res.stats
     assert_blocks_exact(res, tr)
+
+
+def test_recv_mode_refuses_a_replay_and_waits_for_a_genuine_transfer():
+    """The `recv` command's engine (single transfer): a replayed transfer does not take
+    the one slot; the next genuine transfer is received."""
+    from kvtransport.daemon_receiver import ReceiverEngine
+    from kvtransport.policy import make_policy
+    from kvtransport.sender import SenderSession
+    from kvtransport.udp import DatagramSocket, clock
+
+    key = b"k" * 32
+
+    def datagrams(seed):
+        tr = synthetic_transfer(20_000, 4, seed=seed)
+        s = SenderSession(tr, make_policy("none"), rate_bps=1e9, deadline=0.5, key=key,
+                          wall_offset=time.time())  # fmt: skip
+        out = []
+        while len(out) < 40 and s.next_timer() is not None:
+            out += s.datagrams_to_send(s.next_timer())
+        return s.transfer_id, out
+
+    (old, captured), (new, fresh) = datagrams(1), datagrams(2)
+    record = ReplayRecord(None, now=time.time())
+    assert record.admit(old, _sent_at(captured), time.time()) is None  # received before
+    results = []
+    with DatagramSocket(("127.0.0.1", 0)) as rs, socket.socket(type=socket.SOCK_DGRAM) as tx:
+        eng = ReceiverEngine(rs, key=key, single=True, on_result=results.append, replay=record)
+        for batch in (captured, fresh):
+            for d in batch:
+                tx.sendto(d, rs.address)
+            end = time.monotonic() + 5
+            while eng.adopted is None or eng.adopted == old:
+                eng.on_readable(clock())
+                if eng.replays_refused and batch is captured or time.monotonic() > end:
+                    break
+        end = time.monotonic() + 5
+        while not results and time.monotonic() < end:
+            eng.on_readable(clock())
+    assert eng.replays_refused == 1 and record.refused == {REPLAYED: 1}
+    assert [r.transfer_id for r in results] == [new]
+    assert results[0].session.result.reason == "complete"
+
+
+def _sent_at(datagrams):
+    """The send time in the manifest of a transfer's first datagrams (decoded here as a
+    receiver would)."""
+    from kvtransport.manifest_fec import ManifestReceiver
+    from kvtransport.wire import DatagramType, parse
+
+    rx = ManifestReceiver()
+    for d in datagrams:
+        g = parse(d, b"k" * 32)
+        if g.type in (DatagramType.MANIFEST, DatagramType.MANIFEST_REPAIR):
+            m = rx.add(g)
+            if m is not None:
+                return m.sent_at
+    raise AssertionError("no manifest in the datagrams")
