@@ -448,14 +448,10 @@ class ReceiverDaemon(DaemonShell):
 
             if not Path(out_dir).is_dir():
                 raise UserError(f"--out-dir {out_dir} is not a directory")
+        replay = open_record(replay_file, bind[1], replay_window_s)
         self.stats_out = stats if stats is not None else StatsWriter(None)
         self.warm_up_s = warm_up(key)
         self.sock = DatagramSocket(bind, gro=gro)
-        try:
-            replay = open_record(replay_file, bind[1], self.sock.address[1], replay_window_s)
-        except UserError:
-            self.sock.close()
-            raise
         self.engine = ReceiverEngine(
             self.sock,
             key=key,

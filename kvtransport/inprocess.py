@@ -331,13 +331,9 @@ class Receiver:
             raise UserError("timeout_s, idle_timeout_s and max_mb must be positive")
         raw_key = _key(key, insecure)
         bind = parse_address(listen, what="listen")
+        replay = open_record(replay_file, bind[1])
         _warm(raw_key, "fixed:1/4")
         self.sock = DatagramSocket(bind, gro=gro)
-        try:
-            replay = open_record(replay_file, bind[1], self.sock.address[1])
-        except UserError:
-            self.sock.close()
-            raise
         self._stop = StopSignal()
         self._future: concurrent.futures.Future[DeliveredResult] = concurrent.futures.Future()
         self._timeout_s = timeout_s

@@ -81,12 +81,13 @@ def default_record_path(port: int) -> Path:
 
 
 def open_record(
-    path: str | os.PathLike | None, bind_port: int, port: int, window_s: float = DEFAULT_WINDOW_S
+    path: str | os.PathLike | None, port: int, window_s: float = DEFAULT_WINDOW_S
 ) -> ReplayRecord:
-    """The replay record of a receiver that asked to bind ``bind_port`` and got ``port``:
-    the file ``path``, else :func:`default_record_path` of the port, else (an ephemeral
-    port, ``bind_port`` 0, which a restart would not get again) one in memory only."""
-    if path is None and bind_port != 0:
+    """The replay record of a receiver about to bind UDP ``port``: the file ``path``, else
+    :func:`default_record_path` of the port, else (port 0, an ephemeral port that a
+    restart would not get again) one in memory only. Opened before the receiver's slow
+    start-up work, so a bad file is a one-line error at once."""
+    if path is None and port != 0:
         path = default_record_path(port)
     return ReplayRecord(path, now=time.time(), window_s=window_s)
 

@@ -70,15 +70,11 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--timeout, --idle-timeout and --max-mb must be positive")
     key = _common.key_from(args)
     bind = parse_address(args.listen, what="--listen")
+    replay = open_record(args.replay_file, bind[1], args.replay_window)
     set_realtime(args.realtime)
     warm_up(key)
     sock = DatagramSocket(bind, gro=not args.no_gro)
     host, port = sock.address
-    try:
-        replay = open_record(args.replay_file, bind[1], port, args.replay_window)
-    except UserError:
-        sock.close()
-        raise
     print(f"kvtransport recv: listening on {host}:{port}", file=sys.stderr, flush=True)
     with _common.stoppable(sock) as stop:
         inc, engine = run_receive(
