@@ -4,7 +4,9 @@ Control (both daemons): a ROUTER socket, by default on an ``ipc://`` path (a fil
 client in another network namespace reaches it too) in a private runtime directory
 (:func:`runtime_dir`, mode 0700), or on ``tcp://`` loopback only (control is not
 authenticated: :func:`check_endpoint` refuses other hosts, and ipc:// directories that are
-not the user's own, on both the daemon's and the client's side). A request is a
+not the user's own, on both the daemon's and the client's side), or on any ``tcp://``
+address with ZeroMQ CURVE (kvtransport.curve: ``--curve-secret`` on the daemon,
+``curve_server_key`` on the client). A request is a
 multipart message ``[header, *frames]`` (REQ framing); the header is one JSON object with
 an ``op``; the reply is ``[json]`` with ``ok`` and either the answer or ``error`` (one line).
 
@@ -71,13 +73,24 @@ def runtime_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"kvtransport-{os.getuid()}"
 
 
-_LOOPBACK = ("127.", "[::1]", "localhost")
+def _is_loopback(host: str) -> bool:
+    """``host`` (of a tcp:// endpoint) is a loopback address: ``localhost``, 127.0.0.0/8
+    or ``[::1]``; a name merely starting so (``127.example.net``) is not."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.removeprefix("[").removesuffix("]")).is_loopback
+    except ValueError:
+        return False
 
 
-def check_endpoint(endpoint: str, what: str = "endpoint") -> str:
+def check_endpoint(endpoint: str, what: str = "endpoint", *, curve: bool = False) -> str:
     """``endpoint`` if a daemon may bind it or a client may trust it, else a one-line
     UserError naming it as ``what``. Daemons check before any slow start-up work.
-    ``tcp://`` must be a loopback address; ``ipc://`` must name a socket file (not a
+    ``tcp://`` must be a loopback address unless ``curve`` (the socket uses ZeroMQ CURVE,
+    kvtransport.curve: then any address); ``ipc://`` must name a socket file (not a
     directory) whose directory is made (mode 0700) when missing and must then be owned by
     this user and closed to others' writes, so nobody else can squat the socket path;
     ``inproc://`` is process-local."""
@@ -85,10 +98,16 @@ def check_endpoint(endpoint: str, what: str = "endpoint") -> str:
         return endpoint
     if endpoint.startswith("tcp://"):
         host = endpoint[len("tcp://") :].rsplit(":", 1)[0]
-        if not host.startswith(_LOOPBACK):
+        if curve:
+            from kvtransport.curve import available
+
+            if not available():
+                raise UserError(f"{what} {endpoint}: this pyzmq's libzmq has no CURVE support")
+        elif not _is_loopback(host):
             raise UserError(
-                f"{what} {endpoint} is not on loopback: control requests are not "
-                "authenticated; use ipc:// or tcp://127.0.0.1:PORT"
+                f"{what} {endpoint} is not on loopback and CURVE is not configured: use "
+                "ipc://, tcp://127.0.0.1:PORT, or CURVE (daemon --curve-secret FILE, "
+                "clients curve_server_key=FILE.pub)"
             )
         return endpoint
     if not endpoint.startswith("ipc://"):

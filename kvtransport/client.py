@@ -15,6 +15,10 @@ so a daemon that is not running gives an :class:`~kvtransport.api.ApiError` afte
 ``timeout_s`` rather than a hang. Transfers are sent zero-copy: the payload frame is the
 caller's buffer (numpy array, bytes or a CPU torch tensor), which must not change until
 ``submit`` returns.
+
+A daemon on another host (a ``tcp://`` endpoint off loopback) must run with CURVE
+(``--curve-secret FILE``); every client then names its public key, ``curve_server_key=
+"FILE.pub"`` (kvtransport.curve). Without it such an endpoint is refused in one line.
 """
 
 from __future__ import annotations
@@ -62,16 +66,30 @@ class _Closing:
 
 class _Socket(_Closing):
     """A ZeroMQ socket (no linger) in the caller's context, or in one of its own that
-    closing it ends."""
+    closing it ends; a CURVE client of the daemon whose public key is ``curve_server_key``
+    (kvtransport.curve: the Z85 text or its file), which any tcp:// endpoint then needs."""
 
-    def __init__(self, kind: str, context: Any) -> None:
+    def __init__(
+        self, kind: str, context: Any, endpoint: str, curve_server_key: str | bytes | None
+    ) -> None:
         import zmq
 
+        server_key = None
+        if curve_server_key is not None:
+            from kvtransport.curve import server_public_key
+
+            server_key = server_public_key(curve_server_key)
+        # no request to, or result from, a socket another user could have put there
+        check_endpoint(endpoint, curve=server_key is not None)
         self._zmq = zmq
         self._own = context is None
         self.context = context or zmq.Context()
         self.sock = self.context.socket(getattr(zmq, kind))
         self.sock.setsockopt(zmq.LINGER, 0)
+        if server_key is not None:
+            from kvtransport.curve import connect_as_client
+
+            connect_as_client(self.sock, server_key)
 
     def close(self) -> None:
         self.sock.close(linger=0)
@@ -82,9 +100,10 @@ class _Socket(_Closing):
 class _Requester(_Socket):
     """One REQ socket to a daemon's control endpoint."""
 
-    def __init__(self, endpoint: str, timeout_s: float, context: Any) -> None:
-        check_endpoint(endpoint)  # no request to a socket another user could have put there
-        super().__init__("REQ", context)
+    def __init__(
+        self, endpoint: str, timeout_s: float, context: Any, curve_server_key: str | bytes | None
+    ) -> None:
+        super().__init__("REQ", context, endpoint, curve_server_key)
         zmq = self._zmq
         self.endpoint = endpoint
         self.timeout_s = timeout_s
@@ -122,8 +141,11 @@ class _DaemonClient(_Closing):
         *,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         context: Any = None,
+        curve_server_key: str | bytes | None = None,
     ) -> None:
-        self._req = _Requester(endpoint or self.DEFAULT_ENDPOINT, timeout_s, context)
+        self._req = _Requester(
+            endpoint or self.DEFAULT_ENDPOINT, timeout_s, context, curve_server_key
+        )
 
     def status(self, transfer_id: int | str | None = None) -> Any:
         """One transfer's status (a dict) or, without an id, a list of all of them."""
@@ -218,9 +240,14 @@ class ResultSubscriber(_Socket):
     """Results a receiver daemon publishes (subscribe before the transfer starts: a PUB
     socket sends nothing to subscribers that were not connected yet)."""
 
-    def __init__(self, endpoint: str = DEFAULT_RESULTS, *, context: Any = None) -> None:
-        check_endpoint(endpoint)
-        super().__init__("SUB", context)
+    def __init__(
+        self,
+        endpoint: str = DEFAULT_RESULTS,
+        *,
+        context: Any = None,
+        curve_server_key: str | bytes | None = None,
+    ) -> None:
+        super().__init__("SUB", context, endpoint, curve_server_key)
         self.sock.setsockopt(self._zmq.SUBSCRIBE, RESULT_TOPIC)
         self.sock.connect(endpoint)
         self._held: dict[int, DeliveredResult] = {}

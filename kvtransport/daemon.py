@@ -194,13 +194,18 @@ class StopSignal:
 Handler = Callable[[dict[str, Any], list], tuple[dict[str, Any], list] | dict[str, Any]]
 
 
-def bind_endpoint(sock: Any, endpoint: str) -> None:
+def bind_endpoint(sock: Any, endpoint: str, curve_secret: bytes | None = None) -> None:
     """Bind a ZeroMQ socket to a checked endpoint (kvtransport.api.check_endpoint: loopback
-    tcp, or ipc in a private directory, made 0700 when missing); an ipc:// socket file is
-    made owner-only. UserError on failure."""
+    tcp, or ipc in a private directory, made 0700 when missing; with ``curve_secret`` the
+    socket is a CURVE server, kvtransport.curve, and any tcp address will do); an ipc://
+    socket file is made owner-only. UserError on failure."""
     import zmq
 
-    check_endpoint(endpoint)
+    check_endpoint(endpoint, curve=curve_secret is not None)
+    if curve_secret is not None:
+        from kvtransport.curve import serve
+
+        serve(sock, curve_secret)
     try:
         sock.bind(endpoint)
     except zmq.ZMQError as exc:
@@ -208,6 +213,18 @@ def bind_endpoint(sock: Any, endpoint: str) -> None:
     if endpoint.startswith("ipc://"):
         with contextlib.suppress(OSError):
             Path(endpoint[len("ipc://") :]).chmod(0o600)
+
+
+def curve_secret(path: str | None) -> bytes | None:
+    """The daemon's CURVE secret key from ``--curve-secret`` (made on first use, its public
+    key written beside it; kvtransport.curve), or None without one."""
+    if path is None:
+        return None
+    from kvtransport.curve import server_keys
+
+    public, secret = server_keys(path)
+    log.info("CURVE on: clients need the public key %s (in %s.pub)", public.decode(), path)
+    return secret
 
 
 def remove_ipc_file(endpoint: str) -> None:
@@ -227,7 +244,13 @@ class ControlServer:
     therefore change nothing until it has validated the whole request (kvtransport.bounds).
     """
 
-    def __init__(self, context: Any, endpoint: str, handlers: dict[str, Handler]) -> None:
+    def __init__(
+        self,
+        context: Any,
+        endpoint: str,
+        handlers: dict[str, Handler],
+        curve_secret: bytes | None = None,
+    ) -> None:
         import zmq
 
         self._zmq = zmq
@@ -236,7 +259,7 @@ class ControlServer:
         self.sock = context.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        bind_endpoint(self.sock, endpoint)
+        bind_endpoint(self.sock, endpoint, curve_secret)
         self.fd = self.sock.getsockopt(zmq.FD)
         self.requests = 0
         self.errors = 0
@@ -320,6 +343,8 @@ class DaemonShell:
     stats_out: StatsWriter
     context: Any
     control: ControlServer
+    curve_secret: bytes | None = None
+    """The CURVE secret key of the control (and result) sockets (kvtransport.curve)."""
 
     def _start_control(
         self, control: str, handlers: dict[str, Handler], before: Callable[[], None] | None = None
@@ -337,6 +362,7 @@ class DaemonShell:
                 self.context,
                 control,
                 {**handlers, "stats": self._stats, "ping": self._ping},
+                self.curve_secret,
             )
         except BaseException:
             self.sock.close()

@@ -29,7 +29,13 @@ What bounds the state (every datagram is attacker-controlled):
   seconds after its last datagram when no manifest came;
 - a finished session lingers ``linger_s`` to remind a sender that missed the final
   feedback; then its id goes to a bounded list of recent ids whose late datagrams are
-  dropped (``finished_transfer``) instead of opening a new session.
+  dropped (``finished_transfer``) instead of opening a new session;
+- with a ``replay`` record (kvtransport.replay; the daemon and the ``recv`` command keep
+  one on disk), a manifest that is stale or was accepted before (a captured transfer
+  played again, even after a restart) ends its session with nothing delivered (reason
+  ``replayed``, no result handed on, counted in ``replays_refused`` and by reason in the
+  drops); the record is saved after each batch that accepted a manifest, before any
+  result of that batch goes out.
 
 Garbage never reaches a session unless it carries a known transfer id; there it is
 counted by reason in the session's ``drop_reasons`` (bad tag, truncated, ...), elsewhere
@@ -43,6 +49,7 @@ from __future__ import annotations
 
 import logging
 import struct
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -52,6 +59,8 @@ from kvtransport.api import load_json_header
 from kvtransport.daemon import DaemonShell, DropCounts
 from kvtransport.errors import UserError
 from kvtransport.receiver import ReceiverSession
+from kvtransport.replay import DEFAULT_WINDOW_S, ReplayRecord, open_record
+from kvtransport.transfer import TransportManifest
 from kvtransport.udp import DatagramSocket, clock
 from kvtransport.wire import HEADER_SIZE, DatagramType, Parser, WireError
 
@@ -142,6 +151,7 @@ class ReceiverEngine(DropCounts):
         single: bool = False,
         on_result: Any = None,
         budget_bytes: int | None = None,
+        replay: ReplayRecord | None = None,
     ) -> None:
         if max_transfers < 1 or max_bytes < 1 or not 0 < idle_timeout <= MAX_IDLE_TIMEOUT_S:
             raise UserError(
@@ -163,6 +173,8 @@ class ReceiverEngine(DropCounts):
         self.linger_s = linger_s
         self.single = single
         self.on_result = on_result
+        self.replay = replay
+        self.replays_refused = 0
         self.active: dict[int, Incoming] = {}
         self.lingering: OrderedDict[int, Incoming] = OrderedDict()
         self.recent: OrderedDict[int, dict[str, Any]] = OrderedDict()
@@ -205,6 +217,9 @@ class ReceiverEngine(DropCounts):
                 touched[tid] = inc
             inc.datagrams += 1
             receive(data, now)
+        replay = self.replay
+        if replay is not None and replay.dirty:
+            replay.persist()  # the batch accepted a transfer: on disk before any result
         if touched:
             later = now + (clock() - t0)  # the batch took time: the sender's RTT must not
             for inc in touched.values():  # count it as network delay
@@ -236,12 +251,29 @@ class ReceiverEngine(DropCounts):
             max_bytes=self.max_bytes,
             idle_timeout=self.idle_timeout,
             reserve=self._reserve,
+            admit=self._admit_manifest if self.replay is not None else None,
         )
         inc = Incoming(tid, session, addr, now)
         self.active[tid] = inc
         self.adopted = tid
         log.info("transfer %016x: first datagram from %s:%d", tid, addr[0], addr[1])
         return inc
+
+    def _admit_manifest(self, tid: int, manifest: TransportManifest) -> str | None:
+        """A session's manifest checked against the replay record (kvtransport.replay)
+        at this host's wall clock; the refusal's reason, or None."""
+        assert self.replay is not None  # sessions get this check only with a record
+        why = self.replay.admit(tid, manifest.sent_at, time.time())
+        if why is not None:
+            log.warning(
+                "transfer %016x refused (%s): manifest sent %.1f s from this host's clock "
+                "(window %g s); a replay, or clocks out of sync",
+                tid,
+                why,
+                manifest.sent_at - time.time(),
+                self.replay.window_s,
+            )
+        return why
 
     def _live(self) -> int:
         """Sessions still receiving: one that finished earlier in this batch (its result
@@ -319,9 +351,14 @@ class ReceiverEngine(DropCounts):
         inc.finished = now
         del self.active[inc.transfer_id]
         self.lingering[inc.transfer_id] = inc
-        self.results += 1
         res = inc.session.result
         assert res is not None  # the session has finished
+        if res.reason == "replayed":  # nothing to deliver; its later datagrams are dropped
+            self.replays_refused += 1
+            if self.single and self.adopted == inc.transfer_id:
+                self.adopted = None  # the recv command waits for a genuine transfer
+            return
+        self.results += 1
         log.info(
             "transfer %016x %s: utility %.4f, %d of %d blocks complete, %d datagrams",
             inc.transfer_id,
@@ -367,6 +404,16 @@ class ReceiverEngine(DropCounts):
             "engine_dropped": self.dropped,
             "held_bytes": self.held_bytes,
             "budget_bytes": self.budget_bytes,
+            "replays_refused": self.replays_refused,
+            "replay_record": (
+                {
+                    "entries": len(self.replay.entries),
+                    "floor": self.replay.floor,
+                    "persist_errors": self.replay.persist_errors,
+                }
+                if self.replay is not None
+                else None
+            ),
             "socket": dict(self.sock.stats),
         }
 
@@ -393,18 +440,24 @@ class ReceiverDaemon(DaemonShell):
         idle_timeout: float = DEFAULT_IDLE_TIMEOUT_S,
         budget_bytes: int | None = None,
         stats: Any = None,
+        replay_file: str | None = None,
+        replay_window_s: float = DEFAULT_WINDOW_S,
+        curve_secret_file: str | None = None,
     ) -> None:
         from kvtransport.api import check_endpoint
-        from kvtransport.daemon import StatsWriter, warm_up
+        from kvtransport.daemon import StatsWriter, curve_secret, warm_up
 
-        check_endpoint(control, "control")  # before the slow warm-up
-        check_endpoint(publish, "publish")
+        self.curve_secret = curve_secret(curve_secret_file)
+        curve = self.curve_secret is not None
+        check_endpoint(control, "control", curve=curve)  # before the slow warm-up
+        check_endpoint(publish, "publish", curve=curve)
         self.out_dir = out_dir
         if out_dir is not None:
             from pathlib import Path
 
             if not Path(out_dir).is_dir():
                 raise UserError(f"--out-dir {out_dir} is not a directory")
+        replay = open_record(replay_file, bind[1], replay_window_s)
         self.stats_out = stats if stats is not None else StatsWriter(None)
         self.warm_up_s = warm_up(key)
         self.sock = DatagramSocket(bind, gro=gro)
@@ -416,6 +469,7 @@ class ReceiverDaemon(DaemonShell):
             idle_timeout=idle_timeout,
             budget_bytes=budget_bytes,
             on_result=self._result,
+            replay=replay,
         )
         self.publish_endpoint = publish
         self.published = 0  # results handed to the PUB socket
@@ -437,7 +491,7 @@ class ReceiverDaemon(DaemonShell):
         # a subscriber's full queue makes send() fail (EAGAIN) instead of dropping the
         # result unseen: it waits in the backlog instead (see _publish)
         self.pub.setsockopt(zmq.XPUB_NODROP, 1)
-        bind_endpoint(self.pub, self.publish_endpoint)
+        bind_endpoint(self.pub, self.publish_endpoint, self.curve_secret)
 
     def _publish(self, frames: list | None, now: float = 0.0) -> None:
         """Send ``frames`` (a result; None: only retry the backlog) after the results

@@ -48,7 +48,7 @@ from kvtransport.policy import make_policy
 from kvtransport.protocol import DEFAULT_INITIAL_RTT, DEFAULT_SYMBOL_SIZE
 from kvtransport.sender import SenderSession
 from kvtransport.transfer import Transfer
-from kvtransport.udp import DatagramSocket
+from kvtransport.udp import DatagramSocket, wall_offset
 from kvtransport.utility_model import SigmoidUtility
 from kvtransport.wire import HEADER_SIZE, full_send_time
 
@@ -242,6 +242,7 @@ class SenderEngine(DropCounts):
                 key=self.key,
                 symbol_size=self.symbol_size,
                 initial_rtt=initial_rtt,
+                wall_offset=wall_offset(),
             )
         except ValueError as exc:
             raise UserError(str(exc)) from None
@@ -468,11 +469,14 @@ class SenderDaemon(DaemonShell):
         max_transfers: int = DEFAULT_MAX_TRANSFERS,
         utility_table: str | None = None,
         stats: Any = None,
+        curve_secret_file: str | None = None,
     ) -> None:
         from kvtransport.api import check_endpoint
-        from kvtransport.daemon import StatsWriter, warm_up
+        from kvtransport.daemon import StatsWriter, curve_secret, warm_up
 
-        check_endpoint(control, "control")  # before the slow warm-up
+        self.curve_secret = curve_secret(curve_secret_file)
+        # before the slow warm-up
+        check_endpoint(control, "control", curve=self.curve_secret is not None)
         make_policy(policy)  # a bad default fails at start, not at the first submit
         self.policy = policy
         self.table = None

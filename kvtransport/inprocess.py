@@ -92,11 +92,14 @@ def run_receive(
     timeout_s: float = 60.0,
     idle_timeout_s: float = 10.0,
     max_bytes: int = 1 << 30,
+    replay: Any = None,
 ) -> tuple[Any, Any]:
     """Receive the first transfer that reaches ``sock`` (datagrams of others are dropped).
 
     Ends at the transfer's result, when no transfer started within ``timeout_s``, or on
-    ``stop`` (a transfer in progress then delivers what it holds). Returns
+    ``stop`` (a transfer in progress then delivers what it holds). ``replay``: a
+    :class:`~kvtransport.replay.ReplayRecord` (a replayed transfer is refused and the wait
+    goes on). Returns
     ``(incoming, engine)``: the :class:`~kvtransport.daemon_receiver.Incoming` (None when
     no transfer arrived) and the engine, whose counters say what was dropped.
     """
@@ -111,6 +114,7 @@ def run_receive(
         idle_timeout=idle_timeout_s,
         single=True,
         on_result=results.append,
+        replay=replay,
     )
     started = clock()
 
@@ -305,7 +309,8 @@ class Receiver:
     :meth:`result` (blocking), ``await receiver`` or :meth:`result_async`. Closing (or
     leaving the ``with`` block) stops the loop; a transfer still in progress then delivers
     what it holds. One Receiver serves one transfer, as ``kvtransport recv`` does; run the
-    receiver daemon for many.
+    receiver daemon for many. A replayed transfer is refused (kvtransport.replay): the
+    record is ``replay_file``, else the port's default file (in memory for port 0).
     """
 
     def __init__(
@@ -318,11 +323,15 @@ class Receiver:
         idle_timeout_s: float = 10.0,
         max_mb: float = 1024.0,
         gro: bool = True,
+        replay_file: str | None = None,
     ) -> None:
+        from kvtransport.replay import open_record
+
         if not (timeout_s > 0 and idle_timeout_s > 0 and max_mb > 0):
             raise UserError("timeout_s, idle_timeout_s and max_mb must be positive")
         raw_key = _key(key, insecure)
         bind = parse_address(listen, what="listen")
+        replay = open_record(replay_file, bind[1])
         _warm(raw_key, "fixed:1/4")
         self.sock = DatagramSocket(bind, gro=gro)
         self._stop = StopSignal()
@@ -335,6 +344,7 @@ class Receiver:
                 timeout_s=timeout_s,
                 idle_timeout_s=idle_timeout_s,
                 max_bytes=int(max_mb * 1e6),
+                replay=replay,
             ),  # fmt: skip
             name="kvtransport-receiver",
             daemon=True,

@@ -43,6 +43,12 @@ the output buffer grows only as far as the shell's ``reserve(extra_bytes)`` allo
 daemon's budget for all transfers in flight: beyond it symbols are dropped as
 ``over_budget`` and a manifest is refused), the decoder holds ``DECODER_WINDOW`` ESIs and
 at most ``MAX_PENDING_EQUATIONS`` pending repair equations, rings are fixed size.
+
+Replays: a shell with a replay record (kvtransport.replay) passes ``admit(transfer_id,
+manifest)``; when it names a reason (a stale or already accepted manifest), the session
+counts it in ``drop_reasons``, finishes at once with reason ``replayed`` and nothing of the
+transfer (no block, no payload byte), and drops its later datagrams as ``replayed``
+without answering them.
 """
 
 from __future__ import annotations
@@ -116,9 +122,11 @@ class ReceiverSession:
         max_bytes: int = DEFAULT_MAX_BYTES,
         idle_timeout: float = 10.0,
         reserve: Callable[[int], bool] | None = None,
+        admit: Callable[[int, TransportManifest], str | None] | None = None,
     ) -> None:
         self.transfer_id = transfer_id
         self._reserve = reserve
+        self._admit = admit
         self.reserved = 0  # bytes of output buffer ``reserve`` granted this session
         self._key = key
         self.parser = Parser(key)
@@ -241,7 +249,11 @@ class ReceiverSession:
             self._drop("unexpected_type")
             return
         if self.finished:
-            self._answer_after_finish(now)
+            assert self.result is not None  # set when the session finished
+            if self.result.reason == "replayed":
+                self._drop("replayed")  # no answer: the peer replays a captured transfer
+            else:
+                self._answer_after_finish(now)
             return
         if self.framer is None:
             self.framer = Framer(self.transfer_id, self._key, max_payload=2048)
@@ -463,6 +475,13 @@ class ReceiverSession:
             16 <= m.symbol_size <= 65000
         ):
             raise _Drop("bad_manifest")
+        if self._admit is not None:
+            assert self.transfer_id is not None  # a manifest came with its transfer id
+            why = self._admit(self.transfer_id, m)
+            if why is not None:  # stale or replayed (kvtransport.replay): nothing delivered
+                self._drop(why)
+                self._finish(now, "replayed")
+                return
         if m.payload_len > self.max_bytes:
             self._drop("too_large")
             self._finish(now, "refused")  # bounded state: a transfer too large is refused

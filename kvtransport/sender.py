@@ -142,7 +142,10 @@ class SenderSession:
     """Sends one transfer before a deadline (see the module docstring).
 
     ``deadline`` and ``now`` are in the shell's clock (seconds). ``rate_bps`` is the link
-    rate the sender paces to. ``key`` enables authentication (BLAKE2b tags).
+    rate the sender paces to. ``key`` seals every datagram (AES-256-GCM, kvtransport.wire).
+    ``wall_offset`` is the shell's wall clock (Unix seconds) minus its ``now`` clock: the
+    manifest carries ``now + wall_offset`` as its send time, which a daemon receiver checks
+    for freshness (kvtransport.replay); shells without a real receiver leave it 0.
     """
 
     def __init__(
@@ -160,6 +163,7 @@ class SenderSession:
         initial_rtt: float = DEFAULT_INITIAL_RTT,
         link_overhead: int = LINK_OVERHEAD_BYTES,
         record: bool = False,
+        wall_offset: float = 0.0,
     ) -> None:
         if not rate_bps > 0:
             raise ValueError("rate_bps must be positive")
@@ -195,10 +199,8 @@ class SenderSession:
         self._raw_buf = memoryview(self._raw)
         self._rtt_changed()
 
-        manifest = TransportManifest(
-            s, transfer.nbytes, transfer.blocks, transfer.app_metadata, max(deadline - now, 0.0)
-        )
-        self.manifest = ManifestSender(manifest.to_bytes(), s)
+        self._wall_offset = wall_offset
+        self.manifest = self._manifest(max(deadline - now, 0.0), now)
 
         # source symbols: views into the payload; the last one zero-padded
         self._payload = memoryview(transfer.payload)
@@ -748,14 +750,19 @@ class SenderSession:
         self._segments.clear()
         self._seg_flight.clear()
         self._seg_needed = 0
+        self.manifest = self._manifest(max(self.deadline - now, 0.0), now)
+        self.manifest.next_slot = self.slot
+
+    def _manifest(self, deadline_s: float, now: float) -> ManifestSender:
+        """The transport manifest, made now (its send time is this moment's wall clock:
+        a resent one is fresh, and newer than the one the receiver may have recorded)."""
         t = self.transfer
         assert t is not None  # released only once done
-        left = max(self.deadline - now, 0.0)
         manifest = TransportManifest(
-            self.symbol_size, t.nbytes, t.blocks, t.app_metadata, left
+            self.symbol_size, t.nbytes, t.blocks, t.app_metadata, deadline_s,
+            max(now + self._wall_offset, 0.0),
         )  # fmt: skip
-        self.manifest = ManifestSender(manifest.to_bytes(), self.symbol_size)
-        self.manifest.next_slot = self.slot
+        return ManifestSender(manifest.to_bytes(), self.symbol_size)
 
     def _plan_segments(self, fb: Feedback) -> None:
         """Equations still owed per segment: its recoverable holes, minus the equations the

@@ -12,15 +12,18 @@ the transfer's first datagram. Its serialization (:meth:`TransportManifest.to_by
 little-endian::
 
     0   4  magic b"KVTM"
-    4   2  version (1)
+    4   2  version (2)
     6   2  flags (0)
     8   4  symbol size
     12  8  payload length (bytes)
     20  4  block count n
     24  8  deadline: seconds from the transfer's first datagram (float64; 0 = none)
-    32  4  application metadata length A
-    36  4  compressed block table length Z
-    40  Z  zlib(offsets u64[n] | lengths u64[n] | utilities f64[n])
+    32  8  sent at: the sender's wall clock (Unix seconds, float64) when it made this
+           manifest (0 = not given); a daemon receiver refuses a manifest that is not
+           fresh or that it accepted before (kvtransport.replay)
+    40  4  application metadata length A
+    44  4  compressed block table length Z
+    48  Z  zlib(offsets u64[n] | lengths u64[n] | utilities f64[n])
     ..  A  application metadata
     ..  4  CRC-32 of everything before
 
@@ -47,9 +50,9 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
 UTILITY_PROFILES = ("zipf", "flat", "linear")
 MANIFEST_MAGIC = b"KVTM"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
 MAX_BLOCKS = 1 << 22
-_MANIFEST_FIXED = struct.Struct("<4sHHIQIdII")
+_MANIFEST_FIXED = struct.Struct("<4sHHIQIddII")
 _CRC = struct.Struct("<I")
 _UTILITY_SLACK = 1e-6
 
@@ -180,6 +183,7 @@ class TransportManifest:
     blocks: BlockTable
     app_metadata: bytes = b""
     deadline_s: float = 0.0  # seconds from the transfer's first datagram; 0 = not given
+    sent_at: float = 0.0  # the sender's wall clock (Unix s) when it made the manifest
 
     @property
     def n_source(self) -> int:
@@ -201,6 +205,7 @@ class TransportManifest:
             self.payload_len,
             len(self.blocks),
             float(self.deadline_s),
+            float(self.sent_at),
             len(self.app_metadata),
             len(table),
         )
@@ -217,17 +222,18 @@ class TransportManifest:
         body, (crc,) = data[: -_CRC.size], _CRC.unpack(data[-_CRC.size :])
         if zlib.crc32(body) != crc:
             raise BadPayload("transport manifest CRC mismatch")
-        magic, version, _flags, sym, plen, n, deadline, alen, zlen = _MANIFEST_FIXED.unpack_from(
-            body
-        )
+        fields = _MANIFEST_FIXED.unpack_from(body)
+        magic, version, _flags, sym, plen, n, deadline, sent_at, alen, zlen = fields
         if magic != MANIFEST_MAGIC or version != MANIFEST_VERSION:
-            raise BadPayload("not a version-1 transport manifest")
+            raise BadPayload(f"not a version-{MANIFEST_VERSION} transport manifest")
         if fixed + zlen + alen != len(body) or not 0 < sym <= 65535 or n > MAX_BLOCKS:
             raise BadPayload("transport manifest lengths are inconsistent")
         if not (0.0 <= deadline <= MAX_DEADLINE_S):
             raise BadPayload(
                 f"transport manifest deadline is not a time in 0..{MAX_DEADLINE_S:g} s"
             )
+        if not (0.0 <= sent_at < 1e11):  # also rejects NaN; 1e11 s is year 5138
+            raise BadPayload("transport manifest send time is not a Unix time")
         want = 24 * n
         try:
             z = zlib.decompressobj()
@@ -244,7 +250,7 @@ class TransportManifest:
             raise BadPayload(f"transport manifest block table: {exc}") from None
         if blocks.end > plen:
             raise BadPayload("transport manifest blocks run past the payload")
-        return cls(sym, plen, blocks, body[fixed + zlen :], deadline)
+        return cls(sym, plen, blocks, body[fixed + zlen :], deadline, sent_at)
 
 
 @dataclass

@@ -63,6 +63,13 @@ SEND_WAIT_S = 0.002  # how long a full send buffer may block one send before we 
 clock = time.monotonic
 """The shells' clock (seconds, monotonic): every ``now`` handed to a session comes from it."""
 
+
+def wall_offset() -> float:
+    """The wall clock (Unix seconds) minus :data:`clock`: ``now + wall_offset()`` is the
+    wall time of a shell's ``now`` (a sender's manifest send time, kvtransport.replay)."""
+    return time.time() - clock()
+
+
 _GSO_REFUSED = (errno.EINVAL, errno.EMSGSIZE, errno.EIO, errno.ENOPROTOOPT, errno.EOPNOTSUPP)
 _UNREACHABLE = (errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN, errno.ENETDOWN)
 _INT = struct.Struct("=i")

@@ -16,12 +16,13 @@ import tempfile
 
 import pytest
 
-# Keys and control sockets of everything the tests start (in this process and in the
+# Keys, control sockets and replay records of everything the tests start (in this process and in the
 # daemons they spawn, which inherit the environment) stay in a private directory of this
 # run: the default key file is made there on first use, never in the user's home.
 _PRIVATE = tempfile.mkdtemp(prefix="kvt-test-")
 os.environ.setdefault("KVT_KEY_FILE", os.path.join(_PRIVATE, "key"))
 os.environ.setdefault("KVT_RUN_DIR", os.path.join(_PRIVATE, "run"))
+os.environ.setdefault("KVT_STATE_DIR", os.path.join(_PRIVATE, "state"))
 atexit.register(shutil.rmtree, _PRIVATE, True)
 
 

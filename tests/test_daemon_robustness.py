@@ -141,7 +141,14 @@ def test_receiver_state_is_bounded_and_expires(daemons):
 
     def first_datagrams(size, n, deadline=0.3):
         tr = synthetic_transfer(size, max(1, size // 12_288), seed=size)
-        s = SenderSession(tr, make_policy("none"), rate_bps=1e9, deadline=deadline, key=KEY)
+        s = SenderSession(
+            tr,
+            make_policy("none"),
+            rate_bps=1e9,
+            deadline=deadline,
+            key=KEY,
+            wall_offset=time.time(),
+        )  # its clock starts now: a fresh manifest
         out = []
         while len(out) < n:
             out += s.datagrams_to_send(s.next_timer())

@@ -53,6 +53,35 @@ def key_from(args: argparse.Namespace) -> bytes | None:
     return resolve_key(args.key_file, args.key, args.insecure)
 
 
+def add_replay(parser: argparse.ArgumentParser) -> None:
+    """``--replay-file`` and ``--replay-window`` of a receiver (kvtransport.replay)."""
+    from kvtransport.replay import DEFAULT_WINDOW_S, MAX_WINDOW_S
+
+    g = parser.add_argument_group(
+        "replay protection",
+        "A transfer is accepted once, and only while its manifest is fresh: sent within "
+        "--replay-window seconds of this host's clock (keep the hosts' clocks in sync, "
+        "e.g. NTP). The ids accepted are kept in --replay-file across restarts.",
+    )
+    g.add_argument("--replay-file", metavar="FILE",
+                   help="the replay record (default: $KVT_STATE_DIR, else "
+                   "$XDG_STATE_HOME/kvtransport, else ~/.local/state/kvtransport, "
+                   "file replay-<port>)")  # fmt: skip
+    g.add_argument("--replay-window", type=float_arg(0, MAX_WINDOW_S, lo_open=True),
+                   default=DEFAULT_WINDOW_S, metavar="S",
+                   help=f"freshness window, seconds (default {DEFAULT_WINDOW_S:g})")  # fmt: skip
+
+
+def add_curve(parser: argparse.ArgumentParser) -> None:
+    """``--curve-secret FILE``: ZeroMQ CURVE on a daemon's control/result sockets."""
+    parser.add_argument(
+        "--curve-secret", metavar="FILE",
+        help="encrypt and authenticate the ZeroMQ sockets with CURVE, this daemon's secret "
+        "key in FILE (made on first use, mode 0600; its public key in FILE.pub, which "
+        "clients pass as curve_server_key); needed for tcp:// off loopback",
+    )  # fmt: skip
+
+
 def add_realtime(parser: argparse.ArgumentParser) -> None:
     """``--realtime [PRIO]``: SCHED_FIFO for the UDP loop (kvtransport.udp.set_realtime)."""
     from kvtransport.udp import REALTIME_HELP

@@ -23,7 +23,9 @@ transfer, --budget-mb for the buffers of all of them, and a transfer whose manif
 comes ends --idle-timeout seconds after its last datagram. A subscriber that lags gets its
 results late, in order (each carries a "seq"); past the daemon's backlog the loss is
 counted (stats: publish_lost) and, with --out-dir, the result is still in its file.
-Garbage, forged and foreign datagrams are counted (status, stats) and dropped. SIGTERM
+Garbage, forged and foreign datagrams are counted (status, stats) and dropped, and so
+is a replayed transfer (a stale manifest, or one accepted before, even before a restart:
+--replay-file). SIGTERM
 or SIGINT: deliver every transfer in progress as a partial result, close, exit 0.
 
 Example:
@@ -57,6 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="buffers of all transfers held at once, MB (default: the larger of "
                    "--max-mb and 1073.7)")  # fmt: skip
     p.add_argument("--no-gro", action="store_true", help="read one datagram per call")
+    _common.add_replay(p)
+    _common.add_curve(p)
     _common.add_daemon_output(p)
 
 
@@ -82,6 +86,9 @@ def run(args: argparse.Namespace) -> int:
         idle_timeout=args.idle_timeout,
         budget_bytes=None if args.budget_mb is None else int(args.budget_mb * 1e6),
         stats=stats,
+        replay_file=args.replay_file,
+        replay_window_s=args.replay_window,
+        curve_secret_file=args.curve_secret,
     )
     if metrics is not None:
         metrics.attach(daemon)

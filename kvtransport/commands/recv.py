@@ -50,6 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-mb", type=float_arg(0, 1e6, lo_open=True), default=1024.0,
                    help="largest transfer accepted, MB (default 1024)")  # fmt: skip
     p.add_argument("--no-gro", action="store_true", help="read one datagram per call")
+    _common.add_replay(p)
     _common.add_realtime(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -60,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
     from kvtransport.api import write_result_file
     from kvtransport.daemon import warm_up
     from kvtransport.inprocess import delivered, run_receive
+    from kvtransport.replay import open_record
     from kvtransport.udp import DatagramSocket, parse_address, set_realtime
 
     if args.out and not Path(args.out).is_dir():
@@ -68,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--timeout, --idle-timeout and --max-mb must be positive")
     key = _common.key_from(args)
     bind = parse_address(args.listen, what="--listen")
+    replay = open_record(args.replay_file, bind[1], args.replay_window)
     set_realtime(args.realtime)
     warm_up(key)
     sock = DatagramSocket(bind, gro=not args.no_gro)
@@ -76,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     with _common.stoppable(sock) as stop:
         inc, engine = run_receive(
             sock, stop=stop, key=key, timeout_s=args.timeout, idle_timeout_s=args.idle_timeout,
-            max_bytes=int(args.max_mb * 1e6),
+            max_bytes=int(args.max_mb * 1e6), replay=replay,
         )  # fmt: skip
         if inc is None:
             if stop.signal_name.startswith("SIG"):

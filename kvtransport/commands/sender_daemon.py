@@ -52,6 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="link-sharing decision period when several transfers run (10)")  # fmt: skip
     p.add_argument("--utility-table", metavar="FILE",
                    help="fitted utility curves (from fit-utility) for link sharing")  # fmt: skip
+    _common.add_curve(p)
     _common.add_daemon_output(p)
 
 
@@ -79,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
         max_transfers=args.max_transfers,
         utility_table=args.utility_table,
         stats=stats,
+        curve_secret_file=args.curve_secret,
     )
     if metrics is not None:
         metrics.attach(daemon)
