@@ -6,6 +6,7 @@ clock (kvtransport.demo), so for a seed its table is fixed: these tests can asse
 repetition and the ordering of the schemes on the demo's seed without tolerating noise.
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -29,7 +30,8 @@ def test_quick_demo_on_the_emulated_link_repeats_and_fec_recovers_more(smollm, t
     cfg = DemoConfig.quick(link="emulated", card_dir=tmp_path, progress=False,
                            compute_speed=speed)  # fmt: skip
     first = run_demo(cfg, loaded=smollm)
-    second = run_demo(cfg, loaded=smollm)  # reads the card the first run cached
+    # reads the card the first run cached; one scheme is enough to see the link repeat
+    second = run_demo(dataclasses.replace(cfg, schemes=("DDQN",)), loaded=smollm)
 
     assert not first.cache["card_cached"] and second.cache["card_cached"]
     assert first.link["mode"] == "emulated" and "yes for seed 1" in first.link["deterministic"]
@@ -71,7 +73,9 @@ def test_quick_demo_on_the_emulated_link_repeats_and_fec_recovers_more(smollm, t
     for label in STREAMING:
         assert by[label].recomputed_tokens < by["no FEC"].recomputed_tokens, label
     # the same seed gives the same transfers (everything but measured compute times)
-    assert first.deterministic_view() == second.deterministic_view()
+    again, once = second.deterministic_view(), first.deterministic_view()
+    once["schemes"] = [s for s in once["schemes"] if s["label"] == "DDQN"]
+    assert len(again["schemes"]) == 1 and again == once
     # what people and programs read
     table = render_table(first)
     for label, _ in SCHEMES:
