@@ -63,3 +63,32 @@ def test_the_allocator_plans_to_the_deadline_less_the_one_way_delay():
     m = _member(1, 500_000, 0.1)
     link.join(m)
     assert link.scheduler.transfers[1].deadline == pytest.approx(0.08)
+
+
+def test_the_sender_engine_shares_its_link_by_weight_over_real_udp():
+    """The daemon's engine passes each submit's weight and deadline to its LinkShare: two
+    identical transfers on an overloaded link, the weight-2 one gets the larger share."""
+    from kvtransport.daemon_sender import SenderEngine
+    from kvtransport.udp import DatagramSocket, clock
+
+    sock = DatagramSocket(("127.0.0.1", 0))
+    try:
+        engine = SenderEngine(sock, rate_bps=100e6, symbol_size=SYMBOL)
+        now = clock()
+        dest = ("127.0.0.1", 9)  # discard: nothing answers, nothing is needed
+        outs = [
+            engine.submit(
+                synthetic_transfer(2_000_000, 162, seed=int(w)),
+                dest,
+                now=now,
+                deadline_s=0.1,
+                weight=w,
+            )  # fmt: skip
+            for w in (1.0, 2.0)
+        ]
+        light, heavy = (o.status(now) for o in outs)
+        assert heavy["weight"] == 2.0 and heavy["share"] > light["share"]
+        assert light["share"] + heavy["share"] <= 1.0 + 1e-9
+        engine.close(clock())
+    finally:
+        sock.close()
