@@ -194,6 +194,7 @@ class SenderSession:
         self.stop_time = 0.0  # last moment a datagram can leave and arrive before the deadline
         self._proactive_span = REPAIR_SEGMENT
         self._open_loop = False  # no feedback for a while: repair open-loop (_silent)
+        self._resumed_at = now  # a paused sender expects no feedback: silence counts anew
         self._decision_t = now
         self._raw = np.zeros(RAW_SIZE, dtype=np.float64)  # the policy's input, see _state()
         self._raw_buf = memoryview(self._raw)
@@ -421,6 +422,7 @@ class SenderSession:
             self.policy.ctx = dataclasses.replace(self.policy.ctx, slot_s=self.slot_s)
         if self._next_send is None or self._next_send >= self.deadline:  # was paused
             self._next_send = now
+            self._resumed_at = now
 
     def decision_latency(self) -> dict[str, float] | None:
         """Count, mean, p50 and p99 (us) of this transfer's policy decisions as the
@@ -919,8 +921,11 @@ class SenderSession:
 
     def _silent(self, t: float) -> bool:
         """No feedback for OPEN_LOOP_RTTS round trips (at least OPEN_LOOP_MIN_S): since the
-        start, or since the last report. The sender then repairs open-loop."""
-        since = self.fb_time if self.fb_time is not None else self.start
+        start, the last report or the end of a pause (a sender its shell paused sent
+        nothing to report on; counted from the report, a long pause looked like a dead
+        feedback path and the resumed sender spent up to half its slots on blind repair).
+        The sender then repairs open-loop."""
+        since = max(self.fb_time if self.fb_time is not None else self.start, self._resumed_at)
         rtt = self.srtt if self.srtt is not None else self._initial_rtt
         return t - since > max(OPEN_LOOP_RTTS * rtt, OPEN_LOOP_MIN_S)
 
