@@ -22,7 +22,9 @@ deferred transfer pauses, and still finishes at its deadline); the link's one-wa
 it plans with is half the shortest round trip the sessions measured. Each transfer's
 utility curve is what its submitter gave (sigmoid parameters, or a model and context
 length looked up in the ``fit-utility`` table), else :func:`stream_utility_curve`. A
-transfer alone on the link gets all of it.
+transfer alone on the link gets all of it. The engine remembers the loss each receiver's
+last transfer ended with (``RECEIVER_MEMORY`` receivers) and a new transfer to that
+receiver starts its repair from it (status ``prior_loss``).
 
 :class:`SenderDaemon` adds the ZeroMQ control socket (kvtransport.api: submit, status,
 cancel, stats, ping), logs and one ``--stats`` JSON line per finished transfer.
@@ -58,6 +60,8 @@ DEFAULT_BURST_S = 200e-6
 DEFAULT_SLOT_S = 0.01
 DEFAULT_MAX_TRANSFERS = 64
 HISTORY = 256
+RECEIVER_MEMORY = 1024
+"""Receivers whose last transfer's loss the engine remembers (the oldest forgotten)."""
 _TID = struct.Struct("!Q")
 
 
@@ -152,6 +156,7 @@ class Outgoing:
             "share": round(m.share, 5),
             "admitted": m.admitted,
             "weight": m.weight,
+            "prior_loss": None if m.prior_loss is None else round(m.prior_loss, 5),
             "deadline_s": round(self.deadline - self.submitted, 6),
             "elapsed_s": round(end - self.submitted, 6),
         }
@@ -191,6 +196,9 @@ class SenderEngine(DropCounts):
         self.finished: OrderedDict[int, Outgoing] = OrderedDict()
         self.drop_reasons: dict[str, int] = {}
         self.dropped = 0
+        # the loss each receiver's last transfer ended with (at most RECEIVER_MEMORY of
+        # them): a new transfer to it starts its repair from that, not a blind prior
+        self.receiver_loss: OrderedDict[tuple[str, int], float] = OrderedDict()
         self.link = LinkShare(
             self.rate_bps, slot_s=slot_s, symbol_size=symbol_size, tagged=key is not None
         )
@@ -256,6 +264,7 @@ class SenderEngine(DropCounts):
             utility=utility if utility is not None else stream_utility_curve(transfer),
             weight=float(weight),
             arrival=now,
+            prior_loss=self.receiver_loss.get(dest),
             rate_bps=self.rate_bps,
         )
         out = Outgoing(link=member, dest=dest, policy=pol.name, label=label, keep=keep)
@@ -379,6 +388,11 @@ class SenderEngine(DropCounts):
             self.finished.popitem(last=False)
         self.link.leave(out.transfer_id, out.session.finish_reason or "finished")
         self._reschedule_now = True
+        if out.session.fb_time is not None:  # its receiver reported: remember its path
+            self.receiver_loss[out.dest] = out.session.loss_estimate()
+            self.receiver_loss.move_to_end(out.dest)
+            while len(self.receiver_loss) > RECEIVER_MEMORY:
+                self.receiver_loss.popitem(last=False)
         s = out.session
         dec = s.decision_latency() or {"n": 0, "mean_us": 0.0, "p99_us": 0.0}
         log.info(

@@ -28,9 +28,11 @@ all of it (there is nothing to share: the allocator would hold back up to a fift
 link from a lone transfer with a generous deadline, and a handoff wants its bytes early).
 
 A member whose adaptive repair policy has not yet heard from its own receiver starts from
-the loss the other members report instead of its blind prior (10 %), and is updated each
-step until its own feedback arrives: on a fast link the blind prior's proactive repairs
-over the first round trip cost a few percent of a transfer's bytes.
+its own prior when the shell has one (the sender daemon: the loss its last transfer to
+the same receiver ended with), else from the loss the other members report, instead of
+the blind prior (10 %), and is updated each step until its own feedback arrives: on a
+fast link the blind prior's proactive repairs over the first round trip cost a few
+percent of a transfer's bytes.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ import numpy as np
 
 from kvtransport.allocator import OnlineScheduler, SlotDecision, SlotPolicy
 from kvtransport.allocator import Transfer as ScheduledTransfer
-from kvtransport.policy import Adaptive, Policy
+from kvtransport.policy import Adaptive
 from kvtransport.protocol import DEFAULT_SYMBOL_SIZE, LINK_OVERHEAD_BYTES
 from kvtransport.sender import SenderSession
 from kvtransport.utility_model import SigmoidUtility
@@ -64,8 +66,10 @@ class Member:
     """One transfer on the shared link: its sender session and what the allocator weighs.
 
     deadline: when the session stops sending (absolute, the shell's clock); arrival: when
-    it joined. share / rate_bps / admitted / paused: the last step's decision for it;
-    slots / admitted_slots: steps it was scheduled in, and admitted in.
+    it joined; prior_loss: what the shell knows of this transfer's path before its own
+    feedback (the loss its last transfer to the same receiver ended with), which wins over
+    the other members' loss. share / rate_bps / admitted / paused: the last step's
+    decision for it; slots / admitted_slots: steps it was scheduled in, and admitted in.
     """
 
     id: int
@@ -75,6 +79,7 @@ class Member:
     utility: SigmoidUtility
     weight: float
     arrival: float
+    prior_loss: float | None = None
     share: float = 0.0
     rate_bps: float = 0.0
     admitted: bool = False
@@ -123,7 +128,7 @@ class LinkShare:
         if member.id in self.members:
             raise ValueError(f"transfer {member.id} is already on the link")
         self.members[member.id] = member
-        self._prime(member.session.policy)
+        self._prime(member)
         self.scheduler.add(self._scheduled(member))
 
     def leave(self, transfer_id: int, reason: str = "finished") -> Member | None:
@@ -192,7 +197,7 @@ class LinkShare:
         loss = self.link_loss()
         for m in live:
             if m.session.fb_time is None:
-                self._prime(m.session.policy, loss)
+                self._prime(m, loss)
         decision: SlotDecision = sched.step(now)
         for m in live:
             share = decision.shares.get(m.id)
@@ -240,9 +245,13 @@ class LinkShare:
             arrival=m.arrival,
         )
 
-    def _prime(self, policy: Policy, loss: float | None = None) -> None:
-        """An adaptive policy not yet heard from its receiver starts from the link's loss."""
-        if loss is None:
+    def _prime(self, m: Member, loss: float | None = None) -> None:
+        """An adaptive policy not yet heard from its receiver starts from its own path's
+        prior, else from the link's loss."""
+        policy = m.session.policy
+        if m.prior_loss is not None:
+            loss = m.prior_loss
+        elif loss is None:
             loss = self.link_loss()
         if isinstance(policy, Adaptive) and loss is not None:
             policy.prior_loss = min(max(loss, MIN_PRIOR_LOSS), MAX_PRIOR_LOSS)

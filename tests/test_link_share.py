@@ -92,3 +92,14 @@ def test_the_sender_engine_shares_its_link_by_weight_over_real_udp():
         engine.close(clock())
     finally:
         sock.close()
+
+
+def test_a_members_own_prior_wins_over_the_link_and_the_blind_default():
+    link = _link(100e6)
+    blind, known = _member(1, 500_000, 0.5), _member(2, 500_000, 0.5)
+    known.prior_loss = 0.07
+    link.join(blind)
+    link.join(known)
+    link.step(0.0)
+    assert known.session.policy.prior_loss == pytest.approx(0.07)
+    assert blind.session.policy.prior_loss == pytest.approx(0.1)  # nothing known: default
