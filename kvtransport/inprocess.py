@@ -184,7 +184,7 @@ def _address(to: str | tuple[str, int], what: str) -> tuple[str, int]:
     return parse_address(str(to), what=what)
 
 
-def _key(key: bytes | str | None, insecure: bool = False) -> bytes | None:
+def api_key(key: bytes | str | None, insecure: bool = False) -> bytes | None:
     """Secure by default, as the commands: raw bytes as they are; text is a key file or
     hex digits (as ``--key``); None is the default key file (made on first use), or no key
     at all only with ``insecure`` (kvtransport.keys.resolve_key)."""
@@ -197,7 +197,7 @@ def _key(key: bytes | str | None, insecure: bool = False) -> bytes | None:
     return resolve_key(None, key, insecure)
 
 
-def _warm(key: bytes | None, policy: str) -> None:
+def warm_kernels(key: bytes | None, policy: str) -> None:
     """Load (or compile) the numba kernels once per process and policy before the first
     transfer (kvtransport.daemon.warm_up): a stall inside a transfer would count as RTT."""
     with _warm_lock:
@@ -246,7 +246,7 @@ def send(
     from kvtransport.daemon_sender import deadline_from
     from kvtransport.policy import default_policy, make_policy
 
-    raw_key = _key(key, insecure)
+    raw_key = api_key(key, insecure)
     dest = _address(to, "receiver")
     local = parse_address(bind, what="bind")
     plan = None
@@ -272,7 +272,7 @@ def send(
         rho = 1.0
     spec = {"deadline_ms": deadline_ms, "rho": rho}
     deadline_s = deadline_from(spec, transfer.nbytes, rate, symbol_size, raw_key is not None)
-    _warm(raw_key, policy)
+    warm_kernels(raw_key, policy)
     stop = StopSignal()  # not installed: signals stay the application's
     sock = DatagramSocket(local, dest, gso=gso)
     try:
@@ -329,10 +329,10 @@ class Receiver:
 
         if not (timeout_s > 0 and idle_timeout_s > 0 and max_mb > 0):
             raise UserError("timeout_s, idle_timeout_s and max_mb must be positive")
-        raw_key = _key(key, insecure)
+        raw_key = api_key(key, insecure)
         bind = parse_address(listen, what="listen")
         replay = open_record(replay_file, bind[1])
-        _warm(raw_key, "fixed:1/4")
+        warm_kernels(raw_key, "fixed:1/4")
         self.sock = DatagramSocket(bind, gro=gro)
         self._stop = StopSignal()
         self._future: concurrent.futures.Future[DeliveredResult] = concurrent.futures.Future()

@@ -244,13 +244,13 @@ class Pusher:
     """
 
     def __init__(self, max_parallel: int = 2, on_done: Any = None, **send_options: Any) -> None:
-        from kvtransport.inprocess import _key, _warm
+        from kvtransport.inprocess import api_key, warm_kernels
         from kvtransport.policy import default_policy
 
         # Load (or compile) the sender's kernels now: done by the first push instead, it
         # took seconds on a busy host and the consumer gave up waiting for that transfer.
-        key = _key(send_options.get("key"), bool(send_options.get("insecure", False)))
-        _warm(key, send_options.get("policy") or default_policy())
+        key = api_key(send_options.get("key"), bool(send_options.get("insecure", False)))
+        warm_kernels(key, send_options.get("policy") or default_policy())
         self._pool = concurrent.futures.ThreadPoolExecutor(max_parallel, "kvt-push")
         self._options = send_options
         self._on_done = on_done
@@ -310,11 +310,11 @@ class Inbox:
     def __post_init__(self) -> None:
         from kvtransport.daemon import StopSignal
         from kvtransport.daemon_receiver import ReceiverEngine
-        from kvtransport.inprocess import _key, _warm
+        from kvtransport.inprocess import api_key, warm_kernels
         from kvtransport.udp import DatagramSocket, parse_address
 
-        raw_key = _key(self.key, self.insecure)
-        _warm(raw_key, "fixed:1/4")
+        raw_key = api_key(self.key, self.insecure)
+        warm_kernels(raw_key, "fixed:1/4")
         self.sock = DatagramSocket(parse_address(self.listen, what="listen"))
         self._lock = threading.Lock()
         self._stop = StopSignal()
