@@ -205,9 +205,15 @@ class KVTransportConnector(KVConnectorBase_V1):
                 logger.info("kvtransport: receiving KV on %s", self.inbox.address)
             if self.is_producer:
                 rate = float(extra.get("rate_mbps", 100.0))
+                # pushes in flight at once, each paced at rate_mbps: together they offer
+                # parallel x rate_mbps to the link (more than it carries only adds loss)
+                parallel = int(extra.get("push_parallel", 2))
+                if parallel < 1:
+                    raise ValueError(f"push_parallel must be at least 1, not {parallel}")
                 self.push_log = extra.get("push_log")  # a file: one JSON line per push
                 on_done = self._log_push if self.push_log else None
-                self.pusher = vb.Pusher(rate_mbps=rate, on_done=on_done, key=key, insecure=insecure)
+                self.pusher = vb.Pusher(max_parallel=parallel, rate_mbps=rate, on_done=on_done,
+                                        key=key, insecure=insecure)  # fmt: skip
 
     # ------------------------------------------------------------------ scheduler side
 

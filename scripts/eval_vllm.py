@@ -162,7 +162,8 @@ def run_prefill(args) -> None:
 
     pushes = Path(args.result + ".pushes")
     extra = {"push_to": args.push_to, "deadline_ms": args.full_deadline_ms,
-             "rate_mbps": args.rate_mbps, "push_log": str(pushes)}  # fmt: skip
+             "rate_mbps": args.rate_mbps, "push_parallel": args.push_parallel,
+             "push_log": str(pushes)}  # fmt: skip
     llm = _engine("kv_producer", extra, args)
     todo = [(t, k, p) for t, k, p in _cases(args.prompts) if k != "lost"]
     sps = []
@@ -337,6 +338,9 @@ def orchestrate(args) -> None:
     t0 = time.perf_counter()
     link = _Link(args.netns, args.netns_seed)
     rate = link.tb.profile.rate_mbps if link.tb is not None else args.rate_mbps
+    # across the testbed one push at a time at the link's rate: two at once offered twice
+    # what the link carries, and its queue dropped a quarter of the datagrams
+    parallel = 1 if link.tb is not None else args.push_parallel
     try:
         with open(tmp / "decode.log", "w") as dlog, open(tmp / "prefill.log", "w") as plog:
             dec = link.popen(
@@ -355,7 +359,8 @@ def orchestrate(args) -> None:
             pre = link.popen(
                 "snd",
                 [*common, "--role", "prefill", "--push-to", f"{link.host}:{link.port}",
-                 "--rate-mbps", f"{rate:g}", "--full-deadline-ms", str(args.full_deadline_ms),
+                 "--rate-mbps", f"{rate:g}", "--push-parallel", str(parallel),
+                 "--full-deadline-ms", str(args.full_deadline_ms),
                  "--cut-deadline-ms", str(args.cut_deadline_ms), "--result",
                  str(tmp / "prefill.json")],
                 stdout=plog, stderr=plog, env=env,
@@ -373,6 +378,7 @@ def orchestrate(args) -> None:
     prefilled = json.loads((tmp / "prefill.json").read_text())
     summary = {**described, **_summary(decoded, prefilled, args)}
     summary["push_rate_mbps"] = rate
+    summary["push_parallel"] = parallel
     summary["decode_engine_startup_s"] = round(startup_s, 1)
     summary["total_s"] = round(time.perf_counter() - t0, 1)
     Path(args.out).write_text(json.dumps({"summary": summary, **decoded}, indent=1) + "\n")
@@ -398,6 +404,12 @@ def main() -> None:
         metavar="PROFILE",
         help="run the engines across the netns testbed with this link profile "
         "(root), e.g. ge-heavy",
+    )
+    ap.add_argument(
+        "--push-parallel",
+        type=int,
+        default=2,
+        help="pushes in flight at once, each at --rate-mbps (with --netns: 1)",
     )
     ap.add_argument("--netns-seed", type=int, default=0, help="the testbed's loss seed")
     ap.add_argument("--out", default=str(ROOT / "results" / "vllm_connector.json"))
