@@ -29,8 +29,10 @@ on both engines (vLLM's request ids differ).
   every block after it through ``get_block_ids_with_load_errors``. With
   ``kv_load_failure_policy`` "recompute", vLLM recomputes from the first failed block.
   ``load_log`` (a file path) appends one JSON line per finished load (request, tag,
-  tokens, loaded, failed_blocks, waited_ms, why); a producer's ``push_log`` one per
-  finished push (tag, finish_reason, decoded_through of n_source, error).
+  tokens, loaded, failed_blocks, waited_ms, why, and the transfer's ``LINK_STATS``:
+  datagrams received and lost, loss rate, repair received, symbols recovered); a
+  producer's ``push_log`` one per finished push (tag, finish_reason, decoded_through of
+  n_source, source and repair datagrams sent, max_lag_ms, error).
 
 Supported: one KV cache group of full attention, vLLM's CPU backend with float32 or
 float16 caches (its "vec" kernels' block layout, see :func:`paged_views`), tensor
@@ -61,6 +63,9 @@ logger = init_logger(__name__)
 
 DEFAULT_LISTEN = "0.0.0.0:9500"
 DEFAULT_DEADLINE_MS = 300.0
+LINK_STATS = ("datagrams", "datagrams_lost", "loss_rate", "repair_received", "symbols_recovered",
+              "elapsed_s")  # fmt: skip
+"""A received transfer's receiver statistics that ``load_log`` records."""
 
 
 @dataclass
@@ -200,9 +205,15 @@ class KVTransportConnector(KVConnectorBase_V1):
                 logger.info("kvtransport: receiving KV on %s", self.inbox.address)
             if self.is_producer:
                 rate = float(extra.get("rate_mbps", 100.0))
+                # pushes in flight at once, each paced at rate_mbps: together they offer
+                # parallel x rate_mbps to the link (more than it carries only adds loss)
+                parallel = int(extra.get("push_parallel", 2))
+                if parallel < 1:
+                    raise ValueError(f"push_parallel must be at least 1, not {parallel}")
                 self.push_log = extra.get("push_log")  # a file: one JSON line per push
                 on_done = self._log_push if self.push_log else None
-                self.pusher = vb.Pusher(rate_mbps=rate, on_done=on_done, key=key, insecure=insecure)
+                self.pusher = vb.Pusher(max_parallel=parallel, rate_mbps=rate, on_done=on_done,
+                                        key=key, insecure=insecure)  # fmt: skip
 
     # ------------------------------------------------------------------ scheduler side
 
@@ -292,7 +303,8 @@ class KVTransportConnector(KVConnectorBase_V1):
         self._count("tokens_pushed", len(s.token_ids))
 
     def _log_push(self, tag: str, status: dict[str, Any]) -> None:
-        keep = ("transfer_id", "finish_reason", "decoded_through", "n_source", "error")
+        keep = ("transfer_id", "finish_reason", "decoded_through", "n_source", "source_sent",
+                "repair_sent", "datagrams_sent", "max_lag_ms", "error")  # fmt: skip
         record = {"tag": tag, **{k: status[k] for k in keep if k in status}}
         assert self.push_log is not None  # set whenever this callback is
         with open(self.push_log, "a") as fh:
@@ -314,6 +326,8 @@ class KVTransportConnector(KVConnectorBase_V1):
             record = {"request": load.req_id, "tag": load.tag, "tokens": load.stop,
                       "loaded": plan.prefix, "failed_blocks": len(plan.failed_block_ids),
                       "waited_ms": round(waited_s * 1e3, 3), "why": plan.why}  # fmt: skip
+            if result is not None:  # what the link did to this transfer (receiver's view)
+                record.update({k: result.stats[k] for k in LINK_STATS if k in result.stats})
             with open(self.load_log, "a") as fh:
                 fh.write(json.dumps(record) + "\n")
         if not plan.complete:

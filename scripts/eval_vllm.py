@@ -16,13 +16,26 @@ the loaded KV against the engine's own prefill. Run::
 
     bash scripts/setup_vllm_env.sh
     .venv-vllm/bin/python scripts/eval_vllm.py --prompts 20 --out results/vllm_connector.json
+
+``--netns PROFILE`` (root; e.g. ge-heavy) runs the same across the netns testbed
+(kvtransport.netem.testbed: kernel netem, or tbf/the userspace relay where the kernel has
+no sch_netem): the prefill engine in the sender namespace, the decode engine in the
+receiver namespace, the profile on the link between them, the push paced at the
+profile's rate. The summary adds the link's counters (the relay's, when it impairs) and
+each transfer's loss as its receiver saw it. The namespaces (prefix ``kvv`` + pid) are
+removed and both engines' process groups killed on every exit::
+
+    .venv-vllm/bin/python scripts/eval_vllm.py --netns ge-heavy --prompts 12 \
+        --cut-deadline-ms 400 --out results/vllm_netns_ge_heavy.json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -148,7 +161,8 @@ def run_prefill(args) -> None:
     from vllm import SamplingParams
 
     pushes = Path(args.result + ".pushes")
-    extra = {"push_to": args.push_to, "deadline_ms": args.full_deadline_ms, "rate_mbps": 100,
+    extra = {"push_to": args.push_to, "deadline_ms": args.full_deadline_ms,
+             "rate_mbps": args.rate_mbps, "push_parallel": args.push_parallel,
              "push_log": str(pushes)}  # fmt: skip
     llm = _engine("kv_producer", extra, args)
     todo = [(t, k, p) for t, k, p in _cases(args.prompts) if k != "lost"]
@@ -174,7 +188,7 @@ def run_prefill(args) -> None:
 
 
 def run_decode(args) -> None:
-    extra = {"listen": f"127.0.0.1:{args.port}", "wait_ms": args.wait_ms,
+    extra = {"listen": f"{args.listen_host}:{args.port}", "wait_ms": args.wait_ms,
              "load_log": args.result + ".loads"}  # fmt: skip
     llm = _engine("kv_consumer", extra, args)
     print("READY", flush=True)
@@ -210,66 +224,161 @@ def _summary(dec: dict, pre: dict, args) -> dict:
         answered = [len(r["tokens"]) > 0 for r in rs]
         ttft = [r["ttft_s"] for r in rs if r["ttft_s"]]
         own_ttft = [own[r["prompt"]]["ttft_s"] for r in rs if own[r["prompt"]]["ttft_s"]]
+        loads = [r["load"] or {} for r in rs]
+        ratios = [r["ttft_s"] / own[r["prompt"]]["ttft_s"] for r in rs
+                  if r["ttft_s"] and own[r["prompt"]]["ttft_s"]]  # fmt: skip
         out[kind] = {
             "requests": len(rs),
             "identical_to_own_prefill": sum(same),
             "answered": sum(answered),
             "prompt_tokens": [r["prompt_tokens"] for r in rs],
             "loaded_tokens": [r["load"]["loaded"] if r["load"] else None for r in rs],
-            "load_wait_ms": [r["load"]["waited_ms"] if r["load"] else None for r in rs],
+            "recomputed_tokens": [
+                r["prompt_tokens"] - ld.get("loaded", 0) for r, ld in zip(rs, loads, strict=True)
+            ],
+            "failed_blocks": [ld.get("failed_blocks") for ld in loads],
+            "load_wait_ms": [ld.get("waited_ms") for ld in loads],
+            # the receiver's view of each transfer (None: nothing arrived)
+            "transfer_loss_rate": [ld.get("loss_rate") for ld in loads],
+            "datagrams_lost": [ld.get("datagrams_lost") for ld in loads],
             "ttft_ms_median": round(1e3 * statistics.median(ttft), 2) if ttft else None,
             "own_prefill_ttft_ms_median": (
                 round(1e3 * statistics.median(own_ttft), 2) if own_ttft else None
             ),
+            "ttft_over_own_median": round(statistics.median(ratios), 3) if ratios else None,
         }
     full = [r for r in rows if r["kind"] == "full"]
     ratios = [r["ttft_s"] / own[r["prompt"]]["ttft_s"] for r in full
               if r["ttft_s"] and own[r["prompt"]]["ttft_s"]]  # fmt: skip
     out["pushes"] = {p["tag"]: p.get("finish_reason", p.get("error")) for p in pre["pushes"]}
+    sent = [p for p in pre["pushes"] if "source_sent" in p]
+    out["datagrams_pushed"] = {"source": sum(p["source_sent"] for p in sent),
+                               "repair": sum(p["repair_sent"] for p in sent)}  # fmt: skip
+    lags = [p["max_lag_ms"] for p in sent if p.get("max_lag_ms") is not None]
+    out["sender_max_lag_ms"] = max(lags) if lags else None
     out["full_ttft_over_own_median"] = round(statistics.median(ratios), 3) if ratios else None
     out["prompt_tokens_median"] = statistics.median(r["prompt_tokens"] for r in full)
     return out
 
 
+class _Link:
+    """Where the engines run: both on loopback, or (``netns``: a profile name) the prefill
+    engine in the testbed's sender namespace and the decode engine in its receiver
+    namespace. :meth:`close` kills every engine's process group and removes the testbed."""
+
+    PORT = 9500  # the decode engine's KV port inside its private namespace
+
+    def __init__(self, netns: str | None, seed: int) -> None:
+        self.tb = None
+        self.procs: list[subprocess.Popen] = []
+        if netns is None:
+            self.host, self.port = "127.0.0.1", _free_udp_port()
+            return
+        from kvtransport.netem.testbed import RCV_ADDR, Testbed
+
+        self.host, self.port = RCV_ADDR, self.PORT
+        self.tb = Testbed(netns, prefix=f"kvv{os.getpid() % 100000}", seed=seed, shaper="relay")
+        self.tb.up()
+
+    def popen(self, side: str, argv: list[str], **kwargs) -> subprocess.Popen:
+        """An engine process ("snd": prefill, "rcv": decode) in its own process group."""
+        cmd = self.tb.command(side, argv) if self.tb is not None else argv
+        proc = subprocess.Popen(cmd, start_new_session=True, **kwargs)
+        self.procs.append(proc)
+        return proc
+
+    def describe(self) -> dict:
+        if self.tb is None:
+            return {"link": "loopback"}
+        out = {"link": "netns", "profile": self.tb.profile.name, "backend": self.tb.backend,
+               "description": self.tb.profile.describe(),
+               "expected_loss": self.tb.profile.stationary_loss(),
+               "rate_mbps": self.tb.profile.rate_mbps}  # fmt: skip
+        relay = self.tb.relay_status()
+        if relay is not None:  # the relay impaired the link: what it did, each way
+            for way in ("forward", "reverse"):
+                c = relay[way]
+                out[f"relay_{way}"] = {k: c[k] for k in ("received", "forwarded", "lost",
+                                                         "queue_dropped")}  # fmt: skip
+                out[f"relay_{way}"]["loss_rate"] = (
+                    round((c["lost"] + c["queue_dropped"]) / c["received"], 5)
+                    if c["received"] else None
+                )  # fmt: skip
+        return out
+
+    def close(self) -> None:
+        for proc in self.procs:  # the engines' children (vLLM's engine core) included
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(Exception):
+                proc.wait(timeout=30)
+        if self.tb is not None:
+            from kvtransport.netem.testbed import teardown
+
+            with contextlib.suppress(Exception):
+                self.tb.down()
+            teardown(self.tb.prefix)  # idempotent: nothing is left even if down() failed
+
+
+def _raise_exit(signum: int, frame) -> None:
+    raise SystemExit(f"stopped by signal {signum}")
+
+
 def orchestrate(args) -> None:
     tmp = Path(args.out).with_suffix(".work")
     tmp.mkdir(parents=True, exist_ok=True)
-    port = _free_udp_port()
+    for stale in tmp.glob("*.json*"):  # the logs are appended to
+        stale.unlink()
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
                OMP_NUM_THREADS="1", VLLM_LOGGING_LEVEL="WARNING")  # fmt: skip
     common = [sys.executable, __file__, "--prompts", str(args.prompts), "--max-tokens",
               str(args.max_tokens), "--block-size", str(args.block_size)]  # fmt: skip
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # tear down on these too
+        signal.signal(sig, _raise_exit)
     t0 = time.perf_counter()
-    with open(tmp / "decode.log", "w") as dlog, open(tmp / "prefill.log", "w") as plog:
-        dec = subprocess.Popen(
-            [*common, "--role", "decode", "--port", str(port), "--wait-ms", str(args.wait_ms),
-             "--result", str(tmp / "decode.json")],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=dlog, text=True, env=env,
-        )  # fmt: skip
-        try:
+    link = _Link(args.netns, args.netns_seed)
+    rate = link.tb.profile.rate_mbps if link.tb is not None else args.rate_mbps
+    # across the testbed one push at a time at the link's rate: two at once offered twice
+    # what the link carries, and its queue dropped a quarter of the datagrams
+    parallel = 1 if link.tb is not None else args.push_parallel
+    try:
+        with open(tmp / "decode.log", "w") as dlog, open(tmp / "prefill.log", "w") as plog:
+            dec = link.popen(
+                "rcv",
+                [*common, "--role", "decode", "--listen-host", link.host, "--port",
+                 str(link.port), "--wait-ms", str(args.wait_ms), "--result",
+                 str(tmp / "decode.json")],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=dlog, text=True, env=env,
+            )  # fmt: skip
             for line in dec.stdout:  # vLLM may print its own lines first
                 if line.strip() == "READY":
                     break
             else:
                 raise SystemExit(f"decode engine did not start (see {tmp / 'decode.log'})")
             startup_s = time.perf_counter() - t0
-            subprocess.run(
-                [*common, "--role", "prefill", "--push-to", f"127.0.0.1:{port}",
-                 "--full-deadline-ms", str(args.full_deadline_ms), "--cut-deadline-ms",
-                 str(args.cut_deadline_ms), "--result", str(tmp / "prefill.json")],
-                stdout=plog, stderr=plog, env=env, check=True,
+            pre = link.popen(
+                "snd",
+                [*common, "--role", "prefill", "--push-to", f"{link.host}:{link.port}",
+                 "--rate-mbps", f"{rate:g}", "--push-parallel", str(parallel),
+                 "--full-deadline-ms", str(args.full_deadline_ms),
+                 "--cut-deadline-ms", str(args.cut_deadline_ms), "--result",
+                 str(tmp / "prefill.json")],
+                stdout=plog, stderr=plog, env=env,
             )  # fmt: skip
+            if pre.wait(timeout=1800) != 0:
+                raise SystemExit(f"prefill engine failed (see {tmp / 'prefill.log'})")
             dec.stdin.write("GO\n")
             dec.stdin.flush()
-            dec.wait(timeout=1800)
-        finally:
-            if dec.poll() is None:
-                dec.kill()
-    if dec.returncode != 0:
-        raise SystemExit(f"decode engine failed (see {tmp / 'decode.log'})")
+            if dec.wait(timeout=1800) != 0:
+                raise SystemExit(f"decode engine failed (see {tmp / 'decode.log'})")
+        described = link.describe()
+    finally:
+        link.close()
     decoded = json.loads((tmp / "decode.json").read_text())
     prefilled = json.loads((tmp / "prefill.json").read_text())
-    summary = _summary(decoded, prefilled, args)
+    summary = {**described, **_summary(decoded, prefilled, args)}
+    summary["push_rate_mbps"] = rate
+    summary["push_parallel"] = parallel
     summary["decode_engine_startup_s"] = round(startup_s, 1)
     summary["total_s"] = round(time.perf_counter() - t0, 1)
     Path(args.out).write_text(json.dumps({"summary": summary, **decoded}, indent=1) + "\n")
@@ -284,9 +393,29 @@ def main() -> None:
     ap.add_argument("--full-deadline-ms", type=float, default=2000.0)
     ap.add_argument("--cut-deadline-ms", type=float, default=250.0)
     ap.add_argument("--wait-ms", type=float, default=1500.0)
+    ap.add_argument(
+        "--rate-mbps",
+        type=float,
+        default=100.0,
+        help="push pacing (with --netns: the profile's rate)",
+    )
+    ap.add_argument(
+        "--netns",
+        metavar="PROFILE",
+        help="run the engines across the netns testbed with this link profile "
+        "(root), e.g. ge-heavy",
+    )
+    ap.add_argument(
+        "--push-parallel",
+        type=int,
+        default=2,
+        help="pushes in flight at once, each at --rate-mbps (with --netns: 1)",
+    )
+    ap.add_argument("--netns-seed", type=int, default=0, help="the testbed's loss seed")
     ap.add_argument("--out", default=str(ROOT / "results" / "vllm_connector.json"))
     ap.add_argument("--role", choices=("prefill", "decode"))
     ap.add_argument("--port", type=int)
+    ap.add_argument("--listen-host", default="127.0.0.1")
     ap.add_argument("--push-to")
     ap.add_argument("--result")
     args = ap.parse_args()

@@ -12,6 +12,7 @@ backend lays its paged cache; KV crosses real loopback UDP.
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 
@@ -89,14 +90,18 @@ def _tokens(paged: dict[str, torch.Tensor], block_ids: list[int], tokens: list[i
     return vb.gather(*paged_views(paged, 64), block_ids, tokens, "m")
 
 
-def _handoff(model_dir, tokens: list[int], deadline_ms: float, rate_mbps: float = 100):
+def _handoff(model_dir, tokens: list[int], deadline_ms: float, rate_mbps: float = 100,
+             load_log: str | None = None):  # fmt: skip
     """Producer and consumer connectors, both roles each, one request pushed and loaded.
     Returns (src pages, dst pages, producer block ids, consumer block ids, load errors,
     consumer stats, producer's request_finished answer)."""
     port = _port()
     p_cfg = _config(model_dir, "kv_producer",
                     {"push_to": f"127.0.0.1:{port}", "rate_mbps": rate_mbps})  # fmt: skip
-    c_cfg = _config(model_dir, "kv_consumer", {"listen": f"127.0.0.1:{port}", "wait_ms": 5000})
+    c_extra = {"listen": f"127.0.0.1:{port}", "wait_ms": 5000}
+    c_cfg = _config(
+        model_dir, "kv_consumer", dict(c_extra, load_log=load_log) if load_log else c_extra
+    )
     p_sched, p_work = _connector(p_cfg, KVConnectorRole.SCHEDULER), None
     c_sched, c_work = _connector(c_cfg, KVConnectorRole.SCHEDULER), None
     try:
@@ -177,9 +182,11 @@ def test_vllm_cpu_kernels_write_the_layout_the_connector_reads():
     assert torch.equal(torch.from_numpy(got.values[0]), value.transpose(0, 1))
 
 
-def test_complete_push_lands_bit_identical_in_the_decode_engines_blocks(model_dir):
+def test_complete_push_lands_bit_identical_in_the_decode_engines_blocks(model_dir, tmp_path):
     tokens = list(range(1000, 1150))  # 150 tokens: 5 blocks, the last one partial
-    src, dst, p_ids, c_ids, errors, stats = _handoff(model_dir, tokens, deadline_ms=3000)
+    log = tmp_path / "loads.jsonl"
+    src, dst, p_ids, c_ids, errors, stats = _handoff(model_dir, tokens, deadline_ms=3000,
+                                                     load_log=str(log))  # fmt: skip
     assert errors == set()
     want, got = _tokens(src, p_ids, tokens), _tokens(dst, c_ids, tokens)
     assert np.array_equal(got.keys, want.keys) and np.array_equal(got.values, want.values)
@@ -188,6 +195,13 @@ def test_complete_push_lands_bit_identical_in_the_decode_engines_blocks(model_di
     k, v = paged_views(dst, 64)
     assert not k[3][c_ids[4], :, 22:].any() and not v[3][c_ids[4], :, 22:].any()
     assert stats.data["tokens_loaded"] == 150 and stats.data["tokens_failed"] == 0
+    # the load log: what loaded, and what the link did to the transfer (the receiver's
+    # counters: 6.9 MB of KV in 1280-byte symbols; loopback loses next to nothing)
+    (record,) = [json.loads(line) for line in log.read_text().splitlines()]
+    assert record["tag"] == "t1" and record["loaded"] == 150 and record["failed_blocks"] == 0
+    assert record["datagrams"] >= 150 * 46080 // 1280
+    assert 0 <= record["datagrams_lost"] <= record["datagrams"] // 100
+    assert 0 <= record["loss_rate"] < 0.05
 
 
 def test_a_deadline_cut_loads_a_prefix_and_reports_the_tail_as_load_errors(model_dir):
