@@ -207,7 +207,7 @@ class KVTransportConnector(KVConnectorBase_V1):
                 rate = float(extra.get("rate_mbps", 100.0))
                 # pushes in flight at once, each paced at rate_mbps: together they offer
                 # parallel x rate_mbps to the link (more than it carries only adds loss)
-                parallel = int(extra.get("push_parallel", 2))
+                parallel = int(extra.get("push_parallel", 1))
                 if parallel < 1:
                     raise ValueError(f"push_parallel must be at least 1, not {parallel}")
                 self.push_log = extra.get("push_log")  # a file: one JSON line per push
