@@ -241,14 +241,28 @@ def test_ge_heavy_loss_over_real_udp_matches_the_profile(clean_prefix):
     assert 4.95 <= r["owd_ms"]["min"] < 5.5, r["owd_ms"]
 
 
+MAX_BLAST_ATTEMPTS = 4
+
+
 @netns
 @pytest.mark.netns
 @pytest.mark.parametrize("shaper", ["tbf", "relay"])
 def test_rate_limit_holds_when_blasting(clean_prefix, shaper):
-    with Testbed("clean", rate_mbps=30, prefix=PREFIX, shaper=shaper) as tb:
-        r = tb.measure_udp(rate_mbps=60, count=8000)
-        drops = tb.queue_drops()
-    assert r["throughput_wire_mbps"] == pytest.approx(30, rel=0.05)
+    # The claim needs a sender that really offers twice the rate. A probe the host
+    # descheduled resumes at its rate without catching up, so it offered less and the
+    # link idled meanwhile (seen on this 2-core VM: 47 instead of 60 Mbit/s offered, 27
+    # Mbit/s through): such a run is not a sample of the experiment and is run again.
+    starved = []
+    for _ in range(MAX_BLAST_ATTEMPTS):
+        with Testbed("clean", rate_mbps=30, prefix=PREFIX, shaper=shaper) as tb:
+            r = tb.measure_udp(rate_mbps=60, count=8000)
+            drops = tb.queue_drops()
+        if r["sender"]["offered_mbps"] >= 0.95 * 60:
+            break
+        starved.append(round(r["sender"]["offered_mbps"], 1))
+    else:
+        pytest.fail(f"the host never let the probe offer 60 Mbit/s: {starved}")
+    assert r["throughput_wire_mbps"] == pytest.approx(30, rel=0.05), (r, starved)
     assert r["received"] + drops == r["sent"]
     assert drops > 0.4 * r["sent"]
     # the queue is 50 ms at the rate: a full queue adds ~50 ms to the 5 ms delay
