@@ -49,7 +49,7 @@ from kvtransport.policy import Adaptive
 from kvtransport.protocol import DEFAULT_SYMBOL_SIZE, LINK_OVERHEAD_BYTES
 from kvtransport.sender import SenderSession
 from kvtransport.utility_model import SigmoidUtility
-from kvtransport.wire import HEADER_SIZE, TAG_SIZE
+from kvtransport.wire import link_bytes
 
 MIN_PRIOR_LOSS = 0.002
 MAX_PRIOR_LOSS = 0.9
@@ -57,8 +57,7 @@ MAX_PRIOR_LOSS = 0.9
 
 def payload_efficiency(symbol_size: int = DEFAULT_SYMBOL_SIZE, tagged: bool = False) -> float:
     """Share of the wire bytes of a data datagram that is payload (symbol)."""
-    wire = HEADER_SIZE + symbol_size + (TAG_SIZE if tagged else 0) + LINK_OVERHEAD_BYTES
-    return symbol_size / wire
+    return symbol_size / link_bytes(symbol_size, tagged)
 
 
 @dataclass
@@ -114,8 +113,7 @@ class LinkShare:
         self.one_way_s = float(one_way_s)
         self.efficiency = payload_efficiency(symbol_size, tagged)
         self.fixed_capacity = capacity_Bps
-        wire = HEADER_SIZE + symbol_size + (TAG_SIZE if tagged else 0) + LINK_OVERHEAD_BYTES
-        self.min_rate_bps = wire * 8.0 / slot_s
+        self.min_rate_bps = link_bytes(symbol_size, tagged) * 8.0 / slot_s
         self.symbol_size = symbol_size
         self.members: dict[int, Member] = {}
         self.scheduler = OnlineScheduler(self.capacity(), slot_policy, slot_s)

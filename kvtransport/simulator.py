@@ -34,11 +34,11 @@ import numpy as np
 
 from kvtransport.netem import Channel, Profile, load_profile, make_channel
 from kvtransport.policy import Policy, make_policy
-from kvtransport.protocol import DEFAULT_SYMBOL_SIZE, LINK_OVERHEAD_BYTES
+from kvtransport.protocol import DEFAULT_SYMBOL_SIZE
 from kvtransport.receiver import ReceiverSession
 from kvtransport.sender import SenderSession
 from kvtransport.transfer import Transfer, synthetic_transfer
-from kvtransport.wire import HEADER_SIZE, TAG_SIZE, full_send_time
+from kvtransport.wire import full_send_time, link_bytes
 
 DEFAULT_SIZE_BYTES = 10_000_000
 DEFAULT_BLOCK_BYTES = 12_288
@@ -293,9 +293,7 @@ def genie_bound(
     from kvtransport.manifest_fec import manifest_symbols
     from kvtransport.transfer import TransportManifest
 
-    slot = (
-        (HEADER_SIZE + symbol_size + (TAG_SIZE if key else 0) + LINK_OVERHEAD_BYTES) * 8 / rate_bps
-    )
+    slot = link_bytes(symbol_size, key is not None) * 8 / rate_bps
     n_slots = max(0, int((deadline - delay_s) / slot) + 1)
     surviving = n_slots - int(data_channel.lookahead_losses(n_slots).sum()) if n_slots else 0
     m = manifest_symbols(
