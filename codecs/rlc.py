@@ -970,6 +970,9 @@ def _count_repairs(meta: np.ndarray, max_nss: int) -> int:
     return count
 
 
+_NO_ENDS = np.zeros(0, dtype=np.int64)
+
+
 @njit(cache=True, nogil=True)
 def _decode_batch(
     sym: np.ndarray,
@@ -981,13 +984,14 @@ def _decode_batch(
     payloads: np.ndarray,
     counts: np.ndarray,
     results: np.ndarray,
+    ends: np.ndarray,
 ) -> None:
     """Packets i = 0.. in order, exactly as RLCDecoder.add_source / add_repair take them one
     by one: row i of ``meta`` is (esi, 0, 0, 0) for a source symbol, (first_esi, nss,
     repair_key, dt) for a repair (already validated), its bytes row i of ``payloads``. The
-    ESIs that became known go to ``results`` (counts[_C_RESULTS] of them), the stats
-    counters are added to ``counts``. The caller guarantees a free equation row for every
-    repair of the batch."""
+    ESIs that became known go to ``results`` (counts[_C_RESULTS] of them; those of packet i
+    end at ``ends[i]`` when ``ends`` has a slot per packet), the stats counters are added to
+    ``counts``. The caller guarantees a free equation row for every repair of the batch."""
     cap = state.shape[0]
     size = payloads.shape[1]
     stride = sym.shape[1]
@@ -995,7 +999,10 @@ def _decode_batch(
     colrow = ints[_HEADER + cap : _HEADER + 2 * cap]
     stage = np.zeros(stride, dtype=np.uint8)
     nres = counts[_C_RESULTS]
+    track = ends.shape[0] == meta.shape[0]
     for i in range(meta.shape[0]):
+        if track and i > 0:
+            ends[i - 1] = nres
         first = meta[i, 0]
         nss = meta[i, 1]
         ints[_NOUT] = 0
@@ -1055,6 +1062,8 @@ def _decode_batch(
         nres += n
         counts[_C_RECOVERED] += n
         ints[_THROUGH] = _advance_through(state, ints[_BASE], ints[_THROUGH])
+    if track and meta.shape[0] > 0:
+        ends[meta.shape[0] - 1] = nres
     counts[_C_RESULTS] = nres
 
 
@@ -1218,6 +1227,13 @@ class RLCDecoder(SourceWindow):
         _decode_source(self.sym, self.state, self._coef, self._pay, self._ints, esi)
         return self._collect([esi])
 
+    @property
+    def max_involved(self) -> int:
+        """The highest ESI a pending equation may involve; -1 when none is pending. No
+        ESI above it (or above any repair still to come) can be recovered."""
+        ints = self._ints_mv
+        return ints[_MAXREF] if ints[_NACT] != 0 else -1
+
     def involves(self, esi: int) -> bool:
         """Whether a pending equation may involve source ``esi``: only then does the source
         have elimination work to do (otherwise it just fills its slot)."""
@@ -1270,11 +1286,9 @@ class RLCDecoder(SourceWindow):
             raise ValueError(f"esi must be in 0..{MAX_ESI}, got {esi}")
         raise ValueError(f"payload of {n} bytes exceeds symbol_size {self.symbol_size}")
 
-    def add_repair(
-        self, first_esi: int, nss: int, repair_key: int, dt: int, payload: object
-    ) -> list[int]:
-        """A repair symbol arrived; returns the ESIs it allowed to recover."""
-        first_esi, nss, repair_key, dt = int(first_esi), int(nss), int(repair_key), int(dt)
+    def check_repair(self, first_esi: int, nss: int, repair_key: int, dt: int) -> None:
+        """Raise ValueError (with the reason) when ``add_repair`` / ``add_packets`` would
+        refuse a repair with these header fields; return None when they would take it."""
         if not (
             0 <= first_esi <= MAX_ESI - nss + 1
             and 1 <= nss <= min(MAX_NSS, self.capacity)
@@ -1283,6 +1297,13 @@ class RLCDecoder(SourceWindow):
         ):
             _check_repair_params(first_esi, nss, repair_key, dt)  # raises with the reason
             raise ValueError(f"repair covers {nss} symbols, more than max_window {self.capacity}")
+
+    def add_repair(
+        self, first_esi: int, nss: int, repair_key: int, dt: int, payload: object
+    ) -> list[int]:
+        """A repair symbol arrived; returns the ESIs it allowed to recover."""
+        first_esi, nss, repair_key, dt = int(first_esi), int(nss), int(repair_key), int(dt)
+        self.check_repair(first_esi, nss, repair_key, dt)
         view = payload if type(payload) is bytes else as_byte_view(payload)
         if len(view) != self.symbol_size:
             raise ValueError(f"repair payload has {len(view)} bytes, expected {self.symbol_size}")
@@ -1323,7 +1344,9 @@ class RLCDecoder(SourceWindow):
             self._n_stale += 1
         return self._collect([])
 
-    def add_packets(self, meta: object, payloads: object) -> list[int]:
+    def add_packets(
+        self, meta: object, payloads: object, ends: np.ndarray | None = None
+    ) -> list[int]:
         """A run of packets in arrival order, in one call; returns the ESIs that became known.
 
         Row i of ``meta`` (n x 4 integers) is ``(esi, 0, 0, 0)`` for a source symbol and
@@ -1331,8 +1354,11 @@ class RLCDecoder(SourceWindow):
         ``payloads`` (n x symbol_size uint8, or a bytes-like of n * symbol_size bytes; a
         short source is zero-padded by the caller). The decoder ends exactly as after
         ``add_source`` / ``add_repair`` once per packet, in order, and returns what those
-        calls would have, concatenated: one kernel call for the whole run, no per-packet
-        Python. Invalid rows raise ValueError before anything changes.
+        calls would have, concatenated (each call's ESIs in the order it returns them): one
+        kernel call for the whole run, no per-packet Python. ``ends`` (an int64 array of at
+        least n), if given, receives where each packet's ESIs end in the returned list:
+        packet i's are ``result[ends[i - 1]:ends[i]]`` (from 0 for packet 0). Invalid rows
+        raise ValueError before anything changes.
         """
         m = np.ascontiguousarray(meta, dtype=np.int64)
         size = self.symbol_size
@@ -1342,6 +1368,8 @@ class RLCDecoder(SourceWindow):
         pay = as_u8_array(payloads)
         if pay.size != n * size:
             raise ValueError(f"payloads hold {pay.size} bytes, expected {n} x {size}")
+        if ends is not None and (ends.dtype != np.int64 or ends.shape[0] < n):
+            raise ValueError(f"ends must be an int64 array of at least {n}")
         if n == 0:
             return []
         pay = pay.reshape(n, size)
@@ -1356,8 +1384,9 @@ class RLCDecoder(SourceWindow):
         results = np.empty(n + self._ints_mv[_NACT] + 1, dtype=np.int64)
         self._ints[_THROUGH] = self._through
         _decode_batch(
-            self.sym, self.state, self._coef, self._pay, self._ints, m, pay, counts, results
-        )
+            self.sym, self.state, self._coef, self._pay, self._ints, m, pay, counts, results,
+            _NO_ENDS if ends is None else ends[:n],
+        )  # fmt: skip
         self.base = int(self._ints[_BASE])
         self._through = int(self._ints[_THROUGH])
         c = counts.tolist()

@@ -194,16 +194,22 @@ class ReceiverEngine(DropCounts):
         touched: dict[int, Incoming] = {}
         t0 = clock()
         unpack = _TID.unpack_from
-        # consecutive datagrams: one lookup; the first datagram (tid != -1) sets both
+        # consecutive datagrams: one lookup, and one receive_datagrams call per run of
+        # them (the run goes to its session before anything of another transfer); the
+        # first datagram (tid != -1) sets both
         last_tid = -1
         inc = cast(Incoming, None)
-        receive = cast(Callable[[bytes, float], object], None)
+        receive = cast(Callable[[list[memoryview], float], object], None)
+        run: list[memoryview] = []
         for data, addr in self.sock.recv_batch(BATCH):
             if len(data) < HEADER_SIZE:
                 self._drop("truncated")
                 continue
             tid = unpack(data, 8)[0]
             if tid != last_tid:
+                if run:
+                    receive(run, now)
+                    run = []
                 found = active.get(tid)
                 if found is None:
                     found = self.lingering.get(tid)
@@ -213,10 +219,12 @@ class ReceiverEngine(DropCounts):
                             last_tid = -1
                             continue
                 inc = found
-                last_tid, receive = tid, inc.session.receive_datagram
+                last_tid, receive = tid, inc.session.receive_datagrams
                 touched[tid] = inc
             inc.datagrams += 1
-            receive(data, now)
+            run.append(data)
+        if run:
+            receive(run, now)
         replay = self.replay
         if replay is not None and replay.dirty:
             replay.persist()  # the batch accepted a transfer: on disk before any result

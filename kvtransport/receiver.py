@@ -54,7 +54,7 @@ without answering them.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -101,6 +101,8 @@ FEEDBACK_QUIET_S = 1.0
 """Periodic feedback pauses after this long without a datagram (a sender paused by its
 link share, or gone, or a forger that sent a few datagrams) and resumes with the next one."""
 DEFAULT_MAX_BYTES = 1 << 30
+BATCH_MAX = 256
+"""Most data datagrams ``receive_datagrams`` decodes in one RLCDecoder.add_packets call."""
 
 
 class ReceiverSession:
@@ -179,6 +181,7 @@ class ReceiverSession:
         self.utility = 0.0
 
         self._rs: BlockRSDecoder | None = None  # once a BLOCK_REPAIR arrives
+        self._batch = _Run()  # receive_datagrams' run of data symbols not yet decoded
 
         self._pending: list[bytes] = []
         self._fb_seq = 0
@@ -233,28 +236,77 @@ class ReceiverSession:
 
     def receive_datagram(self, data: bytes, now: float) -> None:
         """Process one datagram; garbage is counted in ``drop_reasons`` and dropped."""
+        got = self._accept(data, now)
+        if got is not None:
+            self._dispatch(got[0], got[1], now)
+
+    def receive_datagrams(self, datagrams: Iterable[bytes | memoryview], now: float) -> None:
+        """Process datagrams that arrived together (at ``now``), in order: exactly as
+        ``receive_datagram`` once per datagram (the same output bytes, blocks, counters,
+        drops and feedback, feedback included in the middle of the run on a loss), but
+        the runs of SOURCE / REPAIR datagrams that need the RLC decoder reach it in one
+        ``RLCDecoder.add_packets`` call per run instead of a call per datagram.
+
+        A run ends (is decoded, and what it made known accounted in arrival order) before
+        any other datagram type, before feedback, at the end of ``datagrams``, after
+        ``BATCH_MAX`` datagrams, and before a datagram whose outcome could depend on where
+        the run ends: one that could complete the transfer, one that would slide the
+        decoder's window, or one reaching below where a release during the run could move
+        the window's base (see ``_batchable``). Those, and everything while a block
+        Reed-Solomon decoder is active, take the per-datagram path.
+        """
+        b = self._batch
+        for data in datagrams:
+            got = self._accept(data, now)
+            if got is None:
+                continue
+            d, gap = got
+            t = d[0]
+            if (t != _SOURCE and t != _REPAIR) or not self._batchable(d):
+                self._flush_batch(now)
+                self._dispatch(d, gap, now)
+                continue
+            try:
+                if t == _SOURCE:
+                    self._queue_source(d[6], d[7])
+                else:
+                    self._queue_repair(d)
+            except WireError as exc:
+                self._drop(exc.reason)
+                continue
+            if self._next_fb is None:
+                self._next_fb = now + self.feedback_interval
+            if b.n >= BATCH_MAX or (gap > 0 and now - self._last_fb >= MIN_FEEDBACK_GAP):
+                self._flush_batch(now)
+                if gap > 0 and now - self._last_fb >= MIN_FEEDBACK_GAP:
+                    self._send_feedback(now)
+        self._flush_batch(now)
+
+    def _accept(self, data: bytes | memoryview, now: float) -> tuple[Datagram, int] | None:
+        """Parse and admit one datagram: (it, the packet-number gap it revealed), or None
+        when it was dropped or answered (after the result) here."""
         try:
             d = self.parser.parse(data)
         except WireError as exc:
             self._drop(exc.reason)
-            return
-        t, _, tid, seq, _, _, esi, payload = d
+            return None
+        t, _, tid, seq = d[0], d[1], d[2], d[3]
         if tid != self.transfer_id:
             if self.transfer_id is None and t != _FEEDBACK:
                 self.transfer_id = tid
             else:
                 self._drop("foreign_transfer")
-                return
+                return None
         if t == _FEEDBACK:
             self._drop("unexpected_type")
-            return
+            return None
         if self.finished:
             assert self.result is not None  # set when the session finished
             if self.result.reason == "replayed":
                 self._drop("replayed")  # no answer: the peer replays a captured transfer
             else:
                 self._answer_after_finish(now)
-            return
+            return None
         if self.framer is None:
             self.framer = Framer(self.transfer_id, self._key, max_payload=2048)
             self.timings["first_packet"] = now
@@ -264,10 +316,15 @@ class ReceiverSession:
         gap = mon.on_packet(seq, now)
         if mon.highest == seq:
             self._highest_at = now
+        return d, gap
+
+    def _dispatch(self, d: Datagram, gap: int, now: float) -> None:
+        """One admitted datagram (see ``_accept``), handled at once."""
+        t = d[0]
         end0 = self.esi_end
         try:
             if t == _SOURCE:
-                self._on_source(esi, payload)
+                self._on_source(d[6], d[7])
             elif t == _REPAIR:
                 self._on_repair(d)
             elif t == DatagramType.MANIFEST or t == DatagramType.MANIFEST_REPAIR:
@@ -338,16 +395,21 @@ class ReceiverSession:
         self._known, self._out = known, out
         self._out_mv = memoryview(out)
 
-    def _on_source(self, esi: int, payload: memoryview) -> None:
-        s = self.symbol_size
-        known = self._known
-        if len(payload) != s or esi >= self._limit or esi >= len(known):
+    def _source_new(self, esi: int, payload: memoryview) -> bool:
+        """Validate and count a source symbol: is its ESI still unknown? (A known one is
+        counted as a duplicate.)"""
+        if len(payload) != self.symbol_size or esi >= self._limit or esi >= len(self._known):
             self._symbol_slot(esi, len(payload))  # first symbol, growth, or a bad one
-            s, known = self.symbol_size, self._known
         self.source_received += 1
-        if known[esi]:
+        if self._known[esi]:
             self.duplicates += 1
+            return False
+        return True
+
+    def _on_source(self, esi: int, payload: memoryview) -> None:
+        if not self._source_new(esi, payload):
             return
+        s, known = self.symbol_size, self._known
         decoder = self.decoder
         assert decoder is not None  # made with the first symbol (_symbol_slot)
         if esi == self._lazy_to or not decoder.involves(esi):
@@ -371,7 +433,9 @@ class ReceiverSession:
         if self._rs is not None:
             self._rs_recovered(self._rs.add_source(esi, payload))
 
-    def _on_repair(self, d: Datagram) -> None:
+    def _repair_fields(self, d: Datagram) -> tuple[int, int, int, int, memoryview]:
+        """Validate (the symbol's slot) and count a repair: (first_esi, nss, repair_key,
+        dt, payload); the decoder checks the coding fields."""
         _, _, _, _, key, dt_nss, first, payload = d
         nss = dt_nss & 0xFFF
         last = first + nss - 1
@@ -379,11 +443,15 @@ class ReceiverSession:
         if s == 0 or len(payload) != s or last >= self._limit or last >= len(self._known):
             self._symbol_slot(last, len(payload))  # first symbol, growth, or a bad one
         self.repair_received += 1
+        return first, nss, key, dt_nss >> 12, payload
+
+    def _on_repair(self, d: Datagram) -> None:
+        first, nss, key, dt, payload = self._repair_fields(d)
         self._sync_decoder()
         decoder = self.decoder
         assert decoder is not None  # made with the first symbol (_symbol_slot)
         try:
-            got = decoder.add_repair(first, nss, key, dt_nss >> 12, payload)
+            got = decoder.add_repair(first, nss, key, dt, payload)
         except ValueError:
             raise _Drop("bad_fec") from None
         if got:
@@ -391,6 +459,93 @@ class ReceiverSession:
             for e in got:
                 if not known[e]:
                     self._recovered(e)
+
+    # ------------------------------------------------------------------ runs (batches)
+
+    def _batchable(self, d: Datagram) -> bool:
+        """May this SOURCE / REPAIR join the run of ``receive_datagrams``, i.e. will its
+        outcome and every later one be the same whether the run is decoded before or after
+        it? No when: a block RS decoder is active; no decoder exists yet (the first symbol
+        sizes it); the run is empty and the source needs no decoder (the per-datagram lazy
+        path is cheaper); the run could complete the transfer (each packet makes at most one
+        ESI known, plus one per pending equation it solves); the datagram reaches beyond the
+        decoder's window (it would slide the window, dropping symbols the run recovered
+        before they are read out); or a release of decoder state (``_mark``: after a packet
+        of the run, when the decoder has taken the whole run) could happen within the run
+        and the datagram reaches below where it would move the window's base (one datagram
+        at a time, it would find those symbols released). A release below the ESIs the run
+        recovers is otherwise the same before or after the rest of the run."""
+        dec, b = self.decoder, self._batch
+        if dec is None or self._rs is not None:
+            return False
+        lo = d[6]
+        hi = lo if d[0] == _SOURCE else lo + (d[5] & 0xFFF) - 1
+        if not b.n:
+            if d[0] == _SOURCE and (lo == self._lazy_to or not dec.involves(lo)):
+                return False
+            b.start(dec, max(self.esi_end, dec.max_involved + 1))
+        elif lo < b.top - RELEASE_LAG and b.top - RELEASE_LAG - self._released >= RELEASE_CHUNK:
+            return False
+        if self.manifest is not None and self.n_known + b.n + 1 + b.pending0 >= self.n_source:
+            return False
+        if hi >= b.base + dec.capacity:
+            return False
+        if hi >= b.top:
+            b.top = hi + 1
+        return True
+
+    def _queue_source(self, esi: int, payload: memoryview) -> None:
+        if self._source_new(esi, payload):
+            self._batch.add(esi, 0, 0, 0, payload, self.symbol_size)
+
+    def _queue_repair(self, d: Datagram) -> None:
+        first, nss, key, dt, payload = self._repair_fields(d)
+        assert self.decoder is not None  # _batchable: only with a decoder
+        try:
+            self.decoder.check_repair(first, nss, key, dt)
+        except ValueError:
+            raise _Drop("bad_fec") from None
+        self._batch.add(first, nss, key, dt, payload, self.symbol_size)
+
+    def _flush_batch(self, now: float) -> None:
+        """Decode the run (one RLCDecoder.add_packets call) and account, packet by packet
+        in arrival order, what each made known: as ``_on_source`` / ``_on_repair`` would
+        have, call by call."""
+        b = self._batch
+        n = b.n
+        if not n:
+            return
+        self._sync_decoder()
+        decoder = self.decoder
+        assert decoder is not None  # the run holds symbols
+        s = self.symbol_size
+        rows = b.meta
+        got = decoder.add_packets(
+            np.array(rows, dtype=np.int64).reshape(n, 4), b.pay[: n * s], b.ends
+        )
+        ends = b.ends[:n].tolist()
+        b.n, b.meta = 0, []
+        known, out, stage = self._known, self._out_mv, b.pay_mv
+        pos = 0
+        for i in range(n):
+            end, end0 = ends[i], self.esi_end
+            if rows[4 * i + 1] == 0:  # a source
+                if end == pos:  # an earlier datagram of the run made it known
+                    self.duplicates += 1
+                else:
+                    esi = got[pos]
+                    out[esi * s : esi * s + s] = stage[i * s : i * s + s]
+                    self._mark(esi)
+                    for e in got[pos + 1 : end]:
+                        if not known[e]:
+                            self._recovered(e)
+            else:
+                for e in got[pos:end]:
+                    if not known[e]:
+                        self._recovered(e)
+            pos = end
+            if self.esi_end > end0:
+                self._ends.append((now, self.esi_end))
 
     def _sync_decoder(self) -> None:
         """Hand the decoder the run of sources it has not seen yet.
@@ -692,6 +847,35 @@ def pending_by_segment(decoder: RLCDecoder) -> tuple[tuple[int, int], ...]:
         else:
             break
     return tuple((seg, count) for seg, count in out)
+
+
+class _Run:
+    """The run of data symbols ``receive_datagrams`` holds for one add_packets call: their
+    (esi, nss, repair_key, dt) rows, flat, and bytes; plus what ``_batchable`` needs: the
+    decoder's pending equations and base when the run began, and a bound on the ESI end
+    (one past the highest ESI that can be known once the run is decoded)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.meta: list[int] = []
+        self.pay = np.zeros(0, dtype=np.uint8)
+        self.pay_mv = memoryview(self.pay)
+        self.ends = np.zeros(BATCH_MAX, dtype=np.int64)
+        self.pending0 = self.base = self.top = 0
+
+    def start(self, decoder: RLCDecoder, top: int) -> None:
+        self.pending0 = decoder.pending_equations
+        self.base = decoder.base
+        self.top = top
+
+    def add(self, a: int, b: int, c: int, d: int, payload: memoryview, size: int) -> None:
+        i = self.n
+        if self.pay.shape[0] != BATCH_MAX * size:
+            self.pay = np.zeros(BATCH_MAX * size, dtype=np.uint8)
+            self.pay_mv = memoryview(self.pay)
+        self.pay_mv[i * size : i * size + size] = payload
+        self.meta += (a, b, c, d)
+        self.n = i + 1
 
 
 class _Drop(WireError):
