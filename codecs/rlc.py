@@ -952,16 +952,17 @@ def _release_in(state: np.ndarray, coef: np.ndarray, ints: np.ndarray, bound: in
 
 
 @njit(cache=True, nogil=True)
-def _count_repairs(meta: np.ndarray, max_nss: int) -> int:
+def _count_repairs(meta: np.ndarray, max_nss: int, max_source: int) -> int:
     """The number of repairs among add_packets' rows, or -1 - i for the first invalid row i
-    (a checked loop: numpy's vector checks cost more than decoding a short run)."""
+    (a checked loop: numpy's vector checks cost more than decoding a short run). A source
+    ESI beyond ``max_source`` is invalid."""
     count = 0
     for i in range(meta.shape[0]):
         first, nss, key, dt = meta[i, 0], meta[i, 1], meta[i, 2], meta[i, 3]
         if first < 0 or first + max(nss, 1) - 1 > MAX_ESI:
             return -1 - i
         if nss == 0:
-            if key != 0 or dt != 0:
+            if key != 0 or dt != 0 or first > max_source:
                 return -1 - i
         elif not (1 <= nss <= max_nss and 0 <= key <= MAX_REPAIR_KEY and 0 <= dt <= MAX_DT):
             return -1 - i
@@ -971,6 +972,7 @@ def _count_repairs(meta: np.ndarray, max_nss: int) -> int:
 
 
 _NO_ENDS = np.zeros(0, dtype=np.int64)
+_NO_SOURCES = np.zeros(0, dtype=np.uint8)
 
 
 @njit(cache=True, nogil=True)
@@ -985,13 +987,16 @@ def _decode_batch(
     counts: np.ndarray,
     results: np.ndarray,
     ends: np.ndarray,
+    sources: np.ndarray,
 ) -> None:
     """Packets i = 0.. in order, exactly as RLCDecoder.add_source / add_repair take them one
     by one: row i of ``meta`` is (esi, 0, 0, 0) for a source symbol, (first_esi, nss,
     repair_key, dt) for a repair (already validated), its bytes row i of ``payloads``. The
     ESIs that became known go to ``results`` (counts[_C_RESULTS] of them; those of packet i
     end at ``ends[i]`` when ``ends`` has a slot per packet), the stats counters are added to
-    ``counts``. The caller guarantees a free equation row for every repair of the batch."""
+    ``counts``. A source's bytes are ``sources[esi * size:(esi + 1) * size]`` when
+    ``sources`` is not empty. The caller guarantees a free equation row for every repair of
+    the batch."""
     cap = state.shape[0]
     size = payloads.shape[1]
     stride = sym.shape[1]
@@ -1000,6 +1005,7 @@ def _decode_batch(
     stage = np.zeros(stride, dtype=np.uint8)
     nres = counts[_C_RESULTS]
     track = ends.shape[0] == meta.shape[0]
+    own = sources.shape[0] > 0
     for i in range(meta.shape[0]):
         if track and i > 0:
             ends[i - 1] = nres
@@ -1023,7 +1029,10 @@ def _decode_batch(
                 counts[_C_DUPLICATES] += 1
                 continue
             row = sym[col]
-            region_copy(row, payloads[i])
+            if own:
+                region_copy(row, sources[first * size : first * size + size])
+            else:
+                region_copy(row, payloads[i])
             region_zero(row[size:])
             results[nres] = first
             nres += 1
@@ -1345,7 +1354,11 @@ class RLCDecoder(SourceWindow):
         return self._collect([])
 
     def add_packets(
-        self, meta: object, payloads: object, ends: np.ndarray | None = None
+        self,
+        meta: object,
+        payloads: object,
+        ends: np.ndarray | None = None,
+        sources: np.ndarray | None = None,
     ) -> list[int]:
         """A run of packets in arrival order, in one call; returns the ESIs that became known.
 
@@ -1357,8 +1370,10 @@ class RLCDecoder(SourceWindow):
         calls would have, concatenated (each call's ESIs in the order it returns them): one
         kernel call for the whole run, no per-packet Python. ``ends`` (an int64 array of at
         least n), if given, receives where each packet's ESIs end in the returned list:
-        packet i's are ``result[ends[i - 1]:ends[i]]`` (from 0 for packet 0). Invalid rows
-        raise ValueError before anything changes.
+        packet i's are ``result[ends[i - 1]:ends[i]]`` (from 0 for packet 0). ``sources``
+        (a uint8 array), if given, holds every source row's bytes at ``esi * symbol_size``
+        instead (as a receiver's output buffer does; those rows of ``payloads`` are then
+        not read). Invalid rows raise ValueError before anything changes.
         """
         m = np.ascontiguousarray(meta, dtype=np.int64)
         size = self.symbol_size
@@ -1370,10 +1385,14 @@ class RLCDecoder(SourceWindow):
             raise ValueError(f"payloads hold {pay.size} bytes, expected {n} x {size}")
         if ends is not None and (ends.dtype != np.int64 or ends.shape[0] < n):
             raise ValueError(f"ends must be an int64 array of at least {n}")
+        if sources is not None:
+            if sources.dtype != np.uint8 or sources.ndim != 1:
+                raise ValueError("sources must be a flat uint8 array")
         if n == 0:
             return []
         pay = pay.reshape(n, size)
-        repairs = _count_repairs(m, min(MAX_NSS, self.capacity))
+        max_source = MAX_ESI if sources is None else sources.shape[0] // size - 1
+        repairs = _count_repairs(m, min(MAX_NSS, self.capacity), max_source)
         if repairs < 0:
             i = -1 - repairs
             raise ValueError(f"packet {i}: invalid (esi, nss, repair_key, dt) {m[i].tolist()}")
@@ -1385,7 +1404,7 @@ class RLCDecoder(SourceWindow):
         self._ints[_THROUGH] = self._through
         _decode_batch(
             self.sym, self.state, self._coef, self._pay, self._ints, m, pay, counts, results,
-            _NO_ENDS if ends is None else ends[:n],
+            _NO_ENDS if ends is None else ends[:n], _NO_SOURCES if sources is None else sources,
         )  # fmt: skip
         self.base = int(self._ints[_BASE])
         self._through = int(self._ints[_THROUGH])

@@ -103,6 +103,8 @@ link share, or gone, or a forger that sent a few datagrams) and resumes with the
 DEFAULT_MAX_BYTES = 1 << 30
 BATCH_MAX = 256
 """Most data datagrams ``receive_datagrams`` decodes in one RLCDecoder.add_packets call."""
+QUEUED = 2
+"""``_known`` of a source in a run not yet decoded (1: known; 0: not)."""
 
 
 class ReceiverSession:
@@ -483,9 +485,16 @@ class ReceiverSession:
         if not b.n:
             if d[0] == _SOURCE and (lo == self._lazy_to or not dec.involves(lo)):
                 return False
-            b.start(dec, max(self.esi_end, dec.max_involved + 1))
-        elif lo < b.top - RELEASE_LAG and b.top - RELEASE_LAG - self._released >= RELEASE_CHUNK:
-            return False
+            b.start(dec, max(self.esi_end, dec.max_involved + 1), self.through - 1)
+        else:
+            # decoded-through after the packets so far is at most ``top``, and at most the
+            # (k+1)-th unknown ESI from here, k = the symbols they can make known at most
+            # (looked for only when ``top`` alone does not rule a release out)
+            t = b.top - RELEASE_LAG
+            if lo < t and t - self._released >= RELEASE_CHUNK:
+                t = self._unknown_bound(b) - RELEASE_LAG
+                if lo < t and t - self._released >= RELEASE_CHUNK:
+                    return False
         if self.manifest is not None and self.n_known + b.n + 1 + b.pending0 >= self.n_source:
             return False
         if hi >= b.base + dec.capacity:
@@ -494,9 +503,29 @@ class ReceiverSession:
             b.top = hi + 1
         return True
 
+    def _unknown_bound(self, b: _Run) -> int:
+        """The (k+1)-th ESI not known from decoded-through on, k = ``b.pending0 + b.n`` (the
+        most the run's packets can make known): decoded-through stays at or below it. Found
+        from where the last call left off (``b.hole``, the ``b.holes``-th)."""
+        known, esi = self._known, b.hole
+        for _ in range(b.pending0 + b.n + 1 - b.holes):
+            esi = known.find(0, esi + 1) if esi + 1 < len(known) else -1
+            if esi < 0:
+                return b.top  # every further ESI is unknown: the other bound holds
+            b.hole, b.holes = esi, b.holes + 1
+        return esi
+
     def _queue_source(self, esi: int, payload: memoryview) -> None:
-        if self._source_new(esi, payload):
-            self._batch.add(esi, 0, 0, 0, payload, self.symbol_size)
+        if not self._source_new(esi, payload):
+            return
+        # QUEUED until the run is accounted: a second copy in the run is a duplicate (the
+        # first, or something before it, makes the ESI known)
+        self._known[esi] = QUEUED
+        s = self.symbol_size
+        self._out_mv[esi * s : esi * s + s] = payload  # where add_packets reads it
+        b = self._batch
+        b.meta += (esi, 0, 0, 0)
+        b.n += 1
 
     def _queue_repair(self, d: Datagram) -> None:
         first, nss, key, dt, payload = self._repair_fields(d)
@@ -505,7 +534,7 @@ class ReceiverSession:
             self.decoder.check_repair(first, nss, key, dt)
         except ValueError:
             raise _Drop("bad_fec") from None
-        self._batch.add(first, nss, key, dt, payload, self.symbol_size)
+        self._batch.add_repair(first, nss, key, dt, payload, self.symbol_size)
 
     def _flush_batch(self, now: float) -> None:
         """Decode the run (one RLCDecoder.add_packets call) and account, packet by packet
@@ -520,26 +549,27 @@ class ReceiverSession:
         assert decoder is not None  # the run holds symbols
         s = self.symbol_size
         rows = b.meta
-        got = decoder.add_packets(
-            np.array(rows, dtype=np.int64).reshape(n, 4), b.pay[: n * s], b.ends
-        )
+        meta = np.array(rows, dtype=np.int64).reshape(n, 4)
+        got = decoder.add_packets(meta, b.pay[: n * s], b.ends, self._out)
         ends = b.ends[:n].tolist()
-        b.n, b.meta = 0, []
-        known, out, stage = self._known, self._out_mv, b.pay_mv
+        b.clear()
+        known = self._known
+        for i in range(0, 4 * n, 4):
+            if rows[i + 1] == 0:
+                known[rows[i]] = 0  # QUEUED: known once its turn comes below
         pos = 0
         for i in range(n):
             end, end0 = ends[i], self.esi_end
-            if rows[4 * i + 1] == 0:  # a source
+            if rows[4 * i + 1] == 0:  # a source, in the output buffer already
                 if end == pos:  # an earlier datagram of the run made it known
                     self.duplicates += 1
                 else:
-                    esi = got[pos]
-                    out[esi * s : esi * s + s] = stage[i * s : i * s + s]
-                    self._mark(esi)
-                    for e in got[pos + 1 : end]:
-                        if not known[e]:
-                            self._recovered(e)
-            else:
+                    self._mark(got[pos])
+                    if end - pos > 1:
+                        for e in got[pos + 1 : end]:
+                            if not known[e]:
+                                self._recovered(e)
+            elif end > pos:
                 for e in got[pos:end]:
                     if not known[e]:
                         self._recovered(e)
@@ -851,9 +881,11 @@ def pending_by_segment(decoder: RLCDecoder) -> tuple[tuple[int, int], ...]:
 
 class _Run:
     """The run of data symbols ``receive_datagrams`` holds for one add_packets call: their
-    (esi, nss, repair_key, dt) rows, flat, and bytes; plus what ``_batchable`` needs: the
-    decoder's pending equations and base when the run began, and a bound on the ESI end
-    (one past the highest ESI that can be known once the run is decoded)."""
+    (esi, nss, repair_key, dt) rows, flat; the repairs' bytes (a source's are in the
+    output buffer); and what ``_batchable`` needs: the decoder's pending
+    equations and base when the run began, and two bounds on decoded-through once the run
+    is decoded (one past the highest ESI that can be known; an unknown ESI that stays
+    unknown)."""
 
     def __init__(self) -> None:
         self.n = 0
@@ -861,21 +893,26 @@ class _Run:
         self.pay = np.zeros(0, dtype=np.uint8)
         self.pay_mv = memoryview(self.pay)
         self.ends = np.zeros(BATCH_MAX, dtype=np.int64)
-        self.pending0 = self.base = self.top = 0
+        self.pending0 = self.base = self.top = self.hole = self.holes = 0
 
-    def start(self, decoder: RLCDecoder, top: int) -> None:
+    def start(self, decoder: RLCDecoder, top: int, before: int) -> None:
         self.pending0 = decoder.pending_equations
         self.base = decoder.base
         self.top = top
-
-    def add(self, a: int, b: int, c: int, d: int, payload: memoryview, size: int) -> None:
-        i = self.n
-        if self.pay.shape[0] != BATCH_MAX * size:
-            self.pay = np.zeros(BATCH_MAX * size, dtype=np.uint8)
+        self.hole, self.holes = before, 0  # the holes-th unknown ESI after ``before``
+        if self.pay.shape[0] != BATCH_MAX * decoder.symbol_size:
+            self.pay = np.zeros(BATCH_MAX * decoder.symbol_size, dtype=np.uint8)
             self.pay_mv = memoryview(self.pay)
+
+    def add_repair(self, a: int, b: int, c: int, d: int, payload: memoryview, size: int) -> None:
+        i = self.n
         self.pay_mv[i * size : i * size + size] = payload
         self.meta += (a, b, c, d)
         self.n = i + 1
+
+    def clear(self) -> None:
+        self.n = 0
+        self.meta = []
 
 
 class _Drop(WireError):

@@ -116,12 +116,12 @@ def test_runs_decode_exactly_as_one_datagram_per_call(monkeypatch, seed, loss, s
     rows = {"packets": 0, "repairs": 0, "calls": 0}
     real = RLCDecoder.add_packets
 
-    def counting(self, meta, payloads, ends=None):
+    def counting(self, meta, payloads, ends=None, sources=None):
         m = np.asarray(meta)
         rows["packets"] += m.shape[0]
         rows["repairs"] += int((m[:, 1] > 0).sum())
         rows["calls"] += 1
-        return real(self, meta, payloads, ends)
+        return real(self, meta, payloads, ends, sources)
 
     monkeypatch.setattr(RLCDecoder, "add_packets", counting)
     one = ReceiverSession(TID, key=KEY, deadline=deadline)
@@ -198,11 +198,20 @@ def test_ends_split_add_packets_results_per_packet():
     bounds = [0, *ends.tolist()]
     assert [got[bounds[i] : bounds[i + 1]] for i in range(len(packets))] == per
     assert sum(len(x) for x in per) == n
+    # the same with the sources' bytes read from a buffer indexed by ESI (their rows unread)
+    again = RLCDecoder(size, max_window=64)
+    rows = b"".join(bytes(size) if p[1] == 0 else x for p, x in zip(packets, pays, strict=True))
+    buf = np.frombuffer(b"".join(src), dtype=np.uint8)
+    assert again.add_packets(packets, rows, None, buf) == got
+    assert [again.get(e) for e in range(n)] == src
+    with pytest.raises(ValueError, match="packet"):  # a source beyond the buffer
+        again.add_packets([(n, 0, 0, 0)], bytes(size), None, buf)
 
 
 def _stream(n: int, order: list[tuple[int, ...]], size: int = 64):
     """Source symbols 0..n-1 and datagrams of a transfer without manifest, in ``order``:
-    (esi,) for a source, (first_esi, nss, repair_key) for its RFC 8681 repair."""
+    (esi,) for a source, (esi, bytes) for a source with other bytes, (first_esi, nss,
+    repair_key) for an RFC 8681 repair."""
     from kvtransport.codecs.rlc import RLCEncoder
 
     rng = np.random.default_rng(9)
@@ -212,8 +221,9 @@ def _stream(n: int, order: list[tuple[int, ...]], size: int = 64):
     framer = wire.Framer(TID, KEY)
     out = []
     for seq, item in enumerate(order):
-        if len(item) == 1:
-            framer.payload_view(size)[:] = src[item[0]].tobytes()
+        if len(item) <= 2:  # (esi,) or (esi, other bytes): a forged copy, the key's holder's
+            body = src[item[0]].tobytes() if len(item) == 1 else item[1]
+            framer.payload_view(size)[:] = body
             out.append(framer.finish(wire.DatagramType.SOURCE, seq, size, esi=item[0]))
         else:
             first, nss, key = item
@@ -224,12 +234,14 @@ def _stream(n: int, order: list[tuple[int, ...]], size: int = 64):
     return src, out
 
 
-def _both(data: list[bytes]) -> tuple[ReceiverSession, ReceiverSession]:
+def _both(data: list[bytes], split: int = 0) -> tuple[ReceiverSession, ReceiverSession]:
+    """The datagrams one per call, and in runs (two calls, the second from ``split``)."""
     one = ReceiverSession(TID, key=KEY)
     run = ReceiverSession(TID, key=KEY)
     for d in data:
         one.receive_datagram(d, 1.0)
-    run.receive_datagrams(data, 1.0)
+    run.receive_datagrams(data[:split], 1.0)
+    run.receive_datagrams(data[split:], 1.0)
     assert one.datagrams_to_send(1.0) == run.datagrams_to_send(1.0)
     for r in (one, run):
         r.close(2.0)
@@ -249,6 +261,17 @@ def test_a_run_ends_before_a_repair_reaching_below_a_release_it_may_cause():
     assert run._out[10 * 64 : 11 * 64].tobytes() == src[10].tobytes()
 
 
+def test_the_release_bound_counts_the_equations_already_pending():
+    """The run's first datagram (source 11) completes an equation that waited since the
+    previous call (ESIs 10 and 11 lost): two holes fill at once, decoded-through jumps to
+    850 and the receiver releases below 338, so repair 2 (250..899) must see the release."""
+    order = [(e,) for e in range(900) if e not in (10, 11, 850)] + [(0, 64, 1)]
+    src, data = _stream(900, order + [(11,), (250, 650, 2)])
+    one, run = _both(data, split=len(order))
+    assert one._known[10] and not one._known[850]
+    assert run._out[10 * 64 : 11 * 64].tobytes() == src[10].tobytes()
+
+
 def test_a_run_ends_before_a_datagram_that_slides_the_decoder_window():
     """Repair 1 recovers ESI 5; source DECODER_WINDOW + 5 then slides the decoder window
     past it, and its bytes take ESI 5's slot. One datagram at a time ESI 5 was read out before;
@@ -259,3 +282,14 @@ def test_a_run_ends_before_a_datagram_that_slides_the_decoder_window():
     one, run = _both(data)
     assert one._known[5] and one._known[window + 5]
     assert run._out[5 * 64 : 6 * 64].tobytes() == src[5].tobytes()
+
+
+def test_the_first_copy_of_a_source_in_a_run_is_the_one_kept():
+    """Two copies of source 3 with different bytes (a key holder's forgery) in one run,
+    while a repair equation waits on it: one datagram at a time the first is kept (and
+    recovers ESI 2 right); in one run too."""
+    order = [(0,), (1,), (0, 8, 1), (3,), (3, bytes(64)), (4,), (5,), (6,), (7,)]
+    src, data = _stream(8, order)
+    one, run = _both(data)
+    assert one._known[2] and one.duplicates == 1
+    assert run._out[: 8 * 64].tobytes() == src.tobytes()
