@@ -235,53 +235,104 @@ def _affine64(typingctx, dst, src, off, mat):  # noqa: ANN001, ANN201
     return sig, lambda c, b, s, a: _affine_codegen(c, b, s, a, False)
 
 
-def _shuffle_codegen(context, builder, sig, args, with_xor):  # noqa: ANN001, ANN202
-    """dst[off:off+32] (^)= c * src[off:off+32] by split-nibble shuffles: two vpshufb
-    lookups (low and high nibble of each byte) into the constant's 16-byte tables."""
+_UNROLL = 4
+"""32-byte vectors per iteration of the single-output shuffle kernel's loop (its loads
+issued together; LLVM does not unroll the loop an intrinsic builds)."""
+
+
+def _shuffle_region_codegen(context, builder, sig, args, with_xor):  # noqa: ANN001, ANN202
+    """dst[:n] (^)= c * src[:n] for n >= 32 in one loop, the tables in registers: 32-byte
+    vectors at the 32-byte aligned positions of ``dst`` (aligned loads and stores), the
+    unaligned head and tail each one vector at offsets 0 and n - 32 that overlaps its
+    neighbours. Every vector is computed from the bytes as they were on entry (the head
+    and tail ones before the loop, stored after it), so bytes written twice get the same
+    value twice, in place (dst is src) as well."""
     dst = make_array(sig.args[0])(context, builder, args[0])
     src = make_array(sig.args[1])(context, builder, args[1])
+    n = args[2]
     tab = make_array(sig.args[3])(context, builder, args[3])
-    off = args[2]
-    i8, i32 = ir.IntType(8), ir.IntType(32)
+    i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
     v16, v32 = ir.VectorType(i8, 16), ir.VectorType(i8, 32)
-    dptr = builder.bitcast(builder.gep(dst.data, [off]), v32.as_pointer())
-    sptr = builder.bitcast(builder.gep(src.data, [off]), v32.as_pointer())
     tptr = builder.bitcast(tab.data, v16.as_pointer())
     twice = ir.Constant(ir.VectorType(i32, 32), [i % 16 for i in range(32)])
     lo_t = builder.load(tptr, align=1)
     hi_t = builder.load(builder.gep(tptr, [ir.Constant(i32, 1)]), align=1)
     lo_t = builder.shuffle_vector(lo_t, lo_t, twice)  # the table in both 128-bit lanes
     hi_t = builder.shuffle_vector(hi_t, hi_t, twice)
-    x = builder.load(sptr, align=1)
     mask = ir.Constant(v32, [0x0F] * 32)
-    lo = builder.and_(x, mask)
-    hi = builder.and_(builder.lshr(x, ir.Constant(v32, [4] * 32)), mask)
-    fnty = ir.FunctionType(v32, [v32, v32])
-    fn = builder.module.declare_intrinsic("llvm.x86.avx2.pshuf.b", fnty=fnty)
-    r = builder.xor(builder.call(fn, [lo_t, lo]), builder.call(fn, [hi_t, hi]))
-    if with_xor:
-        r = builder.xor(r, builder.load(dptr, align=1))
-    builder.store(r, dptr, align=1)
+    four = ir.Constant(v32, [4] * 32)
+    fn = builder.module.declare_intrinsic(
+        "llvm.x86.avx2.pshuf.b", fnty=ir.FunctionType(v32, [v32, v32])
+    )
+
+    def product(off, align):  # noqa: ANN001, ANN202
+        x = builder.load(builder.bitcast(builder.gep(src.data, [off]), v32.as_pointer()), align=1)
+        lo = builder.and_(x, mask)
+        hi = builder.and_(builder.lshr(x, four), mask)
+        r = builder.xor(builder.call(fn, [lo_t, lo]), builder.call(fn, [hi_t, hi]))
+        dptr = builder.bitcast(builder.gep(dst.data, [off]), v32.as_pointer())
+        if with_xor:
+            r = builder.xor(r, builder.load(dptr, align=align))
+        return r, dptr
+
+    last = builder.sub(n, ir.Constant(i64, 32))
+    head, head_ptr = product(ir.Constant(i64, 0), 1)
+    tail, tail_ptr = product(last, 1)
+    addr = builder.ptrtoint(dst.data, i64)
+    first = builder.and_(builder.sub(ir.Constant(i64, 0), addr), ir.Constant(i64, 31))
+    # aligned vectors at j, j + 32, ... while j <= last: UNROLL at a time, then one at a time
+    end_wide = builder.sub(last, ir.Constant(i64, 32 * (_UNROLL - 1)))
+    entry = builder.block
+    wide = builder.append_basic_block("region.wide")
+    narrow_check = builder.append_basic_block("region.narrow_check")
+    narrow = builder.append_basic_block("region.narrow")
+    done = builder.append_basic_block("region.done")
+    builder.cbranch(builder.icmp_signed("<=", first, end_wide), wide, narrow_check)
+    builder.position_at_end(wide)
+    j = builder.phi(i64)
+    j.add_incoming(first, entry)
+    results = [product(builder.add(j, ir.Constant(i64, 32 * u)), 32) for u in range(_UNROLL)]
+    for r, ptr in results:
+        builder.store(r, ptr, align=32)
+    j_wide = builder.add(j, ir.Constant(i64, 32 * _UNROLL))
+    j.add_incoming(j_wide, wide)
+    builder.cbranch(builder.icmp_signed("<=", j_wide, end_wide), wide, narrow_check)
+    builder.position_at_end(narrow_check)
+    j_rest = builder.phi(i64)
+    j_rest.add_incoming(first, entry)
+    j_rest.add_incoming(j_wide, wide)
+    builder.cbranch(builder.icmp_signed("<=", j_rest, last), narrow, done)
+    builder.position_at_end(narrow)
+    k = builder.phi(i64)
+    k.add_incoming(j_rest, narrow_check)
+    r, ptr = product(k, 32)
+    builder.store(r, ptr, align=32)
+    k_next = builder.add(k, ir.Constant(i64, 32))
+    k.add_incoming(k_next, narrow)
+    builder.cbranch(builder.icmp_signed("<=", k_next, last), narrow, done)
+    builder.position_at_end(done)
+    builder.store(head, head_ptr, align=1)
+    builder.store(tail, tail_ptr, align=1)
     return context.get_dummy_value()
 
 
 @intrinsic
-def _shuffle_xor32(typingctx, dst, src, off, tab):  # noqa: ANN001, ANN201
-    """dst[off:off+32] ^= c * src[off:off+32], ``tab`` = NIBBLE_TABLE[c] (numba code only;
-    the caller checks bounds; HAVE_SHUFFLE hosts only)."""
+def _shuffle_region_xor(typingctx, dst, src, n, tab):  # noqa: ANN001, ANN201
+    """dst[:n] ^= c * src[:n], ``tab`` = NIBBLE_TABLE[c], n >= 32 (numba code only; the
+    caller checks bounds; HAVE_SHUFFLE hosts only)."""
     if not (_u8_c_array(dst) and dst.mutable and _u8_c_array(src) and _u8_c_array(tab)):
         return None
     sig = types.void(dst, src, types.intp, tab)
-    return sig, lambda c, b, s, a: _shuffle_codegen(c, b, s, a, True)
+    return sig, lambda c, b, s, a: _shuffle_region_codegen(c, b, s, a, True)
 
 
 @intrinsic
-def _shuffle32(typingctx, dst, src, off, tab):  # noqa: ANN001, ANN201
-    """dst[off:off+32] = c * src[off:off+32], like _shuffle_xor32."""
+def _shuffle_region(typingctx, dst, src, n, tab):  # noqa: ANN001, ANN201
+    """dst[:n] = c * src[:n], like _shuffle_region_xor (src may be dst)."""
     if not (_u8_c_array(dst) and dst.mutable and _u8_c_array(src) and _u8_c_array(tab)):
         return None
     sig = types.void(dst, src, types.intp, tab)
-    return sig, lambda c, b, s, a: _shuffle_codegen(c, b, s, a, False)
+    return sig, lambda c, b, s, a: _shuffle_region_codegen(c, b, s, a, False)
 
 
 _PREFETCH_AHEAD = 256
@@ -595,15 +646,12 @@ def region_muladd_shuffle(dst: np.ndarray, src: np.ndarray, c: int) -> None:
     if cc == 0:
         return
     n = min(dst.shape[0], src.shape[0])
-    t = NIBBLE_TABLE[cc]
-    j = 0
-    while j + 32 <= n:
-        _shuffle_xor32(dst, src, j, t)
-        j += 32
-    row = MUL_TABLE[cc]  # the last n % 32 bytes (see region_muladd_gfni)
-    while j < n:
+    if n >= 32:
+        _shuffle_region_xor(dst, src, n, NIBBLE_TABLE[cc])
+        return
+    row = MUL_TABLE[cc]  # a region shorter than one vector
+    for j in range(n):
         dst[j] ^= row[src[j]]
-        j += 1
 
 
 @njit(cache=True, nogil=True)
@@ -613,15 +661,12 @@ def region_scale_shuffle(dst: np.ndarray, c: int) -> None:
     if cc == 1:
         return
     n = dst.shape[0]
-    t = NIBBLE_TABLE[cc]
-    j = 0
-    while j + 32 <= n:
-        _shuffle32(dst, dst, j, t)
-        j += 32
+    if n >= 32:
+        _shuffle_region(dst, dst, n, NIBBLE_TABLE[cc])
+        return
     row = MUL_TABLE[cc]
-    while j < n:
+    for j in range(n):
         dst[j] = row[dst[j]]
-        j += 1
 
 
 @njit(cache=True, nogil=True)

@@ -167,6 +167,47 @@ def coefficients_into(out: np.ndarray, repair_key: int, nss: int, dt: int) -> No
         out[i] = c
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _draw256(
+    s0: np.uint64, s1: np.uint64, s2: np.uint64, s3: np.uint64
+) -> tuple[np.uint64, np.uint64, np.uint64, np.uint64, np.uint64]:
+    """One DT=15 coefficient: the next non-zero tinymt32_rand256, and the state after it."""
+    s0, s1, s2, s3 = tinymt32_step(s0, s1, s2, s3)
+    c = tinymt32_output(s0, s1, s2, s3) & _M8
+    while c == 0:
+        s0, s1, s2, s3 = tinymt32_step(s0, s1, s2, s3)
+        c = tinymt32_output(s0, s1, s2, s3) & _M8
+    return s0, s1, s2, s3, c
+
+
+@njit(cache=True, nogil=True)
+def coefficient_rows(out: np.ndarray, keys: np.ndarray, nss: int, dt: int) -> None:
+    """``coefficients_into(out[k], keys[k], nss, dt)`` for every row k: at DT=15 four keys
+    at a time, their generators interleaved (four independent dependency chains the CPU
+    overlaps, about 3x one after the other)."""
+    r = keys.shape[0]
+    k = 0
+    if dt == 15:
+        while k + 4 <= r:
+            a0, a1, a2, a3 = tinymt32_seed(keys[k])
+            b0, b1, b2, b3 = tinymt32_seed(keys[k + 1])
+            c0, c1, c2, c3 = tinymt32_seed(keys[k + 2])
+            d0, d1, d2, d3 = tinymt32_seed(keys[k + 3])
+            for i in range(nss):
+                a0, a1, a2, a3, ca = _draw256(a0, a1, a2, a3)
+                b0, b1, b2, b3, cb = _draw256(b0, b1, b2, b3)
+                c0, c1, c2, c3, cc = _draw256(c0, c1, c2, c3)
+                d0, d1, d2, d3, cd = _draw256(d0, d1, d2, d3)
+                out[k, i] = ca
+                out[k + 1, i] = cb
+                out[k + 2, i] = cc
+                out[k + 3, i] = cd
+            k += 4
+    while k < r:
+        coefficients_into(out[k], keys[k], nss, dt)
+        k += 1
+
+
 def coding_coefficients(repair_key: int, nss: int, dt: int = 15) -> np.ndarray:
     """RFC 8681 generate_coding_coefficients for m=8, as a uint8 array of length ``nss``."""
     _check_repair_params(0, int(nss), int(repair_key), int(dt))
@@ -205,8 +246,7 @@ def _encode_repairs(
         if not 0 <= keys[k] <= MAX_REPAIR_KEY:
             return False
     coefs = np.empty((r, nss), dtype=np.uint8)
-    for k in range(r):
-        coefficients_into(coefs[k], keys[k], nss, dt)
+    coefficient_rows(coefs, keys, nss, dt)
     offsets = np.empty(nss, dtype=np.int64)
     for i in range(nss):
         offsets[i] = ((first_esi + i) % cap) * stride
@@ -222,6 +262,39 @@ def _encode_repairs(
         for k in range(r):
             region_muladd(out[k, :size], src, coefs[k, i])
     return True
+
+
+_BAD_PARAMS, _BAD_SPAN, _BAD_ROWS, _BAD_KEY = 1, 2, 3, 4
+_INT64 = np.dtype(np.int64)
+
+
+@njit(cache=True, nogil=True)
+def _encode_repairs_checked(
+    flat: np.ndarray,
+    stride: int,
+    cap: int,
+    first_esi: int,
+    nss: int,
+    keys: np.ndarray,
+    dt: int,
+    out: np.ndarray,
+    size: int,
+    oldest: int,
+    end: int,
+) -> int:
+    """_encode_repairs after the checks of RLCEncoder.repairs_into (the encoder holds ESIs
+    ``oldest`` .. ``end - 1``): 0, or why nothing was written (_BAD_PARAMS: first_esi, nss
+    or dt out of range; _BAD_SPAN: ESIs not held; _BAD_ROWS: fewer rows in ``out`` than
+    keys; _BAD_KEY)."""
+    if not (0 <= first_esi and 1 <= nss <= MAX_NSS and 0 <= dt <= MAX_DT):
+        return _BAD_PARAMS
+    if first_esi < oldest or first_esi + nss > end:
+        return _BAD_SPAN
+    if out.shape[0] < keys.shape[0]:
+        return _BAD_ROWS
+    if not _encode_repairs(flat, stride, cap, first_esi, nss, keys, dt, out, size):
+        return _BAD_KEY
+    return 0
 
 
 @njit(cache=True, nogil=True)
@@ -282,6 +355,12 @@ class RLCEncoder:
             self._ring = np.zeros((self.window, self._stride), dtype=np.uint8)
         self._ring_flat = self._ring.reshape(-1)
         self._ring_mv = memoryview(self._ring_flat)
+        # where repairs read source ESI e: flat[(e % cap) * stride :][:symbol_size]
+        self._source: tuple[np.ndarray, int, int] = (
+            (self._stream, self.symbol_size, max(self.stream_symbols, 1))
+            if self._stream is not None
+            else (self._ring_flat, self._stride, self.window)
+        )
         self._outs_checked: object = None  # last repairs_into array validated
 
     def add_stream_sources(self, end: int) -> None:
@@ -399,10 +478,7 @@ class RLCEncoder:
                 raise ValueError(f"out holds {arr.shape[0]} bytes, need {self.symbol_size}")
             if type(out) is np.ndarray or type(out) is memoryview:  # fixed views: keep
                 self._out_checked, self._out_array = out, arr
-        if self._stream is not None:
-            flat, stride, cap = self._stream, self.symbol_size, max(self.stream_symbols, 1)
-        else:
-            flat, stride, cap = self._ring_flat, self._stride, self.window
+        flat, stride, cap = self._source
         _encode_repair(flat, stride, cap, first_esi, nss, repair_key, dt, arr, self.symbol_size)
 
     def repairs_into(
@@ -416,14 +492,10 @@ class RLCEncoder:
         reads each source once for all the repairs instead of once per repair (see
         _encode_repairs), the fast path for a sender that needs several repairs of a span.
         """
-        first_esi, nss, dt = int(first_esi), int(nss), int(dt)
+        # the hot path of a sender: few Python operations, the range checks in the kernel
         keys = repair_keys
-        if not (type(keys) is np.ndarray and keys.dtype == np.int64 and keys.ndim == 1):
+        if type(keys) is not np.ndarray or keys.dtype is not _INT64 or keys.ndim != 1:
             keys = np.asarray(repair_keys, dtype=np.int64).reshape(-1)
-        if not (0 <= first_esi and 1 <= nss <= MAX_NSS and 0 <= dt <= MAX_DT):
-            _check_repair_params(first_esi, nss, 0, dt)  # raises with the reason
-        if first_esi < self._next_esi - self.window or first_esi + nss > self._next_esi:
-            self._check_span(first_esi, nss)  # raises with the reason
         if out is not self._outs_checked:  # validated once per output array
             if not (
                 type(out) is np.ndarray
@@ -436,14 +508,26 @@ class RLCEncoder:
             if out.shape[1] < self.symbol_size:
                 raise ValueError(f"out rows hold {out.shape[1]} bytes, need {self.symbol_size}")
             self._outs_checked = out
-        if out.shape[0] < keys.shape[0]:
+        flat, stride, cap = self._source
+        first_esi, nss, dt = int(first_esi), int(nss), int(dt)
+        why = _encode_repairs_checked(
+            flat, stride, cap, first_esi, nss, keys, dt, out, self.symbol_size,
+            self._next_esi - self.window, self._next_esi,
+        )  # fmt: skip
+        if why:
+            self._repairs_refused(why, out, first_esi, nss, keys, dt)
+
+    def _repairs_refused(
+        self, why: int, out: np.ndarray, first_esi: int, nss: int, keys: np.ndarray, dt: int
+    ) -> None:
+        """Raise the ValueError for _encode_repairs_checked's refusal ``why``."""
+        if why == _BAD_PARAMS:
+            _check_repair_params(first_esi, nss, 0, dt)
+        if why == _BAD_SPAN:
+            self._check_span(first_esi, nss)
+        if why == _BAD_ROWS:
             raise ValueError(f"out has {out.shape[0]} rows, need {keys.shape[0]} (one per key)")
-        if self._stream is not None:
-            flat, stride, cap = self._stream, self.symbol_size, max(self.stream_symbols, 1)
-        else:
-            flat, stride, cap = self._ring_flat, self._stride, self.window
-        if not _encode_repairs(flat, stride, cap, first_esi, nss, keys, dt, out, self.symbol_size):
-            raise ValueError(f"repair keys must be in 0..{MAX_REPAIR_KEY}")
+        raise ValueError(f"repair keys must be in 0..{MAX_REPAIR_KEY}")
 
     def repair(self, first_esi: int, nss: int, repair_key: int, dt: int = 15) -> bytes:
         """The repair symbol sum_i c_i * S[first_esi + i] over GF(2^8)."""
