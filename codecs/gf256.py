@@ -341,15 +341,16 @@ _PREFETCH_AHEAD = 256
 difference outside the noise on a hot block."""
 
 
-def _shuffle_multi_intrinsic(rows: int, vecs: int):  # noqa: ANN202
+def _shuffle_multi_intrinsic(rows: int, vecs: int, store: bool):  # noqa: ANN202
     """An intrinsic that multiplies ``32 * vecs`` bytes at offset j of m sources into ``rows``
     repairs at once, the accumulators in registers across all sources:
 
         out[k0 + k, j : j + 32 * vecs] ^= sum over i < m of coefs[k0 + k, i] * src_i
 
-    with src_i = flat[offsets[i] + j :], and tables NIBBLE_TABLE[coefs[...]] (``nib``).
-    Each source vector is loaded and split into nibbles once for all the rows. Numba code
-    only; the caller checks every bound."""
+    with src_i = flat[offsets[i] + j :], and tables NIBBLE_TABLE[coefs[...]] (``nib``);
+    ``store``: ``=`` instead of ``^=`` (out is not read). Each source vector is loaded and
+    split into nibbles once for all the rows. Numba code only; the caller checks every
+    bound."""
 
     def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
         out = make_array(sig.args[0])(context, builder, args[0])
@@ -435,7 +436,9 @@ def _shuffle_multi_intrinsic(rows: int, vecs: int):  # noqa: ANN202
                 ptr = builder.bitcast(
                     builder.gep(rbase, [ir.Constant(i64, 32 * v)]), v32.as_pointer()
                 )
-                acc = builder.xor(results[k * vecs + v], builder.load(ptr, align=1))
+                acc = results[k * vecs + v]
+                if not store:
+                    acc = builder.xor(acc, builder.load(ptr, align=1))
                 builder.store(acc, ptr, align=1)
         return context.get_dummy_value()
 
@@ -459,9 +462,16 @@ def _shuffle_multi_intrinsic(rows: int, vecs: int):  # noqa: ANN202
     return multi
 
 
-_MULTI = {(r, v): _shuffle_multi_intrinsic(r, v) for r in (1, 2, 3, 4) for v in (1, 2)}
-_multi_4x64, _multi_3x64, _multi_2x64, _multi_1x64 = (_MULTI[(r, 2)] for r in (4, 3, 2, 1))
-_multi_4x32, _multi_3x32, _multi_2x32, _multi_1x32 = (_MULTI[(r, 1)] for r in (4, 3, 2, 1))
+_MULTI = {
+    (r, v, st): _shuffle_multi_intrinsic(r, v, st)
+    for r in (1, 2, 3, 4)
+    for v in (1, 2)
+    for st in (False, True)
+}
+_multi_4x64, _multi_3x64, _multi_2x64, _multi_1x64 = (_MULTI[(r, 2, False)] for r in (4, 3, 2, 1))
+_multi_4x32, _multi_3x32, _multi_2x32, _multi_1x32 = (_MULTI[(r, 1, False)] for r in (4, 3, 2, 1))
+_dot_4x64, _dot_3x64, _dot_2x64, _dot_1x64 = (_MULTI[(r, 2, True)] for r in (4, 3, 2, 1))
+_dot_4x32, _dot_3x32, _dot_2x32, _dot_1x32 = (_MULTI[(r, 1, True)] for r in (4, 3, 2, 1))
 
 
 @njit(cache=True, nogil=True)
@@ -681,6 +691,80 @@ def _check_multi(out: np.ndarray, flat: np.ndarray, offsets: np.ndarray, coefs: 
             raise ValueError("region_muladd_multi: a source runs past the buffer")
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _multi_step(out: np.ndarray, flat: np.ndarray, offsets: np.ndarray, coefs: np.ndarray,
+                k0: int, g: int, j: int, m: int, wide: bool, store: bool) -> None:  # fmt: skip
+    """Rows k0 .. k0+g-1 (g <= 4) of region_muladd_multi_shuffle / region_dot_multi_shuffle
+    at offset j: 64 bytes when ``wide``, else 32."""
+    if store:
+        if wide:
+            if g == 4:
+                _dot_4x64(out, flat, offsets, coefs, NIBBLE_TABLE, k0, j, m)
+            elif g == 3:
+                _dot_3x64(out, flat, offsets, coefs, NIBBLE_TABLE, k0, j, m)
+            elif g == 2:
+                _dot_2x64(out, flat, offsets, coefs, NIBBLE_TABLE, k0, j, m)
+            else:
+                _dot_1x64(out, flat, offsets, coefs, NIBBLE_TABLE, k0, j, m)
+        elif g == 4:
+            _dot_4x32(out, flat, offsets, coefs, NIBBLE_TABLE, k0, j, m)
+        elif g == 3:
+            _dot_3x32(out, flat, offsets, coefs, NIBBLE_TABLE, k0, j, m)
+        elif g == 2:
+            _dot_2x32(out, flat, offsets, coefs, NIBBLE_TABLE, k0, j, m)
+        else:
+            _dot_1x32(out, flat, offsets, coefs, NIBBLE_TABLE, k0, j, m)
+    elif wide:
+        if g == 4:
+            _multi_4x64(out, flat, offsets, coefs, NIBBLE_TABLE, k0, j, m)
+        elif g == 3:
+            _multi_3x64(out, flat, offsets, coefs, NIBBLE_TABLE, k0, j, m)
+        elif g == 2:
+            _multi_2x64(out, flat, offsets, coefs, NIBBLE_TABLE, k0, j, m)
+        else:
+            _multi_1x64(out, flat, offsets, coefs, NIBBLE_TABLE, k0, j, m)
+    elif g == 4:
+        _multi_4x32(out, flat, offsets, coefs, NIBBLE_TABLE, k0, j, m)
+    elif g == 3:
+        _multi_3x32(out, flat, offsets, coefs, NIBBLE_TABLE, k0, j, m)
+    elif g == 2:
+        _multi_2x32(out, flat, offsets, coefs, NIBBLE_TABLE, k0, j, m)
+    else:
+        _multi_1x32(out, flat, offsets, coefs, NIBBLE_TABLE, k0, j, m)
+
+
+@njit(cache=True, nogil=True)
+def _multi_shuffle(out: np.ndarray, flat: np.ndarray, offsets: np.ndarray, coefs: np.ndarray,
+                   m: int, n: int, store: bool) -> None:  # fmt: skip
+    """The body of region_muladd_multi_shuffle (``store`` False) and
+    region_dot_multi_shuffle (True), bounds checked by the caller."""
+    r = coefs.shape[0]
+    k0 = 0
+    while k0 < r:
+        g = min(4, r - k0)
+        j = 0
+        while j + 64 <= n:
+            _multi_step(out, flat, offsets, coefs, k0, g, j, m, True, store)
+            j += 64
+        if j + 32 <= n:
+            _multi_step(out, flat, offsets, coefs, k0, g, j, m, False, store)
+            j += 32
+        if j < n and store and n >= 32:
+            # the last n % 32 bytes: one more vector ending at n, over bytes already
+            # written; each is the same pure function of the sources, so they stay
+            _multi_step(out, flat, offsets, coefs, k0, g, n - 32, m, False, True)
+        elif j < n:  # by table
+            for k in range(k0, k0 + g):
+                if store:
+                    out[k, j:n] = 0
+                for i in range(m):
+                    row = MUL_TABLE[coefs[k, i]]
+                    o = offsets[i]
+                    for b in range(j, n):
+                        out[k, b] ^= row[flat[o + b]]
+        k0 += g
+
+
 @njit(cache=True, nogil=True)
 def region_muladd_multi_shuffle(
     out: np.ndarray, flat: np.ndarray, offsets: np.ndarray, coefs: np.ndarray, m: int, n: int
@@ -688,39 +772,17 @@ def region_muladd_multi_shuffle(
     """region_muladd_multi with the split-nibble shuffle, the accumulators of up to four
     outputs in registers over all m sources, 64 bytes a step (HAVE_SHUFFLE hosts only)."""
     _check_multi(out, flat, offsets, coefs, m, n)
-    r = coefs.shape[0]
-    k0 = 0
-    while k0 < r:
-        g = min(4, r - k0)
-        j = 0
-        while j + 64 <= n:
-            if g == 4:
-                _multi_4x64(out, flat, offsets, coefs, NIBBLE_TABLE, k0, j, m)
-            elif g == 3:
-                _multi_3x64(out, flat, offsets, coefs, NIBBLE_TABLE, k0, j, m)
-            elif g == 2:
-                _multi_2x64(out, flat, offsets, coefs, NIBBLE_TABLE, k0, j, m)
-            else:
-                _multi_1x64(out, flat, offsets, coefs, NIBBLE_TABLE, k0, j, m)
-            j += 64
-        if j + 32 <= n:
-            if g == 4:
-                _multi_4x32(out, flat, offsets, coefs, NIBBLE_TABLE, k0, j, m)
-            elif g == 3:
-                _multi_3x32(out, flat, offsets, coefs, NIBBLE_TABLE, k0, j, m)
-            elif g == 2:
-                _multi_2x32(out, flat, offsets, coefs, NIBBLE_TABLE, k0, j, m)
-            else:
-                _multi_1x32(out, flat, offsets, coefs, NIBBLE_TABLE, k0, j, m)
-            j += 32
-        if j < n:  # the last n % 32 bytes by table
-            for k in range(k0, k0 + g):
-                for i in range(m):
-                    row = MUL_TABLE[coefs[k, i]]
-                    o = offsets[i]
-                    for b in range(j, n):
-                        out[k, b] ^= row[flat[o + b]]
-        k0 += g
+    _multi_shuffle(out, flat, offsets, coefs, m, n, False)
+
+
+@njit(cache=True, nogil=True)
+def region_dot_multi_shuffle(
+    out: np.ndarray, flat: np.ndarray, offsets: np.ndarray, coefs: np.ndarray, m: int, n: int
+) -> None:
+    """region_dot_multi with the split-nibble shuffle: as region_muladd_multi_shuffle, the
+    sums stored instead of added (the outputs are not read), HAVE_SHUFFLE hosts only."""
+    _check_multi(out, flat, offsets, coefs, m, n)
+    _multi_shuffle(out, flat, offsets, coefs, m, n, True)
 
 
 KERNELS = {
@@ -777,6 +839,17 @@ def region_muladd_multi_tiled(
                     region_muladd(out[k, t0:t1], src, c)
 
 
+@njit(cache=True, nogil=True)
+def region_dot_multi_tiled(
+    out: np.ndarray, flat: np.ndarray, offsets: np.ndarray, coefs: np.ndarray, m: int, n: int
+) -> None:
+    """region_dot_multi: the outputs zeroed, then region_muladd_multi_tiled."""
+    _check_multi(out, flat, offsets, coefs, m, n)
+    for k in range(coefs.shape[0]):
+        region_zero(out[k, :n])
+    region_muladd_multi_tiled(out, flat, offsets, coefs, m, n)
+
+
 region_muladd_multi = (
     region_muladd_multi_shuffle if KERNEL == "shuffle" else region_muladd_multi_tiled
 )
@@ -785,6 +858,10 @@ row k of ``coefs`` (uint8, r x >= m; ``out``: uint8, >= r x n, C-contiguous; ``o
 int64): several outputs (the repairs of one span) from one pass over the sources. Raises
 ValueError if a source runs past ``flat`` or n, m exceed the arrays. The host's variant: the
 register-accumulator shuffle kernel, else tiles of region_muladd."""
+region_dot_multi = region_dot_multi_shuffle if KERNEL == "shuffle" else region_dot_multi_tiled
+"""out[k, :n] = sum over i < m of coefs[k, i] * flat[offsets[i] : offsets[i] + n]: as
+region_muladd_multi, the outputs overwritten instead of added to (never read; the shuffle
+kernel then needs no scalar tail)."""
 
 
 @njit(cache=True, nogil=True)

@@ -40,6 +40,7 @@ from kvtransport.codecs.gf256 import (
     as_words,
     gf_inv,
     region_copy,
+    region_dot_multi,
     region_muladd,
     region_muladd_multi,
     region_scale,
@@ -234,7 +235,7 @@ def _encode_repairs(
     size: int,
 ) -> bool:
     """out[k, :size] = repair of key keys[k] over ESIs first_esi .. first_esi+nss-1, for all
-    k in one pass over the sources (gf256.region_muladd_multi: each source read once for
+    k in one pass over the sources (gf256.region_dot_multi: each source read once for
     every repair, the accumulators in registers where the kernel allows).
 
     Source ESI e is flat[(e % cap) * stride :][:size], cut short at the end of ``flat``
@@ -250,13 +251,11 @@ def _encode_repairs(
     offsets = np.empty(nss, dtype=np.int64)
     for i in range(nss):
         offsets[i] = ((first_esi + i) % cap) * stride
-    for k in range(r):
-        region_zero(out[k, :size])
     n = flat.shape[0]
     full = nss
     while full > 0 and offsets[full - 1] + size > n:
         full -= 1  # a short symbol at the end of a stream: added on its own below
-    region_muladd_multi(out, flat, offsets, coefs, full, size)
+    region_dot_multi(out, flat, offsets, coefs, full, size)
     for i in range(full, nss):
         src = flat[offsets[i] : min(offsets[i] + size, n)]
         for k in range(r):

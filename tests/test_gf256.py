@@ -245,25 +245,31 @@ def test_the_kernel_can_be_forced_by_environment(name, tmp_path):
         assert run.stdout.split() == [name]
 
 
-MULTI_VARIANTS = [gf256.region_muladd_multi_tiled] + (
-    [gf256.region_muladd_multi_shuffle] if gf256.HAVE_SHUFFLE else []
+MULTI_VARIANTS = [gf256.region_muladd_multi_tiled, gf256.region_dot_multi_tiled] + (
+    [gf256.region_muladd_multi_shuffle, gf256.region_dot_multi_shuffle]
+    if gf256.HAVE_SHUFFLE
+    else []
 )
 
 
 @pytest.mark.parametrize("multi", MULTI_VARIANTS, ids=lambda f: f.__name__)
 def test_multi_output_kernels_are_sums_of_reference_products(multi):
     """Several outputs from one pass over the sources (register accumulators in groups of
-    four outputs, 64- and 32-byte steps, a table tail): every output row equals the sum of
-    reference products, rows past the coefficients and bytes past n untouched."""
+    four outputs, 64- and 32-byte steps, a table tail or, for the dot variants, a last
+    overlapping vector): every output row equals the sum of reference products, added to it
+    (muladd) or instead of it (dot), rows past the coefficients and bytes past n untouched."""
+    dot = "dot" in multi.__name__
     rng = np.random.default_rng(11)
     for r in (1, 2, 3, 4, 5, 9):
-        for n in (0, 5, 32, 64, 100, 1280, 1283):
+        for n in (0, 5, 32, 33, 64, 100, 127, 1280, 1283):
             m = int(rng.integers(0, 40))
             flat = rng.integers(0, 256, 40 * 1300, dtype=np.uint8)
             offsets = rng.integers(0, flat.size - n + 1, size=m + 1).astype(np.int64)
             coefs = rng.integers(0, 256, (r, m + 2)).astype(np.uint8)
             out = rng.integers(0, 256, (r + 1, n + 3), dtype=np.uint8)
             expected = out.copy()
+            if dot:
+                expected[:r, :n] = 0
             for k in range(r):
                 for i in range(m):
                     expected[k, :n] ^= REF[coefs[k, i]][flat[offsets[i] : offsets[i] + n]]
