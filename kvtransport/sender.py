@@ -30,8 +30,8 @@ repairs over its own holes only, lowest segment first. Segments thus decode inde
 any equation fixes any hole of its segment, a lost repair costs one more next round, and
 windows stay short (decoding cost grows with the window). Proactive: the newest symbols,
 those feedback cannot have reported yet: one RTT plus one interval of them (at least a
-segment, at most ``MAX_REPAIR_SPAN``), never below decoded-through or the receiver's
-decoder window. Both kinds are dense RFC 8681 repairs (DT = 15).
+segment, at most ``max_repair_span``, default MAX_REPAIR_SPAN), never below
+decoded-through or the receiver's decoder window. Both kinds are dense RFC 8681 repairs (DT = 15).
 
 Stop time = deadline - one-way delay estimate (half the smoothed RTT) - one slot: a datagram
 sent later cannot arrive before the deadline. Then a CONTROL FIN goes out and the session is
@@ -164,6 +164,7 @@ class SenderSession:
         link_overhead: int = LINK_OVERHEAD_BYTES,
         record: bool = False,
         wall_offset: float = 0.0,
+        max_repair_span: int = MAX_REPAIR_SPAN,
     ) -> None:
         if not rate_bps > 0:
             raise ValueError("rate_bps must be positive")
@@ -193,6 +194,9 @@ class SenderSession:
         self.srtt: float | None = None
         self.stop_time = 0.0  # last moment a datagram can leave and arrive before the deadline
         self._proactive_span = REPAIR_SEGMENT
+        if not REPAIR_SEGMENT <= max_repair_span <= DECODER_WINDOW:
+            raise ValueError(f"max_repair_span must be in {REPAIR_SEGMENT}..{DECODER_WINDOW}")
+        self._max_span = int(max_repair_span)
         self._open_loop = False  # no feedback for a while: repair open-loop (_silent)
         self._resumed_at = now  # a paused sender expects no feedback: silence counts anew
         self._decision_t = now
@@ -441,10 +445,23 @@ class SenderSession:
         """One-way delay estimate: half the smoothed RTT (initial RTT before feedback)."""
         return 0.5 * (self.srtt if self.srtt is not None else self._initial_rtt)
 
+    @property
+    def max_repair_span(self) -> int:
+        """Most source symbols a proactive RLC repair covers (the constructor's
+        ``max_repair_span``, default MAX_REPAIR_SPAN); setting it applies at once."""
+        return self._max_span
+
+    @max_repair_span.setter
+    def max_repair_span(self, span: int) -> None:
+        if not REPAIR_SEGMENT <= span <= DECODER_WINDOW:
+            raise ValueError(f"max_repair_span must be in {REPAIR_SEGMENT}..{DECODER_WINDOW}")
+        self._max_span = int(span)
+        self._rtt_changed()
+
     def _rtt_changed(self) -> None:
         rtt_slots = 2.0 * self.owd / self.slot_s
         span = int(rtt_slots) + self.decision_packets
-        self._proactive_span = min(MAX_REPAIR_SPAN, max(REPAIR_SEGMENT, span))
+        self._proactive_span = min(self._max_span, max(REPAIR_SEGMENT, span))
         self.stop_time = self.deadline - self.owd - self.slot_s
         self._raw[Raw.STOP_TIME] = self.stop_time
 

@@ -2,13 +2,14 @@
 
 The sender's proactive RLC repairs cover the newest symbols, those feedback cannot have
 reported yet: one RTT plus one decision interval of them, capped at
-``kvtransport.protocol.MAX_REPAIR_SPAN`` (kvtransport/sender.py ``_rtt_changed``). On a
+``SenderSession.max_repair_span`` (default kvtransport.protocol.MAX_REPAIR_SPAN;
+kvtransport/sender.py ``_rtt_changed``). On a
 long link the round trip holds more slots than the cap (100 Mbit/s, one-way 80 ms: ~1500
 slots of 1280-byte symbols), so the oldest symbols in flight are outside every proactive
 repair. This script plays the same held-out episodes (scripts/eval_policy.py's long-link
 cells: kvtransport.agents.episodes.eval_spec with a one-way delay, measured block
-utilities) with the cap set to each of --spans in turn (the sender module's constant is
-patched in this process; nothing else changes), and reports, per cell and scheme, the
+utilities) with the cap set to each of --spans in turn (the sender's ``max_repair_span``;
+nothing else changes), and reports, per cell and scheme, the
 mean utility recovered before the deadline at the first span and the paired differences
 (same episodes, same channel draws) of every other span against it, with 95 % t-intervals.
 
@@ -108,14 +109,12 @@ def run_episode(cell: str, scheme: str, span: int, index: int, timers: Timers) -
     from kvtransport.agents.episodes import build_simulation, eval_spec
     from kvtransport.netem import load_profile
 
-    import kvtransport.sender as sender_mod
-
     channel, delay, rho, mbps = parse_cell(cell)
     prof = replace(load_profile(channel), rate_mbps=mbps)
     spec = eval_spec(prof, rho, index, "measured", delay_ms=delay)
-    sender_mod.MAX_REPAIR_SPAN = span
     before = timers.snapshot()
     sim = build_simulation(spec, make_scheme(scheme, None))
+    sim.sender.max_repair_span = span  # before anything is sent
     sim.run()
     after = timers.snapshot()
     s = sim.sender
@@ -214,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--spans",
         default=",".join(map(str, DEFAULT_SPANS)),
-        help="MAX_REPAIR_SPAN values; the first is the baseline of the differences",
+        help="max_repair_span values (64..DECODER_WINDOW); the first is the baseline",
     )
     p.add_argument("--episodes", type=int, default=24, help="held-out episodes per cell (24)")
     p.add_argument("--out", type=Path, default=Path("results/repair_span"), help="output folder")

@@ -33,3 +33,31 @@ def test_span_cap_binds_only_when_a_round_trip_exceeds_it(tmp_path):
     table = (tmp_path / "eval_repair_span.md").read_text()
     assert table.startswith("| cell | scheme | utility @1024 | 2048 - 1024 |")
     assert "| ge-heavy+40ms@0.85 | fixed:4/32 |" in table and "(2=)" in table
+
+
+def test_the_span_cap_is_a_sender_parameter():
+    """SenderSession(max_repair_span=...) caps the proactive span (default MAX_REPAIR_SPAN;
+    the attribute may be set later, and applies at once); outside 64..DECODER_WINDOW it is
+    refused."""
+    import pytest
+
+    from kvtransport import protocol
+    from kvtransport.policy import make_policy
+    from kvtransport.sender import SenderSession
+    from kvtransport.transfer import synthetic_transfer
+
+    tr = synthetic_transfer(2_000_000, 10, seed=1)
+
+    def sender(**kw):  # 100 Mbit/s, 160 ms round trip: ~1500 slots
+        return SenderSession(tr, make_policy("fixed:4/32"), rate_bps=100e6, deadline=1.0,
+                             initial_rtt=0.16, **kw)  # fmt: skip
+
+    assert sender().max_repair_span == protocol.MAX_REPAIR_SPAN == 1024
+    assert sender()._proactive_span == 1024
+    s = sender(max_repair_span=2048)
+    assert 1400 < s._proactive_span < 2048
+    s.max_repair_span = 512
+    assert s._proactive_span == 512
+    for bad in (63, protocol.DECODER_WINDOW + 1):
+        with pytest.raises(ValueError, match="max_repair_span"):
+            sender(max_repair_span=bad)
