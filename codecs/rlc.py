@@ -297,7 +297,7 @@ def _encode_repairs_checked(
 
 
 @njit(cache=True, nogil=True)
-def _encode_repair(
+def _encode_repair_checked(
     flat: np.ndarray,
     stride: int,
     cap: int,
@@ -307,13 +307,17 @@ def _encode_repair(
     dt: int,
     out: np.ndarray,
     size: int,
-) -> None:
-    """out[:size] = the repair of ``repair_key`` (_encode_repairs with one key)."""
+    oldest: int,
+    end: int,
+) -> int:
+    """out[:size] = the repair of ``repair_key``: _encode_repairs_checked with one key (the
+    same codes; ``out`` holds at least ``size`` bytes)."""
     keys = np.empty(1, dtype=np.int64)
     keys[0] = repair_key
-    _encode_repairs(
-        flat, stride, cap, first_esi, nss, keys, dt, out[:size].reshape((1, size)), size
-    )
+    return _encode_repairs_checked(
+        flat, stride, cap, first_esi, nss, keys, dt, out[:size].reshape((1, size)), size,
+        oldest, end,
+    )  # fmt: skip
 
 
 class RLCEncoder:
@@ -457,14 +461,6 @@ class RLCEncoder:
         ``out`` is a writable uint8 numpy array or a writable buffer (bytearray, memoryview),
         e.g. the payload area of a datagram buffer, so the sender needs no allocation.
         """
-        first_esi, nss, repair_key, dt = int(first_esi), int(nss), int(repair_key), int(dt)
-        if (
-            not (0 <= first_esi and 1 <= nss <= MAX_NSS and 0 <= repair_key <= MAX_REPAIR_KEY)
-            or not 0 <= dt <= MAX_DT
-        ):
-            _check_repair_params(first_esi, nss, repair_key, dt)  # raises with the reason
-        if first_esi < self._next_esi - self.window or first_esi + nss > self._next_esi:
-            self._check_span(first_esi, nss)  # raises with the reason
         if out is self._out_checked:  # the same packet buffer again: already validated
             arr = self._out_array
         else:
@@ -478,7 +474,15 @@ class RLCEncoder:
             if type(out) is np.ndarray or type(out) is memoryview:  # fixed views: keep
                 self._out_checked, self._out_array = out, arr
         flat, stride, cap = self._source
-        _encode_repair(flat, stride, cap, first_esi, nss, repair_key, dt, arr, self.symbol_size)
+        first_esi, nss, repair_key, dt = int(first_esi), int(nss), int(repair_key), int(dt)
+        why = _encode_repair_checked(
+            flat, stride, cap, first_esi, nss, repair_key, dt, arr, self.symbol_size,
+            self._next_esi - self.window, self._next_esi,
+        )  # fmt: skip
+        if why:  # raise with the reason
+            _check_repair_params(first_esi, nss, repair_key, dt)
+            self._check_span(first_esi, nss)
+            raise ValueError(f"repair refused (code {why})")  # (not reached)
 
     def repairs_into(
         self, out: np.ndarray, first_esi: int, nss: int, repair_keys: object, dt: int = 15

@@ -316,6 +316,27 @@ def test_encoder_ring_is_bounded_and_checked():
         enc.repair(12, 8, 70000)
 
 
+@pytest.mark.parametrize(
+    ("first", "nss", "key", "dt", "match"),
+    [(12, 8, 70000, 15, "repair_key"), (12, 0, 1, 15, "nss"), (12, 8, 1, 16, "dt"),
+     (-1, 8, 1, 15, "first_esi"), (11, 8, 1, 15, "not all held")],
+)  # fmt: skip
+def test_repair_calls_refuse_bad_fields_with_the_reason_and_write_nothing(
+    first, nss, key, dt, match
+):
+    """The checks run in the kernel call; the refusal names the field, out is untouched."""
+    enc = RLCEncoder(4, window=8)
+    enc.add_sources(bytes(range(80)))
+    one = np.full(4, 7, dtype=np.uint8)
+    with pytest.raises(ValueError, match=match):
+        enc.repair_into(one, first, nss, key, dt)
+    assert one.tolist() == [7] * 4
+    rows = np.full((2, 4), 7, dtype=np.uint8)
+    with pytest.raises(ValueError, match="repair keys" if match == "repair_key" else match):
+        enc.repairs_into(rows, first, nss, [1, key], dt)
+    assert rows.tolist() == [[7] * 4] * 2
+
+
 def test_repair_into_writes_a_caller_buffer():
     enc = RLCEncoder(16, window=8)
     for i in range(8):
