@@ -102,7 +102,10 @@ FEEDBACK_QUIET_S = 1.0
 link share, or gone, or a forger that sent a few datagrams) and resumes with the next one."""
 DEFAULT_MAX_BYTES = 1 << 30
 BATCH_MAX = 256
-"""Most data datagrams ``receive_datagrams`` decodes in one RLCDecoder.add_packets call."""
+"""Most data datagrams ``receive_datagrams`` decodes in one RLCDecoder.add_packets call
+(fewer when that many symbols would pass ``BATCH_BYTES``)."""
+BATCH_BYTES = 1 << 20
+"""Most bytes of a session's run buffer (one symbol per datagram of a run)."""
 QUEUED = 2
 """``_known`` of a source in a run not yet decoded (1: known; 0: not)."""
 
@@ -251,11 +254,12 @@ class ReceiverSession:
 
         A run ends (is decoded, and what it made known accounted in arrival order) before
         any other datagram type, before feedback, at the end of ``datagrams``, after
-        ``BATCH_MAX`` datagrams, and before a datagram whose outcome could depend on where
-        the run ends: one that could complete the transfer, one that would slide the
-        decoder's window, or one reaching below where a release during the run could move
-        the window's base (see ``_batchable``). Those, and everything while a block
-        Reed-Solomon decoder is active, take the per-datagram path.
+        ``BATCH_MAX`` datagrams (fewer for large symbols: ``BATCH_BYTES``), and before a
+        datagram whose outcome could depend on where the run ends: one that could complete
+        the transfer, one that would slide the decoder's window, or one reaching below where
+        a release during the run could move the window's base (see ``_batchable``). Those,
+        and everything while a block Reed-Solomon decoder is active, take the per-datagram
+        path.
         """
         b = self._batch
         for data in datagrams:
@@ -278,7 +282,7 @@ class ReceiverSession:
                 continue
             if self._next_fb is None:
                 self._next_fb = now + self.feedback_interval
-            if b.n >= BATCH_MAX or (gap > 0 and now - self._last_fb >= MIN_FEEDBACK_GAP):
+            if b.n >= b.rows or (gap > 0 and now - self._last_fb >= MIN_FEEDBACK_GAP):
                 self._flush_batch(now)
                 if gap > 0 and now - self._last_fb >= MIN_FEEDBACK_GAP:
                     self._send_feedback(now)
@@ -852,6 +856,7 @@ class ReceiverSession:
         self._next_fb = None
         self._sync_decoder()
         self.decoder = None  # free the decoding window
+        self._batch = _Run()  # and the run buffer (receive_datagrams: nothing is held)
         self._send_feedback(now)
         # the final count (``lost``) settles every gap; the loss rate is left as it was:
         # datagrams still in flight now are not a loss sample
@@ -894,14 +899,16 @@ class _Run:
         self.pay_mv = memoryview(self.pay)
         self.ends = np.zeros(BATCH_MAX, dtype=np.int64)
         self.pending0 = self.base = self.top = self.hole = self.holes = 0
+        self.rows = 0  # datagrams a run holds at most (set with the symbol size)
 
     def start(self, decoder: RLCDecoder, top: int, before: int) -> None:
         self.pending0 = decoder.pending_equations
         self.base = decoder.base
         self.top = top
         self.hole, self.holes = before, 0  # the holes-th unknown ESI after ``before``
-        if self.pay.shape[0] != BATCH_MAX * decoder.symbol_size:
-            self.pay = np.zeros(BATCH_MAX * decoder.symbol_size, dtype=np.uint8)
+        if not self.rows:
+            self.rows = max(1, min(BATCH_MAX, BATCH_BYTES // decoder.symbol_size))
+            self.pay = np.zeros(self.rows * decoder.symbol_size, dtype=np.uint8)
             self.pay_mv = memoryview(self.pay)
 
     def add_repair(self, a: int, b: int, c: int, d: int, payload: memoryview, size: int) -> None:

@@ -218,7 +218,7 @@ def _stream(n: int, order: list[tuple[int, ...]], size: int = 64):
     src = rng.integers(0, 256, (n, size), dtype=np.uint8)
     enc = RLCEncoder(size, window=n)
     enc.add_sources(src.tobytes())
-    framer = wire.Framer(TID, KEY)
+    framer = wire.Framer(TID, KEY, max_payload=max(2048, size))
     out = []
     for seq, item in enumerate(order):
         if len(item) <= 2:  # (esi,) or (esi, other bytes): a forged copy, the key's holder's
@@ -293,3 +293,27 @@ def test_the_first_copy_of_a_source_in_a_run_is_the_one_kept():
     one, run = _both(data)
     assert one._known[2] and one.duplicates == 1
     assert run._out[: 8 * 64].tobytes() == src.tobytes()
+
+
+def test_a_run_of_large_symbols_holds_at_most_batch_bytes():
+    """60,000-byte symbols: a run holds BATCH_BYTES // 60000 = 17 of them (each repair's
+    bytes are staged), and splitting there changes nothing."""
+    from kvtransport import receiver
+
+    size = 60_000
+    order = [(0,), (1,)] + [(0, 40, k) for k in range(3)] + [(e,) for e in range(3, 40)]
+    src, data = _stream(40, order, size=size)
+    one = ReceiverSession(TID, key=KEY)
+    run = ReceiverSession(TID, key=KEY)
+    for d in data:
+        one.receive_datagram(d, 1.0)
+    run.receive_datagrams(data, 1.0)
+    assert run._batch.rows == receiver.BATCH_BYTES // size == 17
+    assert run._batch.pay.nbytes <= receiver.BATCH_BYTES
+    assert one.datagrams_to_send(1.0) == run.datagrams_to_send(1.0)
+    for r in (one, run):
+        r.close(2.0)
+    assert _state(one) == _state(run)
+    # three equations solve ESI 2 and the last two (recovered before their sources come)
+    assert one.symbols_recovered == 3 and one.duplicates == 2
+    assert run._out[: 40 * size].tobytes() == src.tobytes()
