@@ -60,8 +60,8 @@ def test_a_late_handover_starts_at_its_arrival_and_runs_are_reproducible():
     hs = [Handover(0, 0.0, 0.1, 600_000, U), Handover(1, 0.04, 0.14, 600_000, U)]
     sim = MultiSimulation(hs, UtilityWaterFilling(), rate_mbps=RATE, seed=5)
     res = sim.run()
-    late = sim.pairs[1].receiver
-    assert late.timings["first_packet"] >= 0.04
+    late = sim.users[1].received
+    assert late is not None and late.session.timings["first_packet"] >= 0.04
     again = simulate_handovers(hs, UtilityWaterFilling(), rate_mbps=RATE, seed=5)
     assert [o.fraction for o in again.outcomes] == [o.fraction for o in res.outcomes]
     assert again.packets_sent == res.packets_sent
