@@ -50,7 +50,8 @@ class SenderEngine(DropCounts):
 
     ``rate_bps``: the link rate shared by all transfers. ``on_finish(outgoing)`` is called
     once per transfer when its session is done (sent FIN or ABORT, or the receiver said it
-    is finished), after its last datagrams went out.
+    is finished), after its last datagrams went out. ``host``: run this host (then the
+    other arguments but ``on_finish`` are the host's own).
     """
 
     def __init__(
@@ -64,8 +65,9 @@ class SenderEngine(DropCounts):
         slot_s: float = DEFAULT_SLOT_S,
         max_transfers: int = DEFAULT_MAX_TRANSFERS,
         on_finish: Callable[[Outgoing], None] | None = None,
+        host: SenderHost | None = None,
     ) -> None:
-        self.host = SenderHost(
+        self.host = host or SenderHost(
             rate_bps=rate_bps,
             key=key,
             symbol_size=symbol_size,
