@@ -325,10 +325,11 @@ class MultiSimulation:
         )
 
     def _outcome(self, u: _User) -> None:
+        """What handover ``u`` got: its receiver's result (just finished), or nothing
+        when not one of its datagrams reached the receiver (e.g. paused throughout)."""
         inc = u.host.get(u.tid)
-        assert inc is not None  # it finished just now
         u.received = inc
-        res = inc.session.result
+        res = inc.session.result if inc is not None else None
         h = u.h
         fraction = complete = 0.0
         if res is not None and res.manifest is not None:
@@ -354,7 +355,7 @@ class MultiSimulation:
             source_sent=s.stats["source_sent"],
             repair_sent=s.repair_sent,
             sender_finish=s.finish_reason or "running",
-            receiver_finish=res.reason if res is not None else "running",
+            receiver_finish=res.reason if res is not None else "nothing arrived",
             admitted_slots=out.link.admitted_slots,
             slots=out.link.slots,
         )
@@ -400,6 +401,9 @@ class MultiSimulation:
                     trace.append(("submit", t, users[i].tid))
                 self._arrive(i, t)
                 self._send_data(t)
+        for u in users:
+            if u.outcome is None and u.host.get(u.tid) is None and u.tid not in u.host.recent:
+                self._outcome(u)  # its receiver never heard of it
         outcomes = [u.outcome for u in users if u.outcome is not None]
         if len(outcomes) < len(users):  # pragma: no cover - a loop invariant
             raise RuntimeError("a handover never finished")
