@@ -175,9 +175,11 @@ class MultiSimulation:
     rate_mbps; repair_policy: each session's FEC policy (kvtransport.policy names);
     capacity_Bps: feed the scheduler this fixed payload capacity instead of estimating
     it from the link rate and the reported loss. ``trace``: a list to which the loop
-    appends every call it makes into the sender host, ``("timer", t)`` and
-    ``("feedback", t, datagram)``, and ``("data", t, datagram)`` for each datagram the host
-    released (the daemon-equivalence test replays it into the sender daemon's engine).
+    appends every call it makes into a host and what came out: into the sender host
+    ``("submit", t, transfer_id)``, ``("timer", t)``, ``("feedback", t, datagram)``, out
+    ``("data", t, datagram)``; into receiver host i ``("rx_data", t, i, datagram)``,
+    ``("rx_timer", t, i)``, out ``("rx_feedback", t, i, datagram)`` (tests/test_hosts.py
+    replays them into the daemons' engines).
     """
 
     def __init__(
@@ -297,8 +299,11 @@ class MultiSimulation:
         """What receiver host i produced, into the feedback channel; its results."""
         u = self.users[i]
         ch = self.feedback_channel
+        trace = self.trace
         for datagrams, _addr in u.host.datagrams_to_send(t):
             for d in datagrams:
+                if trace is not None:
+                    trace.append(("rx_feedback", t, i, bytes(d)))
                 arrival = ch.transmit(t, len(d))
                 if arrival is not None:
                     self._push(arrival, _TO_SENDER, i, d)
@@ -374,6 +379,8 @@ class MultiSimulation:
             t, kind, _, i, data = pop(heap)
             self.events += 1
             if kind == _TO_RECEIVER:
+                if trace is not None:
+                    trace.append(("rx_data", t, i, bytes(data)))
                 users[i].host.receive_datagram(data, SENDER_ADDR, t)
                 self._send_feedback(i, t)
             elif kind == _TO_SENDER:
@@ -394,6 +401,8 @@ class MultiSimulation:
                 if u.armed != data:
                     continue
                 u.armed = None
+                if trace is not None:
+                    trace.append(("rx_timer", t, i))
                 u.host.handle_timer(t)
                 self._send_feedback(i, t)
             else:  # _ARRIVAL
