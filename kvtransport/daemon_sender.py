@@ -26,16 +26,14 @@ from kvtransport.errors import UserError
 from kvtransport.link_share import LinkShare
 from kvtransport.policy import make_policy
 from kvtransport.protocol import DEFAULT_INITIAL_RTT, DEFAULT_SYMBOL_SIZE
-from kvtransport.sender_host import (  # noqa: F401 (HISTORY, RECEIVER_MEMORY: re-exported)
+from kvtransport.sender_host import (  # noqa: F401 (HISTORY: re-exported for the tests)
     DEFAULT_BURST_S,
     DEFAULT_MAX_TRANSFERS,
     DEFAULT_SLOT_S,
     HISTORY,
-    RECEIVER_MEMORY,
     Outgoing,
     SenderHost,
     TransferFinished,
-    stream_utility_curve,
 )
 from kvtransport.transfer import Transfer
 from kvtransport.udp import DatagramSocket, wall_offset
