@@ -1,7 +1,7 @@
 """What both daemons share: the event loop, the ZeroMQ control server, signals, logs.
 
 A daemon is an *engine* (kvtransport.daemon_sender.SenderEngine or
-kvtransport.daemon_receiver.ReceiverEngine: the sessions and their UDP socket, no ZeroMQ)
+kvtransport.daemon_receiver.ReceiverEngine: a sans-I/O host and its UDP socket, no ZeroMQ)
 plus control sockets. :func:`serve` runs them on one thread:
 
     loop:  engine.run_due(now)       timers due: paced datagrams, feedback, deadlines

@@ -9,8 +9,9 @@ K and V in fp16: 23040 bytes per token), and its accuracy curve is the table's f
 sigmoid (kvtransport/data/<model>-utility.json, measured by `kvtransport fit-utility
 --measure`).
 
-Every scenario runs in kvtransport.multisim with the real SenderSession/ReceiverSession
-pairs (adaptive RLC repair) sharing one channel, once per slot policy: equal share,
+Every scenario runs in kvtransport.multisim: the sender daemon's own host
+(kvtransport.sender_host, real sessions with adaptive RLC repair) and one receiver host
+per user, sharing one channel, once per slot policy: equal share,
 proportional to size, earliest deadline first and this allocator (UtilityWaterFilling,
 with a guard of three loss-detection rounds, see make_policy), each setting the
 sessions' pacing rates every 10 ms through their rate hook. A user's
