@@ -18,7 +18,7 @@ sessions' pacing rates every 10 ms through their rate hook. A user's
 accuracy is its curve at the fraction of its cache decoded (in utility order) by its
 deadline.
 
-The clairvoyant bound (kvtransport.allocator.clairvoyant_bound: every arrival known in
+The clairvoyant bound (kvtransport.allocation_bound.clairvoyant_bound: every arrival known in
 advance, solved offline over a fluid link, certified by duality and branch and bound) is
 fed the *effective* capacity the sessions achieve: the link rate times the decoded
 payload per byte on the link, the best any of the four policies reached in that
@@ -127,6 +127,7 @@ def run_scenario(
     """Every policy on one scenario, the clairvoyant bound, the full-cache ceiling."""
     from kvtransport.netem import load_profile
 
+    from kvtransport import allocation_bound as bound
     from kvtransport import allocator as al
     from kvtransport.multisim import payload_efficiency, simulate_handovers
 
@@ -142,7 +143,7 @@ def run_scenario(
                 al.Transfer(h.id, h.size, h.deadline, h.utility, h.weight, h.arrival)
                 for h in handovers
             ]
-            out = al.simulate_fluid(ts, cap, make_policy(name))
+            out = bound.simulate_fluid(ts, cap, make_policy(name))
             res[name] = {
                 "accuracy": out.weighted_utility / n,
                 "fractions": [out.fractions[h.id] for h in handovers],
@@ -175,7 +176,7 @@ def run_scenario(
         for h in handovers
     ]
     t0 = time.process_time()
-    cb = al.clairvoyant_bound(ts, cap, rel_tol=1e-3, max_nodes=max_nodes)
+    cb = bound.clairvoyant_bound(ts, cap, rel_tol=1e-3, max_nodes=max_nodes)
     bound_cpu = time.process_time() - t0
     for r in res.values():
         r["ratio"] = r["accuracy"] * n / cb.upper if cb.upper > 0 else 1.0

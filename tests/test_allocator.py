@@ -8,6 +8,7 @@ import pytest
 from scipy.optimize import linprog, minimize, minimize_scalar
 
 from kvtransport import allocator as al
+from kvtransport.allocation_bound import clairvoyant_bound, simulate_fluid
 from kvtransport.allocator import (
     EarliestDeadlineFirst,
     EqualShare,
@@ -16,10 +17,8 @@ from kvtransport.allocator import (
     Transfer,
     UtilityWaterFilling,
     allocate_slot,
-    clairvoyant_bound,
     min_useful_bytes,
     plan_horizon,
-    simulate_fluid,
     water_fill,
 )
 from kvtransport.utility_model import SigmoidUtility
