@@ -26,8 +26,8 @@ from kvtransport.allocator import (
     _XLB,
     _XLO,
     OnlineScheduler,
+    ScheduledTransfer,
     SlotPolicy,
-    Transfer,
     _check_inputs,
     _marginal,
     _params,
@@ -52,7 +52,7 @@ class FluidOutcome:
 
 
 def simulate_fluid(
-    transfers: Iterable[Transfer],
+    transfers: Iterable[ScheduledTransfer],
     capacity_Bps: float,
     policy: SlotPolicy,
     slot_s: float = 0.01,
@@ -66,12 +66,12 @@ def simulate_fluid(
     """
     pending = sorted(
         (
-            Transfer(t.id, t.size, t.deadline, t.utility, t.weight, t.arrival, t.delivered)
+            ScheduledTransfer(t.id, t.size, t.deadline, t.utility, t.weight, t.arrival, t.delivered)
             for t in transfers
         ),
         key=lambda t: t.arrival,
     )
-    final: dict[Hashable, Transfer] = {t.id: t for t in pending}
+    final: dict[Hashable, ScheduledTransfer] = {t.id: t for t in pending}
     sched = OnlineScheduler(capacity_Bps, policy, slot_s)
     now = pending[0].arrival if pending else 0.0
     k = 0
@@ -275,7 +275,7 @@ def _initial_lines(P: np.ndarray) -> list[list[tuple[float, float]]]:
 
 
 def clairvoyant_bound(
-    transfers: Sequence[Transfer],
+    transfers: Sequence[ScheduledTransfer],
     capacity_Bps: float,
     rel_tol: float = 1e-4,
     max_nodes: int = 500,

@@ -706,7 +706,7 @@ def plan_horizon(
 
 
 @dataclass
-class Transfer:
+class ScheduledTransfer:
     """A KV-cache transfer in flight: what the scheduler knows about it.
 
     delivered: bytes counted as delivered (a sender: sources sent less the repairs still
@@ -747,7 +747,7 @@ class SlotPolicy(Protocol):
     name: str
 
     def allocate(
-        self, now: float, until: float, capacity_Bps: float, active: Sequence[Transfer]
+        self, now: float, until: float, capacity_Bps: float, active: Sequence[ScheduledTransfer]
     ) -> np.ndarray:
         """Bytes per active transfer; sum <= capacity * (until - now), each <= remaining."""
         ...
@@ -781,7 +781,7 @@ class EqualShare:
     name = "equal-share"
 
     def allocate(
-        self, now: float, until: float, capacity_Bps: float, active: Sequence[Transfer]
+        self, now: float, until: float, capacity_Bps: float, active: Sequence[ScheduledTransfer]
     ) -> np.ndarray:
         caps = np.array([t.remaining for t in active])
         return _capped_split(capacity_Bps * (until - now), caps, np.ones(len(active)))
@@ -796,7 +796,7 @@ class ProportionalToSize:
     name = "proportional"
 
     def allocate(
-        self, now: float, until: float, capacity_Bps: float, active: Sequence[Transfer]
+        self, now: float, until: float, capacity_Bps: float, active: Sequence[ScheduledTransfer]
     ) -> np.ndarray:
         caps = np.array([t.remaining for t in active])
         sizes = np.array([t.size for t in active])
@@ -884,7 +884,7 @@ class EarliestDeadlineFirst:
     name = "edf"
 
     def allocate(
-        self, now: float, until: float, capacity_Bps: float, active: Sequence[Transfer]
+        self, now: float, until: float, capacity_Bps: float, active: Sequence[ScheduledTransfer]
     ) -> np.ndarray:
         dl = np.array([t.deadline for t in active])
         caps = np.array([t.remaining for t in active])
@@ -945,7 +945,7 @@ class UtilityWaterFilling:
             raise ValueError("guard_s must be a non-negative number of seconds")
 
     def allocate(
-        self, now: float, until: float, capacity_Bps: float, active: Sequence[Transfer]
+        self, now: float, until: float, capacity_Bps: float, active: Sequence[ScheduledTransfer]
     ) -> np.ndarray:
         if not active:
             return np.zeros(0)
@@ -1037,10 +1037,10 @@ class OnlineScheduler:
         self.capacity_Bps = float(capacity_Bps)
         self.policy: SlotPolicy = policy if policy is not None else UtilityWaterFilling()
         self.slot_s = float(slot_s)
-        self.transfers: dict[Hashable, Transfer] = {}
+        self.transfers: dict[Hashable, ScheduledTransfer] = {}
         self._departed: list[tuple[Hashable, str]] = []
 
-    def add(self, transfer: Transfer) -> None:
+    def add(self, transfer: ScheduledTransfer) -> None:
         if transfer.id in self.transfers:
             raise ValueError(f"transfer {transfer.id!r} is already scheduled")
         self.transfers[transfer.id] = transfer
@@ -1053,7 +1053,7 @@ class OnlineScheduler:
     def set_delivered(
         self, transfer_id: Hashable, delivered_bytes: float, pending_bytes: float | None = None
     ) -> None:
-        """Progress of a transfer; pending_bytes (optional): repairs owed (see Transfer)."""
+        """Progress of a transfer; pending_bytes (optional): repairs owed (ScheduledTransfer)."""
         t = self.transfers[transfer_id]
         t.delivered = min(max(float(delivered_bytes), 0.0), t.size)
         if pending_bytes is not None:

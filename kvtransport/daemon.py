@@ -503,6 +503,6 @@ def warm_up(
 
         sched = al.OnlineScheduler(1.25e7)
         for i in range(2):
-            sched.add(al.Transfer(i, 1e6 * (i + 1), 0.5, SigmoidUtility(0.9, 10.0, 0.2)))
+            sched.add(al.ScheduledTransfer(i, 1e6 * (i + 1), 0.5, SigmoidUtility(0.9, 10.0, 0.2)))
         sched.step(0.0)
     return clock() - t0

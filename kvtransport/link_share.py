@@ -43,8 +43,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvtransport.allocator import OnlineScheduler, SlotDecision, SlotPolicy
-from kvtransport.allocator import Transfer as ScheduledTransfer
+from kvtransport.allocator import OnlineScheduler, ScheduledTransfer, SlotDecision, SlotPolicy
 from kvtransport.policy import Adaptive
 from kvtransport.protocol import DEFAULT_SYMBOL_SIZE, LINK_OVERHEAD_BYTES
 from kvtransport.sender import SenderSession

@@ -140,7 +140,7 @@ def run_scenario(
         for name in policies:
             t0 = time.process_time()
             ts = [
-                al.Transfer(h.id, h.size, h.deadline, h.utility, h.weight, h.arrival)
+                al.ScheduledTransfer(h.id, h.size, h.deadline, h.utility, h.weight, h.arrival)
                 for h in handovers
             ]
             out = bound.simulate_fluid(ts, cap, make_policy(name))
@@ -170,7 +170,7 @@ def run_scenario(
         efficiency = best
         cap = rate_mbps * 1e6 / 8.0 * efficiency
     ts = [
-        al.Transfer(
+        al.ScheduledTransfer(
             h.id, h.size, max(h.deadline - delay_s, h.arrival), h.utility, h.weight, h.arrival
         )
         for h in handovers
