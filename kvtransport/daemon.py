@@ -1,7 +1,7 @@
 """What both daemons share: the event loop, the ZeroMQ control server, signals, logs.
 
 A daemon is an *engine* (kvtransport.daemon_sender.SenderEngine or
-kvtransport.daemon_receiver.ReceiverEngine: the sessions and their UDP socket, no ZeroMQ)
+kvtransport.daemon_receiver.ReceiverEngine: a sans-I/O host and its UDP socket, no ZeroMQ)
 plus control sockets. :func:`serve` runs them on one thread:
 
     loop:  engine.run_due(now)       timers due: paced datagrams, feedback, deadlines
@@ -503,6 +503,6 @@ def warm_up(
 
         sched = al.OnlineScheduler(1.25e7)
         for i in range(2):
-            sched.add(al.Transfer(i, 1e6 * (i + 1), 0.5, SigmoidUtility(0.9, 10.0, 0.2)))
+            sched.add(al.ScheduledTransfer(i, 1e6 * (i + 1), 0.5, SigmoidUtility(0.9, 10.0, 0.2)))
         sched.step(0.0)
     return clock() - t0

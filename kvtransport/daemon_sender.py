@@ -1,30 +1,12 @@
 """The sending side over real UDP: :class:`SenderEngine` and :class:`SenderDaemon`.
 
-:class:`SenderEngine` is the data plane: several :class:`~kvtransport.sender.SenderSession`
-s on one UDP socket (GSO batching, kvtransport.udp), each sending to its own receiver. It
-is driven by :func:`kvtransport.daemon.serve` in the daemon and by a plain loop in
-``kvtransport send``: ``run_due(now)`` sends what is due, ``on_readable(now)`` hands
-feedback to its session (demultiplexed by the header's transfer id), ``next_wake()`` says
-when to come back.
-
-Pacing. Each session paces itself at its rate (its timer is its next slot). The engine
-wakes ``burst_s`` before the earliest slot and asks every session for what is due up to
-``now + burst_s``: datagrams leave in small bursts (a 200 us lead is about two datagrams at
-100 Mbit/s and eighteen at 1 Gbit/s) that the socket sends in one GSO call, and the
-system-call and wake-up costs are shared by the burst. A late loop is caught up by the
-sessions themselves (at most ``MAX_CATCH_UP`` datagrams at once, then pacing resumes).
-
-Several transfers on one link. The engine's :class:`~kvtransport.link_share.LinkShare`
-(the same code the multi-user simulator runs) re-plans every ``slot_s`` and whenever a
-transfer starts or ends: kvtransport.allocator's weighted utility water-filling with
-admission gives each transfer a share of the link, which becomes its pacing rate (a
-deferred transfer pauses, and still finishes at its deadline); the link's one-way delay
-it plans with is half the shortest round trip the sessions measured. Each transfer's
-utility curve is what its submitter gave (sigmoid parameters, or a model and context
-length looked up in the ``fit-utility`` table), else :func:`stream_utility_curve`. A
-transfer alone on the link gets all of it. The engine remembers the loss each receiver's
-last transfer ended with (``RECEIVER_MEMORY`` receivers) and a new transfer to that
-receiver starts its repair from it (status ``prior_loss``).
+:class:`SenderEngine` is the shell of a :class:`~kvtransport.sender_host.SenderHost`
+(the transfers, their admission, the shared link's rates, finish events, the status view:
+all sans-I/O) on one UDP socket (GSO batching, kvtransport.udp). It is driven by
+:func:`kvtransport.daemon.serve` in the daemon and by a plain loop in ``kvtransport
+send``: ``run_due(now)`` runs the host's timer and sends what it released,
+``on_readable(now)`` hands every waiting datagram to the host, ``next_wake()`` is the
+host's timer. Pacing, link sharing and admission are the host's (kvtransport.sender_host).
 
 :class:`SenderDaemon` adds the ZeroMQ control socket (kvtransport.api: submit, status,
 cancel, stats, ping), logs and one ``--stats`` JSON line per finished transfer.
@@ -33,141 +15,41 @@ cancel, stats, ping), logs and one ``--stats`` JSON line per finished transfer.
 from __future__ import annotations
 
 import logging
-import math
-import struct
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
-
-import numpy as np
 
 from kvtransport import bounds
 from kvtransport.bounds import MAX_DEADLINE_S, MAX_INITIAL_RTT_S, MIN_DEADLINE_S
 from kvtransport.daemon import DaemonShell, DropCounts
 from kvtransport.errors import UserError
-from kvtransport.link_share import LinkShare, Member
+from kvtransport.link_share import LinkShare
 from kvtransport.policy import make_policy
 from kvtransport.protocol import DEFAULT_INITIAL_RTT, DEFAULT_SYMBOL_SIZE
-from kvtransport.sender import SenderSession
+from kvtransport.sender_host import (  # noqa: F401 (HISTORY: re-exported for the tests)
+    DEFAULT_BURST_S,
+    DEFAULT_MAX_TRANSFERS,
+    DEFAULT_SLOT_S,
+    HISTORY,
+    Outgoing,
+    SenderHost,
+    TransferFinished,
+)
 from kvtransport.transfer import Transfer
 from kvtransport.udp import DatagramSocket, wall_offset
 from kvtransport.utility_model import SigmoidUtility
-from kvtransport.wire import HEADER_SIZE, full_send_time
+from kvtransport.wire import full_send_time
 
 log = logging.getLogger("kvtransport.sender-daemon")
 
-DEFAULT_BURST_S = 200e-6
-DEFAULT_SLOT_S = 0.01
-DEFAULT_MAX_TRANSFERS = 64
-HISTORY = 256
-RECEIVER_MEMORY = 1024
-"""Receivers whose last transfer's loss the engine remembers (the oldest forgotten)."""
-_TID = struct.Struct("!Q")
-
-
-def stream_utility_curve(transfer: Transfer) -> SigmoidUtility:
-    """The utility-of-delivered-fraction curve the stream itself implies, as a sigmoid.
-
-    A stream in utility order delivers, after a fraction x of its bytes, the utility of
-    the blocks wholly inside that prefix. The logistic a / (1 + exp(-b (x - c))) with a =
-    the stream's total utility, c = the fraction where half of it is in and b = 2 ln 3 /
-    (x75 - x25) (the logistic reaches a/4 and 3a/4 exactly ln 3 / b either side of c)
-    matches that curve's middle and spread in closed form: no fit, microseconds. Used for
-    scheduling when the submitter gave no measured accuracy curve.
-    """
-    b = transfer.blocks
-    total = float(b.utilities.sum())
-    if len(b) == 0 or total <= 0.0:
-        return SigmoidUtility(a=1.0, b=4.0, c=0.5)
-    x = (b.offsets + b.lengths).astype(np.float64) / max(transfer.nbytes, 1)
-    y = np.cumsum(b.utilities)
-    x25, x50, x75 = (
-        x[min(int(np.searchsorted(y, q * total)), len(x) - 1)] for q in (0.25, 0.5, 0.75)
-    )
-    spread = max(float(x75 - x25), 1e-3)
-    return SigmoidUtility(a=total, b=min(2.0 * math.log(3.0) / spread, 1e3), c=float(x50))
-
-
-@dataclass
-class Outgoing:
-    """One transfer in the engine, and what status reports about it."""
-
-    link: Member  # the session and its place on the shared link (kvtransport.link_share)
-    dest: tuple[str, int]
-    policy: str
-    label: str = ""
-    keep: Any = None  # the buffers the payload views (zero-copy ZeroMQ frames)
-    state: str = "sending"
-    finished: float | None = None
-    sent_datagrams: int = 0
-    max_lag: float = 0.0  # worst lateness of the loop behind this session's timer (s)
-
-    @property
-    def transfer_id(self) -> int:
-        return self.link.id
-
-    @property
-    def session(self) -> SenderSession:
-        return self.link.session
-
-    @property
-    def size(self) -> int:
-        return self.link.size
-
-    @property
-    def submitted(self) -> float:
-        return self.link.arrival
-
-    @property
-    def deadline(self) -> float:
-        return self.link.deadline
-
-    def status(self, now: float) -> dict[str, Any]:
-        s = self.session
-        m = self.link
-        st = s.stats
-        end = self.finished if self.finished is not None else now
-        return {
-            "transfer_id": f"{self.transfer_id:016x}",
-            "label": self.label,
-            "state": self.state,
-            "finish_reason": s.finish_reason,
-            "to": f"{self.dest[0]}:{self.dest[1]}",
-            "policy": self.policy,
-            "bytes": self.size,
-            "n_source": s.n_source,
-            "source_sent": st["source_sent"],
-            "repair_sent": s.repair_sent,
-            "manifest_sent": st["manifest_sent"],
-            "retransmit_sent": st["retransmit_sent"],
-            "datagrams_sent": self.sent_datagrams,
-            "idle_polls": st["idle_polls"],
-            "max_lag_ms": round(self.max_lag * 1e3, 3),
-            "feedback_received": st["feedback_received"],
-            "feedback_dropped": st["dropped"],
-            "receiver_restarts": st["receiver_restarts"],
-            "drop_reasons": dict(s.drop_reasons),
-            "decoded_through": s.fb_through,
-            "delivered_bytes": min(s.fb_through * s.symbol_size, self.size),
-            "loss_estimate": round(s.loss_estimate(), 5),
-            "decisions": s.decision_latency(),
-            "srtt_ms": None if s.srtt is None else round(s.srtt * 1e3, 3),
-            "rate_mbps": round(m.rate_bps / 1e6, 6),
-            "share": round(m.share, 5),
-            "admitted": m.admitted,
-            "weight": m.weight,
-            "prior_loss": None if m.prior_loss is None else round(m.prior_loss, 5),
-            "deadline_s": round(self.deadline - self.submitted, 6),
-            "elapsed_s": round(end - self.submitted, 6),
-        }
-
 
 class SenderEngine(DropCounts):
-    """Sender sessions over one UDP socket (see the module docstring).
+    """A :class:`~kvtransport.sender_host.SenderHost` on one UDP socket (module docstring).
 
     ``rate_bps``: the link rate shared by all transfers. ``on_finish(outgoing)`` is called
     once per transfer when its session is done (sent FIN or ABORT, or the receiver said it
-    is finished).
+    is finished), after its last datagrams went out. ``host``: run this host (then the
+    other arguments but ``on_finish`` are the host's own).
     """
 
     def __init__(
@@ -180,144 +62,89 @@ class SenderEngine(DropCounts):
         burst_s: float = DEFAULT_BURST_S,
         slot_s: float = DEFAULT_SLOT_S,
         max_transfers: int = DEFAULT_MAX_TRANSFERS,
-        on_finish: Any = None,
+        on_finish: Callable[[Outgoing], None] | None = None,
+        host: SenderHost | None = None,
     ) -> None:
-        if not (rate_bps > 0 and math.isfinite(rate_bps)):
-            raise UserError("the link rate must be a positive number")
-        self.sock = sock
-        self.rate_bps = float(rate_bps)
-        self.key = key
-        self.symbol_size = symbol_size
-        self.burst_s = burst_s
-        self.slot_s = slot_s
-        self.max_transfers = max_transfers
-        self.on_finish = on_finish
-        self.active: dict[int, Outgoing] = {}
-        self.finished: OrderedDict[int, Outgoing] = OrderedDict()
-        self.drop_reasons: dict[str, int] = {}
-        self.dropped = 0
-        # the loss each receiver's last transfer ended with (at most RECEIVER_MEMORY of
-        # them): a new transfer to it starts its repair from that, not a blind prior
-        self.receiver_loss: OrderedDict[tuple[str, int], float] = OrderedDict()
-        self.link = LinkShare(
-            self.rate_bps, slot_s=slot_s, symbol_size=symbol_size, tagged=key is not None
+        self.host = host or SenderHost(
+            rate_bps=rate_bps,
+            key=key,
+            symbol_size=symbol_size,
+            burst_s=burst_s,
+            slot_s=slot_s,
+            max_transfers=max_transfers,
         )
-        self._sched_at: float | None = None
-        self._reschedule_now = False
+        self.sock = sock
+        self.on_finish = on_finish
+
+    # the host's state, as the daemon, its tests and tools read it
+    @property
+    def rate_bps(self) -> float:
+        return self.host.rate_bps
+
+    @property
+    def key(self) -> bytes | None:
+        return self.host.key
+
+    @property
+    def symbol_size(self) -> int:
+        return self.host.symbol_size
+
+    @property
+    def link(self) -> LinkShare:
+        return self.host.link
+
+    @property
+    def active(self) -> dict[int, Outgoing]:
+        return self.host.active
+
+    @property
+    def finished(self) -> OrderedDict[int, Outgoing]:
+        return self.host.finished
+
+    @property
+    def dropped(self) -> int:  # type: ignore[override]
+        return self.host.dropped
+
+    @property
+    def drop_reasons(self) -> dict[str, int]:  # type: ignore[override]
+        return self.host.drop_reasons
 
     # ------------------------------------------------------------------ transfers
 
-    def submit(
-        self,
-        transfer: Transfer,
-        dest: tuple[str, int],
-        *,
-        now: float,
-        deadline_s: float,
-        policy: str = "adaptive",
-        transfer_id: int | None = None,
-        weight: float = 1.0,
-        utility: SigmoidUtility | None = None,
-        label: str = "",
-        initial_rtt: float = DEFAULT_INITIAL_RTT,
-        keep: Any = None,
-    ) -> Outgoing:
-        """Start sending ``transfer`` to ``dest`` with ``deadline_s`` from ``now``."""
-        if len(self.active) >= self.max_transfers:
-            raise UserError(f"{len(self.active)} transfers in flight (the limit): try later")
-        if not MIN_DEADLINE_S <= deadline_s <= MAX_DEADLINE_S:
-            raise UserError(
-                f"the deadline must be {MIN_DEADLINE_S:g}..{MAX_DEADLINE_S:g} s ({deadline_s})"
-            )
-        if not 0.0 < initial_rtt <= bounds.MAX_INITIAL_RTT_S:
-            raise UserError(
-                f"the initial RTT must be in (0, {bounds.MAX_INITIAL_RTT_S * 1e3:g}] ms "
-                f"({initial_rtt * 1e3:g})"
-            )
-        if not (weight >= 0 and math.isfinite(weight)):
-            raise UserError("the weight must be a non-negative number")
-        if transfer_id is not None and (transfer_id in self.active or transfer_id in self.finished):
-            raise UserError(f"transfer id {transfer_id:016x} is already in use")
-        pol = make_policy(policy)
-        try:
-            session = SenderSession(
-                transfer,
-                pol,
-                rate_bps=self.rate_bps,
-                deadline=now + deadline_s,
-                now=now,
-                transfer_id=transfer_id,
-                key=self.key,
-                symbol_size=self.symbol_size,
-                initial_rtt=initial_rtt,
-                wall_offset=wall_offset(),
-            )
-        except ValueError as exc:
-            raise UserError(str(exc)) from None
-        if session.transfer_id in self.active or session.transfer_id in self.finished:
-            raise UserError("transfer id collision (random 64-bit): submit again")
-        member = Member(
-            id=session.transfer_id,
-            session=session,
-            size=transfer.nbytes,
-            deadline=now + deadline_s,
-            utility=utility if utility is not None else stream_utility_curve(transfer),
-            weight=float(weight),
-            arrival=now,
-            prior_loss=self.receiver_loss.get(dest),
-            rate_bps=self.rate_bps,
-        )
-        out = Outgoing(link=member, dest=dest, policy=pol.name, label=label, keep=keep)
-        self.active[out.transfer_id] = out
-        self.link.join(member)
-        try:
-            self._reschedule(now)  # shares are right from the first status reply on
-        except Exception:
-            del self.active[out.transfer_id]  # refused: nothing of it may run
-            self.link.leave(out.transfer_id, "refused")
-            self._reschedule_now = True
-            raise
+    def submit(self, transfer: Transfer, dest: tuple[str, int], **kw: Any) -> Outgoing:
+        """Start sending ``transfer`` to ``dest`` (arguments as SenderHost.submit)."""
+        kw.setdefault("wall_offset", wall_offset())
+        out = self.host.submit(transfer, dest, **kw)
         log.info(
             "transfer %016x: %d bytes to %s:%d, deadline %.1f ms, policy %s%s",
             out.transfer_id,
             out.size,
             dest[0],
             dest[1],
-            deadline_s * 1e3,
+            (out.deadline - out.submitted) * 1e3,
             out.policy,
-            f" ({label})" if label else "",
+            f" ({out.label})" if out.label else "",
         )
         return out
 
     def cancel(self, transfer_id: int, now: float) -> bool:
         """Abort a transfer in flight (its receiver is told to deliver what it has)."""
-        out = self.active.get(transfer_id)
-        if out is None:
-            return False
-        out.session.cancel(now)
-        self._flush(out, now)
-        return True
+        done = self.host.cancel(transfer_id, now)
+        self._transmit(now)
+        return done
 
     def close(self, now: float) -> None:
         """Abort everything still in flight (daemon shutdown)."""
-        for tid in list(self.active):
-            self.cancel(tid, now)
+        self.host.close(now)
+        self._transmit(now)
 
     def status(self, now: float, transfer_id: int | None = None) -> list[dict[str, Any]]:
         """Status of one transfer (in flight or recently finished) or of all of them."""
-        if transfer_id is not None:
-            out = self.active.get(transfer_id) or self.finished.get(transfer_id)
-            if out is None:
-                raise UserError(f"no transfer {transfer_id:016x}")
-            return [out.status(now)]
-        return [o.status(now) for o in (*self.active.values(), *self.finished.values())]
+        return self.host.status(now, transfer_id)
 
     def stats(self) -> dict[str, Any]:
         return {
-            "active": len(self.active),
-            "finished": len(self.finished),
-            "dropped": self.dropped,
-            "drop_reasons": dict(self.drop_reasons),
+            **self.host.stats(),
             "socket": dict(self.sock.stats),
             "rate_mbps": self.rate_bps / 1e6,
         }
@@ -326,73 +153,30 @@ class SenderEngine(DropCounts):
 
     def next_wake(self) -> float | None:
         """When ``run_due`` has work next (a burst's lead before the earliest slot)."""
-        wake = self._sched_at
-        if self._reschedule_now:
-            return 0.0
-        for out in self.active.values():
-            t = out.session.next_timer()
-            if t is not None:
-                t -= self.burst_s
-                if wake is None or t < wake:
-                    wake = t
-        return wake
+        return self.host.get_timer()
 
     def run_due(self, now: float) -> None:
         """Send every datagram due up to ``now + burst_s``; finish what is done."""
-        if self._reschedule_now or (self._sched_at is not None and now >= self._sched_at):
-            self._reschedule(now)
-        horizon = now + self.burst_s
-        for out in list(self.active.values()):
-            t = out.session.next_timer()
-            if t is not None and t <= horizon:
-                if now - t > out.max_lag:
-                    out.max_lag = now - t
-                self._flush(out, horizon)
-            elif out.session.done:
-                self._flush(out, now)
-
-    def _flush(self, out: Outgoing, t: float) -> None:
-        s = out.session
-        datagrams = s.datagrams_to_send(t)
-        if datagrams:
-            out.sent_datagrams += self.sock.send(datagrams, out.dest)
-        if s.done:
-            self._finish(out, t)
+        self.host.handle_timer(now)
+        self._transmit(now)
 
     def on_readable(self, now: float) -> None:
-        """Feedback: every datagram waiting, to the session its transfer id names."""
-        active = self.active
-        for data, _addr in self.sock.recv_batch():
-            if len(data) < HEADER_SIZE:
-                self._drop("truncated")
-                continue
-            out = active.get(_TID.unpack_from(data, 8)[0])
-            if out is None:
-                tid = _TID.unpack_from(data, 8)[0]
-                self._drop("finished_transfer" if tid in self.finished else "foreign_transfer")
-                continue
-            out.session.receive_datagram(data, now)
-            if out.session.done:  # the receiver is finished: nothing more to send
-                self._flush(out, now)
+        """Feedback: every datagram waiting, to the host."""
+        receive = self.host.receive_datagram
+        for data, addr in self.sock.recv_batch():
+            receive(data, addr, now)
+        self._transmit(now)
 
-    def _finish(self, out: Outgoing, now: float) -> None:
-        if out.state == "done":
-            return
-        out.state = "done"
-        out.finished = now
-        out.keep = None
-        out.session.release()  # the payload goes now, the status figures stay
-        del self.active[out.transfer_id]
-        self.finished[out.transfer_id] = out
-        while len(self.finished) > HISTORY:
-            self.finished.popitem(last=False)
-        self.link.leave(out.transfer_id, out.session.finish_reason or "finished")
-        self._reschedule_now = True
-        if out.session.fb_time is not None:  # its receiver reported: remember its path
-            self.receiver_loss[out.dest] = out.session.loss_estimate()
-            self.receiver_loss.move_to_end(out.dest)
-            while len(self.receiver_loss) > RECEIVER_MEMORY:
-                self.receiver_loss.popitem(last=False)
+    def _transmit(self, now: float) -> None:
+        """Send what the host released, then handle its events."""
+        host = self.host
+        for datagrams, dest in host.datagrams_to_send(now):
+            self.sock.send(datagrams, dest)
+        while (ev := host.next_event()) is not None:
+            self._finished(ev)
+
+    def _finished(self, ev: TransferFinished) -> None:
+        out = ev.transfer
         s = out.session
         dec = s.decision_latency() or {"n": 0, "mean_us": 0.0, "p99_us": 0.0}
         log.info(
@@ -402,7 +186,7 @@ class SenderEngine(DropCounts):
             s.finish_reason,
             s.stats["source_sent"],
             s.repair_sent,
-            (now - out.submitted) * 1e3,
+            (ev.at - out.submitted) * 1e3,
             s.fb_through,
             s.n_source,
             dec["n"],
@@ -412,17 +196,6 @@ class SenderEngine(DropCounts):
         )
         if self.on_finish is not None:
             self.on_finish(out)
-
-    # ------------------------------------------------------------------ link sharing
-
-    def _reschedule(self, now: float) -> None:
-        self._reschedule_now = False
-        # the link's one-way delay, for the allocator's last useful send time: half the
-        # shortest smoothed round trip any transfer measured (0 until one has)
-        rtts = [o.session.srtt for o in self.active.values() if o.session.srtt is not None]
-        if rtts:
-            self.link.one_way_s = min(rtts) / 2.0
-        self._sched_at = self.link.step(now)
 
 
 # ---------------------------------------------------------------------- the daemon

@@ -299,7 +299,8 @@ def _prepare(cfg: DemoConfig, loaded: Any, ui: _Progress, timings: dict[str, flo
     # budget is a share of it, as a user would set a TTFT target
     budget_s = cfg.budget * (speed.seconds(len(context_ids)) + speed.seconds(len(question_ids)))
     plan, planned, link_budget = plan_stream(stream, context_ids, profile, speed, budget_s,
-                                             len(question_ids), cfg.precision)  # fmt: skip
+                                             len(question_ids), cfg.precision,
+                                             cfg.objective)  # fmt: skip
     transfer = Transfer.from_encoded_stream(planned)
     # both links seal every datagram (a per-run key): a 16-byte tag each
     send_time = full_send_time(transfer.nbytes, profile.rate_bps, DEFAULT_SYMBOL_SIZE, True)
@@ -538,7 +539,7 @@ def _report(
         deadline_s=prep.deadline_s,
         send_time_s=prep.send_time_s,
         budget_s=prep.budget_s,
-        plan=_plan_dict(prep),
+        plan=_plan_dict(prep, cfg.objective),
         link_down=baseline["link_down"],
         full_answer=full_answer,
         reprefill=baseline["reprefill"],
@@ -560,13 +561,14 @@ def _report(
     )  # fmt: skip
 
 
-def _plan_dict(prep: _Prepared) -> dict[str, Any]:
+def _plan_dict(prep: _Prepared, objective: str) -> dict[str, Any]:
     from kvtransport.blocks import PRECISIONS
 
     p = prep.plan
     codes, counts = np.unique(p.precision[p.precision >= 0], return_counts=True)
     return {
         "text": p.describe(),
+        "objective": objective,
         "split_tokens": p.split,
         "blocks": {PRECISIONS[int(c)]: int(n) for c, n in zip(codes, counts, strict=True)},
         "payload_bytes": p.payload_bytes,
@@ -596,6 +598,10 @@ def _check_config(cfg: DemoConfig) -> None:
             f"--precision must list names from {', '.join(PRECISIONS)}, best first, "
             f"not {','.join(cfg.precision)!r}"
         )
+    from kvtransport.plan import OBJECTIVES
+
+    if cfg.objective not in OBJECTIVES:
+        raise UserError(f"--objective must be one of {', '.join(OBJECTIVES)}, not {cfg.objective}")
     if cfg.compute_speed is not None and not (
         len(cfg.compute_speed) == 2
         and all(math.isfinite(x) and 0 <= x < 10 for x in cfg.compute_speed)

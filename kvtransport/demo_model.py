@@ -130,6 +130,7 @@ def plan_stream(
     budget_s: float,
     question_tokens: int,
     levels: tuple[str, ...],
+    objective: str = "fidelity",
 ) -> tuple[Any, Any, float]:
     """Plan the handoff (kvtransport.plan) for a TTFT budget and encode what it sends.
 
@@ -151,5 +152,6 @@ def plan_stream(
     rebuild_s = float(g.cost_table(levels[-1:]).sum()) / REBUILD_BYTES_PER_S
     link_budget = max(budget_s - float(speed.seconds(question_tokens)) - rebuild_s, 1e-3)
     plan, planned = planned_stream(stream, link=link, budget_s=link_budget, speed=speed,
-                                   levels=levels, token_ids=np.asarray(context_ids))  # fmt: skip
+                                   levels=levels, token_ids=np.asarray(context_ids),
+                                   objective=objective)  # fmt: skip
     return plan, planned, link_budget

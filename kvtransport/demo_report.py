@@ -33,6 +33,7 @@ DEFAULT_QUESTIONS = 5
 DEFAULT_BUDGET = 0.3
 QUICK_BUDGET = 0.6
 DEFAULT_PRECISIONS = ("fp16", "int8")
+DEFAULT_OBJECTIVE = "ttft"
 MAX_QUESTIONS = 10
 
 
@@ -46,6 +47,9 @@ class DemoConfig:
         (the handoff plan fits the cache into it; kvtransport.plan).
     rate_mbps: the link's rate (None: the profile's 100 Mbit/s).
     precision: the precisions the plan may send, best first (the last is the floor).
+    objective: the plan's objective (kvtransport.plan.OBJECTIVES): ``ttft`` answers as soon
+        as it can and treats the budget as a cap, ``fidelity`` spends the budget on
+        precision.
     compute_speed: (seconds per call, seconds per token) of the receiver's compute, used
         by the plan instead of measuring it (a fixed plan makes the emulated link's
         transfers repeat exactly).
@@ -61,6 +65,7 @@ class DemoConfig:
     budget: float = DEFAULT_BUDGET
     rate_mbps: float | None = None
     precision: tuple[str, ...] = DEFAULT_PRECISIONS
+    objective: str = DEFAULT_OBJECTIVE
     compute_speed: tuple[float, float] | None = None
     schemes: tuple[str, ...] | None = None  # labels of SCHEMES to run (None: all)
     link: str = "auto"

@@ -1,9 +1,9 @@
 """One link shared by several transfers: the allocator's plan turned into pacing rates.
 
-Sans-I/O and clock-free (every call takes ``now``), so the sender daemon
-(kvtransport.daemon_sender.SenderEngine) and the multi-user simulator
-(kvtransport.multisim.MultiSimulation) run the same code: what one shows of link
-sharing is what the other does.
+Sans-I/O and clock-free (every call takes ``now``). Its one user is the sending
+endpoint's host (kvtransport.sender_host.SenderHost), which the sender daemon and the
+multi-user simulator (kvtransport.multisim) both run: what one shows of link sharing is
+what the other does.
 
 :class:`LinkShare` holds an :class:`~kvtransport.allocator.OnlineScheduler` and the
 sender sessions on the link (:class:`Member`). :meth:`LinkShare.step` is called at each
@@ -43,8 +43,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvtransport.allocator import OnlineScheduler, SlotDecision, SlotPolicy
-from kvtransport.allocator import Transfer as ScheduledTransfer
+from kvtransport.allocator import OnlineScheduler, ScheduledTransfer, SlotDecision, SlotPolicy
 from kvtransport.policy import Adaptive
 from kvtransport.protocol import DEFAULT_SYMBOL_SIZE, LINK_OVERHEAD_BYTES
 from kvtransport.sender import SenderSession

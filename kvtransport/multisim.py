@@ -1,31 +1,32 @@
-"""Several handovers sharing one backhaul: real sessions, one bottleneck, the allocator.
+"""Several handovers sharing one backhaul: the daemons' hosts, one bottleneck, the allocator.
 
-kvtransport.simulator runs one transfer; here several users hand over at once, each with
-its own real :class:`~kvtransport.sender.SenderSession` / :class:`~kvtransport.receiver.
-ReceiverSession` pair, and every data datagram of every sender goes through ONE data-path
-channel (kvtransport.netem: loss model, then the link's token bucket with its FIFO queue,
-then delay), every feedback datagram through one reverse-path channel. A
-:class:`~kvtransport.allocator.OnlineScheduler` with the slot policy under test (this
-allocator or a baseline) decides every ``slot_s`` (and whenever a handover arrives) how
-the link is shared, and each sender's pacing rate is set through its rate hook
-(``SenderSession.set_rate``): share x link rate; a share of 0 pauses the sender.
+kvtransport.simulator runs one transfer; here several users hand over at once from one
+sending endpoint, the sender daemon's own sans-I/O host (kvtransport.sender_host.
+:class:`~kvtransport.sender_host.SenderHost`: transfer-id demux, admission, the link's
+:class:`~kvtransport.link_share.LinkShare` with the slot policy under test, finish events),
+to one receiving endpoint per user, the receiver daemon's host (kvtransport.receiver_host.
+:class:`~kvtransport.receiver_host.ReceiverHost`). This module is only their shell: a heap
+of events on a virtual clock and the channels. Every data datagram of every transfer goes
+through ONE data-path channel (kvtransport.netem: loss model, then the link's token bucket
+with its FIFO queue, then delay), every feedback datagram through one reverse-path channel.
+So what the multi-user figure shows of link sharing (progress less owed repairs, owed
+repairs served first, the deadline less the one-way delay, the payload capacity net of
+the reported loss, pausing below one datagram per slot) is what the sender daemon does.
 
-How the link is shared is kvtransport.link_share's :class:`~kvtransport.link_share.
-LinkShare`, the code the sender daemon runs: what the scheduler sees of each handover
-(progress less owed repairs, owed repairs served first, the deadline less the one-way
-delay, the payload capacity net of the reported loss), pausing below one datagram per
-slot, re-anchoring a sender whose share grew, and the repair prior of a session not yet
-heard from. Here the one-way delay is the profile's.
+As in the daemon, a receiver's session opens at the transfer's first datagram and ends at
+the manifest's deadline counted from there; a transfer leaves the link when its sender
+session is done. The host is told the link's one-way delay (the profile's) instead of
+estimating it from the round trips, and releases datagrams on their slots (no burst lead).
 
 A handover's accuracy is its fitted sigmoid (kvtransport.utility_model) at the fraction of
-its cache delivered *in utility order* when its deadline came: the bytes of the longest
-prefix of the stream whose blocks are all complete at the receiver, over the cache size.
+its cache delivered *in utility order* when its receiver finished: the bytes of the
+longest prefix of the stream whose blocks are all complete at the receiver, over the size.
 
-Event loop: one heap holds datagrams in flight and the sessions' timers. A session's timer
-is re-read from ``next_timer()`` after everything that can move it and pushed when it
-changed; entries that are no longer current are skipped when popped (a per-session record
-of the armed time says which is current). At equal times deliveries go first, then
-senders, receivers, arrivals and slot boundaries. Everything random derives from ``seed``.
+Event loop: one heap holds datagrams in flight, the hosts' timers and the arrivals. A
+host's timer is re-read from ``get_timer()`` after everything that can move it and pushed
+when it changed; entries that are no longer current are skipped when popped. At equal
+times deliveries go first, then the sender host, the receiver hosts and arrivals.
+Everything random derives from ``seed``.
 
 The channel's loss, rate and delay come from a kvtransport.netem profile ("clean": 5 ms,
 no loss), with the link rate overridden by the scenario.
@@ -43,19 +44,19 @@ from typing import Any
 import numpy as np
 
 from kvtransport.allocator import SlotPolicy
-from kvtransport.link_share import LinkShare, Member, payload_efficiency
+from kvtransport.link_share import LinkShare, payload_efficiency
 from kvtransport.netem import Channel, Profile, load_profile, make_channel
 from kvtransport.policy import make_policy
 from kvtransport.protocol import DEFAULT_SYMBOL_SIZE, LINK_OVERHEAD_BYTES
-from kvtransport.receiver import ReceiverSession
-from kvtransport.sender import SenderSession
+from kvtransport.receiver_host import DEFAULT_MAX_BYTES, Incoming, ReceiverHost, ResultReady
+from kvtransport.sender_host import SenderHost
 from kvtransport.simulator import DEFAULT_BLOCK_BYTES
 from kvtransport.transfer import BlockTable, Transfer, utility_profile
 from kvtransport.utility_model import SigmoidUtility
 
 DEFAULT_SLOT_S = 0.01
 # Event kinds, in the order they are handled at equal times.
-_TO_RECEIVER, _TO_SENDER, _SENDER, _RECEIVER, _ARRIVAL, _SLOT = range(6)
+_TO_RECEIVER, _TO_SENDER, _SENDER, _RECEIVER, _ARRIVAL = range(5)
 
 
 @dataclass(frozen=True)
@@ -148,48 +149,37 @@ class MultiResult:
 
 
 @dataclass
-class _Pair:
-    """A handover's sessions and bookkeeping inside the loop."""
+class _User:
+    """A handover's receiving endpoint and bookkeeping inside the loop."""
 
     h: Handover
     transfer: Transfer
     tid: int
-    sender: SenderSession | None = None
-    receiver: ReceiverSession | None = None
-    member: Member | None = None
-    sender_armed: float | None = None
-    receiver_armed: float | None = None
-    finished: bool = False
+    addr: tuple[str, int]
+    host: ReceiverHost
+    armed: float | None = None
+    received: Incoming | None = None  # its transfer at the receiver, once finished
     outcome: HandoverOutcome | None = None
 
-    @property
-    def tx(self) -> SenderSession:
-        """The sender, once the handover has arrived."""
-        assert self.sender is not None
-        return self.sender
 
-    @property
-    def rx(self) -> ReceiverSession:
-        """The receiver, once the handover has arrived."""
-        assert self.receiver is not None
-        return self.receiver
-
-    @property
-    def mb(self) -> Member:
-        """Its share of the link, once the handover has arrived."""
-        assert self.member is not None
-        return self.member
+SENDER_ADDR = ("sender", 1)
+"""The sending endpoint's address as the receivers see it."""
 
 
 class MultiSimulation:
-    """Handovers over one shared link, their rates set by an OnlineScheduler each slot.
+    """Handovers over one shared link, their rates set by the sender host's LinkShare.
 
     handovers: the scenario; slot_policy: how the link is shared (kvtransport.allocator:
     UtilityWaterFilling, EqualShare, ProportionalToSize, EarliestDeadlineFirst);
     channel: a netem profile (name or Profile) for both directions, rate overridden by
     rate_mbps; repair_policy: each session's FEC policy (kvtransport.policy names);
     capacity_Bps: feed the scheduler this fixed payload capacity instead of estimating
-    it from the link rate and the reported loss.
+    it from the link rate and the reported loss. ``trace``: a list to which the loop
+    appends every call it makes into a host and what came out: into the sender host
+    ``("submit", t, transfer_id)``, ``("timer", t)``, ``("feedback", t, datagram)``, out
+    ``("data", t, datagram)``; into receiver host i ``("rx_data", t, i, datagram)``,
+    ``("rx_timer", t, i)``, out ``("rx_feedback", t, i, datagram)`` (tests/test_hosts.py
+    replays them into the daemons' engines).
     """
 
     def __init__(
@@ -207,6 +197,7 @@ class MultiSimulation:
         key: bytes | None = None,
         block_bytes: int = DEFAULT_BLOCK_BYTES,
         capacity_Bps: float | None = None,
+        trace: list[tuple[Any, ...]] | None = None,
     ) -> None:
         if not handovers:
             raise ValueError("a scenario needs at least one handover")
@@ -218,15 +209,15 @@ class MultiSimulation:
         self.rate_bps = self.profile.rate_mbps * 1e6
         self.delay_s = self.profile.delay_ms * 1e-3
         self.repair_policy = repair_policy
-        self.symbol_size = symbol_size
-        self.key = key
-        self.slot_s = slot_s
-        self.link = LinkShare(
-            self.rate_bps,
-            slot_policy,
-            slot_s=slot_s,
+        self.trace = trace
+        self.sender = SenderHost(
+            rate_bps=self.rate_bps,
+            key=key,
             symbol_size=symbol_size,
-            tagged=key is not None,
+            burst_s=0.0,
+            slot_s=slot_s,
+            max_transfers=len(handovers),
+            slot_policy=slot_policy,
             one_way_s=self.delay_s,
             capacity_Bps=capacity_Bps,
         )
@@ -239,22 +230,32 @@ class MultiSimulation:
         pool = np.random.default_rng(payload_seed).integers(
             0, 256, max(h.size for h in handovers), dtype=np.uint8
         )
-        self.pairs: list[_Pair] = []
+        max_bytes = max(DEFAULT_MAX_BYTES, max(h.size for h in handovers))
+        self.users: list[_User] = []
+        self.by_addr: dict[tuple[str, int], int] = {}
         for h, tid in sorted(
             zip(handovers, tids.tolist(), strict=True), key=lambda p: p[0].arrival
         ):
             n_blocks = max(1, -(-h.size // block_bytes))
             edges = np.minimum(np.arange(n_blocks + 1, dtype=np.int64) * block_bytes, h.size)
             blocks = BlockTable(edges[:-1], np.diff(edges), utility_profile("zipf", n_blocks))
-            self.pairs.append(_Pair(h, Transfer(pool[: h.size], blocks), int(tid)))
+            addr = (f"user-{h.id}", 1)
+            host = ReceiverHost(key=key, max_transfers=1, max_bytes=max_bytes)
+            self.by_addr[addr] = len(self.users)
+            self.users.append(_User(h, Transfer(pool[: h.size], blocks), int(tid), addr, host))
         self.policy_name = getattr(slot_policy, "name", type(slot_policy).__name__)
         self._heap: list[tuple[float, int, int, int, Any]] = []
         self._order = 0
-        self._slot_at: float | None = None
+        self._sender_armed: float | None = None
         self.events = 0
         self.wire_bytes = 0
-        for i, p in enumerate(self.pairs):
-            self._push(p.h.arrival, _ARRIVAL, i, None)
+        for i, u in enumerate(self.users):
+            self._push(u.h.arrival, _ARRIVAL, i, None)
+
+    @property
+    def link(self) -> LinkShare:
+        """The sender host's shared link."""
+        return self.sender.link
 
     # ------------------------------------------------------------------ plumbing
 
@@ -262,98 +263,91 @@ class MultiSimulation:
         self._order += 1
         heapq.heappush(self._heap, (t, kind, self._order, i, data))
 
-    def _arm(self, i: int) -> None:
-        """Re-read both sessions' timers of pair i; push the ones that moved."""
-        p = self.pairs[i]
-        ts = p.tx.next_timer()
-        if ts != p.sender_armed:
-            p.sender_armed = ts
-            if ts is not None:
-                self._push(ts, _SENDER, i, ts)
-        tr = p.rx.next_timer()
-        if tr != p.receiver_armed:
-            p.receiver_armed = tr
-            if tr is not None:
-                self._push(tr, _RECEIVER, i, tr)
+    def _arm_sender(self, now: float) -> None:
+        t = self.sender.get_timer()
+        if t != self._sender_armed:
+            self._sender_armed = t
+            if t is not None:
+                self._push(max(t, now), _SENDER, -1, t)
 
-    def _send_data(self, i: int, t: float, datagrams: list[bytes]) -> None:
+    def _arm_receiver(self, i: int, now: float) -> None:
+        u = self.users[i]
+        t = u.host.get_timer()
+        if t != u.armed:
+            u.armed = t
+            if t is not None:
+                self._push(max(t, now), _RECEIVER, i, t)
+
+    def _send_data(self, t: float) -> None:
+        """What the sender host released, into the data channel."""
         ch = self.data_channel
-        for d in datagrams:
-            self.wire_bytes += len(d) + LINK_OVERHEAD_BYTES
-            arrival = ch.transmit(t, len(d))
-            if arrival is not None:
-                self._push(arrival, _TO_RECEIVER, i, d)
+        trace = self.trace
+        for datagrams, addr in self.sender.datagrams_to_send(t):
+            i = self.by_addr[addr]
+            for d in datagrams:
+                if trace is not None:
+                    trace.append(("data", t, bytes(d)))
+                self.wire_bytes += len(d) + LINK_OVERHEAD_BYTES
+                arrival = ch.transmit(t, len(d))
+                if arrival is not None:
+                    self._push(arrival, _TO_RECEIVER, i, d)
+        while self.sender.next_event() is not None:
+            pass  # a finished transfer: its outcome is its receiver's
+        self._arm_sender(t)
 
     def _send_feedback(self, i: int, t: float) -> None:
-        out = self.pairs[i].rx.datagrams_to_send(t)
+        """What receiver host i produced, into the feedback channel; its results."""
+        u = self.users[i]
         ch = self.feedback_channel
-        for d in out:
-            arrival = ch.transmit(t, len(d))
-            if arrival is not None:
-                self._push(arrival, _TO_SENDER, i, d)
-
-    # ------------------------------------------------------------------ scheduling
-
-    def _on_slot(self, now: float) -> None:
-        nxt = self.link.step(now)
-        for i, p in enumerate(self.pairs):
-            if p.sender is not None:
-                self._arm(i)
-        waiting = [p.h.arrival for p in self.pairs if p.sender is None]
-        if nxt is None and waiting:
-            nxt = min(waiting)
-        self._slot_at = nxt
-        if nxt is not None:
-            self._push(nxt, _SLOT, -1, nxt)
+        trace = self.trace
+        for datagrams, _addr in u.host.datagrams_to_send(t):
+            for d in datagrams:
+                if trace is not None:
+                    trace.append(("rx_feedback", t, i, bytes(d)))
+                arrival = ch.transmit(t, len(d))
+                if arrival is not None:
+                    self._push(arrival, _TO_SENDER, i, d)
+        while (ev := u.host.next_event()) is not None:
+            if isinstance(ev, ResultReady):
+                self._outcome(u)
+        self._arm_receiver(i, t)
 
     # ------------------------------------------------------------------ handovers
 
     def _arrive(self, i: int, now: float) -> None:
-        p = self.pairs[i]
-        h = p.h
-        p.sender = SenderSession(
-            p.transfer,
-            make_policy(self.repair_policy),
-            rate_bps=self.rate_bps,
-            deadline=h.deadline,
+        u = self.users[i]
+        h = u.h
+        self.sender.submit(
+            u.transfer,
+            u.addr,
             now=now,
-            transfer_id=p.tid,
-            key=self.key,
-            symbol_size=self.symbol_size,
+            deadline_s=h.deadline - now,
+            policy=self.repair_policy,
+            transfer_id=u.tid,
+            weight=h.weight,
+            utility=h.utility,
             initial_rtt=2.0 * self.delay_s + 1e-3,
         )
-        p.receiver = ReceiverSession(p.tid, key=self.key, now=now, deadline=h.deadline)
-        p.member = Member(
-            id=h.id,
-            session=p.sender,
-            size=h.size,
-            deadline=h.deadline,
-            utility=h.utility,
-            weight=h.weight,
-            arrival=h.arrival,
-            rate_bps=self.rate_bps,
-        )
-        self.link.join(p.member)
 
-    def _check_finished(self, i: int, now: float) -> None:
-        p = self.pairs[i]
-        r = p.rx
-        if p.finished or not r.finished:
-            return
-        p.finished = True
-        self.link.leave(p.h.id)
-        res = r.result
-        h = p.h
+    def _outcome(self, u: _User) -> None:
+        """What handover ``u`` got: its receiver's result (just finished), or nothing
+        when not one of its datagrams reached the receiver (e.g. paused throughout)."""
+        inc = u.host.get(u.tid)
+        u.received = inc
+        res = inc.session.result if inc is not None else None
+        h = u.h
         fraction = complete = 0.0
         if res is not None and res.manifest is not None:
-            b = p.transfer.blocks
+            b = u.transfer.blocks
             done = res.complete
             first_missing = int(np.argmin(done)) if not done.all() else done.size
             prefix = int(b.offsets[first_missing]) if first_missing < done.size else h.size
             fraction = prefix / h.size
             complete = float(b.lengths[done].sum()) / h.size
-        s = p.tx
-        p.outcome = HandoverOutcome(
+        out = self.sender.get(u.tid)
+        assert out is not None  # submitted before any datagram reached the receiver
+        s = out.session
+        u.outcome = HandoverOutcome(
             id=h.id,
             arrival=h.arrival,
             deadline=h.deadline,
@@ -366,9 +360,9 @@ class MultiSimulation:
             source_sent=s.stats["source_sent"],
             repair_sent=s.repair_sent,
             sender_finish=s.finish_reason or "running",
-            receiver_finish=res.reason if res is not None else "running",
-            admitted_slots=p.mb.admitted_slots,
-            slots=p.mb.slots,
+            receiver_finish=res.reason if res is not None else "nothing arrived",
+            admitted_slots=out.link.admitted_slots,
+            slots=out.link.slots,
         )
 
     # ------------------------------------------------------------------ the loop
@@ -378,48 +372,49 @@ class MultiSimulation:
         cpu0 = time.process_time()
         heap = self._heap
         pop = heapq.heappop
-        pairs = self.pairs
+        users = self.users
+        sender = self.sender
+        trace = self.trace
         while heap:
             t, kind, _, i, data = pop(heap)
             self.events += 1
             if kind == _TO_RECEIVER:
-                p = pairs[i]
-                p.rx.receive_datagram(data, t)
+                if trace is not None:
+                    trace.append(("rx_data", t, i, bytes(data)))
+                users[i].host.receive_datagram(data, SENDER_ADDR, t)
                 self._send_feedback(i, t)
-                self._arm(i)
-                self._check_finished(i, t)
             elif kind == _TO_SENDER:
-                pairs[i].tx.receive_datagram(data, t)
-                self._arm(i)
+                if trace is not None:
+                    trace.append(("feedback", t, bytes(data)))
+                sender.receive_datagram(data, users[i].addr, t)
+                self._send_data(t)
             elif kind == _SENDER:
-                p = pairs[i]
-                if p.sender_armed != data:
+                if self._sender_armed != data:
                     continue  # superseded
-                p.sender_armed = None
-                s = p.tx
-                s.handle_timer(t)
-                out = s.datagrams_to_send(t)
-                if out:
-                    self._send_data(i, t, out)
-                self._arm(i)
+                self._sender_armed = None
+                if trace is not None:
+                    trace.append(("timer", t))
+                sender.handle_timer(t)
+                self._send_data(t)
             elif kind == _RECEIVER:
-                p = pairs[i]
-                if p.receiver_armed != data:
+                u = users[i]
+                if u.armed != data:
                     continue
-                p.receiver_armed = None
-                p.rx.handle_timer(t)
+                u.armed = None
+                if trace is not None:
+                    trace.append(("rx_timer", t, i))
+                u.host.handle_timer(t)
                 self._send_feedback(i, t)
-                self._arm(i)
-                self._check_finished(i, t)
-            elif kind == _ARRIVAL:
+            else:  # _ARRIVAL
+                if trace is not None:
+                    trace.append(("submit", t, users[i].tid))
                 self._arrive(i, t)
-                self._on_slot(t)  # a new transfer: re-plan now
-            else:  # _SLOT
-                if data != self._slot_at:
-                    continue
-                self._on_slot(t)
-        outcomes = [p.outcome for p in pairs if p.outcome is not None]
-        if len(outcomes) < len(pairs):  # pragma: no cover - a loop invariant
+                self._send_data(t)
+        for u in users:
+            if u.outcome is None and u.host.get(u.tid) is None and u.tid not in u.host.recent:
+                self._outcome(u)  # its receiver never heard of it
+        outcomes = [u.outcome for u in users if u.outcome is not None]
+        if len(outcomes) < len(users):  # pragma: no cover - a loop invariant
             raise RuntimeError("a handover never finished")
         ch = self.data_channel
         decoded = sum(int(o.complete_fraction * o.size) for o in outcomes)

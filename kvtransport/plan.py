@@ -15,13 +15,20 @@ the receiver's measured compute speed (kvtransport.cache_builder.ComputeSpeed):
 - the planned arrival of every token range, which the receiver uses to decide between
   waiting for a range and computing it.
 
-The objective is the expected answer fidelity: the utility-weighted share of the cache
-that the receiver holds exactly (computed) or at a precision's fidelity
-(kvtransport.blocks.DEFAULT_FIDELITY), with everything in place by the budget; among
-equal plans the one that finishes first. The link time of ``b`` payload bytes is the
-loss-free wire time inflated by the expected loss and a repair margin, plus one one-way
-delay. When nothing fits the budget (even all at the cheapest precision), the plan is the
-split that finishes soonest.
+Two objectives (``objective``), both over the expected answer fidelity: the
+utility-weighted share of the cache that the receiver holds exactly (computed) or at a
+precision's fidelity (kvtransport.blocks.DEFAULT_FIDELITY):
+
+- ``fidelity`` spends the budget: the highest fidelity with everything in place by the
+  budget, among equal plans the one that finishes first;
+- ``ttft`` answers as soon as it can: the split that finishes first with every sent block
+  at the cheapest precision, then upgrades only with the link time that the receiver's
+  own compute leaves idle (so the finish does not move). The budget is then a cap, not a
+  target: a plan never finishes later than the ``fidelity`` plan for the same budget.
+
+The link time of ``b`` payload bytes is the loss-free wire time inflated by the expected
+loss and a repair margin, plus one one-way delay. When nothing fits the budget (even all
+at the cheapest precision), both objectives give the split that finishes soonest.
 """
 
 from __future__ import annotations
@@ -43,7 +50,12 @@ from kvtransport.utility import stream_order
 from kvtransport.wire import full_send_time
 
 DEFAULT_LEVELS = ("fp16", "int8")
-DEFAULT_REPAIR_MARGIN = 0.15
+DEFAULT_REPAIR_MARGIN = 0.05
+"""Link time allowed beyond the loss-inflated wire time, for repair the loss estimate does
+not cover. Chosen by comparing planned with realized range arrivals on the emulated
+ge-heavy link (docs/results.md, section 0): a larger margin plans a longer prefix for the
+receiver while the link idles at the end."""
+OBJECTIVES = ("fidelity", "ttft")
 NO_RECEIVER_COMPUTE = ComputeSpeed(per_call_s=float("inf"), per_token_s=float("inf"))
 """A receiver that computes nothing itself: every plan with it has split 0."""
 
@@ -121,12 +133,14 @@ def plan_handoff(
     levels: tuple[str, ...] = DEFAULT_LEVELS,
     repair_margin: float = DEFAULT_REPAIR_MARGIN,
     fidelity: dict[str, float] | None = None,
+    objective: str = "fidelity",
 ) -> HandoffPlan:
-    """The best plan for ``budget_s`` seconds (see the module docstring).
+    """The best plan for ``budget_s`` seconds under ``objective`` (see the module
+    docstring).
 
     utilities: ``[layers, token_blocks]`` block utilities (normalized here); levels: the
     precisions the link may carry, best first (the last is the floor every sent block
-    gets).
+    gets). Raises ValueError for an unknown objective or level.
     """
     g = geometry
     u = np.asarray(utilities, dtype=np.float64)
@@ -136,29 +150,41 @@ def plan_handoff(
         raise ValueError(f"levels must be names from {PRECISIONS}, not {levels}")
     if not budget_s > 0:
         raise ValueError(f"budget must be positive, not {budget_s}")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, not {objective!r}")
     u = u / u.sum()
     fid = np.array([(fidelity or DEFAULT_FIDELITY)[p] for p in levels])
     cost = g.cost_table(levels).reshape(g.num_layers, g.token_blocks, len(levels))
     task = _Task(g, u, cost, fid, link, repair_margin, budget_s, levels)
     best: tuple[tuple[float, float], HandoffPlan] | None = None
-    fastest: tuple[float, HandoffPlan] | None = None
+    fastest: tuple[float, int, HandoffPlan] | None = None
     for k in range(g.token_blocks + 1):
         split = min(k * g.block_tokens, g.num_tokens)
         compute_s = float(speed.seconds(split))
         if compute_s > budget_s and best is not None:
             break  # a longer prefix only computes longer
+        if objective == "ttft" and fastest is not None and compute_s >= fastest[0]:
+            break  # nor can it finish sooner
         level = np.full((g.num_layers, g.token_blocks), len(levels) - 1)
         level[:, :k] = -1
         plan = task.plan(k, level, compute_s)
-        if plan.fits:
-            plan = task.upgraded(k, level, compute_s)
+        if plan.fits and objective == "fidelity":
+            plan = task.upgraded(k, level, compute_s, budget_s)
             key = (round(plan.fidelity, 9), -plan.finish_s)
             if best is None or key > best[0]:
                 best = (key, plan)
         if fastest is None or plan.finish_s < fastest[0]:
-            fastest = (plan.finish_s, plan)
+            fastest = (plan.finish_s, k, plan)
     assert fastest is not None
-    return best[1] if best is not None else fastest[1]
+    if best is not None:
+        return best[1]
+    _, k, quick = fastest
+    if not quick.fits:
+        return quick
+    # ttft: the link time that the receiver's own compute leaves idle buys upgrades
+    level = np.full((g.num_layers, g.token_blocks), len(levels) - 1)
+    level[:, :k] = -1
+    return task.upgraded(k, level, quick.compute_s, quick.finish_s)
 
 
 @dataclass(frozen=True)
@@ -175,12 +201,13 @@ class _Task:
     budget_s: float
     levels: tuple[str, ...]
 
-    def upgraded(self, k: int, level: np.ndarray, compute_s: float) -> HandoffPlan:
+    def upgraded(self, k: int, level: np.ndarray, compute_s: float, by_s: float) -> HandoffPlan:
         """Raise sent blocks one level at a time in utility order while the bytes still
-        fit (the longest prefix of the utility order whose extra bytes fit, per level)."""
+        cross by ``by_s`` (the longest prefix of the utility order whose extra bytes fit,
+        per level)."""
         level = level.copy()
         cost, u = self.cost, self.u
-        room = self.link.max_bytes(self.budget_s, self.margin) - int(cost[:, k:, -1].sum())
+        room = self.link.max_bytes(by_s, self.margin) - int(cost[:, k:, -1].sum())
         for target in range(len(self.levels) - 2, -1, -1):
             cand = np.argwhere(level == target + 1)
             cand = cand[np.argsort(-u[cand[:, 0], cand[:, 1]], kind="stable")]
@@ -245,6 +272,7 @@ def planned_stream(
     speed: ComputeSpeed | None = None,
     levels: tuple[str, ...] = DEFAULT_LEVELS,
     token_ids: np.ndarray | None = None,
+    objective: str = "fidelity",
 ) -> tuple[HandoffPlan, EncodedStream]:
     """Plan a card's stream for ``budget_s`` and re-encode it the way the plan sends it.
 
@@ -263,7 +291,7 @@ def planned_stream(
     if not u.sum() > 0:
         u[:] = 1.0
     plan = plan_handoff(g, u, link=link, speed=speed or NO_RECEIVER_COMPUTE,
-                        budget_s=budget_s, levels=levels)  # fmt: skip
+                        budget_s=budget_s, levels=levels, objective=objective)  # fmt: skip
     order = stream_order(u, g.block_tokens, "position")
     created = dict(m.created, plan=f"split {plan.split}, budget {budget_s * 1e3:.0f} ms")
     out = encode_stream(full.cache, u, order, plan.precision, block_tokens=g.block_tokens,

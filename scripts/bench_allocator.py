@@ -25,7 +25,7 @@ import numpy as np
 
 
 def random_state(rng: np.random.Generator, n: int, curves: list, together: bool) -> list:
-    from kvtransport.allocator import Transfer
+    from kvtransport.allocator import ScheduledTransfer
 
     out = []
     for i in range(n):
@@ -33,7 +33,7 @@ def random_state(rng: np.random.Generator, n: int, curves: list, together: bool)
         deadline = 0.5 if together else float(rng.uniform(0.02, 0.5))
         cv = curves[int(rng.integers(len(curves)))]
         delivered = size * float(rng.uniform(0.0, 0.6)) * float(rng.random() < 0.7)
-        out.append(Transfer(i, size, deadline, cv.utility, 1.0, 0.0, delivered))
+        out.append(ScheduledTransfer(i, size, deadline, cv.utility, 1.0, 0.0, delivered))
     return out
 
 

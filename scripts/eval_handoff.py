@@ -37,17 +37,20 @@ def _seeds(text: str) -> list[int]:
     return [int(x) for x in text.split(",")]
 
 
-def run(configs: list[str], seeds: list[int], budget: float, loaded: object) -> dict:
+def run(
+    configs: list[str], seeds: list[int], budget: float, objective: str, loaded: object
+) -> dict:
     from kvtransport.demo import DemoConfig, run_demo
 
-    out: dict = {"budget": budget, "seeds": seeds, "configs": {}}
+    out: dict = {"budget": budget, "objective": objective, "seeds": seeds, "configs": {}}
     for name in configs:
         tokens, rate = CONFIGS[name]
         runs = []
         for seed in seeds:
             t0 = time.perf_counter()
             cfg = DemoConfig(tokens=tokens, rate_mbps=rate, seed=seed, budget=budget,
-                             link="emulated", progress=False, schemes=SCHEMES)  # fmt: skip
+                             objective=objective, link="emulated", progress=False,
+                             schemes=SCHEMES)  # fmt: skip
             rep = run_demo(cfg, loaded=loaded)
             rows = [*rep.schemes, rep.link_down]
             runs.append({
@@ -143,7 +146,8 @@ def render_fallback(rows: list[dict]) -> str:
 
 def render(doc: dict) -> str:
     lines = [
-        f"TTFT budget {doc['budget']:g} of the receiver's re-prefill estimate; emulated "
+        f"TTFT budget {doc['budget']:g} of the receiver's re-prefill estimate, plan objective "
+        f"{doc.get('objective', 'fidelity')}; emulated "
         f"ge-heavy link; seeds {doc['seeds'][0]}-{doc['seeds'][-1]}; speed-up = re-prefill "
         "TTFT / handoff TTFT, both measured in the same run",
         "",
@@ -182,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", default=",".join(CONFIGS), help="of " + ", ".join(CONFIGS))
     p.add_argument("--seeds", default="1-8", help="e.g. 1-8 or 1,3")
     p.add_argument("--budget", type=float, default=None, help="TTFT budget share (demo default)")
+    p.add_argument("--objective", choices=("ttft", "fidelity"), default=None,
+                   help="the plan's objective (demo default)")  # fmt: skip
     p.add_argument("--out", default="results/eval_handoff")
     p.add_argument(
         "--fallback",
@@ -195,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     bad = [c for c in configs if c not in CONFIGS]
     if bad:
         p.error(f"unknown configuration {bad[0]!r}; one of {', '.join(CONFIGS)}")
-    from kvtransport.demo_report import DEFAULT_BUDGET
+    from kvtransport.demo_report import DEFAULT_BUDGET, DEFAULT_OBJECTIVE
     from kvtransport.model import load_model
 
     loaded = load_model(threads=1)
@@ -207,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         (out / "fallback.md").write_text(render_fallback(rows))
         print(render_fallback(rows))
         return 0
-    doc = run(configs, _seeds(args.seeds), args.budget or DEFAULT_BUDGET, loaded)
+    doc = run(configs, _seeds(args.seeds), args.budget or DEFAULT_BUDGET,
+              args.objective or DEFAULT_OBJECTIVE, loaded)  # fmt: skip
     doc["concentration"] = concentration(loaded)
     (out / "handoff.json").write_text(json.dumps(doc, indent=1))
     (out / "handoff.md").write_text(render(doc))

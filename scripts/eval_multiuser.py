@@ -9,15 +9,16 @@ K and V in fp16: 23040 bytes per token), and its accuracy curve is the table's f
 sigmoid (kvtransport/data/<model>-utility.json, measured by `kvtransport fit-utility
 --measure`).
 
-Every scenario runs in kvtransport.multisim with the real SenderSession/ReceiverSession
-pairs (adaptive RLC repair) sharing one channel, once per slot policy: equal share,
+Every scenario runs in kvtransport.multisim: the sender daemon's own host
+(kvtransport.sender_host, real sessions with adaptive RLC repair) and one receiver host
+per user, sharing one channel, once per slot policy: equal share,
 proportional to size, earliest deadline first and this allocator (UtilityWaterFilling,
 with a guard of three loss-detection rounds, see make_policy), each setting the
 sessions' pacing rates every 10 ms through their rate hook. A user's
 accuracy is its curve at the fraction of its cache decoded (in utility order) by its
 deadline.
 
-The clairvoyant bound (kvtransport.allocator.clairvoyant_bound: every arrival known in
+The clairvoyant bound (kvtransport.allocation_bound.clairvoyant_bound: every arrival known in
 advance, solved offline over a fluid link, certified by duality and branch and bound) is
 fed the *effective* capacity the sessions achieve: the link rate times the decoded
 payload per byte on the link, the best any of the four policies reached in that
@@ -126,6 +127,7 @@ def run_scenario(
     """Every policy on one scenario, the clairvoyant bound, the full-cache ceiling."""
     from kvtransport.netem import load_profile
 
+    from kvtransport import allocation_bound as bound
     from kvtransport import allocator as al
     from kvtransport.multisim import payload_efficiency, simulate_handovers
 
@@ -138,10 +140,10 @@ def run_scenario(
         for name in policies:
             t0 = time.process_time()
             ts = [
-                al.Transfer(h.id, h.size, h.deadline, h.utility, h.weight, h.arrival)
+                al.ScheduledTransfer(h.id, h.size, h.deadline, h.utility, h.weight, h.arrival)
                 for h in handovers
             ]
-            out = al.simulate_fluid(ts, cap, make_policy(name))
+            out = bound.simulate_fluid(ts, cap, make_policy(name))
             res[name] = {
                 "accuracy": out.weighted_utility / n,
                 "fractions": [out.fractions[h.id] for h in handovers],
@@ -168,13 +170,13 @@ def run_scenario(
         efficiency = best
         cap = rate_mbps * 1e6 / 8.0 * efficiency
     ts = [
-        al.Transfer(
+        al.ScheduledTransfer(
             h.id, h.size, max(h.deadline - delay_s, h.arrival), h.utility, h.weight, h.arrival
         )
         for h in handovers
     ]
     t0 = time.process_time()
-    cb = al.clairvoyant_bound(ts, cap, rel_tol=1e-3, max_nodes=max_nodes)
+    cb = bound.clairvoyant_bound(ts, cap, rel_tol=1e-3, max_nodes=max_nodes)
     bound_cpu = time.process_time() - t0
     for r in res.values():
         r["ratio"] = r["accuracy"] * n / cb.upper if cb.upper > 0 else 1.0

@@ -8,18 +8,17 @@ import pytest
 from scipy.optimize import linprog, minimize, minimize_scalar
 
 from kvtransport import allocator as al
+from kvtransport.allocation_bound import clairvoyant_bound, simulate_fluid
 from kvtransport.allocator import (
     EarliestDeadlineFirst,
     EqualShare,
     OnlineScheduler,
     ProportionalToSize,
-    Transfer,
+    ScheduledTransfer,
     UtilityWaterFilling,
     allocate_slot,
-    clairvoyant_bound,
     min_useful_bytes,
     plan_horizon,
-    simulate_fluid,
     water_fill,
 )
 from kvtransport.utility_model import SigmoidUtility
@@ -263,7 +262,7 @@ def test_water_fill_refuses_minimums_that_do_not_fit():
 
 def _staggered(rng, n, spread=1.0, window=0.5):
     return [
-        Transfer(
+        ScheduledTransfer(
             i,
             rng.uniform(1e6, 5e6),
             a + window,
@@ -316,7 +315,10 @@ def test_scheduler_conserves_bandwidth_and_respects_deadlines(policy_cls):
 
 def test_baselines_split_as_their_names_say():
     u = SigmoidUtility(0.9, 10, 0.3)
-    ts = [Transfer(i, s, d, u) for i, (s, d) in enumerate([(4e6, 0.3), (2e6, 0.2), (1e6, 0.5)])]
+    ts = [
+        ScheduledTransfer(i, s, d, u)
+        for i, (s, d) in enumerate([(4e6, 0.3), (2e6, 0.2), (1e6, 0.5)])
+    ]
     eq = EqualShare().allocate(0.0, 0.1, 1e7, ts)
     assert np.allclose(eq, 1e6 / 3)
     pr = ProportionalToSize().allocate(0.0, 0.1, 1e7, ts)
@@ -372,7 +374,10 @@ def test_clairvoyant_schedule_fits_the_link():
 def test_clairvoyant_matches_brute_force_for_two_transfers():
     u1 = SigmoidUtility(0.9, 18.0, 0.45)
     u2 = SigmoidUtility(0.8, 12.0, 0.3)
-    ts = [Transfer("a", 3e6, 0.5, u1, 1.0, 0.0), Transfer("b", 2e6, 0.7, u2, 1.5, 0.2)]
+    ts = [
+        ScheduledTransfer("a", 3e6, 0.5, u1, 1.0, 0.0),
+        ScheduledTransfer("b", 2e6, 0.7, u2, 1.5, 0.2),
+    ]
     cap = 6e6  # a alone: 3 MB, b alone: 3 MB, both windows together: 4.2 MB
     cb = clairvoyant_bound(ts, cap)
 
@@ -396,7 +401,7 @@ def test_water_filling_reaches_the_clairvoyant_bound_on_concurrent_handovers():
         rng = np.random.default_rng(seed)
         n = int(rng.integers(4, 13))
         ts = [
-            Transfer(
+            ScheduledTransfer(
                 i,
                 rng.uniform(1e6, 4e6),
                 0.5,
@@ -418,8 +423,8 @@ def test_online_admission_drops_a_poor_early_transfer_for_better_later_ones():
     """Re-deciding admission beats keeping it when a bad transfer arrives first."""
     poor = SigmoidUtility(0.6, 15.0, 0.6)
     good = SigmoidUtility(0.95, 15.0, 0.2)
-    ts = [Transfer("poor", 6e6, 0.55, poor, 1.0, 0.0)]
-    ts += [Transfer(f"g{i}", 2e6, 0.6, good, 1.0, 0.1) for i in range(3)]
+    ts = [ScheduledTransfer("poor", 6e6, 0.55, poor, 1.0, 0.0)]
+    ts += [ScheduledTransfer(f"g{i}", 2e6, 0.6, good, 1.0, 0.1) for i in range(3)]
     cap = 8e6
     redecide = simulate_fluid(ts, cap, UtilityWaterFilling(), 0.01)
     sticky = simulate_fluid(ts, cap, UtilityWaterFilling(sticky=True), 0.01)
@@ -466,7 +471,7 @@ def test_clairvoyant_bound_holds_with_many_identical_transfers():
         ts = []
         for i, a in enumerate(np.sort(rng.uniform(0, 0.3, 8))):
             size, u = kinds[int(rng.integers(2))]
-            ts.append(Transfer(i, size, a + 0.5, u, 1.0, a))
+            ts.append(ScheduledTransfer(i, size, a + 0.5, u, 1.0, a))
         cb = clairvoyant_bound(ts, cap, rel_tol=1e-3, max_nodes=60)
         assert cb.achievable <= cb.upper + 1e-12
         for cls in POLICIES:
@@ -484,7 +489,7 @@ def test_repairs_owed_are_served_before_anything_else():
     u = SigmoidUtility(0.9, 10.0, 0.2)
     sched = OnlineScheduler(1e7, UtilityWaterFilling(), slot_s=0.01)
     for i in range(3):
-        sched.add(Transfer(i, 4e6, 0.5, u))
+        sched.add(ScheduledTransfer(i, 4e6, 0.5, u))
     sched.set_delivered(0, 3.9e6, pending_bytes=2e4)  # nearly done, 20 kB of repairs owed
     sched.set_delivered(1, 0.0)
     sched.set_delivered(2, 0.0)
@@ -498,7 +503,7 @@ def test_repairs_owed_are_served_before_anything_else():
 
 def test_the_guard_serves_forced_bytes_before_the_last_repair_round():
     poor, good = SigmoidUtility(0.5, 10.0, 0.3), SigmoidUtility(0.95, 10.0, 0.1)
-    ts = [Transfer("a", 1e6, 0.12, poor), Transfer("b", 1e6, 0.5, good)]
+    ts = [ScheduledTransfer("a", 1e6, 0.12, poor), ScheduledTransfer("b", 1e6, 0.5, good)]
     late = UtilityWaterFilling().allocate(0.0, 0.01, 1e7, ts)
     assert late.tolist() == [0.0, 1e5]  # "a" fits later: the valuable one goes first
     guarded = UtilityWaterFilling(guard_s=0.03).allocate(0.0, 0.01, 1e7, ts)

@@ -154,6 +154,7 @@ RUNTIME = [
     ["profile", "--samples", "0"],
     ["fit-utility", "--measure", "--samples", "0"],
     ["demo", "--link", "pigeon"],
+    ["demo", "--objective", "cheapest"],
     ["no-such-command"],
     ["simulate", "--no-such-option"],
     ["send", "127.0.0.1:9", "--rho", "1", "--deadline-ms", "5"],

@@ -217,6 +217,11 @@ def test_several_transfers_share_the_link(daemons):
             break
         time.sleep(0.005)
     assert snapshots, "the transfers never overlapped"
+    # the weights reached the allocator (test_hosts checks that they decide the shares)
+    weight_of = {s["transfer_id"]: s["weight"] for live in snapshots for s in live}
+    assert [weight_of.get(t, w) for t, w in zip(tids, (1.0, 2.0, 1.0), strict=True)] == [
+        1.0, 2.0, 1.0]  # fmt: skip
+    assert 2.0 in weight_of.values()
     for live in snapshots:
         # never more than the link: shares sum to at most one, rates follow the shares
         assert sum(s["share"] for s in live) <= 1.0 + 1e-6

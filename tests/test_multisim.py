@@ -60,8 +60,8 @@ def test_a_late_handover_starts_at_its_arrival_and_runs_are_reproducible():
     hs = [Handover(0, 0.0, 0.1, 600_000, U), Handover(1, 0.04, 0.14, 600_000, U)]
     sim = MultiSimulation(hs, UtilityWaterFilling(), rate_mbps=RATE, seed=5)
     res = sim.run()
-    late = sim.pairs[1].receiver
-    assert late.timings["first_packet"] >= 0.04
+    late = sim.users[1].received
+    assert late is not None and late.session.timings["first_packet"] >= 0.04
     again = simulate_handovers(hs, UtilityWaterFilling(), rate_mbps=RATE, seed=5)
     assert [o.fraction for o in again.outcomes] == [o.fraction for o in res.outcomes]
     assert again.packets_sent == res.packets_sent
@@ -94,3 +94,17 @@ def test_bad_scenarios_are_refused():
         MultiSimulation(_together(1, 1000, 0.1), EqualShare(), repair_policy="nope")
     with pytest.raises(ValueError, match="arrival < deadline"):
         Handover(0, 0.5, 0.5, 10, U)
+
+
+def test_a_handover_its_receiver_never_hears_of_gets_nothing_and_the_run_ends():
+    """The receiver host opens a session at a transfer's first datagram (as the daemon
+    does): on a link that loses everything no session ever opens, and the handover's
+    outcome is still reported, with nothing delivered."""
+    from kvtransport.netem import Profile
+    from kvtransport.netem.loss import Bernoulli
+
+    black_hole = Profile(name="black-hole", loss=Bernoulli(1.0), rate_mbps=RATE)
+    res = simulate_handovers(_together(2, 100_000, 0.05), EqualShare(), channel=black_hole)
+    assert [o.receiver_finish for o in res.outcomes] == ["nothing arrived"] * 2
+    assert all(o.fraction == 0.0 and o.accuracy == U(0.0) for o in res.outcomes)
+    assert res.packets_lost == res.packets_sent > 0

@@ -89,3 +89,46 @@ def test_the_planned_stream_carries_exactly_the_planned_bytes():
     assert s.payload.size == plan.payload_bytes
     tb = s.manifest.token_block.astype(int)
     assert np.all(np.diff(tb) >= 0) and tb.min() == plan.split // g.block_tokens
+
+
+def _floor_finish(link: LinkEstimate, k: int) -> float:
+    split = min(k * GEOM.block_tokens, GEOM.num_tokens)
+    rest = GEOM.cost_table(("int8",)).reshape(GEOM.num_layers, -1)[:, k:].sum()
+    return max(SPEED.seconds(split), link.seconds(rest) if rest else 0.0)
+
+
+@pytest.mark.parametrize("rate", [30e6, 100e6, 1e9])
+def test_the_ttft_objective_finishes_first_and_never_later_than_the_fidelity_one(rate):
+    link = LinkEstimate(rate_bps=rate, loss=0.12, one_way_s=0.005, symbol_size=1280)
+    u = _utilities(3)
+    quick = plan_handoff(GEOM, u, link=link, speed=SPEED, budget_s=1.5, objective="ttft")
+    full = plan_handoff(GEOM, u, link=link, speed=SPEED, budget_s=1.5)
+    soonest = min(_floor_finish(link, k) for k in range(GEOM.token_blocks + 1))
+    assert quick.fits and quick.finish_s == pytest.approx(soonest)
+    assert quick.finish_s < full.finish_s  # the fidelity plan spends the budget
+    assert quick.fidelity <= full.fidelity
+    assert quick.payload_bytes == _bytes(quick)
+
+
+def test_the_ttft_objective_upgrades_only_with_the_link_time_compute_leaves_idle():
+    u = _utilities(4)
+    extra = (GEOM.cost_table(("fp16",)) - GEOM.cost_table(("int8",))).reshape(GEOM.num_layers, -1)
+    upgraded = 0
+    for rate in np.linspace(50e6, 1e9, 60):
+        link = LinkEstimate(rate_bps=rate, loss=0.12, one_way_s=0.005, symbol_size=1280)
+        plan = plan_handoff(GEOM, u, link=link, speed=SPEED, budget_s=1.5, objective="ttft")
+        soonest = min(_floor_finish(link, k) for k in range(GEOM.token_blocks + 1))
+        assert plan.finish_s == pytest.approx(soonest)  # upgrades never delay the answer
+        hi, lo = u[plan.precision == FP16], u[plan.precision == INT8]
+        if hi.size:
+            upgraded += 1
+            assert lo.size == 0 or hi.min() >= lo.max()  # the most useful blocks first
+        if lo.size:  # the next upgrade in utility order would not cross while it computes
+            nxt = extra[plan.precision == INT8][np.argmax(lo)]
+            assert link.seconds(plan.payload_bytes + nxt) > max(plan.compute_s, plan.link_s)
+    assert upgraded >= 1  # some rates leave the link idle while the receiver computes
+
+
+def test_an_unknown_objective_is_refused():
+    with pytest.raises(ValueError, match="objective"):
+        plan_handoff(GEOM, _utilities(), link=LINK, speed=SPEED, budget_s=1.0, objective="x")

@@ -208,7 +208,7 @@ def test_ends_split_add_packets_results_per_packet():
         again.add_packets([(n, 0, 0, 0)], bytes(size), None, buf)
 
 
-def _stream(n: int, order: list[tuple[int, ...]], size: int = 64):
+def _stream(n: int, order: list[tuple[int, ...]], size: int = 64, tid: int = TID):
     """Source symbols 0..n-1 and datagrams of a transfer without manifest, in ``order``:
     (esi,) for a source, (esi, bytes) for a source with other bytes, (first_esi, nss,
     repair_key) for an RFC 8681 repair."""
@@ -218,7 +218,7 @@ def _stream(n: int, order: list[tuple[int, ...]], size: int = 64):
     src = rng.integers(0, 256, (n, size), dtype=np.uint8)
     enc = RLCEncoder(size, window=n)
     enc.add_sources(src.tobytes())
-    framer = wire.Framer(TID, KEY, max_payload=max(2048, size))
+    framer = wire.Framer(tid, KEY, max_payload=max(2048, size))
     out = []
     for seq, item in enumerate(order):
         if len(item) <= 2:  # (esi,) or (esi, other bytes): a forged copy, the key's holder's
@@ -317,3 +317,48 @@ def test_a_run_of_large_symbols_holds_at_most_batch_bytes():
     # three equations solve ESI 2 and the last two (recovered before their sources come)
     assert one.symbols_recovered == 3 and one.duplicates == 2
     assert run._out[: 40 * size].tobytes() == src.tobytes()
+
+
+def test_the_host_hands_each_transfers_runs_of_a_batch_to_its_session():
+    """ReceiverHost.receive_datagrams (what the receiver daemon calls per socket read) on
+    two transfers interleaved in runs of any length, garbage between them: the same
+    feedback after every batch and the same results as receive_datagram per datagram."""
+    from kvtransport.receiver_host import ReceiverHost
+
+    rng = np.random.default_rng(21)
+    streams = []
+    for k, tid in enumerate((TID, TID + 1)):
+        lost = {int(e) for e in rng.choice(400, 30, replace=False)}
+        order = [(e,) for e in range(400) if e not in lost]
+        for first in range(0, 384, 32):  # two repairs per 32 sources, after them
+            at = min(len(order), first + 32 + 4 * k)
+            order[at:at] = [(first, 32, 2 * first + 1), (first, 32, 2 * first + 2)]
+        streams.append(_stream(400, order, tid=tid)[1])
+    stream = []
+    while streams[0] or streams[1]:
+        pick = streams[int(rng.integers(0, 2))] or streams[0] or streams[1]
+        take = int(rng.integers(1, 12))
+        stream += pick[:take]
+        del pick[:take]
+        if rng.random() < 0.2:
+            stream.append(b"\x00" * int(rng.integers(0, 40)))  # truncated or garbage
+    addr = ("127.0.0.1", 9)
+    one, run = ReceiverHost(key=KEY), ReceiverHost(key=KEY)
+    t, i = 0.0, 0
+    while i < len(stream):
+        batch = stream[i : i + int(rng.integers(1, 80))]
+        i += len(batch)
+        t += 0.0005
+        for d in batch:
+            one.receive_datagram(d, addr, t)
+        run.receive_datagrams([(memoryview(d), addr) for d in batch], t)
+        assert one.datagrams_to_send(t) == run.datagrams_to_send(t)
+    for h in (one, run):
+        h.close(t + 1.0)
+    assert one.datagrams_to_send(t + 1.0) == run.datagrams_to_send(t + 1.0)
+    assert one.stats() == run.stats()
+    for tid in (TID, TID + 1):
+        a, b = one.get(tid), run.get(tid)
+        assert a is not None and b is not None and a.datagrams == b.datagrams
+        assert _state(a.session) == _state(b.session)
+        assert a.session.symbols_recovered > 5

@@ -7,13 +7,11 @@ import pytest
 
 from kvtransport import metrics
 from kvtransport.errors import UserError
+from kvtransport.utility_fit import MEASURE_SEED, fit_sigmoid, measure_sample
 from kvtransport.utility_model import (
-    MEASURE_SEED,
     SigmoidUtility,
     UtilityCurve,
     UtilityTable,
-    fit_sigmoid,
-    measure_sample,
     packaged_model_ids,
 )
 

@@ -60,7 +60,7 @@ def test_a_transfer_after_warm_up_compiles_nothing():
     result = impaired_transfer(policy)
     sched = allocator.OnlineScheduler(1.25e7)
     for i in range(3):
-        sched.add(allocator.Transfer(i, 2e6, 0.3 + 0.1 * i, SigmoidUtility(0.8, 8.0, 0.3)))
+        sched.add(allocator.ScheduledTransfer(i, 2e6, 0.3 + 0.1 * i, SigmoidUtility(0.8, 8.0, 0.3)))
     sched.step(0.0)
     assert result.utility_recovered > 0.5  # the transfer did real work
     grown = {

@@ -17,8 +17,10 @@ $KVT_CACHE/demo, default ~/.cache/kvtransport/demo, so the next run skips that p
 The receiver must answer within a TTFT budget (--budget, a share of its own estimate of
 re-prefilling the context; it measures its compute speed first). The plan
 (kvtransport.plan) splits the work: the receiver computes the first tokens of the context
-itself while the rest crosses the link as fp16 or int8 blocks (upgraded by utility while
-the bytes fit the budget), token ranges front first. The link is ge-heavy (100 Mbit/s or
+itself while the rest crosses the link as int8 blocks (fp16 for the most useful ones where
+the link would otherwise idle while the receiver computes), token ranges front first; the
+split is the one that answers soonest, so the budget is a cap (--objective fidelity
+spends it on fp16 instead). The link is ge-heavy (100 Mbit/s or
 --rate-mbps, 5 ms, Gilbert-Elliott bursts, about 12% loss, both ways); the stream crosses
 once per repair scheme:
 
@@ -102,6 +104,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "fp16,int8,int4)",
     )  # fmt: skip
     parser.add_argument(
+        "--objective", choices=("ttft", "fidelity"), default=None,
+        help="ttft (default): the plan answers as soon as it can, the budget is a cap; "
+        "fidelity: the plan spends the budget on precision (more fp16)",
+    )  # fmt: skip
+    parser.add_argument(
         "--threads",
         type=int,
         default=1,
@@ -154,6 +161,8 @@ def run(args: argparse.Namespace) -> int:
         overrides["rate_mbps"] = args.rate_mbps
     if args.compute_speed is not None:
         overrides["compute_speed"] = _speed(args.compute_speed)
+    if args.objective is not None:
+        overrides["objective"] = args.objective
     if args.precision is not None:
         overrides["precision"] = tuple(p.strip() for p in args.precision.split(",") if p.strip())
     cfg = DemoConfig(**{**base.__dict__, **overrides})

@@ -1,0 +1,305 @@
+"""The sans-I/O endpoint hosts (kvtransport.sender_host, kvtransport.receiver_host) on a
+virtual clock: no socket, no sleep, every ``now`` chosen by the test. And one check that
+the sender daemon's engine and the multi-user simulator drive the same host the same way.
+"""
+
+import struct
+
+import numpy as np
+import pytest
+
+from kvtransport.allocator import EqualShare, UtilityWaterFilling
+from kvtransport.errors import UserError
+from kvtransport.multisim import Handover, MultiSimulation
+from kvtransport.receiver_host import ReceiverHost, ResultReady, TransferStarted
+from kvtransport.sender_host import SenderHost, TransferFinished
+from kvtransport.transfer import synthetic_transfer
+from kvtransport.utility_model import SigmoidUtility
+from kvtransport.wire import HEADER_SIZE
+
+KEY = bytes(range(32))
+U = SigmoidUtility(0.85, 10.0, 0.2)
+SYMBOL = 1200
+A, B, C = ("10.0.0.1", 9000), ("10.0.0.2", 9000), ("10.0.0.3", 9000)
+
+
+def _tids(pairs: list[tuple[list[bytes], object]]) -> list[int]:
+    """The transfer id of every datagram released, in order."""
+    return [struct.unpack_from("!Q", d, 8)[0] for batch, _ in pairs for d in batch]
+
+
+def _run_sender(host: SenderHost, until: float, now: float = 0.0) -> tuple[list[int], float]:
+    """Fire the host's timer until ``until`` (nobody answers); the ids of what it sent."""
+    sent: list[int] = []
+    while (t := host.get_timer()) is not None and t <= until:
+        now = max(now, t)
+        host.handle_timer(now)
+        sent += _tids(host.datagrams_to_send(now))
+    return sent, now
+
+
+def test_weights_decide_the_shares_and_what_each_transfer_sends():
+    host = SenderHost(rate_bps=100e6, symbol_size=SYMBOL, burst_s=0.0)
+    outs = [
+        host.submit(
+            synthetic_transfer(2_000_000, 160, seed=i),
+            dest,
+            now=0.0,
+            deadline_s=0.1,
+            weight=w,
+            utility=U,
+            policy="none",
+        )  # fmt: skip
+        for i, (dest, w) in enumerate(((A, 1.0), (B, 4.0), (C, 1.0)))
+    ]
+    light, heavy, other = (o.link for o in outs)
+    # 6 MB wanted by 100 ms, ~1.2 MB fits: the weight-4 transfer is served first
+    assert heavy.share > light.share + 0.2 and heavy.share > other.share + 0.2
+    sent, _ = _run_sender(host, 0.03)
+    n = {o.transfer_id: sent.count(o.transfer_id) for o in outs}
+    assert n[outs[1].transfer_id] > 2 * max(n[outs[0].transfer_id], n[outs[2].transfer_id])
+
+
+def test_a_share_below_one_datagram_per_slot_pauses_until_the_link_frees_up():
+    rate = 1.5e6  # a datagram per 10 ms slot is ~1 Mbit/s: half of this link is less
+    host = SenderHost(rate_bps=rate, symbol_size=SYMBOL, burst_s=0.0, slot_policy=EqualShare())
+    a, b = (
+        host.submit(
+            synthetic_transfer(200_000, 16, seed=i),
+            dest,
+            now=0.0,
+            deadline_s=2.0,
+            utility=U,
+            policy="none",
+        )  # fmt: skip
+        for i, dest in enumerate((A, B))
+    )
+    assert a.link.paused and b.link.paused
+    sent, now = _run_sender(host, 0.2)
+    assert sent == []  # 20 slots, not one datagram of either
+    assert host.cancel(b.transfer_id, 0.2)
+    assert _tids(host.datagrams_to_send(0.2)) == [b.transfer_id]  # its ABORT only
+    sent, _ = _run_sender(host, 0.3, 0.2)
+    assert sent and set(sent) == {a.transfer_id}  # alone: the whole link, at once
+    assert not a.link.paused and a.link.rate_bps == rate
+
+
+def test_submit_refusals_change_nothing():
+    host = SenderHost(rate_bps=10e6, max_transfers=2)
+    tr = synthetic_transfer(50_000, 4)
+    first = host.submit(tr, A, now=0.0, deadline_s=1.0, transfer_id=7)
+    bad = [
+        ({"deadline_s": 1e-6}, "deadline"),
+        ({"deadline_s": 1.0, "weight": -1.0}, "weight"),
+        ({"deadline_s": 1.0, "initial_rtt": 0.0}, "initial RTT"),
+        ({"deadline_s": 1.0, "transfer_id": 7}, "already in use"),
+        ({"deadline_s": 1.0, "policy": "nope"}, "unknown policy"),
+    ]
+    for kw, what in bad:
+        with pytest.raises(UserError, match=what):
+            host.submit(tr, B, now=0.0, **kw)
+    assert list(host.active) == [7] and list(host.link.members) == [7]
+    assert first.link.share == 1.0  # still alone on the link
+    host.max_transfers = 1
+    with pytest.raises(UserError, match="transfers in flight"):
+        host.submit(tr, B, now=0.0, deadline_s=1.0)
+    assert list(host.active) == [7] and list(host.link.members) == [7]
+
+
+def test_sender_demux_drops_and_counts_what_names_no_transfer_in_flight():
+    host = SenderHost(rate_bps=10e6, key=KEY)
+    out = host.submit(synthetic_transfer(50_000, 4), A, now=0.0, deadline_s=1.0)
+    forged = bytearray(64)
+    struct.pack_into("!Q", forged, 8, out.transfer_id ^ 1)
+    host.receive_datagram(bytes(forged), A, 0.01)
+    host.receive_datagram(b"\x00" * (HEADER_SIZE - 1), A, 0.01)
+    struct.pack_into("!Q", forged, 8, out.transfer_id)  # its id, but no valid tag
+    host.receive_datagram(bytes(forged), A, 0.01)
+    assert host.drop_reasons == {"foreign_transfer": 1, "truncated": 1}
+    assert out.session.drop_reasons and out.session.stats["feedback_received"] == 0
+    host.cancel(out.transfer_id, 0.02)
+    host.receive_datagram(bytes(forged), A, 0.03)
+    assert host.drop_reasons["finished_transfer"] == 1 and host.dropped == 3
+
+
+def _exchange(sender: SenderHost, receiver: ReceiverHost, until: float) -> float:
+    """Both hosts on one loss-free, zero-delay wire until neither has work before ``until``;
+    returns the last time handled."""
+    now = 0.0
+    while True:
+        times = [t for t in (sender.get_timer(), receiver.get_timer()) if t is not None]
+        if not times or min(times) > until:
+            return now
+        now = max(now, min(times))
+        sender.handle_timer(now)
+        for batch, _ in sender.datagrams_to_send(now):
+            for d in batch:
+                receiver.receive_datagram(d, A, now)
+        receiver.handle_timer(now)
+        for batch, _ in receiver.datagrams_to_send(now):
+            for d in batch:
+                sender.receive_datagram(d, B, now)
+
+
+def test_finish_and_result_events_and_the_receivers_loss_is_remembered():
+    sender = SenderHost(rate_bps=50e6, key=KEY, burst_s=0.0)
+    receiver = ReceiverHost(key=KEY, linger_s=0.5)
+    tr = synthetic_transfer(120_000, 8, seed=3)
+    out = sender.submit(tr, B, now=0.0, deadline_s=0.5, policy="adaptive")
+    assert out.link.prior_loss is None
+    _exchange(sender, receiver, 0.4)
+    ev = sender.next_event()
+    assert isinstance(ev, TransferFinished) and ev.transfer is out and sender.next_event() is None
+    assert out.state == "done" and out.transfer_id not in sender.link.members
+    assert out.status(1.0)["delivered_bytes"] == tr.nbytes
+    started, ready = receiver.next_event(), receiver.next_event()
+    assert isinstance(started, TransferStarted) and started.transfer.transfer_id == ev.transfer_id
+    assert isinstance(ready, ResultReady) and receiver.next_event() is None
+    res = ready.transfer.session.result
+    assert res is not None and res.complete.all()
+    assert np.array_equal(res.payload[: tr.nbytes], np.asarray(tr.payload))
+    # its receiver reported: the next transfer to it starts from that path's loss
+    nxt = sender.submit(tr, B, now=1.0, deadline_s=0.5)
+    assert nxt.link.prior_loss == pytest.approx(out.session.loss_estimate())
+    assert sender.submit(tr, A, now=1.0, deadline_s=0.5).link.prior_loss is None
+
+
+def test_receiver_admission_demux_and_abort():
+    sender = SenderHost(rate_bps=50e6, key=KEY, burst_s=0.0, slot_policy=EqualShare())
+    first = sender.submit(synthetic_transfer(200_000, 8, seed=1), B, now=0.0, deadline_s=1.0)
+    second = sender.submit(synthetic_transfer(200_000, 8, seed=2), B, now=0.0, deadline_s=1.0)
+    receiver = ReceiverHost(key=KEY, max_transfers=1, linger_s=0.1)
+    while (t := sender.get_timer()) is not None and t <= 0.005:
+        sender.handle_timer(t)
+        for batch, _ in sender.datagrams_to_send(t):
+            for d in batch:
+                receiver.receive_datagram(d, A, t)
+    assert list(receiver.active) == [first.transfer_id] and second.link.rate_bps > 0
+    assert receiver.drop_reasons["over_capacity"] >= 1  # the second one: no room
+    stranger = SenderHost(rate_bps=50e6, key=bytes(32))  # a forger without the key
+    forged = stranger.submit(synthetic_transfer(10_000, 1), B, now=0.0, deadline_s=1.0)
+    stranger.handle_timer(0.0)
+    for batch, _ in stranger.datagrams_to_send(0.0):
+        receiver.receive_datagram(batch[0], A, 0.0)
+    assert forged.transfer_id not in receiver.active and receiver.drop_reasons["bad_tag"] == 1
+    assert receiver.abort(first.transfer_id, 0.05)
+    assert any(receiver.datagrams_to_send(0.05))  # the final feedback, to its peer
+    assert receiver.next_event() is not None  # TransferStarted
+    ev = receiver.next_event()
+    assert isinstance(ev, ResultReady) and ev.transfer.session.result.reason == "abort"
+    receiver.handle_timer(0.2)  # lingered out: its late datagrams are dropped by id
+    sender.handle_timer(0.2)
+    for batch, _ in sender.datagrams_to_send(0.2):
+        for d in batch:
+            if struct.unpack_from("!Q", d, 8)[0] == first.transfer_id:
+                receiver.receive_datagram(d, A, 0.2)
+    assert receiver.drop_reasons["finished_transfer"] >= 1
+
+
+def test_the_daemon_engine_and_the_simulator_drive_the_host_identically():
+    """The multi-user simulator's calls into its SenderHost, replayed at the same virtual
+    times into the sender daemon's engine over real UDP sockets: the same datagrams, in
+    the same order, at the same calls."""
+    from kvtransport.daemon_sender import SenderEngine
+    from kvtransport.udp import DatagramSocket, wait_readable
+
+    hs = [Handover(0, 0.0, 0.12, 400_000, U), Handover(1, 0.03, 0.15, 300_000, U, weight=2.0)]
+    trace: list[tuple] = []
+    sim = MultiSimulation(hs, UtilityWaterFilling(), channel="bernoulli-5", rate_mbps=40,
+                          seed=3, trace=trace)  # fmt: skip
+    sim.run()
+    assert any(e[0] == "feedback" for e in trace) and sum(e[0] == "data" for e in trace) > 300
+    trace = [e for e in trace if e[0] in ("submit", "timer", "feedback", "data")]
+    expected: list[tuple[int, bytes]] = []  # (call number, datagram)
+    calls = 0
+    for e in trace:
+        if e[0] == "data":
+            expected.append((calls, e[2]))
+        else:
+            calls += 1
+
+    sock = DatagramSocket(("127.0.0.1", 0))
+    feeder = DatagramSocket(("127.0.0.1", 0))
+    sinks = [DatagramSocket(("127.0.0.1", 0)) for _ in hs]
+    try:
+        host = SenderHost(rate_bps=40e6, burst_s=0.0, max_transfers=2,
+                          slot_policy=UtilityWaterFilling(), one_way_s=sim.delay_s)  # fmt: skip
+        engine = SenderEngine(sock, rate_bps=40e6, host=host)
+        users = {u.tid: (u, sinks[i].address) for i, u in enumerate(sim.users)}
+        got: list[tuple[int, bytes]] = []
+        calls = 0
+        for e in trace:
+            if e[0] == "data":
+                continue
+            calls += 1
+            t = e[1]
+            if e[0] == "submit":
+                u, dest = users[e[2]]
+                engine.submit(u.transfer, dest, now=t, deadline_s=u.h.deadline - t,
+                              transfer_id=u.tid, weight=u.h.weight, utility=u.h.utility,
+                              initial_rtt=2.0 * sim.delay_s + 1e-3, wall_offset=0.0)  # fmt: skip
+            elif e[0] == "timer":
+                engine.run_due(t)
+            else:
+                feeder.send([e[2]], sock.address)
+                assert wait_readable([sock], 2.0)
+                engine.on_readable(t)
+            for sink in sinks:
+                got += [(calls, bytes(d)) for d, _ in sink.recv_batch()]
+
+        # within one call, datagrams to different receivers arrive on different sockets
+        def order(x: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
+            return sorted(x, key=lambda cd: (cd[0], struct.unpack_from("!Q", cd[1], 8)[0]))
+
+        assert len(got) == len(expected)
+        assert order(got) == order(expected)
+    finally:
+        for s in (sock, feeder, *sinks):
+            s.close()
+
+
+def test_the_daemon_engine_and_the_simulator_drive_the_receiver_host_identically():
+    """Each user's receiver host in the multi-user simulator, its calls replayed at the
+    same virtual times into the receiver daemon's engine over real UDP: the same feedback
+    datagrams at the same calls, and the same result."""
+    from kvtransport.daemon_receiver import ReceiverEngine
+    from kvtransport.udp import DatagramSocket, wait_readable
+
+    hs = [Handover(0, 0.0, 0.12, 300_000, U), Handover(1, 0.02, 0.1, 200_000, U)]
+    trace: list[tuple] = []
+    sim = MultiSimulation(hs, EqualShare(), channel="bernoulli-5", rate_mbps=40, seed=2,
+                          trace=trace)  # fmt: skip
+    res = sim.run()
+    for i, u in enumerate(sim.users):
+        mine = [e for e in trace if e[0].startswith("rx_") and e[2] == i]
+        expected, calls = [], 0
+        for e in mine:
+            if e[0] == "rx_feedback":
+                expected.append((calls, e[3]))
+            else:
+                calls += 1
+        assert len(expected) > 10
+        sock, peer = DatagramSocket(("127.0.0.1", 0)), DatagramSocket(("127.0.0.1", 0))
+        try:
+            results: list = []
+            engine = ReceiverEngine(sock, on_result=results.append)
+            got, calls = [], 0
+            for e in mine:
+                if e[0] == "rx_feedback":
+                    continue
+                calls += 1
+                if e[0] == "rx_data":
+                    peer.send([e[3]], sock.address)
+                    assert wait_readable([sock], 2.0)
+                    engine.on_readable(e[1])
+                else:
+                    engine.run_due(e[1])
+                got += [(calls, bytes(d)) for d, _ in peer.recv_batch()]
+            assert got == expected
+            assert len(results) == 1 and u.received is not None
+            mine_res, sim_res = results[0].session.result, u.received.session.result
+            assert mine_res.reason == sim_res.reason == res.outcomes[i].receiver_finish
+            assert np.array_equal(mine_res.complete, sim_res.complete)
+        finally:
+            sock.close()
+            peer.close()
