@@ -21,6 +21,7 @@ import zmq
 from kvtransport.api import ApiError, read_result_file
 from kvtransport.client import ReceiverClient, ResultSubscriber, SenderClient
 from kvtransport.daemon_sender import SenderEngine
+from kvtransport.inprocess import warm_kernels
 from kvtransport.keys import resolve_key
 from kvtransport.transfer import synthetic_transfer
 from kvtransport.udp import DatagramSocket, clock, wait_readable
@@ -275,6 +276,9 @@ class SenderThread:
     def __init__(self, transfer, port, *, deadline_s, rate_mbps=LINK_MBPS, key=None, **kw):
         self.sock = DatagramSocket(("127.0.0.1", 0), ("127.0.0.1", port))
         key = resolve_key() if key is None else key  # the daemons' default key file
+        # kernels compiled before the transfer's clock starts, as the daemon does at start-up
+        # (on a cold numba cache the first transfer would otherwise spend its deadline there)
+        warm_kernels(key, kw.get("policy", "adaptive"))
         self.engine = SenderEngine(self.sock, rate_bps=rate_mbps * 1e6, key=key)
         self.out = self.engine.submit(
             transfer, ("127.0.0.1", port), now=clock(), deadline_s=deadline_s, **kw
