@@ -25,8 +25,8 @@ import asyncio
 import concurrent.futures
 import os
 import threading
-from collections.abc import Generator
-from typing import Any
+from collections.abc import Callable, Generator, Sequence
+from typing import TYPE_CHECKING, Any
 
 from kvtransport.api import DeliveredResult
 from kvtransport.daemon import StopSignal, serve, warm_up
@@ -34,6 +34,9 @@ from kvtransport.errors import UserError
 from kvtransport.protocol import DEFAULT_INITIAL_RTT, DEFAULT_SYMBOL_SIZE
 from kvtransport.transfer import Transfer
 from kvtransport.udp import DatagramSocket, clock, parse_address
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from kvtransport.race import RaceResult
 
 DEFAULT_LISTEN = "0.0.0.0:9400"
 _warmed: set[tuple[bool, str]] = set()
@@ -93,13 +96,15 @@ def run_receive(
     idle_timeout_s: float = 10.0,
     max_bytes: int = 1 << 30,
     replay: Any = None,
+    on_engine: Callable[[Any], None] | None = None,
 ) -> tuple[Any, Any]:
     """Receive the first transfer that reaches ``sock`` (datagrams of others are dropped).
 
     Ends at the transfer's result, when no transfer started within ``timeout_s``, or on
     ``stop`` (a transfer in progress then delivers what it holds). ``replay``: a
     :class:`~kvtransport.replay.ReplayRecord` (a replayed transfer is refused and the wait
-    goes on). Returns
+    goes on). ``on_engine``: called with the engine before it serves (a live reader of its
+    host's sessions, kvtransport.live_race). Returns
     ``(incoming, engine)``: the :class:`~kvtransport.daemon_receiver.Incoming` (None when
     no transfer arrived) and the engine, whose counters say what was dropped.
     """
@@ -116,6 +121,8 @@ def run_receive(
         on_result=results.append,
         replay=replay,
     )
+    if on_engine is not None:
+        on_engine(engine)
     started = clock()
 
     def check(now: float) -> None:
@@ -337,6 +344,7 @@ class Receiver:
         self._stop = StopSignal()
         self._future: concurrent.futures.Future[DeliveredResult] = concurrent.futures.Future()
         self._timeout_s = timeout_s
+        self._engine: Any = None  # the receiving engine, once the thread runs it
         self._thread = threading.Thread(
             target=self._run,
             kwargs=dict(
@@ -345,6 +353,7 @@ class Receiver:
                 idle_timeout_s=idle_timeout_s,
                 max_bytes=int(max_mb * 1e6),
                 replay=replay,
+                on_engine=self._set_engine,
             ),  # fmt: skip
             name="kvtransport-receiver",
             daemon=True,
@@ -356,6 +365,26 @@ class Receiver:
         """``HOST:PORT`` the receiver listens on (what a sender's ``to`` names)."""
         host, port = self.sock.address
         return f"{'127.0.0.1' if host == '0.0.0.0' else host}:{port}"
+
+    def _set_engine(self, engine: Any) -> None:
+        self._engine = engine
+
+    def race(self, model: Any, token_ids: Sequence[int], **kwargs: Any) -> RaceResult:
+        """Build the context's whole KV cache while this receiver receives it, and return
+        it (a :class:`~kvtransport.race.RaceResult`) as soon as the last token is in place:
+        the receiver computes what has not arrived (the sender's plan leaves it the context's
+        front), loads token ranges as their blocks complete, recomputes exactly what never
+        comes; with nothing arriving it computes everything (about one prefill). Call it when
+        the handoff is announced: the race clock starts then. ``token_ids``: the context the
+        cache is of (a transfer of another context or model is not loaded). Options
+        (kvtransport.live_race.live_race): ``speed`` (the model's
+        :class:`~kvtransport.cache_builder.ComputeSpeed`; None measures it once per model),
+        ``rate_mbps`` (the link rate the sender was given), ``split`` (tokens to compute
+        first), ``block_tokens``, ``hello_ms``, ``max_chunk``. The transfer goes on
+        receiving; :meth:`result` still gives it."""
+        from kvtransport.live_race import live_race
+
+        return live_race(lambda: self._engine, model, token_ids, **kwargs)
 
     def _run(self, **kwargs: Any) -> None:
         try:
