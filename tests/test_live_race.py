@@ -1,0 +1,118 @@
+"""The live race over real UDP on loopback, on the real model.
+
+A real sender (kvtransport.send, in a thread) sends the planned cache of a ~128-token
+context to an in-process Receiver whose race builds the cache while it arrives. Over a
+clean link the race must load the ranges the plan sends (exactly the bytes the sender
+encoded) and compute the rest (exactly a prefill); over a link that delivers nothing (the
+sender's key is not the receiver's: every datagram is dropped) it must compute
+everything, exactly, in about one prefill. The replay path is pinned by tests/test_race.py.
+"""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import kvtransport
+from kvtransport import blocks, card, hf, tasks
+from kvtransport.cache_builder import CacheBuilder, ComputeSpeed
+from kvtransport.inprocess import warm_kernels
+from kvtransport.plan import LinkEstimate, planned_stream
+from kvtransport.policy import default_policy
+
+pytestmark = pytest.mark.model
+TOL = 2e-4  # float32 rounding of a chunked against a one-shot prefill (as test_race)
+RATE_MBPS = 100.0
+
+
+@pytest.fixture(scope="module")
+def setup(smollm):
+    """Context, its prefill, the receiver's speed, one plain prefill's time, the plan."""
+    sample = tasks.generate("facts_qa", smollm.tokenizer, target_tokens=128, seed=3)
+    ctx, _ = sample.prompt(smollm.tokenizer)
+    kv = hf.prefill(smollm.model, smollm.tokenizer, ctx, attention=False)
+    speed = ComputeSpeed.measure(smollm.model, ctx)
+    t0 = time.perf_counter()
+    CacheBuilder(smollm.model, ctx).compute(len(ctx))
+    prefill_s = time.perf_counter() - t0
+    link = LinkEstimate(RATE_MBPS * 1e6, 0.0, 0.0005, 1280)
+    plan, stream = planned_stream(card.encode_cache(kv), link=link, budget_s=prefill_s,
+                                  speed=speed, objective="ttft")  # fmt: skip
+    warm_kernels(None, default_policy())  # the sender's kernels: no stall mid-race
+    warm_kernels(bytes(32), default_policy())
+    return ctx, kv, speed, prefill_s, plan, stream
+
+
+def _sender(stream, to, **kwargs):
+    th = threading.Thread(target=kvtransport.send, args=(stream, to), daemon=True,
+                          kwargs=dict(precision="keep", rate_mbps=RATE_MBPS, **kwargs))  # fmt: skip
+    th.start()
+    return th
+
+
+def _err(a, b, lo=0, hi=None):
+    sl = slice(lo, hi)
+    return float(max(np.abs(a.keys[:, :, sl] - b.keys[:, :, sl]).max(),
+                     np.abs(a.values[:, :, sl] - b.values[:, :, sl]).max()))  # fmt: skip
+
+
+def test_live_race_loads_what_arrives_and_computes_the_rest(smollm, setup):
+    ctx, kv, speed, prefill_s, plan, stream = setup
+    assert 0 < plan.split < len(ctx)  # the plan leaves the receiver a prefix
+    sent = blocks.decode_stream(stream.manifest, stream.payload).cache  # what the link carries
+    with kvtransport.Receiver("127.0.0.1:0", insecure=True) as rx:
+        th = _sender(stream, rx.address, deadline_ms=1e3 * prefill_s, insecure=True)
+        res = rx.race(smollm.model, ctx, speed=speed, rate_mbps=RATE_MBPS)
+        th.join(10)
+    # the receiver learnt the split from the manifest (it was not told) and loaded most
+    # of what the plan sends
+    assert res.loaded >= (len(ctx) - plan.split) // 2
+    assert res.computed + res.loaded == len(ctx)
+    loads = [s for s in res.steps if s.action == "load"]
+    computes = [s for s in res.steps if s.action == "compute"]
+    assert all(s.start >= plan.split for s in loads)
+    for s in loads:  # exactly the sender's bytes
+        assert _err(res.kv, sent, s.start, s.start + s.tokens) == 0.0
+    for s in computes:  # exactly a prefill
+        assert _err(res.kv, kv, s.start, s.start + s.tokens) < TOL
+    # up to the int8 quantization, the whole cache is the prefill's
+    assert _err(res.kv, kv) < 0.1 * float(np.abs(kv.keys).max())
+
+
+def test_a_link_that_delivers_nothing_computes_everything_in_about_a_prefill(smollm, setup):
+    """The sender's key is not the receiver's: every datagram is dropped. The race must
+    not wait for the sender's deadline (3 s) nor the receiver's timeout: it computes the
+    context after a short silence, in about one prefill."""
+    ctx, kv, speed, prefill_s, plan, stream = setup
+    done: list = []
+    with kvtransport.Receiver("127.0.0.1:0", key=bytes(range(32))) as rx:
+        th = _sender(stream, rx.address, deadline_ms=3000, key=bytes(32))
+        racer = threading.Thread(target=lambda: done.append(rx.race(smollm.model, ctx,
+                                 speed=speed, rate_mbps=RATE_MBPS)), daemon=True)  # fmt: skip
+        racer.start()
+        racer.join(20)
+        assert done, "the race never returned over a dead link"
+        dropped = rx._engine.drop_reasons.get("bad_tag", 0)
+    th.join(10)
+    res = done[0]
+    assert dropped > 0  # the sender did send: the link delivered nothing genuine
+    assert res.loaded == 0 and res.computed == len(ctx)
+    assert _err(res.kv, kv) < TOL
+    # one prefill after the short silence before the link counts as dead (hello_ms 50:
+    # silent after 150 ms), with room for this shared machine's noise
+    assert res.seconds < 1.5 * prefill_s + 0.3
+
+
+def test_a_transfer_of_another_context_is_not_loaded(smollm, setup):
+    """The race is for the context it is given: the cache of another one (here the same
+    text with a different first token, so every K/V differs) is computed, never loaded."""
+    ctx, kv, speed, prefill_s, plan, stream = setup
+    other = [ctx[1], *ctx[1:]]
+    want = CacheBuilder(smollm.model, other)
+    want.compute(len(other))
+    with kvtransport.Receiver("127.0.0.1:0", insecure=True) as rx:
+        th = _sender(stream, rx.address, deadline_ms=1e3 * prefill_s, insecure=True)
+        res = rx.race(smollm.model, other, speed=speed, rate_mbps=RATE_MBPS)
+        th.join(10)
+    assert res.loaded == 0 and _err(res.kv, want.kv()) < TOL
