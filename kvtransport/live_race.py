@@ -56,6 +56,7 @@ from kvtransport.race import (
     range_ready_at,
 )
 from kvtransport.udp import clock
+from kvtransport.wire import full_send_time
 
 log = logging.getLogger("kvtransport.race")
 
@@ -225,11 +226,9 @@ class LiveArrivals:
         start = s.timings.get("first_packet", s.created) - self._t0
         deadline = start + tm.deadline_s if tm.deadline_s > 0 else np.inf
         cum = np.cumsum(range_bytes)
-        if self.rate_bps is not None:
-            from kvtransport.plan import LinkEstimate
-
-            est = LinkEstimate(self.rate_bps, 0.0, 0.0, tm.symbol_size)
-            expect = start + np.array([est.seconds(float(c)) for c in cum])
+        if self.rate_bps is not None:  # loss-free at the rate, as the plan's link time
+            sz, rate = tm.symbol_size, self.rate_bps
+            expect = start + np.array([full_send_time(int(c), rate, sz, True) for c in cum])
         elif np.isfinite(deadline) and cum[-1] > 0:
             expect = start + (deadline - start) * cum / cum[-1]
         else:

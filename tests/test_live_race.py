@@ -1,6 +1,6 @@
 """The live race over real UDP on loopback, on the real model.
 
-A real sender (kvtransport.send, in a thread) sends the planned cache of a ~128-token
+A real sender (kvtransport.send, in its own process) sends the planned cache of a ~128-token
 context to an in-process Receiver whose race builds the cache while it arrives. Over a
 clean link the race must load the ranges the plan sends (exactly the bytes the sender
 encoded) and compute the rest (exactly a prefill); over a link that delivers nothing (the
@@ -8,6 +8,7 @@ sender's key is not the receiver's: every datagram is dropped) it must compute
 everything, exactly, in about one prefill. The replay path is pinned by tests/test_race.py.
 """
 
+import multiprocessing
 import threading
 import time
 
@@ -17,7 +18,6 @@ import pytest
 import kvtransport
 from kvtransport import blocks, card, hf, tasks
 from kvtransport.cache_builder import CacheBuilder, ComputeSpeed
-from kvtransport.inprocess import warm_kernels
 from kvtransport.plan import LinkEstimate, planned_stream
 from kvtransport.policy import default_policy
 
@@ -39,16 +39,37 @@ def setup(smollm):
     link = LinkEstimate(RATE_MBPS * 1e6, 0.0, 0.0005, 1280)
     plan, stream = planned_stream(card.encode_cache(kv), link=link, budget_s=prefill_s,
                                   speed=speed, objective="ttft")  # fmt: skip
-    warm_kernels(None, default_policy())  # the sender's kernels: no stall mid-race
-    warm_kernels(bytes(32), default_policy())
     return ctx, kv, speed, prefill_s, plan, stream
 
 
-def _sender(stream, to, **kwargs):
-    th = threading.Thread(target=kvtransport.send, args=(stream, to), daemon=True,
-                          kwargs=dict(precision="keep", rate_mbps=RATE_MBPS, **kwargs))  # fmt: skip
-    th.start()
-    return th
+def _send(stream, to, ready, go, kwargs):
+    """A sender process: warm up, say so, send when told."""
+    from kvtransport.inprocess import warm_kernels
+
+    warm_kernels(kwargs.get("key"), default_policy())
+    ready.set()
+    go.wait(30)
+    kvtransport.send(stream, to, precision="keep", **{"rate_mbps": RATE_MBPS, **kwargs})
+
+
+class _Sender:
+    """kvtransport.send in its own process (as a sending host would be: its pacing loop
+    does not share this interpreter with the receiver), started when ``go`` is called."""
+
+    def __init__(self, stream, to, **kwargs):
+        mp = multiprocessing.get_context("spawn")
+        self.ready, self._go = mp.Event(), mp.Event()
+        self.proc = mp.Process(target=_send, args=(stream, to, self.ready, self._go, kwargs))
+        self.proc.start()
+        assert self.ready.wait(60), "the sender process did not start"
+
+    def go(self):
+        self._go.set()
+
+    def join(self):
+        self.proc.join(15)
+        if self.proc.is_alive():
+            self.proc.kill()
 
 
 def _err(a, b, lo=0, hi=None):
@@ -62,9 +83,10 @@ def test_live_race_loads_what_arrives_and_computes_the_rest(smollm, setup):
     assert 0 < plan.split < len(ctx)  # the plan leaves the receiver a prefix
     sent = blocks.decode_stream(stream.manifest, stream.payload).cache  # what the link carries
     with kvtransport.Receiver("127.0.0.1:0", insecure=True) as rx:
-        th = _sender(stream, rx.address, deadline_ms=1e3 * prefill_s, insecure=True)
+        tx = _Sender(stream, rx.address, deadline_ms=1e3 * prefill_s, insecure=True)
+        tx.go()
         res = rx.race(smollm.model, ctx, speed=speed, rate_mbps=RATE_MBPS)
-        th.join(10)
+        tx.join()
     # the receiver learnt the split from the manifest (it was not told) and loaded most
     # of what the plan sends
     assert res.loaded >= (len(ctx) - plan.split) // 2
@@ -83,18 +105,21 @@ def test_live_race_loads_what_arrives_and_computes_the_rest(smollm, setup):
 def test_a_link_that_delivers_nothing_computes_everything_in_about_a_prefill(smollm, setup):
     """The sender's key is not the receiver's: every datagram is dropped. The race must
     not wait for the sender's deadline (3 s) nor the receiver's timeout: it computes the
-    context after a short silence, in about one prefill."""
+    context after a short silence, in about one prefill. (The sender runs at 10 Mbit/s:
+    dropping a 100 Mbit/s flood takes a share of this shared 2-core machine's CPU that
+    would slow the model itself, which is not what this test is about.)"""
     ctx, kv, speed, prefill_s, plan, stream = setup
     done: list = []
     with kvtransport.Receiver("127.0.0.1:0", key=bytes(range(32))) as rx:
-        th = _sender(stream, rx.address, deadline_ms=3000, key=bytes(32))
+        tx = _Sender(stream, rx.address, deadline_ms=3000, key=bytes(32), rate_mbps=10.0)
+        tx.go()
         racer = threading.Thread(target=lambda: done.append(rx.race(smollm.model, ctx,
                                  speed=speed, rate_mbps=RATE_MBPS)), daemon=True)  # fmt: skip
         racer.start()
         racer.join(20)
         assert done, "the race never returned over a dead link"
         dropped = rx._engine.drop_reasons.get("bad_tag", 0)
-    th.join(10)
+    tx.join()
     res = done[0]
     assert dropped > 0  # the sender did send: the link delivered nothing genuine
     assert res.loaded == 0 and res.computed == len(ctx)
@@ -112,7 +137,8 @@ def test_a_transfer_of_another_context_is_not_loaded(smollm, setup):
     want = CacheBuilder(smollm.model, other)
     want.compute(len(other))
     with kvtransport.Receiver("127.0.0.1:0", insecure=True) as rx:
-        th = _sender(stream, rx.address, deadline_ms=1e3 * prefill_s, insecure=True)
+        tx = _Sender(stream, rx.address, deadline_ms=1e3 * prefill_s, insecure=True)
+        tx.go()
         res = rx.race(smollm.model, other, speed=speed, rate_mbps=RATE_MBPS)
-        th.join(10)
+        tx.join()
     assert res.loaded == 0 and _err(res.kv, want.kv()) < TOL
