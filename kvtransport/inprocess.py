@@ -36,6 +36,7 @@ from kvtransport.transfer import Transfer
 from kvtransport.udp import DatagramSocket, clock, parse_address
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
+    from kvtransport.cache_builder import ComputeSpeed
     from kvtransport.race import RaceResult
 
 DEFAULT_LISTEN = "0.0.0.0:9400"
@@ -153,9 +154,10 @@ def as_transfer(what: Any, plan: Any = None) -> Transfer:
     stream (kvtransport.blocks.EncodedStream) or a KVCache (encoded with the card
     defaults: utility order, utilities from its attention statistics or the prior).
 
-    plan: None, or ``(link, budget_s, levels)`` to send a cache, card or stream as the
-    handoff plan encodes it for that budget (kvtransport.plan.planned_stream); a
-    :class:`Transfer` is opaque bytes and is sent as it is.
+    plan: None, or ``(link, budget_s, levels)`` or ``(link, budget_s, levels, speed)`` to
+    send a cache, card or stream as the handoff plan encodes it for that budget
+    (kvtransport.plan.planned_stream; ``speed``: the receiver's compute speed, None: it
+    computes nothing); a :class:`Transfer` is opaque bytes and is sent as it is.
     """
     from kvtransport import blocks, card
     from kvtransport.kvcache import KVCache
@@ -177,9 +179,10 @@ def as_transfer(what: Any, plan: Any = None) -> Transfer:
     if plan is not None:
         from kvtransport.plan import planned_stream
 
-        link, budget_s, levels = plan
+        link, budget_s, levels, *speed = plan
         try:
-            _, what = planned_stream(what, link=link, budget_s=budget_s, levels=levels)
+            _, what = planned_stream(what, link=link, budget_s=budget_s, levels=levels,
+                                     speed=speed[0] if speed else None)  # fmt: skip
         except ValueError as exc:
             raise UserError(f"cannot plan this cache: {exc}") from None
     return Transfer.from_encoded_stream(what)
@@ -232,6 +235,7 @@ def send(
     gso: bool = True,
     precision: str | tuple[str, ...] = "auto",
     loss_estimate: float = 0.05,
+    receiver_speed: ComputeSpeed | None = None,
 ) -> dict[str, Any]:
     """Send a KV cache to a receiver (``kvtransport.Receiver``, ``kvtransport recv`` or a
     receiver daemon) at ``to`` and return when the transfer is over.
@@ -244,7 +248,10 @@ def send(
     a cache, card or stream is sent as the handoff plan encodes it for that deadline
     (kvtransport.plan: ``precision`` "auto" = fp16 or int8 per block by utility, for
     ``rate_mbps`` and ``loss_estimate``, token ranges front first; "keep" sends it as it
-    is; e.g. "fp32" only when asked).
+    is; e.g. "fp32" only when asked). ``receiver_speed``: the receiver's
+    :class:`~kvtransport.cache_builder.ComputeSpeed` when it races
+    (:meth:`Receiver.race`): the plan leaves it the context's front to compute while the
+    rest streams in, and does not send that front; None sends every token range.
 
     Returns the sender's final status (``transfer_id``, ``finish_reason``,
     ``decoded_through`` of ``n_source``, datagrams, loss estimate, ...). Blocks the calling
@@ -268,7 +275,7 @@ def send(
             raise UserError(f"loss_estimate must be in [0, 0.9), not {loss_estimate}")
         link = LinkEstimate(float(rate_mbps) * 1e6, loss_estimate, initial_rtt_ms * 5e-4,
                             symbol_size)  # fmt: skip
-        plan = (link, float(deadline_ms) * 1e-3, levels)
+        plan = (link, float(deadline_ms) * 1e-3, levels, receiver_speed)
     transfer = as_transfer(cache_or_card, plan)
     policy = policy or default_policy()
     make_policy(policy)
