@@ -25,9 +25,11 @@ manifest's deadline says when the sender stops. The expected arrivals are the by
 at ``rate_mbps`` when given (what the sender was told), otherwise spread evenly up to the
 deadline; once ranges arrive, the delivery rate seen takes over (kvtransport.race.LinkView).
 Before the manifest the receiver expects a first arrival within ``hello_ms``: it computes
-what it can by then, and a link silent well past it counts as dead (everything is computed,
-one prefill after that short wait). A transfer of another context, model or token range
-size is not loaded: the race then computes everything.
+what it can by then, and once the link is silent well past it (three times ``hello_ms``)
+it stops waiting and computes from the front in chunks that double (``max_chunk`` tokens
+first): a dead link costs about one prefill after that short wait, plus a few calls, and a
+transfer that starts late still loads what the race has not computed yet. A transfer of
+another context, model or token range size is not loaded: the race computes everything.
 
 A token range's blocks are checked (CRC-32) and decoded when the race loads them, into one
 preallocated cache (kvtransport.blocks.decode_blocks_into): each block once. The receiving
@@ -105,7 +107,7 @@ class LiveArrivals:
         self._keys = self._values = np.zeros(0, dtype=np.float32)
         self._never = np.full(self.ranges, np.inf)
         self._hello = LinkView(np.full(self.ranges, hello_s), np.ones(self.ranges), np.inf,
-                               hole_wait_s)  # fmt: skip
+                               hole_wait_s, settled=False)  # fmt: skip
         self._dead = LinkView(np.full(self.ranges, np.inf), np.zeros(self.ranges), -np.inf,
                               hole_wait_s)  # fmt: skip
         self._view: LinkView | None = None

@@ -113,7 +113,11 @@ class LinkView:
     bytes the link carries for it; deadline_s: when the sender stops (from the start);
     hole_wait_s: how long a range may stay missing once a later range has arrived (a
     loss that repair fills within about a round trip) before it is computed; start_s: when
-    the transfer started on the race clock (the delivery rate is counted from there).
+    the transfer started on the race clock (the delivery rate is counted from there);
+    settled: the view is the transfer's own (its plan), so once it is silent nothing more
+    comes; False for a guess made before the plan is known (a live receiver before the
+    manifest): silence then stops the waiting, but the receiver computes in chunks that
+    double, so a late transfer still counts.
     """
 
     expect_at: np.ndarray
@@ -121,6 +125,7 @@ class LinkView:
     deadline_s: float
     hole_wait_s: float = DEFAULT_HOLE_WAIT_S
     start_s: float = 0.0
+    settled: bool = True
 
     def silent(self, ready_at: np.ndarray, clock: float) -> bool:
         """Nothing more will arrive: the sender has stopped, or the link never delivered
@@ -304,7 +309,8 @@ def race(
             src.wait(r, clock + max(POLL_S, min(due - clock, range_cost)))
             steps.append(RaceStep("wait", b.filled, 0, clock, src.now()))
             continue
-        if link.silent(ready_at, clock):  # nothing more comes: the cheaper way to the end
+        if link.settled and link.silent(ready_at, clock):  # nothing more comes: the
+            # cheaper way to the end
             holes = ready_at[r:] > clock
             runs = int(holes[0]) + int(np.count_nonzero(holes[1:] & ~holes[:-1]))
             piecewise = runs * speed.per_call_s + holes.sum() * block_tokens * speed.per_token_s

@@ -69,6 +69,7 @@ def main() -> None:
     speed = ComputeSpeed.measure(lm.model, ctx)
     rows: dict[str, list[float]] = {"reprefill_s": [], "race_s": [], "dead_s": []}
     races = []
+    steps: list[list[tuple[str, int, int, float, float]]] = []
     ctxp = mp.get_context("spawn")
     prefill_kv = None
     for _ in range(args.rounds):
@@ -96,6 +97,8 @@ def main() -> None:
         assert dead.computed == len(ctx)
         rows["dead_s"].append(dead.seconds)
         races.append((plan.split, res.computed, res.loaded, res.waited_s, res.kv))
+        steps.append([(x.action, x.start, x.tokens, round(x.t0, 4), round(x.t1, 4))
+                      for x in res.steps if x.action != "wait"])  # fmt: skip
     q = list(question)
     assert prefill_kv is not None
     ref = lm.tokenizer.decode(hf.greedy_generate(lm.model, prefill_kv, q).tokens)
@@ -114,6 +117,7 @@ def main() -> None:
         "dead_s": rows["dead_s"],
         "median_dead_over_reprefill": statistics.median(rows["dead_s"]) / re_s,
         "split_computed_loaded_waited": [r[:4] for r in races],
+        "race_steps": steps,
         "answer_equal": ref == got,
         "answers": {"reprefill": ref, "race": got},
         "machine": platform.platform(),
@@ -126,8 +130,8 @@ def main() -> None:
         f"  link down (nobody sends): {statistics.median(rows['dead_s']):.3f} s "
         f"({statistics.median(rows['dead_s']) / re_s:.2f}x re-prefill)"
     )
-    for split, computed, loaded, waited, _ in races:
-        print(f"  split {split}: computed {computed}, loaded {loaded}, waited {waited:.3f} s")
+    for (split, computed, loaded, waited, _), st in zip(races, steps, strict=True):
+        print(f"  split {split}: computed {computed}, loaded {loaded}, waited {waited:.3f} s; {st}")
 
 
 if __name__ == "__main__":
