@@ -416,6 +416,17 @@ def _token_hash(token_ids: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(token_ids, dtype="<i8").tobytes()).hexdigest()
 
 
+def is_cache_of(manifest: Manifest, token_ids: np.ndarray | Sequence[int]) -> bool:
+    """Whether the stream is the cache of exactly ``token_ids`` (the ids the manifest
+    carries, else their SHA-256)."""
+    ids = np.asarray(token_ids, dtype=np.int64)
+    if ids.shape != (manifest.geometry.num_tokens,):
+        return False
+    if manifest.token_ids is not None:
+        return bool(np.array_equal(manifest.token_ids, ids))
+    return _token_hash(ids) == manifest.token_ids_sha256
+
+
 # ---------------------------------------------------------------------------------------
 # Encoding
 

@@ -197,10 +197,7 @@ class LiveArrivals:
         if g.num_tokens != n or g.block_tokens != self.block_tokens:
             return (f"the transfer holds {g.num_tokens} tokens in ranges of {g.block_tokens}, "
                     f"the race builds {n} in ranges of {self.block_tokens}")  # fmt: skip
-        if m.token_ids is not None:
-            if not np.array_equal(m.token_ids, self.token_ids):
-                return "the transfer is the cache of other token ids"
-        elif blocks._token_hash(self.token_ids) != m.token_ids_sha256:
+        if not blocks.is_cache_of(m, self.token_ids):
             return "the transfer is the cache of other token ids"
         if self.model_id is not None and m.model_id != self.model_id:
             return f"the transfer is a cache of {m.model_id}, not of {self.model_id}"

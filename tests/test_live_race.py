@@ -170,3 +170,25 @@ def test_send_with_the_receivers_speed_leaves_it_the_front(smollm, setup):
     assert loads and min(s.start for s in loads) >= front
     assert res.loaded >= len(ctx) // 2
     assert _err(res.kv, kv) < 0.1 * float(np.abs(kv.keys).max())
+
+
+def test_silence_before_the_plan_is_known_does_not_give_up_on_a_late_transfer(smollm, setup):
+    """Before the manifest the live race's view of the link is a guess (settled=False):
+    once it is silent the receiver computes from the front in chunks that double, not the
+    whole rest in one call, so ranges that arrive late (a sender that starts late) are
+    still loaded. Replayed (kvtransport.race.run_race) for a deterministic timeline: the
+    first range was guessed at 10 ms, the link is silent after 70 ms, ranges 2.. arrive at
+    80 ms, while the receiver computes its first chunk."""
+    from kvtransport.race import LinkView, run_race
+
+    ctx, kv, speed, prefill_s, plan, stream = setup
+    bt = 16
+    ranges = -(-len(ctx) // bt)
+    ready = np.full(ranges, np.inf)
+    ready[2:] = 0.08
+    guess = LinkView(np.full(ranges, 0.01), np.ones(ranges), np.inf, settled=False)
+    res = run_race(smollm.model, ctx, split=0, received=kv, ready_at=ready, link=guess,
+                   speed=speed, block_tokens=bt, max_chunk=2 * bt)  # fmt: skip
+    assert [s.action for s in res.steps if s.action != "wait"] == ["compute", "load"]
+    assert res.computed == 2 * bt and res.loaded == len(ctx) - 2 * bt
+    assert _err(res.kv, kv) < TOL
