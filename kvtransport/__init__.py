@@ -28,7 +28,7 @@ _API = {
     "receive_async": "kvtransport.inprocess",
     "Receiver": "kvtransport.inprocess",
     "partial_cache": "kvtransport.partial",
-    "race_receive": "kvtransport.live_race",
+    "race_receive": "kvtransport.inprocess",
     "DeliveredResult": "kvtransport.api",
 }
 __all__ = ["__version__", *_API]

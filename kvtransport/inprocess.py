@@ -442,6 +442,20 @@ def receive(listen: str = DEFAULT_LISTEN, **kwargs: Any) -> DeliveredResult:
         return rx.result()
 
 
+def race_receive(
+    model: Any, token_ids: Sequence[int], listen: str = DEFAULT_LISTEN, **kwargs: Any
+) -> RaceResult:
+    """Bind ``listen``, race the first transfer that arrives (:meth:`Receiver.race`) and
+    return the whole cache as soon as it is built; the receiver then closes (a transfer
+    still in flight is cut off). ``kwargs``: :class:`Receiver`'s options (``key``,
+    ``insecure``, ...) and :meth:`Receiver.race`'s (``speed``, ``rate_mbps``, ...)."""
+    import inspect
+
+    own = set(inspect.signature(Receiver.__init__).parameters) - {"self", "listen"}
+    with Receiver(listen, **{k: v for k, v in kwargs.items() if k in own}) as rx:
+        return rx.race(model, token_ids, **{k: v for k, v in kwargs.items() if k not in own})
+
+
 async def receive_async(listen: str = DEFAULT_LISTEN, **kwargs: Any) -> DeliveredResult:
     """:func:`receive` for asyncio (the port is bound when this coroutine starts)."""
     rx = await asyncio.to_thread(Receiver, listen, **kwargs)

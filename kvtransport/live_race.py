@@ -10,13 +10,14 @@
         res = rx.race(model, context_ids, speed=speed)       # when the handoff is announced
     res.kv                                                   # the whole cache (a KVCache)
 
-:meth:`kvtransport.inprocess.Receiver.race` (or :func:`race_receive`, which binds, races
-and closes) runs the decision loop of kvtransport.race (:func:`kvtransport.race.race`, the
-same one the demo's replay runs) on the wall clock against :class:`LiveArrivals`: what the
-in-process receiver's session holds right now. The race computes what has not arrived,
-loads token ranges whose blocks are complete in every layer, waits when a range is due
-sooner than computing it would take, and returns as soon as the last token is in place:
-the whole cache, exact where computed, up to the precision the sender chose where loaded.
+:meth:`kvtransport.inprocess.Receiver.race` (or :func:`kvtransport.inprocess.race_receive`,
+which binds, races and closes) runs the decision loop of kvtransport.race
+(:func:`kvtransport.race.race`, the same one the demo's replay runs) on the wall clock
+against :class:`LiveArrivals`: what the in-process receiver's session holds right now.
+The race computes what has not arrived, loads token ranges whose blocks are complete in
+every layer, waits when a range is due sooner than computing it would take, and returns as
+soon as the last token is in place: the whole cache, exact where computed, up to the
+precision the sender chose where loaded.
 
 What the receiver knows of the sender's plan comes from the transfer itself: the blocks
 manifest (first on the wire) says which token ranges are sent and how many bytes each one
@@ -276,20 +277,3 @@ def live_race(
                        hello_s=hello_ms * 1e-3)  # fmt: skip
     return race(model, ids, src, split=split or 0, speed=speed, block_tokens=block_tokens,
                 max_chunk=max_chunk)  # fmt: skip
-
-
-def race_receive(model: Any, token_ids: Sequence[int], listen: str = "0.0.0.0:9400",
-                 **kwargs: Any) -> RaceResult:  # fmt: skip
-    """Bind ``listen``, race the first transfer that arrives (see the module docstring)
-    and return the whole cache as soon as it is built; the receiver then closes (a transfer
-    still in flight is cut off). ``kwargs``: :class:`~kvtransport.inprocess.Receiver`'s
-    options (key, insecure, ...) and :meth:`~kvtransport.inprocess.Receiver.race`'s."""
-    import inspect
-
-    from kvtransport.inprocess import Receiver
-
-    race_args = set(inspect.signature(live_race).parameters) - {"engine", "model", "token_ids"}
-    rx_kwargs = {k: v for k, v in kwargs.items() if k not in race_args}
-    race_kwargs = {k: v for k, v in kwargs.items() if k in race_args}
-    with Receiver(listen, **rx_kwargs) as rx:
-        return rx.race(model, token_ids, **race_kwargs)

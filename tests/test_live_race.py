@@ -192,3 +192,21 @@ def test_silence_before_the_plan_is_known_does_not_give_up_on_a_late_transfer(sm
     assert [s.action for s in res.steps if s.action != "wait"] == ["compute", "load"]
     assert res.computed == 2 * bt and res.loaded == len(ctx) - 2 * bt
     assert _err(res.kv, kv) < TOL
+
+
+def test_race_receive_binds_races_and_closes(smollm, setup):
+    """The one-call form: Receiver options and race options in one call."""
+    import socket
+
+    ctx, kv, speed, prefill_s, plan, stream = setup
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # a free port
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    tx = _Sender(stream, f"127.0.0.1:{port}", deadline_ms=1e3 * prefill_s, insecure=True)
+    threading.Timer(0.05, tx.go).start()  # once race_receive has bound the port
+    res = kvtransport.race_receive(smollm.model, ctx, listen=f"127.0.0.1:{port}",
+                                   insecure=True, speed=speed, rate_mbps=RATE_MBPS,
+                                   hello_ms=300)  # fmt: skip
+    tx.join()
+    assert res.loaded >= (len(ctx) - plan.split) // 2
+    assert _err(res.kv, kv) < 0.1 * float(np.abs(kv.keys).max())
