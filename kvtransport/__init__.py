@@ -8,6 +8,7 @@ that ``import kvtransport`` stays cheap::
     kvtransport.receive(listen="HOST:PORT")          # one transfer's DeliveredResult
     kvtransport.send_async(...), kvtransport.receive_async(...)
     kvtransport.partial_cache(result)                # KVCache + presence mask for a model
+    kvtransport.race_receive(model, token_ids, listen="HOST:PORT")  # live race: whole cache
 """
 
 from pathlib import Path as _Path
@@ -27,6 +28,7 @@ _API = {
     "receive_async": "kvtransport.inprocess",
     "Receiver": "kvtransport.inprocess",
     "partial_cache": "kvtransport.partial",
+    "race_receive": "kvtransport.inprocess",
     "DeliveredResult": "kvtransport.api",
 }
 __all__ = ["__version__", *_API]

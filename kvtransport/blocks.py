@@ -416,6 +416,17 @@ def _token_hash(token_ids: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(token_ids, dtype="<i8").tobytes()).hexdigest()
 
 
+def is_cache_of(manifest: Manifest, token_ids: np.ndarray | Sequence[int]) -> bool:
+    """Whether the stream is the cache of exactly ``token_ids`` (the ids the manifest
+    carries, else their SHA-256)."""
+    ids = np.asarray(token_ids, dtype=np.int64)
+    if ids.shape != (manifest.geometry.num_tokens,):
+        return False
+    if manifest.token_ids is not None:
+        return bool(np.array_equal(manifest.token_ids, ids))
+    return _token_hash(ids) == manifest.token_ids_sha256
+
+
 # ---------------------------------------------------------------------------------------
 # Encoding
 
@@ -707,7 +718,6 @@ def decode_stream(
     ok = np.ones(m.num_blocks, bool) if complete is None else np.asarray(complete, bool).copy()
     if ok.shape != (m.num_blocks,):
         raise ValueError(f"complete mask {ok.shape} != ({m.num_blocks},)")
-    offset, end = m.offset, m.offset + m.length
     corrupted = corrupted_blocks(m, buf, ok)
     ok[corrupted] = False
 
@@ -717,31 +727,8 @@ def decode_stream(
     keys, values = np.zeros(shape, dtype), np.zeros(shape, dtype)  # lazily zeroed pages
     present_blocks = np.zeros((g.num_layers, tb), dtype=bool)
     good = np.flatnonzero(ok)
-    counts, starts, layers = m.token_count, m.token_start, m.layer
-    # Each block is copied straight into place (one slice assignment per K and V); only
-    # quantized blocks go through an intermediate, dequantized in one vectorized step per
-    # (precision, token count) group.
-    for p, c in sorted(set(zip(m.precision[good].tolist(), counts[good].tolist(), strict=True))):
-        idx = good[(m.precision[good] == p) & (counts[good] == c)].tolist()
-        name = PRECISIONS[p]
-        if name not in _FLOAT and dtype == np.float32:  # one numba pass, straight in place
-            quant.dequantize_blocks_into(
-                buf, offset[idx], layers[idx].astype(np.int64), starts[idx], c,
-                _BITS[name], g.group_size, keys, values,
-            )  # fmt: skip
-            present_blocks[layers[idx], m.token_block[idx]] = True
-            continue
-        kv: list[np.ndarray] | np.ndarray
-        if name in _FLOAT:
-            kv = [buf[offset[i] : end[i]].view(_FLOAT[name]).reshape(2, -1, c, g.head_dim)
-                  for i in idx]  # fmt: skip
-        else:
-            kv = _decode_rows(np.stack([buf[offset[i] : end[i]] for i in idx]), name, g, c)
-        for j, i in enumerate(idx):
-            t0 = int(starts[i])
-            keys[layers[i], :, t0 : t0 + c] = kv[j][0]
-            values[layers[i], :, t0 : t0 + c] = kv[j][1]
-        present_blocks[layers[idx], m.token_block[idx]] = True
+    decode_blocks_into(m, buf, good, keys, values)
+    present_blocks[m.layer[good], m.token_block[good]] = True
     present = np.repeat(present_blocks, bt, axis=1)[:, :n]
     if m.token_ids is not None:
         ids = m.token_ids
@@ -754,3 +741,39 @@ def decode_stream(
     cache = KVCache(keys=keys, values=values, token_ids=ids, model_id=m.model_id)
     missing = np.flatnonzero(~ok)
     return Reassembled(cache, present, missing, corrupted, m)
+
+
+def decode_blocks_into(
+    manifest: Manifest, payload: np.ndarray, blocks: np.ndarray, keys: np.ndarray,
+    values: np.ndarray,
+) -> None:  # fmt: skip
+    """Decode the stream blocks ``blocks`` (indices; their bytes in ``payload`` at their
+    offsets, checked by the caller) into place in ``keys`` / ``values``, each
+    ``[layers, kv_heads, tokens, head_dim]`` of the geometry's dtype. Other slots are left
+    as they are, so a receiver can decode a few token ranges at a time into one cache."""
+    m, g, buf = manifest, manifest.geometry, _as_u8(payload)
+    good = np.asarray(blocks, dtype=np.int64)
+    offset, end = m.offset, m.offset + m.length
+    counts, starts, layers = m.token_count, m.token_start, m.layer
+    # Each block is copied straight into place (one slice assignment per K and V); only
+    # quantized blocks go through an intermediate, dequantized in one vectorized step per
+    # (precision, token count) group.
+    for p, c in sorted(set(zip(m.precision[good].tolist(), counts[good].tolist(), strict=True))):
+        idx = good[(m.precision[good] == p) & (counts[good] == c)].tolist()
+        name = PRECISIONS[p]
+        if name not in _FLOAT and keys.dtype == np.float32:  # one numba pass, in place
+            quant.dequantize_blocks_into(
+                buf, offset[idx], layers[idx].astype(np.int64), starts[idx], c,
+                _BITS[name], g.group_size, keys, values,
+            )  # fmt: skip
+            continue
+        kv: list[np.ndarray] | np.ndarray
+        if name in _FLOAT:
+            kv = [buf[offset[i] : end[i]].view(_FLOAT[name]).reshape(2, -1, c, g.head_dim)
+                  for i in idx]  # fmt: skip
+        else:
+            kv = _decode_rows(np.stack([buf[offset[i] : end[i]] for i in idx]), name, g, c)
+        for j, i in enumerate(idx):
+            t0 = int(starts[i])
+            keys[layers[i], :, t0 : t0 + c] = kv[j][0]
+            values[layers[i], :, t0 : t0 + c] = kv[j][1]

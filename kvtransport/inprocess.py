@@ -25,8 +25,8 @@ import asyncio
 import concurrent.futures
 import os
 import threading
-from collections.abc import Generator
-from typing import Any
+from collections.abc import Callable, Generator, Sequence
+from typing import TYPE_CHECKING, Any
 
 from kvtransport.api import DeliveredResult
 from kvtransport.daemon import StopSignal, serve, warm_up
@@ -34,6 +34,10 @@ from kvtransport.errors import UserError
 from kvtransport.protocol import DEFAULT_INITIAL_RTT, DEFAULT_SYMBOL_SIZE
 from kvtransport.transfer import Transfer
 from kvtransport.udp import DatagramSocket, clock, parse_address
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from kvtransport.cache_builder import ComputeSpeed
+    from kvtransport.race import RaceResult
 
 DEFAULT_LISTEN = "0.0.0.0:9400"
 _warmed: set[tuple[bool, str]] = set()
@@ -93,13 +97,15 @@ def run_receive(
     idle_timeout_s: float = 10.0,
     max_bytes: int = 1 << 30,
     replay: Any = None,
+    on_engine: Callable[[Any], None] | None = None,
 ) -> tuple[Any, Any]:
     """Receive the first transfer that reaches ``sock`` (datagrams of others are dropped).
 
     Ends at the transfer's result, when no transfer started within ``timeout_s``, or on
     ``stop`` (a transfer in progress then delivers what it holds). ``replay``: a
     :class:`~kvtransport.replay.ReplayRecord` (a replayed transfer is refused and the wait
-    goes on). Returns
+    goes on). ``on_engine``: called with the engine before it serves (a live reader of its
+    host's sessions, kvtransport.live_race). Returns
     ``(incoming, engine)``: the :class:`~kvtransport.daemon_receiver.Incoming` (None when
     no transfer arrived) and the engine, whose counters say what was dropped.
     """
@@ -116,6 +122,8 @@ def run_receive(
         on_result=results.append,
         replay=replay,
     )
+    if on_engine is not None:
+        on_engine(engine)
     started = clock()
 
     def check(now: float) -> None:
@@ -146,9 +154,10 @@ def as_transfer(what: Any, plan: Any = None) -> Transfer:
     stream (kvtransport.blocks.EncodedStream) or a KVCache (encoded with the card
     defaults: utility order, utilities from its attention statistics or the prior).
 
-    plan: None, or ``(link, budget_s, levels)`` to send a cache, card or stream as the
-    handoff plan encodes it for that budget (kvtransport.plan.planned_stream); a
-    :class:`Transfer` is opaque bytes and is sent as it is.
+    plan: None, or ``(link, budget_s, levels)`` or ``(link, budget_s, levels, speed)`` to
+    send a cache, card or stream as the handoff plan encodes it for that budget
+    (kvtransport.plan.planned_stream; ``speed``: the receiver's compute speed, None: it
+    computes nothing); a :class:`Transfer` is opaque bytes and is sent as it is.
     """
     from kvtransport import blocks, card
     from kvtransport.kvcache import KVCache
@@ -170,9 +179,10 @@ def as_transfer(what: Any, plan: Any = None) -> Transfer:
     if plan is not None:
         from kvtransport.plan import planned_stream
 
-        link, budget_s, levels = plan
+        link, budget_s, levels, *speed = plan
         try:
-            _, what = planned_stream(what, link=link, budget_s=budget_s, levels=levels)
+            _, what = planned_stream(what, link=link, budget_s=budget_s, levels=levels,
+                                     speed=speed[0] if speed else None)  # fmt: skip
         except ValueError as exc:
             raise UserError(f"cannot plan this cache: {exc}") from None
     return Transfer.from_encoded_stream(what)
@@ -225,6 +235,7 @@ def send(
     gso: bool = True,
     precision: str | tuple[str, ...] = "auto",
     loss_estimate: float = 0.05,
+    receiver_speed: ComputeSpeed | None = None,
 ) -> dict[str, Any]:
     """Send a KV cache to a receiver (``kvtransport.Receiver``, ``kvtransport recv`` or a
     receiver daemon) at ``to`` and return when the transfer is over.
@@ -237,7 +248,10 @@ def send(
     a cache, card or stream is sent as the handoff plan encodes it for that deadline
     (kvtransport.plan: ``precision`` "auto" = fp16 or int8 per block by utility, for
     ``rate_mbps`` and ``loss_estimate``, token ranges front first; "keep" sends it as it
-    is; e.g. "fp32" only when asked).
+    is; e.g. "fp32" only when asked). ``receiver_speed``: the receiver's
+    :class:`~kvtransport.cache_builder.ComputeSpeed` when it races
+    (:meth:`Receiver.race`): the plan leaves it the context's front to compute while the
+    rest streams in, and does not send that front; None sends every token range.
 
     Returns the sender's final status (``transfer_id``, ``finish_reason``,
     ``decoded_through`` of ``n_source``, datagrams, loss estimate, ...). Blocks the calling
@@ -261,7 +275,7 @@ def send(
             raise UserError(f"loss_estimate must be in [0, 0.9), not {loss_estimate}")
         link = LinkEstimate(float(rate_mbps) * 1e6, loss_estimate, initial_rtt_ms * 5e-4,
                             symbol_size)  # fmt: skip
-        plan = (link, float(deadline_ms) * 1e-3, levels)
+        plan = (link, float(deadline_ms) * 1e-3, levels, receiver_speed)
     transfer = as_transfer(cache_or_card, plan)
     policy = policy or default_policy()
     make_policy(policy)
@@ -337,6 +351,7 @@ class Receiver:
         self._stop = StopSignal()
         self._future: concurrent.futures.Future[DeliveredResult] = concurrent.futures.Future()
         self._timeout_s = timeout_s
+        self._engine: Any = None  # the receiving engine, once the thread runs it
         self._thread = threading.Thread(
             target=self._run,
             kwargs=dict(
@@ -345,6 +360,7 @@ class Receiver:
                 idle_timeout_s=idle_timeout_s,
                 max_bytes=int(max_mb * 1e6),
                 replay=replay,
+                on_engine=self._set_engine,
             ),  # fmt: skip
             name="kvtransport-receiver",
             daemon=True,
@@ -356,6 +372,26 @@ class Receiver:
         """``HOST:PORT`` the receiver listens on (what a sender's ``to`` names)."""
         host, port = self.sock.address
         return f"{'127.0.0.1' if host == '0.0.0.0' else host}:{port}"
+
+    def _set_engine(self, engine: Any) -> None:
+        self._engine = engine
+
+    def race(self, model: Any, token_ids: Sequence[int], **kwargs: Any) -> RaceResult:
+        """Build the context's whole KV cache while this receiver receives it, and return
+        it (a :class:`~kvtransport.race.RaceResult`) as soon as the last token is in place:
+        the receiver computes what has not arrived (the sender's plan leaves it the context's
+        front), loads token ranges as their blocks complete, recomputes exactly what never
+        comes; with nothing arriving it computes everything (about one prefill). Call it when
+        the handoff is announced: the race clock starts then. ``token_ids``: the context the
+        cache is of (a transfer of another context or model is not loaded). Options
+        (kvtransport.live_race.live_race): ``speed`` (the model's
+        :class:`~kvtransport.cache_builder.ComputeSpeed`; None measures it once per model),
+        ``rate_mbps`` (the link rate the sender was given), ``split`` (tokens to compute
+        first), ``block_tokens``, ``hello_ms``, ``max_chunk``. The transfer goes on
+        receiving; :meth:`result` still gives it."""
+        from kvtransport.live_race import live_race
+
+        return live_race(lambda: self._engine, model, token_ids, **kwargs)
 
     def _run(self, **kwargs: Any) -> None:
         try:
@@ -404,6 +440,20 @@ def receive(listen: str = DEFAULT_LISTEN, **kwargs: Any) -> DeliveredResult:
     for the options). Bind and send in that order: start it before the sender."""
     with Receiver(listen, **kwargs) as rx:
         return rx.result()
+
+
+def race_receive(
+    model: Any, token_ids: Sequence[int], listen: str = DEFAULT_LISTEN, **kwargs: Any
+) -> RaceResult:
+    """Bind ``listen``, race the first transfer that arrives (:meth:`Receiver.race`) and
+    return the whole cache as soon as it is built; the receiver then closes (a transfer
+    still in flight is cut off). ``kwargs``: :class:`Receiver`'s options (``key``,
+    ``insecure``, ...) and :meth:`Receiver.race`'s (``speed``, ``rate_mbps``, ...)."""
+    import inspect
+
+    own = set(inspect.signature(Receiver.__init__).parameters) - {"self", "listen"}
+    with Receiver(listen, **{k: v for k, v in kwargs.items() if k in own}) as rx:
+        return rx.race(model, token_ids, **{k: v for k, v in kwargs.items() if k not in own})
 
 
 async def receive_async(listen: str = DEFAULT_LISTEN, **kwargs: Any) -> DeliveredResult:

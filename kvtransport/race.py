@@ -28,20 +28,24 @@ arrive (the sender's deadline has passed, or a link that never delivered anythin
 overdue) the receiver finishes the cheaper way by its cost model: the rest of the context
 in one call, or each run of missing ranges in one call each, loading what arrived between.
 
-:func:`run_race` replays the race against a transfer's measured arrival timeline
-(``ready_at``: when each token range was complete at the receiver, counted from the
-transfer's start): computing and loading run for real on the model and advance the race
-clock by their measured wall time; a wait advances it to the arrival (or to the end of the
-wait). The decisions only use arrivals up to the race clock, so they are the ones a live
-receiver would take; what the replay leaves out is any CPU contention between the
-receiving daemon and the model (on a receiver host they run on different cores).
+One decision loop, :func:`race`, reads the link and the time through an
+:class:`Arrivals` source. :func:`run_race` replays the race against a transfer's measured
+arrival timeline (:class:`ReplayArrivals`; ``ready_at``: when each token range was
+complete at the receiver, counted from the transfer's start): computing and loading run
+for real on the model and advance the race clock by their measured wall time; a wait
+advances it to the arrival (or to the end of the wait). The decisions only use arrivals up
+to the race clock, so they are the ones a live receiver would take; what the replay leaves
+out is any CPU contention between the receiving daemon and the model (on a receiver host
+they run on different cores). The live race (kvtransport.live_race) runs the same loop on
+the wall clock while the in-process receiver receives.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -108,13 +112,20 @@ class LinkView:
     expect_at / range_bytes: per token range, the planned arrival (inf: not sent) and the
     bytes the link carries for it; deadline_s: when the sender stops (from the start);
     hole_wait_s: how long a range may stay missing once a later range has arrived (a
-    loss that repair fills within about a round trip) before it is computed.
+    loss that repair fills within about a round trip) before it is computed; start_s: when
+    the transfer started on the race clock (the delivery rate is counted from there);
+    settled: the view is the transfer's own (its plan), so once it is silent nothing more
+    comes; False for a guess made before the plan is known (a live receiver before the
+    manifest): silence then stops the waiting, but the receiver computes in chunks that
+    double, so a late transfer still counts.
     """
 
     expect_at: np.ndarray
     range_bytes: np.ndarray
     deadline_s: float
     hole_wait_s: float = DEFAULT_HOLE_WAIT_S
+    start_s: float = 0.0
+    settled: bool = True
 
     def silent(self, ready_at: np.ndarray, clock: float) -> bool:
         """Nothing more will arrive: the sender has stopped, or the link never delivered
@@ -125,7 +136,7 @@ class LinkView:
             return False
         sent = np.isfinite(self.expect_at)
         first = float(self.expect_at[sent].min()) if sent.any() else -np.inf
-        return clock > 2 * first + self.hole_wait_s
+        return clock > self.start_s + 2 * (first - self.start_s) + self.hole_wait_s
 
     def expected(self, ready_at: np.ndarray, r: int, clock: float) -> float:
         """When range ``r`` should arrive, from what arrived by ``clock`` (inf: it will
@@ -140,9 +151,82 @@ class LinkView:
         if not arrived.any():  # nothing yet: the plan, until its first arrival is overdue
             return np.inf if self.silent(ready_at, clock) else float(self.expect_at[r])
         last = float(ready_at[arrived].max())
-        rate = float(self.range_bytes[arrived].sum()) / max(last, 1e-6)
+        rate = float(self.range_bytes[arrived].sum()) / max(last - self.start_s, 1e-6)
         owed = float(self.range_bytes[: r + 1][~arrived[: r + 1]].sum())
         return clock + owed / rate
+
+
+class Arrivals(Protocol):
+    """Where the race reads the link and the time: what arrived by when, and its K/V.
+
+    Times are seconds on the race clock, from the transfer's start (the replay) or the
+    race's start (live). The race only ever compares arrival times with :meth:`now`, so a
+    source may report arrivals still in the future (the replay's timeline): the race does
+    not see them before their time.
+    """
+
+    def now(self) -> float:
+        """The race clock."""
+        ...
+
+    def ready_at(self) -> np.ndarray:
+        """Per token range, when it was complete at the receiver in every layer it is sent
+        in (inf: not yet, or never)."""
+        ...
+
+    def link(self) -> LinkView:
+        """What the receiver expects of the link now (it may sharpen as the transfer
+        reveals its plan)."""
+        ...
+
+    def received(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """The received K/V ``[layers, heads, hi - lo, dim]`` of tokens ``[lo, hi)``, whole
+        token ranges that :meth:`ready_at` reports in place; None when one of them failed
+        its check after all (it is then never ready)."""
+        ...
+
+    def run(self, fn: Callable[[], None]) -> tuple[float, float]:
+        """Do ``fn`` (compute or load); the clock moves on by its time. Returns
+        ``(start, end)`` on the race clock."""
+        ...
+
+    def wait(self, r: int, until: float) -> None:
+        """Let the clock run until range ``r`` is ready or ``until``, whichever is first."""
+        ...
+
+
+class ReplayArrivals:
+    """A transfer's measured arrival timeline on a virtual clock: work advances it by its
+    measured wall time, a wait jumps it to the arrival (or to the end of the wait)."""
+
+    def __init__(self, ready_at: np.ndarray, received: KVCache | None, link: LinkView) -> None:
+        self._ready = ready_at if received is not None else np.full_like(ready_at, np.inf)
+        self._received = received
+        self._link = link
+        self._clock = 0.0
+
+    def now(self) -> float:
+        return self._clock
+
+    def ready_at(self) -> np.ndarray:
+        return self._ready
+
+    def link(self) -> LinkView:
+        return self._link
+
+    def received(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        assert self._received is not None  # nothing is ever ready without it
+        return self._received.keys[:, :, lo:hi], self._received.values[:, :, lo:hi]
+
+    def run(self, fn: Callable[[], None]) -> tuple[float, float]:
+        t0 = self._clock
+        w0 = time.perf_counter()
+        fn()
+        self._clock = t0 + time.perf_counter() - w0
+        return t0, self._clock
+
+    def wait(self, r: int, until: float) -> None:
+        self._clock = min(float(self._ready[r]), until)
 
 
 def run_race(
@@ -167,45 +251,66 @@ def run_race(
     ranges = -(-n // block_tokens)
     if ready_at.shape != (ranges,) or link.expect_at.shape != (ranges,):
         raise ValueError(f"ready_at and the link's expect_at must have {ranges} token ranges")
+    return race(model, token_ids, ReplayArrivals(ready_at, received, link), split=split,
+                speed=speed, block_tokens=block_tokens, max_chunk=max_chunk)  # fmt: skip
+
+
+def race(
+    model: Any,
+    token_ids: list[int],
+    src: Arrivals,
+    *,
+    split: int,
+    speed: ComputeSpeed,
+    block_tokens: int,
+    max_chunk: int = DEFAULT_MAX_CHUNK,
+) -> RaceResult:
+    """The race's decision loop (see the module docstring) against ``src``: the replay
+    (:func:`run_race`) and the live receiver (kvtransport.live_race) both run it.
+
+    split: tokens computed first in one call (a token range boundary); speed: the
+    receiver's compute speed, which sizes waits against computes. Returns the whole cache
+    of ``token_ids`` with the race clock when its last token was in place.
+    """
+    n = len(token_ids)
+    ranges = -(-n // block_tokens)
     if split < 0 or split > n or (split % block_tokens and split != n):
         raise ValueError(f"split {split} is not a token range boundary of {n} tokens")
-    if received is None:
-        ready_at = np.full(ranges, np.inf)
     b = CacheBuilder(model, token_ids)
     steps: list[RaceStep] = []
-    clock = 0.0
 
     def timed(action: str, tokens: int, fn: Any, *args: Any) -> None:
-        nonlocal clock
         start = b.filled
-        w0 = time.perf_counter()
-        fn(*args)
-        t1 = clock + time.perf_counter() - w0
-        steps.append(RaceStep(action, start, tokens, clock, t1))
-        clock = t1
+        t0, t1 = src.run(lambda: fn(*args))
+        steps.append(RaceStep(action, start, tokens, t0, t1))
 
     if split:
         timed("compute", split, b.compute, split)
     range_cost = float(speed.seconds(block_tokens))
     computes_in_a_row = 0
     while b.filled < n:
+        clock = src.now()
+        ready_at = src.ready_at()
+        link = src.link()
         r = b.filled // block_tokens
         if ready_at[r] <= clock:  # load every range in place by now, in one go
             end = r
             while end < ranges and ready_at[end] <= clock:
                 end += 1
             lo, hi = b.filled, min(end * block_tokens, n)
-            assert received is not None
-            timed("load", hi - lo, b.load, received.keys[:, :, lo:hi], received.values[:, :, lo:hi])
+            got = src.received(lo, hi)
+            if got is None:  # failed its check: no longer ready, look again
+                continue
+            timed("load", hi - lo, b.load, *got)
             computes_in_a_row = 0
             continue
         due = link.expected(ready_at, r, clock)
         if clock + range_cost >= due:  # waiting beats computing: wait, then look again
-            t1 = min(float(ready_at[r]), clock + max(POLL_S, min(due - clock, range_cost)))
-            steps.append(RaceStep("wait", b.filled, 0, clock, t1))
-            clock = t1
+            src.wait(r, clock + max(POLL_S, min(due - clock, range_cost)))
+            steps.append(RaceStep("wait", b.filled, 0, clock, src.now()))
             continue
-        if link.silent(ready_at, clock):  # nothing more comes: the cheaper way to the end
+        if link.settled and link.silent(ready_at, clock):  # nothing more comes: the
+            # cheaper way to the end
             holes = ready_at[r:] > clock
             runs = int(holes[0]) + int(np.count_nonzero(holes[1:] & ~holes[:-1]))
             piecewise = runs * speed.per_call_s + holes.sum() * block_tokens * speed.per_token_s
@@ -231,7 +336,8 @@ def run_race(
         computes_in_a_row += 1
     computed = sum(s.tokens for s in steps if s.action == "compute")
     waited = sum(s.t1 - s.t0 for s in steps if s.action == "wait")
-    return RaceResult(b.kv(), clock, computed, n - computed, waited, steps)
+    seconds = src.now()  # the last token is in place (the numpy copy is the caller's)
+    return RaceResult(b.kv(), seconds, computed, n - computed, waited, steps)
 
 
 def complete_missing(

@@ -201,6 +201,14 @@ class ReceiverSession:
         self.dropped = 0
         self.feedback_sent = 0
 
+    @property
+    def payload_buffer(self) -> np.ndarray | None:
+        """The payload as it is received (a view; None before the manifest): a block's
+        bytes are in place, and stay as they are, once ``complete`` marks it (read
+        ``complete`` first when another thread receives)."""
+        m = self.manifest
+        return None if m is None else self._out[: m.payload_len]
+
     # ------------------------------------------------------------------ shell API
 
     def next_timer(self) -> float | None:

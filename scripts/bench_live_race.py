@@ -1,0 +1,138 @@
+#!/usr/bin/env python3
+"""The live race against re-prefilling, side by side, over real UDP on loopback.
+
+One process holds the model (SmolLM2-135M-Instruct, ``--threads`` torch threads) and
+builds a context of about ``--tokens`` tokens (a facts_qa sample). Per round, interleaved:
+
+    reprefill  the receiver computes the whole context itself (one CacheBuilder call: what
+               a receiver without this product does);
+    link down  the same race with nobody sending (the fallback);
+    race       a sender process (kvtransport.send, paced at ``--rate-mbps``, the plan's
+               stream: ttft objective, budget = the measured prefill) sends to an
+               in-process kvtransport.Receiver whose ``race`` builds the same cache while
+               the KV streams in (kvtransport.live_race).
+
+The sender runs in its own process (its pacing loop would otherwise share this process's
+interpreter with the receiver's loop and the model); it warms up first and starts sending
+when the race starts. Figures: seconds until the whole cache is in place (median of
+``--rounds``), the ratios, tokens computed / loaded, and whether the greedy answer to the
+sample's question from the race's cache equals the one from the prefill's. Writes
+results/bench_live_race.json.
+
+    .venv/bin/python scripts/bench_live_race.py --tokens 512 --rate-mbps 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _sender(stream: Any, to: str, deadline_ms: float, rate_mbps: float, ready: Any,
+            go: Any) -> None:  # fmt: skip
+    import kvtransport
+    from kvtransport.inprocess import warm_kernels
+    from kvtransport.policy import default_policy
+
+    warm_kernels(None, default_policy())
+    ready.set()
+    go.wait(60)
+    kvtransport.send(stream, to, deadline_ms=deadline_ms, precision="keep",
+                     rate_mbps=rate_mbps, insecure=True)  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--rate-mbps", type=float, default=100.0)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default="results/bench_live_race.json")
+    args = ap.parse_args()
+
+    import kvtransport
+    from kvtransport import card, hf, tasks
+    from kvtransport.cache_builder import CacheBuilder, ComputeSpeed
+    from kvtransport.model import load_model
+    from kvtransport.plan import LinkEstimate, planned_stream
+
+    lm = load_model(threads=args.threads)
+    sample = tasks.generate("facts_qa", lm.tokenizer, target_tokens=args.tokens, seed=1)
+    ctx, question = sample.prompt(lm.tokenizer)
+    kv = hf.prefill(lm.model, lm.tokenizer, ctx, attention=False)
+    speed = ComputeSpeed.measure(lm.model, ctx)
+    rows: dict[str, list[float]] = {"reprefill_s": [], "race_s": [], "dead_s": []}
+    races = []
+    steps: list[list[tuple[str, int, int, float, float]]] = []
+    ctxp = mp.get_context("spawn")
+    prefill_kv = None
+    for _ in range(args.rounds):
+        t0 = time.perf_counter()
+        b = CacheBuilder(lm.model, ctx)
+        b.compute(len(ctx))
+        rows["reprefill_s"].append(time.perf_counter() - t0)
+        prefill_kv = b.kv()
+        budget = rows["reprefill_s"][-1]
+        link = LinkEstimate(args.rate_mbps * 1e6, 0.0, 0.0005, 1280)
+        plan, stream = planned_stream(card.encode_cache(kv), link=link, budget_s=budget,
+                                      speed=speed, objective="ttft")  # fmt: skip
+        with kvtransport.Receiver("127.0.0.1:0", insecure=True) as rx:
+            ready, go = ctxp.Event(), ctxp.Event()
+            proc = ctxp.Process(target=_sender, args=(stream, rx.address, 1e3 * budget,
+                                                      args.rate_mbps, ready, go))  # fmt: skip
+            proc.start()
+            ready.wait(60)
+            go.set()
+            res = rx.race(lm.model, ctx, speed=speed, rate_mbps=args.rate_mbps)
+            proc.join(30)
+        rows["race_s"].append(res.seconds)
+        with kvtransport.Receiver("127.0.0.1:0", insecure=True) as rx:  # nobody sends
+            dead = rx.race(lm.model, ctx, speed=speed, rate_mbps=args.rate_mbps)
+        assert dead.computed == len(ctx)
+        rows["dead_s"].append(dead.seconds)
+        races.append((plan.split, res.computed, res.loaded, res.waited_s, res.kv))
+        steps.append([(x.action, x.start, x.tokens, round(x.t0, 4), round(x.t1, 4))
+                      for x in res.steps if x.action != "wait"])  # fmt: skip
+    q = list(question)
+    assert prefill_kv is not None
+    ref = lm.tokenizer.decode(hf.greedy_generate(lm.model, prefill_kv, q).tokens)
+    got = lm.tokenizer.decode(hf.greedy_generate(lm.model, races[-1][4], q).tokens)
+    re_s, race_s = statistics.median(rows["reprefill_s"]), statistics.median(rows["race_s"])
+    out = {
+        "tokens": len(ctx),
+        "rate_mbps": args.rate_mbps,
+        "threads": args.threads,
+        "speed": {"per_call_s": speed.per_call_s, "per_token_s": speed.per_token_s},
+        "reprefill_s": rows["reprefill_s"],
+        "race_s": rows["race_s"],
+        "median_reprefill_s": re_s,
+        "median_race_s": race_s,
+        "speedup": re_s / race_s,
+        "dead_s": rows["dead_s"],
+        "median_dead_over_reprefill": statistics.median(rows["dead_s"]) / re_s,
+        "split_computed_loaded_waited": [r[:4] for r in races],
+        "race_steps": steps,
+        "answer_equal": ref == got,
+        "answers": {"reprefill": ref, "race": got},
+        "machine": platform.platform(),
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    print(f"{len(ctx)} tokens at {args.rate_mbps:g} Mbit/s: re-prefill {re_s:.3f} s, live race "
+          f"{race_s:.3f} s ({re_s / race_s:.2f}x); answers equal: {ref == got}")  # fmt: skip
+    print(
+        f"  link down (nobody sends): {statistics.median(rows['dead_s']):.3f} s "
+        f"({statistics.median(rows['dead_s']) / re_s:.2f}x re-prefill)"
+    )
+    for (split, computed, loaded, waited, _), st in zip(races, steps, strict=True):
+        print(f"  split {split}: computed {computed}, loaded {loaded}, waited {waited:.3f} s; {st}")
+
+
+if __name__ == "__main__":
+    main()
