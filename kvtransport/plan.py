@@ -116,8 +116,10 @@ class HandoffPlan:
     def describe(self) -> str:
         names, counts = np.unique(self.precision[self.precision >= 0], return_counts=True)
         mix = ", ".join(f"{c} {PRECISIONS[int(p)]}" for p, c in zip(names, counts, strict=True))
+        front = f"tokens 0-{self.split}" if self.split else "nothing"
+        front = f"receiver computes {front}"
         return (
-            f"receiver computes tokens 0-{self.split}, the link carries {mix or 'nothing'} "
+            f"{front}, the link carries {mix or 'nothing'} "
             f"blocks ({self.payload_bytes / 2**20:.1f} MiB); planned in place at "
             f"{self.finish_s * 1e3:.0f} ms"
         )
