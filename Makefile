@@ -21,7 +21,7 @@ format: setup
 	@$(VENV)/bin/ruff check --fix .
 
 test: lint
-	@$(PY) -m pytest $(ARGS)
+	@PY=$(PY) scripts/run_tests.sh $(ARGS)
 
 bench: setup
 	@for b in scripts/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
