@@ -489,10 +489,14 @@ def warm_up(
         t, n = 0.0, 0
         while not sender.done and t < 1.0:
             batch = sender.datagrams_to_send(t)
+            kept = []
             for d in reversed(batch):  # reordered: repairs may arrive before their sources
                 n += 1
                 if n % 5:  # every fifth datagram lost: the decoder has something to recover
-                    receiver.receive_datagram(d, t)
+                    kept.append(d)
+            # as the receiver daemon hands them over: a read's datagrams in one call (runs
+            # of them in one RLCDecoder.add_packets call, the rest one by one)
+            receiver.receive_datagrams(kept, t)
             for fb in receiver.datagrams_to_send(t):
                 if t > 2e-3:  # earlier feedback lost, as on a long round trip: the
                     sender.receive_datagram(fb, t)  # manifest's repairs go out too

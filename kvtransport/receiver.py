@@ -270,15 +270,22 @@ class ReceiverSession:
         path.
         """
         b = self._batch
+        accept, batchable, dispatch = self._accept, self._batchable, self._dispatch
         for data in datagrams:
-            got = self._accept(data, now)
+            got = accept(data, now)
             if got is None:
                 continue
             d, gap = got
             t = d[0]
-            if (t != _SOURCE and t != _REPAIR) or not self._batchable(d):
-                self._flush_batch(now)
-                self._dispatch(d, gap, now)
+            if t == _SOURCE and not b.n and d[6] == self._lazy_to:
+                # the common case, in order with no run open: _batchable's first "no" (the
+                # per-datagram lazy path is cheaper), without the call
+                dispatch(d, gap, now)
+                continue
+            if (t != _SOURCE and t != _REPAIR) or not batchable(d):
+                if b.n:
+                    self._flush_batch(now)
+                dispatch(d, gap, now)
                 continue
             try:
                 if t == _SOURCE:

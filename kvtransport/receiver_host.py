@@ -234,15 +234,22 @@ class ReceiverHost:
         looked at, so admitting a new transfer sees the sessions as it would otherwise."""
         run: list[bytes] = []
         owner: Incoming | None = None
+        owner_tid = -1
+        unpack = _TID.unpack_from
         for data, addr in batch:
-            if owner is not None and (
-                len(data) < HEADER_SIZE or _TID.unpack_from(data, 8)[0] != owner.transfer_id
-            ):
+            if len(data) >= HEADER_SIZE and unpack(data, 8)[0] == owner_tid:
+                # the run's transfer again: what _route would do for it (its session is
+                # the one it cached for this transfer), without a call per datagram
+                assert owner is not None  # owner_tid is set with owner
+                owner.datagrams += 1
+                run.append(data)
+                continue
+            if owner is not None:
                 owner.session.receive_datagrams(run, now)
-                run, owner = [], None
+                run, owner, owner_tid = [], None, -1
             inc = self._route(data, addr, now)
             if inc is not None:
-                owner = inc
+                owner, owner_tid = inc, inc.transfer_id
                 run.append(data)
         if owner is not None:
             owner.session.receive_datagrams(run, now)

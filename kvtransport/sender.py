@@ -586,12 +586,11 @@ class SenderSession:
     def _source(self, esi: int) -> bytes:
         s = self.symbol_size
         sym = self._payload[esi * s : esi * s + s] if esi < self.n_source - 1 else self._last_symbol
-        self._payload_area[:] = sym
         if self._rs is not None:
             self._rs.add_source(esi, sym)
         self.next_esi = esi + 1
         self.stats["source_sent"] += 1
-        return self.framer.finish(_SOURCE, self.seq, s, esi)
+        return self.framer.seal(_SOURCE, self.seq, sym, esi)  # sealed from where it lies
 
     def _rlc_window(self, reactive: bool) -> tuple[int, int]:
         hi = self.next_esi

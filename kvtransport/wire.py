@@ -147,6 +147,8 @@ _RETRANSMIT_BIT = FLAG_RETRANSMIT << 8
 _BAD_BITS = 0xFFFF & ~(_KNOWN_FLAGS << 8)  # unknown flags, or a non-zero reserved byte
 _tuple_new = tuple.__new__  # a Datagram without the Python-level NamedTuple constructor
 _NONCE = struct.Struct("!IQ")  # direction, seq: the 96-bit GCM nonce
+_NONCE_PACK = _NONCE.pack
+_HEADER_PACK = HEADER.pack
 _FEEDBACK_TYPE = 4  # DatagramType.FEEDBACK: the receiver -> sender direction
 
 
@@ -375,7 +377,9 @@ class Framer:
     raises ValueError instead of reusing a nonce.
     """
 
-    __slots__ = ("transfer_id", "_cipher", "_flags", "_tag_len", "_next_seq", "buf", "_mv")
+    __slots__ = (
+        "transfer_id", "_cipher", "_flags", "_tag_len", "_next_seq", "buf", "_mv", "_pv",
+    )  # fmt: skip
 
     def __init__(self, transfer_id: int, key: bytes | None = None, max_payload: int = 2048) -> None:
         if not 0 <= transfer_id < 1 << 64:
@@ -389,6 +393,7 @@ class Framer:
         self._next_seq = [0, 0]  # per direction: the lowest seq not yet used
         self.buf = bytearray(HEADER_SIZE + max_payload + TAG_SIZE)
         self._mv = memoryview(self.buf)
+        self._pv = self._mv[HEADER_SIZE:HEADER_SIZE]  # the last payload view finish used
 
     @property
     def overhead(self) -> int:
@@ -411,13 +416,33 @@ class Framer:
     ) -> bytes:
         """Pack the header for an ``n``-byte payload already in place, seal it; return the
         datagram."""
+        pv = self._pv
+        if len(pv) != n:
+            pv = self._pv = self._mv[HEADER_SIZE : HEADER_SIZE + n]
+        return self.seal(dtype, seq, pv, esi, key, dt_nss, flags)
+
+    def seal(
+        self,
+        dtype: int,
+        seq: int,
+        payload: bytes | bytearray | memoryview,
+        esi: int = 0,
+        key: int = 0,
+        dt_nss: int = 0,
+        flags: int = 0,
+    ) -> bytes:
+        """:meth:`finish` for a payload held elsewhere (e.g. a slice of the transfer's
+        buffer): the same datagram, without copying the payload into the framer's buffer
+        first. The header is packed straight into ``bytes`` (it is the AEAD's associated
+        data as is), and the datagram is header + sealed payload (+ tag)."""
         direction = dtype == _FEEDBACK_TYPE
         nxt = self._next_seq
         if seq < nxt[direction]:
             raise ValueError(f"seq {seq} already used in this direction (nonce reuse)")
-        HEADER.pack_into(
-            self.buf,
-            0,
+        n = len(payload)
+        if n > MAX_PAYLOAD:
+            raise ValueError(f"payload of {n} bytes > {MAX_PAYLOAD}")
+        header = _HEADER_PACK(
             MAGIC,
             VERSION,
             dtype,
@@ -431,13 +456,10 @@ class Framer:
             esi,
         )
         nxt[direction] = seq + 1
-        end = HEADER_SIZE + n
         c = self._cipher
-        mv = self._mv
         if c is None:
-            return bytes(mv[:end])
-        header = bytes(mv[:HEADER_SIZE])
-        return header + c.encrypt(_NONCE.pack(direction, seq), mv[HEADER_SIZE:end], header)
+            return header + payload
+        return header + c.encrypt(_NONCE_PACK(direction, seq), payload, header)
 
     def build(
         self,

@@ -7,7 +7,7 @@ goodput, each configuration side by side in one run.
    run, then each session's inputs and each codec/framing call replayed alone on fresh
    objects and timed by CPU clock (see the comment at ``per_packet``), for the split:
 
-     header/auth   Framer.finish (header, BLAKE2b tag) and Parser.parse (checks, tag)
+     header/auth   Framer.finish / seal (header, AES-GCM) and Parser.parse (checks, open)
      coding        RLC encoder (add_source, add_stream_sources, repair_into) / decoder
                    (add_source, add_source_run, add_repair, read_into, release_before)
      state         the rest of the session: policy, feedback, loss accounting, block
@@ -98,6 +98,7 @@ class _Recorder:
     def __init__(self) -> None:
         self.side = "sender"
         self.calls: list[tuple] = []
+        self.inside = False  # within a recorded call
         self._saved: list[tuple[type, str, object]] = []
 
     def _wrap(self, cls: type, name: str, stage: str) -> None:
@@ -114,9 +115,15 @@ class _Recorder:
             out_arg = _OUTPUT_ARG.get(name)
 
             def f(obj: object, *a: object, **k: object) -> object:
+                if rec.inside:  # made by a recorded call (finish -> seal): its replay makes it
+                    return orig(obj, *a, **k)
                 args = tuple(_out_like(v) if i == out_arg else _copy(v) for i, v in enumerate(a))
                 rec.calls.append((rec.side, stage, cls, id(obj), name, args, k))
-                return orig(obj, *a, **k)
+                rec.inside = True
+                try:
+                    return orig(obj, *a, **k)
+                finally:
+                    rec.inside = False
 
         self._saved.append((cls, name, orig))
         setattr(cls, name, f)
@@ -127,7 +134,7 @@ class _Recorder:
         from kvtransport.wire import Framer, Parser
 
         for cls, stage, methods in (
-            (Framer, "header_auth", ("__init__", "finish")),
+            (Framer, "header_auth", ("__init__", "finish", "seal")),
             (Parser, "header_auth", ("__init__", "parse")),
             (RLCEncoder, "coding", ("__init__", "add_source", "add_stream_sources",
                                     "repair_into")),

@@ -42,10 +42,12 @@ def impaired_transfer(policy):
     while not s.done and t < 0.5:
         held = [d for d in s.datagrams_to_send(t) for _ in (0, 1)]  # duplicated
         rnd.shuffle(held)  # reordered
+        kept = []
         for d in held:
             i += 1
             if i % 9 != 4:  # lost
-                r.receive_datagram(d, t)
+                kept.append(d)
+        r.receive_datagrams(kept, t)  # as the receiver daemon hands over a read
         for fb in r.datagrams_to_send(t):
             s.receive_datagram(fb, t)
         t += 1e-3
