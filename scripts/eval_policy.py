@@ -12,6 +12,14 @@ session's tail rule and reactive repair doing the rest; a learned policy that do
 beat it is a constant), on the same episodes (common random numbers: every scheme sees
 the same channel seeds).
 
+Two references per episode (``--no-references`` skips them): the genie bound
+(kvtransport.simulator.genie_bound: the surviving slots filled with source in utility
+order; no scheme can exceed it) and the clairvoyant planner (kvtransport.planner: the best
+of a search over clairvoyant and causal repair plans replayed on the episode's realized
+losses in both directions, plus every scheme's own result there, so it is never below any
+of them). Each scheme's gap to both (reference minus scheme, paired) and its share of the
+planner's utility get their own table.
+
 High-RTT cells (``--set high-rtt``, part of the default ``all``): the same held-out
 episodes over long links (one-way 20, 40, 80 ms both ways: edge backhaul, cellular,
 satellite) on bernoulli-5, ge-heavy and 4state-bursty at rho 0.7, 0.85, 1.0, where the
@@ -54,6 +62,9 @@ HIGH_RTT_SCHEMES = ("tail-rule", "adaptive", "ddqn", "oracle")
 HIGH_RTT_CHANNELS = ("bernoulli-5", "ge-heavy", "4state-bursty")
 HIGH_RTT_DELAYS_MS = (20.0, 40.0, 80.0)
 HIGH_RTT_RHOS = (0.7, 0.85, 1.0)
+REFERENCES = ("clairvoyant", "genie")
+"""Per-episode references: the clairvoyant planner (never below any scheme on the
+episode) and the genie bound (no scheme can exceed it)."""
 PAIRED = ("tail-rule", "adaptive")
 """Schemes the DDQN is compared with episode by episode in every cell's pairs table."""
 
@@ -96,19 +107,36 @@ def run_cell(
     weights,
     utility: str,
     delay_ms: float | None = None,
+    references: bool = True,
 ):
+    """Every scheme's utility per episode, and (``references``) per episode the genie
+    bound and the clairvoyant planner, which searches its plans plus every scheme's own
+    result on that episode (kvtransport.planner)."""
+    from functools import partial
+
     from kvtransport.agents.episodes import build_simulation, eval_spec
 
-    out = {}
-    for name in schemes:
-        k = min(n, n_rs) if name.startswith("block-rs") else n
-        vals = []
-        for i in range(k):
-            spec = eval_spec(channel, rho, i, utility, delay_ms=delay_ms)
+    from kvtransport.planner import clairvoyant_plan
+
+    out: dict[str, list] = {name: [] for name in schemes}
+    if references:
+        out.update({r: [] for r in REFERENCES}, clairvoyant_best=[])
+    for i in range(n):
+        spec = eval_spec(channel, rho, i, utility, delay_ms=delay_ms)
+        known = {}
+        for name in schemes:
+            if name.startswith("block-rs") and i >= n_rs:
+                continue
             sim = build_simulation(spec, make_scheme(name, weights))
             sim.run()
-            vals.append(float(sim.receiver.result.utility_recovered))
-        out[name] = vals
+            known[name] = float(sim.receiver.result.utility_recovered)
+            out[name].append(known[name])
+        if references:
+            bound = build_simulation(spec, make_scheme("none", None)).meta["utility_bound"]
+            out["genie"].append(float(bound))
+            plan = clairvoyant_plan(partial(build_simulation, spec), known)
+            out["clairvoyant"].append(plan.utility)
+            out["clairvoyant_best"].append(plan.best)
     return out
 
 
@@ -127,13 +155,13 @@ def summarize(results: dict, schemes) -> dict:
     for key, cell in results.items():
         s = {
             name: dict(zip(("mean", "ci95"), mean_ci(cell[name]), strict=True))
-            for name in schemes
+            for name in (*schemes, *REFERENCES)
             if name in cell
         }
         for name in s:
             s[name]["n"] = len(cell[name])
         if "ddqn" in cell:
-            others = [m for m in cell if m not in ("ddqn", "oracle")]
+            others = [m for m in schemes if m in cell and m not in ("ddqn", "oracle")]
             if others:
                 best = max(others, key=lambda m: s[m]["mean"])
                 n = min(len(cell["ddqn"]), len(cell[best]))
@@ -148,6 +176,15 @@ def summarize(results: dict, schemes) -> dict:
         if "oracle" in cell and all(m in cell for m in PAIRED):
             best = max(PAIRED, key=lambda m: s[m]["mean"])
             s["oracle_headroom"] = {"over": best, **_paired(cell["oracle"], cell[best])}
+        if all(r in cell for r in REFERENCES):
+            # each scheme's gap to both references (reference - scheme, same episodes) and
+            # its share of the clairvoyant planner's utility (ratio of means)
+            s["gap"] = {
+                m: {r: _paired(cell[r], cell[m]) for r in REFERENCES}
+                | {"of_clairvoyant": s[m]["mean"] / s["clairvoyant"]["mean"]}
+                for m in schemes
+                if m in cell
+            }
         summary[key] = s
     return summary
 
@@ -158,6 +195,9 @@ def targets(summary: dict) -> dict:
     checks = {}
     for key, s in summary.items():
         channel, rho = key.rsplit("@", 1)
+        if "ddqn" in s.get("gap", {}):
+            share = s["gap"]["ddqn"]["of_clairvoyant"]
+            checks[f"ddqn >= 95% of clairvoyant on {key}"] = {"ok": share >= 0.95, "ratio": share}
         if "+" in channel:  # high-RTT cell: does the DDQN beat both, beyond noise?
             for m, d in s.get("ddqn_minus", {}).items():
                 checks[f"ddqn > {m} on {key} (paired CI)"] = {
@@ -229,6 +269,39 @@ def markdown_pairs(summary: dict) -> str:
             f"| {key} | "
             + " | ".join(fmt(pairs.get(m)) for m in PAIRED)
             + f" | {fmt(h)}{' (' + h['over'] + ')' if h else ''} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def markdown_references(summary: dict, schemes) -> str:
+    """Per cell: the genie bound and the clairvoyant planner (means), and for each scheme
+    its gap to the planner / to the bound (reference minus scheme on the same episodes,
+    mean ± 95 % CI) and its share of the planner's utility."""
+    schemes = [m for m in schemes if any(m in s.get("gap", {}) for s in summary.values())]
+    if not schemes:
+        return ""
+    head = "| cell | genie | clairvoyant | " + " | ".join(
+        f"{m}: to clairvoyant / to genie (share)" for m in schemes
+    )
+    lines = [head + " |", "|" + "---|" * (len(schemes) + 3)]
+    for key, s in summary.items():
+        gap = s.get("gap")
+        if not gap:
+            continue
+        cells = []
+        for m in schemes:
+            g = gap.get(m)
+            cells.append(
+                "-"
+                if g is None
+                else f"{g['clairvoyant']['mean']:.4f} ± {g['clairvoyant']['ci95']:.4f} / "
+                f"{g['genie']['mean']:.4f} ± {g['genie']['ci95']:.4f} "
+                f"({g['of_clairvoyant']:.3f})"
+            )
+        lines.append(
+            f"| {key} | {s['genie']['mean']:.4f} | {s['clairvoyant']['mean']:.4f} | "
+            + " | ".join(cells)
+            + " |"
         )
     return "\n".join(lines) + "\n"
 
@@ -367,6 +440,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--high-rtt-episodes", type=int, default=40,
                    help="episodes per high-RTT cell (default 40)")  # fmt: skip
     p.add_argument("--weights", help="DDQN weights file (default: the shipped policy)")
+    p.add_argument("--no-references", action="store_true",
+                   help="skip the genie bound and the clairvoyant planner (the planner "
+                   "plays its own search set on every episode)")  # fmt: skip
     p.add_argument(
         "--utility",
         default="measured",
@@ -403,8 +479,9 @@ def main(argv: list[str] | None = None) -> int:
     for ch, rho, delay, sch, n in tqdm(cells, desc="eval cells", disable=args.quiet,
                                        file=sys.stderr):  # fmt: skip
         results[cell_key(ch, rho, delay)] = run_cell(
-            ch, rho, sch, n, args.block_rs_episodes, args.weights, args.utility, delay
-        )
+            ch, rho, sch, n, args.block_rs_episodes, args.weights, args.utility, delay,
+            references=not args.no_references,
+        )  # fmt: skip
     all_schemes = list(dict.fromkeys(schemes + hi_schemes))
     summary = summarize(results, all_schemes)
     checks = targets(summary)
@@ -413,9 +490,13 @@ def main(argv: list[str] | None = None) -> int:
     table = ""
     if original:
         table += markdown(original, schemes) + "\n" + markdown_pairs(original)
+        refs = markdown_references(original, schemes)
+        table += ("\nGaps to the references:\n\n" + refs) if refs else ""
     if high:
         table += ("\n" if table else "") + "High-RTT cells (one-way delay both ways):\n\n"
         table += markdown(high, hi_schemes) + "\n" + markdown_pairs(high)
+        refs = markdown_references(high, hi_schemes)
+        table += ("\nGaps to the references:\n\n" + refs) if refs else ""
     doc = {
         "command": " ".join(
             [Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]
