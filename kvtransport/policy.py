@@ -168,7 +168,10 @@ class Adaptive(Policy):
         ctx = self.ctx
         n = float(ctx.decision_packets)
         stale = obs[Obs.FEEDBACK_AGE] >= 4.0
-        p = self.prior_loss if obs[Obs.FEEDBACK_AGE] >= OBS_CLIP else float(obs[Obs.LOSS_RATE])
+        # before feedback: the session's prior (the observed loss rate then) if the shell
+        # gave one, else this policy's own
+        blind_start = obs[Obs.FEEDBACK_AGE] >= OBS_CLIP and not obs[Obs.PRIOR_KNOWN]
+        p = self.prior_loss if blind_start else float(obs[Obs.LOSS_RATE])
         p = min(max(p, float(obs[Obs.LOSS_RECENT]) * 0.5, 0.002), 0.9)
         burst = max(1.0, float(obs[Obs.BURST_MEAN]) * 10.0)
         owed = float(obs[Obs.OWED]) * n

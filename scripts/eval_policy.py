@@ -108,6 +108,7 @@ def run_cell(
     utility: str,
     delay_ms: float | None = None,
     references: bool = True,
+    prior: str = "none",
 ):
     """Every scheme's utility per episode, and (``references``) per episode the genie
     bound and the clairvoyant planner, which searches its plans plus every scheme's own
@@ -122,7 +123,7 @@ def run_cell(
     if references:
         out.update({r: [] for r in REFERENCES}, clairvoyant_best=[])
     for i in range(n):
-        spec = eval_spec(channel, rho, i, utility, delay_ms=delay_ms)
+        spec = eval_spec(channel, rho, i, utility, delay_ms=delay_ms, prior=prior)
         known = {}
         for name in schemes:
             if name.startswith("block-rs") and i >= n_rs:
@@ -440,6 +441,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--high-rtt-episodes", type=int, default=40,
                    help="episodes per high-RTT cell (default 40)")  # fmt: skip
     p.add_argument("--weights", help="DDQN weights file (default: the shipped policy)")
+    p.add_argument("--prior", choices=("none", "previous", "profile"), default="none",
+                   help="the senders' loss prior before feedback: none (a first transfer, "
+                   "the default), the loss an earlier transfer over the link ended with, or "
+                   "the profile's stationary loss")  # fmt: skip
     p.add_argument("--no-references", action="store_true",
                    help="skip the genie bound and the clairvoyant planner (the planner "
                    "plays its own search set on every episode)")  # fmt: skip
@@ -480,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
                                        file=sys.stderr):  # fmt: skip
         results[cell_key(ch, rho, delay)] = run_cell(
             ch, rho, sch, n, args.block_rs_episodes, args.weights, args.utility, delay,
-            references=not args.no_references,
+            references=not args.no_references, prior=args.prior,
         )  # fmt: skip
     all_schemes = list(dict.fromkeys(schemes + hi_schemes))
     summary = summarize(results, all_schemes)
@@ -505,6 +510,7 @@ def main(argv: list[str] | None = None) -> int:
         "high_rtt_episodes": args.high_rtt_episodes,
         "block_rs_episodes": args.block_rs_episodes,
         "utility": args.utility,
+        "prior": args.prior,
         "weights": args.weights or "shipped",
         "wall_s": time.perf_counter() - t0,
         "summary": summary,
