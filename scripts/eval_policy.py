@@ -37,8 +37,9 @@ block-rs runs its parities through reedsolo (pure Python, ~1 s per MB), so it pl
 the first --block-rs-episodes episodes of each cell; the table gives each scheme's n.
 
 Writes eval_policy.json (every utility, summaries, target checks), eval_policy.md (the
-tables), eval_policy.png (original cells) and eval_policy_high_rtt.png into --out and
-prints the tables.
+tables), eval_policy.png (original cells), eval_policy_high_rtt.png and
+eval_policy_margin.png (the DDQN minus the best heuristic per cell, paired 95 % CIs) into
+--out and prints the tables.
 
     .venv/bin/python scripts/eval_policy.py --episodes 24 --out results/eval_policy
 """
@@ -174,6 +175,7 @@ def summarize(results: dict, schemes) -> dict:
             if "oracle" in cell:
                 s["ddqn_over_oracle"] = s["ddqn"]["mean"] / s["oracle"]["mean"]
             s["ddqn_minus"] = {m: _paired(cell["ddqn"], cell[m]) for m in PAIRED if m in cell}
+            s["ddqn_vs"] = {m: _paired(cell["ddqn"], cell[m]) for m in others}
         if "oracle" in cell and all(m in cell for m in PAIRED):
             best = max(PAIRED, key=lambda m: s[m]["mean"])
             s["oracle_headroom"] = {"over": best, **_paired(cell["oracle"], cell[best])}
@@ -272,6 +274,91 @@ def markdown_pairs(summary: dict) -> str:
             + f" | {fmt(h)}{' (' + h['over'] + ')' if h else ''} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _significant(d: dict) -> int:
+    """+1 / -1 where the paired 95 % interval lies above / below zero, else 0."""
+    if not d["ci95"] == d["ci95"]:  # nan: fewer than two episodes
+        return 0
+    return 1 if d["mean"] - d["ci95"] > 0 else (-1 if d["mean"] + d["ci95"] < 0 else 0)
+
+
+TAIL_OPTIMAL = 1e-3
+"""The tail rule counts as already optimal in a cell where its mean gap to the clairvoyant
+planner is below this (the constant action 0 leaves nothing a plan could add)."""
+
+
+def markdown_margin(summary: dict) -> str:
+    """Per cell: the DDQN minus the best heuristic (the scheme other than the DDQN and the
+    oracle with the highest mean; paired, mean ± 95 % CI, * where the CI excludes zero),
+    the DDQN's share of the clairvoyant planner, its significant wins and losses against
+    every heuristic, and whether the constant tail rule is already optimal there. The last
+    line counts them over the cells."""
+    rows = [k for k, s in summary.items() if "ddqn_minus_best_other" in s]
+    if not rows:
+        return ""
+    lines = [
+        "| cell | best heuristic | DDQN - best heuristic | DDQN / clairvoyant | "
+        "significant wins / losses | tail rule to clairvoyant |",
+        "|---|---|---|---|---|---|",
+    ]
+    wins = losses = cells_lost = tail_opt = 0
+    for key in rows:
+        s = summary[key]
+        d = s["ddqn_minus_best_other"]
+        star = "*" if _significant(d) else ""
+        sig = {m: _significant(v) for m, v in s.get("ddqn_vs", {}).items()}
+        w = [m for m, v in sig.items() if v > 0]
+        lo = [m for m, v in sig.items() if v < 0]
+        wins += len(w)
+        losses += len(lo)
+        cells_lost += bool(lo)
+        gap = s.get("gap", {})
+        share = f"{gap['ddqn']['of_clairvoyant']:.4f}" if "ddqn" in gap else "-"
+        tail = gap.get("tail-rule", {}).get("clairvoyant")
+        if tail is not None:
+            opt = tail["mean"] < TAIL_OPTIMAL
+            tail_opt += opt
+            ttxt = f"{tail['mean']:.4f}{' (optimal)' if opt else ''}"
+        else:
+            ttxt = "-"
+        lines.append(
+            f"| {key} | {d['scheme']} | {d['mean']:+.4f} ± {d['ci95']:.4f}{star} | {share} | "
+            f"{len(w)} ({', '.join(w) or '-'}) / {len(lo)} ({', '.join(lo) or '-'}) | {ttxt} |"
+        )
+    lines.append(
+        f"| {len(rows)} cells | | | | {wins} wins / {losses} losses "
+        f"({cells_lost} cells with a loss) | tail rule optimal in {tail_opt} |"
+    )
+    return "\n".join(lines) + "\n"
+
+
+def plot_margin(summary: dict, path: Path) -> None:
+    """DDQN minus the best heuristic per cell, paired 95 % CI, one row per cell."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [k for k, s in summary.items() if "ddqn_minus_best_other" in s]
+    if not rows:
+        return
+    m = np.array([summary[k]["ddqn_minus_best_other"]["mean"] for k in rows])
+    c = np.nan_to_num([summary[k]["ddqn_minus_best_other"]["ci95"] for k in rows])
+    y = np.arange(len(rows))[::-1]
+    fig, ax = plt.subplots(figsize=(7.5, 0.22 * len(rows) + 1.2))
+    colors = ["tab:green" if a - b > 0 else "tab:red" if a + b < 0 else "tab:gray"
+              for a, b in zip(m, c, strict=True)]  # fmt: skip
+    for xi, yi, ci, col in zip(m, y, c, colors, strict=True):
+        ax.errorbar(xi, yi, xerr=ci, fmt="o", ms=3, color=col, capsize=2)
+    ax.axvline(0.0, color="k", lw=0.8)
+    ax.set_yticks(y, [f"{k} (vs {summary[k]['ddqn_minus_best_other']['scheme']})"
+                      for k in rows], fontsize=6)  # fmt: skip
+    ax.set_xlabel("DDQN minus the best heuristic, same episodes (95 % CI)")
+    ax.grid(alpha=0.3, axis="x")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def markdown_references(summary: dict, schemes) -> str:
@@ -502,6 +589,9 @@ def main(argv: list[str] | None = None) -> int:
         table += markdown(high, hi_schemes) + "\n" + markdown_pairs(high)
         refs = markdown_references(high, hi_schemes)
         table += ("\nGaps to the references:\n\n" + refs) if refs else ""
+    margin = markdown_margin(summary)
+    if margin:
+        table += "\nDDQN against the best heuristic, per cell:\n\n" + margin
     doc = {
         "command": " ".join(
             [Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]
@@ -523,6 +613,8 @@ def main(argv: list[str] | None = None) -> int:
         plot(original, schemes, out / "eval_policy.png", results)
     if high:
         plot_high_rtt(high, hi_schemes, out / "eval_policy_high_rtt.png")
+    if margin:
+        plot_margin(summary, out / "eval_policy_margin.png")
     print(table)
     for name, c in checks.items():
         print(

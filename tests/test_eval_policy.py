@@ -72,4 +72,17 @@ def test_shipped_ddqn_beats_no_fec_on_held_out_ge_heavy(tmp_path):
             assert gap[m]["of_clairvoyant"] <= 1.0
     assert "ddqn >= 95% of clairvoyant on ge-heavy+40ms@0.85" in doc["targets"]
     assert table.count("Gaps to the references") == 2
+
+    # DDQN minus the best heuristic per cell: the table's last line counts the paired wins
+    # and losses over every heuristic; the figure is written
+    vs = s["ddqn_vs"]
+    assert set(vs) == {"none", "adaptive"}
+    for m, d in vs.items():
+        assert np.isclose(d["mean"], np.mean(np.array(ddqn) - np.array(cell[m])))
+    wins = sum(
+        d["mean"] - d["ci95"] > 0 for k in doc["summary"].values() for d in k["ddqn_vs"].values()
+    )
+    assert wins >= 1  # every episode beats no FEC by 0.1: significant
+    assert f"| 2 cells | | | | {wins} wins / " in table
+    assert (tmp_path / "eval_policy_margin.png").stat().st_size > 5_000
     assert (tmp_path / "eval_policy_high_rtt.png").stat().st_size > 10_000
