@@ -12,7 +12,7 @@ caller's generator):
 
 - loss: Gilbert-Elliott (light to heavy bursts), Bernoulli, windows of user trace files
   when given; a handful of loss-free links;
-- link rate 20..400 Mbit/s (log-uniform), one-way delay 1..20 ms, some jitter; and, for
+- link rate 50..1000 Mbit/s (log-uniform), one-way delay 1..20 ms, some jitter; and, for
   ``high_rtt_share`` of the episodes, a long link (one-way 20..90 ms: edge backhaul,
   cellular, satellite) whose deadline may be as short as ``high_rtt_min_rtts`` round
   trips: there the last round trip before the deadline is a large share of the transfer
@@ -22,6 +22,10 @@ caller's generator):
 - feedback path: the same profile drawn independently (the simulator's and testbed's
   default), or loss-free, with its own delay (0.5x..2x the data path's) part of the time
   (``feedback_weights``; a "dead" feedback path that loses everything is available too);
+- the sender's loss prior before the first feedback, as a daemon has it
+  (``prior_weights``): none (a first transfer to the receiver), the loss an earlier
+  transfer over the link ended with (``previous_transfer_loss``), or the link profile's
+  stationary loss;
 - rho 0.6..1.2; caches of 100..1800 blocks of 3, 6 or 12 KiB (int4, int8, fp16 blocks
   of one SmolLM2 layer x 16 tokens);
 - block utilities: measured from the real model (agents/data/utility_profiles.npz,
@@ -42,11 +46,19 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 from kvtransport.agents.utility_profiles import load_profiles, resample
-from kvtransport.netem import Bernoulli, GilbertElliott, NoLoss, Profile, load_profile
+from kvtransport.netem import (
+    Bernoulli,
+    GilbertElliott,
+    NoLoss,
+    Profile,
+    load_profile,
+    make_channel,
+)
 from kvtransport.netem.loss import LossSpec
 from kvtransport.netem.trace import TraceReplay, read_trace
 
-from kvtransport.policy import Policy
+from kvtransport.feedback import LOSS_MEMORY_PACKETS
+from kvtransport.policy import DECISION_PACKETS, Policy
 from kvtransport.protocol import DEFAULT_SYMBOL_SIZE
 from kvtransport.simulator import Simulation, full_send_time, make_simulation
 from kvtransport.transfer import BlockTable, Transfer, utility_profile
@@ -72,6 +84,8 @@ class EpisodeSpec:
     block_bytes: int = 12288
     utility: str = "zipf:1"
     symbol_size: int = DEFAULT_SYMBOL_SIZE
+    prior_loss: float | None = None
+    """The sender's loss prior before feedback (None: none, a first transfer)."""
 
     @property
     def size_bytes(self) -> int:
@@ -82,6 +96,7 @@ class EpisodeSpec:
             f"{self.channel.describe()}; feedback {self.feedback.name} "
             f"{self.feedback.delay_ms:g} ms; rho {self.rho:.2f}; {self.n_blocks} blocks x "
             f"{self.block_bytes} B; utility {self.utility}; seed {self.seed}"
+            + ("" if self.prior_loss is None else f"; prior loss {self.prior_loss:.4f}")
         )
 
 
@@ -136,7 +151,40 @@ def build_simulation(spec: EpisodeSpec, policy: Policy, record: bool = False) ->
         seed=spec.seed,
         symbol_size=spec.symbol_size,
         record=record,
+        prior_loss=spec.prior_loss,
     )
+
+
+PRIOR_WINDOW_PACKETS = 1024
+"""Packets of an earlier transfer the prior estimate runs over (four loss memories)."""
+PRIOR_KINDS = ("none", "previous", "profile")
+
+
+def previous_transfer_loss(profile: Profile, seed: int) -> float:
+    """The loss a daemon remembers for a receiver: the receiver's smoothed loss rate at
+    the end of an earlier transfer over the same link (kvtransport.feedback.LossMonitor:
+    one sample per feedback interval, weighted over ``LOSS_MEMORY_PACKETS``), on an
+    independent stretch of the channel (its own seed, none of the episode's draws)."""
+    ch = make_channel(profile, np.random.SeedSequence([seed, 0x9_0_1_0_5]))
+    fates = ch.lookahead_losses(PRIOR_WINDOW_PACKETS).reshape(-1, DECISION_PACKETS)
+    rates = fates.mean(axis=1)
+    w = DECISION_PACKETS / LOSS_MEMORY_PACKETS
+    est = float(rates[0])
+    for r in rates[1:]:
+        est += w * (float(r) - est)
+    return est
+
+
+def episode_prior(kind: str, profile: Profile, seed: int) -> float | None:
+    """The prior of ``PRIOR_KINDS``: none, an earlier transfer's end loss, or the link
+    profile's stationary loss (a trace: an earlier window of it)."""
+    if kind == "none":
+        return None
+    if kind == "profile" and not profile.is_trace:
+        return float(profile.stationary_loss())
+    if kind in ("previous", "profile"):
+        return previous_transfer_loss(profile, seed)
+    raise ValueError(f"unknown loss prior {kind!r}; choose from {', '.join(PRIOR_KINDS)}")
 
 
 def spec_deadline(spec: EpisodeSpec) -> float:
@@ -189,7 +237,7 @@ class EpisodeDistribution:
 
     trace_files: tuple[str, ...] = ()
     rho_range: tuple[float, float] = (0.6, 1.2)
-    rate_range_mbps: tuple[float, float] = (20.0, 400.0)
+    rate_range_mbps: tuple[float, float] = (50.0, 1000.0)
     delay_range_ms: tuple[float, float] = (1.0, 20.0)
     high_rtt_share: float = 0.5
     high_delay_range_ms: tuple[float, float] = (20.0, 90.0)
@@ -209,6 +257,9 @@ class EpisodeDistribution:
     )
     utility_weights: dict[str, float] = field(
         default_factory=lambda: {"measured": 0.5, "zipf": 0.3, "flat": 0.1, "linear": 0.1}
+    )
+    prior_weights: dict[str, float] = field(
+        default_factory=lambda: {"none": 0.3, "previous": 0.5, "profile": 0.2}
     )
     held_out: bool = True
     measured_split: str = "train"
@@ -302,14 +353,17 @@ class EpisodeDistribution:
         if n_blocks is None:
             n_blocks = int(round(_log_uniform(rng, *self.blocks_range)))
         block_bytes = int(self.block_bytes[int(rng.integers(len(self.block_bytes)))])
+        seed = int(rng.integers(0, HELD_OUT_SEED))
+        prior = episode_prior(self._pick(rng, self.prior_weights), channel, seed)
         return EpisodeSpec(
-            seed=int(rng.integers(0, HELD_OUT_SEED)),
+            seed=seed,
             channel=channel,
             feedback=feedback,
             rho=float(rng.uniform(*self.rho_range)),
             n_blocks=n_blocks,
             block_bytes=block_bytes,
             utility=label,
+            prior_loss=prior,
         )
 
 
@@ -319,13 +373,15 @@ def eval_spec(
     index: int,
     utility: str = "measured",
     delay_ms: float | None = None,
+    prior: str = "none",
 ) -> EpisodeSpec:
     """Held-out evaluation episode ``index`` on a named channel (at the profile's own rate
     and delay, or one-way ``delay_ms`` both ways; feedback over the same profile, as
     ``kvtransport simulate`` does).
 
     ``utility="measured"`` takes the held-out contexts' measured profiles in turn, at
-    their own size (12 KiB fp16 blocks); a synthetic name (``zipf:1``) uses 10 MB."""
+    their own size (12 KiB fp16 blocks); a synthetic name (``zipf:1``) uses 10 MB.
+    ``prior``: the sender's loss prior, one of ``PRIOR_KINDS`` (see ``episode_prior``)."""
     prof = load_profile(channel)
     if delay_ms is not None:
         prof = replace(prof, delay_ms=float(delay_ms))
@@ -343,4 +399,5 @@ def eval_spec(
         n_blocks=n_blocks,
         block_bytes=12288,
         utility=label,
+        prior_loss=episode_prior(prior, prof, HELD_OUT_SEED + index),
     )

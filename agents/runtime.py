@@ -12,7 +12,10 @@ Weights file (``.npz``, written by :func:`save_weights` from a trained SB3 model
 ``W0, b0, W1, b1, ...`` (float32, ``W`` shaped (out, in) as in torch) and ``meta``, a JSON
 string: ``features_version``, ``n_features``, ``actions`` (the action table the network's
 outputs index), ``obs_fields`` and free-form provenance. A file whose feature version or
-observation layout differs from this code is refused with a one-line error.
+observation layout differs from this code is refused with a one-line error, except a
+file trained on fewer observation fields of the same feature version (fields added since,
+such as the loss prior): its network gets zero input weights for the new fields, so it
+computes exactly what it computed before they existed.
 """
 
 from __future__ import annotations
@@ -157,6 +160,11 @@ def load_weights(path: str | Path) -> QWeights:
         raise UserError(f"{path}: no such DDQN weights file") from None
     except (OSError, ValueError, KeyError) as exc:
         raise UserError(f"{path}: not a DDQN weights file ({exc})") from None
+    fields = meta.get("obs_fields")
+    if meta.get("features_version") == FEATURES_VERSION and isinstance(fields, list):
+        if fields != list(OBS_FIELDS) and set(fields) < set(OBS_FIELDS) and layers:
+            layers[0] = (_widen_input(layers[0][0], fields), layers[0][1])
+            meta = {**meta, "obs_fields": list(OBS_FIELDS), "trained_obs_fields": fields}
     if meta.get("features_version") != FEATURES_VERSION or meta.get("obs_fields") != list(
         OBS_FIELDS
     ):
@@ -169,6 +177,20 @@ def load_weights(path: str | Path) -> QWeights:
         return QWeights(layers, np.array(meta["actions"], dtype=np.float32), meta)
     except ValueError as exc:
         raise UserError(f"{path}: {exc}") from None
+
+
+def _widen_input(w0: np.ndarray, fields: list[str]) -> np.ndarray:
+    """First-layer weights (out, in) of a network trained on observation ``fields`` (a
+    subset of ``OBS_FIELDS``), remapped to today's feature layout by name: the extra
+    features keep their columns, fields it never saw get zero weights."""
+    n_extra = N_FEATURES - len(OBS_FIELDS)
+    if w0.ndim != 2 or w0.shape[1] != len(fields) + n_extra:
+        return w0  # QWeights reports the mismatch
+    out = np.zeros((w0.shape[0], N_FEATURES), dtype=w0.dtype)
+    for i, name in enumerate(fields):
+        out[:, OBS_FIELDS.index(name)] = w0[:, i]
+    out[:, len(OBS_FIELDS) :] = w0[:, len(fields) :]
+    return out
 
 
 @lru_cache(maxsize=1)

@@ -54,6 +54,7 @@ from kvtransport.agents.features import N_FEATURES, feature_bounds, features
 from kvtransport.agents.runtime import DDQNPolicy, save_weights
 
 from kvtransport.policy import Adaptive, Obs, Oracle, Policy
+from kvtransport.policy import ConstantAction as _Constant
 from kvtransport.simulator import Simulation
 
 if TYPE_CHECKING:  # pragma: no cover - typing only (ddqn imports torch: loaded in train)
@@ -229,20 +230,6 @@ def _behaviour(kind: str, rng: np.random.Generator, spec: EpisodeSpec) -> tuple[
     if kind == "tail":
         return _Constant(0), 0.05
     return _Constant(0), 1.0  # random
-
-
-class _Constant(Policy):
-    """One action throughout, with reactive hole repair like the environment's policy
-    (action 0: the session's tail rule alone decides admission)."""
-
-    name = "tail-rule"
-    reactive = True
-
-    def __init__(self, action: int) -> None:
-        self.action = action
-
-    def act(self, obs: np.ndarray) -> int:
-        return self.action
 
 
 def collect_demonstrations(

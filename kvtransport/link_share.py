@@ -243,13 +243,16 @@ class LinkShare:
         )
 
     def _prime(self, m: Member, loss: float | None = None) -> None:
-        """An adaptive policy not yet heard from its receiver starts from its own path's
-        prior, else from the link's loss."""
+        """A session not yet heard from its receiver starts from its own path's prior, else
+        from the link's loss (its loss estimate and policy observation; an adaptive
+        policy's own prior too)."""
         policy = m.session.policy
         if m.prior_loss is not None:
             loss = m.prior_loss
         elif loss is None:
             loss = self.link_loss()
+        if loss is not None:
+            m.session.set_prior_loss(min(max(loss, MIN_PRIOR_LOSS), MAX_PRIOR_LOSS))
         if isinstance(policy, Adaptive) and loss is not None:
             policy.prior_loss = min(max(loss, MIN_PRIOR_LOSS), MAX_PRIOR_LOSS)
 

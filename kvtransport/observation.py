@@ -31,7 +31,7 @@ class Obs(IntEnum):
     UTILITY_LEFT = 2  # utility of blocks not yet completely sent, 0..1
     CAPACITY_RATIO = 3  # slots left / (sources unsent + repairs owed), clipped 0..4
     SLACK = 4  # (expected surviving slots - owed) / interval / 8, clipped -1..8
-    LOSS_RATE = 5  # receiver's smoothed packet loss rate, 0..1
+    LOSS_RATE = 5  # receiver's smoothed packet loss rate (the prior before feedback), 0..1
     LOSS_RECENT = 6  # loss rate over the last feedback interval, 0..1
     BURST_MEAN = 7  # receiver's smoothed loss-burst length / 10, clipped 0..2
     DEFICIT = 8  # source symbols sent and known missing / interval, clipped 0..16
@@ -46,6 +46,8 @@ class Obs(IntEnum):
     LAST_ADMIT = 17  # admit flag of the previous action
     PREV_SHARE = 18  # repair share of the action before that
     RTT_LONG = 19  # smoothed RTT in intervals / 64, clipped 0..4 (RTT clips at 16 intervals)
+    PRIOR_LOSS = 20  # loss prior of this path before any feedback (0 if none), 0..1
+    PRIOR_KNOWN = 21  # 1 if the shell gave a loss prior (profile or previous transfers)
 
 
 OBS_FIELDS = tuple(f.name.lower() for f in Obs)
@@ -57,8 +59,9 @@ class Raw(IntEnum):
     """The sender state an observation is computed from (float64 vector indices), in groups
     by when they change, each written by one ``struct.pack_into`` at that moment: at every
     decision (``T`` .. ``PREV_SHARE``), when feedback arrives (``HAS_FEEDBACK`` ..
-    ``MANIFEST_ACKED``: the decision then packs 10 fields, not 30) and when the transfer
-    starts or its rate changes (``SLOT_S`` .. ``MODE``). ``STOP_TIME`` is stored alone
+    ``MANIFEST_ACKED``: the decision then packs 10 fields, not 31) and when the transfer
+    starts, its rate changes or the shell sets its loss prior (``SLOT_S`` ..
+    ``PRIOR_LOSS``). ``STOP_TIME`` is stored alone
     whenever the RTT estimate or the rate moves it."""
 
     # at every decision
@@ -88,13 +91,14 @@ class Raw(IntEnum):
     REPAIR_MARK = 21  # repairs sent up to it
     REACTIVE_MARK = 22  # reactive repairs sent up to it
     MANIFEST_ACKED = 23  # 1 once feedback acknowledged the manifest
-    # per transfer (the slot length changes with the rate)
+    # per transfer (the slot length changes with the rate; the shell may set the prior)
     SLOT_S = 24  # seconds per data-path slot at the paced rate
     BUDGET = 25  # sending time from start to the stop time (s)
     INTERVAL = 26  # slots per decision interval
     N_SOURCE = 27  # source symbols in the stream
     INITIAL_RTT = 28  # RTT assumed before any measurement (s)
     MODE = 29  # the policy's RepairMode as a number
+    PRIOR_LOSS = 30  # the shell's loss prior for this path (-1: none)
 
 
 RAW_SIZE = len(Raw)
@@ -124,7 +128,9 @@ def observe_into(raw: np.ndarray, obs: np.ndarray) -> None:
     left_s = raw[Raw.STOP_TIME.value] - t
     left = float(int(left_s / slot_s) + 1) if left_s >= 0.0 else 0.0
     has_fb = raw[Raw.HAS_FEEDBACK.value] != 0.0
-    p = raw[Raw.FB_LOSS.value] if has_fb else 0.0
+    prior = raw[Raw.PRIOR_LOSS.value]
+    has_prior = prior >= 0.0
+    p = raw[Raw.FB_LOSS.value] if has_fb else (prior if has_prior else 0.0)
     src_f = raw[Raw.SOURCE_SENT.value] - raw[Raw.SOURCE_MARK.value]
     rep_f = raw[Raw.REPAIR_SENT.value] - raw[Raw.REPAIR_MARK.value]
     mode = int(raw[Raw.MODE.value])
@@ -181,3 +187,5 @@ def observe_into(raw: np.ndarray, obs: np.ndarray) -> None:
     obs[Obs.LAST_ADMIT.value] = raw[Raw.LAST_ADMIT.value]
     obs[Obs.PREV_SHARE.value] = raw[Raw.PREV_SHARE.value]
     obs[Obs.RTT_LONG.value] = rtt_long if rtt_long < 4.0 else 4.0
+    obs[Obs.PRIOR_LOSS.value] = prior if has_prior else 0.0
+    obs[Obs.PRIOR_KNOWN.value] = 1.0 if has_prior else 0.0

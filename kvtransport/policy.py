@@ -127,6 +127,21 @@ class ARQ(Policy):
         return 0
 
 
+class ConstantAction(Policy):
+    """One action throughout, with reactive hole repair. Action 0 (``tail-rule``): no
+    proactive repair and keep admitting, the session's tail rule and reactive repair doing
+    the rest; a learned policy that does not beat it is a constant."""
+
+    reactive = True
+
+    def __init__(self, action: int = 0) -> None:
+        self.action = action
+        self.name = "tail-rule" if action == 0 else f"constant:{action}"
+
+    def act(self, obs: np.ndarray) -> int:
+        return self.action
+
+
 class Adaptive(Policy):
     """Heuristic RLC scheduler on the feedback's loss and burst estimates.
 
@@ -153,7 +168,10 @@ class Adaptive(Policy):
         ctx = self.ctx
         n = float(ctx.decision_packets)
         stale = obs[Obs.FEEDBACK_AGE] >= 4.0
-        p = self.prior_loss if obs[Obs.FEEDBACK_AGE] >= OBS_CLIP else float(obs[Obs.LOSS_RATE])
+        # before feedback: the session's prior (the observed loss rate then) if the shell
+        # gave one, else this policy's own
+        blind_start = obs[Obs.FEEDBACK_AGE] >= OBS_CLIP and not obs[Obs.PRIOR_KNOWN]
+        p = self.prior_loss if blind_start else float(obs[Obs.LOSS_RATE])
         p = min(max(p, float(obs[Obs.LOSS_RECENT]) * 0.5, 0.002), 0.9)
         burst = max(1.0, float(obs[Obs.BURST_MEAN]) * 10.0)
         owed = float(obs[Obs.OWED]) * n
@@ -184,6 +202,13 @@ class Oracle(Policy):
     and in the last RTT (when feedback can no longer help) sets the proactive share to
     the losses the next interval will suffer. Not deployable: it reads the channel's
     random future.
+
+    ``margin`` (decision intervals of surviving slots kept beyond what is owed before
+    admission stops), ``tail_rule`` (the session's own admission rule on top) and
+    ``proactive`` (cover the next interval's exact losses at every decision, not only in
+    the last RTT: on long links feedback comes too late for most holes) move where the
+    repairs go; the clairvoyant planner (kvtransport.planner) searches over them. The
+    defaults are the plain oracle.
     """
 
     name = "oracle"
@@ -191,7 +216,12 @@ class Oracle(Policy):
     reactive = True
     tail_rule = False
 
-    def __init__(self) -> None:
+    def __init__(
+        self, margin: float = 0.0, tail_rule: bool = False, proactive: bool = False
+    ) -> None:
+        self.margin = float(margin)
+        self.tail_rule = tail_rule
+        self.proactive = proactive
         self.channel: Channel | None = None
         self.sender: SenderSession | None = None
         self._shares = ACTIONS[:REPAIR_ONLY, 0].astype(np.float64)
@@ -231,9 +261,9 @@ class Oracle(Policy):
                 got_pro += 1
         owed = max(0, s.reactive_needed() + lost_src - got_pro)
         surviving_left = slots_left - int(future[:slots_left].sum())
-        if obs[Obs.SOURCE_LEFT] > 0 and surviving_left - owed < n:
+        if obs[Obs.SOURCE_LEFT] > 0 and surviving_left - owed < n * (1.0 + self.margin):
             return REPAIR_ONLY
-        if slots_left > float(obs[Obs.RTT]) * n + 2 * n:
+        if not self.proactive and slots_left > float(obs[Obs.RTT]) * n + 2 * n:
             return 0
         want = float(future[:n].sum()) / n
         i = int(np.searchsorted(self._shares, min(want, self._shares[-1]) - 1e-9))
@@ -274,10 +304,13 @@ _FACTORIES: dict[str, Callable[[], Policy]] = {
     "none": NoFEC,
     "arq": ARQ,
     "adaptive": Adaptive,
+    "tail-rule": ConstantAction,
     "oracle": Oracle,
     "ddqn": _ddqn,
 }
-POLICY_HELP = "none, fixed:R/N, block-rs:R/N, arq, adaptive, oracle, ddqn (the shipped DDQN)"
+POLICY_HELP = (
+    "none, fixed:R/N, block-rs:R/N, arq, adaptive, tail-rule, oracle, ddqn (the shipped DDQN)"
+)
 
 
 def default_policy() -> str:

@@ -165,6 +165,7 @@ class SenderSession:
         record: bool = False,
         wall_offset: float = 0.0,
         max_repair_span: int = MAX_REPAIR_SPAN,
+        prior_loss: float | None = None,
     ) -> None:
         if not rate_bps > 0:
             raise ValueError("rate_bps must be positive")
@@ -191,6 +192,7 @@ class SenderSession:
         self.slot_s = (self.datagram_bytes + link_overhead) * 8.0 / rate_bps
         self.decision_packets = decision_packets
         self._initial_rtt = initial_rtt
+        self.prior_loss = _check_prior(prior_loss)
         self.srtt: float | None = None
         self.stop_time = 0.0  # last moment a datagram can leave and arrive before the deadline
         self._proactive_span = REPAIR_SEGMENT
@@ -428,6 +430,15 @@ class SenderSession:
             self._next_send = now
             self._resumed_at = now
 
+    def set_prior_loss(self, loss: float | None) -> None:
+        """What the shell knows of this path's loss before the receiver reports any (the
+        link profile, or the loss the last transfer to the same receiver ended with; None:
+        nothing). Until the first feedback it is the loss estimate (``loss_estimate``: the
+        tail rule, ``owed`` and the policy observation use it), and the policy observes it
+        throughout (``Obs.PRIOR_LOSS``, ``Obs.PRIOR_KNOWN``)."""
+        self.prior_loss = _check_prior(loss)
+        self._state_transfer()
+
     def decision_latency(self) -> dict[str, float] | None:
         """Count, mean, p50 and p99 (us) of this transfer's policy decisions as the
         session timed them (``decision_ns``); None before the first decision."""
@@ -470,7 +481,10 @@ class SenderSession:
         return int(left / self.slot_s) + 1 if left >= 0 else 0
 
     def loss_estimate(self) -> float:
-        return self.fb_loss if self.fb_time is not None else 0.0
+        """The receiver's smoothed loss rate; before its first report, the prior (or 0)."""
+        if self.fb_time is not None:
+            return self.fb_loss
+        return self.prior_loss if self.prior_loss is not None else 0.0
 
     def in_flight(self) -> tuple[int, int]:
         """Sources and repairs sent after the last packet the receiver reported."""
@@ -508,7 +522,7 @@ class SenderSession:
         if mode == _BLOCK_RS:  # the RS block and its parities must fit
             assert self._rs is not None  # the BLOCK_RS mode's state
             return left >= max(need, self._rs.need(esi))
-        surviving = left * (1.0 - self.fb_loss)
+        surviving = left * (1.0 - self.loss_estimate())
         # cheap bound first: owed() never exceeds what was asked for plus all in flight
         bound = self.fb_deficit + self.fb_unseen + self.source_sent - self._fb_src_mark
         return surviving >= bound + need or surviving >= self.owed() + need
@@ -893,6 +907,7 @@ class SenderSession:
             self.n_source,  # N_SOURCE
             self._initial_rtt,  # INITIAL_RTT
             self._mode,  # MODE
+            -1.0 if self.prior_loss is None else self.prior_loss,  # PRIOR_LOSS
         )
 
     def _decide(self, t: float) -> None:
@@ -960,6 +975,12 @@ class SenderSession:
     def _drop(self, reason: str) -> None:
         self.stats["dropped"] += 1
         self.drop_reasons[reason] = self.drop_reasons.get(reason, 0) + 1
+
+
+def _check_prior(loss: float | None) -> float | None:
+    if loss is not None and not 0.0 <= loss <= 1.0:
+        raise ValueError(f"the loss prior must be in 0..1 ({loss})")
+    return None if loss is None else float(loss)
 
 
 def _block_progress(transfer: Transfer, s: int) -> tuple[list[int], np.ndarray]:

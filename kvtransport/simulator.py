@@ -101,6 +101,7 @@ class Simulation:
         symbol_size: int = DEFAULT_SYMBOL_SIZE,
         initial_rtt: float = 0.02,
         record: bool = True,
+        prior_loss: float | None = None,
     ) -> None:
         self.data_channel = data_channel
         self.feedback_channel = feedback_channel
@@ -117,6 +118,7 @@ class Simulation:
             key=key,
             symbol_size=symbol_size,
             initial_rtt=initial_rtt,
+            prior_loss=prior_loss,
         )
         if hasattr(policy, "bind_sender"):
             policy.bind_sender(self.sender)
@@ -324,13 +326,16 @@ def make_simulation(
     symbol_size: int = DEFAULT_SYMBOL_SIZE,
     key: bytes | None = None,
     record: bool = True,
+    prior_loss: float | None = None,
 ) -> Simulation:
     """Set up one transfer (see ``kvtransport simulate --help`` for the arguments).
 
     The feedback path defaults to the same profile as the data path (independent draws).
     ``transfer`` defaults to a synthetic stream of ``size_bytes`` in ``n_blocks`` blocks
     (default: 12 KiB each) with the given utility profile. Every random choice (channels,
-    payload, transfer id) derives from ``seed``. The Gymnasium environment builds its
+    payload, transfer id) derives from ``seed``. ``prior_loss``: the sender's loss prior
+    before any feedback (``SenderSession.set_prior_loss``; None: none, as a daemon's first
+    transfer to a receiver). The Gymnasium environment builds its
     episodes here and steps them with ``run_until_decision`` / ``apply_action``.
     """
     if not rho > 0:
@@ -368,6 +373,7 @@ def make_simulation(
         symbol_size=symbol_size,
         initial_rtt=2e-3 * prof.delay_ms + 1e-3,
         record=record,
+        prior_loss=prior_loss,
     )
     sim.meta = {
         "channel": prof.name,

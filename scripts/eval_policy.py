@@ -12,6 +12,14 @@ session's tail rule and reactive repair doing the rest; a learned policy that do
 beat it is a constant), on the same episodes (common random numbers: every scheme sees
 the same channel seeds).
 
+Two references per episode (``--no-references`` skips them): the genie bound
+(kvtransport.simulator.genie_bound: the surviving slots filled with source in utility
+order; no scheme can exceed it) and the clairvoyant planner (kvtransport.planner: the best
+of a search over clairvoyant and causal repair plans replayed on the episode's realized
+losses in both directions, plus every scheme's own result there, so it is never below any
+of them). Each scheme's gap to both (reference minus scheme, paired) and its share of the
+planner's utility get their own table.
+
 High-RTT cells (``--set high-rtt``, part of the default ``all``): the same held-out
 episodes over long links (one-way 20, 40, 80 ms both ways: edge backhaul, cellular,
 satellite) on bernoulli-5, ge-heavy and 4state-bursty at rho 0.7, 0.85, 1.0, where the
@@ -29,8 +37,9 @@ block-rs runs its parities through reedsolo (pure Python, ~1 s per MB), so it pl
 the first --block-rs-episodes episodes of each cell; the table gives each scheme's n.
 
 Writes eval_policy.json (every utility, summaries, target checks), eval_policy.md (the
-tables), eval_policy.png (original cells) and eval_policy_high_rtt.png into --out and
-prints the tables.
+tables), eval_policy.png (original cells), eval_policy_high_rtt.png and
+eval_policy_margin.png (the DDQN minus the best heuristic per cell, paired 95 % CIs) into
+--out and prints the tables.
 
     .venv/bin/python scripts/eval_policy.py --episodes 24 --out results/eval_policy
 """
@@ -54,6 +63,9 @@ HIGH_RTT_SCHEMES = ("tail-rule", "adaptive", "ddqn", "oracle")
 HIGH_RTT_CHANNELS = ("bernoulli-5", "ge-heavy", "4state-bursty")
 HIGH_RTT_DELAYS_MS = (20.0, 40.0, 80.0)
 HIGH_RTT_RHOS = (0.7, 0.85, 1.0)
+REFERENCES = ("clairvoyant", "genie")
+"""Per-episode references: the clairvoyant planner (never below any scheme on the
+episode) and the genie bound (no scheme can exceed it)."""
 PAIRED = ("tail-rule", "adaptive")
 """Schemes the DDQN is compared with episode by episode in every cell's pairs table."""
 
@@ -96,19 +108,37 @@ def run_cell(
     weights,
     utility: str,
     delay_ms: float | None = None,
+    references: bool = True,
+    prior: str = "none",
 ):
+    """Every scheme's utility per episode, and (``references``) per episode the genie
+    bound and the clairvoyant planner, which searches its plans plus every scheme's own
+    result on that episode (kvtransport.planner)."""
+    from functools import partial
+
     from kvtransport.agents.episodes import build_simulation, eval_spec
 
-    out = {}
-    for name in schemes:
-        k = min(n, n_rs) if name.startswith("block-rs") else n
-        vals = []
-        for i in range(k):
-            spec = eval_spec(channel, rho, i, utility, delay_ms=delay_ms)
+    from kvtransport.planner import clairvoyant_plan
+
+    out: dict[str, list] = {name: [] for name in schemes}
+    if references:
+        out.update({r: [] for r in REFERENCES}, clairvoyant_best=[])
+    for i in range(n):
+        spec = eval_spec(channel, rho, i, utility, delay_ms=delay_ms, prior=prior)
+        known = {}
+        for name in schemes:
+            if name.startswith("block-rs") and i >= n_rs:
+                continue
             sim = build_simulation(spec, make_scheme(name, weights))
             sim.run()
-            vals.append(float(sim.receiver.result.utility_recovered))
-        out[name] = vals
+            known[name] = float(sim.receiver.result.utility_recovered)
+            out[name].append(known[name])
+        if references:
+            bound = build_simulation(spec, make_scheme("none", None)).meta["utility_bound"]
+            out["genie"].append(float(bound))
+            plan = clairvoyant_plan(partial(build_simulation, spec), known)
+            out["clairvoyant"].append(plan.utility)
+            out["clairvoyant_best"].append(plan.best)
     return out
 
 
@@ -127,13 +157,13 @@ def summarize(results: dict, schemes) -> dict:
     for key, cell in results.items():
         s = {
             name: dict(zip(("mean", "ci95"), mean_ci(cell[name]), strict=True))
-            for name in schemes
+            for name in (*schemes, *REFERENCES)
             if name in cell
         }
         for name in s:
             s[name]["n"] = len(cell[name])
         if "ddqn" in cell:
-            others = [m for m in cell if m not in ("ddqn", "oracle")]
+            others = [m for m in schemes if m in cell and m not in ("ddqn", "oracle")]
             if others:
                 best = max(others, key=lambda m: s[m]["mean"])
                 n = min(len(cell["ddqn"]), len(cell[best]))
@@ -145,9 +175,19 @@ def summarize(results: dict, schemes) -> dict:
             if "oracle" in cell:
                 s["ddqn_over_oracle"] = s["ddqn"]["mean"] / s["oracle"]["mean"]
             s["ddqn_minus"] = {m: _paired(cell["ddqn"], cell[m]) for m in PAIRED if m in cell}
+            s["ddqn_vs"] = {m: _paired(cell["ddqn"], cell[m]) for m in others}
         if "oracle" in cell and all(m in cell for m in PAIRED):
             best = max(PAIRED, key=lambda m: s[m]["mean"])
             s["oracle_headroom"] = {"over": best, **_paired(cell["oracle"], cell[best])}
+        if all(r in cell for r in REFERENCES):
+            # each scheme's gap to both references (reference - scheme, same episodes) and
+            # its share of the clairvoyant planner's utility (ratio of means)
+            s["gap"] = {
+                m: {r: _paired(cell[r], cell[m]) for r in REFERENCES}
+                | {"of_clairvoyant": s[m]["mean"] / s["clairvoyant"]["mean"]}
+                for m in schemes
+                if m in cell
+            }
         summary[key] = s
     return summary
 
@@ -158,6 +198,9 @@ def targets(summary: dict) -> dict:
     checks = {}
     for key, s in summary.items():
         channel, rho = key.rsplit("@", 1)
+        if "ddqn" in s.get("gap", {}):
+            share = s["gap"]["ddqn"]["of_clairvoyant"]
+            checks[f"ddqn >= 95% of clairvoyant on {key}"] = {"ok": share >= 0.95, "ratio": share}
         if "+" in channel:  # high-RTT cell: does the DDQN beat both, beyond noise?
             for m, d in s.get("ddqn_minus", {}).items():
                 checks[f"ddqn > {m} on {key} (paired CI)"] = {
@@ -229,6 +272,124 @@ def markdown_pairs(summary: dict) -> str:
             f"| {key} | "
             + " | ".join(fmt(pairs.get(m)) for m in PAIRED)
             + f" | {fmt(h)}{' (' + h['over'] + ')' if h else ''} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _significant(d: dict) -> int:
+    """+1 / -1 where the paired 95 % interval lies above / below zero, else 0."""
+    if not d["ci95"] == d["ci95"]:  # nan: fewer than two episodes
+        return 0
+    return 1 if d["mean"] - d["ci95"] > 0 else (-1 if d["mean"] + d["ci95"] < 0 else 0)
+
+
+TAIL_OPTIMAL = 1e-3
+"""The tail rule counts as already optimal in a cell where its mean gap to the clairvoyant
+planner is below this (the constant action 0 leaves nothing a plan could add)."""
+
+
+def markdown_margin(summary: dict) -> str:
+    """Per cell: the DDQN minus the best heuristic (the scheme other than the DDQN and the
+    oracle with the highest mean; paired, mean ± 95 % CI, * where the CI excludes zero),
+    the DDQN's share of the clairvoyant planner, its significant wins and losses against
+    every heuristic, and whether the constant tail rule is already optimal there. The last
+    line counts them over the cells."""
+    rows = [k for k, s in summary.items() if "ddqn_minus_best_other" in s]
+    if not rows:
+        return ""
+    lines = [
+        "| cell | best heuristic | DDQN - best heuristic | DDQN / clairvoyant | "
+        "significant wins / losses | tail rule to clairvoyant |",
+        "|---|---|---|---|---|---|",
+    ]
+    wins = losses = cells_lost = tail_opt = 0
+    for key in rows:
+        s = summary[key]
+        d = s["ddqn_minus_best_other"]
+        star = "*" if _significant(d) else ""
+        sig = {m: _significant(v) for m, v in s.get("ddqn_vs", {}).items()}
+        w = [m for m, v in sig.items() if v > 0]
+        lo = [m for m, v in sig.items() if v < 0]
+        wins += len(w)
+        losses += len(lo)
+        cells_lost += bool(lo)
+        gap = s.get("gap", {})
+        share = f"{gap['ddqn']['of_clairvoyant']:.4f}" if "ddqn" in gap else "-"
+        tail = gap.get("tail-rule", {}).get("clairvoyant")
+        if tail is not None:
+            opt = tail["mean"] < TAIL_OPTIMAL
+            tail_opt += opt
+            ttxt = f"{tail['mean']:.4f}{' (optimal)' if opt else ''}"
+        else:
+            ttxt = "-"
+        lines.append(
+            f"| {key} | {d['scheme']} | {d['mean']:+.4f} ± {d['ci95']:.4f}{star} | {share} | "
+            f"{len(w)} ({', '.join(w) or '-'}) / {len(lo)} ({', '.join(lo) or '-'}) | {ttxt} |"
+        )
+    lines.append(
+        f"| {len(rows)} cells | | | | {wins} wins / {losses} losses "
+        f"({cells_lost} cells with a loss) | tail rule optimal in {tail_opt} |"
+    )
+    return "\n".join(lines) + "\n"
+
+
+def plot_margin(summary: dict, path: Path) -> None:
+    """DDQN minus the best heuristic per cell, paired 95 % CI, one row per cell."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [k for k, s in summary.items() if "ddqn_minus_best_other" in s]
+    if not rows:
+        return
+    m = np.array([summary[k]["ddqn_minus_best_other"]["mean"] for k in rows])
+    c = np.nan_to_num([summary[k]["ddqn_minus_best_other"]["ci95"] for k in rows])
+    y = np.arange(len(rows))[::-1]
+    fig, ax = plt.subplots(figsize=(7.5, 0.22 * len(rows) + 1.2))
+    colors = ["tab:green" if a - b > 0 else "tab:red" if a + b < 0 else "tab:gray"
+              for a, b in zip(m, c, strict=True)]  # fmt: skip
+    for xi, yi, ci, col in zip(m, y, c, colors, strict=True):
+        ax.errorbar(xi, yi, xerr=ci, fmt="o", ms=3, color=col, capsize=2)
+    ax.axvline(0.0, color="k", lw=0.8)
+    ax.set_yticks(y, [f"{k} (vs {summary[k]['ddqn_minus_best_other']['scheme']})"
+                      for k in rows], fontsize=6)  # fmt: skip
+    ax.set_xlabel("DDQN minus the best heuristic, same episodes (95 % CI)")
+    ax.grid(alpha=0.3, axis="x")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def markdown_references(summary: dict, schemes) -> str:
+    """Per cell: the genie bound and the clairvoyant planner (means), and for each scheme
+    its gap to the planner / to the bound (reference minus scheme on the same episodes,
+    mean ± 95 % CI) and its share of the planner's utility."""
+    schemes = [m for m in schemes if any(m in s.get("gap", {}) for s in summary.values())]
+    if not schemes:
+        return ""
+    head = "| cell | genie | clairvoyant | " + " | ".join(
+        f"{m}: to clairvoyant / to genie (share)" for m in schemes
+    )
+    lines = [head + " |", "|" + "---|" * (len(schemes) + 3)]
+    for key, s in summary.items():
+        gap = s.get("gap")
+        if not gap:
+            continue
+        cells = []
+        for m in schemes:
+            g = gap.get(m)
+            cells.append(
+                "-"
+                if g is None
+                else f"{g['clairvoyant']['mean']:.4f} ± {g['clairvoyant']['ci95']:.4f} / "
+                f"{g['genie']['mean']:.4f} ± {g['genie']['ci95']:.4f} "
+                f"({g['of_clairvoyant']:.3f})"
+            )
+        lines.append(
+            f"| {key} | {s['genie']['mean']:.4f} | {s['clairvoyant']['mean']:.4f} | "
+            + " | ".join(cells)
+            + " |"
         )
     return "\n".join(lines) + "\n"
 
@@ -367,6 +528,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--high-rtt-episodes", type=int, default=40,
                    help="episodes per high-RTT cell (default 40)")  # fmt: skip
     p.add_argument("--weights", help="DDQN weights file (default: the shipped policy)")
+    p.add_argument("--prior", choices=("none", "previous", "profile"), default="none",
+                   help="the senders' loss prior before feedback: none (a first transfer, "
+                   "the default), the loss an earlier transfer over the link ended with, or "
+                   "the profile's stationary loss")  # fmt: skip
+    p.add_argument("--no-references", action="store_true",
+                   help="skip the genie bound and the clairvoyant planner (the planner "
+                   "plays its own search set on every episode)")  # fmt: skip
     p.add_argument(
         "--utility",
         default="measured",
@@ -403,8 +571,9 @@ def main(argv: list[str] | None = None) -> int:
     for ch, rho, delay, sch, n in tqdm(cells, desc="eval cells", disable=args.quiet,
                                        file=sys.stderr):  # fmt: skip
         results[cell_key(ch, rho, delay)] = run_cell(
-            ch, rho, sch, n, args.block_rs_episodes, args.weights, args.utility, delay
-        )
+            ch, rho, sch, n, args.block_rs_episodes, args.weights, args.utility, delay,
+            references=not args.no_references, prior=args.prior,
+        )  # fmt: skip
     all_schemes = list(dict.fromkeys(schemes + hi_schemes))
     summary = summarize(results, all_schemes)
     checks = targets(summary)
@@ -413,9 +582,16 @@ def main(argv: list[str] | None = None) -> int:
     table = ""
     if original:
         table += markdown(original, schemes) + "\n" + markdown_pairs(original)
+        refs = markdown_references(original, schemes)
+        table += ("\nGaps to the references:\n\n" + refs) if refs else ""
     if high:
         table += ("\n" if table else "") + "High-RTT cells (one-way delay both ways):\n\n"
         table += markdown(high, hi_schemes) + "\n" + markdown_pairs(high)
+        refs = markdown_references(high, hi_schemes)
+        table += ("\nGaps to the references:\n\n" + refs) if refs else ""
+    margin = markdown_margin(summary)
+    if margin:
+        table += "\nDDQN against the best heuristic, per cell:\n\n" + margin
     doc = {
         "command": " ".join(
             [Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]
@@ -424,6 +600,7 @@ def main(argv: list[str] | None = None) -> int:
         "high_rtt_episodes": args.high_rtt_episodes,
         "block_rs_episodes": args.block_rs_episodes,
         "utility": args.utility,
+        "prior": args.prior,
         "weights": args.weights or "shipped",
         "wall_s": time.perf_counter() - t0,
         "summary": summary,
@@ -436,6 +613,8 @@ def main(argv: list[str] | None = None) -> int:
         plot(original, schemes, out / "eval_policy.png", results)
     if high:
         plot_high_rtt(high, hi_schemes, out / "eval_policy_high_rtt.png")
+    if margin:
+        plot_margin(summary, out / "eval_policy_margin.png")
     print(table)
     for name, c in checks.items():
         print(

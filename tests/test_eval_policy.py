@@ -37,7 +37,8 @@ def test_shipped_ddqn_beats_no_fec_on_held_out_ge_heavy(tmp_path):
     # the high-RTT cell: the same held-out episodes over a 40 ms link, with the paired
     # differences of the DDQN against always-action-0 (tail-rule) and adaptive
     hi = doc["utilities"]["ge-heavy+40ms@0.85"]
-    assert set(hi) == {"tail-rule", "adaptive", "ddqn", "oracle"}
+    assert set(hi) == {"tail-rule", "adaptive", "ddqn", "oracle", "genie", "clairvoyant",
+                       "clairvoyant_best"}  # fmt: skip
     assert all(len(v) == 4 for v in hi.values())
     assert hi["adaptive"] != cell["adaptive"]
     sh = doc["summary"]["ge-heavy+40ms@0.85"]
@@ -54,4 +55,34 @@ def test_shipped_ddqn_beats_no_fec_on_held_out_ge_heavy(tmp_path):
         "ddqn > adaptive on ge-heavy+40ms@0.85 (paired CI)",
     }
     assert "| ge-heavy+40ms@0.85 |" in table and "High-RTT cells" in table
+
+    # the references: per episode, the clairvoyant planner is at least every scheme and
+    # at most the genie bound; each scheme's gap to both is paired over the episodes
+    for key, c in doc["utilities"].items():
+        schemes = [m for m in c if m not in ("genie", "clairvoyant", "clairvoyant_best")]
+        for i, (cv, g) in enumerate(zip(c["clairvoyant"], c["genie"], strict=True)):
+            assert all(cv >= c[m][i] for m in schemes), key
+            assert cv <= g + 1e-12, key
+        gap = doc["summary"][key]["gap"]
+        assert set(gap) == set(schemes)
+        for m in schemes:
+            d = np.array(c["clairvoyant"]) - np.array(c[m])
+            assert np.isclose(gap[m]["clairvoyant"]["mean"], d.mean())
+            assert gap[m]["genie"]["mean"] >= gap[m]["clairvoyant"]["mean"]
+            assert gap[m]["of_clairvoyant"] <= 1.0
+    assert "ddqn >= 95% of clairvoyant on ge-heavy+40ms@0.85" in doc["targets"]
+    assert table.count("Gaps to the references") == 2
+
+    # DDQN minus the best heuristic per cell: the table's last line counts the paired wins
+    # and losses over every heuristic; the figure is written
+    vs = s["ddqn_vs"]
+    assert set(vs) == {"none", "adaptive"}
+    for m, d in vs.items():
+        assert np.isclose(d["mean"], np.mean(np.array(ddqn) - np.array(cell[m])))
+    wins = sum(
+        d["mean"] - d["ci95"] > 0 for k in doc["summary"].values() for d in k["ddqn_vs"].values()
+    )
+    assert wins >= 1  # every episode beats no FEC by 0.1: significant
+    assert f"| 2 cells | | | | {wins} wins / " in table
+    assert (tmp_path / "eval_policy_margin.png").stat().st_size > 5_000
     assert (tmp_path / "eval_policy_high_rtt.png").stat().st_size > 10_000

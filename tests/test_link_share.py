@@ -5,7 +5,7 @@ import pytest
 
 from kvtransport.allocator import EqualShare, UtilityWaterFilling
 from kvtransport.link_share import LinkShare, Member
-from kvtransport.policy import make_policy
+from kvtransport.policy import Obs, make_policy
 from kvtransport.sender import SenderSession
 from kvtransport.transfer import synthetic_transfer
 from kvtransport.utility_model import SigmoidUtility
@@ -103,3 +103,11 @@ def test_a_members_own_prior_wins_over_the_link_and_the_blind_default():
     link.step(0.0)
     assert known.session.policy.prior_loss == pytest.approx(0.07)
     assert blind.session.policy.prior_loss == pytest.approx(0.1)  # nothing known: default
+    # the session carries it too: its loss estimate before feedback and the policy's
+    # observation (what the DDQN sees); the blind member's session has none
+    assert known.session.prior_loss == pytest.approx(0.07)
+    assert known.session.loss_estimate() == pytest.approx(0.07)
+    obs = known.session.observe(0.0)
+    assert obs[Obs.PRIOR_KNOWN] == 1.0 and obs[Obs.PRIOR_LOSS] == pytest.approx(0.07)
+    assert blind.session.prior_loss is None
+    assert blind.session.observe(0.0)[Obs.PRIOR_KNOWN] == 0.0

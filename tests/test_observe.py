@@ -58,17 +58,28 @@ def _expected(s, t):
         Obs.LAST_ADMIT: last_admit,
         Obs.PREV_SHARE: prev_share,
         Obs.RTT_LONG: min(rtt_iv / 64.0, 4.0),
+        Obs.PRIOR_LOSS: s.prior_loss if s.prior_loss is not None else 0.0,
+        Obs.PRIOR_KNOWN: 1.0 if s.prior_loss is not None else 0.0,
     }
 
 
-@pytest.mark.parametrize("policy", ["adaptive", "fixed:2/16", "arq", "block-rs:4/16", "none"])
-def test_every_field_follows_the_sessions_state_through_a_lossy_transfer(policy):
+@pytest.mark.parametrize(
+    "policy,prior",
+    [("adaptive", None), ("fixed:2/16", None), ("arq", None), ("block-rs:4/16", None),
+     ("none", None), ("adaptive", 0.08), ("arq", 0.3)],
+)  # fmt: skip
+def test_every_field_follows_the_sessions_state_through_a_lossy_transfer(policy, prior):
     tr = synthetic_transfer(400_000, 40, seed=3)
     s = SenderSession(tr, make_policy(policy), rate_bps=1e8, deadline=0.05, now=0.0)
     r = ReceiverSession(s.transfer_id, now=0.0, deadline=0.05)
     t, n, checked, delayed = 0.0, 0, 0, []
-    seen = {"owed": 0, "feedback": 0, "rate": 0}
+    seen = {"owed": 0, "feedback": 0, "rate": 0, "prior": 0}
     while not s.done and t < 0.05:
+        if prior is not None and abs(t - 0.0004) < 1e-9:  # the shell learns a prior
+            s.set_prior_loss(prior)
+        if s.fb_time is None and s.prior_loss is not None:
+            assert s.loss_estimate() == prior  # the prior stands in for feedback
+            seen["prior"] += 1
         if abs(t - 0.012) < 1e-9 or abs(t - 0.024) < 1e-9:  # the link's share changes
             s.set_rate(6e7 if t < 0.02 else 1.2e8, t)
             seen["rate"] += 1
@@ -92,3 +103,4 @@ def test_every_field_follows_the_sessions_state_through_a_lossy_transfer(policy)
     # at some steps: every branch was compared
     assert checked > 100 and seen["feedback"] > 50 and seen["rate"] == 2, policy
     assert (seen["owed"] > 0) == (policy != "none"), policy
+    assert (seen["prior"] > 0) == (prior is not None), policy

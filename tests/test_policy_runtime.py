@@ -11,7 +11,7 @@ import torch as th
 from kvtransport.agents.ddqn import DoubleDQN, DuelingDQNPolicy, export_q_network, torch_qvalues
 from kvtransport.agents.env import RepairSchedulingEnv
 from kvtransport.agents.episodes import EpisodeDistribution, build_simulation
-from kvtransport.agents.features import N_FEATURES, features
+from kvtransport.agents.features import FEATURES_VERSION, N_FEATURES, features
 from kvtransport.agents.runtime import (
     SHIPPED_SIDECAR,
     SHIPPED_WEIGHTS,
@@ -157,6 +157,46 @@ def test_bad_weights_files_are_one_line_errors(tmp_path):
     old = save_weights(tmp_path / "old.npz", w)
     with pytest.raises(UserError, match="retrain"):
         load_weights(old)
+
+
+def test_weights_trained_before_new_observation_fields_load_with_zero_inputs(tmp_path):
+    """A file trained on fewer observation fields (before the loss prior existed) gets zero
+    first-layer weights for the new fields: it computes what it computed before."""
+    rng = np.random.default_rng(5)
+    new = [OBS_FIELDS.index("prior_loss"), OBS_FIELDS.index("prior_known")]
+    keep = [i for i in range(N_FEATURES) if i not in new]
+    w0 = rng.standard_normal((16, N_FEATURES)).astype(np.float32)
+    layers = [(w0, rng.standard_normal(16).astype(np.float32)),
+              (rng.standard_normal((len(ACTIONS), 16)).astype(np.float32),
+               rng.standard_normal(len(ACTIONS)).astype(np.float32))]  # fmt: skip
+    narrow = [(w0[:, keep], layers[0][1]), layers[1]]
+    fields = [f for i, f in enumerate(OBS_FIELDS) if i not in new]
+    path = tmp_path / "old.npz"
+    meta = {"features_version": FEATURES_VERSION, "obs_fields": fields,
+            "actions": ACTIONS.tolist()}  # fmt: skip
+    np.savez(path, W0=narrow[0][0], b0=narrow[0][1], W1=narrow[1][0], b1=narrow[1][1],
+             meta=np.array(json.dumps(meta)))  # fmt: skip
+    old = load_weights(path)
+    assert old.meta["trained_obs_fields"] == fields
+    w = old.layers[0][0]
+    assert np.all(w[:, new] == 0.0) and np.array_equal(w[:, keep], w0[:, keep])
+    obs = rng.uniform(0.0, 1.0, (20, len(OBS_FIELDS))).astype(np.float32)
+    zeroed = obs.copy()
+    zeroed[:, new] = 0.0
+    for o, z in zip(obs, zeroed, strict=True):
+        np.testing.assert_array_equal(old.qvalues(o), old.qvalues(z))
+        # the narrow network on the features without the new fields, computed by hand
+        f = features(o)[keep].astype(np.float64)
+        h = np.maximum(narrow[0][0].astype(np.float64) @ f + narrow[0][1], 0.0)
+        q = narrow[1][0].astype(np.float64) @ h + narrow[1][1]
+        np.testing.assert_allclose(old.qvalues(o), q, rtol=1e-5, atol=1e-5)
+    # fields this code does not know: refused
+    meta = {"features_version": FEATURES_VERSION, "obs_fields": fields[:-1] + ["bogus"],
+            "actions": ACTIONS.tolist()}  # fmt: skip
+    np.savez(path, W0=narrow[0][0], b0=narrow[0][1], W1=narrow[1][0], b1=narrow[1][1],
+             meta=np.array(json.dumps(meta)))  # fmt: skip
+    with pytest.raises(UserError, match="retrain"):
+        load_weights(path)
 
 
 @pytest.mark.skipif(not shipped_policy_available(), reason="no trained policy shipped yet")
