@@ -207,7 +207,7 @@ class Oracle(Policy):
     admission stops), ``tail_rule`` (the session's own admission rule on top) and
     ``proactive`` (cover the next interval's exact losses at every decision, not only in
     the last RTT: on long links feedback comes too late for most holes) move where the
-    repairs go; the clairvoyant planner (kvtransport.planner) searches over them. The
+    repairs go; the clairvoyant planner (kvtransport.repair_planner) searches over them. The
     defaults are the plain oracle.
     """
 

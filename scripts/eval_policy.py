@@ -14,7 +14,7 @@ the same channel seeds).
 
 Two references per episode (``--no-references`` skips them): the genie bound
 (kvtransport.simulator.genie_bound: the surviving slots filled with source in utility
-order; no scheme can exceed it) and the clairvoyant planner (kvtransport.planner: the best
+order; no scheme can exceed it) and the clairvoyant planner (kvtransport.repair_planner: the best
 of a search over clairvoyant and causal repair plans replayed on the episode's realized
 losses in both directions, plus every scheme's own result there, so it is never below any
 of them). Each scheme's gap to both (reference minus scheme, paired) and its share of the
@@ -113,12 +113,12 @@ def run_cell(
 ):
     """Every scheme's utility per episode, and (``references``) per episode the genie
     bound and the clairvoyant planner, which searches its plans plus every scheme's own
-    result on that episode (kvtransport.planner)."""
+    result on that episode (kvtransport.repair_planner)."""
     from functools import partial
 
     from kvtransport.agents.episodes import build_simulation, eval_spec
 
-    from kvtransport.planner import clairvoyant_plan
+    from kvtransport.repair_planner import clairvoyant_plan
 
     out: dict[str, list] = {name: [] for name in schemes}
     if references:
