@@ -181,8 +181,12 @@ def as_transfer(what: Any, plan: Any = None) -> Transfer:
 
         link, budget_s, levels, *speed = plan
         try:
+            # a racing receiver answers soonest with the split that finishes first (the
+            # deadline a cap); without one, the plan spends the deadline on precision
+            racing = bool(speed) and speed[0] is not None
             _, what = planned_stream(what, link=link, budget_s=budget_s, levels=levels,
-                                     speed=speed[0] if speed else None)  # fmt: skip
+                                     speed=speed[0] if speed else None,
+                                     objective="ttft" if racing else "fidelity")  # fmt: skip
         except ValueError as exc:
             raise UserError(f"cannot plan this cache: {exc}") from None
     return Transfer.from_encoded_stream(what)
@@ -251,7 +255,9 @@ def send(
     is; e.g. "fp32" only when asked). ``receiver_speed``: the receiver's
     :class:`~kvtransport.cache_builder.ComputeSpeed` when it races
     (:meth:`Receiver.race`): the plan leaves it the context's front to compute while the
-    rest streams in, and does not send that front; None sends every token range.
+    rest streams in, and does not send that front, splitting where the whole cache is in
+    place soonest (kvtransport.plan's ``ttft`` objective; the deadline is then a cap);
+    None sends every token range.
 
     Returns the sender's final status (``transfer_id``, ``finish_reason``,
     ``decoded_through`` of ``n_source``, datagrams, loss estimate, ...). Blocks the calling
