@@ -196,9 +196,7 @@ class SenderSession:
         self.srtt: float | None = None
         self.stop_time = 0.0  # last moment a datagram can leave and arrive before the deadline
         self._proactive_span = REPAIR_SEGMENT
-        if not REPAIR_SEGMENT <= max_repair_span <= DECODER_WINDOW:
-            raise ValueError(f"max_repair_span must be in {REPAIR_SEGMENT}..{DECODER_WINDOW}")
-        self._max_span = int(max_repair_span)
+        self._max_span = _check_span(max_repair_span)
         self._open_loop = False  # no feedback for a while: repair open-loop (_silent)
         self._resumed_at = now  # a paused sender expects no feedback: silence counts anew
         self._decision_t = now
@@ -464,9 +462,7 @@ class SenderSession:
 
     @max_repair_span.setter
     def max_repair_span(self, span: int) -> None:
-        if not REPAIR_SEGMENT <= span <= DECODER_WINDOW:
-            raise ValueError(f"max_repair_span must be in {REPAIR_SEGMENT}..{DECODER_WINDOW}")
-        self._max_span = int(span)
+        self._max_span = _check_span(span)
         self._rtt_changed()
 
     def _rtt_changed(self) -> None:
@@ -975,6 +971,12 @@ class SenderSession:
     def _drop(self, reason: str) -> None:
         self.stats["dropped"] += 1
         self.drop_reasons[reason] = self.drop_reasons.get(reason, 0) + 1
+
+
+def _check_span(span: int) -> int:
+    if not REPAIR_SEGMENT <= span <= DECODER_WINDOW:
+        raise ValueError(f"max_repair_span must be in {REPAIR_SEGMENT}..{DECODER_WINDOW}")
+    return int(span)
 
 
 def _check_prior(loss: float | None) -> float | None:

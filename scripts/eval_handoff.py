@@ -186,7 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", default=",".join(CONFIGS), help="of " + ", ".join(CONFIGS))
     p.add_argument("--seeds", default="1-8", help="e.g. 1-8 or 1,3")
     p.add_argument("--budget", type=float, default=None, help="TTFT budget share (demo default)")
-    p.add_argument("--objective", choices=("ttft", "fidelity"), default=None,
+    from kvtransport.plan import OBJECTIVES
+
+    p.add_argument("--objective", choices=OBJECTIVES, default=None,
                    help="the plan's objective (demo default)")  # fmt: skip
     p.add_argument("--out", default="results/eval_handoff")
     p.add_argument(
