@@ -777,3 +777,46 @@ def decode_blocks_into(
             t0 = int(starts[i])
             keys[layers[i], :, t0 : t0 + c] = kv[j][0]
             values[layers[i], :, t0 : t0 + c] = kv[j][1]
+
+
+class RangeDecoder:
+    """One stream's blocks checked and decoded token range by token range, each block
+    once, into one cache of the whole context: what a receiver racing the link does with
+    a range when it loads it, instead of decoding the whole stream first.
+
+    keys / values: ``[layers, kv_heads, tokens, head_dim]`` of the geometry's dtype,
+    zeros where nothing was decoded; failed: per block, it failed its CRC-32 (never
+    decoded, so its range is never loaded).
+    """
+
+    def __init__(self, manifest: Manifest) -> None:
+        g = manifest.geometry
+        self.manifest = manifest
+        self.range_blocks = [np.flatnonzero(manifest.token_block == r)
+                             for r in range(g.token_blocks)]  # fmt: skip
+        self.failed = np.zeros(manifest.num_blocks, dtype=bool)
+        self._decoded = np.zeros(manifest.num_blocks, dtype=bool)
+        shape = (g.num_layers, g.num_kv_heads, g.num_tokens, g.head_dim)
+        dtype = np.float32 if g.dtype == "float32" else np.float16
+        self.keys, self.values = np.zeros(shape, dtype), np.zeros(shape, dtype)
+
+    def take(
+        self, payload: np.ndarray | bytes | bytearray | memoryview, lo: int, hi: int
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """The K/V of tokens ``[lo, hi)`` (whole token ranges whose blocks are complete in
+        ``payload``), decoding what was not yet; None when one of those blocks fails its
+        CRC-32 (then marked in ``failed``)."""
+        bt = self.manifest.geometry.block_tokens
+        idx = np.concatenate(self.range_blocks[lo // bt : -(-hi // bt)])
+        todo = idx[~self._decoded[idx]]
+        if todo.size:
+            m = self.manifest
+            check = np.zeros(m.num_blocks, dtype=bool)
+            check[todo] = True
+            bad = corrupted_blocks(m, payload, check)
+            if bad.size:
+                self.failed[bad] = True
+                return None
+            decode_blocks_into(m, _as_u8(payload), todo, self.keys, self.values)
+            self._decoded[todo] = True
+        return self.keys[:, :, lo:hi], self.values[:, :, lo:hi]

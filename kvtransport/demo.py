@@ -513,16 +513,21 @@ def _race_row(
 
 def _race(prep: _Prepared, out: LinkOutcome) -> tuple[Any, float]:
     """The receiver's race (kvtransport.race.RaceResult) over one transfer's outcome, and
-    the seconds it took to rebuild the received blocks before it."""
-    from kvtransport.partial import partial_cache
-    from kvtransport.race import LinkView, range_ready_at, run_race
+    the seconds it took to read the received manifest before it. The received blocks are
+    checked and decoded range by range as the race loads them (kvtransport.blocks.
+    RangeDecoder), on the race's clock, as a live receiver does."""
+    from kvtransport import blocks
+    from kvtransport.race import LinkView, Received, range_ready_at, run_race
 
     t0 = time.perf_counter()
-    received, ready_at = None, None
+    received: Received | None = None
+    ready_at = None
     if out.app_metadata is not None:
-        got = partial_cache(out, token_ids=prep.context_ids, expected=prep.planned.manifest)
-        received = got.cache
-        ready_at = range_ready_at(got.manifest, out.arrival_s)
+        m = blocks.Manifest.from_bytes(out.app_metadata)
+        if m.geometry == prep.planned.manifest.geometry and blocks.is_cache_of(m, prep.context_ids):
+            received = (blocks.RangeDecoder(m), out.payload)
+            arrival = out.arrival_s if out.arrival_s is not None else np.zeros(m.num_blocks)
+            ready_at = range_ready_at(m, np.where(out.complete, arrival, np.inf))
     rebuild_s = time.perf_counter() - t0
     plan = prep.plan
     if ready_at is None:

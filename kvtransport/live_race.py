@@ -33,7 +33,7 @@ transfer that starts late still loads what the race has not computed yet. A tran
 another context, model or token range size is not loaded: the race computes everything.
 
 A token range's blocks are checked (CRC-32) and decoded when the race loads them, into one
-preallocated cache (kvtransport.blocks.decode_blocks_into): each block once. The receiving
+preallocated cache (kvtransport.blocks.RangeDecoder): each block once. The receiving
 thread writes blocks while the race reads complete ones; a complete block's bytes never
 change afterwards (kvtransport.receiver.ReceiverSession.payload_buffer).
 """
@@ -102,10 +102,7 @@ class LiveArrivals:
         self.refused = ""  # why the transfer is not loaded ("" while it may be)
         self._session: Any = None
         self._manifest: blocks.Manifest | None = None
-        self._range_blocks: list[np.ndarray] = []
-        self._failed = np.zeros(0, dtype=bool)
-        self._decoded = np.zeros(0, dtype=bool)
-        self._keys = self._values = np.zeros(0, dtype=np.float32)
+        self._decoder: blocks.RangeDecoder | None = None
         self._never = np.full(self.ranges, np.inf)
         self._hello = LinkView(np.full(self.ranges, hello_s), np.ones(self.ranges), np.inf,
                                hole_wait_s, settled=False)  # fmt: skip
@@ -122,9 +119,9 @@ class LiveArrivals:
         s = self._poll()
         if s is None:
             return self._never
-        assert self._manifest is not None  # _poll found it
+        assert self._manifest is not None and self._decoder is not None  # _poll found it
         arrival = s.complete_at - self._t0  # inf while a block is not complete
-        arrival[self._failed] = np.inf
+        arrival[self._decoder.failed] = np.inf
         return range_ready_at(self._manifest, arrival)
 
     def link(self) -> LinkView:
@@ -134,23 +131,12 @@ class LiveArrivals:
         return self._view if self._view is not None else self._hello
 
     def received(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray] | None:
-        m, s = self._manifest, self._session
-        assert m is not None and s is not None  # ready_at reported these ranges
-        bt = self.block_tokens
-        idx = np.concatenate(self._range_blocks[lo // bt : -(-hi // bt)])
-        todo = idx[~self._decoded[idx]]
-        if todo.size:
-            buf = s.payload_buffer
-            check = np.zeros(m.num_blocks, dtype=bool)
-            check[todo] = True
-            bad = blocks.corrupted_blocks(m, buf, check)
-            if bad.size:
-                self._failed[bad] = True
-                log.warning("%d received blocks failed their CRC-32: recomputed", bad.size)
-                return None
-            blocks.decode_blocks_into(m, buf, todo, self._keys, self._values)
-            self._decoded[todo] = True
-        return self._keys[:, :, lo:hi], self._values[:, :, lo:hi]
+        d, s = self._decoder, self._session
+        assert d is not None and s is not None  # ready_at reported these ranges
+        got = d.take(s.payload_buffer, lo, hi)
+        if got is None:
+            log.warning("%d received blocks failed their CRC-32: recomputed", d.failed.sum())
+        return got
 
     def run(self, fn: Callable[[], None]) -> tuple[float, float]:
         t0 = self.now()
@@ -211,18 +197,13 @@ class LiveArrivals:
     def _accept(self, m: blocks.Manifest, tm: Any, s: Any) -> None:
         """The plan as the transfer shows it: which ranges come, their bytes, when."""
         g = m.geometry
-        self._range_blocks = [np.flatnonzero(m.token_block == r) for r in range(self.ranges)]
-        self._failed = np.zeros(m.num_blocks, dtype=bool)
-        self._decoded = np.zeros(m.num_blocks, dtype=bool)
-        shape = (g.num_layers, g.num_kv_heads, g.num_tokens, g.head_dim)
-        dtype = np.float32 if g.dtype == "float32" else np.float16
-        self._keys, self._values = np.zeros(shape, dtype), np.zeros(shape, dtype)
+        self._decoder = blocks.RangeDecoder(m)
         range_bytes = np.bincount(m.token_block.astype(np.int64), weights=m.length,
                                   minlength=self.ranges)  # fmt: skip
         sent = np.zeros(self.ranges, dtype=bool)
         sent[m.token_block.astype(np.int64)] = True
         sent &= np.array([np.unique(m.layer[b]).size == g.num_layers
-                          for b in self._range_blocks])  # fmt: skip
+                          for b in self._decoder.range_blocks])  # fmt: skip
         start = s.timings.get("first_packet", s.created) - self._t0
         deadline = start + tm.deadline_s if tm.deadline_s > 0 else np.inf
         cum = np.cumsum(range_bytes)

@@ -49,6 +49,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from kvtransport.blocks import RangeDecoder
 from kvtransport.cache_builder import CacheBuilder, ComputeSpeed
 from kvtransport.kvcache import KVCache
 
@@ -195,12 +196,18 @@ class Arrivals(Protocol):
         ...
 
 
+Received = KVCache | tuple[RangeDecoder, np.ndarray]
+"""What arrived, for the replay: a decoded cache, or the received stream's decoder and its
+payload (each range checked and decoded when the race loads it, as a live receiver does)."""
+
+
 class ReplayArrivals:
     """A transfer's measured arrival timeline on a virtual clock: work advances it by its
-    measured wall time, a wait jumps it to the arrival (or to the end of the wait)."""
+    measured wall time (decoding a received range included), a wait jumps it to the
+    arrival (or to the end of the wait)."""
 
-    def __init__(self, ready_at: np.ndarray, received: KVCache | None, link: LinkView) -> None:
-        self._ready = ready_at if received is not None else np.full_like(ready_at, np.inf)
+    def __init__(self, ready_at: np.ndarray, received: Received | None, link: LinkView) -> None:
+        self._ready = ready_at.copy() if received is not None else np.full_like(ready_at, np.inf)
         self._received = received
         self._link = link
         self._clock = 0.0
@@ -214,9 +221,17 @@ class ReplayArrivals:
     def link(self) -> LinkView:
         return self._link
 
-    def received(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
-        assert self._received is not None  # nothing is ever ready without it
-        return self._received.keys[:, :, lo:hi], self._received.values[:, :, lo:hi]
+    def received(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray] | None:
+        got = self._received
+        assert got is not None  # nothing is ever ready without it
+        if isinstance(got, KVCache):
+            return got.keys[:, :, lo:hi], got.values[:, :, lo:hi]
+        decoder, payload = got
+        kv = decoder.take(payload, lo, hi)
+        if kv is None:  # a range with a corrupt block is never ready
+            m = decoder.manifest
+            self._ready[np.unique(m.token_block[decoder.failed].astype(np.int64))] = np.inf
+        return kv
 
     def run(self, fn: Callable[[], None]) -> tuple[float, float]:
         t0 = self._clock
@@ -234,7 +249,7 @@ def run_race(
     token_ids: list[int],
     *,
     split: int,
-    received: KVCache | None,
+    received: Received | None,
     ready_at: np.ndarray,
     link: LinkView,
     speed: ComputeSpeed,
@@ -244,8 +259,10 @@ def run_race(
     """Replay the race (see the module docstring) and return the cache it built.
 
     received: the K/V that arrived (zeros elsewhere), ``[layers, heads, tokens, dim]``,
-        or None when nothing did; ready_at: per token range of ``block_tokens``, when it
-        was complete at the receiver (inf: never); link: the plan's view of the link.
+        or the received stream to decode range by range as the race loads it
+        (:data:`Received`), or None when nothing arrived; ready_at: per token range of
+        ``block_tokens``, when it was complete at the receiver (inf: never); link: the
+        plan's view of the link.
     """
     n = len(token_ids)
     ranges = -(-n // block_tokens)

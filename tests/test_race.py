@@ -9,7 +9,7 @@ it should have computed (or the reverse) fails.
 import numpy as np
 import pytest
 
-from kvtransport import hf, tasks
+from kvtransport import blocks, hf, tasks, utility
 from kvtransport.cache_builder import CacheBuilder, ComputeSpeed
 from kvtransport.kvcache import KVCache
 from kvtransport.race import LinkView, range_ready_at, run_race
@@ -113,6 +113,33 @@ def test_holes_are_recomputed_exactly(smollm, context):
     assert _err(res.kv, kv) < TOL
     computed = {s.start // BT for s in res.steps if s.action == "compute"}
     assert computed == {0, 2, 5}  # the prefix, hole 2, holes 5-6 in one call
+
+
+def test_a_received_stream_is_decoded_as_loaded_and_a_corrupt_range_recomputed(smollm, context):
+    ctx, _, kv = context
+    ranges = -(-len(ctx) // BT)
+    g = blocks.Geometry.of(kv, BT)
+    u = np.ones((g.num_layers, g.token_blocks))
+    precision = np.full(u.shape, blocks.PRECISIONS.index("fp32"))
+    precision[:, 0] = -1  # the receiver's prefix is not sent
+    order = utility.stream_order(u, BT, "position")
+    stream = blocks.encode_stream(kv, u, order, precision, block_tokens=BT)
+    m, payload = stream.manifest, stream.payload.copy()
+    bad = int(np.flatnonzero(m.token_block == 4)[7])
+    payload[m.offset[bad]] ^= 0xFF  # arrived, but fails its CRC-32: never loaded
+    decoder = blocks.RangeDecoder(m)
+    ready = range_ready_at(m, np.zeros(m.num_blocks))
+    assert np.isinf(ready[0]) and np.all(ready[1:] == 0)
+    res = run_race(smollm.model, ctx, split=BT, received=(decoder, payload), ready_at=ready,
+                   link=_link(ready, deadline_s=0.0), speed=SPEED, block_tokens=BT)  # fmt: skip
+    assert np.flatnonzero(decoder.failed).tolist() == [bad]
+    assert res.recomputed == BT and res.loaded == len(ctx) - 2 * BT
+    assert _err(res.kv, kv) < TOL  # fp32 blocks load exactly, range 4 was computed
+    computed = {s.start // BT for s in res.steps if s.action == "compute"}
+    assert computed == {0, 4}
+    # the decoder decoded every other sent block once, and nothing of range 4's
+    assert np.all(decoder.keys[:, :, BT : 4 * BT] == kv.keys[:, :, BT : 4 * BT])
+    assert not decoder.keys[:, :, 4 * BT : 5 * BT].any() or ranges < 5
 
 
 def test_a_hole_is_waited_for_while_repair_may_fill_it(smollm, context):
