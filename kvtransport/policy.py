@@ -46,8 +46,6 @@ import numpy as np
 
 from kvtransport.errors import UserError
 from kvtransport.observation import (  # noqa: F401 (the observation's names, re-exported)
-    MODE_NONE,
-    MODE_RLC,
     OBS_CLIP,
     OBS_FIELDS,
     OBS_SIZE,
@@ -76,7 +74,7 @@ class NoFEC(Policy):
     """Sources only, in utility order: whatever is lost stays lost."""
 
     name = "none"
-    mode = RepairMode.NONE
+    scheme = "none"
     actions = np.array([(0.0, 1.0)], dtype=np.float32)
 
     def act(self, obs: np.ndarray) -> int:
@@ -87,7 +85,7 @@ class FixedRLC(Policy):
     """Streaming RLC at a fixed rate: R repair symbols per N source symbols, spread evenly
     (repair share R / (R + N)), each over the window the receiver still misses."""
 
-    mode = RepairMode.RLC
+    scheme = "rlc"
 
     def __init__(self, r: int, n: int) -> None:
         self.r, self.n = _check_rate(r, n, "fixed")
@@ -102,7 +100,7 @@ class BlockRS(Policy):
     """Block Reed-Solomon: after every N source symbols, R parity symbols of that block
     (reedsolo-compatible RS over GF(2^8); N + R <= 255). Blind to feedback."""
 
-    mode = RepairMode.BLOCK_RS
+    scheme = "block-rs"
     actions = np.array([(0.0, 1.0)], dtype=np.float32)
 
     def __init__(self, r: int, n: int) -> None:
@@ -120,7 +118,7 @@ class ARQ(Policy):
     """Retransmit what the receiver NACKs (at most once per RTT each), before new sources."""
 
     name = "arq"
-    mode = RepairMode.ARQ
+    scheme = "arq"
     actions = np.array([(0.0, 1.0)], dtype=np.float32)
 
     def act(self, obs: np.ndarray) -> int:
@@ -156,7 +154,7 @@ class Adaptive(Policy):
     """
 
     name = "adaptive"
-    mode = RepairMode.RLC
+    scheme = "rlc"
     reactive = True
 
     def __init__(self, prior_loss: float = 0.1, z: float = 2.0) -> None:
@@ -212,7 +210,7 @@ class Oracle(Policy):
     """
 
     name = "oracle"
-    mode = RepairMode.RLC
+    scheme = "rlc"
     reactive = True
     tail_rule = False
 
@@ -277,8 +275,8 @@ class ExternalPolicy(Policy):
     name = "external"
     reactive = True
 
-    def __init__(self, mode: RepairMode = RepairMode.RLC) -> None:
-        self.mode = mode
+    def __init__(self, scheme: str = "rlc") -> None:
+        self.scheme = scheme
 
     def act(self, obs: np.ndarray) -> int:
         return DEFER
