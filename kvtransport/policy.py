@@ -23,11 +23,12 @@ reports with a repair as soon as it can, before the share is spent (as ARQ would
 repair of a segment fixes any of its holes); the learned policy then decides what feedback
 cannot: how much to protect what is still in flight, and when to stop admitting.
 
-**Mode** (``RepairMode``) says what a repair *is* for this policy: a sliding-window RLC
-symbol (``RLC``), nothing (``NONE``), a Reed-Solomon parity of fixed blocks
-(``BLOCK_RS``: ``block_k`` sources then ``block_p`` parities, regardless of the action), or a
-retransmission of a source the receiver NACKed (``ARQ``: retransmissions first, then new
-sources).
+**Scheme** (``Policy.scheme``, a name in kvtransport.schemes) says what a repair *is* for
+this policy and how it is built: a sliding-window RLC symbol (``rlc``), nothing
+(``none``), a Reed-Solomon parity of fixed blocks (``block-rs``: ``block_k`` sources then
+``block_p`` parities, regardless of the action), or a retransmission of a source the
+receiver NACKed (``arq``: retransmissions first, then new sources). ``Policy.mode`` gives a
+built-in scheme as a ``RepairMode``.
 
 Whatever the policy says, the session never admits a source symbol that cannot be useful:
 while ``tail_rule`` is on, the next source is admitted only if the expected surviving slots

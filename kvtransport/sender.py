@@ -11,27 +11,24 @@ rate counting ``LINK_OVERHEAD_BYTES`` per datagram, as shapers do):
 
 1. the transport manifest, protected as kvtransport.manifest_fec describes (its first
    datagram takes slot 0; repetition stops once feedback acknowledges it);
-2. per the policy's mode: Reed-Solomon parities of the block just completed (BLOCK_RS);
-   retransmissions of what feedback NACKed, at most once per 1.5 RTT each (ARQ); for RLC,
-   first the *reactive* repairs feedback asked for (when the policy is ``reactive``), then
-   a *proactive* repair whenever the repair credit (the interval's repair share, added
-   per slot) reaches one;
+2. a repair that goes first, as the policy's repair scheme has it (kvtransport.schemes,
+   ``SenderRepair.before_source``): Reed-Solomon parities of the block just completed
+   (block-rs); retransmissions of what feedback NACKed, at most once per 1.5 RTT each
+   (arq); for rlc, first the *reactive* repairs feedback asked for (when the policy is
+   ``reactive``), then a *proactive* repair whenever the repair credit (the interval's
+   repair share, added per slot) reaches one;
 3. otherwise the next source symbol in utility order, if the policy admits new sources and
    the tail rule allows it: the expected surviving slots before the stop time (slots times
    1 - loss estimate) must cover the repairs still owed plus the symbols that finish the
    block holding this source's first byte. A source whose block cannot finish in time is
    useless, so it is not sent;
-4. otherwise RLC repairs for what was already sent, until the stop time (when nothing is
-   left to repair, a source that passes the tail rule goes out rather than an idle slot).
+4. otherwise, for a scheme that fills idle slots (rlc: ``SenderRepair.fill``), repairs
+   for what was already sent, until the stop time (when nothing is left to repair, a
+   source that passes the tail rule goes out rather than an idle slot).
 
-RLC repair windows. Reactive: feedback lists the receiver's holes and, per aligned segment
-of ``REPAIR_SEGMENT`` ESIs, the equations it already holds; each segment owed equations gets
-repairs over its own holes only, lowest segment first. Segments thus decode independently,
-any equation fixes any hole of its segment, a lost repair costs one more next round, and
-windows stay short (decoding cost grows with the window). Proactive: the newest symbols,
-those feedback cannot have reported yet: one RTT plus one interval of them (at least a
-segment, at most ``max_repair_span``, default MAX_REPAIR_SPAN), never below
-decoded-through or the receiver's decoder window. Both kinds are dense RFC 8681 repairs (DT = 15).
+The scheme decides how a repair is built (kvtransport.schemes.rlc has the RLC repair
+windows; their proactive span is at most ``max_repair_span``, default MAX_REPAIR_SPAN);
+the policy decides how much repair and when.
 
 Stop time = deadline - one-way delay estimate (half the smoothed RTT) - one slot: a datagram
 sent later cannot arrive before the deadline. Then a CONTROL FIN goes out and the session is
