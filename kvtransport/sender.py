@@ -72,6 +72,7 @@ from kvtransport.protocol import (
     LINK_OVERHEAD_BYTES,
     MAX_REPAIR_SPAN,
 )
+from kvtransport.schemes.base import SenderRepair
 from kvtransport.schemes.rlc import RLCSender
 from kvtransport.transfer import Transfer, TransportManifest
 from kvtransport.wire import (
@@ -175,7 +176,7 @@ class SenderSession:
         self.srtt: float | None = None
         self.stop_time = 0.0  # last moment a datagram can leave and arrive before the deadline
         self._max_span = _check_span(max_repair_span)
-        self._open_loop = False  # no feedback for a while: repair open-loop (_silent)
+        self.open_loop = False  # no feedback for a while: repair open-loop (_silent)
         self._resumed_at = now  # a paused sender expects no feedback: silence counts anew
         self._decision_t = now
         self._raw = np.zeros(RAW_SIZE, dtype=np.float64)  # the policy's input, see _state()
@@ -245,6 +246,7 @@ class SenderSession:
         # the repair scheme's side of this transfer (what a repair is and how it is built)
         self._repair = rep = self.scheme.sender(self, policy)
         self._owed_model = rep.owed_model
+        self._scheme_tail = rep.tail_ok if type(rep).tail_ok is not SenderRepair.tail_ok else None
         self._on_source = rep.on_source if rep.sees_sources else None
         if self.scheme.stat:
             self.stats.setdefault(self.scheme.stat, 0)
@@ -477,7 +479,24 @@ class SenderSession:
         if not self._tail_rule:
             return True
         left = int(left_s / self.slot_s) + 1
-        return self._repair.tail_ok(left, esi, self._finish_esi[esi] - esi + 1)
+        need = self._finish_esi[esi] - esi + 1
+        if self._scheme_tail is not None:
+            return self._scheme_tail(left, esi, need)
+        return self.tail_fits(left, need)
+
+    def tail_fits(self, left: int, need: int) -> bool:
+        """The loss-aware tail rule: do ``left`` slots, times one minus the loss estimate,
+        cover the repairs owed plus ``need`` more? (Schemes may rule otherwise:
+        ``SenderRepair.tail_ok``.)"""
+        surviving = left * (1.0 - self.loss_estimate())
+        # cheap bound first: owed() never exceeds what was asked for plus all in flight
+        bound = self.fb_deficit + self.fb_unseen + self.source_sent - self._fb_src_mark
+        return surviving >= bound + need or surviving >= self.owed() + need
+
+    @property
+    def fb_echo(self) -> int:
+        """The highest packet number feedback reported (-1: none yet)."""
+        return self._fb_echo
 
     # ------------------------------------------------------------------ emission
 
@@ -737,8 +756,8 @@ class SenderSession:
         self._last = (share, 1.0 if admit else 0.0, self._last[0])
         self.share = share if admit else 1.0
         self.admit = admit
-        self._open_loop = self._repair.open_loop and self._silent(self._decision_t)
-        if self._open_loop:
+        self.open_loop = self._repair.repairs_open_loop and self._silent(self._decision_t)
+        if self.open_loop:
             self.share = max(self.share, self._open_loop_share(self._decision_t))
 
     def _silent(self, t: float) -> bool:

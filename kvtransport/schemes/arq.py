@@ -14,7 +14,7 @@ from kvtransport.wire import FLAG_RETRANSMIT, DatagramType
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from kvtransport.policy_base import Policy
-    from kvtransport.sender import SenderSession
+    from kvtransport.schemes.base import SenderView
     from kvtransport.wire import Feedback
 
 _SOURCE = int(DatagramType.SOURCE)
@@ -23,7 +23,7 @@ _SOURCE = int(DatagramType.SOURCE)
 class ARQSender(SenderRepair):
     """The NACKed sources not yet retransmitted, lowest ESI first."""
 
-    def __init__(self, session: SenderSession, policy: Policy) -> None:
+    def __init__(self, session: SenderView, policy: Policy) -> None:
         super().__init__(session, policy)
         n = session.n_source
         self.reactive = True  # every retransmission answers a reported hole
@@ -33,7 +33,7 @@ class ARQSender(SenderRepair):
 
     def on_feedback(self, fb: Feedback, now: float) -> None:
         s = self.session
-        guard = 1.5 * (s.srtt if s.srtt is not None else s._initial_rtt)
+        guard = 1.5 * (2.0 * s.owd)  # the smoothed RTT (the initial one before any)
         queued, times, heap = self._queued, self._time, self._heap
         hi = s.next_esi
         for first, count in fb.ranges:
@@ -61,7 +61,7 @@ class ARQ(RepairScheme):
     name = "arq"
     stat = "retransmit_sent"
 
-    def sender(self, session: SenderSession, policy: Policy) -> SenderRepair:
+    def sender(self, session: SenderView, policy: Policy) -> SenderRepair:
         return ARQSender(session, policy)
 
 

@@ -47,8 +47,8 @@ from kvtransport.wire import Datagram, WireError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from kvtransport.policy_base import Policy
-    from kvtransport.sender import SenderSession
-    from kvtransport.wire import Feedback
+    from kvtransport.transfer import Transfer
+    from kvtransport.wire import Feedback, Framer
 
 __all__ = [
     "OWED_NONE",
@@ -58,8 +58,38 @@ __all__ = [
     "ReceiverRepair",
     "RepairScheme",
     "SenderRepair",
+    "SenderView",
     "SymbolStore",
 ]
+
+
+class SenderView(Protocol):
+    """What a :class:`SenderRepair` may read (and, for ``fb_deficit``, refine) of its
+    :class:`~kvtransport.sender.SenderSession`."""
+
+    transfer: Transfer | None
+    framer: Framer  # builds every datagram; a repair is sealed at ``seq``
+    seq: int
+    symbol_size: int
+    n_source: int
+    next_esi: int  # sources sent so far: ESIs 0 .. next_esi - 1
+    stats: dict[str, int]
+    share: float  # the policy's repair share for this interval
+    open_loop: bool  # no feedback for a while
+    fb_through: int  # the receiver's decoded-through, as last reported
+    fb_deficit: int  # reported holes still owed repairs
+    decision_packets: int
+    slot_s: float
+    srtt: float | None
+
+    @property
+    def owd(self) -> float: ...
+    @property
+    def fb_echo(self) -> int: ...
+    @property
+    def max_repair_span(self) -> int: ...
+    def source_symbol(self, esi: int) -> memoryview | bytes: ...
+    def tail_fits(self, left: int, need: int) -> bool: ...
 
 
 class BadFEC(WireError):
@@ -78,9 +108,9 @@ class SenderRepair:
     sees_sources = False  # on_source is called for every source sent
     fills_idle = False  # fill() may repair instead of an idle slot
     finishes_when_sent = False  # the session finishes once every source is sent
-    open_loop = False  # without feedback, the session raises the repair share
+    repairs_open_loop = False  # without feedback, the session raises the repair share
 
-    def __init__(self, session: SenderSession, policy: Policy) -> None:
+    def __init__(self, session: SenderView, policy: Policy) -> None:
         self.session = session
         self.reactive = False  # the repair returned last answered reported holes
         self.needed = 0  # OWED_SEGMENTS: repairs the latest feedback asked for, still owed
@@ -107,13 +137,10 @@ class SenderRepair:
 
     def tail_ok(self, left: int, esi: int, need: int) -> bool:
         """May source ``esi`` go out with ``left`` slots before the stop time, ``need`` of
-        them to finish its block? The expected surviving slots must cover the repairs
-        owed plus ``need``."""
-        s = self.session
-        surviving = left * (1.0 - s.loss_estimate())
-        # cheap bound first: owed() never exceeds what was asked for plus all in flight
-        bound = s.fb_deficit + s.fb_unseen + s.source_sent - s._fb_src_mark
-        return surviving >= bound + need or surviving >= s.owed() + need
+        them to finish its block? By default the session's loss-aware rule
+        (``tail_fits``: the expected surviving slots cover the repairs owed plus
+        ``need``); a scheme that overrides this rules alone."""
+        return self.session.tail_fits(left, need)
 
     def release(self) -> None:
         """The transfer is over: drop every reference to its payload."""
@@ -154,7 +181,7 @@ class RepairScheme:
     stat = ""
     """The sender's ``stats`` key counting its repair datagrams ("" for none)."""
 
-    def sender(self, session: SenderSession, policy: Policy) -> SenderRepair:
+    def sender(self, session: SenderView, policy: Policy) -> SenderRepair:
         """The sender side for one transfer."""
         return SenderRepair(session, policy)
 

@@ -18,6 +18,7 @@ from kvtransport.schemes.base import (
     ReceiverRepair,
     RepairScheme,
     SenderRepair,
+    SenderView,
     SymbolStore,
 )
 from kvtransport.wire import Datagram, DatagramType, block_repair_key
@@ -25,7 +26,6 @@ from kvtransport.wire import Datagram, DatagramType, block_repair_key
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from kvtransport.codecs.blockrs import BlockRSDecoder
     from kvtransport.policy_base import Policy
-    from kvtransport.sender import SenderSession
 
 RS_BLOCKS_HELD = 16
 """Blocks the receiver's decoder holds."""
@@ -37,7 +37,7 @@ class BlockRSSender(SenderRepair):
 
     sees_sources = True
 
-    def __init__(self, session: SenderSession, policy: Policy) -> None:
+    def __init__(self, session: SenderView, policy: Policy) -> None:
         from kvtransport.codecs.blockrs import BlockRSEncoder
 
         super().__init__(session, policy)
@@ -112,7 +112,7 @@ class BlockRS(RepairScheme):
     wire_type = _BLOCK_REPAIR
     stat = "block_repair_sent"
 
-    def sender(self, session: SenderSession, policy: Policy) -> SenderRepair:
+    def sender(self, session: SenderView, policy: Policy) -> SenderRepair:
         return BlockRSSender(session, policy)
 
     def check(self, d: Datagram) -> int:

@@ -8,7 +8,7 @@ from kvtransport.schemes.base import OWED_NONE, RepairScheme, SenderRepair
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from kvtransport.policy_base import Policy
-    from kvtransport.sender import SenderSession
+    from kvtransport.schemes.base import SenderView
 
 
 class NoRepairSender(SenderRepair):
@@ -24,7 +24,7 @@ class NoRepairSender(SenderRepair):
 class NoRepair(RepairScheme):
     name = "none"
 
-    def sender(self, session: SenderSession, policy: Policy) -> SenderRepair:
+    def sender(self, session: SenderView, policy: Policy) -> SenderRepair:
         return NoRepairSender(session, policy)
 
 

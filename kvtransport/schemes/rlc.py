@@ -32,7 +32,7 @@ from kvtransport.wire import REPAIR_SEGMENT, DatagramType, pack_dt_nss
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from kvtransport.policy_base import Policy
-    from kvtransport.sender import SenderSession
+    from kvtransport.schemes.base import SenderView
     from kvtransport.wire import Feedback
 
 _REPAIR = int(DatagramType.REPAIR)
@@ -54,9 +54,9 @@ class RLCSender(SenderRepair):
 
     owed_model = OWED_SEGMENTS
     fills_idle = True
-    open_loop = True
+    repairs_open_loop = True
 
-    def __init__(self, session: SenderSession, policy: Policy) -> None:
+    def __init__(self, session: SenderView, policy: Policy) -> None:
         super().__init__(session, policy)
         s, n = session.symbol_size, session.n_source
         assert session.transfer is not None  # a new session holds its transfer
@@ -126,7 +126,7 @@ class RLCSender(SenderRepair):
         served first."""
         s = self.session
         flight = self.flight
-        while flight and flight[0][0] <= s._fb_echo:
+        while flight and flight[0][0] <= s.fb_echo:
             flight.popleft()  # it had arrived (or was lost) when the receiver reported
         in_flight: dict[int, int] = {}
         for _, seg in flight:
@@ -169,7 +169,7 @@ class RLCSender(SenderRepair):
             return max(seg * REPAIR_SEGMENT, s.fb_through, floor), min(end, hi)
         # proactive: the newest symbols, those feedback cannot have reported yet (one RTT
         # and an interval of them); older holes are the reactive repairs' job
-        span = max(OPEN_LOOP_SPAN, self.span) if s._open_loop else self.span
+        span = max(OPEN_LOOP_SPAN, self.span) if s.open_loop else self.span
         return max(s.fb_through, floor, hi - span), hi
 
     def _repair(self, reactive: bool) -> bytes | None:
@@ -223,7 +223,7 @@ class RLC(RepairScheme):
     name = "rlc"
     stat = "rlc_repair_sent"
 
-    def sender(self, session: SenderSession, policy: Policy) -> SenderRepair:
+    def sender(self, session: SenderView, policy: Policy) -> SenderRepair:
         return RLCSender(session, policy)
 
 
