@@ -246,7 +246,10 @@ class SenderSession:
         # the repair scheme's side of this transfer (what a repair is and how it is built)
         self._repair = rep = self.scheme.sender(self, policy)
         self._owed_model = rep.owed_model
-        self._scheme_tail = rep.tail_ok if type(rep).tail_ok is not SenderRepair.tail_ok else None
+        # the scheme's per-slot calls, bound once (None where the scheme has nothing to do)
+        self._before_source = rep.before_source if _overrides(rep, "before_source") else None
+        self._fill = rep.fill if rep.fills_idle else None
+        self._scheme_tail = rep.tail_ok if _overrides(rep, "tail_ok") else None
         self._on_source = rep.on_source if rep.sees_sources else None
         if self.scheme.stat:
             self.stats.setdefault(self.scheme.stat, 0)
@@ -512,18 +515,20 @@ class SenderSession:
             d = manifest.emit(self.framer, self.seq, slot)
             self.stats["manifest_sent"] += 1
             return self._sent(d, t)
-        rep = self._repair
-        d = rep.before_source(t)
-        if d is not None:
-            return self._sent(d, t, False, True, rep.reactive)
+        before = self._before_source
+        if before is not None:
+            d = before(t)
+            if d is not None:
+                return self._sent(d, t, False, True, self._repair.reactive)
         esi = self.next_esi
         if esi < self.n_source:
             if self.admit and self._tail_ok(t, esi):
                 return self._sent(self._source(esi), t, True)
-        if rep.fills_idle:
-            d = rep.fill(t)
+        fill = self._fill
+        if fill is not None:
+            d = fill(t)
             if d is not None:
-                return self._sent(d, t, False, True, rep.reactive)
+                return self._sent(d, t, False, True, self._repair.reactive)
             if esi < self.n_source and self._tail_ok(t, esi):
                 return self._sent(self._source(esi), t, True)
         return None
@@ -785,6 +790,11 @@ class SenderSession:
     def _drop(self, reason: str) -> None:
         self.stats["dropped"] += 1
         self.drop_reasons[reason] = self.drop_reasons.get(reason, 0) + 1
+
+
+def _overrides(rep: SenderRepair, method: str) -> bool:
+    """Does the scheme's sender side define ``method`` (not the base class's)?"""
+    return getattr(type(rep), method) is not getattr(SenderRepair, method)
 
 
 def _check_span(span: int) -> int:
