@@ -55,7 +55,10 @@ of its window)::
 REPAIR is a streaming RLC repair (RFC 8681 sliding window over GF(2^8)); BLOCK_REPAIR is a
 Reed-Solomon parity symbol of the block of k source symbols starting at ``esi`` (n = k + p
 <= 255, so p and the index fit one byte each); an ARQ retransmission is a SOURCE datagram
-with the RETRANSMIT flag. The transport manifest travels in its own ESI space (MANIFEST and
+with the RETRANSMIT flag. A repair scheme's own type is listed here and in
+``SCHEME_TYPES``; one registered at run time (kvtransport.schemes.register) may bring a
+type this table does not list, which parsers accept while it is registered. The transport
+manifest travels in its own ESI space (MANIFEST and
 MANIFEST_REPAIR) with its own RLC code; see kvtransport.transfer for its content.
 
 Feedback payload (receiver -> sender): ``FEEDBACK_FIXED`` (counters, loss estimates, flags;

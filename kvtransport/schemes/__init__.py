@@ -81,6 +81,7 @@ def get(name: str) -> RepairScheme:
 
 
 def names() -> str:
+    """The registered schemes' names, sorted, comma-separated (for messages)."""
     return ", ".join(sorted(_SCHEMES))
 
 
