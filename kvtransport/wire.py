@@ -58,8 +58,8 @@ Reed-Solomon parity symbol of the block of k source symbols starting at ``esi`` 
 with the RETRANSMIT flag. A repair scheme's own type is listed here and in
 ``SCHEME_TYPES``; one registered at run time (kvtransport.schemes.register) may bring a
 type this table does not list, which parsers accept while it is registered. The transport
-manifest travels in its own ESI space (MANIFEST and
-MANIFEST_REPAIR) with its own RLC code; see kvtransport.transfer for its content.
+manifest travels in its own ESI space (MANIFEST and MANIFEST_REPAIR) with its own RLC
+code; see kvtransport.transfer for its content.
 
 Feedback payload (receiver -> sender): ``FEEDBACK_FIXED`` (counters, loss estimates, flags;
 field list at its definition), then ``n_ranges`` loss ranges ``(first ESI u32, count u16)``
