@@ -30,7 +30,7 @@ from numba import njit
 
 from kvtransport.errors import UserError
 from kvtransport.observation import OBS_FIELDS, observe_into
-from kvtransport.policy_base import Policy, RepairMode
+from kvtransport.policy_base import Policy
 
 SHIPPED_WEIGHTS = Path(__file__).with_name("data") / "ddqn.npz"
 SHIPPED_SIDECAR = SHIPPED_WEIGHTS.with_suffix(".json")
@@ -212,7 +212,7 @@ class DDQNPolicy(Policy):
     """
 
     name = "ddqn"
-    mode = RepairMode.RLC
+    scheme = "rlc"
     reactive = True
 
     def __init__(self, weights: QWeights | str | Path | None = None) -> None:

@@ -97,7 +97,7 @@ class Raw(IntEnum):
     INTERVAL = 26  # slots per decision interval
     N_SOURCE = 27  # source symbols in the stream
     INITIAL_RTT = 28  # RTT assumed before any measurement (s)
-    MODE = 29  # the policy's RepairMode as a number
+    MODE = 29  # how the repair scheme counts what is owed (OWED_*)
     PRIOR_LOSS = 30  # the shell's loss prior for this path (-1: none)
 
 
@@ -107,8 +107,14 @@ RAW_FEEDBACK = (int(Raw.HAS_FEEDBACK), int(Raw.SLOT_S))
 RAW_TRANSFER = (int(Raw.SLOT_S), RAW_SIZE)
 """The packed groups as (first, end) index ranges."""
 
-# RepairMode values (kvtransport.policy), as plain ints for the kernel
-MODE_NONE, MODE_RLC = 0, 1
+OWED_NONE = 0
+"""``Raw.MODE`` of a scheme that never owes a repair (sources only)."""
+OWED_SEGMENTS = 1
+"""... of a scheme whose reactive repairs are counted per reported segment
+(``Raw.SEG_NEEDED``, the sliding-window RLC)."""
+OWED_REPORTED = 2
+"""... of a scheme that owes one repair per reported hole not yet answered by a reactive
+repair (``Raw.FB_DEFICIT`` minus reactive repairs in flight: block RS, ARQ)."""
 
 
 @njit(cache=True, nogil=True)
@@ -134,11 +140,11 @@ def observe_into(raw: np.ndarray, obs: np.ndarray) -> None:
     src_f = raw[Raw.SOURCE_SENT.value] - raw[Raw.SOURCE_MARK.value]
     rep_f = raw[Raw.REPAIR_SENT.value] - raw[Raw.REPAIR_MARK.value]
     mode = int(raw[Raw.MODE.value])
-    if mode == MODE_NONE:
+    if mode == OWED_NONE:
         owed = 0.0
     else:
         rea_f = raw[Raw.REACTIVE_SENT.value] - raw[Raw.REACTIVE_MARK.value]
-        if mode == MODE_RLC:
+        if mode == OWED_SEGMENTS:
             needed = raw[Raw.SEG_NEEDED.value]
         else:
             needed = raw[Raw.FB_DEFICIT.value] - rea_f

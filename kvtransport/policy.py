@@ -23,11 +23,12 @@ reports with a repair as soon as it can, before the share is spent (as ARQ would
 repair of a segment fixes any of its holes); the learned policy then decides what feedback
 cannot: how much to protect what is still in flight, and when to stop admitting.
 
-**Mode** (``RepairMode``) says what a repair *is* for this policy: a sliding-window RLC
-symbol (``RLC``), nothing (``NONE``), a Reed-Solomon parity of fixed blocks
-(``BLOCK_RS``: ``block_k`` sources then ``block_p`` parities, regardless of the action), or a
-retransmission of a source the receiver NACKed (``ARQ``: retransmissions first, then new
-sources).
+**Scheme** (``Policy.scheme``, a name in kvtransport.schemes) says what a repair *is* for
+this policy and how it is built: a sliding-window RLC symbol (``rlc``), nothing
+(``none``), a Reed-Solomon parity of fixed blocks (``block-rs``: ``block_k`` sources then
+``block_p`` parities, regardless of the action), or a retransmission of a source the
+receiver NACKed (``arq``: retransmissions first, then new sources). ``Policy.mode`` gives a
+built-in scheme as a ``RepairMode``.
 
 Whatever the policy says, the session never admits a source symbol that cannot be useful:
 while ``tail_rule`` is on, the next source is admitted only if the expected surviving slots
@@ -46,8 +47,6 @@ import numpy as np
 
 from kvtransport.errors import UserError
 from kvtransport.observation import (  # noqa: F401 (the observation's names, re-exported)
-    MODE_NONE,
-    MODE_RLC,
     OBS_CLIP,
     OBS_FIELDS,
     OBS_SIZE,
@@ -76,7 +75,7 @@ class NoFEC(Policy):
     """Sources only, in utility order: whatever is lost stays lost."""
 
     name = "none"
-    mode = RepairMode.NONE
+    scheme = "none"
     actions = np.array([(0.0, 1.0)], dtype=np.float32)
 
     def act(self, obs: np.ndarray) -> int:
@@ -87,7 +86,7 @@ class FixedRLC(Policy):
     """Streaming RLC at a fixed rate: R repair symbols per N source symbols, spread evenly
     (repair share R / (R + N)), each over the window the receiver still misses."""
 
-    mode = RepairMode.RLC
+    scheme = "rlc"
 
     def __init__(self, r: int, n: int) -> None:
         self.r, self.n = _check_rate(r, n, "fixed")
@@ -102,7 +101,7 @@ class BlockRS(Policy):
     """Block Reed-Solomon: after every N source symbols, R parity symbols of that block
     (reedsolo-compatible RS over GF(2^8); N + R <= 255). Blind to feedback."""
 
-    mode = RepairMode.BLOCK_RS
+    scheme = "block-rs"
     actions = np.array([(0.0, 1.0)], dtype=np.float32)
 
     def __init__(self, r: int, n: int) -> None:
@@ -120,7 +119,7 @@ class ARQ(Policy):
     """Retransmit what the receiver NACKs (at most once per RTT each), before new sources."""
 
     name = "arq"
-    mode = RepairMode.ARQ
+    scheme = "arq"
     actions = np.array([(0.0, 1.0)], dtype=np.float32)
 
     def act(self, obs: np.ndarray) -> int:
@@ -156,7 +155,7 @@ class Adaptive(Policy):
     """
 
     name = "adaptive"
-    mode = RepairMode.RLC
+    scheme = "rlc"
     reactive = True
 
     def __init__(self, prior_loss: float = 0.1, z: float = 2.0) -> None:
@@ -212,7 +211,7 @@ class Oracle(Policy):
     """
 
     name = "oracle"
-    mode = RepairMode.RLC
+    scheme = "rlc"
     reactive = True
     tail_rule = False
 
@@ -277,8 +276,8 @@ class ExternalPolicy(Policy):
     name = "external"
     reactive = True
 
-    def __init__(self, mode: RepairMode = RepairMode.RLC) -> None:
-        self.mode = mode
+    def __init__(self, scheme: str = "rlc") -> None:
+        self.scheme = scheme
 
     def act(self, obs: np.ndarray) -> int:
         return DEFER

@@ -1,6 +1,6 @@
-"""The policy interface: the action table, what a repair is, and the base class.
+"""The policy interface: the action table and the base class.
 
-The contract (observation, action, mode) is described in kvtransport.policy, which holds
+The contract (observation, action, repair scheme) is described in kvtransport.policy, which holds
 the built-in policies and ``make_policy`` and re-exports these names. They live here, below
 both the built-in policies and the DDQN runtime (kvtransport.agents.runtime), so that the
 registry can build the runtime without the runtime importing the registry.
@@ -13,7 +13,7 @@ from enum import IntEnum
 
 import numpy as np
 
-from kvtransport.observation import MODE_NONE, MODE_RLC, observe_into
+from kvtransport.observation import observe_into
 
 DECISION_PACKETS = 32
 """Data-path slots per decision interval."""
@@ -26,10 +26,19 @@ ExternalPolicy: the Gymnasium environment supplies the action)."""
 
 
 class RepairMode(IntEnum):
-    NONE = MODE_NONE  # the observation kernel tells these two apart by number
-    RLC = MODE_RLC
+    """The built-in repair schemes (kvtransport.schemes) by number: ``Policy.mode`` names a
+    built-in policy's scheme this way. The session goes by ``Policy.scheme``, the name a
+    scheme is registered under, which any scheme has."""
+
+    NONE = 0
+    RLC = 1
     BLOCK_RS = 2
     ARQ = 3
+
+    @property
+    def scheme(self) -> str:
+        """The registered name of this scheme ("none", "rlc", "block-rs", "arq")."""
+        return self.name.lower().replace("_", "-")
 
 
 @dataclass(frozen=True)
@@ -44,15 +53,24 @@ class PolicyContext:
 
 
 class Policy:
-    """Base class: one decision per interval, ``act(obs) -> index into actions``."""
+    """Base class: one decision per interval, ``act(obs) -> index into actions``.
+
+    ``scheme`` names the repair scheme (kvtransport.schemes) the session builds repairs
+    with; the policy decides how much repair and when (the action), the scheme how.
+    ``block_k`` / ``block_p`` parametrise the block RS scheme."""
 
     name = "policy"
-    mode = RepairMode.RLC
+    scheme = "rlc"
     actions: np.ndarray = ACTIONS
     tail_rule = True
     reactive = False
     block_k = 0
     block_p = 0
+
+    @property
+    def mode(self) -> RepairMode | None:
+        """The scheme as a built-in ``RepairMode`` (None: a scheme registered elsewhere)."""
+        return next((m for m in RepairMode if m.scheme == self.scheme), None)
 
     def reset(self, ctx: PolicyContext) -> None:
         """Called once per transfer before the first decision."""

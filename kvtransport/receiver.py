@@ -12,8 +12,10 @@ estimates); then
 
 - SOURCE / REPAIR: into the RLC decoder; every ESI that becomes known (received or
   recovered) is copied once into the output buffer and counted towards its blocks;
-- BLOCK_REPAIR: into a block Reed-Solomon decoder (kvtransport.codecs.blockrs, holding
-  ``RS_BLOCKS_HELD`` blocks), which from then on also sees every source;
+- a repair scheme's own type (kvtransport.schemes: BLOCK_REPAIR, the block Reed-Solomon
+  parities): into that scheme's decoder, made on its first repair, which from then on
+  also sees every source; what it recovers is copied into the output buffer and handed to
+  the RLC decoder, which holds every known source;
 - MANIFEST / MANIFEST_REPAIR: into the manifest decoder (kvtransport.manifest_fec); once
   the manifest decodes, the block table is known and completion is counted from the
   symbols already held;
@@ -55,10 +57,10 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvtransport import schemes
 from kvtransport.codecs.rlc import RLCDecoder
 from kvtransport.feedback import LossMonitor, loss_ranges
 from kvtransport.manifest_fec import ManifestReceiver
@@ -89,13 +91,9 @@ from kvtransport.wire import (
     feedback_size,
 )
 
-if TYPE_CHECKING:  # pragma: no cover - typing only
-    from kvtransport.codecs.blockrs import BlockRSDecoder
-
 _SOURCE = int(DatagramType.SOURCE)
 _REPAIR = int(DatagramType.REPAIR)
 _FEEDBACK = int(DatagramType.FEEDBACK)
-RS_BLOCKS_HELD = 16
 FIN_GRACE = 0.05
 FEEDBACK_QUIET_S = 1.0
 """Periodic feedback pauses after this long without a datagram (a sender paused by its
@@ -185,7 +183,8 @@ class ReceiverSession:
         self.blocks_complete = 0
         self.utility = 0.0
 
-        self._rs: BlockRSDecoder | None = None  # once a BLOCK_REPAIR arrives
+        # per wire type, the decoder of a repair scheme with its own type (once one came)
+        self._side: dict[int, schemes.ReceiverRepair] = {}
         self._batch = _Run()  # receive_datagrams' run of data symbols not yet decoded
 
         self._pending: list[bytes] = []
@@ -350,10 +349,10 @@ class ReceiverSession:
                 self._on_repair(d)
             elif t == DatagramType.MANIFEST or t == DatagramType.MANIFEST_REPAIR:
                 self._on_manifest(d, now)
-            elif t == DatagramType.BLOCK_REPAIR:
-                self._on_block_repair(d)
-            else:
+            elif t == DatagramType.CONTROL:
                 self._on_control(d.esi, now)
+            else:
+                self._on_scheme_repair(d)
         except WireError as exc:
             self._drop(exc.reason)
             return
@@ -451,8 +450,9 @@ class ReceiverSession:
                 for e in got:
                     if e != esi and not known[e]:
                         self._recovered(e)
-        if self._rs is not None:
-            self._rs_recovered(self._rs.add_source(esi, payload))
+        if self._side:
+            for dec in self._side.values():
+                self._side_recovered(dec, dec.add_source(esi, payload))
 
     def _repair_fields(self, d: Datagram) -> tuple[int, int, int, int, memoryview]:
         """Validate (the symbol's slot) and count a repair: (first_esi, nss, repair_key,
@@ -497,7 +497,7 @@ class ReceiverSession:
         at a time, it would find those symbols released). A release below the ESIs the run
         recovers is otherwise the same before or after the rest of the run."""
         dec, b = self.decoder, self._batch
-        if dec is None or self._rs is not None:
+        if dec is None or self._side:
             return False
         lo = d[6]
         hi = lo if d[0] == _SOURCE else lo + (d[5] & 0xFFF) - 1
@@ -737,40 +737,41 @@ class ReceiverSession:
             self._blk_missing = []
         self._send_feedback(now)
 
-    # ------------------------------------------------------------------ block RS
+    # ------------------------------------------------------------------ other schemes
 
-    def _on_block_repair(self, d: Datagram) -> None:
-        first, k = d.esi, d.dt_nss
-        p, index = d.key >> 8, d.key & 0xFF
-        if not (1 <= k and 1 <= p and index < p and k + p <= 255) or first % k:
-            raise _Drop("bad_fec")
-        self._symbol_slot(first, len(d.payload))
+    def _on_scheme_repair(self, d: Datagram) -> None:
+        """A repair of a scheme with its own wire type (kvtransport.schemes)."""
+        scheme = schemes.by_wire_type(d.type)
+        if scheme is None:  # a type the parser accepts but no scheme decodes any more
+            raise _Drop("unexpected_type")
+        self._symbol_slot(scheme.check(d), len(d.payload))
         self.repair_received += 1
-        rs = self._rs
-        if rs is None:
-            from kvtransport.codecs.blockrs import BlockRSDecoder
+        dec = self._side.get(d.type)
+        if dec is None:
+            dec = self._side[d.type] = scheme.decoder(self.symbol_size, d)
+        self._side_recovered(dec, dec.add_repair(d, self))
 
-            rs = self._rs = BlockRSDecoder(self.symbol_size, k, p, max_blocks=RS_BLOCKS_HELD)
-        elif rs.k != k or rs.p != p:
-            raise _Drop("bad_fec")
-        # the RS decoder learns the block's sources from what is already known here (and
-        # the zero symbols that pad the stream's last block)
-        s, known = self.symbol_size, self._known
-        for e in range(first, first + k):
-            if e < len(known):
-                if known[e] and not rs.known(e):
-                    rs.add_source(e, self._out_mv[e * s : e * s + s])
-            elif self.manifest is not None and e >= self.n_source and not rs.known(e):
-                rs.add_source(e, b"")
-        self._rs_recovered(rs.add_repair(first, k, index, 15, d.payload))
+    def known_symbol(self, esi: int) -> memoryview | bytes | None:
+        """The bytes of ESI ``esi`` if known (a view of the output buffer; b"" for the zero
+        padding beyond the stream's end once the manifest gave it), else None: what a
+        scheme's decoder may read (kvtransport.schemes.SymbolStore)."""
+        known = self._known
+        if esi < len(known):
+            if known[esi]:
+                s = self.symbol_size
+                return self._out_mv[esi * s : esi * s + s]
+            return None
+        if self.manifest is not None and esi >= self.n_source:
+            return b""
+        return None
 
-    def _rs_recovered(self, esis: list[int]) -> None:
+    def _side_recovered(self, dec: schemes.ReceiverRepair, esis: list[int]) -> None:
         self._sync_decoder()
-        s, known, rs, decoder = self.symbol_size, self._known, self._rs, self.decoder
-        assert rs is not None and decoder is not None  # a block repair has arrived
+        s, known, decoder = self.symbol_size, self._known, self.decoder
+        assert decoder is not None  # a repair has arrived
         for e in esis:
             if e < len(known) and not known[e] and (self.manifest is None or e < self.n_source):
-                rs.read_into(e, self._out_mv[e * s : e * s + s])
+                dec.read_into(e, self._out_mv[e * s : e * s + s])
                 decoder.add_source(e, self._out_mv[e * s : e * s + s])
                 self.symbols_recovered += 1
                 self._mark(e)

@@ -11,27 +11,24 @@ rate counting ``LINK_OVERHEAD_BYTES`` per datagram, as shapers do):
 
 1. the transport manifest, protected as kvtransport.manifest_fec describes (its first
    datagram takes slot 0; repetition stops once feedback acknowledges it);
-2. per the policy's mode: Reed-Solomon parities of the block just completed (BLOCK_RS);
-   retransmissions of what feedback NACKed, at most once per 1.5 RTT each (ARQ); for RLC,
-   first the *reactive* repairs feedback asked for (when the policy is ``reactive``), then
-   a *proactive* repair whenever the repair credit (the interval's repair share, added
-   per slot) reaches one;
+2. a repair that goes first, as the policy's repair scheme has it (kvtransport.schemes,
+   ``SenderRepair.before_source``): Reed-Solomon parities of the block just completed
+   (block-rs); retransmissions of what feedback NACKed, at most once per 1.5 RTT each
+   (arq); for rlc, first the *reactive* repairs feedback asked for (when the policy is
+   ``reactive``), then a *proactive* repair whenever the repair credit (the interval's
+   repair share, added per slot) reaches one;
 3. otherwise the next source symbol in utility order, if the policy admits new sources and
    the tail rule allows it: the expected surviving slots before the stop time (slots times
    1 - loss estimate) must cover the repairs still owed plus the symbols that finish the
    block holding this source's first byte. A source whose block cannot finish in time is
    useless, so it is not sent;
-4. otherwise RLC repairs for what was already sent, until the stop time (when nothing is
-   left to repair, a source that passes the tail rule goes out rather than an idle slot).
+4. otherwise, for a scheme that fills idle slots (rlc: ``SenderRepair.fill``), repairs
+   for what was already sent, until the stop time (when nothing is left to repair, a
+   source that passes the tail rule goes out rather than an idle slot).
 
-RLC repair windows. Reactive: feedback lists the receiver's holes and, per aligned segment
-of ``REPAIR_SEGMENT`` ESIs, the equations it already holds; each segment owed equations gets
-repairs over its own holes only, lowest segment first. Segments thus decode independently,
-any equation fixes any hole of its segment, a lost repair costs one more next round, and
-windows stay short (decoding cost grows with the window). Proactive: the newest symbols,
-those feedback cannot have reported yet: one RTT plus one interval of them (at least a
-segment, at most ``max_repair_span``, default MAX_REPAIR_SPAN), never below
-decoded-through or the receiver's decoder window. Both kinds are dense RFC 8681 repairs (DT = 15).
+The scheme decides how a repair is built (kvtransport.schemes.rlc has the RLC repair
+windows; their proactive span is at most ``max_repair_span``, default MAX_REPAIR_SPAN);
+the policy decides how much repair and when.
 
 Stop time = deadline - one-way delay estimate (half the smoothed RTT) - one slot: a datagram
 sent later cannot arrive before the deadline. Then a CONTROL FIN goes out and the session is
@@ -45,17 +42,16 @@ emitting with ``awaiting_action`` set until the shell calls ``apply_action``.
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import secrets
 import struct
 from array import array
-from collections import deque
 from collections.abc import Callable
 from time import perf_counter_ns
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvtransport.codecs.rlc import RLCEncoder
+from kvtransport import schemes
 from kvtransport.feedback import SEQ_RING, SentLog
 from kvtransport.manifest_fec import ManifestSender
 from kvtransport.observation import (
@@ -68,7 +64,7 @@ from kvtransport.observation import (
     Raw,
     observe_into,
 )
-from kvtransport.policy_base import DEFER, Policy, PolicyContext, RepairMode
+from kvtransport.policy_base import DEFER, Policy, PolicyContext
 from kvtransport.protocol import (
     DECODER_WINDOW,
     DEFAULT_INITIAL_RTT,
@@ -76,12 +72,13 @@ from kvtransport.protocol import (
     LINK_OVERHEAD_BYTES,
     MAX_REPAIR_SPAN,
 )
+from kvtransport.schemes.base import SenderRepair
+from kvtransport.schemes.rlc import RLCSender
 from kvtransport.transfer import Transfer, TransportManifest
 from kvtransport.wire import (
     FB_ALL_DONE,
     FB_FINISHED,
     FB_MANIFEST_DONE,
-    FLAG_RETRANSMIT,
     HEADER_SIZE,
     REPAIR_SEGMENT,
     TAG_SIZE,
@@ -91,27 +88,16 @@ from kvtransport.wire import (
     Framer,
     Parser,
     WireError,
-    block_repair_key,
     decode_feedback,
-    pack_dt_nss,
 )
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from kvtransport.codecs.rlc import RLCEncoder
 
 SEQ_MASK = SEQ_RING - 1
 _SOURCE = int(DatagramType.SOURCE)
-_REPAIR = int(DatagramType.REPAIR)
-# the modes as plain ints: the per-slot code compares them (an enum member lookup costs
-# several times an int comparison)
-_NONE = int(RepairMode.NONE)
-_RLC = int(RepairMode.RLC)
-_BLOCK_RS = int(RepairMode.BLOCK_RS)
-_ARQ = int(RepairMode.ARQ)
-_DT_DENSE = 15
-_REPAIR_BATCH = 8
-"""Most RLC repairs built ahead in one pass over their sources (RLCEncoder.repairs_into)
-when the sender knows it will send several over the same span (see _rlc_repair)."""
-_TAIL_BATCH = 4
-"""Repairs built ahead once every source is sent: the span then holds until feedback moves
-decoded-through, and at most this many minus one are built in vain when it does."""
+_OWED_NONE = schemes.OWED_NONE
+_OWED_SEGMENTS = schemes.OWED_SEGMENTS
 
 
 def _packer(group: tuple[int, int]) -> tuple[Callable[..., None], int]:
@@ -128,9 +114,6 @@ OPEN_LOOP_RTTS = 4.0
 """Round trips without feedback after which the sender repairs open-loop."""
 OPEN_LOOP_MIN_S = 0.02
 """... but never before this much silence."""
-OPEN_LOOP_SPAN = 512
-"""Open loop, each proactive repair covers at least this many newest symbols (wider spans
-recover more of an unreported loss pattern, but cost more to encode and decode)."""
 OPEN_LOOP_MAX_SHARE = 0.5
 """The most of the slots open-loop repair takes."""
 
@@ -175,14 +158,11 @@ class SenderSession:
             raise ValueError("decision_packets must be >= 1")
         self.transfer: Transfer | None = transfer  # None once released
         self.policy = policy
-        self.mode = policy.mode
-        self._mode = int(policy.mode)
-        self._reactive = bool(policy.reactive)  # policy class constants, read once
-        self._tail_rule = bool(policy.tail_rule)
+        self.scheme = schemes.get(policy.scheme)
+        self._tail_rule = bool(policy.tail_rule)  # a policy class constant, read once
         self.symbol_size = s = symbol_size
         self.transfer_id = secrets.randbits(64) if transfer_id is None else transfer_id
         self.framer = Framer(self.transfer_id, key, max_payload=max(s, 2048))
-        self._payload_area = self.framer.payload_view(s)  # where each datagram's symbol goes
         self.parser = Parser(key)
         self.n_source = n = -(-transfer.nbytes // s)
         self.start = now
@@ -195,14 +175,12 @@ class SenderSession:
         self.prior_loss = _check_prior(prior_loss)
         self.srtt: float | None = None
         self.stop_time = 0.0  # last moment a datagram can leave and arrive before the deadline
-        self._proactive_span = REPAIR_SEGMENT
         self._max_span = _check_span(max_repair_span)
-        self._open_loop = False  # no feedback for a while: repair open-loop (_silent)
+        self.open_loop = False  # no feedback for a while: repair open-loop (_silent)
         self._resumed_at = now  # a paused sender expects no feedback: silence counts anew
         self._decision_t = now
         self._raw = np.zeros(RAW_SIZE, dtype=np.float64)  # the policy's input, see _state()
         self._raw_buf = memoryview(self._raw)
-        self._rtt_changed()
 
         self._wall_offset = wall_offset
         self.manifest = self._manifest(max(deadline - now, 0.0), now)
@@ -213,27 +191,6 @@ class SenderSession:
         self._last_symbol = bytes(self._payload[(n - 1) * s :]) + bytes(s - tail) if n else b""
         self._finish_esi, utility_after = _block_progress(transfer, s)
         self._utility_after = utility_after.tolist()  # float32 values as Python floats
-
-        # RLC repairs read the source symbols in place from the payload (stream mode): no
-        # per-source copy into an encoder ring
-        self.encoder = (
-            RLCEncoder(s, window=min(DECODER_WINDOW, max(n, 1)), stream=transfer.payload)
-            if self.mode == RepairMode.RLC
-            else None
-        )
-        self._rs = (
-            _BlockRSState(s, policy.block_k, policy.block_p, n)
-            if self.mode == RepairMode.BLOCK_RS
-            else None
-        )
-        # repairs built ahead over one span (rows), for keys _ahead_key.. (see _rlc_repair)
-        self._ahead = np.zeros((_REPAIR_BATCH if self.encoder else 0, s), dtype=np.uint8)
-        self._ahead_span = (-1, 0)
-        self._ahead_key = -1
-        self._ahead_i = self._ahead_n = 0
-        self._retx_heap: list[int] = []
-        self._retx_queued = bytearray(n) if self.mode == RepairMode.ARQ else bytearray()
-        self._retx_time = [-1e300] * n if self.mode == RepairMode.ARQ else []
 
         # progress
         self.next_esi = 0
@@ -260,8 +217,6 @@ class SenderSession:
         self._next_send: float | None = now
         self._idle = False
         self._decision_slot = -1
-        self._repair_key = 0
-        self._credit = 0.0
         self.share = 0.0
         self.admit = True
         self.awaiting_action = False
@@ -283,15 +238,22 @@ class SenderSession:
         self.fb_esi_end = 0
         self.fb_deficit = 0
         self.fb_unseen = 0
-        # reactive RLC repairs: per aligned segment still short of equations, [segment,
-        # equations still to send, one past its highest hole], lowest segment first
-        self._segments: deque[list[int]] = deque()
-        self._seg_flight: deque[tuple[int, int]] = deque()  # (seq, segment) sent after echo
-        self._seg_needed = 0
         self._fb_src_mark = 0
         self._fb_rep_mark = 0
         self._fb_rea_mark = 0
         self._fb_prev = (0, 0)
+
+        # the repair scheme's side of this transfer (what a repair is and how it is built)
+        self._repair = rep = self.scheme.sender(self, policy)
+        self._owed_model = rep.owed_model
+        # the scheme's per-slot calls, bound once (None where the scheme has nothing to do)
+        self._before_source = rep.before_source if _overrides(rep, "before_source") else None
+        self._fill = rep.fill if rep.fills_idle else None
+        self._scheme_tail = rep.tail_ok if _overrides(rep, "tail_ok") else None
+        self._on_source = rep.on_source if rep.sees_sources else None
+        if self.scheme.stat:
+            self.stats.setdefault(self.scheme.stat, 0)
+        self._rtt_changed()
 
         # policy
         self.obs = np.zeros(OBS_SIZE, dtype=np.float32)
@@ -340,7 +302,7 @@ class SenderSession:
                     break
                 # nothing useful now: poll again later (feedback also wakes us)
                 self.stats["idle_polls"] += 1
-                if self.n_source == self.next_esi and self.mode == RepairMode.NONE:
+                if self.n_source == self.next_esi and self._repair.finishes_when_sent:
                     self._finish(t, "all sent", out)
                     return out
                 self._idle = True
@@ -402,8 +364,7 @@ class SenderSession:
         self.transfer = None
         self._payload = memoryview(b"")
         self._last_symbol = b""
-        self.encoder = None
-        self._rs = None
+        self._repair.release()
 
     def set_rate(self, rate_bps: float, now: float) -> None:
         """Change the pacing rate mid-flight (a shell sharing one link among several
@@ -465,10 +426,20 @@ class SenderSession:
         self._max_span = _check_span(span)
         self._rtt_changed()
 
+    @property
+    def encoder(self) -> RLCEncoder | None:
+        """The RLC scheme's encoder (None for other schemes, or once released)."""
+        rep = self._repair
+        return rep.encoder if isinstance(rep, RLCSender) else None
+
+    @property
+    def _proactive_span(self) -> int:
+        """The RLC scheme's proactive repair span (kvtransport.schemes.rlc)."""
+        rep = self._repair
+        return rep.span if isinstance(rep, RLCSender) else REPAIR_SEGMENT
+
     def _rtt_changed(self) -> None:
-        rtt_slots = 2.0 * self.owd / self.slot_s
-        span = int(rtt_slots) + self.decision_packets
-        self._proactive_span = min(self._max_span, max(REPAIR_SEGMENT, span))
+        self._repair.rtt_changed()
         self.stop_time = self.deadline - self.owd - self.slot_s
         self._raw[Raw.STOP_TIME] = self.stop_time
 
@@ -488,15 +459,15 @@ class SenderSession:
 
     def reactive_needed(self) -> int:
         """Repairs the latest feedback asked for that none sent since then addresses."""
-        if self._mode == _RLC:
-            return self._seg_needed
+        if self._owed_model == _OWED_SEGMENTS:
+            return self._repair.needed
         return max(0, self.fb_deficit - (self.reactive_sent - self._fb_rea_mark))
 
     def owed(self) -> float:
         """Expected repair symbols still needed for the sources already sent: reported
         holes not yet answered, plus the expected losses among sources in flight, minus
         the expected arrivals of proactive repairs in flight."""
-        if self._mode == _NONE:
+        if self._owed_model == _OWED_NONE:
             return 0.0
         p = self.loss_estimate()
         src, rep = self.in_flight()
@@ -512,16 +483,23 @@ class SenderSession:
             return True
         left = int(left_s / self.slot_s) + 1
         need = self._finish_esi[esi] - esi + 1
-        mode = self._mode
-        if mode == _NONE:
-            return left >= need
-        if mode == _BLOCK_RS:  # the RS block and its parities must fit
-            assert self._rs is not None  # the BLOCK_RS mode's state
-            return left >= max(need, self._rs.need(esi))
+        if self._scheme_tail is not None:
+            return self._scheme_tail(left, esi, need)
+        return self.tail_fits(left, need)
+
+    def tail_fits(self, left: int, need: int) -> bool:
+        """The loss-aware tail rule: do ``left`` slots, times one minus the loss estimate,
+        cover the repairs owed plus ``need`` more? (Schemes may rule otherwise:
+        ``SenderRepair.tail_ok``.)"""
         surviving = left * (1.0 - self.loss_estimate())
         # cheap bound first: owed() never exceeds what was asked for plus all in flight
         bound = self.fb_deficit + self.fb_unseen + self.source_sent - self._fb_src_mark
         return surviving >= bound + need or surviving >= self.owed() + need
+
+    @property
+    def fb_echo(self) -> int:
+        """The highest packet number feedback reported (-1: none yet)."""
+        return self._fb_echo
 
     # ------------------------------------------------------------------ emission
 
@@ -537,37 +515,20 @@ class SenderSession:
             d = manifest.emit(self.framer, self.seq, slot)
             self.stats["manifest_sent"] += 1
             return self._sent(d, t)
-        mode = self._mode
-        if mode == _RLC:
-            reactive = self._seg_needed > 0
-            if reactive and self._reactive:
-                d = self._rlc_repair(True)
-                if d is not None:
-                    return self._sent(d, t, False, True, True)
-            self._credit += self.share
-            if self._credit >= 1.0:
-                self._credit -= 1.0
-                d = self._rlc_repair(reactive)
-                if d is not None:
-                    return self._sent(d, t, False, True, reactive)
-                self._credit = 0.0
-        elif mode == _BLOCK_RS:
-            assert self._rs is not None  # the BLOCK_RS mode's state
-            if self._rs.queue:
-                return self._sent(self._rs_parity(), t, False, True)
-        elif mode == _ARQ:
-            d = self._retransmission(t)
+        before = self._before_source
+        if before is not None:
+            d = before(t)
             if d is not None:
-                return self._sent(d, t, False, True, True)
+                return self._sent(d, t, False, True, self._repair.reactive)
         esi = self.next_esi
         if esi < self.n_source:
             if self.admit and self._tail_ok(t, esi):
                 return self._sent(self._source(esi), t, True)
-        if mode == _RLC:
-            reactive = self._seg_needed > 0
-            d = self._rlc_repair(reactive)
+        fill = self._fill
+        if fill is not None:
+            d = fill(t)
             if d is not None:
-                return self._sent(d, t, False, True, reactive)
+                return self._sent(d, t, False, True, self._repair.reactive)
             if esi < self.n_source and self._tail_ok(t, esi):
                 return self._sent(self._source(esi), t, True)
         return None
@@ -596,106 +557,18 @@ class SenderSession:
     def _source(self, esi: int) -> bytes:
         s = self.symbol_size
         sym = self._payload[esi * s : esi * s + s] if esi < self.n_source - 1 else self._last_symbol
-        if self._rs is not None:
-            self._rs.add_source(esi, sym)
+        if self._on_source is not None:
+            self._on_source(esi, sym)
         self.next_esi = esi + 1
         self.stats["source_sent"] += 1
         return self.framer.seal(_SOURCE, self.seq, sym, esi)  # sealed from where it lies
 
-    def _rlc_window(self, reactive: bool) -> tuple[int, int]:
-        hi = self.next_esi
-        floor = max(0, hi - DECODER_WINDOW + 1)
-        if reactive and self._segments:
-            # the lowest segment still short of equations, from its first hole (at or
-            # above decoded-through) to its last
-            seg, _, end = self._segments[0]
-            return max(seg * REPAIR_SEGMENT, self.fb_through, floor), min(end, hi)
-        # proactive: the newest symbols, those feedback cannot have reported yet (one RTT
-        # and an interval of them); older holes are the reactive repairs' job
-        span = (
-            max(OPEN_LOOP_SPAN, self._proactive_span) if self._open_loop else self._proactive_span
-        )
-        return max(self.fb_through, floor, hi - span), hi
-
-    def _rlc_repair(self, reactive: bool) -> bytes | None:
-        lo, hi = self._rlc_window(reactive)
-        if hi <= lo:
-            return None
+    def source_symbol(self, esi: int) -> memoryview | bytes:
+        """Source symbol ``esi`` as it travels (the last one zero-padded)."""
         s = self.symbol_size
-        key = self._repair_key
-        self._repair_key = (key + 1) & 0xFFFF
-        nss = hi - lo
-        enc = self.encoder
-        assert enc is not None  # the RLC mode's encoder
-        if enc.next_esi != self.next_esi:
-            enc.add_stream_sources(self.next_esi)  # what has been sent so far
-        i = self._ahead_i
-        if i < self._ahead_n and key == self._ahead_key and (lo, nss) == self._ahead_span:
-            self._payload_area[:] = self._ahead[i]  # built ahead, bit-identical
-            self._ahead_i = i + 1
-            self._ahead_key = (key + 1) & 0xFFFF
-        else:
-            self._ahead_n = 0
-            # several repairs over this span to come: build them in one pass over its sources
-            if reactive and self._segments:
-                count = min(self._segments[0][1], _REPAIR_BATCH)
-            elif self.next_esi >= self.n_source:
-                count = _TAIL_BATCH
-            else:
-                count = 1  # sources still go out between repairs, moving the span
-            if count > 1:
-                keys = np.arange(key, key + count, dtype=np.int64) & 0xFFFF
-                enc.repairs_into(self._ahead, lo, nss, keys, _DT_DENSE)
-                self._payload_area[:] = self._ahead[0]
-                self._ahead_span, self._ahead_key = (lo, nss), (key + 1) & 0xFFFF
-                self._ahead_i, self._ahead_n = 1, count
-            else:
-                enc.repair_into(self._payload_area, lo, nss, key, _DT_DENSE)
-        if reactive and self._segments:
-            entry = self._segments[0]
-            self._seg_flight.append((self.seq, entry[0]))
-            self._seg_needed -= 1
-            entry[1] -= 1
-            if entry[1] <= 0:
-                self._segments.popleft()
-        self.stats["rlc_repair_sent"] += 1
-        return self.framer.finish(
-            _REPAIR, self.seq, s, esi=lo, key=key, dt_nss=pack_dt_nss(15, nss)
+        return (
+            self._payload[esi * s : esi * s + s] if esi < self.n_source - 1 else self._last_symbol
         )
-
-    def _rs_parity(self) -> bytes:
-        assert self._rs is not None  # the BLOCK_RS mode's state
-        first, p, index, parity = self._rs.queue.popleft()
-        s = self.symbol_size
-        self.framer.payload_view(s)[:] = parity
-        self.stats["block_repair_sent"] += 1
-        return self.framer.finish(
-            DatagramType.BLOCK_REPAIR,
-            self.seq,
-            s,
-            esi=first,
-            key=block_repair_key(p, index),
-            dt_nss=self._rs.k,
-        )
-
-    def _retransmission(self, t: float) -> bytes | None:
-        heap = self._retx_heap
-        while heap:
-            esi = heapq.heappop(heap)
-            self._retx_queued[esi] = 0
-            if esi < self.fb_through:
-                continue  # recovered meanwhile
-            self._retx_time[esi] = t
-            s = self.symbol_size
-            sym = (
-                self._payload[esi * s : esi * s + s]
-                if esi < self.n_source - 1
-                else self._last_symbol
-            )
-            self.framer.payload_view(s)[:] = sym
-            self.stats["retransmit_sent"] += 1
-            return self.framer.finish(_SOURCE, self.seq, s, esi=esi, flags=FLAG_RETRANSMIT)
-        return None
 
     def _control(self, code: int) -> bytes:
         d = self.framer.build(DatagramType.CONTROL, self.seq, b"", esi=code)
@@ -741,8 +614,7 @@ class SenderSession:
         # sources sent before the echoed packet that it has not seen at all
         self.fb_deficit = max(0, fb.unrecovered - fb.pending)
         self.fb_unseen = max(0, self._fb_src_mark - fb.esi_end)
-        if self._mode == _RLC:
-            self._plan_segments(fb)
+        self._repair.on_feedback(fb, now)
         if fb.flags & FB_MANIFEST_DONE:
             self.manifest.acked = True
         self._state_feedback()
@@ -752,8 +624,6 @@ class SenderSession:
                     now, "receiver done" if fb.flags & FB_ALL_DONE else "receiver finished"
                 )
             return
-        if self._mode == _ARQ:
-            self._queue_nacks(fb.ranges, now)
         if self._idle and not self.done:  # news may give the idle sender work: wake it
             self._idle = False
             self._next_send = now
@@ -775,9 +645,7 @@ class SenderSession:
         self.fb_through = 0
         self.fb_esi_end = 0
         self._fb_prev = (0, 0)
-        self._segments.clear()
-        self._seg_flight.clear()
-        self._seg_needed = 0
+        self._repair.restart()
         self.manifest = self._manifest(max(self.deadline - now, 0.0), now)
         self.manifest.next_slot = self.slot
 
@@ -791,55 +659,6 @@ class SenderSession:
             max(now + self._wall_offset, 0.0),
         )  # fmt: skip
         return ManifestSender(manifest.to_bytes(), self.symbol_size)
-
-    def _plan_segments(self, fb: Feedback) -> None:
-        """Equations still owed per segment: its recoverable holes, minus the equations the
-        receiver holds pivoted there, minus reactive repairs to it still in flight.
-
-        Reactive repairs never leave their aligned segment, so segments decode on their
-        own: any equation to a segment fixes any one of its holes, a lost one costs one
-        more next round, and the lowest segments (the most useful, in utility order) are
-        served first."""
-        flight = self._seg_flight
-        while flight and flight[0][0] <= self._fb_echo:
-            flight.popleft()  # it had arrived (or was lost) when the receiver reported
-        in_flight: dict[int, int] = {}
-        for _, seg in flight:
-            in_flight[seg] = in_flight.get(seg, 0) + 1
-        pending = dict(fb.segments)
-        floor = max(0, self.next_esi - DECODER_WINDOW + 1)
-        holes: dict[int, list[int]] = {}  # segment -> [holes, end]
-        for first, count in fb.ranges:
-            first_ok = max(first, floor)
-            end = first + count
-            while first_ok < end:
-                seg = first_ok // REPAIR_SEGMENT
-                stop = min(end, (seg + 1) * REPAIR_SEGMENT)
-                h = holes.setdefault(seg, [0, stop])
-                h[0] += stop - first_ok
-                h[1] = stop
-                first_ok = stop
-        plan: deque[list[int]] = deque()
-        total = 0
-        for seg in sorted(holes):
-            n, end = holes[seg]
-            owed = n - pending.get(seg, 0) - in_flight.get(seg, 0)
-            if owed > 0:
-                plan.append([seg, owed, end])
-                total += owed
-        self._segments = plan
-        self._seg_needed = total
-        self.fb_deficit = total if fb.ranges else max(0, fb.unrecovered - fb.pending)
-
-    def _queue_nacks(self, ranges: tuple, now: float) -> None:
-        guard = 1.5 * (self.srtt if self.srtt is not None else self._initial_rtt)
-        queued, times, heap = self._retx_queued, self._retx_time, self._retx_heap
-        hi = self.next_esi
-        for first, count in ranges:
-            for esi in range(first, min(first + count, hi)):
-                if not queued[esi] and now - times[esi] > guard:
-                    queued[esi] = 1
-                    heapq.heappush(heap, esi)
 
     # ------------------------------------------------------------------ policy
 
@@ -863,7 +682,7 @@ class SenderSession:
             self.source_sent,  # SOURCE_SENT
             self.repair_sent,  # REPAIR_SENT
             self.reactive_sent,  # REACTIVE_SENT
-            self._seg_needed,  # SEG_NEEDED
+            self._repair.needed,  # SEG_NEEDED
             self._utility_after[self.next_esi],  # UTILITY_LEFT
             last_share,  # LAST_SHARE
             last_admit,  # LAST_ADMIT
@@ -902,7 +721,7 @@ class SenderSession:
             self.decision_packets,  # INTERVAL
             self.n_source,  # N_SOURCE
             self._initial_rtt,  # INITIAL_RTT
-            self._mode,  # MODE
+            self._owed_model,  # MODE
             -1.0 if self.prior_loss is None else self.prior_loss,  # PRIOR_LOSS
         )
 
@@ -942,8 +761,8 @@ class SenderSession:
         self._last = (share, 1.0 if admit else 0.0, self._last[0])
         self.share = share if admit else 1.0
         self.admit = admit
-        self._open_loop = self._mode == _RLC and self._silent(self._decision_t)
-        if self._open_loop:
+        self.open_loop = self._repair.repairs_open_loop and self._silent(self._decision_t)
+        if self.open_loop:
             self.share = max(self.share, self._open_loop_share(self._decision_t))
 
     def _silent(self, t: float) -> bool:
@@ -971,6 +790,11 @@ class SenderSession:
     def _drop(self, reason: str) -> None:
         self.stats["dropped"] += 1
         self.drop_reasons[reason] = self.drop_reasons.get(reason, 0) + 1
+
+
+def _overrides(rep: SenderRepair, method: str) -> bool:
+    """Does the scheme's sender side define ``method`` (not the base class's)?"""
+    return getattr(type(rep), method) is not getattr(SenderRepair, method)
 
 
 def _check_span(span: int) -> int:
@@ -1005,35 +829,3 @@ def _block_progress(transfer: Transfer, s: int) -> tuple[list[int], np.ndarray]:
     total = float(b.utilities.sum())
     left = np.clip(total - sent_utility, 0.0, 1.0).astype(np.float32)
     return finish.tolist(), left
-
-
-class _BlockRSState:
-    """The block Reed-Solomon encoder and the parities waiting to be sent.
-
-    Blocks are ESIs b*k .. b*k+k-1 (kvtransport.codecs.blockrs); the last block of a stream
-    whose length is not a multiple of k is completed with zero symbols that never travel
-    (the receiver knows them from the manifest).
-    """
-
-    def __init__(self, symbol_size: int, k: int, p: int, n_source: int) -> None:
-        from kvtransport.codecs.blockrs import BlockRSEncoder
-
-        self.k, self.p, self.n_source = k, p, n_source
-        self.encoder = BlockRSEncoder(symbol_size, k, p, max_blocks=2)
-        self.queue: deque[tuple[int, int, int, bytes]] = deque()
-
-    def add_source(self, esi: int, sym: memoryview | bytes) -> None:
-        enc = self.encoder
-        enc.add_source(sym)
-        if esi + 1 == self.n_source:
-            while enc.next_esi % self.k:
-                enc.add_source(b"")
-        if enc.next_esi % self.k == 0 and esi + 1 >= enc.next_esi - self.k + 1:
-            block = enc.next_esi // self.k - 1
-            for i, parity in enumerate(enc.repairs(block)):
-                self.queue.append((block * self.k, self.p, i, parity))
-
-    def need(self, esi: int) -> int:
-        """Slots to finish the RS block holding ``esi`` (from ``esi`` on) with its parities."""
-        end = min((esi // self.k + 1) * self.k, self.n_source)
-        return end - esi + self.p

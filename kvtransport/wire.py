@@ -55,8 +55,11 @@ of its window)::
 REPAIR is a streaming RLC repair (RFC 8681 sliding window over GF(2^8)); BLOCK_REPAIR is a
 Reed-Solomon parity symbol of the block of k source symbols starting at ``esi`` (n = k + p
 <= 255, so p and the index fit one byte each); an ARQ retransmission is a SOURCE datagram
-with the RETRANSMIT flag. The transport manifest travels in its own ESI space (MANIFEST and
-MANIFEST_REPAIR) with its own RLC code; see kvtransport.transfer for its content.
+with the RETRANSMIT flag. A repair scheme's own type is listed here and in
+``SCHEME_TYPES``; one registered at run time (kvtransport.schemes.register) may bring a
+type this table does not list, which parsers accept while it is registered. The transport
+manifest travels in its own ESI space (MANIFEST and MANIFEST_REPAIR) with its own RLC
+code; see kvtransport.transfer for its content.
 
 Feedback payload (receiver -> sender): ``FEEDBACK_FIXED`` (counters, loss estimates, flags;
 field list at its definition), then ``n_ranges`` loss ranges ``(first ESI u32, count u16)``
@@ -135,8 +138,33 @@ class DatagramType(IntEnum):
     CONTROL = 7
 
 
-_MAX_TYPE = int(max(DatagramType))
+SCHEME_TYPES = frozenset({int(DatagramType.BLOCK_REPAIR)})
+"""The types whose datagrams a receiver hands to a repair scheme's decoder
+(kvtransport.schemes: a scheme names its type as ``wire_type``)."""
+_ACCEPTED = bytearray(256)  # per type byte: 1 if parsers accept it
+for _t in DatagramType:
+    _ACCEPTED[_t] = 1
 _SOURCE_TYPE = int(DatagramType.SOURCE)
+
+
+def is_listed_type(code: int) -> bool:
+    """Is ``code`` a ``DatagramType`` of the wire format itself?"""
+    return code in DatagramType._value2member_map_
+
+
+def accept_type(code: int) -> None:
+    """Let parsers accept datagrams of type ``code``, a type ``DatagramType`` does not list
+    (a repair scheme registered at run time, kvtransport.schemes.register)."""
+    if not 0 < code < 256:
+        raise ValueError(f"datagram type {code} outside 1..255")
+    _ACCEPTED[code] = 1
+
+
+def refuse_type(code: int) -> None:
+    """Undo :func:`accept_type` (the wire format's own types stay)."""
+    if not is_listed_type(code):
+        _ACCEPTED[code] = 0
+
 
 # The parser's view of the same header: magic, version and type as one u32, flags and
 # reserved as one u16 (so a good header passes a few integer tests).
@@ -304,7 +332,7 @@ class Parser:
         if (
             mvt & 0xFFFFFF00 != _PREFIX
             or fr & _BAD_BITS
-            or not 0 < dtype <= _MAX_TYPE
+            or not _ACCEPTED[dtype]
             or n != (end + TAG_SIZE if sealed else end)
             or n > MAX_DATAGRAM
             or (fr & _SEALED_BIT) != (_SEALED_BIT if sealed else 0)
@@ -344,7 +372,7 @@ class Parser:
             raise BadMagic(f"magic {magic:#06x}")
         if version != VERSION:
             raise BadVersion(f"version {version}")
-        if dtype == 0 or dtype > _MAX_TYPE:
+        if not _ACCEPTED[dtype]:
             raise BadType(f"type {dtype}")
         if flags & ~_KNOWN_FLAGS or reserved:
             raise BadType(f"unknown flags {flags:#x}/{reserved:#x}")
