@@ -6,11 +6,11 @@ Nothing here models the protocol: :class:`Simulation` moves the datagrams of a r
 (kvtransport.netem: loss, rate limit with queue, delay, jitter), firing each session's
 timers at the virtual times they ask for. Simulation results are results of the real code.
 
-The event loop keeps one heap of in-flight datagrams; the two sessions' timers are read
-from ``next_timer()`` each turn (no stale timer events to manage). Ties go to deliveries
-first, then the sender, then the receiver. Both sessions share the virtual clock, so the
-receiver is given the exact deadline and ``utility_recovered`` is what it had decoded *at*
-the deadline.
+The two sessions are endpoints of a kvtransport.virtual_clock.VirtualClockLoop, the event
+loop every virtual-clock shell shares (the sender as a bare session: no host's link
+planning): ties go to deliveries first, then the sender's timer, then the receiver's.
+Both sessions share the virtual clock, so the receiver is given the exact deadline and
+``utility_recovered`` is what it had decoded *at* the deadline.
 
 Step mode for the Gymnasium environment: build the episode with :func:`make_simulation`
 and ``policy=ExternalPolicy()``; the sender then pauses at each decision,

@@ -208,13 +208,13 @@ def test_the_daemon_engine_and_the_simulator_drive_the_host_identically():
     sim = MultiSimulation(hs, UtilityWaterFilling(), channel="bernoulli-5", rate_mbps=40,
                           seed=3, trace=trace)  # fmt: skip
     sim.run()
-    assert any(e[0] == "feedback" for e in trace) and sum(e[0] == "data" for e in trace) > 300
-    trace = [e for e in trace if e[0] in ("submit", "timer", "feedback", "data")]
+    trace = [e for e in trace if e[2] == 0]  # the sender host is the loop's endpoint 0
+    assert any(e[0] == "recv" for e in trace) and sum(e[0] == "send" for e in trace) > 300
     expected: list[tuple[int, bytes]] = []  # (call number, datagram)
     calls = 0
     for e in trace:
-        if e[0] == "data":
-            expected.append((calls, e[2]))
+        if e[0] == "send":
+            expected.append((calls, e[3]))
         else:
             calls += 1
 
@@ -228,20 +228,21 @@ def test_the_daemon_engine_and_the_simulator_drive_the_host_identically():
         users = {u.tid: (u, sinks[i].address) for i, u in enumerate(sim.users)}
         got: list[tuple[int, bytes]] = []
         calls = 0
+        arrivals = iter(sim.users)  # the loop's scheduled calls: the arrivals, in order
         for e in trace:
-            if e[0] == "data":
+            if e[0] == "send":
                 continue
             calls += 1
             t = e[1]
-            if e[0] == "submit":
-                u, dest = users[e[2]]
+            if e[0] == "call":
+                u, dest = users[next(arrivals).tid]
                 engine.submit(u.transfer, dest, now=t, deadline_s=u.h.deadline - t,
                               transfer_id=u.tid, weight=u.h.weight, utility=u.h.utility,
                               initial_rtt=2.0 * sim.delay_s + 1e-3, wall_offset=0.0)  # fmt: skip
             elif e[0] == "timer":
                 engine.run_due(t)
             else:
-                feeder.send([e[2]], sock.address)
+                feeder.send([e[3]], sock.address)
                 assert wait_readable([sock], 2.0)
                 engine.on_readable(t)
             for sink in sinks:
@@ -271,10 +272,10 @@ def test_the_daemon_engine_and_the_simulator_drive_the_receiver_host_identically
                           trace=trace)  # fmt: skip
     res = sim.run()
     for i, u in enumerate(sim.users):
-        mine = [e for e in trace if e[0].startswith("rx_") and e[2] == i]
+        mine = [e for e in trace if e[2] == i + 1]  # user i's host is endpoint i + 1
         expected, calls = [], 0
         for e in mine:
-            if e[0] == "rx_feedback":
+            if e[0] == "send":
                 expected.append((calls, e[3]))
             else:
                 calls += 1
@@ -285,10 +286,10 @@ def test_the_daemon_engine_and_the_simulator_drive_the_receiver_host_identically
             engine = ReceiverEngine(sock, on_result=results.append)
             got, calls = [], 0
             for e in mine:
-                if e[0] == "rx_feedback":
+                if e[0] == "send":
                     continue
                 calls += 1
-                if e[0] == "rx_data":
+                if e[0] == "recv":
                     peer.send([e[3]], sock.address)
                     assert wait_readable([sock], 2.0)
                     engine.on_readable(e[1])
