@@ -60,22 +60,6 @@ class Engine(Protocol):
     def next_wake(self) -> float | None: ...
 
 
-class DropCounts:
-    """What both engines share besides the loop: their UDP socket's descriptor and the
-    datagrams they drop before any session sees them, counted by reason."""
-
-    sock: Any
-    dropped: int
-    drop_reasons: dict[str, int]
-
-    def fileno(self) -> int:
-        return self.sock.fileno()
-
-    def _drop(self, reason: str) -> None:
-        self.dropped += 1
-        self.drop_reasons[reason] = self.drop_reasons.get(reason, 0) + 1
-
-
 class JsonLogFormatter(logging.Formatter):
     """One JSON object per record: ``ts`` (Unix seconds), ``level``, ``daemon``,
     ``logger``, ``msg`` (and ``exc`` with a traceback's last line)."""
@@ -331,8 +315,8 @@ class DaemonShell:
     A subclass sets ``role`` ("sender" or "receiver") and ``log``, makes ``self.sock``,
     ``self.engine`` and ``self.stats_out``, then calls :meth:`_start_control`; it says what
     its start-up log line adds (:meth:`_describe`) and what shutdown did to the transfers
-    still in flight (``STOP_TEXT``). The engine must have ``active``, ``status(now, tid)``,
-    ``stats()`` and ``close(now)``.
+    still in flight (``STOP_TEXT``). The engine must have ``host`` (a SenderHost or
+    ReceiverHost: ``active``, ``status(now, tid)``), ``stats()`` and ``close(now)``.
     """
 
     role = ""
@@ -373,7 +357,7 @@ class DaemonShell:
         from kvtransport.api import parse_tid
 
         tid = parse_tid(head["transfer_id"]) if head.get("transfer_id") is not None else None
-        return {"transfers": self.engine.status(clock(), tid)}
+        return {"transfers": self.engine.host.status(clock(), tid)}
 
     def _stats(self, head: dict[str, Any], frames: list) -> dict[str, Any]:
         return {"stats": self.engine.stats()}
@@ -405,7 +389,7 @@ class DaemonShell:
         try:
             serve(self.engine, [self.control], stop, on_idle=self._on_idle)
         finally:
-            n = len(self.engine.active)
+            n = len(self.engine.host.active)
             self.engine.close(clock())
             self.log.info(
                 "%s daemon stopping (%s): %d %s",

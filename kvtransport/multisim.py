@@ -37,6 +37,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -252,12 +253,12 @@ class MultiSimulation:
                 u.addr,
                 rank=_RECEIVER_RANK,
                 channel=self.feedback_channel,
-                after=lambda t, u=u: self._receiver_events(u),
+                after=partial(self._receiver_events, u),
             )
         for i, u in enumerate(self.users):
             self.loop.call_at(
                 u.h.arrival,
-                lambda t, i=i: self._arrive(i, t),
+                partial(self._arrive, i),
                 touches=self._sender_i,
                 rank=_ARRIVAL_RANK,
             )
@@ -284,7 +285,7 @@ class MultiSimulation:
         while self.sender.next_event() is not None:
             pass  # a finished transfer: its outcome is its receiver's
 
-    def _receiver_events(self, u: _User) -> None:
+    def _receiver_events(self, u: _User, t: float) -> None:
         while (ev := u.host.next_event()) is not None:
             if isinstance(ev, ResultReady):
                 self._outcome(u)

@@ -159,7 +159,7 @@ class Simulation:
     @property
     def receiver(self) -> ReceiverSession:
         """The receiving session (a script may replace it mid-run, as a restart)."""
-        return self._rx.session  # type: ignore[no-any-return]
+        return self._rx.session
 
     @receiver.setter
     def receiver(self, session: ReceiverSession) -> None:

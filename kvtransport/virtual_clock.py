@@ -45,7 +45,11 @@ import heapq
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from kvtransport.receiver import ReceiverSession
+    from kvtransport.sender import SenderSession
 
 Address = Any
 
@@ -73,7 +77,7 @@ class SenderSessionEndpoint:
     next slot; at the timer it releases what is due, to ``peer``. Feedback releases
     nothing by itself (the session's timer says when it sends next)."""
 
-    def __init__(self, session: Any, peer: Address) -> None:
+    def __init__(self, session: SenderSession, peer: Address) -> None:
         self.session = session
         self.peer = peer
         self._out: list[bytes] = []
@@ -102,7 +106,7 @@ class ReceiverSessionEndpoint:
     """One :class:`~kvtransport.receiver.ReceiverSession` as an endpoint (its feedback
     goes to ``peer``). ``session`` may be replaced between runs (then :meth:`touch` it)."""
 
-    def __init__(self, session: Any, peer: Address) -> None:
+    def __init__(self, session: ReceiverSession, peer: Address) -> None:
         self.session = session
         self.peer = peer
 

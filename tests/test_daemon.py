@@ -23,6 +23,7 @@ from kvtransport.client import ReceiverClient, ResultSubscriber, SenderClient
 from kvtransport.daemon_sender import SenderEngine
 from kvtransport.inprocess import warm_kernels
 from kvtransport.keys import resolve_key
+from kvtransport.sender_host import SenderHost
 from kvtransport.transfer import synthetic_transfer
 from kvtransport.udp import DatagramSocket, clock, wait_readable
 
@@ -279,7 +280,7 @@ class SenderThread:
         # kernels compiled before the transfer's clock starts, as the daemon does at start-up
         # (on a cold numba cache the first transfer would otherwise spend its deadline there)
         warm_kernels(key, kw.get("policy", "adaptive"))
-        self.engine = SenderEngine(self.sock, rate_bps=rate_mbps * 1e6, key=key)
+        self.engine = SenderEngine(self.sock, SenderHost(rate_bps=rate_mbps * 1e6, key=key))
         self.out = self.engine.submit(
             transfer, ("127.0.0.1", port), now=clock(), deadline_s=deadline_s, **kw
         )
@@ -289,7 +290,7 @@ class SenderThread:
 
     def _loop(self):
         e = self.engine
-        while e.active and not self.halt.is_set():
+        while e.host.active and not self.halt.is_set():
             e.run_due(clock())
             wake = e.next_wake()
             timeout = 0.05 if wake is None else min(0.05, wake - clock())

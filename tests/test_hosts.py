@@ -224,7 +224,7 @@ def test_the_daemon_engine_and_the_simulator_drive_the_host_identically():
     try:
         host = SenderHost(rate_bps=40e6, burst_s=0.0, max_transfers=2,
                           slot_policy=UtilityWaterFilling(), one_way_s=sim.delay_s)  # fmt: skip
-        engine = SenderEngine(sock, rate_bps=40e6, host=host)
+        engine = SenderEngine(sock, host)
         users = {u.tid: (u, sinks[i].address) for i, u in enumerate(sim.users)}
         got: list[tuple[int, bytes]] = []
         calls = 0
@@ -283,7 +283,7 @@ def test_the_daemon_engine_and_the_simulator_drive_the_receiver_host_identically
         sock, peer = DatagramSocket(("127.0.0.1", 0)), DatagramSocket(("127.0.0.1", 0))
         try:
             results: list = []
-            engine = ReceiverEngine(sock, on_result=results.append)
+            engine = ReceiverEngine(sock, ReceiverHost(), on_result=results.append)
             got, calls = [], 0
             for e in mine:
                 if e[0] == "send":
