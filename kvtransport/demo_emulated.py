@@ -167,6 +167,9 @@ class EmulatedLink(Link):
         self.sender = self._spawn("sender")
         self.receiver = self._spawn("receiver")
         self.loaded = False
+        self.trace: list[tuple[str, float, bytes]] | None = None
+        """A list to record every datagram the processes send, as ``("data" | "feedback",
+        time sent, datagram)`` in the order they reach the channels (None: not recorded)."""
         if policies:
             for peer in self.peers:
                 peer.post("warm", list(policies))
@@ -243,9 +246,13 @@ class EmulatedLink(Link):
                 t_r = max(t_r, min(timers) - look)
             h_s = t_r + look
             out, s_next, s_done = self.sender.call("advance", h_s, _pop_until(to_tx, h_s))
+            if self.trace is not None:
+                self.trace.extend(("data", t, d) for t, d in out)
             order = _cross(out, data_ch, to_rx, order)
             h_r = h_s + look
             out, r_next, rx_result = self.receiver.call("advance", h_r, _pop_until(to_rx, h_r))
+            if self.trace is not None:
+                self.trace.extend(("feedback", t, d) for t, d in out)
             order = _cross(out, fb_ch, to_tx, order)
             t_r = h_r
             if rx_result is not None and result is None:

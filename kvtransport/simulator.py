@@ -92,7 +92,11 @@ class SimResult:
 
 
 class Simulation:
-    """One transfer between a real sender and a real receiver over two channels."""
+    """One transfer between a real sender and a real receiver over two channels.
+
+    ``trace``: a list that receives the loop's record of every call and datagram
+    (kvtransport.virtual_clock; the sender is endpoint 0, the receiver endpoint 1).
+    """
 
     def __init__(
         self,
@@ -109,6 +113,7 @@ class Simulation:
         initial_rtt: float = 0.02,
         record: bool = True,
         prior_loss: float | None = None,
+        trace: list[tuple[Any, ...]] | None = None,
     ) -> None:
         self.data_channel = data_channel
         self.feedback_channel = feedback_channel
@@ -148,7 +153,7 @@ class Simulation:
         }
         # the two sessions on the virtual-clock loop: the sender's timer goes first on a
         # tie, data through the data channel, feedback through the feedback channel
-        self.loop = VirtualClockLoop()
+        self.loop = VirtualClockLoop(trace)
         self._tx = SenderSessionEndpoint(self.sender, RECEIVER_ADDR)
         self._rx = ReceiverSessionEndpoint(receiver, SENDER_ADDR)
         self._tx_i = self.loop.add(
