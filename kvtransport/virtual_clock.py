@@ -141,10 +141,10 @@ _DELIVERY, _TIMER, _CALL = range(3)
 
 
 class VirtualClockLoop:
-    """Endpoints on a virtual clock (see the module docstring)."""
+    """Endpoints on a virtual clock that starts at ``now`` (see the module docstring)."""
 
-    def __init__(self, trace: list[tuple[Any, ...]] | None = None) -> None:
-        self.now = 0.0
+    def __init__(self, trace: list[tuple[Any, ...]] | None = None, now: float = 0.0) -> None:
+        self.now = now
         self.events = 0  # events handled
         self.stale = 0  # superseded timer entries skipped
         self.in_flight = 0  # datagrams on their way to an endpoint of the loop

@@ -15,6 +15,7 @@ from kvtransport.receiver_host import ReceiverHost, ResultReady, TransferStarted
 from kvtransport.sender_host import SenderHost, TransferFinished
 from kvtransport.transfer import synthetic_transfer
 from kvtransport.utility_model import SigmoidUtility
+from kvtransport.virtual_clock import VirtualClockLoop
 from kvtransport.wire import HEADER_SIZE
 
 KEY = bytes(range(32))
@@ -28,14 +29,20 @@ def _tids(pairs: list[tuple[list[bytes], object]]) -> list[int]:
     return [struct.unpack_from("!Q", d, 8)[0] for batch, _ in pairs for d in batch]
 
 
+class _Wire:
+    """A loss-free, zero-delay path."""
+
+    def transmit(self, t: float, size: int) -> float:
+        return t
+
+
 def _run_sender(host: SenderHost, until: float, now: float = 0.0) -> tuple[list[int], float]:
-    """Fire the host's timer until ``until`` (nobody answers); the ids of what it sent."""
-    sent: list[int] = []
-    while (t := host.get_timer()) is not None and t <= until:
-        now = max(now, t)
-        host.handle_timer(now)
-        sent += _tids(host.datagrams_to_send(now))
-    return sent, now
+    """The host alone on the virtual clock from ``now`` to ``until`` (nobody answers); the
+    ids of what it sent, and the last time handled."""
+    loop = VirtualClockLoop(now=now)
+    loop.add(host, "sender")
+    loop.run(until)
+    return [struct.unpack_from("!Q", d, 8)[0] for _t, d, _to in loop.take_outbox()], loop.now
 
 
 def test_weights_decide_the_shares_and_what_each_transfer_sends():
@@ -123,22 +130,13 @@ def test_sender_demux_drops_and_counts_what_names_no_transfer_in_flight():
 
 
 def _exchange(sender: SenderHost, receiver: ReceiverHost, until: float) -> float:
-    """Both hosts on one loss-free, zero-delay wire until neither has work before ``until``;
-    returns the last time handled."""
-    now = 0.0
-    while True:
-        times = [t for t in (sender.get_timer(), receiver.get_timer()) if t is not None]
-        if not times or min(times) > until:
-            return now
-        now = max(now, min(times))
-        sender.handle_timer(now)
-        for batch, _ in sender.datagrams_to_send(now):
-            for d in batch:
-                receiver.receive_datagram(d, A, now)
-        receiver.handle_timer(now)
-        for batch, _ in receiver.datagrams_to_send(now):
-            for d in batch:
-                sender.receive_datagram(d, B, now)
+    """Both hosts (at A and B) on one loss-free, zero-delay wire until neither has work
+    before ``until``; returns the last time handled."""
+    loop = VirtualClockLoop()
+    loop.add(sender, A, channel=_Wire())
+    loop.add(receiver, B, channel=_Wire())
+    loop.run(until)
+    return loop.now
 
 
 def test_finish_and_result_events_and_the_receivers_loss_is_remembered():
