@@ -5,10 +5,11 @@ sending endpoint, the sender daemon's own sans-I/O host (kvtransport.sender_host
 :class:`~kvtransport.sender_host.SenderHost`: transfer-id demux, admission, the link's
 :class:`~kvtransport.link_share.LinkShare` with the slot policy under test, finish events),
 to one receiving endpoint per user, the receiver daemon's host (kvtransport.receiver_host.
-:class:`~kvtransport.receiver_host.ReceiverHost`). This module is only their shell: a heap
-of events on a virtual clock and the channels. Every data datagram of every transfer goes
-through ONE data-path channel (kvtransport.netem: loss model, then the link's token bucket
-with its FIFO queue, then delay), every feedback datagram through one reverse-path channel.
+:class:`~kvtransport.receiver_host.ReceiverHost`). This module is only their shell: the
+virtual-clock loop (kvtransport.virtual_clock) and the channels. Every data datagram of
+every transfer goes through ONE data-path channel (kvtransport.netem: loss model, then the
+link's token bucket with its FIFO queue, then delay), every feedback datagram through one
+reverse-path channel.
 So what the multi-user figure shows of link sharing (progress less owed repairs, owed
 repairs served first, the deadline less the one-way delay, the payload capacity net of
 the reported loss, pausing below one datagram per slot) is what the sender daemon does.
