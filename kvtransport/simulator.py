@@ -205,8 +205,10 @@ class Simulation:
         o["owed"].append(s.owed())
 
     def _over(self) -> bool:
-        s, r = self.sender, self.receiver
-        return s.awaiting_action or (r.finished and (s.done or not self.loop.in_flight))
+        s = self.sender
+        if s.awaiting_action:
+            return True
+        return self._rx.session.finished and (s.done or not self.loop.in_flight)
 
     def run_until_decision(self, until: float = math.inf) -> bool:
         """Advance until the sender awaits an action (True) or the transfer is over (False)."""

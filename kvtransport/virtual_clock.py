@@ -235,8 +235,17 @@ class VirtualClockLoop:
         while True:
             if stop is not None and stop():
                 return True
-            t = self.next_time()
-            if t > until or t == math.inf:
+            while heap:  # the next event; superseded timer entries are dropped
+                top = heap[0]
+                if top[3] == _TIMER and slots[top[4]].armed != top[5]:
+                    pop(heap)
+                    self.stale += 1
+                    continue
+                break
+            else:
+                return False
+            t = top[0]
+            if t > until:
                 return False
             _, _, _, kind, i, data = pop(heap)
             self.now = t
@@ -281,14 +290,16 @@ class VirtualClockLoop:
         out = slot.endpoint.datagrams_to_send(t)
         if out:
             trace = self.trace
-            by_addr = self._by_addr
             ch = slot.channel
             src = slot.addr
+            heap = self._heap
+            push = heapq.heappush
             for datagrams, addr in out:
-                j = by_addr.get(addr)
+                j = self._by_addr.get(addr)
+                slot.sent += len(datagrams)
                 for d in datagrams:
-                    slot.sent += 1
-                    slot.sent_bytes += len(d)
+                    size = len(d)
+                    slot.sent_bytes += size
                     if trace is not None:
                         trace.append(("send", t, i, bytes(d)))
                     if j is None:
@@ -296,10 +307,15 @@ class VirtualClockLoop:
                         continue
                     if ch is None:
                         raise RuntimeError(f"endpoint {i} has no channel to {addr!r}")
-                    arrival = ch.transmit(t, len(d))
+                    arrival = ch.transmit(t, size)
                     if arrival is not None:
-                        self._push(arrival, 0, _DELIVERY, j, (d, src))
+                        self._order += 1
+                        push(heap, (arrival, 0, self._order, _DELIVERY, j, (d, src)))
                         self.in_flight += 1
         if slot.after is not None:
             slot.after(t)
-        self._arm(i, t)
+        t_next = slot.endpoint.get_timer()
+        if t_next != slot.armed:
+            slot.armed = t_next
+            if t_next is not None:
+                self._push(t_next if t_next > t else t, slot.rank, _TIMER, i, t_next)
