@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import statistics
 import sys
 import time
 from collections.abc import Iterator
@@ -68,6 +69,7 @@ from kvtransport.demo_model import (
 from kvtransport.demo_netns import NetnsLink
 from kvtransport.demo_report import (
     MAX_QUESTIONS,
+    MAX_REPEATS,
     MAX_TOKENS,
     SCHEMES,
     DemoConfig,
@@ -163,6 +165,7 @@ class _Progress:
         self.enabled = enabled and sys.stderr.isatty()
 
     def bar(self, total: float, desc: str, unit: str = "it", fmt: str | None = None) -> Any:
+        """A bar (a silent one when disabled or when there is nothing to count)."""
         from tqdm import tqdm
 
         return tqdm(
@@ -170,7 +173,7 @@ class _Progress:
             desc=desc,
             unit=unit,
             bar_format=fmt,
-            disable=not self.enabled,
+            disable=not self.enabled or not total,
             leave=False,
             file=sys.stderr,
             dynamic_ncols=True,
@@ -420,13 +423,59 @@ def _answer_all(
                          SchemeResult("link down", "-"))  # fmt: skip
         for i, out in outcomes.items():
             _race_row(prep, out, ask, full_answers, reprefill_ttft, rows[i])
+    timed = [(dead, nothing)] + [(rows[i], out) for i, out in outcomes.items()]
+    reprefill_rounds = _repeat_timings(cfg, prep, timed, reprefill_ttft, ui)
     return {
         "full_answers": full_answers,
         "reprefill_answers": re_answers,
         "no_cache": floor,
         "link_down": dead,
-        "reprefill": {"answer": re_answers[0], "prefill_s": prefill_s, "ttft_s": reprefill_ttft},
+        "reprefill": {
+            "answer": re_answers[0],
+            "prefill_s": prefill_s,
+            "ttft_s": statistics.median(reprefill_rounds),
+            "ttft_rounds": reprefill_rounds,
+        },  # fmt: skip
     }
+
+
+def _repeat_timings(
+    cfg: DemoConfig,
+    prep: _Prepared,
+    timed: list[tuple[SchemeResult, LinkOutcome]],
+    reprefill_ttft: float,
+    ui: _Progress,
+) -> list[float]:
+    """Rounds 2..``cfg.repeats`` of the TTFT measurements (re-prefill, then each row's
+    race and first token), the first round being the answering one: sets each row's
+    ``ttft_rounds``, its ``ttft_s`` to their median and its ``speedup`` to the median of
+    the rounds' ratios; returns re-prefill's TTFT per round."""
+    from kvtransport import hf
+
+    lm, q1 = prep.loaded, prep.probe_ids[0]
+    re_t = [reprefill_ttft]
+    row_t: list[list[float]] = []
+    for row, _ in timed:
+        assert row.ttft_s is not None  # every timed row has raced once
+        row_t.append([row.ttft_s])
+    rounds = cfg.repeats - 1
+    with ui.bar(rounds * (1 + len(timed)), "timing again", unit="TTFT") as bar:
+        for _ in range(rounds):  # (no bar shows for a single round: nothing is timed again)
+            t0 = time.perf_counter()
+            kv = hf.prefill(lm.model, lm.tokenizer, prep.context_ids, attention=False)
+            prefill_s = time.perf_counter() - t0
+            re_t.append(prefill_s + answer(lm, kv, None, q1, 1)[1])
+            del kv
+            bar.update(1)
+            for times, (_, out) in zip(row_t, timed, strict=True):
+                race, rebuild_s = _race(prep, out)
+                times.append(race.seconds + rebuild_s + answer(lm, race.kv, None, q1, 1)[1])
+                bar.update(1)
+    for times, (row, _) in zip(row_t, timed, strict=True):
+        row.ttft_rounds = times
+        row.ttft_s = statistics.median(times)
+        row.speedup = statistics.median(r / t for r, t in zip(re_t, times, strict=True))
+    return re_t
 
 
 def _race_row(
@@ -438,26 +487,9 @@ def _race_row(
     row: SchemeResult,
 ) -> SchemeResult:
     """One transfer's outcome -> the receiver's race -> answers and TTFT into ``row``."""
-    from kvtransport.partial import partial_cache
-    from kvtransport.race import LinkView, range_ready_at, run_race
-
     n_blocks = prep.planned.manifest.num_blocks
-    t0 = time.perf_counter()
-    received, ready_at = None, None
-    if out.app_metadata is not None:
-        got = partial_cache(out, token_ids=prep.context_ids, expected=prep.planned.manifest)
-        received = got.cache
-        ready_at = range_ready_at(got.manifest, out.arrival_s)
-    row.rebuild_s = time.perf_counter() - t0
     plan = prep.plan
-    if ready_at is None:
-        ready_at = np.full_like(plan.expect_at, np.inf)
-    race = run_race(
-        prep.loaded.model, prep.context_ids, split=plan.split, received=received,
-        ready_at=ready_at, link=LinkView(plan.expect_at, plan.range_bytes, prep.deadline_s),
-        speed=prep.speed,
-        block_tokens=prep.planned.manifest.geometry.block_tokens,
-    )  # fmt: skip
+    race, row.rebuild_s = _race(prep, out)
     row.answers, row.first_token_s = ask(race.kv, None)
     row.answer = row.answers[0]
     sc = _scores(row.answers, full_answers)
@@ -477,6 +509,31 @@ def _race_row(
     row.speedup = reprefill_ttft / row.ttft_s
     row.counters = out.counters
     return row
+
+
+def _race(prep: _Prepared, out: LinkOutcome) -> tuple[Any, float]:
+    """The receiver's race (kvtransport.race.RaceResult) over one transfer's outcome, and
+    the seconds it took to rebuild the received blocks before it."""
+    from kvtransport.partial import partial_cache
+    from kvtransport.race import LinkView, range_ready_at, run_race
+
+    t0 = time.perf_counter()
+    received, ready_at = None, None
+    if out.app_metadata is not None:
+        got = partial_cache(out, token_ids=prep.context_ids, expected=prep.planned.manifest)
+        received = got.cache
+        ready_at = range_ready_at(got.manifest, out.arrival_s)
+    rebuild_s = time.perf_counter() - t0
+    plan = prep.plan
+    if ready_at is None:
+        ready_at = np.full_like(plan.expect_at, np.inf)
+    race = run_race(
+        prep.loaded.model, prep.context_ids, split=plan.split, received=received,
+        ready_at=ready_at, link=LinkView(plan.expect_at, plan.range_bytes, prep.deadline_s),
+        speed=prep.speed,
+        block_tokens=prep.planned.manifest.geometry.block_tokens,
+    )  # fmt: skip
+    return race, rebuild_s
 
 
 def _scores(answers: list[str], full_answers: list[str]) -> dict[str, Any]:
@@ -617,5 +674,7 @@ def _check_config(cfg: DemoConfig) -> None:
         raise UserError("--max-new-tokens must be at least 1")
     if not 1 <= cfg.questions <= MAX_QUESTIONS:
         raise UserError(f"--questions must be 1..{MAX_QUESTIONS}, not {cfg.questions}")
+    if not 1 <= cfg.repeats <= MAX_REPEATS:
+        raise UserError(f"--repeats must be 1..{MAX_REPEATS}, not {cfg.repeats}")
     if cfg.link not in LINKS:
         raise UserError(f"--link must be one of {', '.join(LINKS)}, not {cfg.link!r}")

@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from kvtransport.plan import DEFAULT_LEVELS
+
 SCHEMES: tuple[tuple[str, str], ...] = (
     ("no FEC", "none"),
     ("block RS 4/32", "block-rs:4/32"),
@@ -32,9 +34,10 @@ QUICK_MAX_NEW_TOKENS = 12
 DEFAULT_QUESTIONS = 5
 DEFAULT_BUDGET = 0.3
 QUICK_BUDGET = 0.6
-DEFAULT_PRECISIONS = ("fp16", "int8")
+DEFAULT_PRECISIONS = DEFAULT_LEVELS  # the plan's own default (kvtransport.plan)
 DEFAULT_OBJECTIVE = "ttft"
 MAX_QUESTIONS = 10
+MAX_REPEATS = 20
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,10 @@ class DemoConfig:
         other facts of the same context: kvtransport.tasks.question_set; fewer when the
         context states fewer facts). One answer flips on small cache differences; the
         mean F1 and the count of answers equal to the full cache's over several do not.
+    repeats: how many times the TTFTs are measured, in rounds that time re-prefilling and
+        then every row's race once each (the first round also answers); a row's TTFT is
+        its median, its speed-up the median of the rounds' ratios, so a slow moment of
+        the host hits both sides of a ratio instead of one.
     """
 
     task: str = "fiction_qa"
@@ -74,6 +81,7 @@ class DemoConfig:
     card_dir: Path | None = None
     progress: bool = True
     questions: int = DEFAULT_QUESTIONS
+    repeats: int = 1
 
     @classmethod
     def quick(cls, **overrides: Any) -> DemoConfig:
@@ -110,8 +118,9 @@ class SchemeResult:
     waited_s: float | None = None
     rebuild_s: float | None = None
     first_token_s: float | None = None
-    ttft_s: float | None = None
-    speedup: float | None = None  # re-prefill TTFT / this TTFT
+    ttft_s: float | None = None  # the median of ttft_rounds
+    speedup: float | None = None  # the median over the rounds of re-prefill TTFT / this TTFT
+    ttft_rounds: list[float] = field(default_factory=list)  # DemoConfig.repeats of them
     counters: dict[str, Any] = field(default_factory=dict)
     error: str = ""  # why the scheme did not run (e.g. no shipped DDQN weights)
 

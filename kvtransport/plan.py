@@ -5,9 +5,10 @@ the receiver's measured compute speed (kvtransport.cache_builder.ComputeSpeed):
 
 - the **split**: the context's first ``split`` tokens, which the receiver computes itself
   while the rest streams in (compute while loading); their blocks are not sent;
-- each sent block's **precision** (fp16 or int8 by default; int4 only when asked): every
-  block starts at the cheapest level and blocks are upgraded in utility order while the
-  bytes still cross within the budget;
+- each sent block's **precision** (fp16, int8 or int4 by default): every block starts at
+  the cheapest level, and blocks are raised in utility order, first until the plan's
+  expected fidelity reaches a floor (``min_fidelity``: int4 only where it costs little
+  utility), then while the bytes still cross within the budget;
 - the **stream order**: token ranges front first, every layer of a range together (the
   ``position`` order of kvtransport.utility), so that what the deadline cuts off or the
   channel destroys sits in few token ranges at the tail, which the receiver recomputes
@@ -49,7 +50,13 @@ from kvtransport.cache_builder import ComputeSpeed
 from kvtransport.utility import stream_order
 from kvtransport.wire import full_send_time
 
-DEFAULT_LEVELS = ("fp16", "int8")
+DEFAULT_LEVELS = ("fp16", "int8", "int4")
+DEFAULT_MIN_FIDELITY = 0.999
+"""The expected fidelity every plan keeps (when its levels can reach it): with the
+calibrated per-precision fidelities (kvtransport.blocks.DEFAULT_FIDELITY: int8 0.999, int4
+0.98), it lets about the least useful half of the sent blocks go as int4, which carries
+about a tenth of the utility of the demo's contexts, and keeps the rest at int8 or better.
+The answers this costs are measured in docs/results.md (section 0)."""
 DEFAULT_REPAIR_MARGIN = 0.05
 """Link time allowed beyond the loss-inflated wire time, for repair the loss estimate does
 not cover. Chosen by comparing planned with realized range arrivals on the emulated
@@ -136,13 +143,16 @@ def plan_handoff(
     repair_margin: float = DEFAULT_REPAIR_MARGIN,
     fidelity: dict[str, float] | None = None,
     objective: str = "fidelity",
+    min_fidelity: float = DEFAULT_MIN_FIDELITY,
 ) -> HandoffPlan:
     """The best plan for ``budget_s`` seconds under ``objective`` (see the module
     docstring).
 
     utilities: ``[layers, token_blocks]`` block utilities (normalized here); levels: the
-    precisions the link may carry, best first (the last is the floor every sent block
-    gets). Raises ValueError for an unknown objective or level.
+    precisions the link may carry, best first (the last is where every sent block starts);
+    min_fidelity: the expected fidelity below which no plan goes while its levels can
+    reach it (sent blocks are raised in utility order until they do; 0: no floor).
+    Raises ValueError for an unknown objective or level, or a floor outside [0, 1].
     """
     g = geometry
     u = np.asarray(utilities, dtype=np.float64)
@@ -154,10 +164,12 @@ def plan_handoff(
         raise ValueError(f"budget must be positive, not {budget_s}")
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, not {objective!r}")
+    if not 0.0 <= min_fidelity <= 1.0:
+        raise ValueError(f"min_fidelity must be in [0, 1], not {min_fidelity}")
     u = u / u.sum()
     fid = np.array([(fidelity or DEFAULT_FIDELITY)[p] for p in levels])
     cost = g.cost_table(levels).reshape(g.num_layers, g.token_blocks, len(levels))
-    task = _Task(g, u, cost, fid, link, repair_margin, budget_s, levels)
+    task = _Task(g, u, cost, fid, link, repair_margin, budget_s, levels, min_fidelity)
     best: tuple[tuple[float, float], HandoffPlan] | None = None
     fastest: tuple[float, int, HandoffPlan] | None = None
     for k in range(g.token_blocks + 1):
@@ -167,8 +179,7 @@ def plan_handoff(
             break  # a longer prefix only computes longer
         if objective == "ttft" and fastest is not None and compute_s >= fastest[0]:
             break  # nor can it finish sooner
-        level = np.full((g.num_layers, g.token_blocks), len(levels) - 1)
-        level[:, :k] = -1
+        level = task.floored(k)
         plan = task.plan(k, level, compute_s)
         if plan.fits and objective == "fidelity":
             plan = task.upgraded(k, level, compute_s, budget_s)
@@ -184,9 +195,7 @@ def plan_handoff(
     if not quick.fits:
         return quick
     # ttft: the link time that the receiver's own compute leaves idle buys upgrades
-    level = np.full((g.num_layers, g.token_blocks), len(levels) - 1)
-    level[:, :k] = -1
-    return task.upgraded(k, level, quick.compute_s, quick.finish_s)
+    return task.upgraded(k, task.floored(k), quick.compute_s, quick.finish_s)
 
 
 @dataclass(frozen=True)
@@ -202,17 +211,43 @@ class _Task:
     margin: float
     budget_s: float
     levels: tuple[str, ...]
+    min_fidelity: float
+
+    def _raisable(self, level: np.ndarray, target: int) -> np.ndarray:
+        """The blocks one level below ``target``, most useful first ([n, 2] indices)."""
+        cand = np.argwhere(level == target + 1)
+        return cand[np.argsort(-self.u[cand[:, 0], cand[:, 1]], kind="stable")]
+
+    def floored(self, k: int) -> np.ndarray:
+        """The levels with the first ``k`` token ranges computed (-1) and the rest at the
+        cheapest level, raised one level at a time in utility order until the expected
+        fidelity reaches ``min_fidelity`` (as far as the levels allow)."""
+        g, u, fid = self.g, self.u, self.fid
+        level = np.full((g.num_layers, g.token_blocks), len(self.levels) - 1)
+        level[:, :k] = -1
+        have = float(u[:, :k].sum() + u[:, k:].sum() * fid[-1])
+        for target in range(len(self.levels) - 2, -1, -1):
+            need = self.min_fidelity - have
+            if need <= 0:
+                break
+            cand = self._raisable(level, target)
+            gain = np.cumsum(u[cand[:, 0], cand[:, 1]] * (fid[target] - fid[target + 1]))
+            take = min(int(np.searchsorted(gain, need, side="left")) + 1, len(cand))
+            level[cand[:take, 0], cand[:take, 1]] = target
+            have += float(gain[take - 1]) if take else 0.0
+        return level
 
     def upgraded(self, k: int, level: np.ndarray, compute_s: float, by_s: float) -> HandoffPlan:
         """Raise sent blocks one level at a time in utility order while the bytes still
         cross by ``by_s`` (the longest prefix of the utility order whose extra bytes fit,
         per level)."""
         level = level.copy()
-        cost, u = self.cost, self.u
-        room = self.link.max_bytes(by_s, self.margin) - int(cost[:, k:, -1].sum())
+        cost = self.cost
+        sent = level >= 0
+        now = np.take_along_axis(cost, np.maximum(level, 0)[..., None], 2)[..., 0][sent].sum()
+        room = self.link.max_bytes(by_s, self.margin) - int(now)
         for target in range(len(self.levels) - 2, -1, -1):
-            cand = np.argwhere(level == target + 1)
-            cand = cand[np.argsort(-u[cand[:, 0], cand[:, 1]], kind="stable")]
+            cand = self._raisable(level, target)
             extra = cost[cand[:, 0], cand[:, 1], target] - cost[cand[:, 0], cand[:, 1], target + 1]
             take = int(np.searchsorted(np.cumsum(extra), room, side="right"))
             level[cand[:take, 0], cand[:take, 1]] = target
@@ -250,7 +285,7 @@ class _Task:
 
 
 def parse_levels(spec: str | tuple[str, ...]) -> tuple[str, ...]:
-    """``auto`` (fp16,int8) or precision names best first ("fp16,int8", "fp32", ...).
+    """``auto`` (fp16,int8,int4) or precision names best first ("fp16,int8", "fp32", ...).
 
     Raises ValueError naming the choices otherwise."""
     if isinstance(spec, str):
@@ -275,6 +310,7 @@ def planned_stream(
     levels: tuple[str, ...] = DEFAULT_LEVELS,
     token_ids: np.ndarray | None = None,
     objective: str = "fidelity",
+    min_fidelity: float = DEFAULT_MIN_FIDELITY,
 ) -> tuple[HandoffPlan, EncodedStream]:
     """Plan a card's stream for ``budget_s`` and re-encode it the way the plan sends it.
 
@@ -293,7 +329,8 @@ def planned_stream(
     if not u.sum() > 0:
         u[:] = 1.0
     plan = plan_handoff(g, u, link=link, speed=speed or NO_RECEIVER_COMPUTE,
-                        budget_s=budget_s, levels=levels, objective=objective)  # fmt: skip
+                        budget_s=budget_s, levels=levels, objective=objective,
+                        min_fidelity=min_fidelity)  # fmt: skip
     order = stream_order(u, g.block_tokens, "position")
     created = dict(m.created, plan=f"split {plan.split}, budget {budget_s * 1e3:.0f} ms")
     out = encode_stream(full.cache, u, order, plan.precision, block_tokens=g.block_tokens,

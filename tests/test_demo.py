@@ -10,6 +10,7 @@ import dataclasses
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 
@@ -31,14 +32,17 @@ def test_quick_demo_on_the_emulated_link_repeats_and_fec_recovers_more(smollm, t
                            compute_speed=speed)  # fmt: skip
     first = run_demo(cfg, loaded=smollm)
     # reads the card the first run cached; one scheme is enough to see the link repeat
-    second = run_demo(dataclasses.replace(cfg, schemes=("DDQN",)), loaded=smollm)
+    # (and to time every TTFT in three interleaved rounds)
+    second = run_demo(dataclasses.replace(cfg, schemes=("DDQN",), repeats=3), loaded=smollm)
 
     assert not first.cache["card_cached"] and second.cache["card_cached"]
     assert first.link["mode"] == "emulated" and "yes for seed 1" in first.link["deterministic"]
     n_tok = first.cache["context_tokens"]
-    # the plan: the receiver computes a prefix, the link carries the rest at fp16/int8
+    # the plan: the receiver computes a prefix, the link carries the rest at int8 or
+    # better, int4 only for the least useful blocks (kvtransport.plan's fidelity floor)
     plan = first.plan
-    assert 0 < plan["split_tokens"] < n_tok and set(plan["blocks"]) <= {"fp16", "int8"}
+    assert 0 < plan["split_tokens"] < n_tok and set(plan["blocks"]) <= {"fp16", "int8", "int4"}
+    assert plan["blocks"].get("int4", 0) < sum(plan["blocks"].values()) / 2
     assert plan["fits"] and plan["planned_compute_s"] <= first.budget_s
     # every scheme ran, in table order
     assert [s.label for s in first.schemes] == [label for label, _ in SCHEMES]
@@ -76,6 +80,16 @@ def test_quick_demo_on_the_emulated_link_repeats_and_fec_recovers_more(smollm, t
     again, once = second.deterministic_view(), first.deterministic_view()
     once["schemes"] = [s for s in once["schemes"] if s["label"] == "DDQN"]
     assert len(again["schemes"]) == 1 and again == once
+    # one round without repeats; with them, the medians over the rounds, and each ratio
+    # pairs a round's re-prefill with the same round's handoff
+    assert first.reprefill["ttft_rounds"] == [first.reprefill["ttft_s"]]
+    assert by["DDQN"].ttft_rounds == [by["DDQN"].ttft_s]
+    re_t = second.reprefill["ttft_rounds"]
+    assert len(re_t) == 3 and second.reprefill["ttft_s"] == statistics.median(re_t)
+    for row in (second.schemes[0], second.link_down):
+        assert len(row.ttft_rounds) == 3 and row.ttft_s == statistics.median(row.ttft_rounds)
+        ratios = [r / t for r, t in zip(re_t, row.ttft_rounds, strict=True)]
+        assert row.speedup == statistics.median(ratios)
     # what people and programs read
     table = render_table(first)
     for label, _ in SCHEMES:

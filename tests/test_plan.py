@@ -11,7 +11,8 @@ from kvtransport.plan import LinkEstimate, plan_handoff
 GEOM = blocks.Geometry(num_layers=30, num_kv_heads=3, num_tokens=504, head_dim=64)
 SPEED = ComputeSpeed(per_call_s=0.01, per_token_s=0.004)  # ~2 s for 504 tokens
 LINK = LinkEstimate(rate_bps=100e6, loss=0.12, one_way_s=0.005, symbol_size=1280)
-FP16, INT8 = blocks.PRECISIONS.index("fp16"), blocks.PRECISIONS.index("int8")
+FP16, INT8, INT4 = (blocks.PRECISIONS.index(p) for p in ("fp16", "int8", "int4"))
+NO_INT4 = ("fp16", "int8")
 
 
 def _utilities(seed: int = 0) -> np.ndarray:
@@ -101,8 +102,9 @@ def _floor_finish(link: LinkEstimate, k: int) -> float:
 def test_the_ttft_objective_finishes_first_and_never_later_than_the_fidelity_one(rate):
     link = LinkEstimate(rate_bps=rate, loss=0.12, one_way_s=0.005, symbol_size=1280)
     u = _utilities(3)
-    quick = plan_handoff(GEOM, u, link=link, speed=SPEED, budget_s=1.5, objective="ttft")
-    full = plan_handoff(GEOM, u, link=link, speed=SPEED, budget_s=1.5)
+    quick = plan_handoff(GEOM, u, link=link, speed=SPEED, budget_s=1.5, objective="ttft",
+                         levels=NO_INT4)  # fmt: skip
+    full = plan_handoff(GEOM, u, link=link, speed=SPEED, budget_s=1.5, levels=NO_INT4)
     soonest = min(_floor_finish(link, k) for k in range(GEOM.token_blocks + 1))
     assert quick.fits and quick.finish_s == pytest.approx(soonest)
     assert quick.finish_s < full.finish_s  # the fidelity plan spends the budget
@@ -116,7 +118,8 @@ def test_the_ttft_objective_upgrades_only_with_the_link_time_compute_leaves_idle
     upgraded = 0
     for rate in np.linspace(50e6, 1e9, 60):
         link = LinkEstimate(rate_bps=rate, loss=0.12, one_way_s=0.005, symbol_size=1280)
-        plan = plan_handoff(GEOM, u, link=link, speed=SPEED, budget_s=1.5, objective="ttft")
+        plan = plan_handoff(GEOM, u, link=link, speed=SPEED, budget_s=1.5, objective="ttft",
+                            levels=NO_INT4)  # fmt: skip
         soonest = min(_floor_finish(link, k) for k in range(GEOM.token_blocks + 1))
         assert plan.finish_s == pytest.approx(soonest)  # upgrades never delay the answer
         hi, lo = u[plan.precision == FP16], u[plan.precision == INT8]
@@ -132,3 +135,60 @@ def test_the_ttft_objective_upgrades_only_with_the_link_time_compute_leaves_idle
 def test_an_unknown_objective_is_refused():
     with pytest.raises(ValueError, match="objective"):
         plan_handoff(GEOM, _utilities(), link=LINK, speed=SPEED, budget_s=1.0, objective="x")
+
+
+def _fidelity(plan, u) -> float:
+    fid = np.array([blocks.DEFAULT_FIDELITY[p] for p in blocks.PRECISIONS])
+    return float(u[plan.precision < 0].sum() + (u * fid[plan.precision])[plan.precision >= 0].sum())
+
+
+@pytest.mark.parametrize("objective", ["ttft", "fidelity"])
+@pytest.mark.parametrize("floor", [0.99, 0.997, 0.999])
+def test_int4_goes_to_the_least_useful_blocks_only_as_far_as_the_fidelity_floor(objective, floor):
+    u = _utilities(5)
+    with_int4 = tight = 0
+    for rate in (50e6, 100e6, 1e9):
+        link = LinkEstimate(rate_bps=rate, loss=0.12, one_way_s=0.005, symbol_size=1280)
+        plan = plan_handoff(GEOM, u, link=link, speed=SPEED, budget_s=0.5,
+                            objective=objective, min_fidelity=floor)  # fmt: skip
+        assert plan.fidelity == pytest.approx(_fidelity(plan, u))
+        assert plan.fidelity >= floor - 1e-12
+        lo, hi = u[plan.precision == INT4], u[(plan.precision >= 0) & (plan.precision < INT4)]
+        assert hi.size
+        with_int4 += bool(lo.size)
+        assert not lo.size or lo.max() <= hi.min()  # int4 only below every better-kept block
+        if objective == "ttft" and plan.link_s >= plan.compute_s:
+            # no idle link time bought upgrades, so the floor alone set the levels, and
+            # tightly: the least useful int8 block back at int4 would break it
+            tight += 1
+            low8 = np.argwhere(plan.precision == INT8)
+            i, j = low8[np.argmin(u[plan.precision == INT8])]
+            back = plan.precision.copy()
+            back[i, j] = INT4
+            fid = np.array([blocks.DEFAULT_FIDELITY[p] for p in blocks.PRECISIONS])
+            below = float(u[back < 0].sum() + (u * fid[back])[back >= 0].sum())
+            assert below < floor
+    assert with_int4  # the slow links leave the floor's int4 in place
+    assert tight or objective == "fidelity"
+
+
+def test_a_higher_floor_sends_more_bytes_and_never_answers_sooner():
+    u = _utilities(6)
+    plans = [plan_handoff(GEOM, u, link=LINK, speed=SPEED, budget_s=1.0, objective="ttft",
+                          min_fidelity=f) for f in (0.0, 0.99, 0.997, 0.999)]  # fmt: skip
+    assert not (plans[0].precision == INT8).any() or plans[0].finish_s < plans[-1].finish_s
+    finish = [p.finish_s for p in plans]
+    assert finish == sorted(finish) and finish[0] < finish[-1]
+    int4 = [int((p.precision == INT4).sum()) for p in plans]
+    assert int4 == sorted(int4, reverse=True) and int4[-1] < int4[0]
+
+
+def test_an_unreachable_floor_keeps_every_sent_block_at_the_best_level():
+    plan = plan_handoff(GEOM, _utilities(), link=LINK, speed=SPEED, budget_s=1.0,
+                        objective="ttft", levels=("int8", "int4"), min_fidelity=1.0)  # fmt: skip
+    assert set(np.unique(plan.precision).tolist()) <= {-1, INT8}
+
+
+def test_a_floor_outside_0_1_is_refused():
+    with pytest.raises(ValueError, match="min_fidelity"):
+        plan_handoff(GEOM, _utilities(), link=LINK, speed=SPEED, budget_s=1.0, min_fidelity=1.5)

@@ -1,0 +1,141 @@
+"""What the plan's fidelity floor (kvtransport.plan.DEFAULT_MIN_FIDELITY) trades: link time
+against answers equal to the full cache's.
+
+For each context size and seed of the demo's task, the handoff is planned (objective
+``ttft``, the demo's link profile, a fixed receiver compute speed so that every plan is
+the same on every host) with fp16/int8 only and with int4 allowed down to each floor. The
+planned stream is decoded, the receiver's prefix filled in exactly (as its own compute
+gives it), and the demo's questions answered; an answer counts when it equals the full
+cache's. Only the answers depend on the model; no timing is measured (the planned finish
+is the plan's own estimate), so the host's load does not matter.
+
+Writes floor.json and floor.md into --out (default results/eval_precision_floor).
+
+    .venv/bin/python scripts/eval_precision_floor.py
+    .venv/bin/python scripts/eval_precision_floor.py --tokens 512 --seeds 1-2 --floors 0.999
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+SPEED = (0.07, 0.0031)  # seconds per call, per token: the demo host's measured speed
+
+
+def _seeds(text: str) -> list[int]:
+    if "-" in text:
+        a, b = text.split("-")
+        return list(range(int(a), int(b) + 1))
+    return [int(x) for x in text.split(",")]
+
+
+def evaluate(loaded, tokens: int, seeds: list[int], floors: list[float]) -> dict:
+    """Per seed and setting: int4 share of the sent blocks, planned finish, answers equal."""
+    from kvtransport import blocks, tasks
+    from kvtransport.cache_builder import ComputeSpeed
+    from kvtransport.demo_model import answer, link_profile, prepare_card
+    from kvtransport.demo_report import DEFAULT_BUDGET, DEFAULT_MAX_NEW_TOKENS, DEFAULT_QUESTIONS
+    from kvtransport.plan import LinkEstimate, planned_stream
+    from kvtransport.protocol import DEFAULT_SYMBOL_SIZE
+
+    prof = link_profile(None)
+    link = LinkEstimate(prof.rate_bps, float(prof.stationary_loss()), prof.delay_ms / 1e3,
+                        DEFAULT_SYMBOL_SIZE)  # fmt: skip
+    speed = ComputeSpeed(*SPEED)
+    settings = [("fp16,int8", ("fp16", "int8"), 0.0)]
+    settings += [(f"int4 to {f:g}", ("fp16", "int8", "int4"), f) for f in floors]
+    tok = loaded.tokenizer
+    runs = []
+    for seed in seeds:
+        sample = tasks.generate("fiction_qa", tok, target_tokens=tokens, seed=seed)
+        ctx, q = sample.prompt(tok)
+        qs = [q] + [p.prompt(tok)[1] for p in tasks.question_set(sample, DEFAULT_QUESTIONS)[1:]]
+        stream, _, _ = prepare_card(loaded, sample, ctx, None)
+        ids = np.asarray(ctx)
+        full = blocks.decode_stream(stream.manifest, stream.payload, token_ids=ids).cache
+        ref = [answer(loaded, full, None, x, DEFAULT_MAX_NEW_TOKENS)[0] for x in qs]
+        budget = DEFAULT_BUDGET * speed.seconds(len(ctx))
+        row = {"seed": seed, "tokens": len(ctx), "settings": {}}
+        for name, levels, floor in settings:
+            plan, planned = planned_stream(stream, link=link, budget_s=budget, speed=speed,
+                                           levels=levels, token_ids=ids, objective="ttft",
+                                           min_fidelity=floor)  # fmt: skip
+            kv = blocks.decode_stream(planned.manifest, planned.payload, token_ids=ids).cache
+            kv.keys[:, :, : plan.split] = full.keys[:, :, : plan.split]
+            kv.values[:, :, : plan.split] = full.values[:, :, : plan.split]
+            got = [answer(loaded, kv, None, x, DEFAULT_MAX_NEW_TOKENS)[0] for x in qs]
+            sent = plan.precision >= 0
+            row["settings"][name] = {
+                "equal": sum(a == b for a, b in zip(got, ref, strict=True)),
+                "questions": len(qs),
+                "int4_share": float((plan.precision == 3)[sent].mean()),
+                "finish_s": plan.finish_s,
+                "split": plan.split,
+            }
+        runs.append(row)
+        print(f"{tokens} tok seed {seed}: " + ", ".join(
+            f"{k} {v['equal']}/{v['questions']} ({v['finish_s'] * 1e3:.0f} ms)"
+            for k, v in row["settings"].items()), file=sys.stderr, flush=True)  # fmt: skip
+    return {"tokens": tokens, "seeds": seeds, "runs": runs}
+
+
+def render(docs: list[dict]) -> str:
+    lines = [
+        "Plan objective ttft, demo link (ge-heavy, 100 Mbit/s), receiver compute fixed at "
+        f"{SPEED[0] * 1e3:g} ms + {SPEED[1] * 1e3:g} ms/token; answers = equal to the full "
+        "cache's, summed over seeds",
+        "",
+        "| context | blocks sent as | int4 share of sent blocks | planned in place (mean) "
+        "| answers = full cache: sum, worst seed |",
+        "|---|---|---|---|---|",
+    ]
+    for d in docs:
+        names = list(d["runs"][0]["settings"])
+        for name in names:
+            rs = [r["settings"][name] for r in d["runs"]]
+            tok = statistics.mean(r["tokens"] for r in d["runs"])
+            lines.append(
+                f"| {tok:.0f} tok | {name} | {statistics.mean(r['int4_share'] for r in rs):.0%} "
+                f"| {statistics.mean(r['finish_s'] for r in rs) * 1e3:.0f} ms "
+                f"| {sum(r['equal'] for r in rs)}/{sum(r['questions'] for r in rs)}, "
+                f"{min(r['equal'] for r in rs)}/{rs[0]['questions']} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--tokens", default="512,2048", help="context sizes (default 512,2048)")
+    p.add_argument("--seeds", default="1-8", help="e.g. 1-8 or 1,3 (2048 uses the first 4)")
+    p.add_argument("--floors", default="0.999,0.998,0.997", help="fidelity floors to compare")
+    p.add_argument("--out", default="results/eval_precision_floor")
+    args = p.parse_args(argv)
+    try:
+        sizes = [int(t) for t in args.tokens.split(",")]
+        floors = [float(f) for f in args.floors.split(",")]
+        seeds = _seeds(args.seeds)
+    except ValueError as exc:
+        p.error(f"cannot read the lists: {exc}")
+    import torch
+
+    from kvtransport.model import load_model
+
+    torch.set_num_threads(1)
+    loaded = load_model(threads=1)
+    docs = [evaluate(loaded, n, seeds if n <= 1024 else seeds[:4], floors) for n in sizes]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "floor.json").write_text(json.dumps(docs, indent=1))
+    (out / "floor.md").write_text(render(docs))
+    print(render(docs))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
