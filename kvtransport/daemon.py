@@ -60,22 +60,6 @@ class Engine(Protocol):
     def next_wake(self) -> float | None: ...
 
 
-class DropCounts:
-    """What both engines share besides the loop: their UDP socket's descriptor and the
-    datagrams they drop before any session sees them, counted by reason."""
-
-    sock: Any
-    dropped: int
-    drop_reasons: dict[str, int]
-
-    def fileno(self) -> int:
-        return self.sock.fileno()
-
-    def _drop(self, reason: str) -> None:
-        self.dropped += 1
-        self.drop_reasons[reason] = self.drop_reasons.get(reason, 0) + 1
-
-
 class JsonLogFormatter(logging.Formatter):
     """One JSON object per record: ``ts`` (Unix seconds), ``level``, ``daemon``,
     ``logger``, ``msg`` (and ``exc`` with a traceback's last line)."""
@@ -331,8 +315,8 @@ class DaemonShell:
     A subclass sets ``role`` ("sender" or "receiver") and ``log``, makes ``self.sock``,
     ``self.engine`` and ``self.stats_out``, then calls :meth:`_start_control`; it says what
     its start-up log line adds (:meth:`_describe`) and what shutdown did to the transfers
-    still in flight (``STOP_TEXT``). The engine must have ``active``, ``status(now, tid)``,
-    ``stats()`` and ``close(now)``.
+    still in flight (``STOP_TEXT``). The engine must have ``host`` (a SenderHost or
+    ReceiverHost: ``active``, ``status(now, tid)``), ``stats()`` and ``close(now)``.
     """
 
     role = ""
@@ -373,7 +357,7 @@ class DaemonShell:
         from kvtransport.api import parse_tid
 
         tid = parse_tid(head["transfer_id"]) if head.get("transfer_id") is not None else None
-        return {"transfers": self.engine.status(clock(), tid)}
+        return {"transfers": self.engine.host.status(clock(), tid)}
 
     def _stats(self, head: dict[str, Any], frames: list) -> dict[str, Any]:
         return {"stats": self.engine.stats()}
@@ -405,7 +389,7 @@ class DaemonShell:
         try:
             serve(self.engine, [self.control], stop, on_idle=self._on_idle)
         finally:
-            n = len(self.engine.active)
+            n = len(self.engine.host.active)
             self.engine.close(clock())
             self.log.info(
                 "%s daemon stopping (%s): %d %s",
@@ -460,53 +444,60 @@ def serve(
             stop.drain()
 
 
+class _WarmUpPath:
+    """The warm-up's channel: ``delay`` one way; every fifth datagram lost, every third
+    one a further 50 us late (reordered: repairs may arrive before their sources), and
+    everything sent before ``quiet_until`` lost (feedback lost, as on a long round trip:
+    the manifest's repairs go out too)."""
+
+    def __init__(self, delay: float, quiet_until: float = 0.0) -> None:
+        self.delay = delay
+        self.quiet_until = quiet_until
+        self.n = 0
+
+    def transmit(self, t: float, size: int) -> float | None:
+        self.n += 1
+        if t < self.quiet_until or self.n % 5 == 0:
+            return None
+        return t + self.delay + (50e-6 if self.n % 3 == 0 else 0.0)
+
+
 def warm_up(
     key: bytes | None = None, policies: Sequence[str] = ("fixed:1/4",), allocator: bool = False
 ) -> float:
-    """Run a tiny lossy transfer through both sessions in memory once per policy in
-    ``policies``, and with ``allocator`` one slot of the multi-transfer scheduler; returns
-    the seconds spent.
+    """Run a tiny lossy transfer per policy in ``policies`` between the daemons' own hosts
+    on the virtual-clock loop (kvtransport.virtual_clock), and with ``allocator`` two
+    transfers sharing the link (the allocator plans); returns the seconds spent.
 
     The first call of each numba kernel in a process loads it from numba's cache (about
     0.5 s on these machines) or, on a fresh install, compiles it (several seconds). Paid
     inside the first transfer, that stall would be measured as round-trip time and could
     cost the transfer its deadline, so the shells pay it before they serve: the codec's
     kernels with any RLC policy, the DDQN's (features, network) with ``ddqn``, the
-    allocator's only once a second transfer shares the link.
+    allocator's only once a second transfer shares the link. The receiver daemon hands a
+    read's datagrams over in one call (runs of them in one RLCDecoder.add_packets call), so
+    what each receiver got is handed once more that way to a fresh host.
     """
-    from kvtransport.policy import make_policy
-    from kvtransport.receiver import ReceiverSession
-    from kvtransport.sender import SenderSession
+    from kvtransport.receiver_host import ReceiverHost
+    from kvtransport.sender_host import SenderHost
     from kvtransport.transfer import synthetic_transfer
+    from kvtransport.virtual_clock import VirtualClockLoop
 
     t0 = clock()
     transfer = synthetic_transfer(64 * 1024, 8, seed=0)
-    for name in dict.fromkeys(policies):
-        sender = SenderSession(
-            transfer, make_policy(name), rate_bps=1e9, deadline=1.0, now=0.0, key=key
-        )
-        receiver = ReceiverSession(sender.transfer_id, key=key, now=0.0, deadline=1.0)
-        t, n = 0.0, 0
-        while not sender.done and t < 1.0:
-            batch = sender.datagrams_to_send(t)
-            kept = []
-            for d in reversed(batch):  # reordered: repairs may arrive before their sources
-                n += 1
-                if n % 5:  # every fifth datagram lost: the decoder has something to recover
-                    kept.append(d)
-            # as the receiver daemon hands them over: a read's datagrams in one call (runs
-            # of them in one RLCDecoder.add_packets call, the rest one by one)
-            receiver.receive_datagrams(kept, t)
-            for fb in receiver.datagrams_to_send(t):
-                if t > 2e-3:  # earlier feedback lost, as on a long round trip: the
-                    sender.receive_datagram(fb, t)  # manifest's repairs go out too
-            t += 1e-4
-    if allocator:
-        from kvtransport import allocator as al
-        from kvtransport.utility_model import SigmoidUtility
-
-        sched = al.OnlineScheduler(1.25e7)
-        for i in range(2):
-            sched.add(al.ScheduledTransfer(i, 1e6 * (i + 1), 0.5, SigmoidUtility(0.9, 10.0, 0.2)))
-        sched.step(0.0)
+    runs = [[name] for name in dict.fromkeys(policies)]
+    if allocator and runs:
+        runs.append(runs[0] * 2)
+    for names in runs:
+        sender = SenderHost(rate_bps=1e9, key=key, burst_s=0.0)
+        receiver = ReceiverHost(key=key)
+        for name in names:
+            sender.submit(transfer, "receiver", now=0.0, deadline_s=0.5, policy=name)
+        trace: list[tuple[Any, ...]] = []
+        loop = VirtualClockLoop(trace)
+        loop.add(sender, "sender", channel=_WarmUpPath(1e-3))
+        rx = loop.add(receiver, "receiver", channel=_WarmUpPath(1e-3, quiet_until=2e-3))
+        loop.run(until=1.0)
+        got = [(e[3], "sender") for e in trace if e[0] == "recv" and e[2] == rx]
+        ReceiverHost(key=key).receive_datagrams(got, 0.0)
     return clock() - t0

@@ -3,7 +3,8 @@
 :class:`ReceiverEngine` is the shell of a :class:`~kvtransport.receiver_host.
 ReceiverHost` (one session per transfer, admission, memory bounds, replay protection,
 results as events, the status view: all sans-I/O, see kvtransport.receiver_host) on one
-UDP socket (GRO, kvtransport.udp). ``on_readable(now)`` reads every waiting datagram in
+UDP socket (GRO, kvtransport.udp), built from one: ``ReceiverEngine(sock, host)``.
+``on_readable(now)`` reads every waiting datagram in
 one batch (at most ``BATCH``) and hands it to the host (``receive_datagrams``: each
 transfer's run of datagrams to its session in one call), saves the replay record when the
 batch accepted a manifest, then sends the feedback the batch produced, stamped with the
@@ -23,11 +24,10 @@ from collections.abc import Callable
 from typing import Any
 
 from kvtransport.api import load_json_header
-from kvtransport.daemon import DaemonShell, DropCounts
+from kvtransport.daemon import DaemonShell
 from kvtransport.errors import UserError
 from kvtransport.receiver_host import (
     DEFAULT_IDLE_TIMEOUT_S,
-    DEFAULT_LINGER_S,
     DEFAULT_MAX_BYTES,
     DEFAULT_MAX_TRANSFERS,
     Incoming,
@@ -35,7 +35,7 @@ from kvtransport.receiver_host import (
     ResultReady,
     TransferStarted,
 )
-from kvtransport.replay import DEFAULT_WINDOW_S, ReplayRecord, open_record
+from kvtransport.replay import DEFAULT_WINDOW_S, open_record
 from kvtransport.udp import DatagramSocket, clock
 
 log = logging.getLogger("kvtransport.receiver-daemon")
@@ -49,66 +49,26 @@ BATCH = 256
 feedback (and its echo of the highest packet) is never held back by a long batch."""
 
 
-class ReceiverEngine(DropCounts):
+class ReceiverEngine:
     """A :class:`~kvtransport.receiver_host.ReceiverHost` behind one UDP socket (module
-    docstring; the arguments are the host's). ``single``: the ``recv`` command's mode."""
+    docstring): the engine is the socket and the loop's calls; every figure of the
+    transfers is the host's (``engine.host``). Each finished transfer goes to
+    ``on_result(incoming)``."""
 
     def __init__(
         self,
         sock: DatagramSocket,
+        host: ReceiverHost,
         *,
-        key: bytes | None = None,
-        max_transfers: int = DEFAULT_MAX_TRANSFERS,
-        max_bytes: int = DEFAULT_MAX_BYTES,
-        idle_timeout: float = DEFAULT_IDLE_TIMEOUT_S,
-        linger_s: float = DEFAULT_LINGER_S,
-        single: bool = False,
         on_result: Callable[[Incoming], None] | None = None,
-        budget_bytes: int | None = None,
-        replay: ReplayRecord | None = None,
     ) -> None:
-        self.host = ReceiverHost(
-            key=key,
-            max_transfers=max_transfers,
-            max_bytes=max_bytes,
-            idle_timeout=idle_timeout,
-            linger_s=linger_s,
-            single=single,
-            budget_bytes=budget_bytes,
-            replay=replay,
-            wall_clock=time.time,
-        )
-        self.sock = sock
+        self.host = host
+        # Any: its batches are memoryviews, which the sessions take (they annotate bytes)
+        self.sock: Any = sock
         self.on_result = on_result
 
-    # the host's state, as the daemon, its tests and tools read it
-    @property
-    def active(self) -> dict[int, Incoming]:
-        return self.host.active
-
-    @property
-    def adopted(self) -> int | None:
-        return self.host.adopted
-
-    @property
-    def replays_refused(self) -> int:
-        return self.host.replays_refused
-
-    @property
-    def held_bytes(self) -> int:
-        return self.host.held_bytes
-
-    @property
-    def replay(self) -> ReplayRecord | None:
-        return self.host.replay
-
-    @property
-    def dropped(self) -> int:  # type: ignore[override]
-        return self.host.dropped
-
-    @property
-    def drop_reasons(self) -> dict[str, int]:  # type: ignore[override]
-        return self.host.drop_reasons
+    def fileno(self) -> int:
+        return self.sock.fileno()
 
     # ------------------------------------------------------------------ the loop
 
@@ -175,9 +135,6 @@ class ReceiverEngine(DropCounts):
 
     # ------------------------------------------------------------------ results
 
-    def status(self, now: float, transfer_id: int | None = None) -> list[dict[str, Any]]:
-        return self.host.status(now, transfer_id)
-
     def stats(self) -> dict[str, Any]:
         return {**self.host.stats(), "socket": dict(self.sock.stats)}
 
@@ -225,16 +182,16 @@ class ReceiverDaemon(DaemonShell):
         self.stats_out = stats if stats is not None else StatsWriter(None)
         self.warm_up_s = warm_up(key)
         self.sock = DatagramSocket(bind, gro=gro)
-        self.engine = ReceiverEngine(
-            self.sock,
+        host = ReceiverHost(
             key=key,
             max_transfers=max_transfers,
             max_bytes=max_bytes,
             idle_timeout=idle_timeout,
             budget_bytes=budget_bytes,
-            on_result=self._result,
             replay=replay,
+            wall_clock=time.time,
         )
+        self.engine = ReceiverEngine(self.sock, host, on_result=self._result)
         self.publish_endpoint = publish
         self.published = 0  # results handed to the PUB socket
         self.publish_lost = 0  # results given up (see _publish)

@@ -6,7 +6,8 @@ all sans-I/O) on one UDP socket (GSO batching, kvtransport.udp). It is driven by
 :func:`kvtransport.daemon.serve` in the daemon and by a plain loop in ``kvtransport
 send``: ``run_due(now)`` runs the host's timer and sends what it released,
 ``on_readable(now)`` hands every waiting datagram to the host, ``next_wake()`` is the
-host's timer. Pacing, link sharing and admission are the host's (kvtransport.sender_host).
+host's timer. Pacing, link sharing, admission and the status view are the host's
+(kvtransport.sender_host; the engine is built from one: ``SenderEngine(sock, host)``).
 
 :class:`SenderDaemon` adds the ZeroMQ control socket (kvtransport.api: submit, status,
 cancel, stats, ping), logs and one ``--stats`` JSON line per finished transfer.
@@ -15,15 +16,13 @@ cancel, stats, ping), logs and one ``--stats`` JSON line per finished transfer.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 from kvtransport import bounds
 from kvtransport.bounds import MAX_DEADLINE_S, MAX_INITIAL_RTT_S, MIN_DEADLINE_S
-from kvtransport.daemon import DaemonShell, DropCounts
+from kvtransport.daemon import DaemonShell
 from kvtransport.errors import UserError
-from kvtransport.link_share import LinkShare
 from kvtransport.policy import make_policy
 from kvtransport.protocol import DEFAULT_INITIAL_RTT, DEFAULT_SYMBOL_SIZE
 from kvtransport.sender_host import (  # noqa: F401 (HISTORY: re-exported for the tests)
@@ -43,71 +42,29 @@ from kvtransport.wire import full_send_time
 log = logging.getLogger("kvtransport.sender-daemon")
 
 
-class SenderEngine(DropCounts):
-    """A :class:`~kvtransport.sender_host.SenderHost` on one UDP socket (module docstring).
+class SenderEngine:
+    """A :class:`~kvtransport.sender_host.SenderHost` on one UDP socket (module docstring):
+    the engine is the socket and the loop's calls; every figure of the transfers is the
+    host's (``engine.host``).
 
-    ``rate_bps``: the link rate shared by all transfers. ``on_finish(outgoing)`` is called
-    once per transfer when its session is done (sent FIN or ABORT, or the receiver said it
-    is finished), after its last datagrams went out. ``host``: run this host (then the
-    other arguments but ``on_finish`` are the host's own).
+    ``on_finish(outgoing)`` is called once per transfer when its session is done (sent FIN
+    or ABORT, or the receiver said it is finished), after its last datagrams went out.
     """
 
     def __init__(
         self,
         sock: DatagramSocket,
+        host: SenderHost,
         *,
-        rate_bps: float,
-        key: bytes | None = None,
-        symbol_size: int = DEFAULT_SYMBOL_SIZE,
-        burst_s: float = DEFAULT_BURST_S,
-        slot_s: float = DEFAULT_SLOT_S,
-        max_transfers: int = DEFAULT_MAX_TRANSFERS,
         on_finish: Callable[[Outgoing], None] | None = None,
-        host: SenderHost | None = None,
     ) -> None:
-        self.host = host or SenderHost(
-            rate_bps=rate_bps,
-            key=key,
-            symbol_size=symbol_size,
-            burst_s=burst_s,
-            slot_s=slot_s,
-            max_transfers=max_transfers,
-        )
-        self.sock = sock
+        self.host = host
+        # Any: its batches are memoryviews, which the sessions take (they annotate bytes)
+        self.sock: Any = sock
         self.on_finish = on_finish
 
-    # the host's state, as the daemon, its tests and tools read it
-    @property
-    def rate_bps(self) -> float:
-        return self.host.rate_bps
-
-    @property
-    def key(self) -> bytes | None:
-        return self.host.key
-
-    @property
-    def symbol_size(self) -> int:
-        return self.host.symbol_size
-
-    @property
-    def link(self) -> LinkShare:
-        return self.host.link
-
-    @property
-    def active(self) -> dict[int, Outgoing]:
-        return self.host.active
-
-    @property
-    def finished(self) -> OrderedDict[int, Outgoing]:
-        return self.host.finished
-
-    @property
-    def dropped(self) -> int:  # type: ignore[override]
-        return self.host.dropped
-
-    @property
-    def drop_reasons(self) -> dict[str, int]:  # type: ignore[override]
-        return self.host.drop_reasons
+    def fileno(self) -> int:
+        return self.sock.fileno()
 
     # ------------------------------------------------------------------ transfers
 
@@ -138,15 +95,11 @@ class SenderEngine(DropCounts):
         self.host.close(now)
         self._transmit(now)
 
-    def status(self, now: float, transfer_id: int | None = None) -> list[dict[str, Any]]:
-        """Status of one transfer (in flight or recently finished) or of all of them."""
-        return self.host.status(now, transfer_id)
-
     def stats(self) -> dict[str, Any]:
         return {
             **self.host.stats(),
             "socket": dict(self.sock.stats),
-            "rate_mbps": self.rate_bps / 1e6,
+            "rate_mbps": self.host.rate_bps / 1e6,
         }
 
     # ------------------------------------------------------------------ the loop
@@ -274,16 +227,15 @@ class SenderDaemon(DaemonShell):
         self.stats_out = stats if stats is not None else StatsWriter(None)
         self.warm_up_s = warm_up(key, ("fixed:1/4", policy), allocator=True)
         self.sock = DatagramSocket(bind, gso=gso)
-        self.engine = SenderEngine(
-            self.sock,
+        host = SenderHost(
             rate_bps=rate_bps,
             key=key,
             symbol_size=symbol_size,
             burst_s=burst_s,
             slot_s=slot_s,
             max_transfers=max_transfers,
-            on_finish=self._finished,
         )
+        self.engine = SenderEngine(self.sock, host, on_finish=self._finished)
         self._start_control(
             control, {"submit": self._submit, "status": self._status, "cancel": self._cancel}
         )
@@ -301,8 +253,9 @@ class SenderDaemon(DaemonShell):
         dest = parse_address(bounds.text(head["to"], "to", 300), what="receiver")
         transfer = transfer_from_frames(frames)
         e = self.engine
+        h = e.host
         deadline_s = deadline_from(
-            head, transfer.nbytes, e.rate_bps, e.symbol_size, e.key is not None
+            head, transfer.nbytes, h.rate_bps, h.symbol_size, h.key is not None
         )
         tid = parse_tid(head["transfer_id"]) if head.get("transfer_id") is not None else None
         policy = head.get("policy")
@@ -368,6 +321,5 @@ class SenderDaemon(DaemonShell):
         self.stats_out.write({"event": "transfer", "role": "sender", **out.status(clock())})
 
     def _describe(self) -> str:
-        return (
-            f"link {self.engine.rate_bps / 1e6:.1f} Mbit/s, GSO {'on' if self.sock.gso else 'off'}"
-        )
+        rate = self.engine.host.rate_bps
+        return f"link {rate / 1e6:.1f} Mbit/s, GSO {'on' if self.sock.gso else 'off'}"

@@ -13,8 +13,10 @@ precede (the one-way delay is the look-ahead, so a round covers milliseconds of 
 time). The same seed then gives the same packets, the same partial caches and the same
 answers; only the TTFT's compute part is measured (and varies). Every scheme sees the
 same loss pattern (the channels are re-seeded per scheme), a like-for-like comparison.
-Events run in the simulator's order over the simulator's channels, so a transfer ends
-exactly as ``kvtransport simulate`` says for the same seed (tests/test_demo.py checks it).
+Each process runs its endpoint (the sender session; the receiver daemon's host) on the
+simulator's event loop (kvtransport.virtual_clock) over the simulator's channels, so a
+transfer ends exactly as ``kvtransport simulate`` says for the same seed
+(tests/test_demo.py checks it).
 
 The processes run ``python -m kvtransport.demo_emulated --peer sender|receiver FD`` and
 speak pickled messages over a socket pair (:class:`EmulatedLink` is the coordinator).
@@ -24,13 +26,11 @@ from __future__ import annotations
 
 import contextlib
 import heapq
-import math
 import secrets
 import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -39,9 +39,13 @@ from kvtransport.demo_links import INITIAL_RTT_S, PROFILE, Link, LinkOutcome, Tr
 from kvtransport.errors import UserError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
-    from kvtransport.receiver import ReceiverSession
+    from kvtransport.receiver_host import ReceiverHost
     from kvtransport.sender import SenderSession
     from kvtransport.transfer import Transfer
+    from kvtransport.virtual_clock import VirtualClockLoop
+
+_SENDER, _RECEIVER = "sender", "receiver"
+"""The peers' addresses on their processes' loops."""
 
 
 def _peer_command(role: str, fd: int) -> list[str]:
@@ -163,6 +167,9 @@ class EmulatedLink(Link):
         self.sender = self._spawn("sender")
         self.receiver = self._spawn("receiver")
         self.loaded = False
+        self.trace: list[tuple[str, float, bytes]] | None = None
+        """A list to record every datagram the processes send, as ``("data" | "feedback",
+        time sent, datagram)`` in the order they reach the channels (None: not recorded)."""
         if policies:
             for peer in self.peers:
                 peer.post("warm", list(policies))
@@ -239,9 +246,13 @@ class EmulatedLink(Link):
                 t_r = max(t_r, min(timers) - look)
             h_s = t_r + look
             out, s_next, s_done = self.sender.call("advance", h_s, _pop_until(to_tx, h_s))
+            if self.trace is not None:
+                self.trace.extend(("data", t, d) for t, d in out)
             order = _cross(out, data_ch, to_rx, order)
             h_r = h_s + look
             out, r_next, rx_result = self.receiver.call("advance", h_r, _pop_until(to_rx, h_r))
+            if self.trace is not None:
+                self.trace.extend(("feedback", t, d) for t, d in out)
             order = _cross(out, fb_ch, to_tx, order)
             t_r = h_r
             if rx_result is not None and result is None:
@@ -296,29 +307,6 @@ def _pop_until(heap: list[tuple[float, int, bytes]], t: float) -> list[tuple[flo
     return out
 
 
-def _events(
-    inputs: list[tuple[float, bytes]], horizon: float, next_timer: Callable[[], float | None]
-) -> Iterator[tuple[float, bytes | None]]:
-    """A peer's events up to ``horizon`` in time order: arrivals ``(t, datagram)`` from
-    ``inputs`` and timer expiries ``(t, None)``, arrivals first on a tie (as in
-    kvtransport.simulator). ``next_timer()`` is asked again after each event is handled:
-    handling one moves the timer."""
-    inf = math.inf
-    i, n = 0, len(inputs)
-    while True:
-        tt = next_timer()
-        tt = inf if tt is None else tt
-        ti = inputs[i][0] if i < n else inf
-        t = ti if ti <= tt else tt
-        if t > horizon or t == inf:
-            return
-        if ti <= tt:
-            i += 1
-            yield ti, inputs[i - 1][1]
-        else:
-            yield t, None
-
-
 class _PeerRole:
     """What both peer processes answer besides their own requests."""
 
@@ -338,11 +326,14 @@ class _PeerRole:
 
 
 class _SenderPeer(_PeerRole):
-    """The sender process of the emulated link: a SenderSession on the link's clock."""
+    """The sender process of the emulated link: a SenderSession on the link's clock, the
+    one endpoint of its process's kvtransport.virtual_clock loop (arrivals first on a tie
+    with its timer, as in kvtransport.simulator)."""
 
     def __init__(self) -> None:
         self.transfer: Transfer | None = None
         self.session: SenderSession | None = None
+        self.loop: VirtualClockLoop | None = None
 
     def load(self, msg: dict[str, Any]) -> tuple:
         from kvtransport.transfer import BlockTable, Transfer
@@ -354,6 +345,7 @@ class _SenderPeer(_PeerRole):
     def start(self, msg: dict[str, Any]) -> tuple:
         from kvtransport.policy import make_policy
         from kvtransport.sender import SenderSession
+        from kvtransport.virtual_clock import SenderSessionEndpoint, VirtualClockLoop
 
         if self.transfer is None:
             raise ValueError("no transfer loaded")
@@ -368,22 +360,17 @@ class _SenderPeer(_PeerRole):
             initial_rtt=msg["initial_rtt"],
             key=msg["key"],
         )
+        self.loop = VirtualClockLoop()
+        self.loop.add(SenderSessionEndpoint(self.session, _RECEIVER), _SENDER)
         return ()
 
     def advance(self, horizon: float, inputs: list[tuple[float, bytes]]) -> tuple:
-        """Feedback arrivals and pacing timers up to ``horizon``, in time order (arrivals
-        first on a tie, as in kvtransport.simulator); returns what was sent and when."""
-        s = self.session
-        if s is None:
+        """Feedback arrivals and pacing timers up to ``horizon``, in time order; returns
+        what was sent and when."""
+        s, loop = self.session, self.loop
+        if s is None or loop is None:
             raise ValueError("no transfer started")
-        out: list[tuple[float, bytes]] = []
-        for t, datagram in _events(inputs, horizon, s.next_timer):
-            if datagram is not None:
-                s.receive_datagram(datagram, t)
-            else:
-                s.handle_timer(t)
-                out.extend((t, d) for d in s.datagrams_to_send(t))
-        return out, s.next_timer(), bool(s.done)
+        return _advance(loop, horizon, inputs, _RECEIVER), s.next_timer(), bool(s.done)
 
     def stats(self) -> tuple:
         s = self.session
@@ -393,46 +380,54 @@ class _SenderPeer(_PeerRole):
 
 
 class _ReceiverPeer(_PeerRole):
-    """The receiver process of the emulated link: a ReceiverSession on the link's clock,
-    opened by the transfer's first datagram with the deadline from the manifest, counted
-    from that datagram's arrival (as the receiver daemon does)."""
+    """The receiver process of the emulated link: the receiver daemon's host (kvtransport.
+    receiver_host, ``single``) on the link's clock, the one endpoint of its process's
+    kvtransport.virtual_clock loop: the transfer's session opens at its first datagram
+    with the deadline from the manifest, counted from that datagram's arrival."""
 
     def __init__(self) -> None:
-        self.transfer_id = 0
-        self.key: bytes | None = None
-        self.session: ReceiverSession | None = None
-        self.reported = False
+        self.host: ReceiverHost | None = None
+        self.loop: VirtualClockLoop | None = None
+        self.result: LinkOutcome | None = None
 
     def start(self, msg: dict[str, Any]) -> tuple:
-        self.transfer_id = int(msg["transfer_id"])
-        self.key = msg["key"]
-        self.session = None
-        self.reported = False
+        from kvtransport.receiver_host import ReceiverHost
+        from kvtransport.virtual_clock import VirtualClockLoop
+
+        self.host = ReceiverHost(key=msg["key"], single=True)
+        self.loop = VirtualClockLoop()
+        self.loop.add(self.host, _RECEIVER, after=self._events)
+        self.result = None
         return ()
 
+    def _events(self, t: float) -> None:
+        from kvtransport.receiver_host import ResultReady
+
+        assert self.host is not None  # the loop runs once started
+        while (ev := self.host.next_event()) is not None:
+            if isinstance(ev, ResultReady):
+                self.result = LinkOutcome.from_result(ev.transfer.session.result, ev.at)
+
     def advance(self, horizon: float, inputs: list[tuple[float, bytes]]) -> tuple:
-        from kvtransport.receiver import ReceiverSession
+        """Data arrivals and the session's timers up to ``horizon``, in time order;
+        returns what was sent and when, and the result once (when it is ready)."""
+        host, loop = self.host, self.loop
+        if host is None or loop is None:
+            raise ValueError("no transfer started")
+        out = _advance(loop, horizon, inputs, _SENDER)
+        result, self.result = self.result, None
+        return out, host.get_timer(), result
 
-        out: list[tuple[float, bytes]] = []
-        result = None
-        for t, datagram in _events(inputs, horizon, self._next_timer):
-            s = self.session
-            if datagram is not None:
-                if s is None:
-                    s = self.session = ReceiverSession(self.transfer_id, key=self.key, now=t)
-                s.receive_datagram(datagram, t)
-            else:
-                assert s is not None  # timers come from the session only
-                s.handle_timer(t)
-            out.extend((t, d) for d in s.datagrams_to_send(t))
-            if s.finished and not self.reported:
-                self.reported = True
-                result = LinkOutcome.from_result(s.result, t)
-        return out, self._next_timer(), result
 
-    def _next_timer(self) -> float | None:
-        s = self.session
-        return s.next_timer() if s is not None else None
+def _advance(
+    loop: VirtualClockLoop, horizon: float, inputs: list[tuple[float, bytes]], src: str
+) -> list[tuple[float, bytes]]:
+    """Hand a peer's loop the datagrams that arrive from ``src`` (in arrival order), run
+    it to ``horizon``; what its endpoint sent meanwhile, with the times it left."""
+    for t, d in inputs:
+        loop.deliver(t, d, 0, src)
+    loop.run(horizon)
+    return [(t, d) for t, d, _addr in loop.take_outbox()]
 
 
 def _peer_main(role: str, fd: int) -> int:

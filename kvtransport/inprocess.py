@@ -66,22 +66,22 @@ def run_send(
     Returns ``(status, interrupted)``: the sender's final status (as ``send --json``
     prints it, with the socket's counters) and whether ``stop`` cut it short.
     """
-    from kvtransport.daemon_sender import DEFAULT_BURST_S, SenderEngine
+    from kvtransport.daemon_sender import DEFAULT_BURST_S, SenderEngine, SenderHost
 
-    engine = SenderEngine(
-        sock,
+    host = SenderHost(
         rate_bps=rate_bps,
         key=key,
         symbol_size=symbol_size,
         burst_s=DEFAULT_BURST_S if burst_s is None else burst_s,
     )
+    engine = SenderEngine(sock, host)
     out = engine.submit(
         transfer, dest, now=clock(), deadline_s=deadline_s, policy=policy, initial_rtt=initial_rtt
     )
     try:
-        serve(engine, [], stop, on_idle=lambda now: None if engine.active else stop.request())
+        serve(engine, [], stop, on_idle=lambda now: None if host.active else stop.request())
     finally:
-        interrupted = bool(engine.active)
+        interrupted = bool(host.active)
         engine.close(clock())
     status = out.status(clock())
     status["socket"] = dict(sock.stats)
@@ -109,25 +109,27 @@ def run_receive(
     ``(incoming, engine)``: the :class:`~kvtransport.daemon_receiver.Incoming` (None when
     no transfer arrived) and the engine, whose counters say what was dropped.
     """
-    from kvtransport.daemon_receiver import ReceiverEngine
+    import time
+
+    from kvtransport.daemon_receiver import ReceiverEngine, ReceiverHost
 
     results: list[Any] = []
-    engine = ReceiverEngine(
-        sock,
+    host = ReceiverHost(
         key=key,
         max_transfers=1,
         max_bytes=max_bytes,
         idle_timeout=idle_timeout_s,
         single=True,
-        on_result=results.append,
         replay=replay,
+        wall_clock=time.time,
     )
+    engine = ReceiverEngine(sock, host, on_result=results.append)
     if on_engine is not None:
         on_engine(engine)
     started = clock()
 
     def check(now: float) -> None:
-        if results or (engine.adopted is None and now - started > timeout_s):
+        if results or (host.adopted is None and now - started > timeout_s):
             stop.request("timeout" if not results else "done")
 
     try:
@@ -141,7 +143,7 @@ def run_receive(
 def delivered(incoming: Any, engine: Any) -> DeliveredResult:
     """An engine's finished transfer as the result a subscriber would get."""
     stats = incoming.stats(clock())
-    stats["engine_drops"] = dict(engine.drop_reasons)
+    stats["engine_drops"] = dict(engine.host.drop_reasons)
     stats["socket"] = dict(engine.sock.stats)
     return DeliveredResult.from_result(incoming.session.result, stats)
 

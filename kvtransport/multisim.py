@@ -5,10 +5,11 @@ sending endpoint, the sender daemon's own sans-I/O host (kvtransport.sender_host
 :class:`~kvtransport.sender_host.SenderHost`: transfer-id demux, admission, the link's
 :class:`~kvtransport.link_share.LinkShare` with the slot policy under test, finish events),
 to one receiving endpoint per user, the receiver daemon's host (kvtransport.receiver_host.
-:class:`~kvtransport.receiver_host.ReceiverHost`). This module is only their shell: a heap
-of events on a virtual clock and the channels. Every data datagram of every transfer goes
-through ONE data-path channel (kvtransport.netem: loss model, then the link's token bucket
-with its FIFO queue, then delay), every feedback datagram through one reverse-path channel.
+:class:`~kvtransport.receiver_host.ReceiverHost`). This module is only their shell: the
+virtual-clock loop (kvtransport.virtual_clock) and the channels. Every data datagram of
+every transfer goes through ONE data-path channel (kvtransport.netem: loss model, then the
+link's token bucket with its FIFO queue, then delay), every feedback datagram through one
+reverse-path channel.
 So what the multi-user figure shows of link sharing (progress less owed repairs, owed
 repairs served first, the deadline less the one-way delay, the payload capacity net of
 the reported loss, pausing below one datagram per slot) is what the sender daemon does.
@@ -22,11 +23,10 @@ A handover's accuracy is its fitted sigmoid (kvtransport.utility_model) at the f
 its cache delivered *in utility order* when its receiver finished: the bytes of the
 longest prefix of the stream whose blocks are all complete at the receiver, over the size.
 
-Event loop: one heap holds datagrams in flight, the hosts' timers and the arrivals. A
-host's timer is re-read from ``get_timer()`` after everything that can move it and pushed
-when it changed; entries that are no longer current are skipped when popped. At equal
-times deliveries go first, then the sender host, the receiver hosts and arrivals.
-Everything random derives from ``seed``.
+Event loop: the hosts are endpoints of one kvtransport.virtual_clock.VirtualClockLoop (the
+simulators' shared loop): at equal times deliveries go first, then the sender host's
+timer, the receiver hosts' timers, and the handovers' arrivals. Everything random derives
+from ``seed``.
 
 The channel's loss, rate and delay come from a kvtransport.netem profile ("clean": 5 ms,
 no loss), with the link rate overridden by the scenario.
@@ -34,11 +34,11 @@ no loss), with the link rate overridden by the scenario.
 
 from __future__ import annotations
 
-import heapq
 import math
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -53,10 +53,11 @@ from kvtransport.sender_host import SenderHost
 from kvtransport.simulator import DEFAULT_BLOCK_BYTES
 from kvtransport.transfer import BlockTable, Transfer, utility_profile
 from kvtransport.utility_model import SigmoidUtility
+from kvtransport.virtual_clock import VirtualClockLoop
 
 DEFAULT_SLOT_S = 0.01
-# Event kinds, in the order they are handled at equal times.
-_TO_RECEIVER, _TO_SENDER, _SENDER, _RECEIVER, _ARRIVAL = range(5)
+# Timer ranks on the loop (lower first at equal times); arrivals come after both.
+_SENDER_RANK, _RECEIVER_RANK, _ARRIVAL_RANK = 1, 2, 3
 
 
 @dataclass(frozen=True)
@@ -157,7 +158,6 @@ class _User:
     tid: int
     addr: tuple[str, int]
     host: ReceiverHost
-    armed: float | None = None
     received: Incoming | None = None  # its transfer at the receiver, once finished
     outcome: HandoverOutcome | None = None
 
@@ -175,11 +175,10 @@ class MultiSimulation:
     rate_mbps; repair_policy: each session's FEC policy (kvtransport.policy names);
     capacity_Bps: feed the scheduler this fixed payload capacity instead of estimating
     it from the link rate and the reported loss. ``trace``: a list to which the loop
-    appends every call it makes into a host and what came out: into the sender host
-    ``("submit", t, transfer_id)``, ``("timer", t)``, ``("feedback", t, datagram)``, out
-    ``("data", t, datagram)``; into receiver host i ``("rx_data", t, i, datagram)``,
-    ``("rx_timer", t, i)``, out ``("rx_feedback", t, i, datagram)`` (tests/test_hosts.py
-    replays them into the daemons' engines).
+    appends every call it makes into a host and what came out (kvtransport.virtual_clock:
+    endpoint 0 is the sender host, endpoint i + 1 user i's receiver host; a ``call`` is a
+    handover's arrival, its submit to the sender host; tests/test_hosts.py replays them
+    into the daemons' engines).
     """
 
     def __init__(
@@ -209,7 +208,6 @@ class MultiSimulation:
         self.rate_bps = self.profile.rate_mbps * 1e6
         self.delay_s = self.profile.delay_ms * 1e-3
         self.repair_policy = repair_policy
-        self.trace = trace
         self.sender = SenderHost(
             rate_bps=self.rate_bps,
             key=key,
@@ -232,7 +230,6 @@ class MultiSimulation:
         )
         max_bytes = max(DEFAULT_MAX_BYTES, max(h.size for h in handovers))
         self.users: list[_User] = []
-        self.by_addr: dict[tuple[str, int], int] = {}
         for h, tid in sorted(
             zip(handovers, tids.tolist(), strict=True), key=lambda p: p[0].arrival
         ):
@@ -241,76 +238,58 @@ class MultiSimulation:
             blocks = BlockTable(edges[:-1], np.diff(edges), utility_profile("zipf", n_blocks))
             addr = (f"user-{h.id}", 1)
             host = ReceiverHost(key=key, max_transfers=1, max_bytes=max_bytes)
-            self.by_addr[addr] = len(self.users)
             self.users.append(_User(h, Transfer(pool[: h.size], blocks), int(tid), addr, host))
         self.policy_name = getattr(slot_policy, "name", type(slot_policy).__name__)
-        self._heap: list[tuple[float, int, int, int, Any]] = []
-        self._order = 0
-        self._sender_armed: float | None = None
-        self.events = 0
-        self.wire_bytes = 0
+        self.loop = VirtualClockLoop(trace)
+        self._sender_i = self.loop.add(
+            self.sender,
+            SENDER_ADDR,
+            rank=_SENDER_RANK,
+            channel=self.data_channel,
+            after=self._sender_events,
+        )
+        for u in self.users:
+            self.loop.add(
+                u.host,
+                u.addr,
+                rank=_RECEIVER_RANK,
+                channel=self.feedback_channel,
+                after=partial(self._receiver_events, u),
+            )
         for i, u in enumerate(self.users):
-            self._push(u.h.arrival, _ARRIVAL, i, None)
+            self.loop.call_at(
+                u.h.arrival,
+                partial(self._arrive, i),
+                touches=self._sender_i,
+                rank=_ARRIVAL_RANK,
+            )
 
     @property
     def link(self) -> LinkShare:
         """The sender host's shared link."""
         return self.sender.link
 
-    # ------------------------------------------------------------------ plumbing
+    @property
+    def events(self) -> int:
+        """Heap entries handled (superseded timer entries included)."""
+        return self.loop.events + self.loop.stale
 
-    def _push(self, t: float, kind: int, i: int, data: Any) -> None:
-        self._order += 1
-        heapq.heappush(self._heap, (t, kind, self._order, i, data))
+    @property
+    def wire_bytes(self) -> int:
+        """Data datagrams on the link, with the link's per-datagram overhead."""
+        n, nbytes = self.loop.sent(self._sender_i)
+        return nbytes + n * LINK_OVERHEAD_BYTES
 
-    def _arm_sender(self, now: float) -> None:
-        t = self.sender.get_timer()
-        if t != self._sender_armed:
-            self._sender_armed = t
-            if t is not None:
-                self._push(max(t, now), _SENDER, -1, t)
+    # ------------------------------------------------------------------ events
 
-    def _arm_receiver(self, i: int, now: float) -> None:
-        u = self.users[i]
-        t = u.host.get_timer()
-        if t != u.armed:
-            u.armed = t
-            if t is not None:
-                self._push(max(t, now), _RECEIVER, i, t)
-
-    def _send_data(self, t: float) -> None:
-        """What the sender host released, into the data channel."""
-        ch = self.data_channel
-        trace = self.trace
-        for datagrams, addr in self.sender.datagrams_to_send(t):
-            i = self.by_addr[addr]
-            for d in datagrams:
-                if trace is not None:
-                    trace.append(("data", t, bytes(d)))
-                self.wire_bytes += len(d) + LINK_OVERHEAD_BYTES
-                arrival = ch.transmit(t, len(d))
-                if arrival is not None:
-                    self._push(arrival, _TO_RECEIVER, i, d)
+    def _sender_events(self, t: float) -> None:
         while self.sender.next_event() is not None:
             pass  # a finished transfer: its outcome is its receiver's
-        self._arm_sender(t)
 
-    def _send_feedback(self, i: int, t: float) -> None:
-        """What receiver host i produced, into the feedback channel; its results."""
-        u = self.users[i]
-        ch = self.feedback_channel
-        trace = self.trace
-        for datagrams, _addr in u.host.datagrams_to_send(t):
-            for d in datagrams:
-                if trace is not None:
-                    trace.append(("rx_feedback", t, i, bytes(d)))
-                arrival = ch.transmit(t, len(d))
-                if arrival is not None:
-                    self._push(arrival, _TO_SENDER, i, d)
+    def _receiver_events(self, u: _User, t: float) -> None:
         while (ev := u.host.next_event()) is not None:
             if isinstance(ev, ResultReady):
                 self._outcome(u)
-        self._arm_receiver(i, t)
 
     # ------------------------------------------------------------------ handovers
 
@@ -370,46 +349,8 @@ class MultiSimulation:
     def run(self) -> MultiResult:
         """Run every handover to its deadline; returns what each got."""
         cpu0 = time.process_time()
-        heap = self._heap
-        pop = heapq.heappop
+        self.loop.run()
         users = self.users
-        sender = self.sender
-        trace = self.trace
-        while heap:
-            t, kind, _, i, data = pop(heap)
-            self.events += 1
-            if kind == _TO_RECEIVER:
-                if trace is not None:
-                    trace.append(("rx_data", t, i, bytes(data)))
-                users[i].host.receive_datagram(data, SENDER_ADDR, t)
-                self._send_feedback(i, t)
-            elif kind == _TO_SENDER:
-                if trace is not None:
-                    trace.append(("feedback", t, bytes(data)))
-                sender.receive_datagram(data, users[i].addr, t)
-                self._send_data(t)
-            elif kind == _SENDER:
-                if self._sender_armed != data:
-                    continue  # superseded
-                self._sender_armed = None
-                if trace is not None:
-                    trace.append(("timer", t))
-                sender.handle_timer(t)
-                self._send_data(t)
-            elif kind == _RECEIVER:
-                u = users[i]
-                if u.armed != data:
-                    continue
-                u.armed = None
-                if trace is not None:
-                    trace.append(("rx_timer", t, i))
-                u.host.handle_timer(t)
-                self._send_feedback(i, t)
-            else:  # _ARRIVAL
-                if trace is not None:
-                    trace.append(("submit", t, users[i].tid))
-                self._arrive(i, t)
-                self._send_data(t)
         for u in users:
             if u.outcome is None and u.host.get(u.tid) is None and u.tid not in u.host.recent:
                 self._outcome(u)  # its receiver never heard of it

@@ -6,11 +6,11 @@ Nothing here models the protocol: :class:`Simulation` moves the datagrams of a r
 (kvtransport.netem: loss, rate limit with queue, delay, jitter), firing each session's
 timers at the virtual times they ask for. Simulation results are results of the real code.
 
-The event loop keeps one heap of in-flight datagrams; the two sessions' timers are read
-from ``next_timer()`` each turn (no stale timer events to manage). Ties go to deliveries
-first, then the sender, then the receiver. Both sessions share the virtual clock, so the
-receiver is given the exact deadline and ``utility_recovered`` is what it had decoded *at*
-the deadline.
+The two sessions are endpoints of a kvtransport.virtual_clock.VirtualClockLoop, the event
+loop every virtual-clock shell shares (the sender as a bare session: no host's link
+planning): ties go to deliveries first, then the sender's timer, then the receiver's.
+Both sessions share the virtual clock, so the receiver is given the exact deadline and
+``utility_recovered`` is what it had decoded *at* the deadline.
 
 Step mode for the Gymnasium environment: build the episode with :func:`make_simulation`
 and ``policy=ExternalPolicy()``; the sender then pauses at each decision,
@@ -24,7 +24,6 @@ id); the same arguments give the same result, bit for bit.
 
 from __future__ import annotations
 
-import heapq
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -38,11 +37,19 @@ from kvtransport.protocol import DEFAULT_SYMBOL_SIZE
 from kvtransport.receiver import ReceiverSession
 from kvtransport.sender import SenderSession
 from kvtransport.transfer import Transfer, synthetic_transfer
+from kvtransport.virtual_clock import (
+    ReceiverSessionEndpoint,
+    SenderSessionEndpoint,
+    VirtualClockLoop,
+)
 from kvtransport.wire import full_send_time, link_bytes
 
 DEFAULT_SIZE_BYTES = 10_000_000
 DEFAULT_BLOCK_BYTES = 12_288
 """One SmolLM2 block (one layer, 16 tokens, K and V, fp16, 3 kv heads x 64) is 12 KiB."""
+SENDER_ADDR = "sender"
+RECEIVER_ADDR = "receiver"
+"""The two sessions' addresses on the simulation's loop."""
 
 
 @dataclass
@@ -85,7 +92,11 @@ class SimResult:
 
 
 class Simulation:
-    """One transfer between a real sender and a real receiver over two channels."""
+    """One transfer between a real sender and a real receiver over two channels.
+
+    ``trace``: a list that receives the loop's record of every call and datagram
+    (kvtransport.virtual_clock; the sender is endpoint 0, the receiver endpoint 1).
+    """
 
     def __init__(
         self,
@@ -102,6 +113,7 @@ class Simulation:
         initial_rtt: float = 0.02,
         record: bool = True,
         prior_loss: float | None = None,
+        trace: list[tuple[Any, ...]] | None = None,
     ) -> None:
         self.data_channel = data_channel
         self.feedback_channel = feedback_channel
@@ -122,12 +134,7 @@ class Simulation:
         )
         if hasattr(policy, "bind_sender"):
             policy.bind_sender(self.sender)
-        self.receiver = ReceiverSession(transfer_id, key=key, now=0.0, deadline=deadline)
-        self.now = 0.0
-        self.events = 0
-        self._heap: list[tuple[float, int, bool, bytes]] = []
-        self._order = 0
-        self.feedback_sent = 0
+        receiver = ReceiverSession(transfer_id, key=key, now=0.0, deadline=deadline)
         self.record = record
         self.meta: dict[str, Any] = {}
         self._decisions_seen = 0
@@ -144,28 +151,46 @@ class Simulation:
                 "owed",
             )
         }
+        # the two sessions on the virtual-clock loop: the sender's timer goes first on a
+        # tie, data through the data channel, feedback through the feedback channel
+        self.loop = VirtualClockLoop(trace)
+        self._tx = SenderSessionEndpoint(self.sender, RECEIVER_ADDR)
+        self._rx = ReceiverSessionEndpoint(receiver, SENDER_ADDR)
+        self._tx_i = self.loop.add(
+            self._tx, SENDER_ADDR, rank=1, channel=data_channel, after=self._after_sender
+        )
+        self._rx_i = self.loop.add(self._rx, RECEIVER_ADDR, rank=2, channel=feedback_channel)
+
+    @property
+    def receiver(self) -> ReceiverSession:
+        """The receiving session (a script may replace it mid-run, as a restart)."""
+        return self._rx.session
+
+    @receiver.setter
+    def receiver(self, session: ReceiverSession) -> None:
+        self._rx.session = session
+        self.loop.touch(self._rx_i)
+
+    @property
+    def now(self) -> float:
+        """The virtual clock: the time of the last event handled."""
+        return self.loop.now
+
+    @property
+    def events(self) -> int:
+        return self.loop.events
+
+    @property
+    def feedback_sent(self) -> int:
+        """Feedback datagrams the receiver sent (lost ones included)."""
+        return self.loop.sent(self._rx_i)[0]
 
     # ---------------------------------------------------------------- event loop
 
-    def _send_data(self, t: float, datagrams: list[bytes]) -> None:
-        ch = self.data_channel
-        for d in datagrams:
-            arrival = ch.transmit(t, len(d))
-            if arrival is not None:
-                self._order += 1
-                heapq.heappush(self._heap, (arrival, self._order, True, d))
-
-    def _send_feedback(self, t: float) -> None:
-        out = self.receiver.datagrams_to_send(t)
-        if not out:
-            return
-        ch = self.feedback_channel
-        for d in out:
-            self.feedback_sent += 1
-            arrival = ch.transmit(t, len(d))
-            if arrival is not None:
-                self._order += 1
-                heapq.heappush(self._heap, (arrival, self._order, False, d))
+    def _after_sender(self, t: float) -> None:
+        if self.record and self.sender.stats["decisions"] != self._decisions_seen:
+            self._decisions_seen = self.sender.stats["decisions"]
+            self._sample(t)
 
     def _sample(self, t: float) -> None:
         s = self.sender
@@ -179,49 +204,20 @@ class Simulation:
         o["loss"].append(s.loss_estimate())
         o["owed"].append(s.owed())
 
+    def _over(self) -> bool:
+        s = self.sender
+        if s.awaiting_action:
+            return True
+        return self._rx.session.finished and (s.done or not self.loop.in_flight)
+
     def run_until_decision(self, until: float = math.inf) -> bool:
         """Advance until the sender awaits an action (True) or the transfer is over (False)."""
-        s, r, heap = self.sender, self.receiver, self._heap
-        pop = heapq.heappop
-        inf = math.inf
-        while True:
-            if s.awaiting_action:
-                return True
-            if r.finished and (s.done or not heap):
-                return False
-            ts = s.next_timer()
-            tr = r.next_timer()
-            if ts is None:
-                ts = inf
-            if tr is None:
-                tr = inf
-            te = heap[0][0] if heap else inf
-            t = min(te, ts, tr)
-            if t == inf or t > until:
-                return False
-            self.now = t
-            self.events += 1
-            if te <= ts and te <= tr:
-                _, _, to_receiver, data = pop(heap)
-                if to_receiver:
-                    r.receive_datagram(data, t)
-                    self._send_feedback(t)
-                else:
-                    s.receive_datagram(data, t)
-            elif ts <= tr:
-                s.handle_timer(t)
-                out = s.datagrams_to_send(t)
-                if out:
-                    self._send_data(t, out)
-                if self.record and s.stats["decisions"] != self._decisions_seen:
-                    self._decisions_seen = s.stats["decisions"]
-                    self._sample(t)
-            else:
-                r.handle_timer(t)
-                self._send_feedback(t)
+        self.loop.run(until, self._over)
+        return self.sender.awaiting_action
 
     def apply_action(self, action: int) -> None:
         self.sender.apply_action(action)
+        self.loop.touch(self._tx_i)
         if self.record:
             self._sample(self.now)
 

@@ -309,7 +309,7 @@ class Inbox:
 
     def __post_init__(self) -> None:
         from kvtransport.daemon import StopSignal
-        from kvtransport.daemon_receiver import ReceiverEngine
+        from kvtransport.daemon_receiver import ReceiverEngine, ReceiverHost
         from kvtransport.inprocess import api_key, warm_kernels
         from kvtransport.udp import DatagramSocket, parse_address
 
@@ -318,9 +318,9 @@ class Inbox:
         self.sock = DatagramSocket(parse_address(self.listen, what="listen"))
         self._lock = threading.Lock()
         self._stop = StopSignal()
-        self.engine = ReceiverEngine(self.sock, key=raw_key, max_transfers=self.max_transfers,
-                                     max_bytes=int(self.max_mb * 1e6),
-                                     on_result=self._on_result)  # fmt: skip
+        host = ReceiverHost(key=raw_key, max_transfers=self.max_transfers,
+                            max_bytes=int(self.max_mb * 1e6))  # fmt: skip
+        self.engine = ReceiverEngine(self.sock, host, on_result=self._on_result)
         self._thread = threading.Thread(target=self._run, name="kvt-inbox", daemon=True)
         self._thread.start()
 

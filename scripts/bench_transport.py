@@ -376,7 +376,7 @@ def socket_cost(n: int = 20000, repeats: int = 5) -> dict:
 def _role_recv(args: argparse.Namespace) -> None:
     """Child: receive one transfer; print its figures as JSON."""
     from kvtransport.daemon import warm_up
-    from kvtransport.daemon_receiver import ReceiverEngine
+    from kvtransport.daemon_receiver import ReceiverEngine, ReceiverHost
     from kvtransport.udp import DatagramSocket, clock, set_realtime, wait_readable
 
     if args.realtime:
@@ -385,8 +385,8 @@ def _role_recv(args: argparse.Namespace) -> None:
     warm_up(key)
     results = []
     with DatagramSocket(("127.0.0.1", 0), buffer_bytes=32 << 20) as sock:
-        eng = ReceiverEngine(sock, key=key, single=True, max_bytes=2 << 30,
-                             on_result=results.append)  # fmt: skip
+        host = ReceiverHost(key=key, single=True, max_bytes=2 << 30)
+        eng = ReceiverEngine(sock, host, on_result=results.append)
         print(sock.address[1], flush=True)
         cpu0 = None
         end = time.monotonic() + 60
@@ -414,7 +414,7 @@ def _role_recv(args: argparse.Namespace) -> None:
 
 def _role_send(args: argparse.Namespace) -> None:
     from kvtransport.daemon import warm_up
-    from kvtransport.daemon_sender import SenderEngine
+    from kvtransport.daemon_sender import SenderEngine, SenderHost
     from kvtransport.transfer import synthetic_transfer
     from kvtransport.udp import DatagramSocket, clock, set_realtime, wait_readable
 
@@ -426,11 +426,12 @@ def _role_send(args: argparse.Namespace) -> None:
     tr = synthetic_transfer(size, max(1, size // 12_288), seed=2)
     dest = ("127.0.0.1", args.port)
     with DatagramSocket(("127.0.0.1", 0), dest, buffer_bytes=32 << 20) as sock:
-        eng = SenderEngine(sock, rate_bps=args.rate_gbps * 1e9, key=key, burst_s=200e-6)
+        host = SenderHost(rate_bps=args.rate_gbps * 1e9, key=key, burst_s=200e-6)
+        eng = SenderEngine(sock, host)
         cpu0 = time.process_time()
         out = eng.submit(tr, dest, now=clock(), deadline_s=30.0, policy=args.policy,
                          initial_rtt=1e-3)  # fmt: skip
-        while eng.active:
+        while host.active:
             eng.run_due(clock())
             wake = eng.next_wake()
             timeout = 0.0 if wake is None else max(0.0, min(0.01, wake - clock()))

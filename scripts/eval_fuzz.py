@@ -197,11 +197,12 @@ class GatedSender:
 
     def __init__(self, transfer: object, port: int, rate_mbps: float, deadline_s: float,
                  allowed: object) -> None:  # fmt: skip
-        from kvtransport.daemon_sender import SenderEngine
+        from kvtransport.daemon_sender import SenderEngine, SenderHost
         from kvtransport.udp import DatagramSocket, clock
 
         self.sock = DatagramSocket(("127.0.0.1", 0), ("127.0.0.1", port))
-        self.engine = SenderEngine(self.sock, rate_bps=rate_mbps * 1e6, key=bytes.fromhex(KEY_HEX))
+        host = SenderHost(rate_bps=rate_mbps * 1e6, key=bytes.fromhex(KEY_HEX))
+        self.engine = SenderEngine(self.sock, host)
         self.out = self.engine.submit(
             transfer, ("127.0.0.1", port), now=clock(), deadline_s=deadline_s
         )
@@ -215,7 +216,7 @@ class GatedSender:
         from kvtransport.udp import clock, wait_readable
 
         e, s = self.engine, self.out.session
-        while e.active and not self.halt.is_set():
+        while e.host.active and not self.halt.is_set():
             if s.next_esi < s.n_source and s.next_esi / s.n_source > self.allowed():
                 time.sleep(0.002)
                 self.paused_s += 0.002

@@ -101,7 +101,7 @@ def test_a_client_needs_the_daemons_public_key(tmp_path):
         sender = SenderThread(tr, port, deadline_s=5.0)
         res = sub.wait_for(sender.out.transfer_id, timeout_s=15)
         sender.kill()
-        assert res.reason == "complete", (res.stats, sender.engine.status(clock()))
+        assert res.reason == "complete", (res.stats, sender.engine.host.status(clock()))
         assert_blocks_exact(res, tr)
         assert nosub.recv(timeout_s=0.5) is None
         assert good.stats()["results"] == 1

@@ -20,11 +20,13 @@ import zmq
 
 from kvtransport.api import ApiError, read_result_file
 from kvtransport.client import ReceiverClient, ResultSubscriber, SenderClient
+from kvtransport.daemon import StopSignal, serve
 from kvtransport.daemon_sender import SenderEngine
 from kvtransport.inprocess import warm_kernels
 from kvtransport.keys import resolve_key
+from kvtransport.sender_host import SenderHost
 from kvtransport.transfer import synthetic_transfer
-from kvtransport.udp import DatagramSocket, clock, wait_readable
+from kvtransport.udp import DatagramSocket, clock
 
 CLI = [sys.executable, "-m", "kvtransport"]
 LINK_MBPS = 100.0
@@ -270,8 +272,9 @@ def test_bad_requests_get_one_line_errors_and_the_daemon_lives_on(daemons):
 
 
 class SenderThread:
-    """A SenderEngine on its own thread in this process (a sender the test controls: it
-    can stop dead, without FIN or ABORT, as a crashed process would)."""
+    """A SenderEngine served by the daemons' loop (kvtransport.daemon.serve) on its own
+    thread in this process (a sender the test controls: it can stop dead, without FIN or
+    ABORT, as a crashed process would)."""
 
     def __init__(self, transfer, port, *, deadline_s, rate_mbps=LINK_MBPS, key=None, **kw):
         self.sock = DatagramSocket(("127.0.0.1", 0), ("127.0.0.1", port))
@@ -279,28 +282,26 @@ class SenderThread:
         # kernels compiled before the transfer's clock starts, as the daemon does at start-up
         # (on a cold numba cache the first transfer would otherwise spend its deadline there)
         warm_kernels(key, kw.get("policy", "adaptive"))
-        self.engine = SenderEngine(self.sock, rate_bps=rate_mbps * 1e6, key=key)
+        self.engine = SenderEngine(self.sock, SenderHost(rate_bps=rate_mbps * 1e6, key=key))
         self.out = self.engine.submit(
             transfer, ("127.0.0.1", port), now=clock(), deadline_s=deadline_s, **kw
         )
-        self.halt = threading.Event()
-        self.thread = threading.Thread(target=self._loop, daemon=True)
+        host = self.engine.host
+        self.stop = StopSignal()  # never installed: the test keeps its signal handlers
+        self.thread = threading.Thread(
+            target=serve,
+            args=(self.engine, [], self.stop),
+            kwargs={"on_idle": lambda now: None if host.active else self.stop.request("done")},
+            daemon=True,
+        )
         self.thread.start()
-
-    def _loop(self):
-        e = self.engine
-        while e.active and not self.halt.is_set():
-            e.run_due(clock())
-            wake = e.next_wake()
-            timeout = 0.05 if wake is None else min(0.05, wake - clock())
-            if wait_readable([e], timeout):
-                e.on_readable(clock())
 
     def kill(self):
         """Stop sending at once (no FIN, no ABORT)."""
-        self.halt.set()
+        self.stop.request("killed")
         self.thread.join(5)
         self.sock.close()
+        self.stop.close()
 
 
 def test_sigterm_shuts_both_daemons_down_cleanly(tmp_path):

@@ -20,7 +20,9 @@ from test_daemon import Daemons, SenderThread, assert_blocks_exact
 from kvtransport.daemon_receiver import ReceiverEngine
 from kvtransport.daemon_sender import SenderEngine
 from kvtransport.policy import make_policy
+from kvtransport.receiver_host import ReceiverHost
 from kvtransport.sender import SenderSession
+from kvtransport.sender_host import SenderHost
 from kvtransport.transfer import synthetic_transfer
 from kvtransport.udp import DatagramSocket, clock
 from kvtransport.wire import HEADER, DatagramType, Framer
@@ -200,18 +202,19 @@ def test_engine_drops_foreign_and_finished_transfers():
         socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as tx,
     ):
         results = []
-        eng = ReceiverEngine(rs, key=KEY, single=True, linger_s=0.0, on_result=results.append)
+        host = ReceiverHost(key=KEY, single=True, linger_s=0.0)
+        eng = ReceiverEngine(rs, host, on_result=results.append)
         one, two = forged(1, 3, KEY), forged(2, 3, KEY)
         for d in one + two:
             tx.sendto(d, rs.address)
-        _wait(lambda: eng.on_readable(clock()) or eng.dropped >= 3, timeout=2)
-        assert eng.drop_reasons == {"foreign_transfer": 3} and list(eng.active) == [1]
+        _wait(lambda: eng.on_readable(clock()) or host.dropped >= 3, timeout=2)
+        assert host.drop_reasons == {"foreign_transfer": 3} and list(host.active) == [1]
         eng.abort(1, clock())
         eng.run_due(clock() + 1)  # past the linger time: the id is remembered as finished
         tx.sendto(one[0], rs.address)
-        _wait(lambda: eng.on_readable(clock()) or eng.dropped >= 4, timeout=2)
+        _wait(lambda: eng.on_readable(clock()) or host.dropped >= 4, timeout=2)
         assert (
-            eng.drop_reasons["finished_transfer"] == 1
+            host.drop_reasons["finished_transfer"] == 1
             and results[0].session.result.reason == "abort"
         )
     # the sender side: feedback for a transfer it does not have
@@ -219,11 +222,12 @@ def test_engine_drops_foreign_and_finished_transfers():
         DatagramSocket(("127.0.0.1", 0)) as ss,
         socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as tx,
     ):
-        eng = SenderEngine(ss, rate_bps=1e8, key=KEY)
+        sender = SenderHost(rate_bps=1e8, key=KEY)
+        eng = SenderEngine(ss, sender)
         for d in forged(77, 4, KEY, DatagramType.FEEDBACK, size=80) + [b"short"]:
             tx.sendto(d, ss.address)
-        _wait(lambda: eng.on_readable(clock()) or eng.dropped >= 5, timeout=2)
-        assert eng.drop_reasons == {"foreign_transfer": 4, "truncated": 1}
+        _wait(lambda: eng.on_readable(clock()) or sender.dropped >= 5, timeout=2)
+        assert sender.drop_reasons == {"foreign_transfer": 4, "truncated": 1}
 
 
 def test_sender_dying_mid_transfer_leaves_a_partial_result_at_the_deadline(daemons):

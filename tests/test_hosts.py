@@ -15,6 +15,7 @@ from kvtransport.receiver_host import ReceiverHost, ResultReady, TransferStarted
 from kvtransport.sender_host import SenderHost, TransferFinished
 from kvtransport.transfer import synthetic_transfer
 from kvtransport.utility_model import SigmoidUtility
+from kvtransport.virtual_clock import VirtualClockLoop
 from kvtransport.wire import HEADER_SIZE
 
 KEY = bytes(range(32))
@@ -28,14 +29,20 @@ def _tids(pairs: list[tuple[list[bytes], object]]) -> list[int]:
     return [struct.unpack_from("!Q", d, 8)[0] for batch, _ in pairs for d in batch]
 
 
+class _Wire:
+    """A loss-free, zero-delay path."""
+
+    def transmit(self, t: float, size: int) -> float:
+        return t
+
+
 def _run_sender(host: SenderHost, until: float, now: float = 0.0) -> tuple[list[int], float]:
-    """Fire the host's timer until ``until`` (nobody answers); the ids of what it sent."""
-    sent: list[int] = []
-    while (t := host.get_timer()) is not None and t <= until:
-        now = max(now, t)
-        host.handle_timer(now)
-        sent += _tids(host.datagrams_to_send(now))
-    return sent, now
+    """The host alone on the virtual clock from ``now`` to ``until`` (nobody answers); the
+    ids of what it sent, and the last time handled."""
+    loop = VirtualClockLoop(now=now)
+    loop.add(host, "sender")
+    loop.run(until)
+    return [struct.unpack_from("!Q", d, 8)[0] for _t, d, _to in loop.take_outbox()], loop.now
 
 
 def test_weights_decide_the_shares_and_what_each_transfer_sends():
@@ -123,22 +130,13 @@ def test_sender_demux_drops_and_counts_what_names_no_transfer_in_flight():
 
 
 def _exchange(sender: SenderHost, receiver: ReceiverHost, until: float) -> float:
-    """Both hosts on one loss-free, zero-delay wire until neither has work before ``until``;
-    returns the last time handled."""
-    now = 0.0
-    while True:
-        times = [t for t in (sender.get_timer(), receiver.get_timer()) if t is not None]
-        if not times or min(times) > until:
-            return now
-        now = max(now, min(times))
-        sender.handle_timer(now)
-        for batch, _ in sender.datagrams_to_send(now):
-            for d in batch:
-                receiver.receive_datagram(d, A, now)
-        receiver.handle_timer(now)
-        for batch, _ in receiver.datagrams_to_send(now):
-            for d in batch:
-                sender.receive_datagram(d, B, now)
+    """Both hosts (at A and B) on one loss-free, zero-delay wire until neither has work
+    before ``until``; returns the last time handled."""
+    loop = VirtualClockLoop()
+    loop.add(sender, A, channel=_Wire())
+    loop.add(receiver, B, channel=_Wire())
+    loop.run(until)
+    return loop.now
 
 
 def test_finish_and_result_events_and_the_receivers_loss_is_remembered():
@@ -208,13 +206,13 @@ def test_the_daemon_engine_and_the_simulator_drive_the_host_identically():
     sim = MultiSimulation(hs, UtilityWaterFilling(), channel="bernoulli-5", rate_mbps=40,
                           seed=3, trace=trace)  # fmt: skip
     sim.run()
-    assert any(e[0] == "feedback" for e in trace) and sum(e[0] == "data" for e in trace) > 300
-    trace = [e for e in trace if e[0] in ("submit", "timer", "feedback", "data")]
+    trace = [e for e in trace if e[2] == 0]  # the sender host is the loop's endpoint 0
+    assert any(e[0] == "recv" for e in trace) and sum(e[0] == "send" for e in trace) > 300
     expected: list[tuple[int, bytes]] = []  # (call number, datagram)
     calls = 0
     for e in trace:
-        if e[0] == "data":
-            expected.append((calls, e[2]))
+        if e[0] == "send":
+            expected.append((calls, e[3]))
         else:
             calls += 1
 
@@ -224,24 +222,25 @@ def test_the_daemon_engine_and_the_simulator_drive_the_host_identically():
     try:
         host = SenderHost(rate_bps=40e6, burst_s=0.0, max_transfers=2,
                           slot_policy=UtilityWaterFilling(), one_way_s=sim.delay_s)  # fmt: skip
-        engine = SenderEngine(sock, rate_bps=40e6, host=host)
+        engine = SenderEngine(sock, host)
         users = {u.tid: (u, sinks[i].address) for i, u in enumerate(sim.users)}
         got: list[tuple[int, bytes]] = []
         calls = 0
+        arrivals = iter(sim.users)  # the loop's scheduled calls: the arrivals, in order
         for e in trace:
-            if e[0] == "data":
+            if e[0] == "send":
                 continue
             calls += 1
             t = e[1]
-            if e[0] == "submit":
-                u, dest = users[e[2]]
+            if e[0] == "call":
+                u, dest = users[next(arrivals).tid]
                 engine.submit(u.transfer, dest, now=t, deadline_s=u.h.deadline - t,
                               transfer_id=u.tid, weight=u.h.weight, utility=u.h.utility,
                               initial_rtt=2.0 * sim.delay_s + 1e-3, wall_offset=0.0)  # fmt: skip
             elif e[0] == "timer":
                 engine.run_due(t)
             else:
-                feeder.send([e[2]], sock.address)
+                feeder.send([e[3]], sock.address)
                 assert wait_readable([sock], 2.0)
                 engine.on_readable(t)
             for sink in sinks:
@@ -271,10 +270,10 @@ def test_the_daemon_engine_and_the_simulator_drive_the_receiver_host_identically
                           trace=trace)  # fmt: skip
     res = sim.run()
     for i, u in enumerate(sim.users):
-        mine = [e for e in trace if e[0].startswith("rx_") and e[2] == i]
+        mine = [e for e in trace if e[2] == i + 1]  # user i's host is endpoint i + 1
         expected, calls = [], 0
         for e in mine:
-            if e[0] == "rx_feedback":
+            if e[0] == "send":
                 expected.append((calls, e[3]))
             else:
                 calls += 1
@@ -282,13 +281,13 @@ def test_the_daemon_engine_and_the_simulator_drive_the_receiver_host_identically
         sock, peer = DatagramSocket(("127.0.0.1", 0)), DatagramSocket(("127.0.0.1", 0))
         try:
             results: list = []
-            engine = ReceiverEngine(sock, on_result=results.append)
+            engine = ReceiverEngine(sock, ReceiverHost(), on_result=results.append)
             got, calls = [], 0
             for e in mine:
-                if e[0] == "rx_feedback":
+                if e[0] == "send":
                     continue
                 calls += 1
-                if e[0] == "rx_data":
+                if e[0] == "recv":
                     peer.send([e[3]], sock.address)
                     assert wait_readable([sock], 2.0)
                     engine.on_readable(e[1])

@@ -69,11 +69,12 @@ def test_the_sender_engine_shares_its_link_by_weight_over_real_udp():
     """The daemon's engine passes each submit's weight and deadline to its LinkShare: two
     identical transfers on an overloaded link, the weight-2 one gets the larger share."""
     from kvtransport.daemon_sender import SenderEngine
+    from kvtransport.sender_host import SenderHost
     from kvtransport.udp import DatagramSocket, clock
 
     sock = DatagramSocket(("127.0.0.1", 0))
     try:
-        engine = SenderEngine(sock, rate_bps=100e6, symbol_size=SYMBOL)
+        engine = SenderEngine(sock, SenderHost(rate_bps=100e6, symbol_size=SYMBOL))
         now = clock()
         dest = ("127.0.0.1", 9)  # discard: nothing answers, nothing is needed
         outs = [

@@ -126,7 +126,7 @@ def test_a_link_that_delivers_nothing_costs_one_prefill_after_a_short_silence(sm
         racer.start()
         racer.join(20)
         assert done, "the race never returned over a dead link"
-        dropped = rx._engine.drop_reasons.get("bad_tag", 0)
+        dropped = rx._engine.host.drop_reasons.get("bad_tag", 0)
     tx.join()
     res = done[0]
     assert dropped > 0  # the sender did send: the link delivered nothing genuine

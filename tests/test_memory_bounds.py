@@ -16,14 +16,17 @@ from kvtransport.daemon_receiver import Incoming, ReceiverDaemon, ReceiverEngine
 from kvtransport.daemon_sender import SenderEngine
 from kvtransport.policy import make_policy
 from kvtransport.receiver import ReceiverSession
+from kvtransport.receiver_host import ReceiverHost
 from kvtransport.sender import SenderSession
+from kvtransport.sender_host import SenderHost
 from kvtransport.transfer import synthetic_transfer
 from kvtransport.udp import DatagramSocket, clock
 
 
 def test_sender_engine_frees_a_finished_transfers_payload():
     with DatagramSocket(("127.0.0.1", 0)) as sink, DatagramSocket(("127.0.0.1", 0)) as sock:
-        engine = SenderEngine(sock, rate_bps=1e9)
+        host = SenderHost(rate_bps=1e9)
+        engine = SenderEngine(sock, host)
         t = synthetic_transfer(2_000_000, 8, seed=1)
         alive = weakref.ref(t.payload)
         out = engine.submit(t, sink.address, now=clock(), deadline_s=0.02, policy="none")
@@ -33,10 +36,10 @@ def test_sender_engine_frees_a_finished_transfers_payload():
             time.sleep(1e-4)
         engine.cancel(out.transfer_id, clock())  # (or its deadline: the same _finish)
         del out
-        assert not engine.active and len(engine.finished) == 1
+        assert not host.active and len(host.finished) == 1
         gc.collect()
         assert alive() is None  # nothing of the finished transfer holds the payload
-        st = engine.status(clock())[0]  # and its status is still there
+        st = host.status(clock())[0]  # and its status is still there
         assert st["state"] == "done" and st["source_sent"] > 0
 
 
@@ -58,13 +61,14 @@ def test_transfers_finishing_inside_one_batch_do_not_count_against_admission():
         socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as tx,
     ):
         done = []
-        engine = ReceiverEngine(rx, max_transfers=16, on_result=done.append)
+        host = ReceiverHost(max_transfers=16)
+        engine = ReceiverEngine(rx, host, on_result=done.append)
         for tid in range(1, 41):  # 40 tiny transfers, all queued before the engine reads
             for d in _datagrams(small, tid, 3):
                 tx.sendto(d, rx.address)
         time.sleep(0.05)
         engine.on_readable(clock())
-        assert engine.dropped == 0, engine.drop_reasons
+        assert host.dropped == 0, host.drop_reasons
         assert len(done) == 40
         assert all(inc.session.result.reason == "complete" for inc in done)
 
@@ -76,7 +80,8 @@ def test_receiver_budget_refuses_what_does_not_fit_and_frees_it_later():
         socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as tx,
     ):
         done = []
-        engine = ReceiverEngine(rx, budget_bytes=500_000, on_result=done.append, linger_s=0.0)
+        host = ReceiverHost(budget_bytes=500_000, linger_s=0.0)
+        engine = ReceiverEngine(rx, host, on_result=done.append)
         for tid in (1, 2):
             for d in _datagrams(t, tid, 12):  # the manifest decodes: each asks for 300 KB
                 tx.sendto(d, rx.address)
@@ -85,16 +90,16 @@ def test_receiver_budget_refuses_what_does_not_fit_and_frees_it_later():
         refused = [i for i in done if i.session.result.reason == "refused"]
         assert [i.transfer_id for i in refused] == [2]
         assert refused[0].session.drop_reasons.get("over_budget") == 1
-        assert 300_000 <= engine.held_bytes <= 500_000
+        assert 300_000 <= host.held_bytes <= 500_000
         engine.abort(1, clock())  # the first one ends, its buffers are released ...
         engine.run_due(clock() + 1)
         engine.run_due(clock() + 1)
-        assert engine.held_bytes == 0
+        assert host.held_bytes == 0
         for d in _datagrams(t, 3, 12):  # ... and a third transfer fits again
             tx.sendto(d, rx.address)
         time.sleep(0.05)
         engine.on_readable(clock())
-        assert engine.active[3].session.manifest is not None
+        assert host.active[3].session.manifest is not None
 
 
 def test_receiver_session_asks_the_budget_before_growing():

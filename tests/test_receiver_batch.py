@@ -1,23 +1,22 @@
 """ReceiverSession.receive_datagrams (runs of data symbols through one
 RLCDecoder.add_packets call) against receive_datagram once per datagram.
 
-A real sender and a real receiver run over a lossy, reordering, duplicating virtual network;
-everything the receiver was handed (datagrams, forged ones added, and its timer calls) is
-recorded. Two fresh receivers then get exactly that, one datagram per call and in runs of
-random length: their feedback datagrams, after every call, and their results and counters
-must be identical.
+A real sender and a real receiver run on the simulator over a lossy, jittered (reordering)
+channel; everything the receiver was handed (datagrams and its timer calls) is recorded,
+duplicates and forged copies added. Two fresh receivers then get exactly that, one datagram
+per call and in runs of random length: their feedback datagrams, after every call, and
+their results and counters must be identical.
 """
-
-import heapq
 
 import numpy as np
 import pytest
 from kvtransport.codecs.rlc import RLCDecoder
+from kvtransport.netem import Profile, make_channel, parse_loss
 
 from kvtransport import protocol, wire
 from kvtransport.policy import make_policy
 from kvtransport.receiver import ReceiverSession
-from kvtransport.sender import SenderSession
+from kvtransport.simulator import Simulation
 from kvtransport.transfer import synthetic_transfer
 
 TID = 0x0BA7_C4ED_0000_0001
@@ -27,53 +26,34 @@ DELAY = 0.004
 
 
 def _record(seed: int, loss: float, size: int, deadline: float) -> list[tuple[str, float, bytes]]:
-    """Run a transfer; return what its receiver was handed: ("data", t, datagram) and
-    ("timer", t, b"") in order."""
+    """Run a transfer on the simulator (lossy, jittered: reordered); return what its
+    receiver was handed, ("data", t, datagram) and ("timer", t, b"") in order, with some
+    datagrams handed twice and some forged copies (bad tag) added after their originals."""
     rng = np.random.default_rng(seed)
     tr = synthetic_transfer(size, 40, "zipf", seed=seed)
-    s = SenderSession(tr, make_policy("adaptive"), rate_bps=RATE, deadline=deadline,
-                      transfer_id=TID, key=KEY, initial_rtt=2 * DELAY)  # fmt: skip
-    r = ReceiverSession(TID, key=KEY, deadline=deadline)
+    data_path = Profile("lossy", loss=parse_loss(f"{loss * 100:g}%"), rate_mbps=RATE / 1e6,
+                        delay_ms=DELAY * 1e3, jitter_ms=0.3)  # fmt: skip
+    back = Profile("back", rate_mbps=RATE / 1e6, delay_ms=DELAY * 1e3)
+    a, b = np.random.SeedSequence(seed).spawn(2)
+    trace: list[tuple] = []
+    Simulation(tr, make_policy("adaptive"), make_channel(data_path, a), make_channel(back, b),
+               rate_bps=RATE, deadline=deadline, transfer_id=TID, key=KEY,
+               initial_rtt=2 * DELAY, record=False, trace=trace).run()  # fmt: skip
     events: list[tuple[str, float, bytes]] = []
-    heap: list[tuple[float, int, bool, bytes]] = []
-    n = 0
-    t = 0.0
-    while True:
-        ts, tr_ = s.next_timer(), r.next_timer()
-        te = heap[0][0] if heap else None
-        cands = [x for x in (te, ts, tr_) if x is not None]
-        if not cands or min(cands) > 2 * deadline:
-            break
-        t = min(cands)
-        if te == t:
-            _, _, to_receiver, data = heapq.heappop(heap)
-            if to_receiver:
-                events.append(("data", t, data))
-                r.receive_datagram(data, t)
-            else:
-                s.receive_datagram(data, t)
-        elif ts == t:
-            s.handle_timer(t)
-            for d in s.datagrams_to_send(t):
-                if rng.random() < loss:
-                    continue
-                for _ in range(2 if rng.random() < 0.03 else 1):  # some come twice
-                    n += 1
-                    late = rng.random() * 0.0006 if rng.random() < 0.1 else 0.0  # reordered
-                    heapq.heappush(heap, (t + DELAY + late, n, True, d))
-                if rng.random() < 0.01:  # a forged copy: bad tag
-                    forged = bytearray(d)
-                    forged[-1] ^= 1
-                    n += 1
-                    heapq.heappush(heap, (t + DELAY, n, True, bytes(forged)))
-        else:
-            events.append(("timer", t, b""))
-            r.handle_timer(t)
-        for d in r.datagrams_to_send(t):
-            n += 1
-            heapq.heappush(heap, (t + DELAY, n, False, d))
-        if r.finished and s.done and not heap:
-            break
+    for e in trace:
+        if e[2] != 1:  # the receiver is the loop's endpoint 1
+            continue
+        if e[0] == "timer":
+            events.append(("timer", e[1], b""))
+        elif e[0] == "recv":
+            d = e[3]
+            events.append(("data", e[1], d))
+            if rng.random() < 0.03:  # some come twice
+                events.append(("data", e[1], d))
+            if rng.random() < 0.01:  # a forged copy: bad tag
+                forged = bytearray(d)
+                forged[-1] ^= 1
+                events.append(("data", e[1], bytes(forged)))
     return events
 
 

@@ -219,6 +219,7 @@ def test_recv_mode_refuses_a_replay_and_waits_for_a_genuine_transfer():
     the one slot; the next genuine transfer is received."""
     from kvtransport.daemon_receiver import ReceiverEngine
     from kvtransport.policy import make_policy
+    from kvtransport.receiver_host import ReceiverHost
     from kvtransport.sender import SenderSession
     from kvtransport.udp import DatagramSocket, clock
 
@@ -238,19 +239,20 @@ def test_recv_mode_refuses_a_replay_and_waits_for_a_genuine_transfer():
     assert record.admit(old, _sent_at(captured), time.time()) is None  # received before
     results = []
     with DatagramSocket(("127.0.0.1", 0)) as rs, socket.socket(type=socket.SOCK_DGRAM) as tx:
-        eng = ReceiverEngine(rs, key=key, single=True, on_result=results.append, replay=record)
+        host = ReceiverHost(key=key, single=True, replay=record, wall_clock=time.time)
+        eng = ReceiverEngine(rs, host, on_result=results.append)
         for batch in (captured, fresh):
             for d in batch:
                 tx.sendto(d, rs.address)
             end = time.monotonic() + 5
-            while eng.adopted is None or eng.adopted == old:
+            while host.adopted is None or host.adopted == old:
                 eng.on_readable(clock())
-                if eng.replays_refused and batch is captured or time.monotonic() > end:
+                if host.replays_refused and batch is captured or time.monotonic() > end:
                     break
         end = time.monotonic() + 5
         while not results and time.monotonic() < end:
             eng.on_readable(clock())
-    assert eng.replays_refused == 1 and record.refused == {REPLAYED: 1}
+    assert host.replays_refused == 1 and record.refused == {REPLAYED: 1}
     assert [r.transfer_id for r in results] == [new]
     assert results[0].session.result.reason == "complete"
 

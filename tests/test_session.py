@@ -5,7 +5,7 @@ with fixed delays and lets each test decide, per datagram, whether it is lost, d
 or delayed (reordered). Time only moves when a session's timer or a delivery says so.
 """
 
-import heapq
+from collections import deque
 
 import numpy as np
 import pytest
@@ -25,6 +25,11 @@ from kvtransport.policy import (
 from kvtransport.receiver import ReceiverSession
 from kvtransport.sender import SenderSession
 from kvtransport.transfer import BlockTable, Transfer, TransportManifest, synthetic_transfer
+from kvtransport.virtual_clock import (
+    ReceiverSessionEndpoint,
+    SenderSessionEndpoint,
+    VirtualClockLoop,
+)
 from kvtransport.wire import DatagramType as T
 
 TID = 0x1234_5678_9ABC_DEF0
@@ -36,8 +41,54 @@ def _keep(i, d):
     return [0.0]
 
 
+class _Scripted:
+    """One session as an endpoint whose datagrams meet the test's rule on their way out:
+    ``rule(i, parsed)`` gives the extra delays of the i-th datagram's copies ([] drops it),
+    which its path then adds to the fixed delay. ``alive`` False: the session is dead (no
+    timers, deaf)."""
+
+    def __init__(self, endpoint, rule, log, path, key):
+        self.endpoint, self.rule, self.log, self.path, self.key = endpoint, rule, log, path, key
+        self.alive = True
+
+    def get_timer(self):
+        return self.endpoint.get_timer() if self.alive else None
+
+    def handle_timer(self, now):
+        self.endpoint.handle_timer(now)
+
+    def receive_datagram(self, data, addr, now):
+        if self.alive:
+            self.endpoint.receive_datagram(data, addr, now)
+
+    def datagrams_to_send(self, now):
+        out = []
+        for batch, addr in self.endpoint.datagrams_to_send(now):
+            copies = []
+            for d in batch:
+                parsed = wire.parse(d, self.key)
+                self.log.append((now, parsed))
+                for extra in self.rule(len(self.log) - 1, parsed):
+                    self.path.extras.append(extra)
+                    copies.append(d)
+            out.append((copies, addr))
+        return out
+
+
+class _Path:
+    """A fixed delay plus each copy's extra delay, in the order the copies are sent."""
+
+    def __init__(self, delay):
+        self.delay = delay
+        self.extras = deque()
+
+    def transmit(self, t, size):
+        return t + self.delay + self.extras.popleft()
+
+
 class Net:
-    """Moves datagrams between a sender and a receiver on a virtual clock.
+    """Moves datagrams between a sender and a receiver on a virtual clock (the
+    simulators' loop, kvtransport.virtual_clock).
 
     ``data(i, parsed)`` and ``back(i, parsed)`` return, per datagram (i-th on that path),
     the list of extra delays of its copies: [] drops it, [0.0] delivers it once, two
@@ -45,54 +96,37 @@ class Net:
     """
 
     def __init__(self, sender, receiver, data=_keep, back=_keep, delay=DELAY, key=None):
-        self.s, self.r, self.key = sender, receiver, key
-        self.data, self.back, self.delay = data, back, delay
-        self.heap = []
-        self.n = 0
+        self.s, self.r = sender, receiver
         self.sent = []  # (time, parsed datagram) on the data path, as sent
         self.feedback = []  # (time, parsed datagram) on the feedback path, as sent
-        self.sender_alive = True
-        self.t = 0.0
+        self.loop = VirtualClockLoop()
+        self.tx = _Scripted(SenderSessionEndpoint(sender, "r"), data, self.sent, _Path(delay), key)
+        back_path = _Path(delay)
+        rx = _Scripted(ReceiverSessionEndpoint(receiver, "s"), back, self.feedback, back_path, key)
+        self.loop.add(self.tx, "s", rank=1, channel=self.tx.path)
+        self.loop.add(rx, "r", rank=2, channel=back_path)
 
-    def _push(self, t, to_receiver, data, rule, log):
-        parsed = wire.parse(data, self.key)
-        log.append((t, parsed))
-        for extra in rule(len(log) - 1, parsed):
-            self.n += 1
-            heapq.heappush(self.heap, (t + self.delay + extra, self.n, to_receiver, data))
+    @property
+    def t(self):
+        return self.loop.now
+
+    @property
+    def sender_alive(self):
+        return self.tx.alive
 
     def run(self, until=10.0, stop_sender_after=None):
-        s, r = self.s, self.r
-        while True:
+        s, r, loop = self.s, self.r, self.loop
+
+        def over():
             if stop_sender_after is not None and len(self.sent) >= stop_sender_after:
-                self.sender_alive = False
-            ts = s.next_timer() if self.sender_alive else None
-            tr = r.next_timer()
-            te = self.heap[0][0] if self.heap else None
-            cands = [x for x in (te, ts, tr) if x is not None]
-            if not cands:
-                return
-            t = min(cands)
-            if t > until:
-                return
-            assert t >= self.t - 1e-12, "time went backwards"
-            self.t = t
-            if te is not None and te == t:
-                _, _, to_receiver, data = heapq.heappop(self.heap)
-                if to_receiver:
-                    r.receive_datagram(data, t)
-                elif self.sender_alive:
-                    s.receive_datagram(data, t)
-            elif ts is not None and ts == t:
-                s.handle_timer(t)
-                for d in s.datagrams_to_send(t):
-                    self._push(t, True, d, self.data, self.sent)
-            else:
-                r.handle_timer(t)
-            for d in r.datagrams_to_send(t):
-                self._push(t, False, d, self.back, self.feedback)
-            if r.finished and (s.done or not self.sender_alive) and not self.heap:
-                return
+                if self.tx.alive:
+                    self.tx.alive = False
+                    loop.touch(0)
+            return r.finished and (s.done or not self.tx.alive) and not loop.in_flight
+
+        loop.touch(0)  # the test may have called the sessions between runs
+        loop.touch(1)
+        loop.run(until, over)
 
     def of_type(self, dtype):
         return [(t, d) for t, d in self.sent if d.type == dtype]

@@ -1,0 +1,124 @@
+"""The virtual-clock loop (kvtransport.virtual_clock) and the shells built on it.
+
+Every virtual-clock shell is one VirtualClockLoop around its endpoints; the checks here are
+that the shells drive their endpoints the same way: the emulated link (two processes, each
+a loop around its endpoint, joined by a coordinator) sends exactly the simulator's
+datagrams at exactly the simulator's times, and the loop's tie order is the documented one.
+"""
+
+import numpy as np
+import pytest
+from kvtransport.netem import load_profile, make_channel
+
+from kvtransport.demo_emulated import EmulatedLink
+from kvtransport.demo_links import INITIAL_RTT_S, PROFILE
+from kvtransport.policy import make_policy
+from kvtransport.simulator import Simulation, full_send_time
+from kvtransport.transfer import synthetic_transfer
+from kvtransport.virtual_clock import VirtualClockLoop
+
+KEY = bytes(range(32))
+
+
+def _simulated(tr, policy, deadline, seed, trace):
+    prof = load_profile(PROFILE)
+    data_seed, fb_seed = np.random.SeedSequence(seed).spawn(2)  # as the emulated link
+    sim = Simulation(tr, make_policy(policy), make_channel(prof, data_seed),
+                     make_channel(prof, fb_seed), rate_bps=prof.rate_bps, deadline=deadline,
+                     transfer_id=77, key=KEY, initial_rtt=INITIAL_RTT_S, record=False,
+                     trace=trace)  # fmt: skip
+    sim.run()
+    return sim
+
+
+def test_the_emulated_link_sends_the_simulators_datagrams_at_the_simulators_times():
+    """Same transfer, seed and channels: the emulated link's sender process sends the same
+    datagrams, byte for byte, at the same link times as the simulator's sender, and the
+    receiver (the daemon's host there, a bare session here) gets the same blocks."""
+    tr = synthetic_transfer(600_000, 50, "zipf", seed=4)
+    deadline = 0.8 * full_send_time(tr.nbytes, 100e6, 1280, True)
+    link = EmulatedLink()
+    link.key = KEY  # the simulator seals with the same key: the same bytes
+    try:
+        link.load(tr)
+        for policy in ("adaptive", "arq"):
+            link.trace = []
+            got = link.transfer(policy, deadline_s=deadline, transfer_id=77, seed=9)
+            emulated = [(t, d) for kind, t, d in link.trace if kind == "data"]
+            trace: list[tuple] = []
+            sim = _simulated(tr, policy, deadline, 9, trace)
+            simulated = [(e[1], e[3]) for e in trace if e[0] == "send" and e[2] == 0]
+            assert len(simulated) > 300 and sim.feedback_sent > 10
+            assert emulated == simulated, policy
+            assert np.array_equal(got.complete, sim.receiver.result.complete), policy
+    finally:
+        link.close()
+
+
+class _Clock:
+    """An endpoint that records when it is called and sends what it is told to."""
+
+    def __init__(self, name, log, timers=(), replies=None):
+        self.name, self.log = name, log
+        self.timers = sorted(timers)
+        self.replies = replies or {}
+        self.out = []
+
+    def get_timer(self):
+        return self.timers[0] if self.timers else None
+
+    def handle_timer(self, now):
+        self.timers.pop(0)
+        self.log.append((now, self.name, "timer"))
+        self.out += self.replies.get(("timer", now), [])
+
+    def receive_datagram(self, data, addr, now):
+        self.log.append((now, self.name, data))
+        self.out += self.replies.get((data, now), [])
+
+    def datagrams_to_send(self, now):
+        out, self.out = self.out, []
+        return out
+
+
+class _Delay:
+    def __init__(self, delay):
+        self.delay = delay
+
+    def transmit(self, t, size):
+        return t + self.delay
+
+
+def test_ties_go_to_deliveries_then_timers_by_rank_then_calls():
+    log: list = []
+    loop = VirtualClockLoop()
+    # at t = 1: a datagram from a (sent at 0.5), the timers of b (rank 2) and a (rank 1)
+    a = _Clock("a", log, timers=[0.5, 1.0], replies={("timer", 0.5): [([b"x"], "B")]})
+    b = _Clock("b", log, timers=[1.0])
+    loop.add(a, "A", rank=1, channel=_Delay(0.5))
+    loop.add(b, "B", rank=2, channel=_Delay(0.5))
+    loop.call_at(1.0, lambda t: log.append((t, "call", "")))
+    assert not loop.run()
+    assert log == [
+        (0.5, "a", "timer"),
+        (1.0, "b", b"x"),  # the delivery first
+        (1.0, "a", "timer"),  # then the timers, by rank
+        (1.0, "b", "timer"),
+        (1.0, "call", ""),  # then the scheduled calls
+    ]
+    assert loop.events == 5 and loop.in_flight == 0 and loop.sent(0) == (1, 1)
+
+
+def test_a_timer_in_the_past_fires_now_and_datagrams_to_strangers_go_to_the_outbox():
+    log: list = []
+    loop = VirtualClockLoop()
+    a = _Clock("a", log, replies={(b"in", 2.0): [([b"out"], "elsewhere")]})
+    loop.add(a, "A")
+    loop.deliver(2.0, b"in", 0, "elsewhere")
+    assert not loop.run()
+    a.timers = [1.0]  # moved from outside, into the past
+    loop.touch(0)
+    assert not loop.run() and log[-1] == (2.0, "a", "timer")  # at the loop's now, not 1.0
+    assert loop.take_outbox() == [(2.0, b"out", "elsewhere")] and loop.take_outbox() == []
+    with pytest.raises(ValueError, match="already in the loop"):
+        loop.add(_Clock("c", log), "A")
