@@ -5,7 +5,7 @@
 - ``episodes``: the seeded episode distribution and held-out evaluation episodes;
 - ``utility_profiles``: block-utility profiles measured once from the real model;
 - ``features``, ``runtime``: the numpy/numba policy runtime (no torch), the ``ddqn`` repair
-  policy of kvtransport.policy;
+  policy of kvtransport.core.policy;
 - ``ddqn``, ``training``: Double DQN on stable-baselines3 and the training loop behind
   ``kvtransport train`` (these import torch; nothing else here does).
 

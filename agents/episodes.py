@@ -3,8 +3,8 @@
 An :class:`EpisodeSpec` is one transfer, fully determined: the data-path and feedback-path
 link profiles (kvtransport.netem), rho, the block table (count, bytes per block, utility
 profile) and the seed of every random draw. :func:`build_simulation` turns it into a
-:class:`kvtransport.simulator.Simulation` of the real sessions through
-:func:`kvtransport.simulator.make_simulation`, the set-up ``simulate`` uses, so an episode
+:class:`kvtransport.sim.simulator.Simulation` of the real sessions through
+:func:`kvtransport.sim.simulator.make_simulation`, the set-up ``simulate`` uses, so an episode
 replayed by ``simulate(spec_transfer(spec), channel=spec.channel, ...)`` is the same run.
 
 :class:`EpisodeDistribution` draws specs from the training distribution (seeded by the
@@ -57,11 +57,11 @@ from kvtransport.netem import (
 from kvtransport.netem.loss import LossSpec
 from kvtransport.netem.trace import TraceReplay, read_trace
 
-from kvtransport.feedback import LOSS_MEMORY_PACKETS
-from kvtransport.policy import DECISION_PACKETS, Policy
-from kvtransport.protocol import DEFAULT_SYMBOL_SIZE
-from kvtransport.simulator import Simulation, full_send_time, make_simulation
-from kvtransport.transfer import BlockTable, Transfer, utility_profile
+from kvtransport.core.feedback import LOSS_MEMORY_PACKETS
+from kvtransport.core.policy import DECISION_PACKETS, Policy
+from kvtransport.core.protocol import DEFAULT_SYMBOL_SIZE
+from kvtransport.core.transfer import BlockTable, Transfer, utility_profile
+from kvtransport.sim.simulator import Simulation, full_send_time, make_simulation
 
 EVAL_CHANNELS = ("bernoulli-5", "ge-light", "ge-heavy", "4state-bursty")
 HELD_OUT_SEED = 1 << 40
@@ -140,7 +140,7 @@ def spec_transfer(spec: EpisodeSpec) -> Transfer:
 
 def build_simulation(spec: EpisodeSpec, policy: Policy, record: bool = False) -> Simulation:
     """The real sender and receiver for ``spec`` over its channels: exactly the run
-    ``kvtransport.simulator.make_simulation`` sets up for the same transfer, profiles, rho
+    ``kvtransport.sim.simulator.make_simulation`` sets up for the same transfer, profiles, rho
     and seed (``simulate`` with those arguments gives the same result)."""
     return make_simulation(
         spec_transfer(spec),
@@ -162,7 +162,7 @@ PRIOR_KINDS = ("none", "previous", "profile")
 
 def previous_transfer_loss(profile: Profile, seed: int) -> float:
     """The loss a daemon remembers for a receiver: the receiver's smoothed loss rate at
-    the end of an earlier transfer over the same link (kvtransport.feedback.LossMonitor:
+    the end of an earlier transfer over the same link (kvtransport.core.feedback.LossMonitor:
     one sample per feedback interval, weighted over ``LOSS_MEMORY_PACKETS``), on an
     independent stretch of the channel (its own seed, none of the episode's draws)."""
     ch = make_channel(profile, np.random.SeedSequence([seed, 0x9_0_1_0_5]))

@@ -3,7 +3,7 @@
 Nothing here imports torch: the daemons' data plane loads the shipped weights file
 (``agents/data/ddqn.npz``) and the sender calls :meth:`DDQNPolicy.decide` once per
 decision interval. One compiled call builds the observation from the sender's state
-(kvtransport.observation), computes its features (kvtransport.agents.features), runs the
+(kvtransport.core.observation), computes its features (kvtransport.agents.features), runs the
 MLP (ReLU hidden layers, float64 accumulation) and returns the arg-max action: the
 sender state, the observation to fill and a tuple of per-layer weight arrays in, an action
 index out.
@@ -28,9 +28,9 @@ import numpy as np
 from kvtransport.agents.features import FEATURES_VERSION, N_FEATURES, features_into
 from numba import njit
 
+from kvtransport.core.observation import OBS_FIELDS, observe_into
+from kvtransport.core.policy_base import Policy
 from kvtransport.errors import UserError
-from kvtransport.observation import OBS_FIELDS, observe_into
-from kvtransport.policy_base import Policy
 
 SHIPPED_WEIGHTS = Path(__file__).with_name("data") / "ddqn.npz"
 SHIPPED_SIDECAR = SHIPPED_WEIGHTS.with_suffix(".json")

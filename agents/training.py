@@ -4,7 +4,7 @@ The loop, in order:
 
 1. **Demonstrations.** The replay buffer starts with whole episodes played by behaviour
    policies: the best of the clairvoyant oracle, the session's own tail rule alone and
-   kvtransport.policy's adaptive heuristic (z = 1, 2, 3) on each episode, the adaptive
+   kvtransport.core.policy's adaptive heuristic (z = 1, 2, 3) on each episode, the adaptive
    heuristic with margins z in 0..3, the tail rule, and random play, each with a little
    random noise. Double DQN learns off-policy from all of them as from its own transitions; they
    put the states where decisions matter (when to stop admitting sources, how much to
@@ -53,9 +53,9 @@ from kvtransport.agents.episodes import (
 from kvtransport.agents.features import N_FEATURES, feature_bounds, features
 from kvtransport.agents.runtime import DDQNPolicy, save_weights
 
-from kvtransport.policy import Adaptive, Obs, Oracle, Policy
-from kvtransport.policy import ConstantAction as _Constant
-from kvtransport.simulator import Simulation
+from kvtransport.core.policy import Adaptive, Obs, Oracle, Policy
+from kvtransport.core.policy import ConstantAction as _Constant
+from kvtransport.sim.simulator import Simulation
 
 if TYPE_CHECKING:  # pragma: no cover - typing only (ddqn imports torch: loaded in train)
     from kvtransport.agents.ddqn import DoubleDQN

@@ -1,9 +1,9 @@
 """Block-utility profiles measured once from the real model, shipped as a small data file.
 
 The environment samples a block-utility profile per episode. Synthetic shapes (zipf, flat,
-linear) come from kvtransport.transfer; the *measured* ones come from here: for a set of
-generated contexts (kvtransport.tasks: needle-in-a-haystack and facts QA), the default
-model (SmolLM2-135M-Instruct) prefills the context and kvtransport.utility scores every
+linear) come from kvtransport.core.transfer; the *measured* ones come from here: for a set of
+generated contexts (kvtransport.model.tasks: needle-in-a-haystack and facts QA), the default
+model (SmolLM2-135M-Instruct) prefills the context and kvtransport.model.utility scores every
 block (one layer x 16 tokens) exactly as ``kvtransport prefill`` does; the utilities in
 stream order are one profile. Extraction needs torch and the model, so it runs once,
 offline::
@@ -83,8 +83,8 @@ def measure(n_contexts: int, seed: int, block_tokens: int = 16) -> tuple[list[np
     import torch
     from tqdm import tqdm
 
-    from kvtransport import hf, tasks, utility
-    from kvtransport.model import load_model
+    from kvtransport.model import hf, tasks, utility
+    from kvtransport.model.loader import load_model
 
     torch.set_num_threads(1)
     lm = load_model(threads=1)

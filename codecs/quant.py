@@ -187,7 +187,7 @@ def dequantize_blocks_into(
     keys: np.ndarray,
     values: np.ndarray,
 ) -> None:  # pragma: no cover - numba
-    """Dequantize serialized blocks (kvtransport.blocks layout) straight into a cache.
+    """Dequantize serialized blocks (kvtransport.model.blocks layout) straight into a cache.
 
     buf: uint8 stream; block ``j`` starts at ``offsets[j]``, holds ``count`` tokens of
     layer ``layers[j]`` from token ``starts[j]``: codes ``[2, H, count, D * bits / 8]``,

@@ -1,6 +1,6 @@
 """kvtransport: FEC-protected KV-cache transport for multi-agent LLM handoffs.
 
-The embeddable API (kvtransport.inprocess, kvtransport.partial), loaded on first use so
+The embeddable API (kvtransport.embed.inprocess, kvtransport.model.partial), loaded on first use so
 that ``import kvtransport`` stays cheap::
 
     kvtransport.send(cache_or_card, to="HOST:PORT", deadline_ms=300, key=None)
@@ -22,14 +22,14 @@ __version__ = "0.1.0"
 _kernel_cache.configure(_Path(__file__).resolve().parent)
 
 _API = {
-    "send": "kvtransport.inprocess",
-    "send_async": "kvtransport.inprocess",
-    "receive": "kvtransport.inprocess",
-    "receive_async": "kvtransport.inprocess",
-    "Receiver": "kvtransport.inprocess",
-    "partial_cache": "kvtransport.partial",
-    "race_receive": "kvtransport.inprocess",
-    "DeliveredResult": "kvtransport.api",
+    "send": "kvtransport.embed.inprocess",
+    "send_async": "kvtransport.embed.inprocess",
+    "receive": "kvtransport.embed.inprocess",
+    "receive_async": "kvtransport.embed.inprocess",
+    "Receiver": "kvtransport.embed.inprocess",
+    "partial_cache": "kvtransport.model.partial",
+    "race_receive": "kvtransport.embed.inprocess",
+    "DeliveredResult": "kvtransport.daemons.api",
 }
 __all__ = ["__version__", *_API]
 

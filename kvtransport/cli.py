@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         if getattr(args, "config", None):
-            from kvtransport.config import apply_config
+            from kvtransport.daemons.config import apply_config
 
             args = apply_config(parser, parser.commands[args.command], argv)
         return int(args._run(args) or 0)

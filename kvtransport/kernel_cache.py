@@ -67,12 +67,12 @@ def _module_file(name: str, dirs: dict[str, Path]) -> Path | None:
 
 
 def kernel_sources(dirs: dict[str, Path]) -> list[Path]:
-    """Every source defining numba kernels, and the package modules they import
-    (transitively), sorted."""
+    """Every source defining numba kernels (in any folder of the packages), and the
+    package modules they import (transitively), sorted."""
     todo = [
         p
         for folder in dirs.values()
-        for p in folder.glob("*.py")
+        for p in folder.rglob("*.py")
         if "njit" in p.read_text(encoding="utf-8", errors="replace")
     ]
     seen: set[Path] = set()

@@ -8,18 +8,18 @@ Statistics. Means with 95 % t-intervals come from scripts/eval_policy.py's ``mea
 (the same intervals as the policy evaluation's table).
 
 Real-model handoffs (figures 2, 3 and 5). A :class:`Case` is one task prompt that the real
-model (kvtransport.model) prefilled once: its KV cache, block utilities (kvtransport.utility
-with the packaged layer weights, as the demo and the cards use) and the full cache's greedy
-answer, which is both the clean reference answer and the teacher-forcing reference for
-top-1 agreement (scripts/eval_retention.py's ``reference_answer``). :meth:`Case.stream`
-serializes the cache as a block stream (kvtransport.card.encode_cache, fp16 blocks of 16
-tokens by default: 12 KiB blocks, the unit the policy evaluation uses) in utility or
-position order. :func:`deliver` sends it through the simulator (kvtransport.simulator:
+model (kvtransport.model.loader) prefilled once: its KV cache, block utilities
+(kvtransport.model.utility with the packaged layer weights, as the demo and the cards use) and the
+full cache's greedy answer, which is both the clean reference answer and the teacher-forcing
+reference for top-1 agreement (scripts/eval_retention.py's ``reference_answer``).
+:meth:`Case.stream` serializes the cache as a block stream (kvtransport.model.card.encode_cache,
+fp16 blocks of 16 tokens by default: 12 KiB blocks, the unit the policy evaluation uses) in utility
+or position order. :func:`deliver` sends it through the simulator (kvtransport.sim.simulator:
 the real sender and receiver sessions over the channel model, the run ``kvtransport
 simulate`` and the demo's emulated link make for the same seed) and rebuilds what arrived
-(kvtransport.demo's rebuild: kvtransport.blocks.decode_stream, all masked if the manifest
+(kvtransport.demo.run's rebuild: kvtransport.model.blocks.decode_stream, all masked if the manifest
 never came). :meth:`Case.answer` injects the partial cache with the missing blocks masked
-per layer and decodes greedily (kvtransport.demo's answer step); answers and agreements are
+per layer and decodes greedily (kvtransport.demo.run's answer step); answers and agreements are
 memoized per presence mask, because two deliveries that hold the same blocks hold the same
 cache and get the same greedy answer (at rho >= 1 most schemes deliver everything).
 """
@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FIGURES = {1: "utility", 2: "f1", 3: "ablation", 4: "overhead", 5: "ttft", 6: "multiuser"}
 """Figure number -> short name (file names: fig<N>_<name>.png/.md/.json)."""
 SCHEMES = ("none", "fixed:4/32", "block-rs:4/32", "arq", "adaptive", "ddqn", "oracle")
-"""kvtransport.policy names of the repair schemes compared (the demo's and eval_policy's)."""
+"""kvtransport.core.policy names of the repair schemes compared (the demo's and eval_policy's)."""
 LABELS = {
     "none": "no FEC",
     "fixed:4/32": "RLC 4/32",
@@ -138,7 +138,7 @@ def md_table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def layer_weights(lm: Any) -> np.ndarray | None:
-    from kvtransport import utility
+    from kvtransport.model import utility
 
     return utility.default_layer_weights(lm.model_id, lm.num_layers)
 
@@ -151,7 +151,7 @@ class Case:
     sample: Any
     context_ids: list[int]
     question_ids: list[int]
-    kv: Any  # kvtransport.kvcache.KVCache (fp32, as prefilled)
+    kv: Any  # kvtransport.model.kvcache.KVCache (fp32, as prefilled)
     utilities: np.ndarray  # [layers, token_blocks]
     reference: list[int]  # the full cache's greedy answer (+ its stop token)
     full_answer: str
@@ -166,11 +166,11 @@ class Case:
         return tuple(self.sample.answers)
 
     def stream(self, order: str = "utility") -> tuple[Any, Any]:
-        """(kvtransport.blocks.EncodedStream, kvtransport.transfer.Transfer) in ``order``
+        """(kvtransport.model.blocks.EncodedStream, kvtransport.core.transfer.Transfer) in ``order``
         (utility or position; the block utilities are the same either way)."""
         if order not in self._streams:
-            from kvtransport import card
-            from kvtransport.transfer import Transfer
+            from kvtransport.core.transfer import Transfer
+            from kvtransport.model import card
 
             st = card.encode_cache(
                 self.kv,
@@ -189,7 +189,7 @@ class Case:
 
     def answer(self, lm: Any, kv: Any, present: np.ndarray, max_new_tokens: int) -> str:
         """The greedy answer from a (partial) cache, memoized per presence mask."""
-        from kvtransport.demo import _answer
+        from kvtransport.demo.run import _answer
 
         key = mask_key(present)
         if key not in self._answers:
@@ -198,7 +198,7 @@ class Case:
 
     def top1(self, lm: Any, kv: Any, present: np.ndarray) -> float:
         """Teacher-forced top-1 agreement with the full cache's answer, memoized."""
-        from kvtransport import hf
+        from kvtransport.model import hf
 
         key = mask_key(present)
         if key not in self._top1:
@@ -218,7 +218,7 @@ def mask_key(present: np.ndarray) -> bytes:
 
 def samples(lm: Any, family: str, n: int, tokens: int, seed: int = CASE_SEED) -> list[Any]:
     """``n`` task samples of a family (cycling through its tasks), seeds from ``seed``."""
-    from kvtransport import tasks
+    from kvtransport.model import tasks
 
     names = FAMILIES[family]
     return [
@@ -234,7 +234,7 @@ def prepare_case(
     full cache's greedy answer."""
     from eval_retention import reference_answer
 
-    from kvtransport import hf, utility
+    from kvtransport.model import hf, utility
 
     ctx, question = sample.prompt(lm.tokenizer)
     t0 = time.perf_counter()
@@ -264,8 +264,8 @@ def deliver(
     case: Case, order: str, policy: Any, *, channel: str, rho: float, seed: int
 ) -> Delivery:
     """Send the case's stream through the simulator once and rebuild what arrived."""
-    from kvtransport.demo import LinkOutcome, _rebuild
-    from kvtransport.simulator import make_simulation
+    from kvtransport.demo.run import LinkOutcome, _rebuild
+    from kvtransport.sim.simulator import make_simulation
 
     stream, transfer = case.stream(order)
     sim = make_simulation(
@@ -390,9 +390,9 @@ class Run:
 
     @property
     def lm(self) -> Any:
-        """The real model (kvtransport.model.load_model), loaded on first use."""
+        """The real model (kvtransport.model.loader.load_model), loaded on first use."""
         if self._lm is None:
-            from kvtransport.model import load_model
+            from kvtransport.model.loader import load_model
 
             self._lm = load_model(threads=self.threads)
         return self._lm
@@ -438,8 +438,8 @@ class Run:
         rec = self._measured.get(key)
         if rec is not None and (not top1 or "top1" in rec):
             return rec
-        from kvtransport import metrics
-        from kvtransport.policy import make_policy
+        from kvtransport.core.policy import make_policy
+        from kvtransport.model import metrics
 
         case = self.cases()[i]
         seed = self.channel_seed(i, k)

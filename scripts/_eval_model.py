@@ -49,7 +49,7 @@ def _stats(rows: list[dict[str, Any]], metrics: tuple[str, ...] = METRICS) -> di
 
 
 def figure2(run: ec.Run) -> dict[str, Any]:
-    from kvtransport import metrics
+    from kvtransport.model import metrics
 
     s = run.settings
     cases = run.cases()
@@ -258,9 +258,9 @@ def _ttft_size(run: ec.Run, size: int, policy: str) -> dict[str, Any]:
     """Re-prefill vs handoff TTFT for one context size, interleaved repeats."""
     from eval_ttft import ttft_prefill
 
-    from kvtransport import hf, tasks, utility
-    from kvtransport.demo import _answer
-    from kvtransport.policy import make_policy
+    from kvtransport.core.policy import make_policy
+    from kvtransport.demo.run import _answer
+    from kvtransport.model import hf, tasks, utility
 
     s, lm = run.settings, run.lm
     sample = tasks.generate("niah_single", lm.tokenizer, target_tokens=size, seed=size)
@@ -317,7 +317,7 @@ def _ttft_size(run: ec.Run, size: int, policy: str) -> dict[str, Any]:
 
 
 def figure5(run: ec.Run) -> dict[str, Any]:
-    from kvtransport.policy import default_policy
+    from kvtransport.core.policy import default_policy
 
     s, policy = run.settings, default_policy()
     _ = run.lm  # loaded before the clock starts

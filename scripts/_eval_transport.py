@@ -44,7 +44,7 @@ def _policy(name: str, actions: list[int]) -> Any:
     """A fresh policy for one episode. ``tail-rule`` is the training's constant action 0
     (reactive repair, the session's tail rule alone decides admission); the DDQN also
     counts its actions into ``actions``."""
-    from kvtransport.policy import make_policy
+    from kvtransport.core.policy import make_policy
 
     if name == "tail-rule":
         from kvtransport.agents.training import _Constant
@@ -219,7 +219,7 @@ def overhead_stages(
 
 
 def figure4(run: ec.Run) -> dict[str, Any]:
-    from kvtransport.policy import DECISION_PACKETS
+    from kvtransport.core.policy import DECISION_PACKETS
 
     s = run.settings
     t0, before = time.perf_counter(), ec.machine()

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """What the endpoint hosts cost per datagram over their sessions, side by side.
 
-The daemons hand every datagram to a sans-I/O host (kvtransport.sender_host,
-kvtransport.receiver_host) that demultiplexes it by transfer id and settles feedback and
+The daemons hand every datagram to a sans-I/O host (kvtransport.hosts.sender_host,
+kvtransport.hosts.receiver_host) that demultiplexes it by transfer id and settles feedback and
 events; before, the engines did the same inline. This measures the host layer's share:
 one recorded loss-free transfer (a SenderHost and a ReceiverHost on a virtual clock), then
 
@@ -35,9 +35,9 @@ BATCH = 256
 
 def record(size: int) -> tuple[Any, list[tuple[str, float, bytes]]]:
     """One loss-free transfer between the hosts; the sender's inputs and outputs."""
-    from kvtransport.receiver_host import ReceiverHost
-    from kvtransport.sender_host import SenderHost
-    from kvtransport.transfer import synthetic_transfer
+    from kvtransport.core.transfer import synthetic_transfer
+    from kvtransport.hosts.receiver_host import ReceiverHost
+    from kvtransport.hosts.sender_host import SenderHost
 
     tr = synthetic_transfer(size, max(1, size // 12_288), seed=2)
     sender = SenderHost(rate_bps=1e9, key=KEY, burst_s=0.0)
@@ -64,8 +64,8 @@ def record(size: int) -> tuple[Any, list[tuple[str, float, bytes]]]:
 
 
 def time_receiver(log: list[tuple[str, float, bytes]], size: int, host: bool) -> float:
-    from kvtransport.receiver import ReceiverSession
-    from kvtransport.receiver_host import ReceiverHost
+    from kvtransport.core.receiver import ReceiverSession
+    from kvtransport.hosts.receiver_host import ReceiverHost
 
     data = [(t, d) for kind, t, d in log if kind == "data"]
     if host:
@@ -88,9 +88,9 @@ def time_receiver(log: list[tuple[str, float, bytes]], size: int, host: bool) ->
 
 
 def time_sender(tr: Any, log: list[tuple[str, float, bytes]], host: bool) -> float:
-    from kvtransport.policy import make_policy
-    from kvtransport.sender import SenderSession
-    from kvtransport.sender_host import SenderHost
+    from kvtransport.core.policy import make_policy
+    from kvtransport.core.sender import SenderSession
+    from kvtransport.hosts.sender_host import SenderHost
 
     inputs = [(kind, t, d) for kind, t, d in log if kind != "data"]
     if host:
@@ -121,7 +121,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--out", default="results/bench_hosts.json")
     args = p.parse_args()
-    from kvtransport.daemon import warm_up
+    from kvtransport.daemons.daemon import warm_up
 
     warm_up(KEY, ("adaptive",))
     size = int(args.mb * 1e6)

@@ -10,7 +10,7 @@ builds a context of about ``--tokens`` tokens (a facts_qa sample). Per round, in
     race       a sender process (kvtransport.send, paced at ``--rate-mbps``, the plan's
                stream: ttft objective, budget = the measured prefill) sends to an
                in-process kvtransport.Receiver whose ``race`` builds the same cache while
-               the KV streams in (kvtransport.live_race).
+               the KV streams in (kvtransport.model.live_race).
 
 The sender runs in its own process (its pacing loop would otherwise share this process's
 interpreter with the receiver's loop and the model); it warms up first and starts sending
@@ -37,8 +37,8 @@ from typing import Any
 def _sender(stream: Any, to: str, deadline_ms: float, rate_mbps: float, ready: Any,
             go: Any) -> None:  # fmt: skip
     import kvtransport
-    from kvtransport.inprocess import warm_kernels
-    from kvtransport.policy import default_policy
+    from kvtransport.core.policy import default_policy
+    from kvtransport.embed.inprocess import warm_kernels
 
     warm_kernels(None, default_policy())
     ready.set()
@@ -57,10 +57,10 @@ def main() -> None:
     args = ap.parse_args()
 
     import kvtransport
-    from kvtransport import card, hf, tasks
-    from kvtransport.cache_builder import CacheBuilder, ComputeSpeed
-    from kvtransport.model import load_model
-    from kvtransport.plan import LinkEstimate, planned_stream
+    from kvtransport.model import card, hf, tasks
+    from kvtransport.model.cache_builder import CacheBuilder, ComputeSpeed
+    from kvtransport.model.loader import load_model
+    from kvtransport.model.plan import LinkEstimate, planned_stream
 
     lm = load_model(threads=args.threads)
     sample = tasks.generate("facts_qa", lm.tokenizer, target_tokens=args.tokens, seed=1)

@@ -175,14 +175,14 @@ def main(argv: list[str] | None = None) -> int:
     from kvtransport.agents.episodes import EpisodeDistribution
     from kvtransport.agents.runtime import DDQNPolicy
 
-    from kvtransport.observation import observe_into
-    from kvtransport.policy import Adaptive
+    from kvtransport.core.observation import observe_into
+    from kvtransport.core.policy import Adaptive
 
     weights = DDQNPolicy(args.weights).weights
     rng = np.random.default_rng(2024)
     specs = [EpisodeDistribution().sample(rng) for _ in range(args.episodes)]
     if args.realtime:
-        from kvtransport.udp import set_realtime
+        from kvtransport.daemons.udp import set_realtime
 
         set_realtime(5)
     decision_latency(specs[:2], weights)  # warm-up (numba dispatch, caches)
@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def build_ctx():
-    from kvtransport.policy import DECISION_PACKETS, PolicyContext
+    from kvtransport.core.policy import DECISION_PACKETS, PolicyContext
 
     return PolicyContext(7813, 1280, 1e-4, DECISION_PACKETS, 0.7)
 

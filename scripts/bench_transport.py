@@ -131,7 +131,7 @@ class _Recorder:
     def install(self) -> _Recorder:
         from kvtransport.codecs.rlc import RLCDecoder, RLCEncoder
 
-        from kvtransport.wire import Framer, Parser
+        from kvtransport.core.wire import Framer, Parser
 
         for cls, stage, methods in (
             (Framer, "header_auth", ("__init__", "finish", "seal")),
@@ -171,10 +171,10 @@ class _Recorder:
 
 
 def _make_pair(policy: str, key: bytes | None, n_packets: int) -> tuple:
-    from kvtransport.policy import make_policy
-    from kvtransport.receiver import ReceiverSession
-    from kvtransport.sender import SenderSession
-    from kvtransport.transfer import synthetic_transfer
+    from kvtransport.core.policy import make_policy
+    from kvtransport.core.receiver import ReceiverSession
+    from kvtransport.core.sender import SenderSession
+    from kvtransport.core.transfer import synthetic_transfer
 
     size = int(n_packets * SYMBOL * 0.9)
     tr = synthetic_transfer(size, max(1, size // 12_288), seed=1)
@@ -337,7 +337,7 @@ def per_packet(n_packets: int, repeats: int, owd: float = 50e-6) -> dict:
 
 
 def socket_cost(n: int = 20000, repeats: int = 5) -> dict:
-    from kvtransport.udp import DatagramSocket
+    from kvtransport.daemons.udp import DatagramSocket
 
     payload = [bytes(1324)] * 16
     res = {}
@@ -375,9 +375,9 @@ def socket_cost(n: int = 20000, repeats: int = 5) -> dict:
 
 def _role_recv(args: argparse.Namespace) -> None:
     """Child: receive one transfer; print its figures as JSON."""
-    from kvtransport.daemon import warm_up
-    from kvtransport.daemon_receiver import ReceiverEngine, ReceiverHost
-    from kvtransport.udp import DatagramSocket, clock, set_realtime, wait_readable
+    from kvtransport.daemons.daemon import warm_up
+    from kvtransport.daemons.daemon_receiver import ReceiverEngine, ReceiverHost
+    from kvtransport.daemons.udp import DatagramSocket, clock, set_realtime, wait_readable
 
     if args.realtime:
         set_realtime(5)
@@ -413,10 +413,10 @@ def _role_recv(args: argparse.Namespace) -> None:
 
 
 def _role_send(args: argparse.Namespace) -> None:
-    from kvtransport.daemon import warm_up
-    from kvtransport.daemon_sender import SenderEngine, SenderHost
-    from kvtransport.transfer import synthetic_transfer
-    from kvtransport.udp import DatagramSocket, clock, set_realtime, wait_readable
+    from kvtransport.core.transfer import synthetic_transfer
+    from kvtransport.daemons.daemon import warm_up
+    from kvtransport.daemons.daemon_sender import SenderEngine, SenderHost
+    from kvtransport.daemons.udp import DatagramSocket, clock, set_realtime, wait_readable
 
     if args.realtime:
         set_realtime(5)

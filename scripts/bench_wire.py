@@ -1,4 +1,4 @@
-"""Per-datagram cost of the wire layer: AES-256-GCM sealing (kvtransport.wire today) against
+"""Per-datagram cost of the wire layer: AES-256-GCM sealing (kvtransport.core.wire today) against
 the keyed BLAKE2b tag it replaced, and against no protection (--insecure), side by side.
 
 Each row is one datagram of --payload bytes (default 1280, the default symbol size) built by
@@ -10,11 +10,11 @@ a sender and parsed by a receiver:
 ``blake2b-tag`` is the previous mechanism written out exactly as the old Framer/Parser ran
 it (header pack, copy of the precomputed keyed state, update over header and payload,
 16-byte digest, ``hmac.compare_digest`` on parse): the baseline. ``aes-gcm`` and
-``insecure`` are the real :class:`kvtransport.wire.Framer` and :class:`~kvtransport.wire.Parser`.
-The three run interleaved round by round in one process, so a shared machine's noise hits
-them alike; the ratios against the baseline are the figures to read. Times are CPU time
-of this process per datagram (median and best over the rounds). Target: aes-gcm below
-blake2b-tag (frame + parse).
+``insecure`` are the real :class:`kvtransport.core.wire.Framer` and
+:class:`~kvtransport.core.wire.Parser`. The three run interleaved round by round in one process, so
+a shared machine's noise hits them alike; the ratios against the baseline are the figures to read.
+Times are CPU time of this process per datagram (median and best over the rounds). Target: aes-gcm
+below blake2b-tag (frame + parse).
 
     .venv/bin/python scripts/bench_wire.py            # about 20 s
     .venv/bin/python scripts/bench_wire.py --quick    # smoke run
@@ -34,8 +34,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from kvtransport import wire
-from kvtransport.wire import HEADER, HEADER_SIZE, MAGIC, TAG_SIZE, DatagramType
+from kvtransport.core import wire
+from kvtransport.core.wire import HEADER, HEADER_SIZE, MAGIC, TAG_SIZE, DatagramType
 
 KEY = bytes(range(32))
 TID = 0x0123456789ABCDEF
@@ -100,7 +100,7 @@ class Blake2bBaseline:
 
 
 class Real:
-    """kvtransport.wire's Framer and Parser, with a key (AES-256-GCM) or without."""
+    """kvtransport.core.wire's Framer and Parser, with a key (AES-256-GCM) or without."""
 
     def __init__(self, payload: int, key: bytes | None) -> None:
         self.framer = wire.Framer(TID, key, max_payload=max(payload, 2048))

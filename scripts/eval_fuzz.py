@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvtransport.wire import HEADER_SIZE, Parser, WireError  # the fuzzer needs only these
+from kvtransport.core.wire import HEADER_SIZE, Parser, WireError  # the fuzzer needs only these
 
 KEY_HEX = "5e" * 32
 KINDS = ("bitflip", "header", "truncate", "extend", "splice", "new_id", "random", "unsealed")
@@ -197,8 +197,8 @@ class GatedSender:
 
     def __init__(self, transfer: object, port: int, rate_mbps: float, deadline_s: float,
                  allowed: object) -> None:  # fmt: skip
-        from kvtransport.daemon_sender import SenderEngine, SenderHost
-        from kvtransport.udp import DatagramSocket, clock
+        from kvtransport.daemons.daemon_sender import SenderEngine, SenderHost
+        from kvtransport.daemons.udp import DatagramSocket, clock
 
         self.sock = DatagramSocket(("127.0.0.1", 0), ("127.0.0.1", port))
         host = SenderHost(rate_bps=rate_mbps * 1e6, key=bytes.fromhex(KEY_HEX))
@@ -213,7 +213,7 @@ class GatedSender:
         self.thread.start()
 
     def _loop(self) -> None:
-        from kvtransport.udp import clock, wait_readable
+        from kvtransport.daemons.udp import clock, wait_readable
 
         e, s = self.engine, self.out.session
         while e.host.active and not self.halt.is_set():
@@ -246,8 +246,8 @@ def _rss_mb(pid: int) -> float:
 def run(n_fuzz: int, size_mb: float, rate_mbps: float, seed: int = 1,
         fuzz_rate: float = 200_000.0, timeout_s: float = 900.0) -> dict:  # fmt: skip
     """One transfer of ``size_mb`` with ``n_fuzz`` fuzzed datagrams; the report."""
-    from kvtransport.client import ReceiverClient, ResultSubscriber
-    from kvtransport.transfer import synthetic_transfer
+    from kvtransport.core.transfer import synthetic_transfer
+    from kvtransport.daemons.client import ReceiverClient, ResultSubscriber
 
     tmp = Path(tempfile.mkdtemp(prefix="kvt-fuzz-"))
     err_path = tmp / "rx.err"

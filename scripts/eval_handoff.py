@@ -1,6 +1,6 @@
 """The handoff against re-prefill, over seeds and link rates (issue: TTFT speed-up).
 
-Runs the main job (kvtransport.demo.run_demo) on the emulated link for each configuration
+Runs the main job (kvtransport.demo.run.run_demo) on the emulated link for each configuration
 and seed, with the model loaded once, and summarizes per scheme: the TTFT speed-up
 against re-prefilling measured in the same run (median, min, max over seeds), the answers
 equal to the full cache's (worst seed, mean), and the receiver's computed tokens. The
@@ -45,7 +45,7 @@ def run(
     loaded: object,
     repeats: int = 1,
 ) -> dict:
-    from kvtransport.demo import DemoConfig, run_demo
+    from kvtransport.demo.run import DemoConfig, run_demo
 
     out: dict = {"budget": budget, "objective": objective, "seeds": seeds,
                  "repeats": repeats, "configs": {}}  # fmt: skip
@@ -80,8 +80,8 @@ def run(
 
 def concentration(loaded: object, tokens: int = 512, seed: int = 1) -> dict:
     """Share of tokens to recompute when the stream's last 10 % of blocks is lost."""
-    from kvtransport import blocks, tasks, utility
-    from kvtransport.demo_model import prepare_card
+    from kvtransport.demo.demo_model import prepare_card
+    from kvtransport.model import blocks, tasks, utility
 
     tok = loaded.tokenizer  # type: ignore[attr-defined]
     sample = tasks.generate("facts_qa", tok, target_tokens=tokens, seed=seed)
@@ -109,10 +109,10 @@ def fallback(loaded: object, tokens: int, repeats: int, seed: int = 1) -> dict:
     the rest in one call."""
     import numpy as np
 
-    from kvtransport import hf
-    from kvtransport.demo import DemoConfig, _prepare, _Progress
-    from kvtransport.demo_model import answer
-    from kvtransport.race import LinkView, run_race
+    from kvtransport.demo.demo_model import answer
+    from kvtransport.demo.run import DemoConfig, _prepare, _Progress
+    from kvtransport.model import hf
+    from kvtransport.model.race import LinkView, run_race
 
     cfg = DemoConfig(tokens=tokens, seed=seed, link="emulated", progress=False)
     prep = _prepare(cfg, loaded, _Progress(False), {})
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", default=",".join(CONFIGS), help="of " + ", ".join(CONFIGS))
     p.add_argument("--seeds", default="1-8", help="e.g. 1-8 or 1,3")
     p.add_argument("--budget", type=float, default=None, help="TTFT budget share (demo default)")
-    from kvtransport.plan import OBJECTIVES
+    from kvtransport.model.plan import OBJECTIVES
 
     p.add_argument("--objective", choices=OBJECTIVES, default=None,
                    help="the plan's objective (demo default)")  # fmt: skip
@@ -216,8 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = [c for c in configs if c not in CONFIGS]
     if bad:
         p.error(f"unknown configuration {bad[0]!r}; one of {', '.join(CONFIGS)}")
-    from kvtransport.demo_report import DEFAULT_BUDGET, DEFAULT_OBJECTIVE
-    from kvtransport.model import load_model
+    from kvtransport.demo.demo_report import DEFAULT_BUDGET, DEFAULT_OBJECTIVE
+    from kvtransport.model.loader import load_model
 
     loaded = load_model(threads=1)
     out = Path(args.out)

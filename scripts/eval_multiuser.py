@@ -9,8 +9,8 @@ K and V in fp16: 23040 bytes per token), and its accuracy curve is the table's f
 sigmoid (kvtransport/data/<model>-utility.json, measured by `kvtransport fit-utility
 --measure`).
 
-Every scenario runs in kvtransport.multisim: the sender daemon's own host
-(kvtransport.sender_host, real sessions with adaptive RLC repair) and one receiver host
+Every scenario runs in kvtransport.sim.multisim: the sender daemon's own host
+(kvtransport.hosts.sender_host, real sessions with adaptive RLC repair) and one receiver host
 per user, sharing one channel, once per slot policy: equal share,
 proportional to size, earliest deadline first and this allocator (UtilityWaterFilling,
 with a guard of three loss-detection rounds, see make_policy), each setting the
@@ -18,7 +18,7 @@ sessions' pacing rates every 10 ms through their rate hook. A user's
 accuracy is its curve at the fraction of its cache decoded (in utility order) by its
 deadline.
 
-The clairvoyant bound (kvtransport.allocation_bound.clairvoyant_bound: every arrival known in
+The clairvoyant bound (kvtransport.sim.allocation_bound.clairvoyant_bound: every arrival known in
 advance, solved offline over a fluid link, certified by duality and branch and bound) is
 fed the *effective* capacity the sessions achieve: the link rate times the decoded
 payload per byte on the link, the best any of the four policies reached in that
@@ -55,8 +55,8 @@ ALLOCATOR = "water-filling"
 def make_policy(name: str, delay_s: float = 0.0) -> Any:
     """A slot policy by name. The allocator's guard (see UtilityWaterFilling) is three
     rounds of loss detection on this link: RTT (2 x one-way delay) + feedback interval."""
-    from kvtransport import allocator as al
-    from kvtransport.protocol import DEFAULT_FEEDBACK_INTERVAL
+    from kvtransport.core.protocol import DEFAULT_FEEDBACK_INTERVAL
+    from kvtransport.hosts import allocator as al
 
     if name == "water-filling":
         return al.UtilityWaterFilling(guard_s=3.0 * (2.0 * delay_s + DEFAULT_FEEDBACK_INTERVAL))
@@ -93,7 +93,7 @@ def scenario(
     bytes_per_token: int,
 ) -> list[Any]:
     """The handovers of one scenario (deterministic in its arguments)."""
-    from kvtransport.multisim import Handover
+    from kvtransport.sim.multisim import Handover
 
     kind, spread = parse_arrivals(arrivals)
     rng = np.random.default_rng([seed, users, int(spread * 1e6)])
@@ -127,9 +127,9 @@ def run_scenario(
     """Every policy on one scenario, the clairvoyant bound, the full-cache ceiling."""
     from kvtransport.netem import load_profile
 
-    from kvtransport import allocation_bound as bound
-    from kvtransport import allocator as al
-    from kvtransport.multisim import payload_efficiency, simulate_handovers
+    from kvtransport.hosts import allocator as al
+    from kvtransport.sim import allocation_bound as bound
+    from kvtransport.sim.multisim import payload_efficiency, simulate_handovers
 
     delay_s = 0.0 if fluid else load_profile(channel).delay_ms * 1e-3
     n = len(handovers)
@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from tqdm import tqdm
 
-    from kvtransport.utility_model import UtilityTable, packaged_model_ids
+    from kvtransport.hosts.utility_model import UtilityTable, packaged_model_ids
 
     shipped = packaged_model_ids()
     model_id = args.model or (shipped[0] if shipped else "")

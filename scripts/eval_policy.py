@@ -13,9 +13,9 @@ beat it is a constant), on the same episodes (common random numbers: every schem
 the same channel seeds).
 
 Two references per episode (``--no-references`` skips them): the genie bound
-(kvtransport.simulator.genie_bound: the surviving slots filled with source in utility
-order; no scheme can exceed it) and the clairvoyant planner (kvtransport.repair_planner: the best
-of a search over clairvoyant and causal repair plans replayed on the episode's realized
+(kvtransport.sim.simulator.genie_bound: the surviving slots filled with source in utility
+order; no scheme can exceed it) and the clairvoyant planner (kvtransport.sim.repair_planner: the
+best of a search over clairvoyant and causal repair plans replayed on the episode's realized
 losses in both directions, plus every scheme's own result there, so it is never below any
 of them). Each scheme's gap to both (reference minus scheme, paired) and its share of the
 planner's utility get their own table.
@@ -73,7 +73,7 @@ PAIRED = ("tail-rule", "adaptive")
 def make_scheme(name: str, weights: str | None):
     from kvtransport.agents.runtime import DDQNPolicy
 
-    from kvtransport.policy import make_policy
+    from kvtransport.core.policy import make_policy
 
     if name == "ddqn":
         return DDQNPolicy(weights)
@@ -113,12 +113,12 @@ def run_cell(
 ):
     """Every scheme's utility per episode, and (``references``) per episode the genie
     bound and the clairvoyant planner, which searches its plans plus every scheme's own
-    result on that episode (kvtransport.repair_planner)."""
+    result on that episode (kvtransport.sim.repair_planner)."""
     from functools import partial
 
     from kvtransport.agents.episodes import build_simulation, eval_spec
 
-    from kvtransport.repair_planner import clairvoyant_plan
+    from kvtransport.sim.repair_planner import clairvoyant_plan
 
     out: dict[str, list] = {name: [] for name in schemes}
     if references:

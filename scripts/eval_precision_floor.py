@@ -1,4 +1,4 @@
-"""What the plan's fidelity floor (kvtransport.plan.DEFAULT_MIN_FIDELITY) trades: link time
+"""What the plan's fidelity floor (kvtransport.model.plan.DEFAULT_MIN_FIDELITY) trades: link time
 against answers equal to the full cache's.
 
 For each context size and seed of the demo's task, the handoff is planned (objective
@@ -37,12 +37,16 @@ def _seeds(text: str) -> list[int]:
 
 def evaluate(loaded, tokens: int, seeds: list[int], floors: list[float]) -> dict:
     """Per seed and setting: int4 share of the sent blocks, planned finish, answers equal."""
-    from kvtransport import blocks, tasks
-    from kvtransport.cache_builder import ComputeSpeed
-    from kvtransport.demo_model import answer, link_profile, prepare_card
-    from kvtransport.demo_report import DEFAULT_BUDGET, DEFAULT_MAX_NEW_TOKENS, DEFAULT_QUESTIONS
-    from kvtransport.plan import LinkEstimate, planned_stream
-    from kvtransport.protocol import DEFAULT_SYMBOL_SIZE
+    from kvtransport.core.protocol import DEFAULT_SYMBOL_SIZE
+    from kvtransport.demo.demo_model import answer, link_profile, prepare_card
+    from kvtransport.demo.demo_report import (
+        DEFAULT_BUDGET,
+        DEFAULT_MAX_NEW_TOKENS,
+        DEFAULT_QUESTIONS,
+    )
+    from kvtransport.model import blocks, tasks
+    from kvtransport.model.cache_builder import ComputeSpeed
+    from kvtransport.model.plan import LinkEstimate, planned_stream
 
     prof = link_profile(None)
     link = LinkEstimate(prof.rate_bps, float(prof.stationary_loss()), prof.delay_ms / 1e3,
@@ -124,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"cannot read the lists: {exc}")
     import torch
 
-    from kvtransport.model import load_model
+    from kvtransport.model.loader import load_model
 
     torch.set_num_threads(1)
     loaded = load_model(threads=1)

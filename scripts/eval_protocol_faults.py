@@ -21,8 +21,8 @@ import sys
 import numpy as np
 from kvtransport.netem import Profile, parse_loss
 
-from kvtransport.receiver import ReceiverSession
-from kvtransport.simulator import make_simulation
+from kvtransport.core.receiver import ReceiverSession
+from kvtransport.sim.simulator import make_simulation
 
 
 def restart(size_mb: float, seed: int, policy: str, at: float = 0.4, rho: float = 1.0) -> dict:

@@ -2,7 +2,7 @@
 
 For held-out prompts (needle tasks and facts QA), prefill the context, take the full fp32
 cache's greedy answer as the reference, then pass the cache through the real block codec
-(kvtransport.card.degrade: encode at a precision, decode) and measure
+(kvtransport.model.card.degrade: encode at a precision, decode) and measure
 
 - teacher-forced top-1 agreement with the reference answer,
 - the greedy answer's token F1 (and contains) against the task's gold answer.
@@ -45,7 +45,7 @@ def configs(fp32_bytes: int) -> list[tuple[str, str | None, float]]:
 
 
 def measure_prompt(model, tokenizer, sample, *, max_tokens: int = 32, layer_weights=None) -> dict:
-    from kvtransport import card, hf, metrics, utility
+    from kvtransport.model import card, hf, metrics, utility
 
     ctx, question = sample.prompt(tokenizer)
     kv = hf.prefill(model, tokenizer, ctx, window=utility.OBSERVATION_WINDOW)
@@ -147,7 +147,7 @@ def main(argv=None) -> int:
         type=int,
         default=HELD_OUT_SEED,
         help=f"first task seed (default {HELD_OUT_SEED}; the int8/int4 fidelities in "
-        "kvtransport.blocks were calibrated on these, use another to evaluate held-out)",
+        "kvtransport.model.blocks were calibrated on these, use another to evaluate held-out)",
     )
     p.add_argument(
         "--profile", default=None, help="sensitivity profile JSON, or 'uniform' (default: packaged)"
@@ -159,8 +159,8 @@ def main(argv=None) -> int:
 
     from eval_retention import layer_weights_for, run_prompts, save_report, weights_label
 
-    from kvtransport import blocks, tasks
-    from kvtransport.model import load_model
+    from kvtransport.model import blocks, tasks
+    from kvtransport.model.loader import load_model
 
     lm = load_model(args.model, threads=args.threads)
     weights = layer_weights_for(lm.model_id, lm.num_layers, args.profile)

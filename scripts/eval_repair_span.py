@@ -2,8 +2,8 @@
 
 The sender's proactive RLC repairs cover the newest symbols, those feedback cannot have
 reported yet: one RTT plus one decision interval of them, capped at
-``SenderSession.max_repair_span`` (default kvtransport.protocol.MAX_REPAIR_SPAN;
-kvtransport/sender.py ``_rtt_changed``). On a
+``SenderSession.max_repair_span`` (default kvtransport.core.protocol.MAX_REPAIR_SPAN;
+kvtransport/core/sender.py ``_rtt_changed``). On a
 long link the round trip holds more slots than the cap (100 Mbit/s, one-way 80 ms: ~1500
 slots of 1280-byte symbols), so the oldest symbols in flight are outside every proactive
 repair. This script plays the same held-out episodes (scripts/eval_policy.py's long-link
@@ -37,7 +37,7 @@ from time import perf_counter_ns
 
 import numpy as np
 
-from kvtransport.wire import REPAIR_SEGMENT
+from kvtransport.core.wire import REPAIR_SEGMENT
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -72,8 +72,8 @@ class Timers:
     def __init__(self) -> None:
         from kvtransport.codecs.rlc import RLCDecoder, RLCEncoder
 
-        from kvtransport.receiver import ReceiverSession
-        from kvtransport.sender import SenderSession
+        from kvtransport.core.receiver import ReceiverSession
+        from kvtransport.core.sender import SenderSession
 
         self.totals: dict[str, list[int]] = {}
         self._wrap(SenderSession, "datagrams_to_send", "sender")

@@ -1,13 +1,13 @@
 """Partial retention (the seed paper's Figure 2c): which blocks should arrive first?
 
 For held-out prompts (RULER-style needle tasks and worlddatax facts QA, seeds disjoint
-from the sensitivity calibration's and from the seeds kvtransport.utility was tuned on),
+from the sensitivity calibration's and from the seeds kvtransport.model.utility was tuned on),
 prefill the context, take the full cache's greedy answer (up to its stop token) as the
 reference, then keep only the first 25 / 50 / 75 % of the block stream in
 each order and measure teacher-forced top-1 agreement with the reference (missing blocks
 masked per layer, as the receiver injects them):
 
-- utility: kvtransport.utility's order (sink blocks first, then SnapKV attention mass x
+- utility: kvtransport.model.utility's order (sink blocks first, then SnapKV attention mass x
   layer weight);
 - random: a seeded random permutation (averaged over several seeds per prompt);
 - position: token range first, then layer (what a sequential sender would send).
@@ -35,7 +35,7 @@ HELD_OUT_SEED = 10_000  # calibration (kvtransport profile) uses small seeds
 
 def layer_weights_for(model_id: str, num_layers: int, profile: str | None = None):
     """Layer weights from a sensitivity profile file, else the packaged one, else None."""
-    from kvtransport import sensitivity, utility
+    from kvtransport.model import sensitivity, utility
 
     if profile is None:
         return utility.default_layer_weights(model_id, num_layers)
@@ -75,7 +75,7 @@ def save_report(out_dir: str, name: str, meta: dict, summary: dict, records: lis
 
 def reference_answer(model, tokenizer, kv, question, max_tokens: int = 32) -> list[int]:
     """The full cache's greedy answer, ending with the stop token when it stopped."""
-    from kvtransport import hf
+    from kvtransport.model import hf
 
     gen = hf.greedy_generate(model, kv, question, max_new_tokens=max_tokens)
     stops = hf.stop_ids_of(model)  # the ids greedy_generate stops on
@@ -95,7 +95,7 @@ def measure_prompt(
     layer_weights=None,
 ) -> dict:
     """Top-1 agreement of every (order, fraction) for one prompt."""
-    from kvtransport import hf, utility
+    from kvtransport.model import hf, utility
 
     ctx, question = sample.prompt(tokenizer)
     kv = hf.prefill(model, tokenizer, ctx, window=utility.OBSERVATION_WINDOW)
@@ -203,8 +203,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="results/retention", help="output directory")
     args = p.parse_args(argv)
 
-    from kvtransport import tasks
-    from kvtransport.model import load_model
+    from kvtransport.model import tasks
+    from kvtransport.model.loader import load_model
 
     lm = load_model(args.model, threads=args.threads)
     weights = layer_weights_for(lm.model_id, lm.num_layers, args.profile)

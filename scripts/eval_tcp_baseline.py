@@ -2,12 +2,12 @@
 
 The demo's cache (SmolLM2-135M's geometry: 30 layers, 3 KV heads, head_dim 64, 504
 tokens, 16-token blocks: 960 blocks; fp32 22.1 MiB, int8 6.2 MiB), cut into blocks and
-serialized by the real block codec (kvtransport.blocks.encode_stream, the manifest as
+serialized by the real block codec (kvtransport.model.blocks.encode_stream, the manifest as
 application metadata; random K/V values, utilities from the position prior, blocks in
 utility order), crosses the netns testbed (--profile, default ge-heavy: 100 Mbit/s, 5 ms
 each way, Gilbert-Elliott bursts, ~12 % loss, both directions, the relay backend) over
-one TCP connection per run (kvtransport.demo_netns.tcp_across: ``python -m
-kvtransport.tcp_baseline`` in the two namespaces, SCHED_FIFO 5 like the daemons).
+one TCP connection per run (kvtransport.demo.demo_netns.tcp_across: ``python -m
+kvtransport.demo.tcp_baseline`` in the two namespaces, SCHED_FIFO 5 like the daemons).
 
 Each run is cut at --max-s after its first byte. A TCP sender does not know the
 receiver's deadline, so what a run with deadline D delivers is what this run had
@@ -54,10 +54,10 @@ BLOCK_TOKENS = 16
 
 def demo_like_transfer(tokens: int, precision: str, seed: int = 0):  # noqa: ANN201
     """The demo's cache layout with random values, encoded by the real block codec."""
-    from kvtransport.blocks import encode_stream
-    from kvtransport.kvcache import KVCache
-    from kvtransport.transfer import Transfer
-    from kvtransport.utility import block_utility, stream_order, token_importance
+    from kvtransport.core.transfer import Transfer
+    from kvtransport.model.blocks import encode_stream
+    from kvtransport.model.kvcache import KVCache
+    from kvtransport.model.utility import block_utility, stream_order, token_importance
 
     rng = np.random.default_rng(seed)
     shape = (GEOMETRY["layers"], GEOMETRY["kv_heads"], tokens, GEOMETRY["head_dim"])
@@ -105,7 +105,7 @@ def main() -> int:
     args = p.parse_args()
     from kvtransport.netem.testbed import Testbed, check_environment
 
-    from kvtransport.demo_netns import tcp_across
+    from kvtransport.demo.demo_netns import tcp_across
 
     try:
         check_environment()

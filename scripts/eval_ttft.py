@@ -48,7 +48,7 @@ def ttft_prefill(model, ids: list[int]) -> tuple[float, int]:
 
 
 def ttft_card(model, path: Path, question: list[int]) -> tuple[float, int, dict]:
-    from kvtransport import card, hf
+    from kvtransport.model import card, hf
 
     t0 = time.perf_counter()
     got = card.load_cache(path)
@@ -71,8 +71,8 @@ def main(argv=None) -> int:
 
     from tqdm import tqdm
 
-    from kvtransport import card, hf, tasks
-    from kvtransport.model import load_model
+    from kvtransport.model import card, hf, tasks
+    from kvtransport.model.loader import load_model
 
     lm = load_model(args.model, threads=args.threads)
     model, tok = lm.model, lm.tokenizer

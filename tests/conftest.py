@@ -28,13 +28,13 @@ atexit.register(shutil.rmtree, _PRIVATE, True)
 
 @pytest.fixture(scope="session")
 def smollm():
-    """The default model (SmolLM2-135M-Instruct) as a kvtransport.model.LoadedModel.
+    """The default model (SmolLM2-135M-Instruct) as a kvtransport.model.loader.LoadedModel.
 
     ``model, tokenizer = smollm`` unpacks it; ``smollm.model_id`` names it. Shared by
     every test in the session: do not mutate it (switch attention implementations or set
     layer masks only inside a try/finally or a context manager that restores them).
     """
-    from kvtransport.model import load_model
+    from kvtransport.model.loader import load_model
 
     return load_model(threads=1)
 

@@ -7,9 +7,8 @@ import numpy as np
 import pytest
 from scipy.optimize import linprog, minimize, minimize_scalar
 
-from kvtransport import allocator as al
-from kvtransport.allocation_bound import clairvoyant_bound, simulate_fluid
-from kvtransport.allocator import (
+from kvtransport.hosts import allocator as al
+from kvtransport.hosts.allocator import (
     EarliestDeadlineFirst,
     EqualShare,
     OnlineScheduler,
@@ -21,7 +20,8 @@ from kvtransport.allocator import (
     plan_horizon,
     water_fill,
 )
-from kvtransport.utility_model import SigmoidUtility
+from kvtransport.hosts.utility_model import SigmoidUtility
+from kvtransport.sim.allocation_bound import clairvoyant_bound, simulate_fluid
 
 POLICIES = [EqualShare, ProportionalToSize, EarliestDeadlineFirst, UtilityWaterFilling]
 

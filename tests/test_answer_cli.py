@@ -40,7 +40,7 @@ def test_bad_input_is_a_one_line_error(capsys, tmp_path, argv, needle):
 
 @pytest.mark.model
 def test_card_and_reprefill_give_the_same_answer(capsys, tmp_path, smollm):
-    from kvtransport import tasks
+    from kvtransport.model import tasks
 
     sample = tasks.generate("facts_qa", smollm.tokenizer, target_tokens=220, seed=31337)
     ctx = tmp_path / "facts.txt"

@@ -8,12 +8,12 @@ import threading
 import numpy as np
 import pytest
 
-from kvtransport import card
-from kvtransport.api import read_result_file, write_result_file
 from kvtransport.atomic import AtomicWriteError, atomic_write
+from kvtransport.core.transfer import BlockTable, TransferResult, TransportManifest
+from kvtransport.daemons.api import read_result_file, write_result_file
 from kvtransport.errors import UserError
-from kvtransport.kvcache import KVCache
-from kvtransport.transfer import BlockTable, TransferResult, TransportManifest
+from kvtransport.model import card
+from kvtransport.model.kvcache import KVCache
 
 
 def _names(directory):

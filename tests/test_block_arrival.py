@@ -3,14 +3,19 @@
 
 import numpy as np
 
-from kvtransport.api import read_result_file, result_frames, result_from_frames, write_result_file
-from kvtransport.demo_links import LinkOutcome
-from kvtransport.transfer import TransferResult
+from kvtransport.core.transfer import TransferResult
+from kvtransport.daemons.api import (
+    read_result_file,
+    result_frames,
+    result_from_frames,
+    write_result_file,
+)
+from kvtransport.demo.demo_links import LinkOutcome
 
 
 def _manual() -> TransferResult:
     """A result of 4 blocks: two complete at session times 5.2 and 5.5, finished at 6.0."""
-    from kvtransport.transfer import BlockTable, TransportManifest
+    from kvtransport.core.transfer import BlockTable, TransportManifest
 
     b = BlockTable(np.array([0, 10, 20, 30], np.uint64), np.full(4, 10, np.uint64),
                    np.full(4, 0.25))  # fmt: skip
@@ -47,9 +52,9 @@ def test_a_receiver_session_records_when_each_block_completed():
     blocks recovered late (by repair) complete after blocks further down the stream."""
     from kvtransport.netem import make_channel
 
-    from kvtransport.policy import make_policy
-    from kvtransport.simulator import Simulation, full_send_time
-    from kvtransport.transfer import synthetic_transfer
+    from kvtransport.core.policy import make_policy
+    from kvtransport.core.transfer import synthetic_transfer
+    from kvtransport.sim.simulator import Simulation, full_send_time
 
     tr = synthetic_transfer(600_000, 60, "zipf", seed=2)
     deadline = 1.5 * full_send_time(tr.nbytes, 100e6, 1280)

@@ -6,9 +6,9 @@ import zlib
 import numpy as np
 import pytest
 
-from kvtransport import blocks, utility
-from kvtransport.kvcache import KVCache
-from kvtransport.transfer import BlockTable, Transfer
+from kvtransport.core.transfer import BlockTable, Transfer
+from kvtransport.model import blocks, utility
+from kvtransport.model.kvcache import KVCache
 
 BT = 16
 

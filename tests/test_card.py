@@ -8,8 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-from kvtransport import card
-from kvtransport.kvcache import KVCache
+from kvtransport.model import card
+from kvtransport.model.kvcache import KVCache
 
 
 def _cache(tokens=50, seed=0):
@@ -149,7 +149,7 @@ def test_card_inspect_cli(tmp_path):
 
 @pytest.mark.model
 def test_card_injection_continues_generation_exactly(smollm, tmp_path):
-    from kvtransport import hf, tasks
+    from kvtransport.model import hf, tasks
 
     model, tok = smollm
     sample = tasks.generate("facts_qa", tok, target_tokens=200, seed=4242)

@@ -225,8 +225,8 @@ def test_bad_command_lines_exit_2_with_one_line_and_no_traceback(tmp, monkeypatc
 def test_a_card_of_the_wrong_geometry_is_a_one_line_error(tmp_path, smollm):
     """A card whose manifest claims 37 layers passes `card inspect` (it is a valid card)
     but `answer --card` refuses it in one line: the model has another geometry."""
-    from kvtransport import card
-    from kvtransport.kvcache import KVCache
+    from kvtransport.model import card
+    from kvtransport.model.kvcache import KVCache
 
     rng = np.random.default_rng(0)
     shape = (37, 3, 32, 64)

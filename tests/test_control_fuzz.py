@@ -16,8 +16,8 @@ import pytest
 import zmq
 from test_daemon import Daemons
 
-from kvtransport.api import ApiError
-from kvtransport.daemon_sender import HISTORY
+from kvtransport.daemons.api import ApiError
+from kvtransport.daemons.daemon_sender import HISTORY
 
 HOSTILE = [
     1e308, -1e308, -1, -0.5, 0, 1.5, 2**64, -(2**63), 10**400, "NaN", "Infinity", "-Infinity",

@@ -1,5 +1,5 @@
 """Control and result sockets off loopback: refused without ZeroMQ CURVE; with CURVE
-(kvtransport.curve) a client holding the daemon's public key is served and one without it
+(kvtransport.daemons.curve) a client holding the daemon's public key is served and one without it
 is not. The receiver daemon runs as a real process on tcp:// (all interfaces)."""
 
 import socket
@@ -10,12 +10,12 @@ import pytest
 import zmq
 from test_daemon import CLI, SenderThread, assert_blocks_exact
 
-from kvtransport.api import ApiError, check_endpoint
-from kvtransport.client import ReceiverClient, ResultSubscriber
-from kvtransport.curve import server_keys, server_public_key
+from kvtransport.core.transfer import synthetic_transfer
+from kvtransport.daemons.api import ApiError, check_endpoint
+from kvtransport.daemons.client import ReceiverClient, ResultSubscriber
+from kvtransport.daemons.curve import server_keys, server_public_key
+from kvtransport.daemons.udp import clock
 from kvtransport.errors import UserError
-from kvtransport.transfer import synthetic_transfer
-from kvtransport.udp import clock
 
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE")
 

@@ -3,7 +3,7 @@ published and written, several transfers sharing the link, bad requests, SIGTERM
 
 The daemons run as real processes (`python -m kvtransport sender-daemon|receiver-daemon`)
 on ipc:// endpoints in a temporary directory; the test talks to them with
-kvtransport.client exactly as a user program would."""
+kvtransport.daemons.client exactly as a user program would."""
 
 import contextlib
 import json
@@ -18,15 +18,15 @@ import numpy as np
 import pytest
 import zmq
 
-from kvtransport.api import ApiError, read_result_file
-from kvtransport.client import ReceiverClient, ResultSubscriber, SenderClient
-from kvtransport.daemon import StopSignal, serve
-from kvtransport.daemon_sender import SenderEngine
-from kvtransport.inprocess import warm_kernels
-from kvtransport.keys import resolve_key
-from kvtransport.sender_host import SenderHost
-from kvtransport.transfer import synthetic_transfer
-from kvtransport.udp import DatagramSocket, clock
+from kvtransport.core.keys import resolve_key
+from kvtransport.core.transfer import synthetic_transfer
+from kvtransport.daemons.api import ApiError, read_result_file
+from kvtransport.daemons.client import ReceiverClient, ResultSubscriber, SenderClient
+from kvtransport.daemons.daemon import StopSignal, serve
+from kvtransport.daemons.daemon_sender import SenderEngine
+from kvtransport.daemons.udp import DatagramSocket, clock
+from kvtransport.embed.inprocess import warm_kernels
+from kvtransport.hosts.sender_host import SenderHost
 
 CLI = [sys.executable, "-m", "kvtransport"]
 LINK_MBPS = 100.0
@@ -272,7 +272,7 @@ def test_bad_requests_get_one_line_errors_and_the_daemon_lives_on(daemons):
 
 
 class SenderThread:
-    """A SenderEngine served by the daemons' loop (kvtransport.daemon.serve) on its own
+    """A SenderEngine served by the daemons' loop (kvtransport.daemons.daemon.serve) on its own
     thread in this process (a sender the test controls: it can stop dead, without FIN or
     ABORT, as a crashed process would)."""
 

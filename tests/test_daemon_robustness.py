@@ -17,15 +17,15 @@ import numpy as np
 import pytest
 from test_daemon import Daemons, SenderThread, assert_blocks_exact
 
-from kvtransport.daemon_receiver import ReceiverEngine
-from kvtransport.daemon_sender import SenderEngine
-from kvtransport.policy import make_policy
-from kvtransport.receiver_host import ReceiverHost
-from kvtransport.sender import SenderSession
-from kvtransport.sender_host import SenderHost
-from kvtransport.transfer import synthetic_transfer
-from kvtransport.udp import DatagramSocket, clock
-from kvtransport.wire import HEADER, DatagramType, Framer
+from kvtransport.core.policy import make_policy
+from kvtransport.core.sender import SenderSession
+from kvtransport.core.transfer import synthetic_transfer
+from kvtransport.core.wire import HEADER, DatagramType, Framer
+from kvtransport.daemons.daemon_receiver import ReceiverEngine
+from kvtransport.daemons.daemon_sender import SenderEngine
+from kvtransport.daemons.udp import DatagramSocket, clock
+from kvtransport.hosts.receiver_host import ReceiverHost
+from kvtransport.hosts.sender_host import SenderHost
 
 KEY_HEX = "a5" * 32
 KEY = bytes.fromhex(KEY_HEX)

@@ -2,7 +2,7 @@
 processes), its repeatability, and the emulated link against the simulator.
 
 The emulated link runs the sender and receiver sessions in two processes on the link's own
-clock (kvtransport.demo), so for a seed its table is fixed: these tests can assert exact
+clock (kvtransport.demo.run), so for a seed its table is fixed: these tests can assert exact
 repetition and the ordering of the schemes on the demo's seed without tolerating noise.
 """
 
@@ -16,10 +16,17 @@ import sys
 
 import pytest
 
-from kvtransport import metrics
-from kvtransport.demo import SCHEMES, DemoConfig, EmulatedLink, render_table, report_json, run_demo
-from kvtransport.simulator import full_send_time, simulate
-from kvtransport.transfer import synthetic_transfer
+from kvtransport.core.transfer import synthetic_transfer
+from kvtransport.demo.run import (
+    SCHEMES,
+    DemoConfig,
+    EmulatedLink,
+    render_table,
+    report_json,
+    run_demo,
+)
+from kvtransport.model import metrics
+from kvtransport.sim.simulator import full_send_time, simulate
 
 FEC = [label for label, spec in SCHEMES if spec != "none"]
 STREAMING = ["RLC 4/32", "adaptive", "DDQN"]  # the sliding-window RLC schemes
@@ -39,7 +46,7 @@ def test_quick_demo_on_the_emulated_link_repeats_and_fec_recovers_more(smollm, t
     assert first.link["mode"] == "emulated" and "yes for seed 1" in first.link["deterministic"]
     n_tok = first.cache["context_tokens"]
     # the plan: the receiver computes a prefix, the link carries the rest at int8 or
-    # better, int4 only for the least useful blocks (kvtransport.plan's fidelity floor)
+    # better, int4 only for the least useful blocks (kvtransport.model.plan's fidelity floor)
     plan = first.plan
     assert 0 < plan["split_tokens"] < n_tok and set(plan["blocks"]) <= {"fp16", "int8", "int4"}
     assert plan["blocks"].get("int4", 0) < sum(plan["blocks"].values()) / 2
@@ -108,7 +115,7 @@ def test_quick_demo_on_the_emulated_link_repeats_and_fec_recovers_more(smollm, t
 
 def test_emulated_link_reproduces_the_simulator():
     """The two link processes exchange datagrams in the simulator's event order over the
-    same seeded channels, so a transfer ends exactly as kvtransport.simulator's does (the
+    same seeded channels, so a transfer ends exactly as kvtransport.sim.simulator's does (the
     receiver takes its deadline from the manifest, as the daemon does; the sender's stop
     time leaves nothing to arrive in the extra one-way delay)."""
     tr = synthetic_transfer(1_500_000, 122, "zipf", seed=4)
@@ -188,7 +195,7 @@ def test_netns_link_carries_a_transfer_through_the_real_daemons():
     sender daemon's, and both daemons exit cleanly when the link closes."""
     import numpy as np
 
-    from kvtransport.demo import NetnsLink
+    from kvtransport.demo.run import NetnsLink
 
     tr = synthetic_transfer(400_000, 32, "zipf", seed=2)
     deadline = 2.0 * full_send_time(tr.nbytes, 100e6, 1280)

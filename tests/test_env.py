@@ -19,8 +19,8 @@ from kvtransport.agents.episodes import (
 )
 from kvtransport.netem import SAMPLE_TRACE, Bernoulli, FourState, load_profile
 
-from kvtransport.policy import ACTIONS, OBS_SIZE, Obs, Policy
-from kvtransport.simulator import simulate
+from kvtransport.core.policy import ACTIONS, OBS_SIZE, Obs, Policy
+from kvtransport.sim.simulator import simulate
 
 SMALL = {"blocks_range": (60, 160), "utility_weights": {"zipf": 1.0, "flat": 1.0}}
 

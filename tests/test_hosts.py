@@ -1,4 +1,4 @@
-"""The sans-I/O endpoint hosts (kvtransport.sender_host, kvtransport.receiver_host) on a
+"""The sans-I/O endpoint hosts (kvtransport.hosts.sender_host, kvtransport.hosts.receiver_host) on a
 virtual clock: no socket, no sleep, every ``now`` chosen by the test. And one check that
 the sender daemon's engine and the multi-user simulator drive the same host the same way.
 """
@@ -8,15 +8,15 @@ import struct
 import numpy as np
 import pytest
 
-from kvtransport.allocator import EqualShare, UtilityWaterFilling
+from kvtransport.core.transfer import synthetic_transfer
+from kvtransport.core.wire import HEADER_SIZE
 from kvtransport.errors import UserError
-from kvtransport.multisim import Handover, MultiSimulation
-from kvtransport.receiver_host import ReceiverHost, ResultReady, TransferStarted
-from kvtransport.sender_host import SenderHost, TransferFinished
-from kvtransport.transfer import synthetic_transfer
-from kvtransport.utility_model import SigmoidUtility
-from kvtransport.virtual_clock import VirtualClockLoop
-from kvtransport.wire import HEADER_SIZE
+from kvtransport.hosts.allocator import EqualShare, UtilityWaterFilling
+from kvtransport.hosts.receiver_host import ReceiverHost, ResultReady, TransferStarted
+from kvtransport.hosts.sender_host import SenderHost, TransferFinished
+from kvtransport.hosts.utility_model import SigmoidUtility
+from kvtransport.sim.multisim import Handover, MultiSimulation
+from kvtransport.sim.virtual_clock import VirtualClockLoop
 
 KEY = bytes(range(32))
 U = SigmoidUtility(0.85, 10.0, 0.2)
@@ -198,8 +198,8 @@ def test_the_daemon_engine_and_the_simulator_drive_the_host_identically():
     """The multi-user simulator's calls into its SenderHost, replayed at the same virtual
     times into the sender daemon's engine over real UDP sockets: the same datagrams, in
     the same order, at the same calls."""
-    from kvtransport.daemon_sender import SenderEngine
-    from kvtransport.udp import DatagramSocket, wait_readable
+    from kvtransport.daemons.daemon_sender import SenderEngine
+    from kvtransport.daemons.udp import DatagramSocket, wait_readable
 
     hs = [Handover(0, 0.0, 0.12, 400_000, U), Handover(1, 0.03, 0.15, 300_000, U, weight=2.0)]
     trace: list[tuple] = []
@@ -261,8 +261,8 @@ def test_the_daemon_engine_and_the_simulator_drive_the_receiver_host_identically
     """Each user's receiver host in the multi-user simulator, its calls replayed at the
     same virtual times into the receiver daemon's engine over real UDP: the same feedback
     datagrams at the same calls, and the same result."""
-    from kvtransport.daemon_receiver import ReceiverEngine
-    from kvtransport.udp import DatagramSocket, wait_readable
+    from kvtransport.daemons.daemon_receiver import ReceiverEngine
+    from kvtransport.daemons.udp import DatagramSocket, wait_readable
 
     hs = [Handover(0, 0.0, 0.12, 300_000, U), Handover(1, 0.02, 0.1, 200_000, U)]
     trace: list[tuple] = []

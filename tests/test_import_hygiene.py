@@ -29,8 +29,8 @@ FORBIDDEN = (
     "stable_baselines3",
     "matplotlib",
     "transformers",
-    "kvtransport.simulator",
-    "kvtransport.multisim",
+    "kvtransport.sim.simulator",
+    "kvtransport.sim.multisim",
     "kvtransport.netem",
     "kvtransport.agents.env",
     "kvtransport.agents.episodes",
@@ -45,12 +45,12 @@ numba_loaded = set(sys.modules)  # scipy (a version check) and scipy.linalg's BL
 import kvtransport.cli
 import kvtransport.commands.receiver_daemon
 import kvtransport.commands.sender_daemon
-import kvtransport.daemon_receiver
-import kvtransport.daemon_sender
+import kvtransport.daemons.daemon_receiver
+import kvtransport.daemons.daemon_sender
 from kvtransport.agents.runtime import DDQNPolicy
-from kvtransport.daemon import warm_up
-from kvtransport.daemon_sender import deadline_from
-from kvtransport.policy import default_policy, make_policy
+from kvtransport.daemons.daemon import warm_up
+from kvtransport.daemons.daemon_sender import deadline_from
+from kvtransport.core.policy import default_policy, make_policy
 
 policy = make_policy("ddqn")
 assert isinstance(policy, DDQNPolicy), type(policy)
@@ -126,5 +126,5 @@ def test_no_import_cycles_among_the_package_modules():
     for m in sorted(graph):
         if m not in state:
             visit(m)
-    assert len(modules) > 50 and graph["kvtransport.daemon_sender"]  # the scan sees them
+    assert len(modules) > 50 and graph["kvtransport.daemons.daemon_sender"]  # the scan sees them
     assert not cycles, "\n".join(" -> ".join(c) for c in cycles)

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 import kvtransport
-from kvtransport import card
-from kvtransport.api import write_result_file
+from kvtransport.core.transfer import synthetic_transfer
+from kvtransport.daemons.api import write_result_file
 from kvtransport.errors import UserError
-from kvtransport.kvcache import KVCache
-from kvtransport.transfer import synthetic_transfer
+from kvtransport.model import card
+from kvtransport.model.kvcache import KVCache
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -90,7 +90,7 @@ def test_async_partial_transfer_gives_the_cache_of_what_arrived(tmp_path):
 def test_send_with_a_deadline_sends_the_plan():
     """With a deadline the API plans the cache (fp16/int8 by utility, prefix order); the
     receiver gets those blocks, within quantization error of the cache."""
-    from kvtransport import blocks
+    from kvtransport.model import blocks
 
     cache = _toy_cache()
 
@@ -112,7 +112,7 @@ def test_send_with_a_deadline_sends_the_plan():
 
 
 def _as_transfer_result(got):
-    from kvtransport.transfer import TransferResult, TransportManifest
+    from kvtransport.core.transfer import TransferResult, TransportManifest
 
     manifest = TransportManifest(1280, int(got.payload.size), got.blocks, got.app_metadata)
     return TransferResult(
@@ -122,7 +122,7 @@ def _as_transfer_result(got):
 
 
 def test_partial_cache_without_a_manifest_needs_the_expected_one():
-    from kvtransport.api import DeliveredResult
+    from kvtransport.daemons.api import DeliveredResult
 
     cache = _toy_cache(tokens=32)
     stream = card.encode_cache(cache)
@@ -163,7 +163,7 @@ def test_readme_example_runs_and_answers_as_the_local_cache_does():
     scale = np.abs(cache.keys).max()
     assert np.abs(partial.cache.keys - cache.keys).max() <= scale * 2**-10
     assert not np.array_equal(partial.cache.keys, cache.keys)  # it was re-encoded
-    from kvtransport import hf
+    from kvtransport.model import hf
 
     local = hf.greedy_generate(lm.model, cache, ns["question"])
     assert ns["gen"].tokens == local.tokens and local.tokens

@@ -47,8 +47,8 @@ import pytest
 from kvtransport.netem.testbed import RCV_ADDR, Testbed, netem_available, teardown
 from test_daemon import Daemons, assert_blocks_exact
 
-from kvtransport.simulator import DEFAULT_BLOCK_BYTES, simulate
-from kvtransport.transfer import synthetic_transfer
+from kvtransport.core.transfer import synthetic_transfer
+from kvtransport.sim.simulator import DEFAULT_BLOCK_BYTES, simulate
 
 PREFIX = f"kvti{os.getpid() % 100000}"
 PROFILE = "ge-heavy"

@@ -34,6 +34,15 @@ def test_kernel_sources_are_the_kernels_and_what_they_import_transitively(tmp_pa
     assert names == ["agents/features.py", "kvtransport/errors.py", "kvtransport/policy.py"]
 
 
+def test_kernels_in_a_layer_folder_are_found(tmp_path):
+    kv = _tree(tmp_path)
+    (kv / "core").mkdir()
+    (kv / "core" / "__init__.py").write_text("")
+    (kv / "core" / "kern.py").write_text(KERNEL)
+    files = kernel_cache.kernel_sources(kernel_cache.package_dirs(kv))
+    assert kv / "core" / "kern.py" in files
+
+
 def test_the_digest_follows_imported_constants_but_not_unrelated_modules(tmp_path):
     kv = _tree(tmp_path)
 

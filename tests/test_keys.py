@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from kvtransport import keys
-from kvtransport.api import check_endpoint
 from kvtransport.cli import main
-from kvtransport.client import SenderClient
+from kvtransport.core import keys
+from kvtransport.daemons.api import check_endpoint
+from kvtransport.daemons.client import SenderClient
 from kvtransport.errors import UserError
 
 CLI = [sys.executable, "-m", "kvtransport"]

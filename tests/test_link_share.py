@@ -1,14 +1,14 @@
 """The shared link's allocator-to-rates step on a virtual clock, with real sender sessions
-(kvtransport.link_share: the code the sender daemon and the multi-user simulator share)."""
+(kvtransport.hosts.link_share: the code the sender daemon and the multi-user simulator share)."""
 
 import pytest
 
-from kvtransport.allocator import EqualShare, UtilityWaterFilling
-from kvtransport.link_share import LinkShare, Member
-from kvtransport.policy import Obs, make_policy
-from kvtransport.sender import SenderSession
-from kvtransport.transfer import synthetic_transfer
-from kvtransport.utility_model import SigmoidUtility
+from kvtransport.core.policy import Obs, make_policy
+from kvtransport.core.sender import SenderSession
+from kvtransport.core.transfer import synthetic_transfer
+from kvtransport.hosts.allocator import EqualShare, UtilityWaterFilling
+from kvtransport.hosts.link_share import LinkShare, Member
+from kvtransport.hosts.utility_model import SigmoidUtility
 
 U = SigmoidUtility(0.85, 10.0, 0.2)
 SYMBOL = 1200
@@ -68,9 +68,9 @@ def test_the_allocator_plans_to_the_deadline_less_the_one_way_delay():
 def test_the_sender_engine_shares_its_link_by_weight_over_real_udp():
     """The daemon's engine passes each submit's weight and deadline to its LinkShare: two
     identical transfers on an overloaded link, the weight-2 one gets the larger share."""
-    from kvtransport.daemon_sender import SenderEngine
-    from kvtransport.sender_host import SenderHost
-    from kvtransport.udp import DatagramSocket, clock
+    from kvtransport.daemons.daemon_sender import SenderEngine
+    from kvtransport.daemons.udp import DatagramSocket, clock
+    from kvtransport.hosts.sender_host import SenderHost
 
     sock = DatagramSocket(("127.0.0.1", 0))
     try:

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 import kvtransport
-from kvtransport import blocks, card, hf, tasks
-from kvtransport.cache_builder import CacheBuilder, ComputeSpeed
-from kvtransport.plan import LinkEstimate, planned_stream
-from kvtransport.policy import default_policy
+from kvtransport.core.policy import default_policy
+from kvtransport.model import blocks, card, hf, tasks
+from kvtransport.model.cache_builder import CacheBuilder, ComputeSpeed
+from kvtransport.model.plan import LinkEstimate, planned_stream
 
 pytestmark = pytest.mark.model
 TOL = 2e-4  # float32 rounding of a chunked against a one-shot prefill (as test_race)
@@ -47,7 +47,7 @@ def setup(smollm):
 
 def _send(stream, to, ready, go, kwargs):
     """A sender process: warm up, say so, send when told."""
-    from kvtransport.inprocess import as_transfer, warm_kernels
+    from kvtransport.embed.inprocess import as_transfer, warm_kernels
 
     warm_kernels(kwargs.get("key"), default_policy())
     if kwargs.get("receiver_speed") is not None:  # send() plans first: load its kernels now
@@ -181,10 +181,10 @@ def test_silence_before_the_plan_is_known_does_not_give_up_on_a_late_transfer(sm
     """Before the manifest the live race's view of the link is a guess (settled=False):
     once it is silent the receiver computes from the front in chunks that double, not the
     whole rest in one call, so ranges that arrive late (a sender that starts late) are
-    still loaded. Replayed (kvtransport.race.run_race) for a deterministic timeline: the
+    still loaded. Replayed (kvtransport.model.race.run_race) for a deterministic timeline: the
     first range was guessed at 10 ms, the link is silent after 70 ms, ranges 2.. arrive at
     80 ms, while the receiver computes its first chunk."""
-    from kvtransport.race import LinkView, run_race
+    from kvtransport.model.race import LinkView, run_race
 
     ctx, kv, speed, prefill_s, plan, stream = setup
     bt = 16

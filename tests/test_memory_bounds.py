@@ -11,16 +11,16 @@ import weakref
 
 import zmq
 
-from kvtransport import daemon_receiver
-from kvtransport.daemon_receiver import Incoming, ReceiverDaemon, ReceiverEngine
-from kvtransport.daemon_sender import SenderEngine
-from kvtransport.policy import make_policy
-from kvtransport.receiver import ReceiverSession
-from kvtransport.receiver_host import ReceiverHost
-from kvtransport.sender import SenderSession
-from kvtransport.sender_host import SenderHost
-from kvtransport.transfer import synthetic_transfer
-from kvtransport.udp import DatagramSocket, clock
+from kvtransport.core.policy import make_policy
+from kvtransport.core.receiver import ReceiverSession
+from kvtransport.core.sender import SenderSession
+from kvtransport.core.transfer import synthetic_transfer
+from kvtransport.daemons import daemon_receiver
+from kvtransport.daemons.daemon_receiver import Incoming, ReceiverDaemon, ReceiverEngine
+from kvtransport.daemons.daemon_sender import SenderEngine
+from kvtransport.daemons.udp import DatagramSocket, clock
+from kvtransport.hosts.receiver_host import ReceiverHost
+from kvtransport.hosts.sender_host import SenderHost
 
 
 def test_sender_engine_frees_a_finished_transfers_payload():
@@ -117,7 +117,7 @@ def test_lagging_subscriber_loses_nothing_unseen(tmp_path, monkeypatch):
         bind=("127.0.0.1", 0), key=None, control=f"ipc://{tmp_path}/c.ipc",
         publish=f"ipc://{tmp_path}/p.ipc",
     )  # fmt: skip
-    from kvtransport.client import ResultSubscriber
+    from kvtransport.daemons.client import ResultSubscriber
 
     sub = ResultSubscriber(f"ipc://{tmp_path}/p.ipc")
     sub.sock.setsockopt(zmq.RCVHWM, 4)
@@ -165,7 +165,7 @@ def test_a_forged_card_manifest_cannot_size_memory():
     import pytest
     from test_blocks import _cache, _encode, _reframe
 
-    from kvtransport import blocks
+    from kvtransport.model import blocks
 
     header = _encode(_cache(layers=2, tokens=40)).manifest.header()
     with pytest.raises(blocks.ManifestError, match="non-negative"):

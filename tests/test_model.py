@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from kvtransport import tasks
 from kvtransport.errors import UserError
-from kvtransport.model import (
+from kvtransport.model import tasks
+from kvtransport.model.loader import (
     chat_prompt,
     converted_dir,
     default_gguf_path,

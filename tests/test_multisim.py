@@ -3,15 +3,15 @@
 import numpy as np
 import pytest
 
-from kvtransport.allocator import EarliestDeadlineFirst, EqualShare, UtilityWaterFilling
 from kvtransport.errors import UserError
-from kvtransport.multisim import (
+from kvtransport.hosts.allocator import EarliestDeadlineFirst, EqualShare, UtilityWaterFilling
+from kvtransport.hosts.utility_model import SigmoidUtility
+from kvtransport.sim.multisim import (
     Handover,
     MultiSimulation,
     payload_efficiency,
     simulate_handovers,
 )
-from kvtransport.utility_model import SigmoidUtility
 
 U = SigmoidUtility(0.85, 10.0, 0.2)
 RATE = 100.0  # Mbit/s

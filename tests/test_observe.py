@@ -1,4 +1,4 @@
-"""The observation kernel (kvtransport.observation) against the definitions it encodes.
+"""The observation kernel (kvtransport.core.observation) against the definitions it encodes.
 
 The sender keeps the kernel's input (``Raw``) current in three groups packed at different
 moments (each decision, each feedback, rate changes), and the kernel repeats the
@@ -11,10 +11,10 @@ too late, a field left out, or kernel arithmetic that drifts from the methods fa
 import numpy as np
 import pytest
 
-from kvtransport.policy import OBS_CLIP, OBS_SIZE, Obs, make_policy
-from kvtransport.receiver import ReceiverSession
-from kvtransport.sender import SenderSession
-from kvtransport.transfer import synthetic_transfer
+from kvtransport.core.policy import OBS_CLIP, OBS_SIZE, Obs, make_policy
+from kvtransport.core.receiver import ReceiverSession
+from kvtransport.core.sender import SenderSession
+from kvtransport.core.transfer import synthetic_transfer
 
 
 def _clip(x, lo, hi):

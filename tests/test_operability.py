@@ -13,10 +13,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_daemon import Daemons
 
 from kvtransport.cli import build_parser, main
-from kvtransport.config import apply_config
+from kvtransport.core.transfer import synthetic_transfer
+from kvtransport.daemons.config import apply_config
+from kvtransport.daemons.udp import DatagramSocket
 from kvtransport.errors import UserError
-from kvtransport.transfer import synthetic_transfer
-from kvtransport.udp import DatagramSocket
 
 CONFIG = """\
 log-json = true
@@ -153,7 +153,7 @@ def test_a_bad_config_is_a_one_line_error(tmp_path, capsys, text, needle):
 
 
 def test_metrics_address_is_checked():
-    from kvtransport.daemon_metrics import parse_metrics_address
+    from kvtransport.daemons.daemon_metrics import parse_metrics_address
 
     assert parse_metrics_address("9464") == ("127.0.0.1", 9464)
     assert parse_metrics_address("0.0.0.0:9464") == ("0.0.0.0", 9464)

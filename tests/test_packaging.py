@@ -101,9 +101,9 @@ def test_data_plane_imports_and_runs_without_the_extras():
     """Daemons, clients, CLI and the shipped DDQN policy on a core-only install."""
     proc = _core_python(
         """
-        import kvtransport, kvtransport.daemon_sender, kvtransport.daemon_receiver
-        import kvtransport.client, kvtransport.cli, kvtransport.api
-        from kvtransport.policy import default_policy, make_policy
+        import kvtransport, kvtransport.daemons.daemon_sender, kvtransport.daemons.daemon_receiver
+        import kvtransport.daemons.client, kvtransport.cli, kvtransport.daemons.api
+        from kvtransport.core.policy import default_policy, make_policy
         assert default_policy() == "ddqn", default_policy()
         make_policy("ddqn")
         from kvtransport.cli import main

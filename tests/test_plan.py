@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from kvtransport import blocks, utility
-from kvtransport.cache_builder import ComputeSpeed
-from kvtransport.kvcache import KVCache
-from kvtransport.plan import LinkEstimate, plan_handoff
+from kvtransport.model import blocks, utility
+from kvtransport.model.cache_builder import ComputeSpeed
+from kvtransport.model.kvcache import KVCache
+from kvtransport.model.plan import LinkEstimate, plan_handoff
 
 GEOM = blocks.Geometry(num_layers=30, num_kv_heads=3, num_tokens=504, head_dim=64)
 SPEED = ComputeSpeed(per_call_s=0.01, per_token_s=0.004)  # ~2 s for 504 tokens

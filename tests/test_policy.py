@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from kvtransport import policy as P
+from kvtransport.core import policy as P
 from kvtransport.errors import UserError
 
 

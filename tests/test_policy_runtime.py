@@ -22,8 +22,7 @@ from kvtransport.agents.runtime import (
 )
 from kvtransport.agents.training import TrainConfig, make_env
 
-from kvtransport.errors import UserError
-from kvtransport.policy import (
+from kvtransport.core.policy import (
     ACTIONS,
     OBS_FIELDS,
     Adaptive,
@@ -31,6 +30,7 @@ from kvtransport.policy import (
     default_policy,
     make_policy,
 )
+from kvtransport.errors import UserError
 
 th.set_num_threads(1)
 
@@ -242,10 +242,10 @@ def test_a_subclass_that_overrides_act_sees_every_decision():
 def test_data_plane_runs_the_policy_without_torch():
     code = (
         "import sys, numpy as np\n"
-        "from kvtransport.simulator import simulate\n"
+        "from kvtransport.sim.simulator import simulate\n"
         "from kvtransport.agents.runtime import DDQNPolicy, QWeights\n"
         "from kvtransport.agents.features import N_FEATURES\n"
-        "from kvtransport.policy import ACTIONS\n"
+        "from kvtransport.core.policy import ACTIONS\n"
         "rng = np.random.default_rng(0)\n"
         "w = QWeights([(rng.normal(size=(16, N_FEATURES)), np.zeros(16)),\n"
         "              (rng.normal(size=(len(ACTIONS), 16)), np.zeros(len(ACTIONS)))], ACTIONS)\n"

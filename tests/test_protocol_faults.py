@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtransport.feedback import LossMonitor
+from kvtransport.core.feedback import LossMonitor
 
 _SPEC = importlib.util.spec_from_file_location(
     "eval_protocol_faults",
@@ -86,10 +86,10 @@ def test_open_loop_repair_covers_the_whole_stream():
 def test_periodic_feedback_pauses_when_nothing_arrives():
     """A forger's few datagrams (a manifest with an hour's deadline) buy at most a second
     of feedback, not an hour of it; the next datagram resumes it."""
-    from kvtransport.policy import make_policy
-    from kvtransport.receiver import ReceiverSession
-    from kvtransport.sender import SenderSession
-    from kvtransport.transfer import synthetic_transfer
+    from kvtransport.core.policy import make_policy
+    from kvtransport.core.receiver import ReceiverSession
+    from kvtransport.core.sender import SenderSession
+    from kvtransport.core.transfer import synthetic_transfer
 
     s = SenderSession(synthetic_transfer(50_000, 4), make_policy("none"), rate_bps=1e9,
                       deadline=3600.0, transfer_id=9)  # fmt: skip
@@ -113,9 +113,9 @@ def test_periodic_feedback_pauses_when_nothing_arrives():
 def _repair_share_after_resume(pause_s: float) -> float:
     """Share of repairs among the first 200 datagrams of an adaptive sender that its shell
     kept paused for ``pause_s`` (no feedback arrives during the 200)."""
-    from kvtransport.policy import make_policy
-    from kvtransport.sender import SenderSession
-    from kvtransport.transfer import synthetic_transfer
+    from kvtransport.core.policy import make_policy
+    from kvtransport.core.sender import SenderSession
+    from kvtransport.core.transfer import synthetic_transfer
 
     s = SenderSession(synthetic_transfer(4_000_000, 325, seed=2), make_policy("adaptive"),
                       rate_bps=1e9, deadline=1.0, now=0.0, initial_rtt=0.011)  # fmt: skip

@@ -9,10 +9,10 @@ it should have computed (or the reverse) fails.
 import numpy as np
 import pytest
 
-from kvtransport import blocks, hf, tasks, utility
-from kvtransport.cache_builder import CacheBuilder, ComputeSpeed
-from kvtransport.kvcache import KVCache
-from kvtransport.race import LinkView, range_ready_at, run_race
+from kvtransport.model import blocks, hf, tasks, utility
+from kvtransport.model.cache_builder import CacheBuilder, ComputeSpeed
+from kvtransport.model.kvcache import KVCache
+from kvtransport.model.race import LinkView, range_ready_at, run_race
 
 pytestmark = pytest.mark.model
 BT = 16
@@ -199,7 +199,7 @@ def test_a_link_slower_than_planned_is_waited_for_when_computing_costs_more(smol
 
 
 def test_range_ready_at_is_the_last_layer(smollm, context):
-    from kvtransport import blocks, utility
+    from kvtransport.model import blocks, utility
 
     ctx, _, kv = context
     g = blocks.Geometry.of(kv, BT)
@@ -217,7 +217,7 @@ def test_range_ready_at_is_the_last_layer(smollm, context):
 
 
 def test_complete_missing_recomputes_only_ranges_with_a_missing_block(smollm, context):
-    from kvtransport.race import complete_missing
+    from kvtransport.model.race import complete_missing
 
     ctx, _, kv = context
     present = np.ones((kv.num_layers, len(ctx)), dtype=bool)

@@ -13,11 +13,11 @@ import pytest
 from kvtransport.codecs.rlc import RLCDecoder
 from kvtransport.netem import Profile, make_channel, parse_loss
 
-from kvtransport import protocol, wire
-from kvtransport.policy import make_policy
-from kvtransport.receiver import ReceiverSession
-from kvtransport.simulator import Simulation
-from kvtransport.transfer import synthetic_transfer
+from kvtransport.core import protocol, wire
+from kvtransport.core.policy import make_policy
+from kvtransport.core.receiver import ReceiverSession
+from kvtransport.core.transfer import synthetic_transfer
+from kvtransport.sim.simulator import Simulation
 
 TID = 0x0BA7_C4ED_0000_0001
 KEY = bytes(range(32))
@@ -278,7 +278,7 @@ def test_the_first_copy_of_a_source_in_a_run_is_the_one_kept():
 def test_a_run_of_large_symbols_holds_at_most_batch_bytes():
     """60,000-byte symbols: a run holds BATCH_BYTES // 60000 = 17 of them (each repair's
     bytes are staged), and splitting there changes nothing."""
-    from kvtransport import receiver
+    from kvtransport.core import receiver
 
     size = 60_000
     order = [(0,), (1,)] + [(0, 40, k) for k in range(3)] + [(e,) for e in range(3, 40)]
@@ -303,7 +303,7 @@ def test_the_host_hands_each_transfers_runs_of_a_batch_to_its_session():
     """ReceiverHost.receive_datagrams (what the receiver daemon calls per socket read) on
     two transfers interleaved in runs of any length, garbage between them: the same
     feedback after every batch and the same results as receive_datagram per datagram."""
-    from kvtransport.receiver_host import ReceiverHost
+    from kvtransport.hosts.receiver_host import ReceiverHost
 
     rng = np.random.default_rng(21)
     streams = []

@@ -1,4 +1,4 @@
-"""The clairvoyant planner (kvtransport.repair_planner) against causal policies on the same
+"""The clairvoyant planner (kvtransport.sim.repair_planner) against causal policies on the same
 realizations: never below any of them, never above the genie bound, and its clairvoyant
 plans find more than the causal ones do where feedback comes late."""
 
@@ -7,8 +7,8 @@ from functools import partial
 import pytest
 from kvtransport.agents.episodes import build_simulation, eval_spec
 
-from kvtransport.policy import make_policy
-from kvtransport.repair_planner import CAUSAL_SEARCH, SEARCH, candidate, clairvoyant_plan, play
+from kvtransport.core.policy import make_policy
+from kvtransport.sim.repair_planner import CAUSAL_SEARCH, SEARCH, candidate, clairvoyant_plan, play
 
 EPISODES = [("ge-heavy", 0.7, None, i) for i in range(2)] + [
     ("ge-heavy", 0.7, 80.0, i) for i in range(3)

@@ -41,10 +41,10 @@ def test_the_span_cap_is_a_sender_parameter():
     refused."""
     import pytest
 
-    from kvtransport import protocol
-    from kvtransport.policy import make_policy
-    from kvtransport.sender import SenderSession
-    from kvtransport.transfer import synthetic_transfer
+    from kvtransport.core import protocol
+    from kvtransport.core.policy import make_policy
+    from kvtransport.core.sender import SenderSession
+    from kvtransport.core.transfer import synthetic_transfer
 
     tr = synthetic_transfer(2_000_000, 10, seed=1)
 

@@ -1,4 +1,4 @@
-"""Replay protection (kvtransport.replay): a captured transfer played again is refused,
+"""Replay protection (kvtransport.core.replay): a captured transfer played again is refused,
 after a receiver restart and after 10k newer transfers; a receiver restarted mid-transfer
 still accepts the sender's fresh manifest.
 
@@ -15,11 +15,11 @@ import pytest
 from test_daemon import CLI, SenderThread, assert_blocks_exact
 from test_daemon_robustness import Proxy
 
-from kvtransport.api import ApiError
-from kvtransport.client import ReceiverClient, ResultSubscriber
+from kvtransport.core.replay import REPLAYED, STALE, ReplayRecord
+from kvtransport.core.transfer import TransportManifest, synthetic_transfer
+from kvtransport.daemons.api import ApiError
+from kvtransport.daemons.client import ReceiverClient, ResultSubscriber
 from kvtransport.errors import UserError
-from kvtransport.replay import REPLAYED, STALE, ReplayRecord
-from kvtransport.transfer import TransportManifest, synthetic_transfer
 
 W = 120.0
 
@@ -217,11 +217,11 @@ def test_a_receiver_killed_mid_transfer_accepts_the_senders_fresh_manifest(tmp_p
 def test_recv_mode_refuses_a_replay_and_waits_for_a_genuine_transfer():
     """The `recv` command's engine (single transfer): a replayed transfer does not take
     the one slot; the next genuine transfer is received."""
-    from kvtransport.daemon_receiver import ReceiverEngine
-    from kvtransport.policy import make_policy
-    from kvtransport.receiver_host import ReceiverHost
-    from kvtransport.sender import SenderSession
-    from kvtransport.udp import DatagramSocket, clock
+    from kvtransport.core.policy import make_policy
+    from kvtransport.core.sender import SenderSession
+    from kvtransport.daemons.daemon_receiver import ReceiverEngine
+    from kvtransport.daemons.udp import DatagramSocket, clock
+    from kvtransport.hosts.receiver_host import ReceiverHost
 
     key = b"k" * 32
 
@@ -260,8 +260,8 @@ def test_recv_mode_refuses_a_replay_and_waits_for_a_genuine_transfer():
 def _sent_at(datagrams):
     """The send time in the manifest of a transfer's first datagrams (decoded here as a
     receiver would)."""
-    from kvtransport.manifest_fec import ManifestReceiver
-    from kvtransport.wire import DatagramType, parse
+    from kvtransport.core.manifest_fec import ManifestReceiver
+    from kvtransport.core.wire import DatagramType, parse
 
     rx = ManifestReceiver()
     for d in datagrams:

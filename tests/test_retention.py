@@ -25,7 +25,7 @@ def _script():
 
 
 def test_utility_order_beats_random_order(smollm):
-    from kvtransport import tasks, utility
+    from kvtransport.model import tasks, utility
 
     ev = _script()
     model, tok = smollm

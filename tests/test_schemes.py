@@ -4,7 +4,7 @@ The repetition code below is defined here and nowhere else: registered at run ti
 wire type the wire format does not list, it is carried end to end by the real
 SenderSession and ReceiverSession over a lossy path. Nothing else in the package knows
 it, which is the claim that adding a code touches the scheme's module and its wire type
-only (kvtransport.schemes, docs/architecture.md "How to add a code").
+only (kvtransport.core.schemes, docs/architecture.md "How to add a code").
 """
 
 import heapq
@@ -12,12 +12,12 @@ import heapq
 import numpy as np
 import pytest
 
-from kvtransport import schemes, wire
+from kvtransport.core import schemes, wire
+from kvtransport.core.policy import NoFEC, Policy
+from kvtransport.core.receiver import ReceiverSession
+from kvtransport.core.sender import SenderSession
+from kvtransport.core.transfer import synthetic_transfer
 from kvtransport.errors import UserError
-from kvtransport.policy import NoFEC, Policy
-from kvtransport.receiver import ReceiverSession
-from kvtransport.sender import SenderSession
-from kvtransport.transfer import synthetic_transfer
 
 REPEAT_TYPE = 0xE1  # not a DatagramType: the scheme brings it
 TID = 0x5EED

@@ -8,9 +8,10 @@ import sys
 import numpy as np
 import pytest
 
-from kvtransport import cli, hf, sensitivity, tasks
+from kvtransport import cli
 from kvtransport.errors import UserError
-from kvtransport.kvcache import KVCache
+from kvtransport.model import hf, sensitivity, tasks
+from kvtransport.model.kvcache import KVCache
 
 
 def test_layer_weights_formula_by_hand():

@@ -13,24 +13,24 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from kvtransport.codecs.rlc import RLCEncoder
 
-from kvtransport import protocol, wire
-from kvtransport.manifest_fec import ManifestSender
-from kvtransport.policy import (
+from kvtransport.core import protocol, wire
+from kvtransport.core.manifest_fec import ManifestSender
+from kvtransport.core.policy import (
     ACTIONS,
     REPAIR_ONLY,
     ExternalPolicy,
     Obs,
     make_policy,
 )
-from kvtransport.receiver import ReceiverSession
-from kvtransport.sender import SenderSession
-from kvtransport.transfer import BlockTable, Transfer, TransportManifest, synthetic_transfer
-from kvtransport.virtual_clock import (
+from kvtransport.core.receiver import ReceiverSession
+from kvtransport.core.sender import SenderSession
+from kvtransport.core.transfer import BlockTable, Transfer, TransportManifest, synthetic_transfer
+from kvtransport.core.wire import DatagramType as T
+from kvtransport.sim.virtual_clock import (
     ReceiverSessionEndpoint,
     SenderSessionEndpoint,
     VirtualClockLoop,
 )
-from kvtransport.wire import DatagramType as T
 
 TID = 0x1234_5678_9ABC_DEF0
 RATE = 100e6
@@ -88,7 +88,7 @@ class _Path:
 
 class Net:
     """Moves datagrams between a sender and a receiver on a virtual clock (the
-    simulators' loop, kvtransport.virtual_clock).
+    simulators' loop, kvtransport.sim.virtual_clock).
 
     ``data(i, parsed)`` and ``back(i, parsed)`` return, per datagram (i-th on that path),
     the list of extra delays of its copies: [] drops it, [0.0] delivers it once, two

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from kvtransport import wire
-from kvtransport.manifest_fec import ManifestReceiver, ManifestSender, manifest_symbols
-from kvtransport.transfer import (
+from kvtransport.core import wire
+from kvtransport.core.manifest_fec import ManifestReceiver, ManifestSender, manifest_symbols
+from kvtransport.core.transfer import (
     BlockTable,
     Transfer,
     TransportManifest,

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from kvtransport.netem import make_channel
 
-from kvtransport import policy as P
-from kvtransport.simulator import SimResult, Simulation, full_send_time, simulate
-from kvtransport.transfer import synthetic_transfer
+from kvtransport.core import policy as P
+from kvtransport.core.transfer import synthetic_transfer
+from kvtransport.sim.simulator import SimResult, Simulation, full_send_time, simulate
 
 
 def _drop_cpu(d):

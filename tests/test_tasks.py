@@ -5,8 +5,8 @@ import re
 import pytest
 import worlddatax
 
-from kvtransport import metrics, tasks
-from kvtransport.model import chat_prompt
+from kvtransport.model import metrics, tasks
+from kvtransport.model.loader import chat_prompt
 
 
 @pytest.fixture(scope="module")
@@ -167,9 +167,9 @@ def test_fiction_qa_is_answered_from_the_cache_and_not_without_it(smollm):
     are the ones the full cache answers best (5/5 and 3/5 exact)."""
     import numpy as np
 
-    from kvtransport import hf
-    from kvtransport.demo_model import answer
-    from kvtransport.kvcache import KVCache
+    from kvtransport.demo.demo_model import answer
+    from kvtransport.model import hf
+    from kvtransport.model.kvcache import KVCache
 
     tok = smollm.tokenizer
     full, none = [], []

@@ -1,6 +1,6 @@
 """The TCP baseline without namespaces: block-completion accounting (BlockClock), and the
 receiver and sender over real loopback TCP sockets, in-process and as the command line
-that kvtransport.demo_netns starts in the testbed's namespaces."""
+that kvtransport.demo.demo_netns starts in the testbed's namespaces."""
 
 import json
 import socket
@@ -13,7 +13,8 @@ import time
 import numpy as np
 import pytest
 
-from kvtransport.tcp_baseline import (
+from kvtransport.core.transfer import BlockTable, synthetic_transfer
+from kvtransport.demo.tcp_baseline import (
     BlockClock,
     Receipt,
     receive,
@@ -21,9 +22,8 @@ from kvtransport.tcp_baseline import (
     stream_header,
     write_stream,
 )
-from kvtransport.transfer import BlockTable, synthetic_transfer
 
-CLI = [sys.executable, "-m", "kvtransport.tcp_baseline"]
+CLI = [sys.executable, "-m", "kvtransport.demo.tcp_baseline"]
 
 
 def table(offsets, lengths):

@@ -1,5 +1,5 @@
-"""The TCP baseline across a real impaired link: ``python -m kvtransport.tcp_baseline`` recv
-in the testbed's receiver namespace, send in the sender namespace (kvtransport.demo_netns
+"""The TCP baseline across a real impaired link: ``python -m kvtransport.demo.tcp_baseline`` recv
+in the testbed's receiver namespace, send in the sender namespace (kvtransport.demo.demo_netns
 .tcp_across, what NetnsLink.tcp_transfer runs), through the relay's loss model.
 
 The profile is bernoulli-5 (5 % independent loss, 100 Mbit/s, 5 ms each way), not
@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from kvtransport.netem.testbed import Testbed, teardown
 
-from kvtransport.demo_netns import tcp_across
-from kvtransport.transfer import synthetic_transfer
+from kvtransport.core.transfer import synthetic_transfer
+from kvtransport.demo.demo_netns import tcp_across
 
 CC = "cubic"  # the usual Linux default (this host defaults to bbr)
 PREFIX = f"kvtt{os.getpid() % 100000}"

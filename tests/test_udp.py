@@ -11,13 +11,13 @@ import time
 import numpy as np
 import pytest
 
-from kvtransport import card
-from kvtransport.api import read_result_file
 from kvtransport.cli import main
+from kvtransport.core.transfer import synthetic_transfer
+from kvtransport.daemons.api import read_result_file
+from kvtransport.daemons.udp import DatagramSocket, parse_address
 from kvtransport.errors import UserError
-from kvtransport.kvcache import KVCache
-from kvtransport.transfer import synthetic_transfer
-from kvtransport.udp import DatagramSocket, parse_address
+from kvtransport.model import card
+from kvtransport.model.kvcache import KVCache
 
 CLI = [sys.executable, "-m", "kvtransport"]
 
@@ -185,7 +185,7 @@ def test_send_card_arrives_as_a_readable_card(tmp_path, capsys):
 def test_send_plans_a_card_for_its_deadline(tmp_path, capsys):
     """With a deadline the card crosses as the plan encodes it: prefix order, fp16 for the
     most useful blocks and int8 for the rest, within the bytes the deadline allows."""
-    from kvtransport import blocks
+    from kvtransport.model import blocks
 
     rng = np.random.default_rng(5)
     k = rng.standard_normal((4, 2, 256, 64)).astype(np.float32)
@@ -230,8 +230,8 @@ def test_recv_exit_status_tells_partial_from_complete(capsys):
 
 
 def test_recv_exit_status_without_a_manifest_is_nothing_usable():
-    from kvtransport.api import DeliveredResult
     from kvtransport.commands.recv import EXIT_NOTHING, exit_status
+    from kvtransport.daemons.api import DeliveredResult
 
     nothing = DeliveredResult(1, 0.0, "idle", None, np.zeros(0, bool), np.zeros(0, np.int64),
                               np.zeros(0, np.uint8), None)  # fmt: skip

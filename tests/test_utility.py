@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from kvtransport import utility
+from kvtransport.model import utility
 
 
 def test_position_prior_favours_sinks_then_recent_tokens():

@@ -5,15 +5,15 @@ import json
 import numpy as np
 import pytest
 
-from kvtransport import metrics
 from kvtransport.errors import UserError
-from kvtransport.utility_fit import MEASURE_SEED, fit_sigmoid, measure_sample
-from kvtransport.utility_model import (
+from kvtransport.hosts.utility_model import (
     SigmoidUtility,
     UtilityCurve,
     UtilityTable,
     packaged_model_ids,
 )
+from kvtransport.model import metrics
+from kvtransport.model.utility_fit import MEASURE_SEED, fit_sigmoid, measure_sample
 
 X = np.linspace(0.0, 1.0, 41)
 
@@ -229,7 +229,7 @@ def test_the_packaged_table_was_measured_and_says_how():
 @pytest.mark.model
 def test_measuring_with_the_real_model_reproduces_the_full_answer_at_x_1(smollm):
     """The measurement's two ends: the whole cache is the reference, none of it is not."""
-    from kvtransport import tasks
+    from kvtransport.model import tasks
 
     model, tok = smollm
     sample = tasks.generate("niah_single", tok, target_tokens=160, seed=MEASURE_SEED)

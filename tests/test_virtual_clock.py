@@ -1,4 +1,4 @@
-"""The virtual-clock loop (kvtransport.virtual_clock) and the shells built on it.
+"""The virtual-clock loop (kvtransport.sim.virtual_clock) and the shells built on it.
 
 Every virtual-clock shell is one VirtualClockLoop around its endpoints; the checks here are
 that the shells drive their endpoints the same way: the emulated link (two processes, each
@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from kvtransport.netem import load_profile, make_channel
 
-from kvtransport.demo_emulated import EmulatedLink
-from kvtransport.demo_links import INITIAL_RTT_S, PROFILE
-from kvtransport.policy import make_policy
-from kvtransport.simulator import Simulation, full_send_time
-from kvtransport.transfer import synthetic_transfer
-from kvtransport.virtual_clock import VirtualClockLoop
+from kvtransport.core.policy import make_policy
+from kvtransport.core.transfer import synthetic_transfer
+from kvtransport.demo.demo_emulated import EmulatedLink
+from kvtransport.demo.demo_links import INITIAL_RTT_S, PROFILE
+from kvtransport.sim.simulator import Simulation, full_send_time
+from kvtransport.sim.virtual_clock import VirtualClockLoop
 
 KEY = bytes(range(32))
 

@@ -1,4 +1,4 @@
-"""The vLLM connector's vLLM-free half (kvtransport.vllm_blocks): paged layout <-> token
+"""The vLLM connector's vLLM-free half (kvtransport.embed.vllm_blocks): paged layout <-> token
 ranges, the usable prefix of a received result, and real loopback UDP through
 kvtransport.send (Pusher) into a many-transfer Inbox."""
 
@@ -9,8 +9,8 @@ import time
 import numpy as np
 import pytest
 
-from kvtransport import vllm_blocks as vb
-from kvtransport.kvcache import KVCache
+from kvtransport.embed import vllm_blocks as vb
+from kvtransport.model.kvcache import KVCache
 
 LAYERS, HEADS, DIM, BS, NBLOCKS = 4, 2, 64, 32, 12
 KEY = b"vllm connector test key!"
@@ -72,7 +72,7 @@ def test_prefix_stream_is_front_first_every_layer_of_a_range_together():
 
 def _result_with(stream, complete: np.ndarray):
     """What a receiver holds when exactly ``complete`` blocks arrived (offline)."""
-    from kvtransport.api import DeliveredResult
+    from kvtransport.daemons.api import DeliveredResult
 
     payload = np.where(np.repeat(complete, stream.manifest.length), stream.payload, 0)
     return DeliveredResult(1, 0.0, "deadline", None, complete, np.flatnonzero(~complete),

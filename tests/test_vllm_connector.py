@@ -1,4 +1,4 @@
-"""kvtransport.vllm_connector against vLLM's own classes (skipped where vLLM is absent).
+"""kvtransport.embed.vllm_connector against vLLM's own classes (skipped where vLLM is absent).
 
 Run in the vLLM environment (scripts/setup_vllm_env.sh)::
 
@@ -42,14 +42,14 @@ def _port() -> int:
 
 @pytest.fixture(scope="module")
 def model_dir():
-    from kvtransport.model import convert_gguf, default_gguf_path
+    from kvtransport.model.loader import convert_gguf, default_gguf_path
 
     return str(convert_gguf(default_gguf_path()))
 
 
 def _config(model_dir: str, role: str, extra: dict) -> VllmConfig:
     tc = KVTransferConfig(kv_connector="KVTransportConnector",
-                          kv_connector_module_path="kvtransport.vllm_connector", kv_role=role,
+                          kv_connector_module_path="kvtransport.embed.vllm_connector", kv_role=role,
                           kv_load_failure_policy="recompute",
                           kv_connector_extra_config=dict(extra, key=KEY))  # fmt: skip
     return VllmConfig(model_config=ModelConfig(model=model_dir, dtype="float32"),
@@ -84,8 +84,8 @@ def _blocks(ids: list[int]) -> KVCacheBlocks:
 
 def _tokens(paged: dict[str, torch.Tensor], block_ids: list[int], tokens: list[int]):
     """The request's KV as the connector reads vLLM's pages (a KVCache)."""
-    from kvtransport import vllm_blocks as vb
-    from kvtransport.vllm_connector import paged_views
+    from kvtransport.embed import vllm_blocks as vb
+    from kvtransport.embed.vllm_connector import paged_views
 
     return vb.gather(*paged_views(paged, 64), block_ids, tokens, "m")
 
@@ -148,7 +148,7 @@ def _handoff(model_dir, tokens: list[int], deadline_ms: float, rate_mbps: float 
 def test_vllm_loads_the_connector_from_its_module_path(model_dir):
     cfg = _config(model_dir, "kv_consumer", {})
     cls = KVConnectorFactory.get_connector_class(cfg.kv_transfer_config)
-    from kvtransport.vllm_connector import KVTransportConnector
+    from kvtransport.embed.vllm_connector import KVTransportConnector
 
     assert cls is KVTransportConnector
     stats = cls.build_kv_connector_stats({"loads": 2, "load_wait_s": 0.5})
@@ -164,7 +164,7 @@ def test_vllm_cpu_kernels_write_the_layout_the_connector_reads():
     where paged_views reads them, the partial last block included."""
     from vllm import _custom_ops as ops
 
-    from kvtransport.vllm_connector import cpu_isa, paged_views
+    from kvtransport.embed.vllm_connector import cpu_isa, paged_views
 
     heads, dim, n = 3, 64, 45
     kv = torch.zeros(4, heads, BS, 2 * dim)
@@ -175,7 +175,7 @@ def test_vllm_cpu_kernels_write_the_layout_the_connector_reads():
     slots = torch.tensor([block_ids[t // BS] * BS + t % BS for t in range(n)])
     ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots,
                                    cpu_isa(torch.float32, BS, dim))  # fmt: skip
-    from kvtransport import vllm_blocks as vb
+    from kvtransport.embed import vllm_blocks as vb
 
     got = vb.gather(*paged_views({"model.layers.0.attn": kv}, dim), block_ids, range(n), "m")
     assert torch.equal(torch.from_numpy(got.keys[0]), key.transpose(0, 1))
@@ -190,7 +190,7 @@ def test_complete_push_lands_bit_identical_in_the_decode_engines_blocks(model_di
     assert errors == set()
     want, got = _tokens(src, p_ids, tokens), _tokens(dst, c_ids, tokens)
     assert np.array_equal(got.keys, want.keys) and np.array_equal(got.values, want.values)
-    from kvtransport.vllm_connector import paged_views
+    from kvtransport.embed.vllm_connector import paged_views
 
     k, v = paged_views(dst, 64)
     assert not k[3][c_ids[4], :, 22:].any() and not v[3][c_ids[4], :, 22:].any()

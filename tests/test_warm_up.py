@@ -13,13 +13,13 @@ import numba
 from kvtransport.agents import features, runtime
 from kvtransport.codecs import gf256, rlc, tinymt32
 
-from kvtransport import allocator
-from kvtransport.daemon import warm_up
-from kvtransport.policy import make_policy
-from kvtransport.receiver import ReceiverSession
-from kvtransport.sender import SenderSession
-from kvtransport.transfer import synthetic_transfer
-from kvtransport.utility_model import SigmoidUtility
+from kvtransport.core.policy import make_policy
+from kvtransport.core.receiver import ReceiverSession
+from kvtransport.core.sender import SenderSession
+from kvtransport.core.transfer import synthetic_transfer
+from kvtransport.daemons.daemon import warm_up
+from kvtransport.hosts import allocator
+from kvtransport.hosts.utility_model import SigmoidUtility
 
 KEY = bytes(range(32))
 MODULES = (gf256, tinymt32, rlc, features, runtime, allocator)

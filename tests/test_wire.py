@@ -10,8 +10,8 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtransport import wire
-from kvtransport.wire import DatagramType as T
+from kvtransport.core import wire
+from kvtransport.core.wire import DatagramType as T
 
 KEY = b"0123456789abcdef0123456789abcdef"
 TID = 0xDEADBEEF_01234567

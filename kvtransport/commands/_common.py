@@ -36,7 +36,7 @@ KEY_HELP = (
 
 
 def add_key(parser: argparse.ArgumentParser) -> None:
-    """``--key-file FILE``, ``--key FILE|HEX`` and ``--insecure`` (see kvtransport.keys);
+    """``--key-file FILE``, ``--key FILE|HEX`` and ``--insecure`` (see kvtransport.core.keys);
     both ends must use the same key. :func:`key_from` reads them."""
     g = parser.add_argument_group("pre-shared key", KEY_HELP)
     g.add_argument("--key-file", metavar="FILE", help="the key file (hex or raw, mode 0600)")
@@ -48,14 +48,14 @@ def add_key(parser: argparse.ArgumentParser) -> None:
 
 def key_from(args: argparse.Namespace) -> bytes | None:
     """The key :func:`add_key`'s options name (None only with ``--insecure``)."""
-    from kvtransport.keys import resolve_key
+    from kvtransport.core.keys import resolve_key
 
     return resolve_key(args.key_file, args.key, args.insecure)
 
 
 def add_replay(parser: argparse.ArgumentParser) -> None:
-    """``--replay-file`` and ``--replay-window`` of a receiver (kvtransport.replay)."""
-    from kvtransport.replay import DEFAULT_WINDOW_S, MAX_WINDOW_S
+    """``--replay-file`` and ``--replay-window`` of a receiver (kvtransport.core.replay)."""
+    from kvtransport.core.replay import DEFAULT_WINDOW_S, MAX_WINDOW_S
 
     g = parser.add_argument_group(
         "replay protection",
@@ -83,8 +83,8 @@ def add_curve(parser: argparse.ArgumentParser) -> None:
 
 
 def add_realtime(parser: argparse.ArgumentParser) -> None:
-    """``--realtime [PRIO]``: SCHED_FIFO for the UDP loop (kvtransport.udp.set_realtime)."""
-    from kvtransport.udp import REALTIME_HELP
+    """``--realtime [PRIO]``: SCHED_FIFO for the UDP loop (kvtransport.daemons.udp.set_realtime)."""
+    from kvtransport.daemons.udp import REALTIME_HELP
 
     parser.add_argument(
         "--realtime", nargs="?", type=int_arg(1, 99), const=5, metavar="PRIO", help=REALTIME_HELP
@@ -122,7 +122,8 @@ def add_daemon_output(parser: argparse.ArgumentParser) -> None:
 
 
 def add_operability(parser: argparse.ArgumentParser) -> None:
-    """The daemons' ``--metrics-port``, ``--log-json`` and ``--config`` (kvtransport.config)."""
+    """The daemons' ``--metrics-port``, ``--log-json`` and ``--config``
+    (kvtransport.daemons.config)."""
     parser.add_argument(
         "--metrics-port",
         metavar="[HOST:]PORT",
@@ -140,12 +141,16 @@ def add_operability(parser: argparse.ArgumentParser) -> None:
 def daemon_stats(args: argparse.Namespace, role: str) -> tuple[Any, Any]:
     """The ``--stats`` writer, and with ``--metrics-port`` the metrics it also feeds
     (already serving; attach the daemon once it exists). Returns (writer, metrics|None)."""
-    from kvtransport.daemon import StatsWriter
+    from kvtransport.daemons.daemon import StatsWriter
 
     writer = StatsWriter(args.stats)
     if not args.metrics_port:
         return writer, None
-    from kvtransport.daemon_metrics import DaemonMetrics, MetricsStats, parse_metrics_address
+    from kvtransport.daemons.daemon_metrics import (
+        DaemonMetrics,
+        MetricsStats,
+        parse_metrics_address,
+    )
 
     host, port = parse_metrics_address(args.metrics_port)
     metrics = DaemonMetrics(role)
@@ -156,7 +161,7 @@ def daemon_stats(args: argparse.Namespace, role: str) -> tuple[Any, Any]:
 def check_sending(args: argparse.Namespace) -> None:
     """Validate the sending side's shared options; an unset ``--policy`` becomes the
     default policy (ddqn if its weights ship, else adaptive), which must be makeable."""
-    from kvtransport.policy import default_policy, make_policy
+    from kvtransport.core.policy import default_policy, make_policy
 
     args.policy = args.policy or default_policy()
     if not (args.rate_mbps > 0 and math.isfinite(args.rate_mbps)):
@@ -170,9 +175,9 @@ def check_sending(args: argparse.Namespace) -> None:
 
 @contextlib.contextmanager
 def stoppable(sock: Any) -> Iterator[Any]:
-    """A kvtransport.daemon.StopSignal for one-shot send/recv (SIGTERM/SIGINT stop the
+    """A kvtransport.daemons.daemon.StopSignal for one-shot send/recv (SIGTERM/SIGINT stop the
     loop); on exit the signal handlers are restored and ``sock`` is closed."""
-    from kvtransport.daemon import StopSignal
+    from kvtransport.daemons.daemon import StopSignal
 
     stop = StopSignal().install()
     try:

@@ -16,7 +16,7 @@ The downstream agent's side of a handoff. With --card, read the cache card, opti
 degrade it the way a lossy transfer would (--drop the last FRACTION of the block stream
 sent in --order; --precision re-quantizes the blocks), inject it into the model with
 missing blocks masked per layer (or, with --complete, the token ranges with a missing
-block recomputed exactly from the card's token ids: kvtransport.race), append the
+block recomputed exactly from the card's token ids: kvtransport.model.race), append the
 question and answer greedily. With
 --context, re-prefill the context instead (the baseline a handoff avoids). With a
 complete card both print the same answer.
@@ -96,11 +96,11 @@ def _validate(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from kvtransport import card, hf, utility
     from kvtransport.commands.prefill import read_text
     from kvtransport.errors import UserError
-    from kvtransport.model import chat_prompt, load_model
-    from kvtransport.partial import partial_cache
+    from kvtransport.model import card, hf, utility
+    from kvtransport.model.loader import chat_prompt, load_model
+    from kvtransport.model.partial import partial_cache
 
     _validate(args)
     degrading = args.drop > 0 or args.precision is not None
@@ -182,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
         }
     blocks_info["order"] = args.order
     if args.complete and got is not None and not present.all():
-        from kvtransport.race import complete_missing
+        from kvtransport.model.race import complete_missing
 
         ids = got.cache.token_ids
         if ids is None or np.any(ids < 0):
@@ -225,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
 def _precision_counts(manifest: Any, missing: Any) -> dict[str, int]:
     import numpy as np
 
-    from kvtransport.blocks import PRECISIONS
+    from kvtransport.model.blocks import PRECISIONS
 
     ok = np.ones(manifest.num_blocks, dtype=bool)
     ok[missing] = False

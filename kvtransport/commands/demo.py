@@ -1,4 +1,4 @@
-"""`kvtransport demo`: the README's main command (the logic lives in kvtransport.demo)."""
+"""`kvtransport demo`: the README's main command (the logic lives in kvtransport.demo.run)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ $KVT_CACHE/demo, default ~/.cache/kvtransport/demo, so the next run skips that p
 
 The receiver must answer within a TTFT budget (--budget, a share of its own estimate of
 re-prefilling the context; it measures its compute speed first). The plan
-(kvtransport.plan) splits the work: the receiver computes the first tokens of the context
+(kvtransport.model.plan) splits the work: the receiver computes the first tokens of the context
 itself while the rest crosses the link as int8 blocks (fp16 for the most useful ones where
 the link would otherwise idle while the receiver computes), token ranges front first; the
 split is the one that answers soonest, so the budget is a cap (--objective fidelity
@@ -28,7 +28,7 @@ once per repair scheme:
   adaptive (heuristic on feedback), DDQN (the shipped Double-DQN repair policy)
   and, on --link netns, the same bytes over TCP (cubic and bbr) through the same link
 
-For each, the receiver races (kvtransport.race): it loads token ranges as they arrive,
+For each, the receiver races (kvtransport.model.race): it loads token ranges as they arrive,
 waits for one due any moment, and computes (exactly, at their own positions) what has
 not arrived, so it always answers from the whole cache; "link down" is the receiver
 alone (nothing arrives): the fallback. It answers --questions questions about the
@@ -70,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--seed", type=int_arg(0, 2**32 - 1), default=1, help="task and link seed (default 1)"
     )
-    from kvtransport.tasks import TASK_NAMES
+    from kvtransport.model.tasks import TASK_NAMES
 
     parser.add_argument(
         "--task",
@@ -138,7 +138,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtransport.demo import (
+    from kvtransport.demo.run import (
         DemoConfig,
         default_card_dir,
         render_table,

@@ -3,7 +3,7 @@
 Where the points come from is one function, ``collect_curves``: a points file (CSV or
 JSON), or ``--measure``: the real model answers RULER-style needle and facts-QA prompts
 with only the first x of each cache (utility order) present
-(kvtransport.utility_fit.measure_curves). Fitting, the table file, the printout and the
+(kvtransport.model.utility_fit.measure_curves). Fitting, the table file, the printout and the
 plot are the same for both.
 """
 
@@ -253,7 +253,7 @@ def read_points_file(
     """
     import numpy as np
 
-    from kvtransport.utility_model import MeasuredCurve
+    from kvtransport.hosts.utility_model import MeasuredCurve
 
     path = Path(path)
     try:
@@ -310,7 +310,7 @@ def _int_list(text: str, what: str) -> list[int]:
 
 
 def _fraction_list(text: str) -> list[float]:
-    from kvtransport.utility_fit import MIN_POINTS
+    from kvtransport.model.utility_fit import MIN_POINTS
 
     try:
         vals = [float(v) for v in text.split(",") if v.strip()]
@@ -328,7 +328,7 @@ def recorded_command(args: argparse.Namespace) -> str:
     """The canonical command line of this run, recorded in each table row it writes."""
     import shlex
 
-    from kvtransport.utility_fit import MEASURE_SEED
+    from kvtransport.model.utility_fit import MEASURE_SEED
 
     parts = ["kvtransport", "fit-utility"]
     if args.measure:
@@ -366,9 +366,9 @@ def measure(args: argparse.Namespace) -> list[Any]:
 
     from tqdm import tqdm
 
-    from kvtransport import utility
-    from kvtransport.model import load_model
-    from kvtransport.utility_fit import DEFAULT_FRACTIONS, MEASURE_SEED, measure_curves
+    from kvtransport.model import utility
+    from kvtransport.model.loader import load_model
+    from kvtransport.model.utility_fit import DEFAULT_FRACTIONS, MEASURE_SEED, measure_curves
 
     contexts = _measure_contexts(args)
     fractions = _fraction_list(args.fractions) if args.fractions else list(DEFAULT_FRACTIONS)
@@ -485,8 +485,8 @@ def _plot(path: str, curves: list[Any], fits: list[Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtransport.utility_fit import fit_sigmoid
-    from kvtransport.utility_model import DEFAULT_TABLE_PATH, UtilityCurve, UtilityTable
+    from kvtransport.hosts.utility_model import DEFAULT_TABLE_PATH, UtilityCurve, UtilityTable
+    from kvtransport.model.utility_fit import fit_sigmoid
 
     out = Path(args.out or DEFAULT_TABLE_PATH)
     # Read an existing table first: a corrupt one should fail before a long measurement.

@@ -102,8 +102,8 @@ def load_layer_weights(spec: str | None, model_id: str, num_layers: int):  # noq
     """
     import numpy as np
 
-    from kvtransport import sensitivity, utility
     from kvtransport.errors import UserError
+    from kvtransport.model import sensitivity, utility
 
     if spec is None:
         return utility.default_layer_weights(model_id, num_layers)
@@ -133,8 +133,8 @@ def load_layer_weights(spec: str | None, model_id: str, num_layers: int):  # noq
 
 
 def check_precision(spec: str | None) -> None:
-    from kvtransport import blocks
     from kvtransport.errors import UserError
+    from kvtransport.model import blocks
 
     if spec is None:
         return
@@ -145,8 +145,8 @@ def check_precision(spec: str | None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtransport import card
     from kvtransport.errors import UserError
+    from kvtransport.model import card
 
     check_precision(args.precision)
     if args.block_tokens < 1:
@@ -161,8 +161,8 @@ def run(args: argparse.Namespace) -> int:
     if spec not in (None, "uniform") and not Path(spec).is_file():  # before the model load
         raise UserError(f"layer weights file {spec}: no such file")
 
-    from kvtransport import hf
-    from kvtransport.model import load_model
+    from kvtransport.model import hf
+    from kvtransport.model.loader import load_model
 
     loaded = load_model(args.model, threads=args.threads)
     weights = load_layer_weights(args.layer_weights, loaded.model_id, loaded.num_layers)

@@ -104,8 +104,8 @@ def _validate(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _validate(args)
-    from kvtransport.model import load_model
-    from kvtransport.sensitivity import (
+    from kvtransport.model.loader import load_model
+    from kvtransport.model.sensitivity import (
         DEFAULT_NOISE_SCALE,
         DEFAULT_RATIO,
         packaged_profile_name,

@@ -17,7 +17,7 @@ it is complete, or aborted) publish the result (complete blocks, missing-block l
 stats) on the PUB socket --publish; with --out-dir also write it as
 <transfer id>.result.safetensors (a cache card when a card was sent).
 
-Local clients: kvtransport.client.ResultSubscriber for results, ReceiverClient for
+Local clients: kvtransport.daemons.client.ResultSubscriber for results, ReceiverClient for
 status/abort on --control. State is bounded: --max-transfers at once, --max-mb per
 transfer, --budget-mb for the buffers of all of them, and a transfer whose manifest never
 comes ends --idle-timeout seconds after its last datagram. A subscriber that lags gets its
@@ -34,7 +34,7 @@ Example:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from kvtransport.api import DEFAULT_RECEIVER_CONTROL, DEFAULT_RESULTS
+    from kvtransport.daemons.api import DEFAULT_RECEIVER_CONTROL, DEFAULT_RESULTS
 
     p.add_argument("--listen", default="0.0.0.0:9400", metavar="HOST:PORT",
                    help="UDP address (default 0.0.0.0:9400)")  # fmt: skip
@@ -65,9 +65,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtransport.daemon import setup_logging
-    from kvtransport.daemon_receiver import ReceiverDaemon
-    from kvtransport.udp import parse_address, set_realtime
+    from kvtransport.daemons.daemon import setup_logging
+    from kvtransport.daemons.daemon_receiver import ReceiverDaemon
+    from kvtransport.daemons.udp import parse_address, set_realtime
 
     if args.max_transfers < 1 or not args.max_mb > 0 or not args.idle_timeout > 0:
         raise UserError("--max-transfers, --max-mb and --idle-timeout must be positive")

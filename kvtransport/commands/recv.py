@@ -11,7 +11,7 @@ from kvtransport.commands import _common
 from kvtransport.errors import UserError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
-    from kvtransport.api import DeliveredResult
+    from kvtransport.daemons.api import DeliveredResult
 
 EXIT_COMPLETE = 0
 EXIT_PARTIAL = 3
@@ -25,7 +25,7 @@ receiver session (authentication, RLC decoding, feedback to the sender) and stop
 deadline, when everything is decoded, or when the sender aborts. Prints the utility
 recovered and which blocks are missing; --out DIR writes the result as
 <transfer id>.result.safetensors (a cache card when a card was sent, see
-kvtransport.api). Datagrams of any other transfer are counted and dropped.
+kvtransport.daemons.api). Datagrams of any other transfer are counted and dropped.
 
 Exit status: 0 when every block arrived, 3 when the result is partial (blocks missing at
 the deadline or on abort), 4 when the manifest never arrived (nothing usable), 2 when no
@@ -58,11 +58,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from kvtransport.api import write_result_file
-    from kvtransport.daemon import warm_up
-    from kvtransport.inprocess import delivered, run_receive
-    from kvtransport.replay import open_record
-    from kvtransport.udp import DatagramSocket, parse_address, set_realtime
+    from kvtransport.core.replay import open_record
+    from kvtransport.daemons.api import write_result_file
+    from kvtransport.daemons.daemon import warm_up
+    from kvtransport.daemons.udp import DatagramSocket, parse_address, set_realtime
+    from kvtransport.embed.inprocess import delivered, run_receive
 
     if args.out and not Path(args.out).is_dir():
         raise UserError(f"--out {args.out} is not a directory")

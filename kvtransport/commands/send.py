@@ -10,7 +10,7 @@ from kvtransport.commands import _common
 from kvtransport.errors import UserError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
-    from kvtransport.transfer import Transfer
+    from kvtransport.core.transfer import Transfer
 
 NAME = "send"
 HELP = "send one transfer (a cache card or a synthetic stream) over UDP"
@@ -24,7 +24,7 @@ What to send: --card FILE (a cache card from `kvtransport prefill`), or a synthe
 stream of --size-mb random bytes in 12 KiB blocks with --utility block utilities.
 
 The deadline is --deadline-ms from now, or --rho times the time the whole stream takes
-loss-free at the link rate. With --deadline-ms a card is planned for it (kvtransport.plan):
+loss-free at the link rate. With --deadline-ms a card is planned for it (kvtransport.model.plan):
 each block goes as fp16 or int8 (--precision), upgraded by utility while the bytes still
 cross in time at --rate-mbps and --loss-estimate, in prefix order (token ranges front first,
 so what the deadline cuts off is a tail the receiver recomputes cheaply); --precision keep
@@ -89,9 +89,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _transfer(args: argparse.Namespace) -> Transfer:
-    from kvtransport.api import transfer_from_card
-    from kvtransport.simulator import DEFAULT_BLOCK_BYTES
-    from kvtransport.transfer import synthetic_transfer
+    from kvtransport.core.transfer import synthetic_transfer
+    from kvtransport.daemons.api import transfer_from_card
+    from kvtransport.sim.simulator import DEFAULT_BLOCK_BYTES
 
     if args.card:
         if args.precision == "keep" or args.deadline_ms is None:
@@ -109,10 +109,10 @@ def _transfer(args: argparse.Namespace) -> Transfer:
 
 def _planned_card(args: argparse.Namespace) -> Transfer:
     """The card re-encoded by the handoff plan for the deadline (see the description)."""
-    from kvtransport.blocks import EncodedStream
-    from kvtransport.card import read_card
-    from kvtransport.plan import LinkEstimate, parse_levels, planned_stream
-    from kvtransport.transfer import Transfer
+    from kvtransport.core.transfer import Transfer
+    from kvtransport.model.blocks import EncodedStream
+    from kvtransport.model.card import read_card
+    from kvtransport.model.plan import LinkEstimate, parse_levels, planned_stream
 
     try:
         levels = parse_levels(args.precision)
@@ -139,10 +139,10 @@ def _planned_card(args: argparse.Namespace) -> Transfer:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtransport.daemon import warm_up
-    from kvtransport.daemon_sender import deadline_from
-    from kvtransport.inprocess import run_send
-    from kvtransport.udp import DatagramSocket, parse_address, set_realtime
+    from kvtransport.daemons.daemon import warm_up
+    from kvtransport.daemons.daemon_sender import deadline_from
+    from kvtransport.daemons.udp import DatagramSocket, parse_address, set_realtime
+    from kvtransport.embed.inprocess import run_send
 
     _common.check_sending(args)
     key = _common.key_from(args)

@@ -11,8 +11,8 @@ from kvtransport.errors import UserError
 NAME = "sender-daemon"
 HELP = "run the sender daemon (UDP data plane, ZeroMQ control for local clients)"
 DESCRIPTION = """\
-Serve transfer requests from local clients (kvtransport.client.SenderClient, or any
-ZeroMQ REQ socket speaking kvtransport.api) and send each over UDP to the receiver it
+Serve transfer requests from local clients (kvtransport.daemons.client.SenderClient, or any
+ZeroMQ REQ socket speaking kvtransport.daemons.api) and send each over UDP to the receiver it
 names, paced to the link rate. Several transfers can be in flight at once; they then share
 --rate-mbps as the multi-user allocator decides every --slot-ms (weighted utility
 water-filling with admission), and `status` reports each transfer's share.
@@ -28,7 +28,7 @@ Example:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from kvtransport.api import DEFAULT_SENDER_CONTROL
+    from kvtransport.daemons.api import DEFAULT_SENDER_CONTROL
 
     p.add_argument("--control", default=DEFAULT_SENDER_CONTROL, metavar="ENDPOINT",
                    help=f"ZeroMQ control endpoint (default {DEFAULT_SENDER_CONTROL})")  # fmt: skip
@@ -57,9 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtransport.daemon import setup_logging
-    from kvtransport.daemon_sender import SenderDaemon
-    from kvtransport.udp import parse_address, set_realtime
+    from kvtransport.daemons.daemon import setup_logging
+    from kvtransport.daemons.daemon_sender import SenderDaemon
+    from kvtransport.daemons.udp import parse_address, set_realtime
 
     _common.check_sending(args)
     if args.max_transfers < 1 or not args.slot_ms > 0:

@@ -13,7 +13,7 @@ from kvtransport.bounds import float_arg, int_arg
 from kvtransport.errors import UserError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
-    from kvtransport.simulator import SimResult
+    from kvtransport.sim.simulator import SimResult
 
 NAME = "simulate"
 HELP = "simulate a transfer over a lossy link model (real sessions, virtual clock)"
@@ -105,12 +105,12 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtransport.policy import default_policy
+    from kvtransport.core.policy import default_policy
 
     args.policy = args.policy or default_policy()
+    from kvtransport.core.policy import make_policy
     from kvtransport.netem import load_profile
-    from kvtransport.policy import make_policy
-    from kvtransport.simulator import simulate
+    from kvtransport.sim.simulator import simulate
 
     _check(args)
     profile = load_profile(args.channel, args.profiles)

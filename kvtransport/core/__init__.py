@@ -1,0 +1,1 @@
+"""The protocol core, sans-I/O: wire format, sender and receiver sessions, policy."""

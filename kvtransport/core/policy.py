@@ -1,0 +1,339 @@
+"""Repair policies: one small interface, observation -> discrete action.
+
+The sender asks its policy once per **decision interval** of ``DECISION_PACKETS`` (32)
+data-path slots (manifest, source and repair datagrams alike; at 100 Mbit/s and 1280-byte
+symbols that is about 3.5 ms, close to the receiver's feedback period). Counting slots
+rather than milliseconds keeps the meaning of "repair share" independent of the link rate,
+so one learned policy serves every rate.
+
+**Observation**: a float32 vector of ``OBS_SIZE`` named fields (``OBS_FIELDS``, indices in
+:class:`Obs`), built in place from the sender's own counters and the latest feedback by a
+numba kernel (kvtransport.core.observation); every field is scaled to a small range (mostly
+0..1, counts in units of one interval and clipped). The Gymnasium environment of the DDQN
+sees exactly this vector. The sender calls ``policy.decide(raw, obs)``, which fills the
+observation and calls ``act``; a compiled policy does both in one kernel.
+
+**Action**: an index into the policy's ``actions`` table, rows ``(repair_share, admit)``:
+the share of the next interval's slots that carry proactive repair symbols, and whether new
+source symbols may still be admitted (``admit = 0``: the interval is repair, or a source
+only when nothing is left to repair). The shared table :data:`ACTIONS` is what adaptive,
+oracle and DDQN choose from; the fixed-rate baselines carry a one-row table with their
+exact ratio. A ``reactive`` policy also lets the session answer every hole that feedback
+reports with a repair as soon as it can, before the share is spent (as ARQ would, but any
+repair of a segment fixes any of its holes); the learned policy then decides what feedback
+cannot: how much to protect what is still in flight, and when to stop admitting.
+
+**Scheme** (``Policy.scheme``, a name in kvtransport.core.schemes) says what a repair *is* for
+this policy and how it is built: a sliding-window RLC symbol (``rlc``), nothing
+(``none``), a Reed-Solomon parity of fixed blocks (``block-rs``: ``block_k`` sources then
+``block_p`` parities, regardless of the action), or a retransmission of a source the
+receiver NACKed (``arq``: retransmissions first, then new sources). ``Policy.mode`` gives a
+built-in scheme as a ``RepairMode``.
+
+Whatever the policy says, the session never admits a source symbol that cannot be useful:
+while ``tail_rule`` is on, the next source is admitted only if the expected surviving slots
+before the deadline cover the repairs still owed plus the rest of that source's block (see
+kvtransport.core.sender). The clairvoyant oracle turns the rule off and plans admission itself.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvtransport.core.observation import (  # noqa: F401 (the observation's names, re-exported)
+    OBS_CLIP,
+    OBS_FIELDS,
+    OBS_SIZE,
+    Obs,
+    observe_into,
+)
+from kvtransport.core.policy_base import (  # noqa: F401 (the interface, re-exported)
+    ACTIONS,
+    DECISION_PACKETS,
+    DEFER,
+    REPAIR_SHARES,
+    Policy,
+    PolicyContext,
+    RepairMode,
+)
+from kvtransport.errors import UserError
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from kvtransport.core.sender import SenderSession
+    from kvtransport.netem import Channel
+
+N_ACTIONS = len(ACTIONS)
+REPAIR_ONLY = N_ACTIONS - 1
+
+
+class NoFEC(Policy):
+    """Sources only, in utility order: whatever is lost stays lost."""
+
+    name = "none"
+    scheme = "none"
+    actions = np.array([(0.0, 1.0)], dtype=np.float32)
+
+    def act(self, obs: np.ndarray) -> int:
+        return 0
+
+
+class FixedRLC(Policy):
+    """Streaming RLC at a fixed rate: R repair symbols per N source symbols, spread evenly
+    (repair share R / (R + N)), each over the window the receiver still misses."""
+
+    scheme = "rlc"
+
+    def __init__(self, r: int, n: int) -> None:
+        self.r, self.n = _check_rate(r, n, "fixed")
+        self.name = f"fixed:{r}/{n}"
+        self.actions = np.array([(r / (r + n), 1.0)], dtype=np.float32)
+
+    def act(self, obs: np.ndarray) -> int:
+        return 0
+
+
+class BlockRS(Policy):
+    """Block Reed-Solomon: after every N source symbols, R parity symbols of that block
+    (reedsolo-compatible RS over GF(2^8); N + R <= 255). Blind to feedback."""
+
+    scheme = "block-rs"
+    actions = np.array([(0.0, 1.0)], dtype=np.float32)
+
+    def __init__(self, r: int, n: int) -> None:
+        self.r, self.n = _check_rate(r, n, "block-rs")
+        if r + n > 255:
+            raise UserError(f"block-rs:{r}/{n}: R + N must be at most 255 (RS over GF(256))")
+        self.name = f"block-rs:{r}/{n}"
+        self.block_k, self.block_p = n, r
+
+    def act(self, obs: np.ndarray) -> int:
+        return 0
+
+
+class ARQ(Policy):
+    """Retransmit what the receiver NACKs (at most once per RTT each), before new sources."""
+
+    name = "arq"
+    scheme = "arq"
+    actions = np.array([(0.0, 1.0)], dtype=np.float32)
+
+    def act(self, obs: np.ndarray) -> int:
+        return 0
+
+
+class ConstantAction(Policy):
+    """One action throughout, with reactive hole repair. Action 0 (``tail-rule``): no
+    proactive repair and keep admitting, the session's tail rule and reactive repair doing
+    the rest; a learned policy that does not beat it is a constant."""
+
+    reactive = True
+
+    def __init__(self, action: int = 0) -> None:
+        self.action = action
+        self.name = "tail-rule" if action == 0 else f"constant:{action}"
+
+    def act(self, obs: np.ndarray) -> int:
+        return self.action
+
+
+class Adaptive(Policy):
+    """Heuristic RLC scheduler on the feedback's loss and burst estimates.
+
+    Holes that feedback reports are answered first, one RLC repair each over exactly the
+    span holding them (``reactive``: as efficient as ARQ, but any repair fixes any hole).
+    On top, the action's proactive share covers losses feedback cannot report in time:
+    ``p`` times a burst margin when feedback is missing or stale, nothing otherwise. New
+    sources are admitted while the expected surviving slots left cover what is owed, this
+    interval's sources, and ``z`` standard deviations of the losses over the horizon the
+    sender can no longer react to (one RTT plus an interval; inflated for bursts). A
+    shortfall at the end leaves a whole coupled window undecodable, hence the margin.
+    """
+
+    name = "adaptive"
+    scheme = "rlc"
+    reactive = True
+
+    def __init__(self, prior_loss: float = 0.1, z: float = 2.0) -> None:
+        self.prior_loss = prior_loss
+        self.z = z
+        self._shares = ACTIONS[:REPAIR_ONLY, 0].astype(np.float64)
+
+    def act(self, obs: np.ndarray) -> int:
+        ctx = self.ctx
+        n = float(ctx.decision_packets)
+        stale = obs[Obs.FEEDBACK_AGE] >= 4.0
+        # before feedback: the session's prior (the observed loss rate then) if the shell
+        # gave one, else this policy's own
+        blind_start = obs[Obs.FEEDBACK_AGE] >= OBS_CLIP and not obs[Obs.PRIOR_KNOWN]
+        p = self.prior_loss if blind_start else float(obs[Obs.LOSS_RATE])
+        p = min(max(p, float(obs[Obs.LOSS_RECENT]) * 0.5, 0.002), 0.9)
+        burst = max(1.0, float(obs[Obs.BURST_MEAN]) * 10.0)
+        owed = float(obs[Obs.OWED]) * n
+        slots_left = float(obs[Obs.TIME_LEFT]) * ctx.budget_s / ctx.slot_s
+        blind = min(slots_left, float(obs[Obs.RTT]) * n + n)
+        if stale:
+            blind = slots_left
+        sigma = math.sqrt(max(blind, 1.0) * p * (1.0 - p) * (2.0 * burst - 1.0))
+        room = slots_left * (1.0 - p) - owed - self.z * sigma
+        if obs[Obs.SOURCE_LEFT] > 0 and room < n:
+            return REPAIR_ONLY
+        if not stale:
+            return 0
+        want = p * (1.0 + 0.15 * (burst - 1.0))
+        i = int(np.searchsorted(self._shares, min(want, self._shares[-1]) - 1e-9))
+        return min(i, REPAIR_ONLY - 1)
+
+
+class Oracle(Policy):
+    """Clairvoyant reference for evaluation: sees the data channel's future losses.
+
+    The simulator binds the data channel and the sender (``bind_channel``,
+    ``bind_sender``). The oracle reads the loss fate of every slot left before the stop
+    time and of the datagrams in flight, so it knows exactly how many symbols the receiver
+    will miss among what was sent and how many future slots will survive. Reported holes
+    are repaired reactively as in :class:`Adaptive`; it admits sources while the surviving
+    slots left cover what is truly owed plus this interval's sources (no safety margin),
+    and in the last RTT (when feedback can no longer help) sets the proactive share to
+    the losses the next interval will suffer. Not deployable: it reads the channel's
+    random future.
+
+    ``margin`` (decision intervals of surviving slots kept beyond what is owed before
+    admission stops), ``tail_rule`` (the session's own admission rule on top) and
+    ``proactive`` (cover the next interval's exact losses at every decision, not only in
+    the last RTT: on long links feedback comes too late for most holes) move where the
+    repairs go; the clairvoyant planner (kvtransport.sim.repair_planner) searches over them. The
+    defaults are the plain oracle.
+    """
+
+    name = "oracle"
+    scheme = "rlc"
+    reactive = True
+    tail_rule = False
+
+    def __init__(
+        self, margin: float = 0.0, tail_rule: bool = False, proactive: bool = False
+    ) -> None:
+        self.margin = float(margin)
+        self.tail_rule = tail_rule
+        self.proactive = proactive
+        self.channel: Channel | None = None
+        self.sender: SenderSession | None = None
+        self._shares = ACTIONS[:REPAIR_ONLY, 0].astype(np.float64)
+        self._fates = np.zeros(0, dtype=np.bool_)
+
+    def bind_channel(self, channel: Channel) -> None:
+        self.channel = channel
+
+    def bind_sender(self, sender: SenderSession) -> None:
+        self.sender = sender
+
+    def act(self, obs: np.ndarray) -> int:
+        if self.channel is None or self.sender is None:
+            raise RuntimeError("the oracle needs the data channel and the sender (bind_*)")
+        s, ch = self.sender, self.channel
+        n = self.ctx.decision_packets
+        slots_left = max(int(float(obs[Obs.TIME_LEFT]) * self.ctx.budget_s / self.ctx.slot_s), 0)
+        future = ch.lookahead_losses(max(slots_left, n))
+        start = ch.sent  # channel index of the next datagram
+        if self._fates.shape[0] < start + future.shape[0]:
+            grown = np.zeros(start + future.shape[0], dtype=np.bool_)
+            grown[: self._fates.shape[0]] = self._fates
+            self._fates = grown
+        self._fates[start : start + future.shape[0]] = future
+        # datagrams in flight: after the last one feedback reported, up to now
+        lost_src, got_pro = 0, 0
+        log = s._log
+        first = max(s._fb_echo + 1, s.seq - 4096, 0)
+        for seq in range(first, s.seq):
+            if seq >= self._fates.shape[0]:
+                break
+            _, src, rep, rea = log.lookup(seq)
+            _, src0, rep0, rea0 = log.lookup(seq - 1) if seq > 0 else (0.0, 0, 0, 0)
+            if src > src0:
+                lost_src += int(self._fates[seq])
+            elif rep - rea > rep0 - rea0 and not self._fates[seq]:
+                got_pro += 1
+        owed = max(0, s.reactive_needed() + lost_src - got_pro)
+        surviving_left = slots_left - int(future[:slots_left].sum())
+        if obs[Obs.SOURCE_LEFT] > 0 and surviving_left - owed < n * (1.0 + self.margin):
+            return REPAIR_ONLY
+        if not self.proactive and slots_left > float(obs[Obs.RTT]) * n + 2 * n:
+            return 0
+        want = float(future[:n].sum()) / n
+        i = int(np.searchsorted(self._shares, min(want, self._shares[-1]) - 1e-9))
+        return min(i, REPAIR_ONLY - 1)
+
+
+class ExternalPolicy(Policy):
+    """The action comes from outside (the Gymnasium environment): ``act`` defers, the
+    sender pauses with the observation ready, and the shell calls ``apply_action``."""
+
+    name = "external"
+    reactive = True
+
+    def __init__(self, scheme: str = "rlc") -> None:
+        self.scheme = scheme
+
+    def act(self, obs: np.ndarray) -> int:
+        return DEFER
+
+
+def _check_rate(r: int, n: int, what: str) -> tuple[int, int]:
+    if r < 0 or n < 1:
+        raise UserError(f"{what}:R/N needs R >= 0 and N >= 1 (got {r}/{n})")
+    return r, n
+
+
+_RATE = re.compile(r"^(fixed|block-rs):(\d+)/(\d+)$")
+
+
+def _ddqn() -> Policy:
+    """The shipped DDQN runtime (numpy/numba only; imported on first use)."""
+    from kvtransport.agents.runtime import DDQNPolicy
+
+    return DDQNPolicy()
+
+
+_FACTORIES: dict[str, Callable[[], Policy]] = {
+    "none": NoFEC,
+    "arq": ARQ,
+    "adaptive": Adaptive,
+    "tail-rule": ConstantAction,
+    "oracle": Oracle,
+    "ddqn": _ddqn,
+}
+POLICY_HELP = (
+    "none, fixed:R/N, block-rs:R/N, arq, adaptive, tail-rule, oracle, ddqn (the shipped DDQN)"
+)
+
+
+def default_policy() -> str:
+    """The policy a shell uses when told none: ``ddqn`` when the package ships trained
+    weights (kvtransport.agents), else ``adaptive``."""
+    try:
+        from kvtransport.agents.runtime import shipped_policy_available
+    except ImportError:
+        return "adaptive"
+    return "ddqn" if shipped_policy_available() else "adaptive"
+
+
+def register_policy(name: str, factory: Callable[[], Policy]) -> None:
+    """Make ``make_policy(name)`` build ``factory()``."""
+    _FACTORIES[name] = factory
+
+
+def make_policy(spec: str) -> Policy:
+    """Build a policy from its command-line name (see ``POLICY_HELP``)."""
+    spec = spec.strip()
+    m = _RATE.match(spec)
+    if m:
+        kind, r, n = m.group(1), int(m.group(2)), int(m.group(3))
+        return FixedRLC(r, n) if kind == "fixed" else BlockRS(r, n)
+    if spec not in _FACTORIES:
+        raise UserError(f"unknown policy {spec!r}; choose from {POLICY_HELP}")
+    return _FACTORIES[spec]()

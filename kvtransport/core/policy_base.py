@@ -1,0 +1,87 @@
+"""The policy interface: the action table and the base class.
+
+The contract (observation, action, repair scheme) is described in kvtransport.core.policy, which
+holds the built-in policies and ``make_policy`` and re-exports these names. They live here, below
+both the built-in policies and the DDQN runtime (kvtransport.agents.runtime), so that the
+registry can build the runtime without the runtime importing the registry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+import numpy as np
+
+from kvtransport.core.observation import observe_into
+
+DECISION_PACKETS = 32
+"""Data-path slots per decision interval."""
+REPAIR_SHARES = (0.0, 1 / 32, 1 / 16, 1 / 8, 3 / 16, 1 / 4, 3 / 8, 1 / 2)
+ACTIONS = np.array([(s, 1.0) for s in REPAIR_SHARES] + [(1.0, 0.0)], dtype=np.float32)
+"""The shared action table: rows (repair share, admit new sources)."""
+DEFER = -1
+"""What ``act`` returns to leave the decision to the shell (kvtransport.core.policy's
+ExternalPolicy: the Gymnasium environment supplies the action)."""
+
+
+class RepairMode(IntEnum):
+    """The built-in repair schemes (kvtransport.core.schemes) by number: ``Policy.mode`` names a
+    built-in policy's scheme this way. The session goes by ``Policy.scheme``, the name a
+    scheme is registered under, which any scheme has."""
+
+    NONE = 0
+    RLC = 1
+    BLOCK_RS = 2
+    ARQ = 3
+
+    @property
+    def scheme(self) -> str:
+        """The registered name of this scheme ("none", "rlc", "block-rs", "arq")."""
+        return self.name.lower().replace("_", "-")
+
+
+@dataclass(frozen=True)
+class PolicyContext:
+    """What a policy may know about a transfer before it starts."""
+
+    n_source: int  # source symbols in the stream
+    symbol_size: int
+    slot_s: float  # seconds between two data-path datagrams at the link rate
+    decision_packets: int  # slots per decision interval
+    budget_s: float  # sending time from start to the sender's stop time
+
+
+class Policy:
+    """Base class: one decision per interval, ``act(obs) -> index into actions``.
+
+    ``scheme`` names the repair scheme (kvtransport.core.schemes) the session builds repairs
+    with; the policy decides how much repair and when (the action), the scheme how.
+    ``block_k`` / ``block_p`` parametrise the block RS scheme."""
+
+    name = "policy"
+    scheme = "rlc"
+    actions: np.ndarray = ACTIONS
+    tail_rule = True
+    reactive = False
+    block_k = 0
+    block_p = 0
+
+    @property
+    def mode(self) -> RepairMode | None:
+        """The scheme as a built-in ``RepairMode`` (None: a scheme registered elsewhere)."""
+        return next((m for m in RepairMode if m.scheme == self.scheme), None)
+
+    def reset(self, ctx: PolicyContext) -> None:
+        """Called once per transfer before the first decision."""
+        self.ctx = ctx
+
+    def act(self, obs: np.ndarray) -> int:
+        raise NotImplementedError
+
+    def decide(self, raw: np.ndarray, obs: np.ndarray) -> int:
+        """The sender's call: fill ``obs`` from the sender state ``raw``
+        (kvtransport.core.observation) and act on it. A policy compiled with numba overrides
+        this to do both in one kernel call."""
+        observe_into(raw, obs)
+        return self.act(obs)

@@ -1,0 +1,946 @@
+"""The receiving half of the protocol core (sans-I/O): :class:`ReceiverSession`.
+
+Feed it every datagram of its transfer with ``receive_datagram(data, now)``; send what
+``datagrams_to_send(now)`` returns (feedback) back to the sender; call ``handle_timer(now)``
+when ``next_timer()`` has come. When ``finished`` turns true, ``result`` holds the
+:class:`~kvtransport.core.transfer.TransferResult`.
+
+Per datagram: authenticate and parse (kvtransport.core.wire); drop and count garbage by reason
+(``drop_reasons``: truncated, bad_magic, bad_tag, foreign_transfer, bad_symbol_size,
+out_of_range, bad_fec, bad_payload, ...); account its packet number (loss and burst
+estimates); then
+
+- SOURCE / REPAIR: into the RLC decoder; every ESI that becomes known (received or
+  recovered) is copied once into the output buffer and counted towards its blocks;
+- a repair scheme's own type (kvtransport.core.schemes: BLOCK_REPAIR, the block Reed-Solomon
+  parities): into that scheme's decoder, made on its first repair, which from then on
+  also sees every source; what it recovers is copied into the output buffer and handed to
+  the RLC decoder, which holds every known source;
+- MANIFEST / MANIFEST_REPAIR: into the manifest decoder (kvtransport.core.manifest_fec); once
+  the manifest decodes, the block table is known and completion is counted from the
+  symbols already held;
+- CONTROL: ABORT delivers now; FIN (sender gone) delivers at the deadline, or after a
+  short grace when no deadline is known.
+
+Block completion is incremental and costs nothing per symbol on the common path: a symbol
+that becomes known in order (at the decoded-through point) only moves that point, and the
+blocks it passes are completed in one sweep; a symbol known out of order (beyond a hole)
+decrements the missing-symbol count of the one or few blocks it overlaps. A block is
+complete when its count reaches zero or the decoded-through point passes its end, whichever
+comes first, i.e. exactly when its last symbol becomes known; it then adds its utility.
+
+Feedback goes out every ``feedback_interval`` seconds while the transfer is active, at once
+on a newly detected loss (at most every ``MIN_FEEDBACK_GAP``), when the manifest decodes and
+when everything is decoded. It reports the highest packet number seen (and how long ago,
+for the sender's RTT), datagrams received and lost, highest ESI, decoded-through ESI,
+unrecovered count, pending repair equations (in total and per aligned segment of
+``REPAIR_SEGMENT`` ESIs), loss rate, burst length and up to 96 ranges of missing ESIs
+(the NACK list). See kvtransport.core.wire for the layout.
+
+The result comes at the deadline (given, or the manifest's deadline counted from the first
+datagram's arrival, which is late by one one-way delay), when everything is decoded, on
+ABORT, or after ``idle_timeout`` without datagrams when no deadline is known. State is
+bounded: symbols beyond ``max_bytes`` are dropped (a manifest announcing more is refused),
+the output buffer grows only as far as the shell's ``reserve(extra_bytes)`` allows (a
+daemon's budget for all transfers in flight: beyond it symbols are dropped as
+``over_budget`` and a manifest is refused), the decoder holds ``DECODER_WINDOW`` ESIs and
+at most ``MAX_PENDING_EQUATIONS`` pending repair equations, rings are fixed size.
+
+Replays: a shell with a replay record (kvtransport.core.replay) passes ``admit(transfer_id,
+manifest)``; when it names a reason (a stale or already accepted manifest), the session
+counts it in ``drop_reasons``, finishes at once with reason ``replayed`` and nothing of the
+transfer (no block, no payload byte), and drops its later datagrams as ``replayed``
+without answering them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable
+
+import numpy as np
+
+from kvtransport.codecs.rlc import RLCDecoder
+from kvtransport.core import schemes
+from kvtransport.core.feedback import LossMonitor, loss_ranges
+from kvtransport.core.manifest_fec import ManifestReceiver
+from kvtransport.core.protocol import (
+    DECODER_WINDOW,
+    DEFAULT_FEEDBACK_INTERVAL,
+    MAX_PENDING_EQUATIONS,
+    MIN_FEEDBACK_GAP,
+    RELEASE_CHUNK,
+    RELEASE_LAG,
+)
+from kvtransport.core.transfer import TransferResult, TransportManifest
+from kvtransport.core.wire import (
+    FB_ALL_DONE,
+    FB_FINISHED,
+    FB_MANIFEST_DONE,
+    MAX_FEEDBACK_RANGES,
+    MAX_FEEDBACK_SEGMENTS,
+    REPAIR_SEGMENT,
+    ControlCode,
+    Datagram,
+    DatagramType,
+    Feedback,
+    Framer,
+    Parser,
+    WireError,
+    encode_feedback,
+    feedback_size,
+)
+
+_SOURCE = int(DatagramType.SOURCE)
+_REPAIR = int(DatagramType.REPAIR)
+_FEEDBACK = int(DatagramType.FEEDBACK)
+FIN_GRACE = 0.05
+FEEDBACK_QUIET_S = 1.0
+"""Periodic feedback pauses after this long without a datagram (a sender paused by its
+link share, or gone, or a forger that sent a few datagrams) and resumes with the next one."""
+DEFAULT_MAX_BYTES = 1 << 30
+BATCH_MAX = 256
+"""Most data datagrams ``receive_datagrams`` decodes in one RLCDecoder.add_packets call
+(fewer when that many symbols would pass ``BATCH_BYTES``)."""
+BATCH_BYTES = 1 << 20
+"""Most bytes of a session's run buffer (one symbol per datagram of a run)."""
+QUEUED = 2
+"""``_known`` of a source in a run not yet decoded (1: known; 0: not)."""
+
+
+class ReceiverSession:
+    """Receives one transfer (see the module docstring).
+
+    ``transfer_id=None`` adopts the id of the first valid datagram (a daemon demultiplexes
+    by id before creating the session, so it normally passes the id). ``deadline`` is in the
+    receiver's clock; None takes it from the manifest.
+    """
+
+    def __init__(
+        self,
+        transfer_id: int | None = None,
+        *,
+        key: bytes | None = None,
+        now: float = 0.0,
+        deadline: float | None = None,
+        feedback_interval: float = DEFAULT_FEEDBACK_INTERVAL,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        idle_timeout: float = 10.0,
+        reserve: Callable[[int], bool] | None = None,
+        admit: Callable[[int, TransportManifest], str | None] | None = None,
+    ) -> None:
+        self.transfer_id = transfer_id
+        self._reserve = reserve
+        self._admit = admit
+        self.reserved = 0  # bytes of output buffer ``reserve`` granted this session
+        self._key = key
+        self.parser = Parser(key)
+        self.framer: Framer | None = None
+        self.deadline = deadline
+        self.feedback_interval = feedback_interval
+        self.max_bytes = max_bytes
+        self.idle_timeout = idle_timeout
+        self.created = now
+        self.last_activity = now
+
+        self.symbol_size = 0
+        self._limit = 0  # ESIs at or beyond this are out of range (0: no symbol size yet)
+        self.decoder: RLCDecoder | None = None
+        self.monitor = LossMonitor()
+        self.manifest_rx = ManifestReceiver()
+        self.manifest: TransportManifest | None = None
+        self.max_symbols = 0
+        self.n_source = 0  # known once the manifest arrives
+        self._known = bytearray(0)
+        self._out = np.zeros(0, dtype=np.uint8)
+        self._out_mv = memoryview(self._out)
+        self.n_known = 0
+        self.esi_end = 0
+        self._ends: deque[tuple[float, int]] = deque()  # (when, esi_end) as it grew
+        self._settled_end = 0  # esi_end as of the reordering window ago (see _feedback)
+        self.through = 0
+        self._released = 0
+        self.source_received = 0
+        self.repair_received = 0
+        self.symbols_recovered = 0
+        self.duplicates = 0
+        # a run of sources [_lazy_from, _lazy_to) not yet handed to the decoder
+        self._lazy_from = self._lazy_to = -1
+
+        # blocks (after the manifest): per symbol, the range of blocks it overlaps; per
+        # block, its end (one past its last ESI) and its missing-symbol count, which counts
+        # only symbols known out of order (see the module docstring); the sweep resumes at
+        # block ``_blk_next``, the first one decoded-through had not passed
+        self._blk_first: list[int] = []
+        self._blk_last: list[int] = []
+        self._blk_end: list[int] = []
+        self._blk_missing: list[int] = []
+        self._blk_next = 0
+        self._blk_util: list[float] = []
+        self.complete = np.zeros(0, dtype=np.bool_)
+        self.complete_at = np.zeros(0, dtype=np.float64)  # when each block completed
+        self._now = now  # the time of the datagram being handled
+        self.blocks_complete = 0
+        self.utility = 0.0
+
+        # per wire type, the decoder of a repair scheme with its own type (once one came)
+        self._side: dict[int, schemes.ReceiverRepair] = {}
+        self._batch = _Run()  # receive_datagrams' run of data symbols not yet decoded
+
+        self._pending: list[bytes] = []
+        self._fb_seq = 0
+        self._last_fb = -1e300
+        self._next_fb: float | None = None
+        self._highest_at = now
+        self._fin_at: float | None = None
+        self.finished = False
+        self.result: TransferResult | None = None
+        self.timings: dict[str, float] = {}
+        self.drop_reasons: dict[str, int] = {}
+        self.dropped = 0
+        self.feedback_sent = 0
+
+    @property
+    def payload_buffer(self) -> np.ndarray | None:
+        """The payload as it is received (a view; None before the manifest): a block's
+        bytes are in place, and stay as they are, once ``complete`` marks it (read
+        ``complete`` first when another thread receives)."""
+        m = self.manifest
+        return None if m is None else self._out[: m.payload_len]
+
+    # ------------------------------------------------------------------ shell API
+
+    def next_timer(self) -> float | None:
+        if self.finished:
+            return None
+        t = self.deadline if self.deadline is not None else self.last_activity + self.idle_timeout
+        if self._fin_at is not None and self._fin_at < t:
+            t = self._fin_at
+        if self._next_fb is not None and self._next_fb < t:
+            t = self._next_fb
+        return t
+
+    def handle_timer(self, now: float) -> None:
+        if self.finished:
+            return
+        if self.deadline is not None and now >= self.deadline:
+            self._finish(now, "deadline")
+        elif self._fin_at is not None and now >= self._fin_at:
+            self._finish(now, "fin")
+        elif self.deadline is None and now >= self.last_activity + self.idle_timeout:
+            self._finish(now, "idle")
+        elif self._next_fb is not None and now >= self._next_fb:
+            if now - self.last_activity > FEEDBACK_QUIET_S:
+                self._next_fb = None  # nobody is sending: stop reporting until data comes
+            else:
+                self._send_feedback(now)
+
+    def close(self, now: float, reason: str = "shutdown") -> None:
+        """Yield the result now, with what has arrived (the shell is shutting down, or a
+        user asked for the partial result early)."""
+        if not self.finished:
+            self._finish(now, reason)
+
+    def datagrams_to_send(self, now: float) -> list[bytes]:
+        out = self._pending
+        self._pending = []
+        return out
+
+    def receive_datagram(self, data: bytes, now: float) -> None:
+        """Process one datagram; garbage is counted in ``drop_reasons`` and dropped."""
+        got = self._accept(data, now)
+        if got is not None:
+            self._dispatch(got[0], got[1], now)
+
+    def receive_datagrams(self, datagrams: Iterable[bytes | memoryview], now: float) -> None:
+        """Process datagrams that arrived together (at ``now``), in order: exactly as
+        ``receive_datagram`` once per datagram (the same output bytes, blocks, counters,
+        drops and feedback, feedback included in the middle of the run on a loss), but
+        the runs of SOURCE / REPAIR datagrams that need the RLC decoder reach it in one
+        ``RLCDecoder.add_packets`` call per run instead of a call per datagram.
+
+        A run ends (is decoded, and what it made known accounted in arrival order) before
+        any other datagram type, before feedback, at the end of ``datagrams``, after
+        ``BATCH_MAX`` datagrams (fewer for large symbols: ``BATCH_BYTES``), and before a
+        datagram whose outcome could depend on where the run ends: one that could complete
+        the transfer, one that would slide the decoder's window, or one reaching below where
+        a release during the run could move the window's base (see ``_batchable``). Those,
+        and everything while a block Reed-Solomon decoder is active, take the per-datagram
+        path.
+        """
+        b = self._batch
+        accept, batchable, dispatch = self._accept, self._batchable, self._dispatch
+        for data in datagrams:
+            got = accept(data, now)
+            if got is None:
+                continue
+            d, gap = got
+            t = d[0]
+            if t == _SOURCE and not b.n and d[6] == self._lazy_to:
+                # the common case, in order with no run open: _batchable's first "no" (the
+                # per-datagram lazy path is cheaper), without the call
+                dispatch(d, gap, now)
+                continue
+            if (t != _SOURCE and t != _REPAIR) or not batchable(d):
+                if b.n:
+                    self._flush_batch(now)
+                dispatch(d, gap, now)
+                continue
+            try:
+                if t == _SOURCE:
+                    self._queue_source(d[6], d[7])
+                else:
+                    self._queue_repair(d)
+            except WireError as exc:
+                self._drop(exc.reason)
+                continue
+            if self._next_fb is None:
+                self._next_fb = now + self.feedback_interval
+            if b.n >= b.rows or (gap > 0 and now - self._last_fb >= MIN_FEEDBACK_GAP):
+                self._flush_batch(now)
+                if gap > 0 and now - self._last_fb >= MIN_FEEDBACK_GAP:
+                    self._send_feedback(now)
+        self._flush_batch(now)
+
+    def _accept(self, data: bytes | memoryview, now: float) -> tuple[Datagram, int] | None:
+        """Parse and admit one datagram: (it, the packet-number gap it revealed), or None
+        when it was dropped or answered (after the result) here."""
+        try:
+            d = self.parser.parse(data)
+        except WireError as exc:
+            self._drop(exc.reason)
+            return None
+        t, _, tid, seq = d[0], d[1], d[2], d[3]
+        if tid != self.transfer_id:
+            if self.transfer_id is None and t != _FEEDBACK:
+                self.transfer_id = tid
+            else:
+                self._drop("foreign_transfer")
+                return None
+        if t == _FEEDBACK:
+            self._drop("unexpected_type")
+            return None
+        if self.finished:
+            assert self.result is not None  # set when the session finished
+            if self.result.reason == "replayed":
+                self._drop("replayed")  # no answer: the peer replays a captured transfer
+            else:
+                self._answer_after_finish(now)
+            return None
+        if self.framer is None:
+            self.framer = Framer(self.transfer_id, self._key, max_payload=2048)
+            self.timings["first_packet"] = now
+        self.last_activity = now
+        self._now = now
+        mon = self.monitor
+        gap = mon.on_packet(seq, now)
+        if mon.highest == seq:
+            self._highest_at = now
+        return d, gap
+
+    def _dispatch(self, d: Datagram, gap: int, now: float) -> None:
+        """One admitted datagram (see ``_accept``), handled at once."""
+        t = d[0]
+        end0 = self.esi_end
+        try:
+            if t == _SOURCE:
+                self._on_source(d[6], d[7])
+            elif t == _REPAIR:
+                self._on_repair(d)
+            elif t == DatagramType.MANIFEST or t == DatagramType.MANIFEST_REPAIR:
+                self._on_manifest(d, now)
+            elif t == DatagramType.CONTROL:
+                self._on_control(d.esi, now)
+            else:
+                self._on_scheme_repair(d)
+        except WireError as exc:
+            self._drop(exc.reason)
+            return
+        if self.esi_end > end0:
+            self._ends.append((now, self.esi_end))
+        if self.finished:
+            return
+        if self.manifest is not None and self.n_known == self.n_source:
+            self.timings["complete"] = now
+            self._finish(now, "complete")
+            return
+        if self._next_fb is None:
+            self._next_fb = now + self.feedback_interval
+        if gap > 0 and now - self._last_fb >= MIN_FEEDBACK_GAP:
+            self._send_feedback(now)
+
+    # ------------------------------------------------------------------ symbols
+
+    def _symbol_slot(self, esi: int, size: int) -> None:
+        """Validate a data symbol's ESI and size; size the buffers on first use."""
+        if self.symbol_size == 0:
+            if not 16 <= size <= 65000:
+                raise _Drop("bad_symbol_size")
+            self._set_symbol_size(size)
+        elif size != self.symbol_size:
+            raise _Drop("bad_symbol_size")
+        limit = self._limit
+        if esi >= limit:
+            raise _Drop("out_of_range")
+        if esi >= len(self._known):
+            self._grow(esi + 1)
+
+    def _set_symbol_size(self, size: int) -> None:
+        self.symbol_size = size
+        self.max_symbols = max(1, self.max_bytes // size)
+        self._limit = self.n_source if self.manifest is not None else self.max_symbols
+        self.decoder = RLCDecoder(
+            size, max_window=DECODER_WINDOW, max_pending=MAX_PENDING_EQUATIONS
+        )
+
+    def _grant(self, nbytes: int) -> bool:
+        """Ask the shell's ``reserve`` for the output buffer to reach ``nbytes``."""
+        extra = nbytes - self.reserved
+        if extra > 0 and self._reserve is not None and not self._reserve(extra):
+            return False
+        self.reserved = max(self.reserved, nbytes)
+        return True
+
+    def _grow(self, need: int) -> None:
+        cap = max(need, 2 * len(self._known), 256)
+        cap = min(cap, self.max_symbols) if self.manifest is None else self.n_source
+        if not self._grant(cap * self.symbol_size):
+            if self.manifest is not None or not self._grant(need * self.symbol_size):
+                raise _Drop("over_budget")
+            cap = need
+        known = bytearray(cap)
+        known[: len(self._known)] = self._known
+        out = np.zeros(cap * self.symbol_size, dtype=np.uint8)
+        out[: self._out.shape[0]] = self._out
+        self._known, self._out = known, out
+        self._out_mv = memoryview(out)
+
+    def _source_new(self, esi: int, payload: memoryview) -> bool:
+        """Validate and count a source symbol: is its ESI still unknown? (A known one is
+        counted as a duplicate.)"""
+        if len(payload) != self.symbol_size or esi >= self._limit or esi >= len(self._known):
+            self._symbol_slot(esi, len(payload))  # first symbol, growth, or a bad one
+        self.source_received += 1
+        if self._known[esi]:
+            self.duplicates += 1
+            return False
+        return True
+
+    def _on_source(self, esi: int, payload: memoryview) -> None:
+        if not self._source_new(esi, payload):
+            return
+        s, known = self.symbol_size, self._known
+        decoder = self.decoder
+        assert decoder is not None  # made with the first symbol (_symbol_slot)
+        if esi == self._lazy_to or not decoder.involves(esi):
+            # No repair equation waits on it: the decoder learns it later, with the rest of
+            # its run of consecutive arrivals, in one call (see _sync_decoder).
+            if esi != self._lazy_to:
+                self._sync_decoder()
+                self._lazy_from = esi
+            self._lazy_to = esi + 1
+            self._out_mv[esi * s : esi * s + s] = payload
+            self._mark(esi)
+        else:
+            self._sync_decoder()
+            got = decoder.add_source(esi, payload)
+            self._out_mv[esi * s : esi * s + s] = payload
+            self._mark(esi)
+            if len(got) > 1:  # the source also completed some equations
+                for e in got:
+                    if e != esi and not known[e]:
+                        self._recovered(e)
+        if self._side:
+            for dec in self._side.values():
+                self._side_recovered(dec, dec.add_source(esi, payload))
+
+    def _repair_fields(self, d: Datagram) -> tuple[int, int, int, int, memoryview]:
+        """Validate (the symbol's slot) and count a repair: (first_esi, nss, repair_key,
+        dt, payload); the decoder checks the coding fields."""
+        _, _, _, _, key, dt_nss, first, payload = d
+        nss = dt_nss & 0xFFF
+        last = first + nss - 1
+        s = self.symbol_size
+        if s == 0 or len(payload) != s or last >= self._limit or last >= len(self._known):
+            self._symbol_slot(last, len(payload))  # first symbol, growth, or a bad one
+        self.repair_received += 1
+        return first, nss, key, dt_nss >> 12, payload
+
+    def _on_repair(self, d: Datagram) -> None:
+        first, nss, key, dt, payload = self._repair_fields(d)
+        self._sync_decoder()
+        decoder = self.decoder
+        assert decoder is not None  # made with the first symbol (_symbol_slot)
+        try:
+            got = decoder.add_repair(first, nss, key, dt, payload)
+        except ValueError:
+            raise _Drop("bad_fec") from None
+        if got:
+            known = self._known
+            for e in got:
+                if not known[e]:
+                    self._recovered(e)
+
+    # ------------------------------------------------------------------ runs (batches)
+
+    def _batchable(self, d: Datagram) -> bool:
+        """May this SOURCE / REPAIR join the run of ``receive_datagrams``, i.e. will its
+        outcome and every later one be the same whether the run is decoded before or after
+        it? No when: a block RS decoder is active; no decoder exists yet (the first symbol
+        sizes it); the run is empty and the source needs no decoder (the per-datagram lazy
+        path is cheaper); the run could complete the transfer (each packet makes at most one
+        ESI known, plus one per pending equation it solves); the datagram reaches beyond the
+        decoder's window (it would slide the window, dropping symbols the run recovered
+        before they are read out); or a release of decoder state (``_mark``: after a packet
+        of the run, when the decoder has taken the whole run) could happen within the run
+        and the datagram reaches below where it would move the window's base (one datagram
+        at a time, it would find those symbols released). A release below the ESIs the run
+        recovers is otherwise the same before or after the rest of the run."""
+        dec, b = self.decoder, self._batch
+        if dec is None or self._side:
+            return False
+        lo = d[6]
+        hi = lo if d[0] == _SOURCE else lo + (d[5] & 0xFFF) - 1
+        if not b.n:
+            if d[0] == _SOURCE and (lo == self._lazy_to or not dec.involves(lo)):
+                return False
+            b.start(dec, max(self.esi_end, dec.max_involved + 1), self.through - 1)
+        else:
+            # decoded-through after the packets so far is at most ``top``, and at most the
+            # (k+1)-th unknown ESI from here, k = the symbols they can make known at most
+            # (looked for only when ``top`` alone does not rule a release out)
+            t = b.top - RELEASE_LAG
+            if lo < t and t - self._released >= RELEASE_CHUNK:
+                t = self._unknown_bound(b) - RELEASE_LAG
+                if lo < t and t - self._released >= RELEASE_CHUNK:
+                    return False
+        if self.manifest is not None and self.n_known + b.n + 1 + b.pending0 >= self.n_source:
+            return False
+        if hi >= b.base + dec.capacity:
+            return False
+        if hi >= b.top:
+            b.top = hi + 1
+        return True
+
+    def _unknown_bound(self, b: _Run) -> int:
+        """The (k+1)-th ESI not known from decoded-through on, k = ``b.pending0 + b.n`` (the
+        most the run's packets can make known): decoded-through stays at or below it. Found
+        from where the last call left off (``b.hole``, the ``b.holes``-th)."""
+        known, esi = self._known, b.hole
+        for _ in range(b.pending0 + b.n + 1 - b.holes):
+            esi = known.find(0, esi + 1) if esi + 1 < len(known) else -1
+            if esi < 0:
+                return b.top  # every further ESI is unknown: the other bound holds
+            b.hole, b.holes = esi, b.holes + 1
+        return esi
+
+    def _queue_source(self, esi: int, payload: memoryview) -> None:
+        if not self._source_new(esi, payload):
+            return
+        # QUEUED until the run is accounted: a second copy in the run is a duplicate (the
+        # first, or something before it, makes the ESI known)
+        self._known[esi] = QUEUED
+        s = self.symbol_size
+        self._out_mv[esi * s : esi * s + s] = payload  # where add_packets reads it
+        b = self._batch
+        b.meta += (esi, 0, 0, 0)
+        b.n += 1
+
+    def _queue_repair(self, d: Datagram) -> None:
+        first, nss, key, dt, payload = self._repair_fields(d)
+        assert self.decoder is not None  # _batchable: only with a decoder
+        try:
+            self.decoder.check_repair(first, nss, key, dt)
+        except ValueError:
+            raise _Drop("bad_fec") from None
+        self._batch.add_repair(first, nss, key, dt, payload, self.symbol_size)
+
+    def _flush_batch(self, now: float) -> None:
+        """Decode the run (one RLCDecoder.add_packets call) and account, packet by packet
+        in arrival order, what each made known: as ``_on_source`` / ``_on_repair`` would
+        have, call by call."""
+        b = self._batch
+        n = b.n
+        if not n:
+            return
+        self._sync_decoder()
+        decoder = self.decoder
+        assert decoder is not None  # the run holds symbols
+        s = self.symbol_size
+        rows = b.meta
+        meta = np.array(rows, dtype=np.int64).reshape(n, 4)
+        got = decoder.add_packets(meta, b.pay[: n * s], b.ends, self._out)
+        ends = b.ends[:n].tolist()
+        b.clear()
+        known = self._known
+        for i in range(0, 4 * n, 4):
+            if rows[i + 1] == 0:
+                known[rows[i]] = 0  # QUEUED: known once its turn comes below
+        pos = 0
+        for i in range(n):
+            end, end0 = ends[i], self.esi_end
+            if rows[4 * i + 1] == 0:  # a source, in the output buffer already
+                if end == pos:  # an earlier datagram of the run made it known
+                    self.duplicates += 1
+                else:
+                    self._mark(got[pos])
+                    if end - pos > 1:
+                        for e in got[pos + 1 : end]:
+                            if not known[e]:
+                                self._recovered(e)
+            elif end > pos:
+                for e in got[pos:end]:
+                    if not known[e]:
+                        self._recovered(e)
+            pos = end
+            if self.esi_end > end0:
+                self._ends.append((now, self.esi_end))
+
+    def _sync_decoder(self) -> None:
+        """Hand the decoder the run of sources it has not seen yet.
+
+        A source that no pending repair equation involves (the common case) needs nothing
+        from the decoder now: the receiver writes it to its output and marks it, and the
+        decoder learns the whole run of consecutive ESIs that arrived one after the other
+        later, in one bulk call, before anything else reaches or reads it. Its state then is
+        exactly what it would have been, call for call: such a source only fills its slot.
+        """
+        lo, hi = self._lazy_from, self._lazy_to
+        if hi > lo:
+            self._lazy_from = self._lazy_to = -1
+            s = self.symbol_size
+            assert self.decoder is not None  # sources have arrived
+            got = self.decoder.add_source_run(lo, self._out[lo * s : hi * s])
+            known = self._known
+            for e in got:  # all known here already, unless the decoder also recovered
+                if not known[e]:  # something with them: as in _on_source
+                    self._recovered(e)
+
+    def _recovered(self, esi: int) -> None:
+        s = self.symbol_size
+        assert self.decoder is not None  # it recovered esi
+        self.decoder.read_into(esi, self._out_mv[esi * s : esi * s + s])
+        self.symbols_recovered += 1
+        self._mark(esi)
+
+    def _mark(self, esi: int) -> None:
+        """ESI ``esi`` became known (its bytes are in the output buffer)."""
+        known = self._known
+        known[esi] = 1
+        self.n_known += 1
+        if esi >= self.esi_end:
+            self.esi_end = esi + 1
+        if esi == self.through:  # in order: move decoded-through, sweep the blocks it passed
+            t = esi + 1
+            if t < len(known) and known[t]:
+                t = known.find(0, t)
+                if t < 0:
+                    t = len(known)
+            self.through = t
+            if t - RELEASE_LAG - self._released >= RELEASE_CHUNK:
+                self._released = t - RELEASE_LAG
+                self._sync_decoder()
+                assert self.decoder is not None  # symbols have arrived
+                self.decoder.release_before(self._released)
+            if self._blk_missing:
+                ends, b = self._blk_end, self._blk_next
+                if b < len(ends) and ends[b] <= t:
+                    missing = self._blk_missing
+                    while b < len(ends) and ends[b] <= t:
+                        if missing[b]:
+                            missing[b] = 0
+                            self._block_done(b)
+                        b += 1
+                    self._blk_next = b
+        elif self._blk_missing:  # out of order: count it against its blocks
+            missing = self._blk_missing
+            b, last = self._blk_first[esi], self._blk_last[esi]
+            while b <= last:  # usually one block
+                m = missing[b] - 1
+                missing[b] = m
+                if not m:
+                    self._block_done(b)
+                b += 1
+
+    def _block_done(self, b: int) -> None:
+        self.complete[b] = True
+        self.complete_at[b] = self._now
+        self.blocks_complete += 1
+        self.utility += self._blk_util[b]
+
+    # ------------------------------------------------------------------ manifest
+
+    def _on_manifest(self, d: Datagram, now: float) -> None:
+        m = self.manifest_rx.add(d)
+        if m is None:
+            return
+        self._sync_decoder()
+        if (self.symbol_size and m.symbol_size != self.symbol_size) or not (
+            16 <= m.symbol_size <= 65000
+        ):
+            raise _Drop("bad_manifest")
+        if self._admit is not None:
+            assert self.transfer_id is not None  # a manifest came with its transfer id
+            why = self._admit(self.transfer_id, m)
+            if why is not None:  # stale or replayed (kvtransport.core.replay): nothing delivered
+                self._drop(why)
+                self._finish(now, "replayed")
+                return
+        if m.payload_len > self.max_bytes:
+            self._drop("too_large")
+            self._finish(now, "refused")  # bounded state: a transfer too large is refused
+            return
+        if not self._grant(m.n_source * m.symbol_size):
+            self._drop("over_budget")
+            self._finish(now, "refused")  # the shell's memory budget is spent
+            return
+        self.manifest = m
+        self.timings["manifest"] = now
+        n = self.n_source = m.n_source
+        if self.symbol_size == 0:
+            self._set_symbol_size(m.symbol_size)
+        self._limit = n
+        if self.deadline is None and m.deadline_s > 0:
+            self.deadline = self.timings["first_packet"] + m.deadline_s
+        # symbols beyond the payload (a forger's, before the manifest) are forgotten
+        if len(self._known) > n:
+            for e in range(n, len(self._known)):
+                if self._known[e]:
+                    self.n_known -= 1
+            self._known = self._known[:n]
+            self._out = self._out[: n * self.symbol_size].copy()
+            self._out_mv = memoryview(self._out)
+            self.esi_end = min(self.esi_end, n)
+            self.through = min(self.through, n)
+        if len(self._known) < n:
+            self._grow(n)
+        first, last = m.blocks.symbol_ranges(m.symbol_size)
+        nb = len(m.blocks)
+        # per symbol: the range of blocks it overlaps
+        sym_first = np.searchsorted(last, np.arange(n), side="right")
+        sym_last = np.searchsorted(first, np.arange(n), side="right") - 1
+        self._blk_first = sym_first.tolist()
+        self._blk_last = sym_last.tolist()
+        self._blk_end = last.tolist()
+        # blocks decoded-through has passed are complete (counted just below)
+        self._blk_next = int(np.searchsorted(last, self.through, side="right"))
+        known = np.frombuffer(self._known, dtype=np.uint8).astype(np.int64)
+        csum = np.concatenate(([0], np.cumsum(known)))
+        missing = (last - first) - (csum[last] - csum[first])
+        self._blk_missing = missing.tolist()
+        self._blk_util = m.blocks.utilities.tolist()
+        self.complete = missing == 0
+        self.complete_at = np.where(self.complete, now, np.inf)
+        self.blocks_complete = int(self.complete.sum())
+        self.utility = float(m.blocks.utilities[self.complete].sum())
+        if nb == 0:
+            self._blk_missing = []
+        self._send_feedback(now)
+
+    # ------------------------------------------------------------------ other schemes
+
+    def _on_scheme_repair(self, d: Datagram) -> None:
+        """A repair of a scheme with its own wire type (kvtransport.core.schemes)."""
+        scheme = schemes.by_wire_type(d.type)
+        if scheme is None:  # a type the parser accepts but no scheme decodes any more
+            raise _Drop("unexpected_type")
+        self._symbol_slot(scheme.check(d), len(d.payload))
+        self.repair_received += 1
+        dec = self._side.get(d.type)
+        if dec is None:
+            dec = self._side[d.type] = scheme.decoder(self.symbol_size, d)
+        self._side_recovered(dec, dec.add_repair(d, self))
+
+    def known_symbol(self, esi: int) -> memoryview | bytes | None:
+        """The bytes of ESI ``esi`` if known (a view of the output buffer; b"" for the zero
+        padding beyond the stream's end once the manifest gave it), else None: what a
+        scheme's decoder may read (kvtransport.core.schemes.SymbolStore)."""
+        known = self._known
+        if esi < len(known):
+            if known[esi]:
+                s = self.symbol_size
+                return self._out_mv[esi * s : esi * s + s]
+            return None
+        if self.manifest is not None and esi >= self.n_source:
+            return b""
+        return None
+
+    def _side_recovered(self, dec: schemes.ReceiverRepair, esis: list[int]) -> None:
+        self._sync_decoder()
+        s, known, decoder = self.symbol_size, self._known, self.decoder
+        assert decoder is not None  # a repair has arrived
+        for e in esis:
+            if e < len(known) and not known[e] and (self.manifest is None or e < self.n_source):
+                dec.read_into(e, self._out_mv[e * s : e * s + s])
+                decoder.add_source(e, self._out_mv[e * s : e * s + s])
+                self.symbols_recovered += 1
+                self._mark(e)
+
+    # ------------------------------------------------------------------ control, feedback
+
+    def _on_control(self, code: int, now: float) -> None:
+        if code == ControlCode.ABORT:
+            self._finish(now, "abort")
+        elif code == ControlCode.FIN:
+            if self.deadline is None:
+                self._fin_at = now + FIN_GRACE
+            self._next_fb = None  # the sender is gone: stop reporting
+        else:
+            raise _Drop("bad_control")
+
+    def _feedback(self, now: float) -> Feedback:
+        mon = self.monitor
+        mon.sample(now)
+        # holes are reported only below the ESI end of one reordering window ago: a
+        # datagram that is merely late (jitter) is not asked for again
+        ends, cutoff = self._ends, now - mon.window_s
+        while ends and ends[0][0] <= cutoff:
+            self._settled_end = ends.popleft()[1]
+        end = min(self._settled_end, self.esi_end)
+        flags = 0
+        if self.manifest is not None:
+            flags |= FB_MANIFEST_DONE
+            if self.n_known == self.n_source:
+                flags |= FB_ALL_DONE
+        if self.finished:
+            flags |= FB_FINISHED
+        ranges = ()
+        holes = self.esi_end - self.n_known
+        if holes and end < self.esi_end:
+            holes -= self._known.count(0, end, self.esi_end)  # those still in the window
+        if holes:
+            ranges = loss_ranges(self._known, self.through, end, MAX_FEEDBACK_RANGES)
+        segments = pending_by_segment(self.decoder) if self.decoder is not None else ()
+        return Feedback(
+            max(mon.highest, 0),
+            min(int((now - self._highest_at) * 1e6), 0xFFFFFFFF),
+            mon.received,
+            mon.lost,
+            self.esi_end,
+            self.through,
+            holes,
+            self.decoder.pending_equations if self.decoder is not None else 0,
+            self.source_received,
+            self.repair_received,
+            mon.loss_rate,
+            mon.burst_mean,
+            flags,
+            ranges,
+            segments,
+        )
+
+    def _send_feedback(self, now: float) -> None:
+        if self.framer is None:
+            return
+        fb = self._feedback(now)
+        size = feedback_size(len(fb.ranges), len(fb.segments))
+        n = encode_feedback(fb, self.framer.payload_view(size))
+        self._pending.append(self.framer.finish(DatagramType.FEEDBACK, self._fb_seq, n))
+        self._fb_seq += 1
+        self.feedback_sent += 1
+        self._last_fb = now
+        if not self.finished and self._next_fb is not None:
+            self._next_fb = now + self.feedback_interval
+
+    def _answer_after_finish(self, now: float) -> None:
+        """Data after the result: remind the sender (at most once per feedback interval)."""
+        if now - self._last_fb >= self.feedback_interval:
+            self._send_feedback(now)
+
+    # ------------------------------------------------------------------ result
+
+    def _finish(self, now: float, reason: str) -> None:
+        self.finished = True
+        self.timings["finished"] = now
+        m = self.manifest
+        if m is not None:
+            payload = self._out[: m.payload_len]
+            complete = self.complete.copy()
+            complete_at = self.complete_at.copy()
+            missing = np.flatnonzero(~complete)
+            utility = min(self.utility, 1.0)
+        else:
+            payload = np.zeros(0, dtype=np.uint8)
+            complete = np.zeros(0, dtype=np.bool_)
+            complete_at = np.zeros(0, dtype=np.float64)
+            missing = np.zeros(0, dtype=np.int64)
+            utility = 0.0
+        self.result = TransferResult(
+            self.transfer_id or 0, m, payload, complete, missing, utility, reason, self.timings,
+            complete_at,
+        )  # fmt: skip
+        self._next_fb = None
+        self._sync_decoder()
+        self.decoder = None  # free the decoding window
+        self._batch = _Run()  # and the run buffer (receive_datagrams: nothing is held)
+        self._send_feedback(now)
+        # the final count (``lost``) settles every gap; the loss rate is left as it was:
+        # datagrams still in flight now are not a loss sample
+        self.monitor.settle(float("inf"))
+
+    def _drop(self, reason: str) -> None:
+        self.dropped += 1
+        self.drop_reasons[reason] = self.drop_reasons.get(reason, 0) + 1
+
+
+def pending_by_segment(decoder: RLCDecoder) -> tuple[tuple[int, int], ...]:
+    """(segment, pending equations whose pivot, i.e. lowest unknown, lies in it), lowest
+    segments first, from the decoder's ``pending_pivots()`` (at most
+    ``MAX_FEEDBACK_SEGMENTS`` segments)."""
+    if decoder.pending_equations == 0:
+        return ()
+    out: list[list[int]] = []  # a few dozen pivots at most: a plain loop beats np.unique
+    for seg in (decoder.pending_pivots() // REPAIR_SEGMENT).tolist():
+        if out and out[-1][0] == seg:
+            out[-1][1] += 1
+        elif len(out) < MAX_FEEDBACK_SEGMENTS:
+            out.append([seg, 1])
+        else:
+            break
+    return tuple((seg, count) for seg, count in out)
+
+
+class _Run:
+    """The run of data symbols ``receive_datagrams`` holds for one add_packets call: their
+    (esi, nss, repair_key, dt) rows, flat; the repairs' bytes (a source's are in the
+    output buffer); and what ``_batchable`` needs: the decoder's pending
+    equations and base when the run began, and two bounds on decoded-through once the run
+    is decoded (one past the highest ESI that can be known; an unknown ESI that stays
+    unknown)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.meta: list[int] = []
+        self.pay = np.zeros(0, dtype=np.uint8)
+        self.pay_mv = memoryview(self.pay)
+        self.ends = np.zeros(BATCH_MAX, dtype=np.int64)
+        self.pending0 = self.base = self.top = self.hole = self.holes = 0
+        self.rows = 0  # datagrams a run holds at most (set with the symbol size)
+
+    def start(self, decoder: RLCDecoder, top: int, before: int) -> None:
+        self.pending0 = decoder.pending_equations
+        self.base = decoder.base
+        self.top = top
+        self.hole, self.holes = before, 0  # the holes-th unknown ESI after ``before``
+        if not self.rows:
+            self.rows = max(1, min(BATCH_MAX, BATCH_BYTES // decoder.symbol_size))
+            self.pay = np.zeros(self.rows * decoder.symbol_size, dtype=np.uint8)
+            self.pay_mv = memoryview(self.pay)
+
+    def add_repair(self, a: int, b: int, c: int, d: int, payload: memoryview, size: int) -> None:
+        i = self.n
+        self.pay_mv[i * size : i * size + size] = payload
+        self.meta += (a, b, c, d)
+        self.n = i + 1
+
+    def clear(self) -> None:
+        self.n = 0
+        self.meta = []
+
+
+class _Drop(WireError):
+    """Internal: a datagram that parsed but cannot be used (reason set per instance)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason

@@ -1,0 +1,230 @@
+"""Sliding-window RLC (RFC 8681, dense, DT = 15): the default code.
+
+Reactive repairs: feedback lists the receiver's holes and, per aligned segment of
+``REPAIR_SEGMENT`` ESIs, the equations it already holds; each segment owed equations gets
+repairs over its own holes only, lowest segment first. Segments thus decode independently,
+any equation fixes any hole of its segment, a lost repair costs one more next round, and
+windows stay short (decoding cost grows with the window). A ``reactive`` policy has them
+sent as soon as feedback asks; otherwise they take the proactive share's slots first.
+
+Proactive repairs (one whenever the repair credit, the policy's share added per slot,
+reaches one; and, once no source may go, instead of an idle slot): over the newest
+symbols, those feedback cannot have reported yet: one RTT plus one interval of them (at
+least a segment, at most the session's ``max_repair_span``), never below decoded-through
+or the receiver's decoder window; open loop (no feedback for a while) at least
+``OPEN_LOOP_SPAN``.
+
+A repair is a REPAIR datagram (kvtransport.core.wire: repair key, DT and NSS, first ESI); the
+receiver's RLC decoder, which holds every source it knows, decodes it (kvtransport.core.receiver).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvtransport.codecs.rlc import RLCEncoder
+from kvtransport.core.protocol import DECODER_WINDOW
+from kvtransport.core.schemes.base import OWED_SEGMENTS, RepairScheme, SenderRepair
+from kvtransport.core.wire import REPAIR_SEGMENT, DatagramType, pack_dt_nss
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from kvtransport.core.policy_base import Policy
+    from kvtransport.core.schemes.base import SenderView
+    from kvtransport.core.wire import Feedback
+
+_REPAIR = int(DatagramType.REPAIR)
+_DT_DENSE = 15
+_REPAIR_BATCH = 8
+"""Most repairs built ahead in one pass over their sources (RLCEncoder.repairs_into) when
+the sender knows it will send several over the same span (see ``_repair``)."""
+_TAIL_BATCH = 4
+"""Repairs built ahead once every source is sent: the span then holds until feedback moves
+decoded-through, and at most this many minus one are built in vain when it does."""
+OPEN_LOOP_SPAN = 512
+"""Open loop, each proactive repair covers at least this many newest symbols (wider spans
+recover more of an unreported loss pattern, but cost more to encode and decode)."""
+
+
+class RLCSender(SenderRepair):
+    """The encoder (reading the sources in place from the payload), the repair credit, the
+    segments still owed equations and the repairs built ahead."""
+
+    owed_model = OWED_SEGMENTS
+    fills_idle = True
+    repairs_open_loop = True
+
+    def __init__(self, session: SenderView, policy: Policy) -> None:
+        super().__init__(session, policy)
+        s, n = session.symbol_size, session.n_source
+        assert session.transfer is not None  # a new session holds its transfer
+        # stream mode: no per-source copy into an encoder ring
+        self.encoder: RLCEncoder | None = RLCEncoder(
+            s, window=min(DECODER_WINDOW, max(n, 1)), stream=session.transfer.payload
+        )
+        self.answer_holes = bool(policy.reactive)
+        self.credit = 0.0
+        self.key = 0
+        self.span = REPAIR_SEGMENT  # proactive span (rtt_changed)
+        # [segment, equations still to send, one past its highest hole], lowest first
+        self.segments: deque[list[int]] = deque()
+        self.flight: deque[tuple[int, int]] = deque()  # (seq, segment) sent after echo
+        # repairs built ahead over one span (rows), for keys ahead_key..
+        self._area = session.framer.payload_view(s)
+        self._ahead = np.zeros((_REPAIR_BATCH, s), dtype=np.uint8)
+        self._ahead_span = (-1, 0)
+        self._ahead_key = -1
+        self._ahead_i = self._ahead_n = 0
+
+    # ------------------------------------------------------------------ session hooks
+
+    def before_source(self, t: float) -> bytes | None:
+        reactive = self.needed > 0
+        if reactive and self.answer_holes:
+            d = self._repair(True)
+            if d is not None:
+                self.reactive = True
+                return d
+        s = self.session
+        self.credit += s.share
+        if self.credit >= 1.0:
+            self.credit -= 1.0
+            d = self._repair(reactive)
+            if d is not None:
+                self.reactive = reactive
+                return d
+            self.credit = 0.0
+        return None
+
+    def fill(self, t: float) -> bytes | None:
+        reactive = self.needed > 0
+        self.reactive = reactive
+        return self._repair(reactive)
+
+    def rtt_changed(self) -> None:
+        s = self.session
+        span = int(2.0 * s.owd / s.slot_s) + s.decision_packets
+        self.span = min(s.max_repair_span, max(REPAIR_SEGMENT, span))
+
+    def restart(self) -> None:
+        self.segments.clear()
+        self.flight.clear()
+        self.needed = 0
+
+    def release(self) -> None:
+        self.encoder = None
+
+    def on_feedback(self, fb: Feedback, now: float) -> None:
+        """Equations still owed per segment: its recoverable holes, minus the equations the
+        receiver holds pivoted there, minus reactive repairs to it still in flight.
+
+        Reactive repairs never leave their aligned segment, so segments decode on their
+        own: any equation to a segment fixes any one of its holes, a lost one costs one
+        more next round, and the lowest segments (the most useful, in utility order) are
+        served first."""
+        s = self.session
+        flight = self.flight
+        while flight and flight[0][0] <= s.fb_echo:
+            flight.popleft()  # it had arrived (or was lost) when the receiver reported
+        in_flight: dict[int, int] = {}
+        for _, seg in flight:
+            in_flight[seg] = in_flight.get(seg, 0) + 1
+        pending = dict(fb.segments)
+        floor = max(0, s.next_esi - DECODER_WINDOW + 1)
+        holes: dict[int, list[int]] = {}  # segment -> [holes, end]
+        for first, count in fb.ranges:
+            first_ok = max(first, floor)
+            end = first + count
+            while first_ok < end:
+                seg = first_ok // REPAIR_SEGMENT
+                stop = min(end, (seg + 1) * REPAIR_SEGMENT)
+                h = holes.setdefault(seg, [0, stop])
+                h[0] += stop - first_ok
+                h[1] = stop
+                first_ok = stop
+        plan: deque[list[int]] = deque()
+        total = 0
+        for seg in sorted(holes):
+            n, end = holes[seg]
+            owed = n - pending.get(seg, 0) - in_flight.get(seg, 0)
+            if owed > 0:
+                plan.append([seg, owed, end])
+                total += owed
+        self.segments = plan
+        self.needed = total
+        s.fb_deficit = total if fb.ranges else max(0, fb.unrecovered - fb.pending)
+
+    # ------------------------------------------------------------------ repairs
+
+    def _window(self, reactive: bool) -> tuple[int, int]:
+        s = self.session
+        hi = s.next_esi
+        floor = max(0, hi - DECODER_WINDOW + 1)
+        if reactive and self.segments:
+            # the lowest segment still short of equations, from its first hole (at or
+            # above decoded-through) to its last
+            seg, _, end = self.segments[0]
+            return max(seg * REPAIR_SEGMENT, s.fb_through, floor), min(end, hi)
+        # proactive: the newest symbols, those feedback cannot have reported yet (one RTT
+        # and an interval of them); older holes are the reactive repairs' job
+        span = max(OPEN_LOOP_SPAN, self.span) if s.open_loop else self.span
+        return max(s.fb_through, floor, hi - span), hi
+
+    def _repair(self, reactive: bool) -> bytes | None:
+        lo, hi = self._window(reactive)
+        if hi <= lo:
+            return None
+        s = self.session
+        key = self.key
+        self.key = (key + 1) & 0xFFFF
+        nss = hi - lo
+        enc = self.encoder
+        assert enc is not None  # not released
+        if enc.next_esi != s.next_esi:
+            enc.add_stream_sources(s.next_esi)  # what has been sent so far
+        i = self._ahead_i
+        if i < self._ahead_n and key == self._ahead_key and (lo, nss) == self._ahead_span:
+            self._area[:] = self._ahead[i]  # built ahead, bit-identical
+            self._ahead_i = i + 1
+            self._ahead_key = (key + 1) & 0xFFFF
+        else:
+            self._ahead_n = 0
+            # several repairs over this span to come: build them in one pass over its sources
+            if reactive and self.segments:
+                count = min(self.segments[0][1], _REPAIR_BATCH)
+            elif s.next_esi >= s.n_source:
+                count = _TAIL_BATCH
+            else:
+                count = 1  # sources still go out between repairs, moving the span
+            if count > 1:
+                keys = np.arange(key, key + count, dtype=np.int64) & 0xFFFF
+                enc.repairs_into(self._ahead, lo, nss, keys, _DT_DENSE)
+                self._area[:] = self._ahead[0]
+                self._ahead_span, self._ahead_key = (lo, nss), (key + 1) & 0xFFFF
+                self._ahead_i, self._ahead_n = 1, count
+            else:
+                enc.repair_into(self._area, lo, nss, key, _DT_DENSE)
+        if reactive and self.segments:
+            entry = self.segments[0]
+            self.flight.append((s.seq, entry[0]))
+            self.needed -= 1
+            entry[1] -= 1
+            if entry[1] <= 0:
+                self.segments.popleft()
+        s.stats["rlc_repair_sent"] += 1
+        return s.framer.finish(
+            _REPAIR, s.seq, s.symbol_size, esi=lo, key=key, dt_nss=pack_dt_nss(_DT_DENSE, nss)
+        )
+
+
+class RLC(RepairScheme):
+    name = "rlc"
+    stat = "rlc_repair_sent"
+
+    def sender(self, session: SenderView, policy: Policy) -> SenderRepair:
+        return RLCSender(session, policy)
+
+
+SCHEME = RLC()

@@ -1,0 +1,598 @@
+"""Wire format: one versioned header for every kvtransport datagram.
+
+Every datagram (data path and feedback path) starts with the same fixed 28-byte header,
+network byte order, followed by the payload; with a pre-shared key (the default everywhere
+a user runs the transport) the payload is sealed with AES-256-GCM (see "Sealing" below)::
+
+    offset size field         meaning
+    ------ ---- ------------- -----------------------------------------------------------
+     0     2    magic         0x4B56 ("KV")
+     2     1    version       2
+     3     1    type          DatagramType (table below)
+     4     1    flags         bit 0 SEALED: the payload is AES-GCM ciphertext and a 16-byte
+                              tag follows it
+                              bit 1 RETRANSMIT: an ARQ retransmission of a source symbol
+                              other bits must be 0
+     5     1    reserved      must be 0
+     6     2    payload_len   bytes of payload after the header (tag not included)
+     8     8    transfer_id   random 64-bit id chosen by the sender for one transfer
+    16     4    seq           per-direction packet number: every data-path datagram of a
+                              transfer (manifest, source, repair, control) takes the next
+                              one, so the receiver measures loss and bursts from the gaps;
+                              feedback datagrams number their own sequence
+    20     2    key           FEC payload id, first half (per type, below)
+    22     2    dt_nss        DT (4 high bits) and NSS (12 low bits) per RFC 8681
+    24     4    esi           FEC payload id, ESI part (per type, below)
+    28     n    payload       plaintext, or with SEALED its AES-GCM ciphertext (same length)
+    28+n   16   tag           only with SEALED: the AES-GCM tag over header and payload
+
+Sealing (one mechanism for every type: sources, repairs, manifest, feedback, control).
+Each transfer has its own AES-256 key, ``HKDF-SHA256(ikm = pre-shared key, salt =
+transfer_id as 8 bytes, info = "kvtransport/2 datagram AES-256-GCM")``; the transfer id is
+64 random bits the sender draws per transfer, so it is the per-transfer salt. The 96-bit
+GCM nonce is ``direction (u32: 0 sender -> receiver, 1 the FEEDBACK type, receiver ->
+sender) | seq (u64)``: each direction numbers its datagrams 0, 1, 2, ... (a :class:`Framer`
+refuses to go back), so no nonce repeats under one key. The 28-byte header is the
+associated data: every header bit is authenticated, and a datagram moved to another
+transfer, direction or sequence number fails its tag. Without a key (the explicit
+``--insecure`` mode) datagrams carry plaintext and no tag, and a keyed parser rejects
+them (and an unkeyed one rejects sealed ones) as ``bad_tag``.
+
+Per type (the FEC payload id fields are RFC 8681's: a source symbol carries its 32-bit ESI;
+a repair symbol carries Repair_Key 16, DT 4, NSS 12 and the ESI of the first source symbol
+of its window)::
+
+    type             code key                    dt_nss        esi               payload
+    ---------------- ---- ---------------------- ------------- ----------------- -----------
+    SOURCE           1    0                      0             ESI               symbol
+    REPAIR           2    repair_key             DT, NSS       first ESI         symbol
+    BLOCK_REPAIR     3    p << 8 | repair index  NSS = k       first ESI (block) symbol
+    FEEDBACK         4    0                      0             0                 FEEDBACK_*
+    MANIFEST         5    M (manifest symbols)   0             manifest ESI      symbol
+    MANIFEST_REPAIR  6    repair_key             DT, NSS = M   0                 symbol
+    CONTROL          7    0                      0             ControlCode       optional
+
+REPAIR is a streaming RLC repair (RFC 8681 sliding window over GF(2^8)); BLOCK_REPAIR is a
+Reed-Solomon parity symbol of the block of k source symbols starting at ``esi`` (n = k + p
+<= 255, so p and the index fit one byte each); an ARQ retransmission is a SOURCE datagram
+with the RETRANSMIT flag. A repair scheme's own type is listed here and in
+``SCHEME_TYPES``; one registered at run time (kvtransport.core.schemes.register) may bring a
+type this table does not list, which parsers accept while it is registered. The transport
+manifest travels in its own ESI space (MANIFEST and MANIFEST_REPAIR) with its own RLC
+code; see kvtransport.core.transfer for its content.
+
+Feedback payload (receiver -> sender): ``FEEDBACK_FIXED`` (counters, loss estimates, flags;
+field list at its definition), then ``n_ranges`` loss ranges ``(first ESI u32, count u16)``
+of recoverable source symbols the receiver still misses, lowest first (the NACK list), then
+``n_segments`` entries ``(segment u32, pending u16)``: how many of its pending repair
+equations have their lowest unknown in the aligned segment of ``REPAIR_SEGMENT`` ESIs, so
+the sender can tell how many more equations each segment needs.
+
+Parsing is defensive: whatever the bytes, :func:`parse` either returns a :class:`Datagram`
+or raises a :class:`WireError` subclass whose ``reason`` names a counter; nothing else
+escapes. Per-packet cost matters (a few microseconds per datagram in Python), so the header
+is one precompiled ``struct.Struct``, datagrams are built in one preallocated buffer by
+:class:`Framer`, payloads come back as memoryviews (slices of the caller's buffer when
+unsealed, of the decrypted copy when sealed), and each transfer's AES-GCM context is
+derived once and kept (a :class:`Parser` keeps the most recent ``MAX_CACHED_KEYS``).
+"""
+
+from __future__ import annotations
+
+import struct
+from enum import IntEnum
+from typing import NamedTuple, NoReturn
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from kvtransport.core.protocol import LINK_OVERHEAD_BYTES
+
+MAGIC = 0x4B56
+VERSION = 2
+HEADER = struct.Struct("!HBBBBHQIHHI")
+HEADER_SIZE = HEADER.size  # 28
+TAG_SIZE = 16
+MAX_DATAGRAM = 65507  # largest UDP payload over IPv4
+MAX_PAYLOAD = MAX_DATAGRAM - HEADER_SIZE - TAG_SIZE
+
+FLAG_SEALED = 0x01
+FLAG_RETRANSMIT = 0x02
+_KNOWN_FLAGS = FLAG_SEALED | FLAG_RETRANSMIT
+
+MIN_KEY_BYTES = 16
+MAX_KEY_BYTES = 64
+MAX_CACHED_KEYS = 256
+"""Per-transfer AES-GCM contexts a :class:`Parser` keeps (forged transfer ids cannot grow
+it beyond this; an evicted genuine transfer's context is derived again)."""
+_HKDF_INFO = b"kvtransport/2 datagram AES-256-GCM"
+
+MAX_NSS = 0x0FFF
+MAX_DT = 15
+
+
+def link_bytes(symbol_size: int, tagged: bool = False) -> int:
+    """Bytes one data datagram of ``symbol_size`` occupies on the link: header, symbol,
+    authentication tag when sealed, and the link's own overhead (LINK_OVERHEAD_BYTES)."""
+    return HEADER_SIZE + symbol_size + (TAG_SIZE if tagged else 0) + LINK_OVERHEAD_BYTES
+
+
+def full_send_time(n_bytes: int, rate_bps: float, symbol_size: int, tagged: bool = False) -> float:
+    """Seconds to send a payload's source symbols loss-free at the link rate: rho's unit
+    (a deadline of ``rho`` is ``rho * full_send_time(...)``)."""
+    n_source = -(-n_bytes // symbol_size)
+    return n_source * link_bytes(symbol_size, tagged) * 8.0 / rate_bps
+
+
+class DatagramType(IntEnum):
+    """The ``type`` byte of the header."""
+
+    SOURCE = 1
+    REPAIR = 2
+    BLOCK_REPAIR = 3
+    FEEDBACK = 4
+    MANIFEST = 5
+    MANIFEST_REPAIR = 6
+    CONTROL = 7
+
+
+SCHEME_TYPES = frozenset({int(DatagramType.BLOCK_REPAIR)})
+"""The types whose datagrams a receiver hands to a repair scheme's decoder
+(kvtransport.core.schemes: a scheme names its type as ``wire_type``)."""
+_ACCEPTED = bytearray(256)  # per type byte: 1 if parsers accept it
+for _t in DatagramType:
+    _ACCEPTED[_t] = 1
+_SOURCE_TYPE = int(DatagramType.SOURCE)
+
+
+def is_listed_type(code: int) -> bool:
+    """Is ``code`` a ``DatagramType`` of the wire format itself?"""
+    return code in DatagramType._value2member_map_
+
+
+def accept_type(code: int) -> None:
+    """Let parsers accept datagrams of type ``code``, a type ``DatagramType`` does not list
+    (a repair scheme registered at run time, kvtransport.core.schemes.register)."""
+    if not 0 < code < 256:
+        raise ValueError(f"datagram type {code} outside 1..255")
+    _ACCEPTED[code] = 1
+
+
+def refuse_type(code: int) -> None:
+    """Undo :func:`accept_type` (the wire format's own types stay)."""
+    if not is_listed_type(code):
+        _ACCEPTED[code] = 0
+
+
+# The parser's view of the same header: magic, version and type as one u32, flags and
+# reserved as one u16 (so a good header passes a few integer tests).
+_FAST = struct.Struct("!IHHQIHHI")
+_PREFIX = MAGIC << 16 | VERSION << 8
+_SEALED_BIT = FLAG_SEALED << 8
+_RETRANSMIT_BIT = FLAG_RETRANSMIT << 8
+_BAD_BITS = 0xFFFF & ~(_KNOWN_FLAGS << 8)  # unknown flags, or a non-zero reserved byte
+_tuple_new = tuple.__new__  # a Datagram without the Python-level NamedTuple constructor
+_NONCE = struct.Struct("!IQ")  # direction, seq: the 96-bit GCM nonce
+_NONCE_PACK = _NONCE.pack
+_HEADER_PACK = HEADER.pack
+_FEEDBACK_TYPE = 4  # DatagramType.FEEDBACK: the receiver -> sender direction
+
+
+class ControlCode(IntEnum):
+    """The ``esi`` field of a CONTROL datagram."""
+
+    FIN = 1  # the sender has stopped sending for good (deadline reached or all delivered)
+    ABORT = 2  # the sender cancelled the transfer: deliver what you have now
+
+
+# Feedback: echo_seq, echo_delay_us, received, lost, esi_end, decoded_through, unrecovered,
+# pending, source_received, repair_received, loss_rate, burst_mean, flags, n_ranges, n_segments
+FEEDBACK_FIXED = struct.Struct("!IIIIIIIIIIffHHH")
+FEEDBACK_RANGE = struct.Struct("!IH")
+FEEDBACK_SEGMENT = struct.Struct("!IH")
+FB_MANIFEST_DONE = 0x01  # the receiver has decoded the transport manifest
+FB_ALL_DONE = 0x02  # every source symbol is known: stop sending
+FB_FINISHED = 0x04  # the receiver has yielded its result (deadline, abort or all done)
+MAX_FEEDBACK_RANGES = 96
+MAX_FEEDBACK_SEGMENTS = 96
+REPAIR_SEGMENT = 64
+"""Reactive RLC repairs stay inside aligned segments of this many ESIs (see
+kvtransport.core.sender); the receiver reports its pending equations per segment."""
+
+
+class WireError(ValueError):
+    """A datagram that must be dropped; ``reason`` names the counter to bump."""
+
+    reason = "malformed"
+
+
+class Truncated(WireError):
+    reason = "truncated"
+
+
+class Oversized(WireError):
+    reason = "oversized"
+
+
+class BadMagic(WireError):
+    reason = "bad_magic"
+
+
+class BadVersion(WireError):
+    reason = "bad_version"
+
+
+class BadType(WireError):
+    reason = "bad_type"
+
+
+class BadLength(WireError):
+    """Lengths or fields that contradict each other (payload_len vs datagram size, ...)."""
+
+    reason = "bad_length"
+
+
+class BadTag(WireError):
+    """Missing, unexpected or wrong authentication tag (a sealed datagram that does not
+    open under this transfer's key, or a sealed/unsealed mismatch)."""
+
+    reason = "bad_tag"
+
+
+class BadPayload(WireError):
+    """A header that parses but a payload (feedback, manifest) that does not."""
+
+    reason = "bad_payload"
+
+
+class Datagram(NamedTuple):
+    """One parsed datagram; ``payload`` is a memoryview into the caller's buffer."""
+
+    type: int
+    flags: int
+    transfer_id: int
+    seq: int
+    key: int
+    dt_nss: int
+    esi: int
+    payload: memoryview
+
+    @property
+    def dt(self) -> int:
+        return self.dt_nss >> 12
+
+    @property
+    def nss(self) -> int:
+        return self.dt_nss & MAX_NSS
+
+
+def check_key(key: bytes) -> bytes:
+    """``key`` as bytes if it is a usable pre-shared key (16..64 bytes), else ValueError."""
+    if not isinstance(key, bytes | bytearray) or not (MIN_KEY_BYTES <= len(key) <= MAX_KEY_BYTES):
+        n = len(key) if isinstance(key, bytes | bytearray) else type(key).__name__
+        raise ValueError(
+            f"the pre-shared key must be {MIN_KEY_BYTES}..{MAX_KEY_BYTES} bytes (got {n})"
+        )
+    return bytes(key)
+
+
+def transfer_cipher(key: bytes, transfer_id: int) -> AESGCM:
+    """The AES-256-GCM context of one transfer: its key is HKDF-SHA256 of the pre-shared
+    ``key`` (already checked) salted with the transfer id (module docstring)."""
+    kdf = HKDF(
+        algorithm=hashes.SHA256(),
+        length=32,
+        salt=transfer_id.to_bytes(8, "big"),
+        info=_HKDF_INFO,
+    )
+    return AESGCM(kdf.derive(key))
+
+
+class Parser:
+    """Parses and opens datagrams under one pre-shared key (or none: insecure mode).
+
+    With a key, unsealed datagrams and ones that do not open under their transfer's key
+    raise :class:`BadTag`; without a key, sealed datagrams raise :class:`BadTag` too (they
+    cannot be opened, and accepting them would hide a misconfigured peer). Per-transfer
+    contexts are cached (at most ``MAX_CACHED_KEYS``, oldest evicted first).
+    """
+
+    __slots__ = ("_key", "_ciphers")
+
+    def __init__(self, key: bytes | None = None) -> None:
+        self._key = None if key is None else check_key(key)
+        self._ciphers: dict[int, AESGCM] = {}
+
+    def _cipher(self, tid: int) -> AESGCM:
+        ciphers = self._ciphers
+        if len(ciphers) >= MAX_CACHED_KEYS:
+            del ciphers[next(iter(ciphers))]
+        assert self._key is not None  # parse() seals and opens only with a key
+        c = ciphers[tid] = transfer_cipher(self._key, tid)
+        return c
+
+    def parse(self, data: bytes | bytearray | memoryview) -> Datagram:
+        """Return the datagram in ``data`` or raise a :class:`WireError`.
+
+        The hot path of every receiver: a well-formed datagram passes one combined test of
+        the header (magic, version, type, flags and lengths in a few integer comparisons)
+        and, with a key, one AES-GCM open with its transfer's cached context; anything
+        that fails the header test goes through :meth:`_reject`, which names the first
+        problem in the documented order.
+        """
+        n = len(data)
+        if n < HEADER_SIZE:
+            self._reject(data)
+        mvt, fr, plen, tid, seq, key, dt_nss, esi = _FAST.unpack_from(data, 0)
+        dtype = mvt & 0xFF
+        end = HEADER_SIZE + plen
+        sealed = self._key is not None
+        if (
+            mvt & 0xFFFFFF00 != _PREFIX
+            or fr & _BAD_BITS
+            or not _ACCEPTED[dtype]
+            or n != (end + TAG_SIZE if sealed else end)
+            or n > MAX_DATAGRAM
+            or (fr & _SEALED_BIT) != (_SEALED_BIT if sealed else 0)
+        ):
+            self._reject(data)
+        mv = memoryview(data)
+        if fr & _RETRANSMIT_BIT and dtype != _SOURCE_TYPE:
+            raise BadType("RETRANSMIT flag on a non-source datagram")
+        if sealed:
+            c = self._ciphers.get(tid)
+            if c is None:
+                c = self._cipher(tid)
+            try:
+                payload = memoryview(
+                    c.decrypt(
+                        _NONCE.pack(dtype == _FEEDBACK_TYPE, seq),
+                        mv[HEADER_SIZE:n],
+                        mv[:HEADER_SIZE],
+                    )
+                )
+            except InvalidTag:
+                raise BadTag("datagram does not open under its transfer's key") from None
+        else:
+            payload = mv[HEADER_SIZE:end]
+        return _tuple_new(Datagram, (dtype, fr >> 8, tid, seq, key, dt_nss, esi, payload))
+
+    def _reject(self, data: bytes | bytearray | memoryview) -> NoReturn:
+        """Raise the :class:`WireError` that names what is wrong with ``data`` (checked in
+        the order the module docstring's header lists the fields)."""
+        n = len(data)
+        if n < HEADER_SIZE:
+            raise Truncated(f"{n} bytes < {HEADER_SIZE}-byte header")
+        if n > MAX_DATAGRAM:
+            raise Oversized(f"{n} bytes > {MAX_DATAGRAM}")
+        magic, version, dtype, flags, reserved, plen, *_ = HEADER.unpack_from(data, 0)
+        if magic != MAGIC:
+            raise BadMagic(f"magic {magic:#06x}")
+        if version != VERSION:
+            raise BadVersion(f"version {version}")
+        if not _ACCEPTED[dtype]:
+            raise BadType(f"type {dtype}")
+        if flags & ~_KNOWN_FLAGS or reserved:
+            raise BadType(f"unknown flags {flags:#x}/{reserved:#x}")
+        end = HEADER_SIZE + plen
+        sealed = flags & FLAG_SEALED
+        expect = end + TAG_SIZE if sealed else end
+        if n < expect:
+            raise Truncated(f"{n} bytes < {expect} announced")
+        if n > expect:
+            raise BadLength(f"{n} bytes > {expect} announced")
+        if self._key is not None and not sealed:
+            raise BadTag("unsealed datagram but a key is configured")
+        if self._key is None and sealed:
+            raise BadTag("sealed datagram but no key configured (insecure mode)")
+        raise WireError("malformed")  # pragma: no cover (parse lets only good ones through)
+
+
+def parse(data: bytes | bytearray | memoryview, key: bytes | None = None) -> Datagram:
+    """One-off parse (tests, tools); hot paths keep a :class:`Parser`."""
+    return Parser(key).parse(data)
+
+
+class Framer:
+    """Builds datagrams of one transfer in one preallocated buffer.
+
+    Hot path: write the payload into :meth:`payload_view` (or let a codec write it
+    there with ``repair_into``), then :meth:`finish` packs the header, seals the payload
+    (with a key) and returns the datagram as ``bytes``. Sequence numbers must increase
+    per direction (FEEDBACK, everything else): the nonce is made of them, so a repeat
+    raises ValueError instead of reusing a nonce.
+    """
+
+    __slots__ = (
+        "transfer_id", "_cipher", "_flags", "_tag_len", "_next_seq", "buf", "_mv", "_pv",
+    )  # fmt: skip
+
+    def __init__(self, transfer_id: int, key: bytes | None = None, max_payload: int = 2048) -> None:
+        if not 0 <= transfer_id < 1 << 64:
+            raise ValueError("transfer_id must fit 64 bits")
+        if not 0 < max_payload <= MAX_PAYLOAD:
+            raise ValueError(f"max_payload must be 1..{MAX_PAYLOAD}")
+        self.transfer_id = transfer_id
+        self._cipher = None if key is None else transfer_cipher(check_key(key), transfer_id)
+        self._flags = FLAG_SEALED if key is not None else 0
+        self._tag_len = TAG_SIZE if key is not None else 0
+        self._next_seq = [0, 0]  # per direction: the lowest seq not yet used
+        self.buf = bytearray(HEADER_SIZE + max_payload + TAG_SIZE)
+        self._mv = memoryview(self.buf)
+        self._pv = self._mv[HEADER_SIZE:HEADER_SIZE]  # the last payload view finish used
+
+    @property
+    def overhead(self) -> int:
+        """Bytes a datagram carries beyond its payload (header and tag)."""
+        return HEADER_SIZE + self._tag_len
+
+    def payload_view(self, n: int) -> memoryview:
+        """The buffer region where the next datagram's ``n``-byte payload goes."""
+        return self._mv[HEADER_SIZE : HEADER_SIZE + n]
+
+    def finish(
+        self,
+        dtype: int,
+        seq: int,
+        n: int,
+        esi: int = 0,
+        key: int = 0,
+        dt_nss: int = 0,
+        flags: int = 0,
+    ) -> bytes:
+        """Pack the header for an ``n``-byte payload already in place, seal it; return the
+        datagram."""
+        pv = self._pv
+        if len(pv) != n:
+            pv = self._pv = self._mv[HEADER_SIZE : HEADER_SIZE + n]
+        return self.seal(dtype, seq, pv, esi, key, dt_nss, flags)
+
+    def seal(
+        self,
+        dtype: int,
+        seq: int,
+        payload: bytes | bytearray | memoryview,
+        esi: int = 0,
+        key: int = 0,
+        dt_nss: int = 0,
+        flags: int = 0,
+    ) -> bytes:
+        """:meth:`finish` for a payload held elsewhere (e.g. a slice of the transfer's
+        buffer): the same datagram, without copying the payload into the framer's buffer
+        first. The header is packed straight into ``bytes`` (it is the AEAD's associated
+        data as is), and the datagram is header + sealed payload (+ tag)."""
+        direction = dtype == _FEEDBACK_TYPE
+        nxt = self._next_seq
+        if seq < nxt[direction]:
+            raise ValueError(f"seq {seq} already used in this direction (nonce reuse)")
+        n = len(payload)
+        if n > MAX_PAYLOAD:
+            raise ValueError(f"payload of {n} bytes > {MAX_PAYLOAD}")
+        header = _HEADER_PACK(
+            MAGIC,
+            VERSION,
+            dtype,
+            flags | self._flags,
+            0,
+            n,
+            self.transfer_id,
+            seq,
+            key,
+            dt_nss,
+            esi,
+        )
+        nxt[direction] = seq + 1
+        c = self._cipher
+        if c is None:
+            return header + payload
+        return header + c.encrypt(_NONCE_PACK(direction, seq), payload, header)
+
+    def build(
+        self,
+        dtype: int,
+        seq: int,
+        payload: bytes | bytearray | memoryview = b"",
+        esi: int = 0,
+        key: int = 0,
+        dt_nss: int = 0,
+        flags: int = 0,
+    ) -> bytes:
+        """Copy ``payload`` in and :meth:`finish` (convenience for non-hot datagrams)."""
+        n = len(payload)
+        if n > len(self.buf) - HEADER_SIZE - TAG_SIZE:
+            raise ValueError(f"payload of {n} bytes exceeds the framer's buffer")
+        self._mv[HEADER_SIZE : HEADER_SIZE + n] = payload
+        return self.finish(dtype, seq, n, esi, key, dt_nss, flags)
+
+
+def pack_dt_nss(dt: int, nss: int) -> int:
+    """RFC 8681 DT (4 bits) and NSS (12 bits) in one 16-bit field."""
+    if not 0 <= dt <= MAX_DT or not 1 <= nss <= MAX_NSS:
+        raise ValueError(f"dt {dt} or nss {nss} out of range (0..15, 1..4095)")
+    return dt << 12 | nss
+
+
+def block_repair_key(p: int, index: int) -> int:
+    """The ``key`` field of a BLOCK_REPAIR: parity count p and this parity's index."""
+    if not 1 <= p <= 255 or not 0 <= index < p:
+        raise ValueError(f"block repair p={p} index={index} out of range")
+    return p << 8 | index
+
+
+class Feedback(NamedTuple):
+    """The receiver's report (feedback payload), see the module docstring."""
+
+    echo_seq: int  # highest data-path seq received
+    echo_delay_us: int  # time between receiving echo_seq and sending this report
+    received: int  # data-path datagrams received (unique)
+    lost: int  # data-path datagrams missing from the seq space so far
+    esi_end: int  # highest source ESI known + 1 (0: none)
+    decoded_through: int  # every source ESI below this is known
+    unrecovered: int  # source ESIs below esi_end still unknown and still recoverable
+    pending: int  # independent repair equations held that involve unknown sources
+    source_received: int  # source datagrams received (unique ESIs)
+    repair_received: int  # repair datagrams received
+    loss_rate: float  # receiver's smoothed packet loss rate
+    burst_mean: float  # receiver's smoothed loss-burst length (packets)
+    flags: int  # FB_* bits
+    ranges: tuple[tuple[int, int], ...]  # missing source ESIs: (first, count), lowest first
+    segments: tuple[tuple[int, int], ...] = ()  # (segment index, pending equations pivoted there)
+
+
+def encode_feedback(fb: Feedback, out: memoryview) -> int:
+    """Write ``fb`` into ``out``; return the number of bytes written."""
+    ranges = fb.ranges[:MAX_FEEDBACK_RANGES]
+    segments = fb.segments[:MAX_FEEDBACK_SEGMENTS]
+    FEEDBACK_FIXED.pack_into(out, 0, *fb[:13], len(ranges), len(segments))
+    off = FEEDBACK_FIXED.size
+    for first, count in ranges:
+        FEEDBACK_RANGE.pack_into(out, off, first, count)
+        off += FEEDBACK_RANGE.size
+    for seg, pending in segments:
+        FEEDBACK_SEGMENT.pack_into(out, off, seg, pending)
+        off += FEEDBACK_SEGMENT.size
+    return off
+
+
+def feedback_size(n_ranges: int, n_segments: int = 0) -> int:
+    """Payload bytes of a feedback with that many loss ranges and segment entries."""
+    return (
+        FEEDBACK_FIXED.size
+        + min(n_ranges, MAX_FEEDBACK_RANGES) * FEEDBACK_RANGE.size
+        + min(n_segments, MAX_FEEDBACK_SEGMENTS) * FEEDBACK_SEGMENT.size
+    )
+
+
+def decode_feedback(payload: bytes | memoryview) -> Feedback:
+    """Parse a feedback payload; raises :class:`BadPayload` when it is inconsistent."""
+    n = len(payload)
+    if n < FEEDBACK_FIXED.size:
+        raise BadPayload(f"feedback of {n} bytes")
+    fields = FEEDBACK_FIXED.unpack_from(payload, 0)
+    n_ranges, n_segments = fields[13], fields[14]
+    if (
+        n_ranges > MAX_FEEDBACK_RANGES
+        or n_segments > MAX_FEEDBACK_SEGMENTS
+        or n != feedback_size(n_ranges, n_segments)
+    ):
+        raise BadPayload(f"feedback announces {n_ranges}+{n_segments} entries in {n} bytes")
+    loss_rate, burst_mean = fields[10], fields[11]
+    if not (0.0 <= loss_rate <= 1.0) or not (0.0 <= burst_mean < 1e9):  # also rejects NaN
+        raise BadPayload("feedback loss estimates out of range")
+    esi_end, through, unrecovered = fields[4], fields[5], fields[6]
+    if through > esi_end or unrecovered > esi_end - through:
+        raise BadPayload("feedback ESI counters contradict each other")
+    off = FEEDBACK_FIXED.size
+    step = FEEDBACK_RANGE.size
+    ranges = tuple(FEEDBACK_RANGE.unpack_from(payload, off + i * step) for i in range(n_ranges))
+    for first, count in ranges:
+        if count == 0 or first < through or first + count > esi_end:
+            raise BadPayload("feedback loss range outside the reported window")
+    off += n_ranges * step
+    step = FEEDBACK_SEGMENT.size
+    segments = tuple(
+        FEEDBACK_SEGMENT.unpack_from(payload, off + i * step) for i in range(n_segments)
+    )
+    return Feedback._make((*fields[:13], ranges, segments))

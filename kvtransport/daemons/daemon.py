@@ -1,0 +1,503 @@
+"""What both daemons share: the event loop, the ZeroMQ control server, signals, logs.
+
+A daemon is an *engine* (kvtransport.daemons.daemon_sender.SenderEngine or
+kvtransport.daemons.daemon_receiver.ReceiverEngine: a sans-I/O host and its UDP socket, no ZeroMQ)
+plus control sockets. :func:`serve` runs them on one thread:
+
+    loop:  engine.run_due(now)       timers due: paced datagrams, feedback, deadlines
+           control.drain()           every waiting ZeroMQ request, answered at once
+           select(UDP socket, ZeroMQ descriptors, signal pipe; timeout = engine's next wake)
+           engine.on_readable(now)   every datagram waiting, in one batch
+
+ZeroMQ's descriptor is edge-triggered: it signals that the socket's state *changed*, so
+the loop drains each control socket (``zmq.EVENTS`` says what is left) before every sleep;
+a message that arrives during the sleep then always wakes it. Control sockets are only
+polled this way, never blocked on, so a slow client cannot stall pacing.
+
+SIGTERM and SIGINT set a flag and write to a wake-up pipe (``signal.set_wakeup_fd``), so
+the loop notices at once even in a long sleep; the daemon then shuts its engine down
+cleanly (the sender aborts transfers in flight, telling receivers to deliver; the receiver
+delivers what it holds), closes its sockets and exits 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import signal
+import socket
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import IO, Any, Protocol
+
+from kvtransport.daemons.api import (
+    MAX_HEADER_BYTES,
+    ApiError,
+    check_endpoint,
+    dump_json,
+    load_json_header,
+)
+from kvtransport.daemons.udp import clock, set_timer_slack, wait_readable
+from kvtransport.errors import UserError
+
+log = logging.getLogger("kvtransport.daemon")
+
+MAX_IDLE_SLEEP_S = 0.5
+"""Longest sleep with nothing scheduled (housekeeping and expiry run at least this often)."""
+
+
+class Engine(Protocol):
+    """The data plane a daemon drives (see the module docstring)."""
+
+    def fileno(self) -> int: ...
+
+    def run_due(self, now: float) -> None: ...
+
+    def on_readable(self, now: float) -> None: ...
+
+    def next_wake(self) -> float | None: ...
+
+
+class JsonLogFormatter(logging.Formatter):
+    """One JSON object per record: ``ts`` (Unix seconds), ``level``, ``daemon``,
+    ``logger``, ``msg`` (and ``exc`` with a traceback's last line)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {
+            "ts": round(record.created, 6),
+            "level": record.levelname,
+            "daemon": self.name,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info).splitlines()[-1]
+        return json.dumps(out, separators=(",", ":"), default=str)
+
+
+def setup_logging(verbose: int = 0, name: str = "kvtransport", json_lines: bool = False) -> None:
+    """Log lines to stderr: time, level, what happened (INFO by default, -v for DEBUG);
+    ``json_lines``: one JSON object per line instead (:class:`JsonLogFormatter`)."""
+    level = logging.DEBUG if verbose else logging.INFO
+    handler = logging.StreamHandler(sys.stderr)
+    if json_lines:
+        handler.setFormatter(JsonLogFormatter(name))
+    else:
+        handler.setFormatter(logging.Formatter(f"%(asctime)s {name} %(levelname)s %(message)s"))
+    root = logging.getLogger("kvtransport")
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    root.propagate = False
+
+
+class StatsWriter:
+    """One JSON line per finished transfer (``--stats``: to stdout, or appended to a file)."""
+
+    def __init__(self, target: str | None) -> None:
+        self._fh: IO[str] | None = None
+        self._own = False
+        if target == "-":
+            self._fh = sys.stdout
+        elif target:
+            try:
+                self._fh = open(target, "a", buffering=1)  # noqa: SIM115 (lives with the daemon)
+            except OSError as exc:
+                raise UserError(f"cannot open stats file {target}: {exc.strerror}") from None
+            self._own = True
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._fh is not None:
+            self._fh.write(json.dumps(record, separators=(",", ":"), default=str) + "\n")
+            self._fh.flush()
+
+    def close(self) -> None:
+        if self._own and self._fh is not None:
+            self._fh.close()
+        self._fh = None
+
+
+class StopSignal:
+    """SIGTERM/SIGINT -> ``requested`` (and a readable ``fd`` that wakes the loop)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.signal_name = ""
+        self._r, self._w = socket.socketpair()
+        self._r.setblocking(False)
+        self._w.setblocking(False)
+        self._old: dict[int, Any] = {}
+        self._old_fd = -1
+
+    def install(self) -> StopSignal:
+        self._old_fd = signal.set_wakeup_fd(self._w.fileno(), warn_on_full_buffer=False)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.requested = True
+        self.signal_name = signal.Signals(signum).name
+
+    def request(self, why: str = "requested") -> None:
+        """Stop from inside the process (a ``shutdown`` request, a test)."""
+        self.requested = True
+        self.signal_name = why
+        with contextlib.suppress(OSError):
+            self._w.send(b"\0")
+
+    def fileno(self) -> int:
+        return self._r.fileno()
+
+    def drain(self) -> None:
+        with contextlib.suppress(OSError):
+            while self._r.recv(4096):
+                pass
+
+    def close(self) -> None:
+        """Close the wake-up pair of a stop that was never installed (an in-process loop
+        in a worker thread: the application keeps its signal handlers)."""
+        self._r.close()
+        self._w.close()
+
+    def restore(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old.clear()
+        with contextlib.suppress(ValueError):
+            signal.set_wakeup_fd(self._old_fd)
+        self._r.close()
+        self._w.close()
+
+
+Handler = Callable[[dict[str, Any], list], tuple[dict[str, Any], list] | dict[str, Any]]
+
+
+def bind_endpoint(sock: Any, endpoint: str, curve_secret: bytes | None = None) -> None:
+    """Bind a ZeroMQ socket to a checked endpoint (kvtransport.daemons.api.check_endpoint: loopback
+    tcp, or ipc in a private directory, made 0700 when missing; with ``curve_secret`` the
+    socket is a CURVE server, kvtransport.daemons.curve, and any tcp address will do); an ipc://
+    socket file is made owner-only. UserError on failure."""
+    import zmq
+
+    check_endpoint(endpoint, curve=curve_secret is not None)
+    if curve_secret is not None:
+        from kvtransport.daemons.curve import serve
+
+        serve(sock, curve_secret)
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError as exc:
+        raise UserError(f"cannot bind {endpoint}: {exc.strerror}") from None
+    if endpoint.startswith("ipc://"):
+        with contextlib.suppress(OSError):
+            Path(endpoint[len("ipc://") :]).chmod(0o600)
+
+
+def curve_secret(path: str | None) -> bytes | None:
+    """The daemon's CURVE secret key from ``--curve-secret`` (made on first use, its public
+    key written beside it; kvtransport.daemons.curve), or None without one."""
+    if path is None:
+        return None
+    from kvtransport.daemons.curve import server_keys
+
+    public, secret = server_keys(path)
+    log.info("CURVE on: clients need the public key %s (in %s.pub)", public.decode(), path)
+    return secret
+
+
+def remove_ipc_file(endpoint: str) -> None:
+    """Remove the socket file of a bound ipc:// endpoint (after its socket is closed)."""
+    if endpoint.startswith("ipc://"):
+        with contextlib.suppress(OSError):
+            Path(endpoint[len("ipc://") :]).unlink()
+
+
+class ControlServer:
+    """A ROUTER socket answering JSON requests (see kvtransport.daemons.api) without blocking.
+
+    ``handlers`` maps an ``op`` to ``handler(header, frames) -> reply`` (a dict, or
+    ``(dict, frames)``). A handler raising UserError/ValueError answers ``ok: false`` with
+    its message; any other exception (a bug) is logged with its traceback and answered
+    ``ok: false`` too: the daemon keeps running whatever a client sends. A handler must
+    therefore change nothing until it has validated the whole request (kvtransport.bounds).
+    """
+
+    def __init__(
+        self,
+        context: Any,
+        endpoint: str,
+        handlers: dict[str, Handler],
+        curve_secret: bytes | None = None,
+    ) -> None:
+        import zmq
+
+        self._zmq = zmq
+        self.endpoint = endpoint
+        self.handlers = handlers
+        self.sock = context.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        bind_endpoint(self.sock, endpoint, curve_secret)
+        self.fd = self.sock.getsockopt(zmq.FD)
+        self.requests = 0
+        self.errors = 0
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def drain(self, max_requests: int = 64) -> int:
+        """Answer every waiting request (at most ``max_requests`` per call)."""
+        zmq = self._zmq
+        sock = self.sock
+        done = 0
+        while done < max_requests and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            try:
+                msg = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            done += 1
+            self._answer(msg)
+        return done
+
+    def _answer(self, msg: list) -> None:
+        zmq = self._zmq
+        try:
+            split = next(i for i, f in enumerate(msg) if len(f) == 0)
+        except StopIteration:
+            return  # not REQ framing: nobody to answer
+        envelope, body = msg[: split + 1], msg[split + 1 :]
+        self.requests += 1
+        frames: list = []
+        try:
+            if not body:
+                raise ApiError("empty request")
+            head = load_json_header(body[0], MAX_HEADER_BYTES)
+            op = head.get("op")
+            handler = self.handlers.get(op) if isinstance(op, str) else None
+            if handler is None:
+                raise ApiError(f"unknown op {op!r}; expected one of {', '.join(self.handlers)}")
+            reply = handler(head, body[1:])
+            if isinstance(reply, tuple):
+                reply, frames = reply
+            reply = {"ok": True, **reply}
+        except (UserError, ValueError, KeyError, TypeError) as exc:
+            self.errors += 1
+            text = str(exc) if not isinstance(exc, KeyError) else f"missing field {exc}"
+            reply = {"ok": False, "error": text.splitlines()[0] if text else type(exc).__name__}
+            frames = []
+        except Exception as exc:  # a bug a request reached: answer it, keep serving
+            self.errors += 1
+            log.exception("control request failed")
+            text = str(exc).splitlines()[0] if str(exc) else ""
+            reply = {"ok": False, "error": f"internal error: {type(exc).__name__} {text}"[:300]}
+            frames = []
+        try:
+            sock_frames = [*envelope, dump_json(reply), *frames]
+            self.sock.send_multipart(sock_frames, zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as exc:  # the client went away: nothing to do
+            log.debug("control reply dropped: %s", exc)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        remove_ipc_file(self.endpoint)
+
+
+class DaemonShell:
+    """What both daemons share around their engine: the ZeroMQ context and control socket,
+    the ``status``/``stats``/``ping`` requests, the stats lines and the lifecycle.
+
+    A subclass sets ``role`` ("sender" or "receiver") and ``log``, makes ``self.sock``,
+    ``self.engine`` and ``self.stats_out``, then calls :meth:`_start_control`; it says what
+    its start-up log line adds (:meth:`_describe`) and what shutdown did to the transfers
+    still in flight (``STOP_TEXT``). The engine must have ``host`` (a SenderHost or
+    ReceiverHost: ``active``, ``status(now, tid)``), ``stats()`` and ``close(now)``.
+    """
+
+    role = ""
+    STOP_TEXT = ""
+    log = log
+    sock: Any
+    engine: Any
+    stats_out: StatsWriter
+    context: Any
+    control: ControlServer
+    curve_secret: bytes | None = None
+    """The CURVE secret key of the control (and result) sockets (kvtransport.daemons.curve)."""
+
+    def _start_control(
+        self, control: str, handlers: dict[str, Handler], before: Callable[[], None] | None = None
+    ) -> None:
+        """Make the context and the control server: ``handlers`` (the daemon's own ops, in
+        the order errors list them) then ``stats`` and ``ping``. ``before`` may open more
+        sockets first; on failure everything opened so far is closed and the error raised."""
+        import zmq
+
+        self.context = zmq.Context()
+        try:
+            if before is not None:
+                before()
+            self.control = ControlServer(
+                self.context,
+                control,
+                {**handlers, "stats": self._stats, "ping": self._ping},
+                self.curve_secret,
+            )
+        except BaseException:
+            self.sock.close()
+            self.context.destroy(linger=0)
+            raise
+
+    def _status(self, head: dict[str, Any], frames: list) -> dict[str, Any]:
+        from kvtransport.daemons.api import parse_tid
+
+        tid = parse_tid(head["transfer_id"]) if head.get("transfer_id") is not None else None
+        return {"transfers": self.engine.host.status(clock(), tid)}
+
+    def _stats(self, head: dict[str, Any], frames: list) -> dict[str, Any]:
+        return {"stats": self.engine.stats()}
+
+    def _ping(self, head: dict[str, Any], frames: list) -> dict[str, Any]:
+        import os
+
+        host, port = self.sock.address
+        return {"pid": os.getpid(), "udp": f"{host}:{port}", "role": self.role}
+
+    def _on_idle(self, now: float) -> None:
+        """Once per loop turn, after the control requests (a subclass's housekeeping)."""
+
+    def _describe(self) -> str:
+        """The start-up log line's last part (link rate, endpoints, offloads)."""
+        return ""
+
+    def run(self, stop: StopSignal) -> None:
+        """Serve until ``stop.requested``; then shut the engine down and close."""
+        host, port = self.sock.address
+        self.log.info(
+            "%s daemon up: UDP %s:%d, control %s, %s",
+            self.role,
+            host,
+            port,
+            self.control.endpoint,
+            self._describe(),
+        )
+        try:
+            serve(self.engine, [self.control], stop, on_idle=self._on_idle)
+        finally:
+            n = len(self.engine.host.active)
+            self.engine.close(clock())
+            self.log.info(
+                "%s daemon stopping (%s): %d %s",
+                self.role,
+                stop.signal_name or "stopped",
+                n,
+                self.STOP_TEXT,
+            )
+            self.close()
+
+    def run_until_signalled(self) -> None:
+        """:meth:`run` with SIGTERM/SIGINT as the stop (the commands' way)."""
+        stop = StopSignal().install()
+        try:
+            self.run(stop)
+        finally:
+            stop.restore()
+
+    def close(self) -> None:
+        self.control.close()
+        self.sock.close()
+        self.context.term()
+        self.stats_out.close()
+
+
+def serve(
+    engine: Engine,
+    controls: list[ControlServer],
+    stop: StopSignal,
+    *,
+    on_idle: Callable[[float], None] | None = None,
+) -> None:
+    """Run the daemon loop until ``stop.requested`` (see the module docstring)."""
+    set_timer_slack()
+    udp_fd = engine.fileno()
+    fds = [udp_fd, stop.fileno(), *(c.fileno() for c in controls)]
+    while not stop.requested:
+        engine.run_due(clock())
+        for c in controls:
+            c.drain()
+        if on_idle is not None:
+            on_idle(clock())
+        if stop.requested:
+            break
+        wake = engine.next_wake()
+        now = clock()
+        timeout = MAX_IDLE_SLEEP_S if wake is None else min(MAX_IDLE_SLEEP_S, wake - now)
+        ready = wait_readable(fds, timeout)
+        if udp_fd in ready:
+            engine.on_readable(clock())
+        if stop.fileno() in ready:
+            stop.drain()
+
+
+class _WarmUpPath:
+    """The warm-up's channel: ``delay`` one way; every fifth datagram lost, every third
+    one a further 50 us late (reordered: repairs may arrive before their sources), and
+    everything sent before ``quiet_until`` lost (feedback lost, as on a long round trip:
+    the manifest's repairs go out too)."""
+
+    def __init__(self, delay: float, quiet_until: float = 0.0) -> None:
+        self.delay = delay
+        self.quiet_until = quiet_until
+        self.n = 0
+
+    def transmit(self, t: float, size: int) -> float | None:
+        self.n += 1
+        if t < self.quiet_until or self.n % 5 == 0:
+            return None
+        return t + self.delay + (50e-6 if self.n % 3 == 0 else 0.0)
+
+
+def warm_up(
+    key: bytes | None = None, policies: Sequence[str] = ("fixed:1/4",), allocator: bool = False
+) -> float:
+    """Run a tiny lossy transfer per policy in ``policies`` between the daemons' own hosts
+    on the virtual-clock loop (kvtransport.sim.virtual_clock), and with ``allocator`` two
+    transfers sharing the link (the allocator plans); returns the seconds spent.
+
+    The first call of each numba kernel in a process loads it from numba's cache (about
+    0.5 s on these machines) or, on a fresh install, compiles it (several seconds). Paid
+    inside the first transfer, that stall would be measured as round-trip time and could
+    cost the transfer its deadline, so the shells pay it before they serve: the codec's
+    kernels with any RLC policy, the DDQN's (features, network) with ``ddqn``, the
+    allocator's only once a second transfer shares the link. The receiver daemon hands a
+    read's datagrams over in one call (runs of them in one RLCDecoder.add_packets call), so
+    what each receiver got is handed once more that way to a fresh host.
+    """
+    from kvtransport.core.transfer import synthetic_transfer
+    from kvtransport.hosts.receiver_host import ReceiverHost
+    from kvtransport.hosts.sender_host import SenderHost
+    from kvtransport.sim.virtual_clock import VirtualClockLoop
+
+    t0 = clock()
+    transfer = synthetic_transfer(64 * 1024, 8, seed=0)
+    runs = [[name] for name in dict.fromkeys(policies)]
+    if allocator and runs:
+        runs.append(runs[0] * 2)
+    for names in runs:
+        sender = SenderHost(rate_bps=1e9, key=key, burst_s=0.0)
+        receiver = ReceiverHost(key=key)
+        for name in names:
+            sender.submit(transfer, "receiver", now=0.0, deadline_s=0.5, policy=name)
+        trace: list[tuple[Any, ...]] = []
+        loop = VirtualClockLoop(trace)
+        loop.add(sender, "sender", channel=_WarmUpPath(1e-3))
+        rx = loop.add(receiver, "receiver", channel=_WarmUpPath(1e-3, quiet_until=2e-3))
+        loop.run(until=1.0)
+        got = [(e[3], "sender") for e in trace if e[0] == "recv" and e[2] == rx]
+        ReceiverHost(key=key).receive_datagrams(got, 0.0)
+    return clock() - t0

@@ -1,0 +1,304 @@
+"""The receiving side over real UDP: :class:`ReceiverEngine` and :class:`ReceiverDaemon`.
+
+:class:`ReceiverEngine` is the shell of a :class:`~kvtransport.hosts.receiver_host.
+ReceiverHost` (one session per transfer, admission, memory bounds, replay protection,
+results as events, the status view: all sans-I/O, see kvtransport.hosts.receiver_host) on one
+UDP socket (GRO, kvtransport.daemons.udp), built from one: ``ReceiverEngine(sock, host)``.
+``on_readable(now)`` reads every waiting datagram in
+one batch (at most ``BATCH``) and hands it to the host (``receive_datagrams``: each
+transfer's run of datagrams to its session in one call), saves the replay record when the
+batch accepted a manifest, then sends the feedback the batch produced, stamped with the
+time it really leaves; ``run_due(now)`` runs the host's timers. Each finished transfer
+goes to ``on_result(incoming)``.
+
+:class:`ReceiverDaemon` adds the ZeroMQ control socket (status, abort, stats, ping), the
+PUB socket that publishes every result (kvtransport.daemons.api) and ``--out-dir`` result files.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from kvtransport.core.replay import DEFAULT_WINDOW_S, open_record
+from kvtransport.daemons.api import load_json_header
+from kvtransport.daemons.daemon import DaemonShell
+from kvtransport.daemons.udp import DatagramSocket, clock
+from kvtransport.errors import UserError
+from kvtransport.hosts.receiver_host import (
+    DEFAULT_IDLE_TIMEOUT_S,
+    DEFAULT_MAX_BYTES,
+    DEFAULT_MAX_TRANSFERS,
+    Incoming,
+    ReceiverHost,
+    ResultReady,
+    TransferStarted,
+)
+
+log = logging.getLogger("kvtransport.receiver-daemon")
+
+PUB_HWM = 64
+"""Results queued per subscriber in ZeroMQ before the daemon's own backlog takes over."""
+PUB_BACKLOG = 1024
+"""Results the daemon holds for lagging subscribers before it gives the oldest up."""
+BATCH = 256
+"""Datagrams handled between two feedback flushes: a backlog is worked off in slices, so
+feedback (and its echo of the highest packet) is never held back by a long batch."""
+
+
+class ReceiverEngine:
+    """A :class:`~kvtransport.hosts.receiver_host.ReceiverHost` behind one UDP socket (module
+    docstring): the engine is the socket and the loop's calls; every figure of the
+    transfers is the host's (``engine.host``). Each finished transfer goes to
+    ``on_result(incoming)``."""
+
+    def __init__(
+        self,
+        sock: DatagramSocket,
+        host: ReceiverHost,
+        *,
+        on_result: Callable[[Incoming], None] | None = None,
+    ) -> None:
+        self.host = host
+        # Any: its batches are memoryviews, which the sessions take (they annotate bytes)
+        self.sock: Any = sock
+        self.on_result = on_result
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    # ------------------------------------------------------------------ the loop
+
+    def on_readable(self, now: float) -> None:
+        """The waiting datagrams (at most ``BATCH`` of them) to the host; then the
+        feedback they caused goes out, stamped with the time it really leaves."""
+        t0 = clock()
+        batch = self.sock.recv_batch(BATCH)
+        n = len(batch)
+        self.host.receive_datagrams(batch, now)  # each transfer's runs in one call
+        replay = self.host.replay
+        if replay is not None and replay.dirty:
+            replay.persist()  # the batch accepted a transfer: on disk before any result
+        if n:
+            # the batch took time: the sender's RTT must not count it as network delay
+            self._transmit(now + (clock() - t0))
+
+    def next_wake(self) -> float | None:
+        return self.host.get_timer()
+
+    def run_due(self, now: float) -> None:
+        self.host.handle_timer(now)
+        self._transmit(now)
+
+    def abort(self, transfer_id: int, now: float, reason: str = "abort") -> bool:
+        """Deliver a transfer's partial result now (an API request, or shutdown)."""
+        done = self.host.abort(transfer_id, now, reason)
+        self._transmit(now)
+        return done
+
+    def close(self, now: float) -> None:
+        """Shutdown: every transfer still receiving delivers what it holds."""
+        self.host.close(now)
+        self._transmit(now)
+
+    def _transmit(self, now: float) -> None:
+        """Send the feedback the host produced (stamped ``now``), then its events."""
+        host = self.host
+        for datagrams, peer in host.datagrams_to_send(now):
+            self.sock.send(datagrams, peer)
+        while (ev := host.next_event()) is not None:
+            inc = ev.transfer
+            if isinstance(ev, TransferStarted):
+                log.info(
+                    "transfer %016x: first datagram from %s:%d",
+                    inc.transfer_id,
+                    inc.peer[0],
+                    inc.peer[1],
+                )
+            elif isinstance(ev, ResultReady):
+                res = inc.session.result
+                assert res is not None  # the session has finished
+                log.info(
+                    "transfer %016x %s: utility %.4f, %d of %d blocks complete, %d datagrams",
+                    inc.transfer_id,
+                    res.reason,
+                    res.utility_recovered,
+                    int(res.complete.sum()),
+                    res.complete.size,
+                    inc.datagrams,
+                )
+                if self.on_result is not None:
+                    self.on_result(inc)
+
+    # ------------------------------------------------------------------ results
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.host.stats(), "socket": dict(self.sock.stats)}
+
+
+class ReceiverDaemon(DaemonShell):
+    """`kvtransport receiver-daemon`: a :class:`ReceiverEngine`, its control socket, the
+    results publisher and optional result files."""
+
+    role = "receiver"
+    STOP_TEXT = "partial result(s) delivered"
+    log = log
+
+    def __init__(
+        self,
+        *,
+        bind: tuple[str, int],
+        control: str,
+        publish: str,
+        key: bytes | None,
+        out_dir: str | None = None,
+        gro: bool = True,
+        max_transfers: int = DEFAULT_MAX_TRANSFERS,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        idle_timeout: float = DEFAULT_IDLE_TIMEOUT_S,
+        budget_bytes: int | None = None,
+        stats: Any = None,
+        replay_file: str | None = None,
+        replay_window_s: float = DEFAULT_WINDOW_S,
+        curve_secret_file: str | None = None,
+    ) -> None:
+        from kvtransport.daemons.api import check_endpoint
+        from kvtransport.daemons.daemon import StatsWriter, curve_secret, warm_up
+
+        self.curve_secret = curve_secret(curve_secret_file)
+        curve = self.curve_secret is not None
+        check_endpoint(control, "control", curve=curve)  # before the slow warm-up
+        check_endpoint(publish, "publish", curve=curve)
+        self.out_dir = out_dir
+        if out_dir is not None:
+            from pathlib import Path
+
+            if not Path(out_dir).is_dir():
+                raise UserError(f"--out-dir {out_dir} is not a directory")
+        replay = open_record(replay_file, bind[1], replay_window_s)
+        self.stats_out = stats if stats is not None else StatsWriter(None)
+        self.warm_up_s = warm_up(key)
+        self.sock = DatagramSocket(bind, gro=gro)
+        host = ReceiverHost(
+            key=key,
+            max_transfers=max_transfers,
+            max_bytes=max_bytes,
+            idle_timeout=idle_timeout,
+            budget_bytes=budget_bytes,
+            replay=replay,
+            wall_clock=time.time,
+        )
+        self.engine = ReceiverEngine(self.sock, host, on_result=self._result)
+        self.publish_endpoint = publish
+        self.published = 0  # results handed to the PUB socket
+        self.publish_lost = 0  # results given up (see _publish)
+        self._seq = 0
+        self._backlog: deque[list] = deque()
+        self._start_control(
+            control, {"status": self._status, "abort": self._abort}, before=self._open_publisher
+        )
+
+    def _open_publisher(self) -> None:
+        import zmq
+
+        from kvtransport.daemons.daemon import bind_endpoint
+
+        self.pub = self.context.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 2000)
+        self.pub.setsockopt(zmq.SNDHWM, PUB_HWM)
+        # a subscriber's full queue makes send() fail (EAGAIN) instead of dropping the
+        # result unseen: it waits in the backlog instead (see _publish)
+        self.pub.setsockopt(zmq.XPUB_NODROP, 1)
+        bind_endpoint(self.pub, self.publish_endpoint, self.curve_secret)
+
+    def _publish(self, frames: list | None, now: float = 0.0) -> None:
+        """Send ``frames`` (a result; None: only retry the backlog) after the results
+        still waiting: in order, none dropped while the backlog has room.
+
+        A subscriber that lags fills its queue (``PUB_HWM`` results); results then wait
+        here, up to ``PUB_BACKLOG``; beyond that the oldest is given up, counted in
+        ``publish_lost``, logged with its transfer id (and its file, with --out-dir: the
+        result stays retrievable there). Each result header carries ``seq`` (1, 2, ... per
+        daemon run) so a subscriber sees a gap too (ResultSubscriber.lost)."""
+        import zmq
+
+        backlog = self._backlog
+        if frames is not None:
+            backlog.append(frames)
+            while len(backlog) > PUB_BACKLOG:
+                lost = backlog.popleft()
+                self.publish_lost += 1
+                tid = load_json_header(lost[1]).get("transfer_id")
+                log.warning("result %s given up: subscribers lag (%d lost)", tid, self.publish_lost)
+        while backlog:
+            try:
+                self.pub.send_multipart(backlog[0], zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return  # a subscriber's queue is full: retried from the loop
+            except zmq.ZMQError as exc:
+                lost = backlog.popleft()
+                self.publish_lost += 1
+                log.warning("result not published: %s", exc)
+                continue
+            backlog.popleft()
+            self.published += 1
+
+    def _on_idle(self, now: float) -> None:
+        if self._backlog:
+            self._publish(None, now)
+
+    def _result(self, inc: Incoming) -> None:
+        """Write, publish and log a finished transfer. It runs inside the data plane's
+        receive loop on what the network sent: a failure is logged, never raised."""
+        try:
+            self._deliver(inc)
+        except Exception:
+            log.exception("transfer %016x: result not delivered", inc.transfer_id)
+
+    def _deliver(self, inc: Incoming) -> None:
+        from kvtransport.daemons.api import result_frames, write_result_file
+
+        res = inc.session.result
+        assert res is not None  # delivered once finished
+        stats = inc.stats(clock())
+        if self.out_dir is not None:  # first, so that subscribers learn where it is
+            try:
+                path = write_result_file(self.out_dir, res, stats)
+                stats["file"] = str(path)
+                log.info("transfer %016x written to %s", inc.transfer_id, path)
+            except OSError as exc:
+                log.error("transfer %016x: cannot write result: %s", inc.transfer_id, exc)
+        self._seq += 1
+        self._publish(result_frames(res, {**stats, "seq": self._seq}))
+        self.stats_out.write({"event": "transfer", "role": "receiver", **stats})
+
+    def _abort(self, head: dict[str, Any], frames: list) -> dict[str, Any]:
+        from kvtransport.daemons.api import parse_tid
+
+        return {"aborted": self.engine.abort(parse_tid(head["transfer_id"]), clock())}
+
+    def _stats(self, head: dict[str, Any], frames: list) -> dict[str, Any]:
+        return {
+            "stats": {
+                **self.engine.stats(),
+                "published": self.published,
+                "publish_backlog": len(self._backlog),
+                "publish_lost": self.publish_lost,
+            }
+        }
+
+    def _ping(self, head: dict[str, Any], frames: list) -> dict[str, Any]:
+        return {**super()._ping(head, frames), "publish": self.publish_endpoint}
+
+    def _describe(self) -> str:
+        return f"results {self.publish_endpoint}, GRO {'on' if self.sock.gro else 'off'}"
+
+    def close(self) -> None:
+        from kvtransport.daemons.daemon import remove_ipc_file
+
+        self.pub.close(linger=2000)
+        remove_ipc_file(self.publish_endpoint)
+        super().close()

@@ -1,0 +1,1 @@
+"""The demo and its links: the emulated link, the netns testbed, the TCP baseline."""

@@ -1,0 +1,473 @@
+"""Send and receive a KV cache from your own Python code, no daemon: the embeddable API.
+
+::
+
+    import kvtransport
+
+    with kvtransport.Receiver(listen="127.0.0.1:0") as rx:   # bound; receives in a thread
+        sent = kvtransport.send("ctx.card", to=rx.address, deadline_ms=300)
+        got = rx.result(timeout_s=10)                         # a DeliveredResult
+    partial = kvtransport.partial_cache(got)                  # KVCache + presence mask
+
+The same runs under asyncio: ``await kvtransport.send_async(...)`` and ``await rx`` (or
+``await rx.result_async()``, ``await kvtransport.receive_async(...)``) never block the
+event loop; the UDP loop runs in a worker thread.
+
+What travels is exactly what ``kvtransport send`` / ``recv`` and the daemons send: the
+same engines (kvtransport.daemons.daemon_sender.SenderEngine, kvtransport.daemons.daemon_receiver.
+ReceiverEngine) on the same loop (kvtransport.daemons.daemon.serve). :func:`run_send` and
+:func:`run_receive` are that loop for one transfer, shared with the two commands.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import threading
+from collections.abc import Callable, Generator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from kvtransport.core.protocol import DEFAULT_INITIAL_RTT, DEFAULT_SYMBOL_SIZE
+from kvtransport.core.transfer import Transfer
+from kvtransport.daemons.api import DeliveredResult
+from kvtransport.daemons.daemon import StopSignal, serve, warm_up
+from kvtransport.daemons.udp import DatagramSocket, clock, parse_address
+from kvtransport.errors import UserError
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from kvtransport.model.cache_builder import ComputeSpeed
+    from kvtransport.model.race import RaceResult
+
+DEFAULT_LISTEN = "0.0.0.0:9400"
+_warmed: set[tuple[bool, str]] = set()
+_warm_lock = threading.Lock()
+
+
+# ---------------------------------------------------------------------- one transfer
+
+
+def run_send(
+    sock: DatagramSocket,
+    transfer: Transfer,
+    dest: tuple[str, int],
+    *,
+    rate_bps: float,
+    deadline_s: float,
+    stop: StopSignal,
+    key: bytes | None = None,
+    policy: str = "adaptive",
+    symbol_size: int = DEFAULT_SYMBOL_SIZE,
+    burst_s: float | None = None,
+    initial_rtt: float = DEFAULT_INITIAL_RTT,
+) -> tuple[dict[str, Any], bool]:
+    """Send one transfer on ``sock`` until it is done or ``stop`` is requested.
+
+    Returns ``(status, interrupted)``: the sender's final status (as ``send --json``
+    prints it, with the socket's counters) and whether ``stop`` cut it short.
+    """
+    from kvtransport.daemons.daemon_sender import DEFAULT_BURST_S, SenderEngine, SenderHost
+
+    host = SenderHost(
+        rate_bps=rate_bps,
+        key=key,
+        symbol_size=symbol_size,
+        burst_s=DEFAULT_BURST_S if burst_s is None else burst_s,
+    )
+    engine = SenderEngine(sock, host)
+    out = engine.submit(
+        transfer, dest, now=clock(), deadline_s=deadline_s, policy=policy, initial_rtt=initial_rtt
+    )
+    try:
+        serve(engine, [], stop, on_idle=lambda now: None if host.active else stop.request())
+    finally:
+        interrupted = bool(host.active)
+        engine.close(clock())
+    status = out.status(clock())
+    status["socket"] = dict(sock.stats)
+    return status, interrupted
+
+
+def run_receive(
+    sock: DatagramSocket,
+    *,
+    stop: StopSignal,
+    key: bytes | None = None,
+    timeout_s: float = 60.0,
+    idle_timeout_s: float = 10.0,
+    max_bytes: int = 1 << 30,
+    replay: Any = None,
+    on_engine: Callable[[Any], None] | None = None,
+) -> tuple[Any, Any]:
+    """Receive the first transfer that reaches ``sock`` (datagrams of others are dropped).
+
+    Ends at the transfer's result, when no transfer started within ``timeout_s``, or on
+    ``stop`` (a transfer in progress then delivers what it holds). ``replay``: a
+    :class:`~kvtransport.core.replay.ReplayRecord` (a replayed transfer is refused and the wait
+    goes on). ``on_engine``: called with the engine before it serves (a live reader of its
+    host's sessions, kvtransport.model.live_race). Returns
+    ``(incoming, engine)``: the :class:`~kvtransport.daemons.daemon_receiver.Incoming` (None when
+    no transfer arrived) and the engine, whose counters say what was dropped.
+    """
+    import time
+
+    from kvtransport.daemons.daemon_receiver import ReceiverEngine, ReceiverHost
+
+    results: list[Any] = []
+    host = ReceiverHost(
+        key=key,
+        max_transfers=1,
+        max_bytes=max_bytes,
+        idle_timeout=idle_timeout_s,
+        single=True,
+        replay=replay,
+        wall_clock=time.time,
+    )
+    engine = ReceiverEngine(sock, host, on_result=results.append)
+    if on_engine is not None:
+        on_engine(engine)
+    started = clock()
+
+    def check(now: float) -> None:
+        if results or (host.adopted is None and now - started > timeout_s):
+            stop.request("timeout" if not results else "done")
+
+    try:
+        serve(engine, [], stop, on_idle=check)
+    finally:
+        if not results:
+            engine.close(clock())  # cut short mid-transfer: deliver what arrived
+    return (results[0] if results else None), engine
+
+
+def delivered(incoming: Any, engine: Any) -> DeliveredResult:
+    """An engine's finished transfer as the result a subscriber would get."""
+    stats = incoming.stats(clock())
+    stats["engine_drops"] = dict(engine.host.drop_reasons)
+    stats["socket"] = dict(engine.sock.stats)
+    return DeliveredResult.from_result(incoming.session.result, stats)
+
+
+# ---------------------------------------------------------------------- inputs
+
+
+def as_transfer(what: Any, plan: Any = None) -> Transfer:
+    """A :class:`Transfer` from a transfer, a cache card (path or CacheCard), a block
+    stream (kvtransport.model.blocks.EncodedStream) or a KVCache (encoded with the card
+    defaults: utility order, utilities from its attention statistics or the prior).
+
+    plan: None, or ``(link, budget_s, levels)`` or ``(link, budget_s, levels, speed)`` to
+    send a cache, card or stream as the handoff plan encodes it for that budget
+    (kvtransport.model.plan.planned_stream; ``speed``: the receiver's compute speed, None: it
+    computes nothing); a :class:`Transfer` is opaque bytes and is sent as it is.
+    """
+    from kvtransport.model import blocks, card
+    from kvtransport.model.kvcache import KVCache
+
+    if isinstance(what, Transfer):
+        return what
+    if isinstance(what, str | os.PathLike):
+        what = card.read_card(what)
+    if isinstance(what, card.CacheCard):
+        m = what.manifest
+        what = blocks.EncodedStream(m, m.to_bytes(), what.payload)
+    elif isinstance(what, KVCache):
+        what = card.encode_cache(what)
+    if not isinstance(what, blocks.EncodedStream):
+        raise UserError(
+            f"cannot send a {type(what).__name__}: give a cache card (path), a KVCache, "
+            "a kvtransport.model.blocks.EncodedStream or a kvtransport.core.transfer.Transfer"
+        )
+    if plan is not None:
+        from kvtransport.model.plan import planned_stream
+
+        link, budget_s, levels, *speed = plan
+        try:
+            # a racing receiver answers soonest with the split that finishes first (the
+            # deadline a cap); without one, the plan spends the deadline on precision
+            racing = bool(speed) and speed[0] is not None
+            _, what = planned_stream(what, link=link, budget_s=budget_s, levels=levels,
+                                     speed=speed[0] if speed else None,
+                                     objective="ttft" if racing else "fidelity")  # fmt: skip
+        except ValueError as exc:
+            raise UserError(f"cannot plan this cache: {exc}") from None
+    return Transfer.from_encoded_stream(what)
+
+
+def _address(to: str | tuple[str, int], what: str) -> tuple[str, int]:
+    if isinstance(to, tuple):
+        return parse_address(f"{to[0]}:{to[1]}", what=what)
+    return parse_address(str(to), what=what)
+
+
+def api_key(key: bytes | str | None, insecure: bool = False) -> bytes | None:
+    """Secure by default, as the commands: raw bytes as they are; text is a key file or
+    hex digits (as ``--key``); None is the default key file (made on first use), or no key
+    at all only with ``insecure`` (kvtransport.core.keys.resolve_key)."""
+    from kvtransport.core.keys import check_key, resolve_key
+
+    if isinstance(key, bytes | bytearray):
+        if insecure:
+            raise UserError("insecure runs without a key; drop key= or insecure=")
+        return check_key(bytes(key), "key")
+    return resolve_key(None, key, insecure)
+
+
+def warm_kernels(key: bytes | None, policy: str) -> None:
+    """Load (or compile) the numba kernels once per process and policy before the first
+    transfer (kvtransport.daemons.daemon.warm_up): a stall inside a transfer would count as RTT."""
+    with _warm_lock:
+        if (key is not None, policy) not in _warmed:
+            warm_up(key, ("fixed:1/4", policy))
+            _warmed.add((key is not None, policy))
+
+
+# ---------------------------------------------------------------------- sending
+
+
+def send(
+    cache_or_card: Any,
+    to: str | tuple[str, int],
+    *,
+    deadline_ms: float | None = None,
+    rho: float | None = None,
+    key: bytes | str | None = None,
+    insecure: bool = False,
+    rate_mbps: float = 100.0,
+    policy: str | None = None,
+    bind: str = "0.0.0.0:0",
+    symbol_size: int = DEFAULT_SYMBOL_SIZE,
+    initial_rtt_ms: float = DEFAULT_INITIAL_RTT * 1e3,
+    gso: bool = True,
+    precision: str | tuple[str, ...] = "auto",
+    loss_estimate: float = 0.05,
+    receiver_speed: ComputeSpeed | None = None,
+) -> dict[str, Any]:
+    """Send a KV cache to a receiver (``kvtransport.Receiver``, ``kvtransport recv`` or a
+    receiver daemon) at ``to`` and return when the transfer is over.
+
+    cache_or_card: see :func:`as_transfer`. The deadline is ``deadline_ms`` from now, or
+    ``rho`` times the loss-free send time at ``rate_mbps`` (default rho 1). ``key``: the
+    pre-shared key (bytes, a key file or hex digits; default: the default key file, as
+    the commands use; ``insecure=True`` sends in the clear); both ends must agree. ``policy``:
+    the repair policy (default: the shipped DDQN, else adaptive). With ``deadline_ms``
+    a cache, card or stream is sent as the handoff plan encodes it for that deadline
+    (kvtransport.model.plan: ``precision`` "auto" = fp16 or int8 per block by utility, for
+    ``rate_mbps`` and ``loss_estimate``, token ranges front first; "keep" sends it as it
+    is; e.g. "fp32" only when asked). ``receiver_speed``: the receiver's
+    :class:`~kvtransport.model.cache_builder.ComputeSpeed` when it races
+    (:meth:`Receiver.race`): the plan leaves it the context's front to compute while the
+    rest streams in, and does not send that front, splitting where the whole cache is in
+    place soonest (kvtransport.model.plan's ``ttft`` objective; the deadline is then a cap);
+    None sends every token range.
+
+    Returns the sender's final status (``transfer_id``, ``finish_reason``,
+    ``decoded_through`` of ``n_source``, datagrams, loss estimate, ...). Blocks the calling
+    thread for at most the deadline plus a round trip; see :func:`send_async`.
+    """
+    from kvtransport.core.policy import default_policy, make_policy
+    from kvtransport.daemons.daemon_sender import deadline_from
+
+    raw_key = api_key(key, insecure)
+    dest = _address(to, "receiver")
+    local = parse_address(bind, what="bind")
+    plan = None
+    if deadline_ms is not None and precision != "keep":
+        from kvtransport.model.plan import LinkEstimate, parse_levels
+
+        try:
+            levels = parse_levels(precision)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+        if not 0 <= loss_estimate < 0.9:
+            raise UserError(f"loss_estimate must be in [0, 0.9), not {loss_estimate}")
+        link = LinkEstimate(float(rate_mbps) * 1e6, loss_estimate, initial_rtt_ms * 5e-4,
+                            symbol_size)  # fmt: skip
+        plan = (link, float(deadline_ms) * 1e-3, levels, receiver_speed)
+    transfer = as_transfer(cache_or_card, plan)
+    policy = policy or default_policy()
+    make_policy(policy)
+    rate = float(rate_mbps) * 1e6
+    if not rate > 0:
+        raise UserError("rate_mbps must be a positive number")
+    if deadline_ms is None and rho is None:
+        rho = 1.0
+    spec = {"deadline_ms": deadline_ms, "rho": rho}
+    deadline_s = deadline_from(spec, transfer.nbytes, rate, symbol_size, raw_key is not None)
+    warm_kernels(raw_key, policy)
+    stop = StopSignal()  # not installed: signals stay the application's
+    sock = DatagramSocket(local, dest, gso=gso)
+    try:
+        status, _ = run_send(
+            sock,
+            transfer,
+            dest,
+            rate_bps=rate,
+            deadline_s=deadline_s,
+            stop=stop,
+            key=raw_key,
+            policy=policy,
+            symbol_size=symbol_size,
+            initial_rtt=initial_rtt_ms * 1e-3,
+        )
+    finally:
+        sock.close()
+        stop.close()
+    return status
+
+
+async def send_async(cache_or_card: Any, to: str | tuple[str, int], **kwargs: Any) -> dict:
+    """:func:`send` in a worker thread: awaiting it never blocks the event loop."""
+    return await asyncio.to_thread(send, cache_or_card, to, **kwargs)
+
+
+# ---------------------------------------------------------------------- receiving
+
+
+class Receiver:
+    """Receive one transfer in a background thread; the UDP port is bound on creation.
+
+    ``listen``: HOST:PORT (port 0: any; :attr:`address` says which). Get the result with
+    :meth:`result` (blocking), ``await receiver`` or :meth:`result_async`. Closing (or
+    leaving the ``with`` block) stops the loop; a transfer still in progress then delivers
+    what it holds. One Receiver serves one transfer, as ``kvtransport recv`` does; run the
+    receiver daemon for many. A replayed transfer is refused (kvtransport.core.replay): the
+    record is ``replay_file``, else the port's default file (in memory for port 0).
+    """
+
+    def __init__(
+        self,
+        listen: str = DEFAULT_LISTEN,
+        *,
+        key: bytes | str | None = None,
+        insecure: bool = False,
+        timeout_s: float = 60.0,
+        idle_timeout_s: float = 10.0,
+        max_mb: float = 1024.0,
+        gro: bool = True,
+        replay_file: str | None = None,
+    ) -> None:
+        from kvtransport.core.replay import open_record
+
+        if not (timeout_s > 0 and idle_timeout_s > 0 and max_mb > 0):
+            raise UserError("timeout_s, idle_timeout_s and max_mb must be positive")
+        raw_key = api_key(key, insecure)
+        bind = parse_address(listen, what="listen")
+        replay = open_record(replay_file, bind[1])
+        warm_kernels(raw_key, "fixed:1/4")
+        self.sock = DatagramSocket(bind, gro=gro)
+        self._stop = StopSignal()
+        self._future: concurrent.futures.Future[DeliveredResult] = concurrent.futures.Future()
+        self._timeout_s = timeout_s
+        self._engine: Any = None  # the receiving engine, once the thread runs it
+        self._thread = threading.Thread(
+            target=self._run,
+            kwargs=dict(
+                key=raw_key,
+                timeout_s=timeout_s,
+                idle_timeout_s=idle_timeout_s,
+                max_bytes=int(max_mb * 1e6),
+                replay=replay,
+                on_engine=self._set_engine,
+            ),  # fmt: skip
+            name="kvtransport-receiver",
+            daemon=True,
+        )
+        self._thread.start()
+
+    @property
+    def address(self) -> str:
+        """``HOST:PORT`` the receiver listens on (what a sender's ``to`` names)."""
+        host, port = self.sock.address
+        return f"{'127.0.0.1' if host == '0.0.0.0' else host}:{port}"
+
+    def _set_engine(self, engine: Any) -> None:
+        self._engine = engine
+
+    def race(self, model: Any, token_ids: Sequence[int], **kwargs: Any) -> RaceResult:
+        """Build the context's whole KV cache while this receiver receives it, and return
+        it (a :class:`~kvtransport.model.race.RaceResult`) as soon as the last token is in place:
+        the receiver computes what has not arrived (the sender's plan leaves it the context's
+        front), loads token ranges as their blocks complete, recomputes exactly what never
+        comes; with nothing arriving it computes everything (about one prefill). Call it when
+        the handoff is announced: the race clock starts then. ``token_ids``: the context the
+        cache is of (a transfer of another context or model is not loaded). Options
+        (kvtransport.model.live_race.live_race): ``speed`` (the model's
+        :class:`~kvtransport.model.cache_builder.ComputeSpeed`; None measures it once per model),
+        ``rate_mbps`` (the link rate the sender was given), ``split`` (tokens to compute
+        first), ``block_tokens``, ``hello_ms``, ``max_chunk``. The transfer goes on
+        receiving; :meth:`result` still gives it."""
+        from kvtransport.model.live_race import live_race
+
+        return live_race(lambda: self._engine, model, token_ids, **kwargs)
+
+    def _run(self, **kwargs: Any) -> None:
+        try:
+            inc, engine = run_receive(self.sock, stop=self._stop, **kwargs)
+            if inc is None:
+                why = self._stop.signal_name
+                raise UserError(
+                    f"no transfer arrived on {self.address} within {self._timeout_s:g} s"
+                    if why == "timeout"
+                    else f"receiver closed ({why}) before any transfer arrived"
+                )
+            self._future.set_result(delivered(inc, engine))
+        except BaseException as exc:  # handed to whoever waits for the result
+            self._future.set_exception(exc)
+
+    def result(self, timeout_s: float | None = None) -> DeliveredResult:
+        """The transfer's result (blocks until its deadline, completion or abort)."""
+        try:
+            return self._future.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise UserError(f"no result within {timeout_s:g} s") from None
+
+    async def result_async(self) -> DeliveredResult:
+        """:meth:`result` for asyncio."""
+        return await asyncio.wrap_future(self._future)
+
+    def __await__(self) -> Generator[Any, None, DeliveredResult]:
+        return self.result_async().__await__()
+
+    def close(self) -> None:
+        """Stop the loop (a transfer in progress delivers what it holds) and unbind."""
+        self._stop.request("closed")
+        self._thread.join()
+        self.sock.close()
+        self._stop.close()
+
+    def __enter__(self) -> Receiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def receive(listen: str = DEFAULT_LISTEN, **kwargs: Any) -> DeliveredResult:
+    """Wait for one transfer on ``listen`` and return its result (see :class:`Receiver`
+    for the options). Bind and send in that order: start it before the sender."""
+    with Receiver(listen, **kwargs) as rx:
+        return rx.result()
+
+
+def race_receive(
+    model: Any, token_ids: Sequence[int], listen: str = DEFAULT_LISTEN, **kwargs: Any
+) -> RaceResult:
+    """Bind ``listen``, race the first transfer that arrives (:meth:`Receiver.race`) and
+    return the whole cache as soon as it is built; the receiver then closes (a transfer
+    still in flight is cut off). ``kwargs``: :class:`Receiver`'s options (``key``,
+    ``insecure``, ...) and :meth:`Receiver.race`'s (``speed``, ``rate_mbps``, ...)."""
+    import inspect
+
+    own = set(inspect.signature(Receiver.__init__).parameters) - {"self", "listen"}
+    with Receiver(listen, **{k: v for k, v in kwargs.items() if k in own}) as rx:
+        return rx.race(model, token_ids, **{k: v for k, v in kwargs.items() if k not in own})
+
+
+async def receive_async(listen: str = DEFAULT_LISTEN, **kwargs: Any) -> DeliveredResult:
+    """:func:`receive` for asyncio (the port is bound when this coroutine starts)."""
+    rx = await asyncio.to_thread(Receiver, listen, **kwargs)
+    try:
+        return await rx
+    finally:
+        await asyncio.to_thread(rx.close)

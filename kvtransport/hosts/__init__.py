@@ -1,0 +1,1 @@
+"""One endpoint above its sessions, sans-I/O: the hosts and their link sharing."""

@@ -1,0 +1,488 @@
+"""The receiving endpoint, sans-I/O: :class:`ReceiverHost`, one session per transfer.
+
+A host is what one receiving endpoint runs above its :class:`~kvtransport.core.receiver.
+ReceiverSession` s, in the style of aioquic's ``QuicConnection``: no socket, no clock
+(every call takes ``now``; the wall time for replay protection is the shell's
+``wall_clock``), and the shell moves the datagrams:
+
+- :meth:`ReceiverHost.receive_datagram` ``(data, addr, now)`` hands a datagram to the
+  session its header's transfer id names, opening one for a new transfer (below);
+- :meth:`ReceiverHost.get_timer` / :meth:`ReceiverHost.handle_timer` run the sessions'
+  timers (periodic feedback, deadline, idle expiry) and forget finished sessions after
+  ``linger_s``;
+- :meth:`ReceiverHost.datagrams_to_send` ``(now)`` returns the feedback the calls since the
+  last one produced, as ``(datagrams, address)`` pairs (to the address the transfer's
+  datagrams come from), stamped ``now``: a shell that handled a batch passes the time the
+  feedback really leaves, so the sender's RTT does not count the batch as network delay;
+  sessions that finished are settled here;
+- :meth:`ReceiverHost.next_event` returns the typed events, oldest first:
+  :class:`TransferStarted`, :class:`ResultReady` (a finished transfer's result),
+  :class:`TransferRefused` (a replayed manifest: nothing is delivered).
+
+A transfer's session is created by its first datagram that authenticates and parses (with
+the host's key; any data-path type). Waiting for the manifest instead would drop the
+sources that arrive before the first manifest datagram that survives the link (the
+manifest is interleaved with data; on ge-heavy the first one is lost one time in eight);
+the session holds them until the manifest says what they are.
+
+What bounds the state (every datagram is attacker-controlled):
+
+- ``max_transfers`` sessions at once (a session that finished but is not yet settled no
+  longer counts); a new transfer beyond that is dropped and counted (``over_capacity``),
+  never an old one evicted;
+- ``max_bytes`` per transfer: the session refuses symbols beyond it and a manifest
+  announcing more (``too_large``);
+- ``budget_bytes`` for all of them: the output buffers of the sessions held (receiving,
+  or finished and lingering) never exceed it; a session that would is refused its
+  symbols (``over_budget``) or, at its manifest, the whole transfer (result reason
+  ``refused``);
+- every session ends by itself: at its deadline (from the manifest, counted from its first
+  datagram), on the sender's ABORT, when everything is decoded, or ``idle_timeout``
+  seconds after its last datagram when no manifest came;
+- a finished session lingers ``linger_s`` to remind a sender that missed the final
+  feedback; then its id goes to a bounded list of recent ids whose late datagrams are
+  dropped (``finished_transfer``) instead of opening a new session;
+- with a ``replay`` record (kvtransport.core.replay), a manifest that is stale or was accepted
+  before ends its session with nothing delivered (reason ``replayed``, counted in
+  ``replays_refused``); persisting the record is the shell's (before it hands on any
+  result of the batch that accepted a manifest: ``replay.dirty``).
+
+Garbage never reaches a session unless it carries a known transfer id; there it is
+counted by reason in the session's ``drop_reasons`` (bad tag, truncated, ...), elsewhere
+in the host's. ``single``: the ``recv`` command's mode, where the first transfer is the
+only one and datagrams of any other transfer id are dropped as ``foreign_transfer``.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from kvtransport.core.receiver import ReceiverSession
+from kvtransport.core.replay import ReplayRecord
+from kvtransport.core.transfer import TransportManifest
+from kvtransport.core.wire import HEADER_SIZE, DatagramType, Parser, WireError
+from kvtransport.errors import UserError
+
+log = logging.getLogger("kvtransport.receiver-daemon")
+
+DEFAULT_MAX_TRANSFERS = 16
+DEFAULT_MAX_BYTES = 256 << 20
+DEFAULT_IDLE_TIMEOUT_S = 10.0
+DEFAULT_LINGER_S = 1.0
+DEFAULT_BUDGET_BYTES = 1 << 30
+"""Output-buffer bytes all transfers held at once may take (``budget_bytes``)."""
+MAX_IDLE_TIMEOUT_S = 3600.0
+RECENT_IDS = 4096
+_TID = struct.Struct("!Q")
+
+Address = Any
+"""A peer's address as the shell knows it (a (host, port) tuple over UDP)."""
+
+
+@dataclass
+class Incoming:
+    """One transfer the host receives (or received), and its reporting."""
+
+    transfer_id: int
+    session: ReceiverSession
+    peer: Address
+    created: float
+    state: str = "receiving"
+    finished: float | None = None
+    datagrams: int = 0
+
+    def stats(self, now: float) -> dict[str, Any]:
+        """The status view of this transfer (the control API's ``status`` entry)."""
+        s = self.session
+        res = s.result
+        t0 = s.timings.get("first_packet", self.created)
+        timings = {k: round(v - t0, 6) for k, v in s.timings.items() if k != "first_packet"}
+        m = s.manifest
+        mon = s.monitor
+        return {
+            "transfer_id": f"{self.transfer_id:016x}",
+            "state": self.state,
+            "reason": res.reason if res is not None else "",
+            "from": f"{self.peer[0]}:{self.peer[1]}",
+            "utility": round(float(res.utility_recovered if res else s.utility), 6),
+            "manifest": m is not None,
+            "bytes": m.payload_len if m is not None else None,
+            "blocks": len(m.blocks) if m is not None else None,
+            "blocks_complete": s.blocks_complete,
+            "n_source": s.n_source,
+            "symbols_known": s.n_known,
+            "decoded_through": s.through,
+            "datagrams": self.datagrams,
+            "source_received": s.source_received,
+            "repair_received": s.repair_received,
+            "symbols_recovered": s.symbols_recovered,
+            "duplicates": s.duplicates,
+            "datagrams_lost": mon.lost,
+            "highest_seq": mon.highest,
+            "loss_rate": round(float(mon.loss_rate), 5),
+            "dropped": s.dropped,
+            "drop_reasons": dict(s.drop_reasons),
+            "feedback_sent": s.feedback_sent,
+            "timings_s": timings,
+            "elapsed_s": round((self.finished if self.finished is not None else now) - t0, 6),
+        }
+
+
+@dataclass(frozen=True)
+class TransferStarted:
+    """A new transfer's first genuine datagram opened a session."""
+
+    transfer: Incoming
+
+
+@dataclass(frozen=True)
+class ResultReady:
+    """A transfer finished: ``transfer.session.result`` is its result (at ``at``)."""
+
+    transfer: Incoming
+    at: float
+
+
+@dataclass(frozen=True)
+class TransferRefused:
+    """A transfer ended with nothing delivered: its manifest was a replay (``reason``)."""
+
+    transfer: Incoming
+    at: float
+    reason: str
+
+
+ReceiverEvent = TransferStarted | ResultReady | TransferRefused
+
+
+class ReceiverHost:
+    """Receiver sessions of one endpoint (see the module docstring).
+
+    ``wall_clock``: the wall time (Unix seconds) for the replay check, read only when a
+    manifest is checked against ``replay``.
+    """
+
+    def __init__(
+        self,
+        *,
+        key: bytes | None = None,
+        max_transfers: int = DEFAULT_MAX_TRANSFERS,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        idle_timeout: float = DEFAULT_IDLE_TIMEOUT_S,
+        linger_s: float = DEFAULT_LINGER_S,
+        single: bool = False,
+        budget_bytes: int | None = None,
+        replay: ReplayRecord | None = None,
+        wall_clock: Callable[[], float] | None = None,
+    ) -> None:
+        if max_transfers < 1 or max_bytes < 1 or not 0 < idle_timeout <= MAX_IDLE_TIMEOUT_S:
+            raise UserError(
+                "max transfers and max bytes must be positive, the idle timeout in "
+                f"(0, {MAX_IDLE_TIMEOUT_S:g}] s"
+            )
+        self.budget_bytes = (
+            max(max_bytes, DEFAULT_BUDGET_BYTES) if budget_bytes is None else budget_bytes
+        )
+        if self.budget_bytes < 1:
+            raise UserError("the memory budget must be positive")
+        if replay is not None and wall_clock is None:
+            raise ValueError("a replay record needs the shell's wall clock")
+        self.held_bytes = 0  # output buffers granted to sessions not yet forgotten
+        self.key = key
+        self.parser = Parser(key)
+        self.max_transfers = max_transfers
+        self.max_bytes = max_bytes
+        self.idle_timeout = idle_timeout
+        self.linger_s = linger_s
+        self.single = single
+        self.replay = replay
+        self.wall_clock = wall_clock
+        self.replays_refused = 0
+        self.active: dict[int, Incoming] = {}
+        self.lingering: OrderedDict[int, Incoming] = OrderedDict()
+        self.recent: OrderedDict[int, dict[str, Any]] = OrderedDict()
+        self.adopted: int | None = None
+        self.drop_reasons: dict[str, int] = {}
+        self.dropped = 0
+        self.results = 0
+        self._retired_drops: dict[str, int] = {}  # sessions' drops, once they are forgotten
+        self._retired_dropped = 0
+        self._touched: dict[int, Incoming] = {}  # sessions with feedback or a finish to settle
+        self._last_tid = -1  # the previous datagram's transfer (consecutive: one lookup)
+        self._last: Incoming | None = None
+        self._events: deque[ReceiverEvent] = deque()
+
+    # ------------------------------------------------------------------ datagrams
+
+    def receive_datagram(self, data: bytes, addr: Address, now: float) -> None:
+        """One datagram to its transfer's session (opened if the transfer is new and the
+        datagram genuine; otherwise dropped and counted)."""
+        inc = self._route(data, addr, now)
+        if inc is not None:
+            inc.session.receive_datagram(data, now)
+
+    def receive_datagrams(self, batch: Iterable[tuple[bytes, Address]], now: float) -> None:
+        """``receive_datagram`` for each (data, addr) of ``batch`` in order, with the same
+        outcome, but each run of consecutive datagrams of one transfer reaches its session
+        in one ``ReceiverSession.receive_datagrams`` call (its data symbols in one decoder
+        call). A run is handed over before the next datagram of any other transfer is
+        looked at, so admitting a new transfer sees the sessions as it would otherwise."""
+        run: list[bytes] = []
+        owner: Incoming | None = None
+        owner_tid = -1
+        unpack = _TID.unpack_from
+        for data, addr in batch:
+            if len(data) >= HEADER_SIZE and unpack(data, 8)[0] == owner_tid:
+                # the run's transfer again: what _route would do for it (its session is
+                # the one it cached for this transfer), without a call per datagram
+                assert owner is not None  # owner_tid is set with owner
+                owner.datagrams += 1
+                run.append(data)
+                continue
+            if owner is not None:
+                owner.session.receive_datagrams(run, now)
+                run, owner, owner_tid = [], None, -1
+            inc = self._route(data, addr, now)
+            if inc is not None:
+                owner, owner_tid = inc, inc.transfer_id
+                run.append(data)
+        if owner is not None:
+            owner.session.receive_datagrams(run, now)
+
+    def _route(self, data: bytes, addr: Address, now: float) -> Incoming | None:
+        """The session ``data`` goes to (its transfer's; a new one if the transfer is new
+        and the datagram genuine), counted; None when it is dropped (and counted)."""
+        if len(data) < HEADER_SIZE:
+            self._drop("truncated")
+            return None
+        tid = _TID.unpack_from(data, 8)[0]
+        inc = self._last
+        if tid != self._last_tid or inc is None:
+            inc = self.active.get(tid)
+            if inc is None:
+                inc = self.lingering.get(tid)
+                if inc is None:
+                    inc = self._admit(tid, data, addr, now)
+                    if inc is None:
+                        return None
+            self._last_tid, self._last = tid, inc
+            self._touched[tid] = inc
+        inc.datagrams += 1
+        return inc
+
+    def datagrams_to_send(self, now: float) -> list[tuple[list[bytes], Address]]:
+        """The feedback since the last call, stamped ``now``, as (datagrams, address)
+        pairs; sessions that finished are settled (their events queued)."""
+        touched = self._touched
+        self._touched = {}
+        self._last_tid, self._last = -1, None
+        out: list[tuple[list[bytes], Address]] = []
+        for inc in touched.values():
+            datagrams = inc.session.datagrams_to_send(now)
+            if datagrams:
+                out.append((datagrams, inc.peer))
+            if inc.state == "receiving" and inc.session.finished:
+                self._finished(inc, now)
+        return out
+
+    def next_event(self) -> ReceiverEvent | None:
+        """The oldest event not yet taken (None: none)."""
+        return self._events.popleft() if self._events else None
+
+    # ------------------------------------------------------------------ timers
+
+    def get_timer(self) -> float | None:
+        """When :meth:`handle_timer` has work next (None: nothing planned)."""
+        wake = None
+        for inc in self.active.values():
+            t = inc.session.next_timer()
+            if t is not None and (wake is None or t < wake):
+                wake = t
+        if self.lingering:
+            first = next(iter(self.lingering.values()))
+            assert first.finished is not None  # a lingering transfer has finished
+            t = first.finished + self.linger_s
+            if wake is None or t < wake:
+                wake = t
+        return wake
+
+    def handle_timer(self, now: float) -> None:
+        """Fire the sessions' timers due by ``now``; forget sessions lingered out."""
+        self._last_tid, self._last = -1, None
+        for inc in list(self.active.values()):
+            s = inc.session
+            t = s.next_timer()
+            if t is not None and t <= now:
+                s.handle_timer(now)
+                self._touched[inc.transfer_id] = inc
+        while self.lingering:
+            tid, inc = next(iter(self.lingering.items()))
+            assert inc.finished is not None  # a lingering transfer has finished
+            if inc.finished + self.linger_s > now:
+                break
+            del self.lingering[tid]
+            self.held_bytes -= inc.session.reserved  # its buffers go with it
+            self._remember(tid, inc.stats(now))
+            self._retired_dropped += inc.session.dropped
+            for k, v in inc.session.drop_reasons.items():
+                self._retired_drops[k] = self._retired_drops.get(k, 0) + v
+
+    # ------------------------------------------------------------------ control
+
+    def abort(self, transfer_id: int, now: float, reason: str = "abort") -> bool:
+        """Deliver a transfer's partial result now (its events and final feedback come
+        with the next :meth:`datagrams_to_send`)."""
+        inc = self.active.get(transfer_id)
+        if inc is None:
+            return False
+        inc.session.close(now, reason)
+        self._touched[transfer_id] = inc
+        return True
+
+    def close(self, now: float) -> None:
+        """Shutdown: every transfer still receiving delivers what it holds."""
+        for tid in list(self.active):
+            self.abort(tid, now, "shutdown")
+
+    def get(self, transfer_id: int) -> Incoming | None:
+        """A transfer receiving or lingering."""
+        return self.active.get(transfer_id) or self.lingering.get(transfer_id)
+
+    def status(self, now: float, transfer_id: int | None = None) -> list[dict[str, Any]]:
+        """Status of one transfer (receiving, lingering or remembered) or of all of them
+        (the remembered ones: the last 64)."""
+        if transfer_id is not None:
+            inc = self.get(transfer_id)
+            if inc is not None:
+                return [inc.stats(now)]
+            if transfer_id in self.recent:
+                return [self.recent[transfer_id]]
+            raise UserError(f"no transfer {transfer_id:016x}")
+        live = [i.stats(now) for i in (*self.active.values(), *self.lingering.values())]
+        return live + list(self.recent.values())[-64:]
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of the host and its sessions (the shell adds its socket's)."""
+        reasons = dict(self.drop_reasons)
+        for k, v in self._retired_drops.items():
+            reasons[k] = reasons.get(k, 0) + v
+        dropped = self.dropped + self._retired_dropped
+        for inc in (*self.active.values(), *self.lingering.values()):
+            dropped += inc.session.dropped
+            for k, v in inc.session.drop_reasons.items():
+                reasons[k] = reasons.get(k, 0) + v
+        return {
+            "active": len(self.active),
+            "results": self.results,
+            "dropped": dropped,
+            "drop_reasons": reasons,
+            "engine_dropped": self.dropped,
+            "held_bytes": self.held_bytes,
+            "budget_bytes": self.budget_bytes,
+            "replays_refused": self.replays_refused,
+            "replay_record": (
+                {
+                    "entries": len(self.replay.entries),
+                    "floor": self.replay.floor,
+                    "persist_errors": self.replay.persist_errors,
+                }
+                if self.replay is not None
+                else None
+            ),
+        }
+
+    # ------------------------------------------------------------------ internals
+
+    def _drop(self, reason: str) -> None:
+        self.dropped += 1
+        self.drop_reasons[reason] = self.drop_reasons.get(reason, 0) + 1
+
+    def _admit(self, tid: int, data: bytes, addr: Address, now: float) -> Incoming | None:
+        """A datagram of a transfer without a session: open one if it is genuine."""
+        if tid in self.recent:
+            self._drop("finished_transfer")
+            return None
+        if self.single and self.adopted is not None:
+            self._drop("foreign_transfer")
+            return None
+        try:
+            d = self.parser.parse(data)
+        except WireError as exc:
+            self._drop(exc.reason)
+            return None
+        if d.type == DatagramType.FEEDBACK:
+            self._drop("unexpected_type")
+            return None
+        if len(self.active) >= self.max_transfers and self._live() >= self.max_transfers:
+            self._drop("over_capacity")
+            return None
+        session = ReceiverSession(
+            tid,
+            key=self.key,
+            now=now,
+            max_bytes=self.max_bytes,
+            idle_timeout=self.idle_timeout,
+            reserve=self._reserve,
+            admit=self._admit_manifest if self.replay is not None else None,
+        )
+        inc = Incoming(tid, session, addr, now)
+        self.active[tid] = inc
+        self.adopted = tid
+        self._events.append(TransferStarted(inc))
+        return inc
+
+    def _admit_manifest(self, tid: int, manifest: TransportManifest) -> str | None:
+        """A session's manifest checked against the replay record (kvtransport.core.replay)
+        at the shell's wall clock; the refusal's reason, or None."""
+        assert self.replay is not None and self.wall_clock is not None  # see __init__
+        wall = self.wall_clock()
+        why = self.replay.admit(tid, manifest.sent_at, wall)
+        if why is not None:
+            log.warning(
+                "transfer %016x refused (%s): manifest sent %.1f s from this host's clock "
+                "(window %g s); a replay, or clocks out of sync",
+                tid,
+                why,
+                manifest.sent_at - wall,
+                self.replay.window_s,
+            )
+        return why
+
+    def _live(self) -> int:
+        """Sessions still receiving: one that finished but is not yet settled (its result
+        goes out with the next datagrams_to_send) no longer counts against admission."""
+        return sum(not inc.session.finished for inc in self.active.values())
+
+    def _reserve(self, nbytes: int) -> bool:
+        """A session's request for ``nbytes`` more output buffer (kvtransport.core.receiver):
+        granted while everything held stays within ``budget_bytes``."""
+        if self.held_bytes + nbytes > self.budget_bytes:
+            return False
+        self.held_bytes += nbytes
+        return True
+
+    def _finished(self, inc: Incoming, now: float) -> None:
+        inc.state = "finished"
+        inc.finished = now
+        del self.active[inc.transfer_id]
+        self.lingering[inc.transfer_id] = inc
+        res = inc.session.result
+        assert res is not None  # the session has finished
+        if res.reason == "replayed":  # nothing to deliver; its later datagrams are dropped
+            self.replays_refused += 1
+            if self.single and self.adopted == inc.transfer_id:
+                self.adopted = None  # the recv command waits for a genuine transfer
+            self._events.append(TransferRefused(inc, now, res.reason))
+            return
+        self.results += 1
+        self._events.append(ResultReady(inc, now))
+
+    def _remember(self, tid: int, stats: dict[str, Any]) -> None:
+        self.recent[tid] = stats
+        while len(self.recent) > RECENT_IDS:
+            self.recent.popitem(last=False)

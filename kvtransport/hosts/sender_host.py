@@ -1,0 +1,471 @@
+"""The sending endpoint, sans-I/O: :class:`SenderHost`, several transfers on one link.
+
+A host is what one sending endpoint runs above its :class:`~kvtransport.core.sender.
+SenderSession` s, in the style of aioquic's ``QuicConnection``: it never touches a socket
+or reads a clock; every call takes ``now`` (seconds, the shell's clock), and the shell moves
+the datagrams:
+
+- :meth:`SenderHost.submit` / :meth:`SenderHost.cancel` start and abort transfers;
+- :meth:`SenderHost.receive_datagram` ``(data, addr, now)`` hands a feedback datagram to the
+  session its header's transfer id names (a datagram of no transfer in flight is dropped
+  and counted: ``truncated``, ``finished_transfer``, ``foreign_transfer``);
+- :meth:`SenderHost.get_timer` says when to call :meth:`SenderHost.handle_timer` next,
+  which re-plans the link when a slot is due and releases every datagram due up to
+  ``now + burst_s``;
+- :meth:`SenderHost.datagrams_to_send` ``(now)`` returns what is ready as ``(datagrams,
+  address)`` pairs, one per destination in the order the sessions produced them;
+- :meth:`SenderHost.next_event` returns the typed events that happened
+  (:class:`TransferFinished`), oldest first, None when there are none.
+
+Pacing. Each session paces itself at its rate (its timer is its next slot). The host's
+timer is ``burst_s`` before the earliest slot, and it releases what is due up to
+``now + burst_s``: a real shell sends the burst in one GSO call and shares the wake-up
+costs (a 200 us lead is about two datagrams at 100 Mbit/s); a simulator passes 0.
+
+Link sharing. The host's :class:`~kvtransport.hosts.link_share.LinkShare` re-plans every
+``slot_s`` and whenever a transfer starts or ends: the allocator's shares become the
+sessions' pacing rates (a share below one datagram per slot pauses a session). The
+link's one-way delay it plans with is ``one_way_s`` when given, else half the shortest
+smoothed round trip the sessions measured. Each transfer's utility curve is what its
+submitter gave, else :func:`stream_utility_curve`. The host remembers the loss each
+receiver's last transfer ended with (``RECEIVER_MEMORY`` receivers) and a new transfer to
+that receiver starts its repair from it (status ``prior_loss``).
+
+Admission (:meth:`SenderHost.submit` raises :class:`~kvtransport.errors.UserError` and
+changes nothing): at most ``max_transfers`` in flight, a deadline in
+[MIN_DEADLINE_S, MAX_DEADLINE_S], an initial RTT in (0, MAX_INITIAL_RTT_S], a
+non-negative weight, an unused transfer id.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvtransport import bounds
+from kvtransport.bounds import MAX_DEADLINE_S, MIN_DEADLINE_S
+from kvtransport.core.policy import make_policy
+from kvtransport.core.protocol import DEFAULT_INITIAL_RTT, DEFAULT_SYMBOL_SIZE
+from kvtransport.core.sender import SenderSession
+from kvtransport.core.transfer import Transfer
+from kvtransport.core.wire import HEADER_SIZE
+from kvtransport.errors import UserError
+from kvtransport.hosts.allocator import SlotPolicy
+from kvtransport.hosts.link_share import LinkShare, Member
+from kvtransport.hosts.utility_model import SigmoidUtility
+
+DEFAULT_BURST_S = 200e-6
+DEFAULT_SLOT_S = 0.01
+DEFAULT_MAX_TRANSFERS = 64
+HISTORY = 256
+"""Finished transfers whose status the host keeps (the oldest forgotten)."""
+RECEIVER_MEMORY = 1024
+"""Receivers whose last transfer's loss the host remembers (the oldest forgotten)."""
+_TID = struct.Struct("!Q")
+
+Address = Any
+"""A peer's address as the shell knows it (a (host, port) tuple over UDP)."""
+
+
+def stream_utility_curve(transfer: Transfer) -> SigmoidUtility:
+    """The utility-of-delivered-fraction curve the stream itself implies, as a sigmoid.
+
+    A stream in utility order delivers, after a fraction x of its bytes, the utility of
+    the blocks wholly inside that prefix. The logistic a / (1 + exp(-b (x - c))) with a =
+    the stream's total utility, c = the fraction where half of it is in and b = 2 ln 3 /
+    (x75 - x25) (the logistic reaches a/4 and 3a/4 exactly ln 3 / b either side of c)
+    matches that curve's middle and spread in closed form: no fit, microseconds. Used for
+    scheduling when the submitter gave no measured accuracy curve.
+    """
+    b = transfer.blocks
+    total = float(b.utilities.sum())
+    if len(b) == 0 or total <= 0.0:
+        return SigmoidUtility(a=1.0, b=4.0, c=0.5)
+    x = (b.offsets + b.lengths).astype(np.float64) / max(transfer.nbytes, 1)
+    y = np.cumsum(b.utilities)
+    x25, x50, x75 = (
+        x[min(int(np.searchsorted(y, q * total)), len(x) - 1)] for q in (0.25, 0.5, 0.75)
+    )
+    spread = max(float(x75 - x25), 1e-3)
+    return SigmoidUtility(a=total, b=min(2.0 * math.log(3.0) / spread, 1e3), c=float(x50))
+
+
+@dataclass
+class Outgoing:
+    """One transfer in the host, and what status reports about it.
+
+    sent_datagrams: datagrams the host handed to the shell for it (the shell's own send
+    failures are the shell's to count); max_lag: worst lateness of the shell's calls
+    behind this session's timer (s).
+    """
+
+    link: Member  # the session and its place on the shared link (kvtransport.hosts.link_share)
+    dest: Address
+    policy: str
+    label: str = ""
+    keep: Any = None  # the buffers the payload views (zero-copy ZeroMQ frames)
+    state: str = "sending"
+    finished: float | None = None
+    sent_datagrams: int = 0
+    max_lag: float = 0.0
+
+    @property
+    def transfer_id(self) -> int:
+        return self.link.id
+
+    @property
+    def session(self) -> SenderSession:
+        return self.link.session
+
+    @property
+    def size(self) -> int:
+        return self.link.size
+
+    @property
+    def submitted(self) -> float:
+        return self.link.arrival
+
+    @property
+    def deadline(self) -> float:
+        return self.link.deadline
+
+    def status(self, now: float) -> dict[str, Any]:
+        """The status view of this transfer (the control API's ``status`` entry)."""
+        s = self.session
+        m = self.link
+        st = s.stats
+        end = self.finished if self.finished is not None else now
+        return {
+            "transfer_id": f"{self.transfer_id:016x}",
+            "label": self.label,
+            "state": self.state,
+            "finish_reason": s.finish_reason,
+            "to": f"{self.dest[0]}:{self.dest[1]}",
+            "policy": self.policy,
+            "bytes": self.size,
+            "n_source": s.n_source,
+            "source_sent": st["source_sent"],
+            "repair_sent": s.repair_sent,
+            "manifest_sent": st["manifest_sent"],
+            "retransmit_sent": st["retransmit_sent"],
+            "datagrams_sent": self.sent_datagrams,
+            "idle_polls": st["idle_polls"],
+            "max_lag_ms": round(self.max_lag * 1e3, 3),
+            "feedback_received": st["feedback_received"],
+            "feedback_dropped": st["dropped"],
+            "receiver_restarts": st["receiver_restarts"],
+            "drop_reasons": dict(s.drop_reasons),
+            "decoded_through": s.fb_through,
+            "delivered_bytes": min(s.fb_through * s.symbol_size, self.size),
+            "loss_estimate": round(s.loss_estimate(), 5),
+            "decisions": s.decision_latency(),
+            "srtt_ms": None if s.srtt is None else round(s.srtt * 1e3, 3),
+            "rate_mbps": round(m.rate_bps / 1e6, 6),
+            "share": round(m.share, 5),
+            "admitted": m.admitted,
+            "weight": m.weight,
+            "prior_loss": None if m.prior_loss is None else round(m.prior_loss, 5),
+            "deadline_s": round(self.deadline - self.submitted, 6),
+            "elapsed_s": round(end - self.submitted, 6),
+        }
+
+
+@dataclass(frozen=True)
+class TransferFinished:
+    """A transfer's session is done (it sent FIN or ABORT, or its receiver said it is
+    finished): its status is final and it left the link. ``at``: when (shell's clock)."""
+
+    transfer: Outgoing
+    at: float
+
+    @property
+    def transfer_id(self) -> int:
+        return self.transfer.transfer_id
+
+    @property
+    def reason(self) -> str:
+        return self.transfer.session.finish_reason or "finished"
+
+
+SenderEvent = TransferFinished
+
+
+class SenderHost:
+    """Sender sessions of one endpoint on one shared link (see the module docstring).
+
+    rate_bps: the link rate shared by all transfers; key: the datagrams' authentication
+    key; slot_policy: how the link is shared (kvtransport.hosts.allocator; None: utility
+    water-filling); one_way_s: the link's one-way delay for the allocator's last useful
+    send time (None: half the shortest measured round trip); capacity_Bps: feed the
+    allocator this fixed payload capacity instead of its estimate.
+    """
+
+    def __init__(
+        self,
+        *,
+        rate_bps: float,
+        key: bytes | None = None,
+        symbol_size: int = DEFAULT_SYMBOL_SIZE,
+        burst_s: float = DEFAULT_BURST_S,
+        slot_s: float = DEFAULT_SLOT_S,
+        max_transfers: int = DEFAULT_MAX_TRANSFERS,
+        slot_policy: SlotPolicy | None = None,
+        one_way_s: float | None = None,
+        capacity_Bps: float | None = None,
+    ) -> None:
+        if not (rate_bps > 0 and math.isfinite(rate_bps)):
+            raise UserError("the link rate must be a positive number")
+        self.rate_bps = float(rate_bps)
+        self.key = key
+        self.symbol_size = symbol_size
+        self.burst_s = burst_s
+        self.slot_s = slot_s
+        self.max_transfers = max_transfers
+        self.fixed_one_way_s = one_way_s
+        self.active: dict[int, Outgoing] = {}
+        self.finished: OrderedDict[int, Outgoing] = OrderedDict()
+        self.drop_reasons: dict[str, int] = {}
+        self.dropped = 0
+        # the loss each receiver's last transfer ended with (at most RECEIVER_MEMORY of
+        # them): a new transfer to it starts its repair from that, not a blind prior
+        self.receiver_loss: OrderedDict[Address, float] = OrderedDict()
+        self.link = LinkShare(
+            self.rate_bps,
+            slot_policy,
+            slot_s=slot_s,
+            symbol_size=symbol_size,
+            tagged=key is not None,
+            one_way_s=one_way_s or 0.0,
+            capacity_Bps=capacity_Bps,
+        )
+        self._sched_at: float | None = None
+        self._replan_at: float | None = None  # a transfer ended then: re-plan at once
+        self._outbox: list[tuple[list[bytes], Address]] = []
+        self._events: deque[SenderEvent] = deque()
+
+    # ------------------------------------------------------------------ transfers
+
+    def submit(
+        self,
+        transfer: Transfer,
+        dest: Address,
+        *,
+        now: float,
+        deadline_s: float,
+        policy: str = "adaptive",
+        transfer_id: int | None = None,
+        weight: float = 1.0,
+        utility: SigmoidUtility | None = None,
+        label: str = "",
+        initial_rtt: float = DEFAULT_INITIAL_RTT,
+        keep: Any = None,
+        wall_offset: float = 0.0,
+    ) -> Outgoing:
+        """Start sending ``transfer`` to ``dest`` with ``deadline_s`` from ``now``;
+        ``wall_offset``: the wall clock minus the shell's (the manifest's send time).
+        A refusal raises UserError and changes nothing (module docstring)."""
+        if len(self.active) >= self.max_transfers:
+            raise UserError(f"{len(self.active)} transfers in flight (the limit): try later")
+        if not MIN_DEADLINE_S <= deadline_s <= MAX_DEADLINE_S:
+            raise UserError(
+                f"the deadline must be {MIN_DEADLINE_S:g}..{MAX_DEADLINE_S:g} s ({deadline_s})"
+            )
+        if not 0.0 < initial_rtt <= bounds.MAX_INITIAL_RTT_S:
+            raise UserError(
+                f"the initial RTT must be in (0, {bounds.MAX_INITIAL_RTT_S * 1e3:g}] ms "
+                f"({initial_rtt * 1e3:g})"
+            )
+        if not (weight >= 0 and math.isfinite(weight)):
+            raise UserError("the weight must be a non-negative number")
+        if transfer_id is not None and (transfer_id in self.active or transfer_id in self.finished):
+            raise UserError(f"transfer id {transfer_id:016x} is already in use")
+        pol = make_policy(policy)
+        try:
+            session = SenderSession(
+                transfer,
+                pol,
+                rate_bps=self.rate_bps,
+                deadline=now + deadline_s,
+                now=now,
+                transfer_id=transfer_id,
+                key=self.key,
+                symbol_size=self.symbol_size,
+                initial_rtt=initial_rtt,
+                wall_offset=wall_offset,
+            )
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+        if session.transfer_id in self.active or session.transfer_id in self.finished:
+            raise UserError("transfer id collision (random 64-bit): submit again")
+        member = Member(
+            id=session.transfer_id,
+            session=session,
+            size=transfer.nbytes,
+            deadline=now + deadline_s,
+            utility=utility if utility is not None else stream_utility_curve(transfer),
+            weight=float(weight),
+            arrival=now,
+            prior_loss=self.receiver_loss.get(dest),
+            rate_bps=self.rate_bps,
+        )
+        out = Outgoing(link=member, dest=dest, policy=pol.name, label=label, keep=keep)
+        self.active[out.transfer_id] = out
+        self.link.join(member)
+        try:
+            self._reschedule(now)  # shares are right from the first status reply on
+        except Exception:
+            del self.active[out.transfer_id]  # refused: nothing of it may run
+            self.link.leave(out.transfer_id, "refused")
+            self._replan(now)
+            raise
+        return out
+
+    def cancel(self, transfer_id: int, now: float) -> bool:
+        """Abort a transfer in flight (its receiver is told to deliver what it has)."""
+        out = self.active.get(transfer_id)
+        if out is None:
+            return False
+        out.session.cancel(now)
+        self._flush(out, now)
+        return True
+
+    def close(self, now: float) -> None:
+        """Abort everything still in flight (the endpoint shuts down)."""
+        for tid in list(self.active):
+            self.cancel(tid, now)
+
+    def get(self, transfer_id: int) -> Outgoing | None:
+        """A transfer in flight or recently finished."""
+        return self.active.get(transfer_id) or self.finished.get(transfer_id)
+
+    def status(self, now: float, transfer_id: int | None = None) -> list[dict[str, Any]]:
+        """Status of one transfer (in flight or recently finished) or of all of them."""
+        if transfer_id is not None:
+            out = self.get(transfer_id)
+            if out is None:
+                raise UserError(f"no transfer {transfer_id:016x}")
+            return [out.status(now)]
+        return [o.status(now) for o in (*self.active.values(), *self.finished.values())]
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of the host (the shell adds its socket's)."""
+        return {
+            "active": len(self.active),
+            "finished": len(self.finished),
+            "dropped": self.dropped,
+            "drop_reasons": dict(self.drop_reasons),
+        }
+
+    # ------------------------------------------------------------------ datagrams
+
+    def receive_datagram(self, data: bytes, addr: Address, now: float) -> None:
+        """Feedback: to the session its transfer id names (else dropped and counted)."""
+        if len(data) < HEADER_SIZE:
+            self._drop("truncated")
+            return
+        tid = _TID.unpack_from(data, 8)[0]
+        out = self.active.get(tid)
+        if out is None:
+            self._drop("finished_transfer" if tid in self.finished else "foreign_transfer")
+            return
+        out.session.receive_datagram(data, now)
+        if out.session.done:  # the receiver is finished: nothing more to send
+            self._flush(out, now)
+
+    def datagrams_to_send(self, now: float) -> list[tuple[list[bytes], Address]]:
+        """What is ready to go, as (datagrams, destination) pairs in order."""
+        out = self._outbox
+        self._outbox = []
+        return out
+
+    def next_event(self) -> SenderEvent | None:
+        """The oldest event not yet taken (None: none)."""
+        return self._events.popleft() if self._events else None
+
+    # ------------------------------------------------------------------ timers
+
+    def get_timer(self) -> float | None:
+        """When :meth:`handle_timer` has work next (a burst's lead before the earliest
+        slot, a slot boundary, or at once after a transfer ended); None: nothing planned."""
+        wake = self._sched_at
+        if self._replan_at is not None and (wake is None or self._replan_at < wake):
+            wake = self._replan_at
+        lead = self.burst_s
+        for out in self.active.values():
+            t = out.session.next_timer()
+            if t is not None:
+                t -= lead
+                if wake is None or t < wake:
+                    wake = t
+        return wake
+
+    def handle_timer(self, now: float) -> None:
+        """Re-plan the link if a slot is due; release every datagram due up to
+        ``now + burst_s``; finish what is done."""
+        if (self._replan_at is not None and now >= self._replan_at) or (
+            self._sched_at is not None and now >= self._sched_at
+        ):
+            self._reschedule(now)
+        horizon = now + self.burst_s
+        for out in list(self.active.values()):
+            t = out.session.next_timer()
+            if t is not None and t <= horizon:
+                if now - t > out.max_lag:
+                    out.max_lag = now - t
+                self._flush(out, horizon)
+            elif out.session.done:
+                self._flush(out, now)
+
+    # ------------------------------------------------------------------ internals
+
+    def _drop(self, reason: str) -> None:
+        self.dropped += 1
+        self.drop_reasons[reason] = self.drop_reasons.get(reason, 0) + 1
+
+    def _flush(self, out: Outgoing, t: float) -> None:
+        s = out.session
+        datagrams = s.datagrams_to_send(t)
+        if datagrams:
+            out.sent_datagrams += len(datagrams)
+            self._outbox.append((datagrams, out.dest))
+        if s.done:
+            self._finish(out, t)
+
+    def _replan(self, now: float) -> None:
+        if self._replan_at is None or now < self._replan_at:
+            self._replan_at = now
+
+    def _finish(self, out: Outgoing, now: float) -> None:
+        if out.state == "done":
+            return
+        out.state = "done"
+        out.finished = now
+        out.keep = None
+        out.session.release()  # the payload goes now, the status figures stay
+        del self.active[out.transfer_id]
+        self.finished[out.transfer_id] = out
+        while len(self.finished) > HISTORY:
+            self.finished.popitem(last=False)
+        self.link.leave(out.transfer_id, out.session.finish_reason or "finished")
+        self._replan(now)
+        if out.session.fb_time is not None:  # its receiver reported: remember its path
+            self.receiver_loss[out.dest] = out.session.loss_estimate()
+            self.receiver_loss.move_to_end(out.dest)
+            while len(self.receiver_loss) > RECEIVER_MEMORY:
+                self.receiver_loss.popitem(last=False)
+        self._events.append(TransferFinished(out, now))
+
+    def _reschedule(self, now: float) -> None:
+        self._replan_at = None
+        if self.fixed_one_way_s is None:
+            # the link's one-way delay, for the allocator's last useful send time: half
+            # the shortest smoothed round trip any transfer measured (0 until one has)
+            rtts = [o.session.srtt for o in self.active.values() if o.session.srtt is not None]
+            if rtts:
+                self.link.one_way_s = min(rtts) / 2.0
+        self._sched_at = self.link.step(now)

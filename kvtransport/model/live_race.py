@@ -1,0 +1,260 @@
+"""The receiver's race, live: build the context's cache while its KV streams in.
+
+::
+
+    import kvtransport
+    from kvtransport.model.cache_builder import ComputeSpeed
+
+    speed = ComputeSpeed.measure(model, some_context_ids)   # once, at start-up
+    with kvtransport.Receiver(listen="0.0.0.0:9400") as rx:  # bound; receives in a thread
+        res = rx.race(model, context_ids, speed=speed)       # when the handoff is announced
+    res.kv                                                   # the whole cache (a KVCache)
+
+:meth:`kvtransport.embed.inprocess.Receiver.race` (or
+:func:`kvtransport.embed.inprocess.race_receive`, which binds, races and closes) runs the decision
+loop of kvtransport.model.race (:func:`kvtransport.model.race.race`, the same one the demo's replay
+runs) on the wall clock against :class:`LiveArrivals`: what the in-process receiver's session holds
+right now. The race computes what has not arrived, loads token ranges whose blocks are complete in
+every layer, waits when a range is due sooner than computing it would take, and returns as
+soon as the last token is in place: the whole cache, exact where computed, up to the
+precision the sender chose where loaded.
+
+What the receiver knows of the sender's plan comes from the transfer itself: the blocks
+manifest (first on the wire) says which token ranges are sent and how many bytes each one
+takes; ranges not sent (the plan's prefix for the receiver) are computed; the transport
+manifest's deadline says when the sender stops. The expected arrivals are the bytes owed
+at ``rate_mbps`` when given (what the sender was told), otherwise spread evenly up to the
+deadline; once ranges arrive, the delivery rate seen takes over (kvtransport.model.race.LinkView).
+Before the manifest the receiver expects a first arrival within ``hello_ms``: it computes
+what it can by then, and once the link is silent well past it (three times ``hello_ms``)
+it stops waiting and computes from the front in chunks that double (``max_chunk`` tokens
+first): a dead link costs about one prefill after that short wait, plus a few calls, and a
+transfer that starts late still loads what the race has not computed yet. A transfer of
+another context, model or token range size is not loaded: the race computes everything.
+
+A token range's blocks are checked (CRC-32) and decoded when the race loads them, into one
+preallocated cache (kvtransport.model.blocks.RangeDecoder): each block once. The receiving
+thread writes blocks while the race reads complete ones; a complete block's bytes never
+change afterwards (kvtransport.core.receiver.ReceiverSession.payload_buffer).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvtransport.core.wire import full_send_time
+from kvtransport.daemons.udp import clock
+from kvtransport.model import blocks
+from kvtransport.model.cache_builder import ComputeSpeed
+from kvtransport.model.race import (
+    DEFAULT_HOLE_WAIT_S,
+    DEFAULT_MAX_CHUNK,
+    LinkView,
+    RaceResult,
+    race,
+    range_ready_at,
+)
+
+log = logging.getLogger("kvtransport.race")
+
+DEFAULT_HELLO_S = 0.05
+"""When the receiver expects the first range before it knows anything of the plan."""
+WAIT_POLL_S = 0.001
+_speeds: weakref.WeakKeyDictionary[Any, ComputeSpeed] = weakref.WeakKeyDictionary()
+
+
+class LiveArrivals:
+    """The in-process receiver's transfer as the race sees it (kvtransport.model.race.Arrivals).
+
+    engine: returns the receiving engine (kvtransport.daemons.daemon_receiver.ReceiverEngine;
+    None before it runs). The race clock counts from this object's creation. Times and
+    views are read from the engine's session of the first transfer; nothing here writes to
+    it. Contract of the views: ``ready_at`` reports a range when every one of its blocks
+    (all layers) is complete and not known to be corrupt; ``received`` decodes a range's
+    blocks once, into one cache of the whole context.
+    """
+
+    def __init__(
+        self,
+        engine: Callable[[], Any],
+        token_ids: Sequence[int],
+        *,
+        block_tokens: int = blocks.DEFAULT_BLOCK_TOKENS,
+        model_id: str | None = None,
+        rate_bps: float | None = None,
+        hello_s: float = DEFAULT_HELLO_S,
+        hole_wait_s: float = DEFAULT_HOLE_WAIT_S,
+    ) -> None:
+        self._t0 = clock()
+        self._engine = engine
+        self.token_ids = np.asarray(token_ids, dtype=np.int64)
+        self.block_tokens = block_tokens
+        self.ranges = -(-len(self.token_ids) // block_tokens)
+        self.model_id = model_id
+        self.rate_bps = rate_bps
+        self.hole_wait_s = hole_wait_s
+        self.refused = ""  # why the transfer is not loaded ("" while it may be)
+        self._session: Any = None
+        self._manifest: blocks.Manifest | None = None
+        self._decoder: blocks.RangeDecoder | None = None
+        self._never = np.full(self.ranges, np.inf)
+        self._hello = LinkView(np.full(self.ranges, hello_s), np.ones(self.ranges), np.inf,
+                               hole_wait_s, settled=False)  # fmt: skip
+        self._dead = LinkView(np.full(self.ranges, np.inf), np.zeros(self.ranges), -np.inf,
+                              hole_wait_s)  # fmt: skip
+        self._view: LinkView | None = None
+
+    # ------------------------------------------------------------------ Arrivals
+
+    def now(self) -> float:
+        return clock() - self._t0
+
+    def ready_at(self) -> np.ndarray:
+        s = self._poll()
+        if s is None:
+            return self._never
+        assert self._manifest is not None and self._decoder is not None  # _poll found it
+        arrival = s.complete_at - self._t0  # inf while a block is not complete
+        arrival[self._decoder.failed] = np.inf
+        return range_ready_at(self._manifest, arrival)
+
+    def link(self) -> LinkView:
+        self._poll()
+        if self.refused:
+            return self._dead
+        return self._view if self._view is not None else self._hello
+
+    def received(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray] | None:
+        d, s = self._decoder, self._session
+        assert d is not None and s is not None  # ready_at reported these ranges
+        got = d.take(s.payload_buffer, lo, hi)
+        if got is None:
+            log.warning("%d received blocks failed their CRC-32: recomputed", d.failed.sum())
+        return got
+
+    def run(self, fn: Callable[[], None]) -> tuple[float, float]:
+        t0 = self.now()
+        fn()
+        return t0, self.now()
+
+    def wait(self, r: int, until: float) -> None:
+        known = self._manifest is not None
+        while (now := self.now()) < until:
+            if self.ready_at()[r] <= now or (self._manifest is not None) != known:
+                return  # the range came, or the plan became known: look again
+            time.sleep(min(WAIT_POLL_S, until - now))
+
+    # ------------------------------------------------------------------ the transfer
+
+    def _poll(self) -> Any:
+        """The session once its blocks manifest is known and accepted (else None)."""
+        if self._manifest is not None or self.refused:
+            return self._session if not self.refused else None
+        if self._session is None:
+            engine = self._engine()
+            tid = engine.host.adopted if engine is not None else None
+            inc = engine.host.get(tid) if tid is not None else None
+            if inc is None:
+                return None
+            self._session = inc.session
+        s = self._session
+        tm = s.manifest
+        nb = (len(tm.blocks),) if tm is not None else None
+        if nb is None or s.complete.shape != nb or s.complete_at.shape != nb:
+            return None  # not yet (or being set up by the receiving thread)
+        try:
+            m = blocks.Manifest.from_bytes(tm.app_metadata)
+        except blocks.ManifestError as exc:
+            return self._refuse(f"not a KV cache transfer ({exc})")
+        why = self._mismatch(m)
+        if why:
+            return self._refuse(why)
+        self._accept(m, tm, s)
+        return s
+
+    def _mismatch(self, m: blocks.Manifest) -> str:
+        g = m.geometry
+        n = len(self.token_ids)
+        if g.num_tokens != n or g.block_tokens != self.block_tokens:
+            return (f"the transfer holds {g.num_tokens} tokens in ranges of {g.block_tokens}, "
+                    f"the race builds {n} in ranges of {self.block_tokens}")  # fmt: skip
+        if not blocks.is_cache_of(m, self.token_ids):
+            return "the transfer is the cache of other token ids"
+        if self.model_id is not None and m.model_id != self.model_id:
+            return f"the transfer is a cache of {m.model_id}, not of {self.model_id}"
+        return ""
+
+    def _refuse(self, why: str) -> None:
+        self.refused = why
+        log.warning("race: the transfer is not loaded, everything is computed: %s", why)
+
+    def _accept(self, m: blocks.Manifest, tm: Any, s: Any) -> None:
+        """The plan as the transfer shows it: which ranges come, their bytes, when."""
+        g = m.geometry
+        self._decoder = blocks.RangeDecoder(m)
+        range_bytes = np.bincount(m.token_block.astype(np.int64), weights=m.length,
+                                  minlength=self.ranges)  # fmt: skip
+        sent = np.zeros(self.ranges, dtype=bool)
+        sent[m.token_block.astype(np.int64)] = True
+        sent &= np.array([np.unique(m.layer[b]).size == g.num_layers
+                          for b in self._decoder.range_blocks])  # fmt: skip
+        start = s.timings.get("first_packet", s.created) - self._t0
+        deadline = start + tm.deadline_s if tm.deadline_s > 0 else np.inf
+        cum = np.cumsum(range_bytes)
+        if self.rate_bps is not None:  # loss-free at the rate, as the plan's link time
+            sz, rate = tm.symbol_size, self.rate_bps
+            expect = start + np.array([full_send_time(int(c), rate, sz, True) for c in cum])
+        elif np.isfinite(deadline) and cum[-1] > 0:
+            expect = start + (deadline - start) * cum / cum[-1]
+        else:
+            expect = np.full(self.ranges, start + self._hello.expect_at[0])
+        expect = np.where(sent, expect, np.inf)
+        self._view = LinkView(expect, np.where(sent, range_bytes, 0), float(deadline),
+                              self.hole_wait_s, start)  # fmt: skip
+        self._manifest = m
+
+
+def live_race(
+    engine: Callable[[], Any],
+    model: Any,
+    token_ids: Sequence[int],
+    *,
+    split: int | None = None,
+    speed: ComputeSpeed | None = None,
+    rate_mbps: float | None = None,
+    block_tokens: int = blocks.DEFAULT_BLOCK_TOKENS,
+    hello_ms: float = DEFAULT_HELLO_S * 1e3,
+    max_chunk: int = DEFAULT_MAX_CHUNK,
+) -> RaceResult:
+    """Race the transfer ``engine`` receives (see the module docstring); the race clock
+    starts now. What :meth:`kvtransport.embed.inprocess.Receiver.race` runs."""
+    from kvtransport.errors import UserError
+    from kvtransport.model.loader import model_id_of
+
+    ids = [int(t) for t in token_ids]
+    if not ids:
+        raise UserError("the race needs the context's token ids (none given)")
+    if block_tokens < 1 or not hello_ms > 0 or max_chunk < 1:
+        raise UserError("block_tokens, hello_ms and max_chunk must be positive")
+    if rate_mbps is not None and not rate_mbps > 0:
+        raise UserError("rate_mbps must be a positive number")
+    if split is not None and not (
+        0 <= split <= len(ids) and (split % block_tokens == 0 or split == len(ids))
+    ):
+        raise UserError(f"split must be a multiple of {block_tokens} in 0..{len(ids)}, "
+                        f"not {split}")  # fmt: skip
+    if speed is None:
+        speed = _speeds.get(model)
+        if speed is None:
+            speed = _speeds[model] = ComputeSpeed.measure(model, ids)
+    src = LiveArrivals(engine, ids, block_tokens=block_tokens, model_id=model_id_of(model),
+                       rate_bps=None if rate_mbps is None else rate_mbps * 1e6,
+                       hello_s=hello_ms * 1e-3)  # fmt: skip
+    return race(model, ids, src, split=split or 0, speed=speed, block_tokens=block_tokens,
+                max_chunk=max_chunk)  # fmt: skip

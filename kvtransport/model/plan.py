@@ -1,0 +1,338 @@
+"""The handoff planner: what the receiver computes, what crosses the link, at which precision.
+
+Before the first datagram the sender decides, from the TTFT budget, the link estimate and
+the receiver's measured compute speed (kvtransport.model.cache_builder.ComputeSpeed):
+
+- the **split**: the context's first ``split`` tokens, which the receiver computes itself
+  while the rest streams in (compute while loading); their blocks are not sent;
+- each sent block's **precision** (fp16, int8 or int4 by default): every block starts at
+  the cheapest level, and blocks are raised in utility order, first until the plan's
+  expected fidelity reaches a floor (``min_fidelity``: int4 only where it costs little
+  utility), then while the bytes still cross within the budget;
+- the **stream order**: token ranges front first, every layer of a range together (the
+  ``position`` order of kvtransport.model.utility), so that what the deadline cuts off or the
+  channel destroys sits in few token ranges at the tail, which the receiver recomputes
+  cheaply (kvtransport.model.race);
+- the planned arrival of every token range, which the receiver uses to decide between
+  waiting for a range and computing it.
+
+Two objectives (``objective``), both over the expected answer fidelity: the
+utility-weighted share of the cache that the receiver holds exactly (computed) or at a
+precision's fidelity (kvtransport.model.blocks.DEFAULT_FIDELITY):
+
+- ``fidelity`` spends the budget: the highest fidelity with everything in place by the
+  budget, among equal plans the one that finishes first;
+- ``ttft`` answers as soon as it can: the split that finishes first with every sent block
+  at the cheapest precision, then upgrades only with the link time that the receiver's
+  own compute leaves idle (so the finish does not move). The budget is then a cap, not a
+  target: a plan never finishes later than the ``fidelity`` plan for the same budget.
+
+The link time of ``b`` payload bytes is the loss-free wire time inflated by the expected
+loss and a repair margin, plus one one-way delay. When nothing fits the budget (even all
+at the cheapest precision), both objectives give the split that finishes soonest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvtransport.core.wire import full_send_time
+from kvtransport.model.blocks import (
+    DEFAULT_FIDELITY,
+    PRECISIONS,
+    EncodedStream,
+    Geometry,
+    decode_stream,
+    encode_stream,
+)
+from kvtransport.model.cache_builder import ComputeSpeed
+from kvtransport.model.utility import stream_order
+
+DEFAULT_LEVELS = ("fp16", "int8", "int4")
+DEFAULT_MIN_FIDELITY = 0.999
+"""The expected fidelity every plan keeps (when its levels can reach it): with the
+calibrated per-precision fidelities (kvtransport.model.blocks.DEFAULT_FIDELITY: int8 0.999, int4
+0.98), it lets about the least useful half of the sent blocks go as int4, which carries
+about a tenth of the utility of the demo's contexts, and keeps the rest at int8 or better.
+The answers this costs are measured in docs/results.md (section 0)."""
+DEFAULT_REPAIR_MARGIN = 0.05
+"""Link time allowed beyond the loss-inflated wire time, for repair the loss estimate does
+not cover. Chosen by comparing planned with realized range arrivals on the emulated
+ge-heavy link (docs/results.md, section 0): a larger margin plans a longer prefix for the
+receiver while the link idles at the end."""
+OBJECTIVES = ("fidelity", "ttft")
+NO_RECEIVER_COMPUTE = ComputeSpeed(per_call_s=float("inf"), per_token_s=float("inf"))
+"""A receiver that computes nothing itself: every plan with it has split 0."""
+
+
+@dataclass(frozen=True)
+class LinkEstimate:
+    """What the sender assumes of the link: rate, loss share, one-way delay; whether
+    datagrams carry an authentication tag (sealed, the default)."""
+
+    rate_bps: float
+    loss: float
+    one_way_s: float
+    symbol_size: int
+    sealed: bool = True
+
+    def seconds(self, payload_bytes: float, repair_margin: float = DEFAULT_REPAIR_MARGIN) -> float:
+        """Expected time until ``payload_bytes`` are at the receiver (0 bytes: 0 s)."""
+        if payload_bytes <= 0:
+            return 0.0
+        wire = full_send_time(int(payload_bytes), self.rate_bps, self.symbol_size, self.sealed)
+        return self.one_way_s + wire * (1.0 + repair_margin) / max(1.0 - self.loss, 0.05)
+
+    def max_bytes(self, seconds: float, repair_margin: float = DEFAULT_REPAIR_MARGIN) -> int:
+        """The most payload bytes expected at the receiver within ``seconds``."""
+        lo, hi = 0, 1
+        while self.seconds(hi, repair_margin) <= seconds:
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.seconds(mid, repair_margin) <= seconds else (lo, mid)
+        return lo
+
+
+@dataclass(frozen=True)
+class HandoffPlan:
+    """A plan (see the module docstring).
+
+    precision: codes ``[layers, token_blocks]`` (index into kvtransport.model.blocks.PRECISIONS;
+        -1 for the receiver's prefix). expect_at: per token range, the planned arrival in
+        seconds from the start (inf for the prefix). fidelity: the objective's value.
+    """
+
+    split: int
+    precision: np.ndarray
+    expect_at: np.ndarray
+    range_bytes: np.ndarray  # per token range, the payload bytes sent for it
+    payload_bytes: int
+    compute_s: float
+    link_s: float
+    fidelity: float
+    fits: bool  # everything is planned in place by the budget
+    prefix_utility: float  # the share of the cache's utility the receiver computes
+
+    @property
+    def finish_s(self) -> float:
+        return max(self.compute_s, self.link_s)
+
+    def describe(self) -> str:
+        names, counts = np.unique(self.precision[self.precision >= 0], return_counts=True)
+        mix = ", ".join(f"{c} {PRECISIONS[int(p)]}" for p, c in zip(names, counts, strict=True))
+        front = f"tokens 0-{self.split}" if self.split else "nothing"
+        front = f"receiver computes {front}"
+        return (
+            f"{front}, the link carries {mix or 'nothing'} "
+            f"blocks ({self.payload_bytes / 2**20:.1f} MiB); planned in place at "
+            f"{self.finish_s * 1e3:.0f} ms"
+        )
+
+
+def plan_handoff(
+    geometry: Geometry,
+    utilities: np.ndarray,
+    *,
+    link: LinkEstimate,
+    speed: ComputeSpeed,
+    budget_s: float,
+    levels: tuple[str, ...] = DEFAULT_LEVELS,
+    repair_margin: float = DEFAULT_REPAIR_MARGIN,
+    fidelity: dict[str, float] | None = None,
+    objective: str = "fidelity",
+    min_fidelity: float = DEFAULT_MIN_FIDELITY,
+) -> HandoffPlan:
+    """The best plan for ``budget_s`` seconds under ``objective`` (see the module
+    docstring).
+
+    utilities: ``[layers, token_blocks]`` block utilities (normalized here); levels: the
+    precisions the link may carry, best first (the last is where every sent block starts);
+    min_fidelity: the expected fidelity below which no plan goes while its levels can
+    reach it (sent blocks are raised in utility order until they do; 0: no floor).
+    Raises ValueError for an unknown objective or level, or a floor outside [0, 1].
+    """
+    g = geometry
+    u = np.asarray(utilities, dtype=np.float64)
+    if u.shape != (g.num_layers, g.token_blocks):
+        raise ValueError(f"utilities {u.shape} != ({g.num_layers}, {g.token_blocks})")
+    if not levels or any(p not in PRECISIONS for p in levels):
+        raise ValueError(f"levels must be names from {PRECISIONS}, not {levels}")
+    if not budget_s > 0:
+        raise ValueError(f"budget must be positive, not {budget_s}")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, not {objective!r}")
+    if not 0.0 <= min_fidelity <= 1.0:
+        raise ValueError(f"min_fidelity must be in [0, 1], not {min_fidelity}")
+    u = u / u.sum()
+    fid = np.array([(fidelity or DEFAULT_FIDELITY)[p] for p in levels])
+    cost = g.cost_table(levels).reshape(g.num_layers, g.token_blocks, len(levels))
+    task = _Task(g, u, cost, fid, link, repair_margin, budget_s, levels, min_fidelity)
+    best: tuple[tuple[float, float], HandoffPlan] | None = None
+    fastest: tuple[float, int, HandoffPlan] | None = None
+    for k in range(g.token_blocks + 1):
+        split = min(k * g.block_tokens, g.num_tokens)
+        compute_s = float(speed.seconds(split))
+        if compute_s > budget_s and best is not None:
+            break  # a longer prefix only computes longer
+        if objective == "ttft" and fastest is not None and compute_s >= fastest[0]:
+            break  # nor can it finish sooner
+        level = task.floored(k)
+        plan = task.plan(k, level, compute_s)
+        if plan.fits and objective == "fidelity":
+            plan = task.upgraded(k, level, compute_s, budget_s)
+            key = (round(plan.fidelity, 9), -plan.finish_s)
+            if best is None or key > best[0]:
+                best = (key, plan)
+        if fastest is None or plan.finish_s < fastest[0]:
+            fastest = (plan.finish_s, k, plan)
+    assert fastest is not None
+    if best is not None:
+        return best[1]
+    _, k, quick = fastest
+    if not quick.fits:
+        return quick
+    # ttft: the link time that the receiver's own compute leaves idle buys upgrades
+    return task.upgraded(k, task.floored(k), quick.compute_s, quick.finish_s)
+
+
+@dataclass(frozen=True)
+class _Task:
+    """One planning problem: the cache, its utilities, the cost and fidelity per level,
+    the link and the budget; :meth:`plan` prices a split and a level per block."""
+
+    g: Geometry
+    u: np.ndarray
+    cost: np.ndarray  # [layers, token_blocks, levels] bytes
+    fid: np.ndarray  # per level
+    link: LinkEstimate
+    margin: float
+    budget_s: float
+    levels: tuple[str, ...]
+    min_fidelity: float
+
+    def _raisable(self, level: np.ndarray, target: int) -> np.ndarray:
+        """The blocks one level below ``target``, most useful first ([n, 2] indices)."""
+        cand = np.argwhere(level == target + 1)
+        return cand[np.argsort(-self.u[cand[:, 0], cand[:, 1]], kind="stable")]
+
+    def floored(self, k: int) -> np.ndarray:
+        """The levels with the first ``k`` token ranges computed (-1) and the rest at the
+        cheapest level, raised one level at a time in utility order until the expected
+        fidelity reaches ``min_fidelity`` (as far as the levels allow)."""
+        g, u, fid = self.g, self.u, self.fid
+        level = np.full((g.num_layers, g.token_blocks), len(self.levels) - 1)
+        level[:, :k] = -1
+        have = float(u[:, :k].sum() + u[:, k:].sum() * fid[-1])
+        for target in range(len(self.levels) - 2, -1, -1):
+            need = self.min_fidelity - have
+            if need <= 0:
+                break
+            cand = self._raisable(level, target)
+            gain = np.cumsum(u[cand[:, 0], cand[:, 1]] * (fid[target] - fid[target + 1]))
+            take = min(int(np.searchsorted(gain, need, side="left")) + 1, len(cand))
+            level[cand[:take, 0], cand[:take, 1]] = target
+            have += float(gain[take - 1]) if take else 0.0
+        return level
+
+    def upgraded(self, k: int, level: np.ndarray, compute_s: float, by_s: float) -> HandoffPlan:
+        """Raise sent blocks one level at a time in utility order while the bytes still
+        cross by ``by_s`` (the longest prefix of the utility order whose extra bytes fit,
+        per level)."""
+        level = level.copy()
+        cost = self.cost
+        sent = level >= 0
+        now = np.take_along_axis(cost, np.maximum(level, 0)[..., None], 2)[..., 0][sent].sum()
+        room = self.link.max_bytes(by_s, self.margin) - int(now)
+        for target in range(len(self.levels) - 2, -1, -1):
+            cand = self._raisable(level, target)
+            extra = cost[cand[:, 0], cand[:, 1], target] - cost[cand[:, 0], cand[:, 1], target + 1]
+            take = int(np.searchsorted(np.cumsum(extra), room, side="right"))
+            level[cand[:take, 0], cand[:take, 1]] = target
+            room -= int(extra[:take].sum())
+        return self.plan(k, level, compute_s)
+
+    def plan(self, k: int, level: np.ndarray, compute_s: float) -> HandoffPlan:
+        """The plan with the first ``k`` token ranges computed and ``level`` per block."""
+        g, link = self.g, self.link
+        sent = level >= 0
+        lv = np.maximum(level, 0)
+        block_bytes = np.where(sent, np.take_along_axis(self.cost, lv[..., None], 2)[..., 0], 0)
+        per_range = block_bytes.sum(axis=0)  # position order: a range's layers back to back
+        cum = np.cumsum(per_range)
+        expect = np.array([link.seconds(float(c), self.margin) for c in cum])
+        expect[:k] = np.inf
+        nbytes = int(cum[-1]) if cum.size else 0
+        link_s = link.seconds(nbytes, self.margin)
+        codes = np.array([PRECISIONS.index(p) for p in self.levels])
+        precision = np.where(sent, codes[lv], -1)
+        u = self.u
+        fidelity = float(u[~sent].sum() + (u * np.where(sent, self.fid[lv], 0.0)).sum())
+        return HandoffPlan(
+            split=min(k * g.block_tokens, g.num_tokens),
+            precision=precision.astype(np.int64),
+            expect_at=expect,
+            range_bytes=per_range.astype(np.int64),
+            payload_bytes=nbytes,
+            compute_s=compute_s,
+            link_s=link_s,
+            fidelity=fidelity,
+            fits=compute_s <= self.budget_s and link_s <= self.budget_s,
+            prefix_utility=float(u[:, :k].sum()),
+        )
+
+
+def parse_levels(spec: str | tuple[str, ...]) -> tuple[str, ...]:
+    """``auto`` (fp16,int8,int4) or precision names best first ("fp16,int8", "fp32", ...).
+
+    Raises ValueError naming the choices otherwise."""
+    if isinstance(spec, str):
+        if spec.strip() == "auto":
+            return DEFAULT_LEVELS
+        spec = tuple(p.strip() for p in spec.split(",") if p.strip())
+    levels = tuple(spec)
+    if not levels or any(p not in PRECISIONS for p in levels):
+        raise ValueError(
+            f"precision must be auto or names from {', '.join(PRECISIONS)}, best first, "
+            f"not {','.join(levels) or 'nothing'!r}"
+        )
+    return levels
+
+
+def planned_stream(
+    stream: EncodedStream,
+    *,
+    link: LinkEstimate,
+    budget_s: float,
+    speed: ComputeSpeed | None = None,
+    levels: tuple[str, ...] = DEFAULT_LEVELS,
+    token_ids: np.ndarray | None = None,
+    objective: str = "fidelity",
+    min_fidelity: float = DEFAULT_MIN_FIDELITY,
+) -> tuple[HandoffPlan, EncodedStream]:
+    """Plan a card's stream for ``budget_s`` and re-encode it the way the plan sends it.
+
+    The stream is decoded (numpy only: no model), planned, and encoded again in prefix
+    order at the planned precisions, without the receiver's prefix. ``speed`` is the
+    receiver's compute speed; None plans nothing for the receiver to compute (split 0).
+    token_ids: needed when the stream's manifest carries only their hash.
+    """
+    m = stream.manifest
+    g = m.geometry
+    full = decode_stream(m, stream.payload, token_ids=token_ids)
+    if full.missing.size:
+        raise ValueError("the stream to plan is incomplete")
+    u = np.zeros((g.num_layers, g.token_blocks))
+    u[m.layer.astype(np.int64), m.token_block.astype(np.int64)] = m.utility
+    if not u.sum() > 0:
+        u[:] = 1.0
+    plan = plan_handoff(g, u, link=link, speed=speed or NO_RECEIVER_COMPUTE,
+                        budget_s=budget_s, levels=levels, objective=objective,
+                        min_fidelity=min_fidelity)  # fmt: skip
+    order = stream_order(u, g.block_tokens, "position")
+    created = dict(m.created, plan=f"split {plan.split}, budget {budget_s * 1e3:.0f} ms")
+    out = encode_stream(full.cache, u, order, plan.precision, block_tokens=g.block_tokens,
+                        group_size=g.group_size, created=created)  # fmt: skip
+    return plan, out

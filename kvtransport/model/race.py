@@ -1,0 +1,378 @@
+"""The receiver's race: compute the context's front while the rest loads, then complete.
+
+From the moment a handoff is announced the receiver builds the cache front to back
+(kvtransport.model.cache_builder.CacheBuilder): first the ``split`` tokens the plan gave it
+(kvtransport.model.plan; the sender does not send them), then, token range by token range, it
+*loads* a range whose K/V have arrived in every layer, *waits* a little for a range that
+is due any moment, or *computes* a run of ranges that have not arrived. The result is
+always the whole cache, exact up to the quantization of what was loaded:
+
+- compute while loading: the prefix is computed while the link carries the rest;
+- completion: a range that never arrived (lost beyond repair, or never sent by the
+  deadline) is recomputed at its own positions over the ranges before it;
+- fallback: with a dead link nothing ever arrives, every range is computed, and the
+  time is one chunked prefill (plus nothing: the receiver never idles on a range that is
+  overdue).
+
+The wait-or-compute rule for a range that has not arrived compares computing it with
+waiting for it (:meth:`LinkView.expected`, from what arrived so far): at the link's
+frontier the range is due when the bytes still owed before it cross at the delivery rate
+seen so far (before the first arrival, when the plan says; a link silent well past that is
+dead); a hole behind the frontier is due ``hole_wait_s`` after the first later range
+arrived (repair fills a loss within about a round trip); after the sender's deadline
+nothing more is due. The receiver waits when computing would take longer, otherwise it
+computes a run of ranges, extended while computing through the next range still beats
+waiting for it, capped at ``max_chunk`` tokens, a cap that doubles with every compute in a
+row (a dead link costs a handful of calls, not one per range). Once nothing more can
+arrive (the sender's deadline has passed, or a link that never delivered anything is long
+overdue) the receiver finishes the cheaper way by its cost model: the rest of the context
+in one call, or each run of missing ranges in one call each, loading what arrived between.
+
+One decision loop, :func:`race`, reads the link and the time through an
+:class:`Arrivals` source. :func:`run_race` replays the race against a transfer's measured
+arrival timeline (:class:`ReplayArrivals`; ``ready_at``: when each token range was
+complete at the receiver, counted from the transfer's start): computing and loading run
+for real on the model and advance the race clock by their measured wall time; a wait
+advances it to the arrival (or to the end of the wait). The decisions only use arrivals up
+to the race clock, so they are the ones a live receiver would take; what the replay leaves
+out is any CPU contention between the receiving daemon and the model (on a receiver host
+they run on different cores). The live race (kvtransport.model.live_race) runs the same loop on
+the wall clock while the in-process receiver receives.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from kvtransport.model.blocks import RangeDecoder
+from kvtransport.model.cache_builder import CacheBuilder, ComputeSpeed
+from kvtransport.model.kvcache import KVCache
+
+DEFAULT_MAX_CHUNK = 128
+DEFAULT_HOLE_WAIT_S = 0.05
+POLL_S = 0.002
+
+
+def range_ready_at(manifest: Any, arrival_s: np.ndarray | None) -> np.ndarray:
+    """Per token range: when its last layer's block was complete (inf: some never was).
+
+    manifest: the blocks manifest (kvtransport.model.blocks.Manifest) of the stream; arrival_s:
+    per block in stream order, seconds from the transfer's start (inf: never). A range
+    with a layer not in the stream (the receiver's own prefix) is never ready.
+    """
+    g = manifest.geometry
+    ready = np.full((g.num_layers, g.token_blocks), np.inf)
+    if arrival_s is not None and len(arrival_s):
+        ready[manifest.layer.astype(np.int64), manifest.token_block.astype(np.int64)] = arrival_s
+    return ready.max(axis=0)
+
+
+@dataclass
+class RaceStep:
+    """One step of the race: what was done to which tokens, and when on the race clock."""
+
+    action: str  # "compute", "load" or "wait"
+    start: int  # first token
+    tokens: int
+    t0: float
+    t1: float
+
+
+@dataclass
+class RaceResult:
+    """The whole cache and how it was made.
+
+    seconds: race clock when the last token was in place (from the transfer's start).
+    computed / loaded: tokens computed by the receiver / loaded from the link.
+    """
+
+    kv: KVCache
+    seconds: float
+    computed: int
+    loaded: int
+    waited_s: float
+    steps: list[RaceStep] = field(default_factory=list)
+
+    @property
+    def recomputed(self) -> int:
+        """Tokens computed after the planned prefix (the link did not deliver them)."""
+        first = self.steps[0] if self.steps else None
+        prefix = first.tokens if first is not None and first.action == "compute" else 0
+        return self.computed - prefix
+
+
+@dataclass(frozen=True)
+class LinkView:
+    """What the receiver knows of the link before anything arrives: the plan.
+
+    expect_at / range_bytes: per token range, the planned arrival (inf: not sent) and the
+    bytes the link carries for it; deadline_s: when the sender stops (from the start);
+    hole_wait_s: how long a range may stay missing once a later range has arrived (a
+    loss that repair fills within about a round trip) before it is computed; start_s: when
+    the transfer started on the race clock (the delivery rate is counted from there);
+    settled: the view is the transfer's own (its plan), so once it is silent nothing more
+    comes; False for a guess made before the plan is known (a live receiver before the
+    manifest): silence then stops the waiting, but the receiver computes in chunks that
+    double, so a late transfer still counts.
+    """
+
+    expect_at: np.ndarray
+    range_bytes: np.ndarray
+    deadline_s: float
+    hole_wait_s: float = DEFAULT_HOLE_WAIT_S
+    start_s: float = 0.0
+    settled: bool = True
+
+    def silent(self, ready_at: np.ndarray, clock: float) -> bool:
+        """Nothing more will arrive: the sender has stopped, or the link never delivered
+        anything and its first arrival is long overdue (a dead link)."""
+        if clock > self.deadline_s + self.hole_wait_s:
+            return True
+        if np.any(ready_at <= clock):
+            return False
+        sent = np.isfinite(self.expect_at)
+        first = float(self.expect_at[sent].min()) if sent.any() else -np.inf
+        return clock > self.start_s + 2 * (first - self.start_s) + self.hole_wait_s
+
+    def expected(self, ready_at: np.ndarray, r: int, clock: float) -> float:
+        """When range ``r`` should arrive, from what arrived by ``clock`` (inf: it will
+        not, as far as the receiver can tell)."""
+        arrived = ready_at <= clock
+        if clock > self.deadline_s + self.hole_wait_s or not np.isfinite(self.expect_at[r]):
+            return np.inf  # the sender has stopped, or never sends it
+        later = np.flatnonzero(arrived[r + 1 :])
+        if later.size:  # a hole behind the link's frontier: repair comes soon or never
+            due = float(ready_at[r + 1 :][later].min()) + self.hole_wait_s
+            return due if due > clock else np.inf
+        if not arrived.any():  # nothing yet: the plan, until its first arrival is overdue
+            return np.inf if self.silent(ready_at, clock) else float(self.expect_at[r])
+        last = float(ready_at[arrived].max())
+        rate = float(self.range_bytes[arrived].sum()) / max(last - self.start_s, 1e-6)
+        owed = float(self.range_bytes[: r + 1][~arrived[: r + 1]].sum())
+        return clock + owed / rate
+
+
+class Arrivals(Protocol):
+    """Where the race reads the link and the time: what arrived by when, and its K/V.
+
+    Times are seconds on the race clock, from the transfer's start (the replay) or the
+    race's start (live). The race only ever compares arrival times with :meth:`now`, so a
+    source may report arrivals still in the future (the replay's timeline): the race does
+    not see them before their time.
+    """
+
+    def now(self) -> float:
+        """The race clock."""
+        ...
+
+    def ready_at(self) -> np.ndarray:
+        """Per token range, when it was complete at the receiver in every layer it is sent
+        in (inf: not yet, or never)."""
+        ...
+
+    def link(self) -> LinkView:
+        """What the receiver expects of the link now (it may sharpen as the transfer
+        reveals its plan)."""
+        ...
+
+    def received(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """The received K/V ``[layers, heads, hi - lo, dim]`` of tokens ``[lo, hi)``, whole
+        token ranges that :meth:`ready_at` reports in place; None when one of them failed
+        its check after all (it is then never ready)."""
+        ...
+
+    def run(self, fn: Callable[[], None]) -> tuple[float, float]:
+        """Do ``fn`` (compute or load); the clock moves on by its time. Returns
+        ``(start, end)`` on the race clock."""
+        ...
+
+    def wait(self, r: int, until: float) -> None:
+        """Let the clock run until range ``r`` is ready or ``until``, whichever is first."""
+        ...
+
+
+Received = KVCache | tuple[RangeDecoder, np.ndarray]
+"""What arrived, for the replay: a decoded cache, or the received stream's decoder and its
+payload (each range checked and decoded when the race loads it, as a live receiver does)."""
+
+
+class ReplayArrivals:
+    """A transfer's measured arrival timeline on a virtual clock: work advances it by its
+    measured wall time (decoding a received range included), a wait jumps it to the
+    arrival (or to the end of the wait)."""
+
+    def __init__(self, ready_at: np.ndarray, received: Received | None, link: LinkView) -> None:
+        self._ready = ready_at.copy() if received is not None else np.full_like(ready_at, np.inf)
+        self._received = received
+        self._link = link
+        self._clock = 0.0
+
+    def now(self) -> float:
+        return self._clock
+
+    def ready_at(self) -> np.ndarray:
+        return self._ready
+
+    def link(self) -> LinkView:
+        return self._link
+
+    def received(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray] | None:
+        got = self._received
+        assert got is not None  # nothing is ever ready without it
+        if isinstance(got, KVCache):
+            return got.keys[:, :, lo:hi], got.values[:, :, lo:hi]
+        decoder, payload = got
+        kv = decoder.take(payload, lo, hi)
+        if kv is None:  # a range with a corrupt block is never ready
+            m = decoder.manifest
+            self._ready[np.unique(m.token_block[decoder.failed].astype(np.int64))] = np.inf
+        return kv
+
+    def run(self, fn: Callable[[], None]) -> tuple[float, float]:
+        t0 = self._clock
+        w0 = time.perf_counter()
+        fn()
+        self._clock = t0 + time.perf_counter() - w0
+        return t0, self._clock
+
+    def wait(self, r: int, until: float) -> None:
+        self._clock = min(float(self._ready[r]), until)
+
+
+def run_race(
+    model: Any,
+    token_ids: list[int],
+    *,
+    split: int,
+    received: Received | None,
+    ready_at: np.ndarray,
+    link: LinkView,
+    speed: ComputeSpeed,
+    block_tokens: int,
+    max_chunk: int = DEFAULT_MAX_CHUNK,
+) -> RaceResult:
+    """Replay the race (see the module docstring) and return the cache it built.
+
+    received: the K/V that arrived (zeros elsewhere), ``[layers, heads, tokens, dim]``,
+        or the received stream to decode range by range as the race loads it
+        (:data:`Received`), or None when nothing arrived; ready_at: per token range of
+        ``block_tokens``, when it was complete at the receiver (inf: never); link: the
+        plan's view of the link.
+    """
+    n = len(token_ids)
+    ranges = -(-n // block_tokens)
+    if ready_at.shape != (ranges,) or link.expect_at.shape != (ranges,):
+        raise ValueError(f"ready_at and the link's expect_at must have {ranges} token ranges")
+    return race(model, token_ids, ReplayArrivals(ready_at, received, link), split=split,
+                speed=speed, block_tokens=block_tokens, max_chunk=max_chunk)  # fmt: skip
+
+
+def race(
+    model: Any,
+    token_ids: list[int],
+    src: Arrivals,
+    *,
+    split: int,
+    speed: ComputeSpeed,
+    block_tokens: int,
+    max_chunk: int = DEFAULT_MAX_CHUNK,
+) -> RaceResult:
+    """The race's decision loop (see the module docstring) against ``src``: the replay
+    (:func:`run_race`) and the live receiver (kvtransport.model.live_race) both run it.
+
+    split: tokens computed first in one call (a token range boundary); speed: the
+    receiver's compute speed, which sizes waits against computes. Returns the whole cache
+    of ``token_ids`` with the race clock when its last token was in place.
+    """
+    n = len(token_ids)
+    ranges = -(-n // block_tokens)
+    if split < 0 or split > n or (split % block_tokens and split != n):
+        raise ValueError(f"split {split} is not a token range boundary of {n} tokens")
+    b = CacheBuilder(model, token_ids)
+    steps: list[RaceStep] = []
+
+    def timed(action: str, tokens: int, fn: Any, *args: Any) -> None:
+        start = b.filled
+        t0, t1 = src.run(lambda: fn(*args))
+        steps.append(RaceStep(action, start, tokens, t0, t1))
+
+    if split:
+        timed("compute", split, b.compute, split)
+    range_cost = float(speed.seconds(block_tokens))
+    computes_in_a_row = 0
+    while b.filled < n:
+        clock = src.now()
+        ready_at = src.ready_at()
+        link = src.link()
+        r = b.filled // block_tokens
+        if ready_at[r] <= clock:  # load every range in place by now, in one go
+            end = r
+            while end < ranges and ready_at[end] <= clock:
+                end += 1
+            lo, hi = b.filled, min(end * block_tokens, n)
+            got = src.received(lo, hi)
+            if got is None:  # failed its check: no longer ready, look again
+                continue
+            timed("load", hi - lo, b.load, *got)
+            computes_in_a_row = 0
+            continue
+        due = link.expected(ready_at, r, clock)
+        if clock + range_cost >= due:  # waiting beats computing: wait, then look again
+            src.wait(r, clock + max(POLL_S, min(due - clock, range_cost)))
+            steps.append(RaceStep("wait", b.filled, 0, clock, src.now()))
+            continue
+        if link.settled and link.silent(ready_at, clock):  # nothing more comes: the
+            # cheaper way to the end
+            holes = ready_at[r:] > clock
+            runs = int(holes[0]) + int(np.count_nonzero(holes[1:] & ~holes[:-1]))
+            piecewise = runs * speed.per_call_s + holes.sum() * block_tokens * speed.per_token_s
+            if speed.seconds(n - b.filled) <= piecewise:
+                timed("compute", n - b.filled, b.compute, n - b.filled)
+                continue
+            cap = n  # each run of holes in one call
+        else:
+            # compute the ranges not in place while computing through each beats waiting
+            # for it, up to a cap that doubles with every compute in a row
+            cap = max_chunk << min(computes_in_a_row, 8)
+        end = r + 1
+        while (
+            end < ranges
+            and (end + 1 - r) * block_tokens <= cap
+            and ready_at[end] > clock
+            and clock + speed.seconds((end + 1 - r) * block_tokens)
+            < link.expected(ready_at, end, clock)
+        ):
+            end += 1
+        hi = min(end * block_tokens, n)
+        timed("compute", hi - b.filled, b.compute, hi - b.filled)
+        computes_in_a_row += 1
+    computed = sum(s.tokens for s in steps if s.action == "compute")
+    waited = sum(s.t1 - s.t0 for s in steps if s.action == "wait")
+    seconds = src.now()  # the last token is in place (the numpy copy is the caller's)
+    return RaceResult(b.kv(), seconds, computed, n - computed, waited, steps)
+
+
+def complete_missing(
+    model: Any, token_ids: list[int], received: KVCache, present: np.ndarray, block_tokens: int
+) -> RaceResult:
+    """The whole cache from a partial one after the fact (nothing more will arrive):
+    every token range present in all layers is loaded, every other one recomputed exactly.
+
+    present: ``[layers, tokens]`` as kvtransport.model.blocks.Reassembled gives it.
+    """
+    n = len(token_ids)
+    if present.shape != (received.num_layers, n):
+        raise ValueError(f"present {present.shape} != ({received.num_layers}, {n})")
+    ranges = -(-n // block_tokens)
+    pad = ranges * block_tokens - n
+    whole = np.pad(present.all(axis=0), (0, pad), constant_values=True)
+    ready_at = np.where(whole.reshape(ranges, block_tokens).all(axis=1), 0.0, np.inf)
+    link = LinkView(np.where(np.isfinite(ready_at), 0.0, np.inf), np.zeros(ranges), -1.0)
+    speed = ComputeSpeed(0.0, 1e-3)  # nothing is due: the speed only sizes waits
+    return run_race(model, token_ids, split=0, received=received, ready_at=ready_at,
+                    link=link, speed=speed, block_tokens=block_tokens)  # fmt: skip

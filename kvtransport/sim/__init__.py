@@ -1,0 +1,1 @@
+"""The virtual-clock shell and the simulators; the evaluation's clairvoyant references."""

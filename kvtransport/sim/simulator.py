@@ -1,0 +1,389 @@
+"""Discrete-event simulator: the real sessions over userspace channels, on a virtual clock.
+
+Nothing here models the protocol: :class:`Simulation` moves the datagrams of a real
+:class:`~kvtransport.core.sender.SenderSession` through a data-path channel and those of a real
+:class:`~kvtransport.core.receiver.ReceiverSession` back through a feedback-path channel
+(kvtransport.netem: loss, rate limit with queue, delay, jitter), firing each session's
+timers at the virtual times they ask for. Simulation results are results of the real code.
+
+The two sessions are endpoints of a kvtransport.sim.virtual_clock.VirtualClockLoop, the event
+loop every virtual-clock shell shares (the sender as a bare session: no host's link
+planning): ties go to deliveries first, then the sender's timer, then the receiver's.
+Both sessions share the virtual clock, so the receiver is given the exact deadline and
+``utility_recovered`` is what it had decoded *at* the deadline.
+
+Step mode for the Gymnasium environment: build the episode with :func:`make_simulation`
+and ``policy=ExternalPolicy()``; the sender then pauses at each decision,
+:meth:`Simulation.run_until_decision` returns there (observation in ``sim.sender.obs``),
+:meth:`Simulation.apply_action` resumes, and ``sim.utility`` is the reward's running sum (it
+stops growing at the deadline). :meth:`Simulation.result` summarizes the episode.
+
+Determinism: everything random is drawn from the seed (channels, synthetic payload, transfer
+id); the same arguments give the same result, bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvtransport.core.policy import Policy, make_policy
+from kvtransport.core.protocol import DEFAULT_SYMBOL_SIZE
+from kvtransport.core.receiver import ReceiverSession
+from kvtransport.core.sender import SenderSession
+from kvtransport.core.transfer import Transfer, synthetic_transfer
+from kvtransport.core.wire import full_send_time, link_bytes
+from kvtransport.netem import Channel, Profile, load_profile, make_channel
+from kvtransport.sim.virtual_clock import (
+    ReceiverSessionEndpoint,
+    SenderSessionEndpoint,
+    VirtualClockLoop,
+)
+
+DEFAULT_SIZE_BYTES = 10_000_000
+DEFAULT_BLOCK_BYTES = 12_288
+"""One SmolLM2 block (one layer, 16 tokens, K and V, fp16, 3 kv heads x 64) is 12 KiB."""
+SENDER_ADDR = "sender"
+RECEIVER_ADDR = "receiver"
+"""The two sessions' addresses on the simulation's loop."""
+
+
+@dataclass
+class SimResult:
+    """What one simulated transfer achieved (``to_dict`` for JSON)."""
+
+    policy: str
+    channel: str
+    rate_mbps: float
+    rho: float
+    seed: int
+    size_bytes: int
+    n_source: int
+    deadline_s: float
+    utility_recovered: float
+    utility_bound: float  # genie: every surviving slot carried a new useful symbol
+    source_sent: int
+    repair_sent: int
+    manifest_sent: int
+    packets_sent: int
+    packets_lost: int
+    feedback_sent: int
+    feedback_lost: int
+    blocks_total: int
+    blocks_missing: int
+    symbols_recovered: int
+    manifest_at: float | None
+    complete_at: float | None
+    sender_finish: str
+    receiver_finish: str
+    events: int
+    cpu_s: float
+    timeseries: dict[str, list[float]] = field(default_factory=dict)
+
+    def to_dict(self, timeseries: bool = False) -> dict[str, Any]:
+        d = asdict(self)
+        if not timeseries:
+            d.pop("timeseries")
+        return d
+
+
+class Simulation:
+    """One transfer between a real sender and a real receiver over two channels.
+
+    ``trace``: a list that receives the loop's record of every call and datagram
+    (kvtransport.sim.virtual_clock; the sender is endpoint 0, the receiver endpoint 1).
+    """
+
+    def __init__(
+        self,
+        transfer: Transfer,
+        policy: Policy,
+        data_channel: Channel,
+        feedback_channel: Channel,
+        *,
+        rate_bps: float,
+        deadline: float,
+        transfer_id: int = 1,
+        key: bytes | None = None,
+        symbol_size: int = DEFAULT_SYMBOL_SIZE,
+        initial_rtt: float = 0.02,
+        record: bool = True,
+        prior_loss: float | None = None,
+        trace: list[tuple[Any, ...]] | None = None,
+    ) -> None:
+        self.data_channel = data_channel
+        self.feedback_channel = feedback_channel
+        self.deadline = deadline
+        if hasattr(policy, "bind_channel"):
+            policy.bind_channel(data_channel)
+        self.sender = SenderSession(
+            transfer,
+            policy,
+            rate_bps=rate_bps,
+            deadline=deadline,
+            now=0.0,
+            transfer_id=transfer_id,
+            key=key,
+            symbol_size=symbol_size,
+            initial_rtt=initial_rtt,
+            prior_loss=prior_loss,
+        )
+        if hasattr(policy, "bind_sender"):
+            policy.bind_sender(self.sender)
+        receiver = ReceiverSession(transfer_id, key=key, now=0.0, deadline=deadline)
+        self.record = record
+        self.meta: dict[str, Any] = {}
+        self._decisions_seen = 0
+        self.series: dict[str, list[float]] = {
+            k: []
+            for k in (
+                "t",
+                "utility",
+                "source_sent",
+                "repair_sent",
+                "share",
+                "admit",
+                "loss",
+                "owed",
+            )
+        }
+        # the two sessions on the virtual-clock loop: the sender's timer goes first on a
+        # tie, data through the data channel, feedback through the feedback channel
+        self.loop = VirtualClockLoop(trace)
+        self._tx = SenderSessionEndpoint(self.sender, RECEIVER_ADDR)
+        self._rx = ReceiverSessionEndpoint(receiver, SENDER_ADDR)
+        self._tx_i = self.loop.add(
+            self._tx, SENDER_ADDR, rank=1, channel=data_channel, after=self._after_sender
+        )
+        self._rx_i = self.loop.add(self._rx, RECEIVER_ADDR, rank=2, channel=feedback_channel)
+
+    @property
+    def receiver(self) -> ReceiverSession:
+        """The receiving session (a script may replace it mid-run, as a restart)."""
+        return self._rx.session
+
+    @receiver.setter
+    def receiver(self, session: ReceiverSession) -> None:
+        self._rx.session = session
+        self.loop.touch(self._rx_i)
+
+    @property
+    def now(self) -> float:
+        """The virtual clock: the time of the last event handled."""
+        return self.loop.now
+
+    @property
+    def events(self) -> int:
+        return self.loop.events
+
+    @property
+    def feedback_sent(self) -> int:
+        """Feedback datagrams the receiver sent (lost ones included)."""
+        return self.loop.sent(self._rx_i)[0]
+
+    # ---------------------------------------------------------------- event loop
+
+    def _after_sender(self, t: float) -> None:
+        if self.record and self.sender.stats["decisions"] != self._decisions_seen:
+            self._decisions_seen = self.sender.stats["decisions"]
+            self._sample(t)
+
+    def _sample(self, t: float) -> None:
+        s = self.sender
+        o = self.series
+        o["t"].append(t)
+        o["utility"].append(self.receiver.utility)
+        o["source_sent"].append(s.source_sent)
+        o["repair_sent"].append(s.repair_sent)
+        o["share"].append(s.share)
+        o["admit"].append(1.0 if s.admit else 0.0)
+        o["loss"].append(s.loss_estimate())
+        o["owed"].append(s.owed())
+
+    def _over(self) -> bool:
+        s = self.sender
+        if s.awaiting_action:
+            return True
+        return self._rx.session.finished and (s.done or not self.loop.in_flight)
+
+    def run_until_decision(self, until: float = math.inf) -> bool:
+        """Advance until the sender awaits an action (True) or the transfer is over (False)."""
+        self.loop.run(until, self._over)
+        return self.sender.awaiting_action
+
+    def apply_action(self, action: int) -> None:
+        self.sender.apply_action(action)
+        self.loop.touch(self._tx_i)
+        if self.record:
+            self._sample(self.now)
+
+    def run(self) -> None:
+        """Run to the end (the policy must not defer)."""
+        if self.run_until_decision():
+            raise RuntimeError("the policy deferred its decision; use run_until_decision")
+
+    def result(self, cpu_s: float = 0.0) -> SimResult:
+        """What the transfer achieved (call once it is over)."""
+        s, r = self.sender, self.receiver
+        res = r.result
+        meta = self.meta
+        transfer = s.transfer
+        assert transfer is not None  # the simulation never releases its sender
+        n_blocks = len(transfer.blocks)
+        data_ch, fb_ch = self.data_channel, self.feedback_channel
+        return SimResult(
+            policy=s.policy.name,
+            channel=meta.get("channel", "custom"),
+            rate_mbps=meta.get("rate_mbps", s.rate_bps / 1e6),
+            rho=meta.get("rho", math.nan),
+            seed=meta.get("seed", -1),
+            size_bytes=transfer.nbytes,
+            n_source=s.n_source,
+            deadline_s=self.deadline,
+            utility_recovered=res.utility_recovered if res is not None else r.utility,
+            utility_bound=meta.get("utility_bound", math.nan),
+            source_sent=s.stats["source_sent"],
+            repair_sent=s.repair_sent,
+            manifest_sent=s.stats["manifest_sent"],
+            packets_sent=getattr(data_ch, "sent", 0),
+            packets_lost=getattr(data_ch, "lost", 0) + getattr(data_ch, "dropped", 0),
+            feedback_sent=self.feedback_sent,
+            feedback_lost=getattr(fb_ch, "lost", 0) + getattr(fb_ch, "dropped", 0),
+            blocks_total=n_blocks,
+            blocks_missing=int(res.missing.size) if res and res.manifest else n_blocks,
+            symbols_recovered=r.symbols_recovered,
+            manifest_at=r.timings.get("manifest"),
+            complete_at=r.timings.get("complete"),
+            sender_finish=s.finish_reason,
+            receiver_finish=res.reason if res is not None else "running",
+            events=self.events,
+            cpu_s=cpu_s,
+            timeseries=self.series if self.record else {},
+        )
+
+    @property
+    def utility(self) -> float:
+        """Utility the receiver has decoded so far (frozen at the deadline)."""
+        return self.receiver.utility
+
+
+def genie_bound(
+    transfer: Transfer,
+    data_channel: Channel,
+    rate_bps: float,
+    deadline: float,
+    delay_s: float,
+    symbol_size: int,
+    key: bytes | None = None,
+) -> float:
+    """Utility no scheme pacing at the link rate can beat on this channel's future.
+
+    Every datagram that leaves in time (by deadline - delay) and survives carries at most
+    one symbol's worth of new information; the manifest needs its own symbols first, and
+    the best case delivers the source symbols in stream order. So at most the first
+    ``surviving - manifest symbols`` source symbols arrive, and only blocks entirely
+    inside them count. Call before the channel is used.
+    """
+    from kvtransport.core.manifest_fec import manifest_symbols
+    from kvtransport.core.transfer import TransportManifest
+
+    slot = link_bytes(symbol_size, key is not None) * 8 / rate_bps
+    n_slots = max(0, int((deadline - delay_s) / slot) + 1)
+    surviving = n_slots - int(data_channel.lookahead_losses(n_slots).sum()) if n_slots else 0
+    m = manifest_symbols(
+        TransportManifest(
+            symbol_size, transfer.nbytes, transfer.blocks, transfer.app_metadata
+        ).to_bytes(),
+        symbol_size,
+    )
+    k = max(0, surviving - m)
+    b = transfer.blocks
+    inside = (b.offsets + b.lengths) <= np.uint64(k * symbol_size)
+    return float(min(b.utilities[inside].sum(), 1.0))
+
+
+def make_simulation(
+    transfer: Transfer | None = None,
+    *,
+    channel: str | Profile = "ge-heavy",
+    feedback_channel: str | Profile | Channel | None = None,
+    rate_mbps: float | None = None,
+    delay_ms: float | None = None,
+    rho: float = 0.8,
+    policy: str | Policy = "adaptive",
+    seed: int = 1,
+    size_bytes: int = DEFAULT_SIZE_BYTES,
+    n_blocks: int | None = None,
+    utility_profile: str = "zipf",
+    symbol_size: int = DEFAULT_SYMBOL_SIZE,
+    key: bytes | None = None,
+    record: bool = True,
+    prior_loss: float | None = None,
+) -> Simulation:
+    """Set up one transfer (see ``kvtransport simulate --help`` for the arguments).
+
+    The feedback path defaults to the same profile as the data path (independent draws).
+    ``transfer`` defaults to a synthetic stream of ``size_bytes`` in ``n_blocks`` blocks
+    (default: 12 KiB each) with the given utility profile. Every random choice (channels,
+    payload, transfer id) derives from ``seed``. ``prior_loss``: the sender's loss prior
+    before any feedback (``SenderSession.set_prior_loss``; None: none, as a daemon's first
+    transfer to a receiver). The Gymnasium environment builds its
+    episodes here and steps them with ``run_until_decision`` / ``apply_action``.
+    """
+    if not rho > 0:
+        raise ValueError("rho must be positive")
+    prof = load_profile(channel).with_overrides(rate_mbps, delay_ms)
+    rate_bps = prof.rate_mbps * 1e6
+    ss = np.random.SeedSequence(seed)
+    data_seed, fb_seed, tid_seed, payload_seed = ss.spawn(4)
+    if transfer is None:
+        blocks = n_blocks or max(1, size_bytes // DEFAULT_BLOCK_BYTES)
+        transfer = synthetic_transfer(
+            size_bytes, blocks, utility_profile, seed=int(payload_seed.generate_state(1)[0])
+        )
+    pol = make_policy(policy) if isinstance(policy, str) else policy
+    data_ch = make_channel(prof, data_seed)
+    if isinstance(feedback_channel, Channel):
+        fb_ch = feedback_channel
+    else:
+        fb_prof = prof if feedback_channel is None else load_profile(feedback_channel)
+        fb_ch = make_channel(fb_prof.with_overrides(rate_mbps, delay_ms), fb_seed)
+    deadline = rho * full_send_time(transfer.nbytes, rate_bps, symbol_size, key is not None)
+    tid = int(tid_seed.generate_state(2, np.uint64)[0])
+    bound = genie_bound(
+        transfer, data_ch, rate_bps, deadline, prof.delay_ms * 1e-3, symbol_size, key
+    )
+    sim = Simulation(
+        transfer,
+        pol,
+        data_ch,
+        fb_ch,
+        rate_bps=rate_bps,
+        deadline=deadline,
+        transfer_id=tid,
+        key=key,
+        symbol_size=symbol_size,
+        initial_rtt=2e-3 * prof.delay_ms + 1e-3,
+        record=record,
+        prior_loss=prior_loss,
+    )
+    sim.meta = {
+        "channel": prof.name,
+        "rate_mbps": prof.rate_mbps,
+        "rho": rho,
+        "seed": seed,
+        "utility_bound": bound,
+    }
+    return sim
+
+
+def simulate(transfer: Transfer | None = None, **kwargs: Any) -> SimResult:
+    """Run one transfer to its end; arguments as :func:`make_simulation`."""
+    sim = make_simulation(transfer, **kwargs)
+    cpu0 = time.process_time()
+    sim.run()
+    return sim.result(time.process_time() - cpu0)
