@@ -278,6 +278,8 @@ def render_table(rep: DemoReport) -> str:
             f"    Q{i}  {q['question']}  {_clip(q['full_answer'], 40)}  [{'; '.join(q['gold'])}]"
         )
     agree = "equal" if rep.answers_agree else "DIFFER FROM"
+    n = rep.config.get("repeats", 1)
+    rounds = f"; TTFT and speed-up: medians of {n} interleaved rounds." if n > 1 else "."
     lines += [
         "",
         f"  The full-cache answers {agree} the re-prefill answers.",
@@ -288,10 +290,10 @@ def render_table(rep: DemoReport) -> str:
         f"  F1: token F1 of each answer against the full-cache answer, mean of the {k} questions;",
         "  same answer: answers equal to the full cache's (after SQuAD normalization);",
         "  no cache: every block masked, the question alone (what the model knows anyway);",
-        "  TTFT (Q1): the receiver's cache complete (computing while loading) + rebuild +",
-        "  injection + first token; link down: the receiver alone, nothing arrives (100 % loss);",
-        f"  against re-prefilling the context ({rp['prefill_s']:.2f} s) + first token; "
-        f"torch threads: {rep.config['threads']}.",
+        "  TTFT (Q1): the receiver's cache complete (computing while loading, each received",
+        "  range decoded as it is loaded) + injection + first token; link down: the receiver",
+        "  alone, nothing arrives (100 % loss); against re-prefilling the context "
+        f"({rp['prefill_s']:.2f} s) + first token; torch threads: {rep.config['threads']}" + rounds,
         f"  wall time {rep.timings['total']:.1f} s "
         f"(transfers {rep.timings['transfers']:.1f} s, answers {rep.timings['answers']:.1f} s).",
     ]
