@@ -107,29 +107,22 @@ def fallback(loaded: object, tokens: int, repeats: int, seed: int = 1) -> dict:
     (each side: the context's cache, then the first answer token): the receiver's race
     with nothing arriving computes the planned prefix, finds the link silent and computes
     the rest in one call."""
-    import numpy as np
-
-    from kvtransport.demo.demo_model import answer
-    from kvtransport.demo.run import DemoConfig, _prepare, _Progress
-    from kvtransport.model import hf
-    from kvtransport.model.race import LinkView, run_race
+    from kvtransport.demo.demo_links import LinkOutcome
+    from kvtransport.demo.run import (
+        DemoConfig,
+        _prepare,
+        _Progress,
+        race_ttft_once,
+        reprefill_ttft_once,
+    )
 
     cfg = DemoConfig(tokens=tokens, seed=seed, link="emulated", progress=False)
     prep = _prepare(cfg, loaded, _Progress(False), {})
-    lm, plan = prep.loaded, prep.plan
-    ranges = plan.expect_at.size
-    link = LinkView(plan.expect_at, plan.range_bytes, prep.deadline_s)
-    bt = prep.planned.manifest.geometry.block_tokens
+    nothing = LinkOutcome(0.0, "", np.zeros(0, bool), np.zeros(0, np.uint8), None, 0.0)
     re_s, dead_s = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        kv = hf.prefill(lm.model, lm.tokenizer, prep.context_ids, attention=False)
-        pre = time.perf_counter() - t0
-        re_s.append(pre + answer(lm, kv, None, prep.question_ids, 1)[1])
-        race = run_race(lm.model, prep.context_ids, split=plan.split, received=None,
-                        ready_at=np.full(ranges, np.inf), link=link, speed=prep.speed,
-                        block_tokens=bt)  # fmt: skip
-        dead_s.append(race.seconds + answer(lm, race.kv, None, prep.question_ids, 1)[1])
+        re_s.append(reprefill_ttft_once(prep))
+        dead_s.append(race_ttft_once(prep, nothing))
     ratios = [d / r for d, r in zip(dead_s, re_s, strict=True)]
     return {"tokens": len(prep.context_ids), "reprefill_s": re_s, "link_down_s": dead_s,
             "ratio_median": statistics.median(ratios), "ratio_max": max(ratios)}  # fmt: skip

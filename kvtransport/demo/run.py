@@ -450,9 +450,6 @@ def _repeat_timings(
     race and first token), the first round being the answering one: sets each row's
     ``ttft_rounds``, its ``ttft_s`` to their median and its ``speedup`` to the median of
     the rounds' ratios; returns re-prefill's TTFT per round."""
-    from kvtransport.model import hf
-
-    lm, q1 = prep.loaded, prep.probe_ids[0]
     re_t = [reprefill_ttft]
     row_t: list[list[float]] = []
     for row, _ in timed:
@@ -461,15 +458,10 @@ def _repeat_timings(
     rounds = cfg.repeats - 1
     with ui.bar(rounds * (1 + len(timed)), "timing again", unit="TTFT") as bar:
         for _ in range(rounds):  # (no bar shows for a single round: nothing is timed again)
-            t0 = time.perf_counter()
-            kv = hf.prefill(lm.model, lm.tokenizer, prep.context_ids, attention=False)
-            prefill_s = time.perf_counter() - t0
-            re_t.append(prefill_s + answer(lm, kv, None, q1, 1)[1])
-            del kv
+            re_t.append(reprefill_ttft_once(prep))
             bar.update(1)
             for times, (_, out) in zip(row_t, timed, strict=True):
-                race, rebuild_s = _race(prep, out)
-                times.append(race.seconds + rebuild_s + answer(lm, race.kv, None, q1, 1)[1])
+                times.append(race_ttft_once(prep, out))
                 bar.update(1)
     for times, (row, _) in zip(row_t, timed, strict=True):
         row.ttft_rounds = times
@@ -509,6 +501,25 @@ def _race_row(
     row.speedup = reprefill_ttft / row.ttft_s
     row.counters = out.counters
     return row
+
+
+def reprefill_ttft_once(prep: _Prepared) -> float:
+    """One measurement of re-prefilling's TTFT: the context's cache from scratch, then the
+    first question's first token."""
+    from kvtransport.model import hf
+
+    lm = prep.loaded
+    t0 = time.perf_counter()
+    kv = hf.prefill(lm.model, lm.tokenizer, prep.context_ids, attention=False)
+    prefill_s = time.perf_counter() - t0
+    return prefill_s + answer(lm, kv, None, prep.probe_ids[0], 1)[1]
+
+
+def race_ttft_once(prep: _Prepared, out: LinkOutcome) -> float:
+    """One measurement of the handoff's TTFT for a transfer's outcome: the receiver's
+    race (reading the manifest included), then the first question's first token."""
+    race, rebuild_s = _race(prep, out)
+    return race.seconds + rebuild_s + answer(prep.loaded, race.kv, None, prep.probe_ids[0], 1)[1]
 
 
 def _race(prep: _Prepared, out: LinkOutcome) -> tuple[Any, float]:
