@@ -31,6 +31,18 @@ caller's generator):
 - block utilities: measured from the real model (agents/data/utility_profiles.npz,
   training contexts only) or synthetic (zipf with exponent 0.6..1.4, flat, linear).
 
+Stream modes (``EpisodeSpec.stream``): ``utility`` (the above: equal blocks, highest
+utility first) or ``handoff``, the stream kvtransport.model.plan sends: a SmolLM2-135M cache
+(``HANDOFF_GEOMETRY``) whose block utilities come from the real utility formula
+(kvtransport.model.utility) over synthetic attention drawn from the episode's seed (sparse
+needles on a position prior: sinks and recent tokens matter), planned by
+``kvtransport.model.plan.plan_handoff`` for the episode's link (the receiver computes a
+prefix, which is not sent; the rest goes int4/int8/fp16, so block sizes differ) and sent in
+prefix (position) order, so utility does not decrease along the stream. Its rho is drawn
+near the plan's own (``handoff_rho_range``). :class:`EpisodeDistribution` draws handoff
+episodes for ``handoff_share`` of the episodes (default 0: the training distribution
+above, draw for draw).
+
 Held out from training, so evaluation measures generalization: episode seeds at or above
 ``HELD_OUT_SEED`` (training seeds are drawn below it), the measured profiles of the
 evaluation contexts, the netem 4-state loss model (never drawn in training), and a
@@ -43,6 +55,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
 import numpy as np
 from kvtransport.agents.utility_profiles import load_profiles, resample
@@ -69,6 +82,21 @@ HELD_OUT_SEED = 1 << 40
 EXCLUDE_FACTOR = 1.3
 MIN_DEADLINE_RTTS = 5.0
 BLOCK_BYTES = (3072, 6144, 12288)
+STREAMS = ("utility", "handoff")
+HANDOFF_LAYERS, HANDOFF_KV_HEADS, HANDOFF_HEAD_DIM = 30, 3, 64
+"""The handoff episodes' cache geometry: SmolLM2-135M (blocks of 16 tokens, fp16)."""
+HANDOFF_MODEL = "SmolLM2-135M-Instruct.Q4_1"
+"""Whose packaged layer sensitivity weights the handoff episodes' utilities."""
+HANDOFF_TOKENS = (200, 2000)
+"""Context lengths (tokens) of training handoff episodes (log-uniform)."""
+HANDOFF_EVAL_TOKENS = (300, 600, 900, 1200)
+"""Context lengths of evaluation handoff episodes, in turn."""
+HANDOFF_SPEED_PER_TOKEN_S = (1e-3, 8e-3)
+"""The receiver's compute time per token (log-uniform; the demo host's is 3.1 ms)."""
+HANDOFF_SPEED_PER_CALL_S = 0.07
+HANDOFF_BUDGET = (0.5, 1.0)
+"""The TTFT budget as a share of the link time of the whole cache at int8 (uniform):
+tight enough that the plan mixes precisions and leaves a prefix to the receiver."""
 
 
 @dataclass(frozen=True)
@@ -86,16 +114,36 @@ class EpisodeSpec:
     symbol_size: int = DEFAULT_SYMBOL_SIZE
     prior_loss: float | None = None
     """The sender's loss prior before feedback (None: none, a first transfer)."""
+    stream: str = "utility"
+    """``utility``: ``n_blocks`` equal blocks of ``block_bytes`` with ``utility``'s
+    utilities. ``handoff``: the planned handoff stream of a cache of ``n_blocks`` blocks
+    (``HANDOFF_LAYERS`` x token ranges; see :func:`handoff_table`); ``block_bytes`` and
+    ``utility`` are not used."""
+
+    def __post_init__(self) -> None:
+        if self.stream not in STREAMS:
+            raise ValueError(f"unknown stream {self.stream!r}; choose from {', '.join(STREAMS)}")
+        if self.stream == "handoff" and (self.n_blocks < 1 or self.n_blocks % HANDOFF_LAYERS):
+            raise ValueError(
+                f"a handoff episode's n_blocks must be a positive multiple of "
+                f"{HANDOFF_LAYERS} (layers), not {self.n_blocks}"
+            )
 
     @property
     def size_bytes(self) -> int:
+        if self.stream == "handoff":
+            return int(handoff_table(self).lengths.sum())
         return self.n_blocks * self.block_bytes
 
     def describe(self) -> str:
+        if self.stream == "handoff":
+            t = handoff_table(self)
+            blocks = f"handoff of {self.n_blocks} blocks: {len(t)} sent, {self.size_bytes} B"
+        else:
+            blocks = f"{self.n_blocks} blocks x {self.block_bytes} B; utility {self.utility}"
         return (
             f"{self.channel.describe()}; feedback {self.feedback.name} "
-            f"{self.feedback.delay_ms:g} ms; rho {self.rho:.2f}; {self.n_blocks} blocks x "
-            f"{self.block_bytes} B; utility {self.utility}; seed {self.seed}"
+            f"{self.feedback.delay_ms:g} ms; rho {self.rho:.2f}; {blocks}; seed {self.seed}"
             + ("" if self.prior_loss is None else f"; prior loss {self.prior_loss:.4f}")
         )
 
@@ -129,8 +177,71 @@ def _payload(nbytes: int) -> np.ndarray:
     return _PAYLOAD[:nbytes]
 
 
+def handoff_utilities(seed: int, token_ranges: int) -> np.ndarray:
+    """``[HANDOFF_LAYERS, token_ranges]`` block utilities (summing to 1) of a synthetic
+    context of ``token_ranges`` x 16 tokens: kvtransport.model.utility's formula (position
+    prior, SnapKV-style attention share, the packaged layer weights) over attention drawn
+    from ``seed``: per token, the mean attention of the queries that can see it is a
+    gamma draw (shape 0.3: a few heavy "needle" tokens) common to all layers plus a
+    per-layer one."""
+    from kvtransport.model import utility as mu
+
+    rng = np.random.default_rng([seed, 0x4A_4E_D0])
+    tokens = token_ranges * 16
+    common = rng.gamma(0.3, size=tokens)
+    per_layer = rng.gamma(0.3, size=(HANDOFF_LAYERS, tokens))
+    mean_attention = common[None, :] + 0.5 * per_layer  # per query that can see the token
+    seen_by = tokens - np.arange(tokens)  # causal: token t is seen by tokens - t queries
+    attention = mean_attention * seen_by / tokens  # averaged over all the queries
+    imp = mu.token_importance(HANDOFF_LAYERS, tokens, attention, window=None)
+    weights = mu.default_layer_weights(HANDOFF_MODEL, HANDOFF_LAYERS)
+    return mu.block_utility(imp, 16, weights)
+
+
+@lru_cache(maxsize=256)
+def handoff_table(spec: EpisodeSpec) -> BlockTable:
+    """The block table of a handoff episode (see the module docstring), from its seed and
+    link: the plan of ``kvtransport.model.plan.plan_handoff`` (objective ``fidelity``,
+    default levels and fidelity floor) for a receiver whose compute speed and TTFT budget
+    are drawn from the seed (``HANDOFF_SPEED_PER_TOKEN_S``, ``HANDOFF_BUDGET``) and for the
+    link estimate of ``spec.channel`` (rate, stationary loss, one-way delay). The sent
+    blocks (the plan's prefix is not) in position order, each at its planned precision's
+    size; utilities are the sent blocks' shares of the sent utility (summing to 1)."""
+    from kvtransport.model.blocks import PRECISIONS, Geometry
+    from kvtransport.model.cache_builder import ComputeSpeed
+    from kvtransport.model.plan import DEFAULT_LEVELS, LinkEstimate, plan_handoff
+    from kvtransport.model.utility import stream_order
+
+    if spec.stream != "handoff":
+        raise ValueError(f"not a handoff episode (stream {spec.stream!r})")
+    ranges = spec.n_blocks // HANDOFF_LAYERS
+    u = handoff_utilities(spec.seed, ranges)
+    g = Geometry(HANDOFF_LAYERS, HANDOFF_KV_HEADS, ranges * 16, HANDOFF_HEAD_DIM, "float16")
+    rng = np.random.default_rng([spec.seed, 0x91_A7])
+    speed = ComputeSpeed(HANDOFF_SPEED_PER_CALL_S, _log_uniform(rng, *HANDOFF_SPEED_PER_TOKEN_S))
+    ch = spec.channel.reverse_profile("delay") if spec.channel.is_trace else spec.channel
+    loss = 0.0 if spec.channel.is_trace else float(ch.stationary_loss())
+    link = LinkEstimate(ch.rate_mbps * 1e6, loss, ch.delay_ms * 1e-3, spec.symbol_size)
+    int8 = int(g.cost_table(("int8",)).sum())
+    budget = float(rng.uniform(*HANDOFF_BUDGET)) * link.seconds(int8)
+    plan = plan_handoff(g, u, link=link, speed=speed, budget_s=budget)
+    order = stream_order(u, g.block_tokens, "position")
+    level = plan.precision.reshape(-1)[order]
+    sent = order[level >= 0]
+    codes = [PRECISIONS.index(p) for p in DEFAULT_LEVELS]
+    cost = g.cost_table(DEFAULT_LEVELS)
+    lengths = cost[sent, [codes.index(int(c)) for c in level[level >= 0]]].astype(np.uint64)
+    offsets = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.uint64)
+    util = u.reshape(-1)[sent]
+    return BlockTable(offsets, lengths, util / util.sum())
+
+
 def spec_transfer(spec: EpisodeSpec) -> Transfer:
-    """The transfer of an episode: equal blocks with the spec's utilities."""
+    """The transfer of an episode: equal blocks with the spec's utilities, or the planned
+    handoff stream (:func:`handoff_table`)."""
+    if spec.stream == "handoff":
+        table = handoff_table(spec)
+        return Transfer(_payload(int(table.lengths.sum())), table)
     n, b = spec.n_blocks, spec.block_bytes
     offsets = np.arange(n, dtype=np.uint64) * np.uint64(b)
     lengths = np.full(n, b, dtype=np.uint64)
@@ -263,6 +374,10 @@ class EpisodeDistribution:
     )
     held_out: bool = True
     measured_split: str = "train"
+    handoff_share: float = 0.0
+    """Share of the episodes that are handoff streams (0: none, and no extra draws)."""
+    handoff_rho_range: tuple[float, float] = (0.95, 1.1)
+    handoff_tokens: tuple[int, int] = HANDOFF_TOKENS
 
     def __post_init__(self) -> None:
         self.trace_files = tuple(str(t) for t in self.trace_files)
@@ -341,6 +456,8 @@ class EpisodeDistribution:
         from the receiver at all, nothing to learn."""
         while True:
             spec = self._draw(rng)
+            if self.handoff_share > 0 and rng.random() < self.handoff_share:
+                spec = self._handoff(rng, spec)
             long_link = spec.channel.delay_ms >= self.delay_range_ms[1]
             least = self.high_rtt_min_rtts if long_link else MIN_DEADLINE_RTTS
             if spec_deadline(spec) >= least * round_trip(spec):
@@ -366,6 +483,17 @@ class EpisodeDistribution:
             prior_loss=prior,
         )
 
+    def _handoff(self, rng: np.random.Generator, spec: EpisodeSpec) -> EpisodeSpec:
+        """``spec``'s links, seed and prior with a handoff stream instead of its blocks."""
+        tokens = _log_uniform(rng, *self.handoff_tokens)
+        return replace(
+            spec,
+            stream="handoff",
+            n_blocks=HANDOFF_LAYERS * max(1, math.ceil(tokens / 16)),
+            rho=float(rng.uniform(*self.handoff_rho_range)),
+            utility="position",
+        )
+
 
 def eval_spec(
     channel: str | Profile,
@@ -374,6 +502,7 @@ def eval_spec(
     utility: str = "measured",
     delay_ms: float | None = None,
     prior: str = "none",
+    stream: str = "utility",
 ) -> EpisodeSpec:
     """Held-out evaluation episode ``index`` on a named channel (at the profile's own rate
     and delay, or one-way ``delay_ms`` both ways; feedback over the same profile, as
@@ -381,11 +510,18 @@ def eval_spec(
 
     ``utility="measured"`` takes the held-out contexts' measured profiles in turn, at
     their own size (12 KiB fp16 blocks); a synthetic name (``zipf:1``) uses 10 MB.
-    ``prior``: the sender's loss prior, one of ``PRIOR_KINDS`` (see ``episode_prior``)."""
+    ``prior``: the sender's loss prior, one of ``PRIOR_KINDS`` (see ``episode_prior``).
+    ``stream="handoff"``: the planned handoff stream of a context of
+    ``HANDOFF_EVAL_TOKENS[index % 4]`` tokens instead (``utility`` is not used)."""
+    if stream not in STREAMS:
+        raise ValueError(f"unknown stream {stream!r}; choose from {', '.join(STREAMS)}")
     prof = load_profile(channel)
     if delay_ms is not None:
         prof = replace(prof, delay_ms=float(delay_ms))
-    if utility == "measured":
+    if stream == "handoff":
+        tokens = HANDOFF_EVAL_TOKENS[index % len(HANDOFF_EVAL_TOKENS)]
+        label, n_blocks = "position", HANDOFF_LAYERS * math.ceil(tokens / 16)
+    elif utility == "measured":
         profiles = load_profiles("eval").profiles
         i = index % len(profiles)
         label, n_blocks = f"measured:eval:{i}", len(profiles[i])
@@ -400,4 +536,5 @@ def eval_spec(
         block_bytes=12288,
         utility=label,
         prior_loss=episode_prior(prior, prof, HELD_OUT_SEED + index),
+        stream=stream,
     )

@@ -33,6 +33,12 @@ never used in training (at each context's own cache size, 12 KiB fp16 blocks), a
 channels outside the training distribution (4-state never trained on; Gilbert-Elliott
 and Bernoulli draws near these profiles are excluded from training).
 
+``--stream handoff``: every cell's episodes send the planned handoff stream instead
+(kvtransport.agents.episodes.handoff_table: the receiver computes a prefix, the rest goes in
+prefix order at mixed int4/int8/fp16 precisions, so blocks differ in size and utility does
+not decrease along the stream; a synthetic SmolLM2 cache of 300..1200 tokens per episode);
+the policies were trained on utility-ordered streams only.
+
 block-rs runs its parities through reedsolo (pure Python, ~1 s per MB), so it plays only
 the first --block-rs-episodes episodes of each cell; the table gives each scheme's n.
 
@@ -110,6 +116,7 @@ def run_cell(
     delay_ms: float | None = None,
     references: bool = True,
     prior: str = "none",
+    stream: str = "utility",
 ):
     """Every scheme's utility per episode, and (``references``) per episode the genie
     bound and the clairvoyant planner, which searches its plans plus every scheme's own
@@ -124,7 +131,7 @@ def run_cell(
     if references:
         out.update({r: [] for r in REFERENCES}, clairvoyant_best=[])
     for i in range(n):
-        spec = eval_spec(channel, rho, i, utility, delay_ms=delay_ms, prior=prior)
+        spec = eval_spec(channel, rho, i, utility, delay_ms=delay_ms, prior=prior, stream=stream)
         known = {}
         for name in schemes:
             if name.startswith("block-rs") and i >= n_rs:
@@ -540,6 +547,10 @@ def main(argv: list[str] | None = None) -> int:
         default="measured",
         help="block utilities: measured (held-out contexts) or zipf:S, flat, linear",
     )
+    p.add_argument("--stream", choices=("utility", "handoff"), default="utility",
+                   help="what the episodes send: equal blocks in utility order (the default) "
+                   "or the planned handoff stream (prefix order, mixed precisions; "
+                   "kvtransport.agents.episodes.handoff_table)")  # fmt: skip
     p.add_argument("--out", default="results/eval_policy", help="output directory")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
@@ -572,7 +583,7 @@ def main(argv: list[str] | None = None) -> int:
                                        file=sys.stderr):  # fmt: skip
         results[cell_key(ch, rho, delay)] = run_cell(
             ch, rho, sch, n, args.block_rs_episodes, args.weights, args.utility, delay,
-            references=not args.no_references, prior=args.prior,
+            references=not args.no_references, prior=args.prior, stream=args.stream,
         )  # fmt: skip
     all_schemes = list(dict.fromkeys(schemes + hi_schemes))
     summary = summarize(results, all_schemes)
@@ -601,6 +612,7 @@ def main(argv: list[str] | None = None) -> int:
         "block_rs_episodes": args.block_rs_episodes,
         "utility": args.utility,
         "prior": args.prior,
+        "stream": args.stream,
         "weights": args.weights or "shipped",
         "wall_s": time.perf_counter() - t0,
         "summary": summary,

@@ -86,3 +86,24 @@ def test_shipped_ddqn_beats_no_fec_on_held_out_ge_heavy(tmp_path):
     assert f"| 2 cells | | | | {wins} wins / " in table
     assert (tmp_path / "eval_policy_margin.png").stat().st_size > 5_000
     assert (tmp_path / "eval_policy_high_rtt.png").stat().st_size > 10_000
+
+
+def test_handoff_stream_cells_play_the_planned_stream():
+    """``--stream handoff``: a cell's episodes are the planned handoff streams
+    (kvtransport.agents.episodes.handoff_table), with both references on them."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("eval_policy", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    import kvtransport.agents  # noqa: F401  (registers ddqn)
+
+    kw = dict(channel="ge-heavy", rho=1.0, schemes=["tail-rule", "ddqn"], n=2, n_rs=0,
+              weights=None, utility="measured")  # fmt: skip
+    hand = mod.run_cell(**kw, stream="handoff")
+    plain = mod.run_cell(**kw, references=False)
+    assert hand["tail-rule"] != plain["tail-rule"]
+    for i in range(2):
+        assert (
+            hand["genie"][i] >= hand["clairvoyant"][i] >= max(hand["tail-rule"][i], hand["ddqn"][i])
+        )
