@@ -25,7 +25,8 @@ stream of --size-mb random bytes in 12 KiB blocks with --utility block utilities
 
 The deadline is --deadline-ms from now, or --rho times the time the whole stream takes
 loss-free at the link rate. With --deadline-ms a card is planned for it (kvtransport.model.plan):
-each block goes as fp16 or int8 (--precision), upgraded by utility while the bytes still
+each block goes as fp16, int8 or int4 (--precision; int4 only for the least useful blocks,
+down to an expected fidelity of 0.999), upgraded by utility while the bytes still
 cross in time at --rate-mbps and --loss-estimate, in prefix order (token ranges front first,
 so what the deadline cuts off is a tail the receiver recomputes cheaply); --precision keep
 sends the card as it is, fp32 only when asked (--precision fp32). Both ends must use the

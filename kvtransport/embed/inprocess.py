@@ -252,7 +252,8 @@ def send(
     the commands use; ``insecure=True`` sends in the clear); both ends must agree. ``policy``:
     the repair policy (default: the shipped DDQN, else adaptive). With ``deadline_ms``
     a cache, card or stream is sent as the handoff plan encodes it for that deadline
-    (kvtransport.model.plan: ``precision`` "auto" = fp16 or int8 per block by utility, for
+    (kvtransport.model.plan: ``precision`` "auto" = fp16, int8 or int4 per block by utility,
+    int4 only down to the plan's fidelity floor, for
     ``rate_mbps`` and ``loss_estimate``, token ranges front first; "keep" sends it as it
     is; e.g. "fp32" only when asked). ``receiver_speed``: the receiver's
     :class:`~kvtransport.model.cache_builder.ComputeSpeed` when it races

@@ -52,11 +52,11 @@ from kvtransport.model.utility import stream_order
 
 DEFAULT_LEVELS = ("fp16", "int8", "int4")
 DEFAULT_MIN_FIDELITY = 0.999
-"""The expected fidelity every plan keeps (when its levels can reach it): with the
-calibrated per-precision fidelities (kvtransport.model.blocks.DEFAULT_FIDELITY: int8 0.999, int4
-0.98), it lets about the least useful half of the sent blocks go as int4, which carries
-about a tenth of the utility of the demo's contexts, and keeps the rest at int8 or better.
-The answers this costs are measured in docs/results.md (section 0)."""
+"""The expected fidelity every plan keeps (when its levels can reach it). With the
+calibrated per-precision fidelities (kvtransport.model.blocks.DEFAULT_FIDELITY: int8
+0.999, int4 0.98) the least useful sent blocks go as int4 and the rest at int8 or better.
+The int4 share this gives, and what lower floors cost in answers, are measured in
+docs/results.md (section 0)."""
 DEFAULT_REPAIR_MARGIN = 0.05
 """Link time allowed beyond the loss-inflated wire time, for repair the loss estimate does
 not cover. Chosen by comparing planned with realized range arrivals on the emulated
