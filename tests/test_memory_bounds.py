@@ -15,7 +15,6 @@ from kvtransport.core.policy import make_policy
 from kvtransport.core.receiver import ReceiverSession
 from kvtransport.core.sender import SenderSession
 from kvtransport.core.transfer import synthetic_transfer
-from kvtransport.daemons import daemon_receiver
 from kvtransport.daemons.daemon_receiver import Incoming, ReceiverDaemon, ReceiverEngine
 from kvtransport.daemons.daemon_sender import SenderEngine
 from kvtransport.daemons.udp import DatagramSocket, clock
@@ -112,7 +111,7 @@ def test_receiver_session_asks_the_budget_before_growing():
     assert s.drop_reasons.get("over_budget", 0) > 0
 
 
-def test_lagging_subscriber_loses_nothing_unseen(tmp_path, monkeypatch):
+def test_lagging_subscriber_loses_nothing_unseen(tmp_path):
     d = ReceiverDaemon(
         bind=("127.0.0.1", 0), key=None, control=f"ipc://{tmp_path}/c.ipc",
         publish=f"ipc://{tmp_path}/p.ipc",
@@ -139,7 +138,7 @@ def test_lagging_subscriber_loses_nothing_unseen(tmp_path, monkeypatch):
         assert d.published == n and d.publish_lost == 0
         # beyond the backlog: the oldest are given up, counted by the daemon and seen as
         # a gap by the subscriber
-        monkeypatch.setattr(daemon_receiver, "PUB_BACKLOG", 50)
+        d.pub_backlog = 50
         for tid in range(n + 1, n + 1 + 1000):
             s = ReceiverSession(tid)
             s.close(0.0)

@@ -164,6 +164,7 @@ class ReceiverDaemon(DaemonShell):
         replay_file: str | None = None,
         replay_window_s: float = DEFAULT_WINDOW_S,
         curve_secret_file: str | None = None,
+        pub_backlog: int = PUB_BACKLOG,
     ) -> None:
         from kvtransport.daemons.api import check_endpoint
         from kvtransport.daemons.daemon import StatsWriter, curve_secret, warm_up
@@ -197,6 +198,7 @@ class ReceiverDaemon(DaemonShell):
         self.publish_lost = 0  # results given up (see _publish)
         self._seq = 0
         self._backlog: deque[list] = deque()
+        self.pub_backlog = pub_backlog  # results held for lagging subscribers (_publish)
         self._start_control(
             control, {"status": self._status, "abort": self._abort}, before=self._open_publisher
         )
@@ -219,16 +221,16 @@ class ReceiverDaemon(DaemonShell):
         still waiting: in order, none dropped while the backlog has room.
 
         A subscriber that lags fills its queue (``PUB_HWM`` results); results then wait
-        here, up to ``PUB_BACKLOG``; beyond that the oldest is given up, counted in
-        ``publish_lost``, logged with its transfer id (and its file, with --out-dir: the
-        result stays retrievable there). Each result header carries ``seq`` (1, 2, ... per
-        daemon run) so a subscriber sees a gap too (ResultSubscriber.lost)."""
+        here, up to ``pub_backlog`` (default PUB_BACKLOG); beyond that the oldest is given
+        up, counted in ``publish_lost``, logged with its transfer id (and its file, with
+        --out-dir: the result stays retrievable there). Each result header carries ``seq``
+        (1, 2, ... per daemon run) so a subscriber sees a gap too (ResultSubscriber.lost)."""
         import zmq
 
         backlog = self._backlog
         if frames is not None:
             backlog.append(frames)
-            while len(backlog) > PUB_BACKLOG:
+            while len(backlog) > self.pub_backlog:
                 lost = backlog.popleft()
                 self.publish_lost += 1
                 tid = load_json_header(lost[1]).get("transfer_id")
