@@ -926,7 +926,7 @@ class UtilityWaterFilling:
     be repaired, and on a lossy link that hole cuts its delivered prefix. Where the plan
     cannot all be through a guard early (transfers due together fill the link to their
     deadline), what spills into the guard (``_tails``) is every planned transfer's tail
-    due there (those whose receivers report loss), in proportion to its plan, and inside
+    due then (those whose receivers report loss), in proportion to its plan, and inside
     the guard those tails are served first, in proportion, so they end together:
     otherwise value-first serving left the whole spill to the last transfer in value
     order, sent at the full link rate, where its first loss too late to repair cuts
@@ -977,7 +977,7 @@ class UtilityWaterFilling:
             out = first + _edf_fill(rest, deadlines, wants)
         else:
             lossy = np.array([t.loss > 0 for t in active])
-            tails = self._tails(now, capacity_Bps, deadlines, dl, wants, lossy)
+            tails = self._tails(now, until, capacity_Bps, deadlines, dl, wants, lossy)
             # Tails inside their guard first, in proportion (they end together); the
             # others wait for theirs.
             due = np.where(deadlines - self.guard_s <= now, tails, 0.0)
@@ -1011,6 +1011,7 @@ class UtilityWaterFilling:
     def _tails(
         self,
         now: float,
+        until: float,
         capacity_Bps: float,
         deadlines: np.ndarray,
         delivered: np.ndarray,
@@ -1019,10 +1020,12 @@ class UtilityWaterFilling:
     ) -> np.ndarray:
         """Bytes of each plan left for its guard: what the plan cannot carry before the
         guards (by deadline k, the plans due by then less the capacity to T_k - guard),
-        shared by the planned transfers due within one guard of T_k whose receivers report
-        loss, in proportion to their planned totals (delivered + wants); at most what each
-        plan wants. Without loss a spill costs nothing (and spreading it leaves several
-        senders ending with a block they cannot finish), so it stays with value order."""
+        shared by the planned transfers due with T_k (within this slot, ``until - now``)
+        whose receivers report loss, in proportion to their planned totals (delivered +
+        wants); at most what each plan wants. Transfers due earlier cannot take a share:
+        they stop before T_k, and the share they leave goes out alone at the end. Without
+        loss a spill costs nothing (and spreading it leaves several senders ending with a
+        block they cannot finish), so it stays with value order."""
         out = np.zeros(wants.size)
         if self.guard_s <= 0:
             return out
@@ -1033,7 +1036,7 @@ class UtilityWaterFilling:
         planned = np.where((wants > 0) & lossy, delivered + wants, 0.0)[order]
         for k in np.flatnonzero(np.diff(spill, prepend=0.0) > 0):
             group = np.flatnonzero(
-                (np.arange(wants.size) <= k) & (dl_sorted >= dl_sorted[k] - self.guard_s)
+                (np.arange(wants.size) <= k) & (dl_sorted >= dl_sorted[k] - (until - now))
             )
             share = planned[group]
             if share.sum() <= 0:
