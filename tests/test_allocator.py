@@ -512,3 +512,32 @@ def test_the_guard_serves_forced_bytes_before_the_last_repair_round():
     assert guarded.tolist() == [1e5, 0.0]
     with pytest.raises(ValueError, match="guard_s"):
         UtilityWaterFilling(guard_s=-1.0)
+
+
+def test_the_guard_window_is_spread_not_one_transfers_burst():
+    # Six transfers due together (the lossy 12-users-at-1-Gbit/s cell in small): value-first
+    # serving hands them the link in turns, and the plan fills the link to the deadline, so
+    # some of it must go inside the guard. That spill went to the last transfer in value
+    # order, the whole guard at the full link rate, where its first loss too late to
+    # repair cuts everything after it. Every plan now keeps its tail for the guard (where
+    # receivers report loss: without, the spill costs nothing and stays in value order).
+    curves = [SigmoidUtility(0.9, 7.1, 0.25), SigmoidUtility(0.68, 9.75, 0.14)]
+    cap, end, guard = 1e8, 0.5, 0.04
+    sched = OnlineScheduler(cap, UtilityWaterFilling(guard_s=guard), 0.01)
+    for i in range(6):
+        sched.add(ScheduledTransfer(i, 6e6 * (1 + i % 2), end, curves[i % 2], loss=0.05))
+    now, inside, senders = 0.0, np.zeros(6), []
+    while now < end - 1e-9:
+        dec = sched.step(now)
+        assert sum(dec.rates.values()) == pytest.approx(cap)  # work-conserving throughout
+        for k, r in dec.rates.items():
+            sched.add_delivered(k, r * (dec.until - now))
+            if now >= end - guard - 1e-9:
+                inside[k] += r * (dec.until - now)
+        if now >= end - guard - 1e-9:
+            senders.append({k for k, r in dec.rates.items() if r > 1e-6 * cap})
+        now = dec.until
+    assert inside.sum() == pytest.approx(cap * guard)
+    assert inside.max() <= 0.5 * inside.sum()  # before: one transfer got all of it
+    assert np.count_nonzero(inside > 0.1 * inside.sum()) >= 3
+    assert all(s == senders[0] for s in senders)  # the tails end together

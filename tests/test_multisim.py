@@ -85,6 +85,28 @@ def test_a_lossy_link_is_repaired_and_the_scheduler_is_fed_its_payload_capacity(
     assert res.payload_capacity_Bps > 0.8 * PAYLOAD_BPS
 
 
+class _SeesLoss(UtilityWaterFilling):
+    """The allocator, noting the loss rates the link share hands it."""
+
+    seen: list[float]
+
+    def allocate(self, now, until, capacity_Bps, active):  # type: ignore[no-untyped-def]
+        self.seen.extend(t.loss for t in active)
+        return super().allocate(now, until, capacity_Bps, active)
+
+
+def test_the_allocator_is_told_the_loss_each_receiver_reports():
+    # The guard spreads what must go out too late to repair only over lossy transfers.
+    policy = _SeesLoss(guard_s=0.03)
+    policy.seen = []
+    lossy = simulate_handovers(_together(3, 600_000, 0.12), policy, channel="bernoulli-5",
+                               rate_mbps=RATE, seed=4)  # fmt: skip
+    assert lossy.packets_lost > 0 and max(policy.seen) > 0.01
+    policy.seen = []
+    simulate_handovers(_together(3, 600_000, 0.12), policy, rate_mbps=RATE, seed=4)
+    assert max(policy.seen) == 0.0  # a clean link reports none: nothing is spread
+
+
 def test_bad_scenarios_are_refused():
     with pytest.raises(ValueError, match="at least one"):
         MultiSimulation([], EqualShare())

@@ -712,7 +712,8 @@ class ScheduledTransfer:
     delivered: bytes counted as delivered (a sender: sources sent less the repairs still
     owed for them); pending: of the rest, bytes that complete what was already sent (the
     repairs its receiver still needs). A hole blocks every byte after it in the stream,
-    so this allocator serves pending bytes before anything else.
+    so this allocator serves pending bytes before anything else. loss: the loss rate its
+    receiver reports (0 before a report).
     """
 
     id: Hashable
@@ -723,6 +724,7 @@ class ScheduledTransfer:
     arrival: float = 0.0
     delivered: float = 0.0
     pending: float = 0.0
+    loss: float = 0.0
 
     def __post_init__(self) -> None:
         if not (self.size > 0 and math.isfinite(self.size)):
@@ -921,10 +923,14 @@ class UtilityWaterFilling:
     time to notice a loss and repair it, a few RTTs plus the feedback interval (the
     sender's own stop rule covers one one-way delay). A transfer served as late as its
     plan allows would otherwise send its last bytes when a loss among them can no longer
-    be repaired, and on a lossy link that hole cuts its delivered prefix. With real
-    sessions on ge-light at 1 Gbit/s, 32 users, arrivals over 0.3-1 s, a guard of 45 ms
-    (three times a 10 ms RTT plus 4 ms feedback) raised accuracy by 1.5-2 %; on a clean
-    link it changed results by under 0.2 %. Default 0 (what the plan's deadlines say).
+    be repaired, and on a lossy link that hole cuts its delivered prefix. Where the plan
+    cannot all be through a guard early (transfers due together fill the link to their
+    deadline), what spills into the guard (``_tails``) is every planned transfer's tail
+    due then (those whose receivers report loss), in proportion to its plan, and inside
+    the guard those tails are served first, in proportion, so they end together:
+    otherwise value-first serving left the whole spill to the last transfer in value
+    order, sent at the full link rate, where its first loss too late to repair cuts
+    everything after it. Default 0 (what the plan's deadlines say).
 
     sticky: keep admitted transfers admitted while their minimum fits (see the module
     docstring for why the default re-decides). admitted: ids admitted at the last slot;
@@ -970,8 +976,20 @@ class UtilityWaterFilling:
         if self.serve == "edf":
             out = first + _edf_fill(rest, deadlines, wants)
         else:
-            out = first + _value_first_fill(
-                rest, capacity_Bps, until, deadlines - self.guard_s, wants, plan.sigma
+            lossy = np.array([t.loss > 0 for t in active])
+            tails = self._tails(now, until, capacity_Bps, deadlines, dl, wants, lossy)
+            # Tails inside their guard first, in proportion (they end together); the
+            # others wait for theirs.
+            due = np.where(deadlines - self.guard_s <= now, tails, 0.0)
+            late = due * min(rest / due.sum(), 1.0) if due.sum() > 0 else due
+            out = first + late
+            out += _value_first_fill(
+                rest - late.sum(),
+                capacity_Bps,
+                until,
+                deadlines - self.guard_s,
+                wants - tails,
+                plan.sigma,
             )
         left = budget - out.sum()
         if left > 1e-9 * budget:
@@ -988,6 +1006,44 @@ class UtilityWaterFilling:
                 out[i] += take
                 remaining[i] -= take
                 left -= take
+        return out
+
+    def _tails(
+        self,
+        now: float,
+        until: float,
+        capacity_Bps: float,
+        deadlines: np.ndarray,
+        delivered: np.ndarray,
+        wants: np.ndarray,
+        lossy: np.ndarray,
+    ) -> np.ndarray:
+        """Bytes of each plan left for its guard: what the plan cannot carry before the
+        guards (by deadline k, the plans due by then less the capacity to T_k - guard),
+        shared by the planned transfers due with T_k (within this slot, ``until - now``)
+        whose receivers report loss, in proportion to their planned totals (delivered +
+        wants); at most what each plan wants. Transfers due earlier cannot take a share:
+        they stop before T_k, and the share they leave goes out alone at the end. Without
+        loss a spill costs nothing (and spreading it leaves several senders ending with a
+        block they cannot finish), so it stays with value order."""
+        out = np.zeros(wants.size)
+        if self.guard_s <= 0:
+            return out
+        order = np.lexsort((np.arange(wants.size), deadlines))
+        dl_sorted = deadlines[order]
+        avail = capacity_Bps * np.maximum(dl_sorted - self.guard_s - now, 0.0)
+        spill = np.maximum.accumulate(np.maximum(np.cumsum(wants[order]) - avail, 0.0))
+        planned = np.where((wants > 0) & lossy, delivered + wants, 0.0)[order]
+        for k in np.flatnonzero(np.diff(spill, prepend=0.0) > 0):
+            group = np.flatnonzero(
+                (np.arange(wants.size) <= k) & (dl_sorted >= dl_sorted[k] - (until - now))
+            )
+            share = planned[group]
+            if share.sum() <= 0:
+                continue
+            inc = spill[k] - (spill[k - 1] if k > 0 else 0.0)
+            idx = order[group]
+            out[idx] = np.minimum(out[idx] + inc * share / share.sum(), wants[idx])
         return out
 
     def forget(self, transfer_id: Hashable) -> None:
@@ -1051,13 +1107,20 @@ class OnlineScheduler:
             self._departed.append((transfer_id, reason))
 
     def set_delivered(
-        self, transfer_id: Hashable, delivered_bytes: float, pending_bytes: float | None = None
+        self,
+        transfer_id: Hashable,
+        delivered_bytes: float,
+        pending_bytes: float | None = None,
+        loss: float | None = None,
     ) -> None:
-        """Progress of a transfer; pending_bytes (optional): repairs owed (ScheduledTransfer)."""
+        """Progress of a transfer; optional: pending_bytes, repairs owed, and loss, the loss
+        rate its receiver reports (ScheduledTransfer)."""
         t = self.transfers[transfer_id]
         t.delivered = min(max(float(delivered_bytes), 0.0), t.size)
         if pending_bytes is not None:
             t.pending = min(max(float(pending_bytes), 0.0), t.remaining)
+        if loss is not None:
+            t.loss = min(max(float(loss), 0.0), 1.0)
 
     def add_delivered(self, transfer_id: Hashable, nbytes: float) -> None:
         t = self.transfers[transfer_id]

@@ -16,6 +16,8 @@ per transfer, what a sender can know:
   rest of the stream);
 - **deadline**: the session's deadline less the link's one-way delay (the last moment a
   datagram can leave and still arrive);
+- **loss**: the loss rate its receiver reports (0 before a report), which decides whether
+  the allocator's guard spreads what must be sent too late to repair;
 - **capacity**: the link's *payload* rate, the wire rate times the share of each datagram
   that is payload (symbol / (header + symbol + tag + link overhead)) times (1 - the loss
   rate the members' feedback reports), so a plan in payload bytes is one the link carries.
@@ -189,7 +191,8 @@ class LinkShare:
                 if delivered >= m.size or m.deadline - self.one_way_s <= now:
                     continue
                 sched.add(self._scheduled(m))
-            sched.set_delivered(m.id, delivered, owed)
+            s = m.session
+            sched.set_delivered(m.id, delivered, owed, s.fb_loss if s.fb_time is not None else 0.0)
         sched.set_capacity(self.capacity())
         loss = self.link_loss()
         for m in live:
