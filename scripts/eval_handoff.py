@@ -30,7 +30,8 @@ CONFIGS = {"512@100": (512, 100.0), "2048@100": (2048, 100.0), "2048@1000": (204
 SCHEMES = ("no FEC", "RLC 4/32", "adaptive", "DDQN")
 
 
-def _seeds(text: str) -> list[int]:
+def parse_seeds(text: str) -> list[int]:
+    """Seeds from "1-8" (a range, both ends) or "1,3,5"."""
     if "-" in text:
         a, b = text.split("-")
         return list(range(int(a), int(b) + 1))
@@ -209,6 +210,10 @@ def main(argv: list[str] | None = None) -> int:
     bad = [c for c in configs if c not in CONFIGS]
     if bad:
         p.error(f"unknown configuration {bad[0]!r}; one of {', '.join(CONFIGS)}")
+    try:
+        seeds = parse_seeds(args.seeds)
+    except ValueError:
+        p.error(f"--seeds must be like 1-8 or 1,3, not {args.seeds!r}")
     from kvtransport.demo.demo_report import DEFAULT_BUDGET, DEFAULT_OBJECTIVE
     from kvtransport.model.loader import load_model
 
@@ -221,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         (out / "fallback.md").write_text(render_fallback(rows))
         print(render_fallback(rows))
         return 0
-    doc = run(configs, _seeds(args.seeds), args.budget or DEFAULT_BUDGET,
+    doc = run(configs, seeds, args.budget or DEFAULT_BUDGET,
               args.objective or DEFAULT_OBJECTIVE, loaded, args.repeats or 3)  # fmt: skip
     doc["concentration"] = concentration(loaded)
     (out / "handoff.json").write_text(json.dumps(doc, indent=1))

@@ -25,14 +25,10 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from eval_handoff import parse_seeds  # noqa: E402
+
 SPEED = (0.07, 0.0031)  # seconds per call, per token: the demo host's measured speed
-
-
-def _seeds(text: str) -> list[int]:
-    if "-" in text:
-        a, b = text.split("-")
-        return list(range(int(a), int(b) + 1))
-    return [int(x) for x in text.split(",")]
 
 
 def evaluate(loaded, tokens: int, seeds: list[int], floors: list[float]) -> dict:
@@ -123,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sizes = [int(t) for t in args.tokens.split(",")]
         floors = [float(f) for f in args.floors.split(",")]
-        seeds = _seeds(args.seeds)
+        seeds = parse_seeds(args.seeds)
     except ValueError as exc:
         p.error(f"cannot read the lists: {exc}")
     import torch
