@@ -13,9 +13,9 @@ def test_policy_names_build_the_right_policies():
     assert isinstance(P.make_policy("adaptive"), P.Adaptive)
     assert isinstance(P.make_policy("oracle"), P.Oracle)
     f = P.make_policy("fixed:4/32")
-    assert f.mode == P.RepairMode.RLC and f.actions[0].tolist() == pytest.approx([4 / 36, 1.0])
+    assert f.scheme == "rlc" and f.actions[0].tolist() == pytest.approx([4 / 36, 1.0])
     b = P.make_policy("block-rs:4/32")
-    assert b.mode == P.RepairMode.BLOCK_RS and (b.block_k, b.block_p) == (32, 4)
+    assert b.scheme == "block-rs" and (b.block_k, b.block_p) == (32, 4)
     for bad in ("bogus", "fixed:4", "fixed:1/0", "block-rs:100/200", "fixed:-1/3", ""):
         with pytest.raises(UserError):
             P.make_policy(bad)

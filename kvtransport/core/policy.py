@@ -27,8 +27,7 @@ cannot: how much to protect what is still in flight, and when to stop admitting.
 this policy and how it is built: a sliding-window RLC symbol (``rlc``), nothing
 (``none``), a Reed-Solomon parity of fixed blocks (``block-rs``: ``block_k`` sources then
 ``block_p`` parities, regardless of the action), or a retransmission of a source the
-receiver NACKed (``arq``: retransmissions first, then new sources). ``Policy.mode`` gives a
-built-in scheme as a ``RepairMode``.
+receiver NACKed (``arq``: retransmissions first, then new sources).
 
 Whatever the policy says, the session never admits a source symbol that cannot be useful:
 while ``tail_rule`` is on, the next source is admitted only if the expected surviving slots
@@ -59,7 +58,6 @@ from kvtransport.core.policy_base import (  # noqa: F401 (the interface, re-expo
     REPAIR_SHARES,
     Policy,
     PolicyContext,
-    RepairMode,
 )
 from kvtransport.errors import UserError
 

@@ -9,7 +9,6 @@ registry can build the runtime without the runtime importing the registry.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import IntEnum
 
 import numpy as np
 
@@ -23,22 +22,6 @@ ACTIONS = np.array([(s, 1.0) for s in REPAIR_SHARES] + [(1.0, 0.0)], dtype=np.fl
 DEFER = -1
 """What ``act`` returns to leave the decision to the shell (kvtransport.core.policy's
 ExternalPolicy: the Gymnasium environment supplies the action)."""
-
-
-class RepairMode(IntEnum):
-    """The built-in repair schemes (kvtransport.core.schemes) by number: ``Policy.mode`` names a
-    built-in policy's scheme this way. The session goes by ``Policy.scheme``, the name a
-    scheme is registered under, which any scheme has."""
-
-    NONE = 0
-    RLC = 1
-    BLOCK_RS = 2
-    ARQ = 3
-
-    @property
-    def scheme(self) -> str:
-        """The registered name of this scheme ("none", "rlc", "block-rs", "arq")."""
-        return self.name.lower().replace("_", "-")
 
 
 @dataclass(frozen=True)
@@ -66,11 +49,6 @@ class Policy:
     reactive = False
     block_k = 0
     block_p = 0
-
-    @property
-    def mode(self) -> RepairMode | None:
-        """The scheme as a built-in ``RepairMode`` (None: a scheme registered elsewhere)."""
-        return next((m for m in RepairMode if m.scheme == self.scheme), None)
 
     def reset(self, ctx: PolicyContext) -> None:
         """Called once per transfer before the first decision."""
