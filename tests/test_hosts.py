@@ -11,7 +11,7 @@ import pytest
 from kvtransport.core.transfer import synthetic_transfer
 from kvtransport.core.wire import HEADER_SIZE
 from kvtransport.errors import UserError
-from kvtransport.hosts.allocator import EqualShare, UtilityWaterFilling
+from kvtransport.hosts.allocator import EqualShare, UtilityWaterFilling, repair_guard_s
 from kvtransport.hosts.receiver_host import ReceiverHost, ResultReady, TransferStarted
 from kvtransport.hosts.sender_host import SenderHost, TransferFinished
 from kvtransport.hosts.utility_model import SigmoidUtility
@@ -160,6 +160,37 @@ def test_finish_and_result_events_and_the_receivers_loss_is_remembered():
     nxt = sender.submit(tr, B, now=1.0, deadline_s=0.5)
     assert nxt.link.prior_loss == pytest.approx(out.session.loss_estimate())
     assert sender.submit(tr, A, now=1.0, deadline_s=0.5).link.prior_loss is None
+
+
+class _Delay:
+    """A loss-free path of a fixed delay."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+
+    def transmit(self, t: float, size: int) -> float:
+        return t + self.delay_s
+
+
+def test_the_links_guard_follows_the_one_way_delay_the_host_measures():
+    """No one-way delay given (the daemon): the host's link takes half the shortest
+    smoothed round trip, and its allocator's guard is derived from that estimate."""
+    sender = SenderHost(rate_bps=20e6, key=KEY, burst_s=0.0)
+    guard = sender.link.scheduler.policy.guard_s
+    assert sender.link.one_way_s == 0.0 and guard == repair_guard_s(0.0)
+    outs = [
+        sender.submit(
+            synthetic_transfer(400_000, 32, seed=i), B, now=0.0, deadline_s=0.5, utility=U
+        )
+        for i in range(2)
+    ]
+    loop = VirtualClockLoop()
+    loop.add(sender, A, channel=_Delay(0.01))
+    loop.add(ReceiverHost(key=KEY), B, channel=_Delay(0.01))
+    loop.run(0.1)
+    srtt = min(o.session.srtt for o in outs if o.session.srtt is not None)
+    assert sender.link.one_way_s == srtt / 2.0 and srtt >= 0.02
+    assert sender.link.scheduler.policy.guard_s == repair_guard_s(srtt / 2.0)
 
 
 def test_receiver_admission_demux_and_abort():

@@ -26,10 +26,12 @@ Link sharing. The host's :class:`~kvtransport.hosts.link_share.LinkShare` re-pla
 ``slot_s`` and whenever a transfer starts or ends: the allocator's shares become the
 sessions' pacing rates (a share below one datagram per slot pauses a session). The
 link's one-way delay it plans with is ``one_way_s`` when given, else half the shortest
-smoothed round trip the sessions measured. Each transfer's utility curve is what its
-submitter gave, else :func:`stream_utility_curve`. The host remembers the loss each
-receiver's last transfer ended with (``RECEIVER_MEMORY`` receivers) and a new transfer to
-that receiver starts its repair from it (status ``prior_loss``).
+smoothed round trip the sessions measured; the default allocator's guard (the time a
+loss near a deadline needs to be repaired) is derived from it and follows it. Each
+transfer's utility curve is what its submitter gave, else :func:`stream_utility_curve`.
+The host remembers the loss each receiver's last transfer ended with
+(``RECEIVER_MEMORY`` receivers) and a new transfer to that receiver starts its repair
+from it (status ``prior_loss``).
 
 Admission (:meth:`SenderHost.submit` raises :class:`~kvtransport.errors.UserError` and
 changes nothing): at most ``max_transfers`` in flight, a deadline in
@@ -200,9 +202,10 @@ class SenderHost:
 
     rate_bps: the link rate shared by all transfers; key: the datagrams' authentication
     key; slot_policy: how the link is shared (kvtransport.hosts.allocator; None: utility
-    water-filling); one_way_s: the link's one-way delay for the allocator's last useful
-    send time (None: half the shortest measured round trip); capacity_Bps: feed the
-    allocator this fixed payload capacity instead of its estimate.
+    water-filling with its guard derived from the link's one-way delay, see
+    kvtransport.hosts.link_share.LinkShare); one_way_s: the link's one-way delay for the
+    allocator's last useful send time (None: half the shortest measured round trip);
+    capacity_Bps: feed the allocator this fixed payload capacity instead of its estimate.
     """
 
     def __init__(
@@ -467,5 +470,5 @@ class SenderHost:
             # the shortest smoothed round trip any transfer measured (0 until one has)
             rtts = [o.session.srtt for o in self.active.values() if o.session.srtt is not None]
             if rtts:
-                self.link.one_way_s = min(rtts) / 2.0
+                self.link.set_one_way(min(rtts) / 2.0)
         self._sched_at = self.link.step(now)
