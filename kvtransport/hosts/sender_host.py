@@ -51,7 +51,7 @@ import numpy as np
 
 from kvtransport import bounds
 from kvtransport.bounds import MAX_DEADLINE_S, MIN_DEADLINE_S
-from kvtransport.core.policy import make_policy
+from kvtransport.core.policy import Policy, make_policy
 from kvtransport.core.protocol import DEFAULT_INITIAL_RTT, DEFAULT_SYMBOL_SIZE
 from kvtransport.core.sender import SenderSession
 from kvtransport.core.transfer import Transfer
@@ -260,7 +260,7 @@ class SenderHost:
         *,
         now: float,
         deadline_s: float,
-        policy: str = "adaptive",
+        policy: str | Policy = "adaptive",
         transfer_id: int | None = None,
         weight: float = 1.0,
         utility: SigmoidUtility | None = None,
@@ -268,9 +268,13 @@ class SenderHost:
         initial_rtt: float = DEFAULT_INITIAL_RTT,
         keep: Any = None,
         wall_offset: float = 0.0,
+        prior_loss: float | None = None,
     ) -> Outgoing:
         """Start sending ``transfer`` to ``dest`` with ``deadline_s`` from ``now``;
-        ``wall_offset``: the wall clock minus the shell's (the manifest's send time).
+        ``policy``: a policy name (``make_policy``) or a policy instance, which the
+        transfer's session then owns; ``wall_offset``: the wall clock minus the shell's
+        (the manifest's send time); ``prior_loss``: what the shell knows of this path's
+        loss (instead of what the host remembers of ``dest``; see ``Member.prior_loss``).
         A refusal raises UserError and changes nothing (module docstring)."""
         if len(self.active) >= self.max_transfers:
             raise UserError(f"{len(self.active)} transfers in flight (the limit): try later")
@@ -287,7 +291,7 @@ class SenderHost:
             raise UserError("the weight must be a non-negative number")
         if transfer_id is not None and (transfer_id in self.active or transfer_id in self.finished):
             raise UserError(f"transfer id {transfer_id:016x} is already in use")
-        pol = make_policy(policy)
+        pol = make_policy(policy) if isinstance(policy, str) else policy
         try:
             session = SenderSession(
                 transfer,
@@ -313,7 +317,7 @@ class SenderHost:
             utility=utility if utility is not None else stream_utility_curve(transfer),
             weight=float(weight),
             arrival=now,
-            prior_loss=self.receiver_loss.get(dest),
+            prior_loss=prior_loss if prior_loss is not None else self.receiver_loss.get(dest),
             rate_bps=self.rate_bps,
         )
         out = Outgoing(link=member, dest=dest, policy=pol.name, label=label, keep=keep)
@@ -400,7 +404,7 @@ class SenderHost:
             wake = self._replan_at
         lead = self.burst_s
         for out in self.active.values():
-            t = out.session.next_timer()
+            t = out.link.session.next_timer()  # (not the property: this is the hot path)
             if t is not None:
                 t -= lead
                 if wake is None or t < wake:
@@ -416,12 +420,13 @@ class SenderHost:
             self._reschedule(now)
         horizon = now + self.burst_s
         for out in list(self.active.values()):
-            t = out.session.next_timer()
+            s = out.link.session
+            t = s.next_timer()
             if t is not None and t <= horizon:
                 if now - t > out.max_lag:
                     out.max_lag = now - t
                 self._flush(out, horizon)
-            elif out.session.done:
+            elif s.done:
                 self._flush(out, now)
 
     # ------------------------------------------------------------------ internals
@@ -431,7 +436,7 @@ class SenderHost:
         self.drop_reasons[reason] = self.drop_reasons.get(reason, 0) + 1
 
     def _flush(self, out: Outgoing, t: float) -> None:
-        s = out.session
+        s = out.link.session
         datagrams = s.datagrams_to_send(t)
         if datagrams:
             out.sent_datagrams += len(datagrams)
@@ -455,7 +460,10 @@ class SenderHost:
         while len(self.finished) > HISTORY:
             self.finished.popitem(last=False)
         self.link.leave(out.transfer_id, out.session.finish_reason or "finished")
-        self._replan(now)
+        if self.active:
+            self._replan(now)  # the others share the link anew
+        else:
+            self._reschedule(now)  # nothing left to share: no wake-up for it
         if out.session.fb_time is not None:  # its receiver reported: remember its path
             self.receiver_loss[out.dest] = out.session.loss_estimate()
             self.receiver_loss.move_to_end(out.dest)
