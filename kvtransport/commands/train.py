@@ -6,7 +6,7 @@ import argparse
 import shlex
 from pathlib import Path
 
-from kvtransport.bounds import int_arg
+from kvtransport.bounds import float_arg, int_arg
 from kvtransport.errors import UserError
 
 NAME = "train"
@@ -31,6 +31,7 @@ torch runs on one thread. On a 2-core machine expect about 150-400 steps per sec
 examples:
   kvtransport train --steps 300000 --out runs/ddqn
   kvtransport train --steps 20000 --out /tmp/quick --eval-every 5000 --trace office.csv.gz
+  kvtransport train --steps 150000 --handoff-share 0.3 --out runs/ddqn-handoff
 """
 
 
@@ -82,6 +83,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="loss/delay trace (CSV seq,lost,owd_us; repeatable): random windows "
         "of it become part of the training episodes",
     )
+    p.add_argument(
+        "--handoff-share",
+        type=float_arg(0, 1),
+        default=0.0,
+        metavar="F",
+        help="share (0..1) of the training and validation episodes that are TTFT handoff "
+        "streams (the planned cache of kvtransport.model.plan: prefix order, mixed "
+        "precisions, so utility does not fall along the stream) instead of equal blocks "
+        "in utility order; the rest keep the default distribution (default 0: none)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -109,6 +120,7 @@ def _config(args: argparse.Namespace):  # noqa: ANN202 - TrainConfig is imported
         eval_every=args.eval_every,
         eval_episodes=args.eval_episodes,
         trace_files=tuple(args.trace),
+        distribution={"handoff_share": args.handoff_share} if args.handoff_share else {},
     )
 
 
@@ -132,6 +144,8 @@ def _command_line(args: argparse.Namespace) -> str:
         "--eval-episodes",
         str(args.eval_episodes),
     ]
+    if args.handoff_share:
+        parts += ["--handoff-share", f"{args.handoff_share:g}"]
     for t in args.trace:
         parts += ["--trace", t]
     return " ".join(shlex.quote(p) for p in parts)

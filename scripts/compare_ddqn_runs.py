@@ -1,0 +1,147 @@
+"""Compare a candidate DDQN with the shipped one, paired, from two eval_policy.py runs.
+
+    python scripts/compare_ddqn_runs.py CANDIDATE.json BASELINE.json [--out FILE.md]
+
+``BASELINE.json``: an ``eval_policy.py`` run with the shipped weights and the heuristics
+(and, for shares of the clairvoyant planner, without ``--no-references``).
+``CANDIDATE.json``: the same cells, episode counts, stream, utility and prior with
+``--weights NEW`` (``--schemes ddqn --high-rtt-schemes ddqn --no-references`` is enough).
+Evaluation episodes are fixed by their index (``kvtransport.agents.episodes.eval_spec``),
+so the two runs play the same held-out episodes and every difference is paired.
+
+Per cell: both DDQNs' means, the candidate minus the shipped DDQN and minus the best
+heuristic of the baseline run (the non-DDQN, non-oracle scheme with the highest mean), as
+paired means with 95 % t-intervals (``*``: the interval excludes zero), and, where the
+baseline has the clairvoyant planner, each one's share of it. The planner is the best of
+its search and of every scheme it was shown; the candidate was not among them, so its
+reference is the per-episode maximum of the two, which is what the planner returns when
+shown the candidate too. The last lines count the significant losses the shipping rule
+forbids.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from eval_policy import _paired, _significant  # noqa: E402
+
+NOT_HEURISTICS = ("ddqn", "oracle", "clairvoyant", "genie", "clairvoyant_best")
+SETTINGS = ("stream", "utility", "prior")
+
+
+def _load(path: str) -> dict:
+    try:
+        doc = json.loads(Path(path).read_text())
+        doc["utilities"]  # noqa: B018 - an eval_policy.json has it
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SystemExit(f"{path}: not an eval_policy.py result ({exc})") from None
+    return doc
+
+
+def _fmt(d: dict) -> str:
+    return f"{d['mean']:+.4f} ± {d['ci95']:.4f}{'*' if _significant(d) else ''}"
+
+
+def compare(cand: dict, base: dict) -> tuple[list[dict], list[str]]:
+    """Per cell of the candidate run: the paired comparisons (see the module docstring)."""
+    for k in SETTINGS:
+        if cand.get(k) != base.get(k):
+            raise SystemExit(f"the runs differ in {k}: {cand.get(k)!r} vs {base.get(k)!r}")
+    rows, problems = [], []
+    for key, c in cand["utilities"].items():
+        b = base["utilities"].get(key)
+        if b is None or "ddqn" not in b or "ddqn" not in c:
+            problems.append(f"{key}: not in both runs with a ddqn")
+            continue
+        new, old = c["ddqn"], b["ddqn"]
+        if len(new) != len(old):
+            problems.append(f"{key}: {len(new)} vs {len(old)} episodes")
+            continue
+        heur = [m for m in b if m not in NOT_HEURISTICS]
+        best = max(heur, key=lambda m: float(np.mean(b[m]))) if heur else None
+        row = {
+            "cell": key,
+            "n": len(new),
+            "new": float(np.mean(new)),
+            "shipped": float(np.mean(old)),
+            "new_minus_shipped": _paired(new, old),
+            "best": best,
+        }
+        if best is not None:
+            row["best_mean"] = float(np.mean(b[best]))
+            row["new_minus_best"] = _paired(new, b[best])
+            row["shipped_minus_best"] = _paired(old, b[best])
+        if "clairvoyant" in b:
+            ref = np.maximum(np.array(b["clairvoyant"]), np.array(new))
+            row["share"] = {
+                name: float(np.mean(x) / ref.mean())
+                for name, x in (("new", new), ("shipped", old), ("best", b.get(best, [])))
+                if len(x)
+            }
+        rows.append(row)
+    return rows, problems
+
+
+def markdown(rows: list[dict]) -> str:
+    shares = any("share" in r for r in rows)
+    head = (
+        "| cell | n | new DDQN | shipped DDQN | new - shipped | best heuristic | "
+        "new - best heuristic | shipped - best heuristic |"
+    )
+    head += " share of clairvoyant (new / shipped / best heuristic) |" if shares else ""
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    lost_old = [r["cell"] for r in rows if _significant(r["new_minus_shipped"]) < 0]
+    won_old = [r["cell"] for r in rows if _significant(r["new_minus_shipped"]) > 0]
+    lost_best = [r["cell"] for r in rows if "best" in r and _significant(r["new_minus_best"]) < 0]
+    for r in rows:
+        line = (
+            f"| {r['cell']} | {r['n']} | {r['new']:.4f} | {r['shipped']:.4f} | "
+            f"{_fmt(r['new_minus_shipped'])} | {r['best'] or '-'} | "
+            + (f"{_fmt(r['new_minus_best'])} | {_fmt(r['shipped_minus_best'])} |"
+               if r["best"] else "- | - |")
+        )  # fmt: skip
+        if shares:
+            s = r.get("share", {})
+            line += " " + " / ".join(f"{s[k]:.3f}" for k in ("new", "shipped", "best") if k in s)
+            line += " |"
+        lines.append(line)
+    lines.append("")
+    lines.append(
+        f"{len(rows)} cells: new significantly above the shipped DDQN in {len(won_old)}"
+        f" ({', '.join(won_old) or '-'}), below it in {len(lost_old)}"
+        f" ({', '.join(lost_old) or '-'}); significantly below the best heuristic in "
+        f"{len(lost_best)} ({', '.join(lost_best) or '-'})."
+    )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
+    p.add_argument("candidate", help="eval_policy.json of the candidate weights")
+    p.add_argument("baseline", help="eval_policy.json of the shipped weights and heuristics")
+    p.add_argument("--out", help="also write the table to this file")
+    args = p.parse_args(argv)
+    rows, problems = compare(_load(args.candidate), _load(args.baseline))
+    for msg in problems:
+        print(f"skipped {msg}", file=sys.stderr)
+    if not rows:
+        raise SystemExit("no cell in common (same cells, episodes and settings needed)")
+    table = markdown(rows)
+    if args.out:
+        Path(args.out).write_text(table)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,75 @@
+"""scripts/compare_ddqn_runs.py: a candidate DDQN against the shipped one and the best
+heuristic, paired episode by episode, from two eval_policy.py results."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def _module(name: str):
+    sys.path.insert(0, str(SCRIPTS))
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """A baseline (shipped DDQN and two heuristics, with the references) and a candidate
+    run of the same held-out episodes whose "DDQN" is the constant tail rule's result."""
+    ev = _module("eval_policy")
+    import kvtransport.agents  # noqa: F401  (registers ddqn)
+
+    kw = dict(channel="ge-heavy", rho=0.8, n=3, n_rs=0, weights=None, utility="measured",
+              delay_ms=40.0)  # fmt: skip
+    base = ev.run_cell(schemes=["tail-rule", "adaptive", "ddqn"], **kw)
+    cand = {"ddqn": list(base["tail-rule"])}
+    doc = {"stream": "utility", "utility": "measured", "prior": "none"}
+    key = ev.cell_key("ge-heavy", 0.8, 40.0)
+    return {**doc, "utilities": {key: cand}}, {**doc, "utilities": {key: base}}, key
+
+
+def test_differences_are_paired_over_the_same_episodes(runs):
+    cmp = _module("compare_ddqn_runs")
+    cand, base, key = runs
+    (row,), problems = cmp.compare(cand, base)
+    assert not problems and row["cell"] == key and row["n"] == 3
+    b = base["utilities"][key]
+    new = np.array(b["tail-rule"])
+    d = new - np.array(b["ddqn"])
+    assert row["new_minus_shipped"]["mean"] == pytest.approx(d.mean())
+    if np.ptp(d) > 0:  # paired: the interval is that of the per-episode differences
+        half = row["new_minus_shipped"]["ci95"]
+        assert half == pytest.approx(4.303 * d.std(ddof=1) / np.sqrt(3), rel=1e-3)
+    best = max(("tail-rule", "adaptive"), key=lambda m: np.mean(b[m]))
+    assert row["best"] == best  # the shipped DDQN is not a heuristic
+    assert row["new_minus_best"]["mean"] == pytest.approx((new - np.array(b[best])).mean())
+    ref = np.maximum(b["clairvoyant"], new)
+    assert row["share"]["new"] == pytest.approx(new.mean() / ref.mean())
+    assert row["share"]["shipped"] == pytest.approx(np.mean(b["ddqn"]) / ref.mean())
+    table = cmp.markdown([row])
+    assert f"| {key} | 3 |" in table and "1 cells:" in table
+
+
+def test_runs_of_other_episodes_are_refused(runs, tmp_path, capsys):
+    cmp = _module("compare_ddqn_runs")
+    cand, base, key = runs
+    short = {**cand, "utilities": {key: {"ddqn": cand["utilities"][key]["ddqn"][:2]}}}
+    assert cmp.compare(short, base) == ([], [f"{key}: 2 vs 3 episodes"])
+    other = tmp_path / "handoff.json"
+    other.write_text(json.dumps({**cand, "stream": "handoff"}))
+    mine = tmp_path / "base.json"
+    mine.write_text(json.dumps(base))
+    with pytest.raises(SystemExit, match="differ in stream"):
+        cmp.main([str(other), str(mine)])
+    with pytest.raises(SystemExit, match="not an eval_policy.py result"):
+        cmp.main([str(tmp_path / "missing.json"), str(mine)])
