@@ -74,10 +74,12 @@ def run(
         runs = []
         for seed, order in ((s, o) for s in seeds for o in orders):
             t0 = time.perf_counter()
+            if order == orders[0]:  # one measured speed for the seed: the orders' plans
+                speed = _speed(loaded, tokens, seed) if len(orders) > 1 else None
             cfg = DemoConfig(tokens=tokens, rate_mbps=rate, seed=seed, budget=budget,
                              objective=objective, link="emulated", progress=False,
                              schemes=schemes, repeats=repeats, order=order,
-                             link_rate_mbps=link_rate)  # fmt: skip
+                             link_rate_mbps=link_rate, compute_speed=speed)  # fmt: skip
             rep = run_demo(cfg, loaded=loaded)
             rows = [*rep.schemes, rep.link_down]
             runs.append({
@@ -99,6 +101,21 @@ def run(
         out["configs"][name] = {"tokens": tokens, "rate_mbps": rate,
                                 "link_rate_mbps": link_rate, "runs": runs}  # fmt: skip
     return out
+
+
+def _speed(loaded: object, tokens: int, seed: int) -> tuple[float, float]:
+    """The receiver's compute speed on the seed's context, measured once, so that the
+    orders compared on a seed plan with the same speed (a measurement on a shared
+    machine varies enough to move the split)."""
+    from kvtransport.demo.demo_report import DemoConfig
+    from kvtransport.model import tasks
+    from kvtransport.model.cache_builder import ComputeSpeed
+
+    tok = loaded.tokenizer  # type: ignore[attr-defined]
+    sample = tasks.generate(DemoConfig.task, tok, target_tokens=tokens, seed=seed)
+    ctx, _ = sample.prompt(tok)
+    s = ComputeSpeed.measure(loaded.model, ctx)  # type: ignore[attr-defined]
+    return s.per_call_s, s.per_token_s
 
 
 def concentration(loaded: object, tokens: int = 512, seed: int = 1) -> dict:
