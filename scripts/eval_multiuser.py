@@ -13,7 +13,7 @@ Every scenario runs in kvtransport.sim.multisim: the sender daemon's own host
 (kvtransport.hosts.sender_host, real sessions with adaptive RLC repair) and one receiver host
 per user, sharing one channel, once per slot policy: equal share,
 proportional to size, earliest deadline first and this allocator (UtilityWaterFilling,
-with a guard of three loss-detection rounds, see make_policy), each setting the
+with the guard the daemon's link derives, see make_policy), each setting the
 sessions' pacing rates every 10 ms through their rate hook. A user's
 accuracy is its curve at the fraction of its cache decoded (in utility order) by its
 deadline.
@@ -53,13 +53,12 @@ ALLOCATOR = "water-filling"
 
 
 def make_policy(name: str, delay_s: float = 0.0) -> Any:
-    """A slot policy by name. The allocator's guard (see UtilityWaterFilling) is three
-    rounds of loss detection on this link: RTT (2 x one-way delay) + feedback interval."""
-    from kvtransport.core.protocol import DEFAULT_FEEDBACK_INTERVAL
+    """A slot policy by name. The allocator's guard is the one the sender daemon's link
+    derives for this one-way delay (kvtransport.hosts.allocator.repair_guard_s)."""
     from kvtransport.hosts import allocator as al
 
     if name == "water-filling":
-        return al.UtilityWaterFilling(guard_s=3.0 * (2.0 * delay_s + DEFAULT_FEEDBACK_INTERVAL))
+        return al.UtilityWaterFilling(guard_s=al.repair_guard_s(delay_s))
     return {
         "equal-share": al.EqualShare,
         "proportional": al.ProportionalToSize,

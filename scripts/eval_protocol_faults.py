@@ -21,7 +21,6 @@ import sys
 import numpy as np
 from kvtransport.netem import Profile, parse_loss
 
-from kvtransport.core.receiver import ReceiverSession
 from kvtransport.sim.simulator import make_simulation
 
 
@@ -30,12 +29,11 @@ def restart(size_mb: float, seed: int, policy: str, at: float = 0.4, rho: float 
     sim = make_simulation(channel=Profile("b2", loss=parse_loss("2%")), rho=rho, policy=policy,
                           seed=seed, size_bytes=int(size_mb * 1e6), record=False)  # fmt: skip
     sim.run_until_decision(until=at * sim.deadline)
-    old = sim.receiver
-    sim.receiver = ReceiverSession(old.transfer_id, now=sim.now)  # deadline from the manifest
+    sim.restart_receiver()  # a fresh receiver host: deadline from the manifest
     sim.run()
     r = sim.receiver
     res = r.result
-    t = sim.sender.transfer
+    t = sim.transfer
     exact = res is not None and res.manifest is not None
     wrong = 0
     if exact:

@@ -8,10 +8,11 @@ import struct
 import numpy as np
 import pytest
 
+from kvtransport.core.policy import Adaptive
 from kvtransport.core.transfer import synthetic_transfer
 from kvtransport.core.wire import HEADER_SIZE
 from kvtransport.errors import UserError
-from kvtransport.hosts.allocator import EqualShare, UtilityWaterFilling
+from kvtransport.hosts.allocator import EqualShare, UtilityWaterFilling, repair_guard_s
 from kvtransport.hosts.receiver_host import ReceiverHost, ResultReady, TransferStarted
 from kvtransport.hosts.sender_host import SenderHost, TransferFinished
 from kvtransport.hosts.utility_model import SigmoidUtility
@@ -160,6 +161,74 @@ def test_finish_and_result_events_and_the_receivers_loss_is_remembered():
     nxt = sender.submit(tr, B, now=1.0, deadline_s=0.5)
     assert nxt.link.prior_loss == pytest.approx(out.session.loss_estimate())
     assert sender.submit(tr, A, now=1.0, deadline_s=0.5).link.prior_loss is None
+
+
+class _Delay:
+    """A loss-free path of a fixed delay."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+
+    def transmit(self, t: float, size: int) -> float:
+        return t + self.delay_s
+
+
+def test_the_links_guard_follows_the_one_way_delay_the_host_measures():
+    """No one-way delay given (the daemon): the host's link takes half the shortest
+    smoothed round trip, and its allocator's guard is derived from that estimate."""
+    sender = SenderHost(rate_bps=20e6, key=KEY, burst_s=0.0)
+    guard = sender.link.scheduler.policy.guard_s
+    assert sender.link.one_way_s == 0.0 and guard == repair_guard_s(0.0)
+    outs = [
+        sender.submit(
+            synthetic_transfer(400_000, 32, seed=i), B, now=0.0, deadline_s=0.5, utility=U
+        )
+        for i in range(2)
+    ]
+    loop = VirtualClockLoop()
+    loop.add(sender, A, channel=_Delay(0.01))
+    loop.add(ReceiverHost(key=KEY), B, channel=_Delay(0.01))
+    loop.run(0.1)
+    srtt = min(o.session.srtt for o in outs if o.session.srtt is not None)
+    assert sender.link.one_way_s == srtt / 2.0 and srtt >= 0.02
+    assert sender.link.scheduler.policy.guard_s == repair_guard_s(srtt / 2.0)
+
+
+def test_the_last_transfer_to_finish_leaves_no_wake_up_and_a_given_prior_wins():
+    host = SenderHost(rate_bps=10e6, key=KEY, burst_s=0.0, slot_policy=EqualShare())
+    tr = synthetic_transfer(50_000, 4)
+    a = host.submit(tr, A, now=0.0, deadline_s=1.0)
+    b = host.submit(tr, B, now=0.0, deadline_s=1.0)
+    _run_sender(host, 0.05)
+    host.cancel(b.transfer_id, 0.05)
+    assert host.get_timer() == 0.05  # the other transfer gets the whole link at once
+    host.handle_timer(0.05)
+    host.cancel(a.transfer_id, 0.06)
+    assert not host.active and host.get_timer() is None  # nothing left: no wake-up
+    host.receiver_loss[A] = 0.03
+    assert host.submit(tr, A, now=0.1, deadline_s=1.0).link.prior_loss == 0.03
+    given = host.submit(tr, A, now=0.1, deadline_s=1.0, prior_loss=0.2, policy=Adaptive())
+    assert given.link.prior_loss == 0.2 and given.session.policy.prior_loss == 0.2
+
+
+def test_a_receiver_told_the_deadline_ends_there_not_at_the_manifests():
+    """expect(): the session is open before its first datagram and ends at the deadline
+    given on the shared clock (the simulator's receiver), not at the manifest's deadline
+    counted from its first datagram (5 ms later here)."""
+    sender = SenderHost(rate_bps=20e6, key=KEY, burst_s=0.0)
+    receiver = ReceiverHost(key=KEY)
+    out = sender.submit(synthetic_transfer(800_000, 64, seed=1), B, now=0.0, deadline_s=0.2)
+    inc = receiver.expect(out.transfer_id, A, 0.0, 0.2)
+    assert isinstance(receiver.next_event(), TransferStarted)
+    with pytest.raises(UserError, match="already in use"):
+        receiver.expect(out.transfer_id, A, 0.0, 0.2)
+    loop = VirtualClockLoop()
+    loop.add(sender, A, channel=_Delay(0.005))
+    loop.add(receiver, B, channel=_Delay(0.005))
+    loop.run(0.5)
+    res = inc.session.result
+    assert res is not None and res.reason == "deadline"
+    assert inc.session.timings["finished"] == 0.2
 
 
 def test_receiver_admission_demux_and_abort():

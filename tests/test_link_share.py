@@ -6,7 +6,7 @@ import pytest
 from kvtransport.core.policy import Obs, make_policy
 from kvtransport.core.sender import SenderSession
 from kvtransport.core.transfer import synthetic_transfer
-from kvtransport.hosts.allocator import EqualShare, UtilityWaterFilling
+from kvtransport.hosts.allocator import EqualShare, UtilityWaterFilling, repair_guard_s
 from kvtransport.hosts.link_share import LinkShare, Member
 from kvtransport.hosts.utility_model import SigmoidUtility
 
@@ -63,6 +63,37 @@ def test_the_allocator_plans_to_the_deadline_less_the_one_way_delay():
     m = _member(1, 500_000, 0.1)
     link.join(m)
     assert link.scheduler.transfers[1].deadline == pytest.approx(0.08)
+
+
+def test_the_default_allocator_keeps_a_repair_guard_derived_from_the_link():
+    """The link's own policy has a transfer's forced bytes through a guard before its
+    deadline (repair_guard_s of the one-way delay), re-derived when the delay changes;
+    a policy passed in is used as given. A poor transfer due soon and a valuable one due
+    late: served by value, the valuable one goes first and the poor one still fits later
+    (up to its deadline); a guard of 42 ms (5 ms one way) forces the poor one now."""
+    poor, good = SigmoidUtility(0.5, 10.0, 0.3), SigmoidUtility(0.95, 10.0, 0.1)
+
+    def shares(policy, one_way_s: float, then: float | None = None) -> tuple[float, float]:
+        link = LinkShare(100e6, policy, slot_s=SLOT, symbol_size=SYMBOL, tagged=False,
+                         one_way_s=one_way_s)  # fmt: skip
+        a, b = _member(1, 1_000_000, 0.12), _member(2, 1_000_000, 0.5)
+        a.utility, b.utility = poor, good
+        link.join(a)
+        link.join(b)
+        if then is not None:
+            link.set_one_way(then)
+        link.step(0.0)
+        return a.share, b.share
+
+    assert shares(None, 0.005) == (1.0, 0.0)  # guard 42 ms: 1 MB due by 73 ms, forced now
+    assert shares(UtilityWaterFilling(), 0.005) == (0.0, 1.0)  # no guard: value first
+    assert shares(None, 0.005, then=0.0) == (0.0, 1.0)  # guard 12 ms: fits after "b"
+    assert shares(None, 0.0, then=0.005) == (1.0, 0.0)
+    link = _link(100e6)
+    link.set_one_way(0.02)
+    assert link.scheduler.policy.guard_s == repair_guard_s(0.02) == pytest.approx(0.132)
+    with pytest.raises(ValueError, match="one-way"):
+        link.set_one_way(-1.0)
 
 
 def test_the_sender_engine_shares_its_link_by_weight_over_real_udp():

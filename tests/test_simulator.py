@@ -49,6 +49,23 @@ def test_no_policy_beats_the_genie_bound():
         assert r.utility_recovered > r.utility_bound - 0.02  # the oracle comes close
 
 
+def test_the_hosts_share_the_clock_the_receiver_ends_at_the_senders_deadline():
+    """The simulator runs the daemons' hosts; its receiver host is told the deadline (it
+    shares the sender's clock), so a transfer cut by its deadline ends exactly there, not
+    a one-way delay later (the manifest's deadline counted from its first datagram)."""
+    from kvtransport.hosts.receiver_host import ReceiverHost
+    from kvtransport.hosts.sender_host import SenderHost
+    from kvtransport.sim.simulator import make_simulation
+
+    sim = make_simulation(policy="adaptive", channel="ge-heavy", seed=2, size_bytes=500_000)
+    assert isinstance(sim.loop.endpoint(0), SenderHost)
+    assert isinstance(sim.loop.endpoint(1), ReceiverHost)
+    sim.run()
+    assert sim.receiver.result.reason == "deadline"
+    assert sim.receiver.timings["finished"] == sim.deadline
+    assert sim.sender_host.next_event().transfer.session is sim.sender
+
+
 def test_clean_link_with_time_to_spare_delivers_everything_early():
     r = simulate(channel="clean", policy="adaptive", rho=1.2, seed=0, size_bytes=3_000_000)
     assert r.utility_recovered == pytest.approx(1.0) and r.blocks_missing == 0

@@ -390,7 +390,7 @@ def _answer_all(
     returns the baselines."""
     import numpy as np
 
-    from kvtransport.model import blocks, hf
+    from kvtransport.model import blocks
 
     lm, qs, n_new = prep.loaded, prep.probe_ids, cfg.max_new_tokens
     with ui.bar(len(qs) * (4 + len(outcomes)), "answering", unit="answer") as bar:
@@ -405,11 +405,9 @@ def _answer_all(
                 bar.update(1)
             return texts, first
 
-        t0 = time.perf_counter()
-        kv_plain = hf.prefill(lm.model, lm.tokenizer, prep.context_ids, attention=False)
-        prefill_s = time.perf_counter() - t0
-        re_answers, re_first = ask(kv_plain, None)
-        del kv_plain
+        plain, prefill_s = reprefilled(prep)
+        re_answers, re_first = ask(plain, None)
+        del plain
         stream = prep.stream
         full = blocks.decode_stream(stream.manifest, stream.payload, token_ids=prep.context_ids)
         full_answers, _ = ask(full.cache, None)
@@ -482,7 +480,7 @@ def _race_row(
     n_blocks = prep.planned.manifest.num_blocks
     plan = prep.plan
     race, row.rebuild_s = _race(prep, out)
-    row.answers, row.first_token_s = ask(race.kv, None)
+    row.answers, row.first_token_s = ask(race.model_cache, None)
     row.answer = row.answers[0]
     sc = _scores(row.answers, full_answers)
     row.f1s, row.f1, row.matches = sc["f1s"], sc["f1"], sc["matches"]
@@ -503,23 +501,32 @@ def _race_row(
     return row
 
 
+def reprefilled(prep: _Prepared) -> tuple[Any, float]:
+    """Re-prefilling: the context's model cache computed from scratch in one call, by the
+    same builder the receiver's race computes with (kvtransport.model.cache_builder), and
+    its seconds."""
+    from kvtransport.model.cache_builder import CacheBuilder
+
+    builder = CacheBuilder(prep.loaded.model, prep.context_ids)
+    t0 = time.perf_counter()
+    builder.compute(builder.num_tokens)
+    return builder.model_cache, time.perf_counter() - t0
+
+
 def reprefill_ttft_once(prep: _Prepared) -> float:
     """One measurement of re-prefilling's TTFT: the context's cache from scratch, then the
     first question's first token."""
-    from kvtransport.model import hf
-
-    lm = prep.loaded
-    t0 = time.perf_counter()
-    kv = hf.prefill(lm.model, lm.tokenizer, prep.context_ids, attention=False)
-    prefill_s = time.perf_counter() - t0
-    return prefill_s + answer(lm, kv, None, prep.probe_ids[0], 1)[1]
+    cache, prefill_s = reprefilled(prep)
+    return prefill_s + answer(prep.loaded, cache, None, prep.probe_ids[0], 1)[1]
 
 
 def race_ttft_once(prep: _Prepared, out: LinkOutcome) -> float:
     """One measurement of the handoff's TTFT for a transfer's outcome: the receiver's
-    race (reading the manifest included), then the first question's first token."""
+    race (reading the manifest included), then the first question's first token, answered
+    from the model cache the race built."""
     race, rebuild_s = _race(prep, out)
-    return race.seconds + rebuild_s + answer(prep.loaded, race.kv, None, prep.probe_ids[0], 1)[1]
+    first = answer(prep.loaded, race.model_cache, None, prep.probe_ids[0], 1)[1]
+    return race.seconds + rebuild_s + first
 
 
 def _race(prep: _Prepared, out: LinkOutcome) -> tuple[Any, float]:

@@ -99,6 +99,7 @@ from typing import Protocol
 import numpy as np
 from numba import njit
 
+from kvtransport.core.protocol import DEFAULT_FEEDBACK_INTERVAL
 from kvtransport.hosts.utility_model import SigmoidUtility, logistic
 
 # Columns of the per-user parameter matrix the kernels read.
@@ -896,6 +897,26 @@ class EarliestDeadlineFirst:
         pass
 
 
+GUARD_ROUNDS = 3
+"""Loss-detection rounds the allocator's guard keeps clear before a deadline."""
+
+
+def repair_guard_s(
+    one_way_s: float, feedback_interval_s: float = DEFAULT_FEEDBACK_INTERVAL
+) -> float:
+    """The guard (``UtilityWaterFilling.guard_s``) for a link of one-way delay
+    ``one_way_s`` whose receivers report every ``feedback_interval_s``: GUARD_ROUNDS
+    rounds of noticing a loss and repairing it, each a round trip (2 x one-way) plus a
+    feedback interval. The one definition: the sending host's link
+    (kvtransport.hosts.link_share.LinkShare) derives its default allocator's guard from
+    it, and so does the multi-user evaluation."""
+    if not (one_way_s >= 0 and math.isfinite(one_way_s)):
+        raise ValueError("the one-way delay must be a non-negative number of seconds")
+    if not (feedback_interval_s >= 0 and math.isfinite(feedback_interval_s)):
+        raise ValueError("the feedback interval must be a non-negative number of seconds")
+    return GUARD_ROUNDS * (2.0 * one_way_s + feedback_interval_s)
+
+
 @dataclass
 class UtilityWaterFilling:
     """This allocator: admission + nested weighted water-filling, re-planned every slot.
@@ -930,7 +951,8 @@ class UtilityWaterFilling:
     the guard those tails are served first, in proportion, so they end together:
     otherwise value-first serving left the whole spill to the last transfer in value
     order, sent at the full link rate, where its first loss too late to repair cuts
-    everything after it. Default 0 (what the plan's deadlines say).
+    everything after it. Default 0 (what the plan's deadlines say); ``repair_guard_s``
+    gives it from the link's one-way delay, and the sending host's link sets it so.
 
     sticky: keep admitted transfers admitted while their minimum fits (see the module
     docstring for why the default re-decides). admitted: ids admitted at the last slot;

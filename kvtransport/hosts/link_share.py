@@ -46,10 +46,21 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvtransport.core.policy import Adaptive
-from kvtransport.core.protocol import DEFAULT_SYMBOL_SIZE, LINK_OVERHEAD_BYTES
+from kvtransport.core.protocol import (
+    DEFAULT_FEEDBACK_INTERVAL,
+    DEFAULT_SYMBOL_SIZE,
+    LINK_OVERHEAD_BYTES,
+)
 from kvtransport.core.sender import SenderSession
 from kvtransport.core.wire import link_bytes
-from kvtransport.hosts.allocator import OnlineScheduler, ScheduledTransfer, SlotDecision, SlotPolicy
+from kvtransport.hosts.allocator import (
+    OnlineScheduler,
+    ScheduledTransfer,
+    SlotDecision,
+    SlotPolicy,
+    UtilityWaterFilling,
+    repair_guard_s,
+)
 from kvtransport.hosts.utility_model import SigmoidUtility
 
 MIN_PRIOR_LOSS = 0.002
@@ -92,9 +103,15 @@ class LinkShare:
     """Members of one link and the allocator that shares it (module docstring).
 
     rate_bps: the link's wire rate; slot_policy: how it is shared (kvtransport.hosts.allocator;
-    None: utility water-filling); one_way_s: the link's one-way delay; tagged: datagrams
-    carry an authentication tag; capacity_Bps: feed the allocator this fixed payload
-    capacity instead of the estimate from the rate and the reported loss.
+    None: utility water-filling whose guard is derived from this link, see below);
+    one_way_s: the link's one-way delay (change it with :meth:`set_one_way`); tagged:
+    datagrams carry an authentication tag; capacity_Bps: feed the allocator this fixed
+    payload capacity instead of the estimate from the rate and the reported loss;
+    feedback_interval_s: how often the receivers report.
+
+    The default policy's guard (what must be through before a deadline so that a loss
+    can still be repaired) is ``repair_guard_s(one_way_s, feedback_interval_s)`` and
+    follows every :meth:`set_one_way`. A policy passed in is used as given.
     """
 
     def __init__(
@@ -107,17 +124,24 @@ class LinkShare:
         tagged: bool,
         one_way_s: float = 0.0,
         capacity_Bps: float | None = None,
+        feedback_interval_s: float = DEFAULT_FEEDBACK_INTERVAL,
     ) -> None:
         if not (rate_bps > 0 and math.isfinite(rate_bps)):
             raise ValueError("the link rate must be a positive number")
         self.rate_bps = float(rate_bps)
-        self.one_way_s = float(one_way_s)
         self.efficiency = payload_efficiency(symbol_size, tagged)
         self.fixed_capacity = capacity_Bps
         self.min_rate_bps = link_bytes(symbol_size, tagged) * 8.0 / slot_s
         self.symbol_size = symbol_size
         self.members: dict[int, Member] = {}
+        self.feedback_interval_s = float(feedback_interval_s)
+        # the default policy is this link's: its guard follows the one-way delay
+        self.guarded: UtilityWaterFilling | None = None
+        if slot_policy is None:
+            slot_policy = self.guarded = UtilityWaterFilling()
         self.scheduler = OnlineScheduler(self.capacity(), slot_policy, slot_s)
+        self.one_way_s = 0.0
+        self.set_one_way(one_way_s)
         self.steps = 0
 
     # ------------------------------------------------------------------ membership
@@ -140,6 +164,15 @@ class LinkShare:
         if not (rate_bps > 0 and math.isfinite(rate_bps)):
             raise ValueError("the link rate must be a positive number")
         self.rate_bps = float(rate_bps)
+
+    def set_one_way(self, one_way_s: float) -> None:
+        """The link's one-way delay is now ``one_way_s`` (given, or estimated from the
+        round trips): the allocator plans to each deadline less it, and the default
+        policy's guard is re-derived from it (``repair_guard_s``)."""
+        guard = repair_guard_s(one_way_s, self.feedback_interval_s)  # checks its inputs
+        self.one_way_s = float(one_way_s)
+        if self.guarded is not None:
+            self.guarded.guard_s = guard
 
     # ------------------------------------------------------------------ estimates
 

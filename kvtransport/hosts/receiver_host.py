@@ -23,7 +23,9 @@ A transfer's session is created by its first datagram that authenticates and par
 the host's key; any data-path type). Waiting for the manifest instead would drop the
 sources that arrive before the first manifest datagram that survives the link (the
 manifest is interleaved with data; on ge-heavy the first one is lost one time in eight);
-the session holds them until the manifest says what they are.
+the session holds them until the manifest says what they are. A shell that shares the
+sender's clock (the simulator) may open it ahead instead, with the exact deadline
+(:meth:`ReceiverHost.expect`).
 
 What bounds the state (every datagram is attacker-controlled):
 
@@ -334,6 +336,20 @@ class ReceiverHost:
 
     # ------------------------------------------------------------------ control
 
+    def expect(self, transfer_id: int, peer: Address, now: float, deadline: float) -> Incoming:
+        """Open a transfer's session before its first datagram, with its deadline known
+        on this host's clock (a shell that shares the sender's clock, as the simulator does):
+        the session ends at ``deadline`` instead of the manifest's deadline counted from its
+        first datagram, and its feedback goes to ``peer``. Raises UserError (changing
+        nothing) for an id in use or when ``max_transfers`` are receiving."""
+        if transfer_id in self.active or transfer_id in self.lingering:
+            raise UserError(f"transfer id {transfer_id:016x} is already in use")
+        if self.single and self.adopted is not None:
+            raise UserError("this host receives a single transfer and has one")
+        if len(self.active) >= self.max_transfers and self._live() >= self.max_transfers:
+            raise UserError(f"{self.max_transfers} transfers receiving (the limit)")
+        return self._open(transfer_id, peer, now, deadline)
+
     def abort(self, transfer_id: int, now: float, reason: str = "abort") -> bool:
         """Deliver a transfer's partial result now (its events and final feedback come
         with the next :meth:`datagrams_to_send`)."""
@@ -421,16 +437,20 @@ class ReceiverHost:
         if len(self.active) >= self.max_transfers and self._live() >= self.max_transfers:
             self._drop("over_capacity")
             return None
+        return self._open(tid, addr, now)
+
+    def _open(self, tid: int, peer: Address, now: float, deadline: float | None = None) -> Incoming:
         session = ReceiverSession(
             tid,
             key=self.key,
             now=now,
+            deadline=deadline,
             max_bytes=self.max_bytes,
             idle_timeout=self.idle_timeout,
             reserve=self._reserve,
             admit=self._admit_manifest if self.replay is not None else None,
         )
-        inc = Incoming(tid, session, addr, now)
+        inc = Incoming(tid, session, peer, now)
         self.active[tid] = inc
         self.adopted = tid
         self._events.append(TransferStarted(inc))

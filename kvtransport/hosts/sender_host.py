@@ -26,10 +26,12 @@ Link sharing. The host's :class:`~kvtransport.hosts.link_share.LinkShare` re-pla
 ``slot_s`` and whenever a transfer starts or ends: the allocator's shares become the
 sessions' pacing rates (a share below one datagram per slot pauses a session). The
 link's one-way delay it plans with is ``one_way_s`` when given, else half the shortest
-smoothed round trip the sessions measured. Each transfer's utility curve is what its
-submitter gave, else :func:`stream_utility_curve`. The host remembers the loss each
-receiver's last transfer ended with (``RECEIVER_MEMORY`` receivers) and a new transfer to
-that receiver starts its repair from it (status ``prior_loss``).
+smoothed round trip the sessions measured; the default allocator's guard (the time a
+loss near a deadline needs to be repaired) is derived from it and follows it. Each
+transfer's utility curve is what its submitter gave, else :func:`stream_utility_curve`.
+The host remembers the loss each receiver's last transfer ended with
+(``RECEIVER_MEMORY`` receivers) and a new transfer to that receiver starts its repair
+from it (status ``prior_loss``).
 
 Admission (:meth:`SenderHost.submit` raises :class:`~kvtransport.errors.UserError` and
 changes nothing): at most ``max_transfers`` in flight, a deadline in
@@ -49,7 +51,7 @@ import numpy as np
 
 from kvtransport import bounds
 from kvtransport.bounds import MAX_DEADLINE_S, MIN_DEADLINE_S
-from kvtransport.core.policy import make_policy
+from kvtransport.core.policy import Policy, make_policy
 from kvtransport.core.protocol import DEFAULT_INITIAL_RTT, DEFAULT_SYMBOL_SIZE
 from kvtransport.core.sender import SenderSession
 from kvtransport.core.transfer import Transfer
@@ -200,9 +202,10 @@ class SenderHost:
 
     rate_bps: the link rate shared by all transfers; key: the datagrams' authentication
     key; slot_policy: how the link is shared (kvtransport.hosts.allocator; None: utility
-    water-filling); one_way_s: the link's one-way delay for the allocator's last useful
-    send time (None: half the shortest measured round trip); capacity_Bps: feed the
-    allocator this fixed payload capacity instead of its estimate.
+    water-filling with its guard derived from the link's one-way delay, see
+    kvtransport.hosts.link_share.LinkShare); one_way_s: the link's one-way delay for the
+    allocator's last useful send time (None: half the shortest measured round trip);
+    capacity_Bps: feed the allocator this fixed payload capacity instead of its estimate.
     """
 
     def __init__(
@@ -257,7 +260,7 @@ class SenderHost:
         *,
         now: float,
         deadline_s: float,
-        policy: str = "adaptive",
+        policy: str | Policy = "adaptive",
         transfer_id: int | None = None,
         weight: float = 1.0,
         utility: SigmoidUtility | None = None,
@@ -265,9 +268,13 @@ class SenderHost:
         initial_rtt: float = DEFAULT_INITIAL_RTT,
         keep: Any = None,
         wall_offset: float = 0.0,
+        prior_loss: float | None = None,
     ) -> Outgoing:
         """Start sending ``transfer`` to ``dest`` with ``deadline_s`` from ``now``;
-        ``wall_offset``: the wall clock minus the shell's (the manifest's send time).
+        ``policy``: a policy name (``make_policy``) or a policy instance, which the
+        transfer's session then owns; ``wall_offset``: the wall clock minus the shell's
+        (the manifest's send time); ``prior_loss``: what the shell knows of this path's
+        loss (instead of what the host remembers of ``dest``; see ``Member.prior_loss``).
         A refusal raises UserError and changes nothing (module docstring)."""
         if len(self.active) >= self.max_transfers:
             raise UserError(f"{len(self.active)} transfers in flight (the limit): try later")
@@ -284,7 +291,7 @@ class SenderHost:
             raise UserError("the weight must be a non-negative number")
         if transfer_id is not None and (transfer_id in self.active or transfer_id in self.finished):
             raise UserError(f"transfer id {transfer_id:016x} is already in use")
-        pol = make_policy(policy)
+        pol = make_policy(policy) if isinstance(policy, str) else policy
         try:
             session = SenderSession(
                 transfer,
@@ -310,7 +317,7 @@ class SenderHost:
             utility=utility if utility is not None else stream_utility_curve(transfer),
             weight=float(weight),
             arrival=now,
-            prior_loss=self.receiver_loss.get(dest),
+            prior_loss=prior_loss if prior_loss is not None else self.receiver_loss.get(dest),
             rate_bps=self.rate_bps,
         )
         out = Outgoing(link=member, dest=dest, policy=pol.name, label=label, keep=keep)
@@ -397,7 +404,7 @@ class SenderHost:
             wake = self._replan_at
         lead = self.burst_s
         for out in self.active.values():
-            t = out.session.next_timer()
+            t = out.link.session.next_timer()  # (not the property: this is the hot path)
             if t is not None:
                 t -= lead
                 if wake is None or t < wake:
@@ -413,12 +420,13 @@ class SenderHost:
             self._reschedule(now)
         horizon = now + self.burst_s
         for out in list(self.active.values()):
-            t = out.session.next_timer()
+            s = out.link.session
+            t = s.next_timer()
             if t is not None and t <= horizon:
                 if now - t > out.max_lag:
                     out.max_lag = now - t
                 self._flush(out, horizon)
-            elif out.session.done:
+            elif s.done:
                 self._flush(out, now)
 
     # ------------------------------------------------------------------ internals
@@ -428,7 +436,7 @@ class SenderHost:
         self.drop_reasons[reason] = self.drop_reasons.get(reason, 0) + 1
 
     def _flush(self, out: Outgoing, t: float) -> None:
-        s = out.session
+        s = out.link.session
         datagrams = s.datagrams_to_send(t)
         if datagrams:
             out.sent_datagrams += len(datagrams)
@@ -452,7 +460,10 @@ class SenderHost:
         while len(self.finished) > HISTORY:
             self.finished.popitem(last=False)
         self.link.leave(out.transfer_id, out.session.finish_reason or "finished")
-        self._replan(now)
+        if self.active:
+            self._replan(now)  # the others share the link anew
+        else:
+            self._reschedule(now)  # nothing left to share: no wake-up for it
         if out.session.fb_time is not None:  # its receiver reported: remember its path
             self.receiver_loss[out.dest] = out.session.loss_estimate()
             self.receiver_loss.move_to_end(out.dest)
@@ -467,5 +478,5 @@ class SenderHost:
             # the shortest smoothed round trip any transfer measured (0 until one has)
             rtts = [o.session.srtt for o in self.active.values() if o.session.srtt is not None]
             if rtts:
-                self.link.one_way_s = min(rtts) / 2.0
+                self.link.set_one_way(min(rtts) / 2.0)
         self._sched_at = self.link.step(now)

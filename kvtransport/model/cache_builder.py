@@ -3,9 +3,10 @@
 The receiver of a handoff knows the shared context's token ids. It can *compute* a range
 of them itself (a forward pass at their own positions over the cache built so far: the
 same arithmetic as a prefill, split in chunks) or *load* the range's K/V that crossed the
-link. :class:`CacheBuilder` holds the model cache (a transformers ``DynamicCache``) and
-appends ranges strictly in position order, so every computed range attends to exactly the
-tokens before it, as in one full prefill: computing every range reproduces the prefill
+link. :class:`CacheBuilder` holds the model cache (a transformers ``DynamicCache`` whose
+layers grow in place: kvtransport.model.model_cache) and appends ranges strictly in
+position order, so every computed range attends to exactly the tokens before it, as in
+one full prefill: computing every range reproduces the prefill
 (within float rounding), and a mix of loaded and computed ranges is exact wherever the
 loaded K/V are (up to their quantization). Recomputing what never arrived is the same
 operation as computing the prefix, so there is one mechanism for compute-while-loading,
@@ -76,20 +77,31 @@ class ComputeSpeed:
         return cls(per_call_s=max(best - small * per_token, 0.0), per_token_s=per_token)
 
 
+ANSWER_ROOM = 256
+"""Tokens of room past the context in the built cache's buffers: a question and the
+start of its answer append there without growing them."""
+
+
 class CacheBuilder:
     """The model cache of ``token_ids``, grown front to back by :meth:`compute` and
     :meth:`load`; :attr:`filled` tokens are in place. :meth:`kv` returns it as numpy."""
 
     def __init__(self, model: Any, token_ids: Sequence[int]) -> None:
-        from transformers import DynamicCache
-
         from kvtransport.model import hf
+        from kvtransport.model.model_cache import new_model_cache
 
         hf.install_masked_attention(model)
         self.model = model
         self.token_ids = [int(t) for t in token_ids]
         self.filled = 0
-        self._cache = DynamicCache(config=model.config)
+        # layers that grow in place: a range appended copies that range, not the cache
+        self._cache = new_model_cache(model, len(self.token_ids) + ANSWER_ROOM)
+
+    @property
+    def model_cache(self) -> Any:
+        """The model cache built so far (a transformers ``DynamicCache`` of ``filled``
+        tokens), to answer from without a copy (kvtransport.model.hf.greedy_generate)."""
+        return self._cache
 
     @property
     def num_tokens(self) -> int:
@@ -130,14 +142,16 @@ class CacheBuilder:
         self.filled += n
 
     def kv(self) -> KVCache:
-        """The cache built so far as numpy (``filled`` tokens)."""
+        """The cache built so far as numpy (``filled`` tokens; a copy)."""
+        import torch
+
         from kvtransport.model.loader import model_id_of
 
         layers = self._cache.layers
         if self.filled == 0:
             raise ValueError("nothing built yet")
-        keys = np.stack([layer.keys[0].float().numpy() for layer in layers])
-        values = np.stack([layer.values[0].float().numpy() for layer in layers])
+        keys = torch.stack([layer.keys[0] for layer in layers]).float().numpy()
+        values = torch.stack([layer.values[0] for layer in layers]).float().numpy()
         return KVCache(
             keys=keys,
             values=values,

@@ -333,7 +333,9 @@ def to_model_cache(model: Any, kv: KVCache, present: np.ndarray | None = None) -
     whether the model may attend to those slots is decided by ``layer_visibility``.
     """
     import torch
-    from transformers import DynamicCache
+
+    from kvtransport.model.cache_builder import ANSWER_ROOM
+    from kvtransport.model.model_cache import new_model_cache
 
     present = _check_present(kv, present)
     cfg = model.config
@@ -344,7 +346,7 @@ def to_model_cache(model: Any, kv: KVCache, present: np.ndarray | None = None) -
             f"does not fit model {model_id_of(model)} {geometry}"
         )
     dtype = model.dtype
-    cache = DynamicCache(config=cfg)
+    cache = new_model_cache(model, kv.num_tokens + ANSWER_ROOM)
     for layer in range(kv.num_layers):
         k = torch.from_numpy(np.ascontiguousarray(kv.keys[layer])).to(dtype)[None]
         v = torch.from_numpy(np.ascontiguousarray(kv.values[layer])).to(dtype)[None]
@@ -358,6 +360,32 @@ def to_model_cache(model: Any, kv: KVCache, present: np.ndarray | None = None) -
     return cache
 
 
+@contextmanager
+def _opened(
+    model: Any, kv: KVCache | Any, present: np.ndarray | None, mode: str
+) -> Iterator[tuple[Any, int]]:
+    """(model cache, its length) for ``kv`` with the layer visibility ``present`` gives,
+    for the duration of the block.
+
+    kv: a numpy :class:`KVCache` (injected into a new model cache) or a model cache built
+    in place (kvtransport.model.cache_builder.CacheBuilder.model_cache: whole, so
+    ``present`` must be None), used as is and cropped back to its length afterwards, so
+    the caller can ask it another question.
+    """
+    if isinstance(kv, KVCache):
+        present = _check_present(kv, present)
+        with layer_visibility(model, _visibility(kv, present, mode)):
+            yield to_model_cache(model, kv, present), kv.num_tokens
+        return
+    if present is not None:
+        raise ValueError("a built model cache is whole: present must be None")
+    length = int(kv.get_seq_length())
+    try:
+        yield kv, length
+    finally:
+        kv.crop(length - int(kv.get_seq_length()))
+
+
 def _visibility(kv: KVCache, present: np.ndarray | None, mode: str) -> np.ndarray | None:
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -368,7 +396,7 @@ def _visibility(kv: KVCache, present: np.ndarray | None, mode: str) -> np.ndarra
 
 def cache_forward(
     model: Any,
-    kv: KVCache,
+    kv: KVCache | Any,
     ids: Sequence[int],
     *,
     present: np.ndarray | None = None,
@@ -378,6 +406,7 @@ def cache_forward(
 ) -> tuple[torch.Tensor, np.ndarray | None]:
     """Logits for ``ids`` fed after the (partial) cache, at positions ``num_tokens...``.
 
+    kv: a numpy cache, or a model cache built in place (left as it was; see :func:`_opened`).
     last: compute logits for the last ``last`` fed tokens only (0: all of them); the
     vocabulary projection is a large share of a short forward pass.
     Returns ``(logits [len(ids) or last, vocab] float32, attention)``; with ``observe`` the
@@ -386,21 +415,18 @@ def cache_forward(
     """
     import torch
 
-    present = _check_present(kv, present)
     if len(ids) == 0:
         raise ValueError("cache_forward needs at least one token to feed")
-    cache = to_model_cache(model, kv, present)
-    p = kv.num_tokens
-    input_ids = torch.tensor([list(ids)], dtype=torch.long)
-    positions = torch.arange(p, p + len(ids), dtype=torch.long)[None]
-    args = dict(
-        input_ids=input_ids,
-        position_ids=positions,
-        cache=cache,
-        use_cache=True,
-        logits_to_keep=last,
-    )
-    with torch.inference_mode(), layer_visibility(model, _visibility(kv, present, mode)):
+    with torch.inference_mode(), _opened(model, kv, present, mode) as (cache, p):
+        input_ids = torch.tensor([list(ids)], dtype=torch.long)
+        positions = torch.arange(p, p + len(ids), dtype=torch.long)[None]
+        args = dict(
+            input_ids=input_ids,
+            position_ids=positions,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=last,
+        )
         if observe:
             with _probing(model, None) as probe:
                 out = model(**args)
@@ -416,9 +442,9 @@ class Generation:
     """Greedy continuation of a cache.
 
     tokens: generated ids, without the stop token. stopped: a stop token ended it.
-    inject_seconds: building the model cache from numpy; first_token_seconds: from the
-    start of injection to the first generated token (the receiver's TTFT after the cache
-    is in hand); seconds: the whole call.
+    inject_seconds: building the model cache from numpy (about 0 for a model cache built
+    in place); first_token_seconds: from the start of injection to the first generated
+    token (the receiver's TTFT after the cache is in hand); seconds: the whole call.
     """
 
     tokens: list[int]
@@ -442,7 +468,7 @@ def stop_ids_of(model: Any, tokenizer: Any | None = None) -> tuple[int, ...]:
 
 def greedy_generate(
     model: Any,
-    kv: KVCache,
+    kv: KVCache | Any,
     question_ids: Sequence[int],
     *,
     present: np.ndarray | None = None,
@@ -452,24 +478,22 @@ def greedy_generate(
 ) -> Generation:
     """Greedy decoding after the (partial) cache and ``question_ids``, explicit positions.
 
+    kv: a numpy cache, or a model cache built in place (left as it was; see :func:`_opened`).
     stop_ids: ids that end the answer (default: the model's end-of-turn ids); pass ``()``
         to always produce exactly ``max_new_tokens`` tokens.
     """
     import torch
 
     t0 = time.perf_counter()
-    present = _check_present(kv, present)
     if len(question_ids) == 0:
         raise ValueError("greedy_generate needs at least one question token")
     stops = set(stop_ids_of(model) if stop_ids is None else stop_ids)
-    cache = to_model_cache(model, kv, present)
-    t_inject = time.perf_counter() - t0
-    pos = kv.num_tokens
     feed = list(question_ids)
     tokens: list[int] = []
     stopped = False
     t_first = 0.0
-    with torch.inference_mode(), layer_visibility(model, _visibility(kv, present, mode)):
+    with torch.inference_mode(), _opened(model, kv, present, mode) as (cache, pos):
+        t_inject = time.perf_counter() - t0
         while len(tokens) < max_new_tokens:
             input_ids = torch.tensor([feed], dtype=torch.long)
             positions = torch.arange(pos, pos + len(feed), dtype=torch.long)[None]

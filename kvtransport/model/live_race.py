@@ -3,12 +3,14 @@
 ::
 
     import kvtransport
+    from kvtransport.model import hf
     from kvtransport.model.cache_builder import ComputeSpeed
 
     speed = ComputeSpeed.measure(model, some_context_ids)   # once, at start-up
     with kvtransport.Receiver(listen="0.0.0.0:9400") as rx:  # bound; receives in a thread
         res = rx.race(model, context_ids, speed=speed)       # when the handoff is announced
     res.kv                                                   # the whole cache (a KVCache)
+    hf.greedy_generate(model, res.model_cache, question_ids) # answered from the cache built
 
 :meth:`kvtransport.embed.inprocess.Receiver.race` (or
 :func:`kvtransport.embed.inprocess.race_receive`, which binds, races and closes) runs the decision

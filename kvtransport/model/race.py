@@ -103,6 +103,9 @@ class RaceStep:
 class RaceResult:
     """The whole cache and how it was made.
 
+    kv: the cache as numpy (a copy); model_cache: the model cache the race built (a
+    transformers ``DynamicCache``), to answer from as it is
+    (kvtransport.model.hf.greedy_generate takes either; asking leaves it as it was).
     seconds: race clock when the last token was in place (from the transfer's start).
     computed / loaded: tokens computed by the receiver / loaded from the link.
     """
@@ -113,6 +116,7 @@ class RaceResult:
     loaded: int
     waited_s: float
     steps: list[RaceStep] = field(default_factory=list)
+    model_cache: Any = None
 
     @property
     def recomputed(self) -> int:
@@ -378,7 +382,7 @@ def race(
     computed = sum(s.tokens for s in steps if s.action == "compute")
     waited = sum(s.t1 - s.t0 for s in steps if s.action == "wait")
     seconds = src.now()  # the last token is in place (the numpy copy is the caller's)
-    return RaceResult(b.kv(), seconds, computed, n - computed, waited, steps)
+    return RaceResult(b.kv(), seconds, computed, n - computed, waited, steps, b.model_cache)
 
 
 def complete_missing(

@@ -1,16 +1,19 @@
 """Discrete-event simulator: the real sessions over userspace channels, on a virtual clock.
 
-Nothing here models the protocol: :class:`Simulation` moves the datagrams of a real
-:class:`~kvtransport.core.sender.SenderSession` through a data-path channel and those of a real
-:class:`~kvtransport.core.receiver.ReceiverSession` back through a feedback-path channel
-(kvtransport.netem: loss, rate limit with queue, delay, jitter), firing each session's
-timers at the virtual times they ask for. Simulation results are results of the real code.
+Nothing here models the protocol: :class:`Simulation` runs the daemons' own sans-I/O hosts,
+a :class:`~kvtransport.hosts.sender_host.SenderHost` with the one transfer alone on its link
+(so it paces at the link rate) and a :class:`~kvtransport.hosts.receiver_host.ReceiverHost`,
+and moves their datagrams through a data-path channel and a feedback-path channel
+(kvtransport.netem: loss, rate limit with queue, delay, jitter), firing their timers at the
+virtual times they ask for. Simulation results are results of the real code.
 
-The two sessions are endpoints of a kvtransport.sim.virtual_clock.VirtualClockLoop, the event
-loop every virtual-clock shell shares (the sender as a bare session: no host's link
-planning): ties go to deliveries first, then the sender's timer, then the receiver's.
-Both sessions share the virtual clock, so the receiver is given the exact deadline and
-``utility_recovered`` is what it had decoded *at* the deadline.
+The two hosts are endpoints of a kvtransport.sim.virtual_clock.VirtualClockLoop, the event
+loop every virtual-clock shell shares: ties go to deliveries first, then the sender's
+timer, then the receiver's. The sender releases datagrams on their slots (no burst lead).
+Both hosts share the virtual clock, so the receiver's session is opened at the start with
+the exact deadline (``ReceiverHost.expect``) and ``utility_recovered`` is what it had
+decoded *at* the deadline. ``prior_loss`` reaches the sender as the sender daemon's memory
+of the receiver's path does (``SenderHost.submit``).
 
 Step mode for the Gymnasium environment: build the episode with :func:`make_simulation`
 and ``policy=ExternalPolicy()``; the sender then pauses at each decision,
@@ -37,19 +40,17 @@ from kvtransport.core.receiver import ReceiverSession
 from kvtransport.core.sender import SenderSession
 from kvtransport.core.transfer import Transfer, synthetic_transfer
 from kvtransport.core.wire import full_send_time, link_bytes
+from kvtransport.hosts.receiver_host import DEFAULT_MAX_BYTES, Incoming, ReceiverHost
+from kvtransport.hosts.sender_host import SenderHost
 from kvtransport.netem import Channel, Profile, load_profile, make_channel
-from kvtransport.sim.virtual_clock import (
-    ReceiverSessionEndpoint,
-    SenderSessionEndpoint,
-    VirtualClockLoop,
-)
+from kvtransport.sim.virtual_clock import VirtualClockLoop
 
 DEFAULT_SIZE_BYTES = 10_000_000
 DEFAULT_BLOCK_BYTES = 12_288
 """One SmolLM2 block (one layer, 16 tokens, K and V, fp16, 3 kv heads x 64) is 12 KiB."""
 SENDER_ADDR = "sender"
 RECEIVER_ADDR = "receiver"
-"""The two sessions' addresses on the simulation's loop."""
+"""The two hosts' addresses on the simulation's loop."""
 
 
 @dataclass
@@ -95,7 +96,10 @@ class Simulation:
     """One transfer between a real sender and a real receiver over two channels.
 
     ``trace``: a list that receives the loop's record of every call and datagram
-    (kvtransport.sim.virtual_clock; the sender is endpoint 0, the receiver endpoint 1).
+    (kvtransport.sim.virtual_clock; the sender host is endpoint 0, the receiver host
+    endpoint 1). ``sender`` / ``receiver``: the transfer's sessions in the two hosts
+    (``sender_host`` / ``receiver_host``); ``transfer``: what is sent (the sender host
+    releases its session's payload when the session is done).
     """
 
     def __init__(
@@ -118,23 +122,31 @@ class Simulation:
         self.data_channel = data_channel
         self.feedback_channel = feedback_channel
         self.deadline = deadline
+        self.transfer = transfer
+        self.transfer_id = transfer_id
+        self.key = key
         if hasattr(policy, "bind_channel"):
             policy.bind_channel(data_channel)
-        self.sender = SenderSession(
+        self.sender_host = SenderHost(
+            rate_bps=rate_bps, key=key, symbol_size=symbol_size, burst_s=0.0, max_transfers=1
+        )
+        self.sender: SenderSession = self.sender_host.submit(
             transfer,
-            policy,
-            rate_bps=rate_bps,
-            deadline=deadline,
+            RECEIVER_ADDR,
             now=0.0,
+            deadline_s=deadline,
+            policy=policy,
             transfer_id=transfer_id,
-            key=key,
-            symbol_size=symbol_size,
             initial_rtt=initial_rtt,
             prior_loss=prior_loss,
-        )
+        ).session
         if hasattr(policy, "bind_sender"):
             policy.bind_sender(self.sender)
-        receiver = ReceiverSession(transfer_id, key=key, now=0.0, deadline=deadline)
+        self.receiver_host = self._receiver_host()
+        self._incoming: Incoming | None = self.receiver_host.expect(
+            transfer_id, SENDER_ADDR, 0.0, deadline
+        )
+        self._restarted = False
         self.record = record
         self.meta: dict[str, Any] = {}
         self._decisions_seen = 0
@@ -151,25 +163,43 @@ class Simulation:
                 "owed",
             )
         }
-        # the two sessions on the virtual-clock loop: the sender's timer goes first on a
+        # the two hosts on the virtual-clock loop: the sender's timer goes first on a
         # tie, data through the data channel, feedback through the feedback channel
         self.loop = VirtualClockLoop(trace)
-        self._tx = SenderSessionEndpoint(self.sender, RECEIVER_ADDR)
-        self._rx = ReceiverSessionEndpoint(receiver, SENDER_ADDR)
         self._tx_i = self.loop.add(
-            self._tx, SENDER_ADDR, rank=1, channel=data_channel, after=self._after_sender
+            self.sender_host, SENDER_ADDR, rank=1, channel=data_channel, after=self._after_sender
         )
-        self._rx_i = self.loop.add(self._rx, RECEIVER_ADDR, rank=2, channel=feedback_channel)
+        self._rx_i = self.loop.add(
+            self.receiver_host,
+            RECEIVER_ADDR,
+            rank=2,
+            channel=feedback_channel,
+            after=self._after_receiver,
+        )
+
+    def _receiver_host(self) -> ReceiverHost:
+        return ReceiverHost(key=self.key, max_bytes=max(self.transfer.nbytes, DEFAULT_MAX_BYTES))
 
     @property
     def receiver(self) -> ReceiverSession:
-        """The receiving session (a script may replace it mid-run, as a restart)."""
-        return self._rx.session
+        """The receiving session (after :meth:`restart_receiver`, the new host's once the
+        next datagram opened it; the old one's until then)."""
+        assert self._incoming is not None  # the first host's is opened at the start
+        return self._incoming.session
 
-    @receiver.setter
-    def receiver(self, session: ReceiverSession) -> None:
-        self._rx.session = session
-        self.loop.touch(self._rx_i)
+    def restart_receiver(self) -> None:
+        """The receiving endpoint restarts now: a fresh host with no state takes its
+        place (as a restarted receiver daemon: the transfer's session opens at its next
+        datagram, with the manifest's deadline counted from there)."""
+        self.receiver_host = self._receiver_host()
+        self._restarted = True
+        self.loop.replace(self._rx_i, self.receiver_host)
+
+    def _after_receiver(self, t: float) -> None:
+        if self._restarted:
+            inc = self.receiver_host.get(self.transfer_id)
+            if inc is not None:
+                self._incoming, self._restarted = inc, False
 
     @property
     def now(self) -> float:
@@ -208,7 +238,7 @@ class Simulation:
         s = self.sender
         if s.awaiting_action:
             return True
-        return self._rx.session.finished and (s.done or not self.loop.in_flight)
+        return self.receiver.finished and (s.done or not self.loop.in_flight)
 
     def run_until_decision(self, until: float = math.inf) -> bool:
         """Advance until the sender awaits an action (True) or the transfer is over (False)."""
@@ -231,8 +261,7 @@ class Simulation:
         s, r = self.sender, self.receiver
         res = r.result
         meta = self.meta
-        transfer = s.transfer
-        assert transfer is not None  # the simulation never releases its sender
+        transfer = self.transfer
         n_blocks = len(transfer.blocks)
         data_ch, fb_ch = self.data_channel, self.feedback_channel
         return SimResult(

@@ -11,8 +11,8 @@ hosts (kvtransport.hosts.sender_host.SenderHost, kvtransport.hosts.receiver_host
 - ``datagrams_to_send(now) -> [(datagrams, address), ...]``.
 
 A bare session takes that shape through :class:`SenderSessionEndpoint` /
-:class:`ReceiverSessionEndpoint` (the single-transfer simulator's sender paces its one
-session itself, without a host's link planning, and its receiver knows the deadline).
+:class:`ReceiverSessionEndpoint` (the emulated link's sender process and the session
+tests; the simulators run the hosts).
 
 The loop's contract, which every virtual-clock shell therefore shares:
 
@@ -203,6 +203,14 @@ class VirtualClockLoop:
     def touch(self, i: int) -> None:
         """Endpoint ``i`` was called from outside in a way that may move its timer and
         sent nothing (an action applied, a session replaced): re-read its timer."""
+        self._arm(i, self.now)
+
+    def replace(self, i: int, endpoint: Endpoint) -> None:
+        """Endpoint ``i`` is now ``endpoint`` (at the same address, rank and channel; a
+        restarted endpoint): its timer is read anew."""
+        slot = self._slots[i]
+        slot.endpoint = endpoint
+        slot.armed = None
         self._arm(i, self.now)
 
     def take_outbox(self) -> list[tuple[float, bytes, Address]]:
