@@ -9,10 +9,17 @@ fallback's cost. A second table measures how concentrated what goes missing is: 
 of context tokens the receiver must recompute when the last 10 % of a stream's blocks is
 lost, in utility order (today's scatter) against prefix order.
 
+With ``--orders position,back`` every seed runs once per stream order of the plan
+(kvtransport.model.plan.ORDERS), one after the other, and the table adds the paired ratio of
+each order's speed-up to the first order's (per seed, then the median). A configuration
+``TOKENS@RATE>LINK`` plans for RATE Mbit/s while the link carries LINK Mbit/s (a link
+worse than planned), e.g. ``512@100>60``.
+
 Writes handoff.json and handoff.md into --out (default results/eval_handoff).
 
     .venv/bin/python scripts/eval_handoff.py                      # the three configurations
     .venv/bin/python scripts/eval_handoff.py --configs 512@100 --seeds 1-2   # a quick look
+    .venv/bin/python scripts/eval_handoff.py --configs 512@100,512@100>60 --orders position,back
 """
 
 from __future__ import annotations
@@ -30,6 +37,16 @@ CONFIGS = {"512@100": (512, 100.0), "2048@100": (2048, 100.0), "2048@1000": (204
 SCHEMES = ("no FEC", "RLC 4/32", "adaptive", "DDQN")
 
 
+def parse_config(name: str) -> tuple[int, float, float | None]:
+    """(tokens, planned rate, the link's rate or None) of ``TOKENS@RATE[>LINK]``: a named
+    configuration of CONFIGS or any such spec. Raises ValueError otherwise."""
+    head, _, link = name.partition(">")
+    if head in CONFIGS and not link:
+        return (*CONFIGS[head], None)
+    tokens, _, rate = head.partition("@")
+    return int(tokens), float(rate), float(link) if link else None
+
+
 def parse_seeds(text: str) -> list[int]:
     """Seeds from "1-8" (a range, both ends) or "1,3,5"."""
     if "-" in text:
@@ -45,23 +62,29 @@ def run(
     objective: str,
     loaded: object,
     repeats: int = 1,
+    orders: tuple[str, ...] = ("position",),
+    schemes: tuple[str, ...] = SCHEMES,
 ) -> dict:
     from kvtransport.demo.run import DemoConfig, run_demo
 
     out: dict = {"budget": budget, "objective": objective, "seeds": seeds,
-                 "repeats": repeats, "configs": {}}  # fmt: skip
+                 "repeats": repeats, "orders": list(orders), "configs": {}}  # fmt: skip
     for name in configs:
-        tokens, rate = CONFIGS[name]
+        tokens, rate, link_rate = parse_config(name)
         runs = []
-        for seed in seeds:
+        for seed, order in ((s, o) for s in seeds for o in orders):
             t0 = time.perf_counter()
+            if order == orders[0]:  # one measured speed for the seed: the orders' plans
+                speed = _speed(loaded, tokens, seed) if len(orders) > 1 else None
             cfg = DemoConfig(tokens=tokens, rate_mbps=rate, seed=seed, budget=budget,
                              objective=objective, link="emulated", progress=False,
-                             schemes=SCHEMES, repeats=repeats)  # fmt: skip
+                             schemes=schemes, repeats=repeats, order=order,
+                             link_rate_mbps=link_rate, compute_speed=speed)  # fmt: skip
             rep = run_demo(cfg, loaded=loaded)
             rows = [*rep.schemes, rep.link_down]
             runs.append({
                 "seed": seed,
+                "order": order,
                 "context_tokens": rep.cache["context_tokens"],
                 "reprefill_ttft_s": rep.reprefill["ttft_s"],
                 "budget_s": rep.budget_s,
@@ -71,12 +94,28 @@ def run(
                                    "computed": r.computed_tokens, "utility": r.utility}
                          for r in rows if r.ttft_s is not None},
             })  # fmt: skip
-            print(f"{name} seed {seed}: " + ", ".join(
+            print(f"{name} seed {seed} {order}: " + ", ".join(
                 f"{k} {v['speedup']:.2f}x {v['matches']}/{v['questions']}"
                 for k, v in runs[-1]["rows"].items()) + f" ({time.perf_counter() - t0:.0f} s)",
                 file=sys.stderr, flush=True)  # fmt: skip
-        out["configs"][name] = {"tokens": tokens, "rate_mbps": rate, "runs": runs}
+        out["configs"][name] = {"tokens": tokens, "rate_mbps": rate,
+                                "link_rate_mbps": link_rate, "runs": runs}  # fmt: skip
     return out
+
+
+def _speed(loaded: object, tokens: int, seed: int) -> tuple[float, float]:
+    """The receiver's compute speed on the seed's context, measured once, so that the
+    orders compared on a seed plan with the same speed (a measurement on a shared
+    machine varies enough to move the split)."""
+    from kvtransport.demo.demo_report import DemoConfig
+    from kvtransport.model import tasks
+    from kvtransport.model.cache_builder import ComputeSpeed
+
+    tok = loaded.tokenizer  # type: ignore[attr-defined]
+    sample = tasks.generate(DemoConfig.task, tok, target_tokens=tokens, seed=seed)
+    ctx, _ = sample.prompt(tok)
+    s = ComputeSpeed.measure(loaded.model, ctx)  # type: ignore[attr-defined]
+    return s.per_call_s, s.per_token_s
 
 
 def concentration(loaded: object, tokens: int = 512, seed: int = 1) -> dict:
@@ -145,6 +184,7 @@ def render_fallback(rows: list[dict]) -> str:
 
 
 def render(doc: dict) -> str:
+    orders = doc.get("orders", ["position"])
     lines = [
         f"TTFT budget {doc['budget']:g} of the receiver's re-prefill estimate, plan objective "
         f"{doc.get('objective', 'fidelity')}; emulated "
@@ -156,23 +196,34 @@ def render(doc: dict) -> str:
             else ""
         ),
         "",
-        "| context | link | scheme | speed-up median [min, max] | answers = full cache: "
+        "| context | link | order | scheme | speed-up median [min, max] | "
+        f"vs {orders[0]}: paired ratio median [min, max] | answers = full cache: "
         "worst seed, mean | tokens computed (mean) |",
-        "|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for _name, c in doc["configs"].items():
         labels = list(c["runs"][0]["rows"])
-        for label in labels:
-            sp = [r["rows"][label]["speedup"] for r in c["runs"]]
-            mt = [r["rows"][label]["matches"] for r in c["runs"]]
-            q = c["runs"][0]["rows"][label]["questions"]
-            comp = statistics.mean(r["rows"][label]["computed"] for r in c["runs"])
-            ntok = statistics.mean(r["context_tokens"] for r in c["runs"])
-            lines.append(
-                f"| {ntok:.0f} tok | {c['rate_mbps']:g} Mbit/s | {label} | "
-                f"{statistics.median(sp):.2f}x [{min(sp):.2f}, {max(sp):.2f}] | "
-                f"{min(mt)}/{q}, {statistics.mean(mt):.1f} | {comp:.0f} |"
-            )
+        link = f"{c['rate_mbps']:g} Mbit/s"
+        if c.get("link_rate_mbps"):
+            link = f"planned {link}, carries {c['link_rate_mbps']:g}"
+        by_order = {o: [r for r in c["runs"] if r.get("order", "position") == o] for o in orders}
+        first = {r["seed"]: r for r in by_order[orders[0]]}
+        for order, runs in by_order.items():
+            for label in labels:
+                sp = [r["rows"][label]["speedup"] for r in runs]
+                mt = [r["rows"][label]["matches"] for r in runs]
+                q = runs[0]["rows"][label]["questions"]
+                comp = statistics.mean(r["rows"][label]["computed"] for r in runs)
+                ntok = statistics.mean(r["context_tokens"] for r in runs)
+                pair = [r["rows"][label]["speedup"] / first[r["seed"]]["rows"][label]["speedup"]
+                        for r in runs if r["seed"] in first]  # fmt: skip
+                paired = (f"{statistics.median(pair):.3f} [{min(pair):.3f}, {max(pair):.3f}]"
+                          if pair and order != orders[0] else "-")  # fmt: skip
+                lines.append(
+                    f"| {ntok:.0f} tok | {link} | {order} | {label} | "
+                    f"{statistics.median(sp):.2f}x [{min(sp):.2f}, {max(sp):.2f}] | {paired} | "
+                    f"{min(mt)}/{q}, {statistics.mean(mt):.1f} | {comp:.0f} |"
+                )
     conc = doc.get("concentration")
     if conc:
         lines += [
@@ -188,7 +239,14 @@ def render(doc: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--configs", default=",".join(CONFIGS), help="of " + ", ".join(CONFIGS))
+    p.add_argument("--configs", default=",".join(CONFIGS),
+                   help="of " + ", ".join(CONFIGS) + ", or TOKENS@RATE[>LINK]")  # fmt: skip
+    p.add_argument(
+        "--orders",
+        default="position",
+        help="the plan's stream orders, each run per seed (e.g. position,back)",
+    )
+    p.add_argument("--schemes", default=",".join(SCHEMES), help="of " + ", ".join(SCHEMES))
     p.add_argument("--seeds", default="1-8", help="e.g. 1-8 or 1,3")
     p.add_argument("--budget", type=float, default=None, help="TTFT budget share (demo default)")
     from kvtransport.model.plan import OBJECTIVES
@@ -207,9 +265,19 @@ def main(argv: list[str] | None = None) -> int:
                    "--fallback (default 5)")  # fmt: skip
     args = p.parse_args(argv)
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    bad = [c for c in configs if c not in CONFIGS]
-    if bad:
-        p.error(f"unknown configuration {bad[0]!r}; one of {', '.join(CONFIGS)}")
+    for c in configs:
+        try:
+            parse_config(c)
+        except ValueError:
+            p.error(f"unknown configuration {c!r}; one of {', '.join(CONFIGS)} or TOKENS@RATE")
+    from kvtransport.model.plan import ORDERS
+
+    orders = tuple(o.strip() for o in args.orders.split(",") if o.strip())
+    if not orders or set(orders) - set(ORDERS):
+        p.error(f"--orders must list names from {', '.join(ORDERS)}, not {args.orders!r}")
+    schemes = tuple(x.strip() for x in args.schemes.split(",") if x.strip())
+    if not schemes or set(schemes) - set(SCHEMES):
+        p.error(f"--schemes must list labels from {', '.join(SCHEMES)}, not {args.schemes!r}")
     try:
         seeds = parse_seeds(args.seeds)
     except ValueError:
@@ -227,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
         print(render_fallback(rows))
         return 0
     doc = run(configs, seeds, args.budget or DEFAULT_BUDGET,
-              args.objective or DEFAULT_OBJECTIVE, loaded, args.repeats or 3)  # fmt: skip
+              args.objective or DEFAULT_OBJECTIVE, loaded, args.repeats or 3,
+              orders, schemes)  # fmt: skip
     doc["concentration"] = concentration(loaded)
     (out / "handoff.json").write_text(json.dumps(doc, indent=1))
     (out / "handoff.md").write_text(render(doc))

@@ -146,6 +146,7 @@ def test_bad_arguments_give_one_line_errors():
         (["--budget", "0"], "--budget must be in (0, 1]"),
         (["--threads", "0"], "--threads must be at least 1"),
         (["--questions", "0"], "--questions must be 1..10"),
+        (["--link-rate-mbps", "0.5"], "--link-rate-mbps must be in [1, 10000]"),
     ]
     for extra, message in cases:
         proc = subprocess.run(

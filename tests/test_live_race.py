@@ -39,10 +39,14 @@ def setup(smollm):
     t0 = time.perf_counter()
     CacheBuilder(smollm.model, ctx).compute(len(ctx))
     prefill_s = time.perf_counter() - t0
-    link = LinkEstimate(RATE_MBPS * 1e6, 0.0, 0.0005, 1280)
-    plan, stream = planned_stream(card.encode_cache(kv), link=link, budget_s=prefill_s,
-                                  speed=PLAN_SPEED, objective="ttft")  # fmt: skip
+    plan, stream = _planned(kv, prefill_s, "position")
     return ctx, kv, speed, prefill_s, plan, stream
+
+
+def _planned(kv, budget_s, order):
+    link = LinkEstimate(RATE_MBPS * 1e6, 0.0, 0.0005, 1280)
+    return planned_stream(card.encode_cache(kv), link=link, budget_s=budget_s,
+                          speed=PLAN_SPEED, objective="ttft", order=order)  # fmt: skip
 
 
 def _send(stream, to, ready, go, kwargs):
@@ -92,8 +96,13 @@ def _err(a, b, lo=0, hi=None):
                      np.abs(a.values[:, :, sl] - b.values[:, :, sl]).max()))  # fmt: skip
 
 
-def test_live_race_loads_what_arrives_and_computes_the_rest(smollm, setup):
+@pytest.mark.parametrize("order", ["position", "back"])
+def test_live_race_loads_what_arrives_and_computes_the_rest(smollm, setup, order):
+    """Either stream order (back: the last token range first, ranges arriving ahead of
+    the race's frontier until it reaches them)."""
     ctx, kv, speed, prefill_s, plan, stream = setup
+    if order != "position":
+        plan, stream = _planned(kv, prefill_s, order)
     assert 0 < plan.split < len(ctx)  # the plan leaves the receiver a prefix
     sent = blocks.decode_stream(stream.manifest, stream.payload).cache  # what the link carries
     with kvtransport.Receiver("127.0.0.1:0", insecure=True) as rx:

@@ -192,3 +192,42 @@ def test_an_unreachable_floor_keeps_every_sent_block_at_the_best_level():
 def test_a_floor_outside_0_1_is_refused():
     with pytest.raises(ValueError, match="min_fidelity"):
         plan_handoff(GEOM, _utilities(), link=LINK, speed=SPEED, budget_s=1.0, min_fidelity=1.5)
+
+
+def test_the_back_order_is_what_the_sender_sends_and_what_the_plan_expects():
+    """order="back": the planned stream holds the token ranges after the split, the last
+    range first, every layer of a range together; the expected arrivals follow it (the
+    last range first, the split's range when the whole payload has crossed)."""
+    from kvtransport.model.plan import planned_stream
+    from kvtransport.model.race import stream_rank
+
+    rng = np.random.default_rng(0)
+    g = blocks.Geometry(num_layers=4, num_kv_heads=2, num_tokens=100, head_dim=32)
+    shape = (g.num_layers, g.num_kv_heads, g.num_tokens, g.head_dim)
+    kv = KVCache(rng.normal(size=shape).astype(np.float32),
+                 rng.normal(size=shape).astype(np.float32), np.arange(100), "m")  # fmt: skip
+    u = rng.random((g.num_layers, g.token_blocks))
+    card = blocks.encode_stream(kv, u, utility.stream_order(u, g.block_tokens))
+    link = LinkEstimate(rate_bps=10e6, loss=0.0, one_way_s=0.001, symbol_size=1280)
+    front, _ = planned_stream(card, link=link, budget_s=0.08, speed=SPEED)
+    plan, s = planned_stream(card, link=link, budget_s=0.08, speed=SPEED, order="back")
+    assert plan.order == "back" and s.payload.size == plan.payload_bytes
+    k = plan.split // g.block_tokens
+    assert 0 < k < g.token_blocks - 1
+    tb = s.manifest.token_block.astype(int)
+    # whole ranges, last first, each range's layers back to back, the prefix not sent
+    assert tb.tolist() == [r for r in range(g.token_blocks - 1, k - 1, -1)
+                           for _ in range(g.num_layers)]  # fmt: skip
+    rank = stream_rank(s.manifest)
+    assert np.all(np.diff(rank[k:]) < 0) and np.all(rank[:k] == -1)
+    assert np.all(np.isinf(plan.expect_at[:k]))
+    assert np.all(np.diff(plan.expect_at[k:]) < 0)  # the last range is due first
+    assert plan.expect_at[k] == pytest.approx(plan.link_s)
+    # the order only moves the expected arrivals: split, precision and bytes are the same
+    assert front.split == plan.split and np.array_equal(front.precision, plan.precision)
+    assert front.expect_at[-1] == pytest.approx(plan.expect_at[k])
+
+
+def test_an_unknown_order_is_refused():
+    with pytest.raises(ValueError, match="order must be one of position, back"):
+        plan_handoff(GEOM, _utilities(), link=LINK, speed=SPEED, budget_s=1.0, order="middle")

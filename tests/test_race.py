@@ -12,7 +12,7 @@ import pytest
 from kvtransport.model import blocks, hf, tasks, utility
 from kvtransport.model.cache_builder import CacheBuilder, ComputeSpeed
 from kvtransport.model.kvcache import KVCache
-from kvtransport.model.race import LinkView, range_ready_at, run_race
+from kvtransport.model.race import LinkView, ReplayArrivals, range_ready_at, run_race, stream_rank
 
 pytestmark = pytest.mark.model
 BT = 16
@@ -250,3 +250,122 @@ def test_after_the_deadline_the_cheaper_way_to_the_end(smollm, context):
                    block_tokens=BT)  # fmt: skip
     assert res.loaded == sum(min(BT, len(ctx) - r * BT) for r in range(0, ranges, 2))
     assert _err(res.kv, kv) < TOL
+
+
+def _stream(kv, order, split_ranges):
+    """The cache as fp32 blocks in ``order``, without the receiver's first ranges."""
+    g = blocks.Geometry.of(kv, BT)
+    u = np.ones((g.num_layers, g.token_blocks))
+    precision = np.full(u.shape, blocks.PRECISIONS.index("fp32"))
+    precision[:, :split_ranges] = -1
+    return blocks.encode_stream(kv, u, utility.stream_order(u, BT, order), precision,
+                                block_tokens=BT)  # fmt: skip
+
+
+def _timeline(m, spacing_s):
+    """Per token range: when it arrives if the link delivers one range every ``spacing_s``
+    in the stream's order (inf: not sent), and the plan's view of that link."""
+    rank = stream_rank(m)
+    sent = rank >= 0
+    seq = np.argsort(np.where(sent, rank, np.iinfo(np.int64).max), kind="stable")
+    at = np.full(rank.size, np.inf)
+    at[seq[: sent.sum()]] = spacing_s * np.arange(1, sent.sum() + 1)
+    return at
+
+
+class _ModelledClock(ReplayArrivals):
+    """The replay with work costing what SPEED says of it (a load costs nothing), so that
+    where the race meets the link does not depend on this machine's load. The work itself
+    is real: the cache is built by the model."""
+
+    costs: list = []
+
+    def run(self, fn):
+        t0 = self._clock
+        fn()
+        self._clock = t0 + _ModelledClock.costs.pop()
+        return t0, self._clock
+
+
+class _CostedBuilder(CacheBuilder):
+    def compute(self, n):
+        super().compute(n)
+        _ModelledClock.costs.append(float(SPEED.seconds(n)))
+
+    def load(self, keys, values):
+        super().load(keys, values)
+        _ModelledClock.costs.append(0.0)
+
+
+def _modelled_race(monkeypatch, smollm, ctx, m, payload, ready, planned, split):
+    from kvtransport.model import race as race_mod
+
+    monkeypatch.setattr(race_mod, "CacheBuilder", _CostedBuilder)
+    link = LinkView(planned, np.where(np.isfinite(planned), RANGE_BYTES, 0), 10.0,
+                    rank=stream_rank(m))  # fmt: skip
+    src = _ModelledClock(ready, (blocks.RangeDecoder(m), payload), link)
+    return race_mod.race(smollm.model, ctx, src, split=split, speed=SPEED, block_tokens=BT)
+
+
+def test_back_first_arrivals_build_the_exact_cache_and_a_lost_range_is_recomputed(smollm, context):
+    """The sender streams from the back: ranges arrive last first, ahead of the receiver's
+    frontier; the race keeps them until its frontier reaches them, recomputes a range lost
+    on the way at its own positions, and the cache equals a full prefill."""
+    ctx, _, kv = context
+    ranges = -(-len(ctx) // BT)
+    s = _stream(kv, "back", 2)
+    ready = range_ready_at(s.manifest, np.zeros(s.manifest.num_blocks))
+    assert np.all(np.isinf(ready[:2])) and np.all(ready[2:] == 0)
+    lost = ranges - 3
+    ready[lost] = np.inf  # lost beyond repair; what arrived after it is in place
+    payload = s.payload.copy()
+    for i in np.flatnonzero(s.manifest.token_block == lost):  # garbage that must not load
+        payload[s.manifest.offset[i] : s.manifest.offset[i] + s.manifest.length[i]] = 7
+    planned = _timeline(s.manifest, 0.001)
+    res = run_race(smollm.model, ctx, split=2 * BT, received=(blocks.RangeDecoder(s.manifest),
+                   payload), ready_at=ready, link=LinkView(planned, np.where(
+                   np.isfinite(planned), RANGE_BYTES, 0), 0.01, rank=stream_rank(s.manifest)),
+                   speed=SPEED, block_tokens=BT)  # fmt: skip
+    assert _err(res.kv, kv) < TOL  # fp32 blocks load exactly, the rest computed exactly
+    computed = [s.start // BT for s in res.steps if s.action == "compute"]
+    assert computed == [0, lost] and res.recomputed == BT
+    assert res.loaded == len(ctx) - 3 * BT
+
+
+def test_a_slow_link_moves_the_meeting_point_back(monkeypatch, smollm, context):
+    """Planned: the link brings every sent range (back first) while the receiver computes
+    its prefix. Four times slower: the receiver computes on from the front, the link fills
+    the cache from the back, and they meet in between: the receiver computes more, never
+    a range that had arrived, and loads only ranges that arrived before its frontier
+    reached them; it finishes sooner than the same slow link sending front first, where the
+    receiver can only wait for the link's frontier (computing a range costs more than
+    waiting for it)."""
+    ctx, _, kv = context
+    ranges = -(-len(ctx) // BT)
+    split = 2
+    prefix_s = float(SPEED.seconds(split * BT))
+    spacing = prefix_s / (ranges - split)  # planned: the link is done with the prefix
+    results = {}
+    for order in ("back", "position"):
+        s = _stream(kv, order, split)
+        planned = _timeline(s.manifest, spacing)
+        for slow in (1, 4):
+            ready = _timeline(s.manifest, spacing * slow)
+            res = _modelled_race(monkeypatch, smollm, ctx, s.manifest, s.payload, ready,
+                                 planned, split * BT)  # fmt: skip
+            assert _err(res.kv, kv) < TOL
+            results[order, slow] = res, ready
+    nominal, _ = results["back", 1]
+    assert nominal.computed == split * BT  # as planned: the prefix, then all loaded
+    res, ready = results["back", 4]
+    assert res.computed > split * BT + BT  # the meeting point moved back
+    computed = [(s.start // BT, s.t0) for s in res.steps if s.action == "compute"]
+    loaded = [(s.start // BT, s.tokens, s.t0) for s in res.steps if s.action == "load"]
+    assert loaded and max(r for r, _ in computed) < min(r for r, _, _ in loaded)
+    for r, t0 in computed[1:]:
+        assert ready[r] > t0  # never computed a range already there
+    for r, n, t0 in loaded:
+        assert np.all(ready[r : r + -(-n // BT)] <= t0)
+    front, _ = results["position", 4]
+    assert front.computed == split * BT  # front first: it can only wait for the link
+    assert res.seconds < 0.8 * front.seconds

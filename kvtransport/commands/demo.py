@@ -110,6 +110,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "fidelity: the plan spends the budget on precision (more fp16)",
     )  # fmt: skip
     parser.add_argument(
+        "--order", choices=("position", "back"), default=None,
+        help="the stream's token ranges front first (position, the default) or the last "
+        "first (back: the link fills the cache from the end while the receiver computes "
+        "from the front)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--link-rate-mbps", type=float, default=None, metavar="MBPS",
+        help="the rate the link really carries when the plan assumes another (--rate-mbps): "
+        "a link worse than planned",
+    )  # fmt: skip
+    parser.add_argument(
         "--threads",
         type=int,
         default=1,
@@ -171,6 +182,10 @@ def run(args: argparse.Namespace) -> int:
         overrides["compute_speed"] = _speed(args.compute_speed)
     if args.objective is not None:
         overrides["objective"] = args.objective
+    if args.order is not None:
+        overrides["order"] = args.order
+    if args.link_rate_mbps is not None:
+        overrides["link_rate_mbps"] = args.link_rate_mbps
     if args.precision is not None:
         overrides["precision"] = tuple(p.strip() for p in args.precision.split(",") if p.strip())
     cfg = DemoConfig(**{**base.__dict__, **overrides})

@@ -28,7 +28,8 @@ loss-free at the link rate. With --deadline-ms a card is planned for it (kvtrans
 each block goes as fp16, int8 or int4 (--precision; int4 only for the least useful blocks,
 down to an expected fidelity of 0.999), upgraded by utility while the bytes still
 cross in time at --rate-mbps and --loss-estimate, in prefix order (token ranges front first,
-so what the deadline cuts off is a tail the receiver recomputes cheaply); --precision keep
+so what the deadline cuts off is a tail the receiver recomputes cheaply; --order back sends
+the last range first, for a receiver computing from the front); --precision keep
 sends the card as it is, fp32 only when asked (--precision fp32). Both ends must use the
 same pre-shared key (--key-file, or the default key file ~/.config/kvtransport/key, made
 on first use: copy it to the peer host); --insecure on both ends runs without one.
@@ -78,6 +79,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "keep: as the card is; e.g. fp32)")  # fmt: skip
     p.add_argument("--loss-estimate", type=float_arg(0, 0.9), default=0.05, metavar="P",
                    help="loss share the plan assumes (default 0.05)")  # fmt: skip
+    p.add_argument("--order", choices=("position", "back"), default="position",
+                   help="card with --deadline-ms: token ranges front first (position, the "
+                   "default) or the last first (back)")  # fmt: skip
     p.add_argument("--policy", help="repair policy, as for simulate "
                    "(default: ddqn if its weights ship, else adaptive)")  # fmt: skip
     _common.add_key(p)
@@ -131,7 +135,7 @@ def _planned_card(args: argparse.Namespace) -> Transfer:
     )
     try:
         plan, planned = planned_stream(stream, link=link, budget_s=args.deadline_ms * 1e-3,
-                                       levels=levels)  # fmt: skip
+                                       levels=levels, order=args.order)  # fmt: skip
     except ValueError as exc:
         raise UserError(f"{args.card}: cannot plan this card ({exc})") from None
     if not args.json:

@@ -133,13 +133,15 @@ def plan_stream(
     question_tokens: int,
     levels: tuple[str, ...],
     objective: str = "fidelity",
+    order: str = "position",
 ) -> tuple[Any, Any, float]:
     """Plan the handoff (kvtransport.model.plan) for a TTFT budget and encode what it sends.
 
     The link's part of the budget is what is left after the receiver's own work once the
     cache is in place: rebuilding the received blocks (every block at the cheapest level,
     at REBUILD_BYTES_PER_S) and the question's forward pass. Returns (plan, the planned
-    stream, the link's budget in seconds).
+    stream, the link's budget in seconds). order: the stream order
+    (kvtransport.model.plan.ORDERS).
     """
     from kvtransport.core.protocol import DEFAULT_SYMBOL_SIZE
     from kvtransport.model.plan import LinkEstimate, planned_stream
@@ -155,5 +157,5 @@ def plan_stream(
     link_budget = max(budget_s - float(speed.seconds(question_tokens)) - rebuild_s, 1e-3)
     plan, planned = planned_stream(stream, link=link, budget_s=link_budget, speed=speed,
                                    levels=levels, token_ids=np.asarray(context_ids),
-                                   objective=objective)  # fmt: skip
+                                   objective=objective, order=order)  # fmt: skip
     return plan, planned, link_budget

@@ -36,6 +36,7 @@ DEFAULT_BUDGET = 0.3
 QUICK_BUDGET = 0.6
 DEFAULT_PRECISIONS = DEFAULT_LEVELS  # the plan's own default (kvtransport.model.plan)
 DEFAULT_OBJECTIVE = "ttft"
+DEFAULT_ORDER = "position"
 MAX_QUESTIONS = 10
 MAX_REPEATS = 20
 
@@ -53,6 +54,11 @@ class DemoConfig:
     objective: the plan's objective (kvtransport.model.plan.OBJECTIVES): ``ttft`` answers as soon
         as it can and treats the budget as a cap, ``fidelity`` spends the budget on
         precision.
+    order: the stream order of the plan (kvtransport.model.plan.ORDERS): ``position`` sends
+        the token ranges front first, ``back`` the last first, so that the receiver
+        computing from the front meets the link wherever the real speeds put them.
+    link_rate_mbps: the rate the link really carries when it is not the one the plan
+        assumes (``rate_mbps``): a link worse (or better) than planned; None: the same.
     compute_speed: (seconds per call, seconds per token) of the receiver's compute, used
         by the plan instead of measuring it (a fixed plan makes the emulated link's
         transfers repeat exactly).
@@ -73,6 +79,8 @@ class DemoConfig:
     rate_mbps: float | None = None
     precision: tuple[str, ...] = DEFAULT_PRECISIONS
     objective: str = DEFAULT_OBJECTIVE
+    order: str = DEFAULT_ORDER
+    link_rate_mbps: float | None = None
     compute_speed: tuple[float, float] | None = None
     schemes: tuple[str, ...] | None = None  # labels of SCHEMES to run (None: all)
     link: str = "auto"

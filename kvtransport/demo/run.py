@@ -205,7 +205,7 @@ def run_demo(cfg: DemoConfig, loaded: Any = None) -> DemoReport:
     timings: dict[str, float] = {}
     rows = _scheme_rows(cfg.schemes)
     policies = tuple(r.policy for r in rows if not r.error)
-    profile = link_profile(cfg.rate_mbps)
+    profile = link_profile(cfg.link_rate_mbps or cfg.rate_mbps)
     with open_link(link, cfg.seed, policies, fallback=cfg.link == "auto", profile=profile) as (
         lk,
         fell_back,
@@ -303,7 +303,7 @@ def _prepare(cfg: DemoConfig, loaded: Any, ui: _Progress, timings: dict[str, flo
     budget_s = cfg.budget * (speed.seconds(len(context_ids)) + speed.seconds(len(question_ids)))
     plan, planned, link_budget = plan_stream(stream, context_ids, profile, speed, budget_s,
                                              len(question_ids), cfg.precision,
-                                             cfg.objective)  # fmt: skip
+                                             cfg.objective, cfg.order)  # fmt: skip
     transfer = Transfer.from_encoded_stream(planned)
     # both links seal every datagram (a per-run key): a 16-byte tag each
     send_time = full_send_time(transfer.nbytes, profile.rate_bps, DEFAULT_SYMBOL_SIZE, True)
@@ -535,7 +535,7 @@ def _race(prep: _Prepared, out: LinkOutcome) -> tuple[Any, float]:
     checked and decoded range by range as the race loads them (kvtransport.model.blocks.
     RangeDecoder), on the race's clock, as a live receiver does."""
     from kvtransport.model import blocks
-    from kvtransport.model.race import LinkView, Received, range_ready_at, run_race
+    from kvtransport.model.race import LinkView, Received, range_ready_at, run_race, stream_rank
 
     t0 = time.perf_counter()
     received: Received | None = None
@@ -552,7 +552,9 @@ def _race(prep: _Prepared, out: LinkOutcome) -> tuple[Any, float]:
         ready_at = np.full_like(plan.expect_at, np.inf)
     race = run_race(
         prep.loaded.model, prep.context_ids, split=plan.split, received=received,
-        ready_at=ready_at, link=LinkView(plan.expect_at, plan.range_bytes, prep.deadline_s),
+        ready_at=ready_at,
+        link=LinkView(plan.expect_at, plan.range_bytes, prep.deadline_s,
+                      rank=stream_rank(prep.planned.manifest)),
         speed=prep.speed,
         block_tokens=prep.planned.manifest.geometry.block_tokens,
     )  # fmt: skip
@@ -649,6 +651,7 @@ def _plan_dict(prep: _Prepared, objective: str) -> dict[str, Any]:
     return {
         "text": p.describe(),
         "objective": objective,
+        "order": p.order,
         "split_tokens": p.split,
         "blocks": {PRECISIONS[int(c)]: int(n) for c, n in zip(codes, counts, strict=True)},
         "payload_bytes": p.payload_bytes,
@@ -669,8 +672,13 @@ def _check_config(cfg: DemoConfig) -> None:
         raise UserError(f"--tokens must be 32..{MAX_TOKENS}, not {cfg.tokens}")
     if not (cfg.budget > 0 and math.isfinite(cfg.budget)) or cfg.budget > 1:
         raise UserError(f"--budget must be in (0, 1], not {cfg.budget:g}")
-    if cfg.rate_mbps is not None and not (1 <= cfg.rate_mbps <= 10_000):
-        raise UserError(f"--rate-mbps must be in [1, 10000], not {cfg.rate_mbps:g}")
+    for name, rate in (("rate-mbps", cfg.rate_mbps), ("link-rate-mbps", cfg.link_rate_mbps)):
+        if rate is not None and not (1 <= rate <= 10_000):
+            raise UserError(f"--{name} must be in [1, 10000], not {rate:g}")
+    from kvtransport.model.plan import ORDERS
+
+    if cfg.order not in ORDERS:
+        raise UserError(f"--order must be one of {', '.join(ORDERS)}, not {cfg.order!r}")
     from kvtransport.model.blocks import PRECISIONS
 
     if not cfg.precision or any(p not in PRECISIONS for p in cfg.precision):

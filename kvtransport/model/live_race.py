@@ -61,6 +61,7 @@ from kvtransport.model.race import (
     RaceResult,
     race,
     range_ready_at,
+    stream_rank,
 )
 
 log = logging.getLogger("kvtransport.race")
@@ -208,17 +209,20 @@ class LiveArrivals:
                           for b in self._decoder.range_blocks])  # fmt: skip
         start = s.timings.get("first_packet", s.created) - self._t0
         deadline = start + tm.deadline_s if tm.deadline_s > 0 else np.inf
-        cum = np.cumsum(range_bytes)
+        rank = stream_rank(m)  # the bytes before a range follow the stream's order
+        seq = np.argsort(rank, kind="stable")
+        cum = np.empty(self.ranges)
+        cum[seq] = np.cumsum(range_bytes[seq])
         if self.rate_bps is not None:  # loss-free at the rate, as the plan's link time
             sz, rate = tm.symbol_size, self.rate_bps
             expect = start + np.array([full_send_time(int(c), rate, sz, True) for c in cum])
-        elif np.isfinite(deadline) and cum[-1] > 0:
-            expect = start + (deadline - start) * cum / cum[-1]
+        elif np.isfinite(deadline) and range_bytes.sum() > 0:
+            expect = start + (deadline - start) * cum / range_bytes.sum()
         else:
             expect = np.full(self.ranges, start + self._hello.expect_at[0])
         expect = np.where(sent, expect, np.inf)
         self._view = LinkView(expect, np.where(sent, range_bytes, 0), float(deadline),
-                              self.hole_wait_s, start)  # fmt: skip
+                              self.hole_wait_s, start, rank=rank)  # fmt: skip
         self._manifest = m
 
 

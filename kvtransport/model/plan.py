@@ -9,12 +9,16 @@ the receiver's measured compute speed (kvtransport.model.cache_builder.ComputeSp
   the cheapest level, and blocks are raised in utility order, first until the plan's
   expected fidelity reaches a floor (``min_fidelity``: int4 only where it costs little
   utility), then while the bytes still cross within the budget;
-- the **stream order**: token ranges front first, every layer of a range together (the
-  ``position`` order of kvtransport.model.utility), so that what the deadline cuts off or the
-  channel destroys sits in few token ranges at the tail, which the receiver recomputes
-  cheaply (kvtransport.model.race);
-- the planned arrival of every token range, which the receiver uses to decide between
-  waiting for a range and computing it.
+- the **stream order** (``order``, one of ORDERS): whole token ranges, every layer of a
+  range together, so that what the deadline cuts off or the channel destroys sits in few
+  token ranges, which the receiver recomputes cheaply (kvtransport.model.race). ``position``
+  sends them front first (the range after the split first); ``back`` sends the last range
+  first, so the receiver computing from the front and the link delivering from the back
+  meet wherever the real speeds put them: the split is the planned meeting point, a link
+  slower than planned moves it back (the receiver computes on past the split) and no link
+  time goes to ranges the receiver computes (those are the last the sender would send);
+- the planned arrival of every token range, in stream order, which the receiver uses to
+  decide between waiting for a range and computing it.
 
 Two objectives (``objective``), both over the expected answer fidelity: the
 utility-weighted share of the cache that the receiver holds exactly (computed) or at a
@@ -35,6 +39,7 @@ at the cheapest precision), both objectives give the split that finishes soonest
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -48,7 +53,7 @@ from kvtransport.model.blocks import (
     encode_stream,
 )
 from kvtransport.model.cache_builder import ComputeSpeed
-from kvtransport.model.utility import stream_order
+from kvtransport.model.utility import range_rank, stream_order
 
 DEFAULT_LEVELS = ("fp16", "int8", "int4")
 DEFAULT_MIN_FIDELITY = 0.999
@@ -63,6 +68,8 @@ not cover. Chosen by comparing planned with realized range arrivals on the emula
 ge-heavy link (docs/results.md, section 0): a larger margin plans a longer prefix for the
 receiver while the link idles at the end."""
 OBJECTIVES = ("fidelity", "ttft")
+ORDERS = ("position", "back")
+"""The stream orders a plan may send in (kvtransport.model.utility.stream_order modes)."""
 NO_RECEIVER_COMPUTE = ComputeSpeed(per_call_s=float("inf"), per_token_s=float("inf"))
 """A receiver that computes nothing itself: every plan with it has split 0."""
 
@@ -115,6 +122,7 @@ class HandoffPlan:
     fidelity: float
     fits: bool  # everything is planned in place by the budget
     prefix_utility: float  # the share of the cache's utility the receiver computes
+    order: str = "position"  # the stream order (ORDERS)
 
     @property
     def finish_s(self) -> float:
@@ -144,6 +152,7 @@ def plan_handoff(
     fidelity: dict[str, float] | None = None,
     objective: str = "fidelity",
     min_fidelity: float = DEFAULT_MIN_FIDELITY,
+    order: str = "position",
 ) -> HandoffPlan:
     """The best plan for ``budget_s`` seconds under ``objective`` (see the module
     docstring).
@@ -151,8 +160,9 @@ def plan_handoff(
     utilities: ``[layers, token_blocks]`` block utilities (normalized here); levels: the
     precisions the link may carry, best first (the last is where every sent block starts);
     min_fidelity: the expected fidelity below which no plan goes while its levels can
-    reach it (sent blocks are raised in utility order until they do; 0: no floor).
-    Raises ValueError for an unknown objective or level, or a floor outside [0, 1].
+    reach it (sent blocks are raised in utility order until they do; 0: no floor);
+    order: the stream order (ORDERS), which only sets the expected arrivals.
+    Raises ValueError for an unknown objective, order or level, or a floor outside [0, 1].
     """
     g = geometry
     u = np.asarray(utilities, dtype=np.float64)
@@ -166,10 +176,12 @@ def plan_handoff(
         raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, not {objective!r}")
     if not 0.0 <= min_fidelity <= 1.0:
         raise ValueError(f"min_fidelity must be in [0, 1], not {min_fidelity}")
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {', '.join(ORDERS)}, not {order!r}")
     u = u / u.sum()
     fid = np.array([(fidelity or DEFAULT_FIDELITY)[p] for p in levels])
     cost = g.cost_table(levels).reshape(g.num_layers, g.token_blocks, len(levels))
-    task = _Task(g, u, cost, fid, link, repair_margin, budget_s, levels, min_fidelity)
+    task = _Task(g, u, cost, fid, link, repair_margin, budget_s, levels, min_fidelity, order)
     best: tuple[tuple[float, float], HandoffPlan] | None = None
     fastest: tuple[float, int, HandoffPlan] | None = None
     for k in range(g.token_blocks + 1):
@@ -212,6 +224,13 @@ class _Task:
     budget_s: float
     levels: tuple[str, ...]
     min_fidelity: float
+    order: str
+
+    @cached_property
+    def range_sequence(self) -> np.ndarray:
+        """The token ranges in the order the stream completes them."""
+        flat = stream_order(self.u, self.g.block_tokens, self.order)
+        return np.argsort(range_rank(flat, self.g.token_blocks), kind="stable")
 
     def _raisable(self, level: np.ndarray, target: int) -> np.ndarray:
         """The blocks one level below ``target``, most useful first ([n, 2] indices)."""
@@ -260,11 +279,14 @@ class _Task:
         sent = level >= 0
         lv = np.maximum(level, 0)
         block_bytes = np.where(sent, np.take_along_axis(self.cost, lv[..., None], 2)[..., 0], 0)
-        per_range = block_bytes.sum(axis=0)  # position order: a range's layers back to back
-        cum = np.cumsum(per_range)
+        per_range = block_bytes.sum(axis=0)  # a range's layers go back to back
+        # each range is in place once the bytes sent up to it (stream order) crossed
+        seq = self.range_sequence
+        cum = np.empty(g.token_blocks)
+        cum[seq] = np.cumsum(per_range[seq])
         expect = np.array([link.seconds(float(c), self.margin) for c in cum])
         expect[:k] = np.inf
-        nbytes = int(cum[-1]) if cum.size else 0
+        nbytes = int(per_range.sum())
         link_s = link.seconds(nbytes, self.margin)
         codes = np.array([PRECISIONS.index(p) for p in self.levels])
         precision = np.where(sent, codes[lv], -1)
@@ -281,6 +303,7 @@ class _Task:
             fidelity=fidelity,
             fits=compute_s <= self.budget_s and link_s <= self.budget_s,
             prefix_utility=float(u[:, :k].sum()),
+            order=self.order,
         )
 
 
@@ -311,13 +334,15 @@ def planned_stream(
     token_ids: np.ndarray | None = None,
     objective: str = "fidelity",
     min_fidelity: float = DEFAULT_MIN_FIDELITY,
+    order: str = "position",
 ) -> tuple[HandoffPlan, EncodedStream]:
     """Plan a card's stream for ``budget_s`` and re-encode it the way the plan sends it.
 
-    The stream is decoded (numpy only: no model), planned, and encoded again in prefix
-    order at the planned precisions, without the receiver's prefix. ``speed`` is the
-    receiver's compute speed; None plans nothing for the receiver to compute (split 0).
-    token_ids: needed when the stream's manifest carries only their hash.
+    The stream is decoded (numpy only: no model), planned, and encoded again in the
+    plan's stream order (``order``, one of ORDERS) at the planned precisions, without the
+    receiver's prefix. ``speed`` is the receiver's compute speed; None plans nothing for
+    the receiver to compute (split 0). token_ids: needed when the stream's manifest
+    carries only their hash.
     """
     m = stream.manifest
     g = m.geometry
@@ -330,9 +355,10 @@ def planned_stream(
         u[:] = 1.0
     plan = plan_handoff(g, u, link=link, speed=speed or NO_RECEIVER_COMPUTE,
                         budget_s=budget_s, levels=levels, objective=objective,
-                        min_fidelity=min_fidelity)  # fmt: skip
-    order = stream_order(u, g.block_tokens, "position")
-    created = dict(m.created, plan=f"split {plan.split}, budget {budget_s * 1e3:.0f} ms")
-    out = encode_stream(full.cache, u, order, plan.precision, block_tokens=g.block_tokens,
+                        min_fidelity=min_fidelity, order=order)  # fmt: skip
+    sending = stream_order(u, g.block_tokens, plan.order)
+    note = f"split {plan.split}, budget {budget_s * 1e3:.0f} ms"
+    created = dict(m.created, plan=note if order == "position" else f"{note}, order {order}")
+    out = encode_stream(full.cache, u, sending, plan.precision, block_tokens=g.block_tokens,
                         group_size=g.group_size, created=created)  # fmt: skip
     return plan, out

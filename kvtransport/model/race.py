@@ -16,10 +16,11 @@ always the whole cache, exact up to the quantization of what was loaded:
 
 The wait-or-compute rule for a range that has not arrived compares computing it with
 waiting for it (:meth:`LinkView.expected`, from what arrived so far): at the link's
-frontier the range is due when the bytes still owed before it cross at the delivery rate
-seen so far (before the first arrival, when the plan says; a link silent well past that is
-dead); a hole behind the frontier is due ``hole_wait_s`` after the first later range
-arrived (repair fills a loss within about a round trip); after the sender's deadline
+frontier the range is due when the bytes still owed before it (in the stream's order)
+cross at the delivery rate seen so far (before the first arrival, when the plan says; a
+link silent well past that is dead); a hole behind the frontier is due ``hole_wait_s``
+after the first range sent after it arrived (repair fills a loss within about a round
+trip); after the sender's deadline
 nothing more is due. The receiver waits when computing would take longer, otherwise it
 computes a run of ranges, extended while computing through the next range still beats
 waiting for it, capped at ``max_chunk`` tokens, a cap that doubles with every compute in a
@@ -27,6 +28,14 @@ row (a dead link costs a handful of calls, not one per range). Once nothing more
 arrive (the sender's deadline has passed, or a link that never delivered anything is long
 overdue) the receiver finishes the cheaper way by its cost model: the rest of the context
 in one call, or each run of missing ranges in one call each, loading what arrived between.
+
+The stream may come in any order of whole token ranges (kvtransport.model.plan.ORDERS); the
+cache is still built front to back, so a range that arrives ahead of the receiver's
+frontier stays where it arrived until the frontier reaches it (loading needs only the
+range's own K/V). With the ``back`` order the link fills the cache from the end while the
+receiver computes from the front: a link slower than planned makes the receiver compute
+more ranges, the ones the sender would send last, and nothing it computed is ever waited
+for.
 
 One decision loop, :func:`race`, reads the link and the time through an
 :class:`Arrivals` source. :func:`run_race` replays the race against a transfer's measured
@@ -52,6 +61,7 @@ import numpy as np
 from kvtransport.model.blocks import RangeDecoder
 from kvtransport.model.cache_builder import CacheBuilder, ComputeSpeed
 from kvtransport.model.kvcache import KVCache
+from kvtransport.model.utility import range_rank
 
 DEFAULT_MAX_CHUNK = 128
 DEFAULT_HOLE_WAIT_S = 0.05
@@ -70,6 +80,12 @@ def range_ready_at(manifest: Any, arrival_s: np.ndarray | None) -> np.ndarray:
     if arrival_s is not None and len(arrival_s):
         ready[manifest.layer.astype(np.int64), manifest.token_block.astype(np.int64)] = arrival_s
     return ready.max(axis=0)
+
+
+def stream_rank(manifest: Any) -> np.ndarray:
+    """Per token range, its place in the stream's sending order (the stream index of its
+    last block; -1 for a range not in the stream), as :class:`LinkView` takes it."""
+    return range_rank(manifest.flat_index(), manifest.geometry.token_blocks)
 
 
 @dataclass
@@ -122,7 +138,9 @@ class LinkView:
     settled: the view is the transfer's own (its plan), so once it is silent nothing more
     comes; False for a guess made before the plan is known (a live receiver before the
     manifest): silence then stops the waiting, but the receiver computes in chunks that
-    double, so a late transfer still counts.
+    double, so a late transfer still counts. rank: per token range, its place in the
+    stream's order (:func:`stream_rank`; ranges complete in increasing rank); None: front
+    first (position order).
     """
 
     expect_at: np.ndarray
@@ -131,6 +149,7 @@ class LinkView:
     hole_wait_s: float = DEFAULT_HOLE_WAIT_S
     start_s: float = 0.0
     settled: bool = True
+    rank: np.ndarray | None = None
 
     def silent(self, ready_at: np.ndarray, clock: float) -> bool:
         """Nothing more will arrive: the sender has stopped, or the link never delivered
@@ -149,15 +168,17 @@ class LinkView:
         arrived = ready_at <= clock
         if clock > self.deadline_s + self.hole_wait_s or not np.isfinite(self.expect_at[r]):
             return np.inf  # the sender has stopped, or never sends it
-        later = np.flatnonzero(arrived[r + 1 :])
-        if later.size:  # a hole behind the link's frontier: repair comes soon or never
-            due = float(ready_at[r + 1 :][later].min()) + self.hole_wait_s
+        rank = self.rank if self.rank is not None else np.arange(ready_at.size)
+        after = rank > rank[r]  # sent after r
+        later = arrived & after
+        if later.any():  # a hole behind the link's frontier: repair comes soon or never
+            due = float(ready_at[later].min()) + self.hole_wait_s
             return due if due > clock else np.inf
         if not arrived.any():  # nothing yet: the plan, until its first arrival is overdue
             return np.inf if self.silent(ready_at, clock) else float(self.expect_at[r])
         last = float(ready_at[arrived].max())
         rate = float(self.range_bytes[arrived].sum()) / max(last - self.start_s, 1e-6)
-        owed = float(self.range_bytes[: r + 1][~arrived[: r + 1]].sum())
+        owed = float(self.range_bytes[~after & ~arrived].sum())
         return clock + owed / rate
 
 
@@ -270,8 +291,11 @@ def run_race(
     """
     n = len(token_ids)
     ranges = -(-n // block_tokens)
-    if ready_at.shape != (ranges,) or link.expect_at.shape != (ranges,):
-        raise ValueError(f"ready_at and the link's expect_at must have {ranges} token ranges")
+    shapes = [ready_at.shape, link.expect_at.shape]
+    shapes += [] if link.rank is None else [link.rank.shape]
+    if any(s != (ranges,) for s in shapes):
+        raise ValueError(f"ready_at and the link's expect_at (and rank) must have {ranges} "
+                         "token ranges")  # fmt: skip
     return race(model, token_ids, ReplayArrivals(ready_at, received, link), split=split,
                 speed=speed, block_tokens=block_tokens, max_chunk=max_chunk)  # fmt: skip
 

@@ -35,7 +35,10 @@ attention term adds ~0.1 over the position prior alone (0.89 vs 0.79).
 
 Baseline orders for evaluation: ``position`` (token range first, then layer: the prefix
 of the context in every layer, as a sequential sender would send it) and ``random``
-(seeded permutation, no sink rule).
+(seeded permutation, no sink rule). ``back`` is ``position`` from the other end (the last
+token range first, every layer of a range together): the handoff's sender streams from
+the back while the receiver computes from the front, so they meet wherever the real link
+and compute speeds put them (kvtransport.model.plan, kvtransport.model.race).
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ SINK_MASS = 0.3
 RECENT_MASS = 0.3
 PRIOR_WEIGHT = 0.05
 OBSERVATION_WINDOW = 512
-ORDERS = ("utility", "random", "position")
+ORDERS = ("utility", "random", "position", "back")
 
 
 def position_prior(
@@ -198,9 +201,21 @@ def stream_order(
         return np.lexsort((tblock, layer, -u.reshape(-1), ~sink))
     if mode == "position":
         return np.lexsort((layer, tblock))
+    if mode == "back":
+        return np.lexsort((layer, -tblock))
     if mode == "random":
         return np.random.default_rng(seed).permutation(u.size)
     raise ValueError(f"order {mode!r} is not one of {', '.join(ORDERS)}")
+
+
+def range_rank(order: np.ndarray, token_blocks: int) -> np.ndarray:
+    """Per token range, where it completes in a stream: the stream index of its last
+    block in ``order`` (flat block indices in sending order, possibly only the blocks
+    sent); -1 for a range with no block in it. Ranges complete in increasing rank."""
+    order = np.asarray(order, dtype=np.int64)
+    rank = np.full(token_blocks, -1, dtype=np.int64)
+    np.maximum.at(rank, order % token_blocks, np.arange(order.size, dtype=np.int64))
+    return rank
 
 
 def kept_mask(order: np.ndarray, shape: tuple[int, int], fraction: float) -> np.ndarray:
