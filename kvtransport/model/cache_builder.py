@@ -77,18 +77,13 @@ class ComputeSpeed:
         return cls(per_call_s=max(best - small * per_token, 0.0), per_token_s=per_token)
 
 
-ANSWER_ROOM = 256
-"""Tokens of room past the context in the built cache's buffers: a question and the
-start of its answer append there without growing them."""
-
-
 class CacheBuilder:
     """The model cache of ``token_ids``, grown front to back by :meth:`compute` and
     :meth:`load`; :attr:`filled` tokens are in place. :meth:`kv` returns it as numpy."""
 
     def __init__(self, model: Any, token_ids: Sequence[int]) -> None:
         from kvtransport.model import hf
-        from kvtransport.model.model_cache import new_model_cache
+        from kvtransport.model.model_cache import ANSWER_ROOM, new_model_cache
 
         hf.install_masked_attention(model)
         self.model = model

@@ -334,8 +334,7 @@ def to_model_cache(model: Any, kv: KVCache, present: np.ndarray | None = None) -
     """
     import torch
 
-    from kvtransport.model.cache_builder import ANSWER_ROOM
-    from kvtransport.model.model_cache import new_model_cache
+    from kvtransport.model.model_cache import ANSWER_ROOM, new_model_cache
 
     present = _check_present(kv, present)
     cfg = model.config

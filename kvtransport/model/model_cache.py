@@ -25,6 +25,9 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 MIN_CAPACITY = 64
+ANSWER_ROOM = 256
+"""Tokens of room to leave past a context in its cache's buffers: a question and the
+start of its answer append there without growing them."""
 
 
 class GrowingLayer(DynamicLayer):
