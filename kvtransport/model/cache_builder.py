@@ -110,16 +110,8 @@ class CacheBuilder:
 
         n = self._check(n)
         start = self.filled
-        ids = torch.tensor([self.token_ids[start : start + n]], dtype=torch.long)
-        positions = torch.arange(start, start + n, dtype=torch.long)[None]
         with torch.inference_mode(), hf.causal_chunks(self.model):
-            self.model(
-                input_ids=ids,
-                position_ids=positions,
-                cache=self._cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
+            hf.forward_at(self.model, self.token_ids[start : start + n], start, self._cache, 1)
         self.filled += n
 
     def load(self, keys: np.ndarray, values: np.ndarray) -> None:

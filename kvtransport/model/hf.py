@@ -359,6 +359,22 @@ def to_model_cache(model: Any, kv: KVCache, present: np.ndarray | None = None) -
     return cache
 
 
+def forward_at(model: Any, ids: Sequence[int], start: int, cache: Any, keep: int) -> Any:
+    """One forward pass of ``ids`` at positions ``start...`` (explicit, never derived
+    from a mask) over the model ``cache``, which it appends to; logits for the last
+    ``keep`` tokens (0: all). Call it inside ``torch.inference_mode()``."""
+    import torch
+
+    n = len(ids)
+    return model(
+        input_ids=torch.tensor([list(ids)], dtype=torch.long),
+        position_ids=torch.arange(start, start + n, dtype=torch.long)[None],
+        cache=cache,
+        use_cache=True,
+        logits_to_keep=keep,
+    )
+
+
 @contextmanager
 def _opened(
     model: Any, kv: KVCache | Any, present: np.ndarray | None, mode: str
@@ -417,21 +433,12 @@ def cache_forward(
     if len(ids) == 0:
         raise ValueError("cache_forward needs at least one token to feed")
     with torch.inference_mode(), _opened(model, kv, present, mode) as (cache, p):
-        input_ids = torch.tensor([list(ids)], dtype=torch.long)
-        positions = torch.arange(p, p + len(ids), dtype=torch.long)[None]
-        args = dict(
-            input_ids=input_ids,
-            position_ids=positions,
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=last,
-        )
         if observe:
             with _probing(model, None) as probe:
-                out = model(**args)
+                out = forward_at(model, ids, p, cache, last)
             mass = probe.stacked()
         else:
-            out = model(**args)
+            out = forward_at(model, ids, p, cache, last)
             mass = None
     return out.logits[0].float(), mass
 
@@ -494,15 +501,7 @@ def greedy_generate(
     with torch.inference_mode(), _opened(model, kv, present, mode) as (cache, pos):
         t_inject = time.perf_counter() - t0
         while len(tokens) < max_new_tokens:
-            input_ids = torch.tensor([feed], dtype=torch.long)
-            positions = torch.arange(pos, pos + len(feed), dtype=torch.long)[None]
-            out = model(
-                input_ids=input_ids,
-                position_ids=positions,
-                cache=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
+            out = forward_at(model, feed, pos, cache, 1)
             nxt = int(out.logits[0, -1].argmax())
             if not tokens and not t_first:
                 t_first = time.perf_counter() - t0
