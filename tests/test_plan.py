@@ -27,6 +27,16 @@ def _bytes(plan) -> int:
     return int(np.take_along_axis(cost, np.maximum(plan.precision, 0)[..., None], 2)[sent].sum())
 
 
+def _random_cache():
+    """A 4-layer, 100-token geometry, a random cache of it and random block utilities."""
+    rng = np.random.default_rng(0)
+    g = blocks.Geometry(num_layers=4, num_kv_heads=2, num_tokens=100, head_dim=32)
+    shape = (g.num_layers, g.num_kv_heads, g.num_tokens, g.head_dim)
+    kv = KVCache(rng.normal(size=shape).astype(np.float32),
+                 rng.normal(size=shape).astype(np.float32), np.arange(100), "m")  # fmt: skip
+    return g, kv, rng.random((g.num_layers, g.token_blocks))
+
+
 @pytest.mark.parametrize("budget", [0.6, 0.8, 1.2])
 def test_plan_fits_its_budget(budget):
     plan = plan_handoff(GEOM, _utilities(), link=LINK, speed=SPEED, budget_s=budget)
@@ -77,12 +87,7 @@ def test_expected_arrivals_follow_the_prefix_order():
 
 
 def test_the_planned_stream_carries_exactly_the_planned_bytes():
-    rng = np.random.default_rng(0)
-    g = blocks.Geometry(num_layers=4, num_kv_heads=2, num_tokens=100, head_dim=32)
-    shape = (g.num_layers, g.num_kv_heads, g.num_tokens, g.head_dim)
-    kv = KVCache(rng.normal(size=shape).astype(np.float32),
-                 rng.normal(size=shape).astype(np.float32), np.arange(100), "m")  # fmt: skip
-    u = rng.random((g.num_layers, g.token_blocks))
+    g, kv, u = _random_cache()
     link = LinkEstimate(rate_bps=10e6, loss=0.0, one_way_s=0.001, symbol_size=1280)
     plan = plan_handoff(g, u, link=link, speed=SPEED, budget_s=0.08)
     order = utility.stream_order(u, g.block_tokens, "position")
@@ -201,12 +206,7 @@ def test_the_back_order_is_what_the_sender_sends_and_what_the_plan_expects():
     from kvtransport.model.plan import planned_stream
     from kvtransport.model.race import stream_rank
 
-    rng = np.random.default_rng(0)
-    g = blocks.Geometry(num_layers=4, num_kv_heads=2, num_tokens=100, head_dim=32)
-    shape = (g.num_layers, g.num_kv_heads, g.num_tokens, g.head_dim)
-    kv = KVCache(rng.normal(size=shape).astype(np.float32),
-                 rng.normal(size=shape).astype(np.float32), np.arange(100), "m")  # fmt: skip
-    u = rng.random((g.num_layers, g.token_blocks))
+    g, kv, u = _random_cache()
     card = blocks.encode_stream(kv, u, utility.stream_order(u, g.block_tokens))
     link = LinkEstimate(rate_bps=10e6, loss=0.0, one_way_s=0.001, symbol_size=1280)
     front, _ = planned_stream(card, link=link, budget_s=0.08, speed=SPEED)
