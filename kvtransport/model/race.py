@@ -54,6 +54,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Protocol
 
 import numpy as np
@@ -103,20 +104,30 @@ class RaceStep:
 class RaceResult:
     """The whole cache and how it was made.
 
-    kv: the cache as numpy (a copy); model_cache: the model cache the race built (a
-    transformers ``DynamicCache``), to answer from as it is
-    (kvtransport.model.hf.greedy_generate takes either; asking leaves it as it was).
+    builder: what built the cache (kvtransport.model.cache_builder.CacheBuilder);
+    :attr:`model_cache` is its model cache, to answer from as it is
+    (kvtransport.model.hf.greedy_generate; asking leaves it as it was), :attr:`kv` a numpy
+    copy made when first asked for (not on the way to the first answer).
     seconds: race clock when the last token was in place (from the transfer's start).
     computed / loaded: tokens computed by the receiver / loaded from the link.
     """
 
-    kv: KVCache
+    builder: CacheBuilder
     seconds: float
     computed: int
     loaded: int
     waited_s: float
     steps: list[RaceStep] = field(default_factory=list)
-    model_cache: Any = None
+
+    @property
+    def model_cache(self) -> Any:
+        """The model cache the race built (a transformers ``DynamicCache``)."""
+        return self.builder.model_cache
+
+    @cached_property
+    def kv(self) -> KVCache:
+        """The whole cache as numpy (a copy of the model cache as the race left it)."""
+        return self.builder.kv()
 
     @property
     def recomputed(self) -> int:
@@ -381,8 +392,8 @@ def race(
         computes_in_a_row += 1
     computed = sum(s.tokens for s in steps if s.action == "compute")
     waited = sum(s.t1 - s.t0 for s in steps if s.action == "wait")
-    seconds = src.now()  # the last token is in place (the numpy copy is the caller's)
-    return RaceResult(b.kv(), seconds, computed, n - computed, waited, steps, b.model_cache)
+    seconds = src.now()  # the last token is in place
+    return RaceResult(b, seconds, computed, n - computed, waited, steps)
 
 
 def complete_missing(
