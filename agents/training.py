@@ -37,7 +37,7 @@ import csv
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -94,6 +94,26 @@ class TrainConfig:
     eval_episodes: int = 40
     trace_files: tuple[str, ...] = ()
     distribution: dict = field(default_factory=dict)
+    """EpisodeDistribution fields that differ from its defaults (the rest are its
+    defaults *when the run starts*: :func:`effective_config` records them all)."""
+
+
+def episode_distribution(cfg: TrainConfig) -> EpisodeDistribution:
+    """The distribution a run draws its training and validation episodes from."""
+    return EpisodeDistribution(trace_files=cfg.trace_files, **cfg.distribution)
+
+
+def effective_config(cfg: TrainConfig) -> dict:
+    """Every knob of a run as it takes effect, in JSON form: ``cfg``'s fields, with
+    ``distribution`` resolved to every field of the :class:`EpisodeDistribution` the run
+    draws from (defaults included; ``trace_files`` stays at the top level).
+
+    This, not the command line, is what a run records next to its weights (``ddqn.json``,
+    the ``.npz`` metadata, ``summary.json``): a default that moves later changes what a
+    recorded command trains on, and the two effective configurations then differ."""
+    dist = episode_distribution(cfg)
+    knobs = {f.name: getattr(dist, f.name) for f in fields(dist) if f.name != "trace_files"}
+    return _jsonable({**asdict(cfg), "distribution": knobs})
 
 
 class FeatureObservation(gym.ObservationWrapper):
@@ -165,8 +185,7 @@ def _simulation(env: gym.Env) -> Simulation:
 
 
 def make_env(cfg: TrainConfig) -> gym.Env:
-    dist = EpisodeDistribution(trace_files=cfg.trace_files, **cfg.distribution)
-    env: gym.Env = RepairSchedulingEnv(dist)
+    env: gym.Env = RepairSchedulingEnv(episode_distribution(cfg))
     if cfg.credit_on_send:
         env = CreditOnSend(env)
     return FeatureObservation(env)
@@ -174,7 +193,7 @@ def make_env(cfg: TrainConfig) -> gym.Env:
 
 def validation_specs(cfg: TrainConfig, n: int) -> list[EpisodeSpec]:
     """``n`` fixed episodes from the training distribution with held-out seeds."""
-    dist = EpisodeDistribution(trace_files=cfg.trace_files, **cfg.distribution)
+    dist = episode_distribution(cfg)
     rng = np.random.default_rng(12345)
     return [replace(dist.sample(rng), seed=VALIDATION_SEED + i) for i in range(n)]
 
@@ -327,7 +346,12 @@ def _plot(rows: list[dict], path: Path) -> None:
 
 
 def train(cfg: TrainConfig, out: str | Path, command: str = "", quiet: bool = False) -> TrainResult:
-    """Run one training (see the module docstring); everything lands in ``out``."""
+    """Run one training (see the module docstring); everything lands in ``out``.
+
+    ``command`` is the command line that asked for the run (recorded as given). Next to
+    the weights go ``ddqn.json`` (the command, :func:`effective_config` and the validation
+    figures; what to copy into agents/data/ with ``ddqn.npz`` to ship a policy), and the
+    same command and configuration in the ``.npz`` metadata and ``summary.json``."""
     import torch
     from kvtransport.agents.ddqn import DoubleDQN, DuelingDQNPolicy, export_q_network
     from stable_baselines3.common.callbacks import BaseCallback
@@ -376,7 +400,8 @@ def train(cfg: TrainConfig, out: str | Path, command: str = "", quiet: bool = Fa
     if cfg.expert_margin > 0 and cfg.expert_weight > 0:
         model.set_expert_transitions(experts, cfg.expert_margin, cfg.expert_weight)
 
-    provenance = {"command": command, "config": _jsonable(asdict(cfg))}
+    config = effective_config(cfg)
+    provenance = {"command": command, "config": config}
     rows: list[dict] = []
     best = {"utility": -1.0, "step": 0}
     log_path = out / "progress.csv"
@@ -433,7 +458,7 @@ def train(cfg: TrainConfig, out: str | Path, command: str = "", quiet: bool = Fa
     wall = time.perf_counter() - t0
     summary = {
         "command": command,
-        "config": _jsonable(asdict(cfg)),
+        "config": config,
         "best_step": best["step"],
         "best_validation_utility": best["utility"],
         "adaptive_validation_utility": float(base_adaptive.mean()),
@@ -442,6 +467,16 @@ def train(cfg: TrainConfig, out: str | Path, command: str = "", quiet: bool = Fa
         "n_features": N_FEATURES,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    sidecar = {
+        "weights": "ddqn.npz",
+        "command": command,
+        "config": config,
+        "best_step": best["step"],
+        "validation_utility": best["utility"],
+        "adaptive_validation_utility": float(base_adaptive.mean()),
+        "wall_s": round(wall, 1),
+    }
+    (out / "ddqn.json").write_text(json.dumps(sidecar, indent=2) + "\n")
     return TrainResult(
         out, int(best["step"]), best["utility"], float(base_adaptive.mean()), wall, cfg.steps
     )

@@ -1,12 +1,15 @@
 """Double DQN: the target on a constructed batch, and a tiny training run that learns."""
 
 import csv
+import json
 
 import numpy as np
 import pytest
 import torch as th
 from kvtransport.agents.ddqn import DoubleDQN, double_dqn_target
-from kvtransport.agents.training import TrainConfig, make_env, train
+from kvtransport.agents.episodes import EpisodeDistribution
+from kvtransport.agents.runtime import load_weights
+from kvtransport.agents.training import TrainConfig, effective_config, make_env, train
 from stable_baselines3.common.logger import Logger
 from stable_baselines3.common.type_aliases import ReplayBufferSamples
 
@@ -183,4 +186,11 @@ def test_a_tiny_training_run_improves_on_the_untrained_network(tmp_path):
     assert trained > untrained + 0.1  # ... and training fixes most of it
     assert trained > 0.85 * adaptive
     assert (tmp_path / "ddqn.npz").is_file() and (tmp_path / "best_model.zip").is_file()
+    # next to the weights: the full effective configuration, not just what was given
+    side = json.loads((tmp_path / "ddqn.json").read_text())
+    assert side["command"] == "test" and side["config"] == effective_config(cfg)
+    dist = side["config"]["distribution"]
+    assert dist["rate_range_mbps"] == [50.0, 100.0]  # given
+    assert dist["ge_p_range"] == list(EpisodeDistribution().ge_p_range)  # a default
+    assert load_weights(tmp_path / "ddqn.npz").meta["config"] == side["config"]
     assert (tmp_path / "learning_curve.png").stat().st_size > 10_000

@@ -590,3 +590,32 @@ def test_any_data_datagram_is_used_or_counted_never_raised(items):
         assert r.n_known == sum(r._known)
     assert r.dropped == sum(r.drop_reasons.values())
     assert r.dropped + r.source_received + r.repair_received >= len(items)  # each one or both
+
+
+def test_a_refused_block_is_not_skipped_for_a_later_smaller_one():
+    """Sources go in stream order only (SenderSession's contract): when the tail rule
+    refuses a large block near the deadline, the later small blocks that would still fit
+    are not sent instead; the slots left protect what was sent (RLC fill). The sources
+    that went out are exactly the stream's prefix before the refused block."""
+    s = protocol.DEFAULT_SYMBOL_SIZE
+    lengths = np.array([2 * s] * 10 + [40 * s] + [2 * s] * 10, dtype=np.uint64)
+    offsets = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.uint64)
+    u = np.linspace(1.0, 2.0, len(lengths))  # prefix-like: the recent end weighs more
+    table = BlockTable(offsets, lengths, u / u.sum())
+    payload = np.random.default_rng(3).integers(0, 256, int(lengths.sum()), dtype=np.uint8)
+    slot = (wire.HEADER_SIZE + s + protocol.LINK_OVERHEAD_BYTES) * 8 / RATE
+    deadline = DELAY + 2 * slot + 40 * slot  # room for the first 10 blocks and a few more
+    snd = SenderSession(Transfer(payload, table), make_policy("adaptive"), rate_bps=RATE,
+                        deadline=deadline, transfer_id=TID, initial_rtt=2 * DELAY)  # fmt: skip
+    rcv = ReceiverSession(TID, deadline=deadline)
+    net = Net(snd, rcv)
+    net.run()
+    first, _ = table.symbol_ranges(s)
+    big = 10
+    sources = [(t, d.esi) for t, d in net.of_type(T.SOURCE)]
+    assert sorted({e for _, e in sources}) == list(range(first[big]))
+    last_source = max(t for t, _ in sources)
+    spare = [d for t, d in net.sent if t > last_source and d.type == T.REPAIR]
+    assert len(spare) >= 2  # a later 2-symbol block would have fitted in these slots
+    res = rcv.result
+    assert res.complete.tolist() == [True] * big + [False] * (len(lengths) - big)

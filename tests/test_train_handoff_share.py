@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from kvtransport.agents.training import TrainConfig, make_env, validation_specs
+from kvtransport.agents.training import TrainConfig, effective_config, make_env, validation_specs
 
 from kvtransport.cli import build_parser
 from kvtransport.commands import train as train_cmd
@@ -33,16 +33,18 @@ def test_handoff_share_reaches_the_training_draws():
 
 def test_default_training_draws_no_handoff_episodes():
     cfg = _config()
-    assert cfg.distribution == {}  # draw for draw the distribution the shipped weights saw
+    assert cfg.distribution == {}  # the distribution's defaults, draw for draw
     assert set(_streams(cfg, 8)) == {"utility"}
 
 
 def test_recorded_command_reproduces_the_share():
     args = build_parser().parse_args(["train", "--handoff-share", "0.35", "--steps", "5"])
-    recorded = train_cmd._command_line(args).split()
+    config = effective_config(train_cmd._config(args))
+    recorded = train_cmd._command_line(args, config).split()
     assert recorded[recorded.index("--handoff-share") + 1] == "0.35"
-    again = build_parser().parse_args(recorded[1:])
-    assert train_cmd._config(again).distribution == {"handoff_share": 0.35}
+    again = train_cmd._config(build_parser().parse_args(recorded[1:]))
+    assert again.distribution["handoff_share"] == 0.35
+    assert effective_config(again) == config
 
 
 @pytest.mark.parametrize("value", ["-0.1", "1.5", "nan", "half"])

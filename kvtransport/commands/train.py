@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import shlex
 from pathlib import Path
 
@@ -21,18 +22,25 @@ episodes against the adaptive heuristic, and the best one is kept.
 
 Writes into --out: best_model.zip (SB3 checkpoint of the best validation), last_model.zip,
 ddqn.npz (the best network exported for the numpy runtime; scripts/eval_policy.py
---weights evaluates it),
-ddqn.json (the command and settings that produced it), progress.csv (one row per
-validation), sb3/progress.csv (SB3's training log), learning_curve.png, summary.json.
+--weights evaluates it), ddqn.json (the command with every option spelled out, and the
+effective configuration: every training and episode-distribution setting, defaults
+included), progress.csv (one row per validation), sb3/progress.csv (SB3's training log),
+learning_curve.png, summary.json.
 
-To ship a policy, copy ddqn.npz and ddqn.json into the package's agents/data/.
+To ship a policy, copy ddqn.npz and ddqn.json into the package's agents/data/. The
+shipped policy's recorded command trains on the distribution it was trained on
+(tests/test_train_config.py holds the two equal).
 torch runs on one thread. On a 2-core machine expect about 150-400 steps per second.
 
 examples:
   kvtransport train --steps 300000 --out runs/ddqn
   kvtransport train --steps 20000 --out /tmp/quick --eval-every 5000 --trace office.csv.gz
   kvtransport train --steps 150000 --handoff-share 0.3 --out runs/ddqn-handoff
+  kvtransport train --steps 150000 --rate-range 20,400 --prior none --out runs/ddqn-v2
 """
+
+MAX_RATE_MBPS = 100_000.0
+"""The fastest link --rate-range may draw (100 Gbit/s)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -93,7 +101,71 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "precisions, so utility does not fall along the stream) instead of equal blocks "
         "in utility order; the rest keep the default distribution (default 0: none)",
     )
+    p.add_argument(
+        "--rate-range",
+        type=_rate_range,
+        default=None,
+        metavar="LO,HI",
+        help="link rates of the training and validation episodes, in Mbit/s: drawn "
+        "log-uniform in LO..HI (0 < LO <= HI; default: the episode distribution's, "
+        "50,1000)",
+    )
+    p.add_argument(
+        "--prior",
+        type=_prior_weights,
+        default=None,
+        metavar="KIND[=W],...",
+        help="the sender's loss prior before the first feedback in the training and "
+        "validation episodes: one kind (none: no prior, a first transfer; previous: the "
+        "loss an earlier transfer over the link ended with; profile: the link profile's "
+        "stationary loss), or a weighted mix like none=0.3,previous=0.5,profile=0.2 "
+        "(default: that mix)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _rate_range(text: str) -> tuple[float, float]:
+    """An argparse ``type``: ``LO,HI`` link rates in Mbit/s, 0 < LO <= HI."""
+    parts = text.split(",")
+    try:
+        if len(parts) != 2:
+            raise ValueError
+        lo, hi = (float(x) for x in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be two rates in Mbit/s like 20,400, not {text!r}"
+        ) from None
+    for x in (lo, hi):
+        if not 0.0 < x <= MAX_RATE_MBPS:  # also NaN
+            raise argparse.ArgumentTypeError(
+                f"rates must be in (0, {MAX_RATE_MBPS:g}] Mbit/s, not {x:g} in {text!r}"
+            )
+    if lo > hi:
+        raise argparse.ArgumentTypeError(f"LO must not exceed HI (inverted range {text!r})")
+    return lo, hi
+
+
+def _prior_weights(text: str) -> dict[str, float]:
+    """An argparse ``type``: ``KIND`` (weight 1) or ``KIND=W,...`` (weights >= 0, finite,
+    not all 0; each kind once). Which kinds exist is checked in ``_config``."""
+    weights: dict[str, float] = {}
+    for item in text.split(","):
+        kind, eq, w = item.partition("=")
+        kind = kind.strip()
+        try:
+            weight = float(w) if eq else 1.0
+        except ValueError:
+            weight = math.nan
+        if not kind or not math.isfinite(weight) or weight < 0:
+            raise argparse.ArgumentTypeError(
+                f"must be KIND or KIND=WEIGHT,... with weights >= 0, not {text!r}"
+            )
+        if kind in weights:
+            raise argparse.ArgumentTypeError(f"{kind!r} is given twice in {text!r}")
+        weights[kind] = weight
+    if not any(weights.values()):
+        raise argparse.ArgumentTypeError(f"at least one weight must be positive in {text!r}")
+    return weights
 
 
 def _config(args: argparse.Namespace):  # noqa: ANN202 - TrainConfig is imported lazily
@@ -112,6 +184,20 @@ def _config(args: argparse.Namespace):  # noqa: ANN202 - TrainConfig is imported
     for t in args.trace:
         if not Path(t).is_file():
             raise UserError(f"--trace {t}: no such file")
+    distribution: dict = {}
+    if args.handoff_share:
+        distribution["handoff_share"] = args.handoff_share
+    if args.rate_range is not None:
+        distribution["rate_range_mbps"] = args.rate_range
+    if args.prior is not None:
+        from kvtransport.agents.episodes import PRIOR_KINDS
+
+        unknown = [k for k in args.prior if k not in PRIOR_KINDS]
+        if unknown:
+            raise UserError(
+                f"--prior: unknown kind {unknown[0]!r}; choose from {', '.join(PRIOR_KINDS)}"
+            )
+        distribution["prior_weights"] = args.prior
     return TrainConfig(
         steps=args.steps,
         seed=args.seed,
@@ -120,12 +206,27 @@ def _config(args: argparse.Namespace):  # noqa: ANN202 - TrainConfig is imported
         eval_every=args.eval_every,
         eval_episodes=args.eval_episodes,
         trace_files=tuple(args.trace),
-        distribution={"handoff_share": args.handoff_share} if args.handoff_share else {},
+        distribution=distribution,
     )
 
 
-def _command_line(args: argparse.Namespace) -> str:
-    """The full command with every setting spelled out (recorded next to the weights)."""
+def _number(x: float) -> str:
+    """``x`` as the shortest text that parses back to the same float (20, 0.35, 1e-07)."""
+    s = repr(float(x))
+    return s[:-2] if s.endswith(".0") else s
+
+
+def _command_line(args: argparse.Namespace, config: dict) -> str:
+    """The full command with every setting spelled out (recorded next to the weights):
+    the options as given, and the episode-distribution options at their effective values
+    (``config``: kvtransport.agents.training.effective_config), so that the command asks
+    for the same distribution when a default has moved since."""
+    dist = config["distribution"]
+    prior = dist["prior_weights"]
+    if len(prior) == 1 and next(iter(prior.values())) == 1.0:
+        prior_text = next(iter(prior))
+    else:
+        prior_text = ",".join(f"{k}={_number(w)}" for k, w in prior.items())
     parts = [
         "kvtransport",
         "train",
@@ -143,37 +244,30 @@ def _command_line(args: argparse.Namespace) -> str:
         str(args.eval_every),
         "--eval-episodes",
         str(args.eval_episodes),
+        "--rate-range",
+        ",".join(_number(r) for r in dist["rate_range_mbps"]),
+        "--prior",
+        prior_text,
+        "--handoff-share",
+        _number(dist["handoff_share"]),
     ]
-    if args.handoff_share:
-        parts += ["--handoff-share", f"{args.handoff_share:g}"]
     for t in args.trace:
         parts += ["--trace", t]
     return " ".join(shlex.quote(p) for p in parts)
 
 
 def run(args: argparse.Namespace) -> int:
-    import json
-
-    from kvtransport.agents.training import train
+    from kvtransport.agents.training import effective_config, train
     from kvtransport.netem import TraceError
 
     cfg = _config(args)
-    command = _command_line(args)
     try:
+        command = _command_line(args, effective_config(cfg))
         res = train(cfg, args.out, command=command, quiet=args.quiet)
     except TraceError as exc:
         raise UserError(str(exc)) from None
     except OSError as exc:
         raise UserError(f"{args.out}: {exc.strerror or exc}") from None
-    sidecar = {
-        "weights": "ddqn.npz",
-        "command": command,
-        "best_step": res.best_step,
-        "validation_utility": res.best_utility,
-        "adaptive_validation_utility": res.adaptive_utility,
-        "wall_s": round(res.wall_s, 1),
-    }
-    (Path(args.out) / "ddqn.json").write_text(json.dumps(sidecar, indent=2) + "\n")
     print(
         f"best validation utility {res.best_utility:.4f} at step {res.best_step} "
         f"(adaptive heuristic {res.adaptive_utility:.4f}); {res.steps} steps in "

@@ -17,7 +17,7 @@ rate counting ``LINK_OVERHEAD_BYTES`` per datagram, as shapers do):
    (arq); for rlc, first the *reactive* repairs feedback asked for (when the policy is
    ``reactive``), then a *proactive* repair whenever the repair credit (the interval's
    repair share, added per slot) reaches one;
-3. otherwise the next source symbol in utility order, if the policy admits new sources and
+3. otherwise the next source symbol in stream order, if the policy admits new sources and
    the tail rule allows it: the expected surviving slots before the stop time (slots times
    1 - loss estimate) must cover the repairs still owed plus the symbols that finish the
    block holding this source's first byte. A source whose block cannot finish in time is
@@ -25,6 +25,36 @@ rate counting ``LINK_OVERHEAD_BYTES`` per datagram, as shapers do):
 4. otherwise, for a scheme that fills idle slots (rlc: ``SenderRepair.fill``), repairs
    for what was already sent, until the stop time (when nothing is left to repair, a
    source that passes the tail rule goes out rather than an idle slot).
+
+**Sources go in stream order, never skipped.** The sources sent are always the stream's
+first ``next_esi`` symbols. When the tail rule refuses the next source, the session does
+not look past it for a later, smaller block that would still fit: it sends repairs (4.)
+or idles, and sends that source once a later slot's check passes (feedback lowered what is
+owed or the loss estimate); past the stop time, the rest of the stream is cut. The order
+is the producer's priority and the protocol's frame:
+
+- the receiver reads an ESI below the highest it has seen as lost (feedback counts it as a
+  hole and asks for repair) and RLC repairs combine contiguous sources, so a skipped
+  source would cost repair for a symbol that was never sent;
+- a utility-ordered stream (kvtransport.model.utility.stream_order ``utility``) puts the
+  blocks worth most first, so a later block is worth less than the refused one. With
+  blocks of one size none fits where the refused one does not; with mixed sizes (a card
+  of ``mixed:BYTES`` precision) a later, smaller one may, but the refusal leaves fewer
+  slots than the refused block plus what is owed, so skipping could add at most about
+  one block's bytes of the least useful blocks, and with rlc those slots protect the
+  blocks already sent instead, which are worth more;
+- a prefix-ordered (``position``, ``back``) stream is whole token ranges, each with a
+  block in every layer, which the receiver loads only when every layer arrived and
+  otherwise recomputes (kvtransport.model.race). A later block of the refused block's
+  range is useless without it, and a later whole range needs a block in every layer: at
+  least as many symbols as the refused block's rest whenever there are at least as many
+  layers as the ratio of the largest to the smallest precision (fp16 / int4 = 4), so it
+  would not pass the tail rule either. Skipping ahead could only deliver partial ranges,
+  which the receiver does not use; cutting the stream's end costs the receiver the
+  compute of the cut ranges, not exactness.
+
+A producer that wants a different trade sizes or orders its stream for the budget
+(kvtransport.model.plan plans precisions and a prefix to fit it).
 
 The scheme decides how a repair is built (kvtransport.core.schemes.rlc has the RLC repair
 windows; their proactive span is at most ``max_repair_span``, default MAX_REPAIR_SPAN);
@@ -476,6 +506,8 @@ class SenderSession:
         return max(0.0, self.reactive_needed() + unseen + p * src - (1.0 - p) * proactive)
 
     def _tail_ok(self, t: float, esi: int) -> bool:
+        """May source ``esi`` go at ``t``? Asked only for the next source in stream order
+        (the module docstring says why a refused one is never skipped)."""
         left_s = self.stop_time - t
         if left_s < 0.0:
             return False

@@ -1,0 +1,138 @@
+"""What a training run records, and that a recorded command asks for it again.
+
+The shipped DDQN's ``ddqn.json`` holds the command that trained it and that run's
+effective configuration (every TrainConfig and EpisodeDistribution setting). Parsing the
+command must give exactly that configuration: a knob dropped from ``kvtransport train``,
+or a distribution default moved under a command that does not spell it out, fails here.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import numpy as np
+import pytest
+from kvtransport.agents.runtime import SHIPPED_WEIGHTS
+from kvtransport.agents.training import (
+    TrainConfig,
+    effective_config,
+    make_env,
+    validation_specs,
+)
+
+from kvtransport.cli import build_parser, main
+from kvtransport.commands import train as train_cmd
+
+SIDECAR = SHIPPED_WEIGHTS.with_name("ddqn.json")
+
+
+def _parse(argv: list[str]) -> tuple[object, TrainConfig]:
+    args = build_parser().parse_args(argv)
+    return args, train_cmd._config(args)
+
+
+def _recorded(argv: list[str]) -> tuple[str, dict]:
+    """The command and configuration a run started with ``argv`` records."""
+    args, cfg = _parse(argv)
+    config = effective_config(cfg)
+    return train_cmd._command_line(args, config), config
+
+
+def test_the_shipped_command_parses_to_the_shipped_configuration():
+    side = json.loads(SIDECAR.read_text())
+    argv = shlex.split(side["command"])
+    assert argv[:2] == ["kvtransport", "train"]
+    _, cfg = _parse(argv[1:])
+    assert effective_config(cfg) == side["config"]
+    # the links and prior the shipped weights saw, not today's defaults
+    assert side["config"]["distribution"]["rate_range_mbps"] == [20.0, 400.0]
+    assert side["config"]["distribution"]["prior_weights"] == {"none": 1.0}
+    # and the weights file records the same
+    with np.load(SHIPPED_WEIGHTS, allow_pickle=False) as z:
+        meta = json.loads(str(z["meta"]))
+    assert (meta["command"], meta["config"]) == (side["command"], side["config"])
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["--rate-range", "20,400", "--prior", "none"],
+        ["--rate-range", "33.333333333,33.333333333", "--prior", "profile=2,none=0.1234567"],
+        ["--handoff-share", "0.1234567", "--prior", "previous", "--seed", "7"],
+        ["--prior", "none=0.3,previous=0.5,profile=0.2", "--hidden", "32,16"],
+    ],
+)
+def test_a_recorded_command_asks_for_the_same_run_again(argv):
+    command, config = _recorded(["train", *argv])
+    again, config_again = _recorded(shlex.split(command)[1:])
+    assert config_again == config
+    assert again == command  # every setting spelled out: recording is a fixed point
+
+
+def test_the_recorded_command_spells_out_the_distribution_defaults():
+    """A run on the defaults records their values, so the command still asks for them
+    after a default moves."""
+    command, config = _recorded(["train"])
+    dist = config["distribution"]
+    words = shlex.split(command)
+    lo, hi = dist["rate_range_mbps"]
+    assert words[words.index("--rate-range") + 1] == f"{lo:g},{hi:g}"
+    assert "--prior" in words and "--handoff-share" in words
+    _, cfg = _parse(words[1:])
+    assert cfg.distribution["prior_weights"] == dist["prior_weights"]
+
+
+def _draws(cfg: TrainConfig, n: int) -> list:
+    """``n`` training episodes as training draws them (the environment ``make_env``
+    builds, reset with seeds as SB3 would give them) and ``n`` validation episodes."""
+    env = make_env(cfg)
+    rng = np.random.default_rng(3)
+    train = [env.reset(seed=int(rng.integers(1 << 31)))[1]["spec"] for _ in range(n)]
+    return train + validation_specs(cfg, n)
+
+
+def test_rate_range_and_prior_reach_the_draws():
+    _, cfg = _parse(["train", "--rate-range", "20,40", "--prior", "none"])
+    specs = _draws(cfg, 8)
+    assert all(20.0 <= s.channel.rate_mbps <= 40.0 for s in specs)
+    assert all(s.prior_loss is None for s in specs)
+    _, cfg = _parse(["train", "--rate-range", "700,700", "--prior", "profile"])
+    specs = _draws(cfg, 8)
+    assert all(s.channel.rate_mbps == pytest.approx(700.0) for s in specs)
+    assert all(s.prior_loss is not None for s in specs)
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("--rate-range", "400,20"),  # inverted
+        ("--rate-range", "0,100"),
+        ("--rate-range", "-5,10"),
+        ("--rate-range", "nan,10"),
+        ("--rate-range", "10,inf"),
+        ("--rate-range", "100"),
+        ("--rate-range", "10,20,30"),
+        ("--rate-range", "fast,slow"),
+        ("--prior", "none=-1"),
+        ("--prior", "none=0"),
+        ("--prior", "none,none"),
+        ("--prior", "none=x"),
+        ("--prior", "=1"),
+    ],
+)
+def test_a_bad_value_is_a_one_line_usage_error(option, value, capsys):
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["train", option, value])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and option in err[-1]
+
+
+def test_an_unknown_prior_kind_is_a_one_line_error(tmp_path, capsys):
+    code = main(["train", "--prior", "none=1,guess=1", "--out", str(tmp_path / "run")])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--prior" in err[0] and "'guess'" in err[0]
+    assert not (tmp_path / "run").exists()  # refused before anything ran
