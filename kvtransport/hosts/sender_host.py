@@ -97,6 +97,40 @@ def stream_utility_curve(transfer: Transfer) -> SigmoidUtility:
     return SigmoidUtility(a=total, b=min(2.0 * math.log(3.0) / spread, 1e3), c=float(x50))
 
 
+def alone_on_link(
+    transfer: Transfer,
+    dest: Address,
+    *,
+    rate_bps: float,
+    deadline_s: float,
+    policy: str | Policy,
+    transfer_id: int,
+    key: bytes | None,
+    symbol_size: int,
+    initial_rtt: float,
+    prior_loss: float | None = None,
+) -> tuple[SenderHost, Outgoing]:
+    """A fresh host with ``transfer`` submitted at time 0, alone on its link (so it paces
+    at ``rate_bps``), releasing datagrams on their slots (no burst lead): how a
+    virtual-clock shell with one transfer runs its sender (the simulator, each transfer
+    of the demo's emulated link). A fresh host per transfer remembers no earlier
+    receiver's loss, so each transfer starts from ``prior_loss`` alone."""
+    host = SenderHost(
+        rate_bps=rate_bps, key=key, symbol_size=symbol_size, burst_s=0.0, max_transfers=1
+    )
+    out = host.submit(
+        transfer,
+        dest,
+        now=0.0,
+        deadline_s=deadline_s,
+        policy=policy,
+        transfer_id=transfer_id,
+        initial_rtt=initial_rtt,
+        prior_loss=prior_loss,
+    )
+    return host, out
+
+
 @dataclass
 class Outgoing:
     """One transfer in the host, and what status reports about it.
