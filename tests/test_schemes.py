@@ -157,8 +157,8 @@ class CountingRLC(rlc.RLC):
     def __init__(self):
         self.decoders = []
 
-    def window_decoder(self, symbol_size):
-        dec = CountingRLCReceiver(symbol_size)
+    def window_decoder(self, symbol_size, config):
+        dec = CountingRLCReceiver(symbol_size, config)
         self.decoders.append(dec)
         return dec
 

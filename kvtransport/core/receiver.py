@@ -33,7 +33,7 @@ complete when its count reaches zero or the decoded-through point passes its end
 comes first, i.e. exactly when its last symbol becomes known; it then adds its utility.
 
 Feedback goes out every ``feedback_interval`` seconds while the transfer is active, at once
-on a newly detected loss (at most every ``MIN_FEEDBACK_GAP``), when the manifest decodes and
+on a newly detected loss (at most every ``min_feedback_gap``), when the manifest decodes and
 when everything is decoded. It reports the highest packet number seen (and how long ago,
 for the sender's RTT), datagrams received and lost, highest ESI, decoded-through ESI,
 unrecovered count, pending repair equations (in total and per aligned segment of
@@ -46,8 +46,9 @@ ABORT, or after ``idle_timeout`` without datagrams when no deadline is known. St
 bounded: symbols beyond ``max_bytes`` are dropped (a manifest announcing more is refused),
 the output buffer grows only as far as the shell's ``reserve(extra_bytes)`` allows (a
 daemon's budget for all transfers in flight: beyond it symbols are dropped as
-``over_budget`` and a manifest is refused), the decoder holds ``DECODER_WINDOW`` ESIs and
-at most ``MAX_PENDING_EQUATIONS`` pending repair equations, rings are fixed size.
+``over_budget`` and a manifest is refused), the decoder holds ``decoder_window`` ESIs and
+at most ``max_pending_equations`` pending repair equations (the session's ``config``,
+kvtransport.core.protocol.ProtocolConfig), rings are fixed size.
 
 Replays: a shell with a replay record (kvtransport.core.replay) passes ``admit(transfer_id,
 manifest)``; when it names a reason (a stale or already accepted manifest), the session
@@ -66,12 +67,7 @@ import numpy as np
 from kvtransport.core import schemes
 from kvtransport.core.feedback import LossMonitor, loss_ranges
 from kvtransport.core.manifest_fec import ManifestReceiver
-from kvtransport.core.protocol import (
-    DEFAULT_FEEDBACK_INTERVAL,
-    MIN_FEEDBACK_GAP,
-    RELEASE_CHUNK,
-    RELEASE_LAG,
-)
+from kvtransport.core.protocol import STANDARD, ProtocolConfig
 from kvtransport.core.transfer import TransferResult, TransportManifest
 from kvtransport.core.wire import (
     FB_ALL_DONE,
@@ -110,7 +106,9 @@ class ReceiverSession:
 
     ``transfer_id=None`` adopts the id of the first valid datagram (a daemon demultiplexes
     by id before creating the session, so it normally passes the id). ``deadline`` is in the
-    receiver's clock; None takes it from the manifest.
+    receiver's clock; None takes it from the manifest. ``config``: the protocol's settings
+    (kvtransport.core.protocol; the feedback interval and gap, the window decoder's size,
+    when decoder state is released).
     """
 
     def __init__(
@@ -120,12 +118,13 @@ class ReceiverSession:
         key: bytes | None = None,
         now: float = 0.0,
         deadline: float | None = None,
-        feedback_interval: float = DEFAULT_FEEDBACK_INTERVAL,
         max_bytes: int = DEFAULT_MAX_BYTES,
         idle_timeout: float = 10.0,
         reserve: Callable[[int], bool] | None = None,
         admit: Callable[[int, TransportManifest], str | None] | None = None,
+        config: ProtocolConfig = STANDARD,
     ) -> None:
+        self.config = config
         self.transfer_id = transfer_id
         self._reserve = reserve
         self._admit = admit
@@ -134,7 +133,10 @@ class ReceiverSession:
         self.parser = Parser(key)
         self.framer: Framer | None = None
         self.deadline = deadline
-        self.feedback_interval = feedback_interval
+        self.feedback_interval = config.feedback_interval
+        self._min_fb_gap = config.min_feedback_gap
+        self._release_lag = config.release_lag
+        self._release_chunk = config.release_chunk
         self.max_bytes = max_bytes
         self.idle_timeout = idle_timeout
         self.created = now
@@ -272,6 +274,7 @@ class ReceiverSession:
         b = self._batch
         accept, batchable, dispatch = self._accept, self._batchable, self._dispatch
         window_type = self._window_type
+        min_gap = self._min_fb_gap
         for data in datagrams:
             got = accept(data, now)
             if got is None:
@@ -298,9 +301,9 @@ class ReceiverSession:
                 continue
             if self._next_fb is None:
                 self._next_fb = now + self.feedback_interval
-            if b.n >= b.rows or (gap > 0 and now - self._last_fb >= MIN_FEEDBACK_GAP):
+            if b.n >= b.rows or (gap > 0 and now - self._last_fb >= min_gap):
                 self._flush_batch(now)
-                if gap > 0 and now - self._last_fb >= MIN_FEEDBACK_GAP:
+                if gap > 0 and now - self._last_fb >= min_gap:
                     self._send_feedback(now)
         self._flush_batch(now)
 
@@ -368,7 +371,7 @@ class ReceiverSession:
             return
         if self._next_fb is None:
             self._next_fb = now + self.feedback_interval
-        if gap > 0 and now - self._last_fb >= MIN_FEEDBACK_GAP:
+        if gap > 0 and now - self._last_fb >= self._min_fb_gap:
             self._send_feedback(now)
 
     # ------------------------------------------------------------------ symbols
@@ -391,7 +394,7 @@ class ReceiverSession:
         self.symbol_size = size
         self.max_symbols = max(1, self.max_bytes // size)
         self._limit = self.n_source if self.manifest is not None else self.max_symbols
-        self.decoder = self._window.window_decoder(size)
+        self.decoder = self._window.window_decoder(size, self.config)
 
     def _grant(self, nbytes: int) -> bool:
         """Ask the shell's ``reserve`` for the output buffer to reach ``nbytes``."""
@@ -504,10 +507,11 @@ class ReceiverSession:
             # decoded-through after the packets so far is at most ``top``, and at most the
             # (k+1)-th unknown ESI from here, k = the symbols they can make known at most
             # (looked for only when ``top`` alone does not rule a release out)
-            t = b.top - RELEASE_LAG
-            if lo < t and t - self._released >= RELEASE_CHUNK:
-                t = self._unknown_bound(b) - RELEASE_LAG
-                if lo < t and t - self._released >= RELEASE_CHUNK:
+            lag, chunk = self._release_lag, self._release_chunk
+            t = b.top - lag
+            if lo < t and t - self._released >= chunk:
+                t = self._unknown_bound(b) - lag
+                if lo < t and t - self._released >= chunk:
                     return False
         if self.manifest is not None and self.n_known + b.n + 1 + b.pending0 >= self.n_source:
             return False
@@ -629,8 +633,8 @@ class ReceiverSession:
                 if t < 0:
                     t = len(known)
             self.through = t
-            if t - RELEASE_LAG - self._released >= RELEASE_CHUNK:
-                self._released = t - RELEASE_LAG
+            if t - self._release_lag - self._released >= self._release_chunk:
+                self._released = t - self._release_lag
                 self._sync_decoder()
                 assert self.decoder is not None  # symbols have arrived
                 self.decoder.release_before(self._released)

@@ -35,7 +35,7 @@ and symbol size). There are two kinds of decoder:
 - the **window decoder** (a :class:`WindowDecoder`) of the one scheme registered with
   ``window`` set, the sliding-window RLC: its repairs may combine any source in its window,
   so the receiver makes it with the first data symbol (``scheme.window_decoder(
-  symbol_size)``) and it learns every known source (in runs, when no pending equation
+  symbol_size, config)``) and it learns every known source (in runs, when no pending equation
   involves them); its pending equations are what feedback reports as pending, and the
   receiver's batched path (``receive_datagrams``) decodes runs of sources and its repairs
   in one call;
@@ -57,6 +57,7 @@ from kvtransport.core.wire import Datagram, WireError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from kvtransport.core.policy_base import Policy
+    from kvtransport.core.protocol import ProtocolConfig
     from kvtransport.core.transfer import Transfer
     from kvtransport.core.wire import Feedback, Framer
 
@@ -79,6 +80,7 @@ class SenderView(Protocol):
     :class:`~kvtransport.core.sender.SenderSession`."""
 
     transfer: Transfer | None
+    config: ProtocolConfig  # the protocol's settings (its decoder_window)
     framer: Framer  # builds every datagram; a repair is sealed at ``seq``
     seq: int
     symbol_size: int
@@ -269,7 +271,8 @@ class RepairScheme:
         """The receiver side, made on the first repair ``d`` of a transfer."""
         raise BadFEC(f"{self.name} has no repair datagrams")
 
-    def window_decoder(self, symbol_size: int) -> WindowDecoder:
+    def window_decoder(self, symbol_size: int, config: ProtocolConfig) -> WindowDecoder:
         """The receiver side of a ``window`` scheme, made with a transfer's first data
-        symbol."""
+        symbol, sized by the receiver's protocol ``config`` (its ``decoder_window``,
+        ``max_pending_equations``)."""
         raise NotImplementedError(f"{self.name} is not a window scheme")

@@ -15,9 +15,12 @@ or the receiver's decoder window; open loop (no feedback for a while) at least
 ``OPEN_LOOP_SPAN``.
 
 A repair is a REPAIR datagram (kvtransport.core.wire: repair key, DT and NSS, first ESI).
-RLC is the window scheme: its decoder (:class:`RLCReceiver`, ``DECODER_WINDOW`` ESIs, at
-most ``MAX_PENDING_EQUATIONS`` pending equations) is the receiver's window decoder, which
-holds every known source (kvtransport.core.schemes.base, kvtransport.core.receiver).
+RLC is the window scheme: its decoder (:class:`RLCReceiver`, ``decoder_window`` ESIs, at
+most ``max_pending_equations`` pending equations, from the receiver's protocol config) is
+the receiver's window decoder, which holds every known source (kvtransport.core.schemes.
+base, kvtransport.core.receiver). The sender's encoder holds the sender's
+``decoder_window`` ESIs and no repair reaches below ``highest ESI sent - decoder_window +
+1``.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvtransport.codecs.rlc import RLCDecoder, RLCEncoder
-from kvtransport.core.protocol import DECODER_WINDOW, MAX_PENDING_EQUATIONS
+from kvtransport.core.protocol import ProtocolConfig
 from kvtransport.core.schemes.base import (
     OWED_SEGMENTS,
     BadFEC,
@@ -74,9 +77,10 @@ class RLCSender(SenderRepair):
         super().__init__(session, policy)
         s, n = session.symbol_size, session.n_source
         assert session.transfer is not None  # a new session holds its transfer
+        self.decoder_window = session.config.decoder_window
         # stream mode: no per-source copy into an encoder ring
         self.encoder: RLCEncoder | None = RLCEncoder(
-            s, window=min(DECODER_WINDOW, max(n, 1)), stream=session.transfer.payload
+            s, window=min(self.decoder_window, max(n, 1)), stream=session.transfer.payload
         )
         self.answer_holes = bool(policy.reactive)
         self.credit = 0.0
@@ -146,7 +150,7 @@ class RLCSender(SenderRepair):
         for _, seg in flight:
             in_flight[seg] = in_flight.get(seg, 0) + 1
         pending = dict(fb.segments)
-        floor = max(0, s.next_esi - DECODER_WINDOW + 1)
+        floor = max(0, s.next_esi - self.decoder_window + 1)
         holes: dict[int, list[int]] = {}  # segment -> [holes, end]
         for first, count in fb.ranges:
             first_ok = max(first, floor)
@@ -175,7 +179,7 @@ class RLCSender(SenderRepair):
     def _window(self, reactive: bool) -> tuple[int, int]:
         s = self.session
         hi = s.next_esi
-        floor = max(0, hi - DECODER_WINDOW + 1)
+        floor = max(0, hi - self.decoder_window + 1)
         if reactive and self.segments:
             # the lowest segment still short of equations, from its first hole (at or
             # above decoded-through) to its last
@@ -235,11 +239,15 @@ class RLCSender(SenderRepair):
 
 class RLCReceiver(RLCDecoder):
     """The receiver's window decoder (kvtransport.core.schemes.base.WindowDecoder): the RLC
-    decoder, ``DECODER_WINDOW`` ESIs wide, holding at most ``MAX_PENDING_EQUATIONS``
-    pending equations, taking REPAIR datagrams."""
+    decoder, ``config.decoder_window`` ESIs wide, holding at most
+    ``config.max_pending_equations`` pending equations, taking REPAIR datagrams."""
 
-    def __init__(self, symbol_size: int) -> None:
-        super().__init__(symbol_size, max_window=DECODER_WINDOW, max_pending=MAX_PENDING_EQUATIONS)
+    def __init__(self, symbol_size: int, config: ProtocolConfig) -> None:
+        super().__init__(
+            symbol_size,
+            max_window=config.decoder_window,
+            max_pending=config.max_pending_equations,
+        )
 
     def add_repair_datagram(self, d: Datagram) -> list[int]:
         _, _, _, _, key, dt_nss, first, payload = d
@@ -286,8 +294,8 @@ class RLC(RepairScheme):
         # the coding fields are the decoder's to check (add_repair_datagram, repair_row)
         return d[6] + (d[5] & 0xFFF) - 1  # the last ESI it covers
 
-    def window_decoder(self, symbol_size: int) -> WindowDecoder:
-        return RLCReceiver(symbol_size)
+    def window_decoder(self, symbol_size: int, config: ProtocolConfig) -> WindowDecoder:
+        return RLCReceiver(symbol_size, config)
 
 
 SCHEME = RLC()
