@@ -1,7 +1,7 @@
 """`kvtransport demo`: the quick demo on the emulated link (the real model, two link
 processes), its repeatability, and the emulated link against the simulator.
 
-The emulated link runs the sender and receiver sessions in two processes on the link's own
+The emulated link runs the daemons' sender and receiver hosts in two processes on the link's own
 clock (kvtransport.demo.run), so for a seed its table is fixed: these tests can assert exact
 repetition and the ordering of the schemes on the demo's seed without tolerating noise.
 """

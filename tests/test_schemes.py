@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from kvtransport.core import schemes, wire
-from kvtransport.core.policy import NoFEC, Policy
+from kvtransport.core.policy import NoFEC, Policy, make_policy
 from kvtransport.core.receiver import ReceiverSession
+from kvtransport.core.schemes import rlc
 from kvtransport.core.sender import SenderSession
 from kvtransport.core.transfer import synthetic_transfer
 from kvtransport.errors import UserError
@@ -148,6 +149,58 @@ def test_a_code_defined_in_one_place_is_carried_end_to_end(repeat, batched):
     assert s.stats["repeat_sent"] == s.n_source == s.repair_sent
     # the copies reached the receiver as repairs of their own type, none refused
     assert r.repair_received > 0 and not r.drop_reasons
+
+
+class CountingRLC(rlc.RLC):
+    """The RLC scheme, its window decoders counting the repairs the receiver hands them."""
+
+    def __init__(self):
+        self.decoders = []
+
+    def window_decoder(self, symbol_size, config):
+        dec = CountingRLCReceiver(symbol_size, config)
+        self.decoders.append(dec)
+        return dec
+
+
+class CountingRLCReceiver(rlc.RLCReceiver):
+    taken = 0
+
+    def add_repair_datagram(self, d):  # one at a time
+        self.taken += 1
+        return super().add_repair_datagram(d)
+
+    def repair_row(self, d):  # into a batched run
+        self.taken += 1
+        return super().repair_row(d)
+
+
+@pytest.fixture
+def counting_rlc():
+    schemes.unregister("rlc")
+    scheme = schemes.register(CountingRLC())
+    yield scheme
+    schemes.unregister("rlc")
+    schemes.register(rlc.SCHEME)
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_the_receiver_decodes_with_the_registered_window_schemes_decoder(counting_rlc, batched):
+    """The receiver core knows no code: its window decoder is the registered window
+    scheme's, made once, and every REPAIR datagram it takes goes to it."""
+    tr, s, r = transfer_over(make_policy("adaptive"), every_fifth, batched)
+    assert len(counting_rlc.decoders) == 1
+    assert counting_rlc.decoders[0].taken == r.repair_received > 0
+    assert r.symbols_recovered > 0 and not r.drop_reasons
+
+
+def test_there_is_one_window_scheme():
+    assert schemes.window() is rlc.SCHEME
+    assert schemes.by_wire_type(int(wire.DatagramType.REPAIR)) is rlc.SCHEME
+    other = CountingRLC()
+    other.name = "rlc-2"
+    with pytest.raises(ValueError, match="already the window scheme"):
+        schemes.register(other)
 
 
 def test_without_the_code_the_same_losses_stay_lost():

@@ -12,7 +12,7 @@ from kvtransport.netem import load_profile, make_channel
 
 from kvtransport.core.policy import make_policy
 from kvtransport.core.transfer import synthetic_transfer
-from kvtransport.demo.demo_emulated import EmulatedLink
+from kvtransport.demo.demo_emulated import EmulatedLink, PeerError
 from kvtransport.demo.demo_links import INITIAL_RTT_S, PROFILE
 from kvtransport.sim.simulator import Simulation, full_send_time
 from kvtransport.sim.virtual_clock import VirtualClockLoop
@@ -51,6 +51,23 @@ def test_the_emulated_link_sends_the_simulators_datagrams_at_the_simulators_time
             assert len(simulated) > 300 and sim.feedback_sent > 10
             assert emulated == simulated, policy
             assert np.array_equal(got.complete, sim.receiver.result.complete), policy
+    finally:
+        link.close()
+
+
+def test_the_emulated_links_sender_is_the_daemons_host():
+    """The sender process admits a transfer as the sender daemon does (its SenderHost): a
+    deadline the daemon refuses is refused with the daemon's one-line reason, and the
+    process goes on to send the next transfer."""
+    tr = synthetic_transfer(200_000, 20, "zipf", seed=4)
+    link = EmulatedLink()
+    try:
+        link.load(tr)
+        with pytest.raises(PeerError, match=r"^the deadline must be 0.0001..3600 s \(5e-05\)$"):
+            link.transfer("adaptive", deadline_s=5e-5, transfer_id=5, seed=1)
+        deadline = 0.8 * full_send_time(tr.nbytes, 100e6, 1280, True)
+        got = link.transfer("adaptive", deadline_s=deadline, transfer_id=6, seed=1)
+        assert got.counters["source_sent"] > 0 and got.utility > 0
     finally:
         link.close()
 

@@ -42,7 +42,7 @@ Links (--link):
   netns     the real sender-daemon and receiver-daemon in two network namespaces of the
             netem testbed, at real-time priority (needs root). Real time: the table
             differs a little from run to run.
-  emulated  the sender and receiver sessions in two processes joined by the userspace
+  emulated  the daemons' sender and receiver hosts in two processes joined by the userspace
             channel of the same profile, on the link's own clock: the same --seed gives
             the same table run after run (apart from measured compute times), as any
             user.

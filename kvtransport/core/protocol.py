@@ -1,10 +1,18 @@
-"""Protocol constants the sender and receiver sessions must agree on.
+"""The protocol's configuration: what the sender and receiver sessions must agree on, and
+their timing defaults.
 
-They are not negotiated on the wire: a receiver built with other values still decodes
-everything, it only wastes repair symbols the sender aims below its window.
+:class:`ProtocolConfig` (frozen) holds them; :data:`STANDARD` is the standard one, whose
+values are the module constants below. The hosts and sessions take a ``config`` (default
+``STANDARD``) and read every such value from it, so a shell or experiment that wants other
+values builds its own config and passes it in; nothing patches this module.
+
+The values are not negotiated on the wire: a receiver built with other values still
+decodes everything, it only wastes repair symbols the sender aims below its window.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 DEFAULT_SYMBOL_SIZE = 1280
 """Source/repair symbol bytes: 1280 + 28 header + 16 tag + 42 link overhead < 1500 MTU."""
@@ -76,3 +84,57 @@ MIN_FEEDBACK_GAP = 0.001
 
 DEFAULT_INITIAL_RTT = 0.02
 """RTT the sender assumes before its first feedback (stop time = deadline - RTT/2 - slot)."""
+
+
+@dataclass(frozen=True)
+class ProtocolConfig:
+    """The protocol's settings (the module constants give each one's meaning):
+
+    - ``symbol_size``: DEFAULT_SYMBOL_SIZE, the symbol size a sender uses when not told;
+    - ``link_overhead``: LINK_OVERHEAD_BYTES, the bytes per datagram pacing counts besides
+      the datagram;
+    - ``decoder_window``: DECODER_WINDOW, the ESIs the receiver's window decoder and the
+      sender's encoder hold;
+    - ``max_pending_equations``: MAX_PENDING_EQUATIONS, at most 1..``decoder_window``;
+    - ``release_lag``, ``release_chunk``: RELEASE_LAG, RELEASE_CHUNK;
+    - ``max_repair_span``: MAX_REPAIR_SPAN, at most ``decoder_window``;
+    - ``feedback_interval``: DEFAULT_FEEDBACK_INTERVAL (s); ``min_feedback_gap``:
+      MIN_FEEDBACK_GAP (s);
+    - ``initial_rtt``: DEFAULT_INITIAL_RTT (s), the RTT a sender assumes when not told.
+
+    Out-of-range values raise ValueError (one line) at construction."""
+
+    symbol_size: int = DEFAULT_SYMBOL_SIZE
+    link_overhead: int = LINK_OVERHEAD_BYTES
+    decoder_window: int = DECODER_WINDOW
+    max_pending_equations: int = MAX_PENDING_EQUATIONS
+    release_lag: int = RELEASE_LAG
+    release_chunk: int = RELEASE_CHUNK
+    max_repair_span: int = MAX_REPAIR_SPAN
+    feedback_interval: float = DEFAULT_FEEDBACK_INTERVAL
+    min_feedback_gap: float = MIN_FEEDBACK_GAP
+    initial_rtt: float = DEFAULT_INITIAL_RTT
+
+    def __post_init__(self) -> None:
+        if not 16 <= self.symbol_size <= 65000:
+            raise ValueError(f"symbol_size must be 16..65000 bytes ({self.symbol_size})")
+        if self.link_overhead < 0:
+            raise ValueError(f"link_overhead must be >= 0 ({self.link_overhead})")
+        if self.decoder_window < 1:
+            raise ValueError(f"decoder_window must be positive ({self.decoder_window})")
+        if not 1 <= self.max_pending_equations <= self.decoder_window:
+            raise ValueError(
+                f"max_pending_equations must be 1..decoder_window ({self.max_pending_equations})"
+            )
+        if self.release_lag < 0 or self.release_chunk < 1:
+            raise ValueError("release_lag must be >= 0 and release_chunk >= 1")
+        if not 1 <= self.max_repair_span <= self.decoder_window:
+            raise ValueError(f"max_repair_span must be 1..decoder_window ({self.max_repair_span})")
+        if not (self.feedback_interval > 0 and self.min_feedback_gap >= 0):
+            raise ValueError("feedback_interval must be positive, min_feedback_gap >= 0")
+        if not self.initial_rtt > 0:
+            raise ValueError(f"initial_rtt must be positive ({self.initial_rtt})")
+
+
+STANDARD = ProtocolConfig()
+"""The standard configuration: the module constants' values."""

@@ -10,12 +10,15 @@ Per datagram: authenticate and parse (kvtransport.core.wire); drop and count gar
 out_of_range, bad_fec, bad_payload, ...); account its packet number (loss and burst
 estimates); then
 
-- SOURCE / REPAIR: into the RLC decoder; every ESI that becomes known (received or
-  recovered) is copied once into the output buffer and counted towards its blocks;
-- a repair scheme's own type (kvtransport.core.schemes: BLOCK_REPAIR, the block Reed-Solomon
-  parities): into that scheme's decoder, made on its first repair, which from then on
-  also sees every source; what it recovers is copied into the output buffer and handed to
-  the RLC decoder, which holds every known source;
+- SOURCE: into the output buffer and the window decoder (below); every ESI that becomes
+  known (received or recovered) is copied once into the output buffer and counted towards
+  its blocks;
+- a repair scheme's type (kvtransport.core.schemes): into that scheme's decoder. The window
+  scheme's (REPAIR, the sliding-window RLC's) is the window decoder, made with the first
+  data symbol, which holds every known source; its pending equations are what feedback
+  reports as pending. Any other scheme's (BLOCK_REPAIR, the block Reed-Solomon parities)
+  is a side decoder, made on its first repair, which from then on also sees every source;
+  what it recovers is copied into the output buffer and handed to the window decoder;
 - MANIFEST / MANIFEST_REPAIR: into the manifest decoder (kvtransport.core.manifest_fec); once
   the manifest decodes, the block table is known and completion is counted from the
   symbols already held;
@@ -30,7 +33,7 @@ complete when its count reaches zero or the decoded-through point passes its end
 comes first, i.e. exactly when its last symbol becomes known; it then adds its utility.
 
 Feedback goes out every ``feedback_interval`` seconds while the transfer is active, at once
-on a newly detected loss (at most every ``MIN_FEEDBACK_GAP``), when the manifest decodes and
+on a newly detected loss (at most every ``min_feedback_gap``), when the manifest decodes and
 when everything is decoded. It reports the highest packet number seen (and how long ago,
 for the sender's RTT), datagrams received and lost, highest ESI, decoded-through ESI,
 unrecovered count, pending repair equations (in total and per aligned segment of
@@ -43,8 +46,9 @@ ABORT, or after ``idle_timeout`` without datagrams when no deadline is known. St
 bounded: symbols beyond ``max_bytes`` are dropped (a manifest announcing more is refused),
 the output buffer grows only as far as the shell's ``reserve(extra_bytes)`` allows (a
 daemon's budget for all transfers in flight: beyond it symbols are dropped as
-``over_budget`` and a manifest is refused), the decoder holds ``DECODER_WINDOW`` ESIs and
-at most ``MAX_PENDING_EQUATIONS`` pending repair equations, rings are fixed size.
+``over_budget`` and a manifest is refused), the decoder holds ``decoder_window`` ESIs and
+at most ``max_pending_equations`` pending repair equations (the session's ``config``,
+kvtransport.core.protocol.ProtocolConfig), rings are fixed size.
 
 Replays: a shell with a replay record (kvtransport.core.replay) passes ``admit(transfer_id,
 manifest)``; when it names a reason (a stale or already accepted manifest), the session
@@ -60,26 +64,16 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from kvtransport.codecs.rlc import RLCDecoder
 from kvtransport.core import schemes
 from kvtransport.core.feedback import LossMonitor, loss_ranges
 from kvtransport.core.manifest_fec import ManifestReceiver
-from kvtransport.core.protocol import (
-    DECODER_WINDOW,
-    DEFAULT_FEEDBACK_INTERVAL,
-    MAX_PENDING_EQUATIONS,
-    MIN_FEEDBACK_GAP,
-    RELEASE_CHUNK,
-    RELEASE_LAG,
-)
+from kvtransport.core.protocol import STANDARD, ProtocolConfig
 from kvtransport.core.transfer import TransferResult, TransportManifest
 from kvtransport.core.wire import (
     FB_ALL_DONE,
     FB_FINISHED,
     FB_MANIFEST_DONE,
     MAX_FEEDBACK_RANGES,
-    MAX_FEEDBACK_SEGMENTS,
-    REPAIR_SEGMENT,
     ControlCode,
     Datagram,
     DatagramType,
@@ -92,7 +86,6 @@ from kvtransport.core.wire import (
 )
 
 _SOURCE = int(DatagramType.SOURCE)
-_REPAIR = int(DatagramType.REPAIR)
 _FEEDBACK = int(DatagramType.FEEDBACK)
 FIN_GRACE = 0.05
 FEEDBACK_QUIET_S = 1.0
@@ -100,7 +93,7 @@ FEEDBACK_QUIET_S = 1.0
 link share, or gone, or a forger that sent a few datagrams) and resumes with the next one."""
 DEFAULT_MAX_BYTES = 1 << 30
 BATCH_MAX = 256
-"""Most data datagrams ``receive_datagrams`` decodes in one RLCDecoder.add_packets call
+"""Most data datagrams ``receive_datagrams`` decodes in one window-decoder add_packets call
 (fewer when that many symbols would pass ``BATCH_BYTES``)."""
 BATCH_BYTES = 1 << 20
 """Most bytes of a session's run buffer (one symbol per datagram of a run)."""
@@ -113,7 +106,9 @@ class ReceiverSession:
 
     ``transfer_id=None`` adopts the id of the first valid datagram (a daemon demultiplexes
     by id before creating the session, so it normally passes the id). ``deadline`` is in the
-    receiver's clock; None takes it from the manifest.
+    receiver's clock; None takes it from the manifest. ``config``: the protocol's settings
+    (kvtransport.core.protocol; the feedback interval and gap, the window decoder's size,
+    when decoder state is released).
     """
 
     def __init__(
@@ -123,12 +118,13 @@ class ReceiverSession:
         key: bytes | None = None,
         now: float = 0.0,
         deadline: float | None = None,
-        feedback_interval: float = DEFAULT_FEEDBACK_INTERVAL,
         max_bytes: int = DEFAULT_MAX_BYTES,
         idle_timeout: float = 10.0,
         reserve: Callable[[int], bool] | None = None,
         admit: Callable[[int, TransportManifest], str | None] | None = None,
+        config: ProtocolConfig = STANDARD,
     ) -> None:
+        self.config = config
         self.transfer_id = transfer_id
         self._reserve = reserve
         self._admit = admit
@@ -137,7 +133,10 @@ class ReceiverSession:
         self.parser = Parser(key)
         self.framer: Framer | None = None
         self.deadline = deadline
-        self.feedback_interval = feedback_interval
+        self.feedback_interval = config.feedback_interval
+        self._min_fb_gap = config.min_feedback_gap
+        self._release_lag = config.release_lag
+        self._release_chunk = config.release_chunk
         self.max_bytes = max_bytes
         self.idle_timeout = idle_timeout
         self.created = now
@@ -145,7 +144,11 @@ class ReceiverSession:
 
         self.symbol_size = 0
         self._limit = 0  # ESIs at or beyond this are out of range (0: no symbol size yet)
-        self.decoder: RLCDecoder | None = None
+        # the window scheme's decoder (kvtransport.core.schemes.base), made with the first
+        # data symbol: it holds every known source
+        self._window = schemes.window()
+        self._window_type = self._window.wire_type
+        self.decoder: schemes.WindowDecoder | None = None
         self.monitor = LossMonitor()
         self.manifest_rx = ManifestReceiver()
         self.manifest: TransportManifest | None = None
@@ -183,7 +186,7 @@ class ReceiverSession:
         self.blocks_complete = 0
         self.utility = 0.0
 
-        # per wire type, the decoder of a repair scheme with its own type (once one came)
+        # per wire type, the side decoder of another scheme (once one of its repairs came)
         self._side: dict[int, schemes.ReceiverRepair] = {}
         self._batch = _Run()  # receive_datagrams' run of data symbols not yet decoded
 
@@ -256,8 +259,8 @@ class ReceiverSession:
         """Process datagrams that arrived together (at ``now``), in order: exactly as
         ``receive_datagram`` once per datagram (the same output bytes, blocks, counters,
         drops and feedback, feedback included in the middle of the run on a loss), but
-        the runs of SOURCE / REPAIR datagrams that need the RLC decoder reach it in one
-        ``RLCDecoder.add_packets`` call per run instead of a call per datagram.
+        the runs of SOURCE datagrams and window-scheme repairs (REPAIR) that need the window
+        decoder reach it in one ``add_packets`` call per run instead of a call per datagram.
 
         A run ends (is decoded, and what it made known accounted in arrival order) before
         any other datagram type, before feedback, at the end of ``datagrams``, after
@@ -270,6 +273,8 @@ class ReceiverSession:
         """
         b = self._batch
         accept, batchable, dispatch = self._accept, self._batchable, self._dispatch
+        window_type = self._window_type
+        min_gap = self._min_fb_gap
         for data in datagrams:
             got = accept(data, now)
             if got is None:
@@ -281,7 +286,7 @@ class ReceiverSession:
                 # per-datagram lazy path is cheaper), without the call
                 dispatch(d, gap, now)
                 continue
-            if (t != _SOURCE and t != _REPAIR) or not batchable(d):
+            if (t != _SOURCE and t != window_type) or not batchable(d):
                 if b.n:
                     self._flush_batch(now)
                 dispatch(d, gap, now)
@@ -296,9 +301,9 @@ class ReceiverSession:
                 continue
             if self._next_fb is None:
                 self._next_fb = now + self.feedback_interval
-            if b.n >= b.rows or (gap > 0 and now - self._last_fb >= MIN_FEEDBACK_GAP):
+            if b.n >= b.rows or (gap > 0 and now - self._last_fb >= min_gap):
                 self._flush_batch(now)
-                if gap > 0 and now - self._last_fb >= MIN_FEEDBACK_GAP:
+                if gap > 0 and now - self._last_fb >= min_gap:
                     self._send_feedback(now)
         self._flush_batch(now)
 
@@ -345,8 +350,8 @@ class ReceiverSession:
         try:
             if t == _SOURCE:
                 self._on_source(d[6], d[7])
-            elif t == _REPAIR:
-                self._on_repair(d)
+            elif t == self._window_type:
+                self._on_window_repair(d)
             elif t == DatagramType.MANIFEST or t == DatagramType.MANIFEST_REPAIR:
                 self._on_manifest(d, now)
             elif t == DatagramType.CONTROL:
@@ -366,7 +371,7 @@ class ReceiverSession:
             return
         if self._next_fb is None:
             self._next_fb = now + self.feedback_interval
-        if gap > 0 and now - self._last_fb >= MIN_FEEDBACK_GAP:
+        if gap > 0 and now - self._last_fb >= self._min_fb_gap:
             self._send_feedback(now)
 
     # ------------------------------------------------------------------ symbols
@@ -389,9 +394,7 @@ class ReceiverSession:
         self.symbol_size = size
         self.max_symbols = max(1, self.max_bytes // size)
         self._limit = self.n_source if self.manifest is not None else self.max_symbols
-        self.decoder = RLCDecoder(
-            size, max_window=DECODER_WINDOW, max_pending=MAX_PENDING_EQUATIONS
-        )
+        self.decoder = self._window.window_decoder(size, self.config)
 
     def _grant(self, nbytes: int) -> bool:
         """Ask the shell's ``reserve`` for the output buffer to reach ``nbytes``."""
@@ -454,27 +457,22 @@ class ReceiverSession:
             for dec in self._side.values():
                 self._side_recovered(dec, dec.add_source(esi, payload))
 
-    def _repair_fields(self, d: Datagram) -> tuple[int, int, int, int, memoryview]:
-        """Validate (the symbol's slot) and count a repair: (first_esi, nss, repair_key,
-        dt, payload); the decoder checks the coding fields."""
-        _, _, _, _, key, dt_nss, first, payload = d
-        nss = dt_nss & 0xFFF
-        last = first + nss - 1
+    def _window_repair_slot(self, d: Datagram) -> None:
+        """Validate (the slot of the highest ESI it covers, ``check``) and count a window
+        scheme's repair; the decoder checks the coding fields."""
+        last = self._window.check(d)
+        payload = d[7]
         s = self.symbol_size
         if s == 0 or len(payload) != s or last >= self._limit or last >= len(self._known):
             self._symbol_slot(last, len(payload))  # first symbol, growth, or a bad one
         self.repair_received += 1
-        return first, nss, key, dt_nss >> 12, payload
 
-    def _on_repair(self, d: Datagram) -> None:
-        first, nss, key, dt, payload = self._repair_fields(d)
+    def _on_window_repair(self, d: Datagram) -> None:
+        self._window_repair_slot(d)
         self._sync_decoder()
         decoder = self.decoder
         assert decoder is not None  # made with the first symbol (_symbol_slot)
-        try:
-            got = decoder.add_repair(first, nss, key, dt, payload)
-        except ValueError:
-            raise _Drop("bad_fec") from None
+        got = decoder.add_repair_datagram(d)
         if got:
             known = self._known
             for e in got:
@@ -484,9 +482,9 @@ class ReceiverSession:
     # ------------------------------------------------------------------ runs (batches)
 
     def _batchable(self, d: Datagram) -> bool:
-        """May this SOURCE / REPAIR join the run of ``receive_datagrams``, i.e. will its
-        outcome and every later one be the same whether the run is decoded before or after
-        it? No when: a block RS decoder is active; no decoder exists yet (the first symbol
+        """May this SOURCE / window-scheme repair join the run of ``receive_datagrams``, i.e.
+        will its outcome and every later one be the same whether the run is decoded before
+        or after it? No when: a side decoder is active; no decoder exists yet (the first symbol
         sizes it); the run is empty and the source needs no decoder (the per-datagram lazy
         path is cheaper); the run could complete the transfer (each packet makes at most one
         ESI known, plus one per pending equation it solves); the datagram reaches beyond the
@@ -500,7 +498,7 @@ class ReceiverSession:
         if dec is None or self._side:
             return False
         lo = d[6]
-        hi = lo if d[0] == _SOURCE else lo + (d[5] & 0xFFF) - 1
+        hi = lo if d[0] == _SOURCE else self._window.check(d)
         if not b.n:
             if d[0] == _SOURCE and (lo == self._lazy_to or not dec.involves(lo)):
                 return False
@@ -509,10 +507,11 @@ class ReceiverSession:
             # decoded-through after the packets so far is at most ``top``, and at most the
             # (k+1)-th unknown ESI from here, k = the symbols they can make known at most
             # (looked for only when ``top`` alone does not rule a release out)
-            t = b.top - RELEASE_LAG
-            if lo < t and t - self._released >= RELEASE_CHUNK:
-                t = self._unknown_bound(b) - RELEASE_LAG
-                if lo < t and t - self._released >= RELEASE_CHUNK:
+            lag, chunk = self._release_lag, self._release_chunk
+            t = b.top - lag
+            if lo < t and t - self._released >= chunk:
+                t = self._unknown_bound(b) - lag
+                if lo < t and t - self._released >= chunk:
                     return False
         if self.manifest is not None and self.n_known + b.n + 1 + b.pending0 >= self.n_source:
             return False
@@ -547,17 +546,14 @@ class ReceiverSession:
         b.n += 1
 
     def _queue_repair(self, d: Datagram) -> None:
-        first, nss, key, dt, payload = self._repair_fields(d)
+        self._window_repair_slot(d)
         assert self.decoder is not None  # _batchable: only with a decoder
-        try:
-            self.decoder.check_repair(first, nss, key, dt)
-        except ValueError:
-            raise _Drop("bad_fec") from None
-        self._batch.add_repair(first, nss, key, dt, payload, self.symbol_size)
+        first, nss, key, dt = self.decoder.repair_row(d)
+        self._batch.add_repair(first, nss, key, dt, d[7], self.symbol_size)
 
     def _flush_batch(self, now: float) -> None:
-        """Decode the run (one RLCDecoder.add_packets call) and account, packet by packet
-        in arrival order, what each made known: as ``_on_source`` / ``_on_repair`` would
+        """Decode the run (one window-decoder add_packets call) and account, packet by packet
+        in arrival order, what each made known: as ``_on_source`` / ``_on_window_repair`` would
         have, call by call."""
         b = self._batch
         n = b.n
@@ -637,8 +633,8 @@ class ReceiverSession:
                 if t < 0:
                     t = len(known)
             self.through = t
-            if t - RELEASE_LAG - self._released >= RELEASE_CHUNK:
-                self._released = t - RELEASE_LAG
+            if t - self._release_lag - self._released >= self._release_chunk:
+                self._released = t - self._release_lag
                 self._sync_decoder()
                 assert self.decoder is not None  # symbols have arrived
                 self.decoder.release_before(self._released)
@@ -810,7 +806,7 @@ class ReceiverSession:
             holes -= self._known.count(0, end, self.esi_end)  # those still in the window
         if holes:
             ranges = loss_ranges(self._known, self.through, end, MAX_FEEDBACK_RANGES)
-        segments = pending_by_segment(self.decoder) if self.decoder is not None else ()
+        segments = self.decoder.pending_segments() if self.decoder is not None else ()
         return Feedback(
             max(mon.highest, 0),
             min(int((now - self._highest_at) * 1e6), 0xFFFFFFFF),
@@ -883,23 +879,6 @@ class ReceiverSession:
         self.drop_reasons[reason] = self.drop_reasons.get(reason, 0) + 1
 
 
-def pending_by_segment(decoder: RLCDecoder) -> tuple[tuple[int, int], ...]:
-    """(segment, pending equations whose pivot, i.e. lowest unknown, lies in it), lowest
-    segments first, from the decoder's ``pending_pivots()`` (at most
-    ``MAX_FEEDBACK_SEGMENTS`` segments)."""
-    if decoder.pending_equations == 0:
-        return ()
-    out: list[list[int]] = []  # a few dozen pivots at most: a plain loop beats np.unique
-    for seg in (decoder.pending_pivots() // REPAIR_SEGMENT).tolist():
-        if out and out[-1][0] == seg:
-            out[-1][1] += 1
-        elif len(out) < MAX_FEEDBACK_SEGMENTS:
-            out.append([seg, 1])
-        else:
-            break
-    return tuple((seg, count) for seg, count in out)
-
-
 class _Run:
     """The run of data symbols ``receive_datagrams`` holds for one add_packets call: their
     (esi, nss, repair_key, dt) rows, flat; the repairs' bytes (a source's are in the
@@ -917,7 +896,7 @@ class _Run:
         self.pending0 = self.base = self.top = self.hole = self.holes = 0
         self.rows = 0  # datagrams a run holds at most (set with the symbol size)
 
-    def start(self, decoder: RLCDecoder, top: int, before: int) -> None:
+    def start(self, decoder: schemes.WindowDecoder, top: int, before: int) -> None:
         self.pending0 = decoder.pending_equations
         self.base = decoder.base
         self.top = top

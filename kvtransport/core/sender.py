@@ -7,7 +7,7 @@ whenever ``next_timer()`` has come, hands every feedback datagram to
 ``receive_datagram(data, now)``, and sends what comes out.
 
 What it sends, slot by slot (one data-path datagram per slot, slots paced at the link
-rate counting ``LINK_OVERHEAD_BYTES`` per datagram, as shapers do):
+rate counting the config's ``link_overhead`` bytes per datagram, as shapers do):
 
 1. the transport manifest, protected as kvtransport.core.manifest_fec describes (its first
    datagram takes slot 0; repetition stops once feedback acknowledges it);
@@ -57,7 +57,7 @@ A producer that wants a different trade sizes or orders its stream for the budge
 (kvtransport.model.plan plans precisions and a prefix to fit it).
 
 The scheme decides how a repair is built (kvtransport.core.schemes.rlc has the RLC repair
-windows; their proactive span is at most ``max_repair_span``, default MAX_REPAIR_SPAN);
+windows; their proactive span is at most ``max_repair_span``, default the config's);
 the policy decides how much repair and when.
 
 Stop time = deadline - one-way delay estimate (half the smoothed RTT) - one slot: a datagram
@@ -95,13 +95,7 @@ from kvtransport.core.observation import (
     observe_into,
 )
 from kvtransport.core.policy_base import DEFER, Policy, PolicyContext
-from kvtransport.core.protocol import (
-    DECODER_WINDOW,
-    DEFAULT_INITIAL_RTT,
-    DEFAULT_SYMBOL_SIZE,
-    LINK_OVERHEAD_BYTES,
-    MAX_REPAIR_SPAN,
-)
+from kvtransport.core.protocol import STANDARD, ProtocolConfig
 from kvtransport.core.schemes.base import SenderRepair
 from kvtransport.core.schemes.rlc import RLCSender
 from kvtransport.core.transfer import Transfer, TransportManifest
@@ -159,6 +153,9 @@ class SenderSession:
     ``wall_offset`` is the shell's wall clock (Unix seconds) minus its ``now`` clock: the
     manifest carries ``now + wall_offset`` as its send time, which a daemon receiver checks
     for freshness (kvtransport.core.replay); shells without a real receiver leave it 0.
+    ``config``: the protocol's settings (kvtransport.core.protocol.ProtocolConfig: the
+    encoder's window, pacing overhead, and the defaults of ``symbol_size``,
+    ``initial_rtt`` and ``max_repair_span``).
     """
 
     def __init__(
@@ -171,15 +168,19 @@ class SenderSession:
         now: float = 0.0,
         transfer_id: int | None = None,
         key: bytes | None = None,
-        symbol_size: int = DEFAULT_SYMBOL_SIZE,
+        symbol_size: int | None = None,
         decision_packets: int = 32,
-        initial_rtt: float = DEFAULT_INITIAL_RTT,
-        link_overhead: int = LINK_OVERHEAD_BYTES,
+        initial_rtt: float | None = None,
         record: bool = False,
         wall_offset: float = 0.0,
-        max_repair_span: int = MAX_REPAIR_SPAN,
+        max_repair_span: int | None = None,
         prior_loss: float | None = None,
+        config: ProtocolConfig = STANDARD,
     ) -> None:
+        if symbol_size is None:
+            symbol_size = config.symbol_size
+        if initial_rtt is None:
+            initial_rtt = config.initial_rtt
         if not rate_bps > 0:
             raise ValueError("rate_bps must be positive")
         if not 16 <= symbol_size <= 65000:
@@ -188,6 +189,7 @@ class SenderSession:
             raise ValueError("decision_packets must be >= 1")
         self.transfer: Transfer | None = transfer  # None once released
         self.policy = policy
+        self.config = config
         self.scheme = schemes.get(policy.scheme)
         self._tail_rule = bool(policy.tail_rule)  # a policy class constant, read once
         self.symbol_size = s = symbol_size
@@ -199,13 +201,16 @@ class SenderSession:
         self.deadline = deadline
         self.rate_bps = rate_bps
         self.datagram_bytes = HEADER_SIZE + s + (TAG_SIZE if key else 0)
-        self.slot_s = (self.datagram_bytes + link_overhead) * 8.0 / rate_bps
+        self.link_overhead = config.link_overhead
+        self.slot_s = (self.datagram_bytes + self.link_overhead) * 8.0 / rate_bps
         self.decision_packets = decision_packets
         self._initial_rtt = initial_rtt
         self.prior_loss = _check_prior(prior_loss)
         self.srtt: float | None = None
         self.stop_time = 0.0  # last moment a datagram can leave and arrive before the deadline
-        self._max_span = _check_span(max_repair_span)
+        self._max_span = self._check_span(
+            config.max_repair_span if max_repair_span is None else max_repair_span
+        )
         self.open_loop = False  # no feedback for a while: repair open-loop (_silent)
         self._resumed_at = now  # a paused sender expects no feedback: silence counts anew
         self._decision_t = now
@@ -448,13 +453,19 @@ class SenderSession:
     @property
     def max_repair_span(self) -> int:
         """Most source symbols a proactive RLC repair covers (the constructor's
-        ``max_repair_span``, default MAX_REPAIR_SPAN); setting it applies at once."""
+        ``max_repair_span``, default the config's); setting it applies at once."""
         return self._max_span
 
     @max_repair_span.setter
     def max_repair_span(self, span: int) -> None:
-        self._max_span = _check_span(span)
+        self._max_span = self._check_span(span)
         self._rtt_changed()
+
+    def _check_span(self, span: int) -> int:
+        window = self.config.decoder_window
+        if not REPAIR_SEGMENT <= span <= window:
+            raise ValueError(f"max_repair_span must be in {REPAIR_SEGMENT}..{window}")
+        return int(span)
 
     @property
     def encoder(self) -> RLCEncoder | None:
@@ -827,12 +838,6 @@ class SenderSession:
 def _overrides(rep: SenderRepair, method: str) -> bool:
     """Does the scheme's sender side define ``method`` (not the base class's)?"""
     return getattr(type(rep), method) is not getattr(SenderRepair, method)
-
-
-def _check_span(span: int) -> int:
-    if not REPAIR_SEGMENT <= span <= DECODER_WINDOW:
-        raise ValueError(f"max_repair_span must be in {REPAIR_SEGMENT}..{DECODER_WINDOW}")
-    return int(span)
 
 
 def _check_prior(loss: float | None) -> float | None:

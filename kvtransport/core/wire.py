@@ -138,7 +138,7 @@ class DatagramType(IntEnum):
     CONTROL = 7
 
 
-SCHEME_TYPES = frozenset({int(DatagramType.BLOCK_REPAIR)})
+SCHEME_TYPES = frozenset({int(DatagramType.REPAIR), int(DatagramType.BLOCK_REPAIR)})
 """The types whose datagrams a receiver hands to a repair scheme's decoder
 (kvtransport.core.schemes: a scheme names its type as ``wire_type``)."""
 _ACCEPTED = bytearray(256)  # per type byte: 1 if parsers accept it

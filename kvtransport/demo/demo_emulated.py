@@ -1,4 +1,4 @@
-"""The demo's emulated link: the sender and receiver sessions in two processes, joined
+"""The demo's emulated link: the daemons' sender and receiver hosts in two processes, joined
 by the userspace channel of the link's profile, on the link's own clock.
 
 Why the emulated link keeps its own clock. Seeding each packet's loss is not enough for a
@@ -13,7 +13,7 @@ precede (the one-way delay is the look-ahead, so a round covers milliseconds of 
 time). The same seed then gives the same packets, the same partial caches and the same
 answers; only the TTFT's compute part is measured (and varies). Every scheme sees the
 same loss pattern (the channels are re-seeded per scheme), a like-for-like comparison.
-Each process runs its endpoint (the sender session; the receiver daemon's host) on the
+Each process runs its endpoint (the sender daemon's host; the receiver daemon's host) on the
 simulator's event loop (kvtransport.sim.virtual_clock) over the simulator's channels, so a
 transfer ends exactly as ``kvtransport simulate`` says for the same seed
 (tests/test_demo.py checks it).
@@ -39,9 +39,9 @@ from kvtransport.demo.demo_links import INITIAL_RTT_S, PROFILE, Link, LinkOutcom
 from kvtransport.errors import UserError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
-    from kvtransport.core.sender import SenderSession
     from kvtransport.core.transfer import Transfer
     from kvtransport.hosts.receiver_host import ReceiverHost
+    from kvtransport.hosts.sender_host import Outgoing, SenderHost
     from kvtransport.sim.virtual_clock import VirtualClockLoop
 
 _SENDER, _RECEIVER = "sender", "receiver"
@@ -176,7 +176,7 @@ class EmulatedLink(Link):
 
     def describe(self) -> str:
         return (
-            f"emulated: sender and receiver sessions in two processes, {self.profile.describe()} "
+            f"emulated: sender and receiver hosts in two processes, {self.profile.describe()} "
             "each way, on the link's clock"
         )
 
@@ -326,14 +326,17 @@ class _PeerRole:
 
 
 class _SenderPeer(_PeerRole):
-    """The sender process of the emulated link: a SenderSession on the link's clock, the
-    one endpoint of its process's kvtransport.sim.virtual_clock loop (arrivals first on a tie
-    with its timer, as in kvtransport.sim.simulator)."""
+    """The sender process of the emulated link: the sender daemon's host (kvtransport.
+    hosts.sender_host, a fresh one per transfer with the transfer alone on the link, as in
+    kvtransport.sim.simulator) on the link's clock, the one endpoint of its process's
+    kvtransport.sim.virtual_clock loop."""
 
     def __init__(self) -> None:
         self.transfer: Transfer | None = None
-        self.session: SenderSession | None = None
+        self.host: SenderHost | None = None
+        self.outgoing: Outgoing | None = None
         self.loop: VirtualClockLoop | None = None
+        self.finished = False
 
     def load(self, msg: dict[str, Any]) -> tuple:
         from kvtransport.core.transfer import BlockTable, Transfer
@@ -343,39 +346,46 @@ class _SenderPeer(_PeerRole):
         return ()
 
     def start(self, msg: dict[str, Any]) -> tuple:
-        from kvtransport.core.policy import make_policy
-        from kvtransport.core.sender import SenderSession
-        from kvtransport.sim.virtual_clock import SenderSessionEndpoint, VirtualClockLoop
+        from kvtransport.hosts.sender_host import alone_on_link
+        from kvtransport.sim.virtual_clock import VirtualClockLoop
 
         if self.transfer is None:
             raise ValueError("no transfer loaded")
-        self.session = SenderSession(
+        self.host, self.outgoing = alone_on_link(
             self.transfer,
-            make_policy(msg["policy"]),
+            _RECEIVER,
             rate_bps=msg["rate_bps"],
-            deadline=msg["deadline_s"],
-            now=0.0,
+            deadline_s=msg["deadline_s"],
+            policy=msg["policy"],
             transfer_id=msg["transfer_id"],
+            key=msg["key"],
             symbol_size=msg["symbol_size"],
             initial_rtt=msg["initial_rtt"],
-            key=msg["key"],
         )
+        self.finished = False
         self.loop = VirtualClockLoop()
-        self.loop.add(SenderSessionEndpoint(self.session, _RECEIVER), _SENDER)
+        self.loop.add(self.host, _SENDER, after=self._events)
         return ()
 
+    def _events(self, t: float) -> None:
+        assert self.host is not None  # the loop runs once started
+        while self.host.next_event() is not None:  # its one transfer finished
+            self.finished = True
+
     def advance(self, horizon: float, inputs: list[tuple[float, bytes]]) -> tuple:
-        """Feedback arrivals and pacing timers up to ``horizon``, in time order; returns
-        what was sent and when."""
-        s, loop = self.session, self.loop
-        if s is None or loop is None:
+        """Feedback arrivals and the host's timers up to ``horizon``, in time order;
+        returns what was sent and when, the host's next timer, and whether the transfer
+        is finished."""
+        host, loop = self.host, self.loop
+        if host is None or loop is None:
             raise ValueError("no transfer started")
-        return _advance(loop, horizon, inputs, _RECEIVER), s.next_timer(), bool(s.done)
+        return _advance(loop, horizon, inputs, _RECEIVER), host.get_timer(), self.finished
 
     def stats(self) -> tuple:
-        s = self.session
-        if s is None:
+        out = self.outgoing
+        if out is None:
             raise ValueError("no transfer started")
+        s = out.session
         return ({"source_sent": s.stats["source_sent"], "repair_sent": s.repair_sent},)
 
 

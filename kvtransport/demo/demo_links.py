@@ -4,8 +4,8 @@
 
 - :class:`~kvtransport.demo.demo_netns.NetnsLink` (root): the real ``kvtransport
   sender-daemon`` and ``receiver-daemon`` in the netem testbed's two network namespaces;
-- :class:`~kvtransport.demo.demo_emulated.EmulatedLink` (any user): the sender and receiver
-  sessions in two processes joined by the userspace channel, on the link's own clock.
+- :class:`~kvtransport.demo.demo_emulated.EmulatedLink` (any user): the daemons' sender and
+  receiver hosts in two processes joined by the userspace channel, on the link's own clock.
 
 Both carry the ``ge-heavy`` profile in both directions; kvtransport.demo.run picks and opens
 one (``choose_link``, ``open_link``). This module knows neither implementation.

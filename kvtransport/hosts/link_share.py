@@ -49,7 +49,6 @@ from kvtransport.core.policy import Adaptive
 from kvtransport.core.protocol import (
     DEFAULT_FEEDBACK_INTERVAL,
     DEFAULT_SYMBOL_SIZE,
-    LINK_OVERHEAD_BYTES,
 )
 from kvtransport.core.sender import SenderSession
 from kvtransport.core.wire import link_bytes
@@ -261,7 +260,7 @@ class LinkShare:
             return
         s.set_rate(rate_bps, now)
         nxt = s.next_timer()
-        slot = (s.datagram_bytes + LINK_OVERHEAD_BYTES) * 8.0 / rate_bps
+        slot = (s.datagram_bytes + s.link_overhead) * 8.0 / rate_bps
         if nxt is not None and nxt > now + slot:
             # The pending datagram was paced at the old, slower rate: re-anchor it at the
             # new one (a pause and a resume put the next datagram at `now`).

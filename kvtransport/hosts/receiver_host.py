@@ -64,6 +64,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from kvtransport.core.protocol import STANDARD, ProtocolConfig
 from kvtransport.core.receiver import ReceiverSession
 from kvtransport.core.replay import ReplayRecord
 from kvtransport.core.transfer import TransportManifest
@@ -166,7 +167,8 @@ class ReceiverHost:
     """Receiver sessions of one endpoint (see the module docstring).
 
     ``wall_clock``: the wall time (Unix seconds) for the replay check, read only when a
-    manifest is checked against ``replay``.
+    manifest is checked against ``replay``. ``config``: the protocol's settings every
+    session of the host is built with (kvtransport.core.protocol).
     """
 
     def __init__(
@@ -181,6 +183,7 @@ class ReceiverHost:
         budget_bytes: int | None = None,
         replay: ReplayRecord | None = None,
         wall_clock: Callable[[], float] | None = None,
+        config: ProtocolConfig = STANDARD,
     ) -> None:
         if max_transfers < 1 or max_bytes < 1 or not 0 < idle_timeout <= MAX_IDLE_TIMEOUT_S:
             raise UserError(
@@ -196,6 +199,7 @@ class ReceiverHost:
             raise ValueError("a replay record needs the shell's wall clock")
         self.held_bytes = 0  # output buffers granted to sessions not yet forgotten
         self.key = key
+        self.config = config
         self.parser = Parser(key)
         self.max_transfers = max_transfers
         self.max_bytes = max_bytes
@@ -449,6 +453,7 @@ class ReceiverHost:
             idle_timeout=self.idle_timeout,
             reserve=self._reserve,
             admit=self._admit_manifest if self.replay is not None else None,
+            config=self.config,
         )
         inc = Incoming(tid, session, peer, now)
         self.active[tid] = inc

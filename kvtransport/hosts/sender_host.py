@@ -52,7 +52,7 @@ import numpy as np
 from kvtransport import bounds
 from kvtransport.bounds import MAX_DEADLINE_S, MIN_DEADLINE_S
 from kvtransport.core.policy import Policy, make_policy
-from kvtransport.core.protocol import DEFAULT_INITIAL_RTT, DEFAULT_SYMBOL_SIZE
+from kvtransport.core.protocol import STANDARD, ProtocolConfig
 from kvtransport.core.sender import SenderSession
 from kvtransport.core.transfer import Transfer
 from kvtransport.core.wire import HEADER_SIZE
@@ -95,6 +95,46 @@ def stream_utility_curve(transfer: Transfer) -> SigmoidUtility:
     )
     spread = max(float(x75 - x25), 1e-3)
     return SigmoidUtility(a=total, b=min(2.0 * math.log(3.0) / spread, 1e3), c=float(x50))
+
+
+def alone_on_link(
+    transfer: Transfer,
+    dest: Address,
+    *,
+    rate_bps: float,
+    deadline_s: float,
+    policy: str | Policy,
+    transfer_id: int,
+    key: bytes | None,
+    symbol_size: int,
+    initial_rtt: float,
+    prior_loss: float | None = None,
+    config: ProtocolConfig = STANDARD,
+) -> tuple[SenderHost, Outgoing]:
+    """A fresh host with ``transfer`` submitted at time 0, alone on its link (so it paces
+    at ``rate_bps``), releasing datagrams on their slots (no burst lead): how a
+    virtual-clock shell with one transfer runs its sender (the simulator, each transfer
+    of the demo's emulated link). A fresh host per transfer remembers no earlier
+    receiver's loss, so each transfer starts from ``prior_loss`` alone."""
+    host = SenderHost(
+        rate_bps=rate_bps,
+        key=key,
+        symbol_size=symbol_size,
+        burst_s=0.0,
+        max_transfers=1,
+        config=config,
+    )
+    out = host.submit(
+        transfer,
+        dest,
+        now=0.0,
+        deadline_s=deadline_s,
+        policy=policy,
+        transfer_id=transfer_id,
+        initial_rtt=initial_rtt,
+        prior_loss=prior_loss,
+    )
+    return host, out
 
 
 @dataclass
@@ -205,7 +245,10 @@ class SenderHost:
     water-filling with its guard derived from the link's one-way delay, see
     kvtransport.hosts.link_share.LinkShare); one_way_s: the link's one-way delay for the
     allocator's last useful send time (None: half the shortest measured round trip);
-    capacity_Bps: feed the allocator this fixed payload capacity instead of its estimate.
+    capacity_Bps: feed the allocator this fixed payload capacity instead of its estimate;
+    config: the protocol's settings every session of the host is built with
+    (kvtransport.core.protocol; also the symbol size and initial RTT when not given, and
+    the feedback interval the allocator's guard assumes).
     """
 
     def __init__(
@@ -213,19 +256,21 @@ class SenderHost:
         *,
         rate_bps: float,
         key: bytes | None = None,
-        symbol_size: int = DEFAULT_SYMBOL_SIZE,
+        symbol_size: int | None = None,
         burst_s: float = DEFAULT_BURST_S,
         slot_s: float = DEFAULT_SLOT_S,
         max_transfers: int = DEFAULT_MAX_TRANSFERS,
         slot_policy: SlotPolicy | None = None,
         one_way_s: float | None = None,
         capacity_Bps: float | None = None,
+        config: ProtocolConfig = STANDARD,
     ) -> None:
         if not (rate_bps > 0 and math.isfinite(rate_bps)):
             raise UserError("the link rate must be a positive number")
         self.rate_bps = float(rate_bps)
         self.key = key
-        self.symbol_size = symbol_size
+        self.config = config
+        self.symbol_size = symbol_size = config.symbol_size if symbol_size is None else symbol_size
         self.burst_s = burst_s
         self.slot_s = slot_s
         self.max_transfers = max_transfers
@@ -245,6 +290,7 @@ class SenderHost:
             tagged=key is not None,
             one_way_s=one_way_s or 0.0,
             capacity_Bps=capacity_Bps,
+            feedback_interval_s=config.feedback_interval,
         )
         self._sched_at: float | None = None
         self._replan_at: float | None = None  # a transfer ended then: re-plan at once
@@ -265,7 +311,7 @@ class SenderHost:
         weight: float = 1.0,
         utility: SigmoidUtility | None = None,
         label: str = "",
-        initial_rtt: float = DEFAULT_INITIAL_RTT,
+        initial_rtt: float | None = None,
         keep: Any = None,
         wall_offset: float = 0.0,
         prior_loss: float | None = None,
@@ -275,13 +321,16 @@ class SenderHost:
         transfer's session then owns; ``wall_offset``: the wall clock minus the shell's
         (the manifest's send time); ``prior_loss``: what the shell knows of this path's
         loss (instead of what the host remembers of ``dest``; see ``Member.prior_loss``).
-        A refusal raises UserError and changes nothing (module docstring)."""
+        ``initial_rtt``: None takes the host's config's. A refusal raises UserError and
+        changes nothing (module docstring)."""
         if len(self.active) >= self.max_transfers:
             raise UserError(f"{len(self.active)} transfers in flight (the limit): try later")
         if not MIN_DEADLINE_S <= deadline_s <= MAX_DEADLINE_S:
             raise UserError(
                 f"the deadline must be {MIN_DEADLINE_S:g}..{MAX_DEADLINE_S:g} s ({deadline_s})"
             )
+        if initial_rtt is None:
+            initial_rtt = self.config.initial_rtt
         if not 0.0 < initial_rtt <= bounds.MAX_INITIAL_RTT_S:
             raise UserError(
                 f"the initial RTT must be in (0, {bounds.MAX_INITIAL_RTT_S * 1e3:g}] ms "
@@ -304,6 +353,7 @@ class SenderHost:
                 symbol_size=self.symbol_size,
                 initial_rtt=initial_rtt,
                 wall_offset=wall_offset,
+                config=self.config,
             )
         except ValueError as exc:
             raise UserError(str(exc)) from None

@@ -41,7 +41,7 @@ from kvtransport.core.sender import SenderSession
 from kvtransport.core.transfer import Transfer, synthetic_transfer
 from kvtransport.core.wire import full_send_time, link_bytes
 from kvtransport.hosts.receiver_host import DEFAULT_MAX_BYTES, Incoming, ReceiverHost
-from kvtransport.hosts.sender_host import SenderHost
+from kvtransport.hosts.sender_host import alone_on_link
 from kvtransport.netem import Channel, Profile, load_profile, make_channel
 from kvtransport.sim.virtual_clock import VirtualClockLoop
 
@@ -127,19 +127,19 @@ class Simulation:
         self.key = key
         if hasattr(policy, "bind_channel"):
             policy.bind_channel(data_channel)
-        self.sender_host = SenderHost(
-            rate_bps=rate_bps, key=key, symbol_size=symbol_size, burst_s=0.0, max_transfers=1
-        )
-        self.sender: SenderSession = self.sender_host.submit(
+        self.sender_host, outgoing = alone_on_link(
             transfer,
             RECEIVER_ADDR,
-            now=0.0,
+            rate_bps=rate_bps,
             deadline_s=deadline,
             policy=policy,
             transfer_id=transfer_id,
+            key=key,
+            symbol_size=symbol_size,
             initial_rtt=initial_rtt,
             prior_loss=prior_loss,
-        ).session
+        )
+        self.sender: SenderSession = outgoing.session
         if hasattr(policy, "bind_sender"):
             policy.bind_sender(self.sender)
         self.receiver_host = self._receiver_host()

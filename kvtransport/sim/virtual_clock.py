@@ -11,8 +11,8 @@ hosts (kvtransport.hosts.sender_host.SenderHost, kvtransport.hosts.receiver_host
 - ``datagrams_to_send(now) -> [(datagrams, address), ...]``.
 
 A bare session takes that shape through :class:`SenderSessionEndpoint` /
-:class:`ReceiverSessionEndpoint` (the emulated link's sender process and the session
-tests; the simulators run the hosts).
+:class:`ReceiverSessionEndpoint` (the session tests; the simulators and the emulated
+link run the hosts).
 
 The loop's contract, which every virtual-clock shell therefore shares:
 

@@ -3,7 +3,7 @@
 Every module of this package but ``base`` defines one scheme as ``SCHEME`` and is
 registered when the package is imported: adding a code is a module here plus, when its
 repairs travel in a datagram type of their own, that type in kvtransport.core.wire's
-``DatagramType``. :func:`register` adds a scheme defined elsewhere (a test, an
+``DatagramType`` and ``SCHEME_TYPES``. :func:`register` adds a scheme defined elsewhere (a test, an
 experiment), with its wire type if the wire format does not list it.
 """
 
@@ -22,6 +22,7 @@ from kvtransport.core.schemes.base import (
     RepairScheme,
     SenderRepair,
     SymbolStore,
+    WindowDecoder,
 )
 from kvtransport.errors import UserError
 
@@ -34,11 +35,13 @@ __all__ = [
     "RepairScheme",
     "SenderRepair",
     "SymbolStore",
+    "WindowDecoder",
     "by_wire_type",
     "get",
     "names",
     "register",
     "unregister",
+    "window",
 ]
 
 _SCHEMES: dict[str, RepairScheme] = {}
@@ -51,6 +54,12 @@ def register(scheme: RepairScheme) -> RepairScheme:
     itself uses."""
     if not scheme.name or scheme.name in _SCHEMES:
         raise ValueError(f"repair scheme name {scheme.name!r} is empty or taken")
+    if scheme.window:
+        if scheme.wire_type is None:
+            raise ValueError("a window scheme needs a wire type for its repairs")
+        taken = [s.name for s in _SCHEMES.values() if s.window]
+        if taken:
+            raise ValueError(f"{taken[0]!r} is already the window scheme")
     t = scheme.wire_type
     if t is not None:
         if t in _BY_TYPE:
@@ -83,6 +92,15 @@ def get(name: str) -> RepairScheme:
 def names() -> str:
     """The registered schemes' names, sorted, comma-separated (for messages)."""
     return ", ".join(sorted(_SCHEMES))
+
+
+def window() -> RepairScheme:
+    """The window scheme (the one registered with ``window`` set): its decoder is the
+    receiver's window decoder (kvtransport.core.schemes.base)."""
+    for scheme in _SCHEMES.values():
+        if scheme.window:
+            return scheme
+    raise RuntimeError("no window scheme is registered")
 
 
 def by_wire_type(dtype: int) -> RepairScheme | None:

@@ -27,26 +27,37 @@ the observation kernel and ``SenderSession.owed`` how repairs still owed are cou
 (kvtransport.core.observation ``OWED_*``); ``needed`` is the reactive repairs the latest
 feedback asked for, under ``OWED_SEGMENTS``.
 
-**Receiver side.** A scheme whose repairs travel in a datagram type of their own
-(``wire_type``) is decoded by a :class:`ReceiverRepair` that
-:class:`~kvtransport.core.receiver.ReceiverSession` makes on the first such datagram
-(``scheme.decoder(symbol_size, d)``, after ``scheme.check(d)`` validated its header
-fields) and that sees every source from then on. ESIs it recovers are read out once into
-the receiver's output and handed to the receiver's RLC decoder, which holds every known
-source symbol. The sliding-window RLC's own repairs (``DatagramType.REPAIR``) and ARQ's
-retransmissions (sources) are decoded by that core, so those schemes have no
-``wire_type``.
+**Receiver side.** :class:`~kvtransport.core.receiver.ReceiverSession` hands a datagram of
+a scheme's ``wire_type`` to that scheme's decoder, after ``scheme.check(d)`` validated its
+header fields and returned the highest ESI it names (checked against the transfer's range
+and symbol size). There are two kinds of decoder:
+
+- the **window decoder** (a :class:`WindowDecoder`) of the one scheme registered with
+  ``window`` set, the sliding-window RLC: its repairs may combine any source in its window,
+  so the receiver makes it with the first data symbol (``scheme.window_decoder(
+  symbol_size, config)``) and it learns every known source (in runs, when no pending equation
+  involves them); its pending equations are what feedback reports as pending, and the
+  receiver's batched path (``receive_datagrams``) decodes runs of sources and its repairs
+  in one call;
+- a **side decoder** (a :class:`ReceiverRepair`) of any other scheme with a ``wire_type``,
+  made on the transfer's first such datagram (``scheme.decoder(symbol_size, d)``), which
+  sees every source from then on.
+
+ESIs a side decoder recovers are read out once into the receiver's output and handed to
+the window decoder, which holds every known source symbol. ARQ's retransmissions are
+sources, so that scheme has no ``wire_type`` and no decoder.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvtransport.core.observation import OWED_NONE, OWED_REPORTED, OWED_SEGMENTS
 from kvtransport.core.wire import Datagram, WireError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from kvtransport.core.policy_base import Policy
+    from kvtransport.core.protocol import ProtocolConfig
     from kvtransport.core.transfer import Transfer
     from kvtransport.core.wire import Feedback, Framer
 
@@ -60,6 +71,7 @@ __all__ = [
     "SenderRepair",
     "SenderView",
     "SymbolStore",
+    "WindowDecoder",
 ]
 
 
@@ -68,6 +80,7 @@ class SenderView(Protocol):
     :class:`~kvtransport.core.sender.SenderSession`."""
 
     transfer: Transfer | None
+    config: ProtocolConfig  # the protocol's settings (its decoder_window)
     framer: Framer  # builds every datagram; a repair is sealed at ``seq``
     seq: int
     symbol_size: int
@@ -172,12 +185,76 @@ class ReceiverRepair:
         raise NotImplementedError
 
 
+class WindowDecoder(Protocol):
+    """The window scheme's receiver side (module docstring): one per transfer, made with
+    the first data symbol. ESIs are held in a window of ``capacity`` consecutive ESIs from
+    ``base`` up; an ESI beyond it slides the window. Every call returns the ESIs that
+    became known through it, which the receiver reads out with ``read_into``."""
+
+    symbol_size: int
+    base: int
+    capacity: int
+
+    @property
+    def max_involved(self) -> int:
+        """The highest ESI a pending equation may involve (-1: none is pending)."""
+        ...
+
+    @property
+    def pending_equations(self) -> int:
+        """Repair equations held that still involve unknown sources (fed back)."""
+        ...
+
+    def involves(self, esi: int) -> bool:
+        """May a pending equation involve source ``esi``? (If not, the receiver may hand
+        it over later, in a run with its neighbours.)"""
+        ...
+
+    def add_source(self, esi: int, payload: Any) -> list[int]: ...
+
+    def add_source_run(self, first: int, data: Any) -> list[int]:
+        """Sources ``first``, ``first + 1``, ... cut from ``data``: as ``add_source`` once
+        per symbol, in order."""
+        ...
+
+    def add_repair_datagram(self, d: Datagram) -> list[int]:
+        """Take repair ``d`` (its ESIs checked by ``RepairScheme.check``); raise
+        :class:`BadFEC` when its coding fields are unusable."""
+        ...
+
+    def repair_row(self, d: Datagram) -> tuple[int, int, int, int]:
+        """Repair ``d``'s row for ``add_packets`` (first ESI, symbols covered, repair key,
+        DT), its coding fields validated as ``add_repair_datagram`` would (BadFEC)."""
+        ...
+
+    def add_packets(self, meta: Any, payloads: Any, ends: Any, sources: Any) -> list[int]:
+        """A run of sources and repairs (rows of ``repair_row``; a source's row is (esi,
+        0, 0, 0) and its bytes are in ``sources``) in one call, exactly as the calls one
+        by one; ``ends[i]``: how many of the returned ESIs packet i made known so far."""
+        ...
+
+    def read_into(self, esi: int, out: Any) -> bool: ...
+
+    def release_before(self, esi: int) -> None:
+        """Drop every ESI below ``esi`` (decoded through, and read out)."""
+        ...
+
+    def pending_segments(self) -> tuple[tuple[int, int], ...]:
+        """(segment of ``REPAIR_SEGMENT`` ESIs, pending equations pivoted there), lowest
+        first, at most ``MAX_FEEDBACK_SEGMENTS`` of them: the feedback's per-segment
+        report (kvtransport.core.wire)."""
+        ...
+
+
 class RepairScheme:
     """A repair code, registered by ``name`` (kvtransport.core.schemes.register)."""
 
     name = ""
     wire_type: int | None = None
-    """The datagram type of its repairs when a :class:`ReceiverRepair` decodes them."""
+    """The datagram type of its repairs (None: it has none)."""
+    window = False
+    """Its decoder is the receiver's window decoder (``window_decoder``), made with the
+    first data symbol; at most one registered scheme sets this."""
     stat = ""
     """The sender's ``stats`` key counting its repair datagrams ("" for none)."""
 
@@ -193,3 +270,9 @@ class RepairScheme:
     def decoder(self, symbol_size: int, d: Datagram) -> ReceiverRepair:
         """The receiver side, made on the first repair ``d`` of a transfer."""
         raise BadFEC(f"{self.name} has no repair datagrams")
+
+    def window_decoder(self, symbol_size: int, config: ProtocolConfig) -> WindowDecoder:
+        """The receiver side of a ``window`` scheme, made with a transfer's first data
+        symbol, sized by the receiver's protocol ``config`` (its ``decoder_window``,
+        ``max_pending_equations``)."""
+        raise NotImplementedError(f"{self.name} is not a window scheme")

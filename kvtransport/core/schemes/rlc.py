@@ -14,8 +14,13 @@ least a segment, at most the session's ``max_repair_span``), never below decoded
 or the receiver's decoder window; open loop (no feedback for a while) at least
 ``OPEN_LOOP_SPAN``.
 
-A repair is a REPAIR datagram (kvtransport.core.wire: repair key, DT and NSS, first ESI); the
-receiver's RLC decoder, which holds every source it knows, decodes it (kvtransport.core.receiver).
+A repair is a REPAIR datagram (kvtransport.core.wire: repair key, DT and NSS, first ESI).
+RLC is the window scheme: its decoder (:class:`RLCReceiver`, ``decoder_window`` ESIs, at
+most ``max_pending_equations`` pending equations, from the receiver's protocol config) is
+the receiver's window decoder, which holds every known source (kvtransport.core.schemes.
+base, kvtransport.core.receiver). The sender's encoder holds the sender's
+``decoder_window`` ESIs and no repair reaches below ``highest ESI sent - decoder_window +
+1``.
 """
 
 from __future__ import annotations
@@ -25,10 +30,22 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvtransport.codecs.rlc import RLCEncoder
-from kvtransport.core.protocol import DECODER_WINDOW
-from kvtransport.core.schemes.base import OWED_SEGMENTS, RepairScheme, SenderRepair
-from kvtransport.core.wire import REPAIR_SEGMENT, DatagramType, pack_dt_nss
+from kvtransport.codecs.rlc import RLCDecoder, RLCEncoder
+from kvtransport.core.protocol import ProtocolConfig
+from kvtransport.core.schemes.base import (
+    OWED_SEGMENTS,
+    BadFEC,
+    RepairScheme,
+    SenderRepair,
+    WindowDecoder,
+)
+from kvtransport.core.wire import (
+    MAX_FEEDBACK_SEGMENTS,
+    REPAIR_SEGMENT,
+    Datagram,
+    DatagramType,
+    pack_dt_nss,
+)
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from kvtransport.core.policy_base import Policy
@@ -60,9 +77,10 @@ class RLCSender(SenderRepair):
         super().__init__(session, policy)
         s, n = session.symbol_size, session.n_source
         assert session.transfer is not None  # a new session holds its transfer
+        self.decoder_window = session.config.decoder_window
         # stream mode: no per-source copy into an encoder ring
         self.encoder: RLCEncoder | None = RLCEncoder(
-            s, window=min(DECODER_WINDOW, max(n, 1)), stream=session.transfer.payload
+            s, window=min(self.decoder_window, max(n, 1)), stream=session.transfer.payload
         )
         self.answer_holes = bool(policy.reactive)
         self.credit = 0.0
@@ -132,7 +150,7 @@ class RLCSender(SenderRepair):
         for _, seg in flight:
             in_flight[seg] = in_flight.get(seg, 0) + 1
         pending = dict(fb.segments)
-        floor = max(0, s.next_esi - DECODER_WINDOW + 1)
+        floor = max(0, s.next_esi - self.decoder_window + 1)
         holes: dict[int, list[int]] = {}  # segment -> [holes, end]
         for first, count in fb.ranges:
             first_ok = max(first, floor)
@@ -161,7 +179,7 @@ class RLCSender(SenderRepair):
     def _window(self, reactive: bool) -> tuple[int, int]:
         s = self.session
         hi = s.next_esi
-        floor = max(0, hi - DECODER_WINDOW + 1)
+        floor = max(0, hi - self.decoder_window + 1)
         if reactive and self.segments:
             # the lowest segment still short of equations, from its first hole (at or
             # above decoded-through) to its last
@@ -219,12 +237,65 @@ class RLCSender(SenderRepair):
         )
 
 
+class RLCReceiver(RLCDecoder):
+    """The receiver's window decoder (kvtransport.core.schemes.base.WindowDecoder): the RLC
+    decoder, ``config.decoder_window`` ESIs wide, holding at most
+    ``config.max_pending_equations`` pending equations, taking REPAIR datagrams."""
+
+    def __init__(self, symbol_size: int, config: ProtocolConfig) -> None:
+        super().__init__(
+            symbol_size,
+            max_window=config.decoder_window,
+            max_pending=config.max_pending_equations,
+        )
+
+    def add_repair_datagram(self, d: Datagram) -> list[int]:
+        _, _, _, _, key, dt_nss, first, payload = d
+        try:
+            return self.add_repair(first, dt_nss & 0xFFF, key, dt_nss >> 12, payload)
+        except ValueError:
+            raise BadFEC("RLC repair fields out of range") from None
+
+    def repair_row(self, d: Datagram) -> tuple[int, int, int, int]:
+        _, _, _, _, key, dt_nss, first, _ = d
+        nss, dt = dt_nss & 0xFFF, dt_nss >> 12
+        try:
+            self.check_repair(first, nss, key, dt)
+        except ValueError:
+            raise BadFEC("RLC repair fields out of range") from None
+        return first, nss, key, dt
+
+    def pending_segments(self) -> tuple[tuple[int, int], ...]:
+        """(segment, pending equations whose pivot, i.e. lowest unknown, lies in it), lowest
+        segments first, from ``pending_pivots()`` (at most ``MAX_FEEDBACK_SEGMENTS``)."""
+        if self.pending_equations == 0:
+            return ()
+        out: list[list[int]] = []  # a few dozen pivots at most: a plain loop beats np.unique
+        for seg in (self.pending_pivots() // REPAIR_SEGMENT).tolist():
+            if out and out[-1][0] == seg:
+                out[-1][1] += 1
+            elif len(out) < MAX_FEEDBACK_SEGMENTS:
+                out.append([seg, 1])
+            else:
+                break
+        return tuple((seg, count) for seg, count in out)
+
+
 class RLC(RepairScheme):
     name = "rlc"
+    wire_type = _REPAIR
+    window = True
     stat = "rlc_repair_sent"
 
     def sender(self, session: SenderView, policy: Policy) -> SenderRepair:
         return RLCSender(session, policy)
+
+    def check(self, d: Datagram) -> int:
+        # the coding fields are the decoder's to check (add_repair_datagram, repair_row)
+        return d[6] + (d[5] & 0xFFF) - 1  # the last ESI it covers
+
+    def window_decoder(self, symbol_size: int, config: ProtocolConfig) -> WindowDecoder:
+        return RLCReceiver(symbol_size, config)
 
 
 SCHEME = RLC()

@@ -1,0 +1,99 @@
+"""The protocol's configuration (kvtransport.core.protocol.ProtocolConfig): the hosts build
+every session with the config they are given, a non-standard one changes what the sessions
+do, and the standard one is the module constants."""
+
+import dataclasses
+
+import pytest
+
+from kvtransport.core import protocol
+from kvtransport.core.protocol import STANDARD, ProtocolConfig
+from kvtransport.core.transfer import synthetic_transfer
+from kvtransport.core.wire import HEADER_SIZE, TAG_SIZE
+from kvtransport.hosts.receiver_host import ReceiverHost
+from kvtransport.hosts.sender_host import SenderHost
+from kvtransport.sim.virtual_clock import VirtualClockLoop
+
+KEY = bytes(range(32))
+TID = 7
+OTHER = ProtocolConfig(
+    symbol_size=1024,
+    decoder_window=4096,
+    max_pending_equations=256,
+    max_repair_span=512,
+    feedback_interval=0.016,
+    initial_rtt=0.01,
+)
+
+
+class _Path:
+    """2 ms one way; every ``lose``-th datagram lost (0: none)."""
+
+    def __init__(self, lose: int) -> None:
+        self.n, self.lose = 0, lose
+
+    def transmit(self, t: float, size: int) -> float | None:
+        self.n += 1
+        return None if self.lose and self.n % self.lose == 0 else t + 0.002
+
+
+def _transfer(cfg: ProtocolConfig, until: float = 1.0, lose: int = 7):
+    """One transfer between a SenderHost and a ReceiverHost built with ``cfg`` (nothing
+    else set): the two sessions, the data datagrams' sizes, once run to ``until``."""
+    tr = synthetic_transfer(400_000, 20, "zipf", seed=2)
+    sender = SenderHost(rate_bps=50e6, key=KEY, burst_s=0.0, config=cfg)
+    receiver = ReceiverHost(key=KEY, config=cfg)
+    out = sender.submit(tr, "rx", now=0.0, deadline_s=0.5, policy="adaptive", transfer_id=TID)
+    trace: list = []
+    loop = VirtualClockLoop(trace)
+    loop.add(sender, "tx", channel=_Path(lose))
+    loop.add(receiver, "rx", channel=_Path(lose))
+    loop.run(until)
+    sizes = {len(e[3]) for e in trace if e[0] == "send" and e[2] == 0}
+    inc = receiver.get(TID)
+    assert inc is not None
+    return out.session, inc.session, sizes
+
+
+def test_the_standard_config_is_the_module_constants():
+    assert STANDARD == ProtocolConfig()
+    assert (STANDARD.symbol_size, STANDARD.decoder_window, STANDARD.max_pending_equations) == (
+        protocol.DEFAULT_SYMBOL_SIZE, protocol.DECODER_WINDOW, protocol.MAX_PENDING_EQUATIONS
+    )  # fmt: skip
+    assert (STANDARD.max_repair_span, STANDARD.feedback_interval, STANDARD.initial_rtt) == (
+        protocol.MAX_REPAIR_SPAN, protocol.DEFAULT_FEEDBACK_INTERVAL, protocol.DEFAULT_INITIAL_RTT
+    )  # fmt: skip
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        STANDARD.decoder_window = 1  # type: ignore[misc]
+
+
+def test_the_hosts_build_every_session_with_their_config():
+    tx, rx, sizes = _transfer(OTHER, until=0.02)  # mid-transfer: the decoder is live
+    assert tx.config is OTHER and rx.config is OTHER
+    assert sizes == {HEADER_SIZE + 1024 + TAG_SIZE}  # the config's symbol size
+    assert tx.max_repair_span == 512
+    assert rx.decoder is not None
+    assert (rx.decoder.max_window, rx.decoder.max_pending) == (4096, 256)
+    assert rx.feedback_interval == 0.016
+
+
+def test_the_sender_starts_from_the_configs_initial_rtt():
+    host = SenderHost(rate_bps=50e6, key=KEY, config=OTHER)
+    out = host.submit(synthetic_transfer(50_000, 4), "rx", now=0.0, deadline_s=0.5)
+    assert out.session.owd == pytest.approx(OTHER.initial_rtt / 2)
+
+
+def test_a_longer_feedback_interval_sends_less_feedback():
+    """No loss: feedback is periodic only, every ``feedback_interval``."""
+    longer = dataclasses.replace(STANDARD, feedback_interval=4 * STANDARD.feedback_interval)
+    _, rx_std, _ = _transfer(STANDARD, lose=0)
+    _, rx_longer, _ = _transfer(longer, lose=0)
+    assert rx_std.result is not None and rx_longer.result is not None
+    assert rx_longer.feedback_sent < rx_std.feedback_sent / 2
+
+
+def test_a_config_out_of_range_is_refused_in_one_line():
+    with pytest.raises(ValueError, match=r"^max_repair_span must be 1..decoder_window \(9000\)$"):
+        ProtocolConfig(max_repair_span=9000)
+    with pytest.raises(ValueError, match="max_pending_equations"):
+        ProtocolConfig(decoder_window=1024, max_pending_equations=2048)
