@@ -91,7 +91,10 @@ def run(
                 "plan": {k: v for k, v in rep.plan.items() if k != "text"},
                 "rows": {r.label: {"ttft_s": r.ttft_s, "speedup": r.speedup,
                                    "matches": r.matches, "questions": len(r.answers),
-                                   "computed": r.computed_tokens, "utility": r.utility}
+                                   "computed": r.computed_tokens, "utility": r.utility,
+                                   "race_s": r.race_s, "waited_s": r.waited_s,
+                                   "first_token_s": r.first_token_s,
+                                   "transfer_s": r.transfer_s}
                          for r in rows if r.ttft_s is not None},
             })  # fmt: skip
             print(f"{name} seed {seed} {order}: " + ", ".join(
