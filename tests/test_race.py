@@ -198,6 +198,38 @@ def test_a_link_slower_than_planned_is_waited_for_when_computing_costs_more(smol
     assert res.recomputed == 0 and _err(res.kv, kv) < TOL
 
 
+def test_a_silence_longer_than_the_usual_gap_counts_against_the_delivery_rate():
+    """Ranges arrived every 10 ms up to 0.1 s; within one usual gap the next is due at the
+    rate seen, but after 0.4 s of silence what is owed is expected at the rate over all the
+    time elapsed (a receiver measuring up to the last arrival would expect it 10 ms away
+    however long the link has been silent)."""
+    ready = np.full(20, np.inf)
+    ready[:10] = np.linspace(0.01, 0.1, 10)
+    link = _link(np.linspace(0.01, 0.2, 20), deadline_s=10.0)
+    per_range = 0.1 / 10
+    assert link.expected(ready, 10, 0.105) == pytest.approx(0.105 + per_range)
+    silent = 0.5 - per_range  # the time since the start, less one usual gap
+    assert link.expected(ready, 10, 0.5) == pytest.approx(0.5 + silent / 10)
+    assert link.expected(ready, 12, 0.5) == pytest.approx(0.5 + 3 * silent / 10)
+
+
+def test_a_link_that_stalls_is_not_waited_for_forever(smollm, context):
+    """The first ranges arrive quickly, then the link stalls (a long loss burst) and the
+    rest would only come after 5 s: the receiver computes them once the silence makes
+    waiting look worse than computing, instead of waiting out the stall."""
+    ctx, _, kv = context
+    ranges = -(-len(ctx) // BT)
+    plan = np.linspace(0.01, 0.01 * ranges, ranges)
+    plan[0] = np.inf
+    ready = plan.copy()
+    ready[5:] = 5.0
+    res = run_race(smollm.model, ctx, split=BT, received=_poisoned(kv, list(range(5, ranges))),
+                   ready_at=ready, link=_link(plan, deadline_s=10.0), speed=SPEED,
+                   block_tokens=BT)  # fmt: skip
+    assert res.seconds < 2.0 and res.recomputed == len(ctx) - 5 * BT
+    assert _err(res.kv, kv) < TOL
+
+
 def test_range_ready_at_is_the_last_layer(smollm, context):
     from kvtransport.model import blocks, utility
 

@@ -17,7 +17,8 @@ always the whole cache, exact up to the quantization of what was loaded:
 The wait-or-compute rule for a range that has not arrived compares computing it with
 waiting for it (:meth:`LinkView.expected`, from what arrived so far): at the link's
 frontier the range is due when the bytes still owed before it (in the stream's order)
-cross at the delivery rate seen so far (before the first arrival, when the plan says; a
+cross at the delivery rate seen so far, a silence longer than the usual gap between
+arrivals counting against that rate (before the first arrival, when the plan says; a
 link silent well past that is dead); a hole behind the frontier is due ``hole_wait_s``
 after the first range sent after it arrived (repair fills a loss within about a round
 trip); after the sender's deadline
@@ -187,8 +188,13 @@ class LinkView:
             return due if due > clock else np.inf
         if not arrived.any():  # nothing yet: the plan, until its first arrival is overdue
             return np.inf if self.silent(ready_at, clock) else float(self.expect_at[r])
+        # the delivery rate so far; a silence longer than the usual gap between arrivals
+        # counts against it (a loss burst or a stalled link), so what is owed is expected
+        # later the longer nothing comes, and the receiver turns to computing it
         last = float(ready_at[arrived].max())
-        rate = float(self.range_bytes[arrived].sum()) / max(last - self.start_s, 1e-6)
+        elapsed = max(last - self.start_s, 1e-6)
+        gap = elapsed / int(arrived.sum())
+        rate = float(self.range_bytes[arrived].sum()) / max(elapsed, clock - self.start_s - gap)
         owed = float(self.range_bytes[~after & ~arrived].sum())
         return clock + owed / rate
 
