@@ -374,6 +374,7 @@ def make_simulation(
     record: bool = True,
     prior_loss: float | None = None,
     config: ProtocolConfig = STANDARD,
+    trace: list[tuple[Any, ...]] | None = None,
 ) -> Simulation:
     """Set up one transfer (see ``kvtransport simulate --help`` for the arguments).
 
@@ -385,8 +386,9 @@ def make_simulation(
     transfer to a receiver). ``config``: the protocol's settings (kvtransport.core.protocol;
     ``symbol_size`` None is its symbol size); its ``link_overhead`` is what the channels
     count per datagram, the sender paces with and rho's unit (``full_send_time``) and the
-    genie bound assume. The Gymnasium environment builds its
-    episodes here and steps them with ``run_until_decision`` / ``apply_action``.
+    genie bound assume. ``trace``: as :class:`Simulation`'s. The Gymnasium environment
+    builds its episodes here and steps them with ``run_until_decision`` /
+    ``apply_action``.
     """
     if not rho > 0:
         raise ValueError("rho must be positive")
@@ -431,6 +433,7 @@ def make_simulation(
         initial_rtt=2e-3 * prof.delay_ms + 1e-3,
         record=record,
         prior_loss=prior_loss,
+        trace=trace,
         config=config,
     )
     sim.meta = {
