@@ -572,3 +572,14 @@ def test_inside_the_guard_tails_share_the_link_by_what_each_plan_still_wants():
     assert len(rates) == 6
     assert np.allclose(rates, rates[0], rtol=1e-6)  # steady to the deadline
     assert [sched.transfers[i].delivered for i in range(3)] == pytest.approx([2.5e6] * 3)
+
+
+def test_a_transfer_alone_in_its_guard_gets_its_plan_as_soon_as_it_can():
+    # Its tail is not paced out to the deadline: the guard is there so that what is sent
+    # last can still be repaired (pacing it evenly left the last block of three 1 Gbit/s
+    # transfers unsent).
+    u = SigmoidUtility(0.9, 10.0, 0.1)
+    a = ScheduledTransfer("a", 6e6, 0.5, u, delivered=5e6, loss=0.05)
+    b = ScheduledTransfer("b", 6e6, 1.0, u, loss=0.05)
+    out = UtilityWaterFilling(guard_s=0.04).allocate(0.47, 0.475, 1e8, [a, b])
+    assert out.tolist() == pytest.approx([5e5, 0.0])  # the whole slot, not 1e6 / 30 ms
