@@ -76,34 +76,19 @@ def run_cell(
     before_mod: Any,
     baselines: tuple[str, ...] = BASELINES,
 ) -> dict[str, Any]:
-    from kvtransport.netem import load_profile
-
+    """eval_multiuser's run_scenario with the two allocators under names of their own."""
     from kvtransport.hosts import allocator as al
-    from kvtransport.sim import allocation_bound as bound
-    from kvtransport.sim.multisim import simulate_handovers
 
-    delay_s = load_profile(channel).delay_ms * 1e-3
-    guard = al.repair_guard_s(delay_s)
-    policies = {name: (lambda n=name: em.make_policy(n, delay_s)) for name in baselines}
-    policies[BEFORE] = lambda: before_mod.UtilityWaterFilling(guard_s=guard)
-    policies[AFTER] = lambda: al.UtilityWaterFilling(guard_s=guard)
-    res: dict[str, Any] = {}
-    best = 0.0
-    for name, make in policies.items():
-        out = simulate_handovers(hs, make(), channel=channel, rate_mbps=rate, seed=seed)
-        best = max(best, out.efficiency)
-        res[name] = {"accuracy": out.mean_accuracy, "efficiency": out.efficiency}
-    ts = [
-        al.ScheduledTransfer(
-            h.id, h.size, max(h.deadline - delay_s, h.arrival), h.utility, h.weight, h.arrival
-        )
-        for h in hs
-    ]
-    cb = bound.clairvoyant_bound(ts, rate * 1e6 / 8.0 * best, rel_tol=1e-3, max_nodes=100)
-    n = len(hs)
-    for r in res.values():
-        r["ratio"] = r["accuracy"] * n / cb.upper if cb.upper > 0 else 1.0
-    return {"clairvoyant": cb.upper / n, "efficiency": best, "policies": res}
+    def factory(name: str, one_way_s: float) -> Any:
+        mod = {BEFORE: before_mod, AFTER: al}.get(name)
+        if mod is None:
+            return em.make_policy(name, one_way_s)
+        return mod.UtilityWaterFilling(guard_s=al.repair_guard_s(one_way_s))
+
+    return em.run_scenario(
+        hs, rate, channel=channel, fluid=False, seed=seed,
+        policies=(*baselines, BEFORE, AFTER), factory=factory,
+    )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
