@@ -42,6 +42,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -122,8 +123,13 @@ def run_scenario(
     seed: int,
     policies: tuple[str, ...] = POLICIES,
     max_nodes: int = 100,
+    factory: Callable[[str, float], Any] | None = None,
 ) -> dict[str, Any]:
-    """Every policy on one scenario, the clairvoyant bound, the full-cache ceiling."""
+    """Every policy on one scenario, the clairvoyant bound, the full-cache ceiling.
+
+    factory(name, one_way_s) builds each policy (default ``make_policy``; another script
+    passes its own to run variants of a policy under names of its own)."""
+    factory = factory or make_policy
     from kvtransport.netem import load_profile
 
     from kvtransport.hosts import allocator as al
@@ -142,7 +148,7 @@ def run_scenario(
                 al.ScheduledTransfer(h.id, h.size, h.deadline, h.utility, h.weight, h.arrival)
                 for h in handovers
             ]
-            out = bound.simulate_fluid(ts, cap, make_policy(name))
+            out = bound.simulate_fluid(ts, cap, factory(name, 0.0))
             res[name] = {
                 "accuracy": out.weighted_utility / n,
                 "fractions": [out.fractions[h.id] for h in handovers],
@@ -153,7 +159,7 @@ def run_scenario(
         for name in policies:
             out = simulate_handovers(
                 handovers,
-                make_policy(name, delay_s),
+                factory(name, delay_s),
                 channel=channel,
                 rate_mbps=rate_mbps,
                 seed=seed,

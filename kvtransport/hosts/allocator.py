@@ -947,11 +947,15 @@ class UtilityWaterFilling:
     be repaired, and on a lossy link that hole cuts its delivered prefix. Where the plan
     cannot all be through a guard early (transfers due together fill the link to their
     deadline), what spills into the guard (``_tails``) is every planned transfer's tail
-    due then (those whose receivers report loss), in proportion to its plan, and inside
-    the guard those tails are served first, in proportion, so they end together:
-    otherwise value-first serving left the whole spill to the last transfer in value
-    order, sent at the full link rate, where its first loss too late to repair cuts
-    everything after it. Default 0 (what the plan's deadlines say); ``repair_guard_s``
+    due then (those whose receivers report loss), in proportion to its plan: otherwise
+    value-first serving left the whole spill to the last transfer in value order, sent at
+    the full link rate, where its first loss too late to repair cuts everything after it.
+    Inside its guard a lossy transfer's tail is its whole remaining plan, and the tails
+    due are served first, sharing the slot in proportion to what each plan still wants:
+    a transfer alone in its guard gets its plan as soon as it can, and transfers due
+    together each get a steady rate that, held to the deadline, carries exactly its plan,
+    which is what a sender's stop and tail rules assume when they extrapolate its rate.
+    Default 0 (what the plan's deadlines say); ``repair_guard_s``
     gives it from the link's one-way delay, and the sending host's link sets it so.
 
     sticky: keep admitted transfers admitted while their minimum fits (see the module
@@ -1000,9 +1004,12 @@ class UtilityWaterFilling:
         else:
             lossy = np.array([t.loss > 0 for t in active])
             tails = self._tails(now, until, capacity_Bps, deadlines, dl, wants, lossy)
-            # Tails inside their guard first, in proportion (they end together); the
-            # others wait for theirs.
-            due = np.where(deadlines - self.guard_s <= now, tails, 0.0)
+            # Inside its guard a lossy transfer's tail is its whole remaining plan, and the
+            # tails due share the slot in proportion (as soon as possible, and those due
+            # together end together at a steady rate); the others wait for their guards.
+            inside = deadlines - self.guard_s <= now
+            tails = np.where(inside & lossy, wants, tails)
+            due = np.where(inside, tails, 0.0)
             late = due * min(rest / due.sum(), 1.0) if due.sum() > 0 else due
             out = first + late
             out += _value_first_fill(
@@ -1047,7 +1054,8 @@ class UtilityWaterFilling:
         wants); at most what each plan wants. Transfers due earlier cannot take a share:
         they stop before T_k, and the share they leave goes out alone at the end. Without
         loss a spill costs nothing (and spreading it leaves several senders ending with a
-        block they cannot finish), so it stays with value order."""
+        block they cannot finish), so it stays with value order. (Inside a transfer's own
+        guard, ``allocate`` takes its whole remaining plan as its tail.)"""
         out = np.zeros(wants.size)
         if self.guard_s <= 0:
             return out
