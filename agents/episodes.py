@@ -72,7 +72,7 @@ from kvtransport.netem.trace import TraceReplay, read_trace
 
 from kvtransport.core.feedback import LOSS_MEMORY_PACKETS
 from kvtransport.core.policy import DECISION_PACKETS, Policy
-from kvtransport.core.protocol import DEFAULT_SYMBOL_SIZE
+from kvtransport.core.protocol import DEFAULT_SYMBOL_SIZE, STANDARD, ProtocolConfig
 from kvtransport.core.transfer import BlockTable, Transfer, utility_profile
 from kvtransport.sim.simulator import Simulation, full_send_time, make_simulation
 
@@ -249,10 +249,16 @@ def spec_transfer(spec: EpisodeSpec) -> Transfer:
     return Transfer(_payload(n * b), table)
 
 
-def build_simulation(spec: EpisodeSpec, policy: Policy, record: bool = False) -> Simulation:
+def build_simulation(
+    spec: EpisodeSpec,
+    policy: Policy,
+    record: bool = False,
+    config: ProtocolConfig = STANDARD,
+) -> Simulation:
     """The real sender and receiver for ``spec`` over its channels: exactly the run
-    ``kvtransport.sim.simulator.make_simulation`` sets up for the same transfer, profiles, rho
-    and seed (``simulate`` with those arguments gives the same result)."""
+    ``kvtransport.sim.simulator.make_simulation`` sets up for the same transfer, profiles, rho,
+    seed and protocol ``config`` (``simulate`` with those arguments gives the same
+    result)."""
     return make_simulation(
         spec_transfer(spec),
         channel=spec.channel,
@@ -263,6 +269,7 @@ def build_simulation(spec: EpisodeSpec, policy: Policy, record: bool = False) ->
         symbol_size=spec.symbol_size,
         record=record,
         prior_loss=spec.prior_loss,
+        config=config,
     )
 
 

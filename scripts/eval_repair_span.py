@@ -2,14 +2,14 @@
 
 The sender's proactive RLC repairs cover the newest symbols, those feedback cannot have
 reported yet: one RTT plus one decision interval of them, capped at
-``SenderSession.max_repair_span`` (default kvtransport.core.protocol.MAX_REPAIR_SPAN;
-kvtransport/core/sender.py ``_rtt_changed``). On a
-long link the round trip holds more slots than the cap (100 Mbit/s, one-way 80 ms: ~1500
-slots of 1280-byte symbols), so the oldest symbols in flight are outside every proactive
-repair. This script plays the same held-out episodes (scripts/eval_policy.py's long-link
-cells: kvtransport.agents.episodes.eval_spec with a one-way delay, measured block
-utilities) with the cap set to each of --spans in turn (the sender's ``max_repair_span``;
-nothing else changes), and reports, per cell and scheme, the
+``ProtocolConfig.max_repair_span`` (standard: kvtransport.core.protocol.MAX_REPAIR_SPAN;
+kvtransport/core/sender.py ``_rtt_changed``). On a long link the round trip holds more
+slots than the cap (100 Mbit/s, one-way 80 ms: ~1500 slots of 1280-byte symbols), so the
+oldest symbols in flight are outside every proactive repair. This script plays the same
+held-out episodes (scripts/eval_policy.py's long-link cells:
+kvtransport.agents.episodes.eval_spec with a one-way delay, measured block utilities) with
+the cap set to each of --spans in turn (a ProtocolConfig with that ``max_repair_span``
+passed to the simulation; nothing else changes), and reports, per cell and scheme, the
 mean utility recovered before the deadline at the first span and the paired differences
 (same episodes, same channel draws) of every other span against it, with 95 % t-intervals.
 
@@ -37,6 +37,7 @@ from time import perf_counter_ns
 
 import numpy as np
 
+from kvtransport.core.protocol import STANDARD
 from kvtransport.core.wire import REPAIR_SEGMENT
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -113,8 +114,8 @@ def run_episode(cell: str, scheme: str, span: int, index: int, timers: Timers) -
     prof = replace(load_profile(channel), rate_mbps=mbps)
     spec = eval_spec(prof, rho, index, "measured", delay_ms=delay)
     before = timers.snapshot()
-    sim = build_simulation(spec, make_scheme(scheme, None))
-    sim.sender.max_repair_span = span  # before anything is sent
+    config = replace(STANDARD, max_repair_span=span)
+    sim = build_simulation(spec, make_scheme(scheme, None), config=config)
     sim.run()
     after = timers.snapshot()
     s = sim.sender
@@ -236,8 +237,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(exc))
     if not cells or not schemes or len(spans) < 2 or args.episodes < 2:
         p.error("need a cell, a scheme, two spans and --episodes >= 2")
-    if not all(1 <= sp <= MAX_NSS for sp in spans):
-        p.error(f"spans must be in 1..{MAX_NSS} (the most symbols one repair can cover)")
+    if not all(REPAIR_SEGMENT <= sp <= MAX_NSS for sp in spans):
+        p.error(
+            f"spans must be in {REPAIR_SEGMENT}..{MAX_NSS} (a reactive repair's segment up to "
+            "the most symbols one repair can cover)"
+        )
     timers = Timers()
     rows: dict = {(c, s, sp): [] for c in cells for s in schemes for sp in spans}
     t0 = time.time()

@@ -97,3 +97,63 @@ def test_a_config_out_of_range_is_refused_in_one_line():
         ProtocolConfig(max_repair_span=9000)
     with pytest.raises(ValueError, match="max_pending_equations"):
         ProtocolConfig(decoder_window=1024, max_pending_equations=2048)
+
+
+# ---------------------------------------------------------------- the shells pass it on
+
+SHELL = dataclasses.replace(OTHER, link_overhead=0)
+
+
+def test_the_simulators_build_their_hosts_with_their_config():
+    from kvtransport.hosts.allocator import EqualShare
+    from kvtransport.hosts.utility_model import SigmoidUtility
+    from kvtransport.sim.multisim import Handover, MultiSimulation
+    from kvtransport.sim.simulator import make_simulation
+
+    sim = make_simulation(channel="clean", size_bytes=200_000, config=SHELL, record=False)
+    assert sim.sender_host.config is SHELL and sim.receiver_host.config is SHELL
+    assert sim.sender.config is SHELL and sim.receiver.config is SHELL
+    assert sim.sender.symbol_size == 1024 and sim.sender.owd == pytest.approx(0.0055)
+    sim.restart_receiver()  # a restarted receiver is built with it too
+    assert sim.receiver_host.config is SHELL
+
+    curve = SigmoidUtility(a=1.0, b=10.0, c=0.5)
+    ms = MultiSimulation([Handover(0, 0.0, 0.2, 100_000, curve)], EqualShare(), config=SHELL)
+    assert ms.sender.config is SHELL and ms.sender.symbol_size == 1024
+    assert all(u.host.config is SHELL for u in ms.users)
+    assert ms.data_channel.overhead_bytes == ms.feedback_channel.overhead_bytes == 0
+
+
+def test_the_daemons_build_their_hosts_with_their_config(tmp_path):
+    from kvtransport.core.wire import full_send_time
+    from kvtransport.daemons.api import transfer_frames
+    from kvtransport.daemons.daemon_receiver import ReceiverDaemon
+    from kvtransport.daemons.daemon_sender import SenderDaemon
+
+    tx = SenderDaemon(
+        bind=("127.0.0.1", 0), control=f"ipc://{tmp_path}/s.ipc", rate_bps=50e6, key=KEY,
+        config=SHELL,
+    )  # fmt: skip
+    try:
+        host = tx.engine.host
+        assert host.config is SHELL and host.symbol_size == 1024
+        assert host.link.link_overhead == 0
+        tr = synthetic_transfer(300_000, 8, seed=4)
+        got = tx._submit({"to": "127.0.0.1:9", "rho": 1.0}, transfer_frames(tr))
+        # rho counts the config's link overhead; no initial_rtt_ms: the config's
+        assert got["deadline_s"] == pytest.approx(
+            full_send_time(300_000, 50e6, 1024, True, link_overhead=0)
+        )
+        out = host.get(int(got["transfer_id"], 16))
+        assert out is not None and out.session.config is SHELL
+        assert out.session.owd == pytest.approx(SHELL.initial_rtt / 2)
+    finally:
+        tx.close()
+    rx = ReceiverDaemon(
+        bind=("127.0.0.1", 0), control=f"ipc://{tmp_path}/r.ipc",
+        publish=f"ipc://{tmp_path}/p.ipc", key=KEY, config=SHELL,
+    )  # fmt: skip
+    try:
+        assert rx.engine.host.config is SHELL
+    finally:
+        rx.close()

@@ -1,5 +1,6 @@
-"""A small run of scripts/eval_repair_span.py: the proactive repair span cap it patches
-reaches the real sender, and only where a round trip holds more slots than the cap."""
+"""A small run of scripts/eval_repair_span.py: the proactive repair span cap it passes in
+(a ProtocolConfig) reaches the real sender, and only where a round trip holds more slots
+than the cap."""
 
 import json
 import subprocess

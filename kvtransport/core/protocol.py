@@ -21,17 +21,23 @@ MIN_DECODER_WINDOW = 4096
 """The smallest decoder window decoder_window() returns (0.45 s at 100 Mbit/s)."""
 
 
-def decoder_window(rate_bps: float, rtt_s: float, symbol_size: int = DEFAULT_SYMBOL_SIZE) -> int:
+def decoder_window(
+    rate_bps: float,
+    rtt_s: float,
+    symbol_size: int = DEFAULT_SYMBOL_SIZE,
+    link_overhead: int | None = None,
+) -> int:
     """Source ESIs a decoder must hold for a link of ``rate_bps`` and round trip ``rtt_s``.
 
     A hole is reported after about one round trip of sending and repaired one more round trip
     later, so the window spans two bandwidth-delay products of datagrams (symbol, 28-byte
-    header, 16-byte tag, LINK_OVERHEAD_BYTES), rounded up to a power of two, at least
-    MIN_DECODER_WINDOW.
+    header, 16-byte tag, ``link_overhead``; None: LINK_OVERHEAD_BYTES), rounded up to a
+    power of two, at least MIN_DECODER_WINDOW.
     """
     if not (rate_bps > 0 and rtt_s >= 0 and symbol_size > 0):
         raise ValueError("rate_bps and symbol_size must be positive, rtt_s non-negative")
-    wire = symbol_size + 28 + 16 + LINK_OVERHEAD_BYTES
+    overhead = LINK_OVERHEAD_BYTES if link_overhead is None else link_overhead
+    wire = symbol_size + 28 + 16 + overhead
     need = 2.0 * rate_bps * rtt_s / (8 * wire)
     window = MIN_DECODER_WINDOW
     while window < need:

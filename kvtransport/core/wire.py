@@ -113,17 +113,29 @@ MAX_NSS = 0x0FFF
 MAX_DT = 15
 
 
-def link_bytes(symbol_size: int, tagged: bool = False) -> int:
+def link_bytes(
+    symbol_size: int, tagged: bool = False, *, link_overhead: int = LINK_OVERHEAD_BYTES
+) -> int:
     """Bytes one data datagram of ``symbol_size`` occupies on the link: header, symbol,
-    authentication tag when sealed, and the link's own overhead (LINK_OVERHEAD_BYTES)."""
-    return HEADER_SIZE + symbol_size + (TAG_SIZE if tagged else 0) + LINK_OVERHEAD_BYTES
+    authentication tag when sealed, and the link's own ``link_overhead`` per datagram (a
+    caller holding a ProtocolConfig passes its ``link_overhead``; the default is the
+    standard one's)."""
+    return HEADER_SIZE + symbol_size + (TAG_SIZE if tagged else 0) + link_overhead
 
 
-def full_send_time(n_bytes: int, rate_bps: float, symbol_size: int, tagged: bool = False) -> float:
-    """Seconds to send a payload's source symbols loss-free at the link rate: rho's unit
-    (a deadline of ``rho`` is ``rho * full_send_time(...)``)."""
+def full_send_time(
+    n_bytes: int,
+    rate_bps: float,
+    symbol_size: int,
+    tagged: bool = False,
+    *,
+    link_overhead: int = LINK_OVERHEAD_BYTES,
+) -> float:
+    """Seconds to send a payload's source symbols loss-free at the link rate, counting
+    ``link_overhead`` bytes per datagram (as :func:`link_bytes`): rho's unit (a deadline
+    of ``rho`` is ``rho * full_send_time(...)``)."""
     n_source = -(-n_bytes // symbol_size)
-    return n_source * link_bytes(symbol_size, tagged) * 8.0 / rate_bps
+    return n_source * link_bytes(symbol_size, tagged, link_overhead=link_overhead) * 8.0 / rate_bps
 
 
 class DatagramType(IntEnum):

@@ -23,6 +23,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from kvtransport.core.protocol import STANDARD, ProtocolConfig
 from kvtransport.core.replay import DEFAULT_WINDOW_S, open_record
 from kvtransport.daemons.api import load_json_header
 from kvtransport.daemons.daemon import DaemonShell
@@ -141,7 +142,8 @@ class ReceiverEngine:
 
 class ReceiverDaemon(DaemonShell):
     """`kvtransport receiver-daemon`: a :class:`ReceiverEngine`, its control socket, the
-    results publisher and optional result files."""
+    results publisher and optional result files. ``config``: the protocol's settings its
+    host builds every session with (kvtransport.core.protocol)."""
 
     role = "receiver"
     STOP_TEXT = "partial result(s) delivered"
@@ -165,6 +167,7 @@ class ReceiverDaemon(DaemonShell):
         replay_window_s: float = DEFAULT_WINDOW_S,
         curve_secret_file: str | None = None,
         pub_backlog: int = PUB_BACKLOG,
+        config: ProtocolConfig = STANDARD,
     ) -> None:
         from kvtransport.daemons.api import check_endpoint
         from kvtransport.daemons.daemon import StatsWriter, curve_secret, warm_up
@@ -191,6 +194,7 @@ class ReceiverDaemon(DaemonShell):
             budget_bytes=budget_bytes,
             replay=replay,
             wall_clock=time.time,
+            config=config,
         )
         self.engine = ReceiverEngine(self.sock, host, on_result=self._result)
         self.publish_endpoint = publish

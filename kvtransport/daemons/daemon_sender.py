@@ -22,7 +22,7 @@ from typing import Any
 from kvtransport import bounds
 from kvtransport.bounds import MAX_DEADLINE_S, MAX_INITIAL_RTT_S, MIN_DEADLINE_S
 from kvtransport.core.policy import make_policy
-from kvtransport.core.protocol import DEFAULT_INITIAL_RTT, DEFAULT_SYMBOL_SIZE
+from kvtransport.core.protocol import LINK_OVERHEAD_BYTES, STANDARD, ProtocolConfig
 from kvtransport.core.transfer import Transfer
 from kvtransport.core.wire import full_send_time
 from kvtransport.daemons.daemon import DaemonShell
@@ -155,13 +155,20 @@ class SenderEngine:
 
 
 def deadline_from(
-    head: dict[str, Any], nbytes: int, rate_bps: float, symbol_size: int, tagged: bool
+    head: dict[str, Any],
+    nbytes: int,
+    rate_bps: float,
+    symbol_size: int,
+    tagged: bool,
+    *,
+    link_overhead: int = LINK_OVERHEAD_BYTES,
 ) -> float:
     """Seconds to the deadline from a request's ``deadline_ms`` or ``rho``, bounded to
     [MIN_DEADLINE_S, MAX_DEADLINE_S] (kvtransport.bounds); UserError otherwise.
 
     rho is the deadline over the time the whole stream takes loss-free at the link rate
-    (kvtransport.core.wire.full_send_time), as in ``kvtransport simulate``.
+    with ``link_overhead`` bytes per datagram (kvtransport.core.wire.full_send_time), as in
+    ``kvtransport simulate``.
     """
     if head.get("deadline_ms") is not None:
         if head.get("rho") is not None:
@@ -172,7 +179,9 @@ def deadline_from(
         value = ms * 1e-3
     elif head.get("rho") is not None:
         rho = bounds.number(head["rho"], "rho", 0.0, bounds.MAX_RHO, lo_open=True)
-        value = rho * full_send_time(nbytes, rate_bps, symbol_size, tagged)
+        value = rho * full_send_time(
+            nbytes, rate_bps, symbol_size, tagged, link_overhead=link_overhead
+        )
     else:
         raise UserError("a transfer needs deadline_ms or rho")
     if not MIN_DEADLINE_S <= value <= MAX_DEADLINE_S:
@@ -188,7 +197,10 @@ class SenderDaemon(DaemonShell):
 
     ``utility_table``: a ``fit-utility`` table for requests naming a model and context
     length. ``stats``: where the per-transfer JSON lines go
-    (kvtransport.daemons.daemon.StatsWriter).
+    (kvtransport.daemons.daemon.StatsWriter). ``config``: the protocol's settings its host
+    builds every session with (kvtransport.core.protocol; ``symbol_size`` None is its
+    symbol size, a request without ``initial_rtt_ms`` gets its initial RTT, and ``rho``
+    counts its link overhead).
     """
 
     role = "sender"
@@ -203,7 +215,7 @@ class SenderDaemon(DaemonShell):
         rate_bps: float,
         key: bytes | None,
         policy: str = "adaptive",
-        symbol_size: int = DEFAULT_SYMBOL_SIZE,
+        symbol_size: int | None = None,
         gso: bool = True,
         burst_s: float = DEFAULT_BURST_S,
         slot_s: float = DEFAULT_SLOT_S,
@@ -211,6 +223,7 @@ class SenderDaemon(DaemonShell):
         utility_table: str | None = None,
         stats: Any = None,
         curve_secret_file: str | None = None,
+        config: ProtocolConfig = STANDARD,
     ) -> None:
         from kvtransport.daemons.api import check_endpoint
         from kvtransport.daemons.daemon import StatsWriter, curve_secret, warm_up
@@ -235,6 +248,7 @@ class SenderDaemon(DaemonShell):
             burst_s=burst_s,
             slot_s=slot_s,
             max_transfers=max_transfers,
+            config=config,
         )
         self.engine = SenderEngine(self.sock, host, on_finish=self._finished)
         self._start_control(
@@ -256,14 +270,19 @@ class SenderDaemon(DaemonShell):
         e = self.engine
         h = e.host
         deadline_s = deadline_from(
-            head, transfer.nbytes, h.rate_bps, h.symbol_size, h.key is not None
+            head,
+            transfer.nbytes,
+            h.rate_bps,
+            h.symbol_size,
+            h.key is not None,
+            link_overhead=h.config.link_overhead,
         )
         tid = parse_tid(head["transfer_id"]) if head.get("transfer_id") is not None else None
         policy = head.get("policy")
         policy = bounds.text(policy, "policy", 200) if policy is not None else self.policy
         rtt_ms = head.get("initial_rtt_ms")
         if rtt_ms is None:
-            rtt_ms = DEFAULT_INITIAL_RTT * 1e3
+            rtt_ms = h.config.initial_rtt * 1e3
         rtt_ms = bounds.number(rtt_ms, "initial_rtt_ms", 0.0, 1e3 * MAX_INITIAL_RTT_S, lo_open=True)
         out = e.submit(
             transfer,

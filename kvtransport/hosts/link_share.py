@@ -49,6 +49,7 @@ from kvtransport.core.policy import Adaptive
 from kvtransport.core.protocol import (
     DEFAULT_FEEDBACK_INTERVAL,
     DEFAULT_SYMBOL_SIZE,
+    LINK_OVERHEAD_BYTES,
 )
 from kvtransport.core.sender import SenderSession
 from kvtransport.core.wire import link_bytes
@@ -66,9 +67,15 @@ MIN_PRIOR_LOSS = 0.002
 MAX_PRIOR_LOSS = 0.9
 
 
-def payload_efficiency(symbol_size: int = DEFAULT_SYMBOL_SIZE, tagged: bool = False) -> float:
-    """Share of the wire bytes of a data datagram that is payload (symbol)."""
-    return symbol_size / link_bytes(symbol_size, tagged)
+def payload_efficiency(
+    symbol_size: int = DEFAULT_SYMBOL_SIZE,
+    tagged: bool = False,
+    *,
+    link_overhead: int = LINK_OVERHEAD_BYTES,
+) -> float:
+    """Share of the wire bytes of a data datagram that is payload (symbol), the link
+    counting ``link_overhead`` bytes per datagram (kvtransport.core.wire.link_bytes)."""
+    return symbol_size / link_bytes(symbol_size, tagged, link_overhead=link_overhead)
 
 
 @dataclass
@@ -106,7 +113,9 @@ class LinkShare:
     one_way_s: the link's one-way delay (change it with :meth:`set_one_way`); tagged:
     datagrams carry an authentication tag; capacity_Bps: feed the allocator this fixed
     payload capacity instead of the estimate from the rate and the reported loss;
-    feedback_interval_s: how often the receivers report.
+    feedback_interval_s: how often the receivers report; link_overhead: the bytes the link
+    counts per datagram besides it (the members' sessions must pace with the same, as
+    SenderHost's config gives both).
 
     The default policy's guard (what must be through before a deadline so that a loss
     can still be repaired) is ``repair_guard_s(one_way_s, feedback_interval_s)`` and
@@ -124,13 +133,16 @@ class LinkShare:
         one_way_s: float = 0.0,
         capacity_Bps: float | None = None,
         feedback_interval_s: float = DEFAULT_FEEDBACK_INTERVAL,
+        link_overhead: int = LINK_OVERHEAD_BYTES,
     ) -> None:
         if not (rate_bps > 0 and math.isfinite(rate_bps)):
             raise ValueError("the link rate must be a positive number")
         self.rate_bps = float(rate_bps)
-        self.efficiency = payload_efficiency(symbol_size, tagged)
+        self.link_overhead = link_overhead
+        self.efficiency = payload_efficiency(symbol_size, tagged, link_overhead=link_overhead)
         self.fixed_capacity = capacity_Bps
-        self.min_rate_bps = link_bytes(symbol_size, tagged) * 8.0 / slot_s
+        wire = link_bytes(symbol_size, tagged, link_overhead=link_overhead)
+        self.min_rate_bps = wire * 8.0 / slot_s
         self.symbol_size = symbol_size
         self.members: dict[int, Member] = {}
         self.feedback_interval_s = float(feedback_interval_s)
@@ -146,9 +158,15 @@ class LinkShare:
     # ------------------------------------------------------------------ membership
 
     def join(self, member: Member) -> None:
-        """Put a new transfer on the link (its rate is set by the next :meth:`step`)."""
+        """Put a new transfer on the link (its rate is set by the next :meth:`step`); its
+        session must pace with the link's ``link_overhead`` (ValueError otherwise)."""
         if member.id in self.members:
             raise ValueError(f"transfer {member.id} is already on the link")
+        if member.session.link_overhead != self.link_overhead:
+            raise ValueError(
+                f"transfer {member.id} paces with {member.session.link_overhead} bytes of link "
+                f"overhead per datagram, the link counts {self.link_overhead}"
+            )
         self.members[member.id] = member
         self._prime(member)
         self.scheduler.add(self._scheduled(member))

@@ -248,7 +248,8 @@ class SenderHost:
     capacity_Bps: feed the allocator this fixed payload capacity instead of its estimate;
     config: the protocol's settings every session of the host is built with
     (kvtransport.core.protocol; also the symbol size and initial RTT when not given, and
-    the feedback interval the allocator's guard assumes).
+    the feedback interval the allocator's guard assumes, and the per-datagram link
+    overhead the link's capacity and the sessions' pacing count).
     """
 
     def __init__(
@@ -291,6 +292,7 @@ class SenderHost:
             one_way_s=one_way_s or 0.0,
             capacity_Bps=capacity_Bps,
             feedback_interval_s=config.feedback_interval,
+            link_overhead=config.link_overhead,
         )
         self._sched_at: float | None = None
         self._replan_at: float | None = None  # a transfer ended then: re-plan at once

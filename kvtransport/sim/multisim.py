@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from kvtransport.core.policy import make_policy
-from kvtransport.core.protocol import DEFAULT_SYMBOL_SIZE, LINK_OVERHEAD_BYTES
+from kvtransport.core.protocol import STANDARD, ProtocolConfig
 from kvtransport.core.transfer import BlockTable, Transfer, utility_profile
 from kvtransport.hosts.allocator import SlotPolicy
 from kvtransport.hosts.link_share import LinkShare, payload_efficiency
@@ -178,7 +178,10 @@ class MultiSimulation:
     appends every call it makes into a host and what came out (kvtransport.sim.virtual_clock:
     endpoint 0 is the sender host, endpoint i + 1 user i's receiver host; a ``call`` is a
     handover's arrival, its submit to the sender host; tests/test_hosts.py replays them
-    into the daemons' engines).
+    into the daemons' engines). ``config``: the protocol's settings the sender host and
+    every receiver host are built with (kvtransport.core.protocol; ``symbol_size`` None is
+    its symbol size); its ``link_overhead`` is what both channels and ``wire_bytes`` count
+    per datagram, as the sessions' pacing and the link's capacity do.
     """
 
     def __init__(
@@ -192,11 +195,12 @@ class MultiSimulation:
         repair_policy: str = "adaptive",
         slot_s: float = DEFAULT_SLOT_S,
         seed: int = 1,
-        symbol_size: int = DEFAULT_SYMBOL_SIZE,
+        symbol_size: int | None = None,
         key: bytes | None = None,
         block_bytes: int = DEFAULT_BLOCK_BYTES,
         capacity_Bps: float | None = None,
         trace: list[tuple[Any, ...]] | None = None,
+        config: ProtocolConfig = STANDARD,
     ) -> None:
         if not handovers:
             raise ValueError("a scenario needs at least one handover")
@@ -208,6 +212,7 @@ class MultiSimulation:
         self.rate_bps = self.profile.rate_mbps * 1e6
         self.delay_s = self.profile.delay_ms * 1e-3
         self.repair_policy = repair_policy
+        self.config = config
         self.sender = SenderHost(
             rate_bps=self.rate_bps,
             key=key,
@@ -218,11 +223,15 @@ class MultiSimulation:
             slot_policy=slot_policy,
             one_way_s=self.delay_s,
             capacity_Bps=capacity_Bps,
+            config=config,
         )
         ss = np.random.SeedSequence(seed)
         data_seed, fb_seed, id_seed, payload_seed = ss.spawn(4)
-        self.data_channel: Channel = make_channel(self.profile, data_seed)
-        self.feedback_channel: Channel = make_channel(self.profile, fb_seed)
+        overhead = config.link_overhead
+        self.data_channel: Channel = make_channel(self.profile, data_seed, overhead_bytes=overhead)
+        self.feedback_channel: Channel = make_channel(
+            self.profile, fb_seed, overhead_bytes=overhead
+        )
         tids = np.random.default_rng(id_seed).integers(1, 2**63, len(handovers), dtype=np.int64)
         # One random pool: every cache is a prefix of it (contents do not matter here).
         pool = np.random.default_rng(payload_seed).integers(
@@ -237,7 +246,7 @@ class MultiSimulation:
             edges = np.minimum(np.arange(n_blocks + 1, dtype=np.int64) * block_bytes, h.size)
             blocks = BlockTable(edges[:-1], np.diff(edges), utility_profile("zipf", n_blocks))
             addr = (f"user-{h.id}", 1)
-            host = ReceiverHost(key=key, max_transfers=1, max_bytes=max_bytes)
+            host = ReceiverHost(key=key, max_transfers=1, max_bytes=max_bytes, config=config)
             self.users.append(_User(h, Transfer(pool[: h.size], blocks), int(tid), addr, host))
         self.policy_name = getattr(slot_policy, "name", type(slot_policy).__name__)
         self.loop = VirtualClockLoop(trace)
@@ -276,9 +285,9 @@ class MultiSimulation:
 
     @property
     def wire_bytes(self) -> int:
-        """Data datagrams on the link, with the link's per-datagram overhead."""
+        """Data datagrams on the link, with the link's per-datagram overhead (the config's)."""
         n, nbytes = self.loop.sent(self._sender_i)
-        return nbytes + n * LINK_OVERHEAD_BYTES
+        return nbytes + n * self.config.link_overhead
 
     # ------------------------------------------------------------------ events
 

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from kvtransport.core.policy import Policy, make_policy
-from kvtransport.core.protocol import DEFAULT_SYMBOL_SIZE
+from kvtransport.core.protocol import STANDARD, ProtocolConfig
 from kvtransport.core.receiver import ReceiverSession
 from kvtransport.core.sender import SenderSession
 from kvtransport.core.transfer import Transfer, synthetic_transfer
@@ -100,6 +100,11 @@ class Simulation:
     endpoint 1). ``sender`` / ``receiver``: the transfer's sessions in the two hosts
     (``sender_host`` / ``receiver_host``); ``transfer``: what is sent (the sender host
     releases its session's payload when the session is done).
+
+    ``config``: the protocol's settings both hosts are built with (kvtransport.core.protocol;
+    also the symbol size and initial RTT when not given). A channel that counts a link
+    overhead per datagram (``overhead_bytes``, as kvtransport.netem's) must count the
+    config's ``link_overhead``, which the sender paces with: ValueError otherwise.
     """
 
     def __init__(
@@ -113,12 +118,21 @@ class Simulation:
         deadline: float,
         transfer_id: int = 1,
         key: bytes | None = None,
-        symbol_size: int = DEFAULT_SYMBOL_SIZE,
-        initial_rtt: float = 0.02,
+        symbol_size: int | None = None,
+        initial_rtt: float | None = None,
         record: bool = True,
         prior_loss: float | None = None,
         trace: list[tuple[Any, ...]] | None = None,
+        config: ProtocolConfig = STANDARD,
     ) -> None:
+        for name, ch in (("data", data_channel), ("feedback", feedback_channel)):
+            counted = getattr(ch, "overhead_bytes", config.link_overhead)
+            if counted != config.link_overhead:
+                raise ValueError(
+                    f"the {name} channel counts {counted} bytes of link overhead per "
+                    f"datagram, the config's link_overhead is {config.link_overhead}"
+                )
+        self.config = config
         self.data_channel = data_channel
         self.feedback_channel = feedback_channel
         self.deadline = deadline
@@ -135,9 +149,10 @@ class Simulation:
             policy=policy,
             transfer_id=transfer_id,
             key=key,
-            symbol_size=symbol_size,
-            initial_rtt=initial_rtt,
+            symbol_size=config.symbol_size if symbol_size is None else symbol_size,
+            initial_rtt=config.initial_rtt if initial_rtt is None else initial_rtt,
             prior_loss=prior_loss,
+            config=config,
         )
         self.sender: SenderSession = outgoing.session
         if hasattr(policy, "bind_sender"):
@@ -178,7 +193,11 @@ class Simulation:
         )
 
     def _receiver_host(self) -> ReceiverHost:
-        return ReceiverHost(key=self.key, max_bytes=max(self.transfer.nbytes, DEFAULT_MAX_BYTES))
+        return ReceiverHost(
+            key=self.key,
+            max_bytes=max(self.transfer.nbytes, DEFAULT_MAX_BYTES),
+            config=self.config,
+        )
 
     @property
     def receiver(self) -> ReceiverSession:
@@ -308,6 +327,7 @@ def genie_bound(
     delay_s: float,
     symbol_size: int,
     key: bytes | None = None,
+    link_overhead: int = STANDARD.link_overhead,
 ) -> float:
     """Utility no scheme pacing at the link rate can beat on this channel's future.
 
@@ -315,12 +335,13 @@ def genie_bound(
     one symbol's worth of new information; the manifest needs its own symbols first, and
     the best case delivers the source symbols in stream order. So at most the first
     ``surviving - manifest symbols`` source symbols arrive, and only blocks entirely
-    inside them count. Call before the channel is used.
+    inside them count. Datagrams take ``link_overhead`` bytes on the link besides
+    themselves (kvtransport.core.wire.link_bytes). Call before the channel is used.
     """
     from kvtransport.core.manifest_fec import manifest_symbols
     from kvtransport.core.transfer import TransportManifest
 
-    slot = link_bytes(symbol_size, key is not None) * 8 / rate_bps
+    slot = link_bytes(symbol_size, key is not None, link_overhead=link_overhead) * 8 / rate_bps
     n_slots = max(0, int((deadline - delay_s) / slot) + 1)
     surviving = n_slots - int(data_channel.lookahead_losses(n_slots).sum()) if n_slots else 0
     m = manifest_symbols(
@@ -348,10 +369,12 @@ def make_simulation(
     size_bytes: int = DEFAULT_SIZE_BYTES,
     n_blocks: int | None = None,
     utility_profile: str = "zipf",
-    symbol_size: int = DEFAULT_SYMBOL_SIZE,
+    symbol_size: int | None = None,
     key: bytes | None = None,
     record: bool = True,
     prior_loss: float | None = None,
+    config: ProtocolConfig = STANDARD,
+    trace: list[tuple[Any, ...]] | None = None,
 ) -> Simulation:
     """Set up one transfer (see ``kvtransport simulate --help`` for the arguments).
 
@@ -360,11 +383,18 @@ def make_simulation(
     (default: 12 KiB each) with the given utility profile. Every random choice (channels,
     payload, transfer id) derives from ``seed``. ``prior_loss``: the sender's loss prior
     before any feedback (``SenderSession.set_prior_loss``; None: none, as a daemon's first
-    transfer to a receiver). The Gymnasium environment builds its
-    episodes here and steps them with ``run_until_decision`` / ``apply_action``.
+    transfer to a receiver). ``config``: the protocol's settings (kvtransport.core.protocol;
+    ``symbol_size`` None is its symbol size); its ``link_overhead`` is what the channels
+    count per datagram, the sender paces with and rho's unit (``full_send_time``) and the
+    genie bound assume. ``trace``: as :class:`Simulation`'s. The Gymnasium environment
+    builds its episodes here and steps them with ``run_until_decision`` /
+    ``apply_action``.
     """
     if not rho > 0:
         raise ValueError("rho must be positive")
+    if symbol_size is None:
+        symbol_size = config.symbol_size
+    overhead = config.link_overhead
     prof = load_profile(channel).with_overrides(rate_mbps, delay_ms)
     rate_bps = prof.rate_mbps * 1e6
     ss = np.random.SeedSequence(seed)
@@ -375,16 +405,20 @@ def make_simulation(
             size_bytes, blocks, utility_profile, seed=int(payload_seed.generate_state(1)[0])
         )
     pol = make_policy(policy) if isinstance(policy, str) else policy
-    data_ch = make_channel(prof, data_seed)
+    data_ch = make_channel(prof, data_seed, overhead_bytes=overhead)
     if isinstance(feedback_channel, Channel):
         fb_ch = feedback_channel
     else:
         fb_prof = prof if feedback_channel is None else load_profile(feedback_channel)
-        fb_ch = make_channel(fb_prof.with_overrides(rate_mbps, delay_ms), fb_seed)
-    deadline = rho * full_send_time(transfer.nbytes, rate_bps, symbol_size, key is not None)
+        fb_ch = make_channel(
+            fb_prof.with_overrides(rate_mbps, delay_ms), fb_seed, overhead_bytes=overhead
+        )
+    deadline = rho * full_send_time(
+        transfer.nbytes, rate_bps, symbol_size, key is not None, link_overhead=overhead
+    )
     tid = int(tid_seed.generate_state(2, np.uint64)[0])
     bound = genie_bound(
-        transfer, data_ch, rate_bps, deadline, prof.delay_ms * 1e-3, symbol_size, key
+        transfer, data_ch, rate_bps, deadline, prof.delay_ms * 1e-3, symbol_size, key, overhead
     )
     sim = Simulation(
         transfer,
@@ -399,6 +433,8 @@ def make_simulation(
         initial_rtt=2e-3 * prof.delay_ms + 1e-3,
         record=record,
         prior_loss=prior_loss,
+        trace=trace,
+        config=config,
     )
     sim.meta = {
         "channel": prof.name,
