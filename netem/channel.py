@@ -27,10 +27,13 @@ from collections import deque
 import numpy as np
 from kvtransport.netem.loss import LossSampler
 
+from kvtransport.core.protocol import LINK_OVERHEAD_BYTES
+
 __all__ = ["Channel", "DelaySampler", "UDP_OVERHEAD_BYTES", "CHUNK"]
 
-UDP_OVERHEAD_BYTES = 42
-"""Ethernet (14) + IPv4 (20) + UDP (8) header bytes the shaper counts per datagram."""
+UDP_OVERHEAD_BYTES = LINK_OVERHEAD_BYTES
+"""Ethernet (14) + IPv4 (20) + UDP (8) header bytes the shaper counts per datagram: the
+protocol's standard link overhead (kvtransport.core.protocol), one definition."""
 
 CHUNK = 4096
 """Packets whose loss fates and delays are drawn at once."""

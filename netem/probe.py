@@ -24,13 +24,14 @@ from typing import Any
 
 import numpy as np
 
+from kvtransport.core.protocol import LINK_OVERHEAD_BYTES
+
 __all__ = ["send", "receive", "summarize", "main", "HEADER"]
 
 HEADER = struct.Struct("!QQI")
 SO_RCVBUFFORCE = 33
 SO_TIMESTAMPNS = 35
 TIMESPEC = struct.Struct("@qq")
-WIRE_OVERHEAD = 42
 
 
 def _addr(text: str) -> tuple[str, int]:
@@ -62,7 +63,7 @@ def send(
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
     sock.connect(dest)
     buf = bytearray(size)
-    gap_ns = (size + WIRE_OVERHEAD) * 8 / (rate_mbps * 1e6) * 1e9
+    gap_ns = (size + LINK_OVERHEAD_BYTES) * 8 / (rate_mbps * 1e6) * 1e9
     max_burst = max(1, int(max_burst_s * 1e9 / gap_ns))
     late = 0
     start = time.monotonic_ns()
@@ -95,7 +96,7 @@ def send(
         "send_errors": errors,
         "late": late,
         "duration_s": elapsed,
-        "offered_mbps": count * (size + WIRE_OVERHEAD) * 8 / max(elapsed, 1e-9) / 1e6,
+        "offered_mbps": count * (size + LINK_OVERHEAD_BYTES) * 8 / max(elapsed, 1e-9) / 1e6,
     }
 
 
@@ -176,7 +177,7 @@ def summarize(rx: dict[str, Any]) -> dict[str, Any]:
     # throughput over the middle 80% of arrivals (start-up and tail excluded)
     order = np.argsort(rx["recv_ns"], kind="stable")
     t = rx["recv_ns"][order] / 1e9
-    wire = (rx["size"][order] + WIRE_OVERHEAD) * 8
+    wire = (rx["size"][order] + LINK_OVERHEAD_BYTES) * 8
     lo, hi = int(0.1 * t.size), int(0.9 * t.size)
     span = t[hi - 1] - t[lo] if hi - 1 > lo else 0.0
     rate = float(wire[lo + 1 : hi].sum() / span / 1e6) if span > 0 else None

@@ -45,6 +45,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvtransport.core.protocol import LINK_OVERHEAD_BYTES
+
 __all__ = ["RelayConfig", "run_relay", "segment_udp4", "main"]
 
 ETH_P_ALL = 0x0003
@@ -146,10 +148,10 @@ class _Direction:
 
 
 def _wire_payload(frame: bytes) -> int:
-    """Bytes the Channel should count: the frame minus the 42 bytes of Ethernet, IPv4 and
-    UDP headers it adds itself (so a UDP datagram counts as its payload, as in the
-    simulator)."""
-    return len(frame) - VNET_LEN - 42
+    """Bytes the Channel should count: the frame minus the Ethernet, IPv4 and UDP headers
+    (LINK_OVERHEAD_BYTES) it adds itself (so a UDP datagram counts as its payload, as in
+    the simulator)."""
+    return len(frame) - VNET_LEN - LINK_OVERHEAD_BYTES
 
 
 def _packet_socket(ifname: str, cfg: RelayConfig) -> socket.socket:
@@ -300,7 +302,7 @@ def run_relay(cfg: RelayConfig, stop_after_s: float | None = None) -> dict[str, 
             _send(d, data)
             return
         gso_size = VNET_HDR.unpack_from(data)[3]
-        if data[1] == GSO_UDP_L4 and gso_size > 0 and len(data) > VNET_LEN + 42:
+        if data[1] == GSO_UDP_L4 and gso_size > 0 and len(data) > VNET_LEN + LINK_OVERHEAD_BYTES:
             if data[VNET_LEN + 23] != 17:  # UDP_L4 GSO that is not UDP: malformed
                 d.counters["malformed"] += 1
                 return
