@@ -37,8 +37,7 @@ from time import perf_counter_ns
 
 import numpy as np
 
-from kvtransport.core.protocol import STANDARD
-from kvtransport.core.wire import REPAIR_SEGMENT
+from kvtransport.core.protocol import REPAIR_SEGMENT, STANDARD
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 

@@ -192,7 +192,7 @@ def test_lost_sources_are_repaired_inside_their_segment():
     later = [d for t, d in net.of_type(T.REPAIR) if t >= first_fb]
     assert later
     windows = {(d.esi, d.esi + d.nss) for d in later}
-    seg = wire.REPAIR_SEGMENT
+    seg = protocol.REPAIR_SEGMENT
     assert any(lo <= 10 and hi >= 13 and hi <= seg for lo, hi in windows)
     assert any(lo >= seg and lo <= 70 < hi <= 2 * seg for lo, hi in windows)
 

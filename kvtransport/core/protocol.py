@@ -74,6 +74,11 @@ releases them from the decoder, so repairs aimed from slightly stale feedback st
 RELEASE_CHUNK = 128
 """The receiver releases decoder state in steps of this many ESIs (amortizes the cost)."""
 
+REPAIR_SEGMENT = 64
+"""Reactive RLC repairs stay inside aligned segments of this many ESIs (see
+kvtransport.core.sender); the receiver reports its pending equations per segment
+(kvtransport.core.wire). The shortest proactive span a sender takes."""
+
 MAX_REPAIR_SPAN = 1024
 """Most source symbols one proactive RLC repair covers (NSS); the sender spans one round
 trip of slots plus a decision interval (set from rate and RTT), up to this. It caps CPU, not
@@ -103,7 +108,7 @@ class ProtocolConfig:
       sender's encoder hold;
     - ``max_pending_equations``: MAX_PENDING_EQUATIONS, at most 1..``decoder_window``;
     - ``release_lag``, ``release_chunk``: RELEASE_LAG, RELEASE_CHUNK;
-    - ``max_repair_span``: MAX_REPAIR_SPAN, at most ``decoder_window``;
+    - ``max_repair_span``: MAX_REPAIR_SPAN, REPAIR_SEGMENT..``decoder_window``;
     - ``feedback_interval``: DEFAULT_FEEDBACK_INTERVAL (s); ``min_feedback_gap``:
       MIN_FEEDBACK_GAP (s);
     - ``initial_rtt``: DEFAULT_INITIAL_RTT (s), the RTT a sender assumes when not told.
@@ -134,8 +139,10 @@ class ProtocolConfig:
             )
         if self.release_lag < 0 or self.release_chunk < 1:
             raise ValueError("release_lag must be >= 0 and release_chunk >= 1")
-        if not 1 <= self.max_repair_span <= self.decoder_window:
-            raise ValueError(f"max_repair_span must be 1..decoder_window ({self.max_repair_span})")
+        if not REPAIR_SEGMENT <= self.max_repair_span <= self.decoder_window:
+            raise ValueError(
+                f"max_repair_span must be {REPAIR_SEGMENT}..decoder_window ({self.max_repair_span})"
+            )
         if not (self.feedback_interval > 0 and self.min_feedback_gap >= 0):
             raise ValueError("feedback_interval must be positive, min_feedback_gap >= 0")
         if not self.initial_rtt > 0:

@@ -95,7 +95,7 @@ from kvtransport.core.observation import (
     observe_into,
 )
 from kvtransport.core.policy_base import DEFER, Policy, PolicyContext
-from kvtransport.core.protocol import STANDARD, ProtocolConfig
+from kvtransport.core.protocol import REPAIR_SEGMENT, STANDARD, ProtocolConfig
 from kvtransport.core.schemes.base import SenderRepair
 from kvtransport.core.schemes.rlc import RLCSender
 from kvtransport.core.transfer import Transfer, TransportManifest
@@ -104,7 +104,6 @@ from kvtransport.core.wire import (
     FB_FINISHED,
     FB_MANIFEST_DONE,
     HEADER_SIZE,
-    REPAIR_SEGMENT,
     TAG_SIZE,
     ControlCode,
     DatagramType,

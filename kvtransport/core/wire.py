@@ -209,9 +209,6 @@ FB_ALL_DONE = 0x02  # every source symbol is known: stop sending
 FB_FINISHED = 0x04  # the receiver has yielded its result (deadline, abort or all done)
 MAX_FEEDBACK_RANGES = 96
 MAX_FEEDBACK_SEGMENTS = 96
-REPAIR_SEGMENT = 64
-"""Reactive RLC repairs stay inside aligned segments of this many ESIs (see
-kvtransport.core.sender); the receiver reports its pending equations per segment."""
 
 
 class WireError(ValueError):

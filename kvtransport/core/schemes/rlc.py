@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvtransport.codecs.rlc import RLCDecoder, RLCEncoder
-from kvtransport.core.protocol import ProtocolConfig
+from kvtransport.core.protocol import REPAIR_SEGMENT, ProtocolConfig
 from kvtransport.core.schemes.base import (
     OWED_SEGMENTS,
     BadFEC,
@@ -41,7 +41,6 @@ from kvtransport.core.schemes.base import (
 )
 from kvtransport.core.wire import (
     MAX_FEEDBACK_SEGMENTS,
-    REPAIR_SEGMENT,
     Datagram,
     DatagramType,
     pack_dt_nss,
