@@ -97,6 +97,17 @@ DEFAULT_INITIAL_RTT = 0.02
 """RTT the sender assumes before its first feedback (stop time = deadline - RTT/2 - slot)."""
 
 
+def check_repair_span(span: int, decoder_window: int) -> int:
+    """``span`` as a proactive RLC repair span: REPAIR_SEGMENT..``decoder_window``
+    symbols (one reactive segment up to the window); ValueError (one line) otherwise."""
+    if not REPAIR_SEGMENT <= span <= decoder_window:
+        raise ValueError(
+            f"max_repair_span must be {REPAIR_SEGMENT}..{decoder_window} (the decoder "
+            f"window), not {span}"
+        )
+    return int(span)
+
+
 @dataclass(frozen=True)
 class ProtocolConfig:
     """The protocol's settings (the module constants give each one's meaning):
@@ -139,10 +150,7 @@ class ProtocolConfig:
             )
         if self.release_lag < 0 or self.release_chunk < 1:
             raise ValueError("release_lag must be >= 0 and release_chunk >= 1")
-        if not REPAIR_SEGMENT <= self.max_repair_span <= self.decoder_window:
-            raise ValueError(
-                f"max_repair_span must be {REPAIR_SEGMENT}..decoder_window ({self.max_repair_span})"
-            )
+        check_repair_span(self.max_repair_span, self.decoder_window)
         if not (self.feedback_interval > 0 and self.min_feedback_gap >= 0):
             raise ValueError("feedback_interval must be positive, min_feedback_gap >= 0")
         if not self.initial_rtt > 0:

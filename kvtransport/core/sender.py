@@ -95,7 +95,7 @@ from kvtransport.core.observation import (
     observe_into,
 )
 from kvtransport.core.policy_base import DEFER, Policy, PolicyContext
-from kvtransport.core.protocol import REPAIR_SEGMENT, STANDARD, ProtocolConfig
+from kvtransport.core.protocol import REPAIR_SEGMENT, STANDARD, ProtocolConfig, check_repair_span
 from kvtransport.core.schemes.base import SenderRepair
 from kvtransport.core.schemes.rlc import RLCSender
 from kvtransport.core.transfer import Transfer, TransportManifest
@@ -461,10 +461,7 @@ class SenderSession:
         self._rtt_changed()
 
     def _check_span(self, span: int) -> int:
-        window = self.config.decoder_window
-        if not REPAIR_SEGMENT <= span <= window:
-            raise ValueError(f"max_repair_span must be in {REPAIR_SEGMENT}..{window}")
-        return int(span)
+        return check_repair_span(span, self.config.decoder_window)
 
     @property
     def encoder(self) -> RLCEncoder | None:
