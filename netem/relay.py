@@ -41,6 +41,7 @@ import socket
 import struct
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -152,6 +153,29 @@ def _wire_payload(frame: bytes) -> int:
     (LINK_OVERHEAD_BYTES) it adds itself (so a UDP datagram counts as its payload, as in
     the simulator)."""
     return len(frame) - VNET_LEN - LINK_OVERHEAD_BYTES
+
+
+def clock_offset(
+    real: Callable[[], float] = time.time,
+    mono: Callable[[], float] = time.monotonic,
+    tries: int = 3,
+    tight_s: float = 20e-6,
+) -> float:
+    """CLOCK_MONOTONIC minus CLOCK_REALTIME, from a monotonic reading bracketed by two
+    realtime ones (the tightest bracket of up to ``tries``, stopping at one within
+    ``tight_s``), so that the relay being preempted between two reads cannot shift the
+    offset by the preemption: a kernel arrival stamp (realtime) converted with an offset
+    too small by d would release the frame d early."""
+    best_gap, best = float("inf"), 0.0
+    for _ in range(tries):
+        r1 = real()
+        m = mono()
+        r2 = real()
+        if r2 - r1 < best_gap:
+            best_gap, best = r2 - r1, m - (r1 + r2) / 2
+        if best_gap <= tight_s:
+            break
+    return best
 
 
 def _packet_socket(ifname: str, cfg: RelayConfig) -> socket.socket:
@@ -322,7 +346,7 @@ def run_relay(cfg: RelayConfig, stop_after_s: float | None = None) -> dict[str, 
                 order += 1
                 heapq.heappush(pending, (arrival, order, d, frame))
 
-    clock_offset = time.monotonic() - time.time()
+    offset = clock_offset()
     last_status = 0.0
     last_log = started
     last_logged: tuple[int, ...] = ()
@@ -330,7 +354,7 @@ def run_relay(cfg: RelayConfig, stop_after_s: float | None = None) -> dict[str, 
     _status()
     while not stopping:
         now = time.monotonic()
-        clock_offset = now - time.time()
+        offset = clock_offset()
         if stop_after_s is not None and now - started >= stop_after_s:
             break
         timeout = STATUS_PERIOD_S
@@ -349,7 +373,7 @@ def run_relay(cfg: RelayConfig, stop_after_s: float | None = None) -> dict[str, 
                 for level, kind, raw in anc:
                     if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS:
                         sec, nsec = TIMESPEC.unpack_from(raw)
-                        t_rx = sec + nsec * 1e-9 + clock_offset
+                        t_rx = sec + nsec * 1e-9 + offset
                 # the kernel's arrival time anchors the delay: time the frame spent
                 # waiting for the relay to run is not added on top of the profile's delay
                 t_rx = min(max(t_rx, d.last_t), now)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from kvtransport.netem import load_profile
-from kvtransport.netem.relay import segment_udp4
+from kvtransport.netem.relay import clock_offset, segment_udp4
 from kvtransport.netem.testbed import (
     RCV_ADDR,
     SND_ADDR,
@@ -173,6 +173,21 @@ def clean_prefix():
 
 @netns
 @pytest.mark.netns
+def test_clock_offset_ignores_a_read_preempted_between_the_two_clocks():
+    """The relay converts kernel arrival stamps (realtime) to its monotonic clock. With the
+    true offset 100 s, a first bracket where the relay lost 300 us between its reads
+    would put the offset 150 us off (frames released that much early); the next, tight
+    bracket is the one kept. Real clocks: the offset agrees with a bracketed reading."""
+    real = iter([1000.0, 1000.0003, 1000.001, 1000.001001]).__next__
+    mono = iter([1100.0, 1100.0010005]).__next__
+    assert abs(clock_offset(real, mono) - 100.0) < 1e-6
+    r1 = time.time()
+    off = clock_offset()
+    m = time.monotonic()
+    r2 = time.time()
+    assert m - r2 - 1e-3 <= off <= m - r1 + 1e-3
+
+
 def test_up_down_lifecycle(clean_prefix):
     tb = Testbed("ge-light", prefix=PREFIX, seed=3, reverse="delay")
     tb.up()
