@@ -11,7 +11,9 @@ lost, in utility order (today's scatter) against prefix order.
 
 With ``--orders position,back`` every seed runs once per stream order of the plan
 (kvtransport.model.plan.ORDERS), one after the other, and the table adds the paired ratio of
-each order's speed-up to the first order's (per seed, then the median). A configuration
+each order's speed-up to the first order's (per seed, then the median); ``--hedges
+0.25,0`` does the same for the plan's hedge share (kvtransport.model.plan), every order
+with every hedge. A configuration
 ``TOKENS@RATE>LINK`` plans for RATE Mbit/s while the link carries LINK Mbit/s (a link
 worse than planned), e.g. ``512@100>60``.
 
@@ -20,6 +22,7 @@ Writes handoff.json and handoff.md into --out (default results/eval_handoff).
     .venv/bin/python scripts/eval_handoff.py                      # the three configurations
     .venv/bin/python scripts/eval_handoff.py --configs 512@100 --seeds 1-2   # a quick look
     .venv/bin/python scripts/eval_handoff.py --configs 512@100,512@100>60 --orders position,back
+    .venv/bin/python scripts/eval_handoff.py --configs 2048@100 --hedges 0.25,0 --schemes adaptive
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from kvtransport.model.plan import DEFAULT_HEDGE_SHARE
 
 CONFIGS = {"512@100": (512, 100.0), "2048@100": (2048, 100.0), "2048@1000": (2048, 1000.0)}
 SCHEMES = ("no FEC", "RLC 4/32", "adaptive", "DDQN")
@@ -64,27 +69,40 @@ def run(
     repeats: int = 1,
     orders: tuple[str, ...] = ("position",),
     schemes: tuple[str, ...] = SCHEMES,
+    hedges: tuple[float, ...] = (DEFAULT_HEDGE_SHARE,),
+    speed_error: float = 1.0,
 ) -> dict:
+    """Run every configuration, seed and plan variant (each order with each hedge share);
+    the variants of a seed share one measured receiver speed. speed_error: the receiver
+    believes its compute takes this share of what it measured (1: as measured; 0.8: 20 %
+    optimistic, as when it is busier than when it measured)."""
     from kvtransport.demo.run import DemoConfig, run_demo
 
+    variants = [(o, h) for o in orders for h in hedges]
+    names = [variant_name(o, h, hedges) for o, h in variants]
     out: dict = {"budget": budget, "objective": objective, "seeds": seeds,
-                 "repeats": repeats, "orders": list(orders), "configs": {}}  # fmt: skip
+                 "repeats": repeats, "orders": list(orders), "hedges": list(hedges),
+                 "variants": names, "speed_error": speed_error, "configs": {}}  # fmt: skip
     for name in configs:
         tokens, rate, link_rate = parse_config(name)
         runs = []
-        for seed, order in ((s, o) for s in seeds for o in orders):
+        for seed, (order, hedge) in ((s, v) for s in seeds for v in variants):
             t0 = time.perf_counter()
-            if order == orders[0]:  # one measured speed for the seed: the orders' plans
-                speed = _speed(loaded, tokens, seed) if len(orders) > 1 else None
+            if (order, hedge) == variants[0]:  # one measured speed for the seed's variants
+                speed = None
+                if len(variants) > 1 or speed_error != 1.0:
+                    speed = tuple(x * speed_error for x in _speed(loaded, tokens, seed))
             cfg = DemoConfig(tokens=tokens, rate_mbps=rate, seed=seed, budget=budget,
                              objective=objective, link="emulated", progress=False,
-                             schemes=schemes, repeats=repeats, order=order,
+                             schemes=schemes, repeats=repeats, order=order, hedge=hedge,
                              link_rate_mbps=link_rate, compute_speed=speed)  # fmt: skip
             rep = run_demo(cfg, loaded=loaded)
             rows = [*rep.schemes, rep.link_down]
             runs.append({
                 "seed": seed,
                 "order": order,
+                "hedge": hedge,
+                "variant": variant_name(order, hedge, hedges),
                 "context_tokens": rep.cache["context_tokens"],
                 "reprefill_ttft_s": rep.reprefill["ttft_s"],
                 "budget_s": rep.budget_s,
@@ -97,13 +115,19 @@ def run(
                                    "transfer_s": r.transfer_s}
                          for r in rows if r.ttft_s is not None},
             })  # fmt: skip
-            print(f"{name} seed {seed} {order}: " + ", ".join(
+            print(f"{name} seed {seed} {runs[-1]['variant']}: " + ", ".join(
                 f"{k} {v['speedup']:.2f}x {v['matches']}/{v['questions']}"
                 for k, v in runs[-1]["rows"].items()) + f" ({time.perf_counter() - t0:.0f} s)",
                 file=sys.stderr, flush=True)  # fmt: skip
         out["configs"][name] = {"tokens": tokens, "rate_mbps": rate,
                                 "link_rate_mbps": link_rate, "runs": runs}  # fmt: skip
     return out
+
+
+def variant_name(order: str, hedge: float, hedges: tuple[float, ...]) -> str:
+    """A plan variant's label in the tables: the order, and the hedge share when several
+    are compared."""
+    return order if len(hedges) == 1 else f"{order}, hedge {hedge:g}"
 
 
 def _speed(loaded: object, tokens: int, seed: int) -> tuple[float, float]:
@@ -187,7 +211,7 @@ def render_fallback(rows: list[dict]) -> str:
 
 
 def render(doc: dict) -> str:
-    orders = doc.get("orders", ["position"])
+    variants = doc.get("variants", doc.get("orders", ["position"]))
     lines = [
         f"TTFT budget {doc['budget']:g} of the receiver's re-prefill estimate, plan objective "
         f"{doc.get('objective', 'fidelity')}; emulated "
@@ -197,10 +221,15 @@ def render(doc: dict) -> str:
             f" (per seed the median of {doc['repeats']} interleaved rounds)"
             if doc.get("repeats", 1) > 1
             else ""
+        )
+        + (
+            f"; the receiver believes its compute takes {doc['speed_error']:g} of what it measured"
+            if doc.get("speed_error", 1.0) != 1.0
+            else ""
         ),
         "",
-        "| context | link | order | scheme | speed-up median [min, max] | "
-        f"vs {orders[0]}: paired ratio median [min, max] | answers = full cache: "
+        "| context | link | plan | scheme | speed-up median [min, max] | "
+        f"vs {variants[0]}: paired ratio median [min, max] | answers = full cache: "
         "worst seed, mean | tokens computed (mean) |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -209,9 +238,10 @@ def render(doc: dict) -> str:
         link = f"{c['rate_mbps']:g} Mbit/s"
         if c.get("link_rate_mbps"):
             link = f"planned {link}, carries {c['link_rate_mbps']:g}"
-        by_order = {o: [r for r in c["runs"] if r.get("order", "position") == o] for o in orders}
-        first = {r["seed"]: r for r in by_order[orders[0]]}
-        for order, runs in by_order.items():
+        by_variant = {v: [r for r in c["runs"] if r.get("variant", r.get("order", "position")) == v]
+                      for v in variants}  # fmt: skip
+        first = {r["seed"]: r for r in by_variant[variants[0]]}
+        for variant, runs in by_variant.items():
             for label in labels:
                 sp = [r["rows"][label]["speedup"] for r in runs]
                 mt = [r["rows"][label]["matches"] for r in runs]
@@ -221,9 +251,9 @@ def render(doc: dict) -> str:
                 pair = [r["rows"][label]["speedup"] / first[r["seed"]]["rows"][label]["speedup"]
                         for r in runs if r["seed"] in first]  # fmt: skip
                 paired = (f"{statistics.median(pair):.3f} [{min(pair):.3f}, {max(pair):.3f}]"
-                          if pair and order != orders[0] else "-")  # fmt: skip
+                          if pair and variant != variants[0] else "-")  # fmt: skip
                 lines.append(
-                    f"| {ntok:.0f} tok | {link} | {order} | {label} | "
+                    f"| {ntok:.0f} tok | {link} | {variant} | {label} | "
                     f"{statistics.median(sp):.2f}x [{min(sp):.2f}, {max(sp):.2f}] | {paired} | "
                     f"{min(mt)}/{q}, {statistics.mean(mt):.1f} | {comp:.0f} |"
                 )
@@ -248,6 +278,20 @@ def main(argv: list[str] | None = None) -> int:
         "--orders",
         default="position",
         help="the plan's stream orders, each run per seed (e.g. position,back)",
+    )
+    p.add_argument(
+        "--hedges",
+        default=None,
+        help="the plan's hedge shares, each run per seed and order (e.g. 0.25,0; default: "
+        "the plan's)",
+    )
+    p.add_argument(
+        "--speed-error",
+        type=float,
+        default=1.0,
+        metavar="F",
+        help="the receiver plans and races believing its compute takes F of what it "
+        "measured (default 1; 0.8: a measurement 20%% optimistic)",
     )
     p.add_argument("--schemes", default=",".join(SCHEMES), help="of " + ", ".join(SCHEMES))
     p.add_argument("--seeds", default="1-8", help="e.g. 1-8 or 1,3")
@@ -278,6 +322,15 @@ def main(argv: list[str] | None = None) -> int:
     orders = tuple(o.strip() for o in args.orders.split(",") if o.strip())
     if not orders or set(orders) - set(ORDERS):
         p.error(f"--orders must list names from {', '.join(ORDERS)}, not {args.orders!r}")
+    try:
+        hedges = (tuple(float(h) for h in args.hedges.split(",") if h.strip())
+                  if args.hedges else (DEFAULT_HEDGE_SHARE,))  # fmt: skip
+    except ValueError:
+        hedges = ()
+    if not hedges or any(not 0 <= h <= 1 for h in hedges):
+        p.error(f"--hedges must list shares in [0, 1], e.g. 0.25,0, not {args.hedges!r}")
+    if not 0.1 <= args.speed_error <= 10:
+        p.error(f"--speed-error must be in [0.1, 10], not {args.speed_error:g}")
     schemes = tuple(x.strip() for x in args.schemes.split(",") if x.strip())
     if not schemes or set(schemes) - set(SCHEMES):
         p.error(f"--schemes must list labels from {', '.join(SCHEMES)}, not {args.schemes!r}")
@@ -299,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     doc = run(configs, seeds, args.budget or DEFAULT_BUDGET,
               args.objective or DEFAULT_OBJECTIVE, loaded, args.repeats or 3,
-              orders, schemes)  # fmt: skip
+              orders, schemes, hedges, args.speed_error)  # fmt: skip
     doc["concentration"] = concentration(loaded)
     (out / "handoff.json").write_text(json.dumps(doc, indent=1))
     (out / "handoff.md").write_text(render(doc))

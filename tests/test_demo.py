@@ -59,7 +59,8 @@ def test_quick_demo_on_the_emulated_link_repeats_and_fec_recovers_more(smollm, t
         assert 0.0 <= s.utility <= 1.0
         # every race builds the whole cache: the prefix and what never came are computed
         assert s.computed_tokens + s.loaded_tokens == n_tok
-        assert s.computed_tokens >= plan["split_tokens"]
+        # (at least the receiver's first call: the prefix less the hedge the link may bring)
+        assert s.computed_tokens >= plan["split_tokens"] - plan["hedge_tokens"]
         assert s.ttft_s > s.race_s > 0
     norm = metrics.normalize_answer
     # five questions about the one context: the task's own first, no question twice

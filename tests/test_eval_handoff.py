@@ -40,3 +40,24 @@ def test_summary_rows_are_the_runs_statistics():
     table = mod.render(doc)
     row = next(line for line in table.splitlines() if "| DDQN |" in line)
     assert "3.00x [2.00, 4.00]" in row and "4/5, 4.7" in row
+
+
+def test_plan_variants_are_compared_paired_by_seed():
+    """--hedges 0.25,0: each seed runs once per variant; the second variant's row shows the
+    median over seeds of its speed-up over the first's on the same seed."""
+    mod = _script()
+    assert mod.variant_name("position", 0.25, (0.25, 0.0)) == "position, hedge 0.25"
+    assert mod.variant_name("back", 0.25, (0.25,)) == "back"
+    names = ["position, hedge 0.25", "position, hedge 0"]
+    run = lambda seed, variant, sp: {  # noqa: E731
+        "seed": seed, "variant": variant, "context_tokens": 500, "plan": {},
+        "rows": {"adaptive": {"speedup": sp, "matches": 5, "questions": 5, "computed": 40}},
+    }  # fmt: skip
+    runs = [run(1, names[0], 4.0), run(1, names[1], 3.0), run(2, names[0], 2.0),
+            run(2, names[1], 3.0), run(3, names[0], 5.0), run(3, names[1], 4.0)]  # fmt: skip
+    doc = {"budget": 0.3, "seeds": [1, 2, 3], "variants": names, "speed_error": 0.8,
+           "configs": {"2048@100": {"tokens": 2048, "rate_mbps": 100.0, "runs": runs}}}  # fmt: skip
+    table = mod.render(doc)
+    row = next(line for line in table.splitlines() if "| position, hedge 0 | adaptive |" in line)
+    assert "| 0.800 [0.750, 1.500] |" in row  # per seed 3/4, 3/2, 4/5
+    assert "believes its compute takes 0.8 of what it measured" in table

@@ -13,6 +13,7 @@ SPEED = ComputeSpeed(per_call_s=0.01, per_token_s=0.004)  # ~2 s for 504 tokens
 LINK = LinkEstimate(rate_bps=100e6, loss=0.12, one_way_s=0.005, symbol_size=1280)
 FP16, INT8, INT4 = (blocks.PRECISIONS.index(p) for p in ("fp16", "int8", "int4"))
 NO_INT4 = ("fp16", "int8")
+BARE = {"hedge_share": 0.0}  # the planned part alone: the tests of its levels
 
 
 def _utilities(seed: int = 0) -> np.ndarray:
@@ -41,16 +42,18 @@ def _random_cache():
 def test_plan_fits_its_budget(budget):
     plan = plan_handoff(GEOM, _utilities(), link=LINK, speed=SPEED, budget_s=budget)
     assert plan.fits
-    assert plan.payload_bytes == _bytes(plan)
+    assert plan.payload_bytes + plan.hedge_bytes == _bytes(plan)
     assert LINK.seconds(plan.payload_bytes) <= budget
     assert SPEED.seconds(plan.split) <= budget
-    assert np.all(plan.precision[:, : plan.split // GEOM.block_tokens] == -1)
-    assert np.all(plan.precision[:, plan.split // GEOM.block_tokens :] >= 0)
+    # the receiver's first call is not sent; everything after it is (the hedge included)
+    assert np.all(plan.precision[:, : plan.first_call // GEOM.block_tokens] == -1)
+    assert np.all(plan.precision[:, plan.first_call // GEOM.block_tokens :] >= 0)
 
 
 def test_more_budget_never_lowers_fidelity_and_upgrades_by_utility():
     u = _utilities(1)
-    plans = [plan_handoff(GEOM, u, link=LINK, speed=SPEED, budget_s=b) for b in (0.6, 0.8, 1.5)]
+    plans = [plan_handoff(GEOM, u, link=LINK, speed=SPEED, budget_s=b, **BARE)
+             for b in (0.6, 0.8, 1.5)]  # fmt: skip
     fid = [p.fidelity for p in plans]
     assert fid == sorted(fid) and fid[0] < fid[-1]
     for p in plans:
@@ -79,7 +82,7 @@ def test_an_impossible_budget_gives_the_fastest_plan():
 
 
 def test_expected_arrivals_follow_the_prefix_order():
-    plan = plan_handoff(GEOM, _utilities(), link=LINK, speed=SPEED, budget_s=0.7)
+    plan = plan_handoff(GEOM, _utilities(), link=LINK, speed=SPEED, budget_s=0.7, **BARE)
     k = plan.split // GEOM.block_tokens
     assert np.all(np.isinf(plan.expect_at[:k]))
     assert np.all(np.diff(plan.expect_at[k:]) > 0)
@@ -114,7 +117,7 @@ def test_the_ttft_objective_finishes_first_and_never_later_than_the_fidelity_one
     assert quick.fits and quick.finish_s == pytest.approx(soonest)
     assert quick.finish_s < full.finish_s  # the fidelity plan spends the budget
     assert quick.fidelity <= full.fidelity
-    assert quick.payload_bytes == _bytes(quick)
+    assert quick.payload_bytes + quick.hedge_bytes == _bytes(quick)
 
 
 def test_the_ttft_objective_upgrades_only_with_the_link_time_compute_leaves_idle():
@@ -124,7 +127,7 @@ def test_the_ttft_objective_upgrades_only_with_the_link_time_compute_leaves_idle
     for rate in np.linspace(50e6, 1e9, 60):
         link = LinkEstimate(rate_bps=rate, loss=0.12, one_way_s=0.005, symbol_size=1280)
         plan = plan_handoff(GEOM, u, link=link, speed=SPEED, budget_s=1.5, objective="ttft",
-                            levels=NO_INT4)  # fmt: skip
+                            levels=NO_INT4, **BARE)  # fmt: skip
         soonest = min(_floor_finish(link, k) for k in range(GEOM.token_blocks + 1))
         assert plan.finish_s == pytest.approx(soonest)  # upgrades never delay the answer
         hi, lo = u[plan.precision == FP16], u[plan.precision == INT8]
@@ -155,7 +158,7 @@ def test_int4_goes_to_the_least_useful_blocks_only_as_far_as_the_fidelity_floor(
     for rate in (50e6, 100e6, 1e9):
         link = LinkEstimate(rate_bps=rate, loss=0.12, one_way_s=0.005, symbol_size=1280)
         plan = plan_handoff(GEOM, u, link=link, speed=SPEED, budget_s=0.5,
-                            objective=objective, min_fidelity=floor)  # fmt: skip
+                            objective=objective, min_fidelity=floor, **BARE)  # fmt: skip
         assert plan.fidelity == pytest.approx(_fidelity(plan, u))
         assert plan.fidelity >= floor - 1e-12
         lo, hi = u[plan.precision == INT4], u[(plan.precision >= 0) & (plan.precision < INT4)]
@@ -180,7 +183,7 @@ def test_int4_goes_to_the_least_useful_blocks_only_as_far_as_the_fidelity_floor(
 def test_a_higher_floor_sends_more_bytes_and_never_answers_sooner():
     u = _utilities(6)
     plans = [plan_handoff(GEOM, u, link=LINK, speed=SPEED, budget_s=1.0, objective="ttft",
-                          min_fidelity=f) for f in (0.0, 0.99, 0.997, 0.999)]  # fmt: skip
+                          min_fidelity=f, **BARE) for f in (0.0, 0.99, 0.997, 0.999)]  # fmt: skip
     assert not (plans[0].precision == INT8).any() or plans[0].finish_s < plans[-1].finish_s
     finish = [p.finish_s for p in plans]
     assert finish == sorted(finish) and finish[0] < finish[-1]
@@ -231,3 +234,51 @@ def test_the_back_order_is_what_the_sender_sends_and_what_the_plan_expects():
 def test_an_unknown_order_is_refused():
     with pytest.raises(ValueError, match="order must be one of position, back"):
         plan_handoff(GEOM, _utilities(), link=LINK, speed=SPEED, budget_s=1.0, order="middle")
+
+
+def test_the_hedge_is_the_prefix_tail_sent_last_first_after_the_planned_ranges():
+    """The sender also sends the prefix's last ranges (the hedge share of the prefix, at
+    most one race chunk), after every planned range and the last first, at the fidelity
+    floor's level; the planned part (split, precision, bytes, finish, fidelity) is the
+    unhedged plan's, and the plan says when the hedge is in place (send_s). No hedge
+    where computing it costs less than two calls."""
+    from kvtransport.model.plan import planned_stream
+    from kvtransport.model.race import DEFAULT_MAX_CHUNK, stream_rank
+
+    g, kv, u = _random_cache()
+    card = blocks.encode_stream(kv, u, utility.stream_order(u, g.block_tokens))
+    link = LinkEstimate(rate_bps=10e6, loss=0.0, one_way_s=0.001, symbol_size=1280)
+    speed = ComputeSpeed(per_call_s=0.001, per_token_s=0.0002)  # a prefix of 5 ranges
+    kw = {"link": link, "speed": speed, "budget_s": 0.2, "objective": "ttft"}
+    bare, _ = planned_stream(card, **kw, hedge_share=0.0)
+    plan, s = planned_stream(card, **kw, hedge_share=0.5)
+    bt = g.block_tokens
+    k, first = plan.split // bt, plan.first_call // bt
+    assert bare.hedge == 0 and plan.split == bare.split and plan.link_s == bare.link_s
+    assert plan.fidelity == bare.fidelity and plan.hedge >= 2 * g.block_tokens
+    assert plan.hedge <= min(0.5 * plan.split, DEFAULT_MAX_CHUNK)
+    assert plan.hedge == (k - first) * bt and plan.payload_bytes == bare.payload_bytes
+    assert s.payload.size == plan.payload_bytes + plan.hedge_bytes
+    assert np.array_equal(plan.precision[:, k:], bare.precision[:, k:])
+    assert np.all(plan.precision[:, first:k] == INT8)  # the 0.999 floor's level
+    tb = s.manifest.token_block.astype(int)
+    planned = [r for r in range(k, g.token_blocks) for _ in range(g.num_layers)]
+    hedge = [r for r in range(k - 1, first - 1, -1) for _ in range(g.num_layers)]
+    assert tb.tolist() == planned + hedge
+    rank = stream_rank(s.manifest)
+    assert np.all(rank[:first] == -1) and np.all(np.diff(rank[first:k]) < 0)
+    assert np.all(plan.expect_at[first:k] > plan.expect_at[k:].max())
+    assert np.all(np.diff(plan.expect_at[first:k]) < 0)  # the last range is due first
+    assert plan.send_s == pytest.approx(plan.expect_at[first]) and plan.send_s > plan.finish_s
+    # the hedge comes after the budget as well: the planned part does not depend on it
+    tight, _ = planned_stream(card, **{**kw, "budget_s": bare.finish_s}, hedge_share=0.5)
+    assert tight.hedge == plan.hedge and tight.split == bare.split
+    # where computing the hedge costs less than two calls, none: the call would cost more
+    costly = ComputeSpeed(per_call_s=0.005, per_token_s=0.0002)  # 3 ranges: 0.0096 s
+    dear, _ = planned_stream(card, **{**kw, "speed": costly}, hedge_share=0.5)
+    assert dear.split >= 2 * bt and dear.hedge == 0
+
+
+def test_a_hedge_share_outside_0_1_is_refused():
+    with pytest.raises(ValueError, match="hedge_share must be in"):
+        plan_handoff(GEOM, _utilities(), link=LINK, speed=SPEED, budget_s=1.0, hedge_share=2)

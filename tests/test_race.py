@@ -320,9 +320,11 @@ class _ModelledClock(ReplayArrivals):
 
 
 class _CostedBuilder(CacheBuilder):
+    slow = 1.0  # the receiver's real speed against SPEED, which the race believes
+
     def compute(self, n):
         super().compute(n)
-        _ModelledClock.costs.append(float(SPEED.seconds(n)))
+        _ModelledClock.costs.append(float(SPEED.seconds(n)) * _CostedBuilder.slow)
 
     def load(self, keys, values):
         super().load(keys, values)
@@ -401,3 +403,50 @@ def test_a_slow_link_moves_the_meeting_point_back(monkeypatch, smollm, context):
     front, _ = results["position", 4]
     assert front.computed == split * BT  # front first: it can only wait for the link
     assert res.seconds < 0.8 * front.seconds
+
+
+def _hedged_stream(kv, first, split):
+    """fp32 blocks of the ranges from ``split`` front first, then the hedge (ranges
+    ``first`` to ``split``) last first, as kvtransport.model.plan.sending_order sends them."""
+    g = blocks.Geometry.of(kv, BT)
+    u = np.ones((g.num_layers, g.token_blocks))
+    precision = np.full(u.shape, blocks.PRECISIONS.index("fp32"))
+    precision[:, :first] = -1
+    base = utility.stream_order(u, BT, "position")
+    tb = base % g.token_blocks
+    group = np.where(tb >= split, 0, np.where(tb >= first, 1, 2))
+    order = base[np.lexsort((np.arange(base.size), np.where(group == 1, -tb, 0), group))]
+    return blocks.encode_stream(kv, u, order, precision, block_tokens=BT)
+
+
+@pytest.mark.parametrize("slow", [1.0, 1.5])
+def test_a_hedge_lets_a_slow_receiver_load_what_the_idle_link_brought(
+    monkeypatch, smollm, context, slow
+):
+    """Planned: the receiver computes 6 ranges while the link brings the rest. With a
+    hedge the sender then sends ranges 5 and 4 (last first) and the receiver computes only
+    4 before it looks at the link. A receiver 1.5 times slower than it believes loads a
+    hedge range the link brought instead of computing it and finishes sooner than without
+    the hedge; one on time computes the hedge itself and pays at most one more call."""
+    ctx, _, kv = context
+    monkeypatch.setattr(_CostedBuilder, "slow", slow)
+    first, split = 4, 6
+    ranges = -(-len(ctx) // BT)
+    spacing = float(SPEED.seconds(split * BT)) / (ranges - split)  # planned: done together
+    res = {}
+    for hedged in (True, False):
+        s = _hedged_stream(kv, first, split) if hedged else _stream(kv, "position", split)
+        timeline = _timeline(s.manifest, spacing)  # the link as planned
+        res[hedged] = _modelled_race(monkeypatch, smollm, ctx, s.manifest, s.payload, timeline,
+                                     timeline, (first if hedged else split) * BT)  # fmt: skip
+        assert _err(res[hedged].kv, kv) < TOL
+        for step in res[hedged].steps[1:]:
+            if step.action == "compute":  # never a range that was already there
+                assert np.all(timeline[step.start // BT : -(-(step.start + step.tokens) // BT)]
+                              > step.t0)  # fmt: skip
+    if slow > 1:
+        assert res[True].loaded > res[False].loaded  # a hedge range came in time
+        assert res[True].seconds < 0.9 * res[False].seconds
+    else:
+        assert res[True].computed == split * BT  # on time: the hedge computed, not awaited
+        assert res[True].seconds <= res[False].seconds + SPEED.per_call_s + 1e-9

@@ -116,6 +116,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "from the front)",
     )  # fmt: skip
     parser.add_argument(
+        "--hedge", type=float, default=None, metavar="SHARE",
+        help="the most of the receiver's planned prefix the sender also sends, last first, "
+        "in case the receiver computes slower than it measured (default 0.25; 0: none)",
+    )  # fmt: skip
+    parser.add_argument(
         "--link-rate-mbps", type=float, default=None, metavar="MBPS",
         help="the rate the link really carries when the plan assumes another (--rate-mbps): "
         "a link worse than planned",
@@ -184,6 +189,8 @@ def run(args: argparse.Namespace) -> int:
         overrides["objective"] = args.objective
     if args.order is not None:
         overrides["order"] = args.order
+    if args.hedge is not None:
+        overrides["hedge"] = args.hedge
     if args.link_rate_mbps is not None:
         overrides["link_rate_mbps"] = args.link_rate_mbps
     if args.precision is not None:

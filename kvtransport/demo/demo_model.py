@@ -134,6 +134,8 @@ def plan_stream(
     levels: tuple[str, ...],
     objective: str = "fidelity",
     order: str = "position",
+    *,
+    hedge: float,
 ) -> tuple[Any, Any, float]:
     """Plan the handoff (kvtransport.model.plan) for a TTFT budget and encode what it sends.
 
@@ -141,7 +143,7 @@ def plan_stream(
     cache is in place: rebuilding the received blocks (every block at the cheapest level,
     at REBUILD_BYTES_PER_S) and the question's forward pass. Returns (plan, the planned
     stream, the link's budget in seconds). order: the stream order
-    (kvtransport.model.plan.ORDERS).
+    (kvtransport.model.plan.ORDERS); hedge: the plan's hedge share (0: none).
     """
     from kvtransport.core.protocol import DEFAULT_SYMBOL_SIZE
     from kvtransport.model.plan import LinkEstimate, planned_stream
@@ -157,5 +159,6 @@ def plan_stream(
     link_budget = max(budget_s - float(speed.seconds(question_tokens)) - rebuild_s, 1e-3)
     plan, planned = planned_stream(stream, link=link, budget_s=link_budget, speed=speed,
                                    levels=levels, token_ids=np.asarray(context_ids),
-                                   objective=objective, order=order)  # fmt: skip
+                                   objective=objective, order=order,
+                                   hedge_share=hedge)  # fmt: skip
     return plan, planned, link_budget

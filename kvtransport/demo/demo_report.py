@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtransport.model.plan import DEFAULT_LEVELS
+from kvtransport.model.plan import DEFAULT_HEDGE_SHARE, DEFAULT_LEVELS
 
 SCHEMES: tuple[tuple[str, str], ...] = (
     ("no FEC", "none"),
@@ -57,6 +57,9 @@ class DemoConfig:
     order: the stream order of the plan (kvtransport.model.plan.ORDERS): ``position`` sends
         the token ranges front first, ``back`` the last first, so that the receiver
         computing from the front meets the link wherever the real speeds put them.
+    hedge: the most of the receiver's planned prefix the sender also sends, last, as a
+        hedge against a receiver slower than measured (kvtransport.model.plan
+        DEFAULT_HEDGE_SHARE; 0: none).
     link_rate_mbps: the rate the link really carries when it is not the one the plan
         assumes (``rate_mbps``): a link worse (or better) than planned; None: the same.
     compute_speed: (seconds per call, seconds per token) of the receiver's compute, used
@@ -80,6 +83,7 @@ class DemoConfig:
     precision: tuple[str, ...] = DEFAULT_PRECISIONS
     objective: str = DEFAULT_OBJECTIVE
     order: str = DEFAULT_ORDER
+    hedge: float = DEFAULT_HEDGE_SHARE
     link_rate_mbps: float | None = None
     compute_speed: tuple[float, float] | None = None
     schemes: tuple[str, ...] | None = None  # labels of SCHEMES to run (None: all)

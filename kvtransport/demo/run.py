@@ -303,13 +303,13 @@ def _prepare(cfg: DemoConfig, loaded: Any, ui: _Progress, timings: dict[str, flo
     budget_s = cfg.budget * (speed.seconds(len(context_ids)) + speed.seconds(len(question_ids)))
     plan, planned, link_budget = plan_stream(stream, context_ids, profile, speed, budget_s,
                                              len(question_ids), cfg.precision,
-                                             cfg.objective, cfg.order)  # fmt: skip
+                                             cfg.objective, cfg.order, hedge=cfg.hedge)  # fmt: skip
     transfer = Transfer.from_encoded_stream(planned)
     # both links seal every datagram (a per-run key): a 16-byte tag each
     send_time = full_send_time(transfer.nbytes, profile.rate_bps, DEFAULT_SYMBOL_SIZE, True)
     timings["plan"] = time.perf_counter() - t
     ui.note(f"plan: {plan.describe()}")
-    deadline = max(link_budget, plan.finish_s)
+    deadline = max(link_budget, plan.finish_s, plan.send_s)  # the hedge too
     return _Prepared(
         loaded, sample, context_ids, question_ids, probes, probe_ids, stream, cached,
         speed, budget_s, plan, planned, transfer, send_time, deadline,
@@ -551,7 +551,7 @@ def _race(prep: _Prepared, out: LinkOutcome) -> tuple[Any, float]:
     if ready_at is None:
         ready_at = np.full_like(plan.expect_at, np.inf)
     race = run_race(
-        prep.loaded.model, prep.context_ids, split=plan.split, received=received,
+        prep.loaded.model, prep.context_ids, split=plan.first_call, received=received,
         ready_at=ready_at,
         link=LinkView(plan.expect_at, plan.range_bytes, prep.deadline_s,
                       rank=stream_rank(prep.planned.manifest)),
@@ -653,6 +653,9 @@ def _plan_dict(prep: _Prepared, objective: str) -> dict[str, Any]:
         "objective": objective,
         "order": p.order,
         "split_tokens": p.split,
+        "hedge_tokens": p.hedge,
+        "hedge_bytes": p.hedge_bytes,
+        "planned_send_s": p.send_s,
         "blocks": {PRECISIONS[int(c)]: int(n) for c, n in zip(codes, counts, strict=True)},
         "payload_bytes": p.payload_bytes,
         "planned_compute_s": p.compute_s,
@@ -679,6 +682,8 @@ def _check_config(cfg: DemoConfig) -> None:
 
     if cfg.order not in ORDERS:
         raise UserError(f"--order must be one of {', '.join(ORDERS)}, not {cfg.order!r}")
+    if not 0 <= cfg.hedge <= 1:
+        raise UserError(f"--hedge must be in [0, 1], not {cfg.hedge:g}")
     from kvtransport.model.blocks import PRECISIONS
 
     if not cfg.precision or any(p not in PRECISIONS for p in cfg.precision):

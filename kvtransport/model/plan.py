@@ -17,6 +17,16 @@ the receiver's measured compute speed (kvtransport.model.cache_builder.ComputeSp
   meet wherever the real speeds put them: the split is the planned meeting point, a link
   slower than planned moves it back (the receiver computes on past the split) and no link
   time goes to ranges the receiver computes (those are the last the sender would send);
+- the **hedge**: the prefix's last token ranges (``hedge`` tokens, ``hedge_share`` of
+  the split and at most one race chunk) are sent too, after the planned ranges and last
+  first, so the link carries on past the planned finish (:attr:`HandoffPlan.send_s`; the
+  sender's deadline should cover it). The receiver's first call then computes only
+  ``split - hedge`` tokens (:attr:`HandoffPlan.first_call`) and races for the rest
+  (kvtransport.model.race): on time, it computes them itself and pays one more call at
+  most (the link's first hedge ranges arrive as it gets there); slower than its measured
+  speed, or with a link faster than planned, it loads what the otherwise idle link
+  brought instead of computing it. The planned part (split, precisions, finish) does not
+  depend on the hedge;
 - the planned arrival of every token range, in stream order, which the receiver uses to
   decide between waiting for a range and computing it.
 
@@ -38,7 +48,7 @@ at the cheapest precision), both objectives give the split that finishes soonest
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import numpy as np
@@ -53,6 +63,7 @@ from kvtransport.model.blocks import (
     encode_stream,
 )
 from kvtransport.model.cache_builder import ComputeSpeed
+from kvtransport.model.race import DEFAULT_MAX_CHUNK
 from kvtransport.model.utility import range_rank, stream_order
 
 DEFAULT_LEVELS = ("fp16", "int8", "int4")
@@ -67,6 +78,14 @@ DEFAULT_REPAIR_MARGIN = 0.05
 not cover. Chosen by comparing planned with realized range arrivals on the emulated
 ge-heavy link (docs/results.md, section 0): a larger margin plans a longer prefix for the
 receiver while the link idles at the end."""
+DEFAULT_HEDGE_SHARE = 0.25
+"""The share of the receiver's planned prefix the sender also sends as a hedge (see the
+module docstring): a receiver up to this much slower than its measured speed still finds
+its last prefix ranges brought by the link. Capped at one race chunk (kvtransport.model.race
+DEFAULT_MAX_CHUNK) so that a receiver on time computes the hedge in one call."""
+HEDGE_MIN_CALLS = 2.0
+"""A hedge is planned only where computing it costs at least this many calls' fixed cost
+(ComputeSpeed.per_call_s): a receiver on time pays up to one more call for it."""
 OBJECTIVES = ("fidelity", "ttft")
 ORDERS = ("position", "back")
 """The stream orders a plan may send in (kvtransport.model.utility.stream_order modes)."""
@@ -108,8 +127,15 @@ class HandoffPlan:
     """A plan (see the module docstring).
 
     precision: codes ``[layers, token_blocks]`` (index into kvtransport.model.blocks.PRECISIONS;
-        -1 for the receiver's prefix). expect_at: per token range, the planned arrival in
-        seconds from the start (inf for the prefix). fidelity: the objective's value.
+        -1 for the receiver's prefix, except its hedge). expect_at: per token range, the
+        planned arrival in seconds from the start (inf for the prefix, except its hedge,
+        due after every planned range). fidelity: the objective's value (the prefix counted
+        computed). range_bytes: per token range, the payload bytes sent for it (the hedge
+        included); payload_bytes / link_s: the planned ranges' bytes and when they are in
+        place (the hedge comes after).
+    hedge / hedge_bytes: the prefix's last tokens also sent, after the planned ranges,
+        last first (0: none), and their bytes; the receiver's first call computes
+        :attr:`first_call` tokens.
     """
 
     split: int
@@ -123,20 +149,37 @@ class HandoffPlan:
     fits: bool  # everything is planned in place by the budget
     prefix_utility: float  # the share of the cache's utility the receiver computes
     order: str = "position"  # the stream order (ORDERS)
+    hedge: int = 0
+    hedge_bytes: int = 0
 
     @property
     def finish_s(self) -> float:
         return max(self.compute_s, self.link_s)
+
+    @property
+    def first_call(self) -> int:
+        """The tokens the receiver computes before it looks at the link (the race's
+        ``split``): the planned prefix less its hedge."""
+        return self.split - self.hedge
+
+    @property
+    def send_s(self) -> float:
+        """When the last range the stream carries is planned in place (the hedge's, if
+        any): the sender's deadline should not come before."""
+        sent = np.isfinite(self.expect_at)
+        return max(self.link_s, float(self.expect_at[sent].max()) if sent.any() else 0.0)
 
     def describe(self) -> str:
         names, counts = np.unique(self.precision[self.precision >= 0], return_counts=True)
         mix = ", ".join(f"{c} {PRECISIONS[int(p)]}" for p, c in zip(names, counts, strict=True))
         front = f"tokens 0-{self.split}" if self.split else "nothing"
         front = f"receiver computes {front}"
+        hedge = (f"; then the prefix's last {self.hedge} tokens as a hedge (in place at "
+                 f"{self.send_s * 1e3:.0f} ms)" if self.hedge else "")  # fmt: skip
         return (
             f"{front}, the link carries {mix or 'nothing'} "
-            f"blocks ({self.payload_bytes / 2**20:.1f} MiB); planned in place at "
-            f"{self.finish_s * 1e3:.0f} ms"
+            f"blocks ({(self.payload_bytes + self.hedge_bytes) / 2**20:.1f} MiB); planned "
+            f"in place at {self.finish_s * 1e3:.0f} ms{hedge}"
         )
 
 
@@ -153,6 +196,7 @@ def plan_handoff(
     objective: str = "fidelity",
     min_fidelity: float = DEFAULT_MIN_FIDELITY,
     order: str = "position",
+    hedge_share: float = DEFAULT_HEDGE_SHARE,
 ) -> HandoffPlan:
     """The best plan for ``budget_s`` seconds under ``objective`` (see the module
     docstring).
@@ -161,8 +205,10 @@ def plan_handoff(
     precisions the link may carry, best first (the last is where every sent block starts);
     min_fidelity: the expected fidelity below which no plan goes while its levels can
     reach it (sent blocks are raised in utility order until they do; 0: no floor);
-    order: the stream order (ORDERS), which only sets the expected arrivals.
-    Raises ValueError for an unknown objective, order or level, or a floor outside [0, 1].
+    order: the stream order (ORDERS), which only sets the expected arrivals;
+    hedge_share: the share of the prefix also sent as a hedge (0: none).
+    Raises ValueError for an unknown objective, order or level, or a floor or hedge share
+    outside [0, 1].
     """
     g = geometry
     u = np.asarray(utilities, dtype=np.float64)
@@ -178,6 +224,8 @@ def plan_handoff(
         raise ValueError(f"min_fidelity must be in [0, 1], not {min_fidelity}")
     if order not in ORDERS:
         raise ValueError(f"order must be one of {', '.join(ORDERS)}, not {order!r}")
+    if not 0.0 <= hedge_share <= 1.0:
+        raise ValueError(f"hedge_share must be in [0, 1], not {hedge_share}")
     u = u / u.sum()
     fid = np.array([(fidelity or DEFAULT_FIDELITY)[p] for p in levels])
     cost = g.cost_table(levels).reshape(g.num_layers, g.token_blocks, len(levels))
@@ -202,12 +250,13 @@ def plan_handoff(
             fastest = (plan.finish_s, k, plan)
     assert fastest is not None
     if best is not None:
-        return best[1]
+        return task.hedged(best[1], hedge_share, speed)
     _, k, quick = fastest
     if not quick.fits:
-        return quick
+        return task.hedged(quick, hedge_share, speed)
     # ttft: the link time that the receiver's own compute leaves idle buys upgrades
-    return task.upgraded(k, task.floored(k), quick.compute_s, quick.finish_s)
+    return task.hedged(task.upgraded(k, task.floored(k), quick.compute_s, quick.finish_s),
+                       hedge_share, speed)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -273,6 +322,34 @@ class _Task:
             room -= int(extra[:take].sum())
         return self.plan(k, level, compute_s)
 
+    def hedged(self, plan: HandoffPlan, share: float, speed: ComputeSpeed) -> HandoffPlan:
+        """``plan`` with its hedge (see the module docstring): the prefix's last token
+        ranges, ``share`` of the prefix's ranges (rounded down) and at most one race
+        chunk, at the cheapest level that keeps the fidelity floor (the best level if none
+        does); due after the planned ranges, the last first. No hedge where computing it
+        costs less than HEDGE_MIN_CALLS calls (``speed``): the extra call a receiver on
+        time pays would then outweigh what a slow one saves."""
+        link, bt = self.link, self.g.block_tokens
+        k = -(-plan.split // bt)  # the prefix's token ranges (the last may be short)
+        h = min(int(share * k), DEFAULT_MAX_CHUNK // bt)
+        if h == 0 or h * bt * speed.per_token_s < HEDGE_MIN_CALLS * speed.per_call_s:
+            return plan
+        floor_ok = [i for i, f in enumerate(self.fid) if f >= self.min_fidelity]
+        lv = floor_ok[-1] if floor_ok else 0
+        per_range = self.cost[:, :, lv].sum(axis=0)
+        cum = plan.payload_bytes + np.cumsum(per_range[k - h : k][::-1])  # last first
+        lo = k - h
+        codes = np.array([PRECISIONS.index(p) for p in self.levels])
+        precision = plan.precision.copy()
+        precision[:, lo:k] = codes[lv]
+        range_bytes = plan.range_bytes.copy()
+        range_bytes[lo:k] = per_range[lo:k]
+        expect = plan.expect_at.copy()
+        expect[lo:k] = [link.seconds(float(c), self.margin) for c in cum[::-1]]
+        return replace(plan, precision=precision, range_bytes=range_bytes, expect_at=expect,
+                       hedge=plan.split - lo * bt,
+                       hedge_bytes=int(cum[-1]) - plan.payload_bytes)  # fmt: skip
+
     def plan(self, k: int, level: np.ndarray, compute_s: float) -> HandoffPlan:
         """The plan with the first ``k`` token ranges computed and ``level`` per block."""
         g, link = self.g, self.link
@@ -324,6 +401,18 @@ def parse_levels(spec: str | tuple[str, ...]) -> tuple[str, ...]:
     return levels
 
 
+def sending_order(plan: HandoffPlan, utilities: np.ndarray, block_tokens: int) -> np.ndarray:
+    """Flat block indices in the order ``plan`` sends them: the ranges after its prefix in
+    the plan's order, then the hedge's ranges last first, then the rest of the prefix
+    (which the plan does not send: encode_stream leaves out blocks of precision -1)."""
+    base = stream_order(utilities, block_tokens, plan.order)
+    tblock = base % np.asarray(utilities).shape[1]
+    first, split = plan.first_call // block_tokens, -(-plan.split // block_tokens)
+    group = np.where(tblock >= split, 0, np.where(tblock >= first, 1, 2))
+    back = np.where(group == 1, -tblock, 0)  # the hedge, last range first
+    return base[np.lexsort((np.arange(base.size), back, group))]
+
+
 def planned_stream(
     stream: EncodedStream,
     *,
@@ -335,14 +424,15 @@ def planned_stream(
     objective: str = "fidelity",
     min_fidelity: float = DEFAULT_MIN_FIDELITY,
     order: str = "position",
+    hedge_share: float = DEFAULT_HEDGE_SHARE,
 ) -> tuple[HandoffPlan, EncodedStream]:
     """Plan a card's stream for ``budget_s`` and re-encode it the way the plan sends it.
 
     The stream is decoded (numpy only: no model), planned, and encoded again in the
-    plan's stream order (``order``, one of ORDERS) at the planned precisions, without the
-    receiver's prefix. ``speed`` is the receiver's compute speed; None plans nothing for
-    the receiver to compute (split 0). token_ids: needed when the stream's manifest
-    carries only their hash.
+    plan's stream order (``order``, one of ORDERS; the hedge last, :func:`sending_order`)
+    at the planned precisions, without the receiver's first call. ``speed`` is the
+    receiver's compute speed; None plans nothing for the receiver to compute (split 0).
+    token_ids: needed when the stream's manifest carries only their hash.
     """
     m = stream.manifest
     g = m.geometry
@@ -355,9 +445,11 @@ def planned_stream(
         u[:] = 1.0
     plan = plan_handoff(g, u, link=link, speed=speed or NO_RECEIVER_COMPUTE,
                         budget_s=budget_s, levels=levels, objective=objective,
-                        min_fidelity=min_fidelity, order=order)  # fmt: skip
-    sending = stream_order(u, g.block_tokens, plan.order)
+                        min_fidelity=min_fidelity, order=order,
+                        hedge_share=hedge_share)  # fmt: skip
+    sending = sending_order(plan, u, g.block_tokens)
     note = f"split {plan.split}, budget {budget_s * 1e3:.0f} ms"
+    note += f", hedge {plan.hedge}" if plan.hedge else ""
     created = dict(m.created, plan=note if order == "position" else f"{note}, order {order}")
     out = encode_stream(full.cache, u, sending, plan.precision, block_tokens=g.block_tokens,
                         group_size=g.group_size, created=created)  # fmt: skip

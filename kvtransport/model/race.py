@@ -132,7 +132,8 @@ class RaceResult:
 
     @property
     def recomputed(self) -> int:
-        """Tokens computed after the planned prefix (the link did not deliver them)."""
+        """Tokens computed after the first call: what the link did not deliver in time
+        (a plan's hedge included, kvtransport.model.plan)."""
         first = self.steps[0] if self.steps else None
         prefix = first.tokens if first is not None and first.action == "compute" else 0
         return self.computed - prefix
