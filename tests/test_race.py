@@ -450,3 +450,20 @@ def test_a_hedge_lets_a_slow_receiver_load_what_the_idle_link_brought(
     else:
         assert res[True].computed == split * BT  # on time: the hedge computed, not awaited
         assert res[True].seconds <= res[False].seconds + SPEED.per_call_s + 1e-9
+
+
+def test_the_ranges_the_plan_never_sends_are_computed_in_one_call(smollm, context):
+    """A receiver that did not pass the split (it learns the plan from the manifest) finds
+    the first six ranges never sent: it computes them in one call whatever its chunk cap,
+    then loads the rest; the cache is exact."""
+    ctx, _, kv = context
+    s = _stream(kv, "position", 6)
+    planned = _timeline(s.manifest, 0.001)
+    ready = np.where(np.isfinite(planned), 0.0, np.inf)  # everything sent is in place
+    res = run_race(smollm.model, ctx, split=0, received=(blocks.RangeDecoder(s.manifest),
+                   s.payload), ready_at=ready, link=LinkView(planned, np.where(
+                   np.isfinite(planned), RANGE_BYTES, 0), 1.0, rank=stream_rank(s.manifest)),
+                   speed=SPEED, block_tokens=BT, max_chunk=BT)  # fmt: skip
+    assert [(x.action, x.start, x.tokens) for x in res.steps] == [
+        ("compute", 0, 6 * BT), ("load", 6 * BT, len(ctx) - 6 * BT)]  # fmt: skip
+    assert _err(res.kv, kv) < TOL

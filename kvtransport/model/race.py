@@ -25,7 +25,9 @@ trip); after the sender's deadline
 nothing more is due. The receiver waits when computing would take longer, otherwise it
 computes a run of ranges, extended while computing through the next range still beats
 waiting for it, capped at ``max_chunk`` tokens, a cap that doubles with every compute in a
-row (a dead link costs a handful of calls, not one per range). Once nothing more can
+row (a dead link costs a handful of calls, not one per range) and that never splits the
+ranges the transfer's plan does not send (a live receiver that learns the plan from the
+manifest computes the sender's split in one call). Once nothing more can
 arrive (the sender's deadline has passed, or a link that never delivered anything is long
 overdue) the receiver finishes the cheaper way by its cost model: the rest of the context
 in one call, or each run of missing ranges in one call each, loading what arrived between.
@@ -383,8 +385,12 @@ def race(
             cap = n  # each run of holes in one call
         else:
             # compute the ranges not in place while computing through each beats waiting
-            # for it, up to a cap that doubles with every compute in a row
+            # for it, up to a cap that doubles with every compute in a row; the ranges the
+            # link never sends (the transfer's own plan says so) from here on in one call
             cap = max_chunk << min(computes_in_a_row, 8)
+            if link.settled:
+                sent = np.flatnonzero(np.isfinite(link.expect_at[r:]))
+                cap = max(cap, int(sent[0] if sent.size else ranges - r) * block_tokens)
         end = r + 1
         while (
             end < ranges
