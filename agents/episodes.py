@@ -202,7 +202,7 @@ def handoff_utilities(seed: int, token_ranges: int) -> np.ndarray:
 def handoff_table(spec: EpisodeSpec) -> BlockTable:
     """The block table of a handoff episode (see the module docstring), from its seed and
     link: the plan of ``kvtransport.model.plan.plan_handoff`` (objective ``fidelity``,
-    default levels and fidelity floor) for a receiver whose compute speed and TTFT budget
+    default levels and fidelity floor, no hedge) for a receiver whose compute speed and TTFT budget
     are drawn from the seed (``HANDOFF_SPEED_PER_TOKEN_S``, ``HANDOFF_BUDGET``) and for the
     link estimate of ``spec.channel`` (rate, stationary loss, one-way delay). The sent
     blocks (the plan's prefix is not) in position order, each at its planned precision's
@@ -224,7 +224,8 @@ def handoff_table(spec: EpisodeSpec) -> BlockTable:
     link = LinkEstimate(ch.rate_mbps * 1e6, loss, ch.delay_ms * 1e-3, spec.symbol_size)
     int8 = int(g.cost_table(("int8",)).sum())
     budget = float(rng.uniform(*HANDOFF_BUDGET)) * link.seconds(int8)
-    plan = plan_handoff(g, u, link=link, speed=speed, budget_s=budget)
+    # the planned part only: the hedge the product's plans append after it is not modelled
+    plan = plan_handoff(g, u, link=link, speed=speed, budget_s=budget, hedge_share=0.0)
     order = stream_order(u, g.block_tokens, "position")
     level = plan.precision.reshape(-1)[order]
     sent = order[level >= 0]

@@ -396,7 +396,10 @@ class Receiver:
         (kvtransport.model.live_race.live_race): ``speed`` (the model's
         :class:`~kvtransport.model.cache_builder.ComputeSpeed`; None measures it once per model),
         ``rate_mbps`` (the link rate the sender was given), ``split`` (tokens to compute
-        first), ``block_tokens``, ``hello_ms``, ``max_chunk``. The transfer goes on
+        first, before the link is looked at: the plan's ``first_call`` when the receiver
+        knows it; without it the receiver computes the front the transfer does not carry
+        in one call once its manifest is in), ``block_tokens``, ``hello_ms``,
+        ``max_chunk``. The transfer goes on
         receiving; :meth:`result` still gives it."""
         from kvtransport.model.live_race import live_race
 
