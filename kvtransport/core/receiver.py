@@ -276,6 +276,11 @@ class ReceiverSession:
         a release during the run could move the window's base (see ``_batchable``). Those,
         and everything while a block Reed-Solomon decoder is active, take the per-datagram
         path.
+
+        Outside a run, sources that arrive in order at decoded-through with no equation
+        pending are counted and copied at once and marked known per stretch (``_hold``,
+        ``_mark_held``); a repair that covers only known ESIs is dropped on the
+        per-datagram path rather than opening a run.
         """
         b = self._batch
         accept, batchable, dispatch = self._accept, self._batchable, self._dispatch
