@@ -3,9 +3,9 @@
 goodput, each configuration side by side in one run.
 
 1. Per-packet cost (in memory, no socket): the real SenderSession and ReceiverSession on a
-   virtual clock, 5% deterministic loss, feedback as the receiver emits it. One recording
-   run, then each session's inputs and each codec/framing call replayed alone on fresh
-   objects and timed by CPU clock (see the comment at ``per_packet``), for the split:
+   virtual clock, 5% deterministic loss (``--loss-pct``), feedback as the receiver emits
+   it. One recording run, then each session's inputs and each codec/framing call replayed
+   alone on fresh objects and timed by CPU clock (see the comment at ``per_packet``), for the split:
 
      header/auth   Framer.finish / seal (header, AES-GCM) and Parser.parse (checks, open)
      coding        RLC encoder (add_source, add_stream_sources, repair_into) / decoder
@@ -190,15 +190,21 @@ def _make_pair(policy: str, key: bytes | None, n_packets: int) -> tuple:
 
 
 def _record_run(
-    policy: str, key: bytes | None, n_packets: int, rec: _Recorder, owd: float = 50e-6
+    policy: str,
+    key: bytes | None,
+    n_packets: int,
+    rec: _Recorder,
+    owd: float = 50e-6,
+    loss: float = 0.05,
 ) -> dict:
-    """Both sessions on a virtual clock (5% loss, ``owd`` one way); records inputs and calls."""
+    """Both sessions on a virtual clock (``loss`` of the datagrams lost, deterministically;
+    ``owd`` one way); records inputs and calls."""
     make_sender, make_receiver = _make_pair(policy, key, n_packets)
     rec.side = "sender"
     snd = make_sender()
     rec.side = "receiver"
     rcv = make_receiver()
-    lost = np.random.default_rng(0).random(4 * n_packets) < 0.05
+    lost = np.random.default_rng(0).random(4 * n_packets) < loss
     s_in: list[tuple] = []  # ("send", t) | ("fb", t, data)
     r_in: list[tuple] = []  # ("rx", t, data) | ("timer", t)
     in_flight: list[tuple[float, bytes]] = []
@@ -285,7 +291,7 @@ def _replay_receiver_runs(make_receiver: object, r_in: list[tuple]) -> float:
     return time.process_time() - t0
 
 
-def per_packet(n_packets: int, repeats: int, owd: float = 50e-6) -> dict:
+def per_packet(n_packets: int, repeats: int, owd: float = 50e-6, loss: float = 0.05) -> dict:
     from tqdm import tqdm
 
     out = {}
@@ -296,7 +302,7 @@ def per_packet(n_packets: int, repeats: int, owd: float = 50e-6) -> dict:
         key = KEY if auth else None
         rec = _Recorder().install()
         try:
-            run = _record_run(pol, key, n_packets, rec, owd)
+            run = _record_run(pol, key, n_packets, rec, owd, loss)
         finally:
             rec.restore()
         make_sender, make_receiver = run["factories"]
@@ -312,8 +318,8 @@ def per_packet(n_packets: int, repeats: int, owd: float = 50e-6) -> dict:
                 ("receiver_coding", rec.replay_seconds("receiver", "coding")),
             ):
                 best[k] = min(best.get(k, v), v)
-        row = {"policy": pol, "auth": auth, "sent": run["sent"], "repairs": run["repairs"],
-               "received": run["received"]}  # fmt: skip
+        row = {"policy": pol, "auth": auth, "loss": loss, "sent": run["sent"],
+               "repairs": run["repairs"], "received": run["received"]}  # fmt: skip
         for side, n in (("sender", run["sent"]), ("receiver", run["received"])):
             total = best[side] / n * 1e6
             hdr = best[f"{side}_header_auth"] / n * 1e6
@@ -510,8 +516,9 @@ def goodput(args: argparse.Namespace) -> dict:
 
 
 def _table(pp: dict, sock: dict, gp: dict | None) -> str:
-    lines = ["per-packet cost, us (1 Gbit/s, 5% loss, in memory; 'stages' = coding + state, "
-             "the PriorityFEC stages; target < 5)"]  # fmt: skip
+    loss = next(iter(pp.values()))["loss"] if pp else 0.05
+    lines = [f"per-packet cost, us (1 Gbit/s, {100 * loss:g}% loss, in memory; 'stages' = "
+             "coding + state, the PriorityFEC stages; target < 5)"]  # fmt: skip
     lines.append(f"{'config':15s} {'side':9s} {'hdr/auth':>9s} {'coding':>8s} {'state':>8s} "
                  f"{'stages':>8s} {'total':>8s}")  # fmt: skip
     for name, row in pp.items():
@@ -550,6 +557,8 @@ def main() -> int:
                    help=argparse.SUPPRESS)  # fmt: skip
     p.add_argument("--packets", type=int, default=20000, help="per-packet run length")
     p.add_argument("--repeats", type=int, default=3, help="per-packet repeats (best kept)")
+    p.add_argument("--loss-pct", type=float, default=5.0,
+                   help="per-packet runs: datagrams lost, percent (default 5)")  # fmt: skip
     p.add_argument("--owd-us", type=float, default=50.0,
                    help="per-packet runs: one-way delay (default 50)")  # fmt: skip
     p.add_argument("--goodput-mb", type=float, default=40.0, help="goodput transfer size")
@@ -571,7 +580,9 @@ def main() -> int:
         return 0
     if args.quick:
         args.packets, args.repeats, args.goodput_mb, args.rounds = 4000, 1, 8.0, 1
-    pp = per_packet(args.packets, args.repeats, args.owd_us * 1e-6)
+    if not 0.0 <= args.loss_pct < 100.0:
+        p.error(f"--loss-pct must be in [0, 100), got {args.loss_pct:g}")
+    pp = per_packet(args.packets, args.repeats, args.owd_us * 1e-6, args.loss_pct / 100.0)
     sock = socket_cost(n=4000 if args.quick else 20000, repeats=2 if args.quick else 5)
     gp = None if args.no_goodput else goodput(args)
     result = {

@@ -25,18 +25,27 @@ RATE = 200e6
 DELAY = 0.004
 
 
-def _record(seed: int, loss: float, size: int, deadline: float) -> list[tuple[str, float, bytes]]:
+def _record(
+    seed: int,
+    loss: float,
+    size: int,
+    deadline: float,
+    jitter_ms: float = 0.3,
+    extra: bool = True,
+    policy: str = "adaptive",
+) -> list[tuple[str, float, bytes]]:
     """Run a transfer on the simulator (lossy, jittered: reordered); return what its
     receiver was handed, ("data", t, datagram) and ("timer", t, b"") in order, with some
-    datagrams handed twice and some forged copies (bad tag) added after their originals."""
+    datagrams handed twice and some forged copies (bad tag) added after their originals
+    (``extra``); the sender's ``policy``."""
     rng = np.random.default_rng(seed)
     tr = synthetic_transfer(size, 40, "zipf", seed=seed)
     data_path = Profile("lossy", loss=parse_loss(f"{loss * 100:g}%"), rate_mbps=RATE / 1e6,
-                        delay_ms=DELAY * 1e3, jitter_ms=0.3)  # fmt: skip
+                        delay_ms=DELAY * 1e3, jitter_ms=jitter_ms)  # fmt: skip
     back = Profile("back", rate_mbps=RATE / 1e6, delay_ms=DELAY * 1e3)
     a, b = np.random.SeedSequence(seed).spawn(2)
     trace: list[tuple] = []
-    Simulation(tr, make_policy("adaptive"), make_channel(data_path, a), make_channel(back, b),
+    Simulation(tr, make_policy(policy), make_channel(data_path, a), make_channel(back, b),
                rate_bps=RATE, deadline=deadline, transfer_id=TID, key=KEY,
                initial_rtt=2 * DELAY, record=False, trace=trace).run()  # fmt: skip
     events: list[tuple[str, float, bytes]] = []
@@ -48,6 +57,8 @@ def _record(seed: int, loss: float, size: int, deadline: float) -> list[tuple[st
         elif e[0] == "recv":
             d = e[3]
             events.append(("data", e[1], d))
+            if not extra:
+                continue
             if rng.random() < 0.03:  # some come twice
                 events.append(("data", e[1], d))
             if rng.random() < 0.01:  # a forged copy: bad tag
@@ -84,29 +95,20 @@ def _state(r: ReceiverSession) -> dict:
         "drops": dict(r.drop_reasons),
         "monitor": (r.monitor.received, r.monitor.lost, r.monitor.loss_rate),
         "ends": list(r._ends),
+        "released": r._released,  # where decoder state was released, and the decoder's
+        "decoder": None if r.decoder is None else (r.decoder.base, r.decoder.stats),
     }
 
 
-@pytest.mark.parametrize(
-    "seed, loss, size, deadline",
-    [(1, 0.10, 2_000_000, 0.5), (2, 0.03, 1_500_000, 0.3), (3, 0.20, 1_200_000, 0.25)],
-)
-def test_runs_decode_exactly_as_one_datagram_per_call(monkeypatch, seed, loss, size, deadline):
-    events = _record(seed, loss, size, deadline)
-    rows = {"packets": 0, "repairs": 0, "calls": 0}
-    real = RLCDecoder.add_packets
-
-    def counting(self, meta, payloads, ends=None, sources=None):
-        m = np.asarray(meta)
-        rows["packets"] += m.shape[0]
-        rows["repairs"] += int((m[:, 1] > 0).sum())
-        rows["calls"] += 1
-        return real(self, meta, payloads, ends, sources)
-
-    monkeypatch.setattr(RLCDecoder, "add_packets", counting)
+def _one_and_runs(
+    events: list[tuple[str, float, bytes]], deadline: float, seed: int
+) -> tuple[ReceiverSession, ReceiverSession]:
+    """Two fresh receivers given ``events``: one datagram per call, and in runs of random
+    length (1..299) through receive_datagrams; their feedback after every call, their
+    results and counters must be identical. Returns both."""
     one = ReceiverSession(TID, key=KEY, deadline=deadline)
     run = ReceiverSession(TID, key=KEY, deadline=deadline)
-    rng = np.random.default_rng(seed + 100)
+    rng = np.random.default_rng(seed)
     i = 0
     while i < len(events):
         kind, t, _ = events[i]
@@ -128,13 +130,135 @@ def test_runs_decode_exactly_as_one_datagram_per_call(monkeypatch, seed, loss, s
     one.close(events[-1][1] + 1.0)
     run.close(events[-1][1] + 1.0)
     assert one.datagrams_to_send(0.0) == run.datagrams_to_send(0.0)
-    a, b = _state(one), _state(run)
-    assert a == b
+    assert _state(one) == _state(run)
+    return one, run
+
+
+@pytest.mark.parametrize(
+    "seed, loss, size, deadline",
+    [(1, 0.10, 2_000_000, 0.5), (2, 0.03, 1_500_000, 0.3), (3, 0.20, 1_200_000, 0.25)],
+)
+def test_runs_decode_exactly_as_one_datagram_per_call(monkeypatch, seed, loss, size, deadline):
+    events = _record(seed, loss, size, deadline)
+    rows = {"packets": 0, "repairs": 0, "calls": 0}
+    real = RLCDecoder.add_packets
+
+    def counting(self, meta, payloads, ends=None, sources=None):
+        m = np.asarray(meta)
+        rows["packets"] += m.shape[0]
+        rows["repairs"] += int((m[:, 1] > 0).sum())
+        rows["calls"] += 1
+        return real(self, meta, payloads, ends, sources)
+
+    monkeypatch.setattr(RLCDecoder, "add_packets", counting)
+    one, _ = _one_and_runs(events, deadline, seed + 100)
     # the runs did go through add_packets, repairs among them, many per call
     assert rows["repairs"] > 20 and rows["packets"] > 10 * rows["calls"]
     # and the transfer was a real one: losses repaired, blocks delivered
     assert one.symbols_recovered > 20 and one.blocks_complete > 0
     assert one.drop_reasons.get("bad_tag", 0) > 0
+
+
+@pytest.mark.parametrize("jitter_ms, extra, in_order", [(0.0, False, True), (0.3, True, False)])
+def test_held_in_order_sources_are_marked_exactly_as_one_by_one(
+    monkeypatch, jitter_ms, extra, in_order
+):
+    """Sources in order at decoded-through with nothing pending have their marking held
+    and done per stretch (_mark_held): the same feedback, results, counters, decoder
+    releases and block completions as one datagram per call, on a lossless transfer (in
+    order, and reordered with duplicates and forged copies)."""
+    events = _record(7, 0.0, 2_000_000, 0.5, jitter_ms=jitter_ms, extra=extra)
+    seen = {"held": 0, "releases": 0, "blocks": 0, "inside": False}
+    real_mark, real_release = ReceiverSession._mark_held, ReceiverSession._release
+    real_sweep = ReceiverSession._sweep_blocks
+
+    def mark_held(self, now):
+        if self._held_from >= 0:
+            seen["held"] += self._lazy_to - self._held_from
+        seen["inside"] = True
+        real_mark(self, now)
+        seen["inside"] = False
+
+    def release(self, t):
+        seen["releases"] += seen["inside"]
+        real_release(self, t)
+
+    def sweep(self, t):
+        before = self.blocks_complete
+        real_sweep(self, t)
+        seen["blocks"] += (self.blocks_complete - before) * seen["inside"]
+
+    monkeypatch.setattr(ReceiverSession, "_mark_held", mark_held)
+    monkeypatch.setattr(ReceiverSession, "_release", release)
+    monkeypatch.setattr(ReceiverSession, "_sweep_blocks", sweep)
+    one, run = _one_and_runs(events, 0.5, 8)
+    assert one.result is not None and one.result.reason == "complete"
+    n = sum(1 for kind, _, _ in events if kind == "data")
+    if in_order:  # most sources were held; decoder releases and blocks came from held runs
+        assert seen["held"] > 0.5 * n and seen["releases"] >= 3 and seen["blocks"] >= 10
+    else:  # reordered: the stretches between the holes
+        assert seen["held"] > 0.01 * n
+
+
+def test_held_sources_reach_a_side_decoder_as_one_by_one():
+    """Block Reed-Solomon parities (a side decoder, which sees every source once made) on
+    a lossy in-order path: the runs give the same results as one datagram per call, and
+    the side decoder recovered symbols in both."""
+    events = _record(5, 0.03, 1_000_000, 0.5, jitter_ms=0.0, extra=False, policy="block-rs:4/16")
+    one, _ = _one_and_runs(events, 0.5, 6)
+    assert one._side and one.symbols_recovered > 5
+
+
+def test_held_sources_wait_while_a_side_decoder_needs_them():
+    """Both block Reed-Solomon parities of block 1 (ESIs 8..15, k 8, p 2) arrive ahead of
+    its sources, then sources 8..13 in order after 0..7: one datagram at a time the side
+    decoder gets each and recovers 14 and 15 with the sixth. In runs too: sources are not
+    held while a side decoder exists (it would not see them)."""
+    from kvtransport.codecs.blockrs import BlockRSEncoder
+
+    src, data = _stream(16, [(e,) for e in range(14)])
+    enc = BlockRSEncoder(64, 8, 2)
+    for x in src:
+        enc.add_source(x.tobytes())
+    framer = wire.Framer(TID, KEY, max_payload=2048)
+    parities = []
+    for i, parity in enumerate(enc.repairs(1)):
+        framer.payload_view(64)[:] = parity
+        parities.append(framer.finish(wire.DatagramType.BLOCK_REPAIR, 100 + i, 64, esi=8,
+                                      key=wire.block_repair_key(2, i), dt_nss=8))  # fmt: skip
+    order = data[:8] + parities + data[8:]
+    one = ReceiverSession(TID, key=KEY)
+    run = ReceiverSession(TID, key=KEY)
+    for d in order:
+        one.receive_datagram(d, 1.0)
+    run.receive_datagrams(order, 1.0)
+    assert one.symbols_recovered == 2 and one._known[14] and one._known[15]
+    for r in (one, run):
+        r.close(2.0)
+    assert _state(one) == _state(run)
+    assert run._out[: 16 * 64].tobytes() == src.tobytes()
+
+
+def test_a_held_run_starts_only_with_no_equation_pending():
+    """A repair over ESIs 601..640 arrived ahead of them; source 600 (not involved) starts
+    a lazy run that 601.. continue. One datagram at a time, the decoder release at
+    decoded-through 640 hands it 600..639, which recovers 640 before its own datagram comes
+    (then a duplicate). The runs must not hold those sources' marking (an equation is
+    pending), or 640 would count as received instead."""
+    order = [(e,) for e in range(600)] + [(601, 40, 1)]
+    src, data = _stream(701, order + [(600,)] + [(e,) for e in range(601, 701)])
+    one = ReceiverSession(TID, key=KEY)
+    run = ReceiverSession(TID, key=KEY)
+    for d in data:
+        one.receive_datagram(d, 1.0)
+    for part in (data[: len(order)], data[len(order) : len(order) + 1], data[len(order) + 1 :]):
+        run.receive_datagrams(part, 1.0)
+    assert one.symbols_recovered == 1 and one.duplicates == 1  # the intended scenario
+    assert one.datagrams_to_send(1.0) == run.datagrams_to_send(1.0)
+    for r in (one, run):
+        r.close(2.0)
+    assert _state(one) == _state(run)
+    assert run._out[: 701 * 64].tobytes() == src.tobytes()
 
 
 def test_a_run_never_completes_a_transfer_late():

@@ -61,6 +61,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable
+from itertools import repeat
 
 import numpy as np
 
@@ -169,6 +170,11 @@ class ReceiverSession:
         self.duplicates = 0
         # a run of sources [_lazy_from, _lazy_to) not yet handed to the decoder
         self._lazy_from = self._lazy_to = -1
+        # receive_datagrams: in-order sources [_held_from, _lazy_to) in the output buffer and
+        # counted, whose marking (_mark_held) is still to come (-1: none), and the ESI the
+        # held run stops before (set when it starts)
+        self._held_from = -1
+        self._hold_end = 0
 
         # blocks (after the manifest): per symbol, the range of blocks it overlaps; per
         # block, its end (one past its last ESI) and its missing-symbol count, which counts
@@ -270,9 +276,15 @@ class ReceiverSession:
         a release during the run could move the window's base (see ``_batchable``). Those,
         and everything while a block Reed-Solomon decoder is active, take the per-datagram
         path.
+
+        Outside a run, sources that arrive in order at decoded-through with no equation
+        pending are counted and copied at once and marked known per stretch (``_hold``,
+        ``_mark_held``); a repair that covers only known ESIs is dropped on the
+        per-datagram path rather than opening a run.
         """
         b = self._batch
         accept, batchable, dispatch = self._accept, self._batchable, self._dispatch
+        hold, mark_held = self._hold, self._mark_held
         window_type = self._window_type
         min_gap = self._min_fb_gap
         for data in datagrams:
@@ -283,7 +295,21 @@ class ReceiverSession:
             t = d[0]
             if t == _SOURCE and not b.n and d[6] == self._lazy_to:
                 # the common case, in order with no run open: _batchable's first "no" (the
-                # per-datagram lazy path is cheaper), without the call
+                # per-datagram lazy path is cheaper), without the call; at decoded-through
+                # with nothing pending, its marking waits for the rest of its kind (_hold)
+                if self._held_from >= 0:
+                    if gap <= 0 and hold(d[6], d[7]):
+                        continue
+                    mark_held(now)
+                elif gap <= 0 and d[6] == self.through and hold(d[6], d[7]):
+                    continue
+                dispatch(d, gap, now)
+                continue
+            if self._held_from >= 0:
+                mark_held(now)
+            if t == window_type and not b.n and self._redundant(d):
+                # every ESI it covers is known: the per-datagram path drops it at once,
+                # and the in-order sources after it stay on the lazy path
                 dispatch(d, gap, now)
                 continue
             if (t != _SOURCE and t != window_type) or not batchable(d):
@@ -305,6 +331,8 @@ class ReceiverSession:
                 self._flush_batch(now)
                 if gap > 0 and now - self._last_fb >= min_gap:
                     self._send_feedback(now)
+        if self._held_from >= 0:
+            mark_held(now)
         self._flush_batch(now)
 
     def _accept(self, data: bytes | memoryview, now: float) -> tuple[Datagram, int] | None:
@@ -634,20 +662,11 @@ class ReceiverSession:
                     t = len(known)
             self.through = t
             if t - self._release_lag - self._released >= self._release_chunk:
-                self._released = t - self._release_lag
-                self._sync_decoder()
-                assert self.decoder is not None  # symbols have arrived
-                self.decoder.release_before(self._released)
+                self._release(t)
             if self._blk_missing:
                 ends, b = self._blk_end, self._blk_next
                 if b < len(ends) and ends[b] <= t:
-                    missing = self._blk_missing
-                    while b < len(ends) and ends[b] <= t:
-                        if missing[b]:
-                            missing[b] = 0
-                            self._block_done(b)
-                        b += 1
-                    self._blk_next = b
+                    self._sweep_blocks(t)
         elif self._blk_missing:  # out of order: count it against its blocks
             missing = self._blk_missing
             b, last = self._blk_first[esi], self._blk_last[esi]
@@ -657,6 +676,109 @@ class ReceiverSession:
                 if not m:
                     self._block_done(b)
                 b += 1
+
+    def _release(self, t: int) -> None:
+        """Decoded-through reached ``t``, a release chunk past the last release: the
+        decoder drops its state below ``t - release_lag`` (after taking the lazy run)."""
+        self._released = t - self._release_lag
+        self._sync_decoder()
+        assert self.decoder is not None  # symbols have arrived
+        self.decoder.release_before(self._released)
+
+    def _sweep_blocks(self, t: int) -> None:
+        """Complete, in order, the blocks decoded-through ``t`` passed."""
+        ends, b, missing = self._blk_end, self._blk_next, self._blk_missing
+        while b < len(ends) and ends[b] <= t:
+            if missing[b]:
+                missing[b] = 0
+                self._block_done(b)
+            b += 1
+        self._blk_next = b
+
+    # ------------------------------------------------------------------ held in-order runs
+
+    def _hold(self, esi: int, payload: memoryview) -> bool:
+        """``receive_datagrams``, for source ``esi`` that continues the lazy run
+        (``_lazy_to``) and revealed no gap: hold its marking for ``_mark_held`` (count it
+        and put its bytes in place now) when the outcome is the same as marking it at once,
+        i.e. when the held run starts at decoded-through with no repair equation pending
+        and no side decoder (nothing can be recovered, and no block completes out of
+        order), it is a new symbol of the right size in range, and it cannot complete the
+        transfer (that one takes the per-datagram path). Anything else the session does
+        first calls ``_mark_held``, so nothing sees the held state. (A lazy run never
+        outlives a repair or reaches a source a pending equation involves, and a side
+        decoder ends it with every source, so the first two conditions hold whenever a
+        source continues one at decoded-through; they are checked once per held run.)"""
+        lo = self._held_from
+        if lo < 0:
+            dec = self.decoder
+            if esi != self.through or dec is None or dec.pending_equations or self._side:
+                return False
+            # the held run may reach up to (not including) the first of: the end of the
+            # range or the buffer, the next known ESI, the source that would complete
+            known = self._known
+            end = min(self._limit, len(known))
+            nxt = known.find(1, esi, end)
+            if nxt >= 0:
+                end = nxt
+            if self.manifest is not None:
+                end = min(end, esi + self.n_source - self.n_known - 1)
+            self._hold_end = end
+            lo = esi
+        s = self.symbol_size
+        if esi >= self._hold_end or len(payload) != s:
+            return False
+        self._held_from = lo
+        self.source_received += 1
+        self._out_mv[esi * s : esi * s + s] = payload
+        self._lazy_to = esi + 1
+        return True
+
+    def _mark_held(self, now: float) -> None:
+        """Mark the held run [_held_from, _lazy_to) in one go: exactly what ``_mark`` (and
+        ``_dispatch`` after it) did one source at a time, i.e. the same known symbols,
+        decoded-through, ``esi_end`` steps, decoder releases (each after the decoder took
+        the sources up to the one whose marking made it), blocks and feedback timer."""
+        lo = self._held_from
+        if lo < 0:
+            return
+        self._held_from = -1
+        hi = self._lazy_to
+        known = self._known
+        known[lo:hi] = b"\x01" * (hi - lo)
+        self.n_known += hi - lo
+        end0 = self.esi_end
+        if hi > end0:  # one step per source at or past esi_end, as _dispatch records them
+            self.esi_end = hi
+            self._ends.extend(zip(repeat(now), range(max(lo, end0) + 1, hi + 1)))
+        t = hi  # decoded-through after the last one (after each earlier one e: e + 1)
+        if t < len(known) and known[t]:
+            t = known.find(0, t)
+            if t < 0:
+                t = len(known)
+        self.through = t
+        lag, chunk = self._release_lag, self._release_chunk
+        step = lo + 1  # the least decoded-through the next earlier source can make
+        while (at := max(self._released + lag + chunk, step)) < hi:
+            self._lazy_to = at  # the lazy run as it stood when source at - 1 was marked
+            self._release(at)
+            self._lazy_from, self._lazy_to = at, hi
+            step = at + 1
+        if t - lag - self._released >= chunk:
+            self._release(t)
+        if self._blk_missing:
+            ends = self._blk_end
+            if self._blk_next < len(ends) and ends[self._blk_next] <= t:
+                self._sweep_blocks(t)
+        if self._next_fb is None:
+            self._next_fb = now + self.feedback_interval
+
+    def _redundant(self, d: Datagram) -> bool:
+        """Does window repair ``d`` cover only ESIs below decoded-through (all known)?"""
+        try:
+            return self._window.check(d) < self.through
+        except WireError:
+            return False  # the per-datagram path drops it
 
     def _block_done(self, b: int) -> None:
         self.complete[b] = True
