@@ -157,6 +157,41 @@ class DuelingDQNPolicy(DQNPolicy):
         return net
 
 
+def load_q_network(model: DQN, weights: QWeights) -> None:
+    """Start ``model``'s online and target Q-networks from exported ``weights`` (the
+    inverse of :func:`export_q_network`; same layer sizes and action count, else
+    ValueError). A dueling last layer gets the exported layer split exactly: the value
+    head the mean over actions, the advantage head the rest, so the network's Q-values
+    equal the exported ones."""
+    net = list(model.q_net.q_net)
+    dense = (nn.Linear, DuelingHead)
+    linears = [m for m in net if isinstance(m, dense)]
+    shapes = [
+        (m.advantage.out_features, m.advantage.in_features)
+        if isinstance(m, DuelingHead)
+        else (m.out_features, m.in_features)
+        for m in linears
+    ]
+    if shapes != [w.shape for w, _ in weights.layers]:
+        raise ValueError(
+            f"the weights' layers {[w.shape for w, _ in weights.layers]} do not match "
+            f"the network's {shapes}"
+        )
+    with th.no_grad():
+        for m, (w, b) in zip(linears, weights.layers, strict=True):
+            w64, b64 = w.astype(np.float64), b.astype(np.float64)
+            parts: tuple[tuple[nn.Linear, np.ndarray, np.ndarray], ...]
+            if isinstance(m, DuelingHead):
+                wv, bv = w64.mean(axis=0, keepdims=True), b64.mean(keepdims=True)
+                parts = ((m.value, wv, bv), (m.advantage, w64 - wv, b64 - bv))
+            else:
+                parts = ((m, w64, b64),)
+            for layer, pw, pb in parts:
+                layer.weight.copy_(th.as_tensor(pw, dtype=layer.weight.dtype))
+                layer.bias.copy_(th.as_tensor(pb, dtype=layer.bias.dtype))
+    model.q_net_target.load_state_dict(model.q_net.state_dict())
+
+
 def export_q_network(model: DQN, actions: np.ndarray, meta: dict | None = None) -> QWeights:
     """The online Q-network of an SB3 DQN (MLP policy, ReLU, flatten extractor, plain or
     dueling last layer) as arrays."""

@@ -13,7 +13,8 @@ every decision and the agent supplies it.
   (kvtransport.core.policy.Obs, float32[OBS_SIZE]); the daemon's policy sees the same vector.
 - **action** = an index into the policy action table (kvtransport.core.policy.ACTIONS: rows
   repair share, admit new sources).
-- **reward** = utility that became decodable at the receiver during the step. The
+- **reward** = utility that became decodable at the receiver during the step (a handoff
+  episode: whole token ranges only, ``Simulation.utility``). The
   receiver's utility freezes at the deadline, so the undiscounted return is exactly the
   utility recovered before the deadline; nothing after it counts.
 
@@ -110,7 +111,7 @@ class RepairSchedulingEnv(gym.Env):
             raise RuntimeError("call reset() first (the episode is over)")
         sim.apply_action(int(action))
         running = sim.run_until_decision()
-        u = sim.receiver.utility
+        u = sim.utility
         reward = u - self._utility
         self._utility = u
         return sim.sender.obs.copy(), float(reward), not running, False, {"utility": u}

@@ -198,15 +198,29 @@ def handoff_utilities(seed: int, token_ranges: int) -> np.ndarray:
     return mu.block_utility(imp, 16, weights)
 
 
-@lru_cache(maxsize=256)
 def handoff_table(spec: EpisodeSpec) -> BlockTable:
+    """The block table of a handoff episode (:func:`handoff_stream`)."""
+    return handoff_stream(spec)[0]
+
+
+def handoff_ranges(spec: EpisodeSpec) -> np.ndarray:
+    """The token range of each block of a handoff episode's table (:func:`handoff_stream`):
+    the groups its utility is scored by (``whole_groups`` of
+    kvtransport.sim.simulator.Simulation)."""
+    return handoff_stream(spec)[1]
+
+
+@lru_cache(maxsize=256)
+def handoff_stream(spec: EpisodeSpec) -> tuple[BlockTable, np.ndarray]:
     """The block table of a handoff episode (see the module docstring), from its seed and
     link: the plan of ``kvtransport.model.plan.plan_handoff`` (objective ``fidelity``,
     default levels and fidelity floor, no hedge) for a receiver whose compute speed and TTFT budget
     are drawn from the seed (``HANDOFF_SPEED_PER_TOKEN_S``, ``HANDOFF_BUDGET``) and for the
     link estimate of ``spec.channel`` (rate, stationary loss, one-way delay). The sent
     blocks (the plan's prefix is not) in position order, each at its planned precision's
-    size; utilities are the sent blocks' shares of the sent utility (summing to 1)."""
+    size; utilities are the sent blocks' shares of the sent utility (summing to 1). With
+    it, each sent block's token range (the plan sends or computes whole ranges, every
+    layer of a range at once)."""
     from kvtransport.model.blocks import PRECISIONS, Geometry
     from kvtransport.model.cache_builder import ComputeSpeed
     from kvtransport.model.plan import DEFAULT_LEVELS, LinkEstimate, plan_handoff
@@ -234,7 +248,7 @@ def handoff_table(spec: EpisodeSpec) -> BlockTable:
     lengths = cost[sent, [codes.index(int(c)) for c in level[level >= 0]]].astype(np.uint64)
     offsets = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.uint64)
     util = u.reshape(-1)[sent]
-    return BlockTable(offsets, lengths, util / util.sum())
+    return BlockTable(offsets, lengths, util / util.sum()), sent % ranges
 
 
 def spec_transfer(spec: EpisodeSpec) -> Transfer:
@@ -259,7 +273,9 @@ def build_simulation(
     """The real sender and receiver for ``spec`` over its channels: exactly the run
     ``kvtransport.sim.simulator.make_simulation`` sets up for the same transfer, profiles, rho,
     seed and protocol ``config`` (``simulate`` with those arguments gives the same
-    result)."""
+    result). A handoff episode's utility counts whole token ranges only
+    (:func:`handoff_ranges`): the race loads a range once every layer of it arrived and
+    recomputes a partial one, so a partial range is worth nothing."""
     return make_simulation(
         spec_transfer(spec),
         channel=spec.channel,
@@ -271,6 +287,7 @@ def build_simulation(
         record=record,
         prior_loss=spec.prior_loss,
         config=config,
+        whole_groups=handoff_ranges(spec) if spec.stream == "handoff" else None,
     )
 
 

@@ -51,7 +51,7 @@ from kvtransport.agents.episodes import (
     build_simulation,
 )
 from kvtransport.agents.features import N_FEATURES, feature_bounds, features
-from kvtransport.agents.runtime import DDQNPolicy, save_weights
+from kvtransport.agents.runtime import DDQNPolicy, load_weights, save_weights
 
 from kvtransport.core.policy import Adaptive, Obs, Oracle, Policy
 from kvtransport.core.policy import ConstantAction as _Constant
@@ -96,6 +96,9 @@ class TrainConfig:
     distribution: dict = field(default_factory=dict)
     """EpisodeDistribution fields that differ from its defaults (the rest are its
     defaults *when the run starts*: :func:`effective_config` records them all)."""
+    init_from: str | None = None
+    """A weights file (kvtransport.agents.runtime) the Q-network starts from, instead of
+    random initial weights (None)."""
 
 
 def episode_distribution(cfg: TrainConfig) -> EpisodeDistribution:
@@ -110,10 +113,15 @@ def effective_config(cfg: TrainConfig) -> dict:
 
     This, not the command line, is what a run records next to its weights (``ddqn.json``,
     the ``.npz`` metadata, ``summary.json``): a default that moves later changes what a
-    recorded command trains on, and the two effective configurations then differ."""
+    recorded command trains on, and the two effective configurations then differ.
+    ``init_from`` is there only when set (runs from random weights record what they did
+    before the option existed)."""
     dist = episode_distribution(cfg)
     knobs = {f.name: getattr(dist, f.name) for f in fields(dist) if f.name != "trace_files"}
-    return _jsonable({**asdict(cfg), "distribution": knobs})
+    config = {**asdict(cfg), "distribution": knobs}
+    if cfg.init_from is None:
+        del config["init_from"]
+    return _jsonable(config)
 
 
 class FeatureObservation(gym.ObservationWrapper):
@@ -202,9 +210,8 @@ def play(spec: EpisodeSpec, policy: Policy) -> float:
     """Utility recovered before the deadline by ``policy`` on one episode."""
     sim = build_simulation(spec, policy)
     sim.run()
-    res = sim.receiver.result
-    assert res is not None  # run() goes on until the receiver's result
-    return float(res.utility_recovered)
+    assert sim.receiver.result is not None  # run() goes on until the receiver's result
+    return sim.utility_recovered
 
 
 # ---------------------------------------------------------------------------- demonstrations
@@ -353,7 +360,12 @@ def train(cfg: TrainConfig, out: str | Path, command: str = "", quiet: bool = Fa
     figures; what to copy into agents/data/ with ``ddqn.npz`` to ship a policy), and the
     same command and configuration in the ``.npz`` metadata and ``summary.json``."""
     import torch
-    from kvtransport.agents.ddqn import DoubleDQN, DuelingDQNPolicy, export_q_network
+    from kvtransport.agents.ddqn import (
+        DoubleDQN,
+        DuelingDQNPolicy,
+        export_q_network,
+        load_q_network,
+    )
     from stable_baselines3.common.callbacks import BaseCallback
     from stable_baselines3.common.logger import configure
     from tqdm import tqdm
@@ -382,6 +394,8 @@ def train(cfg: TrainConfig, out: str | Path, command: str = "", quiet: bool = Fa
         seed=cfg.seed,
         device="cpu",
     )
+    if cfg.init_from is not None:
+        load_q_network(model, load_weights(cfg.init_from))
     model.set_logger(configure(str(out / "sb3"), ["csv"]))
     val = validation_specs(cfg, cfg.eval_episodes)
     bar = tqdm(

@@ -138,7 +138,7 @@ def run_cell(
                 continue
             sim = build_simulation(spec, make_scheme(name, weights))
             sim.run()
-            known[name] = float(sim.receiver.result.utility_recovered)
+            known[name] = sim.utility_recovered
             out[name].append(known[name])
         if references:
             bound = build_simulation(spec, make_scheme("none", None)).meta["utility_bound"]

@@ -6,10 +6,24 @@ import json
 import numpy as np
 import pytest
 import torch as th
-from kvtransport.agents.ddqn import DoubleDQN, double_dqn_target
+from kvtransport.agents.ddqn import (
+    DoubleDQN,
+    DuelingDQNPolicy,
+    double_dqn_target,
+    export_q_network,
+    load_q_network,
+    torch_qvalues,
+)
 from kvtransport.agents.episodes import EpisodeDistribution
-from kvtransport.agents.runtime import load_weights
-from kvtransport.agents.training import TrainConfig, effective_config, make_env, train
+from kvtransport.agents.runtime import SHIPPED_WEIGHTS, DDQNPolicy, load_weights, mlp_qvalues
+from kvtransport.agents.training import (
+    TrainConfig,
+    effective_config,
+    make_env,
+    play,
+    train,
+    validation_specs,
+)
 from stable_baselines3.common.logger import Logger
 from stable_baselines3.common.type_aliases import ReplayBufferSamples
 
@@ -194,3 +208,75 @@ def test_a_tiny_training_run_improves_on_the_untrained_network(tmp_path):
     assert dist["ge_p_range"] == list(EpisodeDistribution().ge_p_range)  # a default
     assert load_weights(tmp_path / "ddqn.npz").meta["config"] == side["config"]
     assert (tmp_path / "learning_curve.png").stat().st_size > 10_000
+
+
+def _features_of_an_episode() -> np.ndarray:
+    """The network inputs along a real episode (FeatureObservation's output)."""
+    env = make_env(TrainConfig())
+    out = [env.reset(seed=1)[0]]
+    for i in range(60):
+        obs, _, done, _, _ = env.step(i % 3)
+        out.append(obs)
+        if done:
+            break
+    return np.array(out, dtype=np.float32)
+
+
+def _dueling_model(hidden: tuple[int, ...]) -> DoubleDQN:
+    env = make_env(TrainConfig())
+    return DoubleDQN(
+        DuelingDQNPolicy,
+        env,
+        policy_kwargs={"net_arch": list(hidden)},
+        learning_starts=1_000,
+        buffer_size=1_000,
+        seed=3,
+        device="cpu",
+    )
+
+
+def test_a_network_started_from_exported_weights_computes_their_q_values():
+    """load_q_network is export_q_network's inverse: the dueling head gets the folded
+    layer split into value and advantage, so the torch network's Q-values on real
+    features are the shipped runtime's, and exporting gives the weights back."""
+    shipped = load_weights(SHIPPED_WEIGHTS)
+    model = _dueling_model((64, 64))
+    feats = _features_of_an_episode()
+    before = torch_qvalues(model, feats)
+    load_q_network(model, shipped)
+    q = torch_qvalues(model, feats)
+    runtime = np.array([mlp_qvalues(f, shipped.kernel_layers) for f in feats])
+    assert np.abs(before - runtime).max() > 0.01  # random weights are something else
+    np.testing.assert_allclose(q, runtime, atol=2e-5)
+    again = export_q_network(model, shipped.actions)
+    for (w, b), (w0, b0) in zip(again.layers, shipped.layers, strict=True):
+        np.testing.assert_allclose(w, w0, atol=1e-6)
+        np.testing.assert_allclose(b, b0, atol=1e-6)
+    q_target = model.q_net_target(th.as_tensor(feats)).detach().numpy()
+    np.testing.assert_allclose(q_target, q, atol=1e-6)  # the target starts there too
+
+
+def test_weights_of_other_layer_sizes_are_refused():
+    with pytest.raises(ValueError, match="do not match"):
+        load_q_network(_dueling_model((32, 32)), load_weights(SHIPPED_WEIGHTS))
+
+
+def test_a_run_with_init_from_starts_where_those_weights_are(tmp_path):
+    """The step-0 validation of a run started from the shipped weights is the shipped
+    policy's own utility on the same validation episodes."""
+    cfg = TrainConfig(
+        steps=1,
+        demo_steps=0,
+        eval_every=1,
+        eval_episodes=3,
+        init_from=str(SHIPPED_WEIGHTS),
+        distribution={"blocks_range": (100, 200), "high_rtt_share": 0.5},
+    )
+    train(cfg, tmp_path, command="test", quiet=True)
+    with open(tmp_path / "progress.csv") as f:
+        rows = list(csv.DictReader(f))
+    shipped = np.mean([play(s, DDQNPolicy()) for s in validation_specs(cfg, 3)])
+    assert float(rows[0]["val_ddqn"]) == pytest.approx(shipped, abs=1e-12)
+    assert json.loads((tmp_path / "ddqn.json").read_text())["config"]["init_from"] == str(
+        SHIPPED_WEIGHTS
+    )

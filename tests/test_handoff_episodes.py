@@ -9,7 +9,10 @@ from kvtransport.agents.episodes import (
     HANDOFF_LAYERS,
     EpisodeDistribution,
     EpisodeSpec,
+    build_simulation,
     eval_spec,
+    handoff_ranges,
+    handoff_stream,
     handoff_table,
     handoff_utilities,
     spec_deadline,
@@ -80,7 +83,7 @@ def test_handoff_episodes_mix_precisions_and_leave_a_prefix():
 def test_handoff_episode_is_reproducible_from_its_seed():
     spec = eval_spec("ge-heavy", 1.0, 2, stream="handoff")
     a = handoff_table(spec)
-    handoff_table.cache_clear()
+    handoff_stream.cache_clear()
     b = handoff_table(spec)
     assert a is not b
     for x, y in ((a.offsets, b.offsets), (a.lengths, b.lengths), (a.utilities, b.utilities)):
@@ -119,6 +122,7 @@ def test_environment_plays_a_handoff_episode_as_the_simulator_does():
         seed=spec.seed,
         symbol_size=spec.symbol_size,
         record=False,
+        whole_groups=handoff_ranges(spec),
     )
     assert 0.2 < total < 1.0
     assert total == pytest.approx(res.utility_recovered, abs=1e-12)
@@ -132,3 +136,48 @@ def test_bad_stream_settings_are_one_line_errors():
         EpisodeSpec(seed=1, channel=prof, feedback=prof, rho=1.0, n_blocks=61, stream="handoff")
     with pytest.raises(ValueError, match="unknown stream"):
         eval_spec("ge-heavy", 1.0, 0, stream="prefix")
+
+
+def test_handoff_ranges_are_whole_token_ranges_in_stream_order():
+    spec = eval_spec("bernoulli-5", 1.0, 1, stream="handoff")
+    ranges = handoff_ranges(spec)
+    assert len(ranges) == len(handoff_table(spec))
+    # prefix order: each sent token range is HANDOFF_LAYERS consecutive blocks, ranges rise
+    counts = np.unique(ranges, return_counts=True)[1]
+    assert (counts == HANDOFF_LAYERS).all()
+    assert (np.diff(ranges) >= 0).all() and ranges[0] > 0  # the receiver computes a prefix
+
+
+def test_a_handoff_range_missing_one_block_scores_nothing():
+    """ge-heavy, rho 0.8, episode 1, tail rule only: one token range ends the transfer
+    with 29 of its 30 layer blocks decoded; the range is recomputed by the receiver, so
+    none of its utility counts, and the score is the utility of the whole ranges."""
+    spec = eval_spec("ge-heavy", 0.8, 1, stream="handoff")
+    sim = build_simulation(spec, ConstantAction(0))
+    sim.run()
+    res = sim.receiver.result
+    ranges = handoff_ranges(spec)
+    util = handoff_table(spec).utilities
+    whole, partial = 0.0, {}
+    for r in np.unique(ranges):
+        done = res.complete[ranges == r]
+        if done.all():
+            whole += float(util[ranges == r].sum())
+        elif done.any():
+            partial[int(r)] = (int((~done).sum()), float(util[ranges == r][done].sum()))
+    one_lost = [r for r, (missing, _) in partial.items() if missing == 1]
+    assert one_lost, partial  # the case this test is about
+    lost = sum(u for _, u in partial.values())
+    assert lost > 0.001
+    assert sim.utility_recovered == pytest.approx(whole, abs=1e-12)
+    assert sim.result().utility_recovered == sim.utility_recovered
+    # the receiver's own count (block by block) credits the partial ranges' blocks
+    assert res.utility_recovered == pytest.approx(whole + lost, abs=1e-12)
+
+
+def test_utility_stream_episodes_score_block_by_block():
+    spec = eval_spec("ge-heavy", 0.8, 1)
+    sim = build_simulation(spec, ConstantAction(0))
+    assert sim.whole_groups is None
+    sim.run()
+    assert sim.utility_recovered == sim.receiver.result.utility_recovered

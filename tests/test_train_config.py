@@ -136,3 +136,30 @@ def test_an_unknown_prior_kind_is_a_one_line_error(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--prior" in err[0] and "'guess'" in err[0]
     assert not (tmp_path / "run").exists()  # refused before anything ran
+
+
+def test_init_from_is_recorded_and_asks_for_the_same_run_again():
+    argv = ["train", "--handoff-share", "0.3", "--init-from", str(SHIPPED_WEIGHTS)]
+    command, config = _recorded(argv)
+    assert config["init_from"] == str(SHIPPED_WEIGHTS)
+    words = shlex.split(command)
+    assert words[words.index("--init-from") + 1] == str(SHIPPED_WEIGHTS)
+    again, config_again = _recorded(words[1:])
+    assert (again, config_again) == (command, config)
+    # a run from random weights records no init_from (as runs before the option did)
+    assert "init_from" not in _recorded(["train"])[1]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--init-from", "no/such/ddqn.npz"], "no such DDQN weights file"),
+        (["--init-from", str(SHIPPED_WEIGHTS), "--hidden", "32,32"], "hidden layers are 64,64"),
+    ],
+)
+def test_a_bad_init_from_is_a_one_line_error(argv, message, tmp_path, capsys):
+    code = main(["train", *argv, "--out", str(tmp_path / "run")])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+    assert not (tmp_path / "run").exists()

@@ -37,6 +37,7 @@ examples:
   kvtransport train --steps 20000 --out /tmp/quick --eval-every 5000 --trace office.csv.gz
   kvtransport train --steps 150000 --handoff-share 0.3 --out runs/ddqn-handoff
   kvtransport train --steps 150000 --rate-range 20,400 --prior none --out runs/ddqn-v2
+  kvtransport train --steps 60000 --init-from agents/data/ddqn.npz --out runs/warm
 """
 
 MAX_RATE_MBPS = 100_000.0
@@ -121,6 +122,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "stationary loss), or a weighted mix like none=0.3,previous=0.5,profile=0.2 "
         "(default: that mix)",
     )
+    p.add_argument(
+        "--init-from",
+        default=None,
+        metavar="WEIGHTS",
+        help="start the Q-network from this weights file (a ddqn.npz; the shipped one is "
+        "agents/data/ddqn.npz in the source tree) instead of random weights; its hidden "
+        "sizes must be --hidden's (default: random initial weights)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -198,6 +207,15 @@ def _config(args: argparse.Namespace):  # noqa: ANN202 - TrainConfig is imported
                 f"--prior: unknown kind {unknown[0]!r}; choose from {', '.join(PRIOR_KINDS)}"
             )
         distribution["prior_weights"] = args.prior
+    if args.init_from is not None:
+        from kvtransport.agents.runtime import load_weights
+
+        trained = [int(d) for d in load_weights(args.init_from).dims[1:-1]]
+        if trained != list(hidden):
+            raise UserError(
+                f"--init-from {args.init_from}: its hidden layers are "
+                f"{','.join(map(str, trained))}, not --hidden {args.hidden}"
+            )
     return TrainConfig(
         steps=args.steps,
         seed=args.seed,
@@ -207,6 +225,7 @@ def _config(args: argparse.Namespace):  # noqa: ANN202 - TrainConfig is imported
         eval_episodes=args.eval_episodes,
         trace_files=tuple(args.trace),
         distribution=distribution,
+        init_from=args.init_from,
     )
 
 
@@ -253,6 +272,8 @@ def _command_line(args: argparse.Namespace, config: dict) -> str:
     ]
     for t in args.trace:
         parts += ["--trace", t]
+    if args.init_from is not None:
+        parts += ["--init-from", args.init_from]
     return " ".join(shlex.quote(p) for p in parts)
 
 

@@ -69,8 +69,7 @@ def play(build: Callable[[Policy], Simulation], policy: Policy) -> float:
     """Utility recovered before the deadline by ``policy`` on ``build``'s realization."""
     sim = build(policy)
     sim.run()
-    res = sim.receiver.result
-    return float(res.utility_recovered if res is not None else sim.receiver.utility)
+    return sim.utility_recovered
 
 
 def clairvoyant_plan(

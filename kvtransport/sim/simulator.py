@@ -105,6 +105,14 @@ class Simulation:
     also the symbol size and initial RTT when not given). A channel that counts a link
     overhead per datagram (``overhead_bytes``, as kvtransport.netem's) must count the
     config's ``link_overhead``, which the sender paces with: ValueError otherwise.
+
+    ``whole_groups``: how the transfer's utility is scored. None: every complete block
+    counts on its own (the receiver's own ``utility``). Otherwise a group id per block
+    (a handoff stream's token range): a block's utility counts only once every block of
+    its group is complete (:func:`whole_group_utility`), as the handoff receiver loads a
+    token range only when every layer's block of it arrived and recomputes a partial one
+    (kvtransport.model.race). ``utility``, ``utility_recovered``, the result and the genie
+    bound all score this way.
     """
 
     def __init__(
@@ -124,6 +132,7 @@ class Simulation:
         prior_loss: float | None = None,
         trace: list[tuple[Any, ...]] | None = None,
         config: ProtocolConfig = STANDARD,
+        whole_groups: np.ndarray | None = None,
     ) -> None:
         for name, ch in (("data", data_channel), ("feedback", feedback_channel)):
             counted = getattr(ch, "overhead_bytes", config.link_overhead)
@@ -133,6 +142,11 @@ class Simulation:
                     f"datagram, the config's link_overhead is {config.link_overhead}"
                 )
         self.config = config
+        if whole_groups is not None:
+            whole_groups = np.asarray(whole_groups, dtype=np.int64)
+            if whole_groups.shape != (len(transfer.blocks),) or (whole_groups < 0).any():
+                raise ValueError("whole_groups must give every block a group id >= 0")
+        self.whole_groups = whole_groups
         self.data_channel = data_channel
         self.feedback_channel = feedback_channel
         self.deadline = deadline
@@ -245,7 +259,7 @@ class Simulation:
         s = self.sender
         o = self.series
         o["t"].append(t)
-        o["utility"].append(self.receiver.utility)
+        o["utility"].append(self.utility)
         o["source_sent"].append(s.source_sent)
         o["repair_sent"].append(s.repair_sent)
         o["share"].append(s.share)
@@ -292,7 +306,7 @@ class Simulation:
             size_bytes=transfer.nbytes,
             n_source=s.n_source,
             deadline_s=self.deadline,
-            utility_recovered=res.utility_recovered if res is not None else r.utility,
+            utility_recovered=self.utility_recovered,
             utility_bound=meta.get("utility_bound", math.nan),
             source_sent=s.stats["source_sent"],
             repair_sent=s.repair_sent,
@@ -315,8 +329,36 @@ class Simulation:
 
     @property
     def utility(self) -> float:
-        """Utility the receiver has decoded so far (frozen at the deadline)."""
-        return self.receiver.utility
+        """Utility the receiver has decoded so far (frozen at the deadline), scored as
+        ``whole_groups`` says: the reward's running sum."""
+        if self.whole_groups is None:
+            return self.receiver.utility
+        return self.utility_recovered
+
+    @property
+    def utility_recovered(self) -> float:
+        """The transfer's score: its receiver's result once finished (what was decoded at
+        the deadline, at most 1), the utility decoded so far before; scored as
+        ``whole_groups`` says."""
+        r = self.receiver
+        res = r.result
+        if self.whole_groups is None:
+            return res.utility_recovered if res is not None else r.utility
+        if res is not None:
+            complete = res.complete if res.manifest is not None else None
+        else:
+            complete = r.complete if r.manifest is not None else None
+        if complete is None:  # no manifest: nothing is complete
+            return 0.0
+        return whole_group_utility(self.transfer.blocks.utilities, complete, self.whole_groups)
+
+
+def whole_group_utility(utilities: np.ndarray, complete: np.ndarray, groups: np.ndarray) -> float:
+    """Utility (at most 1) of the ``complete`` blocks whose group (``groups``: an id per
+    block) is complete in every block; a block of a partial group counts nothing."""
+    partial = np.bincount(groups, weights=~complete, minlength=int(groups.max(initial=-1)) + 1)
+    whole = complete & (partial[groups] == 0)
+    return float(min(utilities[whole].sum(), 1.0))
 
 
 def genie_bound(
@@ -328,6 +370,7 @@ def genie_bound(
     symbol_size: int,
     key: bytes | None = None,
     link_overhead: int = STANDARD.link_overhead,
+    whole_groups: np.ndarray | None = None,
 ) -> float:
     """Utility no scheme pacing at the link rate can beat on this channel's future.
 
@@ -335,8 +378,9 @@ def genie_bound(
     one symbol's worth of new information; the manifest needs its own symbols first, and
     the best case delivers the source symbols in stream order. So at most the first
     ``surviving - manifest symbols`` source symbols arrive, and only blocks entirely
-    inside them count. Datagrams take ``link_overhead`` bytes on the link besides
-    themselves (kvtransport.core.wire.link_bytes). Call before the channel is used.
+    inside them count (with ``whole_groups``, as :class:`Simulation` scores, only blocks
+    of groups entirely inside them). Datagrams take ``link_overhead`` bytes on the link
+    besides themselves (kvtransport.core.wire.link_bytes). Call before the channel is used.
     """
     from kvtransport.core.manifest_fec import manifest_symbols
     from kvtransport.core.transfer import TransportManifest
@@ -353,6 +397,8 @@ def genie_bound(
     k = max(0, surviving - m)
     b = transfer.blocks
     inside = (b.offsets + b.lengths) <= np.uint64(k * symbol_size)
+    if whole_groups is not None:
+        return whole_group_utility(b.utilities, inside, np.asarray(whole_groups, np.int64))
     return float(min(b.utilities[inside].sum(), 1.0))
 
 
@@ -375,6 +421,7 @@ def make_simulation(
     prior_loss: float | None = None,
     config: ProtocolConfig = STANDARD,
     trace: list[tuple[Any, ...]] | None = None,
+    whole_groups: np.ndarray | None = None,
 ) -> Simulation:
     """Set up one transfer (see ``kvtransport simulate --help`` for the arguments).
 
@@ -386,7 +433,8 @@ def make_simulation(
     transfer to a receiver). ``config``: the protocol's settings (kvtransport.core.protocol;
     ``symbol_size`` None is its symbol size); its ``link_overhead`` is what the channels
     count per datagram, the sender paces with and rho's unit (``full_send_time``) and the
-    genie bound assume. ``trace``: as :class:`Simulation`'s. The Gymnasium environment
+    genie bound assume. ``trace`` and ``whole_groups`` (how utility is scored): as
+    :class:`Simulation`'s. The Gymnasium environment
     builds its episodes here and steps them with ``run_until_decision`` /
     ``apply_action``.
     """
@@ -418,8 +466,9 @@ def make_simulation(
     )
     tid = int(tid_seed.generate_state(2, np.uint64)[0])
     bound = genie_bound(
-        transfer, data_ch, rate_bps, deadline, prof.delay_ms * 1e-3, symbol_size, key, overhead
-    )
+        transfer, data_ch, rate_bps, deadline, prof.delay_ms * 1e-3, symbol_size, key, overhead,
+        whole_groups,
+    )  # fmt: skip
     sim = Simulation(
         transfer,
         pol,
@@ -435,6 +484,7 @@ def make_simulation(
         prior_loss=prior_loss,
         trace=trace,
         config=config,
+        whole_groups=whole_groups,
     )
     sim.meta = {
         "channel": prof.name,
