@@ -329,19 +329,21 @@ def race(
     speed: ComputeSpeed,
     block_tokens: int,
     max_chunk: int = DEFAULT_MAX_CHUNK,
+    builder: CacheBuilder | None = None,
 ) -> RaceResult:
     """The race's decision loop (see the module docstring) against ``src``: the replay
     (:func:`run_race`) and the live receiver (kvtransport.model.live_race) both run it.
 
     split: tokens computed first in one call (a token range boundary); speed: the
-    receiver's compute speed, which sizes waits against computes. Returns the whole cache
-    of ``token_ids`` with the race clock when its last token was in place.
+    receiver's compute speed, which sizes waits against computes; builder: what builds the
+    cache (default: a new CacheBuilder of ``model`` and ``token_ids``). Returns the whole
+    cache of ``token_ids`` with the race clock when its last token was in place.
     """
     n = len(token_ids)
     ranges = -(-n // block_tokens)
     if split < 0 or split > n or (split % block_tokens and split != n):
         raise ValueError(f"split {split} is not a token range boundary of {n} tokens")
-    b = CacheBuilder(model, token_ids)
+    b = builder if builder is not None else CacheBuilder(model, token_ids)
     steps: list[RaceStep] = []
 
     def timed(action: str, tokens: int, fn: Any, *args: Any) -> None:
