@@ -407,16 +407,17 @@ def test_a_slow_link_moves_the_meeting_point_back(monkeypatch, smollm, context):
 
 def _hedged_stream(kv, first, split):
     """fp32 blocks of the ranges from ``split`` front first, then the hedge (ranges
-    ``first`` to ``split``) last first, as kvtransport.model.plan.sending_order sends them."""
+    ``first`` to ``split``) last first, in kvtransport.model.plan.sending_order."""
+    from types import SimpleNamespace
+
+    from kvtransport.model.plan import sending_order
+
     g = blocks.Geometry.of(kv, BT)
     u = np.ones((g.num_layers, g.token_blocks))
     precision = np.full(u.shape, blocks.PRECISIONS.index("fp32"))
     precision[:, :first] = -1
-    base = utility.stream_order(u, BT, "position")
-    tb = base % g.token_blocks
-    group = np.where(tb >= split, 0, np.where(tb >= first, 1, 2))
-    order = base[np.lexsort((np.arange(base.size), np.where(group == 1, -tb, 0), group))]
-    return blocks.encode_stream(kv, u, order, precision, block_tokens=BT)
+    plan = SimpleNamespace(order="position", split=split * BT, first_call=first * BT)
+    return blocks.encode_stream(kv, u, sending_order(plan, u, BT), precision, block_tokens=BT)
 
 
 @pytest.mark.parametrize("slow", [1.0, 1.5])
