@@ -117,7 +117,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--hedge", type=float, default=None, metavar="SHARE",
-        help="the most of the receiver's planned prefix the sender also sends, last first, "
+        help="the share of the receiver's planned prefix the sender also sends, last first, "
         "in case the receiver computes slower than it measured (default 0.25; 0: none)",
     )  # fmt: skip
     parser.add_argument(

@@ -57,7 +57,7 @@ class DemoConfig:
     order: the stream order of the plan (kvtransport.model.plan.ORDERS): ``position`` sends
         the token ranges front first, ``back`` the last first, so that the receiver
         computing from the front meets the link wherever the real speeds put them.
-    hedge: the most of the receiver's planned prefix the sender also sends, last, as a
+    hedge: the share of the receiver's planned prefix the sender also sends, last, as a
         hedge against a receiver slower than measured (kvtransport.model.plan
         DEFAULT_HEDGE_SHARE; 0: none).
     link_rate_mbps: the rate the link really carries when it is not the one the plan
