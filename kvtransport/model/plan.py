@@ -276,6 +276,11 @@ class _Task:
     order: str
 
     @cached_property
+    def codes(self) -> np.ndarray:
+        """Per level, its code (index into kvtransport.model.blocks.PRECISIONS)."""
+        return np.array([PRECISIONS.index(p) for p in self.levels])
+
+    @cached_property
     def range_sequence(self) -> np.ndarray:
         """The token ranges in the order the stream completes them."""
         flat = stream_order(self.u, self.g.block_tokens, self.order)
@@ -339,9 +344,8 @@ class _Task:
         per_range = self.cost[:, :, lv].sum(axis=0)
         cum = plan.payload_bytes + np.cumsum(per_range[k - h : k][::-1])  # last first
         lo = k - h
-        codes = np.array([PRECISIONS.index(p) for p in self.levels])
         precision = plan.precision.copy()
-        precision[:, lo:k] = codes[lv]
+        precision[:, lo:k] = self.codes[lv]
         range_bytes = plan.range_bytes.copy()
         range_bytes[lo:k] = per_range[lo:k]
         expect = plan.expect_at.copy()
@@ -365,8 +369,7 @@ class _Task:
         expect[:k] = np.inf
         nbytes = int(per_range.sum())
         link_s = link.seconds(nbytes, self.margin)
-        codes = np.array([PRECISIONS.index(p) for p in self.levels])
-        precision = np.where(sent, codes[lv], -1)
+        precision = np.where(sent, self.codes[lv], -1)
         u = self.u
         fidelity = float(u[~sent].sum() + (u * np.where(sent, self.fid[lv], 0.0)).sum())
         return HandoffPlan(

@@ -344,13 +344,10 @@ class Simulation:
         res = r.result
         if self.whole_groups is None:
             return res.utility_recovered if res is not None else r.utility
-        if res is not None:
-            complete = res.complete if res.manifest is not None else None
-        else:
-            complete = r.complete if r.manifest is not None else None
-        if complete is None:  # no manifest: nothing is complete
+        src = res if res is not None else r
+        if src.manifest is None:  # no manifest: nothing is complete
             return 0.0
-        return whole_group_utility(self.transfer.blocks.utilities, complete, self.whole_groups)
+        return whole_group_utility(self.transfer.blocks.utilities, src.complete, self.whole_groups)
 
 
 def whole_group_utility(utilities: np.ndarray, complete: np.ndarray, groups: np.ndarray) -> float:
