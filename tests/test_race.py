@@ -184,14 +184,16 @@ def test_waits_for_a_range_due_now_instead_of_computing_it(smollm, context):
 
 
 def test_a_link_slower_than_planned_is_waited_for_when_computing_costs_more(smollm, context):
-    """The plan expected everything by 10 ms; the link delivers 50 times slower. The
-    receiver estimates the next range from the rate seen so far and waits for it (a
-    receiver trusting only the plan would find every range overdue and compute it)."""
+    """The plan expected everything by 10 ms; the link starts on time but delivers 50
+    times slower. The receiver estimates the next range from the rate seen so far and
+    waits for it (a receiver trusting only the plan would find every range overdue and
+    compute it). The first range arrives at its planned time, whatever the first call's
+    wall time, so the link is never silent when the receiver first looks at it."""
     ctx, _, kv = context
     ranges = -(-len(ctx) // BT)
     plan = np.linspace(0.001, 0.01, ranges)
     plan[0] = np.inf
-    ready = 50 * plan  # the last range at 0.5 s
+    ready = plan[1] + 50 * (plan - plan[1])  # the first at 2 ms, the last at 0.4 s
     slow = ComputeSpeed(per_call_s=0.5, per_token_s=0.01)
     res = run_race(smollm.model, ctx, split=BT, received=_poisoned(kv, [0]), ready_at=ready,
                    link=_link(plan, deadline_s=1.0), speed=slow, block_tokens=BT)  # fmt: skip

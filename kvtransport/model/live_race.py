@@ -31,7 +31,9 @@ Before the manifest the receiver expects a first arrival within ``hello_ms``: it
 what it can by then, and once the link is silent well past it (three times ``hello_ms``)
 it stops waiting and computes from the front in chunks that double (``max_chunk`` tokens
 first): a dead link costs about one prefill after that short wait, plus a few calls, and a
-transfer that starts late still loads what the race has not computed yet. A transfer of
+transfer that starts late still loads what the race has not computed yet. Once the
+transfer's first datagram is in, its manifest is due at once: the race waits for it (for
+at most ``hello_ms``, then it is silent as above) instead of computing ahead. A transfer of
 another context, model or token range size is not loaded: the race computes everything.
 
 A token range's blocks are checked (CRC-32) and decoded when the race loads them, into one
@@ -107,11 +109,13 @@ class LiveArrivals:
         self._manifest: blocks.Manifest | None = None
         self._decoder: blocks.RangeDecoder | None = None
         self._never = np.full(self.ranges, np.inf)
+        self._hello_s = hello_s
         self._hello = LinkView(np.full(self.ranges, hello_s), np.ones(self.ranges), np.inf,
                                hole_wait_s, settled=False)  # fmt: skip
         self._dead = LinkView(np.full(self.ranges, np.inf), np.zeros(self.ranges), -np.inf,
                               hole_wait_s)  # fmt: skip
         self._view: LinkView | None = None
+        self._announced: LinkView | None = None  # the transfer's first datagram is in
 
     # ------------------------------------------------------------------ Arrivals
 
@@ -131,7 +135,9 @@ class LiveArrivals:
         self._poll()
         if self.refused:
             return self._dead
-        return self._view if self._view is not None else self._hello
+        if self._view is not None:
+            return self._view
+        return self._announced if self._announced is not None else self._hello
 
     def received(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray] | None:
         d, s = self._decoder, self._session
@@ -166,6 +172,11 @@ class LiveArrivals:
             if inc is None:
                 return None
             self._session = inc.session
+            # its manifest is first on the wire: due now, so the race waits for it (silent
+            # after hello_s) rather than computing what the hello guess allows
+            now = self.now()
+            self._announced = LinkView(np.full(self.ranges, now), np.ones(self.ranges), np.inf,
+                                       self._hello_s, start_s=now, settled=False)  # fmt: skip
         s = self._session
         tm = s.manifest
         nb = (len(tm.blocks),) if tm is not None else None
