@@ -139,6 +139,37 @@ def test_live_race_loads_what_arrives_and_computes_the_rest(smollm, setup, order
     assert _err(res.kv, kv) < 0.1 * float(np.abs(kv.keys).max())
 
 
+def test_ranges_are_decoded_as_they_arrive_before_the_race_loads_them(setup):
+    """The receiver's decoding thread checks and decodes each range once it is complete,
+    while the race is busy elsewhere (computing): here nothing is ever loaded, yet every
+    range the sender sent ends up decoded, exactly the sender's bytes."""
+    from kvtransport.model.live_race import LiveArrivals
+
+    ctx, kv, speed, prefill_s, plan, stream = setup
+    sent = blocks.decode_stream(stream.manifest, stream.payload).cache
+    with kvtransport.Receiver("127.0.0.1:0", insecure=True) as rx:
+        src = LiveArrivals(lambda: rx._engine, ctx)
+        try:
+            tx = _Sender(stream, rx.address, deadline_ms=1e3 * prefill_s, insecure=True)
+            tx.go()
+            t_end = time.monotonic() + 20
+            while not np.isfinite(src.ready_at()[plan.split // 16 :]).all():
+                assert time.monotonic() < t_end, "the transfer did not arrive"
+                time.sleep(0.005)
+            decoder = src._decoder
+            while not np.array_equal(
+                decoder.keys[:, :, plan.split :], sent.keys[:, :, plan.split :]
+            ):
+                assert time.monotonic() < t_end, "the arrived ranges were not decoded"
+                time.sleep(0.005)
+            assert np.array_equal(
+                decoder.values[:, :, plan.split :], sent.values[:, :, plan.split :]
+            )
+        finally:
+            src.close()
+        tx.join()
+
+
 def test_a_link_that_delivers_nothing_costs_one_prefill_after_a_short_silence(smollm, setup):
     """The sender's key is not the receiver's: every datagram is dropped. The race must
     not wait for the sender's deadline (3 s) nor the receiver's timeout: once the link has

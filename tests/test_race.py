@@ -6,6 +6,8 @@ what was loaded. Each test poisons what must not be used, so a race that loads a
 it should have computed (or the reverse) fails.
 """
 
+import time
+
 import numpy as np
 import pytest
 
@@ -140,6 +142,34 @@ def test_a_received_stream_is_decoded_as_loaded_and_a_corrupt_range_recomputed(s
     # the decoder decoded every other sent block once, and nothing of range 4's
     assert np.all(decoder.keys[:, :, BT : 4 * BT] == kv.keys[:, :, BT : 4 * BT])
     assert not decoder.keys[:, :, 4 * BT : 5 * BT].any() or ranges < 5
+
+
+def test_a_load_waits_for_the_decoding_thread_which_decodes_ranges_as_they_arrive():
+    """The replay models the live receiver's decoding thread: each range is decoded once
+    it arrives, one after the other. 64 int8 ranges arrive at once at 0: loading them at 0
+    waits for the thread to decode them all; loading them at 10 s, long after, costs only
+    fetching what is in place (a replay decoding on load would pay the decode then)."""
+    rng = np.random.default_rng(0)
+    n = 64 * BT
+    k, v = (rng.standard_normal((30, 3, n, 64), dtype=np.float32) for _ in range(2))
+    kv = KVCache(k, v, np.arange(n), "m")
+    u = np.ones((30, 64))
+    precision = np.full(u.shape, blocks.PRECISIONS.index("int8"))
+    s = blocks.encode_stream(kv, u, utility.stream_order(u, BT, "position"), precision,
+                             block_tokens=BT)  # fmt: skip
+    m = s.manifest
+    t = time.perf_counter()
+    blocks.RangeDecoder(m).take(s.payload, 0, n)
+    decode_s = time.perf_counter() - t
+    ready = range_ready_at(m, np.zeros(m.num_blocks))
+    ready[-1] = 10.0  # one range late, to move the clock there
+    at_once = ReplayArrivals(ready, (blocks.RangeDecoder(m), s.payload), _link(ready))
+    t0, t1 = at_once.run(lambda: at_once.received(0, n - BT))
+    assert t0 == 0.0 and t1 >= 0.5 * decode_s
+    later = ReplayArrivals(ready, (blocks.RangeDecoder(m), s.payload), _link(ready))
+    later.wait(63, 20.0)
+    t0, t1 = later.run(lambda: later.received(0, n - BT))
+    assert t0 == 10.0 and t1 - t0 < 0.5 * decode_s
 
 
 def test_a_hole_is_waited_for_while_repair_may_fill_it(smollm, context):

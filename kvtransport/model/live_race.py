@@ -36,8 +36,11 @@ transfer's first datagram is in, its manifest is due at once: the race waits for
 at most ``hello_ms``, then it is silent as above) instead of computing ahead. A transfer of
 another context, model or token range size is not loaded: the race computes everything.
 
-A token range's blocks are checked (CRC-32) and decoded when the race loads them, into one
-preallocated cache (kvtransport.model.blocks.RangeDecoder): each block once. The receiving
+A token range's blocks are checked (CRC-32) and decoded into one preallocated cache
+(kvtransport.model.blocks.RangeDecoder), each block once, by a decoding thread as soon as
+the range is complete, so that while the model computes on one core the ranges arriving
+are decoded on the other and loading them is a copy (the race decodes what the thread has
+not reached yet itself). The receiving
 thread writes blocks while the race reads complete ones; a complete block's bytes never
 change afterwards (kvtransport.core.receiver.ReceiverSession.payload_buffer).
 """
@@ -45,6 +48,7 @@ change afterwards (kvtransport.core.receiver.ReceiverSession.payload_buffer).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -116,6 +120,9 @@ class LiveArrivals:
                               hole_wait_s)  # fmt: skip
         self._view: LinkView | None = None
         self._announced: LinkView | None = None  # the transfer's first datagram is in
+        self._decoding = threading.Lock()  # the decoder: the race's loads and the thread's
+        self._stop = threading.Event()
+        self._decoder_thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ Arrivals
 
@@ -142,7 +149,8 @@ class LiveArrivals:
     def received(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray] | None:
         d, s = self._decoder, self._session
         assert d is not None and s is not None  # ready_at reported these ranges
-        got = d.take(s.payload_buffer, lo, hi)
+        with self._decoding:
+            got = d.take(s.payload_buffer, lo, hi)
         if got is None:
             log.warning("%d received blocks failed their CRC-32: recomputed", d.failed.sum())
         return got
@@ -235,6 +243,32 @@ class LiveArrivals:
         self._view = LinkView(expect, np.where(sent, range_bytes, 0), float(deadline),
                               self.hole_wait_s, start, rank=rank)  # fmt: skip
         self._manifest = m
+        self._decoder_thread = threading.Thread(
+            target=self._decode_as_they_come, args=(s,), name="race-decode", daemon=True
+        )
+        self._decoder_thread.start()
+
+    def _decode_as_they_come(self, s: Any) -> None:
+        """The decoding thread (on the receiver's other core: the dequantizing kernel
+        releases the GIL): each token range checked and decoded as soon as it is complete,
+        so that the race's load of it is a copy. Runs until :meth:`close`."""
+        d, m = self._decoder, self._manifest
+        assert d is not None and m is not None  # started by _accept
+        n, bt = len(self.token_ids), self.block_tokens
+        done = np.zeros(self.ranges, dtype=bool)
+        while not self._stop.wait(WAIT_POLL_S):
+            for r in np.flatnonzero(np.isfinite(range_ready_at(m, s.complete_at)) & ~done):
+                if self._stop.is_set():
+                    return
+                with self._decoding:  # a range that fails its check is never ready
+                    d.take(s.payload_buffer, int(r) * bt, min((int(r) + 1) * bt, n))
+                done[r] = True
+
+    def close(self) -> None:
+        """Stop the decoding thread (the race is over)."""
+        self._stop.set()
+        if self._decoder_thread is not None:
+            self._decoder_thread.join()
 
 
 def live_race(
@@ -273,5 +307,8 @@ def live_race(
     src = LiveArrivals(engine, ids, block_tokens=block_tokens, model_id=model_id_of(model),
                        rate_bps=None if rate_mbps is None else rate_mbps * 1e6,
                        hello_s=hello_ms * 1e-3)  # fmt: skip
-    return race(model, ids, src, split=split or 0, speed=speed, block_tokens=block_tokens,
-                max_chunk=max_chunk)  # fmt: skip
+    try:
+        return race(model, ids, src, split=split or 0, speed=speed, block_tokens=block_tokens,
+                    max_chunk=max_chunk)  # fmt: skip
+    finally:
+        src.close()

@@ -44,12 +44,15 @@ One decision loop, :func:`race`, reads the link and the time through an
 :class:`Arrivals` source. :func:`run_race` replays the race against a transfer's measured
 arrival timeline (:class:`ReplayArrivals`; ``ready_at``: when each token range was
 complete at the receiver, counted from the transfer's start): computing and loading run
-for real on the model and advance the race clock by their measured wall time; a wait
-advances it to the arrival (or to the end of the wait). The decisions only use arrivals up
+for real on the model and advance the race clock by their measured wall time (a load
+includes fetching the range's K/V: waiting for the receiver's decoding thread, which
+checks and decodes each range as it arrives, to have it done); a wait advances it to the
+arrival (or to the end of the wait). The decisions only use arrivals up
 to the race clock, so they are the ones a live receiver would take; what the replay leaves
-out is any CPU contention between the receiving daemon and the model (on a receiver host
-they run on different cores). The live race (kvtransport.model.live_race) runs the same loop on
-the wall clock while the in-process receiver receives.
+out is any CPU contention between the receiving daemon (and the decoding thread) and the
+model (on a receiver host they run on different cores). The live race
+(kvtransport.model.live_race) runs the same loop on the wall clock while the in-process
+receiver receives.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Any, Protocol
 
 import numpy as np
@@ -242,20 +245,45 @@ class Arrivals(Protocol):
 
 
 Received = KVCache | tuple[RangeDecoder, np.ndarray]
-"""What arrived, for the replay: a decoded cache, or the received stream's decoder and its
-payload (each range checked and decoded when the race loads it, as a live receiver does)."""
+"""What arrived, for the replay: a decoded cache (nothing left to decode), or the received
+stream's decoder and its payload (each range checked and decoded as a live receiver does:
+by its decoding thread, :class:`ReplayArrivals`)."""
 
 
 class ReplayArrivals:
     """A transfer's measured arrival timeline on a virtual clock: work advances it by its
-    measured wall time (decoding a received range included), a wait jumps it to the
-    arrival (or to the end of the wait)."""
+    measured wall time, a wait jumps it to the arrival (or to the end of the wait).
+
+    With a received stream to decode, the live receiver's decoding thread (on the
+    receiver's other core: kvtransport.model.live_race) is modelled as a queue: each range
+    is checked and decoded once complete, in arrival order, one after the other, each
+    taking its measured wall time (decoded here, up front). Loading a range whose decoding
+    is not done by then waits for it (the clock moves to when it is)."""
 
     def __init__(self, ready_at: np.ndarray, received: Received | None, link: LinkView) -> None:
         self._ready = ready_at.copy() if received is not None else np.full_like(ready_at, np.inf)
         self._received = received
         self._link = link
         self._clock = 0.0
+        self._not_before = 0.0  # the work under way cannot end before this (a decode)
+        self._decoded_at = np.zeros_like(self._ready)
+        if isinstance(received, tuple):
+            self._decoded_at = self._decode_in_arrival_order(*received)
+
+    def _decode_in_arrival_order(self, decoder: RangeDecoder, payload: np.ndarray) -> np.ndarray:
+        """Per token range, when the decoding thread has it decoded (inf: never arrived)."""
+        g = decoder.manifest.geometry
+        done = np.full_like(self._ready, np.inf)
+        busy_until = 0.0
+        for r in np.argsort(self._ready, kind="stable"):
+            if not np.isfinite(self._ready[r]):
+                break
+            w0 = time.perf_counter()
+            decoder.take(payload, int(r) * g.block_tokens, min((int(r) + 1) * g.block_tokens,
+                                                              g.num_tokens))  # fmt: skip
+            busy_until = max(busy_until, float(self._ready[r])) + time.perf_counter() - w0
+            done[r] = busy_until
+        return done
 
     def now(self) -> float:
         return self._clock
@@ -272,6 +300,8 @@ class ReplayArrivals:
         if isinstance(got, KVCache):
             return got.keys[:, :, lo:hi], got.values[:, :, lo:hi]
         decoder, payload = got
+        bt = decoder.manifest.geometry.block_tokens
+        self._not_before = float(self._decoded_at[lo // bt : -(-hi // bt)].max())
         kv = decoder.take(payload, lo, hi)
         if kv is None:  # a range with a corrupt block is never ready
             m = decoder.manifest
@@ -282,7 +312,8 @@ class ReplayArrivals:
         t0 = self._clock
         w0 = time.perf_counter()
         fn()
-        self._clock = t0 + time.perf_counter() - w0
+        self._clock = max(t0 + time.perf_counter() - w0, self._not_before)
+        self._not_before = 0.0
         return t0, self._clock
 
     def wait(self, r: int, until: float) -> None:
@@ -365,10 +396,11 @@ def race(
             while end < ranges and ready_at[end] <= clock:
                 end += 1
             lo, hi = b.filled, min(end * block_tokens, n)
-            got = src.received(lo, hi)
-            if got is None:  # failed its check: no longer ready, look again
+            passed: list[bool] = []  # fetching the K/V (checking, decoding) is on the clock
+            t0, t1 = src.run(partial(_fetch_and_load, src, b, lo, hi, passed))
+            if not passed[0]:  # failed its check: no longer ready, look again
                 continue
-            timed("load", hi - lo, b.load, *got)
+            steps.append(RaceStep("load", lo, hi - lo, t0, t1))
             computes_in_a_row = 0
             continue
         due = link.expected(ready_at, r, clock)
@@ -409,6 +441,15 @@ def race(
     waited = sum(s.t1 - s.t0 for s in steps if s.action == "wait")
     seconds = src.now()  # the last token is in place
     return RaceResult(b, seconds, computed, n - computed, waited, steps)
+
+
+def _fetch_and_load(src: Arrivals, b: CacheBuilder, lo: int, hi: int, passed: list[bool]) -> None:
+    """Load tokens ``[lo, hi)`` from ``src`` into ``b``; appends to ``passed`` whether they
+    passed their check (they are not loaded otherwise)."""
+    got = src.received(lo, hi)
+    if got is not None:
+        b.load(*got)
+    passed.append(got is not None)
 
 
 def complete_missing(
