@@ -9,6 +9,7 @@ that ``import kvtransport`` stays cheap::
     kvtransport.send_async(...), kvtransport.receive_async(...)
     kvtransport.partial_cache(result)                # KVCache + presence mask for a model
     kvtransport.race_receive(model, token_ids, listen="HOST:PORT")  # live race: whole cache
+    kvtransport.race_daemon(model, token_ids, race_dir="DIR")  # race a receiver daemon's
 """
 
 from pathlib import Path as _Path
@@ -29,6 +30,7 @@ _API = {
     "Receiver": "kvtransport.embed.inprocess",
     "partial_cache": "kvtransport.model.partial",
     "race_receive": "kvtransport.embed.inprocess",
+    "race_daemon": "kvtransport.model.live_race",
     "DeliveredResult": "kvtransport.daemons.api",
 }
 __all__ = ["__version__", *_API]

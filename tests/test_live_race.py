@@ -143,12 +143,12 @@ def test_ranges_are_decoded_as_they_arrive_before_the_race_loads_them(setup):
     """The receiver's decoding thread checks and decodes each range once it is complete,
     while the race is busy elsewhere (computing): here nothing is ever loaded, yet every
     range the sender sent ends up decoded, exactly the sender's bytes."""
-    from kvtransport.model.live_race import LiveArrivals
+    from kvtransport.model.live_race import LiveArrivals, adopted_session
 
     ctx, kv, speed, prefill_s, plan, stream = setup
     sent = blocks.decode_stream(stream.manifest, stream.payload).cache
     with kvtransport.Receiver("127.0.0.1:0", insecure=True) as rx:
-        src = LiveArrivals(lambda: rx._engine, ctx)
+        src = LiveArrivals(lambda: adopted_session(rx._engine), ctx)
         try:
             tx = _Sender(stream, rx.address, deadline_ms=1e3 * prefill_s, insecure=True)
             tx.go()
@@ -168,6 +168,70 @@ def test_ranges_are_decoded_as_they_arrive_before_the_race_loads_them(setup):
         finally:
             src.close()
         tx.join()
+
+
+def _receiver_daemon(tmp_path, *args):
+    """A receiver daemon process on loopback (insecure), its UDP port once it answers."""
+    import subprocess
+    import sys
+
+    from kvtransport.daemons.api import ApiError
+    from kvtransport.daemons.client import ReceiverClient
+
+    ctl = f"ipc://{tmp_path}/rx.ipc"
+    pub = f"ipc://{tmp_path}/results.ipc"
+    argv = [sys.executable, "-m", "kvtransport", "receiver-daemon", "--listen", "127.0.0.1:0",
+            "--control", ctl, "--publish", pub, "--insecure", *args]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    t_end = time.monotonic() + 120
+    while True:
+        client = ReceiverClient(ctl, timeout_s=2)
+        try:
+            return proc, int(client.ping()["udp"].rsplit(":", 1)[1])
+        except ApiError:
+            if proc.poll() is not None or time.monotonic() > t_end:
+                proc.kill()
+                raise
+        finally:
+            client.close()
+
+
+def test_a_receiver_daemon_on_this_host_is_raced_through_its_race_dir(smollm, setup, tmp_path):
+    """A receiver daemon (its own process) run with --race-dir mirrors the transfer into
+    a file of that folder while it arrives; the race in this process finds the mirror by
+    its context, loads the sender's exact bytes and computes the rest exactly. A race for
+    another context never loads that transfer. The daemon removes the file when it stops."""
+    ctx, kv, speed, prefill_s, plan, stream = setup
+    sent = blocks.decode_stream(stream.manifest, stream.payload).cache
+    race_dir = tmp_path / "race"
+    race_dir.mkdir(mode=0o700)
+    proc, port = _receiver_daemon(tmp_path, "--race-dir", str(race_dir))
+    try:
+        tx = _Sender(stream, f"127.0.0.1:{port}", deadline_ms=1e3 * prefill_s, insecure=True)
+        tx.go()
+        t_end = time.monotonic() + 20
+        while not list(race_dir.glob("*.kvrace")):  # the handoff is announced
+            assert time.monotonic() < t_end, "the daemon shared no transfer"
+            time.sleep(0.001)
+        (mirror,) = race_dir.glob("*.kvrace")
+        assert mirror.stat().st_mode & 0o777 == 0o600
+        res = kvtransport.race_daemon(smollm.model, ctx, race_dir=str(race_dir), speed=speed,
+                                      rate_mbps=RATE_MBPS, hello_ms=300)  # fmt: skip
+        tx.join()
+        other = [ctx[1], *ctx[1:]]
+        res_other = kvtransport.race_daemon(smollm.model, other, race_dir=str(race_dir),
+                                            speed=speed, hello_ms=50)  # fmt: skip
+    finally:
+        proc.terminate()
+        proc.wait(20)
+    assert res.loaded >= (len(ctx) - plan.split) // 2 and res.computed + res.loaded == len(ctx)
+    for s in res.steps:
+        if s.action == "load":  # exactly the sender's bytes
+            assert s.start >= plan.split and _err(res.kv, sent, s.start, s.start + s.tokens) == 0
+        elif s.action == "compute":  # exactly a prefill
+            assert _err(res.kv, kv, s.start, s.start + s.tokens) < TOL
+    assert res_other.loaded == 0
+    assert not list(race_dir.iterdir())  # removed when the daemon stopped
 
 
 def test_a_link_that_delivers_nothing_costs_one_prefill_after_a_short_silence(smollm, setup):

@@ -15,7 +15,13 @@ Receive any number of transfers on one UDP port (demultiplexed by transfer id, a
 per transfer), send feedback to their senders, and at each transfer's deadline (or when
 it is complete, or aborted) publish the result (complete blocks, missing-block list,
 stats) on the PUB socket --publish; with --out-dir also write it as
-<transfer id>.result.safetensors (a cache card when a card was sent).
+<transfer id>.result.safetensors (a cache card when a card was sent). With --race-dir
+each transfer is also mirrored into <DIR>/<transfer id>.kvrace (mode 0600) while it
+arrives, so that a model process on this host races it instead of waiting for the result:
+kvtransport.race_daemon(model, context_ids, race_dir=DIR) computes the context's front,
+loads each token range as it completes and recomputes what never comes. A mirror is a
+second copy of its transfer's payload (outside --budget-mb), removed 30 s after the
+transfer's result or when the daemon stops.
 
 Local clients: kvtransport.daemons.client.ResultSubscriber for results, ReceiverClient for
 status/abort on --control. State is bounded: --max-transfers at once, --max-mb per
@@ -44,6 +50,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"ZeroMQ PUB endpoint for results (default {DEFAULT_RESULTS})")  # fmt: skip
     _common.add_key(p)
     p.add_argument("--out-dir", metavar="DIR", help="also write each result into DIR")
+    p.add_argument("--race-dir", metavar="DIR",
+                   help="mirror each transfer into DIR while it arrives (e.g. a 0700 folder "
+                   "under /dev/shm), so a model process on this host races it: "
+                   "kvtransport.model.live_race.race_daemon")  # fmt: skip
     p.add_argument(
         "--max-transfers", type=int_arg(1, 4096), default=16, help="at once (default 16)"
     )
@@ -80,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
         publish=args.publish,
         key=_common.key_from(args),
         out_dir=args.out_dir,
+        race_dir=args.race_dir,
         gro=not args.no_gro,
         max_transfers=args.max_transfers,
         max_bytes=int(args.max_mb * 1e6),

@@ -12,7 +12,9 @@ time it really leaves; ``run_due(now)`` runs the host's timers. Each finished tr
 goes to ``on_result(incoming)``.
 
 :class:`ReceiverDaemon` adds the ZeroMQ control socket (status, abort, stats, ping), the
-PUB socket that publishes every result (kvtransport.daemons.api) and ``--out-dir`` result files.
+PUB socket that publishes every result (kvtransport.daemons.api), ``--out-dir`` result files
+and, with ``--race-dir``, every transfer mirrored while it arrives for a model process on
+the same host to race it (kvtransport.daemons.race_share).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from kvtransport.core.protocol import STANDARD, ProtocolConfig
 from kvtransport.core.replay import DEFAULT_WINDOW_S, open_record
 from kvtransport.daemons.api import load_json_header
 from kvtransport.daemons.daemon import DaemonShell
+from kvtransport.daemons.race_share import RaceDir
 from kvtransport.daemons.udp import DatagramSocket, clock
 from kvtransport.errors import UserError
 from kvtransport.hosts.receiver_host import (
@@ -62,8 +65,10 @@ class ReceiverEngine:
         host: ReceiverHost,
         *,
         on_result: Callable[[Incoming], None] | None = None,
+        race_dir: RaceDir | None = None,
     ) -> None:
         self.host = host
+        self.race_dir = race_dir  # transfers mirrored for local racers (race_share)
         # Any: its batches are memoryviews, which the sessions take (they annotate bytes)
         self.sock: Any = sock
         self.on_result = on_result
@@ -83,6 +88,8 @@ class ReceiverEngine:
         replay = self.host.replay
         if replay is not None and replay.dirty:
             replay.persist()  # the batch accepted a transfer: on disk before any result
+        if self.race_dir is not None:
+            self.race_dir.update(self.host, now)
         if n:
             # the batch took time: the sender's RTT must not count it as network delay
             self._transmit(now + (clock() - t0))
@@ -92,6 +99,8 @@ class ReceiverEngine:
 
     def run_due(self, now: float) -> None:
         self.host.handle_timer(now)
+        if self.race_dir is not None:
+            self.race_dir.update(self.host, now)
         self._transmit(now)
 
     def abort(self, transfer_id: int, now: float, reason: str = "abort") -> bool:
@@ -104,6 +113,8 @@ class ReceiverEngine:
         """Shutdown: every transfer still receiving delivers what it holds."""
         self.host.close(now)
         self._transmit(now)
+        if self.race_dir is not None:
+            self.race_dir.close()
 
     def _transmit(self, now: float) -> None:
         """Send the feedback the host produced (stamped ``now``), then its events."""
@@ -168,6 +179,7 @@ class ReceiverDaemon(DaemonShell):
         curve_secret_file: str | None = None,
         pub_backlog: int = PUB_BACKLOG,
         config: ProtocolConfig = STANDARD,
+        race_dir: str | None = None,
     ) -> None:
         from kvtransport.daemons.api import check_endpoint
         from kvtransport.daemons.daemon import StatsWriter, curve_secret, warm_up
@@ -182,6 +194,7 @@ class ReceiverDaemon(DaemonShell):
 
             if not Path(out_dir).is_dir():
                 raise UserError(f"--out-dir {out_dir} is not a directory")
+        shared = RaceDir(race_dir) if race_dir is not None else None  # before warm-up
         replay = open_record(replay_file, bind[1], replay_window_s)
         self.stats_out = stats if stats is not None else StatsWriter(None)
         self.warm_up_s = warm_up(key)
@@ -196,7 +209,7 @@ class ReceiverDaemon(DaemonShell):
             wall_clock=time.time,
             config=config,
         )
-        self.engine = ReceiverEngine(self.sock, host, on_result=self._result)
+        self.engine = ReceiverEngine(self.sock, host, on_result=self._result, race_dir=shared)
         self.publish_endpoint = publish
         self.published = 0  # results handed to the PUB socket
         self.publish_lost = 0  # results given up (see _publish)

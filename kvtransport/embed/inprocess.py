@@ -401,9 +401,9 @@ class Receiver:
         in one call once its manifest is in), ``block_tokens``, ``hello_ms``,
         ``max_chunk``. The transfer goes on
         receiving; :meth:`result` still gives it."""
-        from kvtransport.model.live_race import live_race
+        from kvtransport.model.live_race import adopted_session, live_race
 
-        return live_race(lambda: self._engine, model, token_ids, **kwargs)
+        return live_race(lambda: adopted_session(self._engine), model, token_ids, **kwargs)
 
     def _run(self, **kwargs: Any) -> None:
         try:

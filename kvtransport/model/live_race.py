@@ -13,7 +13,9 @@
     hf.greedy_generate(model, res.model_cache, question_ids) # answered from the cache built
 
 :meth:`kvtransport.embed.inprocess.Receiver.race` (or
-:func:`kvtransport.embed.inprocess.race_receive`, which binds, races and closes) runs the decision
+:func:`kvtransport.embed.inprocess.race_receive`, which binds, races and closes; or
+:func:`race_daemon`, which races a transfer that a receiver daemon on the same host is
+receiving, kvtransport.daemons.race_share) runs the decision
 loop of kvtransport.model.race (:func:`kvtransport.model.race.race`, the same one the demo's replay
 runs) on the wall clock against :class:`LiveArrivals`: what the in-process receiver's session holds
 right now. The race computes what has not arrived, loads token ranges whose blocks are complete in
@@ -78,20 +80,30 @@ WAIT_POLL_S = 0.001
 _speeds: weakref.WeakKeyDictionary[Any, ComputeSpeed] = weakref.WeakKeyDictionary()
 
 
-class LiveArrivals:
-    """The in-process receiver's transfer as the race sees it (kvtransport.model.race.Arrivals).
+def adopted_session(engine: Any) -> Any:
+    """The session of the first transfer an in-process receiving engine
+    (kvtransport.daemons.daemon_receiver.ReceiverEngine; None before it runs) adopted, or
+    None: the session source of :meth:`kvtransport.embed.inprocess.Receiver.race`."""
+    tid = engine.host.adopted if engine is not None else None
+    inc = engine.host.get(tid) if tid is not None else None
+    return inc.session if inc is not None else None
 
-    engine: returns the receiving engine (kvtransport.daemons.daemon_receiver.ReceiverEngine;
-    None before it runs). The race clock counts from this object's creation. Times and
-    views are read from the engine's session of the first transfer; nothing here writes to
-    it. Contract of the views: ``ready_at`` reports a range when every one of its blocks
-    (all layers) is complete and not known to be corrupt; ``received`` decodes a range's
-    blocks once, into one cache of the whole context.
+
+class LiveArrivals:
+    """A transfer being received, as the race sees it (kvtransport.model.race.Arrivals).
+
+    session: returns the transfer's receiver session (kvtransport.core.receiver.ReceiverSession,
+    or a daemon's mirror of it, kvtransport.daemons.race_share.SharedTransfer) once there is
+    one, else None. The race clock counts from this object's creation. Times and views are
+    read from the session; nothing here writes to it. Contract of the views: ``ready_at``
+    reports a range when every one of its blocks (all layers) is complete and not known
+    to be corrupt; ``received`` decodes a range's blocks once, into one cache of the whole
+    context.
     """
 
     def __init__(
         self,
-        engine: Callable[[], Any],
+        session: Callable[[], Any],
         token_ids: Sequence[int],
         *,
         block_tokens: int = blocks.DEFAULT_BLOCK_TOKENS,
@@ -101,7 +113,7 @@ class LiveArrivals:
         hole_wait_s: float = DEFAULT_HOLE_WAIT_S,
     ) -> None:
         self._t0 = clock()
-        self._engine = engine
+        self._source = session
         self.token_ids = np.asarray(token_ids, dtype=np.int64)
         self.block_tokens = block_tokens
         self.ranges = -(-len(self.token_ids) // block_tokens)
@@ -174,12 +186,9 @@ class LiveArrivals:
         if self._manifest is not None or self.refused:
             return self._session if not self.refused else None
         if self._session is None:
-            engine = self._engine()
-            tid = engine.host.adopted if engine is not None else None
-            inc = engine.host.get(tid) if tid is not None else None
-            if inc is None:
+            self._session = self._source()
+            if self._session is None:
                 return None
-            self._session = inc.session
             # its manifest is first on the wire: due now, so the race waits for it (silent
             # after hello_s) rather than computing what the hello guess allows
             now = self.now()
@@ -272,7 +281,7 @@ class LiveArrivals:
 
 
 def live_race(
-    engine: Callable[[], Any],
+    session: Callable[[], Any],
     model: Any,
     token_ids: Sequence[int],
     *,
@@ -283,8 +292,9 @@ def live_race(
     hello_ms: float = DEFAULT_HELLO_S * 1e3,
     max_chunk: int = DEFAULT_MAX_CHUNK,
 ) -> RaceResult:
-    """Race the transfer ``engine`` receives (see the module docstring); the race clock
-    starts now. What :meth:`kvtransport.embed.inprocess.Receiver.race` runs."""
+    """Race the transfer whose receiver session ``session`` returns once there is one
+    (:class:`LiveArrivals`; see the module docstring); the race clock starts now. What
+    :meth:`kvtransport.embed.inprocess.Receiver.race` and :func:`race_daemon` run."""
     from kvtransport.errors import UserError
     from kvtransport.model.loader import model_id_of
 
@@ -304,7 +314,7 @@ def live_race(
         speed = _speeds.get(model)
         if speed is None:
             speed = _speeds[model] = ComputeSpeed.measure(model, ids)
-    src = LiveArrivals(engine, ids, block_tokens=block_tokens, model_id=model_id_of(model),
+    src = LiveArrivals(session, ids, block_tokens=block_tokens, model_id=model_id_of(model),
                        rate_bps=None if rate_mbps is None else rate_mbps * 1e6,
                        hello_s=hello_ms * 1e-3)  # fmt: skip
     try:
@@ -312,3 +322,14 @@ def live_race(
                     max_chunk=max_chunk)  # fmt: skip
     finally:
         src.close()
+
+
+def race_daemon(model: Any, token_ids: Sequence[int], race_dir: str, **kwargs: Any) -> RaceResult:
+    """Race the transfer of ``token_ids``'s cache that a receiver daemon on this host is
+    receiving: the daemon runs with ``--race-dir race_dir`` and mirrors each transfer into
+    it while it arrives (kvtransport.daemons.race_share); the race takes the newest mirror
+    of this context's cache, once it appears. ``kwargs``: :func:`live_race`'s options.
+    The daemon still publishes the transfer's result when it ends."""
+    from kvtransport.daemons.race_share import SharedTransfers
+
+    return live_race(SharedTransfers(race_dir, token_ids), model, token_ids, **kwargs)

@@ -1,0 +1,255 @@
+"""Transfers in flight shared with racers on the same host: the receiver daemon's mirror
+and a racer's view of it.
+
+A receiver daemon run with ``--race-dir DIR`` mirrors every transfer it is receiving into
+a file ``DIR/<transfer id>.kvrace`` (mode 0600), so that a model process on the same host
+can race it (kvtransport.model.live_race.race_daemon: compute the context's front while
+the rest arrives, load token ranges as their blocks complete) instead of waiting for the
+result. The file appears, complete with its header, once the transfer's manifest is
+known; then, after every batch of datagrams, the daemon copies the blocks that completed
+into it and only then stamps their completion times, so a racer that sees a block's time
+reads its final bytes (stores are not reordered with other stores on x86-64; a port to a
+weaker memory model needs a release fence there). The file is removed
+``KEEP_S`` after the transfer's result, or when the daemon stops; a racer that mapped it
+keeps reading its map.
+
+Layout (little-endian): ``MAGIC`` (8 bytes), the header's length (u32), the header (JSON:
+``transfer_id``, ``num_blocks``, ``payload_len``, ``symbol_size``, ``deadline_s``,
+``first_packet`` on the daemon's monotonic clock, which is the host's, ``app_metadata`` in
+hex), zero padding to a multiple of 8, per block its completion time (f64, inf until it is
+complete), the payload (its complete blocks' bytes; zeros elsewhere).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger("kvtransport.race-share")
+
+MAGIC = b"KVRACE01"
+SUFFIX = ".kvrace"
+KEEP_S = 30.0
+"""How long a finished transfer's file stays for racers that have not opened it yet."""
+_PREFIX = struct.Struct("<8sI")
+
+
+def _layout(header: bytes, num_blocks: int) -> tuple[int, int]:
+    """Offsets of the completion times and of the payload."""
+    times = -(-(_PREFIX.size + len(header)) // 8) * 8
+    return times, times + 8 * num_blocks
+
+
+class TransferMirror:
+    """One transfer's file, written by the receiver daemon (module docstring)."""
+
+    def __init__(self, directory: Path, transfer_id: int, session: Any) -> None:
+        tm = session.manifest
+        b = tm.blocks
+        self.transfer_id = transfer_id
+        self.path = directory / f"{self.transfer_id:016x}{SUFFIX}"
+        header = json.dumps({
+            "transfer_id": f"{self.transfer_id:016x}",
+            "num_blocks": len(b),
+            "payload_len": int(tm.payload_len),
+            "symbol_size": int(tm.symbol_size),
+            "deadline_s": float(tm.deadline_s),
+            "first_packet": float(session.timings.get("first_packet", session.created)),
+            "app_metadata": bytes(tm.app_metadata or b"").hex(),
+        }).encode()  # fmt: skip
+        times, payload = _layout(header, len(b))
+        size = payload + int(tm.payload_len)
+        tmp = self.path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, max(size, 1))
+            self._map = mmap.mmap(fd, max(size, 1))
+        finally:
+            os.close(fd)
+        self._map[: _PREFIX.size + len(header)] = _PREFIX.pack(MAGIC, len(header)) + header
+        self._times = np.frombuffer(self._map, np.float64, len(b), times)
+        self._times[:] = np.inf
+        self._payload = np.frombuffer(self._map, np.uint8, int(tm.payload_len), payload)
+        os.replace(tmp, self.path)  # racers see the file whole or not at all
+        self._offsets = b.offsets.astype(np.int64)
+        self._ends = self._offsets + b.lengths.astype(np.int64)
+        self._copied = np.zeros(len(b), dtype=bool)
+        self.finished_at: float | None = None
+
+    def update(self, session: Any) -> None:
+        """Copy the blocks completed since the last call, then stamp their times."""
+        new = np.flatnonzero(session.complete & ~self._copied)
+        if not new.size:
+            return
+        src = session.payload_buffer
+        for i in new.tolist():
+            lo, hi = self._offsets[i], self._ends[i]
+            self._payload[lo:hi] = src[lo:hi]
+        self._times[new] = session.complete_at[new]
+        self._copied[new] = True
+
+    def close(self) -> None:
+        """Remove the file (a racer's map of it stays readable)."""
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
+        del self._times, self._payload
+        self._map.close()
+
+
+class RaceDir:
+    """The daemon's side: one :class:`TransferMirror` per transfer with a manifest."""
+
+    def __init__(self, directory: str) -> None:
+        from kvtransport.errors import UserError
+
+        self.directory = Path(directory)
+        if not self.directory.is_dir():
+            raise UserError(f"--race-dir {directory} is not a directory")
+        self.mirrors: dict[int, TransferMirror] = {}
+
+    def update(self, host: Any, now: float) -> None:
+        """After a batch: mirror the transfers that have a manifest, note the finished
+        ones, remove those finished ``KEEP_S`` ago."""
+        for tid, inc in host.active.items():
+            s = inc.session
+            if s.manifest is None or s.complete.shape != (len(s.manifest.blocks),):
+                continue
+            mirror = self.mirrors.get(tid)
+            if mirror is None:
+                try:
+                    mirror = self.mirrors[tid] = TransferMirror(self.directory, tid, s)
+                except OSError as exc:
+                    log.error("transfer %016x: not shared with racers: %s", tid, exc)
+                    continue
+            mirror.update(s)
+        for tid, mirror in list(self.mirrors.items()):
+            if tid in host.active:
+                continue
+            if mirror.finished_at is None:  # its last blocks, then the countdown
+                inc = host.get(tid)
+                if inc is not None:
+                    mirror.update(inc.session)
+                mirror.finished_at = now
+            elif now - mirror.finished_at > KEEP_S:
+                mirror.close()
+                del self.mirrors[tid]
+
+    def close(self) -> None:
+        for mirror in self.mirrors.values():
+            mirror.close()
+        self.mirrors.clear()
+
+
+@dataclass
+class _SharedManifest:
+    """What a racer reads of the transport manifest (kvtransport.core.transfer)."""
+
+    blocks: range
+    app_metadata: bytes
+    deadline_s: float
+    symbol_size: int
+
+
+@dataclass
+class SharedTransfer:
+    """A racer's read-only view of a mirrored transfer, shaped as the receiver session
+    that kvtransport.model.live_race.LiveArrivals reads."""
+
+    path: Path
+    manifest: _SharedManifest
+    complete_at: np.ndarray
+    payload_buffer: np.ndarray
+    timings: dict[str, float] = field(default_factory=dict)
+    created: float = 0.0
+
+    @property
+    def complete(self) -> np.ndarray:
+        return np.isfinite(self.complete_at)
+
+
+def open_shared(path: Path) -> SharedTransfer | None:
+    """Map one mirror file read-only (None: not one, or gone)."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < _PREFIX.size:
+                return None
+            m = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
+    except (OSError, ValueError):
+        return None
+    magic, n = _PREFIX.unpack_from(m, 0)
+    if magic != MAGIC or _PREFIX.size + n > size:
+        return None
+    try:
+        h = json.loads(bytes(m[_PREFIX.size : _PREFIX.size + n]))
+        nb, plen = int(h["num_blocks"]), int(h["payload_len"])
+        times, payload = _layout(bytes(n), nb)
+        if payload + plen > size:
+            return None
+        manifest = _SharedManifest(range(nb), bytes.fromhex(h["app_metadata"]),
+                                   float(h["deadline_s"]), int(h["symbol_size"]))  # fmt: skip
+        first = float(h["first_packet"])
+    except (ValueError, KeyError, TypeError):
+        return None
+    return SharedTransfer(
+        path,
+        manifest,
+        np.frombuffer(m, np.float64, nb, times),
+        np.frombuffer(m, np.uint8, plen, payload),
+        {"first_packet": first},
+        first,
+    )
+
+
+class SharedTransfers:
+    """A racer's search of a race directory for the transfer of its context: the newest
+    mirror whose blocks manifest is the cache of ``token_ids``
+    (kvtransport.model.blocks.is_cache_of). Call it as the race's session source."""
+
+    def __init__(self, directory: str, token_ids: Any) -> None:
+        from kvtransport.errors import UserError
+
+        self.directory = Path(directory)
+        if not self.directory.is_dir():
+            raise UserError(f"race directory {directory} is not a directory")
+        self.token_ids = token_ids
+        self._rejected: set[Path] = set()
+
+    def __call__(self) -> SharedTransfer | None:
+        from kvtransport.model import blocks
+
+        try:
+            paths = sorted(self.directory.glob(f"*{SUFFIX}"), key=_mtime, reverse=True)
+        except OSError:
+            return None
+        for path in paths:
+            if path in self._rejected:
+                continue
+            shared = open_shared(path)
+            if shared is None:
+                continue
+            try:
+                m = blocks.Manifest.from_bytes(shared.manifest.app_metadata)
+            except blocks.ManifestError:
+                m = None
+            if m is not None and blocks.is_cache_of(m, self.token_ids):
+                return shared
+            self._rejected.add(path)
+        return None
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
