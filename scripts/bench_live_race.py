@@ -10,7 +10,9 @@ builds a context of about ``--tokens`` tokens (a facts_qa sample). Per round, in
     race       a sender process (kvtransport.send, paced at ``--rate-mbps``, the plan's
                stream: ttft objective, budget = the measured prefill) sends to an
                in-process kvtransport.Receiver whose ``race`` builds the same cache while
-               the KV streams in (kvtransport.model.live_race).
+               the KV streams in (kvtransport.model.live_race); with ``--via daemon`` to a
+               receiver daemon process (``--race-dir``) that this process races through
+               its mirror of the transfer (kvtransport.race_daemon).
 
 The sender runs in its own process (its pacing loop would otherwise share this process's
 interpreter with the receiver's loop and the model); it warms up first and starts sending
@@ -25,6 +27,7 @@ results/bench_live_race.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import platform
@@ -53,8 +56,50 @@ def main() -> None:
     ap.add_argument("--rate-mbps", type=float, default=100.0)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--via", choices=("inprocess", "daemon"), default="inprocess",
+                    help="race an in-process Receiver or a local receiver daemon")  # fmt: skip
     ap.add_argument("--out", default="results/bench_live_race.json")
     args = ap.parse_args()
+    with contextlib.ExitStack() as stack:
+        daemon = _receiver_daemon(stack) if args.via == "daemon" else None
+        _bench(args, daemon)
+
+
+def _receiver_daemon(stack: contextlib.ExitStack) -> tuple[int, Path]:
+    """A receiver daemon process mirroring its transfers into a fresh folder (under
+    /dev/shm where there is one): its UDP port and that folder. Stopped by ``stack``."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from kvtransport.daemons.api import ApiError
+    from kvtransport.daemons.client import ReceiverClient
+
+    shm = Path("/dev/shm")
+    base = Path(stack.enter_context(tempfile.TemporaryDirectory(
+        dir=shm if shm.is_dir() else None)))  # fmt: skip
+    race_dir = base / "race"
+    race_dir.mkdir(mode=0o700)
+    ctl = f"ipc://{base}/rx.ipc"
+    argv = [sys.executable, "-m", "kvtransport", "receiver-daemon", "--listen", "127.0.0.1:0",
+            "--control", ctl, "--publish", f"ipc://{base}/results.ipc", "--insecure",
+            "--race-dir", str(race_dir)]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    stack.callback(proc.wait, 20)
+    stack.callback(proc.terminate)
+    t_end = time.monotonic() + 120
+    while True:
+        client = ReceiverClient(ctl, timeout_s=2)
+        try:
+            return int(client.ping()["udp"].rsplit(":", 1)[1]), race_dir
+        except ApiError:
+            if proc.poll() is not None or time.monotonic() > t_end:
+                raise SystemExit("the receiver daemon did not start") from None
+        finally:
+            client.close()
+
+
+def _bench(args: argparse.Namespace, daemon: tuple[int, Path] | None) -> None:
 
     import kvtransport
     from kvtransport.model import card, hf, tasks
@@ -82,14 +127,25 @@ def main() -> None:
         link = LinkEstimate(args.rate_mbps * 1e6, 0.0, 0.0005, 1280)
         plan, stream = planned_stream(card.encode_cache(kv), link=link, budget_s=budget,
                                       speed=speed, objective="ttft")  # fmt: skip
-        with kvtransport.Receiver("127.0.0.1:0", insecure=True) as rx:
+        with contextlib.ExitStack() as stack:
+            if daemon is None:
+                rx = stack.enter_context(kvtransport.Receiver("127.0.0.1:0", insecure=True))
+                to = rx.address
+            else:
+                to = f"127.0.0.1:{daemon[0]}"
+                for old in daemon[1].glob("*.kvrace"):  # the last round's: not this one
+                    old.unlink()
             ready, go = ctxp.Event(), ctxp.Event()
-            proc = ctxp.Process(target=_sender, args=(stream, rx.address, 1e3 * budget,
+            proc = ctxp.Process(target=_sender, args=(stream, to, 1e3 * budget,
                                                       args.rate_mbps, ready, go))  # fmt: skip
             proc.start()
             ready.wait(60)
             go.set()
-            res = rx.race(lm.model, ctx, speed=speed, rate_mbps=args.rate_mbps)
+            if daemon is None:
+                res = rx.race(lm.model, ctx, speed=speed, rate_mbps=args.rate_mbps)
+            else:
+                res = kvtransport.race_daemon(lm.model, ctx, race_dir=str(daemon[1]),
+                                              speed=speed, rate_mbps=args.rate_mbps)  # fmt: skip
             proc.join(30)
         rows["race_s"].append(res.seconds)
         with kvtransport.Receiver("127.0.0.1:0", insecure=True) as rx:  # nobody sends
@@ -108,6 +164,7 @@ def main() -> None:
         "tokens": len(ctx),
         "rate_mbps": args.rate_mbps,
         "threads": args.threads,
+        "via": args.via,
         "speed": {"per_call_s": speed.per_call_s, "per_token_s": speed.per_token_s},
         "reprefill_s": rows["reprefill_s"],
         "race_s": rows["race_s"],
