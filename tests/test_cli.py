@@ -42,3 +42,17 @@ def test_unknown_subcommand_is_one_line_error():
     assert out.returncode == 2
     assert "Traceback" not in out.stderr
     assert len(out.stderr.strip().splitlines()) <= 2
+
+
+def test_a_race_dir_others_may_write_to_is_refused_in_one_line(tmp_path):
+    """A mirror planted in the receiver daemon's --race-dir would be loaded as the
+    sender's cache: a folder other users may write to (or none) is refused at start."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    for where, needle in ((shared, "writable by other users"), (tmp_path / "none", "not a dir")):
+        out = _run("receiver-daemon", "--insecure", "--listen", "127.0.0.1:0", "--control",
+                   f"ipc://{tmp_path}/c.ipc", "--publish", f"ipc://{tmp_path}/p.ipc",
+                   "--race-dir", str(where))  # fmt: skip
+        assert out.returncode != 0 and "Traceback" not in out.stderr
+        assert needle in out.stderr and len(out.stderr.strip().splitlines()) <= 2, out.stderr

@@ -2,7 +2,8 @@
 and a racer's view of it.
 
 A receiver daemon run with ``--race-dir DIR`` mirrors every transfer it is receiving into
-a file ``DIR/<transfer id>.kvrace`` (mode 0600), so that a model process on the same host
+a file ``DIR/<transfer id>.kvrace`` (mode 0600; DIR must not be writable by other users,
+for both sides), so that a model process on the same host
 can race it (kvtransport.model.live_race.race_daemon: compute the context's front while
 the rest arrives, load token ranges as their blocks complete) instead of waiting for the
 result. The file appears, complete with its header, once the transfer's manifest is
@@ -68,7 +69,8 @@ class TransferMirror:
         times, payload = _layout(header, len(b))
         size = payload + int(tm.payload_len)
         tmp = self.path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        tmp.unlink(missing_ok=True)  # a previous run's; never opened through a link
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             os.ftruncate(fd, max(size, 1))
             self._map = mmap.mmap(fd, max(size, 1))
@@ -106,16 +108,26 @@ class TransferMirror:
         self._map.close()
 
 
+def private_dir(directory: str, what: str) -> Path:
+    """``directory``, checked to be a folder that no other user may write to (a mirror
+    planted there would be loaded as the sender's cache); UserError otherwise."""
+    from kvtransport.errors import UserError
+
+    path = Path(directory)
+    if not path.is_dir():
+        raise UserError(f"{what} {directory} is not a directory")
+    if path.stat().st_mode & 0o022:
+        raise UserError(f"{what} {directory} is writable by other users (chmod 700 it)")
+    return path
+
+
 class RaceDir:
     """The daemon's side: one :class:`TransferMirror` per transfer with a manifest."""
 
     def __init__(self, directory: str) -> None:
-        from kvtransport.errors import UserError
-
-        self.directory = Path(directory)
-        if not self.directory.is_dir():
-            raise UserError(f"--race-dir {directory} is not a directory")
+        self.directory = private_dir(directory, "--race-dir")
         self.mirrors: dict[int, TransferMirror] = {}
+        self._unshared: set[int] = set()  # transfers whose mirror could not be made
 
     def update(self, host: Any, now: float) -> None:
         """After a batch: mirror the transfers that have a manifest, note the finished
@@ -126,9 +138,12 @@ class RaceDir:
                 continue
             mirror = self.mirrors.get(tid)
             if mirror is None:
+                if tid in self._unshared:
+                    continue
                 try:
                     mirror = self.mirrors[tid] = TransferMirror(self.directory, tid, s)
                 except OSError as exc:
+                    self._unshared.add(tid)
                     log.error("transfer %016x: not shared with racers: %s", tid, exc)
                     continue
             mirror.update(s)
@@ -143,6 +158,8 @@ class RaceDir:
             elif now - mirror.finished_at > KEEP_S:
                 mirror.close()
                 del self.mirrors[tid]
+        if self._unshared:
+            self._unshared.intersection_update(host.active)
 
     def close(self) -> None:
         for mirror in self.mirrors.values():
@@ -217,11 +234,7 @@ class SharedTransfers:
     (kvtransport.model.blocks.is_cache_of). Call it as the race's session source."""
 
     def __init__(self, directory: str, token_ids: Any) -> None:
-        from kvtransport.errors import UserError
-
-        self.directory = Path(directory)
-        if not self.directory.is_dir():
-            raise UserError(f"race directory {directory} is not a directory")
+        self.directory = private_dir(directory, "the race directory")
         self.token_ids = token_ids
         self._rejected: set[Path] = set()
 
