@@ -56,3 +56,14 @@ def test_a_race_dir_others_may_write_to_is_refused_in_one_line(tmp_path):
                    "--race-dir", str(where))  # fmt: skip
         assert out.returncode != 0 and "Traceback" not in out.stderr
         assert needle in out.stderr and len(out.stderr.strip().splitlines()) <= 2, out.stderr
+
+
+def test_answer_races_only_a_context_as_it_is(tmp_path):
+    """--race-dir races the cache of --context's tokens: with a card, or with a degraded
+    or completed cache, there is nothing to race, and the user is told in one line."""
+    (tmp_path / "ctx.txt").write_text("Some context.")
+    for extra in (("--card", str(tmp_path / "x.card")),
+                  ("--context", str(tmp_path / "ctx.txt"), "--drop", "0.5")):  # fmt: skip
+        out = _run("answer", *extra, "--question", "Why?", "--race-dir", str(tmp_path))
+        assert out.returncode != 0 and "Traceback" not in out.stderr
+        assert "--race-dir goes with --context" in out.stderr, out.stderr

@@ -8,6 +8,7 @@ sender's key is not the receiver's: every datagram is dropped) it must compute
 everything, exactly, in about one prefill. The replay path is pinned by tests/test_race.py.
 """
 
+import json
 import multiprocessing
 import threading
 import time
@@ -232,6 +233,47 @@ def test_a_receiver_daemon_on_this_host_is_raced_through_its_race_dir(smollm, se
             assert _err(res.kv, kv, s.start, s.start + s.tokens) < TOL
     assert res_other.loaded == 0
     assert not list(race_dir.iterdir())  # removed when the daemon stopped
+
+
+def test_answer_races_a_receiver_daemon_from_the_command_line(smollm, tmp_path):
+    """`kvtransport answer --context FILE --race-dir DIR`: the downstream agent's command
+    races the local receiver daemon's mirror of the context's cache (here complete by the
+    time it looks: it loads every token) and answers as re-prefilling the context does."""
+    import subprocess
+    import sys
+
+    from kvtransport.model.loader import chat_prompt
+
+    text = ("Mira Vance founded the Quillbrook observatory in 1911. Its first telescope was "
+            "built by Oskar Lind, and its library holds the Vance letters.")  # fmt: skip
+    question = "Who built the first telescope?"
+    ctx, _ = chat_prompt(smollm.tokenizer, text, question)
+    kv = hf.prefill(smollm.model, smollm.tokenizer, text, attention=False)
+    assert kv.token_ids.tolist() == ctx
+    (tmp_path / "context.txt").write_text(text)
+    race_dir = tmp_path / "race"
+    race_dir.mkdir(mode=0o700)
+    proc, port = _receiver_daemon(tmp_path, "--race-dir", str(race_dir))
+    answer = [sys.executable, "-m", "kvtransport", "answer", "--context",
+              str(tmp_path / "context.txt"), "--question", question, "--json",
+              "--max-new-tokens", "12", "--threads", "1"]  # fmt: skip
+    try:
+        tx = _Sender(card.encode_cache(kv), f"127.0.0.1:{port}", deadline_ms=2000, insecure=True)
+        tx.go()
+        t_end = time.monotonic() + 20
+        while not list(race_dir.glob("*.kvrace")):
+            assert time.monotonic() < t_end, "the daemon shared no transfer"
+            time.sleep(0.01)
+        raced = subprocess.run([*answer, "--race-dir", str(race_dir)], capture_output=True,
+                               text=True, timeout=120)  # fmt: skip
+        tx.join()
+    finally:
+        proc.terminate()
+        proc.wait(20)
+    prefilled = subprocess.run(answer, capture_output=True, text=True, timeout=120)
+    got, want = json.loads(raced.stdout), json.loads(prefilled.stdout)
+    assert got["source"] == "race" and got["race"]["loaded_tokens"] == len(ctx)
+    assert got["answer"] == want["answer"] and got["tokens"] == want["tokens"]
 
 
 def test_a_link_that_delivers_nothing_costs_one_prefill_after_a_short_silence(smollm, setup):

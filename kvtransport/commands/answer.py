@@ -19,7 +19,11 @@ missing blocks masked per layer (or, with --complete, the token ranges with a mi
 block recomputed exactly from the card's token ids: kvtransport.model.race), append the
 question and answer greedily. With
 --context, re-prefill the context instead (the baseline a handoff avoids). With a
-complete card both print the same answer.
+complete card both print the same answer. With --context and --race-dir DIR, race the
+transfer of that context's cache that a receiver daemon on this host (run with
+--race-dir DIR) is receiving: compute the context's front, load each token range as it
+arrives, recompute exactly what does not (kvtransport.model.live_race.race_daemon); the
+receiver's compute speed is measured first, before the clock starts.
 
 --json prints one object with the answer, timings in seconds (load_model, read_card or
 prefill, injection, first_token, total) and the blocks used.
@@ -28,6 +32,7 @@ examples:
   kvtransport answer --card notes.card --question "Who wrote the report?"
   kvtransport answer --card notes.card --question "..." --drop 0.5 --order random --json
   kvtransport answer --context notes.txt --question "Who wrote the report?"
+  kvtransport answer --context notes.txt --question "..." --race-dir /dev/shm/kvt --json
 """
 
 
@@ -76,6 +81,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="answer length cap",
     )
+    parser.add_argument(
+        "--race-dir",
+        metavar="DIR",
+        help="with --context: race the transfer of its cache that a local receiver daemon "
+        "mirrors into DIR (its --race-dir) instead of re-prefilling all of it",
+    )
     parser.add_argument("--threads", type=int_arg(1, 1024), default=None, help="torch threads")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -91,6 +102,10 @@ def _validate(args: argparse.Namespace) -> None:
     if not args.question.strip():
         raise UserError("--question is empty")
     check_precision(args.precision)
+    if args.race_dir is not None and (
+        args.context is None or args.drop > 0 or args.precision is not None or args.complete
+    ):
+        raise UserError("--race-dir goes with --context, without --drop, --precision, --complete")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -113,7 +128,9 @@ def run(args: argparse.Namespace) -> int:
     loaded = load_model(args.model, threads=args.threads)
     timings: dict[str, float] = {"load_model": loaded.load_seconds}
     tok = loaded.tokenizer
-    _, question_ids = chat_prompt(tok, context or "", args.question)
+    context_ids, question_ids = chat_prompt(tok, context or "", args.question)
+    if args.race_dir is not None:
+        return _race(args, loaded, context_ids, question_ids, t_all)
 
     # The TTFT clock: model loaded, question known, context not yet processed.
     t_start = time.perf_counter() - t_read
@@ -219,6 +236,46 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(out))
     else:
         print(answer)
+    return 0
+
+
+def _race(
+    args: argparse.Namespace, loaded: Any, context_ids: list[int], question_ids: list[int],
+    t_all: float,
+) -> int:  # fmt: skip
+    """--race-dir: the context's cache raced from a local receiver daemon's mirror."""
+    from kvtransport.model import hf
+    from kvtransport.model.cache_builder import ComputeSpeed
+    from kvtransport.model.live_race import race_daemon
+
+    speed = ComputeSpeed.measure(loaded.model, context_ids)  # at start-up, off the clock
+    t_start = time.perf_counter()
+    res = race_daemon(loaded.model, context_ids, race_dir=args.race_dir, speed=speed)
+    t_gen = time.perf_counter()
+    gen = hf.greedy_generate(loaded.model, res.model_cache, question_ids,
+                             max_new_tokens=args.max_new_tokens)  # fmt: skip
+    answer = loaded.tokenizer.decode(gen.tokens, skip_special_tokens=True).strip()
+    if not args.json:
+        print(answer)
+        return 0
+    timings = {
+        "load_model": loaded.load_seconds,
+        "race": res.seconds,
+        "first_token": (t_gen - t_start) + gen.first_token_seconds,
+        "generate": gen.seconds,
+        "total": time.perf_counter() - t_all,
+    }
+    print(json.dumps({
+        "answer": answer,
+        "source": "race",
+        "tokens": gen.tokens,
+        "stopped": gen.stopped,
+        "context_tokens": len(context_ids),
+        "question_tokens": len(question_ids),
+        "timings": {k: round(v, 4) for k, v in timings.items()},
+        "race": {"computed_tokens": res.computed, "loaded_tokens": res.loaded,
+                 "waited_s": round(res.waited_s, 4)},
+    }))  # fmt: skip
     return 0
 
 
