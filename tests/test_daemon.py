@@ -341,3 +341,30 @@ def test_sigterm_shuts_both_daemons_down_cleanly(tmp_path):
     assert line["transfer_id"] == tid and line["finish_reason"] == "cancelled"
     lines = {x["transfer_id"]: x["reason"] for x in d.stats_lines("receiver")}
     assert lines == {tid: "abort", f"{helper.out.transfer_id:016x}": "shutdown"}
+
+
+def test_a_card_submitted_with_a_deadline_goes_as_the_handoff_plan(daemons, tmp_path):
+    """A sender daemon's submit plans a cache card as kvtransport.send does: for a racing
+    receiver (its speed given) the context's front is not sent and blocks go at the plan's
+    precisions; with precision "keep" the card goes as it is (every range, fp32)."""
+    from kvtransport.model import blocks, card
+    from kvtransport.model.cache_builder import ComputeSpeed
+    from kvtransport.model.kvcache import KVCache
+
+    rng = np.random.default_rng(5)
+    k, v = (rng.standard_normal((30, 3, 256, 64), dtype=np.float32) for _ in range(2))
+    path = card.write_card(
+        tmp_path / "c.card", card.encode_cache(KVCache(k, v, np.arange(256), "m"))
+    )
+    speed = ComputeSpeed(per_call_s=0.02, per_token_s=0.003)
+    sent = {}
+    for precision in ("auto", "keep"):
+        tid = daemons.sender.submit(str(path), daemons.to(), deadline_ms=400, precision=precision,
+                                    receiver_speed=speed)  # fmt: skip
+        res = daemons.sub.wait_for(tid, timeout_s=20)
+        sent[precision] = blocks.Manifest.from_bytes(res.app_metadata)
+    planned, kept = sent["auto"], sent["keep"]
+    assert planned.token_block.min() > 0 and kept.token_block.min() == 0
+    names = {blocks.PRECISIONS[int(p)] for p in np.unique(planned.precision)}
+    assert names <= {"fp16", "int8", "int4"} and "int8" in names
+    assert {blocks.PRECISIONS[int(p)] for p in np.unique(kept.precision)} == {"fp32"}

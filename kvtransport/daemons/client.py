@@ -5,7 +5,10 @@
     from kvtransport.daemons.client import SenderClient, ResultSubscriber
 
     with ResultSubscriber() as results, SenderClient() as sender:   # default ipc:// paths
-        tid = sender.submit(transfer, to="10.77.0.2:9400", rho=0.8)  # or a card path
+        tid = sender.submit(transfer, to="10.77.0.2:9400", rho=0.8)  # sent as it is
+        # a cache card (path), planned for the deadline; the racing receiver computes the front
+        tid = sender.submit("notes.card", to="10.77.0.2:9400", deadline_ms=500,
+                            receiver_speed=speed)
         print(sender.status(tid))
         result = results.wait_for(tid, timeout_s=5)                  # DeliveredResult
         print(result.utility_recovered, result.missing)
@@ -27,6 +30,7 @@ import os
 import time
 from typing import Any, Self
 
+from kvtransport.core.protocol import DEFAULT_INITIAL_RTT
 from kvtransport.core.transfer import Transfer
 from kvtransport.daemons.api import (
     DEFAULT_RECEIVER_CONTROL,
@@ -41,7 +45,6 @@ from kvtransport.daemons.api import (
     load_json_header,
     result_from_frames,
     transfer_frames,
-    transfer_from_card,
 )
 
 DEFAULT_TIMEOUT_S = 5.0
@@ -185,11 +188,29 @@ class SenderClient(_DaemonClient):
         label: str = "",
         transfer_id: int | str | None = None,
         initial_rtt_ms: float | None = None,
+        precision: str | tuple[str, ...] = "auto",
+        loss_estimate: float = 0.05,
+        receiver_speed: Any = None,
+        rate_mbps: float | None = None,
     ) -> str:
-        """Start a transfer (a :class:`Transfer`, or the path of a cache card) to the
-        receiver at ``to`` (HOST:PORT); returns its transfer id (16 hex digits)."""
+        """Start a transfer to the receiver at ``to`` (HOST:PORT); returns its transfer id
+        (16 hex digits). ``transfer``: a :class:`Transfer` (sent as it is), or a cache card
+        (path), KVCache or block stream, which with ``deadline_ms`` is sent as the handoff
+        plan encodes it, planned here as kvtransport.send does (``precision``,
+        ``loss_estimate``, ``receiver_speed``: see kvtransport.embed.inprocess.send) for
+        ``rate_mbps`` (default: the daemon's link rate); "keep" sends it as it is."""
         if not isinstance(transfer, Transfer):
-            transfer = transfer_from_card(transfer)
+            from kvtransport.embed.inprocess import as_transfer, handoff_plan
+
+            plan = None
+            if deadline_ms is not None and precision != "keep":
+                rate = rate_mbps if rate_mbps is not None else float(self.stats()["rate_mbps"])
+                rtt_ms = DEFAULT_INITIAL_RTT * 1e3 if initial_rtt_ms is None else initial_rtt_ms
+                plan = handoff_plan(
+                    deadline_ms, precision, rate, loss_estimate=loss_estimate,
+                    initial_rtt_ms=rtt_ms, receiver_speed=receiver_speed,
+                )  # fmt: skip
+            transfer = as_transfer(transfer, plan)
         head: dict[str, Any] = {"op": "submit", "to": to, "weight": weight, "label": label}
         for name, value in (
             ("deadline_ms", deadline_ms),

@@ -151,6 +151,34 @@ def delivered(incoming: Any, engine: Any) -> DeliveredResult:
 # ---------------------------------------------------------------------- inputs
 
 
+def handoff_plan(
+    deadline_ms: float | None,
+    precision: str | tuple[str, ...],
+    rate_mbps: float,
+    *,
+    loss_estimate: float = 0.05,
+    initial_rtt_ms: float = DEFAULT_INITIAL_RTT * 1e3,
+    symbol_size: int = DEFAULT_SYMBOL_SIZE,
+    receiver_speed: ComputeSpeed | None = None,
+) -> tuple | None:
+    """What :func:`as_transfer` plans a cache with (its ``plan``) for :func:`send`'s
+    options (and a sender daemon submit's, kvtransport.daemons.client): None without a
+    deadline or with ``precision`` "keep"; UserError for bad levels or loss estimate."""
+    if deadline_ms is None or precision == "keep":
+        return None
+    from kvtransport.model.plan import LinkEstimate, parse_levels
+
+    try:
+        levels = parse_levels(precision)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    if not 0 <= loss_estimate < 0.9:
+        raise UserError(f"loss_estimate must be in [0, 0.9), not {loss_estimate}")
+    link = LinkEstimate(float(rate_mbps) * 1e6, loss_estimate, initial_rtt_ms * 5e-4,
+                        symbol_size)  # fmt: skip
+    return (link, float(deadline_ms) * 1e-3, levels, receiver_speed)
+
+
 def as_transfer(what: Any, plan: Any = None) -> Transfer:
     """A :class:`Transfer` from a transfer, a cache card (path or CacheCard), a block
     stream (kvtransport.model.blocks.EncodedStream) or a KVCache (encoded with the card
@@ -272,19 +300,9 @@ def send(
     raw_key = api_key(key, insecure)
     dest = _address(to, "receiver")
     local = parse_address(bind, what="bind")
-    plan = None
-    if deadline_ms is not None and precision != "keep":
-        from kvtransport.model.plan import LinkEstimate, parse_levels
-
-        try:
-            levels = parse_levels(precision)
-        except ValueError as exc:
-            raise UserError(str(exc)) from None
-        if not 0 <= loss_estimate < 0.9:
-            raise UserError(f"loss_estimate must be in [0, 0.9), not {loss_estimate}")
-        link = LinkEstimate(float(rate_mbps) * 1e6, loss_estimate, initial_rtt_ms * 5e-4,
-                            symbol_size)  # fmt: skip
-        plan = (link, float(deadline_ms) * 1e-3, levels, receiver_speed)
+    plan = handoff_plan(deadline_ms, precision, rate_mbps, loss_estimate=loss_estimate,
+                        initial_rtt_ms=initial_rtt_ms, symbol_size=symbol_size,
+                        receiver_speed=receiver_speed)  # fmt: skip
     transfer = as_transfer(cache_or_card, plan)
     policy = policy or default_policy()
     make_policy(policy)
