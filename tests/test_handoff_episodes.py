@@ -149,10 +149,12 @@ def test_handoff_ranges_are_whole_token_ranges_in_stream_order():
 
 
 def test_a_handoff_range_missing_one_block_scores_nothing():
-    """ge-heavy, rho 0.8, episode 1, tail rule only: one token range ends the transfer
+    """ge-heavy, rho 1.0, episode 10, tail rule only: one token range ends the transfer
     with 29 of its 30 layer blocks decoded; the range is recomputed by the receiver, so
-    none of its utility counts, and the score is the utility of the whole ranges."""
-    spec = eval_spec("ge-heavy", 0.8, 1, stream="handoff")
+    none of its utility counts, and the score is the utility of the whole ranges. (Since
+    a hole reported in its last round gets a spare repair, it is the only such range in
+    episodes 1-11 of ge-heavy at rho 0.8 and 1.0 and bernoulli-5 at rho 0.8.)"""
+    spec = eval_spec("ge-heavy", 1.0, 10, stream="handoff")
     sim = build_simulation(spec, ConstantAction(0))
     sim.run()
     res = sim.receiver.result

@@ -5,6 +5,7 @@ with fixed delays and lets each test decide, per datagram, whether it is lost, d
 or delayed (reordered). Time only moves when a session's timer or a delivery says so.
 """
 
+import math
 from collections import deque
 
 import numpy as np
@@ -23,6 +24,7 @@ from kvtransport.core.policy import (
     make_policy,
 )
 from kvtransport.core.receiver import ReceiverSession
+from kvtransport.core.schemes.rlc import LAST_ROUND_Z, last_round_repairs
 from kvtransport.core.sender import SenderSession
 from kvtransport.core.transfer import BlockTable, Transfer, TransportManifest, synthetic_transfer
 from kvtransport.core.wire import DatagramType as T
@@ -619,3 +621,65 @@ def test_a_refused_block_is_not_skipped_for_a_later_smaller_one():
     assert len(spare) >= 2  # a later 2-symbol block would have fitted in these slots
     res = rcv.result
     assert res.complete.tolist() == [True] * big + [False] * (len(lengths) - big)
+
+
+def _hole_then_lost_repair(before_stop):
+    """A transfer that keeps the link busy to its end (rho 0.9); the first source sent
+    ``before_stop`` seconds before the sender's stop time is lost, and so is the first
+    reactive repair over its segment. Returns the receiver's result, the lost ESI's block
+    and the repairs sent over its segment after the report of its loss."""
+    tr, s, r = make_pair(size=2_000_000, blocks=100, rho=0.9)
+    lost = {}
+    net = None
+
+    def rule(i, d):
+        t = net.sent[-1][0]
+        if d.type == T.SOURCE and "esi" not in lost and t >= s.stop_time - before_stop:
+            lost["esi"] = d.esi
+            return []
+        esi = lost.get("esi")
+        if (d.type == T.REPAIR and esi is not None and "repair" not in lost
+                and d.esi <= esi < d.esi + d.nss and d.nss <= protocol.REPAIR_SEGMENT):  # fmt: skip
+            lost["repair"] = t
+            return []
+        return [0.0]
+
+    net = Net(s, r, data=rule)
+    net.run()
+    esi = lost["esi"]
+    seg_len = protocol.REPAIR_SEGMENT
+    reported = min(
+        t for t, d in net.feedback
+        if any(f <= esi < f + c for f, c in wire.decode_feedback(d.payload).ranges)
+    )  # fmt: skip
+    over = [
+        (t, d) for t, d in net.of_type(T.REPAIR)
+        if t >= reported and d.esi // seg_len == esi // seg_len and d.nss <= seg_len
+    ]  # fmt: skip
+    block = int(np.searchsorted(tr.blocks.offsets, esi * 1280, "right")) - 1
+    return r.result, block, over
+
+
+def test_a_hole_reported_in_the_last_round_gets_a_repair_to_spare():
+    """A hole reported when a lost repair could no longer be replaced before the stop time
+    (a round trip plus a feedback interval) gets more repairs than it lacks equations
+    (kvtransport.core.schemes.rlc.last_round_repairs), so losing one of them still
+    recovers it; reported earlier it gets exactly one, and a lost one is replaced."""
+    for before_stop, first_answer in ((0.060, 1), (0.017, 2)):
+        res, block, over = _hole_then_lost_repair(before_stop)
+        first = [d for t, d in over if t < over[0][0] + 1e-3]  # the answer to the report
+        assert len(first) == first_answer, before_stop
+        assert res.complete[block], before_stop  # recovered despite the lost repair
+
+
+def test_last_round_repairs_cover_the_missing_equations_with_a_margin():
+    """The fewest repairs whose expected arrivals, less LAST_ROUND_Z standard deviations,
+    cover what is missing; without loss, exactly what is missing."""
+    for missing in (1, 4, 20):
+        for p in (0.01, 0.05, 0.2):
+            k = last_round_repairs(missing, p)
+            sure = [j * (1 - p) - LAST_ROUND_Z * math.sqrt(j * p * (1 - p)) for j in (k, k - 1)]
+            assert sure[0] >= missing > sure[1]
+        assert last_round_repairs(missing, 0.0) == missing
+    assert (last_round_repairs(1, 0.05), last_round_repairs(4, 0.05)) == (2, 6)
+    assert last_round_repairs(0, 0.3) == 0 and last_round_repairs(-2, 0.3) == 0

@@ -11,6 +11,7 @@ import pytest
 from kvtransport.netem import load_profile, make_channel
 
 from kvtransport.core.policy import make_policy
+from kvtransport.core.protocol import STANDARD, ProtocolConfig
 from kvtransport.core.transfer import synthetic_transfer
 from kvtransport.demo.demo_emulated import EmulatedLink, PeerError
 from kvtransport.demo.demo_links import INITIAL_RTT_S, PROFILE
@@ -20,13 +21,14 @@ from kvtransport.sim.virtual_clock import VirtualClockLoop
 KEY = bytes(range(32))
 
 
-def _simulated(tr, policy, deadline, seed, trace):
+def _simulated(tr, policy, deadline, seed, trace, config=STANDARD):
     prof = load_profile(PROFILE)
     data_seed, fb_seed = np.random.SeedSequence(seed).spawn(2)  # as the emulated link
-    sim = Simulation(tr, make_policy(policy), make_channel(prof, data_seed),
-                     make_channel(prof, fb_seed), rate_bps=prof.rate_bps, deadline=deadline,
-                     transfer_id=77, key=KEY, initial_rtt=INITIAL_RTT_S, record=False,
-                     trace=trace)  # fmt: skip
+    over = config.link_overhead
+    sim = Simulation(tr, make_policy(policy), make_channel(prof, data_seed, overhead_bytes=over),
+                     make_channel(prof, fb_seed, overhead_bytes=over), rate_bps=prof.rate_bps,
+                     deadline=deadline, transfer_id=77, key=KEY, initial_rtt=INITIAL_RTT_S,
+                     record=False, trace=trace, config=config)  # fmt: skip
     sim.run()
     return sim
 
@@ -53,6 +55,39 @@ def test_the_emulated_link_sends_the_simulators_datagrams_at_the_simulators_time
             assert np.array_equal(got.complete, sim.receiver.result.complete), policy
     finally:
         link.close()
+
+
+def test_the_emulated_link_runs_the_config_it_is_given():
+    """An emulated link built with a protocol config runs both processes' hosts and both
+    channels with it: the same datagrams at the same times as the simulator given that
+    config (the receiver's feedback interval drives what the sender sends), which differ
+    from the standard config's (another symbol size, link overhead and feedback interval
+    move every datagram)."""
+    tr = synthetic_transfer(400_000, 40, "zipf", seed=4)
+    config = ProtocolConfig(symbol_size=1024, link_overhead=60, feedback_interval=0.007)
+    deadline = 0.8 * full_send_time(tr.nbytes, 100e6, 1280, True)
+    link = EmulatedLink(config=config)
+    link.key = KEY
+    try:
+        link.load(tr)
+        link.trace = []
+        got = link.transfer("adaptive", deadline_s=deadline, transfer_id=77, seed=9)
+        emulated = [(t, d) for kind, t, d in link.trace if kind == "data"]
+        # the simulator's receiver knows the exact deadline, the daemon's host counts it
+        # from the first datagram: their reports differ only from the deadline on
+        feedback = [(t, d) for kind, t, d in link.trace if kind == "feedback" and t < deadline]
+    finally:
+        link.close()
+    trace: list[tuple] = []
+    sim = _simulated(tr, "adaptive", deadline, 9, trace, config)
+    assert [(e[1], e[3]) for e in trace if e[0] == "send" and e[2] == 0] == emulated
+    assert [(e[1], e[3]) for e in trace if e[0] == "send" and e[2] == 1 and e[1] < deadline] == (
+        feedback
+    )
+    assert np.array_equal(got.complete, sim.receiver.result.complete)
+    standard: list[tuple] = []
+    _simulated(tr, "adaptive", deadline, 9, standard)
+    assert [(e[1], e[3]) for e in standard if e[0] == "send" and e[2] == 0] != emulated
 
 
 def test_the_emulated_links_sender_is_the_daemons_host():

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvtransport.core.protocol import STANDARD, ProtocolConfig
 from kvtransport.demo.demo_links import INITIAL_RTT_S, PROFILE, Link, LinkOutcome, TransferRequest
 from kvtransport.errors import UserError
 
@@ -141,10 +142,13 @@ class EmulatedLink(Link):
     Channel. Fresh channels per transfer, seeded from ``seed``: every scheme meets the
     same loss pattern. Needs a positive minimum one-way delay (the look-ahead).
 
-    ``policies``: the processes load these policies' code (numba kernels, the DDQN
-    network) at once, in parallel with whatever the caller does next; :meth:`ready`
-    is then instant. Loading costs link time nothing either way (the link's clock
-    does not run), only wall time.
+    ``config``: the protocol's settings both processes' hosts are built with
+    (kvtransport.core.protocol, as the simulators take it; ``symbol_size`` None is its
+    symbol size); both channels count its ``link_overhead`` per datagram, as the sender
+    paces with it. ``policies``: the processes load these policies' code (numba kernels,
+    the DDQN network) at once, in parallel with whatever the caller does next;
+    :meth:`ready` is then instant. Loading costs link time nothing either way (the
+    link's clock does not run), only wall time.
     """
 
     name = "emulated"
@@ -155,12 +159,13 @@ class EmulatedLink(Link):
         *,
         symbol_size: int | None = None,
         policies: tuple[str, ...] = (),
+        config: ProtocolConfig = STANDARD,
     ) -> None:
-        from kvtransport.core.protocol import DEFAULT_SYMBOL_SIZE
         from kvtransport.netem import load_profile
 
         self.profile = load_profile(profile)
-        self.symbol_size = symbol_size or DEFAULT_SYMBOL_SIZE
+        self.config = config
+        self.symbol_size = config.symbol_size if symbol_size is None else symbol_size
         self.key = secrets.token_bytes(32)  # per run: datagrams between the peers are sealed
         self.lookahead = self._min_delay()
         self.peers: list[_Peer] = []
@@ -212,8 +217,9 @@ class EmulatedLink(Link):
             raise RuntimeError("load() a transfer first")
         deadline_s = req.deadline_s
         data_seed, fb_seed = np.random.SeedSequence(req.seed).spawn(2)
-        data_ch = make_channel(self.profile, data_seed)
-        fb_ch = make_channel(self.profile, fb_seed)
+        overhead = self.config.link_overhead
+        data_ch = make_channel(self.profile, data_seed, overhead_bytes=overhead)
+        fb_ch = make_channel(self.profile, fb_seed, overhead_bytes=overhead)
         rate_bps = self.profile.rate_bps
         self.sender.call(
             "start",
@@ -225,9 +231,12 @@ class EmulatedLink(Link):
                 "symbol_size": self.symbol_size,
                 "initial_rtt": INITIAL_RTT_S,
                 "key": self.key,
+                "config": self.config,
             },
         )
-        self.receiver.call("start", {"transfer_id": req.transfer_id, "key": self.key})
+        self.receiver.call(
+            "start", {"transfer_id": req.transfer_id, "key": self.key, "config": self.config}
+        )
         to_rx: list[tuple[float, int, bytes]] = []
         to_tx: list[tuple[float, int, bytes]] = []
         order = 0
@@ -361,6 +370,7 @@ class _SenderPeer(_PeerRole):
             key=msg["key"],
             symbol_size=msg["symbol_size"],
             initial_rtt=msg["initial_rtt"],
+            config=msg["config"],
         )
         self.finished = False
         self.loop = VirtualClockLoop()
@@ -404,7 +414,7 @@ class _ReceiverPeer(_PeerRole):
         from kvtransport.hosts.receiver_host import ReceiverHost
         from kvtransport.sim.virtual_clock import VirtualClockLoop
 
-        self.host = ReceiverHost(key=msg["key"], single=True)
+        self.host = ReceiverHost(key=msg["key"], single=True, config=msg["config"])
         self.loop = VirtualClockLoop()
         self.loop.add(self.host, _RECEIVER, after=self._events)
         self.result = None

@@ -94,9 +94,11 @@ class SenderView(Protocol):
     decision_packets: int
     slot_s: float
     srtt: float | None
+    stop_time: float  # the last moment a datagram can leave and arrive in time
 
     @property
     def owd(self) -> float: ...
+    def loss_estimate(self) -> float: ...
     @property
     def fb_echo(self) -> int: ...
     @property

@@ -5,7 +5,10 @@ Reactive repairs: feedback lists the receiver's holes and, per aligned segment o
 repairs over its own holes only, lowest segment first. Segments thus decode independently,
 any equation fixes any hole of its segment, a lost repair costs one more next round, and
 windows stay short (decoding cost grows with the window). A ``reactive`` policy has them
-sent as soon as feedback asks; otherwise they take the proactive share's slots first.
+sent as soon as feedback asks; otherwise they take the proactive share's slots first. In a
+segment's last round (a lost repair could no longer be reported and replaced before the
+stop time) it is owed more repairs than it lacks equations, a margin for the reported
+loss (``last_round_repairs``).
 
 Proactive repairs (one whenever the repair credit, the policy's share added per slot,
 reaches one; and, once no source may go, instead of an idle slot): over the newest
@@ -25,6 +28,7 @@ base, kvtransport.core.receiver). The sender's encoder holds the sender's
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -62,6 +66,26 @@ decoded-through, and at most this many minus one are built in vain when it does.
 OPEN_LOOP_SPAN = 512
 """Open loop, each proactive repair covers at least this many newest symbols (wider spans
 recover more of an unreported loss pattern, but cost more to encode and decode)."""
+
+
+LAST_ROUND_Z = 2.0
+"""Margin, in standard deviations of the losses, of the repairs sent in a segment's last
+round (``last_round_repairs``)."""
+
+
+def last_round_repairs(missing: int, loss: float) -> int:
+    """Repairs to send for ``missing`` equations when a lost repair could no longer be
+    replaced: the fewest k whose expected arrivals, less LAST_ROUND_Z standard deviations,
+    cover ``missing`` (k (1 - p) - z sqrt(k p (1 - p)) >= missing); ``missing`` itself
+    without loss. One owed equation at 5 % loss gets two repairs (the segment then fails
+    with p^2 instead of p), four get six."""
+    if missing <= 0 or loss <= 0.0:
+        return max(missing, 0)
+    p = min(loss, 0.5)
+    k = missing
+    while k * (1.0 - p) - LAST_ROUND_Z * math.sqrt(k * p * (1.0 - p)) < missing:
+        k += 1
+    return k
 
 
 class RLCSender(SenderRepair):
@@ -140,8 +164,14 @@ class RLCSender(SenderRepair):
         Reactive repairs never leave their aligned segment, so segments decode on their
         own: any equation to a segment fixes any one of its holes, a lost one costs one
         more next round, and the lowest segments (the most useful, in utility order) are
-        served first."""
+        served first. In the last round (a repair sent now, if lost, would be reported
+        and replaced after the stop time: now + a round trip + a feedback interval is past
+        it) a segment's missing equations get ``last_round_repairs`` at the reported loss,
+        so one lost repair no longer leaves the segment, and the stream after it,
+        undecodable."""
         s = self.session
+        last = now + 2.0 * s.owd + s.config.feedback_interval > s.stop_time
+        loss = s.loss_estimate() if last else 0.0
         flight = self.flight
         while flight and flight[0][0] <= s.fb_echo:
             flight.popleft()  # it had arrived (or was lost) when the receiver reported
@@ -165,7 +195,10 @@ class RLCSender(SenderRepair):
         total = 0
         for seg in sorted(holes):
             n, end = holes[seg]
-            owed = n - pending.get(seg, 0) - in_flight.get(seg, 0)
+            missing = n - pending.get(seg, 0)
+            if last:
+                missing = last_round_repairs(missing, loss)
+            owed = missing - in_flight.get(seg, 0)
             if owed > 0:
                 plan.append([seg, owed, end])
                 total += owed
