@@ -99,6 +99,10 @@ class TrainConfig:
     init_from: str | None = None
     """A weights file (kvtransport.agents.runtime) the Q-network starts from, instead of
     random initial weights (None)."""
+    validation: dict = field(default_factory=dict)
+    """EpisodeDistribution fields that differ for the validation episodes only, on top of
+    ``distribution`` (empty: validate on the training distribution): the checkpoint kept
+    is the best on these, so they say which episodes a run must not lose."""
 
 
 def episode_distribution(cfg: TrainConfig) -> EpisodeDistribution:
@@ -114,13 +118,15 @@ def effective_config(cfg: TrainConfig) -> dict:
     This, not the command line, is what a run records next to its weights (``ddqn.json``,
     the ``.npz`` metadata, ``summary.json``): a default that moves later changes what a
     recorded command trains on, and the two effective configurations then differ.
-    ``init_from`` is there only when set (runs from random weights record what they did
-    before the option existed)."""
+    ``init_from`` and ``validation`` are there only when set (runs without them record
+    what they did before the options existed)."""
     dist = episode_distribution(cfg)
     knobs = {f.name: getattr(dist, f.name) for f in fields(dist) if f.name != "trace_files"}
     config = {**asdict(cfg), "distribution": knobs}
     if cfg.init_from is None:
         del config["init_from"]
+    if not cfg.validation:
+        del config["validation"]
     return _jsonable(config)
 
 
@@ -200,8 +206,10 @@ def make_env(cfg: TrainConfig) -> gym.Env:
 
 
 def validation_specs(cfg: TrainConfig, n: int) -> list[EpisodeSpec]:
-    """``n`` fixed episodes from the training distribution with held-out seeds."""
-    dist = episode_distribution(cfg)
+    """``n`` fixed episodes with held-out seeds from the training distribution, with
+    ``cfg.validation``'s fields changed."""
+    fields_ = {**cfg.distribution, **cfg.validation}
+    dist = EpisodeDistribution(trace_files=cfg.trace_files, **fields_)
     rng = np.random.default_rng(12345)
     return [replace(dist.sample(rng), seed=VALIDATION_SEED + i) for i in range(n)]
 

@@ -6,6 +6,8 @@
 (and, for shares of the clairvoyant planner, without ``--no-references``).
 ``CANDIDATE.json``: the same cells, episode counts, stream, utility and prior with
 ``--weights NEW`` (``--schemes ddqn --high-rtt-schemes ddqn --no-references`` is enough).
+``--candidate-scheme auto`` compares the candidate run's ``auto`` scheme (the product's default
+choice, eval_policy.py) instead of its ``ddqn``.
 Evaluation episodes are fixed by their index (``kvtransport.agents.episodes.eval_spec``),
 so the two runs play the same held-out episodes and every difference is paired.
 
@@ -31,7 +33,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from eval_policy import _paired, _significant  # noqa: E402
 
-NOT_HEURISTICS = ("ddqn", "oracle", "clairvoyant", "genie", "clairvoyant_best")
+NOT_HEURISTICS = ("ddqn", "auto", "oracle", "clairvoyant", "genie", "clairvoyant_best")
 SETTINGS = ("stream", "utility", "prior")
 
 
@@ -48,18 +50,19 @@ def _fmt(d: dict) -> str:
     return f"{d['mean']:+.4f} ± {d['ci95']:.4f}{'*' if _significant(d) else ''}"
 
 
-def compare(cand: dict, base: dict) -> tuple[list[dict], list[str]]:
-    """Per cell of the candidate run: the paired comparisons (see the module docstring)."""
+def compare(cand: dict, base: dict, scheme: str = "ddqn") -> tuple[list[dict], list[str]]:
+    """Per cell of the candidate run: its ``scheme``'s paired comparisons (see the module
+    docstring)."""
     for k in SETTINGS:
         if cand.get(k) != base.get(k):
             raise SystemExit(f"the runs differ in {k}: {cand.get(k)!r} vs {base.get(k)!r}")
     rows, problems = [], []
     for key, c in cand["utilities"].items():
         b = base["utilities"].get(key)
-        if b is None or "ddqn" not in b or "ddqn" not in c:
-            problems.append(f"{key}: not in both runs with a ddqn")
+        if b is None or "ddqn" not in b or scheme not in c:
+            problems.append(f"{key}: not in both runs with a ddqn (candidate: {scheme})")
             continue
-        new, old = c["ddqn"], b["ddqn"]
+        new, old = c[scheme], b["ddqn"]
         if len(new) != len(old):
             problems.append(f"{key}: {len(new)} vs {len(old)} episodes")
             continue
@@ -88,10 +91,11 @@ def compare(cand: dict, base: dict) -> tuple[list[dict], list[str]]:
     return rows, problems
 
 
-def markdown(rows: list[dict]) -> str:
+def markdown(rows: list[dict], new: str = "new DDQN") -> str:
+    """The rows as a table; ``new`` names the candidate in its head."""
     shares = any("share" in r for r in rows)
     head = (
-        "| cell | n | new DDQN | shipped DDQN | new - shipped | best heuristic | "
+        f"| cell | n | {new} | shipped DDQN | new - shipped | best heuristic | "
         "new - best heuristic | shipped - best heuristic |"
     )
     head += " share of clairvoyant (new / shipped / best heuristic) |" if shares else ""
@@ -130,13 +134,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("candidate", help="eval_policy.json of the candidate weights")
     p.add_argument("baseline", help="eval_policy.json of the shipped weights and heuristics")
     p.add_argument("--out", help="also write the table to this file")
+    p.add_argument("--candidate-scheme", default="ddqn", choices=("ddqn", "auto"),
+                   help="the candidate run's scheme to compare (default ddqn; auto: the "
+                   "product's default choice)")  # fmt: skip
     args = p.parse_args(argv)
-    rows, problems = compare(_load(args.candidate), _load(args.baseline))
+    rows, problems = compare(_load(args.candidate), _load(args.baseline), args.candidate_scheme)
     for msg in problems:
         print(f"skipped {msg}", file=sys.stderr)
     if not rows:
         raise SystemExit("no cell in common (same cells, episodes and settings needed)")
-    table = markdown(rows)
+    table = markdown(rows, "new DDQN" if args.candidate_scheme == "ddqn" else "auto")
     if args.out:
         Path(args.out).write_text(table)
     print(table)

@@ -10,7 +10,8 @@ profiles: 100 Mbit/s, 5 ms, feedback over the same profile) and rho in {0.6, 0.8
 and tail-rule (the DDQN's action 0 throughout: no proactive repair, keep admitting, the
 session's tail rule and reactive repair doing the rest; a learned policy that does not
 beat it is a constant), on the same episodes (common random numbers: every scheme sees
-the same channel seeds).
+the same channel seeds). ``auto`` plays, per episode, the policy a shell picks when told
+none (kvtransport.core.policy.default_policy_for): what the product does.
 
 Two references per episode (``--no-references`` skips them): the genie bound
 (kvtransport.sim.simulator.genie_bound: the surviving slots filled with source in utility
@@ -72,8 +73,22 @@ HIGH_RTT_RHOS = (0.7, 0.85, 1.0)
 REFERENCES = ("clairvoyant", "genie")
 """Per-episode references: the clairvoyant planner (never below any scheme on the
 episode) and the genie bound (no scheme can exceed it)."""
+AUTO = "auto"
+"""Not a policy of its own: the one a shell picks for the episode's transfer when told
+none (:func:`product_choice`), so that a table shows what the product does."""
 PAIRED = ("tail-rule", "adaptive")
 """Schemes the DDQN is compared with episode by episode in every cell's pairs table."""
+
+
+def product_choice(spec) -> str:
+    """The policy a shell picks for ``spec``'s transfer when told none
+    (kvtransport.core.policy.default_policy_for): the link's one-way delay is half the
+    episode's round trip, and a handoff stream is whole token ranges."""
+    from kvtransport.agents.episodes import round_trip
+
+    from kvtransport.core.policy import default_policy_for
+
+    return default_policy_for(round_trip(spec) / 2, spec.stream == "handoff")
 
 
 def make_scheme(name: str, weights: str | None):
@@ -136,7 +151,8 @@ def run_cell(
         for name in schemes:
             if name.startswith("block-rs") and i >= n_rs:
                 continue
-            sim = build_simulation(spec, make_scheme(name, weights))
+            policy = product_choice(spec) if name == AUTO else name
+            sim = build_simulation(spec, make_scheme(policy, weights))
             sim.run()
             known[name] = sim.utility_recovered
             out[name].append(known[name])
@@ -170,7 +186,7 @@ def summarize(results: dict, schemes) -> dict:
         for name in s:
             s[name]["n"] = len(cell[name])
         if "ddqn" in cell:
-            others = [m for m in schemes if m in cell and m not in ("ddqn", "oracle")]
+            others = [m for m in schemes if m in cell and m not in ("ddqn", "oracle", AUTO)]
             if others:
                 best = max(others, key=lambda m: s[m]["mean"])
                 n = min(len(cell["ddqn"]), len(cell[best]))
@@ -563,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
     schemes = names(args.schemes)
     hi_schemes = names(args.high_rtt_schemes)
     for s in dict.fromkeys(schemes + hi_schemes):
-        make_scheme(s, args.weights)  # fail fast on a bad name or weights file
+        make_scheme("ddqn" if s == AUTO else s, args.weights)  # fail fast on a bad name
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()

@@ -73,3 +73,21 @@ def test_runs_of_other_episodes_are_refused(runs, tmp_path, capsys):
         cmp.main([str(other), str(mine)])
     with pytest.raises(SystemExit, match="not an eval_policy.py result"):
         cmp.main([str(tmp_path / "missing.json"), str(mine)])
+
+
+def test_the_products_choice_is_compared_as_a_candidate(runs):
+    """``--candidate-scheme auto``: the candidate run's ``auto`` (the product's default
+    choice) against the shipped DDQN and the best heuristic; ``auto`` is no heuristic."""
+    cmp = _module("compare_ddqn_runs")
+    cand, base, key = runs
+    b = base["utilities"][key]
+    auto = {**cand, "utilities": {key: {"auto": list(b["adaptive"])}}}
+    (row,), _ = cmp.compare(auto, base, "auto")
+    d = np.array(b["adaptive"]) - np.array(b["ddqn"])
+    assert row["new_minus_shipped"]["mean"] == pytest.approx(d.mean())
+    both = {**base, "utilities": {key: {**b, "auto": [1.0] * 3}}}  # auto is never "best"
+    (row,), _ = cmp.compare(auto, both, "auto")
+    assert row["best"] in ("tail-rule", "adaptive")
+    assert cmp.compare(cand, base, "auto") == ([], [f"{key}: not in both runs with a ddqn "
+                                                    "(candidate: auto)"])  # fmt: skip
+    assert "| auto | shipped DDQN |" in cmp.markdown([row], "auto")

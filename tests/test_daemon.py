@@ -184,6 +184,34 @@ def test_submit_status_and_published_result(daemons):
     assert np.array_equal(stored.payload, tr.payload)
 
 
+def test_a_daemon_started_without_a_policy_picks_per_transfer(daemons):
+    """``kvtransport sender-daemon`` without ``--policy``: a request naming none gets its
+    transfer's default (daemon_sender.transfer_policy): the heuristic for a stream of
+    whole token ranges over a long initial RTT, the DDQN for a synthetic stream."""
+    from kvtransport.core.policy import (
+        LONG_LINK_HANDOFF_POLICY,
+        LONG_LINK_ONE_WAY_S,
+        default_policy,
+    )
+    from kvtransport.core.transfer import Transfer
+    from kvtransport.model import blocks, utility
+    from kvtransport.model.kvcache import KVCache
+
+    rng = np.random.default_rng(7)
+    k = rng.standard_normal((4, 2, 96, 64)).astype(np.float16)
+    cache = KVCache(k, k.copy(), rng.integers(0, 1000, 96), "toy", rng.random((4, 96)).astype("f4"))
+    u = utility.cache_utility(cache, 16)
+    order = utility.stream_order(u, 16, "position")
+    prefix = Transfer.from_encoded_stream(blocks.encode_stream(cache, u, order, block_tokens=16))
+    rtt_ms = 2e3 * LONG_LINK_ONE_WAY_S
+    used = {}
+    for name, tr in (("prefix", prefix), ("synthetic", synthetic_transfer(200_000, 16, seed=3))):
+        tid = daemons.sender.submit(tr, daemons.to(), rho=3.0, initial_rtt_ms=rtt_ms)
+        daemons.sub.wait_for(tid, timeout_s=20)
+        used[name] = daemons.sender.wait(tid, timeout_s=10)["policy"]
+    assert used == {"prefix": LONG_LINK_HANDOFF_POLICY, "synthetic": default_policy()}
+
+
 def test_cancel_delivers_the_partial_result_at_once(daemons):
     tr = synthetic_transfer(30_000_000, 2400, seed=12)  # 2.5 s at the link rate
     tid = daemons.sender.submit(tr, daemons.to(), deadline_ms=10_000)

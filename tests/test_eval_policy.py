@@ -107,3 +107,27 @@ def test_handoff_stream_cells_play_the_planned_stream():
         assert (
             hand["genie"][i] >= hand["clairvoyant"][i] >= max(hand["tail-rule"][i], hand["ddqn"][i])
         )
+
+
+def test_auto_plays_the_products_choice_per_episode():
+    """``auto``: on a handoff over a long link the heuristic the product picks
+    (kvtransport.core.policy.default_policy_for), on a short one the DDQN, episode by
+    episode; a utility stream over the long link keeps the DDQN."""
+    import importlib.util
+
+    from kvtransport.core.policy import LONG_LINK_HANDOFF_POLICY, LONG_LINK_ONE_WAY_S
+
+    spec = importlib.util.spec_from_file_location("eval_policy", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    import kvtransport.agents  # noqa: F401  (registers ddqn)
+
+    long_ms = 1e3 * LONG_LINK_ONE_WAY_S
+    kw = dict(channel="bernoulli-5", rho=1.0, schemes=["auto", LONG_LINK_HANDOFF_POLICY, "ddqn"],
+              n=2, n_rs=0, weights=None, utility="measured", references=False)  # fmt: skip
+    far = mod.run_cell(**kw, delay_ms=2 * long_ms, stream="handoff")
+    near = mod.run_cell(**kw, delay_ms=0.5 * long_ms, stream="handoff")
+    plain = mod.run_cell(**{**kw, "n": 1}, delay_ms=2 * long_ms)
+    assert far["auto"] == far[LONG_LINK_HANDOFF_POLICY] != far["ddqn"]
+    assert near["auto"] == near["ddqn"]
+    assert plain["auto"] == plain["ddqn"]

@@ -111,6 +111,33 @@ def test_send_with_a_deadline_sends_the_plan():
     assert err[ok].max() < 0.05
 
 
+def test_send_picks_the_policy_for_the_stream_and_the_link():
+    """Told no policy, send uses the shipped DDQN, except for a planned (whole-range)
+    stream over a link whose assumed RTT is long (kvtransport.core.policy.
+    default_policy_for); a named policy is always the one used."""
+    from kvtransport.core.policy import (
+        LONG_LINK_HANDOFF_POLICY,
+        LONG_LINK_ONE_WAY_S,
+        default_policy,
+    )
+
+    cache = _toy_cache()
+    long_rtt_ms = 2e3 * LONG_LINK_ONE_WAY_S
+
+    def policy_used(**kw) -> str:
+        with kvtransport.Receiver(listen="127.0.0.1:0", timeout_s=5) as rx:
+            sent = kvtransport.send(cache, to=rx.address, rate_mbps=20, **kw)
+            rx.result(timeout_s=5)
+        return sent["policy"]
+
+    planned = dict(deadline_ms=400, initial_rtt_ms=long_rtt_ms)
+    assert policy_used(**planned) == LONG_LINK_HANDOFF_POLICY
+    assert policy_used(**planned, policy="fixed:4/32") == "fixed:4/32"
+    assert policy_used(deadline_ms=400, initial_rtt_ms=20) == default_policy()
+    # kept as the card is (utility order): not whole ranges, the default on any link
+    assert policy_used(**planned, precision="keep") == default_policy()
+
+
 def _as_transfer_result(got):
     from kvtransport.core.transfer import TransferResult, TransportManifest
 

@@ -163,3 +163,21 @@ def test_a_bad_init_from_is_a_one_line_error(argv, message, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]
     assert not (tmp_path / "run").exists()
+
+
+def test_validation_overrides_change_the_validation_episodes_only():
+    """``TrainConfig.validation``: the checkpoint is picked on episodes drawn with these
+    fields changed (here long-link handoffs), the training draws stay the distribution's,
+    and the run records the overrides only when set."""
+    base = TrainConfig(steps=10, distribution={"handoff_share": 0.3})
+    cfg = TrainConfig(steps=10, distribution={"handoff_share": 0.3},
+                      validation={"handoff_share": 1.0, "high_rtt_share": 1.0})  # fmt: skip
+    val = validation_specs(cfg, 6)
+    assert all(s.stream == "handoff" and s.channel.delay_ms >= 20.0 for s in val)
+    assert validation_specs(base, 6) != val
+    env_a, env_b = make_env(base), make_env(cfg)
+    for seed in (1, 2, 3):
+        a = env_a.reset(seed=seed)[1]["spec"]
+        assert a == env_b.reset(seed=seed)[1]["spec"]
+    assert "validation" not in effective_config(base)
+    assert effective_config(cfg)["validation"] == {"handoff_share": 1.0, "high_rtt_share": 1.0}

@@ -213,6 +213,31 @@ def test_send_plans_a_card_for_its_deadline(tmp_path, capsys):
     assert np.abs(back.keys - k).max() < 0.05 and np.abs(back.values - v).max() < 0.05
 
 
+def test_send_picks_the_policy_for_a_planned_card_over_a_long_link(tmp_path, capsys):
+    """Told no --policy, a planned card (whole token ranges) over a long --initial-rtt-ms
+    goes with the heuristic, the same card kept as it is (utility order) with the default
+    (kvtransport.core.policy.default_policy_for)."""
+    from kvtransport.core.policy import (
+        LONG_LINK_HANDOFF_POLICY,
+        LONG_LINK_ONE_WAY_S,
+        default_policy,
+    )
+
+    rng = np.random.default_rng(6)
+    k = rng.standard_normal((4, 2, 128, 64)).astype(np.float16)
+    cache = KVCache(
+        k, k.copy(), rng.integers(0, 1000, 128), "toy", rng.random((4, 128)).astype("f4")
+    )
+    path = tmp_path / "ctx.card"
+    card.write_card(path, card.encode_cache(cache))
+    rtt = ["--initial-rtt-ms", f"{2e3 * LONG_LINK_ONE_WAY_S:g}"]
+    send = ["--card", str(path), "--rate-mbps", "50", "--deadline-ms", "400", *rtt]
+    planned, _ = _run_pair(["--out", str(tmp_path)], send, capsys)
+    kept, _ = _run_pair(["--out", str(tmp_path)], [*send, "--precision", "keep"], capsys)
+    assert planned["policy"] == LONG_LINK_HANDOFF_POLICY
+    assert kept["policy"] == default_policy()
+
+
 def test_recv_exit_status_tells_partial_from_complete(capsys):
     """0 for a complete transfer (the tests above), 3 when blocks missed the deadline."""
     rx, port = _start_recv()

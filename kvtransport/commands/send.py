@@ -82,8 +82,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--order", choices=("position", "back"), default="position",
                    help="card with --deadline-ms: token ranges front first (position, the "
                    "default) or the last first (back)")  # fmt: skip
-    p.add_argument("--policy", help="repair policy, as for simulate "
-                   "(default: ddqn if its weights ship, else adaptive)")  # fmt: skip
+    p.add_argument("--policy", help="repair policy, as for simulate (default: ddqn if its "
+                   "weights ship, else adaptive; for a planned card, whose token ranges go "
+                   "whole, over a long --initial-rtt-ms: adaptive)")  # fmt: skip
     _common.add_key(p)
     _common.add_pacing(p)
     p.add_argument("--bind", default="0.0.0.0:0", metavar="HOST:PORT", help="local address")
@@ -145,15 +146,18 @@ def _planned_card(args: argparse.Namespace) -> Transfer:
 
 def run(args: argparse.Namespace) -> int:
     from kvtransport.daemons.daemon import warm_up
-    from kvtransport.daemons.daemon_sender import deadline_from
+    from kvtransport.daemons.daemon_sender import deadline_from, transfer_policy
     from kvtransport.daemons.udp import DatagramSocket, parse_address, set_realtime
     from kvtransport.embed.inprocess import run_send
 
+    named = args.policy
     _common.check_sending(args)
     key = _common.key_from(args)
     dest = parse_address(args.to, what="receiver")
     bind = parse_address(args.bind, what="--bind")
     transfer = _transfer(args)
+    if named is None:  # the default for this transfer and link (as kvtransport.send)
+        args.policy = transfer_policy(transfer, args.initial_rtt_ms * 1e-3)
     rate = args.rate_mbps * 1e6
     spec = {"deadline_ms": args.deadline_ms, "rho": args.rho}
     if spec["deadline_ms"] is None and spec["rho"] is None:

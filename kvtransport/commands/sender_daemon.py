@@ -41,8 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="link rate (default 100)",
     )
     p.add_argument("--policy",
-                   help="repair policy for requests that name none "
-                   "(ddqn if its weights ship, else adaptive)")  # fmt: skip
+                   help="repair policy for requests that name none (default: ddqn if "
+                   "its weights ship, else adaptive; for a stream of whole token ranges "
+                   "over a long initial RTT: adaptive)")  # fmt: skip
     _common.add_key(p)
     _common.add_pacing(p)
     p.add_argument(
@@ -61,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
     from kvtransport.daemons.daemon_sender import SenderDaemon
     from kvtransport.daemons.udp import parse_address, set_realtime
 
+    named = args.policy  # None: each transfer's default (daemon_sender.transfer_policy)
     _common.check_sending(args)
     if args.max_transfers < 1 or not args.slot_ms > 0:
         raise UserError("--max-transfers and --slot-ms must be positive")
@@ -72,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         control=args.control,
         rate_bps=args.rate_mbps * 1e6,
         key=_common.key_from(args),
-        policy=args.policy,
+        policy=named,
         symbol_size=args.symbol_size,
         gso=not args.no_gso,
         burst_s=args.burst_us * 1e-6,

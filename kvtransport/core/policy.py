@@ -320,6 +320,29 @@ def default_policy() -> str:
     return "ddqn" if shipped_policy_available() else "adaptive"
 
 
+LONG_LINK_ONE_WAY_S = 0.02
+"""From this one-way delay on (a 40 ms round trip), a whole-range stream gets
+``LONG_LINK_HANDOFF_POLICY`` (:func:`default_policy_for`)."""
+LONG_LINK_HANDOFF_POLICY = "adaptive"
+"""The policy of a whole-range stream over a long link when the shell is told none."""
+
+
+def default_policy_for(one_way_s: float, whole_ranges: bool) -> str:
+    """The policy a shell uses for one transfer when told none.
+
+    ``whole_ranges``: the stream sends each token range's blocks one after another (the
+    handoff plan's and the vLLM connector's prefix order), so the racing receiver loads a
+    range only once every block of it arrived and a partial range is worth nothing.
+    ``one_way_s``: the link's one-way delay as the sender knows it before feedback (half
+    the RTT it assumes). Such a stream over a link of at least ``LONG_LINK_ONE_WAY_S``
+    gets ``LONG_LINK_HANDOFF_POLICY``: there the shipped DDQN, trained on utility-ordered
+    streams, repairs too late and the heuristic does better (docs/results.md, issue 16).
+    Every other transfer gets :func:`default_policy`."""
+    if whole_ranges and one_way_s >= LONG_LINK_ONE_WAY_S:
+        return LONG_LINK_HANDOFF_POLICY
+    return default_policy()
+
+
 def register_policy(name: str, factory: Callable[[], Policy]) -> None:
     """Make ``make_policy(name)`` build ``factory()``."""
     _FACTORIES[name] = factory

@@ -21,7 +21,12 @@ from typing import Any
 
 from kvtransport import bounds
 from kvtransport.bounds import MAX_DEADLINE_S, MAX_INITIAL_RTT_S, MIN_DEADLINE_S
-from kvtransport.core.policy import make_policy
+from kvtransport.core.policy import (
+    LONG_LINK_HANDOFF_POLICY,
+    default_policy,
+    default_policy_for,
+    make_policy,
+)
 from kvtransport.core.protocol import LINK_OVERHEAD_BYTES, STANDARD, ProtocolConfig
 from kvtransport.core.transfer import Transfer
 from kvtransport.core.wire import full_send_time
@@ -154,6 +159,21 @@ class SenderEngine:
 # ---------------------------------------------------------------------- the daemon
 
 
+def transfer_policy(transfer: Transfer, initial_rtt_s: float) -> str:
+    """The policy for ``transfer`` when the caller names none
+    (kvtransport.core.policy.default_policy_for): its stream is whole ranges when its app
+    metadata is a block-stream manifest that sends each token range's blocks together
+    (kvtransport.model.blocks.Manifest.whole_ranges); the link's one-way delay is half
+    ``initial_rtt_s``, the RTT the sender assumes before feedback."""
+    from kvtransport.model.blocks import Manifest, ManifestError
+
+    try:
+        whole = Manifest.from_bytes(transfer.app_metadata).whole_ranges
+    except ManifestError:  # opaque bytes or no manifest: not a block stream
+        whole = False
+    return default_policy_for(initial_rtt_s / 2, whole)
+
+
 def deadline_from(
     head: dict[str, Any],
     nbytes: int,
@@ -196,7 +216,9 @@ class SenderDaemon(DaemonShell):
     """`kvtransport sender-daemon`: a :class:`SenderEngine` behind a ZeroMQ control socket.
 
     ``utility_table``: a ``fit-utility`` table for requests naming a model and context
-    length. ``stats``: where the per-transfer JSON lines go
+    length. ``policy``: the policy of requests that name none (None: each transfer's
+    :func:`transfer_policy`, from its stream and initial RTT). ``stats``: where the
+    per-transfer JSON lines go
     (kvtransport.daemons.daemon.StatsWriter). ``config``: the protocol's settings its host
     builds every session with (kvtransport.core.protocol; ``symbol_size`` None is its
     symbol size, a request without ``initial_rtt_ms`` gets its initial RTT, and ``rho``
@@ -214,7 +236,7 @@ class SenderDaemon(DaemonShell):
         control: str,
         rate_bps: float,
         key: bytes | None,
-        policy: str = "adaptive",
+        policy: str | None = "adaptive",
         symbol_size: int | None = None,
         gso: bool = True,
         burst_s: float = DEFAULT_BURST_S,
@@ -231,7 +253,10 @@ class SenderDaemon(DaemonShell):
         self.curve_secret = curve_secret(curve_secret_file)
         # before the slow warm-up
         check_endpoint(control, "control", curve=self.curve_secret is not None)
-        make_policy(policy)  # a bad default fails at start, not at the first submit
+        # None: each transfer's own default (transfer_policy), so both its picks warm up
+        warm = (policy,) if policy is not None else (default_policy(), LONG_LINK_HANDOFF_POLICY)
+        for name in warm:
+            make_policy(name)  # a bad default fails at start, not at the first submit
         self.policy = policy
         self.table = None
         if utility_table:
@@ -239,7 +264,7 @@ class SenderDaemon(DaemonShell):
 
             self.table = UtilityTable.load(utility_table)
         self.stats_out = stats if stats is not None else StatsWriter(None)
-        self.warm_up_s = warm_up(key, ("fixed:1/4", policy), allocator=True)
+        self.warm_up_s = warm_up(key, ("fixed:1/4", *warm), allocator=True)
         self.sock = DatagramSocket(bind, gso=gso)
         host = SenderHost(
             rate_bps=rate_bps,
@@ -278,12 +303,15 @@ class SenderDaemon(DaemonShell):
             link_overhead=h.config.link_overhead,
         )
         tid = parse_tid(head["transfer_id"]) if head.get("transfer_id") is not None else None
-        policy = head.get("policy")
-        policy = bounds.text(policy, "policy", 200) if policy is not None else self.policy
         rtt_ms = head.get("initial_rtt_ms")
         if rtt_ms is None:
             rtt_ms = h.config.initial_rtt * 1e3
         rtt_ms = bounds.number(rtt_ms, "initial_rtt_ms", 0.0, 1e3 * MAX_INITIAL_RTT_S, lo_open=True)
+        policy = head.get("policy")
+        if policy is not None:
+            policy = bounds.text(policy, "policy", 200)
+        else:
+            policy = self.policy or transfer_policy(transfer, rtt_ms * 1e-3)
         out = e.submit(
             transfer,
             dest,

@@ -278,7 +278,9 @@ def send(
     ``rho`` times the loss-free send time at ``rate_mbps`` (default rho 1). ``key``: the
     pre-shared key (bytes, a key file or hex digits; default: the default key file, as
     the commands use; ``insecure=True`` sends in the clear); both ends must agree. ``policy``:
-    the repair policy (default: the shipped DDQN, else adaptive). With ``deadline_ms``
+    the repair policy (default: kvtransport.daemons.daemon_sender.transfer_policy, the
+    shipped DDQN but for a stream of whole token ranges over a link whose
+    ``initial_rtt_ms`` is long). With ``deadline_ms``
     a cache, card or stream is sent as the handoff plan encodes it for that deadline
     (kvtransport.model.plan: ``precision`` "auto" = fp16, int8 or int4 per block by utility,
     int4 only down to the plan's fidelity floor, for
@@ -294,8 +296,8 @@ def send(
     ``decoded_through`` of ``n_source``, datagrams, loss estimate, ...). Blocks the calling
     thread for at most the deadline plus a round trip; see :func:`send_async`.
     """
-    from kvtransport.core.policy import default_policy, make_policy
-    from kvtransport.daemons.daemon_sender import deadline_from
+    from kvtransport.core.policy import make_policy
+    from kvtransport.daemons.daemon_sender import deadline_from, transfer_policy
 
     raw_key = api_key(key, insecure)
     dest = _address(to, "receiver")
@@ -304,7 +306,7 @@ def send(
                         initial_rtt_ms=initial_rtt_ms, symbol_size=symbol_size,
                         receiver_speed=receiver_speed)  # fmt: skip
     transfer = as_transfer(cache_or_card, plan)
-    policy = policy or default_policy()
+    policy = policy or transfer_policy(transfer, initial_rtt_ms * 1e-3)
     make_policy(policy)
     rate = float(rate_mbps) * 1e6
     if not rate > 0:

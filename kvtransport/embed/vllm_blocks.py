@@ -244,13 +244,16 @@ class Pusher:
     """
 
     def __init__(self, max_parallel: int = 2, on_done: Any = None, **send_options: Any) -> None:
-        from kvtransport.core.policy import default_policy
+        from kvtransport.core.policy import default_policy_for
+        from kvtransport.core.protocol import DEFAULT_INITIAL_RTT
         from kvtransport.embed.inprocess import api_key, warm_kernels
 
         # Load (or compile) the sender's kernels now: done by the first push instead, it
         # took seconds on a busy host and the consumer gave up waiting for that transfer.
+        # The pushes are prefix-ordered whole ranges, so send picks the policy for those.
         key = api_key(send_options.get("key"), bool(send_options.get("insecure", False)))
-        warm_kernels(key, send_options.get("policy") or default_policy())
+        rtt_s = float(send_options.get("initial_rtt_ms", DEFAULT_INITIAL_RTT * 1e3)) * 1e-3
+        warm_kernels(key, send_options.get("policy") or default_policy_for(rtt_s / 2, True))
         self._pool = concurrent.futures.ThreadPoolExecutor(max_parallel, "kvt-push")
         self._options = send_options
         self._on_done = on_done

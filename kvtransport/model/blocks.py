@@ -183,6 +183,17 @@ class Manifest:
     def payload_nbytes(self) -> int:
         return int(self.length.sum())
 
+    @property
+    def whole_ranges(self) -> bool:
+        """Whether the stream sends each token range's blocks one after another (the
+        handoff plan's position or back order, hedge included, and the vLLM connector's
+        prefix order): a racing receiver loads a range once every block of it arrived, so
+        such a stream is worth whole ranges. False for a utility-ordered card, whose
+        ranges are interleaved."""
+        tb = self.token_block
+        runs = 1 + int(np.count_nonzero(tb[1:] != tb[:-1])) if tb.size else 0
+        return runs == np.unique(tb).size
+
     def flat_index(self) -> np.ndarray:
         """Each stream block's index in the ``[layers, token_blocks]`` grid, flattened."""
         return self.layer.astype(np.int64) * self.geometry.token_blocks + self.token_block

@@ -1,0 +1,127 @@
+"""The policy a shell picks for a transfer when told none (kvtransport.core.policy.
+default_policy_for): the shipped DDQN, except for a stream of whole token ranges over a
+long link, where it repairs too late and the heuristic recovers more (docs/results.md,
+issue 16)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvtransport.core.policy import (
+    LONG_LINK_HANDOFF_POLICY,
+    LONG_LINK_ONE_WAY_S,
+    default_policy,
+    default_policy_for,
+)
+from kvtransport.core.transfer import Transfer, synthetic_transfer
+from kvtransport.daemons.daemon_sender import transfer_policy
+from kvtransport.model import blocks, utility
+from kvtransport.model.cache_builder import ComputeSpeed
+from kvtransport.model.kvcache import KVCache
+from kvtransport.model.plan import LinkEstimate, planned_stream
+
+BT = 16
+
+
+def _stream(order: str, tokens: int = 200) -> blocks.EncodedStream:
+    rng = np.random.default_rng(3)
+    k = rng.standard_normal((4, 2, tokens, 32)).astype(np.float16)
+    v = rng.standard_normal((4, 2, tokens, 32)).astype(np.float16)
+    att = rng.random((4, tokens)).astype(np.float32)
+    cache = KVCache(k, v, rng.integers(0, 1000, tokens), "toy", att)
+    u = utility.cache_utility(cache, BT)
+    return blocks.encode_stream(cache, u, utility.stream_order(u, BT, order), block_tokens=BT)
+
+
+def test_only_whole_ranges_over_a_long_link_leave_the_default():
+    assert LONG_LINK_HANDOFF_POLICY != default_policy()  # the shipped weights are present
+    long, short = LONG_LINK_ONE_WAY_S, LONG_LINK_ONE_WAY_S * 0.99
+    assert default_policy_for(long, whole_ranges=True) == LONG_LINK_HANDOFF_POLICY
+    assert default_policy_for(4 * long, whole_ranges=True) == LONG_LINK_HANDOFF_POLICY
+    assert default_policy_for(short, whole_ranges=True) == default_policy()
+    assert default_policy_for(4 * long, whole_ranges=False) == default_policy()
+    assert default_policy_for(0.0, whole_ranges=False) == default_policy()
+
+
+def test_a_manifest_says_whether_its_stream_sends_whole_ranges():
+    for order in ("position", "back"):
+        assert _stream(order).manifest.whole_ranges, order
+    # utility order interleaves the ranges' layers (the sinks' range first, then by utility)
+    assert not _stream("utility").manifest.whole_ranges
+    assert not _stream("random").manifest.whole_ranges
+    # the handoff plan, with the hedge's ranges sent last (last first) and int4/int8 blocks
+    link = LinkEstimate(rate_bps=10e6, loss=0.0, one_way_s=0.001, symbol_size=1280)
+    plan, planned = planned_stream(
+        _stream("utility"), link=link, budget_s=0.2, speed=ComputeSpeed(0.001, 2e-4),
+        objective="ttft", hedge_share=0.5,
+    )  # fmt: skip
+    assert plan.first_call < plan.split  # a hedge is sent
+    assert planned.manifest.whole_ranges
+
+
+def test_the_transfer_policy_reads_the_stream_and_the_assumed_rtt():
+    long_rtt = 2 * LONG_LINK_ONE_WAY_S
+    prefix = Transfer.from_encoded_stream(_stream("position"))
+    card = Transfer.from_encoded_stream(_stream("utility"))
+    assert transfer_policy(prefix, long_rtt) == LONG_LINK_HANDOFF_POLICY
+    assert transfer_policy(prefix, 0.99 * long_rtt) == default_policy()
+    assert transfer_policy(card, long_rtt) == default_policy()
+    # opaque bytes (no manifest, or something else as app metadata) are not a block stream
+    assert transfer_policy(synthetic_transfer(10_000, 4), long_rtt) == default_policy()
+    other = Transfer(prefix.payload, prefix.blocks, b"not a manifest")
+    assert transfer_policy(other, long_rtt) == default_policy()
+
+
+@pytest.mark.parametrize("name", ["bernoulli-5", "4state-bursty"])
+def test_on_long_link_handoffs_the_pick_recovers_more_than_the_ddqn(name):
+    """The case the rule exists for, on held-out episodes (the first of the evaluation's
+    cells at 80 ms one way): the policy it picks recovers more whole ranges in total than
+    the shipped DDQN it replaces there."""
+    import kvtransport.agents  # noqa: F401  (registers ddqn)
+    from kvtransport.agents.episodes import build_simulation, eval_spec, round_trip
+
+    from kvtransport.core.policy import make_policy
+
+    got = {"pick": 0.0, "ddqn": 0.0}
+    for i in range(6):
+        spec = eval_spec(name, 1.0, i, delay_ms=80.0, stream="handoff")
+        pick = default_policy_for(round_trip(spec) / 2, whole_ranges=True)
+        assert pick == LONG_LINK_HANDOFF_POLICY
+        for who, policy in (("pick", pick), ("ddqn", "ddqn")):
+            sim = build_simulation(spec, make_policy(policy))
+            sim.run()
+            got[who] += sim.utility_recovered
+    assert got["pick"] > got["ddqn"] + 0.1, got
+
+
+def test_the_sender_daemon_picks_per_transfer_unless_told(tmp_path):
+    """A sender daemon started without ``--policy`` gives each request that names none
+    its transfer's default (daemon_sender.transfer_policy, from the request's initial
+    RTT); a request's own policy, or the daemon's, wins."""
+    from kvtransport.daemons.api import transfer_frames
+    from kvtransport.daemons.daemon_sender import SenderDaemon
+
+    prefix = Transfer.from_encoded_stream(_stream("position"))
+    long_ms = 2e3 * LONG_LINK_ONE_WAY_S
+    picks = {}
+    for default in (None, "fixed:4/32"):
+        tx = SenderDaemon(bind=("127.0.0.1", 0), control=f"ipc://{tmp_path}/s.ipc",
+                          rate_bps=50e6, key=None, policy=default)  # fmt: skip
+        try:
+            for label, head in (
+                ("long", {"initial_rtt_ms": long_ms}),
+                ("short", {"initial_rtt_ms": 20.0}),
+                ("named", {"initial_rtt_ms": long_ms, "policy": "arq"}),
+            ):
+                got = tx._submit({"to": "127.0.0.1:9", "rho": 1.0, **head},
+                                 transfer_frames(prefix))  # fmt: skip
+                out = tx.engine.host.get(int(got["transfer_id"], 16))
+                assert out is not None
+                picks[default, label] = out.policy
+        finally:
+            tx.close()
+    assert picks[None, "long"] == LONG_LINK_HANDOFF_POLICY
+    assert picks[None, "short"] == default_policy()
+    assert picks[None, "named"] == picks["fixed:4/32", "named"] == "arq"
+    assert picks["fixed:4/32", "long"] == picks["fixed:4/32", "short"] == "fixed:4/32"
