@@ -123,7 +123,9 @@ def test_auto_plays_the_products_choice_per_episode():
     import kvtransport.agents  # noqa: F401  (registers ddqn)
 
     long_ms = 1e3 * LONG_LINK_ONE_WAY_S
-    kw = dict(channel="bernoulli-5", rho=1.0, schemes=["auto", LONG_LINK_HANDOFF_POLICY, "ddqn"],
+    # ge-heavy: a channel where the two picks differ on these episodes (with the rlc
+    # last-round margin they tie on bernoulli-5 at 40 ms)
+    kw = dict(channel="ge-heavy", rho=1.0, schemes=["auto", LONG_LINK_HANDOFF_POLICY, "ddqn"],
               n=2, n_rs=0, weights=None, utility="measured", references=False)  # fmt: skip
     far = mod.run_cell(**kw, delay_ms=2 * long_ms, stream="handoff")
     near = mod.run_cell(**kw, delay_ms=0.5 * long_ms, stream="handoff")
