@@ -15,13 +15,13 @@
 :meth:`kvtransport.embed.inprocess.Receiver.race` (or
 :func:`kvtransport.embed.inprocess.race_receive`, which binds, races and closes; or
 :func:`race_daemon`, which races a transfer that a receiver daemon on the same host is
-receiving, kvtransport.daemons.race_share) runs the decision
-loop of kvtransport.model.race (:func:`kvtransport.model.race.race`, the same one the demo's replay
-runs) on the wall clock against :class:`LiveArrivals`: what the in-process receiver's session holds
-right now. The race computes what has not arrived, loads token ranges whose blocks are complete in
-every layer, waits when a range is due sooner than computing it would take, and returns as
-soon as the last token is in place: the whole cache, exact where computed, up to the
-precision the sender chose where loaded.
+receiving, kvtransport.daemons.race_share) runs the decision loop of kvtransport.model.race
+(:func:`kvtransport.model.race.race`, the same one the demo's replay runs) on the wall clock
+against :class:`LiveArrivals`: what the receiving session (in process, or a receiver
+daemon's mirror of it) holds right now. The race computes what has not arrived, loads token
+ranges whose blocks are complete in every layer, waits when a range is due sooner than
+computing it would take, and returns as soon as the last token is in place: the whole
+cache, exact where computed, up to the precision the sender chose where loaded.
 
 What the receiver knows of the sender's plan comes from the transfer itself: the blocks
 manifest (first on the wire) says which token ranges are sent and how many bytes each one
