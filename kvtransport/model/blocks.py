@@ -811,6 +811,13 @@ class RangeDecoder:
         dtype = np.float32 if g.dtype == "float32" else np.float16
         self.keys, self.values = np.zeros(shape, dtype), np.zeros(shape, dtype)
 
+    def take_range(
+        self, payload: np.ndarray | bytes | bytearray | memoryview, r: int
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """:meth:`take` of token range ``r`` (the last one may be short)."""
+        g = self.manifest.geometry
+        return self.take(payload, r * g.block_tokens, min((r + 1) * g.block_tokens, g.num_tokens))
+
     def take(
         self, payload: np.ndarray | bytes | bytearray | memoryview, lo: int, hi: int
     ) -> tuple[np.ndarray, np.ndarray] | None:

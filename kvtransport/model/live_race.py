@@ -263,14 +263,13 @@ class LiveArrivals:
         so that the race's load of it is a copy. Runs until :meth:`close`."""
         d, m = self._decoder, self._manifest
         assert d is not None and m is not None  # started by _accept
-        n, bt = len(self.token_ids), self.block_tokens
         done = np.zeros(self.ranges, dtype=bool)
         while not self._stop.wait(WAIT_POLL_S):
             for r in np.flatnonzero(np.isfinite(range_ready_at(m, s.complete_at)) & ~done):
                 if self._stop.is_set():
                     return
                 with self._decoding:  # a range that fails its check is never ready
-                    d.take(s.payload_buffer, int(r) * bt, min((int(r) + 1) * bt, n))
+                    d.take_range(s.payload_buffer, int(r))
                 done[r] = True
 
     def close(self) -> None:

@@ -272,15 +272,13 @@ class ReplayArrivals:
 
     def _decode_in_arrival_order(self, decoder: RangeDecoder, payload: np.ndarray) -> np.ndarray:
         """Per token range, when the decoding thread has it decoded (inf: never arrived)."""
-        g = decoder.manifest.geometry
         done = np.full_like(self._ready, np.inf)
         busy_until = 0.0
         for r in np.argsort(self._ready, kind="stable"):
             if not np.isfinite(self._ready[r]):
                 break
             w0 = time.perf_counter()
-            decoder.take(payload, int(r) * g.block_tokens, min((int(r) + 1) * g.block_tokens,
-                                                              g.num_tokens))  # fmt: skip
+            decoder.take_range(payload, int(r))
             busy_until = max(busy_until, float(self._ready[r])) + time.perf_counter() - w0
             done[r] = busy_until
         return done
