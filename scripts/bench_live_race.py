@@ -5,21 +5,23 @@ One process holds the model (SmolLM2-135M-Instruct, ``--threads`` torch threads)
 builds a context of about ``--tokens`` tokens (a facts_qa sample). Per round, interleaved:
 
     reprefill  the receiver computes the whole context itself (one CacheBuilder call: what
-               a receiver without this product does);
+               a receiver without this product does), then runs the question;
     link down  the same race with nobody sending (the fallback);
     race       a sender process (kvtransport.send, paced at ``--rate-mbps``, the plan's
-               stream: ttft objective, budget = the measured prefill) sends to an
-               in-process kvtransport.Receiver whose ``race`` builds the same cache while
-               the KV streams in (kvtransport.model.live_race); with ``--via daemon`` to a
+               stream: ttft objective, budget = the measured prefill, the context's last
+               ranges layer by layer unless ``--no-tail``) sends to an in-process
+               kvtransport.Receiver whose ``race`` builds the same cache while the KV
+               streams in and ends with the question's first token, run through the model
+               while the tail arrives (kvtransport.model.live_race); with ``--via daemon`` to a
                receiver daemon process (``--race-dir``) that this process races through
                its mirror of the transfer (kvtransport.race_daemon).
 
 The sender runs in its own process (its pacing loop would otherwise share this process's
 interpreter with the receiver's loop and the model); it warms up first and starts sending
-when the race starts. Figures: seconds until the whole cache is in place (median of
-``--rounds``), the ratios, tokens computed / loaded, and whether the greedy answer to the
-sample's question from the race's cache equals the one from the prefill's. Writes
-results/bench_live_race.json.
+when the race starts. Figures: seconds until the whole cache is in place and until the
+question's first token (TTFT; medians of ``--rounds``), the ratios, tokens computed /
+loaded, and whether the first token and the greedy answer to the sample's question from
+the race's cache equal those from the prefill's. Writes results/bench_live_race.json.
 
     .venv/bin/python scripts/bench_live_race.py --tokens 512 --rate-mbps 100
 """
@@ -56,6 +58,11 @@ def main() -> None:
     ap.add_argument("--rate-mbps", type=float, default=100.0)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--no-tail",
+        action="store_true",
+        help="plan no layer-by-layer tail (the question runs after the cache)",
+    )
     ap.add_argument("--via", choices=("inprocess", "daemon"), default="inprocess",
                     help="race an in-process Receiver or a local receiver daemon")  # fmt: skip
     ap.add_argument("--out", default="results/bench_live_race.json")
@@ -112,7 +119,17 @@ def _bench(args: argparse.Namespace, daemon: tuple[int, Path] | None) -> None:
     ctx, question = sample.prompt(lm.tokenizer)
     kv = hf.prefill(lm.model, lm.tokenizer, ctx, attention=False)
     speed = ComputeSpeed.measure(lm.model, ctx)
-    rows: dict[str, list[float]] = {"reprefill_s": [], "race_s": [], "dead_s": []}
+    q = list(question)
+    answer_s = 0.0 if args.no_tail else speed.answer_seconds(len(q), len(ctx))
+    rows: dict[str, list[float]] = {
+        "reprefill_s": [],
+        "race_s": [],
+        "dead_s": [],
+        "reprefill_ttft_s": [],
+        "ttft_s": [],
+        "dead_ttft_s": [],
+    }
+    first_tokens: list[tuple[int, int | None]] = []  # (re-prefill's, the race's)
     races = []
     steps: list[list[tuple[str, int, int, float, float]]] = []
     ctxp = mp.get_context("spawn")
@@ -122,11 +139,14 @@ def _bench(args: argparse.Namespace, daemon: tuple[int, Path] | None) -> None:
         b = CacheBuilder(lm.model, ctx)
         b.compute(len(ctx))
         rows["reprefill_s"].append(time.perf_counter() - t0)
+        want = b.answer(q)
+        rows["reprefill_ttft_s"].append(time.perf_counter() - t0)
         prefill_kv = b.kv()
         budget = rows["reprefill_s"][-1]
         link = LinkEstimate(args.rate_mbps * 1e6, 0.0, 0.0005, 1280)
         plan, stream = planned_stream(card.encode_cache(kv), link=link, budget_s=budget,
-                                      speed=speed, objective="ttft")  # fmt: skip
+                                      speed=speed, objective="ttft",
+                                      answer_s=answer_s)  # fmt: skip
         with contextlib.ExitStack() as stack:
             if daemon is None:
                 rx = stack.enter_context(kvtransport.Receiver("127.0.0.1:0", insecure=True))
@@ -142,35 +162,52 @@ def _bench(args: argparse.Namespace, daemon: tuple[int, Path] | None) -> None:
             ready.wait(60)
             go.set()
             if daemon is None:
-                res = rx.race(lm.model, ctx, speed=speed, rate_mbps=args.rate_mbps)
+                res = rx.race(lm.model, ctx, speed=speed, rate_mbps=args.rate_mbps,
+                              question_ids=q)  # fmt: skip
             else:
                 res = kvtransport.race_daemon(lm.model, ctx, race_dir=str(daemon[1]),
-                                              speed=speed, rate_mbps=args.rate_mbps)  # fmt: skip
+                                              speed=speed, rate_mbps=args.rate_mbps,
+                                              question_ids=q)  # fmt: skip
             proc.join(30)
         rows["race_s"].append(res.seconds)
+        rows["ttft_s"].append(res.answer_s)
+        first_tokens.append((want, res.first_token))
         with kvtransport.Receiver("127.0.0.1:0", insecure=True) as rx:  # nobody sends
-            dead = rx.race(lm.model, ctx, speed=speed, rate_mbps=args.rate_mbps)
+            dead = rx.race(lm.model, ctx, speed=speed, rate_mbps=args.rate_mbps,
+                           question_ids=q)  # fmt: skip
         assert dead.computed == len(ctx)
         rows["dead_s"].append(dead.seconds)
+        rows["dead_ttft_s"].append(dead.answer_s)
         races.append((plan.split, res.computed, res.loaded, res.waited_s, res.kv))
         steps.append([(x.action, x.start, x.tokens, round(x.t0, 4), round(x.t1, 4))
                       for x in res.steps if x.action != "wait"])  # fmt: skip
-    q = list(question)
     assert prefill_kv is not None
     ref = lm.tokenizer.decode(hf.greedy_generate(lm.model, prefill_kv, q).tokens)
     got = lm.tokenizer.decode(hf.greedy_generate(lm.model, races[-1][4], q).tokens)
     re_s, race_s = statistics.median(rows["reprefill_s"]), statistics.median(rows["race_s"])
+    re_t, race_t = (statistics.median(rows[k]) for k in ("reprefill_ttft_s", "ttft_s"))
     out = {
         "tokens": len(ctx),
         "rate_mbps": args.rate_mbps,
         "threads": args.threads,
         "via": args.via,
-        "speed": {"per_call_s": speed.per_call_s, "per_token_s": speed.per_token_s},
+        "tail_tokens": plan.tail,
+        "speed": {
+            "per_call_s": speed.per_call_s,
+            "per_token_s": speed.per_token_s,
+            "per_pair_s": speed.per_pair_s,
+        },
         "reprefill_s": rows["reprefill_s"],
         "race_s": rows["race_s"],
         "median_reprefill_s": re_s,
         "median_race_s": race_s,
         "speedup": re_s / race_s,
+        "reprefill_ttft_s": rows["reprefill_ttft_s"],
+        "ttft_s": rows["ttft_s"],
+        "ttft_speedup": re_t / race_t,
+        "dead_ttft_s": rows["dead_ttft_s"],
+        "median_dead_ttft_over_reprefill": statistics.median(rows["dead_ttft_s"]) / re_t,
+        "first_token_equal": all(a == b for a, b in first_tokens),
         "dead_s": rows["dead_s"],
         "median_dead_over_reprefill": statistics.median(rows["dead_s"]) / re_s,
         "split_computed_loaded_waited": [r[:4] for r in races],
@@ -183,6 +220,8 @@ def _bench(args: argparse.Namespace, daemon: tuple[int, Path] | None) -> None:
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     print(f"{len(ctx)} tokens at {args.rate_mbps:g} Mbit/s: re-prefill {re_s:.3f} s, live race "
           f"{race_s:.3f} s ({re_s / race_s:.2f}x); answers equal: {ref == got}")  # fmt: skip
+    print(f"  TTFT: re-prefill {re_t:.3f} s, handoff {race_t:.3f} s ({re_t / race_t:.2f}x; tail "
+          f"{plan.tail} tokens); first tokens equal: {out['first_token_equal']}")  # fmt: skip
     print(
         f"  link down (nobody sends): {statistics.median(rows['dead_s']):.3f} s "
         f"({statistics.median(rows['dead_s']) / re_s:.2f}x re-prefill)"

@@ -12,8 +12,9 @@ lost, in utility order (today's scatter) against prefix order.
 With ``--orders position,back`` every seed runs once per stream order of the plan
 (kvtransport.model.plan.ORDERS), one after the other, and the table adds the paired ratio of
 each order's speed-up to the first order's (per seed, then the median); ``--hedges
-0.25,0`` does the same for the plan's hedge share (kvtransport.model.plan), every order
-with every hedge. A configuration
+0.25,0`` does the same for the plan's hedge share (kvtransport.model.plan), and ``--tails
+1,0`` for the plan's layer-by-layer tail (with it, without), every order with every hedge
+and tail. A configuration
 ``TOKENS@RATE>LINK`` plans for RATE Mbit/s while the link carries LINK Mbit/s (a link
 worse than planned), e.g. ``512@100>60``.
 
@@ -71,38 +72,43 @@ def run(
     schemes: tuple[str, ...] = SCHEMES,
     hedges: tuple[float, ...] = (DEFAULT_HEDGE_SHARE,),
     speed_error: float = 1.0,
+    tails: tuple[bool, ...] = (True,),
 ) -> dict:
-    """Run every configuration, seed and plan variant (each order with each hedge share);
+    """Run every configuration, seed and plan variant (each order with each hedge share
+    and each tail choice);
     the variants of a seed share one measured receiver speed. speed_error: the receiver
     believes its compute takes this share of what it measured (1: as measured; 0.8: 20 %
     optimistic, as when it is busier than when it measured)."""
     from kvtransport.demo.run import DemoConfig, run_demo
 
-    variants = [(o, h) for o in orders for h in hedges]
-    names = [variant_name(o, h, hedges) for o, h in variants]
+    variants = [(o, h, t) for o in orders for h in hedges for t in tails]
+    names = [variant_name(*v, hedges, tails) for v in variants]
     out: dict = {"budget": budget, "objective": objective, "seeds": seeds,
                  "repeats": repeats, "orders": list(orders), "hedges": list(hedges),
-                 "variants": names, "speed_error": speed_error, "configs": {}}  # fmt: skip
+                 "tails": list(tails), "variants": names, "speed_error": speed_error,
+                 "configs": {}}  # fmt: skip
     for name in configs:
         tokens, rate, link_rate = parse_config(name)
         runs = []
-        for seed, (order, hedge) in ((s, v) for s in seeds for v in variants):
+        for seed, (order, hedge, tail) in ((s, v) for s in seeds for v in variants):
             t0 = time.perf_counter()
-            if (order, hedge) == variants[0]:  # one measured speed for the seed's variants
+            if (order, hedge, tail) == variants[0]:  # one measured speed for the seed's variants
                 speed = None
                 if len(variants) > 1 or speed_error != 1.0:
                     speed = tuple(x * speed_error for x in _speed(loaded, tokens, seed))
             cfg = DemoConfig(tokens=tokens, rate_mbps=rate, seed=seed, budget=budget,
                              objective=objective, link="emulated", progress=False,
                              schemes=schemes, repeats=repeats, order=order, hedge=hedge,
-                             link_rate_mbps=link_rate, compute_speed=speed)  # fmt: skip
+                             tail=tail, link_rate_mbps=link_rate,
+                             compute_speed=speed)  # fmt: skip
             rep = run_demo(cfg, loaded=loaded)
             rows = [*rep.schemes, rep.link_down]
             runs.append({
                 "seed": seed,
                 "order": order,
                 "hedge": hedge,
-                "variant": variant_name(order, hedge, hedges),
+                "tail": tail,
+                "variant": variant_name(order, hedge, tail, hedges, tails),
                 "context_tokens": rep.cache["context_tokens"],
                 "reprefill_ttft_s": rep.reprefill["ttft_s"],
                 "budget_s": rep.budget_s,
@@ -124,13 +130,16 @@ def run(
     return out
 
 
-def variant_name(order: str, hedge: float, hedges: tuple[float, ...]) -> str:
-    """A plan variant's label in the tables: the order, and the hedge share when several
-    are compared."""
-    return order if len(hedges) == 1 else f"{order}, hedge {hedge:g}"
+def variant_name(
+    order: str, hedge: float, tail: bool, hedges: tuple[float, ...], tails: tuple[bool, ...]
+) -> str:
+    """A plan variant's label in the tables: the order, and the hedge share and the tail
+    choice when several are compared."""
+    name = order if len(hedges) == 1 else f"{order}, hedge {hedge:g}"
+    return name if len(tails) == 1 else f"{name}, {'tail' if tail else 'no tail'}"
 
 
-def _speed(loaded: object, tokens: int, seed: int) -> tuple[float, float]:
+def _speed(loaded: object, tokens: int, seed: int) -> tuple[float, float, float]:
     """The receiver's compute speed on the seed's context, measured once, so that the
     orders compared on a seed plan with the same speed (a measurement on a shared
     machine varies enough to move the split)."""
@@ -142,7 +151,7 @@ def _speed(loaded: object, tokens: int, seed: int) -> tuple[float, float]:
     sample = tasks.generate(DemoConfig.task, tok, target_tokens=tokens, seed=seed)
     ctx, _ = sample.prompt(tok)
     s = ComputeSpeed.measure(loaded.model, ctx)  # type: ignore[attr-defined]
-    return s.per_call_s, s.per_token_s
+    return s.per_call_s, s.per_token_s, s.per_pair_s
 
 
 def concentration(loaded: object, tokens: int = 512, seed: int = 1) -> dict:
@@ -286,6 +295,12 @@ def main(argv: list[str] | None = None) -> int:
         "the plan's)",
     )
     p.add_argument(
+        "--tails",
+        default="1",
+        help="the plan's layer-by-layer tail, with (1) and/or without (0), each run per seed "
+        "(e.g. 1,0; default 1)",
+    )
+    p.add_argument(
         "--speed-error",
         type=float,
         default=1.0,
@@ -329,6 +344,9 @@ def main(argv: list[str] | None = None) -> int:
         hedges = ()
     if not hedges or any(not 0 <= h <= 1 for h in hedges):
         p.error(f"--hedges must list shares in [0, 1], e.g. 0.25,0, not {args.hedges!r}")
+    tails = tuple(t.strip() == "1" for t in args.tails.split(",") if t.strip())
+    if not tails or any(t.strip() not in ("0", "1") for t in args.tails.split(",")):
+        p.error(f"--tails must list 1 (with) and/or 0 (without), not {args.tails!r}")
     if not 0.1 <= args.speed_error <= 10:
         p.error(f"--speed-error must be in [0.1, 10], not {args.speed_error:g}")
     schemes = tuple(x.strip() for x in args.schemes.split(",") if x.strip())
@@ -352,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     doc = run(configs, seeds, args.budget or DEFAULT_BUDGET,
               args.objective or DEFAULT_OBJECTIVE, loaded, args.repeats or 3,
-              orders, schemes, hedges, args.speed_error)  # fmt: skip
+              orders, schemes, hedges, args.speed_error, tails)  # fmt: skip
     doc["concentration"] = concentration(loaded)
     (out / "handoff.json").write_text(json.dumps(doc, indent=1))
     (out / "handoff.md").write_text(render(doc))

@@ -43,11 +43,15 @@ def test_summary_rows_are_the_runs_statistics():
 
 
 def test_plan_variants_are_compared_paired_by_seed():
-    """--hedges 0.25,0: each seed runs once per variant; the second variant's row shows the
-    median over seeds of its speed-up over the first's on the same seed."""
+    """--hedges 0.25,0 (or --tails 1,0): each seed runs once per variant; the second
+    variant's row shows the median over seeds of its speed-up over the first's on the same
+    seed."""
     mod = _script()
-    assert mod.variant_name("position", 0.25, (0.25, 0.0)) == "position, hedge 0.25"
-    assert mod.variant_name("back", 0.25, (0.25,)) == "back"
+    assert mod.variant_name("position", 0.25, True, (0.25, 0.0), (True,)) == "position, hedge 0.25"
+    assert mod.variant_name("back", 0.25, True, (0.25,), (True,)) == "back"
+    assert (
+        mod.variant_name("back", 0.0, False, (0.25, 0.0), (True, False)) == "back, hedge 0, no tail"
+    )
     names = ["position, hedge 0.25", "position, hedge 0"]
     run = lambda seed, variant, sp: {  # noqa: E731
         "seed": seed, "variant": variant, "context_tokens": 500, "plan": {},

@@ -140,6 +140,45 @@ def test_live_race_loads_what_arrives_and_computes_the_rest(smollm, setup, order
     assert _err(res.kv, kv) < 0.1 * float(np.abs(kv.keys).max())
 
 
+def test_the_live_race_answers_while_the_layered_tail_arrives(smollm, setup):
+    """A plan with the question's pass in it sends the context's last ranges layer by
+    layer; the live race (told the question) builds the cache up to them and runs the
+    question while they arrive (its last step answers for the tail's tokens), and its
+    first token is the prefill's. The plan assumes a receiver about three times slower than
+    this one, so that the race gets to the tail before it has crossed on a loaded machine
+    too."""
+    from kvtransport.model.race import layered_tail
+
+    ctx, kv, speed, prefill_s, _, _ = setup
+    sample = tasks.generate("facts_qa", smollm.tokenizer, target_tokens=128, seed=3)
+    _, question = sample.prompt(smollm.tokenizer)
+    full = CacheBuilder(smollm.model, ctx)
+    full.compute(len(ctx))
+    want = full.answer(question)
+    rate = 20.0
+    link = LinkEstimate(rate * 1e6, 0.0, 0.0005, 1280)
+    slow = ComputeSpeed(per_call_s=0.05, per_token_s=0.01)  # a receiver 3x slower than this
+    plan, stream = planned_stream(card.encode_cache(kv), link=link, budget_s=prefill_s,
+                                  speed=slow, objective="ttft",
+                                  answer_s=slow.answer_seconds(len(question),
+                                                               len(ctx)))  # fmt: skip
+    tail_from = layered_tail(stream.manifest)
+    assert plan.tail > 0 and tail_from == (len(ctx) - plan.tail) // 16
+    sent = blocks.decode_stream(stream.manifest, stream.payload).cache
+    with kvtransport.Receiver("127.0.0.1:0", insecure=True) as rx:
+        tx = _Sender(stream, rx.address, deadline_ms=2e3 * plan.send_s, insecure=True,
+                     rate_mbps=rate)  # fmt: skip
+        tx.go()
+        _wait_for_first_datagram(rx)
+        res = rx.race(smollm.model, ctx, speed=speed, rate_mbps=rate, hello_ms=300,
+                      question_ids=question)  # fmt: skip
+        tx.join()
+    assert res.first_token == want
+    last = res.steps[-1]
+    assert (last.action, last.start, last.tokens) == ("answer", len(ctx) - plan.tail, plan.tail)
+    assert _err(res.kv, sent, last.start) == 0.0  # the tail: exactly the sender's bytes
+
+
 def test_ranges_are_decoded_as_they_arrive_before_the_race_loads_them(setup):
     """The receiver's decoding thread checks and decodes each range once it is complete,
     while the race is busy elsewhere (computing): here nothing is ever loaded, yet every

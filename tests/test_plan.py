@@ -282,3 +282,51 @@ def test_the_hedge_is_the_prefix_tail_sent_last_first_after_the_planned_ranges()
 def test_a_hedge_share_outside_0_1_is_refused():
     with pytest.raises(ValueError, match="hedge_share must be in"):
         plan_handoff(GEOM, _utilities(), link=LINK, speed=SPEED, budget_s=1.0, hedge_share=2)
+
+
+def test_the_tail_crosses_layer_by_layer_and_the_plan_answers_sooner():
+    """With the question's forward time given, the plan sends the context's last ranges
+    (at least two, those that take the link about that long) layer by layer after the
+    other planned ranges and before the hedge; the receiver recognises the tail from the
+    stream's order alone, and the plan expects each tail range with its last layer. The
+    plan then prices a split by when the first token is out: it answers sooner than the
+    plan without a tail followed by a whole pass, with a prefix no longer."""
+    from kvtransport.model.plan import planned_stream
+    from kvtransport.model.race import layered_tail, stream_rank
+
+    g, kv, u = _random_cache()
+    card = blocks.encode_stream(kv, u, utility.stream_order(u, g.block_tokens))
+    link = LinkEstimate(rate_bps=10e6, loss=0.0, one_way_s=0.001, symbol_size=1280)
+    speed = ComputeSpeed(per_call_s=0.001, per_token_s=0.0004)
+    kw = {"link": link, "speed": speed, "budget_s": 0.2, "objective": "ttft", "hedge_share": 0.5}
+    bare, bare_s = planned_stream(card, **kw)
+    answer_s = 0.006
+    plan, s = planned_stream(card, **kw, answer_s=answer_s)
+    bt, nb = g.block_tokens, g.token_blocks
+    assert bare.tail == 0 and layered_tail(bare_s.manifest) is None
+    t = nb - -(-plan.tail // bt)
+    assert plan.tail == g.num_tokens - t * bt and nb - t >= 2
+    m = s.manifest
+    assert layered_tail(m) == t
+    per_range = np.bincount(m.token_block.astype(int), weights=m.length, minlength=nb)
+    tail_s = link.seconds(per_range[t:].sum()) - link.one_way_s
+    assert tail_s >= answer_s > link.seconds(per_range[t + 1 :].sum()) - link.one_way_s
+    k, first = plan.split // bt, plan.first_call // bt
+    tb, layer = m.token_block.astype(int), m.layer.astype(int)
+    body = [(r, i) for r in range(k, t) for i in range(g.num_layers)]
+    tail = [(r, i) for i in range(g.num_layers) for r in range(t, nb)]
+    hedge = [(r, i) for r in range(k - 1, first - 1, -1) for i in range(g.num_layers)]
+    assert list(zip(tb.tolist(), layer.tolist(), strict=True)) == body + tail + hedge
+    rank = stream_rank(m)  # a tail range completes with its last layer's block
+    assert np.all(rank[t:] == len(body) + (g.num_layers - 1) * (nb - t) + np.arange(nb - t))
+    assert np.all(plan.expect_at[t:] > plan.expect_at[k:t].max())
+    assert plan.expect_at[-1] == pytest.approx(plan.link_s)
+    # when the first token is out: the pass over the link's last layer, or after the prefix
+    after = max(plan.compute_s + answer_s, plan.link_s + answer_s / g.num_layers)
+    assert plan.answer_at_s == pytest.approx(after)
+    assert plan.split <= bare.split and plan.answer_at_s < bare.finish_s + answer_s
+    with pytest.raises(ValueError, match="answer_s"):
+        plan_handoff(GEOM, _utilities(), link=LINK, speed=SPEED, budget_s=1.0, answer_s=-1.0)
+    # the back order has no tail (its last ranges go first)
+    back, back_s = planned_stream(card, **kw, answer_s=answer_s, order="back")
+    assert back.tail == 0 and layered_tail(back_s.manifest) is None

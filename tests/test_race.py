@@ -14,7 +14,14 @@ import pytest
 from kvtransport.model import blocks, hf, tasks, utility
 from kvtransport.model.cache_builder import CacheBuilder, ComputeSpeed
 from kvtransport.model.kvcache import KVCache
-from kvtransport.model.race import LinkView, ReplayArrivals, range_ready_at, run_race, stream_rank
+from kvtransport.model.race import (
+    LinkView,
+    ReplayArrivals,
+    layer_ready_at,
+    range_ready_at,
+    run_race,
+    stream_rank,
+)
 
 pytestmark = pytest.mark.model
 BT = 16
@@ -170,6 +177,39 @@ def test_a_load_waits_for_the_decoding_thread_which_decodes_ranges_as_they_arriv
     later.wait(63, 20.0)
     t0, t1 = later.run(lambda: later.received(0, n - BT))
     assert t0 == 10.0 and t1 - t0 < 0.5 * decode_s
+
+
+def test_one_layer_of_whole_ranges_is_checked_and_decoded_on_its_own():
+    """RangeDecoder.take_layer decodes one layer's blocks of whole token ranges, the same
+    values as take's; a corrupt block fails only its own layer's take, and the replay then
+    never reports its range ready in any layer."""
+    rng = np.random.default_rng(1)
+    n = 6 * BT
+    k, v = (rng.standard_normal((4, 2, n, 32), dtype=np.float32) for _ in range(2))
+    kv = KVCache(k, v, np.arange(n), "m")
+    u = np.ones((4, 6))
+    precision = np.full(u.shape, blocks.PRECISIONS.index("int8"))
+    s = blocks.encode_stream(kv, u, utility.stream_order(u, BT, "position"), precision,
+                             block_tokens=BT)  # fmt: skip
+    m, payload = s.manifest, s.payload.copy()
+    whole = blocks.RangeDecoder(m).take(payload, 0, n)
+    assert whole is not None
+    bad = int(np.flatnonzero((m.token_block == 4) & (m.layer == 2))[0])
+    payload[m.offset[bad]] ^= 0xFF
+    d = blocks.RangeDecoder(m)
+    got = d.take_layer(payload, 1, 2 * BT, n)
+    assert got is not None
+    assert np.array_equal(got[0], whole[0][1, :, 2 * BT :])
+    assert np.array_equal(got[1], whole[1][1, :, 2 * BT :])
+    assert not d.keys[0].any() and not d.keys[2].any()  # only layer 1 was decoded
+    assert d.take_layer(payload, 2, 2 * BT, n) is None and np.flatnonzero(d.failed) == [bad]
+    arrival = np.zeros(m.num_blocks)
+    ready = range_ready_at(m, arrival)
+    src = ReplayArrivals(ready, (blocks.RangeDecoder(m), payload), _link(ready),
+                         layer_ready_at(m, arrival))  # fmt: skip
+    assert src.received_layer(2, 4 * BT, 5 * BT) is None
+    assert np.isinf(src.ready_at()[4]) and np.isinf(src.layer_ready_at(0)[4])
+    assert src.layer_ready_at(0)[3] == 0.0
 
 
 def test_a_hole_is_waited_for_while_repair_may_fill_it(smollm, context):
@@ -448,7 +488,7 @@ def _hedged_stream(kv, first, split):
     u = np.ones((g.num_layers, g.token_blocks))
     precision = np.full(u.shape, blocks.PRECISIONS.index("fp32"))
     precision[:, :first] = -1
-    plan = SimpleNamespace(order="position", split=split * BT, first_call=first * BT)
+    plan = SimpleNamespace(order="position", split=split * BT, first_call=first * BT, tail=0)
     return blocks.encode_stream(kv, u, sending_order(plan, u, BT), precision, block_tokens=BT)
 
 
@@ -500,3 +540,94 @@ def test_the_ranges_the_plan_never_sends_are_computed_in_one_call(smollm, contex
     assert [(x.action, x.start, x.tokens) for x in res.steps] == [
         ("compute", 0, 6 * BT), ("load", 6 * BT, len(ctx) - 6 * BT)]  # fmt: skip
     assert _err(res.kv, kv) < TOL
+
+
+def _tailed_stream(kv, split, tail):
+    """fp32 blocks of the ranges from ``split`` front first, the last ``tail`` ranges
+    layer by layer (kvtransport.model.plan.sending_order), and when each block arrives if
+    the link delivers one block every ``BLOCK_S`` in that order."""
+    from types import SimpleNamespace
+
+    from kvtransport.model.plan import sending_order
+
+    g = blocks.Geometry.of(kv, BT)
+    u = np.ones((g.num_layers, g.token_blocks))
+    precision = np.full(u.shape, blocks.PRECISIONS.index("fp32"))
+    precision[:, :split] = -1
+    plan = SimpleNamespace(order="position", split=split * BT, first_call=split * BT,
+                           tail=g.num_tokens - (g.token_blocks - tail) * BT)  # fmt: skip
+    s = blocks.encode_stream(kv, u, sending_order(plan, u, BT), precision, block_tokens=BT)
+    return s, BLOCK_S * np.arange(1, s.manifest.num_blocks + 1)
+
+
+BLOCK_S = 0.003
+SLOW = ComputeSpeed(per_call_s=0.01, per_token_s=0.01)  # computing the tail beats no wait
+
+
+def test_the_question_runs_through_the_model_while_the_layered_tail_arrives(smollm, context):
+    """The stream ends with its last 4 ranges layer by layer: the race builds the cache
+    up to them, then runs the question while they arrive, each layer's part loaded once
+    it is in and just before that layer runs. The first token is the full cache's, out
+    a small part of a forward pass after the tail's last block (a pass after the whole
+    cache would take the whole pass), and the cache is exact."""
+    from kvtransport.model.race import layered_tail
+
+    ctx, question, kv = context
+    ranges = -(-len(ctx) // BT)
+    s, arrival = _tailed_stream(kv, 2, 4)
+    m = s.manifest
+    assert layered_tail(m) == ranges - 4
+    tail_blocks = m.token_block >= ranges - 4
+    assert np.all(np.diff(m.layer[tail_blocks].astype(int)) >= 0)  # layer by layer
+    full = CacheBuilder(smollm.model, ctx)
+    full.compute(len(ctx))
+    t0 = time.perf_counter()
+    want = full.answer(question)
+    pass_s = time.perf_counter() - t0
+    res = run_race(smollm.model, ctx, split=2 * BT, received=(blocks.RangeDecoder(m), s.payload),
+                   ready_at=range_ready_at(m, arrival), layer_ready=layer_ready_at(m, arrival),
+                   link=LinkView(range_ready_at(m, arrival), np.where(
+                       np.isfinite(range_ready_at(m, arrival)), RANGE_BYTES, 0), 10.0,
+                       rank=stream_rank(m), layered_from=layered_tail(m)),
+                   speed=SLOW, block_tokens=BT, question_ids=question)  # fmt: skip
+    assert res.first_token == want
+    assert _err(res.kv, kv) < TOL and _err(res.kv, kv, 2 * BT) == 0.0  # fp32 loads exactly
+    last = res.steps[-1]
+    assert (last.action, last.start, last.tokens) == ("answer", (ranges - 4) * BT,
+                                                       len(ctx) - (ranges - 4) * BT)  # fmt: skip
+    assert last.t0 < arrival[-1]  # the pass began while the tail was arriving
+    assert res.seconds >= arrival[-1]  # the last layer's part loaded after it came
+    assert res.answer_s - res.seconds < 0.5 * pass_s
+
+
+def test_a_tail_that_stops_arriving_is_given_up_and_the_answer_is_exact(smollm, context):
+    """The tail's last layer of its last range never comes and the sender stops: the race
+    gives up the pass it began (the cache back as it was), computes that range, loads the
+    others and answers with the full cache's first token."""
+    from kvtransport.model.race import layered_tail
+
+    ctx, question, kv = context
+    ranges = -(-len(ctx) // BT)
+    s, arrival = _tailed_stream(kv, 2, 4)
+    m = s.manifest
+    planned = range_ready_at(m, arrival)
+    arrival[-1] = np.inf  # layer 29 of the last range
+    payload = s.payload.copy()
+    payload[m.offset[-1] : m.offset[-1] + m.length[-1]] = 7  # garbage that must not load
+    ready = range_ready_at(m, arrival)
+    full = CacheBuilder(smollm.model, ctx)
+    full.compute(len(ctx))
+    want = full.answer(question)
+    deadline = float(arrival[-2])
+    res = run_race(smollm.model, ctx, split=2 * BT, received=(blocks.RangeDecoder(m), payload),
+                   ready_at=ready, layer_ready=layer_ready_at(m, arrival),
+                   link=LinkView(planned, np.where(np.isfinite(planned), RANGE_BYTES, 0),
+                                 deadline, rank=stream_rank(m),
+                                 layered_from=layered_tail(m)),
+                   speed=SLOW, block_tokens=BT, question_ids=question)  # fmt: skip
+    assert res.first_token == want
+    assert _err(res.kv, kv) < TOL
+    acts = [(x.action, x.start // BT) for x in res.steps]
+    assert ("wait", ranges - 4) in acts  # the pass begun and given up
+    assert acts[-2:] == [("compute", ranges - 1), ("answer", len(ctx) // BT)]
+    assert res.recomputed == len(ctx) - (ranges - 1) * BT

@@ -94,9 +94,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="link rate in Mbit/s (default: the ge-heavy profile's 100)",
     )  # fmt: skip
     parser.add_argument(
-        "--compute-speed", default=None, metavar="CALL_MS,TOKEN_MS",
-        help="the receiver's compute cost for the plan instead of measuring it (a fixed "
-        "plan makes --link emulated repeat exactly)",
+        "--compute-speed", default=None, metavar="CALL_MS,TOKEN_MS[,PAIR_US]",
+        help="the receiver's compute cost for the plan instead of measuring it: per call, "
+        "per token, and per question token and context token (the question's attention; "
+        "default 0). A fixed plan makes --link emulated repeat exactly",
     )  # fmt: skip
     parser.add_argument(
         "--precision", default=None, metavar="LIST",
@@ -119,6 +120,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--hedge", type=float, default=None, metavar="SHARE",
         help="the share of the receiver's planned prefix the sender also sends, last first, "
         "in case the receiver computes slower than it measured (default 0.25; 0: none)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--no-tail", action="store_true",
+        help="send every token range whole (no layer-by-layer tail): the receiver answers "
+        "once the whole cache is in place instead of while the context's last ranges arrive",
     )  # fmt: skip
     parser.add_argument(
         "--link-rate-mbps", type=float, default=None, metavar="MBPS",
@@ -191,6 +197,8 @@ def run(args: argparse.Namespace) -> int:
         overrides["order"] = args.order
     if args.hedge is not None:
         overrides["hedge"] = args.hedge
+    if args.no_tail:
+        overrides["tail"] = False
     if args.link_rate_mbps is not None:
         overrides["link_rate_mbps"] = args.link_rate_mbps
     if args.precision is not None:
@@ -201,11 +209,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _speed(text: str) -> tuple[float, float]:
+def _speed(text: str) -> tuple[float, ...]:
     from kvtransport.errors import UserError
 
     try:
-        call_ms, token_ms = (float(x) for x in text.split(","))
+        parts = [float(x) for x in text.split(",")]
+        if len(parts) not in (2, 3):
+            raise ValueError
     except ValueError:
-        raise UserError(f"--compute-speed must be CALL_MS,TOKEN_MS, not {text!r}") from None
-    return call_ms / 1e3, token_ms / 1e3
+        raise UserError(
+            f"--compute-speed must be CALL_MS,TOKEN_MS[,PAIR_US], not {text!r}"
+        ) from None
+    return tuple(
+        x * scale for x, scale in zip(parts, (1e-3, 1e-3, 1e-6)[: len(parts)], strict=True)
+    )

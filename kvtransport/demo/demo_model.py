@@ -136,6 +136,7 @@ def plan_stream(
     order: str = "position",
     *,
     hedge: float,
+    answer_s: float = 0.0,
 ) -> tuple[Any, Any, float]:
     """Plan the handoff (kvtransport.model.plan) for a TTFT budget and encode what it sends.
 
@@ -143,7 +144,8 @@ def plan_stream(
     cache is in place: rebuilding the received blocks (every block at the cheapest level,
     at REBUILD_BYTES_PER_S) and the question's forward pass. Returns (plan, the planned
     stream, the link's budget in seconds). order: the stream order
-    (kvtransport.model.plan.ORDERS); hedge: the plan's hedge share (0: none).
+    (kvtransport.model.plan.ORDERS); hedge: the plan's hedge share (0: none); answer_s:
+    the question's forward time on the receiver, for the plan's tail (0: none).
     """
     from kvtransport.core.protocol import DEFAULT_SYMBOL_SIZE
     from kvtransport.model.plan import LinkEstimate, planned_stream
@@ -160,5 +162,5 @@ def plan_stream(
     plan, planned = planned_stream(stream, link=link, budget_s=link_budget, speed=speed,
                                    levels=levels, token_ids=np.asarray(context_ids),
                                    objective=objective, order=order,
-                                   hedge_share=hedge)  # fmt: skip
+                                   hedge_share=hedge, answer_s=answer_s)  # fmt: skip
     return plan, planned, link_budget

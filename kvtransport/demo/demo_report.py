@@ -60,10 +60,14 @@ class DemoConfig:
     hedge: the share of the receiver's planned prefix the sender also sends, last, as a
         hedge against a receiver slower than measured (kvtransport.model.plan
         DEFAULT_HEDGE_SHARE; 0: none).
+    tail: the plan sends the context's last ranges layer by layer and the receiver answers
+        while they arrive (kvtransport.model.plan, the tail); False: the question's pass
+        runs once the whole cache is in place.
     link_rate_mbps: the rate the link really carries when it is not the one the plan
         assumes (``rate_mbps``): a link worse (or better) than planned; None: the same.
-    compute_speed: (seconds per call, seconds per token) of the receiver's compute, used
-        by the plan instead of measuring it (a fixed plan makes the emulated link's
+    compute_speed: (seconds per call, seconds per token[, seconds per token pair]) of the
+        receiver's compute (kvtransport.model.cache_builder.ComputeSpeed), used by the plan
+        instead of measuring it (a fixed plan makes the emulated link's
         transfers repeat exactly).
     questions: how many questions each received cache answers (the task's own first, then
         other facts of the same context: kvtransport.model.tasks.question_set; fewer when the
@@ -84,8 +88,9 @@ class DemoConfig:
     objective: str = DEFAULT_OBJECTIVE
     order: str = DEFAULT_ORDER
     hedge: float = DEFAULT_HEDGE_SHARE
+    tail: bool = True
     link_rate_mbps: float | None = None
-    compute_speed: tuple[float, float] | None = None
+    compute_speed: tuple[float, ...] | None = None
     schemes: tuple[str, ...] | None = None  # labels of SCHEMES to run (None: all)
     link: str = "auto"
     threads: int = 1

@@ -301,9 +301,11 @@ def _prepare(cfg: DemoConfig, loaded: Any, ui: _Progress, timings: dict[str, flo
     # the receiver's own estimate of re-prefilling (context, then the question): the
     # budget is a share of it, as a user would set a TTFT target
     budget_s = cfg.budget * (speed.seconds(len(context_ids)) + speed.seconds(len(question_ids)))
+    answer_s = speed.answer_seconds(len(question_ids), len(context_ids)) if cfg.tail else 0.0
     plan, planned, link_budget = plan_stream(stream, context_ids, profile, speed, budget_s,
                                              len(question_ids), cfg.precision,
-                                             cfg.objective, cfg.order, hedge=cfg.hedge)  # fmt: skip
+                                             cfg.objective, cfg.order, hedge=cfg.hedge,
+                                             answer_s=answer_s)  # fmt: skip
     transfer = Transfer.from_encoded_stream(planned)
     # both links seal every datagram (a per-run key): a 16-byte tag each
     send_time = full_send_time(transfer.nbytes, profile.rate_bps, DEFAULT_SYMBOL_SIZE, True)
@@ -480,7 +482,9 @@ def _race_row(
     n_blocks = prep.planned.manifest.num_blocks
     plan = prep.plan
     race, row.rebuild_s = _race(prep, out)
-    row.answers, row.first_token_s = ask(race.model_cache, None)
+    assert race.answer_s is not None  # the race answered the first question
+    row.answers, _ = ask(race.model_cache, None)
+    row.first_token_s = race.answer_s - race.seconds
     row.answer = row.answers[0]
     sc = _scores(row.answers, full_answers)
     row.f1s, row.f1, row.matches = sc["f1s"], sc["f1"], sc["matches"]
@@ -495,7 +499,7 @@ def _race_row(
     row.recomputed_tokens = race.recomputed
     row.loaded_tokens = race.loaded
     row.waited_s = race.waited_s
-    row.ttft_s = race.seconds + row.rebuild_s + row.first_token_s
+    row.ttft_s = race.answer_s + row.rebuild_s
     row.speedup = reprefill_ttft / row.ttft_s
     row.counters = out.counters
     return row
@@ -522,30 +526,40 @@ def reprefill_ttft_once(prep: _Prepared) -> float:
 
 def race_ttft_once(prep: _Prepared, out: LinkOutcome) -> float:
     """One measurement of the handoff's TTFT for a transfer's outcome: the receiver's
-    race (reading the manifest included), then the first question's first token, answered
-    from the model cache the race built."""
+    race (reading the manifest included), which ends with the first question's first
+    token (during the stream's tail, when the plan has one)."""
     race, rebuild_s = _race(prep, out)
-    first = answer(prep.loaded, race.model_cache, None, prep.probe_ids[0], 1)[1]
-    return race.seconds + rebuild_s + first
+    assert race.answer_s is not None  # the race answered the first question
+    return race.answer_s + rebuild_s
 
 
 def _race(prep: _Prepared, out: LinkOutcome) -> tuple[Any, float]:
     """The receiver's race (kvtransport.model.race.RaceResult) over one transfer's outcome, and
     the seconds it took to read the received manifest before it. The received blocks are
     checked and decoded range by range as the race loads them (kvtransport.model.blocks.
-    RangeDecoder), on the race's clock, as a live receiver does."""
+    RangeDecoder), on the race's clock, as a live receiver does. The race ends with the
+    first question's first token (:attr:`kvtransport.model.race.RaceResult.answer_s`)."""
     from kvtransport.model import blocks
-    from kvtransport.model.race import LinkView, Received, range_ready_at, run_race, stream_rank
+    from kvtransport.model.race import (
+        LinkView,
+        Received,
+        layer_ready_at,
+        layered_tail,
+        range_ready_at,
+        run_race,
+        stream_rank,
+    )
 
     t0 = time.perf_counter()
     received: Received | None = None
-    ready_at = None
+    ready_at = layers = None
     if out.app_metadata is not None:
         m = blocks.Manifest.from_bytes(out.app_metadata)
         if m.geometry == prep.planned.manifest.geometry and blocks.is_cache_of(m, prep.context_ids):
             received = (blocks.RangeDecoder(m), out.payload)
             arrival = out.arrival_s if out.arrival_s is not None else np.zeros(m.num_blocks)
             ready_at = range_ready_at(m, np.where(out.complete, arrival, np.inf))
+            layers = layer_ready_at(m, np.where(out.complete, arrival, np.inf))
     rebuild_s = time.perf_counter() - t0
     plan = prep.plan
     if ready_at is None:
@@ -554,9 +568,12 @@ def _race(prep: _Prepared, out: LinkOutcome) -> tuple[Any, float]:
         prep.loaded.model, prep.context_ids, split=plan.first_call, received=received,
         ready_at=ready_at,
         link=LinkView(plan.expect_at, plan.range_bytes, prep.deadline_s,
-                      rank=stream_rank(prep.planned.manifest)),
+                      rank=stream_rank(prep.planned.manifest),
+                      layered_from=layered_tail(prep.planned.manifest)),
         speed=prep.speed,
         block_tokens=prep.planned.manifest.geometry.block_tokens,
+        layer_ready=layers,
+        question_ids=prep.probe_ids[0],
     )  # fmt: skip
     return race, rebuild_s
 
@@ -654,6 +671,8 @@ def _plan_dict(prep: _Prepared, objective: str) -> dict[str, Any]:
         "order": p.order,
         "split_tokens": p.split,
         "hedge_tokens": p.hedge,
+        "tail_tokens": p.tail,
+        "planned_answer_s": p.answer_at_s,
         "hedge_bytes": p.hedge_bytes,
         "planned_send_s": p.send_s,
         "blocks": {PRECISIONS[int(c)]: int(n) for c, n in zip(codes, counts, strict=True)},
@@ -662,7 +681,8 @@ def _plan_dict(prep: _Prepared, objective: str) -> dict[str, Any]:
         "planned_link_s": p.link_s,
         "fits": p.fits,
         "compute_speed": {"per_call_s": prep.speed.per_call_s,
-                          "per_token_s": prep.speed.per_token_s},
+                          "per_token_s": prep.speed.per_token_s,
+                          "per_pair_s": prep.speed.per_pair_s},
     }  # fmt: skip
 
 
@@ -696,11 +716,11 @@ def _check_config(cfg: DemoConfig) -> None:
     if cfg.objective not in OBJECTIVES:
         raise UserError(f"--objective must be one of {', '.join(OBJECTIVES)}, not {cfg.objective}")
     if cfg.compute_speed is not None and not (
-        len(cfg.compute_speed) == 2
+        len(cfg.compute_speed) in (2, 3)
         and all(math.isfinite(x) and 0 <= x < 10 for x in cfg.compute_speed)
         and cfg.compute_speed[1] > 0
     ):
-        raise UserError("--compute-speed must be CALL_MS,TOKEN_MS with TOKEN_MS > 0")
+        raise UserError("--compute-speed must be CALL_MS,TOKEN_MS[,PAIR_US] with TOKEN_MS > 0")
     known = [label for label, _ in SCHEMES]
     if cfg.schemes is not None and (not cfg.schemes or set(cfg.schemes) - set(known)):
         raise UserError(f"schemes must be labels among {', '.join(known)}")

@@ -419,7 +419,9 @@ class Receiver:
         first, before the link is looked at: the plan's ``first_call`` when the receiver
         knows it; without it the receiver computes the front the transfer does not carry
         in one call once its manifest is in), ``block_tokens``, ``hello_ms``,
-        ``max_chunk``. The transfer goes on
+        ``max_chunk``, ``question_ids`` (the race ends with the question's first answer
+        token, run through the model while the stream's layer-by-layer tail arrives: its
+        ``first_token`` and ``answer_s``). The transfer goes on
         receiving; :meth:`result` still gives it."""
         from kvtransport.model.live_race import adopted_session, live_race
 

@@ -825,7 +825,30 @@ class RangeDecoder:
         ``payload``), decoding what was not yet; None when one of those blocks fails its
         CRC-32 (then marked in ``failed``)."""
         bt = self.manifest.geometry.block_tokens
-        idx = np.concatenate(self.range_blocks[lo // bt : -(-hi // bt)])
+        if not self._decode(payload, np.concatenate(self.range_blocks[lo // bt : -(-hi // bt)])):
+            return None
+        return self.keys[:, :, lo:hi], self.values[:, :, lo:hi]
+
+    def take_layer(
+        self, payload: np.ndarray | bytes | bytearray | memoryview, layer: int, lo: int, hi: int
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """The K/V ``[kv_heads, hi - lo, head_dim]`` of one layer's tokens ``[lo, hi)``
+        (whole token ranges whose blocks of that layer are complete in ``payload``), as
+        :meth:`take` does for every layer: a receiver loading a stream's tail layer by
+        layer (kvtransport.model.race)."""
+        m = self.manifest
+        bt = m.geometry.block_tokens
+        tb = m.token_block
+        idx = np.flatnonzero((m.layer == layer) & (tb >= lo // bt) & (tb < -(-hi // bt)))
+        if not self._decode(payload, idx):
+            return None
+        return self.keys[layer, :, lo:hi], self.values[layer, :, lo:hi]
+
+    def _decode(
+        self, payload: np.ndarray | bytes | bytearray | memoryview, idx: np.ndarray
+    ) -> bool:
+        """Check and decode the blocks ``idx`` not decoded yet; False (and marked in
+        ``failed``) when one fails its CRC-32."""
         todo = idx[~self._decoded[idx]]
         if todo.size:
             m = self.manifest
@@ -834,7 +857,7 @@ class RangeDecoder:
             bad = corrupted_blocks(m, payload, check)
             if bad.size:
                 self.failed[bad] = True
-                return None
+                return False
             decode_blocks_into(m, _as_u8(payload), todo, self.keys, self.values)
             self._decoded[todo] = True
-        return self.keys[:, :, lo:hi], self.values[:, :, lo:hi]
+        return True

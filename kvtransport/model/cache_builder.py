@@ -22,7 +22,7 @@ torch and transformers are imported inside the functions (the model's edge).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,10 +33,20 @@ from kvtransport.model.kvcache import KVCache
 
 @dataclass(frozen=True)
 class ComputeSpeed:
-    """Seconds to compute ``n`` context tokens in one call: ``per_call_s + n * per_token_s``."""
+    """Seconds to compute ``n`` context tokens in one call: ``per_call_s + n * per_token_s``;
+    ``per_pair_s``: what each token of a short call adds per context token before it (the
+    attention over a long cache, which a question's forward pass pays: :meth:`answer_seconds`;
+    0 when not measured)."""
 
     per_call_s: float
     per_token_s: float
+    per_pair_s: float = 0.0
+
+    def answer_seconds(self, question_tokens: int, context_tokens: int) -> float:
+        """The time of a question's forward pass after a cache of ``context_tokens``."""
+        return float(self.seconds(question_tokens)) + (
+            question_tokens * context_tokens * self.per_pair_s
+        )
 
     def seconds(self, tokens: int | np.ndarray) -> Any:
         """The time to compute ``tokens`` tokens in one call (0 for none)."""
@@ -55,7 +65,9 @@ class ComputeSpeed:
         faster of two runs): the cost of a call. The large one (at most the context) is
         computed from the start, as a planned prefix is: its cost per token includes the
         attention over a long chunk, which short chunks do not show (a line through two
-        short chunks underestimated a 600-token prefix by a quarter).
+        short chunks underestimated a 600-token prefix by a quarter). The small chunk again
+        after the large one (the best of three): what a short call pays per context token
+        before it (``per_pair_s``).
         """
         small, large = sizes
         ids = list(token_ids)
@@ -69,12 +81,19 @@ class ComputeSpeed:
             t0 = time.perf_counter()
             b.compute(small)
             best = min(best, time.perf_counter() - t0)
-        b = CacheBuilder(model, ids[:large])
+        b = CacheBuilder(model, ids[:large] + ids[:small] * 3)
         t0 = time.perf_counter()
         b.compute(large)
         long_s = time.perf_counter() - t0
         per_token = max((long_s - best) / (large - small), 1e-6)
-        return cls(per_call_s=max(best - small * per_token, 0.0), per_token_s=per_token)
+        after_long_s = float("inf")  # the small chunk after the long prefix (best of 3)
+        for _ in range(3):
+            t0 = time.perf_counter()
+            b.compute(small)
+            after_long_s = min(after_long_s, time.perf_counter() - t0)
+        per_pair = max((after_long_s - best) / (small * (large - small)), 0.0)
+        return cls(per_call_s=max(best - small * per_token, 0.0), per_token_s=per_token,
+                   per_pair_s=per_pair)  # fmt: skip
 
 
 class CacheBuilder:
@@ -102,6 +121,10 @@ class CacheBuilder:
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
+    @property
+    def num_layers(self) -> int:
+        return len(self._cache.layers)
+
     def compute(self, n: int) -> None:
         """Run the next ``n`` context tokens through the model at their own positions."""
         import torch
@@ -127,6 +150,64 @@ class CacheBuilder:
             v = torch.from_numpy(np.ascontiguousarray(values[layer])).to(dtype)[None]
             self._cache.update(k, v, layer)
         self.filled += n
+
+    def answer(
+        self,
+        question_ids: Sequence[int],
+        tail_layer: Callable[[int], tuple[np.ndarray, np.ndarray]] | None = None,
+    ) -> int:
+        """The question's first answer token (greedy) after the whole context; the cache is
+        left holding the context only.
+
+        tail_layer: the context's tokens from :attr:`filled` to the end are loaded layer by
+        layer while the question runs through the model: ``tail_layer(l)`` returns layer
+        ``l``'s K/V ``[kv_heads, tokens, head_dim]`` of those tokens and is called just
+        before layer ``l`` runs (layer 0 before the pass starts), so it may wait for them
+        to arrive. If it raises, the exception propagates and the builder is as it was
+        (``filled`` tokens in every layer). None: the context must be complete.
+        """
+        import torch
+
+        from kvtransport.model import hf
+
+        if len(question_ids) == 0:
+            raise ValueError("the question has no tokens")
+        if tail_layer is None and self.filled < self.num_tokens:
+            raise ValueError(f"{self.filled} of {self.num_tokens} context tokens in place")
+        layers = self._cache.layers
+        dtype = self.model.dtype
+        hooks = []
+
+        def load(layer: int) -> None:
+            assert tail_layer is not None
+            keys, values = tail_layer(layer)
+            if keys.shape[1] != self.num_tokens - self.filled:
+                raise ValueError(f"tail of layer {layer} has {keys.shape[1]} tokens, "
+                                 f"{self.num_tokens - self.filled} are missing")  # fmt: skip
+            k = torch.from_numpy(np.ascontiguousarray(keys)).to(dtype)[None]
+            v = torch.from_numpy(np.ascontiguousarray(values)).to(dtype)[None]
+            layers[layer].update(k, v)
+
+        try:
+            with torch.inference_mode():
+                if tail_layer is not None:
+                    load(0)  # the pass's positions and mask read layer 0's length
+                    for i, mod in enumerate(hf.decoder_layers(self.model)[1:], start=1):
+                        hooks.append(mod.register_forward_pre_hook(
+                            lambda *_, i=i: load(i)))  # fmt: skip
+                out = hf.forward_at(self.model, question_ids, self.num_tokens, self._cache, 1)
+                token = int(out.logits[0, -1].argmax())
+        except BaseException:
+            for layer in layers:
+                layer.crop(self.filled - layer.get_seq_length())
+            raise
+        finally:
+            for h in hooks:
+                h.remove()
+        for layer in layers:
+            layer.crop(self.num_tokens - layer.get_seq_length())
+        self.filled = self.num_tokens
+        return token
 
     def kv(self) -> KVCache:
         """The cache built so far as numpy (``filled`` tokens; a copy)."""

@@ -194,6 +194,16 @@ def install_masked_attention(model: Any) -> None:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
 
+def decoder_layers(model: Any) -> list[Any]:
+    """The model's decoder layers, first to last (the modules a forward pass runs in
+    order, each over its own layer of the cache)."""
+    mods = [m for m in model.modules() if hasattr(m, "self_attn") and hasattr(m, "mlp")]
+    if len(mods) != model.config.num_hidden_layers:
+        raise ValueError(f"found {len(mods)} decoder layers, the config says "
+                         f"{model.config.num_hidden_layers}")  # fmt: skip
+    return mods
+
+
 def _attention_modules(model: Any) -> list[Any]:
     mods = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")]
     mods.sort(key=lambda m: m.layer_idx)

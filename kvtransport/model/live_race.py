@@ -67,6 +67,8 @@ from kvtransport.model.race import (
     DEFAULT_MAX_CHUNK,
     LinkView,
     RaceResult,
+    layer_ready_at,
+    layered_tail,
     race,
     range_ready_at,
     stream_rank,
@@ -142,13 +144,25 @@ class LiveArrivals:
         return clock() - self._t0
 
     def ready_at(self) -> np.ndarray:
+        arrival = self._arrival()
+        return self._never if arrival is None else range_ready_at(self._manifest, arrival)
+
+    def layer_ready_at(self, layer: int) -> np.ndarray:
+        arrival = self._arrival()
+        if arrival is None:
+            return self._never
+        return layer_ready_at(self._manifest, arrival)[layer]
+
+    def _arrival(self) -> np.ndarray | None:
+        """Per block, when it was complete on the race clock (inf: not yet, or it failed
+        its check); None before the manifest is known and accepted."""
         s = self._poll()
         if s is None:
-            return self._never
+            return None
         assert self._manifest is not None and self._decoder is not None  # _poll found it
         arrival = s.complete_at - self._t0  # inf while a block is not complete
         arrival[self._decoder.failed] = np.inf
-        return range_ready_at(self._manifest, arrival)
+        return arrival
 
     def link(self) -> LinkView:
         self._poll()
@@ -167,15 +181,25 @@ class LiveArrivals:
             log.warning("%d received blocks failed their CRC-32: recomputed", d.failed.sum())
         return got
 
+    def received_layer(self, layer: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray] | None:
+        d, s = self._decoder, self._session
+        assert d is not None and s is not None  # layer_ready_at reported these ranges
+        with self._decoding:
+            got = d.take_layer(s.payload_buffer, layer, lo, hi)
+        if got is None:
+            log.warning("%d received blocks failed their CRC-32: recomputed", d.failed.sum())
+        return got
+
     def run(self, fn: Callable[[], None]) -> tuple[float, float]:
         t0 = self.now()
         fn()
         return t0, self.now()
 
-    def wait(self, r: int, until: float) -> None:
+    def wait(self, r: int, until: float, layer: int | None = None) -> None:
         known = self._manifest is not None
         while (now := self.now()) < until:
-            if self.ready_at()[r] <= now or (self._manifest is not None) != known:
+            ready = self.ready_at() if layer is None else self.layer_ready_at(layer)
+            if ready[r] <= now or (self._manifest is not None) != known:
                 return  # the range came, or the plan became known: look again
             time.sleep(min(WAIT_POLL_S, until - now))
 
@@ -250,7 +274,8 @@ class LiveArrivals:
             expect = np.full(self.ranges, start + self._hello.expect_at[0])
         expect = np.where(sent, expect, np.inf)
         self._view = LinkView(expect, np.where(sent, range_bytes, 0), float(deadline),
-                              self.hole_wait_s, start, rank=rank)  # fmt: skip
+                              self.hole_wait_s, start, rank=rank,
+                              layered_from=layered_tail(m))  # fmt: skip
         self._manifest = m
         self._decoder_thread = threading.Thread(
             target=self._decode_as_they_come, args=(s,), name="race-decode", daemon=True
@@ -290,10 +315,14 @@ def live_race(
     block_tokens: int = blocks.DEFAULT_BLOCK_TOKENS,
     hello_ms: float = DEFAULT_HELLO_S * 1e3,
     max_chunk: int = DEFAULT_MAX_CHUNK,
+    question_ids: Sequence[int] | None = None,
 ) -> RaceResult:
     """Race the transfer whose receiver session ``session`` returns once there is one
     (:class:`LiveArrivals`; see the module docstring); the race clock starts now. What
-    :meth:`kvtransport.embed.inprocess.Receiver.race` and :func:`race_daemon` run."""
+    :meth:`kvtransport.embed.inprocess.Receiver.race` and :func:`race_daemon` run.
+    question_ids: the race ends with its first answer token, run through the model while
+    the stream's layer-major tail arrives where the sender planned one
+    (kvtransport.model.race.race)."""
     from kvtransport.errors import UserError
     from kvtransport.model.loader import model_id_of
 
@@ -318,7 +347,7 @@ def live_race(
                        hello_s=hello_ms * 1e-3)  # fmt: skip
     try:
         return race(model, ids, src, split=split or 0, speed=speed, block_tokens=block_tokens,
-                    max_chunk=max_chunk)  # fmt: skip
+                    max_chunk=max_chunk, question_ids=question_ids)  # fmt: skip
     finally:
         src.close()
 

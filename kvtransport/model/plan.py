@@ -27,6 +27,15 @@ the receiver's measured compute speed (kvtransport.model.cache_builder.ComputeSp
   speed, or with a link faster than planned, it loads what the otherwise idle link
   brought instead of computing it. The planned part (split, precisions, finish) does not
   depend on the hedge;
+- the **tail**: with the question's forward time given (``answer_s``, the receiver's
+  :meth:`ComputeSpeed.answer_seconds`) and the ``position`` order, the context's last
+  token ranges, those that take the link about that long, are sent layer by layer (all
+  their layer-0 blocks, then layer 1, ...) before the hedge: the receiver runs the
+  question through the model while they arrive, each layer as soon as its part is in
+  (kvtransport.model.race), so the first token is out about one layer's time after the
+  last block rather than a whole forward pass after it. The plan then prices a split by
+  when the first token is out (:attr:`HandoffPlan.answer_at_s`): the receiver's prefix
+  and the question's pass, against the link and one layer of the pass;
 - the planned arrival of every token range, in stream order, which the receiver uses to
   decide between waiting for a range and computing it.
 
@@ -36,10 +45,12 @@ precision's fidelity (kvtransport.model.blocks.DEFAULT_FIDELITY):
 
 - ``fidelity`` spends the budget: the highest fidelity with everything in place by the
   budget, among equal plans the one that finishes first;
-- ``ttft`` answers as soon as it can: the split that finishes first with every sent block
-  at the cheapest precision, then upgrades only with the link time that the receiver's
-  own compute leaves idle (so the finish does not move). The budget is then a cap, not a
-  target: a plan never finishes later than the ``fidelity`` plan for the same budget.
+- ``ttft`` answers as soon as it can: the split whose first token is out first
+  (:attr:`HandoffPlan.answer_at_s`; without ``answer_s``, the one that finishes first)
+  with every sent block at the cheapest precision, then upgrades only with the link time
+  that the receiver's own compute leaves idle (so that time does not move). The budget
+  is then a cap, not a target: a plan never answers later than the ``fidelity`` plan for
+  the same budget.
 
 The link time of ``b`` payload bytes is the loss-free wire time inflated by the expected
 loss and a repair margin, plus one one-way delay. When nothing fits the budget (even all
@@ -136,6 +147,8 @@ class HandoffPlan:
     hedge / hedge_bytes: the prefix's last tokens also sent, after the planned ranges,
         last first (0: none), and their bytes; the receiver's first call computes
         :attr:`first_call` tokens.
+    answer_s / tail: the question's forward time the plan assumed, and the context's last
+        tokens sent layer by layer (0: none; see the module docstring).
     """
 
     split: int
@@ -151,10 +164,28 @@ class HandoffPlan:
     order: str = "position"  # the stream order (ORDERS)
     hedge: int = 0
     hedge_bytes: int = 0
+    answer_s: float = 0.0
+    tail: int = 0
 
     @property
     def finish_s(self) -> float:
         return max(self.compute_s, self.link_s)
+
+    @property
+    def answer_at_s(self) -> float:
+        """When the question's first token is planned out: after the prefix and the pass,
+        and, with a tail, one layer's share of the pass after the link (the pass runs
+        while the tail arrives); without one, a whole pass after everything is in place."""
+        if self.tail:
+            layer_s = self.answer_s / self.precision.shape[0]
+            return max(self.compute_s + self.answer_s, self.link_s + layer_s)
+        return self.finish_s + self.answer_s
+
+    @property
+    def link_by_s(self) -> float:
+        """When the link must be done for the first token to be out at :attr:`answer_at_s`."""
+        layer_s = self.answer_s / self.precision.shape[0] if self.tail else self.answer_s
+        return self.answer_at_s - layer_s
 
     @property
     def first_call(self) -> int:
@@ -176,6 +207,8 @@ class HandoffPlan:
         front = f"receiver computes {front}"
         hedge = (f"; then the prefix's last {self.hedge} tokens as a hedge (in place at "
                  f"{self.send_s * 1e3:.0f} ms)" if self.hedge else "")  # fmt: skip
+        if self.tail:
+            front += f"; its last {self.tail} tokens cross layer by layer"
         return (
             f"{front}, the link carries {mix or 'nothing'} "
             f"blocks ({(self.payload_bytes + self.hedge_bytes) / 2**20:.1f} MiB); planned "
@@ -197,6 +230,7 @@ def plan_handoff(
     min_fidelity: float = DEFAULT_MIN_FIDELITY,
     order: str = "position",
     hedge_share: float = DEFAULT_HEDGE_SHARE,
+    answer_s: float = 0.0,
 ) -> HandoffPlan:
     """The best plan for ``budget_s`` seconds under ``objective`` (see the module
     docstring).
@@ -206,9 +240,10 @@ def plan_handoff(
     min_fidelity: the expected fidelity below which no plan goes while its levels can
     reach it (sent blocks are raised in utility order until they do; 0: no floor);
     order: the stream order (ORDERS), which only sets the expected arrivals;
-    hedge_share: the share of the prefix also sent as a hedge (0: none).
-    Raises ValueError for an unknown objective, order or level, or a floor or hedge share
-    outside [0, 1].
+    hedge_share: the share of the prefix also sent as a hedge (0: none); answer_s: the
+    question's forward time on the receiver (0: no tail, the plan ends at the cache).
+    Raises ValueError for an unknown objective, order or level, a floor or hedge share
+    outside [0, 1], or a negative answer_s.
     """
     g = geometry
     u = np.asarray(utilities, dtype=np.float64)
@@ -226,10 +261,13 @@ def plan_handoff(
         raise ValueError(f"order must be one of {', '.join(ORDERS)}, not {order!r}")
     if not 0.0 <= hedge_share <= 1.0:
         raise ValueError(f"hedge_share must be in [0, 1], not {hedge_share}")
+    if not answer_s >= 0.0:
+        raise ValueError(f"answer_s must be >= 0, not {answer_s}")
     u = u / u.sum()
     fid = np.array([(fidelity or DEFAULT_FIDELITY)[p] for p in levels])
     cost = g.cost_table(levels).reshape(g.num_layers, g.token_blocks, len(levels))
-    task = _Task(g, u, cost, fid, link, repair_margin, budget_s, levels, min_fidelity, order)
+    task = _Task(g, u, cost, fid, link, repair_margin, budget_s, levels, min_fidelity, order,
+                 answer_s if order == "position" else 0.0)  # fmt: skip
     best: tuple[tuple[float, float], HandoffPlan] | None = None
     fastest: tuple[float, int, HandoffPlan] | None = None
     for k in range(g.token_blocks + 1):
@@ -237,17 +275,17 @@ def plan_handoff(
         compute_s = float(speed.seconds(split))
         if compute_s > budget_s and best is not None:
             break  # a longer prefix only computes longer
-        if objective == "ttft" and fastest is not None and compute_s >= fastest[0]:
-            break  # nor can it finish sooner
+        if objective == "ttft" and fastest is not None and compute_s + answer_s >= fastest[0]:
+            break  # nor can it answer sooner
         level = task.floored(k)
         plan = task.plan(k, level, compute_s)
         if plan.fits and objective == "fidelity":
             plan = task.upgraded(k, level, compute_s, budget_s)
-            key = (round(plan.fidelity, 9), -plan.finish_s)
+            key = (round(plan.fidelity, 9), -plan.answer_at_s)
             if best is None or key > best[0]:
                 best = (key, plan)
-        if fastest is None or plan.finish_s < fastest[0]:
-            fastest = (plan.finish_s, k, plan)
+        if fastest is None or plan.answer_at_s < fastest[0]:
+            fastest = (plan.answer_at_s, k, plan)
     assert fastest is not None
     if best is not None:
         return task.hedged(best[1], hedge_share, speed)
@@ -255,7 +293,7 @@ def plan_handoff(
     if not quick.fits:
         return task.hedged(quick, hedge_share, speed)
     # ttft: the link time that the receiver's own compute leaves idle buys upgrades
-    return task.hedged(task.upgraded(k, task.floored(k), quick.compute_s, quick.finish_s),
+    return task.hedged(task.upgraded(k, task.floored(k), quick.compute_s, quick.link_by_s),
                        hedge_share, speed)  # fmt: skip
 
 
@@ -274,6 +312,7 @@ class _Task:
     levels: tuple[str, ...]
     min_fidelity: float
     order: str
+    answer_s: float
 
     @cached_property
     def codes(self) -> np.ndarray:
@@ -365,6 +404,10 @@ class _Task:
         seq = self.range_sequence
         cum = np.empty(g.token_blocks)
         cum[seq] = np.cumsum(per_range[seq])
+        t = self._tail_from(k, per_range)
+        if t < g.token_blocks:  # the tail's ranges complete with their last layer's blocks
+            before = cum[t] - per_range[t]
+            cum[t:] = before + block_bytes[:-1, t:].sum() + np.cumsum(block_bytes[-1, t:])
         expect = np.array([link.seconds(float(c), self.margin) for c in cum])
         expect[:k] = np.inf
         nbytes = int(per_range.sum())
@@ -384,7 +427,23 @@ class _Task:
             fits=compute_s <= self.budget_s and link_s <= self.budget_s,
             prefix_utility=float(u[:, :k].sum()),
             order=self.order,
+            answer_s=self.answer_s,
+            tail=max(g.num_tokens - t * g.block_tokens, 0) if t < g.token_blocks else 0,
         )
+
+    def _tail_from(self, k: int, per_range: np.ndarray) -> int:
+        """The first token range of the layer-major tail (token_blocks: none): the fewest
+        last ranges, at least two, whose bytes take the link ``answer_s`` (all the sent
+        ranges if they take less). Only for the position order, after the prefix's ``k``
+        ranges."""
+        nb = self.g.token_blocks
+        if self.answer_s <= 0 or self.order != "position" or nb - k < 2:
+            return nb
+        wire = np.cumsum(per_range[k:][::-1])  # bytes of the last 1, 2, ... ranges
+        times = np.array([self.link.seconds(float(b), self.margin) for b in wire])
+        enough = np.flatnonzero(times - self.link.one_way_s >= self.answer_s)
+        count = max(int(enough[0]) + 1 if enough.size else nb - k, 2)
+        return nb - count
 
 
 def parse_levels(spec: str | tuple[str, ...]) -> tuple[str, ...]:
@@ -406,14 +465,18 @@ def parse_levels(spec: str | tuple[str, ...]) -> tuple[str, ...]:
 
 def sending_order(plan: HandoffPlan, utilities: np.ndarray, block_tokens: int) -> np.ndarray:
     """Flat block indices in the order ``plan`` sends them: the ranges after its prefix in
-    the plan's order, then the hedge's ranges last first, then the rest of the prefix
-    (which the plan does not send: encode_stream leaves out blocks of precision -1)."""
+    the plan's order, its tail layer by layer (layer 0 of every tail range, then layer 1,
+    ...), then the hedge's ranges last first, then the rest of the prefix (which the plan
+    does not send: encode_stream leaves out blocks of precision -1)."""
+    nb = np.asarray(utilities).shape[1]
     base = stream_order(utilities, block_tokens, plan.order)
-    tblock = base % np.asarray(utilities).shape[1]
+    layer, tblock = np.divmod(base, nb)
     first, split = plan.first_call // block_tokens, -(-plan.split // block_tokens)
-    group = np.where(tblock >= split, 0, np.where(tblock >= first, 1, 2))
-    back = np.where(group == 1, -tblock, 0)  # the hedge, last range first
-    return base[np.lexsort((np.arange(base.size), back, group))]
+    tail_from = nb - -(-plan.tail // block_tokens)
+    group = np.where(tblock >= split, np.where(tblock >= tail_from, 1, 0),
+                     np.where(tblock >= first, 2, 3))  # fmt: skip
+    within = np.where(group == 1, layer * nb + tblock, np.where(group == 2, -tblock, 0))
+    return base[np.lexsort((np.arange(base.size), within, group))]
 
 
 def planned_stream(
@@ -428,6 +491,7 @@ def planned_stream(
     min_fidelity: float = DEFAULT_MIN_FIDELITY,
     order: str = "position",
     hedge_share: float = DEFAULT_HEDGE_SHARE,
+    answer_s: float = 0.0,
 ) -> tuple[HandoffPlan, EncodedStream]:
     """Plan a card's stream for ``budget_s`` and re-encode it the way the plan sends it.
 
@@ -435,7 +499,8 @@ def planned_stream(
     plan's stream order (``order``, one of ORDERS; the hedge last, :func:`sending_order`)
     at the planned precisions, without the receiver's first call. ``speed`` is the
     receiver's compute speed; None plans nothing for the receiver to compute (split 0).
-    token_ids: needed when the stream's manifest carries only their hash.
+    token_ids: needed when the stream's manifest carries only their hash; answer_s: the
+    question's forward time on the receiver (its tail, :func:`plan_handoff`).
     """
     m = stream.manifest
     g = m.geometry
@@ -449,10 +514,11 @@ def planned_stream(
     plan = plan_handoff(g, u, link=link, speed=speed or NO_RECEIVER_COMPUTE,
                         budget_s=budget_s, levels=levels, objective=objective,
                         min_fidelity=min_fidelity, order=order,
-                        hedge_share=hedge_share)  # fmt: skip
+                        hedge_share=hedge_share, answer_s=answer_s)  # fmt: skip
     sending = sending_order(plan, u, g.block_tokens)
     note = f"split {plan.split}, budget {budget_s * 1e3:.0f} ms"
     note += f", hedge {plan.hedge}" if plan.hedge else ""
+    note += f", tail {plan.tail}" if plan.tail else ""
     created = dict(m.created, plan=note if order == "position" else f"{note}, order {order}")
     out = encode_stream(full.cache, u, sending, plan.precision, block_tokens=g.block_tokens,
                         group_size=g.group_size, created=created)  # fmt: skip

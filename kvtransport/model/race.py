@@ -58,7 +58,7 @@ receiver receives.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property, partial
 from typing import Any, Protocol
@@ -89,6 +89,43 @@ def range_ready_at(manifest: Any, arrival_s: np.ndarray | None) -> np.ndarray:
     return ready.max(axis=0)
 
 
+def layer_ready_at(manifest: Any, arrival_s: np.ndarray | None) -> np.ndarray:
+    """``[layers, token ranges]``: when each block was complete (inf: never, or not in the
+    stream); arrival_s as :func:`range_ready_at` takes it."""
+    g = manifest.geometry
+    ready = np.full((g.num_layers, g.token_blocks), np.inf)
+    if arrival_s is not None and len(arrival_s):
+        ready[manifest.layer.astype(np.int64), manifest.token_block.astype(np.int64)] = arrival_s
+    return ready
+
+
+def layered_tail(manifest: Any) -> int | None:
+    """The first token range of the stream's layer-major tail (kvtransport.model.plan: the
+    context's last ranges sent layer by layer, so that the question's forward pass can run
+    while they arrive), or None when the stream has none.
+
+    The tail is recognised from the order alone: the context's last ranges, at least two,
+    each with blocks in the stream, whose blocks interleave with each other's, in layer then
+    range order; every other range's blocks are back to back."""
+    tb = manifest.token_block.astype(np.int64)
+    ranges = manifest.geometry.token_blocks
+    pos = np.arange(tb.size)
+    first = np.full(ranges, tb.size)
+    last = np.full(ranges, -1)
+    np.minimum.at(first, tb, pos)
+    np.maximum.at(last, tb, pos)
+    count = np.bincount(tb, minlength=ranges)
+    interleaved = (count > 0) & (last - first + 1 > count)
+    if not interleaved.any():
+        return None
+    t = int(np.flatnonzero(interleaved)[0])
+    if not interleaved[t:].all() or ranges - t < 2:
+        return None
+    tail = tb >= t
+    key = manifest.layer.astype(np.int64)[tail] * ranges + tb[tail]
+    return t if bool(np.all(np.diff(key) > 0)) else None
+
+
 def stream_rank(manifest: Any) -> np.ndarray:
     """Per token range, its place in the stream's sending order (the stream index of its
     last block; -1 for a range not in the stream), as :class:`LinkView` takes it."""
@@ -99,7 +136,7 @@ def stream_rank(manifest: Any) -> np.ndarray:
 class RaceStep:
     """One step of the race: what was done to which tokens, and when on the race clock."""
 
-    action: str  # "compute", "load" or "wait"
+    action: str  # "compute", "load", "wait" or "answer" (the question's first token)
     start: int  # first token
     tokens: int
     t0: float
@@ -116,6 +153,8 @@ class RaceResult:
     copy made when first asked for (not on the way to the first answer).
     seconds: race clock when the last token was in place (from the transfer's start).
     computed / loaded: tokens computed by the receiver / loaded from the link.
+    first_token / answer_s: with a question, its first answer token and the race clock
+    when it was out (the time to first token); None without one.
     """
 
     builder: CacheBuilder
@@ -124,6 +163,8 @@ class RaceResult:
     loaded: int
     waited_s: float
     steps: list[RaceStep] = field(default_factory=list)
+    first_token: int | None = None
+    answer_s: float | None = None
 
     @property
     def model_cache(self) -> Any:
@@ -158,7 +199,8 @@ class LinkView:
     manifest): silence then stops the waiting, but the receiver computes in chunks that
     double, so a late transfer still counts. rank: per token range, its place in the
     stream's order (:func:`stream_rank`; ranges complete in increasing rank); None: front
-    first (position order).
+    first (position order). layered_from: the first token range of the stream's
+    layer-major tail (:func:`layered_tail`; None: none).
     """
 
     expect_at: np.ndarray
@@ -168,6 +210,7 @@ class LinkView:
     start_s: float = 0.0
     settled: bool = True
     rank: np.ndarray | None = None
+    layered_from: int | None = None
 
     def silent(self, ready_at: np.ndarray, clock: float) -> bool:
         """Nothing more will arrive: the sender has stopped, or the link never delivered
@@ -228,10 +271,20 @@ class Arrivals(Protocol):
         reveals its plan)."""
         ...
 
+    def layer_ready_at(self, layer: int) -> np.ndarray:
+        """Per token range, when its block of ``layer`` was complete (inf: not yet, or
+        never)."""
+        ...
+
     def received(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray] | None:
         """The received K/V ``[layers, heads, hi - lo, dim]`` of tokens ``[lo, hi)``, whole
         token ranges that :meth:`ready_at` reports in place; None when one of them failed
         its check after all (it is then never ready)."""
+        ...
+
+    def received_layer(self, layer: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """:meth:`received` of one layer (``[heads, hi - lo, dim]``), whole token ranges
+        that :meth:`layer_ready_at` reports in place."""
         ...
 
     def run(self, fn: Callable[[], None]) -> tuple[float, float]:
@@ -239,8 +292,9 @@ class Arrivals(Protocol):
         ``(start, end)`` on the race clock."""
         ...
 
-    def wait(self, r: int, until: float) -> None:
-        """Let the clock run until range ``r`` is ready or ``until``, whichever is first."""
+    def wait(self, r: int, until: float, layer: int | None = None) -> None:
+        """Let the clock run until range ``r`` is ready (its block of ``layer``, if given)
+        or ``until``, whichever is first. It may be called during :meth:`run`'s work."""
         ...
 
 
@@ -252,31 +306,52 @@ by its decoding thread, :class:`ReplayArrivals`)."""
 
 class ReplayArrivals:
     """A transfer's measured arrival timeline on a virtual clock: work advances it by its
-    measured wall time, a wait jumps it to the arrival (or to the end of the wait).
+    measured wall time, a wait jumps it to the arrival (or to the end of the wait), also a
+    wait during work (the layer-by-layer answer, :func:`race`).
 
     With a received stream to decode, the live receiver's decoding thread (on the
     receiver's other core: kvtransport.model.live_race) is modelled as a queue: each range
-    is checked and decoded once complete, in arrival order, one after the other, each
-    taking its measured wall time (decoded here, up front). Loading a range whose decoding
-    is not done by then waits for it (the clock moves to when it is)."""
+    (but those of the link's layer-major tail, which the answer decodes a layer at a time
+    as it loads them) is checked and decoded once complete, in arrival order, one after the
+    other, each taking its measured wall time (decoded here, up front). Loading a range
+    whose decoding is not done by then waits for it (the clock moves to when it is).
 
-    def __init__(self, ready_at: np.ndarray, received: Received | None, link: LinkView) -> None:
+    layer_ready: ``[layers, ranges]`` per block (:func:`layer_ready_at`); None: every layer
+    of a range at its ``ready_at``.
+    """
+
+    def __init__(
+        self,
+        ready_at: np.ndarray,
+        received: Received | None,
+        link: LinkView,
+        layer_ready: np.ndarray | None = None,
+    ) -> None:
         self._ready = ready_at.copy() if received is not None else np.full_like(ready_at, np.inf)
+        self._layers = None
+        if layer_ready is not None:  # nothing is ever ready without what arrived
+            self._layers = layer_ready.copy() if received is not None else np.full_like(
+                layer_ready, np.inf)  # fmt: skip
         self._received = received
         self._link = link
-        self._clock = 0.0
         self._not_before = 0.0  # the work under way cannot end before this (a decode)
         self._decoded_at = np.zeros_like(self._ready)
         if isinstance(received, tuple):
             self._decoded_at = self._decode_in_arrival_order(*received)
+        self._clock = 0.0  # the race clock at the wall-clock mark, while work runs
+        self._mark: float | None = None
 
     def _decode_in_arrival_order(self, decoder: RangeDecoder, payload: np.ndarray) -> np.ndarray:
-        """Per token range, when the decoding thread has it decoded (inf: never arrived)."""
+        """Per token range, when the decoding thread has it decoded (inf: never arrived, or
+        in the layer-major tail)."""
         done = np.full_like(self._ready, np.inf)
         busy_until = 0.0
+        tail = self._link.layered_from
         for r in np.argsort(self._ready, kind="stable"):
             if not np.isfinite(self._ready[r]):
                 break
+            if tail is not None and r >= tail:
+                continue
             w0 = time.perf_counter()
             decoder.take_range(payload, int(r))
             busy_until = max(busy_until, float(self._ready[r])) + time.perf_counter() - w0
@@ -284,10 +359,15 @@ class ReplayArrivals:
         return done
 
     def now(self) -> float:
-        return self._clock
+        if self._mark is None:
+            return self._clock
+        return self._clock + time.perf_counter() - self._mark
 
     def ready_at(self) -> np.ndarray:
         return self._ready
+
+    def layer_ready_at(self, layer: int) -> np.ndarray:
+        return self._ready if self._layers is None else self._layers[layer]
 
     def link(self) -> LinkView:
         return self._link
@@ -300,22 +380,47 @@ class ReplayArrivals:
         decoder, payload = got
         bt = decoder.manifest.geometry.block_tokens
         self._not_before = float(self._decoded_at[lo // bt : -(-hi // bt)].max())
+        if not np.isfinite(self._not_before):  # not the thread's: decoded here, on the clock
+            self._not_before = 0.0
         kv = decoder.take(payload, lo, hi)
-        if kv is None:  # a range with a corrupt block is never ready
-            m = decoder.manifest
-            self._ready[np.unique(m.token_block[decoder.failed].astype(np.int64))] = np.inf
+        if kv is None:
+            self._fail(decoder)
         return kv
+
+    def received_layer(self, layer: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray] | None:
+        got = self._received
+        assert got is not None  # nothing is ever ready without it
+        if isinstance(got, KVCache):
+            return got.keys[layer, :, lo:hi], got.values[layer, :, lo:hi]
+        decoder, payload = got
+        kv = decoder.take_layer(payload, layer, lo, hi)
+        if kv is None:
+            self._fail(decoder)
+        return kv
+
+    def _fail(self, decoder: RangeDecoder) -> None:
+        """A range with a corrupt block is never ready."""
+        bad = np.unique(decoder.manifest.token_block[decoder.failed].astype(np.int64))
+        self._ready[bad] = np.inf
+        if self._layers is not None:
+            self._layers[:, bad] = np.inf
 
     def run(self, fn: Callable[[], None]) -> tuple[float, float]:
         t0 = self._clock
-        w0 = time.perf_counter()
-        fn()
-        self._clock = max(t0 + time.perf_counter() - w0, self._not_before)
-        self._not_before = 0.0
+        self._mark = time.perf_counter()
+        try:
+            fn()
+        finally:
+            self._clock = max(self.now(), self._not_before)
+            self._mark = None
+            self._not_before = 0.0
         return t0, self._clock
 
-    def wait(self, r: int, until: float) -> None:
-        self._clock = min(float(self._ready[r]), until)
+    def wait(self, r: int, until: float, layer: int | None = None) -> None:
+        ready = self._ready if layer is None else self.layer_ready_at(layer)
+        self._clock = max(self.now(), min(float(ready[r]), until))
+        if self._mark is not None:
+            self._mark = time.perf_counter()
 
 
 def run_race(
@@ -329,6 +434,8 @@ def run_race(
     speed: ComputeSpeed,
     block_tokens: int,
     max_chunk: int = DEFAULT_MAX_CHUNK,
+    layer_ready: np.ndarray | None = None,
+    question_ids: Sequence[int] | None = None,
 ) -> RaceResult:
     """Replay the race (see the module docstring) and return the cache it built.
 
@@ -336,7 +443,8 @@ def run_race(
         or the received stream to decode range by range as the race loads it
         (:data:`Received`), or None when nothing arrived; ready_at: per token range of
         ``block_tokens``, when it was complete at the receiver (inf: never); link: the
-        plan's view of the link.
+        plan's view of the link; layer_ready: per block (:class:`ReplayArrivals`);
+        question_ids: as :func:`race` takes them.
     """
     n = len(token_ids)
     ranges = -(-n // block_tokens)
@@ -345,8 +453,9 @@ def run_race(
     if any(s != (ranges,) for s in shapes):
         raise ValueError(f"ready_at and the link's expect_at (and rank) must have {ranges} "
                          "token ranges")  # fmt: skip
-    return race(model, token_ids, ReplayArrivals(ready_at, received, link), split=split,
-                speed=speed, block_tokens=block_tokens, max_chunk=max_chunk)  # fmt: skip
+    src = ReplayArrivals(ready_at, received, link, layer_ready)
+    return race(model, token_ids, src, split=split, speed=speed, block_tokens=block_tokens,
+                max_chunk=max_chunk, question_ids=question_ids)  # fmt: skip
 
 
 def race(
@@ -359,6 +468,7 @@ def race(
     block_tokens: int,
     max_chunk: int = DEFAULT_MAX_CHUNK,
     builder: CacheBuilder | None = None,
+    question_ids: Sequence[int] | None = None,
 ) -> RaceResult:
     """The race's decision loop (see the module docstring) against ``src``: the replay
     (:func:`run_race`) and the live receiver (kvtransport.model.live_race) both run it.
@@ -367,6 +477,17 @@ def race(
     receiver's compute speed, which sizes waits against computes; builder: what builds the
     cache (default: a new CacheBuilder of ``model`` and ``token_ids``). Returns the whole
     cache of ``token_ids`` with the race clock when its last token was in place.
+
+    question_ids: the race ends with the question's first answer token
+    (:attr:`RaceResult.first_token`, out at :attr:`RaceResult.answer_s`). Where the stream
+    ends in a layer-major tail (:attr:`LinkView.layered_from`) and waiting for it beats
+    computing it and then running the question (``speed.answer_seconds``), the race builds
+    the cache up to the tail and then runs the question through the model while the tail
+    arrives, each layer's part loaded just before that layer runs
+    (kvtransport.model.cache_builder.CacheBuilder.answer), so that the first token is out
+    about one layer's time after the last block; should the tail stop
+    arriving (the sender's deadline passes, or a block fails its check), the pass is
+    abandoned and the race goes on as without it.
     """
     n = len(token_ids)
     ranges = -(-n // block_tokens)
@@ -384,11 +505,29 @@ def race(
         timed("compute", split, b.compute, split)
     range_cost = float(speed.seconds(block_tokens))
     computes_in_a_row = 0
+    first_token: list[int] = []
+    tail_in: list[float] = []  # when the layer-major tail's last layer was in place
+    tail_tried = False
     while b.filled < n:
         clock = src.now()
         ready_at = src.ready_at()
         link = src.link()
         r = b.filled // block_tokens
+        if question_ids is not None and not tail_tried and link.layered_from == r:
+            due = link.expected(ready_at, ranges - 1, clock)  # the tail's last range
+            pass_s = speed.answer_seconds(len(question_ids), n)
+            computing = clock + speed.seconds(n - b.filled) + pass_s  # then the pass
+            if np.isfinite(due) and computing >= due + pass_s / b.num_layers:
+                tail_tried = True  # answer while the tail arrives; once
+                lo = b.filled
+                try:
+                    t0, t1 = src.run(partial(_answer_over_tail, src, b, question_ids, r,
+                                             range_cost, first_token, tail_in))  # fmt: skip
+                except TailLost:
+                    steps.append(RaceStep("wait", lo, 0, clock, src.now()))
+                    continue
+                steps.append(RaceStep("answer", lo, n - lo, t0, t1))
+                break
         if ready_at[r] <= clock:  # load every range in place by now, in one go
             end = r
             while end < ranges and ready_at[end] <= clock:
@@ -437,8 +576,53 @@ def race(
         computes_in_a_row += 1
     computed = sum(s.tokens for s in steps if s.action == "compute")
     waited = sum(s.t1 - s.t0 for s in steps if s.action == "wait")
-    seconds = src.now()  # the last token is in place
-    return RaceResult(b, seconds, computed, n - computed, waited, steps)
+    seconds = tail_in[-1] if tail_in else src.now()  # the last token is in place
+    if question_ids is not None and not first_token:
+        t0, t1 = src.run(lambda: first_token.append(b.answer(question_ids)))
+        steps.append(RaceStep("answer", n, 0, t0, t1))
+    answer_s = src.now() if question_ids is not None else None
+    return RaceResult(b, seconds, computed, n - computed, waited, steps,
+                      first_token[0] if first_token else None, answer_s)  # fmt: skip
+
+
+class TailLost(Exception):
+    """The layer-major tail stopped arriving during the answer (:func:`race`)."""
+
+
+def _answer_over_tail(
+    src: Arrivals,
+    b: CacheBuilder,
+    question_ids: Sequence[int],
+    tail_from: int,
+    range_cost: float,
+    out: list[int],
+    tail_in: list[float],
+) -> None:
+    """Run the question through the model while the context's tail (its token ranges from
+    ``tail_from`` on) arrives layer by layer; appends the first answer token to ``out``
+    and the race clock when each layer's part was in place to ``tail_in``.
+    Raises :class:`TailLost` when a layer's part is no longer expected (see :func:`race`);
+    the builder is then as it was."""
+    lo, n = b.filled, b.num_tokens
+
+    def tail_layer(layer: int) -> tuple[np.ndarray, np.ndarray]:
+        while True:
+            clock = src.now()
+            late = np.flatnonzero(src.layer_ready_at(layer)[tail_from:] > clock)
+            if not late.size:
+                break
+            r = tail_from + int(late[0])
+            due = src.link().expected(src.ready_at(), r, clock)  # r in every layer: a bound
+            if not np.isfinite(due):
+                raise TailLost(f"layer {layer} of token range {r} is no longer expected")
+            src.wait(r, clock + max(POLL_S, min(due - clock, range_cost)), layer=layer)
+        got = src.received_layer(layer, lo, n)
+        if got is None:
+            raise TailLost(f"a block of layer {layer} failed its check")
+        tail_in.append(src.now())
+        return got
+
+    out.append(b.answer(question_ids, tail_layer))
 
 
 def _fetch_and_load(src: Arrivals, b: CacheBuilder, lo: int, hi: int, passed: list[bool]) -> None:
