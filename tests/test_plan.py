@@ -330,3 +330,25 @@ def test_the_tail_crosses_layer_by_layer_and_the_plan_answers_sooner():
     # the back order has no tail (its last ranges go first)
     back, back_s = planned_stream(card, **kw, answer_s=answer_s, order="back")
     assert back.tail == 0 and layered_tail(back_s.manifest) is None
+
+
+def test_send_plans_a_tail_when_told_the_racing_receivers_question_length():
+    """kvtransport.send / a sender daemon submit plan through handoff_plan and as_transfer:
+    with the receiver's speed and its question's length, the stream ends in a layer-major
+    tail; with the speed alone it does not; a question length of 0 is refused."""
+    from kvtransport.embed.inprocess import as_transfer, handoff_plan
+    from kvtransport.errors import UserError
+    from kvtransport.model.race import layered_tail
+
+    g, kv, u = _random_cache()
+    card = blocks.encode_stream(kv, u, utility.stream_order(u, g.block_tokens))
+    speed = ComputeSpeed(per_call_s=0.001, per_token_s=0.0004)
+    tails = []
+    for question in (None, 20):
+        plan = handoff_plan(200.0, "auto", 10.0, loss_estimate=0.0, receiver_speed=speed,
+                            question_tokens=question)  # fmt: skip
+        t = as_transfer(card, plan)
+        tails.append(layered_tail(blocks.Manifest.from_bytes(t.app_metadata)))
+    assert tails[0] is None and tails[1] is not None
+    with pytest.raises(UserError, match="question_tokens"):
+        handoff_plan(200.0, "auto", 10.0, receiver_speed=speed, question_tokens=0)

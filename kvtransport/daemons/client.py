@@ -192,12 +192,14 @@ class SenderClient(_DaemonClient):
         loss_estimate: float = 0.05,
         receiver_speed: Any = None,
         rate_mbps: float | None = None,
+        question_tokens: int | None = None,
     ) -> str:
         """Start a transfer to the receiver at ``to`` (HOST:PORT); returns its transfer id
         (16 hex digits). ``transfer``: a :class:`Transfer` (sent as it is), or a cache card
         (path), KVCache or block stream, which with ``deadline_ms`` is sent as the handoff
         plan encodes it, planned here as kvtransport.send does (``precision``,
-        ``loss_estimate``, ``receiver_speed``: see kvtransport.embed.inprocess.send) for
+        ``loss_estimate``, ``receiver_speed``, ``question_tokens``: see
+        kvtransport.embed.inprocess.send) for
         ``rate_mbps`` (default: the daemon's link rate); "keep" sends it as it is."""
         if not isinstance(transfer, Transfer):
             from kvtransport.embed.inprocess import as_transfer, handoff_plan
@@ -209,6 +211,7 @@ class SenderClient(_DaemonClient):
                 plan = handoff_plan(
                     deadline_ms, precision, rate, loss_estimate=loss_estimate,
                     initial_rtt_ms=rtt_ms, receiver_speed=receiver_speed,
+                    question_tokens=question_tokens,
                 )  # fmt: skip
             transfer = as_transfer(transfer, plan)
         head: dict[str, Any] = {"op": "submit", "to": to, "weight": weight, "label": label}

@@ -160,10 +160,12 @@ def handoff_plan(
     initial_rtt_ms: float = DEFAULT_INITIAL_RTT * 1e3,
     symbol_size: int = DEFAULT_SYMBOL_SIZE,
     receiver_speed: ComputeSpeed | None = None,
+    question_tokens: int | None = None,
 ) -> tuple | None:
     """What :func:`as_transfer` plans a cache with (its ``plan``) for :func:`send`'s
     options (and a sender daemon submit's, kvtransport.daemons.client): None without a
-    deadline or with ``precision`` "keep"; UserError for bad levels or loss estimate."""
+    deadline or with ``precision`` "keep"; UserError for bad levels, loss estimate or
+    question length."""
     if deadline_ms is None or precision == "keep":
         return None
     from kvtransport.model.plan import LinkEstimate, parse_levels
@@ -174,9 +176,11 @@ def handoff_plan(
         raise UserError(str(exc)) from None
     if not 0 <= loss_estimate < 0.9:
         raise UserError(f"loss_estimate must be in [0, 0.9), not {loss_estimate}")
+    if question_tokens is not None and not 0 < question_tokens <= 100_000:
+        raise UserError(f"question_tokens must be a positive count, not {question_tokens}")
     link = LinkEstimate(float(rate_mbps) * 1e6, loss_estimate, initial_rtt_ms * 5e-4,
                         symbol_size)  # fmt: skip
-    return (link, float(deadline_ms) * 1e-3, levels, receiver_speed)
+    return (link, float(deadline_ms) * 1e-3, levels, receiver_speed, question_tokens)
 
 
 def as_transfer(what: Any, plan: Any = None) -> Transfer:
@@ -184,10 +188,12 @@ def as_transfer(what: Any, plan: Any = None) -> Transfer:
     stream (kvtransport.model.blocks.EncodedStream) or a KVCache (encoded with the card
     defaults: utility order, utilities from its attention statistics or the prior).
 
-    plan: None, or ``(link, budget_s, levels)`` or ``(link, budget_s, levels, speed)`` to
-    send a cache, card or stream as the handoff plan encodes it for that budget
+    plan: None, or ``(link, budget_s, levels[, speed[, question_tokens]])`` to send a
+    cache, card or stream as the handoff plan encodes it for that budget
     (kvtransport.model.plan.planned_stream; ``speed``: the receiver's compute speed, None: it
-    computes nothing); a :class:`Transfer` is opaque bytes and is sent as it is.
+    computes nothing; ``question_tokens``: the length of the question the receiver runs
+    while the stream's last ranges arrive layer by layer, None: no such tail); a
+    :class:`Transfer` is opaque bytes and is sent as it is.
     """
     from kvtransport.model import blocks, card
     from kvtransport.model.kvcache import KVCache
@@ -209,14 +215,19 @@ def as_transfer(what: Any, plan: Any = None) -> Transfer:
     if plan is not None:
         from kvtransport.model.plan import planned_stream
 
-        link, budget_s, levels, *speed = plan
+        link, budget_s, levels, *racer = plan
+        speed = racer[0] if racer else None
+        question = racer[1] if len(racer) > 1 else None
+        answer_s = 0.0
+        if speed is not None and question:  # it runs the question while the tail arrives
+            answer_s = speed.answer_seconds(question, what.manifest.geometry.num_tokens)
         try:
             # a racing receiver answers soonest with the split that finishes first (the
             # deadline a cap); without one, the plan spends the deadline on precision
-            racing = bool(speed) and speed[0] is not None
+            objective = "ttft" if speed is not None else "fidelity"
             _, what = planned_stream(what, link=link, budget_s=budget_s, levels=levels,
-                                     speed=speed[0] if speed else None,
-                                     objective="ttft" if racing else "fidelity")  # fmt: skip
+                                     speed=speed, answer_s=answer_s,
+                                     objective=objective)  # fmt: skip
         except ValueError as exc:
             raise UserError(f"cannot plan this cache: {exc}") from None
     return Transfer.from_encoded_stream(what)
@@ -270,6 +281,7 @@ def send(
     precision: str | tuple[str, ...] = "auto",
     loss_estimate: float = 0.05,
     receiver_speed: ComputeSpeed | None = None,
+    question_tokens: int | None = None,
 ) -> dict[str, Any]:
     """Send a KV cache to a receiver (``kvtransport.Receiver``, ``kvtransport recv`` or a
     receiver daemon) at ``to`` and return when the transfer is over.
@@ -290,7 +302,11 @@ def send(
     (:meth:`Receiver.race`): the plan leaves it the context's front to compute while the
     rest streams in, and does not send that front, splitting where the whole cache is in
     place soonest (kvtransport.model.plan's ``ttft`` objective; the deadline is then a cap);
-    None sends every token range.
+    None sends every token range. ``question_tokens`` (with ``receiver_speed``): the
+    receiver races with its question (``Receiver.race(question_ids=...)``) of about this
+    many tokens: the plan sends the context's last ranges layer by layer, so that the
+    receiver runs the question through its model while they arrive, and splits where the
+    first token is out soonest.
 
     Returns the sender's final status (``transfer_id``, ``finish_reason``,
     ``decoded_through`` of ``n_source``, datagrams, loss estimate, ...). Blocks the calling
@@ -304,7 +320,8 @@ def send(
     local = parse_address(bind, what="bind")
     plan = handoff_plan(deadline_ms, precision, rate_mbps, loss_estimate=loss_estimate,
                         initial_rtt_ms=initial_rtt_ms, symbol_size=symbol_size,
-                        receiver_speed=receiver_speed)  # fmt: skip
+                        receiver_speed=receiver_speed,
+                        question_tokens=question_tokens)  # fmt: skip
     transfer = as_transfer(cache_or_card, plan)
     policy = policy or transfer_policy(transfer, initial_rtt_ms * 1e-3)
     make_policy(policy)
