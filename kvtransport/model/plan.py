@@ -275,7 +275,7 @@ def plan_handoff(
         compute_s = float(speed.seconds(split))
         if compute_s > budget_s and best is not None:
             break  # a longer prefix only computes longer
-        if objective == "ttft" and fastest is not None and compute_s + answer_s >= fastest[0]:
+        if objective == "ttft" and fastest is not None and compute_s + task.answer_s >= fastest[0]:
             break  # nor can it answer sooner
         level = task.floored(k)
         plan = task.plan(k, level, compute_s)
