@@ -208,8 +208,8 @@ def test_one_layer_of_whole_ranges_is_checked_and_decoded_on_its_own():
     src = ReplayArrivals(ready, (blocks.RangeDecoder(m), payload), _link(ready),
                          layer_ready_at(m, arrival))  # fmt: skip
     assert src.received_layer(2, 4 * BT, 5 * BT) is None
-    assert np.isinf(src.ready_at()[4]) and np.isinf(src.layer_ready_at(0)[4])
-    assert src.layer_ready_at(0)[3] == 0.0
+    assert np.isinf(src.ready_at()[4]) and np.all(np.isinf(src.block_ready_at()[:, 4]))
+    assert np.all(src.block_ready_at()[:, 3] == 0.0)
 
 
 def test_a_hole_is_waited_for_while_repair_may_fill_it(smollm, context):
@@ -600,34 +600,59 @@ def test_the_question_runs_through_the_model_while_the_layered_tail_arrives(smol
     assert res.answer_s - res.seconds < 0.5 * pass_s
 
 
-def test_a_tail_that_stops_arriving_is_given_up_and_the_answer_is_exact(smollm, context):
-    """The tail's last layer of its last range never comes and the sender stops: the race
-    gives up the pass it began (the cache back as it was), computes that range, loads the
-    others and answers with the full cache's first token."""
-    from kvtransport.model.race import layered_tail
+def test_a_hole_in_the_tail_is_given_up_soon_and_the_answer_is_exact(smollm, context):
+    """A block of the tail never comes (no repair) while the blocks after it do: the race
+    gives up the pass it began hole_wait_s after the next block came, long before the
+    tail's end and the sender's deadline, with the cache back as it was; it then loads the
+    ranges that came whole, computes the one with the hole, and answers with the full
+    cache's first token."""
+    from kvtransport.model.race import DEFAULT_HOLE_WAIT_S, layered_tail
 
     ctx, question, kv = context
     ranges = -(-len(ctx) // BT)
     s, arrival = _tailed_stream(kv, 2, 4)
     m = s.manifest
     planned = range_ready_at(m, arrival)
-    arrival[-1] = np.inf  # layer 29 of the last range
+    hole = int(np.flatnonzero((m.token_block == ranges - 3) & (m.layer == 3))[0])
+    arrival[hole] = np.inf
     payload = s.payload.copy()
-    payload[m.offset[-1] : m.offset[-1] + m.length[-1]] = 7  # garbage that must not load
-    ready = range_ready_at(m, arrival)
+    payload[m.offset[hole] : m.offset[hole] + m.length[hole]] = 7  # garbage: never loaded
     full = CacheBuilder(smollm.model, ctx)
     full.compute(len(ctx))
     want = full.answer(question)
-    deadline = float(arrival[-2])
     res = run_race(smollm.model, ctx, split=2 * BT, received=(blocks.RangeDecoder(m), payload),
-                   ready_at=ready, layer_ready=layer_ready_at(m, arrival),
+                   ready_at=range_ready_at(m, arrival), layer_ready=layer_ready_at(m, arrival),
                    link=LinkView(planned, np.where(np.isfinite(planned), RANGE_BYTES, 0),
-                                 deadline, rank=stream_rank(m),
-                                 layered_from=layered_tail(m)),
+                                 10.0, rank=stream_rank(m), layered_from=layered_tail(m)),
                    speed=SLOW, block_tokens=BT, question_ids=question)  # fmt: skip
     assert res.first_token == want
     assert _err(res.kv, kv) < TOL
     acts = [(x.action, x.start // BT) for x in res.steps]
-    assert ("wait", ranges - 4) in acts  # the pass begun and given up
-    assert acts[-2:] == [("compute", ranges - 1), ("answer", len(ctx) // BT)]
-    assert res.recomputed == len(ctx) - (ranges - 1) * BT
+    gave_up = res.steps[acts.index(("wait", ranges - 4))]
+    assert gave_up.t1 >= arrival[hole + 1] + DEFAULT_HOLE_WAIT_S  # waited for repair
+    assert gave_up.t1 < arrival[-1]  # and gave up before the tail was over
+    computed = [x.start // BT for x in res.steps if x.action == "compute"]
+    assert computed == [0, ranges - 3] and res.recomputed == BT
+
+
+def test_a_dead_link_gives_up_a_whole_context_tail_at_once(smollm, context):
+    """The plan sends the whole context layer by layer (the receiver computes nothing) and
+    nothing arrives: the race gives up waiting hole_wait_s after the start and computes
+    everything, exactly."""
+    from kvtransport.model.race import DEFAULT_HOLE_WAIT_S, layered_tail
+
+    ctx, question, kv = context
+    ranges = -(-len(ctx) // BT)
+    s, arrival = _tailed_stream(kv, 0, ranges)
+    m = s.manifest
+    assert layered_tail(m) == 0
+    planned = range_ready_at(m, arrival)
+    res = run_race(smollm.model, ctx, split=0, received=None, ready_at=planned,
+                   layer_ready=layer_ready_at(m, arrival),
+                   link=LinkView(planned, np.full(ranges, RANGE_BYTES), 10.0,
+                                 rank=stream_rank(m), layered_from=0),
+                   speed=SLOW, block_tokens=BT, question_ids=question)  # fmt: skip
+    first = res.steps[0]
+    assert (first.action, first.start) == ("wait", 0)
+    assert first.t1 - first.t0 < DEFAULT_HOLE_WAIT_S + 0.05
+    assert res.computed == len(ctx) and _err(res.kv, kv) < TOL

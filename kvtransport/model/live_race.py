@@ -147,11 +147,11 @@ class LiveArrivals:
         arrival = self._arrival()
         return self._never if arrival is None else range_ready_at(self._manifest, arrival)
 
-    def layer_ready_at(self, layer: int) -> np.ndarray:
+    def block_ready_at(self) -> np.ndarray:
         arrival = self._arrival()
         if arrival is None:
-            return self._never
-        return layer_ready_at(self._manifest, arrival)[layer]
+            return self._never[None, :]
+        return layer_ready_at(self._manifest, arrival)
 
     def _arrival(self) -> np.ndarray | None:
         """Per block, when it was complete on the race clock (inf: not yet, or it failed
@@ -183,7 +183,7 @@ class LiveArrivals:
 
     def received_layer(self, layer: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray] | None:
         d, s = self._decoder, self._session
-        assert d is not None and s is not None  # layer_ready_at reported these ranges
+        assert d is not None and s is not None  # block_ready_at reported these blocks
         with self._decoding:
             got = d.take_layer(s.payload_buffer, layer, lo, hi)
         if got is None:
@@ -198,7 +198,7 @@ class LiveArrivals:
     def wait(self, r: int, until: float, layer: int | None = None) -> None:
         known = self._manifest is not None
         while (now := self.now()) < until:
-            ready = self.ready_at() if layer is None else self.layer_ready_at(layer)
+            ready = self.ready_at() if layer is None else self.block_ready_at()[layer]
             if ready[r] <= now or (self._manifest is not None) != known:
                 return  # the range came, or the plan became known: look again
             time.sleep(min(WAIT_POLL_S, until - now))

@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property, partial
 from typing import Any, Protocol
 
@@ -271,8 +271,8 @@ class Arrivals(Protocol):
         reveals its plan)."""
         ...
 
-    def layer_ready_at(self, layer: int) -> np.ndarray:
-        """Per token range, when its block of ``layer`` was complete (inf: not yet, or
+    def block_ready_at(self) -> np.ndarray:
+        """``[layers, token ranges]``: when each block was complete (inf: not yet, or
         never)."""
         ...
 
@@ -284,7 +284,7 @@ class Arrivals(Protocol):
 
     def received_layer(self, layer: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray] | None:
         """:meth:`received` of one layer (``[heads, hi - lo, dim]``), whole token ranges
-        that :meth:`layer_ready_at` reports in place."""
+        whose blocks of that layer :meth:`block_ready_at` reports in place."""
         ...
 
     def run(self, fn: Callable[[], None]) -> tuple[float, float]:
@@ -317,7 +317,7 @@ class ReplayArrivals:
     whose decoding is not done by then waits for it (the clock moves to when it is).
 
     layer_ready: ``[layers, ranges]`` per block (:func:`layer_ready_at`); None: every layer
-    of a range at its ``ready_at``.
+    of a range at its ``ready_at`` (as many layers as ``received`` has).
     """
 
     def __init__(
@@ -328,10 +328,16 @@ class ReplayArrivals:
         layer_ready: np.ndarray | None = None,
     ) -> None:
         self._ready = ready_at.copy() if received is not None else np.full_like(ready_at, np.inf)
-        self._layers = None
-        if layer_ready is not None:  # nothing is ever ready without what arrived
-            self._layers = layer_ready.copy() if received is not None else np.full_like(
-                layer_ready, np.inf)  # fmt: skip
+        if layer_ready is None:
+            layers = 1
+            if isinstance(received, KVCache):
+                layers = received.num_layers
+            elif received is not None:
+                layers = received[0].manifest.geometry.num_layers
+            layer_ready = np.broadcast_to(ready_at, (layers, ready_at.size))
+        # nothing is ever ready without what arrived
+        self._layers = layer_ready.copy() if received is not None else np.full_like(
+            layer_ready, np.inf)  # fmt: skip
         self._received = received
         self._link = link
         self._not_before = 0.0  # the work under way cannot end before this (a decode)
@@ -366,8 +372,8 @@ class ReplayArrivals:
     def ready_at(self) -> np.ndarray:
         return self._ready
 
-    def layer_ready_at(self, layer: int) -> np.ndarray:
-        return self._ready if self._layers is None else self._layers[layer]
+    def block_ready_at(self) -> np.ndarray:
+        return self._layers
 
     def link(self) -> LinkView:
         return self._link
@@ -402,8 +408,7 @@ class ReplayArrivals:
         """A range with a corrupt block is never ready."""
         bad = np.unique(decoder.manifest.token_block[decoder.failed].astype(np.int64))
         self._ready[bad] = np.inf
-        if self._layers is not None:
-            self._layers[:, bad] = np.inf
+        self._layers[:, bad] = np.inf
 
     def run(self, fn: Callable[[], None]) -> tuple[float, float]:
         t0 = self._clock
@@ -417,7 +422,7 @@ class ReplayArrivals:
         return t0, self._clock
 
     def wait(self, r: int, until: float, layer: int | None = None) -> None:
-        ready = self._ready if layer is None else self.layer_ready_at(layer)
+        ready = self._ready if layer is None else self._layers[layer]
         self._clock = max(self.now(), min(float(ready[r]), until))
         if self._mark is not None:
             self._mark = time.perf_counter()
@@ -485,9 +490,12 @@ def race(
     the cache up to the tail and then runs the question through the model while the tail
     arrives, each layer's part loaded just before that layer runs
     (kvtransport.model.cache_builder.CacheBuilder.answer), so that the first token is out
-    about one layer's time after the last block; should the tail stop
-    arriving (the sender's deadline passes, or a block fails its check), the pass is
-    abandoned and the race goes on as without it.
+    about one layer's time after the last block. Should a block of the tail not come in
+    time (:func:`tail_block_due`) or fail its check, the pass is abandoned (the cache as it
+    was): for a hole the race goes on as without a tail (it waits for the ranges still
+    arriving and recomputes the one with the hole); for a stalled link or after the
+    sender's deadline it finishes as after the deadline, loading the ranges in place and
+    computing the rest.
     """
     n = len(token_ids)
     ranges = -(-n // block_tokens)
@@ -508,10 +516,13 @@ def race(
     first_token: list[int] = []
     tail_in: list[float] = []  # when the layer-major tail's last layer was in place
     tail_tried = False
+    gave_up = False  # the tail stopped arriving: nothing more is waited for
     while b.filled < n:
         clock = src.now()
         ready_at = src.ready_at()
         link = src.link()
+        if gave_up:  # as if the sender had stopped
+            link = replace(link, deadline_s=-np.inf)
         r = b.filled // block_tokens
         if question_ids is not None and not tail_tried and link.layered_from == r:
             due = link.expected(ready_at, ranges - 1, clock)  # the tail's last range
@@ -523,7 +534,8 @@ def race(
                 try:
                     t0, t1 = src.run(partial(_answer_over_tail, src, b, question_ids, r,
                                              range_cost, first_token, tail_in))  # fmt: skip
-                except TailLost:
+                except TailLost as lost:
+                    gave_up = lost.stalled
                     steps.append(RaceStep("wait", lo, 0, clock, src.now()))
                     continue
                 steps.append(RaceStep("answer", lo, n - lo, t0, t1))
@@ -586,7 +598,14 @@ def race(
 
 
 class TailLost(Exception):
-    """The layer-major tail stopped arriving during the answer (:func:`race`)."""
+    """The layer-major tail stopped arriving during the answer (:func:`race`). stalled:
+    nothing more is expected (a stalled link, the sender's deadline); False: one block is
+    lost (a hole not repaired in time, or a block that failed its check) while the rest
+    comes."""
+
+    def __init__(self, why: str, stalled: bool) -> None:
+        super().__init__(why)
+        self.stalled = stalled
 
 
 def _answer_over_tail(
@@ -601,28 +620,66 @@ def _answer_over_tail(
     """Run the question through the model while the context's tail (its token ranges from
     ``tail_from`` on) arrives layer by layer; appends the first answer token to ``out``
     and the race clock when each layer's part was in place to ``tail_in``.
-    Raises :class:`TailLost` when a layer's part is no longer expected (see :func:`race`);
+    Raises :class:`TailLost` when a block is no longer expected (:func:`tail_block_due`);
     the builder is then as it was."""
     lo, n = b.filled, b.num_tokens
 
     def tail_layer(layer: int) -> tuple[np.ndarray, np.ndarray]:
         while True:
             clock = src.now()
-            late = np.flatnonzero(src.layer_ready_at(layer)[tail_from:] > clock)
+            late = np.flatnonzero(src.block_ready_at()[layer, tail_from:] > clock)
             if not late.size:
                 break
             r = tail_from + int(late[0])
-            due = src.link().expected(src.ready_at(), r, clock)  # r in every layer: a bound
-            if not np.isfinite(due):
-                raise TailLost(f"layer {layer} of token range {r} is no longer expected")
-            src.wait(r, clock + max(POLL_S, min(due - clock, range_cost)), layer=layer)
+            due, hole = tail_block_due(src, tail_from, layer, r, clock)
+            if not due > clock:
+                raise TailLost(f"layer {layer} of token range {r} is no longer expected",
+                               stalled=not hole)  # fmt: skip
+            src.wait(r, min(due, clock + max(POLL_S, range_cost)), layer=layer)
         got = src.received_layer(layer, lo, n)
         if got is None:
-            raise TailLost(f"a block of layer {layer} failed its check")
+            raise TailLost(f"a block of layer {layer} failed its check", stalled=False)
         tail_in.append(src.now())
         return got
 
     out.append(b.answer(question_ids, tail_layer))
+
+
+def tail_block_due(
+    src: Arrivals, tail_from: int, layer: int, r: int, clock: float
+) -> tuple[float, bool]:
+    """Until when the race waits for block ``(layer, r)`` of the layer-major tail (token
+    ranges from ``tail_from`` on), from what arrived by ``clock``, and whether the block
+    is a hole (the link goes on delivering):
+
+    - a hole (a tail block sent after it, in layer then range order, has arrived): repair
+      fills it within about a round trip, so ``hole_wait_s`` after that arrival;
+    - at the link's frontier: the link has stalled once nothing came for longer than four
+      usual gaps between the tail's arrivals (at least ``hole_wait_s``) after the last one,
+      or, before any, ``hole_wait_s`` after what came before the tail (the transfer's
+      start, or the last range before the tail);
+    - never after the sender's deadline (plus ``hole_wait_s``).
+    """
+    link = src.link()
+    if clock > link.deadline_s + link.hole_wait_s:
+        return -np.inf, False
+    got = src.block_ready_at()[:, tail_from:]
+    arrived = got <= clock
+    after = np.zeros_like(arrived)
+    after[layer, r - tail_from + 1 :] = True
+    after[layer + 1 :] = True
+    later = arrived & after
+    if later.any():
+        return float(got[later].min()) + link.hole_wait_s, True
+    if arrived.any():
+        times = got[arrived]
+        last = float(times.max())
+        gap = (last - float(times.min())) / max(times.size - 1, 1)
+        return last + max(link.hole_wait_s, 4 * gap), False
+    before = src.ready_at()[:tail_from]
+    came = before[before <= clock]
+    start = max(link.start_s, float(came.max()) if came.size else -np.inf)
+    return start + link.hole_wait_s, False
 
 
 def _fetch_and_load(src: Arrivals, b: CacheBuilder, lo: int, hi: int, passed: list[bool]) -> None:
