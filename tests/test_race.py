@@ -600,12 +600,13 @@ def test_the_question_runs_through_the_model_while_the_layered_tail_arrives(smol
     assert res.answer_s - res.seconds < 0.5 * pass_s
 
 
-def test_a_hole_in_the_tail_is_given_up_soon_and_the_answer_is_exact(smollm, context):
-    """A block of the tail never comes (no repair) while the blocks after it do: the race
-    gives up the pass it began hole_wait_s after the next block came, long before the
-    tail's end and the sender's deadline, with the cache back as it was; it then loads the
-    ranges that came whole, computes the one with the hole, and answers with the full
-    cache's first token."""
+def test_a_hole_in_the_tail_is_waited_for_while_the_tail_comes(smollm, context):
+    """A block of the tail never comes (no repair) while the blocks after it do: the pass
+    waits for it as long as the tail keeps arriving (repair might still fill it, and the
+    pass cannot end before the tail does), gives up hole_wait_s after the tail's last
+    block, long before the sender's deadline, with the cache back as it was; the race then
+    loads the ranges that came whole, computes the one with the hole, and answers with the
+    full cache's first token."""
     from kvtransport.model.race import DEFAULT_HOLE_WAIT_S, layered_tail
 
     ctx, question, kv = context
@@ -629,8 +630,7 @@ def test_a_hole_in_the_tail_is_given_up_soon_and_the_answer_is_exact(smollm, con
     assert _err(res.kv, kv) < TOL
     acts = [(x.action, x.start // BT) for x in res.steps]
     gave_up = res.steps[acts.index(("wait", ranges - 4))]
-    assert gave_up.t1 >= arrival[hole + 1] + DEFAULT_HOLE_WAIT_S  # waited for repair
-    assert gave_up.t1 < arrival[-1]  # and gave up before the tail was over
+    assert arrival[-1] + DEFAULT_HOLE_WAIT_S <= gave_up.t1 < 1.0  # the deadline is at 10 s
     computed = [x.start // BT for x in res.steps if x.action == "compute"]
     assert computed == [0, ranges - 3] and res.recomputed == BT
 

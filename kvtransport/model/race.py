@@ -491,11 +491,10 @@ def race(
     arrives, each layer's part loaded just before that layer runs
     (kvtransport.model.cache_builder.CacheBuilder.answer), so that the first token is out
     about one layer's time after the last block. Should a block of the tail not come in
-    time (:func:`tail_block_due`) or fail its check, the pass is abandoned (the cache as it
-    was): for a hole the race goes on as without a tail (it waits for the ranges still
-    arriving and recomputes the one with the hole); for a stalled link or after the
-    sender's deadline it finishes as after the deadline, loading the ranges in place and
-    computing the rest.
+    time (:func:`tail_block_due`: the link stalled, or the sender's deadline passed) or
+    fail its check, the pass is abandoned (the cache as it was) and the race finishes as
+    after the sender's deadline: it loads the ranges in place and computes the rest, each
+    run of missing ranges in one call or the rest in one, whichever is cheaper.
     """
     n = len(token_ids)
     ranges = -(-n // block_tokens)
@@ -534,8 +533,8 @@ def race(
                 try:
                     t0, t1 = src.run(partial(_answer_over_tail, src, b, question_ids, r,
                                              range_cost, first_token, tail_in))  # fmt: skip
-                except TailLost as lost:
-                    gave_up = lost.stalled
+                except TailLost:
+                    gave_up = True
                     steps.append(RaceStep("wait", lo, 0, clock, src.now()))
                     continue
                 steps.append(RaceStep("answer", lo, n - lo, t0, t1))
@@ -598,14 +597,7 @@ def race(
 
 
 class TailLost(Exception):
-    """The layer-major tail stopped arriving during the answer (:func:`race`). stalled:
-    nothing more is expected (a stalled link, the sender's deadline); False: one block is
-    lost (a hole not repaired in time, or a block that failed its check) while the rest
-    comes."""
-
-    def __init__(self, why: str, stalled: bool) -> None:
-        super().__init__(why)
-        self.stalled = stalled
+    """The layer-major tail stopped arriving during the answer (:func:`race`)."""
 
 
 def _answer_over_tail(
@@ -631,55 +623,41 @@ def _answer_over_tail(
             if not late.size:
                 break
             r = tail_from + int(late[0])
-            due, hole = tail_block_due(src, tail_from, layer, r, clock)
+            due = tail_block_due(src, tail_from, clock)
             if not due > clock:
-                raise TailLost(f"layer {layer} of token range {r} is no longer expected",
-                               stalled=not hole)  # fmt: skip
+                raise TailLost(f"layer {layer} of token range {r} is no longer expected")
             src.wait(r, min(due, clock + max(POLL_S, range_cost)), layer=layer)
         got = src.received_layer(layer, lo, n)
         if got is None:
-            raise TailLost(f"a block of layer {layer} failed its check", stalled=False)
+            raise TailLost(f"a block of layer {layer} failed its check")
         tail_in.append(src.now())
         return got
 
     out.append(b.answer(question_ids, tail_layer))
 
 
-def tail_block_due(
-    src: Arrivals, tail_from: int, layer: int, r: int, clock: float
-) -> tuple[float, bool]:
-    """Until when the race waits for block ``(layer, r)`` of the layer-major tail (token
-    ranges from ``tail_from`` on), from what arrived by ``clock``, and whether the block
-    is a hole (the link goes on delivering):
-
-    - a hole (a tail block sent after it, in layer then range order, has arrived): repair
-      fills it within about a round trip, so ``hole_wait_s`` after that arrival;
-    - at the link's frontier: the link has stalled once nothing came for longer than four
-      usual gaps between the tail's arrivals (at least ``hole_wait_s``) after the last one,
-      or, before any, ``hole_wait_s`` after what came before the tail (the transfer's
-      start, or the last range before the tail);
-    - never after the sender's deadline (plus ``hole_wait_s``).
-    """
+def tail_block_due(src: Arrivals, tail_from: int, clock: float) -> float:
+    """Until when the race waits for a block of the layer-major tail (token ranges from
+    ``tail_from`` on) that is not in by ``clock``. While the rest of the tail keeps coming
+    a block missing is a loss that repair may still fill, and the pass cannot finish
+    before the tail's last block anyway, so the race waits as long as the link delivers:
+    until it stalls (nothing came for four usual gaps between the tail's arrivals, at
+    least ``hole_wait_s``, after the last one; before any, ``hole_wait_s`` after what came
+    before the tail: the transfer's start, or the last range before the tail), and never
+    past the sender's deadline (plus ``hole_wait_s``)."""
     link = src.link()
     if clock > link.deadline_s + link.hole_wait_s:
-        return -np.inf, False
+        return -np.inf
     got = src.block_ready_at()[:, tail_from:]
-    arrived = got <= clock
-    after = np.zeros_like(arrived)
-    after[layer, r - tail_from + 1 :] = True
-    after[layer + 1 :] = True
-    later = arrived & after
-    if later.any():
-        return float(got[later].min()) + link.hole_wait_s, True
-    if arrived.any():
-        times = got[arrived]
+    times = got[got <= clock]
+    if times.size:
         last = float(times.max())
         gap = (last - float(times.min())) / max(times.size - 1, 1)
-        return last + max(link.hole_wait_s, 4 * gap), False
+        return last + max(link.hole_wait_s, 4 * gap)
     before = src.ready_at()[:tail_from]
     came = before[before <= clock]
     start = max(link.start_s, float(came.max()) if came.size else -np.inf)
-    return start + link.hole_wait_s, False
+    return start + link.hole_wait_s
 
 
 def _fetch_and_load(src: Arrivals, b: CacheBuilder, lo: int, hi: int, passed: list[bool]) -> None:
