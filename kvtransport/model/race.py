@@ -332,7 +332,7 @@ class ReplayArrivals:
             layers = 1
             if isinstance(received, KVCache):
                 layers = received.num_layers
-            elif received is not None:
+            elif isinstance(received, tuple):
                 layers = received[0].manifest.geometry.num_layers
             layer_ready = np.broadcast_to(ready_at, (layers, ready_at.size))
         # nothing is ever ready without what arrived
