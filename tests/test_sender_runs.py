@@ -142,3 +142,59 @@ def test_source_runs_send_what_slot_by_slot_sends(
         assert max(ran) > 4
     if deadline < 0.1:
         assert runs.source_sent < runs.n_source  # the tail rule cut the stream
+
+
+@pytest.mark.parametrize("deadline", [0.01, 0.013, 0.016, 0.019, 0.022, 0.025, 0.028])
+@pytest.mark.parametrize("policy", ["fixed:1/16", "adaptive"])
+def test_source_runs_stop_where_the_tail_rule_does(policy: str, deadline: float) -> None:
+    """Deadlines that cut the stream at different points, feedback with loss: the runs
+    test the tail rule once per run (``_tail_clear``) and per source past its reach, and
+    send exactly the sources slot by slot sends."""
+    inputs = _grouped(_record(policy, KEY, 3_000_000, deadline, 0.08), seed=int(deadline * 1e3))
+    slotwise = _sender(policy, KEY, 3_000_000, deadline)
+    slotwise.source_runs = False
+    runs = _sender(policy, KEY, 3_000_000, deadline)
+    assert _replay(slotwise, inputs) == _replay(runs, inputs)
+    assert _state(slotwise) == _state(runs)
+    assert 0 < runs.source_sent < runs.n_source
+
+
+@pytest.mark.parametrize("policy", ["fixed:1/16", "adaptive"])
+def test_tail_clear_vouches_only_for_what_the_tail_rule_allows(policy: str) -> None:
+    """``_tail_clear`` (one test for a whole run) is sufficient: wherever it passes for
+    sources esi..esi+k-1 up to a slot time, the per-source rule (``_tail_ok``) passes for
+    each of them at its slot with the state after the ones before it. Checked on a sender
+    with a tight deadline, at states along a lossy run, over the slot times before its stop
+    time and runs of 1-32; both outcomes occur, some within a few slots of a refusal."""
+    deadline = 0.02
+    inputs = _record(policy, KEY, 3_000_000, deadline, 0.08)
+    snd = _sender(policy, KEY, 3_000_000, deadline)
+    outcomes = {True: 0, False: 0}
+    tight = 0
+    for n, ev in enumerate(inputs):
+        if ev[0] == "send":
+            snd.datagrams_to_send(ev[1])
+        else:
+            snd.receive_datagram(ev[2], ev[1])
+        if n % 50 or snd.done or snd.next_esi >= snd.n_source - 32:
+            continue
+        esi0, sent0, slot_s = snd.next_esi, snd.source_sent, snd.slot_s
+        # the last 600 slots before the stop time, where the rule's boundary lies
+        for t0 in snd.stop_time - slot_s * np.arange(1.0, 600.0, 4.0):
+            for k in (1, 2, 5, 9, 17, 32):
+                t_end = t0 + k * slot_s
+                clear = snd._tail_clear(t_end, esi0, k)
+                outcomes[clear] += 1
+                if not clear:
+                    continue
+                try:
+                    for j in range(k):
+                        snd.next_esi, snd.source_sent = esi0 + j, sent0 + j
+                        t = t0 + j * slot_s
+                        assert snd._tail_ok(t, esi0 + j)
+                        need = snd._finish_esi[esi0 + j] - (esi0 + j) + 1
+                        tight += not snd.tail_fits(snd.slots_left(t) - 3, need)
+                finally:
+                    snd.next_esi, snd.source_sent = esi0, sent0
+    assert outcomes[True] > 50 and outcomes[False] > 50
+    assert tight > 0  # some vouched-for sources were within a few slots of refusal

@@ -535,6 +535,22 @@ class SenderSession:
             return self._scheme_tail(left, esi, need)
         return self.tail_fits(left, need)
 
+    def _tail_clear(self, t_end: float, esi: int, k: int) -> bool:
+        """Does the tail rule let each of sources ``esi``..``esi + k - 1`` go at any slot
+        time up to ``t_end``, with the state after the ones before it (``_source_run``)?
+        A sufficient test in one call, with the state now: ``tail_fits`` with the slots
+        left at ``t_end`` and the need of the furthest block end among them, plus one.
+        Each source sent adds one to the rule's bound (and at most one to ``owed``) and
+        takes one from the need within its block, so each one's own test passes whenever
+        this one does (the extra slot absorbs rounding). False (ask per source) for a
+        scheme's own rule and past the stop time."""
+        if not self._tail_rule:
+            return True  # the stop time alone, which the run checks per slot
+        left = self.slots_left(t_end)
+        if self._scheme_tail is not None or left <= 0:
+            return False
+        return self.tail_fits(left, max(self._finish_esi[esi : esi + k]) - esi + 2)
+
     def tail_fits(self, left: int, need: int) -> bool:
         """The loss-aware tail rule: do ``left`` slots, times one minus the loss estimate,
         cover the repairs owed plus ``need`` more? (Schemes may rule otherwise:
@@ -613,7 +629,8 @@ class SenderSession:
         lt, lsrc, lrep, lrea = log.t, log.src, log.rep, log.rea
         rep_n, rea_n = self.repair_sent, self.reactive_sent
         seq, sent, k = self.seq, self.source_sent, 0
-        while k < limit and t <= now and t <= stop and tail_ok(t, esi):
+        clear = self._tail_clear(max(t + limit * slot_s, now), esi, limit)
+        while k < limit and t <= now and t <= stop and (clear or tail_ok(t, esi)):
             sym = payload[esi * s : esi * s + s] if esi < last else self._last_symbol
             out.append(seal(_SOURCE, seq, sym, esi))
             i = seq & SEQ_MASK
