@@ -639,13 +639,14 @@ class SenderSession:
             esi += 1
             seq += 1
             sent += 1
-            # what the tail rule (and a scheme's) reads, as after each source slot by slot
-            self.next_esi, self.seq, self.slot, self.source_sent = esi, seq, slot + k, sent
+            if not clear:  # what the tail rule reads, as after each source slot by slot
+                self.next_esi, self.seq, self.slot, self.source_sent = esi, seq, slot + k, sent
             burst += 1
             t += slot_s
             if burst >= MAX_CATCH_UP and t <= now:
                 t = now
         if k:
+            self.next_esi, self.seq, self.slot, self.source_sent = esi, seq, slot + k, sent
             log.newest = seq - 1
             self.stats["source_sent"] += k
             self._idle = False
