@@ -605,8 +605,9 @@ class SenderSession:
         ``_sent`` slot by slot: the run stops before a decision slot, a manifest slot, a slot
         whose ``before_source`` the scheme cannot vouch for (``SenderRepair.quiet_slots``;
         ``passed`` afterwards), a slot past ``now`` or the stop time, and a source the tail
-        rule refuses (asked per source, with the state after the sources before it); none
-        when the policy does not admit sources or the scheme sees each source."""
+        rule refuses (tested once for the whole run where ``_tail_clear`` can vouch for it,
+        otherwise per source with the state after the sources before it); none when the
+        policy does not admit sources or the scheme sees each source."""
         esi, n = self.next_esi, self.n_source
         if not self.admit or esi >= n or self._on_source is not None:
             return t, burst
