@@ -15,7 +15,10 @@ goodput, each configuration side by side in one run.
 
    The receiver's inputs are also replayed in runs of up to 64 consecutive datagrams
    through ReceiverSession.receive_datagrams (runs of data symbols decoded in one
-   RLCDecoder.add_packets call), the total per datagram beside the per-datagram one.
+   RLCDecoder.add_packets call), the total per datagram beside the per-datagram one; the
+   sender's send calls in groups of 16 (one datagrams_to_send call for 16 due slots, as the
+   goodput runs' engine asks: consecutive source slots go out in one source run), beside
+   the same calls slot by slot (``SenderSession.source_runs`` off).
 
    The target (issue 4): the stages the PriorityFEC prototype measures (coding + state,
    i.e. feedback/state handling, policy, encoding, decoding; socket calls and
@@ -256,6 +259,28 @@ def _replay_sender(make_sender: object, s_in: list[tuple]) -> float:
     return time.process_time() - t0
 
 
+def _replay_sender_runs(make_sender: object, s_in: list[tuple], source_runs: bool = True) -> float:
+    """The sender's send calls in runs of up to SENDER_RUN consecutive ones (the goodput
+    runs' engine asks for a burst's worth of slots at once, 17 a wake), each run one
+    datagrams_to_send call at its last time: consecutive source slots then go out in one
+    SenderSession._source_run (``source_runs`` False: slot by slot, the reference)."""
+    calls: list[tuple] = []
+    for ev in s_in:
+        if ev[0] == "send" and calls and calls[-1][0] == "send" and calls[-1][2] < SENDER_RUN:
+            calls[-1] = ("send", ev[1], calls[-1][2] + 1)
+        else:
+            calls.append(("send", ev[1], 1) if ev[0] == "send" else ev)
+    snd = make_sender()
+    snd.source_runs = source_runs
+    t0 = time.process_time()
+    for ev in calls:
+        if ev[0] == "send":
+            snd.datagrams_to_send(ev[1])
+        else:
+            snd.receive_datagram(ev[2], ev[1])
+    return time.process_time() - t0
+
+
 def _replay_receiver(make_receiver: object, r_in: list[tuple]) -> float:
     rcv = make_receiver()
     t0 = time.process_time()
@@ -269,6 +294,7 @@ def _replay_receiver(make_receiver: object, r_in: list[tuple]) -> float:
 
 
 RUN = 64
+SENDER_RUN = 16  # at most MAX_CATCH_UP slots due per call: none given up
 
 
 def _replay_receiver_runs(make_receiver: object, r_in: list[tuple]) -> float:
@@ -310,6 +336,8 @@ def per_packet(n_packets: int, repeats: int, owd: float = 50e-6, loss: float = 0
         for _ in range(repeats):  # the minimum of repeats: least disturbed by the machine
             for k, v in (
                 ("sender", _replay_sender(make_sender, run["s_in"])),
+                ("sender_runs", _replay_sender_runs(make_sender, run["s_in"])),
+                ("sender_slotwise", _replay_sender_runs(make_sender, run["s_in"], False)),
                 ("receiver", _replay_receiver(make_receiver, run["r_in"])),
                 ("receiver_runs", _replay_receiver_runs(make_receiver, run["r_in"])),
                 ("sender_header_auth", rec.replay_seconds("sender", "header_auth")),
@@ -333,6 +361,8 @@ def per_packet(n_packets: int, repeats: int, owd: float = 50e-6, loss: float = 0
                 "priorityfec_stages_us": round(cod + state, 3),
             }
         row["receiver"]["runs_total_us"] = round(best["receiver_runs"] / run["received"] * 1e6, 3)
+        row["sender"]["runs_total_us"] = round(best["sender_runs"] / run["sent"] * 1e6, 3)
+        row["sender"]["slotwise_total_us"] = round(best["sender_slotwise"] / run["sent"] * 1e6, 3)
         out[name] = row
         bar.update(1)
     bar.close()
@@ -528,6 +558,10 @@ def _table(pp: dict, sock: dict, gp: dict | None) -> str:
                 f"{name:15s} {side:9s} {c['header_auth_us']:9.2f} {c['coding_us']:8.2f} "
                 f"{c['state_us']:8.2f} {c['priorityfec_stages_us']:8.2f} {c['total_us']:8.2f}"
             )
+        c = row["sender"]
+        lines.append(f"{name:15s} {'sender':9s} total in calls of {SENDER_RUN} slots: "
+                     f"{c['runs_total_us']:.2f} in source runs, {c['slotwise_total_us']:.2f} "
+                     f"slot by slot")  # fmt: skip
         lines.append(f"{name:15s} {'receiver':9s} total in runs of {RUN} "
                      f"(receive_datagrams): {row['receiver']['runs_total_us']:.2f}")  # fmt: skip
     lines.append("")

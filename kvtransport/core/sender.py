@@ -157,6 +157,10 @@ class SenderSession:
     ``initial_rtt`` and ``max_repair_span``).
     """
 
+    source_runs = True
+    """Runs of plain source slots go out in one ``_source_run`` each (False: every slot
+    through ``_emit``, the reference the runs are tested against)."""
+
     def __init__(
         self,
         transfer: Transfer,
@@ -330,6 +334,11 @@ class SenderSession:
             if t > self.stop_time:
                 self._finish(t, "deadline", out)
                 return out
+            if self.source_runs and t + slot_s <= now:  # a run needs two slots due
+                t_run, burst_run = self._source_run(t, now, burst, out)
+                if burst_run != burst:
+                    t, burst = t_run, burst_run
+                    continue
             d = self._emit(t)
             if d is None:
                 if self.awaiting_action or self.done:
@@ -526,6 +535,22 @@ class SenderSession:
             return self._scheme_tail(left, esi, need)
         return self.tail_fits(left, need)
 
+    def _tail_clear(self, t_end: float, esi: int, k: int) -> bool:
+        """Does the tail rule let each of sources ``esi``..``esi + k - 1`` go at any slot
+        time up to ``t_end``, with the state after the ones before it (``_source_run``)?
+        A sufficient test in one call, with the state now: ``tail_fits`` with the slots
+        left at ``t_end`` and the need of the furthest block end among them, plus one.
+        Each source sent adds one to the rule's bound (and at most one to ``owed``) and
+        takes one from the need within its block, so each one's own test passes whenever
+        this one does (the extra slot absorbs rounding). False (ask per source) for a
+        scheme's own rule and past the stop time."""
+        if not self._tail_rule:
+            return True  # the stop time alone, which the run checks per slot
+        left = self.slots_left(t_end)
+        if self._scheme_tail is not None or left <= 0:
+            return False
+        return self.tail_fits(left, max(self._finish_esi[esi : esi + k]) - esi + 2)
+
     def tail_fits(self, left: int, need: int) -> bool:
         """The loss-aware tail rule: do ``left`` slots, times one minus the loss estimate,
         cover the repairs owed plus ``need`` more? (Schemes may rule otherwise:
@@ -571,6 +596,64 @@ class SenderSession:
             if esi < self.n_source and self._tail_ok(t, esi):
                 return self._sent(self._source(esi), t, True)
         return None
+
+    def _source_run(self, t: float, now: float, burst: int, out: list[bytes]) -> tuple[float, int]:
+        """From slot time ``t``: the consecutive slots ``_emit`` would give the next source
+        each, sent in one go, appended to ``out``; returns the next slot time and the burst
+        count as ``datagrams_to_send`` steps them (pacing, ``MAX_CATCH_UP``). The same
+        datagrams, slot times, log entries, counters and scheme state as ``_emit`` and
+        ``_sent`` slot by slot: the run stops before a decision slot, a manifest slot, a slot
+        whose ``before_source`` the scheme cannot vouch for (``SenderRepair.quiet_slots``;
+        ``passed`` afterwards), a slot past ``now`` or the stop time, and a source the tail
+        rule refuses (tested once for the whole run where ``_tail_clear`` can vouch for it,
+        otherwise per source with the state after the sources before it); none when the
+        policy does not admit sources or the scheme sees each source."""
+        esi, n = self.next_esi, self.n_source
+        if not self.admit or esi >= n or self._on_source is not None:
+            return t, burst
+        slot, dp = self.slot, self.decision_packets
+        if slot % dp == 0 and self._decision_slot != slot:
+            return t, burst
+        limit = min(n - esi, (slot // dp + 1) * dp - slot)
+        manifest = self.manifest
+        if not manifest.acked:
+            limit = min(limit, manifest.next_slot - slot)
+        rep = self._repair
+        if self._before_source is not None and limit > 0:
+            limit = rep.quiet_slots(limit)
+        if limit <= 0:
+            return t, burst
+        s, payload, last = self.symbol_size, self._payload, n - 1
+        seal, tail_ok = self.framer.seal, self._tail_ok
+        stop, slot_s = self.stop_time, self.slot_s
+        log = self._log
+        lt, lsrc, lrep, lrea = log.t, log.src, log.rep, log.rea
+        rep_n, rea_n = self.repair_sent, self.reactive_sent
+        seq, sent, k = self.seq, self.source_sent, 0
+        clear = self._tail_clear(max(t + limit * slot_s, now), esi, limit)
+        while k < limit and t <= now and t <= stop and (clear or tail_ok(t, esi)):
+            sym = payload[esi * s : esi * s + s] if esi < last else self._last_symbol
+            out.append(seal(_SOURCE, seq, sym, esi))
+            i = seq & SEQ_MASK
+            lt[i], lsrc[i], lrep[i], lrea[i] = t, sent + 1, rep_n, rea_n
+            k += 1
+            esi += 1
+            seq += 1
+            sent += 1
+            if not clear:  # what the tail rule reads, as after each source slot by slot
+                self.next_esi, self.seq, self.slot, self.source_sent = esi, seq, slot + k, sent
+            burst += 1
+            t += slot_s
+            if burst >= MAX_CATCH_UP and t <= now:
+                t = now
+        if k:
+            self.next_esi, self.seq, self.slot, self.source_sent = esi, seq, slot + k, sent
+            log.newest = seq - 1
+            self.stats["source_sent"] += k
+            self._idle = False
+            if self._before_source is not None:
+                rep.passed(k)
+        return t, burst
 
     def _sent(
         self, d: bytes, t: float, source: bool = False, repair: bool = False, reactive: bool = False

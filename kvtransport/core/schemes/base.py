@@ -138,6 +138,17 @@ class SenderRepair:
         """A repair instead of an idle slot (``fills_idle`` schemes), or None."""
         return None
 
+    def quiet_slots(self, limit: int) -> int:
+        """How many of the next ``limit`` slots (at most) ``before_source`` would answer
+        None, each with no effect but what ``passed(k)`` applies for k of them: the
+        session sends that many sources in one run without calling it (SenderSession.
+        _source_run). 0 (the default, for a scheme that overrides ``before_source``):
+        unknown, the session calls ``before_source`` slot by slot."""
+        return 0
+
+    def passed(self, k: int) -> None:
+        """``before_source`` answered None for ``k`` slots (see ``quiet_slots``)."""
+
     def on_source(self, esi: int, sym: memoryview | bytes) -> None:
         """Source ``esi`` (its zero-padded symbol ``sym``) is being sent."""
 

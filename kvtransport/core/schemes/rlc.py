@@ -139,6 +139,26 @@ class RLCSender(SenderRepair):
             self.credit = 0.0
         return None
 
+    def quiet_slots(self, limit: int) -> int:
+        # holes to answer: before_source tries a repair first (slot by slot); otherwise
+        # the slots whose credit stays below one (the same additions before_source makes)
+        if self.needed > 0 and self.answer_holes:
+            return 0
+        share, credit = self.session.share, self.credit
+        k = 0
+        while k < limit:
+            credit += share
+            if credit >= 1.0:
+                break
+            k += 1
+        return k
+
+    def passed(self, k: int) -> None:
+        share, credit = self.session.share, self.credit
+        for _ in range(k):
+            credit += share
+        self.credit = credit
+
     def fill(self, t: float) -> bytes | None:
         reactive = self.needed > 0
         self.reactive = reactive
