@@ -151,19 +151,25 @@ def test_a_received_stream_is_decoded_as_loaded_and_a_corrupt_range_recomputed(s
     assert not decoder.keys[:, :, 4 * BT : 5 * BT].any() or ranges < 5
 
 
+def _int8_stream(seed: int, layers: int, heads: int, ranges: int, dim: int):
+    """A random cache of ``ranges`` token ranges as int8 blocks, front first."""
+    rng = np.random.default_rng(seed)
+    n = ranges * BT
+    k, v = (rng.standard_normal((layers, heads, n, dim), dtype=np.float32) for _ in range(2))
+    u = np.ones((layers, ranges))
+    precision = np.full(u.shape, blocks.PRECISIONS.index("int8"))
+    return blocks.encode_stream(KVCache(k, v, np.arange(n), "m"), u,
+                                utility.stream_order(u, BT, "position"), precision,
+                                block_tokens=BT)  # fmt: skip
+
+
 def test_a_load_waits_for_the_decoding_thread_which_decodes_ranges_as_they_arrive():
     """The replay models the live receiver's decoding thread: each range is decoded once
     it arrives, one after the other. 64 int8 ranges arrive at once at 0: loading them at 0
     waits for the thread to decode them all; loading them at 10 s, long after, costs only
     fetching what is in place (a replay decoding on load would pay the decode then)."""
-    rng = np.random.default_rng(0)
     n = 64 * BT
-    k, v = (rng.standard_normal((30, 3, n, 64), dtype=np.float32) for _ in range(2))
-    kv = KVCache(k, v, np.arange(n), "m")
-    u = np.ones((30, 64))
-    precision = np.full(u.shape, blocks.PRECISIONS.index("int8"))
-    s = blocks.encode_stream(kv, u, utility.stream_order(u, BT, "position"), precision,
-                             block_tokens=BT)  # fmt: skip
+    s = _int8_stream(0, 30, 3, 64, 64)
     m = s.manifest
     t = time.perf_counter()
     blocks.RangeDecoder(m).take(s.payload, 0, n)
@@ -183,14 +189,8 @@ def test_one_layer_of_whole_ranges_is_checked_and_decoded_on_its_own():
     """RangeDecoder.take_layer decodes one layer's blocks of whole token ranges, the same
     values as take's; a corrupt block fails only its own layer's take, and the replay then
     never reports its range ready in any layer."""
-    rng = np.random.default_rng(1)
     n = 6 * BT
-    k, v = (rng.standard_normal((4, 2, n, 32), dtype=np.float32) for _ in range(2))
-    kv = KVCache(k, v, np.arange(n), "m")
-    u = np.ones((4, 6))
-    precision = np.full(u.shape, blocks.PRECISIONS.index("int8"))
-    s = blocks.encode_stream(kv, u, utility.stream_order(u, BT, "position"), precision,
-                             block_tokens=BT)  # fmt: skip
+    s = _int8_stream(1, 4, 2, 6, 32)
     m, payload = s.manifest, s.payload.copy()
     whole = blocks.RangeDecoder(m).take(payload, 0, n)
     assert whole is not None
