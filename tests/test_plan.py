@@ -335,7 +335,8 @@ def test_the_tail_crosses_layer_by_layer_and_the_plan_answers_sooner():
 def test_send_plans_a_tail_when_told_the_racing_receivers_question_length():
     """kvtransport.send / a sender daemon submit plan through handoff_plan and as_transfer:
     with the receiver's speed and its question's length, the stream ends in a layer-major
-    tail; with the speed alone it does not; a question length of 0 is refused."""
+    tail; with the speed alone it does not; a question length of 0, or one without the
+    speed, is refused."""
     from kvtransport.embed.inprocess import as_transfer, handoff_plan
     from kvtransport.errors import UserError
     from kvtransport.model.race import layered_tail
@@ -352,3 +353,5 @@ def test_send_plans_a_tail_when_told_the_racing_receivers_question_length():
     assert tails[0] is None and tails[1] is not None
     with pytest.raises(UserError, match="question_tokens"):
         handoff_plan(200.0, "auto", 10.0, receiver_speed=speed, question_tokens=0)
+    with pytest.raises(UserError, match="needs receiver_speed"):
+        handoff_plan(200.0, "auto", 10.0, question_tokens=20)

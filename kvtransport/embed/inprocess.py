@@ -178,6 +178,8 @@ def handoff_plan(
         raise UserError(f"loss_estimate must be in [0, 0.9), not {loss_estimate}")
     if question_tokens is not None and not 0 < question_tokens <= 100_000:
         raise UserError(f"question_tokens must be a positive count, not {question_tokens}")
+    if question_tokens is not None and receiver_speed is None:
+        raise UserError("question_tokens needs receiver_speed (the receiver's compute speed)")
     link = LinkEstimate(float(rate_mbps) * 1e6, loss_estimate, initial_rtt_ms * 5e-4,
                         symbol_size)  # fmt: skip
     return (link, float(deadline_ms) * 1e-3, levels, receiver_speed, question_tokens)

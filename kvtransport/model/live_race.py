@@ -261,10 +261,8 @@ class LiveArrivals:
                           for b in self._decoder.range_blocks])  # fmt: skip
         start = s.timings.get("first_packet", s.created) - self._t0
         deadline = start + tm.deadline_s if tm.deadline_s > 0 else np.inf
-        rank = stream_rank(m)  # the bytes before a range follow the stream's order
-        seq = np.argsort(rank, kind="stable")
-        cum = np.empty(self.ranges)
-        cum[seq] = np.cumsum(range_bytes[seq])
+        rank = stream_rank(m)  # a range is in with its last block in the stream's order
+        cum = np.cumsum(m.length.astype(np.float64))[np.maximum(rank, 0)]
         if self.rate_bps is not None:  # loss-free at the rate, as the plan's link time
             sz, rate = tm.symbol_size, self.rate_bps
             expect = start + np.array([full_send_time(int(c), rate, sz, True) for c in cum])
@@ -329,6 +327,8 @@ def live_race(
     ids = [int(t) for t in token_ids]
     if not ids:
         raise UserError("the race needs the context's token ids (none given)")
+    if question_ids is not None and len(question_ids) == 0:
+        raise UserError("question_ids is empty: give the question's token ids, or None")
     if block_tokens < 1 or not hello_ms > 0 or max_chunk < 1:
         raise UserError("block_tokens, hello_ms and max_chunk must be positive")
     if rate_mbps is not None and not rate_mbps > 0:

@@ -105,8 +105,8 @@ def layered_tail(manifest: Any) -> int | None:
     while they arrive), or None when the stream has none.
 
     The tail is recognised from the order alone: the context's last ranges, at least two,
-    each with blocks in the stream, whose blocks interleave with each other's, in layer then
-    range order; every other range's blocks are back to back."""
+    each with every layer in the stream, whose blocks interleave with each other's, in
+    layer then range order; every other range's blocks are back to back."""
     tb = manifest.token_block.astype(np.int64)
     ranges = manifest.geometry.token_blocks
     pos = np.arange(tb.size)
@@ -115,7 +115,7 @@ def layered_tail(manifest: Any) -> int | None:
     np.minimum.at(first, tb, pos)
     np.maximum.at(last, tb, pos)
     count = np.bincount(tb, minlength=ranges)
-    interleaved = (count > 0) & (last - first + 1 > count)
+    interleaved = (count == manifest.geometry.num_layers) & (last - first + 1 > count)
     if not interleaved.any():
         return None
     t = int(np.flatnonzero(interleaved)[0])
@@ -136,7 +136,8 @@ def stream_rank(manifest: Any) -> np.ndarray:
 class RaceStep:
     """One step of the race: what was done to which tokens, and when on the race clock."""
 
-    action: str  # "compute", "load", "wait" or "answer" (the question's first token)
+    action: str  # "compute", "load", "wait", "answer" (the question's first token) or
+    # "abandoned" (a pass over a layer-major tail that stopped arriving, given up)
     start: int  # first token
     tokens: int
     t0: float
@@ -385,9 +386,9 @@ class ReplayArrivals:
             return got.keys[:, :, lo:hi], got.values[:, :, lo:hi]
         decoder, payload = got
         bt = decoder.manifest.geometry.block_tokens
-        self._not_before = float(self._decoded_at[lo // bt : -(-hi // bt)].max())
-        if not np.isfinite(self._not_before):  # not the thread's: decoded here, on the clock
-            self._not_before = 0.0
+        done = self._decoded_at[lo // bt : -(-hi // bt)]
+        done = done[np.isfinite(done)]  # the tail's are not the thread's: decoded here
+        self._not_before = float(done.max()) if done.size else 0.0
         kv = decoder.take(payload, lo, hi)
         if kv is None:
             self._fail(decoder)
@@ -498,6 +499,8 @@ def race(
     """
     n = len(token_ids)
     ranges = -(-n // block_tokens)
+    if question_ids is not None and len(question_ids) == 0:
+        raise ValueError("the question has no tokens")
     if split < 0 or split > n or (split % block_tokens and split != n):
         raise ValueError(f"split {split} is not a token range boundary of {n} tokens")
     b = builder if builder is not None else CacheBuilder(model, token_ids)
@@ -535,7 +538,8 @@ def race(
                                              range_cost, first_token, tail_in))  # fmt: skip
                 except TailLost:
                     gave_up = True
-                    steps.append(RaceStep("wait", lo, 0, clock, src.now()))
+                    tail_in.clear()  # its layers were cropped back
+                    steps.append(RaceStep("abandoned", lo, 0, clock, src.now()))
                     continue
                 steps.append(RaceStep("answer", lo, n - lo, t0, t1))
                 break
@@ -623,7 +627,7 @@ def _answer_over_tail(
             if not late.size:
                 break
             r = tail_from + int(late[0])
-            due = tail_block_due(src, tail_from, clock)
+            due = tail_block_due(src, clock)
             if not due > clock:
                 raise TailLost(f"layer {layer} of token range {r} is no longer expected")
             src.wait(r, min(due, clock + max(POLL_S, range_cost)), layer=layer)
@@ -636,28 +640,25 @@ def _answer_over_tail(
     out.append(b.answer(question_ids, tail_layer))
 
 
-def tail_block_due(src: Arrivals, tail_from: int, clock: float) -> float:
-    """Until when the race waits for a block of the layer-major tail (token ranges from
-    ``tail_from`` on) that is not in by ``clock``. While the rest of the tail keeps coming
-    a block missing is a loss that repair may still fill, and the pass cannot finish
-    before the tail's last block anyway, so the race waits as long as the link delivers:
-    until it stalls (nothing came for four usual gaps between the tail's arrivals, at
-    least ``hole_wait_s``, after the last one; before any, ``hole_wait_s`` after what came
-    before the tail: the transfer's start, or the last range before the tail), and never
-    past the sender's deadline (plus ``hole_wait_s``)."""
+def tail_block_due(src: Arrivals, clock: float) -> float:
+    """Until when the race waits for a block of the layer-major tail that is not in by
+    ``clock``. While the rest of the tail keeps coming a block missing is a loss that
+    repair may still fill, and the pass cannot finish before the tail's last block anyway,
+    so the race waits as long as the link delivers: until it stalls (nothing came for four
+    usual gaps between the transfer's block arrivals, at least ``hole_wait_s``, after the
+    last one; before any, ``hole_wait_s`` after the transfer's start: the first datagram for
+    a live receiver, the sender's start in a replay), and never past the sender's deadline
+    (plus ``hole_wait_s``)."""
     link = src.link()
     if clock > link.deadline_s + link.hole_wait_s:
         return -np.inf
-    got = src.block_ready_at()[:, tail_from:]
+    got = src.block_ready_at()
     times = got[got <= clock]
-    if times.size:
-        last = float(times.max())
-        gap = (last - float(times.min())) / max(times.size - 1, 1)
-        return last + max(link.hole_wait_s, 4 * gap)
-    before = src.ready_at()[:tail_from]
-    came = before[before <= clock]
-    start = max(link.start_s, float(came.max()) if came.size else -np.inf)
-    return start + link.hole_wait_s
+    if not times.size:
+        return link.start_s + link.hole_wait_s
+    last = float(times.max())
+    gap = (last - float(times.min())) / max(times.size - 1, 1)
+    return last + max(link.hole_wait_s, 4 * gap)
 
 
 def _fetch_and_load(src: Arrivals, b: CacheBuilder, lo: int, hi: int, passed: list[bool]) -> None:
