@@ -307,9 +307,10 @@ def render_table(rep: DemoReport) -> str:
         f"  F1: token F1 of each answer against the full-cache answer, mean of the {k} questions;",
         "  same answer: answers equal to the full cache's (after SQuAD normalization);",
         "  no cache: every block masked, the question alone (what the model knows anyway);",
-        "  TTFT (Q1): the receiver's cache complete (computing while loading, each received",
-        "  range decoded as it is loaded) + injection + first token; link down: the receiver",
-        "  alone, nothing arrives (100 % loss); against re-prefilling the context "
+        "  TTFT (Q1): the receiver's race until Q1's first token (computing while loading,",
+        "  each received range decoded as it comes; Q1 runs through the model while the",
+        "  context's last ranges arrive layer by layer); link down: the receiver alone,",
+        "  nothing arrives (100 % loss); against re-prefilling the context "
         f"({rp['prefill_s']:.2f} s) + first token; torch threads: {rep.config['threads']}" + rounds,
         f"  wall time {rep.timings['total']:.1f} s "
         f"(transfers {rep.timings['transfers']:.1f} s, answers {rep.timings['answers']:.1f} s).",
