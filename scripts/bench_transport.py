@@ -249,9 +249,13 @@ def _record_run(
 
 
 def _replay_sender(make_sender: object, s_in: list[tuple]) -> float:
-    snd = make_sender()
+    return _feed_sender(make_sender(), s_in)
+
+
+def _feed_sender(snd: object, events: list[tuple]) -> float:
+    """CPU seconds of feeding ``snd`` its recorded send calls and feedback."""
     t0 = time.process_time()
-    for ev in s_in:
+    for ev in events:
         if ev[0] == "send":
             snd.datagrams_to_send(ev[1])
         else:
@@ -272,13 +276,7 @@ def _replay_sender_runs(make_sender: object, s_in: list[tuple], source_runs: boo
             calls.append(("send", ev[1], 1) if ev[0] == "send" else ev)
     snd = make_sender()
     snd.source_runs = source_runs
-    t0 = time.process_time()
-    for ev in calls:
-        if ev[0] == "send":
-            snd.datagrams_to_send(ev[1])
-        else:
-            snd.receive_datagram(ev[2], ev[1])
-    return time.process_time() - t0
+    return _feed_sender(snd, calls)
 
 
 def _replay_receiver(make_receiver: object, r_in: list[tuple]) -> float:

@@ -82,11 +82,7 @@ def range_ready_at(manifest: Any, arrival_s: np.ndarray | None) -> np.ndarray:
     per block in stream order, seconds from the transfer's start (inf: never). A range
     with a layer not in the stream (the receiver's own prefix) is never ready.
     """
-    g = manifest.geometry
-    ready = np.full((g.num_layers, g.token_blocks), np.inf)
-    if arrival_s is not None and len(arrival_s):
-        ready[manifest.layer.astype(np.int64), manifest.token_block.astype(np.int64)] = arrival_s
-    return ready.max(axis=0)
+    return layer_ready_at(manifest, arrival_s).max(axis=0)
 
 
 def layer_ready_at(manifest: Any, arrival_s: np.ndarray | None) -> np.ndarray:
@@ -623,11 +619,12 @@ def _answer_over_tail(
     def tail_layer(layer: int) -> tuple[np.ndarray, np.ndarray]:
         while True:
             clock = src.now()
-            late = np.flatnonzero(src.block_ready_at()[layer, tail_from:] > clock)
+            arrived_at = src.block_ready_at()
+            late = np.flatnonzero(arrived_at[layer, tail_from:] > clock)
             if not late.size:
                 break
             r = tail_from + int(late[0])
-            due = tail_block_due(src, clock)
+            due = tail_block_due(src.link(), arrived_at, clock)
             if not due > clock:
                 raise TailLost(f"layer {layer} of token range {r} is no longer expected")
             src.wait(r, min(due, clock + max(POLL_S, range_cost)), layer=layer)
@@ -640,20 +637,19 @@ def _answer_over_tail(
     out.append(b.answer(question_ids, tail_layer))
 
 
-def tail_block_due(src: Arrivals, clock: float) -> float:
+def tail_block_due(link: LinkView, arrived_at: np.ndarray, clock: float) -> float:
     """Until when the race waits for a block of the layer-major tail that is not in by
-    ``clock``. While the rest of the tail keeps coming a block missing is a loss that
-    repair may still fill, and the pass cannot finish before the tail's last block anyway,
-    so the race waits as long as the link delivers: until it stalls (nothing came for four
-    usual gaps between the transfer's block arrivals, at least ``hole_wait_s``, after the
-    last one; before any, ``hole_wait_s`` after the transfer's start: the first datagram for
-    a live receiver, the sender's start in a replay), and never past the sender's deadline
-    (plus ``hole_wait_s``)."""
-    link = src.link()
+    ``clock``, from ``arrived_at``, when each block was complete
+    (``Arrivals.block_ready_at``). While the rest of the tail keeps coming a block missing
+    is a loss that repair may still fill, and the pass cannot finish before the tail's last
+    block anyway, so the race waits as long as the link delivers: until it stalls (nothing
+    came for four usual gaps between the transfer's block arrivals, at least
+    ``hole_wait_s``, after the last one; before any, ``hole_wait_s`` after the transfer's
+    start: the first datagram for a live receiver, the sender's start in a replay), and
+    never past the sender's deadline (plus ``hole_wait_s``)."""
     if clock > link.deadline_s + link.hole_wait_s:
         return -np.inf
-    got = src.block_ready_at()
-    times = got[got <= clock]
+    times = arrived_at[arrived_at <= clock]
     if not times.size:
         return link.start_s + link.hole_wait_s
     last = float(times.max())
