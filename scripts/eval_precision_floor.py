@@ -31,8 +31,12 @@ from eval_handoff import parse_seeds  # noqa: E402
 SPEED = (0.07, 0.0031)  # seconds per call, per token: the demo host's measured speed
 
 
-def evaluate(loaded, tokens: int, seeds: list[int], floors: list[float]) -> dict:
-    """Per seed and setting: int4 share of the sent blocks, planned finish, answers equal."""
+def evaluate(
+    loaded, tokens: int, seeds: list[int], floors: list[float], int8_group: int | None = None
+) -> dict:
+    """Per seed and setting: int4 share of the sent blocks, planned finish, answers equal.
+    int8_group: the int8 quantization group the plan sends (None: the product's, one per
+    head vector; kvtransport.model.blocks.Geometry)."""
     from kvtransport.core.protocol import DEFAULT_SYMBOL_SIZE
     from kvtransport.demo.demo_model import answer, link_profile, prepare_card
     from kvtransport.demo.demo_report import (
@@ -59,6 +63,13 @@ def evaluate(loaded, tokens: int, seeds: list[int], floors: list[float]) -> dict
         stream, _, _ = prepare_card(loaded, sample, ctx, None)
         ids = np.asarray(ctx)
         full = blocks.decode_stream(stream.manifest, stream.payload, token_ids=ids).cache
+        if int8_group is not None:  # the same card, its geometry's int8 group changed
+            m = stream.manifest
+            u = np.zeros((m.geometry.num_layers, m.geometry.token_blocks))
+            u[m.layer.astype(np.int64), m.token_block.astype(np.int64)] = m.utility
+            stream = blocks.encode_stream(full, u, m.flat_index(), "fp32",
+                                          block_tokens=m.geometry.block_tokens,
+                                          int8_group_size=int8_group)  # fmt: skip
         ref = [answer(loaded, full, None, x, DEFAULT_MAX_NEW_TOKENS)[0] for x in qs]
         budget = DEFAULT_BUDGET * speed.seconds(len(ctx))
         row = {"seed": seed, "tokens": len(ctx), "settings": {}}
@@ -82,14 +93,16 @@ def evaluate(loaded, tokens: int, seeds: list[int], floors: list[float]) -> dict
         print(f"{tokens} tok seed {seed}: " + ", ".join(
             f"{k} {v['equal']}/{v['questions']} ({v['finish_s'] * 1e3:.0f} ms)"
             for k, v in row["settings"].items()), file=sys.stderr, flush=True)  # fmt: skip
-    return {"tokens": tokens, "seeds": seeds, "runs": runs}
+    return {"tokens": tokens, "seeds": seeds, "runs": runs, "int8_group": int8_group}
 
 
 def render(docs: list[dict]) -> str:
+    group = docs[0].get("int8_group") if docs else None
     lines = [
         "Plan objective ttft, demo link (ge-heavy, 100 Mbit/s), receiver compute fixed at "
-        f"{SPEED[0] * 1e3:g} ms + {SPEED[1] * 1e3:g} ms/token; answers = equal to the full "
-        "cache's, summed over seeds",
+        f"{SPEED[0] * 1e3:g} ms + {SPEED[1] * 1e3:g} ms/token; int8 quantized in groups of "
+        f"{'one head vector' if group is None else f'{group} values'}; answers = equal to "
+        "the full cache's, summed over seeds",
         "",
         "| context | blocks sent as | int4 share of sent blocks | planned in place (mean) "
         "| answers = full cache: sum, worst seed |",
@@ -114,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", default="512,2048", help="context sizes (default 512,2048)")
     p.add_argument("--seeds", default="1-8", help="e.g. 1-8 or 1,3 (2048 uses the first 4)")
     p.add_argument("--floors", default="0.999,0.998,0.997", help="fidelity floors to compare")
+    p.add_argument("--int8-group", type=int, default=None, metavar="N",
+                   help="int8 quantization group in values (default: one per head vector, "
+                   "as the product sends; 32: the group before)")  # fmt: skip
     p.add_argument("--out", default="results/eval_precision_floor")
     args = p.parse_args(argv)
     try:
@@ -128,7 +144,10 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     loaded = load_model(threads=1)
-    docs = [evaluate(loaded, n, seeds if n <= 1024 else seeds[:4], floors) for n in sizes]
+    if args.int8_group is not None and (args.int8_group < 2 or args.int8_group % 2):
+        p.error(f"--int8-group must be an even number of values, not {args.int8_group}")
+    docs = [evaluate(loaded, n, seeds if n <= 1024 else seeds[:4], floors, args.int8_group)
+            for n in sizes]  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "floor.json").write_text(json.dumps(docs, indent=1))

@@ -313,6 +313,43 @@ def test_quantized_blocks_decode_to_exactly_the_reference_dequantization(precisi
     for i in range(m.num_blocks):
         layer, sl = m.layer[i], _token_slice(m, i)
         kv = np.stack([c.keys[layer, :, sl], c.values[layer, :, sl]])
-        ref = quant.dequantize(quant.quantize(kv, bits, 32))
+        ref = quant.dequantize(quant.quantize(kv, bits, 64 if precision == "int8" else 32))
         assert np.array_equal(r.cache.keys[layer, :, sl], ref[0])
         assert np.array_equal(r.cache.values[layer, :, sl], ref[1])
+
+
+def _edited_header(manifest_bytes: bytes, edit) -> bytes:
+    """The manifest re-serialized after ``edit(header)`` changed its JSON header in place
+    (a key left out: as a manifest written before that key existed)."""
+    fixed = blocks._FIXED
+    magic, version, flags, jlen, blen = fixed.unpack_from(manifest_bytes)
+    head = json.loads(manifest_bytes[fixed.size : fixed.size + jlen])
+    edit(head)
+    body = manifest_bytes[fixed.size + jlen : fixed.size + jlen + blen]
+    new_head = json.dumps(head, sort_keys=True, separators=(",", ":")).encode()
+    out = fixed.pack(magic, version, flags, len(new_head), blen) + new_head + body
+    return out + zlib.crc32(out).to_bytes(4, "little")
+
+
+def test_int8_groups_span_the_head_vector_and_older_manifests_keep_the_common_group():
+    c = _cache(tokens=48, dim=64)
+    s = _encode(c, "int8")
+    g = s.manifest.geometry
+    assert (g.group_size, g.group_of("int8"), g.group_of("int4")) == (32, 64, 32)
+    # codes plus one float16 scale and zero per head vector of K and of V
+    assert g.block_nbytes("int8") == 2 * 2 * BT * 64 + 2 * 2 * BT * 4
+    assert s.payload.size == s.manifest.num_blocks * g.block_nbytes("int8")
+    # a stream encoded with 32-value int8 groups, its manifest without the new key:
+    # read as before the key existed, it decodes exactly (not as 64-value groups)
+    old = _encode(c, "int8", int8_group_size=32)
+    legacy = _edited_header(old.manifest_bytes, lambda h: h.pop("int8_group_size"))
+    m = blocks.Manifest.from_bytes(legacy)
+    assert m.geometry.group_of("int8") == 32
+    ref = blocks.decode_stream(old.manifest_bytes, old.payload)
+    got = blocks.decode_stream(legacy, old.payload)
+    assert np.array_equal(got.cache.keys, ref.cache.keys)
+    assert old.payload.size > s.payload.size
+    # a group that does not divide head_dim is refused in the header
+    bad = _edited_header(s.manifest_bytes, lambda h: h.update(int8_group_size=24))
+    with pytest.raises(blocks.ManifestError, match="int8_group_size 24"):
+        blocks.Manifest.from_bytes(bad)

@@ -30,6 +30,11 @@ import numpy as np
 
 from kvtransport.model.kvcache import KVCache
 
+PAIR_CHUNK = 64
+"""Tokens of the chunk that measures :attr:`ComputeSpeed.per_pair_s` (the demo's
+questions are 20-40 tokens): long enough that what it pays per context token stands out
+of the timing noise after a 512-token prefix."""
+
 
 @dataclass(frozen=True)
 class ComputeSpeed:
@@ -57,41 +62,52 @@ class ComputeSpeed:
 
     @classmethod
     def measure(
-        cls, model: Any, token_ids: Sequence[int], sizes: tuple[int, int] = (16, 512)
+        cls,
+        model: Any,
+        token_ids: Sequence[int],
+        sizes: tuple[int, int] = (16, 512),
+        pair_chunk: int = PAIR_CHUNK,
+        repeats: int = 3,
     ) -> ComputeSpeed:
-        """Fit the two costs from timed chunks of this context on this model.
+        """Fit the three costs from timed chunks of this context on this model, in
+        ``repeats`` rounds (the host's speed drifts by a tenth within seconds, and the
+        plan's split follows the estimate).
 
-        The small chunk is computed after a prefix of the context of its length (the
-        faster of two runs): the cost of a call. The large one (at most the context) is
-        computed from the start, as a planned prefix is: its cost per token includes the
-        attention over a long chunk, which short chunks do not show (a line through two
-        short chunks underestimated a 600-token prefix by a quarter). The small chunk again
-        after the large one (the best of three): what a short call pays per context token
-        before it (``per_pair_s``).
+        Each round computes the small chunk after a prefix of the context of its length
+        (the fastest over the rounds: the cost of a call), then the large one (at most the
+        context) from the start, as a planned prefix is (the median: its cost per token
+        includes the attention over a long chunk, which short chunks do not show; a line
+        through two short chunks underestimated a 600-token prefix by a quarter), and a
+        ``pair_chunk``-token chunk after each: what a call pays per context token before
+        it (``per_pair_s``: the median of the rounds' differences, after the large prefix
+        less after the small one; a 16-token chunk's difference was within the timing
+        noise).
         """
         small, large = sizes
         ids = list(token_ids)
         large = min(large, len(ids))
         if large <= small:
             small = max(1, large // 4)
+        q = max(1, min(pair_chunk, large))
+
+        def timed(builder: CacheBuilder, n: int) -> float:
+            t0 = time.perf_counter()
+            builder.compute(n)
+            return time.perf_counter() - t0
+
         best = float("inf")
-        for _ in range(2):
-            b = CacheBuilder(model, ids[: 2 * small])
+        long_s, pair_s = [], []
+        for _ in range(max(1, repeats)):
+            b = CacheBuilder(model, ids[:small] + ids[:small] + ids[:q])
             b.compute(small)
-            t0 = time.perf_counter()
-            b.compute(small)
-            best = min(best, time.perf_counter() - t0)
-        b = CacheBuilder(model, ids[:large] + ids[:small] * 3)
-        t0 = time.perf_counter()
-        b.compute(large)
-        long_s = time.perf_counter() - t0
-        per_token = max((long_s - best) / (large - small), 1e-6)
-        after_long_s = float("inf")  # the small chunk after the long prefix (best of 3)
-        for _ in range(3):
-            t0 = time.perf_counter()
-            b.compute(small)
-            after_long_s = min(after_long_s, time.perf_counter() - t0)
-        per_pair = max((after_long_s - best) / (small * (large - small)), 0.0)
+            best = min(best, timed(b, small))
+            after_short = timed(b, q)
+            b = CacheBuilder(model, ids[:large] + ids[:q])
+            long_s.append(timed(b, large))
+            pair_s.append(timed(b, q) - after_short)
+        per_token = max((float(np.median(long_s)) - best) / (large - small), 1e-6)
+        pairs = q * max(large - 2 * small, 1)
+        per_pair = max(float(np.median(pair_s)) / pairs, 0.0)
         return cls(per_call_s=max(best - small * per_token, 0.0), per_token_s=per_token,
                    per_pair_s=per_pair)  # fmt: skip
 

@@ -521,5 +521,6 @@ def planned_stream(
     note += f", tail {plan.tail}" if plan.tail else ""
     created = dict(m.created, plan=note if order == "position" else f"{note}, order {order}")
     out = encode_stream(full.cache, u, sending, plan.precision, block_tokens=g.block_tokens,
-                        group_size=g.group_size, created=created)  # fmt: skip
+                        group_size=g.group_size, int8_group_size=g.group_of("int8"),
+                        created=created)  # fmt: skip
     return plan, out
