@@ -230,6 +230,9 @@ def handoff_stream(spec: EpisodeSpec) -> tuple[BlockTable, np.ndarray]:
         raise ValueError(f"not a handoff episode (stream {spec.stream!r})")
     ranges = spec.n_blocks // HANDOFF_LAYERS
     u = handoff_utilities(spec.seed, ranges)
+    # int8 in 32-value groups (int8_group_size 0), as when the handoff cells in
+    # docs/results.md were measured and the policies trained; the product's streams now
+    # quantize int8 in one group per head vector (blocks 6 % smaller: Geometry.of)
     g = Geometry(HANDOFF_LAYERS, HANDOFF_KV_HEADS, ranges * 16, HANDOFF_HEAD_DIM, "float16")
     rng = np.random.default_rng([spec.seed, 0x91_A7])
     speed = ComputeSpeed(HANDOFF_SPEED_PER_CALL_S, _log_uniform(rng, *HANDOFF_SPEED_PER_TOKEN_S))

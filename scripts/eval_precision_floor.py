@@ -138,14 +138,14 @@ def main(argv: list[str] | None = None) -> int:
         seeds = parse_seeds(args.seeds)
     except ValueError as exc:
         p.error(f"cannot read the lists: {exc}")
+    if args.int8_group is not None and (args.int8_group < 2 or args.int8_group % 2):
+        p.error(f"--int8-group must be an even divisor of head_dim, not {args.int8_group}")
     import torch
 
     from kvtransport.model.loader import load_model
 
     torch.set_num_threads(1)
     loaded = load_model(threads=1)
-    if args.int8_group is not None and (args.int8_group < 2 or args.int8_group % 2):
-        p.error(f"--int8-group must be an even number of values, not {args.int8_group}")
     docs = [evaluate(loaded, n, seeds if n <= 1024 else seeds[:4], floors, args.int8_group)
             for n in sizes]  # fmt: skip
     out = Path(args.out)

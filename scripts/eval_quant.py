@@ -9,8 +9,10 @@ cache's greedy answer as the reference, then pass the cache through the real blo
 
 Configurations, with their payload size relative to the fp32 cache:
 
-- uniform fp16 (50 %), int8 (28.1 %), int4 (15.6 %);
-- mixed:B at B = the int8 and int4 sizes and below (10 %, 5 %): each block gets fp16,
+- uniform fp16 (50 %), int8 (26.6 % with head_dim 64: one group per head vector), int4
+  (15.6 %);
+- mixed:B at B = 28.1 % (int8's size in 32-value groups, as first calibrated), int4's size
+  and below (10 %, 5 %): each block gets fp16,
   int8, int4 or is dropped so the kept utility is maximal (kvtransport.codecs.quant);
 - int4+drop at the same small budgets: every kept block int4, the lowest-utility blocks
   dropped to fit (utility-aware, precision-blind), to show what mixing precisions adds.

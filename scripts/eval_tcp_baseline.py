@@ -1,7 +1,7 @@
 """The TCP baseline against the deadline: what one plain TCP connection delivers in time.
 
 The demo's cache (SmolLM2-135M's geometry: 30 layers, 3 KV heads, head_dim 64, 504
-tokens, 16-token blocks: 960 blocks; fp32 22.1 MiB, int8 6.2 MiB), cut into blocks and
+tokens, 16-token blocks: 960 blocks; fp32 22.1 MiB, int8 5.9 MiB), cut into blocks and
 serialized by the real block codec (kvtransport.model.blocks.encode_stream, the manifest as
 application metadata; random K/V values, utilities from the position prior, blocks in
 utility order), crosses the netns testbed (--profile, default ge-heavy: 100 Mbit/s, 5 ms

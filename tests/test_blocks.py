@@ -331,25 +331,40 @@ def _edited_header(manifest_bytes: bytes, edit) -> bytes:
     return out + zlib.crc32(out).to_bytes(4, "little")
 
 
-def test_int8_groups_span_the_head_vector_and_older_manifests_keep_the_common_group():
-    c = _cache(tokens=48, dim=64)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_int8_groups_span_the_head_vector_and_older_manifests_keep_the_common_group(dtype):
+    c = _cache(tokens=48, dim=64, dtype=dtype)
     s = _encode(c, "int8")
     g = s.manifest.geometry
     assert (g.group_size, g.group_of("int8"), g.group_of("int4")) == (32, 64, 32)
     # codes plus one float16 scale and zero per head vector of K and of V
     assert g.block_nbytes("int8") == 2 * 2 * BT * 64 + 2 * 2 * BT * 4
     assert s.payload.size == s.manifest.num_blocks * g.block_nbytes("int8")
-    # a stream encoded with 32-value int8 groups, its manifest without the new key:
-    # read as before the key existed, it decodes exactly (not as 64-value groups)
+    # version 2, which a version-1 reader refuses instead of mis-sizing the blocks; a
+    # stream without int8 blocks in other groups stays version 1
+    assert s.manifest.version == 2 and s.manifest_bytes[4:6] == b"\x02\x00"
+    assert _encode(c, "int4").manifest.version == 1
+    assert _encode(c, "fp16").manifest.version == 1
+    # a stream encoded with 32-value int8 groups, its manifest without the new key (as
+    # written before it existed): decodes exactly as with the key, not as 64-value groups
     old = _encode(c, "int8", int8_group_size=32)
+    assert old.manifest.version == 1 and old.payload.size > s.payload.size
     legacy = _edited_header(old.manifest_bytes, lambda h: h.pop("int8_group_size"))
-    m = blocks.Manifest.from_bytes(legacy)
-    assert m.geometry.group_of("int8") == 32
+    assert blocks.Manifest.from_bytes(legacy).geometry.group_of("int8") == 32
     ref = blocks.decode_stream(old.manifest_bytes, old.payload)
     got = blocks.decode_stream(legacy, old.payload)
     assert np.array_equal(got.cache.keys, ref.cache.keys)
-    assert old.payload.size > s.payload.size
-    # a group that does not divide head_dim is refused in the header
+    assert np.array_equal(got.cache.values, ref.cache.values)
+    assert got.missing.size == 0
+    # a group that does not divide head_dim is refused in the header and when encoding
     bad = _edited_header(s.manifest_bytes, lambda h: h.update(int8_group_size=24))
     with pytest.raises(blocks.ManifestError, match="int8_group_size 24"):
         blocks.Manifest.from_bytes(bad)
+    with pytest.raises(ValueError, match="int8_group_size 24"):
+        _encode(c, "int8", int8_group_size=24)
+    # a version this module does not know is refused
+    future = bytearray(s.manifest_bytes[:-4])
+    future[4:6] = (3).to_bytes(2, "little")
+    future += zlib.crc32(bytes(future)).to_bytes(4, "little")
+    with pytest.raises(blocks.ManifestError, match="version 3"):
+        blocks.Manifest.from_bytes(bytes(future))

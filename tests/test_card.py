@@ -57,6 +57,21 @@ def test_quantized_card_and_summary(tmp_path):
     assert info["tokens"] == 50 and info["model_id"] == "toy"
 
 
+def test_a_card_with_int8_in_head_vector_groups_is_version_2_and_reads_back(tmp_path):
+    """int8 blocks in other groups than group_size make a version-2 card (an older reader
+    refuses it instead of failing every block's check); lossless cards stay version 1."""
+    from safetensors import safe_open
+
+    for precision, version in (("int8", 2), (None, 1)):
+        path = tmp_path / f"{precision}.card"
+        c = _write(path, precision=precision)
+        with safe_open(str(path), framework="np") as f:
+            assert json.loads(f.metadata()[card.METADATA_KEY])["version"] == version
+        got = card.load_cache(path)
+        assert got.present.all()
+        assert np.abs(got.cache.keys - c.keys).max() < (c.keys.max() - c.keys.min()) / 200
+
+
 def test_write_is_atomic_when_interrupted(tmp_path, monkeypatch):
     path = tmp_path / "a.card"
     _write(path)

@@ -231,6 +231,28 @@ def test_the_back_order_is_what_the_sender_sends_and_what_the_plan_expects():
     assert front.expect_at[-1] == pytest.approx(plan.expect_at[k])
 
 
+def test_the_plan_sends_int8_in_the_products_groups_whatever_the_cards_own():
+    """A card whose geometry holds other int8 groups (cards written before the change hold
+    32-value ones) is planned and sent with one int8 group per head vector: the same bytes
+    as from a new card."""
+    from kvtransport.model.plan import planned_stream
+
+    g, kv, u = _random_cache()
+    order = utility.stream_order(u, g.block_tokens)
+    old = blocks.encode_stream(kv, u, order, int8_group_size=16)
+    new = blocks.encode_stream(kv, u, order)
+    assert old.manifest.geometry.group_of("int8") == 16
+    link = LinkEstimate(rate_bps=10e6, loss=0.0, one_way_s=0.001, symbol_size=1280)
+    kw = dict(link=link, budget_s=0.08, speed=SPEED, levels=("int8",))
+    plan_old, sent_old = planned_stream(old, **kw)
+    plan_new, sent_new = planned_stream(new, **kw)
+    assert sent_old.manifest.geometry.group_of("int8") == g.head_dim
+    assert np.any(sent_old.manifest.precision == blocks.PRECISIONS.index("int8"))
+    assert sent_old.manifest_bytes == sent_new.manifest_bytes
+    assert np.array_equal(sent_old.payload, sent_new.payload)
+    assert sent_old.payload.size == plan_old.payload_bytes
+
+
 def test_an_unknown_order_is_refused():
     with pytest.raises(ValueError, match="order must be one of position, back"):
         plan_handoff(GEOM, _utilities(), link=LINK, speed=SPEED, budget_s=1.0, order="middle")

@@ -657,3 +657,14 @@ def test_a_dead_link_gives_up_a_whole_context_tail_at_once(smollm, context):
     assert (first.action, first.start) == ("abandoned", 0)
     assert first.t1 - first.t0 < DEFAULT_HOLE_WAIT_S + 0.05
     assert res.computed == len(ctx) and _err(res.kv, kv) < TOL
+
+
+def test_measuring_needs_two_tokens_and_leaves_the_pair_cost_unmeasured_on_a_short_context(
+    smollm,
+):
+    """A context too short to put a question-sized chunk far from the start gets no
+    per-pair cost (0), not timing noise divided by a few tokens; one token is refused."""
+    with pytest.raises(ValueError, match="at least 2 context tokens"):
+        ComputeSpeed.measure(smollm.model, [42])
+    speed = ComputeSpeed.measure(smollm.model, list(range(100, 140)), repeats=1)
+    assert speed.per_pair_s == 0.0 and speed.per_token_s > 0

@@ -457,12 +457,7 @@ def _card_metadata(app_metadata: bytes) -> dict[str, str] | None:
         manifest = blocks.Manifest.from_bytes(app_metadata)
     except Exception:  # bytes from the network: whatever they are, not a card's manifest
         return None
-    text = {
-        "format": card.CARD_FORMAT,
-        "version": card.CARD_VERSION,
-        "manifest": manifest.to_json(),
-    }
-    return {card.METADATA_KEY: json.dumps(text, sort_keys=True, separators=(",", ":"))}
+    return card.card_metadata(manifest)
 
 
 def read_result_file(path: str | os.PathLike) -> DeliveredResult:

@@ -22,10 +22,11 @@ Block byte layout (all little-endian; ``H`` kv heads, ``T`` tokens, ``D`` head_d
   ``G`` is the precision's group (the header's ``int8_group_size`` for int8, absent in
   manifests written before it and then ``group_size``; ``group_size`` for int4).
 
-Manifest format, version 1 (all integers little-endian)::
+Manifest format, version 1 or 2 (all integers little-endian)::
 
     0   4  magic b"KVMF"
-    4   2  version (1)
+    4   2  version (2 when the stream holds int8 blocks quantized in groups other than
+           ``group_size``, which a version-1 reader would mis-size; 1 otherwise)
     6   2  flags (bit 0: token ids included)
     8   4  header length J
     12  4  body length B
@@ -62,7 +63,9 @@ PRECISIONS = ("fp32", "fp16", "int8", "int4")
 
 DEFAULT_BLOCK_TOKENS = 16
 MANIFEST_MAGIC = b"KVMF"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
+"""The newest manifest version this module writes and reads (:attr:`Manifest.version`)."""
+MANIFEST_VERSIONS = (1, 2)
 _FIXED = struct.Struct("<4sHHII")
 _FLAG_TOKEN_IDS = 1
 _BITS = {"int8": 8, "int4": 4}
@@ -87,11 +90,15 @@ class Geometry:
     block_tokens: int = DEFAULT_BLOCK_TOKENS
     group_size: int = quant.DEFAULT_GROUP_SIZE
     int8_group_size: int = 0
-    """int8's quantization group; 0: ``group_size`` (what manifests written before the
-    field hold). :meth:`of` gives one group per head vector (``head_dim``): int8's error is
-    far below the answers' sensitivity either way, and a 64-value group halves the
-    scale-and-zero bytes that a 32-value one adds (12.5 % of an int8 block, 6 % of all the
-    bytes a 2K handoff plan sends)."""
+    """int8's quantization group; 0 (normalized to ``group_size``): what manifests written
+    before the field hold. :meth:`of` gives one group per head vector (``head_dim``
+    values): int8's error stays far below int4's either way, and on SmolLM2 (head_dim 64)
+    that halves the scales and zeros, from 4 of every 36 bytes of an int8 block to 2 of
+    34 (docs/results.md, section 0)."""
+
+    def __post_init__(self) -> None:
+        if not self.int8_group_size:
+            object.__setattr__(self, "int8_group_size", self.group_size)
 
     @classmethod
     def of(
@@ -101,14 +108,20 @@ class Geometry:
         group_size: int = quant.DEFAULT_GROUP_SIZE,
         int8_group_size: int | None = None,
     ) -> Geometry:
-        """``cache``'s geometry; ``int8_group_size`` None: one group per head vector."""
+        """``cache``'s geometry; ``group_size`` capped at head_dim, ``int8_group_size``
+        None: one group per head vector. A group that is not an even divisor of head_dim
+        raises ValueError."""
         dtype = np.dtype(cache.keys.dtype).name
         if dtype not in _DTYPES:
             raise ValueError(f"cache dtype {dtype} is not float32 or float16")
         if block_tokens <= 0:
             raise ValueError(f"block_tokens must be positive, not {block_tokens}")
         group = min(group_size, cache.head_dim)
-        group8 = cache.head_dim if int8_group_size is None else min(int8_group_size, cache.head_dim)
+        group8 = cache.head_dim if int8_group_size is None else int8_group_size
+        for name, value in (("group_size", group), ("int8_group_size", group8)):
+            if value < 2 or value % 2 or cache.head_dim % value:
+                raise ValueError(f"{name} {value} must be an even divisor of head_dim "
+                                 f"{cache.head_dim}")  # fmt: skip
         return cls(
             cache.num_layers,
             cache.num_kv_heads,
@@ -122,9 +135,7 @@ class Geometry:
 
     def group_of(self, precision: str) -> int:
         """The quantization group of a quantized precision (int8 or int4)."""
-        if precision == "int8" and self.int8_group_size:
-            return self.int8_group_size
-        return self.group_size
+        return self.int8_group_size if precision == "int8" else self.group_size
 
     @property
     def token_blocks(self) -> int:
@@ -218,11 +229,20 @@ class Manifest:
 
     # -- encodings -------------------------------------------------------------------
 
+    @property
+    def version(self) -> int:
+        """The manifest version written: 2 where a version-1 reader would mis-size blocks
+        (int8 blocks in groups other than ``group_size``), else 1, which older readers
+        take."""
+        g = self.geometry
+        has_int8 = bool(np.any(self.precision == PRECISIONS.index("int8")))
+        return 2 if has_int8 and g.int8_group_size != g.group_size else 1
+
     def header(self) -> dict[str, Any]:
         g = self.geometry
         return {
             "format": "kvtransport-manifest",
-            "version": MANIFEST_VERSION,
+            "version": self.version,
             "model_id": self.model_id,
             "dtype": g.dtype,
             "layers": g.num_layers,
@@ -252,7 +272,7 @@ class Manifest:
             flags |= _FLAG_TOKEN_IDS
             cols.append(self.token_ids.astype("<u4").tobytes())
         body = zlib.compress(b"".join(cols), 6)
-        out = _FIXED.pack(MANIFEST_MAGIC, MANIFEST_VERSION, flags, len(head), len(body))
+        out = _FIXED.pack(MANIFEST_MAGIC, self.version, flags, len(head), len(body))
         out += head + body
         return out + struct.pack("<I", zlib.crc32(out))
 
@@ -265,7 +285,7 @@ class Manifest:
         magic, version, flags, jlen, blen = _FIXED.unpack_from(buf)
         if magic != MANIFEST_MAGIC:
             raise ManifestError(f"not a kvtransport manifest (magic {magic!r})")
-        if version != MANIFEST_VERSION:
+        if version not in MANIFEST_VERSIONS:
             raise ManifestError(f"manifest version {version} is not supported")
         if len(buf) != _FIXED.size + jlen + blen + 4:
             raise ManifestError(

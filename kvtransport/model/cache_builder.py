@@ -13,7 +13,8 @@ operation as computing the prefix, so there is one mechanism for compute-while-l
 completion at the deadline and the dead-link fallback (see kvtransport.model.race).
 
 :class:`ComputeSpeed` is the receiver's measured cost of computing ``n`` tokens in one
-call (a fixed cost per call plus a cost per token), which the handoff planner
+call (a fixed cost per call plus a cost per token, plus what a short call such as a
+question pays per context token before it), which the handoff planner
 (kvtransport.model.plan) and the race's wait-or-compute rule use.
 
 torch and transformers are imported inside the functions (the model's edge).
@@ -79,12 +80,21 @@ class ComputeSpeed:
         includes the attention over a long chunk, which short chunks do not show; a line
         through two short chunks underestimated a 600-token prefix by a quarter), and a
         ``pair_chunk``-token chunk after each: what a call pays per context token before
-        it (``per_pair_s``: the median of the rounds' differences, after the large prefix
-        less after the small one; a 16-token chunk's difference was within the timing
-        noise).
+        it (``per_pair_s``: the median of the rounds' differences, the chunk after the
+        large prefix less the same chunk after twice the small one; a 16-token chunk's
+        difference was within the timing noise). A context too short to tell the two
+        apart (the large prefix less than ``pair_chunk`` beyond twice the small one) gets
+        ``per_pair_s`` 0, not measured.
+
+        Cost: ``repeats`` computes of the large prefix and three short calls each (about
+        three times one call of the large prefix alone); the live race measures once per
+        model and keeps it (kvtransport.model.live_race). Fewer than 2 context tokens
+        raise ValueError.
         """
         small, large = sizes
         ids = list(token_ids)
+        if len(ids) < 2:
+            raise ValueError(f"measuring needs at least 2 context tokens, not {len(ids)}")
         large = min(large, len(ids))
         if large <= small:
             small = max(1, large // 4)
@@ -106,8 +116,8 @@ class ComputeSpeed:
             long_s.append(timed(b, large))
             pair_s.append(timed(b, q) - after_short)
         per_token = max((float(np.median(long_s)) - best) / (large - small), 1e-6)
-        pairs = q * max(large - 2 * small, 1)
-        per_pair = max(float(np.median(pair_s)) / pairs, 0.0)
+        apart = large - 2 * small  # context tokens between the two chunks' positions
+        per_pair = max(float(np.median(pair_s)) / (q * apart), 0.0) if apart >= q else 0.0
         return cls(per_call_s=max(best - small * per_token, 0.0), per_token_s=per_token,
                    per_pair_s=per_pair)  # fmt: skip
 

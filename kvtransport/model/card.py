@@ -7,7 +7,7 @@ A card holds exactly what the transport would ship, so one code path serves both
   points (layout: kvtransport.model.blocks). One tensor rather than thousands keeps the
   safetensors header small and the load a single zero-copy read;
 - metadata ``kvtransport.card``: JSON with the format version, the creation info and the
-  manifest in readable form (model, dtype, geometry, block size, quantization group, and
+  manifest in readable form (model, dtype, geometry, block size, quantization groups, and
   a columnar block table: layer, token range, precision, byte offset and length, CRC-32,
   utility; plus the token ids).
 
@@ -35,7 +35,11 @@ from kvtransport.model import blocks, utility
 from kvtransport.model.kvcache import KVCache
 
 CARD_FORMAT = "kvtransport-card"
-CARD_VERSION = 1
+CARD_VERSION = 2
+"""The newest card version: 2 where the stream's manifest is version 2 (int8 blocks in
+groups a version-1 reader would mis-size: kvtransport.model.blocks.Manifest.version), 1
+otherwise, which older readers take."""
+CARD_VERSIONS = (1, 2)
 METADATA_KEY = "kvtransport.card"
 TENSOR_NAME = "stream"
 
@@ -150,15 +154,15 @@ def write_card(path: str | os.PathLike, stream: blocks.EncodedStream) -> Path:
     """
     from safetensors.numpy import save
 
-    path = Path(path)
-    meta = {
-        "format": CARD_FORMAT,
-        "version": CARD_VERSION,
-        "manifest": stream.manifest.to_json(),
-    }
-    text = json.dumps(meta, sort_keys=True, separators=(",", ":"))
-    data = save({TENSOR_NAME: stream.payload}, metadata={METADATA_KEY: text})
-    return atomic_write(path, data)
+    data = save({TENSOR_NAME: stream.payload}, metadata=card_metadata(stream.manifest))
+    return atomic_write(Path(path), data)
+
+
+def card_metadata(manifest: blocks.Manifest) -> dict[str, str]:
+    """The safetensors metadata of a card holding ``manifest``'s stream: the format tag,
+    the card version (:data:`CARD_VERSION`'s rule) and the manifest in readable form."""
+    meta = {"format": CARD_FORMAT, "version": manifest.version, "manifest": manifest.to_json()}
+    return {METADATA_KEY: json.dumps(meta, sort_keys=True, separators=(",", ":"))}
 
 
 def _read_header(raw: memoryview, name: str) -> tuple[dict[str, Any], int]:
@@ -206,8 +210,9 @@ def read_card(path: str | os.PathLike) -> CacheCard:
         manifest_json = card_meta["manifest"]
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
         raise CardError(f"{name} has corrupt card metadata: {exc}") from None
-    if version != CARD_VERSION:
-        raise CardError(f"{name} is card version {version}; this kvtransport reads {CARD_VERSION}")
+    if version not in CARD_VERSIONS:
+        raise CardError(f"{name} is card version {version}; this kvtransport reads "
+                        f"{' and '.join(map(str, CARD_VERSIONS))}")  # fmt: skip
     info: Any = header.get(TENSOR_NAME)  # untrusted JSON: any shape fails below
     try:
         if info["dtype"] != "U8" or len(info["shape"]) != 1:

@@ -503,10 +503,12 @@ def planned_stream(
     question's forward time on the receiver (its tail, :func:`plan_handoff`).
     """
     m = stream.manifest
-    g = m.geometry
     full = decode_stream(m, stream.payload, token_ids=token_ids)
     if full.missing.size:
         raise ValueError("the stream to plan is incomplete")
+    # planned and sent in the product's quantization groups, whatever the card's own
+    # (a card written before int8's group changed holds 32-value groups in its geometry)
+    g = Geometry.of(full.cache, m.geometry.block_tokens, m.geometry.group_size)
     u = np.zeros((g.num_layers, g.token_blocks))
     u[m.layer.astype(np.int64), m.token_block.astype(np.int64)] = m.utility
     if not u.sum() > 0:
@@ -521,6 +523,6 @@ def planned_stream(
     note += f", tail {plan.tail}" if plan.tail else ""
     created = dict(m.created, plan=note if order == "position" else f"{note}, order {order}")
     out = encode_stream(full.cache, u, sending, plan.precision, block_tokens=g.block_tokens,
-                        group_size=g.group_size, int8_group_size=g.group_of("int8"),
+                        group_size=g.group_size, int8_group_size=g.int8_group_size,
                         created=created)  # fmt: skip
     return plan, out
