@@ -57,10 +57,13 @@ def _check_bits(bits: int) -> int:
     return (1 << bits) - 1
 
 
-def _check_group(last_dim: int, group_size: int) -> None:
+def check_group(last_dim: int, group_size: int, name: str = "group_size") -> None:
+    """Raise ValueError (naming the value ``name``) unless ``group_size`` is a positive
+    even divisor of ``last_dim``: the values that share a scale and zero tile the last
+    axis, in pairs for int4's packing."""
     if group_size <= 0 or group_size % 2 or last_dim % group_size:
         raise ValueError(
-            f"group_size {group_size} must be a positive even divisor of the last axis ({last_dim})"
+            f"{name} {group_size} must be a positive even divisor of the last axis ({last_dim})"
         )
 
 
@@ -126,7 +129,7 @@ def quantize(x: np.ndarray, bits: int, group_size: int = DEFAULT_GROUP_SIZE) -> 
     rounding is numpy.
     """
     qmax = _check_bits(bits)
-    _check_group(x.shape[-1], group_size)
+    check_group(x.shape[-1], group_size)
     lead = x.shape[:-1]
     groups = x.shape[-1] // group_size
     g = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, group_size)
@@ -270,7 +273,7 @@ def from_bytes(
 ) -> Quantized:
     """Inverse of :func:`to_bytes` for rows of blocks whose float shape is ``shape``."""
     _check_bits(bits)
-    _check_group(shape[-1], group_size)
+    check_group(shape[-1], group_size)
     n = rows.shape[0]
     inner = tuple(shape[1:]) if len(shape) and shape[0] == n else tuple(shape)
     code_last = inner[-1] * bits // 8

@@ -165,8 +165,7 @@ def concentration(loaded: object, tokens: int = 512, seed: int = 1) -> dict:
     stream, _, _ = prepare_card(loaded, sample, ctx, None)
     m = stream.manifest
     g = m.geometry
-    u = np.zeros((g.num_layers, g.token_blocks))
-    u[m.layer.astype(int), m.token_block.astype(int)] = m.utility
+    u = m.utility_grid()
     res = {}
     for order in ("utility", "position"):
         idx = utility.stream_order(u, g.block_tokens, order)

@@ -63,20 +63,14 @@ def evaluate(
         stream, _, _ = prepare_card(loaded, sample, ctx, None)
         ids = np.asarray(ctx)
         full = blocks.decode_stream(stream.manifest, stream.payload, token_ids=ids).cache
-        if int8_group is not None:  # the same card, its geometry's int8 group changed
-            m = stream.manifest
-            u = np.zeros((m.geometry.num_layers, m.geometry.token_blocks))
-            u[m.layer.astype(np.int64), m.token_block.astype(np.int64)] = m.utility
-            stream = blocks.encode_stream(full, u, m.flat_index(), "fp32",
-                                          block_tokens=m.geometry.block_tokens,
-                                          int8_group_size=int8_group)  # fmt: skip
         ref = [answer(loaded, full, None, x, DEFAULT_MAX_NEW_TOKENS)[0] for x in qs]
         budget = DEFAULT_BUDGET * speed.seconds(len(ctx))
         row = {"seed": seed, "tokens": len(ctx), "settings": {}}
         for name, levels, floor in settings:
             plan, planned = planned_stream(stream, link=link, budget_s=budget, speed=speed,
                                            levels=levels, token_ids=ids, objective="ttft",
-                                           min_fidelity=floor)  # fmt: skip
+                                           min_fidelity=floor,
+                                           int8_group_size=int8_group)  # fmt: skip
             kv = blocks.decode_stream(planned.manifest, planned.payload, token_ids=ids).cache
             kv.keys[:, :, : plan.split] = full.keys[:, :, : plan.split]
             kv.values[:, :, : plan.split] = full.values[:, :, : plan.split]

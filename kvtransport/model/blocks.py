@@ -63,9 +63,9 @@ PRECISIONS = ("fp32", "fp16", "int8", "int4")
 
 DEFAULT_BLOCK_TOKENS = 16
 MANIFEST_MAGIC = b"KVMF"
-MANIFEST_VERSION = 2
-"""The newest manifest version this module writes and reads (:attr:`Manifest.version`)."""
 MANIFEST_VERSIONS = (1, 2)
+"""The manifest versions this module reads; it writes the lowest that holds the stream
+(:attr:`Manifest.version`)."""
 _FIXED = struct.Struct("<4sHHII")
 _FLAG_TOKEN_IDS = 1
 _BITS = {"int8": 8, "int4": 4}
@@ -118,10 +118,8 @@ class Geometry:
             raise ValueError(f"block_tokens must be positive, not {block_tokens}")
         group = min(group_size, cache.head_dim)
         group8 = cache.head_dim if int8_group_size is None else int8_group_size
-        for name, value in (("group_size", group), ("int8_group_size", group8)):
-            if value < 2 or value % 2 or cache.head_dim % value:
-                raise ValueError(f"{name} {value} must be an even divisor of head_dim "
-                                 f"{cache.head_dim}")  # fmt: skip
+        quant.check_group(cache.head_dim, group)
+        quant.check_group(cache.head_dim, group8, "int8_group_size")
         return cls(
             cache.num_layers,
             cache.num_kv_heads,
@@ -226,6 +224,13 @@ class Manifest:
     def flat_index(self) -> np.ndarray:
         """Each stream block's index in the ``[layers, token_blocks]`` grid, flattened."""
         return self.layer.astype(np.int64) * self.geometry.token_blocks + self.token_block
+
+    def utility_grid(self) -> np.ndarray:
+        """``[layers, token_blocks]`` utilities (0 for blocks the stream does not hold)."""
+        g = self.geometry
+        grid = np.zeros(g.num_layers * g.token_blocks)
+        grid[self.flat_index()] = self.utility
+        return grid.reshape(g.num_layers, g.token_blocks)
 
     # -- encodings -------------------------------------------------------------------
 
@@ -401,8 +406,10 @@ def _parse_header(head: Any) -> tuple[Geometry, int, str, str, dict[str, Any]]:
     if min(ints["layers"], ints["kv_heads"], ints["head_dim"], ints["block_tokens"]) < 1:
         raise ManifestError("manifest geometry has an empty dimension")
     for name in ("group_size", "int8_group_size"):
-        if ints[name] < 2 or ints[name] % 2 or ints["head_dim"] % ints[name]:
-            raise ManifestError(f"manifest {name} {ints[name]} invalid")
+        try:
+            quant.check_group(ints["head_dim"], ints[name])
+        except ValueError:
+            raise ManifestError(f"manifest {name} {ints[name]} invalid") from None
     if dtype not in _DTYPES or not isinstance(model_id, str) or not isinstance(sha, str):
         raise ManifestError("manifest dtype, model_id or token hash malformed")
     if not isinstance(created, dict):

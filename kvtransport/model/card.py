@@ -35,11 +35,10 @@ from kvtransport.model import blocks, utility
 from kvtransport.model.kvcache import KVCache
 
 CARD_FORMAT = "kvtransport-card"
-CARD_VERSION = 2
-"""The newest card version: 2 where the stream's manifest is version 2 (int8 blocks in
-groups a version-1 reader would mis-size: kvtransport.model.blocks.Manifest.version), 1
-otherwise, which older readers take."""
 CARD_VERSIONS = (1, 2)
+"""The card versions this module reads. A card is written with its manifest's version
+(kvtransport.model.blocks.Manifest.version): 2 where int8 blocks are in groups a
+version-1 reader would mis-size, else 1, which older readers take."""
 METADATA_KEY = "kvtransport.card"
 TENSOR_NAME = "stream"
 
@@ -58,10 +57,7 @@ class CacheCard:
 
     def utility_grid(self) -> np.ndarray:
         """``[layers, token_blocks]`` utilities (0 for blocks the card does not hold)."""
-        g = self.manifest.geometry
-        grid = np.zeros(g.num_layers * g.token_blocks)
-        grid[self.manifest.flat_index()] = self.manifest.utility
-        return grid.reshape(g.num_layers, g.token_blocks)
+        return self.manifest.utility_grid()
 
     def reassemble(self, *, allow_corrupt: bool = False) -> blocks.Reassembled:
         """The cache, with the presence mask; corrupted blocks raise unless allowed."""
@@ -160,7 +156,7 @@ def write_card(path: str | os.PathLike, stream: blocks.EncodedStream) -> Path:
 
 def card_metadata(manifest: blocks.Manifest) -> dict[str, str]:
     """The safetensors metadata of a card holding ``manifest``'s stream: the format tag,
-    the card version (:data:`CARD_VERSION`'s rule) and the manifest in readable form."""
+    the card version (:data:`CARD_VERSIONS`) and the manifest in readable form."""
     meta = {"format": CARD_FORMAT, "version": manifest.version, "manifest": manifest.to_json()}
     return {METADATA_KEY: json.dumps(meta, sort_keys=True, separators=(",", ":"))}
 

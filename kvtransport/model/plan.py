@@ -492,6 +492,7 @@ def planned_stream(
     order: str = "position",
     hedge_share: float = DEFAULT_HEDGE_SHARE,
     answer_s: float = 0.0,
+    int8_group_size: int | None = None,
 ) -> tuple[HandoffPlan, EncodedStream]:
     """Plan a card's stream for ``budget_s`` and re-encode it the way the plan sends it.
 
@@ -501,16 +502,16 @@ def planned_stream(
     receiver's compute speed; None plans nothing for the receiver to compute (split 0).
     token_ids: needed when the stream's manifest carries only their hash; answer_s: the
     question's forward time on the receiver (its tail, :func:`plan_handoff`).
+    int8_group_size: the int8 quantization group planned and sent, whatever the card's own
+    (None: one group per head vector, :meth:`Geometry.of`; cards written before that hold
+    32-value groups in their geometry).
     """
     m = stream.manifest
     full = decode_stream(m, stream.payload, token_ids=token_ids)
     if full.missing.size:
         raise ValueError("the stream to plan is incomplete")
-    # planned and sent in the product's quantization groups, whatever the card's own
-    # (a card written before int8's group changed holds 32-value groups in its geometry)
-    g = Geometry.of(full.cache, m.geometry.block_tokens, m.geometry.group_size)
-    u = np.zeros((g.num_layers, g.token_blocks))
-    u[m.layer.astype(np.int64), m.token_block.astype(np.int64)] = m.utility
+    g = Geometry.of(full.cache, m.geometry.block_tokens, m.geometry.group_size, int8_group_size)
+    u = m.utility_grid()
     if not u.sum() > 0:
         u[:] = 1.0
     plan = plan_handoff(g, u, link=link, speed=speed or NO_RECEIVER_COMPUTE,
