@@ -112,6 +112,11 @@ class ReceiverSession:
     when decoder state is released).
     """
 
+    source_runs = True
+    """``receive_datagrams`` takes a held run's further in-order sources in one
+    ``_held_run`` (``Parser.source_run``) call (False: each through ``_accept`` and
+    ``_hold``, the reference the runs are tested against)."""
+
     def __init__(
         self,
         transfer_id: int | None = None,
@@ -287,7 +292,12 @@ class ReceiverSession:
         hold, mark_held = self._hold, self._mark_held
         window_type = self._window_type
         min_gap = self._min_fb_gap
-        for data in datagrams:
+        batch = datagrams if isinstance(datagrams, list | tuple) else list(datagrams)
+        runs = self.source_runs
+        i, n = 0, len(batch)
+        while i < n:
+            data = batch[i]
+            i += 1
             got = accept(data, now)
             if got is None:
                 continue
@@ -299,9 +309,13 @@ class ReceiverSession:
                 # with nothing pending, its marking waits for the rest of its kind (_hold)
                 if self._held_from >= 0:
                     if gap <= 0 and hold(d[6], d[7]):
+                        if runs:
+                            i = self._held_run(batch, i, now)
                         continue
                     mark_held(now)
                 elif gap <= 0 and d[6] == self.through and hold(d[6], d[7]):
+                    if runs:
+                        i = self._held_run(batch, i, now)
                     continue
                 dispatch(d, gap, now)
                 continue
@@ -733,6 +747,29 @@ class ReceiverSession:
         self._out_mv[esi * s : esi * s + s] = payload
         self._lazy_to = esi + 1
         return True
+
+    def _held_run(self, batch: list | tuple, i: int, now: float) -> int:
+        """After ``_hold`` took a source: take the datagrams from ``batch[i]`` on that
+        continue the held run in order, as many as ``Parser.source_run`` opens (the next
+        packet numbers, the next ESIs, before ``_hold_end``), in one go; returns the index
+        of the first one left for the per-datagram path. For each, exactly what ``_accept``
+        and ``_hold`` did one at a time: the same packet accounting (no gap), activity
+        times, count and bytes in place; its marking is held as theirs."""
+        esi = self._lazy_to
+        stop = min(len(batch), i + self._hold_end - esi)
+        if stop <= i:
+            return i
+        mon = self.monitor
+        assert self.transfer_id is not None  # _accept has admitted a datagram
+        j = self.parser.source_run(
+            batch, i, stop, self.transfer_id, mon.highest + 1, esi, self.symbol_size, self._out_mv
+        )
+        k = j - i
+        if k:
+            mon.on_run(k, now)  # (the datagram before them set _highest_at to now)
+            self.source_received += k
+            self._lazy_to = esi + k
+        return j
 
     def _mark_held(self, now: float) -> None:
         """Mark the held run [_held_from, _lazy_to) in one go: exactly what ``_mark`` (and
