@@ -1,5 +1,6 @@
-"""ReceiverSession's held source runs (``_held_run``: the in-order sources after a held one,
-opened by ``Parser.source_run`` and accounted in one go) against one datagram per call.
+"""ReceiverSession's source runs (the in-order sources after a held one, ``_held_run``, or
+after one beyond a hole, ``_lazy_run``: opened by ``Parser.source_run`` and accounted in
+one go) against one datagram per call.
 
 A real sender and receiver run on the simulator (lossy, some with jitter: reordered); what
 the receiver was handed (datagrams and timer calls) is recorded and salted with bad input:
@@ -15,7 +16,7 @@ for every repair scheme (RLC, block RS, ARQ, none).
 import numpy as np
 import pytest
 from kvtransport.netem import Profile, make_channel, parse_loss
-from test_receiver_batch import _state
+from test_receiver_batch import _state, _stream
 
 from kvtransport.core import wire
 from kvtransport.core.feedback import SEQ_RING, LossMonitor
@@ -128,48 +129,53 @@ def _replay(events: list, key: bytes | None, seed: int) -> tuple[ReceiverSession
 
 
 @pytest.mark.parametrize(
-    "policy, key, loss, jitter_ms, share",
+    "policy, key, loss, jitter_ms, share, lazy_share",
     [
-        ("fixed:1/16", KEY, 0.0, 0.0, 0.5),
-        ("fixed:1/16", None, 0.0, 0.0, 0.5),
-        ("fixed:1/16", KEY, 0.01, 0.05, 0.1),
-        ("fixed:1/16", KEY, 0.05, 0.3, 0.0),  # holes and reordering: hardly any held run
-        ("adaptive", KEY, 0.02, 0.0, 0.01),
-        ("block-rs:4/32", KEY, 0.02, 0.0, 0.01),  # held runs only until the first parity
-        ("block-rs:4/32", None, 0.02, 0.3, 0.0),
-        ("arq", KEY, 0.03, 0.0, 0.01),
-        ("arq", None, 0.0, 0.05, 0.3),
-        ("none", KEY, 0.0, 0.0, 0.5),
-        ("none", None, 0.0, 0.1, 0.05),
-        ("none", None, 0.01, 0.0, 0.01),  # held runs only until the first loss
+        ("fixed:1/16", KEY, 0.0, 0.0, 0.5, 0.0),
+        ("fixed:1/16", None, 0.0, 0.0, 0.5, 0.0),
+        ("fixed:1/16", KEY, 0.01, 0.05, 0.1, 0.005),
+        ("fixed:1/16", KEY, 0.05, 0.3, 0.0, 0.0),  # holes and reordering: hardly any run
+        ("adaptive", KEY, 0.02, 0.0, 0.2, 0.2),
+        ("block-rs:4/32", KEY, 0.02, 0.0, 0.01, 0.0),  # runs only until the first parity
+        ("block-rs:4/32", None, 0.02, 0.3, 0.0, 0.0),
+        ("arq", KEY, 0.03, 0.0, 0.5, 0.5),
+        ("arq", None, 0.0, 0.05, 0.3, 0.0),
+        ("none", KEY, 0.0, 0.0, 0.5, 0.0),
+        ("none", None, 0.0, 0.1, 0.05, 0.0),
+        ("none", None, 0.01, 0.0, 0.5, 0.5),  # beyond the first loss: lazy runs
     ],
     ids=["rlc-key", "rlc-nokey", "rlc-lossy", "rlc-lossy-jitter", "adaptive", "block-rs-key",
          "block-rs-nokey-jitter", "arq-key", "arq-nokey-jitter", "none-key", "none-nokey-jitter",
          "none-nokey-lossy"],
 )  # fmt: skip
 def test_held_source_runs_receive_what_one_datagram_per_call_does(
-    monkeypatch, policy, key, loss, jitter_ms, share
+    monkeypatch, policy, key, loss, jitter_ms, share, lazy_share
 ):
-    """``share``: at least that share of the datagrams came in held source runs."""
+    """``share``: at least that share of the datagrams came in source runs (held or lazy),
+    ``lazy_share`` in lazy runs (beyond a hole)."""
     events = _record(policy, key, 3, loss, jitter_ms)
-    taken = []
-    real = ReceiverSession._held_run
+    taken = {"_held_run": [], "_lazy_run": []}
+    for name in taken:
+        real = getattr(ReceiverSession, name)
 
-    def counted(self, batch, i, now):
-        j = real(self, batch, i, now)
-        taken.append(j - i)
-        return j
+        def counted(self, batch, i, now, real=real, name=name):
+            j = real(self, batch, i, now)
+            taken[name].append(j - i)
+            return j
 
-    monkeypatch.setattr(ReceiverSession, "_held_run", counted)
+        monkeypatch.setattr(ReceiverSession, name, counted)
     one, _ = _replay(events, key, 11)
     drops = one.drop_reasons
     assert sum(drops.values()) > 10 and len(drops) >= 3  # the bad input was met, and dropped
     if key is not None:
         assert drops.get("bad_tag", 0) > 0
     n = sum(1 for kind, _, _ in events if kind == "data")
-    assert sum(taken) >= share * n
+    held, lazy = sum(taken["_held_run"]), sum(taken["_lazy_run"])
+    assert held + lazy >= share * n
     if share >= 0.5:
-        assert max(taken) >= 8
+        assert max(taken["_held_run"]) >= 8
+    if lazy_share:
+        assert lazy >= lazy_share * n
     if loss > 0 and policy not in ("none", "arq"):
         assert one.symbols_recovered > 0
 
@@ -198,6 +204,72 @@ def test_a_forged_source_inside_a_run_is_dropped_and_the_run_goes_on():
     for r in (one, run):
         r.close(2.0)
     assert _state(one) == _state(run)
+
+
+def _one_and_run(batch: list[bytes]) -> tuple[ReceiverSession, ReceiverSession]:
+    """``batch`` one datagram per call, and in one receive_datagrams call: the same
+    feedback and state."""
+    one = ReceiverSession(TID, key=KEY)
+    run = ReceiverSession(TID, key=KEY)
+    for d in batch:
+        one.receive_datagram(d, 1.0)
+    run.receive_datagrams(batch, 1.0)
+    assert one.datagrams_to_send(1.0) == run.datagrams_to_send(1.0)
+    for r in (one, run):
+        r.close(2.0)
+    assert _state(one) == _state(run)
+    assert one._out.tobytes() == run._out.tobytes()
+    assert not one.drop_reasons
+    return one, run
+
+
+def test_a_lazy_run_stops_before_a_source_known_already():
+    """ESI 2 never comes (decoded-through stays there); ESI 7 comes early, then 4, 5, 6 and
+    7 again (a new packet number: a late copy sent again) in order, then 8: the lazy run
+    after 5 takes 6 and stops before 7, which is a duplicate, as one at a time."""
+    order = [(0,), (1,), (3,), (7,), (4,), (5,), (6,), (7,), (8,)]
+    src, data = _stream(9, order, tid=TID)
+    one, run = _one_and_run(data)
+    assert one.duplicates == 1 and one.n_known == 8 and one.through == 2
+
+
+def test_a_lazy_run_waits_while_a_side_decoder_needs_the_sources():
+    """ESI 2 lost (decoded-through stays there); both block Reed-Solomon parities of block 1
+    (ESIs 8..15, k 8, p 2) come ahead of its sources, then sources 8..13 in order: one at a
+    time the side decoder gets each and recovers 14 and 15 with the sixth; in one call too
+    (no lazy run takes them from it: the side decoder's every source ends the lazy run,
+    and ``_lazy_run`` also refuses while one exists)."""
+    from kvtransport.codecs.blockrs import BlockRSEncoder
+
+    src, data = _stream(16, [(e,) for e in range(14)], tid=TID)
+    enc = BlockRSEncoder(64, 8, 2)
+    for x in src:
+        enc.add_source(x.tobytes())
+    framer = wire.Framer(TID, KEY, max_payload=2048)
+    parities = []
+    for i, parity in enumerate(enc.repairs(1)):
+        framer.payload_view(64)[:] = parity
+        parities.append(framer.finish(wire.DatagramType.BLOCK_REPAIR, 100 + i, 64, esi=8,
+                                      key=wire.block_repair_key(2, i), dt_nss=8))  # fmt: skip
+    # the sources' packet numbers follow the parities' (101), so 8..13 are in order after them
+    late = []
+    for seq, e in enumerate(range(8, 14), start=102):
+        framer.payload_view(64)[:] = src[e]
+        late.append(framer.finish(wire.DatagramType.SOURCE, seq, 64, esi=e))
+    one, run = _one_and_run(data[:2] + data[3:8] + parities + late)
+    assert one.symbols_recovered == 2 and one._known[14] and one._known[15]
+    assert not one._known[2] and one.through == 2
+
+
+def test_no_lazy_run_at_decoded_through():
+    """A repair over ESIs 601..640 is pending when source 600 comes at decoded-through (so
+    it is not held), then 601..700 in order: one at a time each moves decoded-through, and
+    the decoder release at 640 recovers 640 before its datagram comes. A lazy run (marking
+    out of order) must not take them: only sources beyond a hole."""
+    order = [(e,) for e in range(600)] + [(601, 40, 1)]
+    src, data = _stream(701, order + [(e,) for e in range(600, 701)], tid=TID)
+    one, run = _one_and_run(data)
+    assert one.symbols_recovered == 1 and one.duplicates == 1 and one.through == 701
 
 
 @pytest.mark.parametrize("start, n", [(0, 1), (5, 300), (SEQ_RING - 7, 20), (3, SEQ_RING + 9)])

@@ -113,9 +113,10 @@ class ReceiverSession:
     """
 
     source_runs = True
-    """``receive_datagrams`` takes a held run's further in-order sources in one
-    ``_held_run`` (``Parser.source_run``) call (False: each through ``_accept`` and
-    ``_hold``, the reference the runs are tested against)."""
+    """``receive_datagrams`` takes the in-order sources that continue a held run
+    (``_held_run``) or the lazy run beyond a hole (``_lazy_run``) in one
+    ``Parser.source_run`` call each (False: each through ``_accept`` and ``_hold`` or
+    ``_dispatch``, the reference the runs are tested against)."""
 
     def __init__(
         self,
@@ -318,6 +319,8 @@ class ReceiverSession:
                         i = self._held_run(batch, i, now)
                     continue
                 dispatch(d, gap, now)
+                if runs and self.through < self._lazy_to:
+                    i = self._lazy_run(batch, i, now)
                 continue
             if self._held_from >= 0:
                 mark_held(now)
@@ -682,14 +685,19 @@ class ReceiverSession:
                 if b < len(ends) and ends[b] <= t:
                     self._sweep_blocks(t)
         elif self._blk_missing:  # out of order: count it against its blocks
-            missing = self._blk_missing
-            b, last = self._blk_first[esi], self._blk_last[esi]
-            while b <= last:  # usually one block
-                m = missing[b] - 1
-                missing[b] = m
-                if not m:
-                    self._block_done(b)
-                b += 1
+            self._count_out_of_order(esi)
+
+    def _count_out_of_order(self, esi: int) -> None:
+        """ESI ``esi`` became known beyond decoded-through: one less missing in each block
+        it overlaps (usually one), completing those that reach zero."""
+        missing = self._blk_missing
+        b, last = self._blk_first[esi], self._blk_last[esi]
+        while b <= last:
+            m = missing[b] - 1
+            missing[b] = m
+            if not m:
+                self._block_done(b)
+            b += 1
 
     def _release(self, t: int) -> None:
         """Decoded-through reached ``t``, a release chunk past the last release: the
@@ -769,6 +777,50 @@ class ReceiverSession:
             mon.on_run(k, now)  # (the datagram before them set _highest_at to now)
             self.source_received += k
             self._lazy_to = esi + k
+        return j
+
+    def _lazy_run(self, batch: list | tuple, i: int, now: float) -> int:
+        """After ``_dispatch`` took a source that continues the lazy run beyond a hole
+        (decoded-through below it): take the datagrams from ``batch[i]`` on that continue it
+        in order, as many as ``Parser.source_run`` opens (the next packet numbers, the next
+        ESIs, before the next known ESI and the end of the range or buffer), in one go;
+        returns the index of the first one left for the per-datagram path. For each,
+        exactly what ``_accept`` and ``_dispatch`` (``_on_source``'s lazy path, ``_mark``
+        out of order) did one at a time: packet accounting (no gap), count, bytes in
+        place, known, ``esi_end`` steps, block counts and completions in ESI order. Not
+        with a side decoder (it sees every source) or a finished session; the run cannot
+        complete the transfer (the hole at decoded-through stays unknown)."""
+        esi = self._lazy_to
+        if self._side or self.finished or self.decoder is None:
+            return i
+        known = self._known
+        end = min(self._limit, len(known))
+        nxt = known.find(1, esi, end)
+        if nxt >= 0:
+            end = nxt
+        stop = min(len(batch), i + end - esi)
+        if stop <= i:
+            return i
+        mon = self.monitor
+        assert self.transfer_id is not None  # _accept has admitted a datagram
+        j = self.parser.source_run(
+            batch, i, stop, self.transfer_id, mon.highest + 1, esi, self.symbol_size, self._out_mv
+        )
+        k = j - i
+        if k:
+            hi = esi + k
+            mon.on_run(k, now)  # (the datagram before them set _highest_at to now)
+            self.source_received += k
+            self._lazy_to = hi
+            known[esi:hi] = b"\x01" * k
+            self.n_known += k
+            end0 = self.esi_end
+            if hi > end0:  # one step per source at or past esi_end, as _dispatch records them
+                self.esi_end = hi
+                self._ends.extend(zip(repeat(now), range(max(esi, end0) + 1, hi + 1)))
+            if self._blk_missing:
+                for e in range(esi, hi):
+                    self._count_out_of_order(e)
         return j
 
     def _mark_held(self, now: float) -> None:
