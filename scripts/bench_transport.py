@@ -15,7 +15,8 @@ goodput, each configuration side by side in one run.
 
    The receiver's inputs are also replayed in runs of up to 64 consecutive datagrams
    through ReceiverSession.receive_datagrams (runs of data symbols decoded in one
-   RLCDecoder.add_packets call), the total per datagram beside the per-datagram one; the
+   RLCDecoder.add_packets call; in-order sources in source runs), the total per datagram
+   beside the per-datagram one and beside the runs without source runs; the
    sender's send calls in groups of 16 (one datagrams_to_send call for 16 due slots, as the
    goodput runs' engine asks: consecutive source slots go out in one source run), beside
    the same calls slot by slot (``SenderSession.source_runs`` off).
@@ -300,7 +301,7 @@ def _replay_receiver_runs(
 ) -> float:
     """The receiver's datagrams in runs of up to RUN consecutive ones (as a daemon reads a
     batch), through ReceiverSession.receive_datagrams at the run's last arrival time
-    (``source_runs`` False: a held run's sources one at a time, the reference)."""
+    (``source_runs`` False: no source runs, the reference)."""
     runs: list[tuple] = []
     for ev in r_in:
         if ev[0] == "rx" and runs and runs[-1][0] == "rx" and len(runs[-1][2]) < RUN:
@@ -343,7 +344,7 @@ def per_packet(n_packets: int, repeats: int, owd: float = 50e-6, loss: float = 0
                 ("receiver", _replay_receiver(make_receiver, run["r_in"])),
                 ("receiver_runs", _replay_receiver_runs(make_receiver, run["r_in"])),
                 (
-                    "receiver_held_one_by_one",
+                    "receiver_runs_off",
                     _replay_receiver_runs(make_receiver, run["r_in"], False),
                 ),
                 ("sender_header_auth", rec.replay_seconds("sender", "header_auth")),
@@ -367,8 +368,8 @@ def per_packet(n_packets: int, repeats: int, owd: float = 50e-6, loss: float = 0
                 "priorityfec_stages_us": round(cod + state, 3),
             }
         row["receiver"]["runs_total_us"] = round(best["receiver_runs"] / run["received"] * 1e6, 3)
-        row["receiver"]["held_one_by_one_total_us"] = round(
-            best["receiver_held_one_by_one"] / run["received"] * 1e6, 3
+        row["receiver"]["runs_off_total_us"] = round(
+            best["receiver_runs_off"] / run["received"] * 1e6, 3
         )
         row["sender"]["runs_total_us"] = round(best["sender_runs"] / run["sent"] * 1e6, 3)
         row["sender"]["slotwise_total_us"] = round(best["sender_slotwise"] / run["sent"] * 1e6, 3)
@@ -428,7 +429,7 @@ def _role_recv(args: argparse.Namespace) -> None:
         set_realtime(5)
     key = KEY if args.auth else None
     warm_up(key)
-    if args.no_source_runs:  # the reference: a held run's sources one at a time
+    if args.no_source_runs:  # the reference: no source runs
         from kvtransport.core.receiver import ReceiverSession
 
         ReceiverSession.source_runs = False
@@ -545,7 +546,7 @@ def goodput(args: argparse.Namespace) -> dict:
         variants = [
             v
             for name, pol, auth, _ in variants
-            for v in ((name, pol, auth, True), (f"{name} rx-1by1", pol, auth, False))
+            for v in ((name, pol, auth, True), (f"{name} rx-runs-off", pol, auth, False))
         ]
     runs: dict[str, list[dict]] = {name: [] for name, _, _, _ in variants}
     bar = tqdm(total=len(variants) * args.rounds, desc="loopback goodput", file=sys.stderr)
@@ -587,8 +588,8 @@ def _table(pp: dict, sock: dict, gp: dict | None) -> str:
                      f"slot by slot")  # fmt: skip
         c = row["receiver"]
         lines.append(f"{name:15s} {'receiver':9s} total in runs of {RUN} "
-                     f"(receive_datagrams): {c['runs_total_us']:.2f}, held sources one by "
-                     f"one {c['held_one_by_one_total_us']:.2f}")  # fmt: skip
+                     f"(receive_datagrams): {c['runs_total_us']:.2f}, source runs off "
+                     f"{c['runs_off_total_us']:.2f}")  # fmt: skip
     lines.append("")
     lines.append("socket cost per datagram, us (1324-byte datagrams, loopback)")
     for name, c in sock.items():
@@ -633,8 +634,8 @@ def main() -> int:
     p.add_argument(
         "--compare-receiver-runs",
         action="store_true",
-        help="goodput runs: each configuration also with the receiver's held sources one by "
-        "one (ReceiverSession.source_runs off), interleaved",
+        help="goodput runs: each configuration also with the receiver's source runs off "
+        "(ReceiverSession.source_runs), interleaved",
     )
     p.add_argument("--quick", action="store_true", help="small smoke run")
     p.add_argument("--out", default=str(ROOT / "results" / "bench_transport.json"))
