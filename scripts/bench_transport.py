@@ -562,6 +562,9 @@ def goodput(args: argparse.Namespace) -> dict:
                for k in rs[0] if isinstance(rs[0][k], int | float)}  # fmt: skip
         med["policy"], med["auth"], med["reasons"] = pol, auth, [r["reason"] for r in rs]
         med["goodput_gbps_runs"] = [round(r["goodput_gbps"], 3) for r in rs]
+        med["cpu_bound_gbps_runs"] = [round(r["cpu_bound_gbps"] or 0.0, 3) for r in rs]
+        med["receiver_us_per_datagram_runs"] = [round(r["receiver_us_per_datagram"], 2) for r in rs]
+        med["repairs_runs"] = [r["repairs"] for r in rs]
         out[name] = med
     return out
 
