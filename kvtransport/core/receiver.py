@@ -286,7 +286,10 @@ class ReceiverSession:
         Outside a run, sources that arrive in order at decoded-through with no equation
         pending are counted and copied at once and marked known per stretch (``_hold``,
         ``_mark_held``); a repair that covers only known ESIs is dropped on the
-        per-datagram path rather than opening a run.
+        per-datagram path rather than opening a run. Once a source has been held, or taken
+        beyond a hole as the lazy run's next, the sources after it that continue it in order
+        (the next packet numbers and ESIs) are opened and accounted in one go
+        (``_held_run``, ``_lazy_run``: source runs; ``source_runs`` False turns them off).
         """
         b = self._batch
         accept, batchable, dispatch = self._accept, self._batchable, self._dispatch
@@ -763,21 +766,31 @@ class ReceiverSession:
         of the first one left for the per-datagram path. For each, exactly what ``_accept``
         and ``_hold`` did one at a time: the same packet accounting (no gap), activity
         times, count and bytes in place; its marking is held as theirs."""
+        return i + self._take_sources(batch, i, self._hold_end, now)
+
+    def _take_sources(self, batch: list | tuple, i: int, end: int, now: float) -> int:
+        """The source runs' common part: ``Parser.source_run`` from ``batch[i]`` on, for the
+        sources that continue the lazy run (``_lazy_to`` on, before ESI ``end``), bytes in
+        place; their packet numbers (in order, no gap), count and the lazy run's end
+        accounted. Returns how many it took."""
         esi = self._lazy_to
-        stop = min(len(batch), i + self._hold_end - esi)
+        stop = min(len(batch), i + end - esi)
         if stop <= i:
-            return i
+            return 0
         mon = self.monitor
         assert self.transfer_id is not None  # _accept has admitted a datagram
-        j = self.parser.source_run(
-            batch, i, stop, self.transfer_id, mon.highest + 1, esi, self.symbol_size, self._out_mv
-        )
-        k = j - i
+        k = (
+            self.parser.source_run(
+                batch, i, stop, self.transfer_id, mon.highest + 1, esi, self.symbol_size,
+                self._out_mv,
+            )
+            - i
+        )  # fmt: skip
         if k:
             mon.on_run(k, now)  # (the datagram before them set _highest_at to now)
             self.source_received += k
             self._lazy_to = esi + k
-        return j
+        return k
 
     def _lazy_run(self, batch: list | tuple, i: int, now: float) -> int:
         """After ``_dispatch`` took a source that continues the lazy run beyond a hole
@@ -798,20 +811,9 @@ class ReceiverSession:
         nxt = known.find(1, esi, end)
         if nxt >= 0:
             end = nxt
-        stop = min(len(batch), i + end - esi)
-        if stop <= i:
-            return i
-        mon = self.monitor
-        assert self.transfer_id is not None  # _accept has admitted a datagram
-        j = self.parser.source_run(
-            batch, i, stop, self.transfer_id, mon.highest + 1, esi, self.symbol_size, self._out_mv
-        )
-        k = j - i
+        k = self._take_sources(batch, i, end, now)
         if k:
             hi = esi + k
-            mon.on_run(k, now)  # (the datagram before them set _highest_at to now)
-            self.source_received += k
-            self._lazy_to = hi
             known[esi:hi] = b"\x01" * k
             self.n_known += k
             end0 = self.esi_end
@@ -821,7 +823,7 @@ class ReceiverSession:
             if self._blk_missing:
                 for e in range(esi, hi):
                     self._count_out_of_order(e)
-        return j
+        return i + k
 
     def _mark_held(self, now: float) -> None:
         """Mark the held run [_held_from, _lazy_to) in one go: exactly what ``_mark`` (and
