@@ -15,7 +15,8 @@ goodput, each configuration side by side in one run.
 
    The receiver's inputs are also replayed in runs of up to 64 consecutive datagrams
    through ReceiverSession.receive_datagrams (runs of data symbols decoded in one
-   RLCDecoder.add_packets call), the total per datagram beside the per-datagram one; the
+   RLCDecoder.add_packets call; in-order sources in source runs), the total per datagram
+   beside the per-datagram one and beside the runs without source runs; the
    sender's send calls in groups of 16 (one datagrams_to_send call for 16 due slots, as the
    goodput runs' engine asks: consecutive source slots go out in one source run), beside
    the same calls slot by slot (``SenderSession.source_runs`` off).
@@ -295,9 +296,12 @@ RUN = 64
 SENDER_RUN = 16  # at most MAX_CATCH_UP slots due per call: none given up
 
 
-def _replay_receiver_runs(make_receiver: object, r_in: list[tuple]) -> float:
+def _replay_receiver_runs(
+    make_receiver: object, r_in: list[tuple], source_runs: bool = True
+) -> float:
     """The receiver's datagrams in runs of up to RUN consecutive ones (as a daemon reads a
-    batch), through ReceiverSession.receive_datagrams at the run's last arrival time."""
+    batch), through ReceiverSession.receive_datagrams at the run's last arrival time
+    (``source_runs`` False: no source runs, the reference)."""
     runs: list[tuple] = []
     for ev in r_in:
         if ev[0] == "rx" and runs and runs[-1][0] == "rx" and len(runs[-1][2]) < RUN:
@@ -305,6 +309,7 @@ def _replay_receiver_runs(make_receiver: object, r_in: list[tuple]) -> float:
         else:
             runs.append(("rx", ev[1], [ev[2]]) if ev[0] == "rx" else ev)
     rcv = make_receiver()
+    rcv.source_runs = source_runs
     t0 = time.process_time()
     for ev in runs:
         if ev[0] == "rx":
@@ -338,6 +343,10 @@ def per_packet(n_packets: int, repeats: int, owd: float = 50e-6, loss: float = 0
                 ("sender_slotwise", _replay_sender_runs(make_sender, run["s_in"], False)),
                 ("receiver", _replay_receiver(make_receiver, run["r_in"])),
                 ("receiver_runs", _replay_receiver_runs(make_receiver, run["r_in"])),
+                (
+                    "receiver_runs_off",
+                    _replay_receiver_runs(make_receiver, run["r_in"], False),
+                ),
                 ("sender_header_auth", rec.replay_seconds("sender", "header_auth")),
                 ("sender_coding", rec.replay_seconds("sender", "coding")),
                 ("receiver_header_auth", rec.replay_seconds("receiver", "header_auth")),
@@ -359,6 +368,9 @@ def per_packet(n_packets: int, repeats: int, owd: float = 50e-6, loss: float = 0
                 "priorityfec_stages_us": round(cod + state, 3),
             }
         row["receiver"]["runs_total_us"] = round(best["receiver_runs"] / run["received"] * 1e6, 3)
+        row["receiver"]["runs_off_total_us"] = round(
+            best["receiver_runs_off"] / run["received"] * 1e6, 3
+        )
         row["sender"]["runs_total_us"] = round(best["sender_runs"] / run["sent"] * 1e6, 3)
         row["sender"]["slotwise_total_us"] = round(best["sender_slotwise"] / run["sent"] * 1e6, 3)
         out[name] = row
@@ -417,6 +429,10 @@ def _role_recv(args: argparse.Namespace) -> None:
         set_realtime(5)
     key = KEY if args.auth else None
     warm_up(key)
+    if args.no_source_runs:  # the reference: no source runs
+        from kvtransport.core.receiver import ReceiverSession
+
+        ReceiverSession.source_runs = False
     results = []
     with DatagramSocket(("127.0.0.1", 0), buffer_bytes=32 << 20) as sock:
         host = ReceiverHost(key=key, single=True, max_bytes=2 << 30)
@@ -476,12 +492,15 @@ def _role_send(args: argparse.Namespace) -> None:
     print(json.dumps({"cpu_s": cpu, "status": st, "socket": sock.stats}), flush=True)
 
 
-def _goodput_once(policy: str, auth: bool, args: argparse.Namespace) -> dict:
+def _goodput_once(
+    policy: str, auth: bool, args: argparse.Namespace, source_runs: bool = True
+) -> dict:
     me = [sys.executable, str(Path(__file__).resolve())]
     common = ["--goodput-mb", str(args.goodput_mb), "--rate-gbps", str(args.rate_gbps)]
     common += ["--auth"] if auth else []
     common += ["--realtime"] if args.realtime else []
-    rx = subprocess.Popen([*me, "_recv", *common], stdout=subprocess.PIPE, text=True)
+    rx_only = [] if source_runs else ["--no-source-runs"]
+    rx = subprocess.Popen([*me, "_recv", *common, *rx_only], stdout=subprocess.PIPE, text=True)
     try:
         port = int(rx.stdout.readline())
         tx = subprocess.run(
@@ -522,20 +541,30 @@ def _goodput_once(policy: str, auth: bool, args: argparse.Namespace) -> dict:
 def goodput(args: argparse.Namespace) -> dict:
     from tqdm import tqdm
 
-    runs: dict[str, list[dict]] = {name: [] for name, _, _ in CONFIGS}
-    bar = tqdm(total=len(CONFIGS) * args.rounds, desc="loopback goodput", file=sys.stderr)
+    variants = [(name, pol, auth, True) for name, pol, auth in CONFIGS if name in args.configs]
+    if args.compare_receiver_runs:  # each beside its receiver without held source runs
+        variants = [
+            v
+            for name, pol, auth, _ in variants
+            for v in ((name, pol, auth, True), (f"{name} rx-runs-off", pol, auth, False))
+        ]
+    runs: dict[str, list[dict]] = {name: [] for name, _, _, _ in variants}
+    bar = tqdm(total=len(variants) * args.rounds, desc="loopback goodput", file=sys.stderr)
     for _ in range(args.rounds):
-        for name, pol, auth in CONFIGS:  # interleaved: the machine's noise hits all alike
-            runs[name].append(_goodput_once(pol, auth, args))
+        for name, pol, auth, rx_runs in variants:  # interleaved: noise hits all alike
+            runs[name].append(_goodput_once(pol, auth, args, rx_runs))
             bar.update(1)
     bar.close()
     out = {}
-    for name, pol, auth in CONFIGS:
+    for name, pol, auth, _ in variants:
         rs = runs[name]
         med = {k: statistics.median(r[k] for r in rs)
                for k in rs[0] if isinstance(rs[0][k], int | float)}  # fmt: skip
         med["policy"], med["auth"], med["reasons"] = pol, auth, [r["reason"] for r in rs]
         med["goodput_gbps_runs"] = [round(r["goodput_gbps"], 3) for r in rs]
+        med["cpu_bound_gbps_runs"] = [round(r["cpu_bound_gbps"] or 0.0, 3) for r in rs]
+        med["receiver_us_per_datagram_runs"] = [round(r["receiver_us_per_datagram"], 2) for r in rs]
+        med["repairs_runs"] = [r["repairs"] for r in rs]
         out[name] = med
     return out
 
@@ -560,14 +589,16 @@ def _table(pp: dict, sock: dict, gp: dict | None) -> str:
         lines.append(f"{name:15s} {'sender':9s} total in calls of {SENDER_RUN} slots: "
                      f"{c['runs_total_us']:.2f} in source runs, {c['slotwise_total_us']:.2f} "
                      f"slot by slot")  # fmt: skip
+        c = row["receiver"]
         lines.append(f"{name:15s} {'receiver':9s} total in runs of {RUN} "
-                     f"(receive_datagrams): {row['receiver']['runs_total_us']:.2f}")  # fmt: skip
+                     f"(receive_datagrams): {c['runs_total_us']:.2f}, source runs off "
+                     f"{c['runs_off_total_us']:.2f}")  # fmt: skip
     lines.append("")
     lines.append("socket cost per datagram, us (1324-byte datagrams, loopback)")
     for name, c in sock.items():
         lines.append(f"  {name:10s} send {c['send_us']:6.2f}   recv {c['recv_us']:6.2f}")
     if gp:
-        base = gp["plain"]["goodput_gbps"]
+        base = gp["plain"]["goodput_gbps"] if "plain" in gp else float("nan")
         lines.append("")
         lines.append("loopback goodput (medians; CPU-bound = bytes / busier process's CPU s)")
         lines.append(f"{'config':15s} {'Gbit/s':>7s} {'vs plain':>8s} {'CPU-bound':>9s} "
@@ -598,11 +629,23 @@ def main() -> int:
     p.add_argument("--rate-gbps", type=float, default=20.0, help="pacing rate (unreachable)")
     p.add_argument("--realtime", action="store_true", help="run the goodput ends SCHED_FIFO")
     p.add_argument("--no-goodput", action="store_true", help="skip the loopback runs")
+    p.add_argument(
+        "--configs",
+        default=",".join(c[0] for c in CONFIGS),
+        help="goodput runs: the configurations, comma-separated (default all)",
+    )
+    p.add_argument(
+        "--compare-receiver-runs",
+        action="store_true",
+        help="goodput runs: each configuration also with the receiver's source runs off "
+        "(ReceiverSession.source_runs), interleaved",
+    )
     p.add_argument("--quick", action="store_true", help="small smoke run")
     p.add_argument("--out", default=str(ROOT / "results" / "bench_transport.json"))
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     p.add_argument("--policy", default="fixed:1/16", help=argparse.SUPPRESS)
     p.add_argument("--auth", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--no-source-runs", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.role == "_recv":
         _role_recv(args)
@@ -614,6 +657,10 @@ def main() -> int:
         args.packets, args.repeats, args.goodput_mb, args.rounds = 4000, 1, 8.0, 1
     if not 0.0 <= args.loss_pct < 100.0:
         p.error(f"--loss-pct must be in [0, 100), got {args.loss_pct:g}")
+    names = [c[0] for c in CONFIGS]
+    args.configs = args.configs.split(",")
+    if unknown := [c for c in args.configs if c not in names]:
+        p.error(f"--configs: unknown {', '.join(unknown)}; choose from {', '.join(names)}")
     pp = per_packet(args.packets, args.repeats, args.owd_us * 1e-6, args.loss_pct / 100.0)
     sock = socket_cost(n=4000 if args.quick else 20000, repeats=2 if args.quick else 5)
     gp = None if args.no_goodput else goodput(args)
@@ -629,7 +676,9 @@ def main() -> int:
                 }
                 for name, row in pp.items()
             },  # fmt: skip
-            "goodput_fec_auth_1gbps": None if gp is None else gp["fec+auth"]["goodput_gbps"] >= 1.0,
+            "goodput_fec_auth_1gbps": None
+            if gp is None or "fec+auth" not in gp
+            else gp["fec+auth"]["goodput_gbps"] >= 1.0,
         },
         "machine": {
             "cpus": os.cpu_count(),

@@ -13,6 +13,7 @@ Both are fixed-size rings: state stays bounded on endless streams.
 from __future__ import annotations
 
 from collections import deque
+from itertools import repeat
 
 SEQ_RING = 1 << 14
 _MASK = SEQ_RING - 1
@@ -119,6 +120,25 @@ class LossMonitor:
         if gap:
             self.burst_mean += BURST_GAIN * (gap - self.burst_mean)
         return gap
+
+    def on_run(self, n: int, now: float = 0.0) -> None:
+        """Account the next ``n`` datagrams in order (numbers ``highest + 1`` on) arriving at
+        ``now``: exactly ``n`` :meth:`on_packet` calls, each returning 0."""
+        first = self.highest + 1
+        end = first + n
+        if n > SEQ_RING:  # only the last SEQ_RING numbers stay in the ring
+            self._tops.extend(zip(repeat(now), range(first, end - SEQ_RING)))
+            first = end - SEQ_RING
+        ring, at = self._ring, self._at
+        lo = first & _MASK
+        k = min(end - first, SEQ_RING - lo)  # up to the ring's end, then from its start
+        ring[lo : lo + k] = range(first, first + k)
+        at[lo : lo + k] = repeat(now, k)
+        ring[: end - first - k] = range(first + k, end)
+        at[: end - first - k] = repeat(now, end - first - k)
+        self.received += n
+        self.highest = end - 1
+        self._tops.extend(zip(repeat(now), range(first, end)))
 
     def _late(self, seq: int, now: float) -> None:
         """A late arrival: how long after the first later-numbered datagram it came."""

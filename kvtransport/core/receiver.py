@@ -112,6 +112,12 @@ class ReceiverSession:
     when decoder state is released).
     """
 
+    source_runs = True
+    """``receive_datagrams`` takes the in-order sources that continue a held run
+    (``_held_run``) or the lazy run beyond a hole (``_lazy_run``) in one
+    ``Parser.source_run`` call each (False: each through ``_accept`` and ``_hold`` or
+    ``_dispatch``, the reference the runs are tested against)."""
+
     def __init__(
         self,
         transfer_id: int | None = None,
@@ -280,14 +286,22 @@ class ReceiverSession:
         Outside a run, sources that arrive in order at decoded-through with no equation
         pending are counted and copied at once and marked known per stretch (``_hold``,
         ``_mark_held``); a repair that covers only known ESIs is dropped on the
-        per-datagram path rather than opening a run.
+        per-datagram path rather than opening a run. Once a source has been held, or taken
+        beyond a hole as the lazy run's next, the sources after it that continue it in order
+        (the next packet numbers and ESIs) are opened and accounted in one go
+        (``_held_run``, ``_lazy_run``: source runs; ``source_runs`` False turns them off).
         """
         b = self._batch
         accept, batchable, dispatch = self._accept, self._batchable, self._dispatch
         hold, mark_held = self._hold, self._mark_held
         window_type = self._window_type
         min_gap = self._min_fb_gap
-        for data in datagrams:
+        batch = datagrams if isinstance(datagrams, list | tuple) else list(datagrams)
+        runs = self.source_runs
+        i, n = 0, len(batch)
+        while i < n:
+            data = batch[i]
+            i += 1
             got = accept(data, now)
             if got is None:
                 continue
@@ -299,11 +313,17 @@ class ReceiverSession:
                 # with nothing pending, its marking waits for the rest of its kind (_hold)
                 if self._held_from >= 0:
                     if gap <= 0 and hold(d[6], d[7]):
+                        if runs:
+                            i = self._held_run(batch, i, now)
                         continue
                     mark_held(now)
                 elif gap <= 0 and d[6] == self.through and hold(d[6], d[7]):
+                    if runs:
+                        i = self._held_run(batch, i, now)
                     continue
                 dispatch(d, gap, now)
+                if runs and self.through < self._lazy_to:
+                    i = self._lazy_run(batch, i, now)
                 continue
             if self._held_from >= 0:
                 mark_held(now)
@@ -668,14 +688,19 @@ class ReceiverSession:
                 if b < len(ends) and ends[b] <= t:
                     self._sweep_blocks(t)
         elif self._blk_missing:  # out of order: count it against its blocks
-            missing = self._blk_missing
-            b, last = self._blk_first[esi], self._blk_last[esi]
-            while b <= last:  # usually one block
-                m = missing[b] - 1
-                missing[b] = m
-                if not m:
-                    self._block_done(b)
-                b += 1
+            self._count_out_of_order(esi)
+
+    def _count_out_of_order(self, esi: int) -> None:
+        """ESI ``esi`` became known beyond decoded-through: one less missing in each block
+        it overlaps (usually one), completing those that reach zero."""
+        missing = self._blk_missing
+        b, last = self._blk_first[esi], self._blk_last[esi]
+        while b <= last:
+            m = missing[b] - 1
+            missing[b] = m
+            if not m:
+                self._block_done(b)
+            b += 1
 
     def _release(self, t: int) -> None:
         """Decoded-through reached ``t``, a release chunk past the last release: the
@@ -733,6 +758,72 @@ class ReceiverSession:
         self._out_mv[esi * s : esi * s + s] = payload
         self._lazy_to = esi + 1
         return True
+
+    def _held_run(self, batch: list | tuple, i: int, now: float) -> int:
+        """After ``_hold`` took a source: take the datagrams from ``batch[i]`` on that
+        continue the held run in order, as many as ``Parser.source_run`` opens (the next
+        packet numbers, the next ESIs, before ``_hold_end``), in one go; returns the index
+        of the first one left for the per-datagram path. For each, exactly what ``_accept``
+        and ``_hold`` did one at a time: the same packet accounting (no gap), activity
+        times, count and bytes in place; its marking is held as theirs."""
+        return i + self._take_sources(batch, i, self._hold_end, now)
+
+    def _take_sources(self, batch: list | tuple, i: int, end: int, now: float) -> int:
+        """The source runs' common part: ``Parser.source_run`` from ``batch[i]`` on, for the
+        sources that continue the lazy run (``_lazy_to`` on, before ESI ``end``), bytes in
+        place; their packet numbers (in order, no gap), count and the lazy run's end
+        accounted. Returns how many it took."""
+        esi = self._lazy_to
+        stop = min(len(batch), i + end - esi)
+        if stop <= i:
+            return 0
+        mon = self.monitor
+        assert self.transfer_id is not None  # _accept has admitted a datagram
+        k = (
+            self.parser.source_run(
+                batch, i, stop, self.transfer_id, mon.highest + 1, esi, self.symbol_size,
+                self._out_mv,
+            )
+            - i
+        )  # fmt: skip
+        if k:
+            mon.on_run(k, now)  # (the datagram before them set _highest_at to now)
+            self.source_received += k
+            self._lazy_to = esi + k
+        return k
+
+    def _lazy_run(self, batch: list | tuple, i: int, now: float) -> int:
+        """After ``_dispatch`` took a source that continues the lazy run beyond a hole
+        (decoded-through below it): take the datagrams from ``batch[i]`` on that continue it
+        in order, as many as ``Parser.source_run`` opens (the next packet numbers, the next
+        ESIs, before the next known ESI and the end of the range or buffer), in one go;
+        returns the index of the first one left for the per-datagram path. For each,
+        exactly what ``_accept`` and ``_dispatch`` (``_on_source``'s lazy path, ``_mark``
+        out of order) did one at a time: packet accounting (no gap), count, bytes in
+        place, known, ``esi_end`` steps, block counts and completions in ESI order. Not
+        with a side decoder (it sees every source) or a finished session; the run cannot
+        complete the transfer (the hole at decoded-through stays unknown)."""
+        esi = self._lazy_to
+        if self._side or self.finished or self.decoder is None:
+            return i
+        known = self._known
+        end = min(self._limit, len(known))
+        nxt = known.find(1, esi, end)
+        if nxt >= 0:
+            end = nxt
+        k = self._take_sources(batch, i, end, now)
+        if k:
+            hi = esi + k
+            known[esi:hi] = b"\x01" * k
+            self.n_known += k
+            end0 = self.esi_end
+            if hi > end0:  # one step per source at or past esi_end, as _dispatch records them
+                self.esi_end = hi
+                self._ends.extend(zip(repeat(now), range(max(esi, end0) + 1, hi + 1)))
+            if self._blk_missing:
+                for e in range(esi, hi):
+                    self._count_out_of_order(e)
+        return i + k
 
     def _mark_held(self, now: float) -> None:
         """Mark the held run [_held_from, _lazy_to) in one go: exactly what ``_mark`` (and
