@@ -73,6 +73,28 @@ def test_adaptive_admits_with_room_and_stops_when_what_is_owed_fills_the_time():
     assert a.act(_obs(time_left=40 / slots_left, owed=30 / 32, source_left=0.0)) != P.REPAIR_ONLY
 
 
+def test_adaptive_stops_admitting_in_steps_not_a_whole_interval_at_once():
+    """As the room before the deadline shrinks below one interval of sources, the repair
+    share rises through the table (the interval's sources fit what room is left) before
+    repair only: a whole interval stopped early spent up to 32 slots on repairs nothing
+    needed."""
+    a = P.Adaptive()
+    a.reset(_ctx())
+    slots_left = 0.7 / 108e-6
+    shares = []
+    for left in range(120, 0, -1):  # fresh feedback, nothing owed: only the room decides
+        act = a.act(_obs(time_left=left / slots_left))
+        shares.append(1.0 if act == P.REPAIR_ONLY else float(P.ACTIONS[act, 0]))
+    assert shares[0] == 0.0 and shares[-1] == 1.0
+    assert (np.diff(shares) >= 0).all()  # never admits more as time runs out
+    partial = sorted(set(shares) - {0.0, 1.0})
+    assert len(partial) >= 4 and max(partial) == P.REPAIR_SHARES[-1]
+    # while it still admits, an interval's sources n (1 - share) shrink one step at a time:
+    # no jump from a whole interval of sources to none
+    sources = [32 * (1.0 - s) for s in shares if s < 1.0]
+    assert min(sources) <= 16.0 + 1e-9
+
+
 def test_adaptive_protects_proactively_without_fresh_feedback():
     a = P.Adaptive(prior_loss=0.1)
     a.reset(_ctx())

@@ -30,8 +30,13 @@ def _sender(policy: str, key: bytes | None, size: int, deadline: float) -> Sende
                          transfer_id=7, initial_rtt=1e-3)  # fmt: skip
 
 
-def _record(policy: str, key: bytes | None, size: int, deadline: float, loss: float) -> list:
-    """The sender's inputs in a lossy run: ("send", t) and ("fb", t, datagram)."""
+def _record(
+    policy: str, key: bytes | None, size: int, deadline: float, loss: float, rate_every: int = 0
+) -> list:
+    """The sender's inputs in a lossy run: ("send", t), ("fb", t, datagram) and, with
+    ``rate_every``, ("rate", t, bps) before every rate_every-th send: the rate cut to a
+    quarter and raised back in turn, as a shared link's allocator does (a raise past
+    RATE_REDECIDE makes the sender decide again at once)."""
     snd = _sender(policy, key, size, deadline)
     rcv = ReceiverSession(7, key=key, deadline=deadline)
     lost = np.random.default_rng(5).random(1 << 16) < loss
@@ -54,6 +59,10 @@ def _record(policy: str, key: bytes | None, size: int, deadline: float, loss: fl
         if data and data[0][0] <= now:
             rcv.receive_datagram(data.pop(0)[1], now)
         elif (t := snd.next_timer()) is not None and t <= now:
+            if rate_every and len(inputs) % rate_every == rate_every - 1:
+                bps = RATE / 4 if snd.rate_bps == RATE else RATE
+                inputs.append(("rate", now, bps))
+                snd.set_rate(bps, now)
             inputs.append(("send", now))
             for d in snd.datagrams_to_send(now):
                 if not lost[sent % lost.size]:
@@ -85,6 +94,8 @@ def _replay(snd: SenderSession, inputs: list) -> list[bytes]:
     for ev in inputs:
         if ev[0] == "send":
             out += snd.datagrams_to_send(ev[1])
+        elif ev[0] == "rate":
+            snd.set_rate(ev[2], ev[1])
         else:
             snd.receive_datagram(ev[2], ev[1])
     return out
@@ -198,3 +209,26 @@ def test_tail_clear_vouches_only_for_what_the_tail_rule_allows(policy: str) -> N
                     snd.next_esi, snd.source_sent = esi0, sent0
     assert outcomes[True] > 50 and outcomes[False] > 50
     assert tight > 0  # some vouched-for sources were within a few slots of refusal
+
+
+@pytest.mark.parametrize("deadline", [0.016, 0.022, 0.028, 1.0])
+@pytest.mark.parametrize("policy", ["fixed:1/16", "adaptive", "ddqn"])
+def test_source_runs_decide_where_slot_by_slot_does_when_the_rate_moves(
+    policy: str, deadline: float
+) -> None:
+    """A shared link cuts and raises the sender's rate (4x, past RATE_REDECIDE): the policy
+    decides again at the next slot after a raise, also where that slot would have gone
+    in a run and where the sender had just decided and then sat idle, so both paths send
+    the same datagrams, decide at the same slots and end in the same state."""
+    inputs = _grouped(_record(policy, KEY, 3_000_000, deadline, 0.08, rate_every=23), seed=7)
+    assert sum(ev[0] == "rate" for ev in inputs) > 20
+    slotwise = _sender(policy, KEY, 3_000_000, deadline)
+    slotwise.source_runs = False
+    slotwise.record = True
+    runs = _sender(policy, KEY, 3_000_000, deadline)
+    runs.record = True
+    assert _replay(slotwise, inputs) == _replay(runs, inputs)
+    assert _state(slotwise) == _state(runs)
+    assert [h[:2] for h in slotwise.history] == [h[:2] for h in runs.history]
+    # decisions off the 32-slot grid: the raises were decided on at once
+    assert len(runs.history) >= runs.slot // 32 + 5

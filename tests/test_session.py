@@ -466,6 +466,38 @@ def test_pacing_follows_the_link_rate_and_catches_up_when_late():
     assert s.next_timer() == pytest.approx(slot * 6)
 
 
+def test_a_rate_raised_beyond_the_factor_makes_the_policy_decide_at_the_next_slot():
+    """The last decision counted the slots left at the old rate; a share raised by more than
+    RATE_REDECIDE in one step is decided on again at once; a smaller rise, or a cut (the
+    tail rule counts each source's slots at the new rate), waits for the interval's end."""
+    from kvtransport.core.sender import RATE_REDECIDE
+
+    assert 1.3 < RATE_REDECIDE < 1.3 * 1.3
+    tr, s, r = make_pair(size=400_000, blocks=10, policy="adaptive", deadline=0.5)
+
+    def send_next(k=1):  # the next k datagrams, each at its pacing time
+        for _ in range(k):
+            assert len(s.datagrams_to_send(s.next_timer())) == 1
+
+    send_next(10)  # slots 0..9: one decision, at slot 0
+    assert s.stats["decisions"] == 1 and s.slot == 10
+    s.set_rate(RATE * 1.3, s.next_timer())  # within the factor: the interval stands
+    send_next()
+    assert s.stats["decisions"] == 1
+    s.set_rate(RATE * 1.3 * 1.3, s.next_timer())  # a second small step: it stands too
+    send_next()
+    assert s.stats["decisions"] == 1
+    s.set_rate(RATE * 4.0, s.next_timer())  # past it in one step: decided at the next slot,
+    t = s.next_timer()
+    assert len(s.datagrams_to_send(t + 3.5 * s.slot_s)) == 4  # also inside a run of sources
+    assert s.stats["decisions"] == 2 and s._decision_slot == 12 and s.slot == 16
+    s.set_rate(RATE / 2.0, s.next_timer())  # cut: the interval stands
+    send_next()
+    assert s.stats["decisions"] == 2
+    send_next(60)  # the interval grid goes on: slots 32 and 64
+    assert s.slot == 77 and s.stats["decisions"] == 4
+
+
 def test_receiver_state_is_bounded_by_max_bytes():
     tr, s, _ = make_pair(size=200_000, blocks=10, policy="none")
     r = ReceiverSession(TID, deadline=1.0, max_bytes=64 * 1280)

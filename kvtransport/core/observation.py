@@ -1,6 +1,7 @@
 """The policy's observation: its fields (:class:`Obs`) and the kernel that computes them.
 
-The sender asks its policy for an action once per decision interval, on the data path, so
+The sender asks its policy for an action once per decision interval (and after a rate
+rise, see kvtransport.core.sender), on the data path, so
 the observation is built by a numba kernel rather than by Python arithmetic: the sender
 copies its raw counters and the latest feedback into a float64 vector (:class:`Raw`, one
 ``struct.pack_into``) and :func:`observe_into` derives the scaled fields from it. A policy

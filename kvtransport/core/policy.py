@@ -2,9 +2,10 @@
 
 The sender asks its policy once per **decision interval** of ``DECISION_PACKETS`` (32)
 data-path slots (manifest, source and repair datagrams alike; at 100 Mbit/s and 1280-byte
-symbols that is about 3.5 ms, close to the receiver's feedback period). Counting slots
-rather than milliseconds keeps the meaning of "repair share" independent of the link rate,
-so one learned policy serves every rate.
+symbols that is about 3.5 ms, close to the receiver's feedback period), and once more
+right after a shared link raises the sender's rate (kvtransport.core.sender's
+``RATE_REDECIDE``). Counting slots rather than milliseconds keeps the meaning of "repair
+share" independent of the link rate, so one learned policy serves every rate.
 
 **Observation**: a float32 vector of ``OBS_SIZE`` named fields (``OBS_FIELDS``, indices in
 :class:`Obs`), built in place from the sender's own counters and the latest feedback by a
@@ -150,6 +151,10 @@ class Adaptive(Policy):
     interval's sources, and ``z`` standard deviations of the losses over the horizon the
     sender can no longer react to (one RTT plus an interval; inflated for bursts). A
     shortfall at the end leaves a whole coupled window undecodable, hence the margin.
+    Where that room holds part of an interval's sources, the interval takes the least
+    repair share that keeps its sources within the room (at least half of them; below
+    that it is repair only): stopping a whole interval early left up to one interval of
+    slots to repairs nothing needed.
     """
 
     name = "adaptive"
@@ -178,13 +183,20 @@ class Adaptive(Policy):
             blind = slots_left
         sigma = math.sqrt(max(blind, 1.0) * p * (1.0 - p) * (2.0 * burst - 1.0))
         room = slots_left * (1.0 - p) - owed - self.z * sigma
+        # index of the least repair share this interval needs (row 0: none); after a
+        # decision off the 32-slot grid (a rate rise) the interval is shorter than n, and
+        # counting a whole one errs toward repair
+        least = 0
         if obs[Obs.SOURCE_LEFT] > 0 and room < n:
-            return REPAIR_ONLY
+            share = 1.0 - room / n  # that keeps this interval's sources within the room
+            if share > self._shares[-1]:
+                return REPAIR_ONLY
+            least = int(np.searchsorted(self._shares, share - 1e-9))
         if not stale:
-            return 0
+            return least
         want = p * (1.0 + 0.15 * (burst - 1.0))
         i = int(np.searchsorted(self._shares, min(want, self._shares[-1]) - 1e-9))
-        return min(i, REPAIR_ONLY - 1)
+        return max(min(i, REPAIR_ONLY - 1), least)
 
 
 class Oracle(Policy):
@@ -205,7 +217,9 @@ class Oracle(Policy):
     ``proactive`` (cover the next interval's exact losses at every decision, not only in
     the last RTT: on long links feedback comes too late for most holes) move where the
     repairs go; the clairvoyant planner (kvtransport.sim.repair_planner) searches over them. The
-    defaults are the plain oracle.
+    defaults are the plain oracle. Unlike :class:`Adaptive` it still stops admitting a
+    whole interval at a time (the planner also counts every causal policy's own result, so
+    it never falls below them).
     """
 
     name = "oracle"

@@ -65,7 +65,8 @@ sent later cannot arrive before the deadline. Then a CONTROL FIN goes out and th
 done. Feedback ALL_DONE or FINISHED ends it early.
 
 The policy is asked once per ``decision_packets`` slots with an observation built in place
-(kvtransport.core.policy documents the fields). An ``ExternalPolicy`` defers: the session stops
+(kvtransport.core.policy documents the fields), and at the next slot after ``set_rate``
+raises the rate by more than ``RATE_REDECIDE``. An ``ExternalPolicy`` defers: the session stops
 emitting with ``awaiting_action`` set until the shell calls ``apply_action``.
 """
 
@@ -139,6 +140,16 @@ OPEN_LOOP_MIN_S = 0.02
 """... but never before this much silence."""
 OPEN_LOOP_MAX_SHARE = 0.5
 """The most of the slots open-loop repair takes."""
+
+RATE_REDECIDE = 1.5
+"""A rate raised (``set_rate``) by more than this factor in one step makes the policy
+decide again at the next slot instead of at the interval's end: its last decision counted
+the slots left at the old rate (a sender a shared link throttled stopped admitting for
+lack of slots, and kept sending repairs after its share grew back). A rate cut needs no
+new decision: the tail rule counts each source's slots at the rate of the moment. Smaller
+steps that add up past the factor within one interval wait for its end (counting from
+the rate of the last decision instead cost the multi-user allocator accuracy; see
+docs/results.md, section 6)."""
 
 MAX_CATCH_UP = 16
 """A shell that is late may get at most this many datagrams at once (then pacing resumes)."""
@@ -255,6 +266,7 @@ class SenderSession:
         self._next_send: float | None = now
         self._idle = False
         self._decision_slot = -1
+        self._decision_stale = False  # set_rate raised the rate: ask the policy again
         self.share = 0.0
         self.admit = True
         self.awaiting_action = False
@@ -422,6 +434,8 @@ class SenderSession:
             self._idle = False  # feedback must not wake a paused sender
             self._next_send = self.deadline
             return
+        if rate_bps > self.rate_bps * RATE_REDECIDE:
+            self._decision_stale = True
         self.slot_s *= self.rate_bps / rate_bps
         self.rate_bps = rate_bps
         self._rtt_changed()  # stop time and proactive span are counted in slots
@@ -570,7 +584,9 @@ class SenderSession:
     def _emit(self, t: float) -> bytes | None:
         d: bytes | None
         slot = self.slot
-        if slot % self.decision_packets == 0 and self._decision_slot != slot:
+        if (slot % self.decision_packets == 0 and self._decision_slot != slot) or (
+            self._decision_stale
+        ):
             self._decide(t)
             if self.awaiting_action:
                 return None
@@ -607,12 +623,13 @@ class SenderSession:
         ``passed`` afterwards), a slot past ``now`` or the stop time, and a source the tail
         rule refuses (tested once for the whole run where ``_tail_clear`` can vouch for it,
         otherwise per source with the state after the sources before it); none when the
-        policy does not admit sources or the scheme sees each source."""
+        policy does not admit sources or the scheme sees each source, and while a decision
+        is due after a rate rise (``_decision_stale``)."""
         esi, n = self.next_esi, self.n_source
         if not self.admit or esi >= n or self._on_source is not None:
             return t, burst
         slot, dp = self.slot, self.decision_packets
-        if slot % dp == 0 and self._decision_slot != slot:
+        if (slot % dp == 0 and self._decision_slot != slot) or self._decision_stale:
             return t, burst
         limit = min(n - esi, (slot // dp + 1) * dp - slot)
         manifest = self.manifest
@@ -849,6 +866,7 @@ class SenderSession:
 
     def _decide(self, t: float) -> None:
         self._decision_slot = self.slot
+        self._decision_stale = False
         self._decision_t = t
         self.stats["decisions"] += 1
         t0 = perf_counter_ns()
