@@ -25,6 +25,54 @@ RATE = 200e6
 DELAY = 0.004
 
 
+def _receiver_inputs(
+    policy: str,
+    key: bytes | None,
+    seed: int,
+    loss: float,
+    jitter_ms: float,
+    size: int,
+    deadline: float,
+    tid: int = TID,
+    delay: float = DELAY,
+) -> list[tuple[str, float, bytes]]:
+    """What the receiver of one transfer on the simulator (lossy, jittered: reordered) was
+    handed, in order: ("data", t, datagram) and ("timer", t, b"")."""
+    tr = synthetic_transfer(size, 40, "zipf", seed=seed)
+    data_path = Profile(
+        "lossy",
+        loss=parse_loss(f"{loss * 100:g}%"),
+        rate_mbps=RATE / 1e6,
+        delay_ms=delay * 1e3,
+        jitter_ms=jitter_ms,
+    )
+    back = Profile("back", rate_mbps=RATE / 1e6, delay_ms=delay * 1e3)
+    a, b = np.random.SeedSequence(seed).spawn(2)
+    trace: list[tuple] = []
+    Simulation(
+        tr,
+        make_policy(policy),
+        make_channel(data_path, a),
+        make_channel(back, b),
+        rate_bps=RATE,
+        deadline=deadline,
+        transfer_id=tid,
+        key=key,
+        initial_rtt=2 * delay,
+        record=False,
+        trace=trace,
+    ).run()
+    out: list[tuple[str, float, bytes]] = []
+    for e in trace:
+        if e[2] != 1:  # the receiver is the loop's endpoint 1
+            continue
+        if e[0] == "timer":
+            out.append(("timer", e[1], b""))
+        elif e[0] == "recv":
+            out.append(("data", e[1], e[3]))
+    return out  # fmt: skip
+
+
 def _record(
     seed: int,
     loss: float,
@@ -34,37 +82,21 @@ def _record(
     extra: bool = True,
     policy: str = "adaptive",
 ) -> list[tuple[str, float, bytes]]:
-    """Run a transfer on the simulator (lossy, jittered: reordered); return what its
-    receiver was handed, ("data", t, datagram) and ("timer", t, b"") in order, with some
-    datagrams handed twice and some forged copies (bad tag) added after their originals
-    (``extra``); the sender's ``policy``."""
+    """The receiver's inputs of one transfer (``_receiver_inputs``, the sender's
+    ``policy``), with some datagrams handed twice and some forged copies (bad tag) added
+    after their originals (``extra``)."""
     rng = np.random.default_rng(seed)
-    tr = synthetic_transfer(size, 40, "zipf", seed=seed)
-    data_path = Profile("lossy", loss=parse_loss(f"{loss * 100:g}%"), rate_mbps=RATE / 1e6,
-                        delay_ms=DELAY * 1e3, jitter_ms=jitter_ms)  # fmt: skip
-    back = Profile("back", rate_mbps=RATE / 1e6, delay_ms=DELAY * 1e3)
-    a, b = np.random.SeedSequence(seed).spawn(2)
-    trace: list[tuple] = []
-    Simulation(tr, make_policy(policy), make_channel(data_path, a), make_channel(back, b),
-               rate_bps=RATE, deadline=deadline, transfer_id=TID, key=KEY,
-               initial_rtt=2 * DELAY, record=False, trace=trace).run()  # fmt: skip
     events: list[tuple[str, float, bytes]] = []
-    for e in trace:
-        if e[2] != 1:  # the receiver is the loop's endpoint 1
+    for kind, t, d in _receiver_inputs(policy, KEY, seed, loss, jitter_ms, size, deadline):
+        events.append((kind, t, d))
+        if kind != "data" or not extra:
             continue
-        if e[0] == "timer":
-            events.append(("timer", e[1], b""))
-        elif e[0] == "recv":
-            d = e[3]
-            events.append(("data", e[1], d))
-            if not extra:
-                continue
-            if rng.random() < 0.03:  # some come twice
-                events.append(("data", e[1], d))
-            if rng.random() < 0.01:  # a forged copy: bad tag
-                forged = bytearray(d)
-                forged[-1] ^= 1
-                events.append(("data", e[1], bytes(forged)))
+        if rng.random() < 0.03:  # some come twice
+            events.append(("data", t, d))
+        if rng.random() < 0.01:  # a forged copy: bad tag
+            forged = bytearray(d)
+            forged[-1] ^= 1
+            events.append(("data", t, bytes(forged)))
     return events
 
 
@@ -101,13 +133,18 @@ def _state(r: ReceiverSession) -> dict:
 
 
 def _one_and_runs(
-    events: list[tuple[str, float, bytes]], deadline: float, seed: int
+    events: list[tuple[str, float, bytes]],
+    deadline: float,
+    seed: int,
+    key: bytes | None = KEY,
+    longest: int = 300,
+    tid: int = TID,
 ) -> tuple[ReceiverSession, ReceiverSession]:
-    """Two fresh receivers given ``events``: one datagram per call, and in runs of random
-    length (1..299) through receive_datagrams; their feedback after every call, their
-    results and counters must be identical. Returns both."""
-    one = ReceiverSession(TID, key=KEY, deadline=deadline)
-    run = ReceiverSession(TID, key=KEY, deadline=deadline)
+    """Two fresh receivers of transfer ``tid`` given ``events``: one datagram per call, and
+    in runs of random length (1..longest - 1) through receive_datagrams; their feedback
+    after every call, their results and counters must be identical. Returns both."""
+    one = ReceiverSession(tid, key=key, deadline=deadline)
+    run = ReceiverSession(tid, key=key, deadline=deadline)
     rng = np.random.default_rng(seed)
     i = 0
     while i < len(events):
@@ -117,14 +154,14 @@ def _one_and_runs(
             run.handle_timer(t)
             i += 1
         else:
-            j, longest = i, rng.integers(1, 300)
-            while j < len(events) and events[j][0] == "data" and j - i < longest:
+            j, n = i, rng.integers(1, longest)
+            while j < len(events) and events[j][0] == "data" and j - i < n:
                 j += 1
             batch = [d for _, _, d in events[i:j]]
-            now = events[j - 1][1]  # the run is read when its last datagram is in
+            t = events[j - 1][1]  # the run is read when its last datagram is in
             for d in batch:
-                one.receive_datagram(d, now)
-            run.receive_datagrams([memoryview(d) for d in batch], now)
+                one.receive_datagram(d, t)
+            run.receive_datagrams([memoryview(d) for d in batch], t)
             i = j
         assert one.datagrams_to_send(t) == run.datagrams_to_send(t), f"event {i}"
     one.close(events[-1][1] + 1.0)
@@ -209,24 +246,29 @@ def test_held_sources_reach_a_side_decoder_as_one_by_one():
     assert one._side and one.symbols_recovered > 5
 
 
-def test_held_sources_wait_while_a_side_decoder_needs_them():
-    """Both block Reed-Solomon parities of block 1 (ESIs 8..15, k 8, p 2) arrive ahead of
-    its sources, then sources 8..13 in order after 0..7: one datagram at a time the side
-    decoder gets each and recovers 14 and 15 with the sixth. In runs too: sources are not
-    held while a side decoder exists (it would not see them)."""
+def _block1_parities(src: list, framer: wire.Framer) -> list[bytes]:
+    """Block Reed-Solomon (k 8, p 2) over ``src``: block 1's two parities (ESIs 8..15),
+    framed as packets 100 and 101."""
     from kvtransport.codecs.blockrs import BlockRSEncoder
 
-    src, data = _stream(16, [(e,) for e in range(14)])
     enc = BlockRSEncoder(64, 8, 2)
     for x in src:
         enc.add_source(x.tobytes())
-    framer = wire.Framer(TID, KEY, max_payload=2048)
     parities = []
     for i, parity in enumerate(enc.repairs(1)):
         framer.payload_view(64)[:] = parity
         parities.append(framer.finish(wire.DatagramType.BLOCK_REPAIR, 100 + i, 64, esi=8,
                                       key=wire.block_repair_key(2, i), dt_nss=8))  # fmt: skip
-    order = data[:8] + parities + data[8:]
+    return parities
+
+
+def test_held_sources_wait_while_a_side_decoder_needs_them():
+    """Both block Reed-Solomon parities of block 1 (ESIs 8..15, k 8, p 2) arrive ahead of
+    its sources, then sources 8..13 in order after 0..7: one datagram at a time the side
+    decoder gets each and recovers 14 and 15 with the sixth. In runs too: sources are not
+    held while a side decoder exists (it would not see them)."""
+    src, data = _stream(16, [(e,) for e in range(14)])
+    order = data[:8] + _block1_parities(src, wire.Framer(TID, KEY, max_payload=2048)) + data[8:]
     one = ReceiverSession(TID, key=KEY)
     run = ReceiverSession(TID, key=KEY)
     for d in order:

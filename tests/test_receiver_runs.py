@@ -15,15 +15,17 @@ for every repair scheme (RLC, block RS, ARQ, none).
 
 import numpy as np
 import pytest
-from kvtransport.netem import Profile, make_channel, parse_loss
-from test_receiver_batch import _state, _stream
+from test_receiver_batch import (
+    _block1_parities,
+    _one_and_runs,
+    _receiver_inputs,
+    _state,
+    _stream,
+)
 
 from kvtransport.core import wire
 from kvtransport.core.feedback import SEQ_RING, LossMonitor
-from kvtransport.core.policy import make_policy
 from kvtransport.core.receiver import ReceiverSession
-from kvtransport.core.transfer import synthetic_transfer
-from kvtransport.sim.simulator import Simulation
 
 TID = 0x5EED_0000_0000_0015
 KEY = bytes(range(32))
@@ -59,67 +61,35 @@ def _salted(d: bytes, rng: np.random.Generator) -> list[bytes]:
 
 
 def _record(policy: str, key: bytes | None, seed: int, loss: float, jitter_ms: float) -> list:
-    """The receiver's inputs of one simulated transfer: ("data", t, datagram) and
-    ("timer", t, b""), salted with bad copies and duplicates (on a lossy path, some bad
-    copies instead of their datagram)."""
+    """The receiver's inputs of one simulated transfer (``_receiver_inputs``), salted with
+    bad copies and duplicates (on a lossy path, some bad copies instead of their
+    datagram)."""
     rng = np.random.default_rng(seed)
-    tr = synthetic_transfer(1_500_000, 40, "zipf", seed=seed)
-    data_path = Profile("lossy", loss=parse_loss(f"{loss * 100:g}%"), rate_mbps=RATE / 1e6,
-                        delay_ms=DELAY * 1e3, jitter_ms=jitter_ms)  # fmt: skip
-    back = Profile("back", rate_mbps=RATE / 1e6, delay_ms=DELAY * 1e3)
-    a, b = np.random.SeedSequence(seed).spawn(2)
-    trace: list[tuple] = []
-    Simulation(tr, make_policy(policy), make_channel(data_path, a), make_channel(back, b),
-               rate_bps=RATE, deadline=0.5, transfer_id=TID, key=key,
-               initial_rtt=2 * DELAY, record=False, trace=trace).run()  # fmt: skip
     events: list[tuple[str, float, bytes]] = []
-    for e in trace:
-        if e[2] != 1:  # the receiver is the loop's endpoint 1
+    inputs = _receiver_inputs(policy, key, seed, loss, jitter_ms, 1_500_000, 0.5, tid=TID,
+                              delay=DELAY)  # fmt: skip
+    for kind, t, d in inputs:
+        if kind == "timer":
+            events.append((kind, t, d))
             continue
-        if e[0] == "timer":
-            events.append(("timer", e[1], b""))
-        elif e[0] == "recv":
-            events += [("data", e[1], x) for x in _salted(e[3], rng)]
-            if loss and rng.random() < 0.01:  # a forged copy comes, the genuine one is lost
-                x = bytearray(e[3])
-                x[wire.HEADER_SIZE + 2] ^= 4
-                events.append(("data", e[1], bytes(x)))
-                continue
-            events.append(("data", e[1], e[3]))
-            if rng.random() < 0.02:
-                events.append(("data", e[1], e[3]))  # a duplicate
+        events += [("data", t, x) for x in _salted(d, rng)]
+        if loss and rng.random() < 0.01:  # a forged copy comes, the genuine one is lost
+            x = bytearray(d)
+            x[wire.HEADER_SIZE + 2] ^= 4
+            events.append(("data", t, bytes(x)))
+            continue
+        events.append(("data", t, d))
+        if rng.random() < 0.02:
+            events.append(("data", t, d))  # a duplicate
     return events
 
 
 def _replay(events: list, key: bytes | None, seed: int) -> tuple[ReceiverSession, ...]:
     """One receiver per datagram, one in runs (1..199) with source runs; both must give
-    the same feedback after every call and end in the same state."""
-    one = ReceiverSession(TID, key=key, deadline=0.5)
-    run = ReceiverSession(TID, key=key, deadline=0.5)
-    assert run.source_runs
-    rng = np.random.default_rng(seed)
-    i = 0
-    while i < len(events):
-        kind, t, _ = events[i]
-        if kind == "timer":
-            one.handle_timer(t)
-            run.handle_timer(t)
-            i += 1
-        else:
-            j, longest = i, rng.integers(1, 200)
-            while j < len(events) and events[j][0] == "data" and j - i < longest:
-                j += 1
-            batch = [d for _, _, d in events[i:j]]
-            t = events[j - 1][1]
-            for d in batch:
-                one.receive_datagram(d, t)
-            run.receive_datagrams([memoryview(d) for d in batch], t)
-            i = j
-        assert one.datagrams_to_send(t) == run.datagrams_to_send(t), f"event {i}"
-    for r in (one, run):
-        r.close(events[-1][1] + 1.0)
-    assert one.datagrams_to_send(0.0) == run.datagrams_to_send(0.0)
-    assert _state(one) == _state(run)
+    the same feedback after every call and end in the same state, every byte and the
+    loss monitor's record included."""
+    assert ReceiverSession.source_runs
+    one, run = _one_and_runs(events, 0.5, seed, key=key, longest=200, tid=TID)
     assert one._out.tobytes() == run._out.tobytes()  # every byte, missing symbols' too
     mon = (one.monitor, run.monitor)
     assert [(m.highest, m.settled, m.settled_received, m._ring, m._at, list(m._tops))
@@ -239,18 +209,9 @@ def test_a_lazy_run_waits_while_a_side_decoder_needs_the_sources():
     time the side decoder gets each and recovers 14 and 15 with the sixth; in one call too
     (no lazy run takes them from it: the side decoder's every source ends the lazy run,
     and ``_lazy_run`` also refuses while one exists)."""
-    from kvtransport.codecs.blockrs import BlockRSEncoder
-
     src, data = _stream(16, [(e,) for e in range(14)], tid=TID)
-    enc = BlockRSEncoder(64, 8, 2)
-    for x in src:
-        enc.add_source(x.tobytes())
     framer = wire.Framer(TID, KEY, max_payload=2048)
-    parities = []
-    for i, parity in enumerate(enc.repairs(1)):
-        framer.payload_view(64)[:] = parity
-        parities.append(framer.finish(wire.DatagramType.BLOCK_REPAIR, 100 + i, 64, esi=8,
-                                      key=wire.block_repair_key(2, i), dt_nss=8))  # fmt: skip
+    parities = _block1_parities(src, framer)
     # the sources' packet numbers follow the parities' (101), so 8..13 are in order after them
     late = []
     for seq, e in enumerate(range(8, 14), start=102):

@@ -741,11 +741,7 @@ class ReceiverSession:
                 return False
             # the held run may reach up to (not including) the first of: the end of the
             # range or the buffer, the next known ESI, the source that would complete
-            known = self._known
-            end = min(self._limit, len(known))
-            nxt = known.find(1, esi, end)
-            if nxt >= 0:
-                end = nxt
+            end = self._unknown_to(esi)
             if self.manifest is not None:
                 end = min(end, esi + self.n_source - self.n_known - 1)
             self._hold_end = end
@@ -758,6 +754,14 @@ class ReceiverSession:
         self._out_mv[esi * s : esi * s + s] = payload
         self._lazy_to = esi + 1
         return True
+
+    def _unknown_to(self, esi: int) -> int:
+        """Where the unknown stretch from ``esi`` ends: the next known ESI, else the end of
+        the range or the buffer (the furthest a run of sources from ``esi`` may reach)."""
+        known = self._known
+        end = min(self._limit, len(known))
+        nxt = known.find(1, esi, end)
+        return nxt if nxt >= 0 else end
 
     def _held_run(self, batch: list | tuple, i: int, now: float) -> int:
         """After ``_hold`` took a source: take the datagrams from ``batch[i]`` on that
@@ -807,10 +811,7 @@ class ReceiverSession:
         if self._side or self.finished or self.decoder is None:
             return i
         known = self._known
-        end = min(self._limit, len(known))
-        nxt = known.find(1, esi, end)
-        if nxt >= 0:
-            end = nxt
+        end = self._unknown_to(esi)
         k = self._take_sources(batch, i, end, now)
         if k:
             hi = esi + k
