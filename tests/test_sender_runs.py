@@ -232,3 +232,28 @@ def test_source_runs_decide_where_slot_by_slot_does_when_the_rate_moves(
     assert [h[:2] for h in slotwise.history] == [h[:2] for h in runs.history]
     # decisions off the 32-slot grid: the raises were decided on at once
     assert len(runs.history) >= runs.slot // 32 + 5
+
+
+def test_a_raise_on_a_slot_already_decided_is_decided_again_by_both_paths() -> None:
+    """The sender decided on this slot and sent nothing (here the Gymnasium shell's
+    deferred decision: the slot stays decided while the shell answers), then its rate is
+    raised past RATE_REDECIDE: both paths decide again before anything is sent, the source
+    runs too (they must not send the slot's sources on the old decision)."""
+    from kvtransport.core.policy import ExternalPolicy
+
+    senders = []
+    for runs in (False, True):
+        tr = synthetic_transfer(3_000_000, 3_000_000 // 12_288, seed=3)
+        s = SenderSession(tr, ExternalPolicy(), rate_bps=RATE / 4, deadline=1.0, key=KEY,
+                          transfer_id=7, initial_rtt=1e-3)  # fmt: skip
+        s.source_runs = runs
+        out = s.datagrams_to_send(0.0)
+        assert out == [] and s.awaiting_action and s._decision_slot == 0  # slot 0 decided
+        s.apply_action(0)
+        s.set_rate(RATE, 0.0)  # 4x
+        out = s.datagrams_to_send(1e-3)  # a dozen slots due: a run, were one allowed
+        assert out == [] and s.awaiting_action  # decided again first, nothing sent
+        assert s.stats["decisions"] == 2
+        s.apply_action(0)
+        senders.append((s.datagrams_to_send(2e-3), _state(s)))
+    assert senders[0] == senders[1] and len(senders[0][0]) > 4
