@@ -543,9 +543,7 @@ def eval_spec(
     ``HANDOFF_EVAL_TOKENS[index % 4]`` tokens instead (``utility`` is not used)."""
     if stream not in STREAMS:
         raise ValueError(f"unknown stream {stream!r}; choose from {', '.join(STREAMS)}")
-    prof = load_profile(channel)
-    if delay_ms is not None:
-        prof = replace(prof, delay_ms=float(delay_ms))
+    prof = load_profile(channel).with_overrides(delay_ms=delay_ms)  # a trace keeps its own
     if stream == "handoff":
         tokens = HANDOFF_EVAL_TOKENS[index % len(HANDOFF_EVAL_TOKENS)]
         label, n_blocks = "position", HANDOFF_LAYERS * math.ceil(tokens / 16)

@@ -121,7 +121,7 @@ def cell_key(channel: str, rho: float, delay_ms: float | None = None) -> str:
 
 
 def run_cell(
-    channel: str,
+    channel,
     rho: float,
     schemes,
     n: int,
@@ -531,6 +531,11 @@ def main(argv: list[str] | None = None) -> int:
         help="episodes per cell for block-rs (slow; default 6)",
     )
     p.add_argument("--channels", default=",".join(CHANNELS), help="comma-separated profiles")
+    p.add_argument("--profiles", metavar="FILE",
+                   help="a profiles file (TOML or JSON, as netem/data/profiles.toml) whose "
+                   "names --channels and --high-rtt-channels may use, e.g. "
+                   "netem/data/held-out.toml (channels the shipped policy never trained "
+                   "on)")  # fmt: skip
     p.add_argument("--rhos", default=",".join(map(str, RHOS)), help="comma-separated rhos")
     p.add_argument("--schemes", default=",".join(SCHEMES), help="comma-separated schemes")
     p.add_argument(
@@ -571,6 +576,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     import kvtransport.agents  # noqa: F401  (registers ddqn)
+    from kvtransport.netem.profiles import ProfileError, load_profile, load_profiles_file
     from tqdm import tqdm
 
     def names(text: str) -> list[str]:
@@ -594,11 +600,18 @@ def main(argv: list[str] | None = None) -> int:
             for d in names(args.high_rtt_delays):
                 for r in names(args.high_rtt_rhos):
                     cells.append((c, float(r), float(d), hi_schemes, args.high_rtt_episodes))
+    try:  # a bad file or channel name: one line, before any cell runs
+        extra = load_profiles_file(args.profiles) if args.profiles else {}
+        for c in {cell[0] for cell in cells}:
+            extra.get(c) or load_profile(c)
+    except ProfileError as exc:
+        p.error(str(exc))
     results = {}
     for ch, rho, delay, sch, n in tqdm(cells, desc="eval cells", disable=args.quiet,
                                        file=sys.stderr):  # fmt: skip
         results[cell_key(ch, rho, delay)] = run_cell(
-            ch, rho, sch, n, args.block_rs_episodes, args.weights, args.utility, delay,
+            extra.get(ch, ch), rho, sch, n, args.block_rs_episodes, args.weights, args.utility,
+            delay,
             references=not args.no_references, prior=args.prior, stream=args.stream,
         )  # fmt: skip
     all_schemes = list(dict.fromkeys(schemes + hi_schemes))

@@ -133,3 +133,48 @@ def test_auto_plays_the_products_choice_per_episode():
     assert far["auto"] == far[LONG_LINK_HANDOFF_POLICY] != far["ddqn"]
     assert near["auto"] == near["ddqn"]
     assert plain["auto"] == plain["ddqn"]
+
+
+def test_held_out_profiles_come_from_the_profiles_file(tmp_path):
+    """``--profiles FILE``: a cell named after one of the file's profiles plays that
+    profile's channel (the same utilities as its loss notation given directly, not those of
+    a built-in profile); a trace keeps its own delays (a long-link cell on one is refused);
+    a missing file is one line of error before any cell runs."""
+    import importlib.util
+
+    import pytest
+    from kvtransport.agents.episodes import eval_spec
+    from kvtransport.netem.profiles import ProfileError
+
+    held_out = SCRIPT.parents[1] / "netem" / "data" / "held-out.toml"
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), "--profiles", str(held_out), "--set", "original",
+         "--channels", "gilbert-long", "--rhos", "0.85", "--episodes", "3",
+         "--schemes", "tail-rule", "--no-references", "--out", str(tmp_path), "--quiet"],
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    got = json.loads((tmp_path / "eval_policy.json").read_text())["utilities"]
+    assert set(got) == {"gilbert-long@0.85"}
+
+    spec = importlib.util.spec_from_file_location("eval_policy", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    kw = dict(rho=0.85, schemes=["tail-rule"], n=3, n_rs=0, weights=None, utility="measured",
+              references=False)  # fmt: skip
+    same = mod.run_cell("gemodel 0.5% 5% 100% 0%", **kw)
+    other = mod.run_cell("bernoulli-5", **kw)
+    assert got["gilbert-long@0.85"]["tail-rule"] == same["tail-rule"] != other["tail-rule"]
+
+    trace = str(held_out.parent / "sample-trace.csv.gz")
+    assert eval_spec(trace, 1.0, 0).channel.is_trace
+    with pytest.raises(ProfileError, match="takes its delay from the trace"):
+        eval_spec(trace, 1.0, 0, delay_ms=40.0)
+
+    bad = subprocess.run(
+        [sys.executable, str(SCRIPT), "--profiles", str(tmp_path / "none.toml"),
+         "--channels", "x", "--out", str(tmp_path), "--quiet"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "no such profiles file" in bad.stderr
+    assert "Traceback" not in bad.stderr
