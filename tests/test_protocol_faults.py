@@ -66,11 +66,38 @@ def test_without_reordering_every_gap_counts_at_once():
     assert mon.window_s == 0 and mon.lost == 2 and mon.loss_rate == pytest.approx(2 / 7)
 
 
+def test_reports_echo_the_highest_number_as_of_one_reordering_window_ago():
+    """The echo is a number that arrived and its arrival time: the highest one without
+    reordering; with reordering, the highest one a window ago, so datagrams sent after it
+    stay in flight for the sender until the receiver can tell whether they arrived."""
+    mon = LossMonitor()
+    assert mon.echo() is None
+    for seq in (0, 1, 2, 4):
+        mon.on_packet(seq, seq * 1e-3)
+    mon.sample(5e-3)
+    assert mon.window_s == 0 and mon.echo() == (4, 4e-3)
+    mon.on_packet(3, 6e-3)  # 2 ms after 4: reordering, a window of 2.5 ms
+    for seq in (5, 6, 7):
+        mon.on_packet(seq, (seq + 2) * 1e-3)
+    mon.sample(9.6e-3)  # 5 (7 ms) is older than the window, 6 (8 ms) and 7 (9 ms) are not
+    assert mon.window_s == pytest.approx(2.5e-3) and mon.echo() == (5, 7e-3)
+    mon.sample(1.2e-2)
+    assert mon.echo() == (7, (7 + 2) * 1e-3)
+    late = LossMonitor()  # reordering before anything settles: the oldest highest one
+    late.on_packet(1, 0.0)
+    late.on_packet(0, 1e-3)
+    late.on_packet(2, 1.5e-3)
+    late.sample(2e-3)
+    assert late.echo() == (1, 0.0)
+
+
 def test_jitter_does_not_inflate_loss_or_repairs():
-    """5 +- 4 ms jitter with 2 % loss: repairs within 2x of the same link without jitter."""
+    """5 +- 4 ms jitter with 2 % loss: repairs within 1.2x of the same link without jitter
+    (1.4x when feedback echoed the highest number: a reactive repair overtaken by later
+    datagrams counted as arrived, and its segment got a second one)."""
     plain = faults.jitter(4.0, seed=1, policy="adaptive", jitter_ms=0.0)
     jittered = faults.jitter(4.0, seed=1, policy="adaptive", jitter_ms=4.0)
-    assert jittered["repair_sent"] <= 2 * plain["repair_sent"]
+    assert jittered["repair_sent"] <= 1.2 * plain["repair_sent"]
     assert jittered["receiver_loss_estimate"] < 2 * jittered["loss_true"]
     assert jittered["utility"] >= plain["utility"] - 0.02
 

@@ -42,6 +42,10 @@ class LossMonitor:
     after the first datagram numbered above it); numbers within the window are *settled*
     later. Jitter that reorders thus stops reading as loss after its first late
     datagrams; without reordering the window is 0 and every gap counts at once.
+    ``settled`` is always a number that arrived (the highest one as of a window ago), and
+    ``settled_at`` its arrival time: the report echoes that pair, so everything the
+    sender sent after it counts as in flight until the receiver can tell it arrived or not
+    (without reordering: the highest number and its arrival).
     """
 
     __slots__ = (
@@ -55,6 +59,7 @@ class LossMonitor:
         "reorder_s",
         "settled",
         "settled_received",
+        "settled_at",
         "_tops",
         "_prev_lost",
         "_prev_received",
@@ -72,6 +77,7 @@ class LossMonitor:
         self.reorder_s = 0.0
         self.settled = -1  # numbers up to here are settled: received or lost
         self.settled_received = 0  # of which received
+        self.settled_at = 0.0  # when number ``settled`` arrived (once it is >= 0)
         self._tops: deque[tuple[float, int]] = deque()  # (arrival, number): each new highest
         self._prev_lost = 0
         self._prev_received = 0
@@ -154,12 +160,13 @@ class LossMonitor:
     def settle(self, now: float) -> None:
         """Settle the numbers whose reordering window has passed by ``now``."""
         tops = self._tops
-        target = self.settled
+        target, at = self.settled, self.settled_at
         cutoff = now - self.window_s
         while tops and tops[0][0] <= cutoff:
-            target = tops.popleft()[1]
+            at, target = tops.popleft()
         if target <= self.settled:
             return
+        self.settled_at = at
         ring = self._ring
         got = 0
         for s in range(max(self.settled + 1, target - SEQ_RING + 1), target + 1):
@@ -167,6 +174,17 @@ class LossMonitor:
                 got += 1
         self.settled_received += got
         self.settled = target
+
+    def echo(self) -> tuple[int, float] | None:
+        """The number a report echoes and its arrival time: ``settled`` once a number is
+        settled, before that the oldest highest one still in its window (None: nothing
+        has arrived). Call :meth:`settle` (or :meth:`sample`) with the report's time first."""
+        if self.settled >= 0:
+            return self.settled, self.settled_at
+        if self._tops:
+            at, seq = self._tops[0]
+            return seq, at
+        return None
 
     def sample(self, now: float = 0.0) -> None:
         """Fold the datagrams settled since the last call into ``loss_rate``."""

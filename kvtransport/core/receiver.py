@@ -1021,9 +1021,12 @@ class ReceiverSession:
         if holes:
             ranges = loss_ranges(self._known, self.through, end, MAX_FEEDBACK_RANGES)
         segments = self.decoder.pending_segments() if self.decoder is not None else ()
+        # the echo: the highest number as of one reordering window ago (the highest one
+        # without reordering), so a datagram merely late still counts as in flight
+        echo, echo_at = mon.echo() or (0, self._highest_at)
         return Feedback(
-            max(mon.highest, 0),
-            min(int((now - self._highest_at) * 1e6), 0xFFFFFFFF),
+            echo,
+            min(int((now - echo_at) * 1e6), 0xFFFFFFFF),
             mon.received,
             mon.lost,
             self.esi_end,

@@ -593,7 +593,7 @@ def block_repair_key(p: int, index: int) -> int:
 class Feedback(NamedTuple):
     """The receiver's report (feedback payload), see the module docstring."""
 
-    echo_seq: int  # highest data-path seq received
+    echo_seq: int  # highest data-path seq received one reordering window ago (LossMonitor)
     echo_delay_us: int  # time between receiving echo_seq and sending this report
     received: int  # data-path datagrams received (unique)
     lost: int  # data-path datagrams missing from the seq space so far
