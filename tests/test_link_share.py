@@ -42,19 +42,37 @@ def test_weights_decide_who_gets_the_overloaded_link():
 
 
 def test_a_share_below_a_datagram_per_slot_pauses_and_a_lone_transfer_gets_the_link():
-    rate = 1.5e6  # one datagram per 10 ms slot is ~1 Mbit/s: half of this link is less
+    rate = 3e6  # one datagram per 10 ms slot is ~1.1 Mbit/s: a third of this link is less
     link = _link(rate, EqualShare())
-    a, b = _member(1, 200_000, 2.0, rate=rate), _member(2, 200_000, 2.0, rate=rate)
-    link.join(a)
-    link.join(b)
+    a, b, c = (_member(i, 200_000, 2.0, rate=rate) for i in (1, 2, 3))
+    for m in (a, b, c):
+        link.join(m)
     link.step(0.0)
-    assert a.share == pytest.approx(0.5) and b.share == pytest.approx(0.5)
-    assert a.paused and b.paused
-    assert a.rate_bps == 0.0 and a.session.next_timer() == pytest.approx(2.0)  # the deadline
+    assert a.share == pytest.approx(1 / 3) and b.share == pytest.approx(1 / 3)
+    # every share too small to send: one member (the first of the largest) takes the link
+    assert not a.paused and a.rate_bps == rate
+    assert b.paused and c.paused
+    assert b.rate_bps == 0.0 and b.session.next_timer() == pytest.approx(2.0)  # the deadline
+    link.leave(3)
+    link.step(0.01)
+    assert a.share == pytest.approx(0.5) and a.rate_bps == pytest.approx(0.5 * rate)
+    assert not b.paused and b.session.next_timer() == pytest.approx(0.01)  # resumes now
     link.leave(2)
     assert link.step(0.05) is None  # alone: nothing to re-plan until someone joins
-    assert not a.paused and a.share == 1.0
-    assert a.rate_bps == rate and a.session.next_timer() == pytest.approx(0.05)
+    assert not a.paused and a.share == 1.0 and a.rate_bps == rate
+
+
+def test_a_link_slower_than_a_datagram_per_slot_still_carries_a_lone_transfer():
+    """Below about 1.1 Mbit/s even the whole link is less than a datagram per slot: the
+    lone transfer is paced at the link's rate, not paused until its deadline."""
+    rate = 0.8e6
+    link = _link(rate)
+    a = _member(1, 100_000, 3.0, rate=rate)
+    link.join(a)
+    assert rate < link.min_rate_bps
+    assert link.step(0.0) is None
+    assert not a.paused and a.rate_bps == rate and a.session.rate_bps == rate
+    assert a.session.next_timer() == pytest.approx(0.0)
 
 
 def test_the_allocator_plans_to_the_deadline_less_the_one_way_delay():

@@ -167,7 +167,8 @@ def test_the_live_race_answers_while_the_layered_tail_arrives(smollm, setup):
     assert plan.tail > 0 and tail_from == (len(ctx) - plan.tail) // 16
     sent = blocks.decode_stream(stream.manifest, stream.payload).cache
     with kvtransport.Receiver("127.0.0.1:0", insecure=True) as rx:
-        tx = _Sender(stream, rx.address, deadline_ms=2e3 * plan.send_s, insecure=True,
+        # the deadline leaves room for a stall: the tail must arrive, not race a cut
+        tx = _Sender(stream, rx.address, deadline_ms=8e3 * plan.send_s, insecure=True,
                      rate_mbps=rate)  # fmt: skip
         tx.go()
         _wait_for_first_datagram(rx)
@@ -191,7 +192,7 @@ def test_ranges_are_decoded_as_they_arrive_before_the_race_loads_them(setup):
     with kvtransport.Receiver("127.0.0.1:0", insecure=True) as rx:
         src = LiveArrivals(lambda: adopted_session(rx._engine), ctx)
         try:
-            tx = _Sender(stream, rx.address, deadline_ms=1e3 * prefill_s, insecure=True)
+            tx = _Sender(stream, rx.address, deadline_ms=4e3 * prefill_s, insecure=True)
             tx.go()
             t_end = time.monotonic() + 20
             while not np.isfinite(src.ready_at()[plan.split // 16 :]).all():

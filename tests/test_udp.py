@@ -195,12 +195,13 @@ def test_send_plans_a_card_for_its_deadline(tmp_path, capsys):
     card.write_card(path, card.encode_cache(cache, created={"by": "test"}))
     out = tmp_path / "out"
     out.mkdir()
-    # 1 MiB fp32, 0.5 MiB fp16, 0.27 MiB int8: 200 ms at 25 Mbit/s fits a mix. The plan
+    # 1 MiB fp32, 0.5 MiB fp16, 0.27 MiB int8: 1 s at 5 Mbit/s fits a mix. The plan
     # fills its budget, so the loss it is told of (none happens on loopback) leaves the
-    # sender room for an RTT inflated by a busy host (it stops half an RTT early)
+    # sender room for an RTT inflated by a busy host (it stops half an RTT early) and for
+    # a stall (150 ms; 30 ms when the same bytes had 200 ms at 25 Mbit/s)
     _, recv_st = _run_pair(
         ["--out", str(out)],
-        ["--card", str(path), "--rate-mbps", "25", "--deadline-ms", "200",
+        ["--card", str(path), "--rate-mbps", "5", "--deadline-ms", "1000",
          "--loss-estimate", "0.15"],
         capsys,
     )  # fmt: skip
@@ -245,7 +246,8 @@ def test_recv_exit_status_tells_partial_from_complete(capsys):
     """0 for a complete transfer (the tests above), 3 when blocks missed the deadline."""
     rx, port = _start_recv()
     try:
-        send = ["--size-mb", "2", "--rate-mbps", "20", "--deadline-ms", "150", "--json"]
+        # a fifth of the bytes fits the deadline, with room for a stall of the sender
+        send = ["--size-mb", "2", "--rate-mbps", "4", "--deadline-ms", "750", "--json"]
         assert main(["send", f"127.0.0.1:{port}", *send]) == 0
         out, err = rx.communicate(timeout=60)
     finally:

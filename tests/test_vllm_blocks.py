@@ -170,9 +170,9 @@ def test_a_deadline_cut_over_udp_loads_a_prefix_and_fails_the_tail():
     values = [rng.standard_normal(shape).astype(np.float32) for _ in range(8)]
     cache = vb.gather(keys, values, list(range(nb)), list(range(n)), "toy")  # 7.9 MB
     inbox = vb.Inbox(listen="127.0.0.1:0", key=KEY)
-    pusher = vb.Pusher(key=KEY, rate_mbps=40)  # ~1.6 s of wire time
+    pusher = vb.Pusher(key=KEY, rate_mbps=20)  # ~3.2 s of wire time, a quarter in time
     try:
-        pusher.push(vb.encode_request(cache, "r", BS), "r", inbox.address, deadline_ms=400)
+        pusher.push(vb.encode_request(cache, "r", BS), "r", inbox.address, deadline_ms=800)
         got = _wait(inbox, "r")
     finally:
         pusher.close()

@@ -28,6 +28,11 @@ its stop time would move past the following slots); when a share grows, a datagr
 scheduled at the old, slower pace is re-anchored to now. A transfer alone on the link gets
 all of it (there is nothing to share: the allocator would hold back up to a fifth of the
 link from a lone transfer with a generous deadline, and a handoff wants its bytes early).
+The whole link never pauses anyone: on a link slower than one datagram per slot (about
+1.1 Mbit/s at 10 ms slots) a lone transfer is paced at the link's rate, and when every
+share is below a datagram per slot the member with the largest share gets the whole link
+for the slot (one at a time, the allocator's favourite first), so the link never idles
+while transfers wait.
 
 A member whose adaptive repair policy has not yet heard from its own receiver starts from
 its own prior when the shell has one (the sender daemon: the loss its last transfer to
@@ -256,14 +261,17 @@ class LinkShare:
                 m.admitted_slots += m.id in decision.admitted
             m.share = float(share or 0.0)
             m.admitted = m.id in decision.admitted
-            self._set_rate(m, m.share * self.rate_bps, now)
+        top = max(live, key=lambda m: m.share)
+        whole = top.share > 0 and top.share * self.rate_bps < self.min_rate_bps
+        for m in live:  # every share too small to send: the largest takes the whole link
+            self._set_rate(m, self.rate_bps if whole and m is top else m.share * self.rate_bps, now)
         return decision.until if sched.transfers else None
 
     def _set_rate(self, m: Member, rate_bps: float, now: float) -> None:
         s = m.session
         if s.done:
             return
-        if rate_bps < self.min_rate_bps:
+        if rate_bps < self.min_rate_bps and rate_bps < self.rate_bps:
             m.rate_bps = 0.0
             if not m.paused:
                 s.set_rate(0.0, now)
