@@ -68,8 +68,11 @@ def test_weights_decide_the_shares_and_what_each_transfer_sends():
     assert n[outs[1].transfer_id] > 2 * max(n[outs[0].transfer_id], n[outs[2].transfer_id])
 
 
-def test_a_share_below_one_datagram_per_slot_pauses_until_the_link_frees_up():
-    rate = 1.5e6  # a datagram per 10 ms slot is ~1 Mbit/s: half of this link is less
+def test_a_link_too_slow_to_split_carries_one_transfer_at_a_time():
+    """Every share below a datagram per slot: the first of the largest takes the whole
+    link and the other waits (it used to pause both until one left: 20 slots, nothing
+    sent); once the first leaves, the other has the link at once."""
+    rate = 1.5e6  # a datagram per 10 ms slot is ~1.1 Mbit/s: half of this link is less
     host = SenderHost(rate_bps=rate, symbol_size=SYMBOL, burst_s=0.0, slot_policy=EqualShare())
     a, b = (
         host.submit(
@@ -82,14 +85,15 @@ def test_a_share_below_one_datagram_per_slot_pauses_until_the_link_frees_up():
         )  # fmt: skip
         for i, dest in enumerate((A, B))
     )
-    assert a.link.paused and b.link.paused
+    assert a.link.share == b.link.share == 0.5
+    assert not a.link.paused and a.link.rate_bps == rate and b.link.paused
     sent, now = _run_sender(host, 0.2)
-    assert sent == []  # 20 slots, not one datagram of either
-    assert host.cancel(b.transfer_id, 0.2)
-    assert _tids(host.datagrams_to_send(0.2)) == [b.transfer_id]  # its ABORT only
+    assert len(sent) >= 20 and set(sent) == {a.transfer_id}  # 20 slots of a, none of b
+    assert host.cancel(a.transfer_id, 0.2)
+    assert _tids(host.datagrams_to_send(0.2)) == [a.transfer_id]  # its ABORT only
     sent, _ = _run_sender(host, 0.3, 0.2)
-    assert sent and set(sent) == {a.transfer_id}  # alone: the whole link, at once
-    assert not a.link.paused and a.link.rate_bps == rate
+    assert sent and set(sent) == {b.transfer_id}  # alone: the whole link, at once
+    assert not b.link.paused and b.link.rate_bps == rate
 
 
 def test_submit_refusals_change_nothing():

@@ -64,7 +64,8 @@ def test_record_survives_a_restart_and_a_damaged_file_fails_safe(tmp_path, caplo
     assert r.persist() and not r.dirty and path.stat().st_size == 20 + 16 + 4
     again = ReplayRecord(path, now=now + 1)
     assert again.entries == {7: now} and again.admit(7, now, now + 1) == REPLAYED
-    path.write_bytes(path.read_bytes()[:-1] + b"\0")  # a torn or tampered file
+    data = path.read_bytes()  # a tampered file (its last byte flipped: writing a 0 there
+    path.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))  # changed nothing 1 time in 256)
     broken = ReplayRecord(path, now=now + 2)
     assert "damaged" in caplog.text and broken.floor == now + 2
     assert broken.admit(8, now + 1, now + 2) == STALE  # anything sent before this start
