@@ -306,7 +306,8 @@ def test_total_loss_of_feedback_the_sender_finishes_open_loop(daemons):
         proxy.close()
     assert proxy.counts["feedback"] > 0  # the receiver did report; none got through
     assert st["feedback_received"] == 0 and st["finish_reason"] == "deadline"
-    assert st["elapsed_s"] <= 0.6 + 0.05  # it stopped on its own clock
+    # it stopped on its own clock, with room for a stalled host firing the timer late
+    assert st["elapsed_s"] <= 0.6 + 0.15
     assert st["source_sent"] == st["n_source"]
     assert res.reason == "complete" and res.utility_recovered == pytest.approx(1.0)
     assert_blocks_exact(res, tr)

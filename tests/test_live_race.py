@@ -341,7 +341,7 @@ def test_a_link_that_delivers_nothing_costs_one_prefill_after_a_short_silence(sm
     assert _err(res.kv, kv) < TOL
     *before, last = res.steps
     assert last.action == "compute" and last.start + last.tokens == len(ctx)
-    assert last.t0 < 3 * 0.05 + 0.1  # given up on the link soon after 150 ms
+    assert last.t0 < 3 * 0.05 + 0.3  # given up on the link soon after 150 ms (not at 3 s)
     assert all(s.t1 <= last.t0 for s in before)
 
 
