@@ -24,14 +24,14 @@ costs (a 200 us lead is about two datagrams at 100 Mbit/s); a simulator passes 0
 
 Link sharing. The host's :class:`~kvtransport.hosts.link_share.LinkShare` re-plans every
 ``slot_s`` and whenever a transfer starts or ends: the allocator's shares become the
-sessions' pacing rates (a share below one datagram per slot pauses a session). The
-link's one-way delay it plans with is ``one_way_s`` when given, else half the shortest
-smoothed round trip the sessions measured; the default allocator's guard (the time a
-loss near a deadline needs to be repaired) is derived from it and follows it. Each
-transfer's utility curve is what its submitter gave, else :func:`stream_utility_curve`.
-The host remembers the loss each receiver's last transfer ended with
-(``RECEIVER_MEMORY`` receivers) and a new transfer to that receiver starts its repair
-from it (status ``prior_loss``).
+sessions' pacing rates (a share below one datagram per slot pauses a session, the whole
+link never does). The link's one-way delay it plans with is ``one_way_s`` when given,
+else half the shortest smoothed round trip the sessions measured; the default
+allocator's guard (the time a loss near a deadline needs to be repaired) is derived from
+it and follows it. Each transfer's utility curve is what its submitter gave, else
+:func:`stream_utility_curve`. The host remembers the loss each receiver's last transfer
+ended with (``RECEIVER_MEMORY`` receivers) and a new transfer to that receiver starts
+its repair from it (status ``prior_loss``).
 
 Admission (:meth:`SenderHost.submit` raises :class:`~kvtransport.errors.UserError` and
 changes nothing): at most ``max_transfers`` in flight, a deadline in

@@ -12,7 +12,8 @@ link's token bucket with its FIFO queue, then delay), every feedback datagram th
 reverse-path channel.
 So what the multi-user figure shows of link sharing (progress less owed repairs, owed
 repairs served first, the deadline less the one-way delay, the payload capacity net of
-the reported loss, pausing below one datagram per slot) is what the sender daemon does.
+the reported loss, pausing below one datagram per slot unless a share is the whole link)
+is what the sender daemon does.
 
 As in the daemon, a receiver's session opens at the transfer's first datagram and ends at
 the manifest's deadline counted from there; a transfer leaves the link when its sender
