@@ -106,6 +106,8 @@ def test_submit_refusals_change_nothing():
         ({"deadline_s": 1.0, "initial_rtt": 0.0}, "initial RTT"),
         ({"deadline_s": 1.0, "transfer_id": 7}, "already in use"),
         ({"deadline_s": 1.0, "policy": "nope"}, "unknown policy"),
+        # by a 20 ms initial RTT a datagram needs 10 ms: 9 ms would send nothing at all
+        ({"deadline_s": 0.009}, "leaves no time to send"),
     ]
     for kw, what in bad:
         with pytest.raises(UserError, match=what):
@@ -375,3 +377,15 @@ def test_the_daemon_engine_and_the_simulator_drive_the_receiver_host_identically
         finally:
             sock.close()
             peer.close()
+
+
+def test_a_deadline_shorter_than_the_initial_rtt_allows_is_sent_with_a_shorter_one():
+    """The refusal names the initial RTT; with the link's real (shorter) round trip the
+    same deadline sends."""
+    host = SenderHost(rate_bps=100e6)
+    tr = synthetic_transfer(50_000, 4)
+    with pytest.raises(UserError, match=r"initial RTT \(20 ms\)"):
+        host.submit(tr, A, now=0.0, deadline_s=0.005)
+    out = host.submit(tr, A, now=0.0, deadline_s=0.005, initial_rtt=0.001)
+    sent, _ = _run_sender(host, 0.005)
+    assert len(sent) > 10 and set(sent) == {out.transfer_id}

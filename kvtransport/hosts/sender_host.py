@@ -359,6 +359,12 @@ class SenderHost:
             )
         except ValueError as exc:
             raise UserError(str(exc)) from None
+        if session.stop_time <= now:  # it would send nothing, and so never learn the RTT
+            raise UserError(
+                f"a {deadline_s * 1e3:g} ms deadline leaves no time to send: by the initial "
+                f"RTT ({initial_rtt * 1e3:g} ms) a datagram takes {session.owd * 1e3:g} ms to "
+                "arrive; give the link's real round trip (initial RTT) if it is shorter"
+            )
         if session.transfer_id in self.active or session.transfer_id in self.finished:
             raise UserError("transfer id collision (random 64-bit): submit again")
         member = Member(
