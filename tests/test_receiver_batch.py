@@ -14,9 +14,11 @@ from kvtransport.codecs.rlc import RLCDecoder
 from kvtransport.netem import Profile, make_channel, parse_loss
 
 from kvtransport.core import protocol, wire
+from kvtransport.core.manifest_fec import ManifestSender
 from kvtransport.core.policy import make_policy
+from kvtransport.core.protocol import STANDARD, ProtocolConfig
 from kvtransport.core.receiver import ReceiverSession
-from kvtransport.core.transfer import synthetic_transfer
+from kvtransport.core.transfer import BlockTable, TransportManifest, synthetic_transfer
 from kvtransport.sim.simulator import Simulation
 
 TID = 0x0BA7_C4ED_0000_0001
@@ -35,9 +37,11 @@ def _receiver_inputs(
     deadline: float,
     tid: int = TID,
     delay: float = DELAY,
+    config: ProtocolConfig = STANDARD,
 ) -> list[tuple[str, float, bytes]]:
-    """What the receiver of one transfer on the simulator (lossy, jittered: reordered) was
-    handed, in order: ("data", t, datagram) and ("timer", t, b"")."""
+    """What the receiver of one transfer on the simulator (lossy, jittered: reordered; both
+    hosts built with ``config``) was handed, in order: ("data", t, datagram) and
+    ("timer", t, b"")."""
     tr = synthetic_transfer(size, 40, "zipf", seed=seed)
     data_path = Profile(
         "lossy",
@@ -61,6 +65,7 @@ def _receiver_inputs(
         initial_rtt=2 * delay,
         record=False,
         trace=trace,
+        config=config,
     ).run()
     out: list[tuple[str, float, bytes]] = []
     for e in trace:
@@ -127,9 +132,20 @@ def _state(r: ReceiverSession) -> dict:
         "drops": dict(r.drop_reasons),
         "monitor": (r.monitor.received, r.monitor.lost, r.monitor.loss_rate),
         "ends": list(r._ends),
-        "released": r._released,  # where decoder state was released, and the decoder's
-        "decoder": None if r.decoder is None else (r.decoder.base, r.decoder.stats),
+        "released": r._released,  # where decoder state was released (the decoder itself
+        # is gone with the result: _decoder_state, before it)
     }
+
+
+def _decoder_state(r: ReceiverSession) -> dict | None:
+    """The window decoder's state that outcomes depend on (None without one): its base,
+    pending equations, and statistics but for the sources it was handed and their
+    duplicates (receive_datagram hands a lazy run over later than the runs may)."""
+    dec = r.decoder
+    if dec is None:
+        return None
+    stats = {k: v for k, v in dec.stats.items() if k not in ("sources", "duplicates")}
+    return {"base": dec.base, "pending": dec.pending_equations, **stats}
 
 
 def _one_and_runs(
@@ -139,12 +155,14 @@ def _one_and_runs(
     key: bytes | None = KEY,
     longest: int = 300,
     tid: int = TID,
+    config: ProtocolConfig = STANDARD,
 ) -> tuple[ReceiverSession, ReceiverSession]:
-    """Two fresh receivers of transfer ``tid`` given ``events``: one datagram per call, and
-    in runs of random length (1..longest - 1) through receive_datagrams; their feedback
-    after every call, their results and counters must be identical. Returns both."""
-    one = ReceiverSession(tid, key=key, deadline=deadline)
-    run = ReceiverSession(tid, key=key, deadline=deadline)
+    """Two fresh receivers of transfer ``tid`` (built with ``config``) given ``events``: one
+    datagram per call, and in runs of random length (1..longest - 1) through
+    receive_datagrams; their feedback after every call, their results and counters must
+    be identical. Returns both."""
+    one = ReceiverSession(tid, key=key, deadline=deadline, config=config)
+    run = ReceiverSession(tid, key=key, deadline=deadline, config=config)
     rng = np.random.default_rng(seed)
     i = 0
     while i < len(events):
@@ -164,6 +182,7 @@ def _one_and_runs(
             run.receive_datagrams([memoryview(d) for d in batch], t)
             i = j
         assert one.datagrams_to_send(t) == run.datagrams_to_send(t), f"event {i}"
+    assert _decoder_state(one) == _decoder_state(run)
     one.close(events[-1][1] + 1.0)
     run.close(events[-1][1] + 1.0)
     assert one.datagrams_to_send(0.0) == run.datagrams_to_send(0.0)
@@ -354,10 +373,11 @@ def test_ends_split_add_packets_results_per_packet():
         again.add_packets([(n, 0, 0, 0)], bytes(size), None, buf)
 
 
-def _stream(n: int, order: list[tuple[int, ...]], size: int = 64, tid: int = TID):
-    """Source symbols 0..n-1 and datagrams of a transfer without manifest, in ``order``:
-    (esi,) for a source, (esi, bytes) for a source with other bytes, (first_esi, nss,
-    repair_key) for an RFC 8681 repair."""
+def _stream(n: int, order: list[tuple], size: int = 64, tid: int = TID):
+    """Source symbols 0..n-1 and datagrams of a transfer, in ``order``: (esi,) for a
+    source, (esi, bytes) for a source with other bytes, (first_esi, nss, repair_key) for an
+    RFC 8681 repair, ("manifest",) for the manifest's datagrams (payload: the n symbols,
+    four blocks; without one, the transfer has no manifest). Packet numbers count from 0."""
     from kvtransport.codecs.rlc import RLCEncoder
 
     rng = np.random.default_rng(9)
@@ -365,9 +385,15 @@ def _stream(n: int, order: list[tuple[int, ...]], size: int = 64, tid: int = TID
     enc = RLCEncoder(size, window=n)
     enc.add_sources(src.tobytes())
     framer = wire.Framer(tid, KEY, max_payload=max(2048, size))
-    out = []
-    for seq, item in enumerate(order):
-        if len(item) <= 2:  # (esi,) or (esi, other bytes): a forged copy, the key's holder's
+    out: list[bytes] = []
+    for item in order:
+        seq = len(out)
+        if item == ("manifest",):
+            cut = np.linspace(0, n * size, 5).astype(np.int64)
+            blocks = BlockTable(cut[:-1], np.diff(cut), np.full(4, 0.25))
+            man = ManifestSender(TransportManifest(size, n * size, blocks).to_bytes(), size)
+            out += [man.emit(framer, seq + i, 0) for i in range(man.m)]
+        elif len(item) <= 2:  # (esi,) or (esi, other bytes): a forged copy, the key's holder's
             body = src[item[0]].tobytes() if len(item) == 1 else item[1]
             framer.payload_view(size)[:] = body
             out.append(framer.finish(wire.DatagramType.SOURCE, seq, size, esi=item[0]))

@@ -1,6 +1,7 @@
-"""ReceiverSession's source runs (the in-order sources after a held one, ``_held_run``, or
-after one beyond a hole, ``_lazy_run``: opened by ``Parser.source_run`` and accounted in
-one go) against one datagram per call.
+"""ReceiverSession's source runs (the in-order sources after a held one, ``_held_run``,
+after one beyond a hole, ``_lazy_run``, or after one that joined the open decoder run,
+``_queue_run``: opened by ``Parser.source_run`` and accounted in one go) against one
+datagram per call.
 
 A real sender and receiver run on the simulator (lossy, some with jitter: reordered); what
 the receiver was handed (datagrams and timer calls) is recorded and salted with bad input:
@@ -10,13 +11,18 @@ duplicates. Two fresh receivers get exactly that: one datagram per ``receive_dat
 call, and in runs of random length through ``receive_datagrams`` with source runs on.
 Feedback after every call, the decoded bytes, results, counters (drops by reason
 included), loss accounting and decoder state must be identical, with and without a key,
-for every repair scheme (RLC, block RS, ARQ, none).
+for every repair scheme (RLC, block RS, ARQ, none). Directed streams then take the open
+decoder run's source runs to each of the run's bounds (``ReceiverSession._joinable``: the
+decoder window, completion, known and queued ESIs, the buffer's end, the run's rows, the
+run's top for a repair's release bound), with a small decoder window and release lag from
+the receiver's config where that is what it takes.
 """
 
 import numpy as np
 import pytest
 from test_receiver_batch import (
     _block1_parities,
+    _decoder_state,
     _one_and_runs,
     _receiver_inputs,
     _state,
@@ -25,6 +31,7 @@ from test_receiver_batch import (
 
 from kvtransport.core import wire
 from kvtransport.core.feedback import SEQ_RING, LossMonitor
+from kvtransport.core.protocol import STANDARD, ProtocolConfig
 from kvtransport.core.receiver import ReceiverSession
 
 TID = 0x5EED_0000_0000_0015
@@ -98,54 +105,63 @@ def _replay(events: list, key: bytes | None, seed: int) -> tuple[ReceiverSession
     return one, run
 
 
+def _count_runs(monkeypatch) -> dict[str, list[int]]:
+    """Record how many datagrams each source run (held, lazy, queue) call took."""
+    taken: dict[str, list[int]] = {"_held_run": [], "_lazy_run": [], "_queue_run": []}
+    for name in taken:
+        real = getattr(ReceiverSession, name)
+
+        def counted(self, batch, i, *rest, real=real, name=name):
+            j = real(self, batch, i, *rest)
+            taken[name].append(j - i)
+            return j
+
+        monkeypatch.setattr(ReceiverSession, name, counted)
+    return taken
+
+
 @pytest.mark.parametrize(
-    "policy, key, loss, jitter_ms, share, lazy_share",
+    "policy, key, loss, jitter_ms, share, lazy_share, queue_share",
     [
-        ("fixed:1/16", KEY, 0.0, 0.0, 0.5, 0.0),
-        ("fixed:1/16", None, 0.0, 0.0, 0.5, 0.0),
-        ("fixed:1/16", KEY, 0.01, 0.05, 0.1, 0.005),
-        ("fixed:1/16", KEY, 0.05, 0.3, 0.0, 0.0),  # holes and reordering: hardly any run
-        ("adaptive", KEY, 0.02, 0.0, 0.2, 0.2),
-        ("block-rs:4/32", KEY, 0.02, 0.0, 0.01, 0.0),  # runs only until the first parity
-        ("block-rs:4/32", None, 0.02, 0.3, 0.0, 0.0),
-        ("arq", KEY, 0.03, 0.0, 0.5, 0.5),
-        ("arq", None, 0.0, 0.05, 0.3, 0.0),
-        ("none", KEY, 0.0, 0.0, 0.5, 0.0),
-        ("none", None, 0.0, 0.1, 0.05, 0.0),
-        ("none", None, 0.01, 0.0, 0.5, 0.5),  # beyond the first loss: lazy runs
+        ("fixed:1/16", KEY, 0.0, 0.0, 0.5, 0.0, 0.0),
+        ("fixed:1/16", None, 0.0, 0.0, 0.5, 0.0, 0.0),
+        ("fixed:1/16", KEY, 0.01, 0.05, 0.3, 0.005, 0.2),
+        ("fixed:1/16", KEY, 0.05, 0.3, 0.01, 0.0, 0.01),  # holes and reordering: short runs
+        ("adaptive", KEY, 0.02, 0.0, 0.4, 0.2, 0.1),
+        ("block-rs:4/32", KEY, 0.02, 0.0, 0.01, 0.0, 0.0),  # runs only until the first parity
+        ("block-rs:4/32", None, 0.02, 0.3, 0.0, 0.0, 0.0),
+        ("arq", KEY, 0.03, 0.0, 0.5, 0.5, 0.0),
+        ("arq", None, 0.0, 0.05, 0.3, 0.0, 0.0),
+        ("none", KEY, 0.0, 0.0, 0.5, 0.0, 0.0),
+        ("none", None, 0.0, 0.1, 0.05, 0.0, 0.0),
+        ("none", None, 0.01, 0.0, 0.5, 0.5, 0.0),  # beyond the first loss: lazy runs
     ],
     ids=["rlc-key", "rlc-nokey", "rlc-lossy", "rlc-lossy-jitter", "adaptive", "block-rs-key",
          "block-rs-nokey-jitter", "arq-key", "arq-nokey-jitter", "none-key", "none-nokey-jitter",
          "none-nokey-lossy"],
 )  # fmt: skip
 def test_held_source_runs_receive_what_one_datagram_per_call_does(
-    monkeypatch, policy, key, loss, jitter_ms, share, lazy_share
+    monkeypatch, policy, key, loss, jitter_ms, share, lazy_share, queue_share
 ):
-    """``share``: at least that share of the datagrams came in source runs (held or lazy),
-    ``lazy_share`` in lazy runs (beyond a hole)."""
+    """``share``: at least that share of the datagrams came in source runs (of any kind),
+    ``lazy_share`` in lazy runs (beyond a hole), ``queue_share`` in runs that joined the
+    open decoder run."""
     events = _record(policy, key, 3, loss, jitter_ms)
-    taken = {"_held_run": [], "_lazy_run": []}
-    for name in taken:
-        real = getattr(ReceiverSession, name)
-
-        def counted(self, batch, i, now, real=real, name=name):
-            j = real(self, batch, i, now)
-            taken[name].append(j - i)
-            return j
-
-        monkeypatch.setattr(ReceiverSession, name, counted)
+    taken = _count_runs(monkeypatch)
     one, _ = _replay(events, key, 11)
     drops = one.drop_reasons
     assert sum(drops.values()) > 10 and len(drops) >= 3  # the bad input was met, and dropped
     if key is not None:
         assert drops.get("bad_tag", 0) > 0
     n = sum(1 for kind, _, _ in events if kind == "data")
-    held, lazy = sum(taken["_held_run"]), sum(taken["_lazy_run"])
-    assert held + lazy >= share * n
+    lazy, queue = sum(taken["_lazy_run"]), sum(taken["_queue_run"])
+    assert sum(taken["_held_run"]) + lazy + queue >= share * n
     if share >= 0.5:
         assert max(taken["_held_run"]) >= 8
     if lazy_share:
         assert lazy >= lazy_share * n
+    if queue_share:
+        assert queue >= queue_share * n
     if loss > 0 and policy not in ("none", "arq"):
         assert one.symbols_recovered > 0
 
@@ -176,21 +192,28 @@ def test_a_forged_source_inside_a_run_is_dropped_and_the_run_goes_on():
     assert _state(one) == _state(run)
 
 
-def _one_and_run(batch: list[bytes]) -> tuple[ReceiverSession, ReceiverSession]:
-    """``batch`` one datagram per call, and in one receive_datagrams call: the same
-    feedback and state."""
-    one = ReceiverSession(TID, key=KEY)
-    run = ReceiverSession(TID, key=KEY)
-    for d in batch:
-        one.receive_datagram(d, 1.0)
-    run.receive_datagrams(batch, 1.0)
-    assert one.datagrams_to_send(1.0) == run.datagrams_to_send(1.0)
+def _one_and_run(
+    *calls: list[bytes], config: ProtocolConfig = STANDARD
+) -> tuple[ReceiverSession, ReceiverSession, dict | None]:
+    """Each of ``calls`` (at times 1, 2, ...) one datagram per call, and in one
+    receive_datagrams call: the same feedback after each and at the end, the same decoder
+    state before the end (``_decoder_state``, returned), the same state and bytes."""
+    one = ReceiverSession(TID, key=KEY, config=config)
+    run = ReceiverSession(TID, key=KEY, config=config)
+    for t, batch in enumerate(calls, start=1):
+        for d in batch:
+            one.receive_datagram(d, t)
+        run.receive_datagrams(batch, t)
+        assert one.datagrams_to_send(t) == run.datagrams_to_send(t)
+    dec = _decoder_state(one)
+    assert dec == _decoder_state(run)
     for r in (one, run):
-        r.close(2.0)
+        r.close(len(calls) + 1.0)
+    assert one.datagrams_to_send(0.0) == run.datagrams_to_send(0.0)
     assert _state(one) == _state(run)
     assert one._out.tobytes() == run._out.tobytes()
     assert not one.drop_reasons
-    return one, run
+    return one, run, dec
 
 
 def test_a_lazy_run_stops_before_a_source_known_already():
@@ -199,7 +222,7 @@ def test_a_lazy_run_stops_before_a_source_known_already():
     after 5 takes 6 and stops before 7, which is a duplicate, as one at a time."""
     order = [(0,), (1,), (3,), (7,), (4,), (5,), (6,), (7,), (8,)]
     src, data = _stream(9, order, tid=TID)
-    one, run = _one_and_run(data)
+    one, run, dec = _one_and_run(data)
     assert one.duplicates == 1 and one.n_known == 8 and one.through == 2
 
 
@@ -217,7 +240,7 @@ def test_a_lazy_run_waits_while_a_side_decoder_needs_the_sources():
     for seq, e in enumerate(range(8, 14), start=102):
         framer.payload_view(64)[:] = src[e]
         late.append(framer.finish(wire.DatagramType.SOURCE, seq, 64, esi=e))
-    one, run = _one_and_run(data[:2] + data[3:8] + parities + late)
+    one, run, dec = _one_and_run(data[:2] + data[3:8] + parities + late)
     assert one.symbols_recovered == 2 and one._known[14] and one._known[15]
     assert not one._known[2] and one.through == 2
 
@@ -229,7 +252,7 @@ def test_no_lazy_run_at_decoded_through():
     out of order) must not take them: only sources beyond a hole."""
     order = [(e,) for e in range(600)] + [(601, 40, 1)]
     src, data = _stream(701, order + [(e,) for e in range(600, 701)], tid=TID)
-    one, run = _one_and_run(data)
+    one, run, dec = _one_and_run(data)
     assert one.symbols_recovered == 1 and one.duplicates == 1 and one.through == 701
 
 
@@ -246,3 +269,167 @@ def test_loss_monitor_on_run_is_on_packet_n_times(start, n):
     assert (a.highest, a.received, a._ring, a._at, list(a._tops)) == (
         b.highest, b.received, b._ring, b._at, list(b._tops)
     )  # fmt: skip
+
+
+def test_a_source_run_after_a_late_source_dates_the_highest_packet_now():
+    """Packet 3 (ESI 3) comes late, after packet 4 (a copy of ESI 1) in an earlier call:
+    the sources after it (packets 5.., in order) are held in a source run, and each one of
+    them, one at a time, dates the highest packet number now (the feedback's age of it)."""
+    order = [(0,), (1,), (2,), (3,), (1,)] + [(e,) for e in range(4, 40)]
+    src, data = _stream(40, order, tid=TID)
+    one, run, dec = _one_and_run(data[:3] + data[4:5], data[3:4] + data[5:])
+    assert one.through == 40 and one.duplicates == 1 and one._highest_at == 2.0
+
+
+# the open decoder run's source runs (_queue_run) at each of the run's bounds
+
+
+def test_a_queue_run_stops_before_the_decoder_window_end(monkeypatch):
+    """Decoder window 64: ESI 0 lost, a repair over 0..15 pending, then sources 10..70 in
+    one call. Source 10 (the equation involves it) opens the decoder run; the queue run
+    after it takes 11..63 and stops before 64, which would slide the window past ESI 0
+    (source 15 completes the equation: 0 is recovered when the run is decoded, and read out
+    then, before 64 comes)."""
+    config = ProtocolConfig(decoder_window=64, max_pending_equations=16, max_repair_span=64)
+    taken = _count_runs(monkeypatch)
+    order = [(e,) for e in range(1, 10)] + [(0, 16, 1)] + [(e,) for e in range(10, 71)]
+    src, data = _stream(71, order, tid=TID)
+    one, run, dec = _one_and_run(data[:10], data[10:], config=config)
+    assert [k for k in taken["_queue_run"] if k] == [53]
+    assert one.symbols_recovered == 1 and one.through == 71
+    assert run._out[: 71 * 64].tobytes() == src.tobytes()
+
+
+def test_a_queue_run_stops_before_the_source_that_could_complete(monkeypatch):
+    """40 symbols with a manifest; ESI 5 lost, a repair over 0..39 pending, then sources
+    30..39 and two more datagrams (a copy of ESI 3, a repair) in one call. The run may hold
+    sources only while it cannot complete the transfer (29 known, one equation pending):
+    30 opens it, the queue run takes 31..38, and 39 (which completes it, recovering 5)
+    comes one at a time: what follows it in the call is answered as after the result."""
+    taken = _count_runs(monkeypatch)
+    order = [("manifest",)] + [(e,) for e in range(30) if e != 5] + [(0, 40, 1)]
+    after = [(e,) for e in range(30, 40)] + [(3,), (0, 40, 2)]
+    src, data = _stream(40, order + after, tid=TID)
+    split = len(data) - len(after)
+    one, run, dec = _one_and_run(data[:split], data[split:])
+    assert [k for k in taken["_queue_run"] if k] == [8]
+    assert one.result is not None and one.result.reason == "complete"
+    assert one.symbols_recovered == 1 and one.duplicates == 0 and one.repair_received == 1
+    assert run.result is not None and run.result.payload.tobytes() == src.tobytes()
+
+
+def test_a_queue_run_stops_before_a_known_or_queued_source(monkeypatch):
+    """ESI 3 lost, ESI 20 known early, a repair over 0..31 pending; then in one call 10,
+    11, 24, 12..19, 20, 21..40 (24 and 20 again, in order with the rest). The queue runs
+    stop before ESI 20 (known) and before the second 24 (queued earlier in the run): one at
+    a time those two are duplicates, in the runs too (not a second row of the run)."""
+    taken = _count_runs(monkeypatch)
+    first = [(e,) for e in range(10) if e != 3] + [(20,), (0, 32, 1)]
+    second = [(10,), (11,), (24,)] + [(e,) for e in range(12, 41)]
+    src, data = _stream(41, first + second, tid=TID)
+    one, run, dec = _one_and_run(data[: len(first)], data[len(first) :])
+    assert [k for k in taken["_queue_run"] if k] == [1, 7, 3, 16]
+    assert one.duplicates == 2 and one.symbols_recovered == 1 and one.through == 41
+    assert run._out[: 41 * 64].tobytes() == src.tobytes()
+
+
+def test_a_source_a_queue_run_took_is_known_to_the_rest_of_the_run(monkeypatch):
+    """ESI 3 lost, a repair over 0..31 pending; in one call sources 10..20 (11..20 in a
+    queue run), a copy of ESI 15 with other bytes (the key's holder's), then 21..31. One
+    datagram at a time the copy is a duplicate and ESI 15 keeps its bytes (and 3 is
+    recovered from them); in the run too: the queue run's sources are queued for it."""
+    taken = _count_runs(monkeypatch)
+    first = [(e,) for e in range(10) if e != 3] + [(0, 32, 1)]
+    second = [(e,) for e in range(10, 21)] + [(15, bytes(64))] + [(e,) for e in range(21, 32)]
+    src, data = _stream(32, first + second, tid=TID)
+    one, run, dec = _one_and_run(data[: len(first)], data[len(first) :])
+    assert [k for k in taken["_queue_run"] if k] == [10, 10]
+    assert one.duplicates == 1 and one.symbols_recovered == 1 and one.through == 32
+    assert run._out[: 32 * 64].tobytes() == src.tobytes()
+
+
+def test_a_queue_run_stops_at_the_end_of_the_buffer(monkeypatch):
+    """Without a manifest the output buffer grows as symbols come (256 ESIs first): ESIs
+    232 and 233 lost, a repair over 230..245 pending, then sources 240..300 in one call.
+    The queue run after 240 stops at 255 (the buffer's end); 256 grows the buffer one at a
+    time, and the next queue run takes 257..300."""
+    taken = _count_runs(monkeypatch)
+    first = [(e,) for e in range(240) if e not in (232, 233)] + [(230, 16, 1)]
+    src, data = _stream(301, first + [(e,) for e in range(240, 301)], tid=TID)
+    one, run, dec = _one_and_run(data[: len(first)], data[len(first) :])
+    assert [k for k in taken["_queue_run"] if k] == [15, 44]
+    assert dec is not None and dec["pending"] == 1 and one.n_known == 299 and one.through == 232
+
+
+def test_a_queue_run_stops_when_the_run_is_full(monkeypatch):
+    """ESI 0 lost (ESI 600 came early: the buffer holds 601 ESIs), a repair over 0..15
+    pending, then sources 10..400 in one call: the run holds BATCH_MAX (256) 64-byte
+    symbols, so the queue run after 10 takes 255 and the run is decoded there (recovering
+    0), as one at a time; the rest come in a held run."""
+    from kvtransport.core.receiver import BATCH_MAX
+
+    taken = _count_runs(monkeypatch)
+    first = [(e,) for e in range(1, 10)] + [(600,), (0, 16, 1)]
+    src, data = _stream(601, first + [(e,) for e in range(10, 401)], tid=TID)
+    one, run, dec = _one_and_run(data[: len(first)], data[len(first) :])
+    assert BATCH_MAX == 256 and [k for k in taken["_queue_run"] if k] == [255]
+    assert max(taken["_held_run"]) >= 100
+    assert one.symbols_recovered == 1 and one.through == 401
+
+
+def test_a_repair_after_a_queue_run_sees_the_runs_top(monkeypatch):
+    """Release lag 8, chunk 4: ESIs 10 and 11 lost, a repair over 0..15 pending; then in
+    one call a second repair over 0..15 (solves 10 and 11), sources 16..40 (16 in the run,
+    17..40 in a queue run) and a repair over 10..44. One datagram at a time decoded-through
+    reaches 41 and the decoder is released below 32 before that repair comes: it is stale.
+    The run must end before it (the release bound reads the run's top, 41 after the queue
+    run), not decode it before the release (it would leave an equation pending)."""
+    config = ProtocolConfig(release_lag=8, release_chunk=4)
+    taken = _count_runs(monkeypatch)
+    first = [(e,) for e in range(16) if e not in (10, 11)] + [(0, 16, 1)]
+    second = [(0, 16, 2)] + [(e,) for e in range(16, 41)] + [(10, 35, 3)]
+    src, data = _stream(45, first + second, tid=TID)
+    one, run, dec = _one_and_run(data[: len(first)], data[len(first) :], config=config)
+    assert [k for k in taken["_queue_run"] if k] == [24]
+    assert one.symbols_recovered == 2 and one.through == 41 and one._released == 32
+    assert dec is not None and dec["pending"] == 0 and dec["stale"] == 1
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_streams_in_runs_reach_the_run_bounds_as_one_by_one(monkeypatch, seed):
+    """Random streams through a small decoder (window 96, release lag 20 in chunks of 4):
+    sources with holes, a little reordered, late copies, repairs over the last 16..32 ESIs
+    (most of them soon stale) and now and then one from far back, the manifest first on
+    even seeds (the transfer completes inside a call), in calls of random length. One
+    datagram per call and the runs: the same feedback after every call, state and bytes."""
+    config = ProtocolConfig(
+        decoder_window=96, max_pending_equations=24, max_repair_span=64, release_lag=20,
+        release_chunk=4,
+    )  # fmt: skip
+    rng = np.random.default_rng(seed)
+    taken = _count_runs(monkeypatch)
+    n = 700
+    order: list[tuple] = [("manifest",)] if seed % 2 == 0 else []
+    for e in range(n):
+        if rng.random() < 0.03:
+            continue  # lost
+        order.append((e,))
+        if rng.random() < 0.02:
+            order.append((int(rng.integers(max(0, e - 40), e + 1)),))  # a copy, late
+        if e % 8 == 7:
+            for _ in range(int(rng.integers(2, 4))):
+                span = min(e + 1, int(rng.integers(16, 33)))
+                order.append((e + 1 - span, span, int(rng.integers(1, 1 << 16))))
+            if e > 100 and rng.random() < 0.15:
+                order.append((e - 100, 64, int(rng.integers(1, 1 << 16))))
+    order += [(n - 48, 48, k) for k in (1, 2, 3, 4)]
+    for i in range(len(order) - 3):
+        if rng.random() < 0.03:
+            order[i], order[i + 2] = order[i + 2], order[i]
+    src, data = _stream(n, order, tid=TID)
+    cuts = np.sort(rng.choice(len(data), 40, replace=False)).tolist()
+    calls = [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True)]
+    one, run, dec = _one_and_run(*calls, config=config)
+    assert sum(taken["_queue_run"]) >= 5 and one.symbols_recovered >= 10
+    assert one.result is not None
+    assert one.result.reason == ("complete" if seed % 2 == 0 else "shutdown")

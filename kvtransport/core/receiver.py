@@ -114,9 +114,10 @@ class ReceiverSession:
 
     source_runs = True
     """``receive_datagrams`` takes the in-order sources that continue a held run
-    (``_held_run``) or the lazy run beyond a hole (``_lazy_run``) in one
-    ``Parser.source_run`` call each (False: each through ``_accept`` and ``_hold`` or
-    ``_dispatch``, the reference the runs are tested against)."""
+    (``_held_run``), the lazy run beyond a hole (``_lazy_run``) or the open decoder run
+    (``_queue_run``) in one ``Parser.source_run`` call each (False: each through
+    ``_accept`` and ``_hold``, ``_dispatch`` or ``_queue_source``, the reference the runs
+    are tested against)."""
 
     def __init__(
         self,
@@ -278,8 +279,8 @@ class ReceiverSession:
         any other datagram type, before feedback, at the end of ``datagrams``, after
         ``BATCH_MAX`` datagrams (fewer for large symbols: ``BATCH_BYTES``), and before a
         datagram whose outcome could depend on where the run ends: one that could complete
-        the transfer, one that would slide the decoder's window, or one reaching below where
-        a release during the run could move the window's base (see ``_batchable``). Those,
+        the transfer, one that would slide the decoder's window, or a repair reaching below
+        where a release during the run could move the window's base (see ``_joinable``). Those,
         and everything while a block Reed-Solomon decoder is active, take the per-datagram
         path.
 
@@ -287,9 +288,10 @@ class ReceiverSession:
         pending are counted and copied at once and marked known per stretch (``_hold``,
         ``_mark_held``); a repair that covers only known ESIs is dropped on the
         per-datagram path rather than opening a run. Once a source has been held, or taken
-        beyond a hole as the lazy run's next, the sources after it that continue it in order
-        (the next packet numbers and ESIs) are opened and accounted in one go
-        (``_held_run``, ``_lazy_run``: source runs; ``source_runs`` False turns them off).
+        beyond a hole as the lazy run's next, or queued in the open decoder run, the sources
+        after it that continue it in order (the next packet numbers and ESIs) are opened and
+        accounted in one go (``_held_run``, ``_lazy_run``, ``_queue_run``: source runs;
+        ``source_runs`` False turns them off).
         """
         b = self._batch
         accept, batchable, dispatch = self._accept, self._batchable, self._dispatch
@@ -351,6 +353,8 @@ class ReceiverSession:
                 self._flush_batch(now)
                 if gap > 0 and now - self._last_fb >= min_gap:
                     self._send_feedback(now)
+            elif runs and t == _SOURCE:
+                i = self._queue_run(batch, i, d[6] + 1, now)
         if self._held_from >= 0:
             mark_held(now)
         self._flush_batch(now)
@@ -534,40 +538,62 @@ class ReceiverSession:
         will its outcome and every later one be the same whether the run is decoded before
         or after it? No when: a side decoder is active; no decoder exists yet (the first symbol
         sizes it); the run is empty and the source needs no decoder (the per-datagram lazy
-        path is cheaper); the run could complete the transfer (each packet makes at most one
-        ESI known, plus one per pending equation it solves); the datagram reaches beyond the
-        decoder's window (it would slide the window, dropping symbols the run recovered
-        before they are read out); or a release of decoder state (``_mark``: after a packet
-        of the run, when the decoder has taken the whole run) could happen within the run
-        and the datagram reaches below where it would move the window's base (one datagram
-        at a time, it would find those symbols released). A release below the ESIs the run
-        recovers is otherwise the same before or after the rest of the run."""
+        path is cheaper); or the run's bounds refuse it (``_joinable``)."""
         dec, b = self.decoder, self._batch
         if dec is None or self._side:
             return False
         lo = d[6]
-        hi = lo if d[0] == _SOURCE else self._window.check(d)
+        if d[0] == _SOURCE:
+            hi, first = lo, -1
+        else:
+            hi, first = self._window.check(d), lo
         if not b.n:
-            if d[0] == _SOURCE and (lo == self._lazy_to or not dec.involves(lo)):
+            if first < 0 and (lo == self._lazy_to or not dec.involves(lo)):
                 return False
             b.start(dec, max(self.esi_end, dec.max_involved + 1), self.through - 1)
-        else:
+        if not self._joinable(hi, 1, first):
+            return False
+        if hi >= b.top:
+            b.top = hi + 1
+        return True
+
+    def _joinable(self, hi: int, n: int, first: int = -1) -> int:
+        """The run's bounds, the one place they are kept (``_batchable`` asks for one
+        datagram, ``_queue_run`` for a run of sources): how many of ``n`` data datagrams may
+        join the open run (``_Run.start``) one after the other, the first reaching up to ESI
+        ``hi`` (a repair from ESI ``first``; -1: a source), each next one source ``hi + 1``,
+        ``hi + 2``, ... (0: not even the first). One may when its outcome and every later
+        one are the same whether the run is decoded before or after it, i.e. unless:
+
+        - the run could complete the transfer (each packet makes at most one ESI known,
+          plus one per pending equation it solves);
+        - it reaches beyond the decoder's window (it would slide the window, dropping
+          symbols the run recovered before they are read out);
+        - it is a repair, a release of decoder state (``_mark``: after a packet of the run,
+          when the decoder has taken the whole run) could happen within the run, and the
+          repair reaches below where that would move the window's base (one datagram at a
+          time it would be stale). A source never does: a release moves the base to at most
+          decoded-through - ``release_lag``, and decoded-through stays at or below every
+          ESI not yet known, a new source's included, until its own turn (pending
+          equations involve only unknown ESIs, so the release leaves them as they are).
+
+        The caller raises the run's ``top`` past the ESIs of those that joined."""
+        dec, b = self.decoder, self._batch
+        assert dec is not None  # _batchable: only with a decoder
+        if first >= 0 and b.n:
             # decoded-through after the packets so far is at most ``top``, and at most the
             # (k+1)-th unknown ESI from here, k = the symbols they can make known at most
             # (looked for only when ``top`` alone does not rule a release out)
             lag, chunk = self._release_lag, self._release_chunk
             t = b.top - lag
-            if lo < t and t - self._released >= chunk:
+            if first < t and t - self._released >= chunk:
                 t = self._unknown_bound(b) - lag
-                if lo < t and t - self._released >= chunk:
-                    return False
-        if self.manifest is not None and self.n_known + b.n + 1 + b.pending0 >= self.n_source:
-            return False
-        if hi >= b.base + dec.capacity:
-            return False
-        if hi >= b.top:
-            b.top = hi + 1
-        return True
+                if first < t and t - self._released >= chunk:
+                    return 0
+        k = min(n, b.base + dec.capacity - hi)  # hi + j < base + capacity, each j < k
+        if self.manifest is not None:  # n_known + (b.n + j) + 1 + pending0 < n_source
+            k = min(k, self.n_source - self.n_known - b.n - 1 - b.pending0)
+        return k if k > 0 else 0
 
     def _unknown_bound(self, b: _Run) -> int:
         """The (k+1)-th ESI not known from decoded-through on, k = ``b.pending0 + b.n`` (the
@@ -770,14 +796,15 @@ class ReceiverSession:
         of the first one left for the per-datagram path. For each, exactly what ``_accept``
         and ``_hold`` did one at a time: the same packet accounting (no gap), activity
         times, count and bytes in place; its marking is held as theirs."""
-        return i + self._take_sources(batch, i, self._hold_end, now)
+        k = self._take_sources(batch, i, self._lazy_to, self._hold_end, now)
+        self._lazy_to += k
+        return i + k
 
-    def _take_sources(self, batch: list | tuple, i: int, end: int, now: float) -> int:
-        """The source runs' common part: ``Parser.source_run`` from ``batch[i]`` on, for the
-        sources that continue the lazy run (``_lazy_to`` on, before ESI ``end``), bytes in
-        place; their packet numbers (in order, no gap), count and the lazy run's end
-        accounted. Returns how many it took."""
-        esi = self._lazy_to
+    def _take_sources(self, batch: list | tuple, i: int, esi: int, end: int, now: float) -> int:
+        """The source runs' common part: ``Parser.source_run`` from ``batch[i]`` on, for
+        sources ``esi``, ``esi + 1``, ... before ESI ``end``, bytes in place; their packet
+        numbers (in order, no gap: the time of the highest is ``now``) and count accounted.
+        Returns how many it took."""
         stop = min(len(batch), i + end - esi)
         if stop <= i:
             return 0
@@ -791,10 +818,43 @@ class ReceiverSession:
             - i
         )  # fmt: skip
         if k:
-            mon.on_run(k, now)  # (the datagram before them set _highest_at to now)
+            mon.on_run(k, now)
+            self._highest_at = now  # (the datagram before them may have come late)
             self.source_received += k
-            self._lazy_to = esi + k
         return k
+
+    def _queue_run(self, batch: list | tuple, i: int, esi: int, now: float) -> int:
+        """After source ``esi - 1`` came to the open decoder run (``_queue_source``): take
+        the datagrams from ``batch[i]`` on that continue it in order, as many as
+        ``Parser.source_run`` opens (the next packet numbers, the next ESIs from ``esi``)
+        and the run's bounds let join (``_joinable``, as ``_batchable`` asks one at a
+        time), before the next known or queued ESI, the end of the range or buffer and the
+        run's last row, in one go; returns the index of the first one left for the
+        per-datagram path. For each, exactly what ``_accept``, ``_batchable`` and
+        ``_queue_source`` did one at a time: packet accounting (no gap), count, bytes in
+        place, QUEUED, its row, the run's top; the run is decoded once full, as there."""
+        b = self._batch
+        end = self._unknown_to(esi)
+        queued = self._known.find(QUEUED, esi, end)
+        if queued >= 0:
+            end = queued
+        n = min(len(batch) - i, end - esi, b.rows - b.n)
+        k = self._joinable(esi, n) if n > 0 else 0
+        if not k:
+            return i
+        k = self._take_sources(batch, i, esi, esi + k, now)
+        if k:
+            hi = esi + k
+            self._known[esi:hi] = bytes((QUEUED,)) * k
+            meta = b.meta
+            for e in range(esi, hi):
+                meta += (e, 0, 0, 0)
+            b.n += k
+            if hi > b.top:
+                b.top = hi
+            if b.n >= b.rows:
+                self._flush_batch(now)
+        return i + k
 
     def _lazy_run(self, batch: list | tuple, i: int, now: float) -> int:
         """After ``_dispatch`` took a source that continues the lazy run beyond a hole
@@ -811,10 +871,9 @@ class ReceiverSession:
         if self._side or self.finished or self.decoder is None:
             return i
         known = self._known
-        end = self._unknown_to(esi)
-        k = self._take_sources(batch, i, end, now)
+        k = self._take_sources(batch, i, esi, self._unknown_to(esi), now)
         if k:
-            hi = esi + k
+            self._lazy_to = hi = esi + k
             known[esi:hi] = b"\x01" * k
             self.n_known += k
             end0 = self.esi_end
@@ -1099,7 +1158,7 @@ class ReceiverSession:
 class _Run:
     """The run of data symbols ``receive_datagrams`` holds for one add_packets call: their
     (esi, nss, repair_key, dt) rows, flat; the repairs' bytes (a source's are in the
-    output buffer); and what ``_batchable`` needs: the decoder's pending
+    output buffer); and what ``_joinable`` needs: the decoder's pending
     equations and base when the run began, and two bounds on decoded-through once the run
     is decoded (one past the highest ESI that can be known; an unknown ESI that stays
     unknown)."""
