@@ -6,6 +6,9 @@ A packet handed to the link at ``t_send`` goes through, in order:
    where the loss decision comes first in ``netem_enqueue``);
 2. a token-bucket rate limiter with a FIFO queue limited in bytes (tbf semantics: rate,
    burst, limit; a packet that does not fit in the queue is dropped);
+   The rate may change at set times (``rate_steps``: a link whose capacity drops and
+   recovers, known in advance as the loss model is): the bucket earns tokens and the queue
+   drains at the rate of each moment; the queue and the burst stay in bytes.
 3. propagation delay plus jitter (netem's default uniform jitter in
    [delay - jitter, delay + jitter], or a normal one truncated at 4 sigma), or the
    per-packet one-way delay of a trace. Jitter can reorder packets, as in netem.
@@ -21,7 +24,9 @@ RNG state included: the clone's future is identical to the original's.
 
 from __future__ import annotations
 
+import bisect
 import copy
+import math
 from collections import deque
 
 import numpy as np
@@ -87,6 +92,7 @@ class Channel:
         queue_bytes: int | None = None,
         burst_bytes: int | None = None,
         overhead_bytes: int = UDP_OVERHEAD_BYTES,
+        rate_steps: tuple[tuple[float, float], ...] = (),
     ) -> None:
         self._loss = loss
         self._delay = delay
@@ -104,6 +110,11 @@ class Channel:
         self._tokens = float(self.burst_bytes or 0)
         self._burst = self.burst_bytes or 0  # the two limits, set whenever _rate_Bps is
         self._cap = self.queue_bytes or 0
+        if rate_steps and self.rate_bps is None:
+            raise ValueError("rate steps need a rate-limited channel")
+        # the rate as pieces: from _step_at[k] on, _step_Bps[k] bytes/s (before: the base)
+        self._step_at = [float(t) for t, _ in rate_steps]
+        self._step_Bps = [float(r) / 8.0 for _, r in rate_steps]
         self._tok_t = 0.0
         self._last_dep = -1e300
         self._queue: deque[tuple[float, int]] = deque()
@@ -154,12 +165,18 @@ class Channel:
                 self.dropped += 1
                 return None
             start = t_send if t_send > self._last_dep else self._last_dep
-            tokens = self._tokens + (start - self._tok_t) * self._rate_Bps
+            if self._step_at:
+                tokens = self._tokens + self._earned(self._tok_t, start)
+            else:
+                tokens = self._tokens + (start - self._tok_t) * self._rate_Bps
             if tokens > self._burst:
                 tokens = self._burst
             if tokens >= size:
                 dep = start
                 tokens -= size
+            elif self._step_at:
+                dep = self._served(start, size - tokens)
+                tokens = 0.0
             else:
                 dep = start + (size - tokens) / self._rate_Bps
                 tokens = 0.0
@@ -171,6 +188,31 @@ class Channel:
                 self._backlog += size
         self.delivered += 1
         return dep + self._delays[i]
+
+    def _piece(self, t: float) -> tuple[float, float]:
+        """The rate at ``t`` (bytes/s) and when it next changes."""
+        k = bisect.bisect_right(self._step_at, t)
+        rate = self._step_Bps[k - 1] if k else self._rate_Bps
+        return rate, self._step_at[k] if k < len(self._step_at) else math.inf
+
+    def _earned(self, a: float, b: float) -> float:
+        """Bytes the link serves from ``a`` to ``b`` at the rate of each moment."""
+        total = 0.0
+        while a < b:
+            rate, end = self._piece(a)
+            end = min(end, b)
+            total += (end - a) * rate
+            a = end
+        return total
+
+    def _served(self, t: float, need: float) -> float:
+        """When the link, serving from ``t`` on, has served ``need`` more bytes."""
+        while True:
+            rate, end = self._piece(t)
+            if need <= (end - t) * rate:
+                return t + need / rate
+            need -= (end - t) * rate
+            t = end
 
     # -- look-ahead ------------------------------------------------------------
 

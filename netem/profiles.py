@@ -13,6 +13,7 @@ ge-heavy, 4state-bursty); users add their own in a TOML or JSON file of the same
     jitter_distribution = "normal"     # "uniform" (netem's default) or "normal"
     queue_bytes = 300000               # default: 50 ms at the rate
     burst_bytes = 15000                # default: 1 ms at the rate, at least 2 frames
+    rate_steps = "0.2:10, 0.6:50"      # the rate from set times on (s:Mbit/s; simulator only)
 
     [profiles.office-trace]
     trace = "office.csv.gz"            # relative to the profile file; see docs/traces.md
@@ -72,6 +73,7 @@ _KEYS: dict[str, type | tuple[type, ...]] = {
     "burst_bytes": int,
     "trace": str,
     "trace_offset": int,
+    "rate_steps": str,
 }
 
 
@@ -97,10 +99,26 @@ class Profile:
     burst_bytes: int | None = None
     description: str = ""
     source: str = "built-in"
+    rate_steps: tuple[tuple[float, float], ...] = ()
+    """(from_s, rate_mbps): the link's rate from ``from_s`` seconds of channel time on
+    (times increasing); ``rate_mbps`` before the first. The queue and burst stay in bytes.
+    Only the simulator's channel changes rate: the testbed refuses such a profile."""
 
     def __post_init__(self) -> None:
         if not self.rate_mbps > 0:  # math.inf: no rate limit (see reverse_profile)
             raise ProfileError(f"profile {self.name}: rate_mbps must be > 0")
+        if self.rate_steps:
+            if not math.isfinite(self.rate_mbps):
+                raise ProfileError(f"profile {self.name}: rate_steps need a rate limit")
+            times = [t for t, _ in self.rate_steps]
+            if not all(math.isfinite(t) and t >= 0 for t in times) or any(
+                b <= a for a, b in zip(times, times[1:], strict=False)
+            ):
+                raise ProfileError(
+                    f"profile {self.name}: rate_steps times must be >= 0 and increasing"
+                )
+            if not all(r > 0 and math.isfinite(r) for _, r in self.rate_steps):
+                raise ProfileError(f"profile {self.name}: rate_steps rates must be > 0 Mbit/s")
         if not (self.delay_ms >= 0 and math.isfinite(self.delay_ms)):
             raise ProfileError(f"profile {self.name}: delay_ms must be >= 0")
         if not (self.jitter_ms >= 0 and math.isfinite(self.jitter_ms)):
@@ -245,6 +263,8 @@ class Profile:
             if self.jitter_ms:
                 delay += f" +- {_fmt_num(self.jitter_ms)} ms {self.jitter_distribution}"
         link = f"{_fmt_num(self.rate_mbps)} Mbit/s" if self.rate_limited else "no rate limit"
+        for t, r in self.rate_steps:
+            link += f", {_fmt_num(r)} from {_fmt_num(t)} s"
         return f"{self.name}: {loss} (expected loss {rate:.2%}), {link}, {delay}"
 
     # -- samplers ----------------------------------------------------------------
@@ -308,6 +328,8 @@ def _profile_from_mapping(name: str, entry: Any, where: str, base_dir: Path | No
             kwargs[key] = entry[key]
     if "jitter_distribution" in entry:
         kwargs["jitter_distribution"] = entry["jitter_distribution"]
+    if "rate_steps" in entry:
+        kwargs["rate_steps"] = parse_rate_steps(entry["rate_steps"], f"{where}: profile {name}")
     if "trace" in entry:
         if "loss" in entry:
             raise ProfileError(f"{where}: profile {name}: give either loss or trace, not both")
@@ -342,6 +364,23 @@ def _profile_from_mapping(name: str, entry: Any, where: str, base_dir: Path | No
         raise ProfileError(f"{where}: {exc}") from None
 
 
+def parse_rate_steps(text: str, where: str) -> tuple[tuple[float, float], ...]:
+    """``"0.2:10, 0.6:50"`` (seconds:Mbit/s, comma-separated) as ``Profile.rate_steps``."""
+    steps = []
+    for part in text.split(","):
+        t, sep, r = part.strip().partition(":")
+        try:
+            if not sep:
+                raise ValueError
+            steps.append((float(t), float(r)))
+        except ValueError:
+            raise ProfileError(
+                f"{where}: rate_steps must be SECONDS:MBIT_S pairs separated by commas, "
+                f"like '0.2:10, 0.6:50' (got {part.strip()!r})"
+            ) from None
+    return tuple(steps)
+
+
 def profile_to_mapping(profile: Profile) -> dict[str, Any]:
     """The profile as one entry of a profiles file (inverse of ``profile_from_mapping``)."""
     m: dict[str, Any] = {"rate_mbps": profile.rate_mbps}
@@ -360,6 +399,8 @@ def profile_to_mapping(profile: Profile) -> dict[str, Any]:
         m["queue_bytes"] = profile.queue_bytes
     if profile.burst_bytes is not None:
         m["burst_bytes"] = profile.burst_bytes
+    if profile.rate_steps:
+        m["rate_steps"] = ", ".join(f"{t!r}:{r!r}" for t, r in profile.rate_steps)
     return m
 
 
@@ -488,4 +529,5 @@ def make_channel(
         queue_bytes=prof.effective_queue_bytes(),
         burst_bytes=prof.effective_burst_bytes(),
         overhead_bytes=overhead_bytes,
+        rate_steps=tuple((t, r * 1e6) for t, r in prof.rate_steps),
     )

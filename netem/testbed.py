@@ -445,6 +445,11 @@ class Testbed:
             raise TestbedError(f"relay priority must be 0..99, not {relay_priority}")
         _check_prefix(prefix)
         self.profile = load_profile(profile, profiles_file).with_overrides(rate_mbps, delay_ms)
+        if self.profile.rate_steps:
+            raise TestbedError(
+                f"profile {self.profile.name} changes its rate at set times (rate_steps), "
+                "which only the simulator models; the testbed's shapers keep one rate"
+            )
         self.requested_backend = backend
         self.backend: str | None = None
         self.reverse = reverse

@@ -353,3 +353,41 @@ def test_irtt_json_converts_to_the_forward_direction(tmp_path):
     out = tmp_path / "from-irtt.csv.gz"
     write_trace(out, lost, owd, seq)
     assert read_trace(out).lost.tolist() == lost.tolist()
+
+
+def test_rate_steps_change_what_the_link_carries_when_they_say():
+    """A blast at twice the rate through a link at 100 Mbit/s that drops to 25 from 0.1 s
+    and recovers at 0.3 s: arrivals come at each moment's rate (the queue drains at the new
+    rate at once, both ways), and a channel without steps is exactly as before."""
+    steps = ((0.1, 25e6), (0.3, 100e6))
+    wire = 1200 + UDP_OVERHEAD_BYTES
+
+    def arrivals(rate_steps):
+        ch = Channel(Bernoulli(0.0).sampler(np.random.default_rng(0)),
+                     DelaySampler(0.005, 0.0, "uniform", np.random.default_rng(1)),
+                     100e6, 625_000, 12_500, rate_steps=rate_steps)  # fmt: skip
+        out, t = [], 0.0
+        while t < 0.45:
+            out.append(ch.transmit(t, 1200))
+            t += wire * 8 / 200e6
+        return np.array([a for a in out if a is not None]), ch
+
+    got, ch = arrivals(steps)
+    for lo, hi, want in ((0.02, 0.1, 100e6), (0.12, 0.3, 25e6), (0.32, 0.45, 100e6)):
+        n = int(((got >= lo) & (got < hi)).sum())
+        assert n * wire * 8 / (hi - lo) == pytest.approx(want, rel=0.02), (lo, hi)
+    assert ch.dropped > 0 and np.all(np.diff(got) >= 0)
+    plain, _ = arrivals(())
+    base = Channel(Bernoulli(0.0).sampler(np.random.default_rng(0)),
+                   DelaySampler(0.005, 0.0, "uniform", np.random.default_rng(1)),
+                   100e6, 625_000, 12_500)  # fmt: skip
+    t, same = 0.0, []
+    while t < 0.45:
+        same.append(base.transmit(t, 1200))
+        t += wire * 8 / 200e6
+    assert np.array_equal(plain, np.array([a for a in same if a is not None]))
+    twin = ch.clone()  # the schedule is part of the future a clone repeats
+    assert twin.transmit(0.5, 1200) == ch.transmit(0.5, 1200)
+    rng = np.random.default_rng(0)
+    with pytest.raises(ValueError, match="rate-limited"):
+        Channel(NoLoss().sampler(rng), DelaySampler(0.0, 0.0, "uniform", rng), rate_steps=steps)

@@ -156,6 +156,10 @@ BAD_FILES = [
     ("x.toml", "[profiles.a]\ntrace_offset = 3\n", "needs a trace"),
     ("x.toml", "[profiles.a]\njitter_distribution = 'pareto'\n", "uniform' or 'normal"),
     ("x.toml", "[profiles.a]\nqueue_bytes = 10\n", "queue_bytes must be >="),
+    ("x.toml", "[profiles.a]\nrate_steps = '0.2'\n", "SECONDS:MBIT_S pairs"),
+    ("x.toml", "[profiles.a]\nrate_steps = '0.2:fast'\n", "SECONDS:MBIT_S pairs"),
+    ("x.toml", "[profiles.a]\nrate_steps = '0.2:0'\n", "rates must be > 0"),
+    ("x.toml", "[profiles.a]\nrate_steps = '0.3:5, 0.2:5'\n", "times must be >= 0 and increasing"),
     ("x.json", '{"profiles": {"a": {"loss": 5}}}', "loss must be a str"),
     ("x.json", '{"profiles": {"a": ', "invalid JSON"),
     ("x.json", '{"profiles": {"a": {}}, "extra": 1}', "unknown top-level key"),
@@ -230,3 +234,28 @@ def test_reverse_profiles_match_the_testbed_feedback_path(tmp_path):
     assert load_profile(str(t)).reverse_profile("delay").delay_ms == pytest.approx(5.0)
     with pytest.raises(ProfileError, match="reverse mode"):
         p.reverse_profile("half")
+
+
+def test_rate_steps_round_trip_and_the_testbed_refuses_them(tmp_path):
+    """A profile whose rate changes at set times: read from a file, described, written
+    back; the testbed (one rate per shaper) refuses it in one line, before touching
+    anything."""
+    from kvtransport.netem.testbed import Testbed, TestbedError
+
+    f = tmp_path / "p.toml"
+    f.write_text("[profiles.cell]\nloss = '1%'\nrate_mbps = 50\nrate_steps = '0.2:10, 0.6:50'\n")
+    p = load_profiles_file(f)["cell"]
+    assert p.rate_steps == ((0.2, 10.0), (0.6, 50.0))
+    assert "10 from 0.2 s, 50 from 0.6 s" in p.describe()
+    again = load_profiles_file_from_mapping(p)
+    assert again.rate_steps == p.rate_steps and again.loss == p.loss
+    assert make_channel(p, 0).rate_bps == 50e6  # the base rate before the first step
+    with pytest.raises(TestbedError, match="only the simulator models") as err:
+        Testbed(p, prefix="kvtq")
+    assert "\n" not in str(err.value)
+
+
+def load_profiles_file_from_mapping(p):
+    from kvtransport.netem.profiles import profile_from_mapping, profile_to_mapping
+
+    return profile_from_mapping(p.name, profile_to_mapping(p))
