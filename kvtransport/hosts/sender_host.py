@@ -35,7 +35,8 @@ its repair from it (status ``prior_loss``).
 
 Admission (:meth:`SenderHost.submit` raises :class:`~kvtransport.errors.UserError` and
 changes nothing): at most ``max_transfers`` in flight, a deadline in
-[MIN_DEADLINE_S, MAX_DEADLINE_S], an initial RTT in (0, MAX_INITIAL_RTT_S], a
+[MIN_DEADLINE_S, MAX_DEADLINE_S] that leaves time to send (longer than the one-way delay
+the initial RTT implies, plus a datagram), an initial RTT in (0, MAX_INITIAL_RTT_S], a
 non-negative weight, an unused transfer id.
 """
 
