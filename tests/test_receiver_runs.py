@@ -273,12 +273,29 @@ def test_loss_monitor_on_run_is_on_packet_n_times(start, n):
 
 def test_a_source_run_after_a_late_source_dates_the_highest_packet_now():
     """Packet 3 (ESI 3) comes late, after packet 4 (a copy of ESI 1) in an earlier call:
-    the sources after it (packets 5.., in order) are held in a source run, and each one of
-    them, one at a time, dates the highest packet number now (the feedback's age of it)."""
+    the sources after it (packets 5.., in order) are held in a source run, dated as each
+    one is one at a time, so the reports echo the same packet with the same age: at the
+    close (t = 3), the reordering window (capped at 0.625 s) has passed, and the echo is
+    the highest packet, 40, received at t = 2."""
     order = [(0,), (1,), (2,), (3,), (1,)] + [(e,) for e in range(4, 40)]
     src, data = _stream(40, order, tid=TID)
-    one, run, dec = _one_and_run(data[:3] + data[4:5], data[3:4] + data[5:])
-    assert one.through == 40 and one.duplicates == 1 and one._highest_at == 2.0
+    calls = (data[:3] + data[4:5], data[3:4] + data[5:])
+    one, run, dec = _one_and_run(*calls)
+    assert one.through == 40 and one.duplicates == 1
+    echoes = []
+    for by_run in (False, True):
+        r = ReceiverSession(TID, key=KEY)
+        for t, batch in enumerate(calls, start=1):
+            if by_run:
+                r.receive_datagrams(batch, t)
+            else:
+                for d in batch:
+                    r.receive_datagram(d, t)
+        r.close(3.0)
+        report = r.datagrams_to_send(3.0)[-1]  # the close's (after any due earlier)
+        fb = wire.decode_feedback(r.parser.parse(report).payload)
+        echoes.append((fb.echo_seq, fb.echo_delay_us))
+    assert echoes == [(40, 1_000_000)] * 2
 
 
 # the open decoder run's source runs (_queue_run) at each of the run's bounds

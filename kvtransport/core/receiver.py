@@ -207,7 +207,6 @@ class ReceiverSession:
         self._fb_seq = 0
         self._last_fb = -1e300
         self._next_fb: float | None = None
-        self._highest_at = now
         self._fin_at: float | None = None
         self.finished = False
         self.result: TransferResult | None = None
@@ -389,11 +388,7 @@ class ReceiverSession:
             self.timings["first_packet"] = now
         self.last_activity = now
         self._now = now
-        mon = self.monitor
-        gap = mon.on_packet(seq, now)
-        if mon.highest == seq:
-            self._highest_at = now
-        return d, gap
+        return d, self.monitor.on_packet(seq, now)
 
     def _dispatch(self, d: Datagram, gap: int, now: float) -> None:
         """One admitted datagram (see ``_accept``), handled at once."""
@@ -819,7 +814,6 @@ class ReceiverSession:
         )  # fmt: skip
         if k:
             mon.on_run(k, now)
-            self._highest_at = now  # (the datagram before them may have come late)
             self.source_received += k
         return k
 
@@ -1081,8 +1075,11 @@ class ReceiverSession:
             ranges = loss_ranges(self._known, self.through, end, MAX_FEEDBACK_RANGES)
         segments = self.decoder.pending_segments() if self.decoder is not None else ()
         # the echo: the highest number as of one reordering window ago (the highest one
-        # without reordering), so a datagram merely late still counts as in flight
-        echo, echo_at = mon.echo() or (0, self._highest_at)
+        # without reordering), so a datagram merely late still counts as in flight; there is
+        # one, as the framer is made where the first datagram is counted
+        pair = mon.echo()
+        assert pair is not None
+        echo, echo_at = pair
         return Feedback(
             echo,
             min(int((now - echo_at) * 1e6), 0xFFFFFFFF),
