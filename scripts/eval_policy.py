@@ -133,7 +133,8 @@ def run_cell(
     prior: str = "none",
     stream: str = "utility",
 ):
-    """Every scheme's utility per episode, and (``references``) per episode the genie
+    """Every scheme's utility per episode on ``channel`` (a profile name, netem loss
+    notation or trace path, or a Profile), and (``references``) per episode the genie
     bound and the clairvoyant planner, which searches its plans plus every scheme's own
     result on that episode (kvtransport.sim.repair_planner)."""
     from functools import partial
@@ -576,7 +577,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     import kvtransport.agents  # noqa: F401  (registers ddqn)
-    from kvtransport.netem.profiles import ProfileError, load_profile, load_profiles_file
+    from kvtransport.netem.profiles import ProfileError, load_profile
     from tqdm import tqdm
 
     def names(text: str) -> list[str]:
@@ -600,18 +601,15 @@ def main(argv: list[str] | None = None) -> int:
             for d in names(args.high_rtt_delays):
                 for r in names(args.high_rtt_rhos):
                     cells.append((c, float(r), float(d), hi_schemes, args.high_rtt_episodes))
-    try:  # a bad file or channel name: one line, before any cell runs
-        extra = load_profiles_file(args.profiles) if args.profiles else {}
-        for c in {cell[0] for cell in cells}:
-            extra.get(c) or load_profile(c)
+    try:  # each channel once (a bad file or name: one line, before any cell runs)
+        profiles = {c: load_profile(c, args.profiles) for c in {cell[0] for cell in cells}}
     except ProfileError as exc:
         p.error(str(exc))
     results = {}
     for ch, rho, delay, sch, n in tqdm(cells, desc="eval cells", disable=args.quiet,
                                        file=sys.stderr):  # fmt: skip
         results[cell_key(ch, rho, delay)] = run_cell(
-            extra.get(ch, ch), rho, sch, n, args.block_rs_episodes, args.weights, args.utility,
-            delay,
+            profiles[ch], rho, sch, n, args.block_rs_episodes, args.weights, args.utility, delay,
             references=not args.no_references, prior=args.prior, stream=args.stream,
         )  # fmt: skip
     all_schemes = list(dict.fromkeys(schemes + hi_schemes))

@@ -610,9 +610,7 @@ class ReceiverSession:
         self._known[esi] = QUEUED
         s = self.symbol_size
         self._out_mv[esi * s : esi * s + s] = payload  # where add_packets reads it
-        b = self._batch
-        b.meta += (esi, 0, 0, 0)
-        b.n += 1
+        self._batch.add_sources(esi, 1)
 
     def _queue_repair(self, d: Datagram) -> None:
         self._window_repair_slot(d)
@@ -840,10 +838,7 @@ class ReceiverSession:
         if k:
             hi = esi + k
             self._known[esi:hi] = bytes((QUEUED,)) * k
-            meta = b.meta
-            for e in range(esi, hi):
-                meta += (e, 0, 0, 0)
-            b.n += k
+            b.add_sources(esi, k)
             if hi > b.top:
                 b.top = hi
             if b.n >= b.rows:
@@ -1178,6 +1173,13 @@ class _Run:
             self.rows = max(1, min(BATCH_MAX, BATCH_BYTES // decoder.symbol_size))
             self.pay = np.zeros(self.rows * decoder.symbol_size, dtype=np.uint8)
             self.pay_mv = memoryview(self.pay)
+
+    def add_sources(self, esi: int, k: int) -> None:
+        """Rows for sources ``esi`` .. ``esi + k - 1`` (their bytes are in the output)."""
+        meta = self.meta
+        for e in range(esi, esi + k):
+            meta += (e, 0, 0, 0)
+        self.n += k
 
     def add_repair(self, a: int, b: int, c: int, d: int, payload: memoryview, size: int) -> None:
         i = self.n
