@@ -1,6 +1,7 @@
 """A small run of scripts/eval_policy.py: the shipped DDQN on held-out ge-heavy episodes,
 over the profile's own 5 ms link and over a 40 ms (high-RTT) one."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -9,6 +10,14 @@ from pathlib import Path
 import numpy as np
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "eval_policy.py"
+
+
+def _script():
+    """scripts/eval_policy.py as a module (it is a script, not a package module)."""
+    spec = importlib.util.spec_from_file_location("eval_policy", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def test_shipped_ddqn_beats_no_fec_on_held_out_ge_heavy(tmp_path):
@@ -91,11 +100,7 @@ def test_shipped_ddqn_beats_no_fec_on_held_out_ge_heavy(tmp_path):
 def test_handoff_stream_cells_play_the_planned_stream():
     """``--stream handoff``: a cell's episodes are the planned handoff streams
     (kvtransport.agents.episodes.handoff_table), with both references on them."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("eval_policy", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _script()
     import kvtransport.agents  # noqa: F401  (registers ddqn)
 
     kw = dict(channel="ge-heavy", rho=1.0, schemes=["tail-rule", "ddqn"], n=2, n_rs=0,
@@ -113,13 +118,9 @@ def test_auto_plays_the_products_choice_per_episode():
     """``auto``: on a handoff over a long link the heuristic the product picks
     (kvtransport.core.policy.default_policy_for), on a short one the DDQN, episode by
     episode; a utility stream over the long link keeps the DDQN."""
-    import importlib.util
-
     from kvtransport.core.policy import LONG_LINK_HANDOFF_POLICY, LONG_LINK_ONE_WAY_S
 
-    spec = importlib.util.spec_from_file_location("eval_policy", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _script()
     import kvtransport.agents  # noqa: F401  (registers ddqn)
 
     long_ms = 1e3 * LONG_LINK_ONE_WAY_S
@@ -140,8 +141,6 @@ def test_held_out_profiles_come_from_the_profiles_file(tmp_path):
     profile's channel (the same utilities as its loss notation given directly, not those of
     a built-in profile); a trace keeps its own delays (a long-link cell on one is refused);
     a missing file is one line of error before any cell runs."""
-    import importlib.util
-
     import pytest
     from kvtransport.agents.episodes import eval_spec
     from kvtransport.netem.profiles import ProfileError
@@ -157,9 +156,7 @@ def test_held_out_profiles_come_from_the_profiles_file(tmp_path):
     got = json.loads((tmp_path / "eval_policy.json").read_text())["utilities"]
     assert set(got) == {"gilbert-long@0.85"}
 
-    spec = importlib.util.spec_from_file_location("eval_policy", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _script()
     kw = dict(rho=0.85, schemes=["tail-rule"], n=3, n_rs=0, weights=None, utility="measured",
               references=False)  # fmt: skip
     same = mod.run_cell("gemodel 0.5% 5% 100% 0%", **kw)
