@@ -178,7 +178,10 @@ class Outgoing:
         return self.link.deadline
 
     def status(self, now: float) -> dict[str, Any]:
-        """The status view of this transfer (the control API's ``status`` entry)."""
+        """The status view of this transfer (the control API's ``status`` entry).
+
+        ``share`` is the allocator's own figure, not rounded, so the shares of the
+        transfers on one link sum to at most one in the report as on the link."""
         s = self.session
         m = self.link
         st = s.stats
@@ -209,7 +212,7 @@ class Outgoing:
             "decisions": s.decision_latency(),
             "srtt_ms": None if s.srtt is None else round(s.srtt * 1e3, 3),
             "rate_mbps": round(m.rate_bps / 1e6, 6),
-            "share": round(m.share, 5),
+            "share": m.share,
             "admitted": m.admitted,
             "weight": m.weight,
             "prior_loss": None if m.prior_loss is None else round(m.prior_loss, 5),
