@@ -38,7 +38,7 @@ def test_tcp_baseline_across_a_lossy_link(tmp_path):
     large = synthetic_transfer(4_000_000, 64, "linear", seed=12)
     short_s = 0.6  # a 4 MB transfer is cut (TCP at 5 % loss moves well under 1 MB/s)
     try:
-        with Testbed("bernoulli-5", prefix=PREFIX, seed=3, shaper="relay") as tb:
+        with Testbed("bernoulli-5", prefix=PREFIX, seed=3, backend="relay", shaper="relay") as tb:
             full = tcp_across(tb, small, 60.0, tmp_path, congestion=CC)
             cut = tcp_across(tb, large, short_s, tmp_path, congestion=CC)
     finally:

@@ -76,9 +76,19 @@ def test_unconnected_socket_sends_to_each_destination():
         assert [d for d, _ in _recv_all(b, 3)] == [b"to-b"] * 3
 
 
+def _to_a_dead_port() -> DatagramSocket:
+    """A socket connected to a port nobody listens on (not its own: the port it was
+    bound to may be the one just freed)."""
+    while True:
+        port = _free_port()
+        tx = DatagramSocket(("127.0.0.1", 0), ("127.0.0.1", port))
+        if tx.address[1] != port:
+            return tx
+        tx.close()
+
+
 def test_refused_and_unreachable_are_counted_not_raised():
-    port = _free_port()  # nobody listens there
-    with DatagramSocket(("127.0.0.1", 0), ("127.0.0.1", port)) as tx:
+    with _to_a_dead_port() as tx:
         for _ in range(20):
             tx.send([b"x" * 100] * 3)
             tx.recv_batch()
