@@ -272,11 +272,12 @@ def build_simulation(
     policy: Policy,
     record: bool = False,
     config: ProtocolConfig = STANDARD,
+    queue_guard: bool = True,
 ) -> Simulation:
     """The real sender and receiver for ``spec`` over its channels: exactly the run
     ``kvtransport.sim.simulator.make_simulation`` sets up for the same transfer, profiles, rho,
-    seed and protocol ``config`` (``simulate`` with those arguments gives the same
-    result). A handoff episode's utility counts whole token ranges only
+    seed, protocol ``config`` and ``queue_guard`` (``simulate`` with those arguments gives
+    the same result). A handoff episode's utility counts whole token ranges only
     (:func:`handoff_ranges`): the race loads a range once every layer of it arrived and
     recomputes a partial one, so a partial range is worth nothing."""
     return make_simulation(
@@ -291,6 +292,7 @@ def build_simulation(
         prior_loss=spec.prior_loss,
         config=config,
         whole_groups=handoff_ranges(spec) if spec.stream == "handoff" else None,
+        queue_guard=queue_guard,
     )
 
 

@@ -132,6 +132,7 @@ def run_cell(
     references: bool = True,
     prior: str = "none",
     stream: str = "utility",
+    queue_guard: bool = True,
 ):
     """Every scheme's utility per episode on ``channel`` (a profile name, netem loss
     notation or trace path, or a Profile), and (``references``) per episode the genie
@@ -146,6 +147,7 @@ def run_cell(
     out: dict[str, list] = {name: [] for name in schemes}
     if references:
         out.update({r: [] for r in REFERENCES}, clairvoyant_best=[])
+    build = partial(build_simulation, queue_guard=queue_guard)
     for i in range(n):
         spec = eval_spec(channel, rho, i, utility, delay_ms=delay_ms, prior=prior, stream=stream)
         known = {}
@@ -153,14 +155,14 @@ def run_cell(
             if name.startswith("block-rs") and i >= n_rs:
                 continue
             policy = product_choice(spec) if name == AUTO else name
-            sim = build_simulation(spec, make_scheme(policy, weights))
+            sim = build(spec, make_scheme(policy, weights))
             sim.run()
             known[name] = sim.utility_recovered
             out[name].append(known[name])
         if references:
-            bound = build_simulation(spec, make_scheme("none", None)).meta["utility_bound"]
+            bound = build(spec, make_scheme("none", None)).meta["utility_bound"]
             out["genie"].append(float(bound))
-            plan = clairvoyant_plan(partial(build_simulation, spec), known)
+            plan = clairvoyant_plan(partial(build, spec), known)
             out["clairvoyant"].append(plan.utility)
             out["clairvoyant_best"].append(plan.best)
     return out
@@ -561,6 +563,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the senders' loss prior before feedback: none (a first transfer, "
                    "the default), the loss an earlier transfer over the link ended with, or "
                    "the profile's stationary loss")  # fmt: skip
+    p.add_argument("--no-queue-guard", action="store_true",
+                   help="the senders pace at the link rate even while the path's queue "
+                   "builds (kvtransport.hosts.queue_guard)")  # fmt: skip
     p.add_argument("--no-references", action="store_true",
                    help="skip the genie bound and the clairvoyant planner (the planner "
                    "plays its own search set on every episode)")  # fmt: skip
@@ -611,6 +616,7 @@ def main(argv: list[str] | None = None) -> int:
         results[cell_key(ch, rho, delay)] = run_cell(
             profiles[ch], rho, sch, n, args.block_rs_episodes, args.weights, args.utility, delay,
             references=not args.no_references, prior=args.prior, stream=args.stream,
+            queue_guard=not args.no_queue_guard,
         )  # fmt: skip
     all_schemes = list(dict.fromkeys(schemes + hi_schemes))
     summary = summarize(results, all_schemes)
@@ -640,6 +646,7 @@ def main(argv: list[str] | None = None) -> int:
         "utility": args.utility,
         "prior": args.prior,
         "stream": args.stream,
+        "queue_guard": not args.no_queue_guard,
         "weights": args.weights or "shipped",
         "wall_s": time.perf_counter() - t0,
         "summary": summary,

@@ -51,6 +51,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--slot-ms", type=float_arg(0, 1e4, lo_open=True), default=10.0,
                    help="link-sharing decision period when several transfers run (10)")  # fmt: skip
+    p.add_argument("--no-queue-guard", action="store_true",
+                   help="pace at --rate-mbps even while the path's queue builds (by default, "
+                   "on paths with a round trip up to 50 ms, the link is paced below what it "
+                   "delivers until a capacity dip's queue drains)")  # fmt: skip
     p.add_argument("--utility-table", metavar="FILE",
                    help="fitted utility curves (from fit-utility) for link sharing")  # fmt: skip
     _common.add_curve(p)
@@ -83,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
         utility_table=args.utility_table,
         stats=stats,
         curve_secret_file=args.curve_secret,
+        queue_guard=not args.no_queue_guard,
     )
     if metrics is not None:
         metrics.attach(daemon)

@@ -80,6 +80,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--symbol-size", type=int_arg(64, 8192), default=1280, help="bytes per symbol (1280)"
     )
     p.add_argument("--auth", action="store_true", help="authenticate every datagram (BLAKE2b)")
+    p.add_argument(
+        "--no-queue-guard",
+        action="store_true",
+        help="the sender paces at the link rate even while the path's queue builds",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="PNG", help="write utility and symbols over time")
 
@@ -139,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
                 symbol_size=args.symbol_size,
                 key=b"kvtransport-simulate" if args.auth else None,
                 record=bool(args.plot),
+                queue_guard=not args.no_queue_guard,
             )
         except ValueError as exc:
             raise UserError(str(exc)) from None

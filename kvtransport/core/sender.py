@@ -221,6 +221,8 @@ class SenderSession:
         self._initial_rtt = initial_rtt
         self.prior_loss = _check_prior(prior_loss)
         self.srtt: float | None = None
+        self.rtt_sample: float | None = None  # the latest feedback's RTT sample (None: none)
+        self.fb_received = 0  # data datagrams the receiver reported received
         self.stop_time = 0.0  # last moment a datagram can leave and arrive before the deadline
         self._max_span = self._check_span(
             config.max_repair_span if max_repair_span is None else max_repair_span
@@ -729,12 +731,15 @@ class SenderSession:
 
     def _on_feedback(self, fb: Feedback, now: float) -> None:
         self.fb_time = now
+        self.fb_received = fb.received
+        self.rtt_sample = None
         echo = fb.echo_seq
         if echo > self._fb_echo and self._log.holds(echo):
             self._fb_echo = echo
             sent_t, src_mark, rep_mark, rea_mark = self._log.lookup(echo)
             rtt = now - sent_t - fb.echo_delay_us * 1e-6
             if rtt > 0:
+                self.rtt_sample = rtt
                 self.srtt = rtt if self.srtt is None else self.srtt + 0.125 * (rtt - self.srtt)
                 self._rtt_changed()
             self._fb_src_mark, self._fb_rep_mark, self._fb_rea_mark = src_mark, rep_mark, rea_mark

@@ -222,7 +222,8 @@ class SenderDaemon(DaemonShell):
     (kvtransport.daemons.daemon.StatsWriter). ``config``: the protocol's settings its host
     builds every session with (kvtransport.core.protocol; ``symbol_size`` None is its
     symbol size, a request without ``initial_rtt_ms`` gets its initial RTT, and ``rho``
-    counts its link overhead).
+    counts its link overhead). ``queue_guard``: the host paces below the link rate while
+    the path's queue builds (kvtransport.hosts.queue_guard).
     """
 
     role = "sender"
@@ -246,6 +247,7 @@ class SenderDaemon(DaemonShell):
         stats: Any = None,
         curve_secret_file: str | None = None,
         config: ProtocolConfig = STANDARD,
+        queue_guard: bool = True,
     ) -> None:
         from kvtransport.daemons.api import check_endpoint
         from kvtransport.daemons.daemon import StatsWriter, curve_secret, warm_up
@@ -274,6 +276,7 @@ class SenderDaemon(DaemonShell):
             slot_s=slot_s,
             max_transfers=max_transfers,
             config=config,
+            queue_guard=queue_guard,
         )
         self.engine = SenderEngine(self.sock, host, on_finish=self._finished)
         self._start_control(

@@ -33,6 +33,14 @@ it and follows it. Each transfer's utility curve is what its submitter gave, els
 ended with (``RECEIVER_MEMORY`` receivers) and a new transfer to that receiver starts
 its repair from it (status ``prior_loss``).
 
+Queueing. With ``queue_guard`` (the default) the host paces the link at most at what a
+:class:`~kvtransport.hosts.queue_guard.QueueGuard` allows: every feedback a session takes
+tells it the path's queueing delay and delivery rate, and while the path's queue builds
+because its capacity dipped below the link rate, the link is paced below what it
+delivers until the queue drains, then probes back up (host stats ``pacing_mbps``,
+``queue_cuts``). It acts on short paths only (``MAX_BASE_RTT_S``), and on a path whose
+capacity never dips it never acts.
+
 Admission (:meth:`SenderHost.submit` raises :class:`~kvtransport.errors.UserError` and
 changes nothing): at most ``max_transfers`` in flight, a deadline in
 [MIN_DEADLINE_S, MAX_DEADLINE_S] that leaves time to send (longer than the one-way delay
@@ -56,10 +64,11 @@ from kvtransport.core.policy import Policy, make_policy
 from kvtransport.core.protocol import STANDARD, ProtocolConfig
 from kvtransport.core.sender import SenderSession
 from kvtransport.core.transfer import Transfer
-from kvtransport.core.wire import HEADER_SIZE
+from kvtransport.core.wire import HEADER_SIZE, link_bytes
 from kvtransport.errors import UserError
 from kvtransport.hosts.allocator import SlotPolicy
 from kvtransport.hosts.link_share import LinkShare, Member
+from kvtransport.hosts.queue_guard import QueueGuard
 from kvtransport.hosts.utility_model import SigmoidUtility
 
 DEFAULT_BURST_S = 200e-6
@@ -111,6 +120,7 @@ def alone_on_link(
     initial_rtt: float,
     prior_loss: float | None = None,
     config: ProtocolConfig = STANDARD,
+    queue_guard: bool = True,
 ) -> tuple[SenderHost, Outgoing]:
     """A fresh host with ``transfer`` submitted at time 0, alone on its link (so it paces
     at ``rate_bps``), releasing datagrams on their slots (no burst lead): how a
@@ -124,6 +134,7 @@ def alone_on_link(
         burst_s=0.0,
         max_transfers=1,
         config=config,
+        queue_guard=queue_guard,
     )
     out = host.submit(
         transfer,
@@ -253,7 +264,8 @@ class SenderHost:
     config: the protocol's settings every session of the host is built with
     (kvtransport.core.protocol; also the symbol size and initial RTT when not given, and
     the feedback interval the allocator's guard assumes, and the per-datagram link
-    overhead the link's capacity and the sessions' pacing count).
+    overhead the link's capacity and the sessions' pacing count); queue_guard: pace the
+    link below its rate while the path's queue builds (module docstring).
     """
 
     def __init__(
@@ -269,6 +281,7 @@ class SenderHost:
         one_way_s: float | None = None,
         capacity_Bps: float | None = None,
         config: ProtocolConfig = STANDARD,
+        queue_guard: bool = True,
     ) -> None:
         if not (rate_bps > 0 and math.isfinite(rate_bps)):
             raise UserError("the link rate must be a positive number")
@@ -298,6 +311,10 @@ class SenderHost:
             feedback_interval_s=config.feedback_interval,
             link_overhead=config.link_overhead,
         )
+        self.guard: QueueGuard | None = None
+        if queue_guard:
+            wire = link_bytes(symbol_size, key is not None, link_overhead=config.link_overhead)
+            self.guard = QueueGuard(self.rate_bps, wire * 8.0, self.link.min_rate_bps)
         self._sched_at: float | None = None
         self._replan_at: float | None = None  # a transfer ended then: re-plan at once
         self._outbox: list[tuple[list[bytes], Address]] = []
@@ -428,6 +445,8 @@ class SenderHost:
             "finished": len(self.finished),
             "dropped": self.dropped,
             "drop_reasons": dict(self.drop_reasons),
+            "pacing_mbps": self.link.rate_bps / 1e6,
+            "queue_cuts": 0 if self.guard is None else self.guard.cuts,
         }
 
     # ------------------------------------------------------------------ datagrams
@@ -442,8 +461,15 @@ class SenderHost:
         if out is None:
             self._drop("finished_transfer" if tid in self.finished else "foreign_transfer")
             return
-        out.session.receive_datagram(data, now)
-        if out.session.done:  # the receiver is finished: nothing more to send
+        s = out.session
+        taken = s.stats["feedback_received"]
+        s.receive_datagram(data, now)
+        guard = self.guard
+        if guard is not None and s.stats["feedback_received"] != taken:
+            if guard.on_feedback(tid, now, s.rtt_sample, s.fb_received):
+                self.link.set_link_rate(guard.pacing_bps())
+                self._reschedule(now)
+        if s.done:  # the receiver is finished: nothing more to send
             self._flush(out, now)
 
     def datagrams_to_send(self, now: float) -> list[tuple[list[bytes], Address]]:
@@ -522,6 +548,8 @@ class SenderHost:
         while len(self.finished) > HISTORY:
             self.finished.popitem(last=False)
         self.link.leave(out.transfer_id, out.session.finish_reason or "finished")
+        if self.guard is not None and self.guard.forget(out.transfer_id):
+            self.link.set_link_rate(self.guard.pacing_bps())
         if self.active:
             self._replan(now)  # the others share the link anew
         else:

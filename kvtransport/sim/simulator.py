@@ -112,7 +112,7 @@ class Simulation:
     its group is complete (:func:`whole_group_utility`), as the handoff receiver loads a
     token range only when every layer's block of it arrived and recomputes a partial one
     (kvtransport.model.race). ``utility``, ``utility_recovered``, the result and the genie
-    bound all score this way.
+    bound all score this way. ``queue_guard``: the sender host's (SenderHost).
     """
 
     def __init__(
@@ -133,6 +133,7 @@ class Simulation:
         trace: list[tuple[Any, ...]] | None = None,
         config: ProtocolConfig = STANDARD,
         whole_groups: np.ndarray | None = None,
+        queue_guard: bool = True,
     ) -> None:
         for name, ch in (("data", data_channel), ("feedback", feedback_channel)):
             counted = getattr(ch, "overhead_bytes", config.link_overhead)
@@ -167,6 +168,7 @@ class Simulation:
             initial_rtt=config.initial_rtt if initial_rtt is None else initial_rtt,
             prior_loss=prior_loss,
             config=config,
+            queue_guard=queue_guard,
         )
         self.sender: SenderSession = outgoing.session
         if hasattr(policy, "bind_sender"):
@@ -419,6 +421,7 @@ def make_simulation(
     config: ProtocolConfig = STANDARD,
     trace: list[tuple[Any, ...]] | None = None,
     whole_groups: np.ndarray | None = None,
+    queue_guard: bool = True,
 ) -> Simulation:
     """Set up one transfer (see ``kvtransport simulate --help`` for the arguments).
 
@@ -431,8 +434,9 @@ def make_simulation(
     ``symbol_size`` None is its symbol size); its ``link_overhead`` is what the channels
     count per datagram, the sender paces with and rho's unit (``full_send_time``) and the
     genie bound assume. ``trace`` and ``whole_groups`` (how utility is scored): as
-    :class:`Simulation`'s. The Gymnasium environment
-    builds its episodes here and steps them with ``run_until_decision`` /
+    :class:`Simulation`'s. ``queue_guard``: the sender host paces below the link rate while
+    the path's queue builds (kvtransport.hosts.queue_guard; False: as without it). The
+    Gymnasium environment builds its episodes here and steps them with ``run_until_decision`` /
     ``apply_action``.
     """
     if not rho > 0:
@@ -482,6 +486,7 @@ def make_simulation(
         trace=trace,
         config=config,
         whole_groups=whole_groups,
+        queue_guard=queue_guard,
     )
     sim.meta = {
         "channel": prof.name,

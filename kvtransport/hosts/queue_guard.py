@@ -1,0 +1,152 @@
+"""A cap on one link's pacing rate while the path's queue builds (its capacity dipped).
+
+Senders pace at the link rate they were given. When the path's capacity drops below it (a
+radio link degrading, a backhaul shared with traffic kvtransport does not see) the excess
+waits in the bottleneck's queue and, once the queue is full, is lost there: on the held-out
+``rate-dip`` channel (100 Mbit/s falling to 25 for 0.2 s) a quarter to a third of a
+transfer's datagrams died in the queue, with every repair scheme (docs/results.md). No
+repair can give back what a sender pacing above capacity throws away.
+
+:class:`QueueGuard` watches what each feedback tells of the path, sans-I/O and clock-free:
+
+- **queueing delay**: the smallest of a transfer's last ``PERSIST`` round-trip samples
+  (one late report, a host's stall, is not a queue) less the smallest it has ever seen
+  (the path's base round trip);
+- **delivery rate**: the data datagrams the receivers report received (``received`` in
+  each feedback, summed over the link's transfers), per second of feedback arrival, over
+  the last ``window`` (a base round trip, at least ``MIN_WINDOW_S``).
+
+When the queueing delay exceeds ``QUEUE_DELAY_S`` plus ``QUEUE_RTT_SHARE`` of the base
+round trip *and* the link delivers less than ``SHORTFALL`` of the rate it is paced at
+(once capped: less than ``GROWING`` of the cap, the queue still growing), the cap becomes
+``DRAIN`` times the delivery rate (the queue drains at the rest; never below ``min_bps``;
+an outage gives no round-trip samples, so it cuts nothing), at most once per window
+(while the queue holds data the bottleneck's delivery rate does not depend on the
+pacing). Once the queueing delay is back under half that threshold, the cap grows by
+``PROBE`` per round trip (a sample taken after the last change), and goes once it
+reaches the link rate. Only paths whose base round trip is at most ``MAX_BASE_RTT_S``
+cut the rate (on a longer one the news of a dip comes too late); any path's samples may
+lift a cap, and the last transfer to leave the link takes the cap with it. The two
+conditions together keep jitter (delay without a shortfall) and random loss (a shortfall
+without delay) from cutting the rate: on a path whose capacity never dips the guard never
+acts, and the transfer is paced exactly as without it (tests/test_queue_guard.py).
+
+The shell (kvtransport.hosts.sender_host.SenderHost) feeds it every feedback its
+sessions take and paces the link at ``min(link rate, cap)``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+QUEUE_DELAY_S = 0.010
+"""Queueing delay (beyond the base round trip) always tolerated: jitter of a few ms per
+direction on a healthy path stays under it."""
+QUEUE_RTT_SHARE = 0.5
+"""... plus this share of the base round trip (long paths jitter more in absolute terms)."""
+SHORTFALL = 0.8
+"""The queue counts as building only if the link delivers less than this share of its
+pacing rate (random loss up to a fifth does not trigger it)."""
+DRAIN = 0.9
+"""The cap: this share of the delivery rate measured while the queue built (while the
+queue holds data the bottleneck still delivers at its full rate; the rest drains it)."""
+GROWING = 0.95
+"""Once capped, the queue counts as still building if the link delivers less than this
+share of the (capped) pacing rate."""
+PROBE = 1.5
+"""Growth of the cap per round trip once the queue has drained."""
+MAX_BASE_RTT_S = 0.050
+"""The guard acts only on paths whose base round trip is at most this. It learns of a dip
+a round trip plus the queue's delay late, and probes back up a round trip at a time: on the
+held-out rate-dip channel (a 0.2 s dip) at 40 and 80 ms one way its first cut came after
+the dip and held the link below its restored rate to the deadline, costing utility-ordered
+streams up to 0.017 (docs/results.md)."""
+PERSIST = 3
+"""Round-trip samples in a row the queueing delay must show (about 12 ms of reports)."""
+MIN_WINDOW_S = 0.025
+"""Shortest window the delivery rate is measured over (several feedback intervals)."""
+
+
+@dataclass
+class _Path:
+    """What the guard keeps of one transfer: its base round trip, its last ``PERSIST``
+    samples and its last report's ``received`` count."""
+
+    base_rtt: float
+    received: int
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=PERSIST))
+
+
+class QueueGuard:
+    """The cap on one link's pacing rate (module docstring). ``rate_bps``: the link's
+    nominal wire rate; ``wire_bits``: the bits the link counts per data datagram;
+    ``min_bps``: the lowest cap (the link's rate of one datagram per slot)."""
+
+    def __init__(self, rate_bps: float, wire_bits: float, min_bps: float) -> None:
+        self.rate_bps = float(rate_bps)
+        self.wire_bits = float(wire_bits)
+        self.min_bps = float(min_bps)
+        self.cap_bps: float | None = None
+        self.cuts = 0  # times the cap was lowered
+        self._paths: dict[int, _Path] = {}
+        self._delivered: deque[tuple[float, int]] = deque()  # (arrival, datagrams newly received)
+        self._changed_at = -1e300
+
+    def pacing_bps(self) -> float:
+        """The rate the link is paced at: its nominal rate, or the cap below it."""
+        return self.rate_bps if self.cap_bps is None else min(self.rate_bps, self.cap_bps)
+
+    def forget(self, transfer_id: int) -> bool:
+        """The transfer left the link. The last one to leave takes the cap with it (what it
+        measured may not hold for the next); returns whether :meth:`pacing_bps` changed."""
+        self._paths.pop(transfer_id, None)
+        if self._paths or self.cap_bps is None:
+            return False
+        self.cap_bps = None
+        self._delivered.clear()
+        return True
+
+    def on_feedback(self, transfer_id: int, now: float, rtt_s: float | None, received: int) -> bool:
+        """A feedback of ``transfer_id`` arrived at ``now``: its round-trip sample (None:
+        it echoed nothing new) and the data datagrams its receiver reports received so far.
+        Returns whether :meth:`pacing_bps` changed."""
+        path = self._paths.get(transfer_id)
+        if path is None:
+            path = self._paths[transfer_id] = _Path(rtt_s if rtt_s else 1e300, received)
+            new = 0  # received since when: unknown
+        else:
+            new = max(0, received - path.received)
+            path.received = max(path.received, received)
+        if new:
+            self._delivered.append((now, new))
+        if rtt_s is None or rtt_s <= 0.0:
+            return False
+        base = path.base_rtt = min(path.base_rtt, rtt_s)
+        path.recent.append(rtt_s)
+        window = max(base, MIN_WINDOW_S)
+        cutoff = now - window
+        delivered = self._delivered
+        while delivered and delivered[0][0] <= cutoff - window:
+            delivered.popleft()  # keep two windows: enough to see one whole
+        since = now - self._changed_at
+        threshold = QUEUE_DELAY_S + QUEUE_RTT_SHARE * base
+        queue_s = min(path.recent) - base if len(path.recent) == PERSIST else 0.0
+        pacing = self.pacing_bps()
+        if queue_s > threshold and base <= MAX_BASE_RTT_S:  # (on a long path: too late)
+            if since < window or not delivered or delivered[0][0] > cutoff:
+                return False  # no whole window of reports since the last change
+            got = sum(n for t, n in delivered if t > cutoff)
+            rate = got * self.wire_bits / window
+            # uncapped, a clear shortfall; capped, the queue still growing
+            if rate >= (SHORTFALL if self.cap_bps is None else GROWING) * pacing:
+                return False
+            self.cap_bps = min(max(DRAIN * rate, self.min_bps), pacing)
+            self.cuts += 1
+        elif self.cap_bps is not None and queue_s < 0.5 * threshold and since >= rtt_s:
+            cap = self.cap_bps * PROBE
+            self.cap_bps = None if cap >= self.rate_bps else cap
+        else:
+            return False
+        self._changed_at = now
+        return self.pacing_bps() != pacing
