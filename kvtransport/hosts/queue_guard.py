@@ -9,12 +9,16 @@ repair can give back what a sender pacing above capacity throws away.
 
 :class:`QueueGuard` watches what each feedback tells of the path, sans-I/O and clock-free:
 
-- **queueing delay**: the smallest of a transfer's last ``PERSIST`` round-trip samples
-  (one late report, a host's stall, is not a queue) less the smallest it has ever seen
+- **queueing delay**: the smallest of the last ``PERSIST`` round-trip samples (one late
+  report, a host's stall, is not a queue) less the smallest since the guard was (re)set
   (the path's base round trip);
-- **delivery rate**: the data datagrams the receivers report received (``received`` in
-  each feedback, summed over the link's transfers), per second of feedback arrival, over
-  the last ``window`` (a base round trip, at least ``MIN_WINDOW_S``).
+- **delivery rate**: the data datagrams the receiver reports received (``received`` in
+  each feedback), per second of feedback arrival, over the last ``window`` (a base round
+  trip, at least ``MIN_WINDOW_S``).
+
+It follows one transfer: the host feeds it while a transfer is alone on the link and sets
+it anew whenever the link's transfers change (several transfers' paths, bottlenecks and
+paced rates would need their own accounting: not done).
 
 When the queueing delay exceeds ``QUEUE_DELAY_S`` plus ``QUEUE_RTT_SHARE`` of the base
 round trip *and* the link delivers less than ``SHORTFALL`` of the rate it is paced at
@@ -24,21 +28,20 @@ an outage gives no round-trip samples, so it cuts nothing), at most once per win
 (while the queue holds data the bottleneck's delivery rate does not depend on the
 pacing). Once the queueing delay is back under half that threshold, the cap grows by
 ``PROBE`` per round trip (a sample taken after the last change), and goes once it
-reaches the link rate. Only paths whose base round trip is at most ``MAX_BASE_RTT_S``
-cut the rate (on a longer one the news of a dip comes too late); any path's samples may
-lift a cap, and the last transfer to leave the link takes the cap with it. The two
+reaches the link rate. Only a path whose base round trip is at most ``MAX_BASE_RTT_S`` is
+capped (on a longer one the news of a dip comes too late). The two
 conditions together keep jitter (delay without a shortfall) and random loss (a shortfall
 without delay) from cutting the rate: on a path whose capacity never dips the guard never
 acts, and the transfer is paced exactly as without it (tests/test_queue_guard.py).
 
-The shell (kvtransport.hosts.sender_host.SenderHost) feeds it every feedback its
-sessions take and paces the link at ``min(link rate, cap)``.
+The shell (kvtransport.hosts.sender_host.SenderHost) feeds it every feedback its lone
+session takes and paces the link at ``min(link rate, cap)``.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
-from dataclasses import dataclass, field
 
 QUEUE_DELAY_S = 0.010
 """Queueing delay (beyond the base round trip) always tolerated: jitter of a few ms per
@@ -68,62 +71,51 @@ MIN_WINDOW_S = 0.025
 """Shortest window the delivery rate is measured over (several feedback intervals)."""
 
 
-@dataclass
-class _Path:
-    """What the guard keeps of one transfer: its base round trip, its last ``PERSIST``
-    samples and its last report's ``received`` count."""
-
-    base_rtt: float
-    received: int
-    recent: deque[float] = field(default_factory=lambda: deque(maxlen=PERSIST))
-
-
 class QueueGuard:
-    """The cap on one link's pacing rate (module docstring). ``rate_bps``: the link's
-    nominal wire rate; ``wire_bits``: the bits the link counts per data datagram;
-    ``min_bps``: the lowest cap (the link's rate of one datagram per slot)."""
+    """The cap on one link's pacing rate while one transfer is alone on it (module
+    docstring). ``rate_bps``: the link's nominal wire rate; ``wire_bits``: the bits the link
+    counts per data datagram; ``min_bps``: the lowest cap (the link's rate of one datagram
+    per slot)."""
 
     def __init__(self, rate_bps: float, wire_bits: float, min_bps: float) -> None:
         self.rate_bps = float(rate_bps)
         self.wire_bits = float(wire_bits)
         self.min_bps = float(min_bps)
-        self.cap_bps: float | None = None
         self.cuts = 0  # times the cap was lowered
-        self._paths: dict[int, _Path] = {}
-        self._delivered: deque[tuple[float, int]] = deque()  # (arrival, datagrams newly received)
-        self._changed_at = -1e300
+        self.cap_bps: float | None = None
+        self.reset()
+
+    def reset(self) -> bool:
+        """Forget the path (the link's transfers changed) and lift the cap; returns whether
+        :meth:`pacing_bps` changed."""
+        capped = self.cap_bps is not None
+        self.cap_bps = None
+        self._base = math.inf
+        self._recent: deque[float] = deque(maxlen=PERSIST)
+        self._received: int | None = None
+        self._delivered: deque[tuple[float, int]] = deque()  # (arrival, datagrams new)
+        self._changed_at = -math.inf
+        return capped
 
     def pacing_bps(self) -> float:
         """The rate the link is paced at: its nominal rate, or the cap below it."""
         return self.rate_bps if self.cap_bps is None else min(self.rate_bps, self.cap_bps)
 
-    def forget(self, transfer_id: int) -> bool:
-        """The transfer left the link. The last one to leave takes the cap with it (what it
-        measured may not hold for the next); returns whether :meth:`pacing_bps` changed."""
-        self._paths.pop(transfer_id, None)
-        if self._paths or self.cap_bps is None:
-            return False
-        self.cap_bps = None
-        self._delivered.clear()
-        return True
-
-    def on_feedback(self, transfer_id: int, now: float, rtt_s: float | None, received: int) -> bool:
-        """A feedback of ``transfer_id`` arrived at ``now``: its round-trip sample (None:
-        it echoed nothing new) and the data datagrams its receiver reports received so far.
-        Returns whether :meth:`pacing_bps` changed."""
-        path = self._paths.get(transfer_id)
-        if path is None:
-            path = self._paths[transfer_id] = _Path(rtt_s if rtt_s else 1e300, received)
-            new = 0  # received since when: unknown
-        else:
-            new = max(0, received - path.received)
-            path.received = max(path.received, received)
-        if new:
-            self._delivered.append((now, new))
+    def on_feedback(self, now: float, rtt_s: float | None, received: int) -> bool:
+        """A feedback arrived at ``now``: its round-trip sample (None: it echoed nothing
+        new) and the data datagrams the receiver reports received so far (a restarted
+        receiver counts from zero again). Returns whether :meth:`pacing_bps` changed."""
+        last = self._received
+        self._received = received
+        if last is not None and received > last:
+            self._delivered.append((now, received - last))
         if rtt_s is None or rtt_s <= 0.0:
             return False
-        base = path.base_rtt = min(path.base_rtt, rtt_s)
-        path.recent.append(rtt_s)
+        base = self._base = min(self._base, rtt_s)
+        recent = self._recent
+        recent.append(rtt_s)
+        if len(recent) < PERSIST:
+            return False
         window = max(base, MIN_WINDOW_S)
         cutoff = now - window
         delivered = self._delivered
@@ -131,7 +123,7 @@ class QueueGuard:
             delivered.popleft()  # keep two windows: enough to see one whole
         since = now - self._changed_at
         threshold = QUEUE_DELAY_S + QUEUE_RTT_SHARE * base
-        queue_s = min(path.recent) - base if len(path.recent) == PERSIST else 0.0
+        queue_s = min(recent) - base
         pacing = self.pacing_bps()
         if queue_s > threshold and base <= MAX_BASE_RTT_S:  # (on a long path: too late)
             if since < window or not delivered or delivered[0][0] > cutoff:
@@ -141,7 +133,10 @@ class QueueGuard:
             # uncapped, a clear shortfall; capped, the queue still growing
             if rate >= (SHORTFALL if self.cap_bps is None else GROWING) * pacing:
                 return False
-            self.cap_bps = min(max(DRAIN * rate, self.min_bps), pacing)
+            cap = min(max(DRAIN * rate, self.min_bps), pacing)
+            if cap >= pacing:
+                return False  # at the floor already
+            self.cap_bps = cap
             self.cuts += 1
         elif self.cap_bps is not None and queue_s < 0.5 * threshold and since >= rtt_s:
             cap = self.cap_bps * PROBE

@@ -34,12 +34,15 @@ ended with (``RECEIVER_MEMORY`` receivers) and a new transfer to that receiver s
 its repair from it (status ``prior_loss``).
 
 Queueing. With ``queue_guard`` (the default) the host paces the link at most at what a
-:class:`~kvtransport.hosts.queue_guard.QueueGuard` allows: every feedback a session takes
-tells it the path's queueing delay and delivery rate, and while the path's queue builds
-because its capacity dipped below the link rate, the link is paced below what it
-delivers until the queue drains, then probes back up (host stats ``pacing_mbps``,
-``queue_cuts``). It acts on short paths only (``MAX_BASE_RTT_S``), and on a path whose
-capacity never dips it never acts.
+:class:`~kvtransport.hosts.queue_guard.QueueGuard` allows while a transfer is alone on it:
+every feedback its session takes tells the guard the path's queueing delay and delivery
+rate, and while the path's queue builds because its capacity dipped below the link rate,
+the link is paced below what it delivers until the queue drains, then probes back up
+(host stats ``pacing_mbps``, ``queue_cuts``). It acts on short paths only
+(``MAX_BASE_RTT_S``), and on a path whose capacity never dips it never acts. When a
+transfer joins or leaves, the guard starts over and the cap goes: with several transfers
+on the link it does nothing (their paths and paced rates would need accounting of their
+own).
 
 Admission (:meth:`SenderHost.submit` raises :class:`~kvtransport.errors.UserError` and
 changes nothing): at most ``max_transfers`` in flight, a deadline in
@@ -123,10 +126,11 @@ def alone_on_link(
     queue_guard: bool = True,
 ) -> tuple[SenderHost, Outgoing]:
     """A fresh host with ``transfer`` submitted at time 0, alone on its link (so it paces
-    at ``rate_bps``), releasing datagrams on their slots (no burst lead): how a
-    virtual-clock shell with one transfer runs its sender (the simulator, each transfer
-    of the demo's emulated link). A fresh host per transfer remembers no earlier
-    receiver's loss, so each transfer starts from ``prior_loss`` alone."""
+    at ``rate_bps``, below it while the queue guard caps it), releasing datagrams on their
+    slots (no burst lead): how a virtual-clock shell with one transfer runs its sender (the
+    simulator, each transfer of the demo's emulated link). A fresh host per transfer
+    remembers no earlier receiver's loss, so each transfer starts from ``prior_loss``
+    alone."""
     host = SenderHost(
         rate_bps=rate_bps,
         key=key,
@@ -402,6 +406,7 @@ class SenderHost:
         out = Outgoing(link=member, dest=dest, policy=pol.name, label=label, keep=keep)
         self.active[out.transfer_id] = out
         self.link.join(member)
+        self._guard_anew()
         try:
             self._reschedule(now)  # shares are right from the first status reply on
         except Exception:
@@ -465,8 +470,8 @@ class SenderHost:
         taken = s.stats["feedback_received"]
         s.receive_datagram(data, now)
         guard = self.guard
-        if guard is not None and s.stats["feedback_received"] != taken:
-            if guard.on_feedback(tid, now, s.rtt_sample, s.fb_received):
+        if guard is not None and len(self.active) == 1 and s.stats["feedback_received"] != taken:
+            if guard.on_feedback(now, s.rtt_sample, s.fb_received):
                 self.link.set_link_rate(guard.pacing_bps())
                 self._reschedule(now)
         if s.done:  # the receiver is finished: nothing more to send
@@ -548,8 +553,7 @@ class SenderHost:
         while len(self.finished) > HISTORY:
             self.finished.popitem(last=False)
         self.link.leave(out.transfer_id, out.session.finish_reason or "finished")
-        if self.guard is not None and self.guard.forget(out.transfer_id):
-            self.link.set_link_rate(self.guard.pacing_bps())
+        self._guard_anew()
         if self.active:
             self._replan(now)  # the others share the link anew
         else:
@@ -560,6 +564,11 @@ class SenderHost:
             while len(self.receiver_loss) > RECEIVER_MEMORY:
                 self.receiver_loss.popitem(last=False)
         self._events.append(TransferFinished(out, now))
+
+    def _guard_anew(self) -> None:
+        """The link's transfers changed: the queue guard starts over, its cap gone."""
+        if self.guard is not None and self.guard.reset():
+            self.link.set_link_rate(self.guard.pacing_bps())
 
     def _reschedule(self, now: float) -> None:
         self._replan_at = None

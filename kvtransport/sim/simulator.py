@@ -1,11 +1,12 @@
 """Discrete-event simulator: the real sessions over userspace channels, on a virtual clock.
 
 Nothing here models the protocol: :class:`Simulation` runs the daemons' own sans-I/O hosts,
-a :class:`~kvtransport.hosts.sender_host.SenderHost` with the one transfer alone on its link
-(so it paces at the link rate) and a :class:`~kvtransport.hosts.receiver_host.ReceiverHost`,
-and moves their datagrams through a data-path channel and a feedback-path channel
-(kvtransport.netem: loss, rate limit with queue, delay, jitter), firing their timers at the
-virtual times they ask for. Simulation results are results of the real code.
+a :class:`~kvtransport.hosts.sender_host.SenderHost` with the one transfer alone on its
+link (so it paces at the link rate, below it while the host's queue guard caps it) and a
+:class:`~kvtransport.hosts.receiver_host.ReceiverHost`, and moves their datagrams through a
+data-path channel and a feedback-path channel (kvtransport.netem: loss, rate limit with
+queue, delay, jitter), firing their timers at the virtual times they ask for. Simulation
+results are results of the real code.
 
 The two hosts are endpoints of a kvtransport.sim.virtual_clock.VirtualClockLoop, the event
 loop every virtual-clock shell shares: ties go to deliveries first, then the sender's
