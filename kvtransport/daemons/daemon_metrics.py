@@ -25,6 +25,9 @@ names (all prefixed ``kvtransport_``)::
     active_transfers{role}                   in flight now
     dropped_datagrams_total{role, reason}    datagrams dropped, by reason
     socket_{datagrams,bytes}_{sent,received}_total{role}, control_requests_total{role}
+    pacing_mbps{role="sender"}               the link's pacing rate now (below its rate
+                                             while the queue guard caps it)
+    queue_cuts_total{role="sender"}          times the queue guard lowered it
 """
 
 from __future__ import annotations
@@ -197,6 +200,20 @@ class _LiveCollector:
         for name in SOCKET_COUNTERS:
             c = CounterMetricFamily(f"kvtransport_socket_{name}", f"UDP {name}", labels=["role"])
             c.add_metric([role], sock.get(name, 0))
+            yield c
+        if "pacing_mbps" in stats:  # a sender host (kvtransport.hosts.sender_host)
+            g = GaugeMetricFamily(
+                "kvtransport_pacing_mbps",
+                "the link's pacing rate (below --rate-mbps while the queue guard caps it)",
+                labels=["role"],
+            )
+            g.add_metric([role], stats["pacing_mbps"])
+            yield g
+            c = CounterMetricFamily(
+                "kvtransport_queue_cuts", "times the queue guard lowered the pacing rate",
+                labels=["role"],
+            )  # fmt: skip
+            c.add_metric([role], stats["queue_cuts"])
             yield c
         control = getattr(daemon, "control", None)
         if control is not None:
