@@ -106,6 +106,7 @@ def simulated_utilities() -> np.ndarray:
 def test_daemons_across_ge_heavy_agree_with_the_simulator(tmp_path):
     backend = "netem" if netem_available() else "relay"
     real, results = [], []
+    queue_cuts = None
     # the relay backend shapes with the simulator's own token bucket (robust to the kernel
     # handing the relay frames in bunches on a busy machine; see netem.testbed)
     stalled = []
@@ -152,6 +153,8 @@ def test_daemons_across_ge_heavy_agree_with_the_simulator(tmp_path):
                     continue
                 real.append(res.utility_recovered)
                 results.append((res.stats, sst))
+            # (a host stall the guard took for a queue would pace the runs below the link)
+            queue_cuts = d.sender.stats()["queue_cuts"]
         finally:
             rcs = d.stop()
             teardown(PREFIX)
@@ -171,6 +174,7 @@ def test_daemons_across_ge_heavy_agree_with_the_simulator(tmp_path):
         "idle": [r[1]["idle_polls"] for r in results],
         "lag_ms": [r[1]["max_lag_ms"] for r in results],
         "stalled (utility, lag_ms, start_ms)": stalled,
+        "queue_cuts": queue_cuts,
     }
     print("netns agreement:", diag)
     # the link really was ge-heavy (about 12% loss in bursts), not a clean one

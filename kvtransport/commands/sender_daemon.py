@@ -53,8 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="link-sharing decision period when several transfers run (10)")  # fmt: skip
     p.add_argument("--no-queue-guard", action="store_true",
                    help="pace at --rate-mbps even while the path's queue builds (by default, "
-                   "on paths with a round trip up to 50 ms, the link is paced below what it "
-                   "delivers until a capacity dip's queue drains)")  # fmt: skip
+                   "while one transfer is in flight on a path with a round trip up to 50 ms, "
+                   "the link is paced below what it delivers until a capacity dip's queue "
+                   "drains)")  # fmt: skip
     p.add_argument("--utility-table", metavar="FILE",
                    help="fitted utility curves (from fit-utility) for link sharing")  # fmt: skip
     _common.add_curve(p)

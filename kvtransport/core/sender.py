@@ -222,7 +222,7 @@ class SenderSession:
         self.prior_loss = _check_prior(prior_loss)
         self.srtt: float | None = None
         self.rtt_sample: float | None = None  # the latest feedback's RTT sample (None: none)
-        self.fb_received = 0  # data datagrams the receiver reported received
+        self.fb_data_received = 0  # data datagrams the receiver reported received
         self.stop_time = 0.0  # last moment a datagram can leave and arrive before the deadline
         self._max_span = self._check_span(
             config.max_repair_span if max_repair_span is None else max_repair_span
@@ -731,7 +731,7 @@ class SenderSession:
 
     def _on_feedback(self, fb: Feedback, now: float) -> None:
         self.fb_time = now
-        self.fb_received = fb.received
+        self.fb_data_received = fb.received
         self.rtt_sample = None
         echo = fb.echo_seq
         if echo > self._fb_echo and self._log.holds(echo):

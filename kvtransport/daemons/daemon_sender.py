@@ -222,8 +222,8 @@ class SenderDaemon(DaemonShell):
     (kvtransport.daemons.daemon.StatsWriter). ``config``: the protocol's settings its host
     builds every session with (kvtransport.core.protocol; ``symbol_size`` None is its
     symbol size, a request without ``initial_rtt_ms`` gets its initial RTT, and ``rho``
-    counts its link overhead). ``queue_guard``: the host paces below the link rate while
-    the path's queue builds (kvtransport.hosts.queue_guard).
+    counts its link overhead). ``queue_guard``: while one transfer is in flight, the host
+    paces below the link rate while the path's queue builds (kvtransport.hosts.queue_guard).
     """
 
     role = "sender"

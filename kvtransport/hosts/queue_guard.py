@@ -27,12 +27,15 @@ round trip *and* the link delivers less than ``SHORTFALL`` of the rate it is pac
 an outage gives no round-trip samples, so it cuts nothing), at most once per window
 (while the queue holds data the bottleneck's delivery rate does not depend on the
 pacing). Once the queueing delay is back under half that threshold, the cap grows by
-``PROBE`` per round trip (a sample taken after the last change), and goes once it
-reaches the link rate. Only a path whose base round trip is at most ``MAX_BASE_RTT_S`` is
-capped (on a longer one the news of a dip comes too late). The two
-conditions together keep jitter (delay without a shortfall) and random loss (a shortfall
-without delay) from cutting the rate: on a path whose capacity never dips the guard never
-acts, and the transfer is paced exactly as without it (tests/test_queue_guard.py).
+``PROBE`` per round trip (at most once per round-trip sample's length since the last
+change), and goes once it reaches the link rate. Only a path whose base round trip is at
+most ``MAX_BASE_RTT_S`` is capped (on a longer one the news of a dip comes too late). The
+two conditions together keep jitter (delay without a shortfall) and random loss (a
+shortfall without delay) from cutting the rate: on the simulated paths whose capacity
+never dips that were tested (loss models, jitter, long links, the training distribution)
+it never acted, and the transfer was paced exactly as without it
+(tests/test_queue_guard.py, docs/results.md). A real receiver short of CPU, whose socket
+buffer queues, could look like a dip to it.
 
 The shell (kvtransport.hosts.sender_host.SenderHost) feeds it every feedback its lone
 session takes and paces the link at ``min(link rate, cap)``.

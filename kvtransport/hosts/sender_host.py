@@ -39,7 +39,8 @@ every feedback its session takes tells the guard the path's queueing delay and d
 rate, and while the path's queue builds because its capacity dipped below the link rate,
 the link is paced below what it delivers until the queue drains, then probes back up
 (host stats ``pacing_mbps``, ``queue_cuts``). It acts on short paths only
-(``MAX_BASE_RTT_S``), and on a path whose capacity never dips it never acts. When a
+(``MAX_BASE_RTT_S``), and on the simulated paths whose capacity never dips that were
+tested it never acted (tests/test_queue_guard.py, docs/results.md). When a
 transfer joins or leaves, the guard starts over and the cap goes: with several transfers
 on the link it does nothing (their paths and paced rates would need accounting of their
 own).
@@ -406,7 +407,6 @@ class SenderHost:
         out = Outgoing(link=member, dest=dest, policy=pol.name, label=label, keep=keep)
         self.active[out.transfer_id] = out
         self.link.join(member)
-        self._guard_anew()
         try:
             self._reschedule(now)  # shares are right from the first status reply on
         except Exception:
@@ -414,6 +414,8 @@ class SenderHost:
             self.link.leave(out.transfer_id, "refused")
             self._replan(now)
             raise
+        if self._guard_anew():
+            self._reschedule(now)  # the cap went: share the whole link again
         return out
 
     def cancel(self, transfer_id: int, now: float) -> bool:
@@ -471,7 +473,7 @@ class SenderHost:
         s.receive_datagram(data, now)
         guard = self.guard
         if guard is not None and len(self.active) == 1 and s.stats["feedback_received"] != taken:
-            if guard.on_feedback(now, s.rtt_sample, s.fb_received):
+            if guard.on_feedback(now, s.rtt_sample, s.fb_data_received):
                 self.link.set_link_rate(guard.pacing_bps())
                 self._reschedule(now)
         if s.done:  # the receiver is finished: nothing more to send
@@ -565,10 +567,13 @@ class SenderHost:
                 self.receiver_loss.popitem(last=False)
         self._events.append(TransferFinished(out, now))
 
-    def _guard_anew(self) -> None:
-        """The link's transfers changed: the queue guard starts over, its cap gone."""
+    def _guard_anew(self) -> bool:
+        """The link's transfers changed: the queue guard starts over, its cap gone. Returns
+        whether the link's pacing rate changed."""
         if self.guard is not None and self.guard.reset():
             self.link.set_link_rate(self.guard.pacing_bps())
+            return True
+        return False
 
     def _reschedule(self, now: float) -> None:
         self._replan_at = None
