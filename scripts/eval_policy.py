@@ -58,8 +58,12 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from kvtransport.netem import Profile
 
 SCHEMES = (
     "none", "fixed:4/32", "block-rs:4/32", "arq", "adaptive", "tail-rule", "ddqn", "oracle"
@@ -121,7 +125,7 @@ def cell_key(channel: str, rho: float, delay_ms: float | None = None) -> str:
 
 
 def run_cell(
-    channel,
+    channel: str | Profile,
     rho: float,
     schemes,
     n: int,

@@ -101,13 +101,14 @@ class QueueGuard:
         return capped
 
     def pacing_bps(self) -> float:
-        """The rate the link is paced at: its nominal rate, or the cap below it."""
-        return self.rate_bps if self.cap_bps is None else min(self.rate_bps, self.cap_bps)
+        """The rate the link is paced at: its nominal rate, or the cap (always below it)."""
+        return self.rate_bps if self.cap_bps is None else self.cap_bps
 
     def on_feedback(self, now: float, rtt_s: float | None, received: int) -> bool:
         """A feedback arrived at ``now``: its round-trip sample (None: it echoed nothing
         new) and the data datagrams the receiver reports received so far (a restarted
-        receiver counts from zero again). Returns whether :meth:`pacing_bps` changed."""
+        receiver counts from zero again). Returns whether :meth:`pacing_bps` changed (a cut
+        lowers it, a probe raises it or lifts the cap)."""
         last = self._received
         self._received = received
         if last is not None and received > last:
@@ -147,4 +148,4 @@ class QueueGuard:
         else:
             return False
         self._changed_at = now
-        return self.pacing_bps() != pacing
+        return True
