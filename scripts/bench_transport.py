@@ -643,7 +643,9 @@ def main() -> int:
         "(ReceiverSession.source_runs), interleaved",
     )
     p.add_argument("--quick", action="store_true", help="small smoke run")
-    p.add_argument("--out", default=str(ROOT / "results" / "bench_transport.json"))
+    p.add_argument("--out", default=str(ROOT / "results" / "bench_transport.json"),
+                   help="the JSON file to write, or a folder to write bench_transport.json "
+                   "in (default results/bench_transport.json)")  # fmt: skip
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     p.add_argument("--policy", default="fixed:1/16", help=argparse.SUPPRESS)
     p.add_argument("--auth", action="store_true", help=argparse.SUPPRESS)
@@ -659,6 +661,9 @@ def main() -> int:
         args.packets, args.repeats, args.goodput_mb, args.rounds = 4000, 1, 8.0, 1
     if not 0.0 <= args.loss_pct < 100.0:
         p.error(f"--loss-pct must be in [0, 100), got {args.loss_pct:g}")
+    out = Path(args.out)
+    if out.is_dir() or not out.suffix:  # a folder, as bench_codec.py's --out
+        out = out / "bench_transport.json"
     names = [c[0] for c in CONFIGS]
     args.configs = args.configs.split(",")
     if unknown := [c for c in args.configs if c not in names]:
@@ -690,7 +695,6 @@ def main() -> int:
         },
         "args": {k: v for k, v in vars(args).items() if k not in ("role", "port")},
     }
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(_table(pp, sock, gp))
