@@ -70,6 +70,22 @@ def test_a_stall_in_a_loss_burst_is_not_a_queue():
     assert set(paced) == {RATE} and g.cuts == 0
 
 
+def test_reports_that_stall_are_not_a_rate():
+    """A full queue drains at the full rate (its round trips 100 ms long), and the host
+    stalls: no report for 20 ms, and the one after it counts 9 datagrams for that time
+    (seen on the netns testbed as a rate step took effect). Two reports in a window say
+    nothing of the link's rate: no cut (before: a cut to 7 Mbit/s, and a transfer 0.08
+    of utility down)."""
+    g = _guard()
+    t, got, _ = _feed(g, 0.0, 25, lambda t: BASE, lambda t: RATE)
+    t, got, paced = _feed(g, t, 10, lambda s: BASE + 0.1, lambda s: RATE, received=got)
+    t, got = t + 5 * STEP, got + 9  # the stall: no report, 9 datagrams counted
+    g.on_feedback(t, BASE + 0.1, got)
+    paced.append(g.pacing_bps())
+    _, _, after = _feed(g, t, 10, lambda s: BASE + 0.1, lambda s: RATE, received=got)
+    assert set(paced + after) == {RATE} and g.cuts == 0
+
+
 def test_an_outage_is_not_a_rate():
     g = _guard()
     t, got, _ = _feed(g, 0.0, 20, lambda t: BASE, lambda t: RATE)

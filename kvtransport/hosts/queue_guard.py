@@ -14,7 +14,11 @@ repair can give back what a sender pacing above capacity throws away.
   (the path's base round trip);
 - **delivery rate**: the data datagrams the receiver reports received (``received`` in
   each feedback), per second of feedback arrival, over the last ``window`` (a base round
-  trip, at least ``MIN_WINDOW_S``).
+  trip, at least ``MIN_WINDOW_S``), read only from a window whose reports came without a
+  stall (``_stalled``: a gap between them over ``STALL`` times their median, as when a
+  host hiccups, says nothing of the link; on the netns testbed one such window read 8
+  Mbit/s on a link draining its queue at 100, and the cut cost that transfer 0.08 of its
+  utility).
 
 It follows one transfer: the host feeds it while a transfer is alone on the link and sets
 it anew whenever the link's transfers change (several transfers' paths, bottlenecks and
@@ -46,6 +50,8 @@ from __future__ import annotations
 import math
 from collections import deque
 
+import numpy as np
+
 QUEUE_DELAY_S = 0.010
 """Queueing delay (beyond the base round trip) always tolerated: jitter of a few ms per
 direction on a healthy path stays under it."""
@@ -69,9 +75,25 @@ held-out rate-dip channel (a 0.2 s dip) at 40 and 80 ms one way its first cut ca
 the dip and held the link below its restored rate to the deadline, costing utility-ordered
 streams up to 0.017 (docs/results.md)."""
 PERSIST = 3
-"""Round-trip samples in a row the queueing delay must show (about 12 ms of reports)."""
+"""Round-trip samples in a row the queueing delay must show (about 12 ms of reports), and
+the fewest reports a delivery-rate window must hold."""
 MIN_WINDOW_S = 0.025
 """Shortest window the delivery rate is measured over (several feedback intervals)."""
+STALL = 3.0
+"""A gap between two delivery reports this many times their median gap in the window (or
+more) is a stall: the window's rate is not read. Two reports lost in a row (a gap three
+times the usual) are not one; a 20 ms silence among 4 ms reports is."""
+
+
+def _stalled(delivered: deque[tuple[float, int]], cutoff: float) -> bool:
+    """Whether the delivery reports after ``cutoff`` (with the last one before it, which
+    starts the first gap) are fewer than ``PERSIST`` or came with a stall (``STALL``)."""
+    times = [t for t, _ in delivered]
+    first = next((i for i, t in enumerate(times) if t > cutoff), len(times))
+    if len(times) - first < PERSIST:
+        return True
+    gaps = np.diff(times[max(first - 1, 0) :])
+    return bool(gaps.max() > STALL * float(np.median(gaps)))
 
 
 class QueueGuard:
@@ -132,6 +154,8 @@ class QueueGuard:
         if queue_s > threshold and base <= MAX_BASE_RTT_S:  # (on a long path: too late)
             if since < window or not delivered or delivered[0][0] > cutoff:
                 return False  # no whole window of reports since the last change
+            if _stalled(delivered, cutoff):
+                return False  # the reports stalled (a host's hiccup): no rate to read
             got = sum(n for t, n in delivered if t > cutoff)
             rate = got * self.wire_bits / window
             # uncapped, a clear shortfall; capped, the queue still growing
