@@ -13,7 +13,7 @@ ge-heavy, 4state-bursty); users add their own in a TOML or JSON file of the same
     jitter_distribution = "normal"     # "uniform" (netem's default) or "normal"
     queue_bytes = 300000               # default: 50 ms at the rate
     burst_bytes = 15000                # default: 1 ms at the rate, at least 2 frames
-    rate_steps = "0.2:10, 0.6:50"      # the rate from set times on (s:Mbit/s; simulator only)
+    rate_steps = "0.2:10, 0.6:50"      # the rate from set times on (s:Mbit/s; see below)
 
     [profiles.office-trace]
     trace = "office.csv.gz"            # relative to the profile file; see docs/traces.md
@@ -102,7 +102,9 @@ class Profile:
     rate_steps: tuple[tuple[float, float], ...] = ()
     """(from_s, rate_mbps): the link's rate from ``from_s`` seconds of channel time on
     (times increasing); ``rate_mbps`` before the first. The queue and burst stay in bytes.
-    Only the simulator's channel changes rate: the testbed refuses such a profile."""
+    The simulator's channel steps at channel time; the testbed shapes at ``rate_mbps``
+    and plays the steps when told to (kvtransport.netem.testbed.RateSteps, from the moment
+    a transfer starts)."""
 
     def __post_init__(self) -> None:
         if not self.rate_mbps > 0:  # math.inf: no rate limit (see reverse_profile)
@@ -243,14 +245,9 @@ class Profile:
         """tc-tbf arguments (rate, burst, limit in bytes) of the rate limiter."""
         if not self.rate_limited:
             raise ProfileError(f"profile {self.name}: no rate limit, so no tbf")
-        return [
-            "rate",
-            _rate_arg(self.rate_mbps),
-            "burst",
-            str(self.effective_burst_bytes()),
-            "limit",
-            str(self.effective_queue_bytes()),
-        ]
+        return tbf_arguments(
+            self.rate_mbps, self.effective_burst_bytes(), self.effective_queue_bytes()
+        )
 
     def describe(self) -> str:
         """One line: name, loss model and its analytic loss rate, rate, delay."""
@@ -291,6 +288,11 @@ class Profile:
             np.random.default_rng(delay_ss),
         )
         return loss, delay
+
+
+def tbf_arguments(rate_mbps: float, burst_bytes: int, limit_bytes: int) -> list[str]:
+    """tc-tbf arguments for a rate, a bucket depth and a queue limit (both in bytes)."""
+    return ["rate", _rate_arg(rate_mbps), "burst", str(burst_bytes), "limit", str(limit_bytes)]
 
 
 def _rate_arg(rate_mbps: float) -> str:

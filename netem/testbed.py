@@ -36,6 +36,12 @@ Caveat of the netem backend: the netem qdisc sits before that segmentation and d
 keeps a whole UDP GSO batch as ONE packet; senders that want per-datagram loss under
 kernel netem should not use UDP GSO (TCP is fine).
 
+Rate changes: ``set_rate(prefix, mbit_s)`` (``Testbed.set_rate``, ``kvtransport netem
+rate``) changes the data direction's kernel tbf rate now, its burst and queue limit in
+bytes kept; ``Testbed.play_rate_steps()`` plays a profile's ``rate_steps`` from the moment
+it is called (a link whose capacity dips during a transfer). The relay's own token bucket
+(``shaper="relay"``) keeps one rate.
+
 API: ``Testbed(profile, ...).up()`` / ``with Testbed(...) as tb:`` / ``tb.run("snd", argv)``
 / ``tb.popen("rcv", argv)``; ``teardown(prefix)`` and ``status(prefix)`` work from the
 state directory ``/run/kvtransport/netem/PREFIX`` so the CLI can manage what another
@@ -48,6 +54,7 @@ import contextlib
 import ctypes
 import fcntl
 import json
+import math
 import os
 import re
 import shutil
@@ -55,18 +62,20 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from kvtransport.netem.profiles import Profile, load_profile
+from kvtransport.netem.profiles import Profile, load_profile, tbf_arguments
 
 from kvtransport.errors import UserError
 
 __all__ = [
     "SND_ADDR",
     "RCV_ADDR",
+    "RateSteps",
     "DEFAULT_PREFIX",
     "STATE_ROOT",
     "Testbed",
@@ -76,6 +85,7 @@ __all__ = [
     "netem_available",
     "netns_exec",
     "netns_socket",
+    "set_rate",
     "status",
     "teardown",
 ]
@@ -400,6 +410,102 @@ def status(prefix: str = DEFAULT_PREFIX) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------
+# changing the rate of a testbed that is up
+# ---------------------------------------------------------------------------
+
+
+def set_rate(prefix: str, rate_mbps: float) -> None:
+    """Change the rate limit of a testbed's data direction (snd -> rcv) now: ``tc qdisc
+    change`` on its kernel tbf, with the profile's burst and queue limit in bytes kept, as
+    the simulator's channel keeps them across a rate step. The feedback direction keeps
+    its rate. Raises a one-line TestbedError when nothing is up under ``prefix`` or the
+    relay's own token bucket shapes it (it keeps the profile's rate)."""
+    _check_prefix(prefix)
+    if not (rate_mbps > 0 and math.isfinite(rate_mbps)):
+        raise TestbedError(f"the rate must be a positive number of Mbit/s, not {rate_mbps}")
+    state = _read_json(_state_dir(prefix) / "state.json")
+    if not state:
+        raise TestbedError(f"no testbed is up with prefix {prefix}")
+    tbf = state.get("data_tbf")
+    if not tbf:
+        raise TestbedError(
+            f"testbed {prefix} is shaped by the relay's own token bucket, which keeps the "
+            "profile's rate; bring it up with the tbf shaper (the default) to change it"
+        )
+    args = tbf_arguments(rate_mbps, int(tbf["burst_bytes"]), int(tbf["limit_bytes"]))
+    _run(
+        ["tc", "-n", tbf["ns"], "qdisc", "change", "dev", tbf["dev"], *tbf["attach"], "tbf", *args]
+    )
+
+
+class RateSteps:
+    """Plays rate steps (``Profile.rate_steps``: from ``t`` seconds on, ``r`` Mbit/s) on a
+    testbed, timed from the moment it is built, on a thread of its own, as the simulator's
+    channel steps from its time 0: build it when the transfer starts. ``applied`` lists
+    ``(planned_s, applied_s, rate_mbps)`` per step taken (``applied_s`` when ``tc``
+    returned, a few milliseconds late). ``stop()`` skips the steps not yet due and sets
+    ``base_mbps`` again; ``wait()`` lets every step play. A step that fails ends the
+    playing; ``wait()`` and ``stop()`` then raise its TestbedError.
+
+    ``priority``: the playing thread's SCHED_FIFO priority (1..99; its ``tc`` calls inherit
+    it), or None for ordinary scheduling. Give it one above real-time daemons that share
+    its cores: below them, a busy sender delays the steps by the whole transfer."""
+
+    def __init__(
+        self,
+        prefix: str,
+        steps: tuple[tuple[float, float], ...],
+        base_mbps: float,
+        priority: int | None = None,
+    ) -> None:
+        if priority is not None and not 1 <= priority <= 99:
+            raise TestbedError(f"rate steps' priority must be 1..99, not {priority}")
+        self.prefix = prefix
+        self.priority = priority
+        self.steps = tuple((float(t), float(r)) for t, r in steps)
+        self.base_mbps = float(base_mbps)
+        self.applied: list[tuple[float, float, float]] = []
+        self._error: TestbedError | None = None
+        self._cancel = threading.Event()
+        self._start = time.monotonic()
+        self._thread = threading.Thread(target=self._play, name="rate-steps", daemon=True)
+        self._thread.start()
+
+    def _play(self) -> None:
+        if self.priority is not None:
+            try:  # pid 0: this thread only
+                os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(self.priority))
+            except OSError as e:
+                self._error = TestbedError(f"rate steps cannot run at real-time priority: {e}")
+                return
+        for planned, rate in self.steps:
+            if self._cancel.wait(max(0.0, self._start + planned - time.monotonic())):
+                return
+            try:
+                set_rate(self.prefix, rate)
+            except TestbedError as e:
+                self._error = e
+                return
+            self.applied.append((planned, time.monotonic() - self._start, rate))
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Return once every step is played (TestbedError if one failed or time ran out)."""
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise TestbedError(f"rate steps still playing after {timeout_s} s")
+        if self._error is not None:
+            raise self._error
+
+    def stop(self) -> None:
+        """Skip the steps not yet due and set the base rate again."""
+        self._cancel.set()
+        self._thread.join()
+        set_rate(self.prefix, self.base_mbps)
+        if self._error is not None:
+            raise self._error
+
+
+# ---------------------------------------------------------------------------
 # the testbed
 # ---------------------------------------------------------------------------
 
@@ -445,10 +551,10 @@ class Testbed:
             raise TestbedError(f"relay priority must be 0..99, not {relay_priority}")
         _check_prefix(prefix)
         self.profile = load_profile(profile, profiles_file).with_overrides(rate_mbps, delay_ms)
-        if self.profile.rate_steps:
+        if self.profile.rate_steps and shaper == "relay":
             raise TestbedError(
                 f"profile {self.profile.name} changes its rate at set times (rate_steps), "
-                "which only the simulator models; the testbed's shapers keep one rate"
+                "which the relay's own token bucket cannot; use the tbf shaper (the default)"
             )
         self.requested_backend = backend
         self.backend: str | None = None
@@ -608,9 +714,36 @@ class Testbed:
             "addresses": {"snd": SND_ADDR, "rcv": RCV_ADDR},
             "relay_pid": relay_pid,
             "shaped": shaped,
+            "data_tbf": self._data_tbf(backend),
+            "rate_steps": [list(step) for step in self.profile.rate_steps],
             "created_unix": time.time(),
         }
         (self.state_dir / "state.json").write_text(json.dumps(state, indent=1))
+
+    def _data_tbf(self, backend: str) -> dict[str, Any] | None:
+        """Where the data direction's kernel tbf sits and its byte limits (None: the relay
+        shapes), recorded so that ``set_rate`` can change its rate from any process."""
+        if backend == "relay" and self.shaper == "relay":
+            return None
+        if backend == "netem":
+            ns, dev, attach = self.snd_ns, IF_SND, ["parent", "1:1", "handle", "10:"]
+        else:
+            ns, dev, attach = self.mid_ns, IF_MID_RCV, ["root", "handle", "1:"]
+        return {
+            "ns": ns,
+            "dev": dev,
+            "attach": attach,
+            "burst_bytes": self.profile.effective_burst_bytes(),
+            "limit_bytes": self.profile.effective_queue_bytes(),
+        }
+
+    def set_rate(self, rate_mbps: float) -> None:
+        """Change the data direction's rate limit now (see :func:`set_rate`)."""
+        set_rate(self.prefix, rate_mbps)
+
+    def play_rate_steps(self, priority: int | None = None) -> RateSteps:
+        """Start playing the profile's ``rate_steps`` from now (see :class:`RateSteps`)."""
+        return RateSteps(self.prefix, self.profile.rate_steps, self.profile.rate_mbps, priority)
 
     def down(self) -> list[str]:
         """Remove everything this testbed (or a previous one with its prefix) created."""

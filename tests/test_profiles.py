@@ -236,10 +236,11 @@ def test_reverse_profiles_match_the_testbed_feedback_path(tmp_path):
         p.reverse_profile("half")
 
 
-def test_rate_steps_round_trip_and_the_testbed_refuses_them(tmp_path):
+def test_rate_steps_round_trip_and_need_a_shaper_that_can_change_rate(tmp_path):
     """A profile whose rate changes at set times: read from a file, described, written
-    back; the testbed (one rate per shaper) refuses it in one line, before touching
-    anything."""
+    back; the testbed takes it with kernel tbf (it plays the steps with tc) and refuses it
+    in one line, before touching anything, with the relay's own token bucket (one
+    rate)."""
     from kvtransport.netem.testbed import Testbed, TestbedError
 
     f = tmp_path / "p.toml"
@@ -250,9 +251,10 @@ def test_rate_steps_round_trip_and_the_testbed_refuses_them(tmp_path):
     again = load_profiles_file_from_mapping(p)
     assert again.rate_steps == p.rate_steps and again.loss == p.loss
     assert make_channel(p, 0).rate_bps == 50e6  # the base rate before the first step
-    with pytest.raises(TestbedError, match="only the simulator models") as err:
-        Testbed(p, prefix="kvtq")
+    with pytest.raises(TestbedError, match="relay's own token bucket cannot") as err:
+        Testbed(p, prefix="kvtq", shaper="relay")
     assert "\n" not in str(err.value)
+    assert Testbed(p, prefix="kvtq").profile.rate_steps == p.rate_steps  # tbf: taken
 
 
 def load_profiles_file_from_mapping(p):

@@ -261,15 +261,21 @@ MAX_BLAST_ATTEMPTS = 4
 
 @netns
 @pytest.mark.netns
-@pytest.mark.parametrize("shaper", ["tbf", "relay"])
-def test_rate_limit_holds_when_blasting(clean_prefix, shaper):
+@pytest.mark.parametrize(("shaper", "set_later"), [("tbf", False), ("relay", False), ("tbf", True)])
+def test_rate_limit_holds_when_blasting(clean_prefix, shaper, set_later):
     # The claim needs a sender that really offers twice the rate. A probe the host
     # descheduled resumes at its rate without catching up, so it offered less and the
     # link idled meanwhile (seen on this 2-core VM: 47 instead of 60 Mbit/s offered, 27
     # Mbit/s through): such a run is not a sample of the experiment and is run again.
+    # set_later: the link comes up at 90 Mbit/s and set_rate changes it to 30, with the
+    # queue limit of 90 Mbit/s (50 ms there: about 150 ms at 30)
     starved = []
     for _ in range(MAX_BLAST_ATTEMPTS):
-        with Testbed("clean", rate_mbps=30, prefix=PREFIX, shaper=shaper) as tb:
+        with Testbed(
+            "clean", rate_mbps=90 if set_later else 30, prefix=PREFIX, shaper=shaper
+        ) as tb:
+            if set_later:
+                tb.set_rate(30)
             r = tb.measure_udp(rate_mbps=60, count=8000)
             drops = tb.queue_drops()
         if r["sender"]["offered_mbps"] >= 0.95 * 60:
@@ -280,8 +286,10 @@ def test_rate_limit_holds_when_blasting(clean_prefix, shaper):
     assert r["throughput_wire_mbps"] == pytest.approx(30, rel=0.05), (r, starved)
     assert r["received"] + drops == r["sent"]
     assert drops > 0.4 * r["sent"]
-    # the queue is 50 ms at the rate: a full queue adds ~50 ms to the 5 ms delay
-    assert 50 < r["owd_ms"]["median"] < 60, r["owd_ms"]
+    # the queue is 50 ms at the rate it was set up with: a full queue adds ~50 ms to the
+    # 5 ms delay, or 150 ms once the rate is a third of that
+    queue_ms = 150 if set_later else 50
+    assert queue_ms < r["owd_ms"]["median"] < queue_ms + 10, r["owd_ms"]
 
 
 @netns
@@ -355,9 +363,24 @@ def test_cli_up_status_down(clean_prefix):
     again = cli("up", "--profile", "clean")
     assert again.returncode == 2 and "already up" in again.stderr
     assert "Traceback" not in again.stderr and len(again.stderr.strip().splitlines()) == 1
+    rate = cli("rate", "20")
+    assert rate.returncode == 0 and "20 Mbit/s" in rate.stdout, rate.stderr
+    assert "rate 20Mbit" in cli("status").stdout
+    for argv, why in ((("rate", "--steps"), "no rate steps"), (("rate",), "either a rate")):
+        bad = cli(*argv)
+        assert bad.returncode == 2 and why in bad.stderr, bad.stderr
+        assert "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
     down = cli("down")
     assert down.returncode == 0 and "removed" in down.stdout
     assert cli("down").stdout.strip() == "netem down: nothing up"
+    gone = cli("rate", "20")
+    assert gone.returncode == 2 and "no testbed is up" in gone.stderr, gone.stderr
+    # the relay's own token bucket keeps one rate: said in one line, at up and at rate
+    relay = cli("up", "--profile", "clean", "--backend", "relay", "--shaper", "relay")
+    assert relay.returncode == 0, relay.stderr
+    fixed = cli("rate", "20")
+    assert fixed.returncode == 2 and "keeps the profile's rate" in fixed.stderr, fixed.stderr
+    assert cli("down").returncode == 0
 
 
 @pytest.mark.skipif(

@@ -31,6 +31,10 @@ and jitter with the simulator's own loss models, and kernel tbf limits the rate.
   kvtransport netem status
   kvtransport netem down
 
+A link whose capacity changes: `kvtransport netem rate 25` sets the data direction's rate
+to 25 Mbit/s now; `kvtransport netem rate --steps` plays the profile's rate_steps (as the
+simulator does from a transfer's start) from the moment it runs.
+
 Other commands: `profiles` lists the profiles with their expected loss and tc arguments;
 `trace-from-irtt` converts an irtt JSON measurement into a replayable trace.
 """
@@ -104,6 +108,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     st.add_argument("--json", action="store_true", help="print one JSON object")
     _prefix(st)
 
+    rt = sub.add_parser(
+        "rate",
+        help="change the link's rate now, or play the profile's rate steps",
+        description="Change the rate limit of the data direction (sender to receiver) of a "
+        "testbed that is up: kernel tbf's rate, its burst and queue limit in bytes kept "
+        "(the feedback direction keeps its rate). With --steps, play the profile's "
+        "rate_steps from now, in the foreground (start it with the transfer; Ctrl-C sets "
+        "the profile's rate again). Not with --shaper relay, whose token bucket keeps one "
+        "rate.",
+    )
+    rt.add_argument(
+        "rate_mbps",
+        nargs="?",
+        type=float_arg(0, 1e6, lo_open=True),
+        metavar="MBIT_S",
+        help="the new rate in Mbit/s",
+    )
+    rt.add_argument(
+        "--steps", action="store_true", help="play the profile's rate_steps from now instead"
+    )
+    _prefix(rt)
+
     pr = sub.add_parser(
         "profiles",
         help="list the profiles",
@@ -173,11 +199,19 @@ def run(args: argparse.Namespace) -> int:
         shaper = "netem + tbf" if bed.backend == "netem" else f"relay, rate limit by {bed.shaper}"
         print(f"  shaping  {shaper}; reverse direction: {args.reverse}")
         print(f"  use      ip netns exec {bed.snd_ns} COMMAND   (and {bed.rcv_ns})")
+        if bed.profile.rate_steps:
+            steps = ", ".join(f"{r:g} Mbit/s at {t:g} s" for t, r in bed.profile.rate_steps)
+            print(
+                f"  rate     {bed.profile.rate_mbps:g} Mbit/s now; its steps ({steps}) play "
+                f"when you run `kvtransport netem rate --steps{bed._prefix_flag()}`"
+            )
         return 0
     if args.action == "down":
         removed = tb.teardown(args.prefix)
         print("netem down: removed " + ", ".join(removed) if removed else "netem down: nothing up")
         return 0
+    if args.action == "rate":
+        return _rate(args)
     if args.action == "status":
         st = tb.status(args.prefix)
         if args.json:
@@ -186,6 +220,33 @@ def run(args: argparse.Namespace) -> int:
         _print_status(st)
         return 0
     raise UserError(f"unknown action {args.action}")
+
+
+def _rate(args: argparse.Namespace) -> int:
+    from kvtransport.netem import testbed as tb
+
+    if (args.rate_mbps is None) == (not args.steps):
+        raise UserError("netem rate: give either a rate in Mbit/s or --steps")
+    if args.rate_mbps is not None:
+        tb.set_rate(args.prefix, args.rate_mbps)
+        print(f"netem rate: {args.rate_mbps:g} Mbit/s from now (data direction)")
+        return 0
+    state = tb.status(args.prefix).get("state") or {}
+    steps = tuple((float(t), float(r)) for t, r in state.get("rate_steps", []))
+    if not steps:
+        raise UserError(
+            f"netem rate: the testbed's profile ({state.get('profile')}) has no rate steps"
+        )
+    player = tb.RateSteps(args.prefix, steps, float(state["rate_mbps"]))
+    try:
+        player.wait()
+    except KeyboardInterrupt:
+        player.stop()
+        print(f"netem rate: stopped; {state['rate_mbps']:g} Mbit/s again")
+        return 130
+    for planned, at, rate in player.applied:
+        print(f"netem rate: {rate:g} Mbit/s at {at:.3f} s (planned {planned:g} s)")
+    return 0
 
 
 def _print_status(st: dict) -> None:

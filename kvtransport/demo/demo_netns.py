@@ -21,10 +21,13 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtransport.demo.demo_links import INITIAL_RTT_S, PROFILE, Link, LinkOutcome, TransferRequest
 from kvtransport.errors import UserError
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from kvtransport.netem.profiles import Profile
 
 RECEIVER_PORT = 9400
 TCP_PORT = 9401  # the TCP baseline's receiver (kvtransport.demo.tcp_baseline)
@@ -42,16 +45,29 @@ class NetnsLink(Link):
     to this process (prefix from the pid) and removed by :meth:`close`; the daemons'
     control and result sockets are ipc:// files in a private temporary directory, so
     nothing collides with other runs, and a key made for this run (a 0600 file in that
-    directory) seals their datagrams.
+    directory) seals their datagrams. ``shaper``: the testbed's rate limiter (the relay's
+    token bucket by default; "tbf" where the rate must change, kvtransport.netem.testbed);
+    ``sender_args``: more options for the sender daemon (``--no-queue-guard``).
     """
 
     name = "netns"
 
-    def __init__(self, seed: int, profile: str = PROFILE, policies: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        seed: int,
+        profile: str | Profile = PROFILE,
+        policies: tuple[str, ...] = (),
+        *,
+        shaper: str = "relay",
+        sender_args: tuple[str, ...] = (),
+    ) -> None:
         from kvtransport.core.keys import generate_key_file
         from kvtransport.netem.testbed import RCV_ADDR, Testbed
 
         self.policies = policies
+        self.on_submitted: Callable[[], object] | None = None
+        """Called once the sender daemon has accepted a transfer (its first datagrams are
+        leaving): a testbed's rate steps start there (``tb.play_rate_steps``)."""
         self.dir = Path(tempfile.mkdtemp(prefix="kvt-demo-"))
         self.procs: dict[str, subprocess.Popen] = {}
         self.clients: list[Any] = []
@@ -61,7 +77,7 @@ class NetnsLink(Link):
         self.dest = f"{RCV_ADDR}:{RECEIVER_PORT}"
         key_file = self.dir / "key"
         generate_key_file(key_file)  # per run: the demo's fixed transfer ids never meet a key twice
-        self.tb = Testbed(profile, prefix=f"kvd{os.getpid() % 100000}", seed=seed, shaper="relay")
+        self.tb = Testbed(profile, prefix=f"kvd{os.getpid() % 100000}", seed=seed, shaper=shaper)
         self.tb.up()
         try:
             cli = [sys.executable, "-m", "kvtransport"]
@@ -72,7 +88,8 @@ class NetnsLink(Link):
             # kernel netem drops or keeps a UDP GSO batch whole: one datagram per send there
             gso = ["--no-gso"] if self.tb.backend == "netem" else []
             self._spawn("sender", "snd", [*cli, "sender-daemon", "--control", ep["sender"],
-                        "--rate-mbps", f"{self.tb.profile.rate_mbps:g}", *rt, *gso])  # fmt: skip
+                        "--rate-mbps", f"{self.tb.profile.rate_mbps:g}", *rt, *gso,
+                        *sender_args])  # fmt: skip
         except BaseException:
             self.close()
             raise
@@ -151,6 +168,8 @@ class NetnsLink(Link):
             initial_rtt_ms=INITIAL_RTT_S * 1e3,
             label=f"demo {req.policy}",
         )
+        if self.on_submitted is not None:
+            self.on_submitted()
         res = self._wait_result(tid, t0, req.deadline_s, req.progress)
         transfer_s = time.perf_counter() - t0
         st = self.sender.wait(tid, timeout_s=10)
