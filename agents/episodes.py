@@ -350,18 +350,36 @@ def _loss_point(loss: LossSpec) -> tuple[float, float]:
 _EVAL_POINTS: list[tuple[float, float]] | None = None
 
 
-def near_eval_channel(loss: LossSpec, factor: float = EXCLUDE_FACTOR) -> bool:
-    """True if ``loss`` is within ``factor`` of an evaluation channel in both stationary
-    loss and mean burst length (such draws are kept out of training)."""
+def near_eval_channel(
+    loss: LossSpec,
+    factor: float = EXCLUDE_FACTOR,
+    more: tuple[tuple[float, float], ...] = (),
+) -> bool:
+    """True if ``loss`` is within ``factor`` of an evaluation channel (or of a point of
+    ``more``: (stationary loss, mean burst length)) in both stationary loss and mean burst
+    length (such draws are kept out of training)."""
     global _EVAL_POINTS
     if _EVAL_POINTS is None:
         _EVAL_POINTS = [_loss_point(load_profile(n).loss) for n in EVAL_CHANNELS]
     p, b = _loss_point(loss)
     lf = math.log(factor)
-    for pe, be in _EVAL_POINTS:
+    for pe, be in (*_EVAL_POINTS, *more):
         if abs(math.log(max(p, 1e-9) / pe)) < lf and abs(math.log(b / be)) < lf:
             return True
     return False
+
+
+@lru_cache(maxsize=8)
+def profile_loss_points(path: str) -> tuple[tuple[float, float], ...]:
+    """(stationary loss, mean burst length) of every lossy channel of a profiles file."""
+    from kvtransport.netem.profiles import load_profiles_file
+
+    points = []
+    for prof in load_profiles_file(path).values():
+        loss = prof.loss
+        if loss.stationary_loss() > 0:
+            points.append(_loss_point(loss))
+    return tuple(points)
 
 
 def _log_uniform(rng: np.random.Generator, lo: float, hi: float) -> float:
@@ -406,11 +424,19 @@ class EpisodeDistribution:
     measured_split: str = "train"
     handoff_share: float = 0.0
     """Share of the episodes that are handoff streams (0: none, and no extra draws)."""
+    exclude_profiles: tuple[str, ...] = ()
+    """Profiles files (netem/data/held-out.toml) whose channels' neighbourhoods are kept
+    out of the loss draws too, as the evaluation channels' are (with ``held_out``): a
+    range widened towards a held-out channel's family still leaves its cells unseen."""
     handoff_rho_range: tuple[float, float] = (0.95, 1.1)
     handoff_tokens: tuple[int, int] = HANDOFF_TOKENS
 
     def __post_init__(self) -> None:
         self.trace_files = tuple(str(t) for t in self.trace_files)
+        self.exclude_profiles = tuple(str(f) for f in self.exclude_profiles)
+        self._excluded = tuple(
+            pt for f in self.exclude_profiles for pt in profile_loss_points(f)
+        )  # a bad file fails here, with the profile reader's one-line error
         for t in self.trace_files:
             read_trace(t)  # a bad file fails here, with the trace reader's one-line error
         self._n_measured = len(load_profiles(self.measured_split))
@@ -434,7 +460,7 @@ class EpisodeDistribution:
                 )
             else:
                 loss = Bernoulli(_log_uniform(rng, *self.bernoulli_range))
-            if not (self.held_out and near_eval_channel(loss)):
+            if not (self.held_out and near_eval_channel(loss, more=self._excluded)):
                 return loss
         raise RuntimeError("could not draw a loss model outside the held-out neighbourhoods")
 

@@ -226,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
         profile = load_profile(args.profile, args.profiles)
     except ProfileError as e:
         p.error(str(e))
+    from kvtransport.core.policy import make_policy
+
+    make_policy(args.policy)  # an unknown name: its one-line error, before any testbed
     if not profile.rate_steps:
         p.error(f"profile {profile.name} has no rate_steps: the guard has no dip to answer")
     out = Path(args.out)

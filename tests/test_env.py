@@ -1,5 +1,7 @@
 """The repair-scheduling Gymnasium environment: API, reward = utility, episode distribution."""
 
+from pathlib import Path
+
 import gymnasium as gym
 import kvtransport.agents  # noqa: F401  (registers the environment)
 import numpy as np
@@ -17,7 +19,8 @@ from kvtransport.agents.episodes import (
     spec_deadline,
     spec_transfer,
 )
-from kvtransport.netem import SAMPLE_TRACE, Bernoulli, FourState, load_profile
+from kvtransport.netem import SAMPLE_TRACE, Bernoulli, FourState, GilbertElliott, load_profile
+from kvtransport.netem.profiles import ProfileError
 
 from kvtransport.core.policy import ACTIONS, OBS_SIZE, Obs, Policy
 from kvtransport.sim.simulator import simulate
@@ -159,6 +162,33 @@ def test_training_distribution_is_wide_and_keeps_the_evaluation_out():
         assert near_eval_channel(load_profile(name).loss)
     assert not near_eval_channel(Bernoulli(0.15))
     assert isinstance(load_profile("4state-bursty").loss, FourState)
+
+
+def test_a_profiles_file_keeps_its_channels_out_of_the_loss_draws(tmp_path):
+    """A range widened to long outages (r from 3 %) would draw gilbert-long's neighbours;
+    with held-out.toml excluded it does not, and still draws long outages elsewhere."""
+    held_out = str(Path(__file__).resolve().parents[1] / "netem" / "data" / "held-out.toml")
+    gilbert_long = load_profile("gilbert-long", held_out).loss
+    near = GilbertElliott(0.005, 0.055, 1.0, 0.0)  # within EXCLUDE_FACTOR of it
+    wide = {
+        "ge_r_range": (0.03, 0.1),
+        "ge_bad_range": (1.0, 1.0),
+        "ge_good_range": (0.0, 0.0),
+        "loss_weights": {"ge": 1.0},
+    }
+    kept = EpisodeDistribution(exclude_profiles=(held_out,), **wide)
+    assert near_eval_channel(near, more=kept._excluded)
+    assert near_eval_channel(gilbert_long, more=kept._excluded)
+    assert not near_eval_channel(near)  # not an evaluation channel by itself
+    rng, other = np.random.default_rng(3), EpisodeDistribution(**wide)
+    losses = [kept._loss(rng, "ge") for _ in range(400)]
+    assert not any(near_eval_channel(x, more=kept._excluded) for x in losses)
+    assert max(x.mean_burst_length() for x in losses) > 10  # long outages still drawn
+    assert any(near_eval_channel(other._loss(rng, "ge"), more=kept._excluded) for _ in range(400))
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[profiles.x]\nloss = 'nonsense'\n")
+    with pytest.raises(ProfileError):
+        EpisodeDistribution(exclude_profiles=(str(bad),))
 
 
 def test_trace_window_episode_runs():
