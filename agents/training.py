@@ -118,10 +118,12 @@ def effective_config(cfg: TrainConfig) -> dict:
     This, not the command line, is what a run records next to its weights (``ddqn.json``,
     the ``.npz`` metadata, ``summary.json``): a default that moves later changes what a
     recorded command trains on, and the two effective configurations then differ.
-    ``init_from`` and ``validation`` are there only when set (runs without them record
-    what they did before the options existed)."""
+    ``init_from``, ``validation`` and the distribution's ``exclude_profiles`` are there only
+    when set (runs without them record what they did before the options existed)."""
     dist = episode_distribution(cfg)
     knobs = {f.name: getattr(dist, f.name) for f in fields(dist) if f.name != "trace_files"}
+    if not knobs["exclude_profiles"]:
+        del knobs["exclude_profiles"]
     config = {**asdict(cfg), "distribution": knobs}
     if cfg.init_from is None:
         del config["init_from"]
