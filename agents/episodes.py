@@ -427,13 +427,16 @@ class EpisodeDistribution:
     exclude_profiles: tuple[str, ...] = ()
     """Profiles files (netem/data/held-out.toml) whose channels' neighbourhoods are kept
     out of the loss draws too, as the evaluation channels' are (with ``held_out``): a
-    range widened towards a held-out channel's family still leaves its cells unseen."""
+    range widened towards a held-out channel's family still leaves its cells unseen. A run
+    records the files' paths, not their contents."""
     handoff_rho_range: tuple[float, float] = (0.95, 1.1)
     handoff_tokens: tuple[int, int] = HANDOFF_TOKENS
 
     def __post_init__(self) -> None:
         self.trace_files = tuple(str(t) for t in self.trace_files)
         self.exclude_profiles = tuple(str(f) for f in self.exclude_profiles)
+        if self.exclude_profiles and not self.held_out:
+            raise ValueError("exclude_profiles keeps channels out only with held_out")
         self._excluded = tuple(
             pt for f in self.exclude_profiles for pt in profile_loss_points(f)
         )  # a bad file fails here, with the profile reader's one-line error

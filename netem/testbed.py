@@ -85,6 +85,7 @@ __all__ = [
     "netem_available",
     "netns_exec",
     "netns_socket",
+    "saved_state",
     "set_rate",
     "status",
     "teardown",
@@ -274,12 +275,23 @@ def build_plan(
             )
     elif shaper == "tbf":
         tbf = profile.tbf_args()
-        cmds.append(_cmd(f"tc -n {ns['mid']} qdisc add dev {IF_MID_RCV} root handle 1: tbf", *tbf))
+        mid, dev, attach = data_tbf_place(prefix, backend)
+        cmds.append(["tc", "-n", mid, "qdisc", "add", "dev", dev, *attach, "tbf", *tbf])
         if reverse == "full":
             cmds.append(
                 _cmd(f"tc -n {ns['mid']} qdisc add dev {IF_MID_SND} root handle 1: tbf", *tbf)
             )
     return cmds
+
+
+def data_tbf_place(prefix: str, backend: str) -> tuple[str, str, list[str]]:
+    """Where the data direction's kernel tbf sits: (namespace, device, tc attach
+    arguments). netem backend: under the sender's root netem; relay backend: at the root
+    of the middle namespace's receiver-side device."""
+    ns = namespaces(prefix, backend)
+    if backend == "netem":
+        return ns["snd"], IF_SND, ["parent", "1:1", "handle", "10:"]
+    return ns["mid"], IF_MID_RCV, ["root", "handle", "1:"]
 
 
 def _netem_qdiscs(ns: str, dev: str, profile: Profile) -> list[list[str]]:
@@ -414,6 +426,16 @@ def status(prefix: str = DEFAULT_PREFIX) -> dict[str, Any]:
 # ---------------------------------------------------------------------------
 
 
+def saved_state(prefix: str) -> dict[str, Any]:
+    """What ``up()`` recorded of the testbed under ``prefix`` (one-line TestbedError when
+    nothing is up there)."""
+    _check_prefix(prefix)
+    state = _read_json(_state_dir(prefix) / "state.json")
+    if not state:
+        raise TestbedError(f"no testbed is up with prefix {prefix}")
+    return state
+
+
 def set_rate(prefix: str, rate_mbps: float) -> None:
     """Change the rate limit of a testbed's data direction (snd -> rcv) now: ``tc qdisc
     change`` on its kernel tbf, with the profile's burst and queue limit in bytes kept, as
@@ -423,10 +445,13 @@ def set_rate(prefix: str, rate_mbps: float) -> None:
     _check_prefix(prefix)
     if not (rate_mbps > 0 and math.isfinite(rate_mbps)):
         raise TestbedError(f"the rate must be a positive number of Mbit/s, not {rate_mbps}")
-    state = _read_json(_state_dir(prefix) / "state.json")
-    if not state:
-        raise TestbedError(f"no testbed is up with prefix {prefix}")
-    tbf = state.get("data_tbf")
+    state = saved_state(prefix)
+    if "data_tbf" not in state:
+        raise TestbedError(
+            f"testbed {prefix} was set up by an older kvtransport, which did not record its "
+            f"shaper; bring it up again (kvtransport netem up --replace)"
+        )
+    tbf = state["data_tbf"]
     if not tbf:
         raise TestbedError(
             f"testbed {prefix} is shaped by the relay's own token bucket, which keeps the "
@@ -486,6 +511,9 @@ class RateSteps:
             except TestbedError as e:
                 self._error = e
                 return
+            except Exception as e:  # (a fork failing on a loaded host, a damaged state)
+                self._error = TestbedError(f"rate step to {rate:g} Mbit/s failed: {e}")
+                return
             self.applied.append((planned, time.monotonic() - self._start, rate))
 
     def wait(self, timeout_s: float | None = None) -> None:
@@ -496,10 +524,14 @@ class RateSteps:
         if self._error is not None:
             raise self._error
 
-    def stop(self) -> None:
-        """Skip the steps not yet due and set the base rate again."""
+    def cancel(self) -> None:
+        """Skip the steps not yet due, and return once none can be taken any more."""
         self._cancel.set()
         self._thread.join()
+
+    def stop(self) -> None:
+        """Skip the steps not yet due and set the base rate again."""
+        self.cancel()
         set_rate(self.prefix, self.base_mbps)
         if self._error is not None:
             raise self._error
@@ -551,11 +583,6 @@ class Testbed:
             raise TestbedError(f"relay priority must be 0..99, not {relay_priority}")
         _check_prefix(prefix)
         self.profile = load_profile(profile, profiles_file).with_overrides(rate_mbps, delay_ms)
-        if self.profile.rate_steps and shaper == "relay":
-            raise TestbedError(
-                f"profile {self.profile.name} changes its rate at set times (rate_steps), "
-                "which the relay's own token bucket cannot; use the tbf shaper (the default)"
-            )
         self.requested_backend = backend
         self.backend: str | None = None
         self.reverse = reverse
@@ -565,6 +592,9 @@ class Testbed:
         self.prefix = prefix
         self.state_dir = _state_dir(prefix)
         self._relay: subprocess.Popen | None = None
+        self._players: list[RateSteps] = []
+        if backend == "relay":  # (auto: checked in up(), once the backend is known)
+            self._check_rate_steps("relay")
 
     # -- names -------------------------------------------------------------------
 
@@ -605,10 +635,18 @@ class Testbed:
             )
         return "netem" if have else "relay"
 
+    def _check_rate_steps(self, backend: str) -> None:
+        if self.profile.rate_steps and backend == "relay" and self.shaper == "relay":
+            raise TestbedError(
+                f"profile {self.profile.name} changes its rate at set times (rate_steps), "
+                "which the relay's own token bucket cannot; use the tbf shaper (the default)"
+            )
+
     def up(self) -> Testbed:
         """Build the testbed; raises TestbedError (and leaves nothing behind) on failure."""
         check_environment()
         backend = self._choose_backend()
+        self._check_rate_steps(backend)
         with _locked(self.prefix):
             existing = _netns_list() & set(namespaces(self.prefix, "relay").values())
             if existing or (self.state_dir / "state.json").exists():
@@ -725,10 +763,7 @@ class Testbed:
         shapes), recorded so that ``set_rate`` can change its rate from any process."""
         if backend == "relay" and self.shaper == "relay":
             return None
-        if backend == "netem":
-            ns, dev, attach = self.snd_ns, IF_SND, ["parent", "1:1", "handle", "10:"]
-        else:
-            ns, dev, attach = self.mid_ns, IF_MID_RCV, ["root", "handle", "1:"]
+        ns, dev, attach = data_tbf_place(self.prefix, backend)
         return {
             "ns": ns,
             "dev": dev,
@@ -742,11 +777,17 @@ class Testbed:
         set_rate(self.prefix, rate_mbps)
 
     def play_rate_steps(self, priority: int | None = None) -> RateSteps:
-        """Start playing the profile's ``rate_steps`` from now (see :class:`RateSteps`)."""
-        return RateSteps(self.prefix, self.profile.rate_steps, self.profile.rate_mbps, priority)
+        """Start playing the profile's ``rate_steps`` from now (see :class:`RateSteps`);
+        ``down()`` stops it if it still plays."""
+        player = RateSteps(self.prefix, self.profile.rate_steps, self.profile.rate_mbps, priority)
+        self._players.append(player)
+        return player
 
     def down(self) -> list[str]:
         """Remove everything this testbed (or a previous one with its prefix) created."""
+        for player in self._players:
+            player.cancel()  # no step of it reaches a later testbed with this prefix
+        self._players.clear()
         removed = []
         if self._relay is not None:
             if _stop_relay(self._relay.pid):
@@ -836,7 +877,7 @@ class Testbed:
         loss and queue loss are told apart this way."""
         if self.backend == "relay" and self.shaper == "relay":
             return int((self.relay_status() or {})["forward"]["queue_dropped"])
-        ns, dev = (self.mid_ns, IF_MID_RCV) if self.backend == "relay" else (self.snd_ns, IF_SND)
+        ns, dev, _ = data_tbf_place(self.prefix, str(self.backend))
         text = _run(["tc", "-s", "-n", ns, "qdisc", "show", "dev", dev]).stdout
         m = re.search(r"qdisc tbf .*?\n\s*Sent \d+ bytes \d+ pkt \(dropped (\d+)", text)
         if not m:

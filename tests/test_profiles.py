@@ -239,8 +239,8 @@ def test_reverse_profiles_match_the_testbed_feedback_path(tmp_path):
 def test_rate_steps_round_trip_and_need_a_shaper_that_can_change_rate(tmp_path):
     """A profile whose rate changes at set times: read from a file, described, written
     back; the testbed takes it with kernel tbf (it plays the steps with tc) and refuses it
-    in one line, before touching anything, with the relay's own token bucket (one
-    rate)."""
+    in one line, before touching anything, with the relay backend's own token bucket (one
+    rate; with backend auto that is known at up(), where kernel netem may take it)."""
     from kvtransport.netem.testbed import Testbed, TestbedError
 
     f = tmp_path / "p.toml"
@@ -252,9 +252,10 @@ def test_rate_steps_round_trip_and_need_a_shaper_that_can_change_rate(tmp_path):
     assert again.rate_steps == p.rate_steps and again.loss == p.loss
     assert make_channel(p, 0).rate_bps == 50e6  # the base rate before the first step
     with pytest.raises(TestbedError, match="relay's own token bucket cannot") as err:
-        Testbed(p, prefix="kvtq", shaper="relay")
+        Testbed(p, prefix="kvtq", backend="relay", shaper="relay")
     assert "\n" not in str(err.value)
     assert Testbed(p, prefix="kvtq").profile.rate_steps == p.rate_steps  # tbf: taken
+    assert Testbed(p, prefix="kvtq", shaper="relay").shaper == "relay"  # auto: up() decides
 
 
 def load_profiles_file_from_mapping(p):

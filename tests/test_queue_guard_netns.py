@@ -4,7 +4,7 @@ kernel tbf changed by ``tc`` from 100 to 25 Mbit/s 0.1 s into each transfer and 
 0.3 s, the held-out rate-dip profile).
 
 Without the guard a quarter of the datagrams die in the full queue during the dip (the
-simulator: 24.8 %); with it the sender cuts its pacing and almost none do, and more of
+simulator: 24.7 %); with it the sender cuts its pacing and almost none do, and more of
 the stream's utility arrives by the deadline (the simulator: 0.81 against 0.72). Two
 transfers per arm, each arm on a fresh testbed. Needs root; CI runs as root."""
 
@@ -52,7 +52,7 @@ def test_the_guard_keeps_a_real_dipping_link_from_dropping_a_quarter_of_the_stre
     diag = {"on": on, "off": off}
     for row in on + off:  # the dip really came when planned (the tc calls' own delay aside)
         assert [(t, r) for t, _, r in row["steps_applied"]] == list(profile.rate_steps), diag
-        assert all(0 <= at - t < 0.03 for t, at, _ in row["steps_applied"]), diag
+        assert all(0 <= at - t < 0.05 for t, at, _ in row["steps_applied"]), diag
     sent_off = sum(r["datagrams_sent"] for r in off)
     drops_off = sum(r["queue_drops"] for r in off)
     assert drops_off > 0.15 * sent_off, diag  # paced at 100 Mbit/s through the dip

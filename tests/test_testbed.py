@@ -294,6 +294,19 @@ def test_rate_limit_holds_when_blasting(clean_prefix, shaper, set_later):
 
 @netns
 @pytest.mark.netns
+def test_rate_steps_play_on_time_and_stop_with_the_testbed(clean_prefix):
+    held_out = Path(__file__).resolve().parents[1] / "netem" / "data" / "held-out.toml"
+    with Testbed("rate-dip", profiles_file=held_out, prefix=PREFIX) as tb:
+        player = tb.play_rate_steps(priority=6)
+        player.wait(timeout_s=5)
+        assert [(t, r) for t, _, r in player.applied] == [(0.1, 25.0), (0.3, 100.0)]
+        assert all(0 <= at - t < 0.05 for t, at, _ in player.applied), player.applied
+        late = tb.play_rate_steps()  # its first step is due in 0.1 s: down() comes first
+    assert late.applied == [] and not late._thread.is_alive()
+
+
+@netns
+@pytest.mark.netns
 def test_relay_cuts_gso_batches_and_survives_garbage(clean_prefix):
     with Testbed("clean", prefix=PREFIX, backend="relay") as tb:
         rx = tb.socket("rcv")
@@ -373,8 +386,11 @@ def test_cli_up_status_down(clean_prefix):
     down = cli("down")
     assert down.returncode == 0 and "removed" in down.stdout
     assert cli("down").stdout.strip() == "netem down: nothing up"
-    gone = cli("rate", "20")
-    assert gone.returncode == 2 and "no testbed is up" in gone.stderr, gone.stderr
+    for argv in (("rate", "20"), ("rate", "--steps")):
+        gone = cli(*argv)
+        assert gone.returncode == 2 and "no testbed is up" in gone.stderr, gone.stderr
+    alone = cli("rate", "20", "--priority", "6")
+    assert alone.returncode == 2 and "--priority goes with --steps" in alone.stderr
     # the relay's own token bucket keeps one rate: said in one line, at up and at rate
     relay = cli("up", "--profile", "clean", "--backend", "relay", "--shaper", "relay")
     assert relay.returncode == 0, relay.stderr

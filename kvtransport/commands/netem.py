@@ -128,6 +128,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     rt.add_argument(
         "--steps", action="store_true", help="play the profile's rate_steps from now instead"
     )
+    rt.add_argument(
+        "--priority",
+        type=int_arg(1, 99),
+        metavar="P",
+        help="--steps: play them at SCHED_FIFO priority P, above real-time daemons on the same "
+        "cores (at ordinary priority a busy sender can hold a step back by its whole transfer)",
+    )
     _prefix(rt)
 
     pr = sub.add_parser(
@@ -227,21 +234,26 @@ def _rate(args: argparse.Namespace) -> int:
 
     if (args.rate_mbps is None) == (not args.steps):
         raise UserError("netem rate: give either a rate in Mbit/s or --steps")
+    if args.priority is not None and not args.steps:
+        raise UserError("netem rate: --priority goes with --steps")
     if args.rate_mbps is not None:
         tb.set_rate(args.prefix, args.rate_mbps)
         print(f"netem rate: {args.rate_mbps:g} Mbit/s from now (data direction)")
         return 0
-    state = tb.status(args.prefix).get("state") or {}
+    state = tb.saved_state(args.prefix)
     steps = tuple((float(t), float(r)) for t, r in state.get("rate_steps", []))
     if not steps:
         raise UserError(
             f"netem rate: the testbed's profile ({state.get('profile')}) has no rate steps"
         )
-    player = tb.RateSteps(args.prefix, steps, float(state["rate_mbps"]))
+    player = tb.RateSteps(args.prefix, steps, float(state["rate_mbps"]), args.priority)
     try:
         player.wait()
     except KeyboardInterrupt:
-        player.stop()
+        try:  # (Ctrl-C may have reached a tc call too: the base rate is set again anyway)
+            player.stop()
+        except tb.TestbedError:
+            tb.set_rate(args.prefix, float(state["rate_mbps"]))
         print(f"netem rate: stopped; {state['rate_mbps']:g} Mbit/s again")
         return 130
     for planned, at, rate in player.applied:
