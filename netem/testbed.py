@@ -279,9 +279,13 @@ def build_plan(
         cmds.append(["tc", "-n", mid, "qdisc", "add", "dev", dev, *attach, "tbf", *tbf])
         if reverse == "full":
             cmds.append(
-                _cmd(f"tc -n {ns['mid']} qdisc add dev {IF_MID_SND} root handle 1: tbf", *tbf)
+                ["tc", "-n", mid, "qdisc", "add", "dev", IF_MID_SND, *_TBF_AT_ROOT, "tbf", *tbf]
             )
     return cmds
+
+
+_TBF_UNDER_NETEM = ("parent", "1:1", "handle", "10:")  # the netem backend's tbf, per direction
+_TBF_AT_ROOT = ("root", "handle", "1:")  # the relay backend's tbf in the middle namespace
 
 
 def data_tbf_place(prefix: str, backend: str) -> tuple[str, str, list[str]]:
@@ -290,15 +294,15 @@ def data_tbf_place(prefix: str, backend: str) -> tuple[str, str, list[str]]:
     of the middle namespace's receiver-side device."""
     ns = namespaces(prefix, backend)
     if backend == "netem":
-        return ns["snd"], IF_SND, ["parent", "1:1", "handle", "10:"]
-    return ns["mid"], IF_MID_RCV, ["root", "handle", "1:"]
+        return ns["snd"], IF_SND, list(_TBF_UNDER_NETEM)
+    return ns["mid"], IF_MID_RCV, list(_TBF_AT_ROOT)
 
 
 def _netem_qdiscs(ns: str, dev: str, profile: Profile) -> list[list[str]]:
     """netem (loss, delay, jitter) at the root and tbf (rate, byte queue) as its child."""
     return [
         _cmd(f"tc -n {ns} qdisc add dev {dev} root handle 1: netem", *profile.netem_args()),
-        _cmd(f"tc -n {ns} qdisc add dev {dev} parent 1:1 handle 10: tbf", *profile.tbf_args()),
+        ["tc", "-n", ns, "qdisc", "add", "dev", dev, *_TBF_UNDER_NETEM, "tbf", *profile.tbf_args()],
     ]
 
 
@@ -442,7 +446,6 @@ def set_rate(prefix: str, rate_mbps: float) -> None:
     the simulator's channel keeps them across a rate step. The feedback direction keeps
     its rate. Raises a one-line TestbedError when nothing is up under ``prefix`` or the
     relay's own token bucket shapes it (it keeps the profile's rate)."""
-    _check_prefix(prefix)
     if not (rate_mbps > 0 and math.isfinite(rate_mbps)):
         raise TestbedError(f"the rate must be a positive number of Mbit/s, not {rate_mbps}")
     state = saved_state(prefix)

@@ -154,21 +154,12 @@ def simulated(
     return rows
 
 
-def _mean_ci(values: list[float]) -> tuple[float, float]:
-    a = np.asarray(values, dtype=np.float64)
-    if len(a) < 2:
-        return float(a.mean()), math.nan
-    from scipy import stats
-
-    return float(a.mean()), float(
-        stats.t.ppf(0.975, len(a) - 1) * a.std(ddof=1) / math.sqrt(len(a))
-    )
-
-
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Mean utility (95 % t interval), the share of sent datagrams the queue dropped, and
     the mean cuts per transfer, of one arm's rows."""
-    u, ci = _mean_ci([r["utility"] for r in rows])
+    from eval_policy import mean_ci  # scripts/ is on sys.path (the tests put it there)
+
+    u, ci = mean_ci(np.array([r["utility"] for r in rows]))
     sent = sum(r["datagrams_sent"] for r in rows)
     return {
         "n": len(rows),

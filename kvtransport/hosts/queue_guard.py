@@ -15,7 +15,7 @@ repair can give back what a sender pacing above capacity throws away.
 - **delivery rate**: the data datagrams the receiver reports received (``received`` in
   each feedback), per second of feedback arrival, over the last ``window`` (a base round
   trip, at least ``MIN_WINDOW_S``), read only from a window whose reports came without a
-  stall (``_stalled``: a silence between two reports of new data over ``STALL_SHARE`` of
+  stall (``_window_count``: a silence between two reports of new data over ``STALL_SHARE`` of
   the window says nothing of the link's rate; on the netns testbed a 21 ms one, as the
   rate came back, read as 8 Mbit/s on a link draining its queue at 100, and the cut cost
   that transfer 0.08 of its utility). The same rule leaves alone a link that delivers less
@@ -84,16 +84,20 @@ of the 25 ms one; three 4 ms reports lost in a row) is a stall: the window's rat
 read."""
 
 
-def _stalled(delivered: deque[tuple[float, int]], cutoff: float, window: float) -> bool:
-    """Whether the delivery reports from the last one at or before ``cutoff`` on came with
-    a silence longer than ``STALL_SHARE`` of ``window`` between two of them (reports
-    handed over together, at one time, are one arrival)."""
-    last = -math.inf
-    for t, _ in delivered:
-        if t > cutoff and t - last > STALL_SHARE * window:
-            return True
+def _window_count(delivered: deque[tuple[float, int]], cutoff: float, window: float) -> int | None:
+    """The data datagrams reported after ``cutoff``, or None when the reports do not span
+    the window (none at or before ``cutoff``) or fell silent for over ``STALL_SHARE`` of
+    it between two of them (reports handed over together, at one time, are one arrival)."""
+    if not delivered or delivered[0][0] > cutoff:
+        return None
+    last, got = -math.inf, 0
+    for t, n in delivered:
+        if t > cutoff:
+            if t - last > STALL_SHARE * window:
+                return None  # a stall (a host's hiccup): no rate to read
+            got += n
         last = t
-    return False
+    return got
 
 
 class QueueGuard:
@@ -152,11 +156,9 @@ class QueueGuard:
         queue_s = min(recent) - base
         pacing = self.pacing_bps()
         if queue_s > threshold and base <= MAX_BASE_RTT_S:  # (on a long path: too late)
-            if since < window or not delivered or delivered[0][0] > cutoff:
-                return False  # no whole window of reports since the last change
-            if _stalled(delivered, cutoff, window):
-                return False  # the reports stalled (a host's hiccup): no rate to read
-            got = sum(n for t, n in delivered if t > cutoff)
+            got = None if since < window else _window_count(delivered, cutoff, window)
+            if got is None:
+                return False  # no whole window of reports since the last change, or a stall
             rate = got * self.wire_bits / window
             # uncapped, a clear shortfall; capped, the queue still growing
             if rate >= (SHORTFALL if self.cap_bps is None else GROWING) * pacing:
