@@ -264,20 +264,31 @@ def _feed_sender(snd: object, events: list[tuple]) -> float:
     return time.process_time() - t0
 
 
-def _replay_sender_runs(make_sender: object, s_in: list[tuple], source_runs: bool = True) -> float:
+def _replay_sender_runs(
+    make_sender: object, s_in: list[tuple], source_runs: bool = True, compiled: bool = True
+) -> float:
     """The sender's send calls in runs of up to SENDER_RUN consecutive ones (the goodput
     runs' engine asks for a burst's worth of slots at once, 17 a wake), each run one
     datagrams_to_send call at its last time: consecutive source slots then go out in one
-    SenderSession._source_run (``source_runs`` False: slot by slot, the reference)."""
+    SenderSession._source_run (``source_runs`` False: slot by slot, the reference), sealed
+    in one compiled call (``compiled`` False: one AESGCM call each, as before the run
+    kernels)."""
     calls: list[tuple] = []
     for ev in s_in:
         if ev[0] == "send" and calls and calls[-1][0] == "send" and calls[-1][2] < SENDER_RUN:
             calls[-1] = ("send", ev[1], calls[-1][2] + 1)
         else:
             calls.append(("send", ev[1], 1) if ev[0] == "send" else ev)
+    from kvtransport.codecs import aesgcm
+
     snd = make_sender()
     snd.source_runs = source_runs
-    return _feed_sender(snd, calls)
+    available = aesgcm.AVAILABLE
+    aesgcm.AVAILABLE = compiled and available
+    try:
+        return _feed_sender(snd, calls)
+    finally:
+        aesgcm.AVAILABLE = available
 
 
 def _replay_receiver(make_receiver: object, r_in: list[tuple]) -> float:
@@ -297,17 +308,23 @@ SENDER_RUN = 16  # at most MAX_CATCH_UP slots due per call: none given up
 
 
 def _replay_receiver_runs(
-    make_receiver: object, r_in: list[tuple], source_runs: bool = True
+    make_receiver: object, r_in: list[tuple], source_runs: bool = True, laid_out: bool = False
 ) -> float:
     """The receiver's datagrams in runs of up to RUN consecutive ones (as a daemon reads a
     batch), through ReceiverSession.receive_datagrams at the run's last arrival time
-    (``source_runs`` False: no source runs, the reference)."""
+    (``source_runs`` False: no source runs, the reference; ``laid_out``: each run in one
+    buffer as a socket read leaves it, so source runs open in one compiled call)."""
+    from kvtransport.core.wire import LaidOutDatagrams
+
     runs: list[tuple] = []
     for ev in r_in:
         if ev[0] == "rx" and runs and runs[-1][0] == "rx" and len(runs[-1][2]) < RUN:
             runs[-1] = ("rx", ev[1], runs[-1][2] + [ev[2]])
         else:
             runs.append(("rx", ev[1], [ev[2]]) if ev[0] == "rx" else ev)
+    if laid_out:
+        runs = [("rx", ev[1], LaidOutDatagrams.join(ev[2])) if ev[0] == "rx" else ev
+                for ev in runs]  # fmt: skip
     rcv = make_receiver()
     rcv.source_runs = source_runs
     t0 = time.process_time()
@@ -341,8 +358,16 @@ def per_packet(n_packets: int, repeats: int, owd: float = 50e-6, loss: float = 0
                 ("sender", _replay_sender(make_sender, run["s_in"])),
                 ("sender_runs", _replay_sender_runs(make_sender, run["s_in"])),
                 ("sender_slotwise", _replay_sender_runs(make_sender, run["s_in"], False)),
+                (
+                    "sender_runs_python_aead",
+                    _replay_sender_runs(make_sender, run["s_in"], compiled=False),
+                ),
                 ("receiver", _replay_receiver(make_receiver, run["r_in"])),
                 ("receiver_runs", _replay_receiver_runs(make_receiver, run["r_in"])),
+                (
+                    "receiver_runs_laid_out",
+                    _replay_receiver_runs(make_receiver, run["r_in"], laid_out=True),
+                ),
                 (
                     "receiver_runs_off",
                     _replay_receiver_runs(make_receiver, run["r_in"], False),
@@ -371,7 +396,13 @@ def per_packet(n_packets: int, repeats: int, owd: float = 50e-6, loss: float = 0
         row["receiver"]["runs_off_total_us"] = round(
             best["receiver_runs_off"] / run["received"] * 1e6, 3
         )
+        row["receiver"]["runs_laid_out_total_us"] = round(
+            best["receiver_runs_laid_out"] / run["received"] * 1e6, 3
+        )
         row["sender"]["runs_total_us"] = round(best["sender_runs"] / run["sent"] * 1e6, 3)
+        row["sender"]["runs_python_aead_total_us"] = round(
+            best["sender_runs_python_aead"] / run["sent"] * 1e6, 3
+        )
         row["sender"]["slotwise_total_us"] = round(best["sender_slotwise"] / run["sent"] * 1e6, 3)
         out[name] = row
         bar.update(1)
@@ -495,19 +526,32 @@ def _role_send(args: argparse.Namespace) -> None:
 
 
 def _goodput_once(
-    policy: str, auth: bool, args: argparse.Namespace, source_runs: bool = True
+    policy: str,
+    auth: bool,
+    args: argparse.Namespace,
+    source_runs: bool = True,
+    compiled_aead: bool = True,
 ) -> dict:
+    """One loopback transfer between the two ends (``compiled_aead`` False: both seal and
+    open each datagram with one AESGCM call, KVTRANSPORT_AEAD=python)."""
+    from kvtransport.codecs import aesgcm
+
+    env = {**os.environ}
+    if not compiled_aead:
+        env[aesgcm.AEAD_ENV] = "python"
     me = [sys.executable, str(Path(__file__).resolve())]
     common = ["--goodput-mb", str(args.goodput_mb), "--rate-gbps", str(args.rate_gbps)]
     common += ["--auth"] if auth else []
     common += ["--realtime"] if args.realtime else []
     rx_only = [] if source_runs else ["--no-source-runs"]
-    rx = subprocess.Popen([*me, "_recv", *common, *rx_only], stdout=subprocess.PIPE, text=True)
+    rx = subprocess.Popen(
+        [*me, "_recv", *common, *rx_only], stdout=subprocess.PIPE, text=True, env=env
+    )
     try:
         port = int(rx.stdout.readline())
         tx = subprocess.run(
             [*me, "_send", "--port", str(port), "--policy", policy, *common],
-            capture_output=True, text=True, timeout=120,
+            capture_output=True, text=True, timeout=120, env=env,
         )  # fmt: skip
         r = json.loads(rx.stdout.readline())
         rx.wait(timeout=60)
@@ -543,22 +587,36 @@ def _goodput_once(
 def goodput(args: argparse.Namespace) -> dict:
     from tqdm import tqdm
 
-    variants = [(name, pol, auth, True) for name, pol, auth in CONFIGS if name in args.configs]
+    variants = [
+        (name, pol, auth, True, True) for name, pol, auth in CONFIGS if name in args.configs
+    ]
     if args.compare_receiver_runs:  # each beside its receiver without held source runs
         variants = [
             v
-            for name, pol, auth, _ in variants
-            for v in ((name, pol, auth, True), (f"{name} rx-runs-off", pol, auth, False))
+            for name, pol, auth, _, _ in variants
+            for v in (
+                (name, pol, auth, True, True),
+                (f"{name} rx-runs-off", pol, auth, False, True),
+            )
         ]
-    runs: dict[str, list[dict]] = {name: [] for name, _, _, _ in variants}
+    if args.compare_aead:  # each beside both ends with one AESGCM call per datagram
+        variants = [
+            v
+            for name, pol, auth, rx_runs, _ in variants
+            for v in (
+                (name, pol, auth, rx_runs, True),
+                (f"{name} aead-python", pol, auth, rx_runs, False),
+            )
+        ]
+    runs: dict[str, list[dict]] = {v[0]: [] for v in variants}
     bar = tqdm(total=len(variants) * args.rounds, desc="loopback goodput", file=sys.stderr)
     for _ in range(args.rounds):
-        for name, pol, auth, rx_runs in variants:  # interleaved: noise hits all alike
-            runs[name].append(_goodput_once(pol, auth, args, rx_runs))
+        for name, pol, auth, rx_runs, compiled in variants:  # interleaved: noise hits all alike
+            runs[name].append(_goodput_once(pol, auth, args, rx_runs, compiled))
             bar.update(1)
     bar.close()
     out = {}
-    for name, pol, auth, _ in variants:
+    for name, pol, auth, _, _ in variants:
         rs = runs[name]
         med = {k: statistics.median(r[k] for r in rs)
                for k in rs[0] if isinstance(rs[0][k], int | float)}  # fmt: skip
@@ -589,12 +647,14 @@ def _table(pp: dict, sock: dict, gp: dict | None) -> str:
             )
         c = row["sender"]
         lines.append(f"{name:15s} {'sender':9s} total in calls of {SENDER_RUN} slots: "
-                     f"{c['runs_total_us']:.2f} in source runs, {c['slotwise_total_us']:.2f} "
-                     f"slot by slot")  # fmt: skip
+                     f"{c['runs_total_us']:.2f} in source runs (compiled sealing; "
+                     f"{c['runs_python_aead_total_us']:.2f} one AESGCM call each), "
+                     f"{c['slotwise_total_us']:.2f} slot by slot")  # fmt: skip
         c = row["receiver"]
         lines.append(f"{name:15s} {'receiver':9s} total in runs of {RUN} "
-                     f"(receive_datagrams): {c['runs_total_us']:.2f}, source runs off "
-                     f"{c['runs_off_total_us']:.2f}")  # fmt: skip
+                     f"(receive_datagrams): {c['runs_laid_out_total_us']:.2f} laid out "
+                     f"(compiled source runs), {c['runs_total_us']:.2f} as a list, source "
+                     f"runs off {c['runs_off_total_us']:.2f}")  # fmt: skip
     lines.append("")
     lines.append("socket cost per datagram, us (1324-byte datagrams, loopback)")
     for name, c in sock.items():
@@ -641,6 +701,12 @@ def main() -> int:
         action="store_true",
         help="goodput runs: each configuration also with the receiver's source runs off "
         "(ReceiverSession.source_runs), interleaved",
+    )
+    p.add_argument(
+        "--compare-aead",
+        action="store_true",
+        help="goodput runs: each configuration also with one AESGCM call per datagram at "
+        "both ends instead of the compiled run kernels (KVTRANSPORT_AEAD=python), interleaved",
     )
     p.add_argument("--quick", action="store_true", help="small smoke run")
     p.add_argument("--out", default=str(ROOT / "results" / "bench_transport.json"),

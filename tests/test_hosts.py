@@ -7,10 +7,11 @@ import struct
 
 import numpy as np
 import pytest
+from kvtransport.codecs import aesgcm
 
 from kvtransport.core.policy import Adaptive
 from kvtransport.core.transfer import synthetic_transfer
-from kvtransport.core.wire import HEADER_SIZE
+from kvtransport.core.wire import HEADER_SIZE, LaidOutDatagrams, ReceivedBatch
 from kvtransport.errors import UserError
 from kvtransport.hosts.allocator import EqualShare, UtilityWaterFilling, repair_guard_s
 from kvtransport.hosts.receiver_host import ReceiverHost, ResultReady, TransferStarted
@@ -389,3 +390,57 @@ def test_a_deadline_shorter_than_the_initial_rtt_allows_is_sent_with_a_shorter_o
     out = host.submit(tr, A, now=0.0, deadline_s=0.005, initial_rtt=0.001)
     sent, _ = _run_sender(host, 0.005)
     assert len(sent) > 10 and set(sent) == {out.transfer_id}
+
+
+def test_a_socket_reads_runs_reach_their_sessions_laid_out(monkeypatch):
+    """Two transfers' datagrams as a receiver daemon reads them (ReceivedBatch: each read's
+    datagrams in one buffer, 64 a read, with a truncated and a foreign datagram among
+    them): each transfer's runs reach its session laid out at the right places, so most
+    sources open in the compiled kernel, and the host ends exactly as one given the same
+    pairs as a plain list (results and drops)."""
+    sender = SenderHost(rate_bps=200e6, key=KEY, burst_s=0.0)
+    for i in range(2):
+        sender.submit(synthetic_transfer(300_000, 16, seed=i), B, now=0.0, deadline_s=0.5)
+    trace: list[tuple] = []
+    loop = VirtualClockLoop(trace)
+    loop.add(sender, A, channel=_Wire())
+    rx = loop.add(ReceiverHost(key=KEY), B, channel=_Wire())
+    loop.run(0.45)
+    got = [e[3] for e in trace if e[0] == "recv" and e[2] == rx]
+    tids = {struct.unpack_from("!Q", d, 8)[0] for d in got}
+    assert len(tids) == 2 and len(got) > 400
+    got[100:100] = [got[99][:20], b"\x4b\x56" + bytes(60)]  # truncated; bad magic
+    opened: list[int] = []
+    real = aesgcm.open_run
+
+    def counted(ctx, buf, starts, ends, i, *rest):
+        j = real(ctx, buf, starts, ends, i, *rest)
+        opened.append(j - i)
+        return j
+
+    monkeypatch.setattr(aesgcm, "open_run", counted)
+    hosts = {"list": ReceiverHost(key=KEY), "laid out": ReceiverHost(key=KEY)}
+    for a in range(0, len(got), 64):
+        read = got[a : a + 64]
+        laid = LaidOutDatagrams.join(read)
+        pairs = [(d, A) for d in laid]
+        hosts["laid out"].receive_datagrams(
+            ReceivedBatch(pairs, laid.buf, laid.starts, laid.ends), 0.3
+        )
+        calls = len(opened)
+        hosts["list"].receive_datagrams([(d, A) for d in read], 0.3)
+        assert len(opened) == calls  # a plain list never reaches the kernel
+    sources = sum(1 for d in got if len(d) > 3 and d[3] == 1)
+    assert sum(opened) >= 0.5 * sources
+    ends = {}
+    for name, host in hosts.items():
+        host.close(1.0)
+        host.datagrams_to_send(1.0)  # settles them: their results come as events
+        results = []
+        while (ev := host.next_event()) is not None:
+            if isinstance(ev, ResultReady):
+                res = ev.transfer.session.result
+                results.append((ev.transfer.transfer_id, res.payload.tobytes(), res.reason))
+        ends[name] = (sorted(results), dict(host.drop_reasons))
+    assert ends["list"] == ends["laid out"]
+    assert len(ends["list"][0]) == 2 and sum(ends["list"][1].values()) == 2

@@ -156,11 +156,13 @@ def _one_and_runs(
     longest: int = 300,
     tid: int = TID,
     config: ProtocolConfig = STANDARD,
+    laid_out: bool = False,
 ) -> tuple[ReceiverSession, ReceiverSession]:
     """Two fresh receivers of transfer ``tid`` (built with ``config``) given ``events``: one
     datagram per call, and in runs of random length (1..longest - 1) through
-    receive_datagrams; their feedback after every call, their results and counters must
-    be identical. Returns both."""
+    receive_datagrams (``laid_out``: each run in one buffer, as a socket read hands it
+    over: ``wire.LaidOutDatagrams``); their feedback after every call, their results and
+    counters must be identical. Returns both."""
     one = ReceiverSession(tid, key=key, deadline=deadline, config=config)
     run = ReceiverSession(tid, key=key, deadline=deadline, config=config)
     rng = np.random.default_rng(seed)
@@ -179,7 +181,10 @@ def _one_and_runs(
             t = events[j - 1][1]  # the run is read when its last datagram is in
             for d in batch:
                 one.receive_datagram(d, t)
-            run.receive_datagrams([memoryview(d) for d in batch], t)
+            if laid_out:
+                run.receive_datagrams(wire.LaidOutDatagrams.join(batch), t)
+            else:
+                run.receive_datagrams([memoryview(d) for d in batch], t)
             i = j
         assert one.datagrams_to_send(t) == run.datagrams_to_send(t), f"event {i}"
     assert _decoder_state(one) == _decoder_state(run)

@@ -18,8 +18,11 @@ run's top for a repair's release bound), with a small decoder window and release
 the receiver's config where that is what it takes.
 """
 
+import sys
+
 import numpy as np
 import pytest
+from kvtransport.codecs import aesgcm
 from test_receiver_batch import (
     _block1_parities,
     _decoder_state,
@@ -91,12 +94,15 @@ def _record(policy: str, key: bytes | None, seed: int, loss: float, jitter_ms: f
     return events
 
 
-def _replay(events: list, key: bytes | None, seed: int) -> tuple[ReceiverSession, ...]:
-    """One receiver per datagram, one in runs (1..199) with source runs; both must give
+def _replay(
+    events: list, key: bytes | None, seed: int, laid_out: bool = False
+) -> tuple[ReceiverSession, ...]:
+    """One receiver per datagram, one in runs (1..199) with source runs (``laid_out``: each
+    run in one buffer, so that source runs open in the compiled kernel); both must give
     the same feedback after every call and end in the same state, every byte and the
     loss monitor's record included."""
     assert ReceiverSession.source_runs
-    one, run = _one_and_runs(events, 0.5, seed, key=key, longest=200, tid=TID)
+    one, run = _one_and_runs(events, 0.5, seed, key=key, longest=200, tid=TID, laid_out=laid_out)
     assert one._out.tobytes() == run._out.tobytes()  # every byte, missing symbols' too
     mon = (one.monitor, run.monitor)
     assert [(m.highest, m.settled, m.settled_received, m._ring, m._at, list(m._tops))
@@ -105,15 +111,32 @@ def _replay(events: list, key: bytes | None, seed: int) -> tuple[ReceiverSession
     return one, run
 
 
+_RUNS = ("_held_run", "_lazy_run", "_queue_run")
+_TAKEN: dict[str, list[int]] | None = None  # _count_runs' record while a test counts
+_LAID: set[int] = set()  # the receivers _one_and_run hands its calls laid out
+
+
 def _count_runs(monkeypatch) -> dict[str, list[int]]:
-    """Record how many datagrams each source run (held, lazy, queue) call took."""
-    taken: dict[str, list[int]] = {"_held_run": [], "_lazy_run": [], "_queue_run": []}
-    for name in taken:
+    """Record how many datagrams each source run (held, lazy, queue) call took (those of
+    a receiver ``_one_and_run`` feeds laid out under "laid" + the name), and each call of
+    the compiled run kernel (``open_run``)."""
+    taken: dict[str, list[int]] = {k: [] for n in _RUNS for k in (n, "laid" + n)}
+    taken["open_run"] = []
+    monkeypatch.setattr(sys.modules[__name__], "_TAKEN", taken)
+    real_open = aesgcm.open_run
+
+    def open_counted(ctx, buf, starts, ends, i, *rest):
+        j = real_open(ctx, buf, starts, ends, i, *rest)
+        taken["open_run"].append(j - i)
+        return j
+
+    monkeypatch.setattr(aesgcm, "open_run", open_counted)
+    for name in _RUNS:
         real = getattr(ReceiverSession, name)
 
         def counted(self, batch, i, *rest, real=real, name=name):
             j = real(self, batch, i, *rest)
-            taken[name].append(j - i)
+            taken[("laid" if id(self) in _LAID else "") + name].append(j - i)
             return j
 
         monkeypatch.setattr(ReceiverSession, name, counted)
@@ -140,15 +163,19 @@ def _count_runs(monkeypatch) -> dict[str, list[int]]:
          "block-rs-nokey-jitter", "arq-key", "arq-nokey-jitter", "none-key", "none-nokey-jitter",
          "none-nokey-lossy"],
 )  # fmt: skip
+@pytest.mark.parametrize("laid_out", [False, True], ids=["list", "laid-out"])
 def test_held_source_runs_receive_what_one_datagram_per_call_does(
-    monkeypatch, policy, key, loss, jitter_ms, share, lazy_share, queue_share
+    monkeypatch, policy, key, loss, jitter_ms, share, lazy_share, queue_share, laid_out
 ):
     """``share``: at least that share of the datagrams came in source runs (of any kind),
     ``lazy_share`` in lazy runs (beyond a hole), ``queue_share`` in runs that joined the
-    open decoder run."""
+    open decoder run. Laid out in one buffer, the runs open in the compiled kernel; in a
+    plain list, in the per-datagram loop."""
     events = _record(policy, key, 3, loss, jitter_ms)
     taken = _count_runs(monkeypatch)
-    one, _ = _replay(events, key, 11)
+    one, _ = _replay(events, key, 11, laid_out)
+    runs = taken["_held_run"] + taken["_lazy_run"] + taken["_queue_run"]
+    assert sum(taken["open_run"]) == (sum(runs) if laid_out else 0)
     drops = one.drop_reasons
     assert sum(drops.values()) > 10 and len(drops) >= 3  # the bad input was met, and dropped
     if key is not None:
@@ -181,38 +208,52 @@ def test_a_forged_source_inside_a_run_is_dropped_and_the_run_goes_on():
     batch = data[:50] + [bytes(forged[0])] + data[50:70] + [bytes(forged[1])] + data[71:]
     one = ReceiverSession(TID, key=KEY)
     run = ReceiverSession(TID, key=KEY)
+    laid = ReceiverSession(TID, key=KEY)
     for d in batch:
         one.receive_datagram(d, 1.0)
     run.receive_datagrams(batch, 1.0)
-    assert run.drop_reasons == {"bad_tag": 2} and run.n_known == 99 and run.through == 70
+    laid.receive_datagrams(wire.LaidOutDatagrams.join(batch), 1.0)
     src[70] = 0
-    assert run._out[: 100 * 64].tobytes() == src.tobytes()
-    for r in (one, run):
+    for r in (run, laid):
+        assert r.drop_reasons == {"bad_tag": 2} and r.n_known == 99 and r.through == 70
+        assert r._out[: 100 * 64].tobytes() == src.tobytes()
+    for r in (one, run, laid):
         r.close(2.0)
-    assert _state(one) == _state(run)
+    assert _state(one) == _state(run) == _state(laid)
 
 
 def _one_and_run(
     *calls: list[bytes], config: ProtocolConfig = STANDARD
 ) -> tuple[ReceiverSession, ReceiverSession, dict | None]:
     """Each of ``calls`` (at times 1, 2, ...) one datagram per call, and in one
-    receive_datagrams call: the same feedback after each and at the end, the same decoder
-    state before the end (``_decoder_state``, returned), the same state and bytes."""
+    receive_datagrams call, as a list and laid out in one buffer (the compiled source
+    runs): the same feedback after each and at the end, the same decoder state before the
+    end (``_decoder_state``, returned), the same state and bytes. Returns the receivers
+    of one datagram per call and of the list."""
     one = ReceiverSession(TID, key=KEY, config=config)
     run = ReceiverSession(TID, key=KEY, config=config)
+    laid = ReceiverSession(TID, key=KEY, config=config)
+    _LAID.add(id(laid))
     for t, batch in enumerate(calls, start=1):
         for d in batch:
             one.receive_datagram(d, t)
         run.receive_datagrams(batch, t)
-        assert one.datagrams_to_send(t) == run.datagrams_to_send(t)
+        laid.receive_datagrams(wire.LaidOutDatagrams.join(batch), t)
+        fb = one.datagrams_to_send(t)
+        assert fb == run.datagrams_to_send(t) == laid.datagrams_to_send(t)
     dec = _decoder_state(one)
-    assert dec == _decoder_state(run)
-    for r in (one, run):
+    assert dec == _decoder_state(run) == _decoder_state(laid)
+    for r in (one, run, laid):
         r.close(len(calls) + 1.0)
-    assert one.datagrams_to_send(0.0) == run.datagrams_to_send(0.0)
-    assert _state(one) == _state(run)
-    assert one._out.tobytes() == run._out.tobytes()
+    fb = one.datagrams_to_send(0.0)
+    assert fb == run.datagrams_to_send(0.0) == laid.datagrams_to_send(0.0)
+    assert _state(one) == _state(run) == _state(laid)
+    assert one._out.tobytes() == run._out.tobytes() == laid._out.tobytes()
     assert not one.drop_reasons
+    _LAID.discard(id(laid))
+    if _TAKEN is not None:  # the same runs, the laid-out ones opened by the kernel
+        assert all(_TAKEN[n] == _TAKEN["laid" + n] for n in _RUNS)
+        assert sum(_TAKEN["open_run"]) == sum(sum(_TAKEN[n]) for n in _RUNS)
     return one, run, dec
 
 

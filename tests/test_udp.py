@@ -29,10 +29,16 @@ def _free_port() -> int:
 
 
 def _recv_all(sock, n, timeout=2.0):
+    """Up to n datagrams as (bytes, address); each read's layout (where each datagram lies
+    in the socket's buffer, ReceivedBatch) must name exactly its datagram's bytes."""
     got = []
     end = time.monotonic() + timeout
     while len(got) < n and time.monotonic() < end:
-        got += [(bytes(d), a) for d, a in sock.recv_batch()]
+        batch = sock.recv_batch()
+        assert len(batch.starts) == len(batch.ends) == len(batch)
+        for (d, _), a, b in zip(batch, batch.starts, batch.ends, strict=True):
+            assert batch.buf[a:b].tobytes() == bytes(d)
+        got += [(bytes(d), a) for d, a in batch]
         time.sleep(0.001)
     return got
 

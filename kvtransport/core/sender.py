@@ -240,6 +240,11 @@ class SenderSession:
         self._payload = memoryview(transfer.payload)
         tail = transfer.nbytes - (n - 1) * s if n else 0
         self._last_symbol = bytes(self._payload[(n - 1) * s :]) + bytes(s - tail) if n else b""
+        # the same, for Framer.seal_sources: read-only whatever the transfer's (the kernel
+        # is compiled once for one kind of array, in the shells' warm_up)
+        self._payload_array = transfer.payload.view()
+        self._payload_array.flags.writeable = False
+        self._last_array = np.frombuffer(self._last_symbol, np.uint8)
         self._finish_esi, utility_after = _block_progress(transfer, s)
         self._utility_after = utility_after.tolist()  # float32 values as Python floats
 
@@ -421,6 +426,7 @@ class SenderSession:
         self.transfer = None
         self._payload = memoryview(b"")
         self._last_symbol = b""
+        self._payload_array = self._last_array = np.zeros(0, np.uint8)
         self._repair.release()
 
     def set_rate(self, rate_bps: float, now: float) -> None:
@@ -642,17 +648,15 @@ class SenderSession:
             limit = rep.quiet_slots(limit)
         if limit <= 0:
             return t, burst
-        s, payload, last = self.symbol_size, self._payload, n - 1
-        seal, tail_ok = self.framer.seal, self._tail_ok
+        tail_ok = self._tail_ok
         stop, slot_s = self.stop_time, self.slot_s
         log = self._log
         lt, lsrc, lrep, lrea = log.t, log.src, log.rep, log.rea
         rep_n, rea_n = self.repair_sent, self.reactive_sent
         seq, sent, k = self.seq, self.source_sent, 0
+        seq0, esi0 = seq, esi
         clear = self._tail_clear(max(t + limit * slot_s, now), esi, limit)
         while k < limit and t <= now and t <= stop and (clear or tail_ok(t, esi)):
-            sym = payload[esi * s : esi * s + s] if esi < last else self._last_symbol
-            out.append(seal(_SOURCE, seq, sym, esi))
             i = seq & SEQ_MASK
             lt[i], lsrc[i], lrep[i], lrea[i] = t, sent + 1, rep_n, rea_n
             k += 1
@@ -666,6 +670,9 @@ class SenderSession:
             if burst >= MAX_CATCH_UP and t <= now:
                 t = now
         if k:
+            out += self.framer.seal_sources(
+                seq0, esi0, k, self._payload_array, self.symbol_size, n - 1, self._last_array
+            )
             self.next_esi, self.seq, self.slot, self.source_sent = esi, seq, slot + k, sent
             log.newest = seq - 1
             self.stats["source_sent"] += k

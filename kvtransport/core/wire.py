@@ -75,6 +75,13 @@ is one precompiled ``struct.Struct``, datagrams are built in one preallocated bu
 :class:`Framer`, payloads come back as memoryviews (slices of the caller's buffer when
 unsealed, of the decrypted copy when sealed), and each transfer's AES-GCM context is
 derived once and kept (a :class:`Parser` keeps the most recent ``MAX_CACHED_KEYS``).
+
+Runs of sources (a sender's consecutive source slots, a receiver's in-order sources) are
+sealed and opened in one compiled call each where libcrypto is available
+(kvtransport.codecs.aesgcm): :meth:`Framer.seal_sources` gives the same datagrams as
+:meth:`Framer.seal` one by one, and :meth:`Parser.source_run` opens a run of
+:class:`LaidOutDatagrams` (datagrams that lie in one buffer, as a socket read leaves them)
+with the same outcome as its per-datagram loop.
 """
 
 from __future__ import annotations
@@ -84,11 +91,13 @@ from collections.abc import Sequence
 from enum import IntEnum
 from typing import NamedTuple, NoReturn
 
+import numpy as np
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from kvtransport.codecs import aesgcm
 from kvtransport.core.protocol import LINK_OVERHEAD_BYTES
 
 MAGIC = 0x4B56
@@ -191,6 +200,10 @@ _NONCE = struct.Struct("!IQ")  # direction, seq: the 96-bit GCM nonce
 _NONCE_PACK = _NONCE.pack
 _HEADER_PACK = HEADER.pack
 _FEEDBACK_TYPE = 4  # DatagramType.FEEDBACK: the receiver -> sender direction
+_SEQ_AT = struct.calcsize("!HBBBBHQ")  # the header's seq field (u32)
+_ESI_AT = struct.calcsize("!HBBBBHQIHH")  # its esi field (u32)
+_SOURCE_CHECKED = np.ones(HEADER_SIZE, np.bool_)  # what Parser.source_run compares
+_SOURCE_CHECKED[_SEQ_AT + 4 : _ESI_AT] = False  # not the key and DT/NSS fields
 
 
 class ControlCode(IntEnum):
@@ -288,16 +301,71 @@ def check_key(key: bytes) -> bytes:
     return bytes(key)
 
 
-def transfer_cipher(key: bytes, transfer_id: int) -> AESGCM:
-    """The AES-256-GCM context of one transfer: its key is HKDF-SHA256 of the pre-shared
-    ``key`` (already checked) salted with the transfer id (module docstring)."""
+def transfer_key(key: bytes, transfer_id: int) -> bytes:
+    """One transfer's AES-256 key: HKDF-SHA256 of the pre-shared ``key`` (already checked)
+    salted with the transfer id (module docstring)."""
     kdf = HKDF(
         algorithm=hashes.SHA256(),
         length=32,
         salt=transfer_id.to_bytes(8, "big"),
         info=_HKDF_INFO,
     )
-    return AESGCM(kdf.derive(key))
+    return kdf.derive(key)
+
+
+def transfer_cipher(key: bytes, transfer_id: int) -> AESGCM:
+    """The AES-256-GCM context of one transfer (its key: :func:`transfer_key`)."""
+    return AESGCM(transfer_key(key, transfer_id))
+
+
+def _run_key(cipher_key: bytes) -> aesgcm.GcmKey | None:
+    """The run kernels' contexts for one transfer key (None where they are unavailable)."""
+    return aesgcm.GcmKey(cipher_key) if aesgcm.AVAILABLE else None
+
+
+class LaidOutDatagrams(list):
+    """Datagrams (a list of memoryviews, as any other) that all lie in one buffer: item j is
+    ``buf[starts[j]:ends[j]]`` (``buf`` a uint8 array, ``starts`` and ``ends`` int64
+    arrays of the list's length). What a socket read leaves (kvtransport.daemons.udp), so
+    :meth:`Parser.source_run` can open a run of them in one compiled call."""
+
+    __slots__ = ("buf", "starts", "ends")
+
+    def __init__(
+        self, datagrams: Sequence[memoryview], buf: np.ndarray, starts: np.ndarray, ends: np.ndarray
+    ) -> None:
+        super().__init__(datagrams)
+        self.buf, self.starts, self.ends = buf, starts, ends
+
+    @classmethod
+    def join(cls, datagrams: Sequence[bytes | bytearray | memoryview]) -> LaidOutDatagrams:
+        """The same datagrams copied back to back into one new buffer (tests, replays)."""
+        sizes = np.fromiter((len(d) for d in datagrams), np.int64, len(datagrams))
+        ends = np.cumsum(sizes)
+        starts = ends - sizes
+        buf = np.frombuffer(bytearray(b"".join(datagrams)), np.uint8)  # writable, as a socket's
+        mv = memoryview(buf)
+        views = [mv[a:b] for a, b in zip(starts.tolist(), ends.tolist(), strict=True)]
+        return cls(views, buf, starts, ends)
+
+
+class ReceivedBatch(list):
+    """``(datagram, address)`` pairs of one socket read, whose datagrams lie in one buffer
+    as in :class:`LaidOutDatagrams` (pair j's is ``buf[starts[j]:ends[j]]``): a list like
+    any other, and :meth:`run` gives a stretch of its datagrams laid out."""
+
+    __slots__ = ("buf", "starts", "ends")
+
+    def __init__(
+        self, pairs: Sequence[tuple], buf: np.ndarray, starts: np.ndarray, ends: np.ndarray
+    ) -> None:
+        super().__init__(pairs)
+        self.buf, self.starts, self.ends = buf, starts, ends
+
+    def run(self, a: int, datagrams: list) -> LaidOutDatagrams:
+        """``datagrams``, the datagrams of pairs ``a, a + 1, ...``, laid out."""
+        b = a + len(datagrams)
+        return LaidOutDatagrams(datagrams, self.buf, self.starts[a:b], self.ends[a:b])
 
 
 class Parser:
@@ -309,18 +377,26 @@ class Parser:
     contexts are cached (at most ``MAX_CACHED_KEYS``, oldest evicted first).
     """
 
-    __slots__ = ("_key", "_ciphers")
+    __slots__ = ("_key", "_ciphers", "_run_keys", "_run_cache")
 
     def __init__(self, key: bytes | None = None) -> None:
         self._key = None if key is None else check_key(key)
         self._ciphers: dict[int, AESGCM] = {}
+        self._run_keys: dict[int, aesgcm.GcmKey | None] = {}  # the same transfers' run keys
+        # the last compiled run's output buffer, transfer and symbol size, and for them: the
+        # expected header, the output as an array, room for a plaintext before its tag
+        self._run_cache: tuple = (None, -1, -1, None, None, None)
 
     def _cipher(self, tid: int) -> AESGCM:
-        ciphers = self._ciphers
+        ciphers, run_keys = self._ciphers, self._run_keys
         if len(ciphers) >= MAX_CACHED_KEYS:
-            del ciphers[next(iter(ciphers))]
+            oldest = next(iter(ciphers))
+            del ciphers[oldest]
+            run_keys.pop(oldest, None)
         assert self._key is not None  # parse() seals and opens only with a key
-        c = ciphers[tid] = transfer_cipher(self._key, tid)
+        k = transfer_key(self._key, tid)
+        c = ciphers[tid] = AESGCM(k)
+        run_keys[tid] = _run_key(k)
         return c
 
     def parse(self, data: bytes | bytearray | memoryview) -> Datagram:
@@ -392,13 +468,18 @@ class Parser:
         that SOURCE (flags SEALED as the key requires, no RETRANSMIT) and stops at the first
         other one, a datagram whose tag does not verify included (nothing of it is written;
         the caller parses it as usual, and drops it). With a key, it takes nothing until
-        :meth:`parse` has seen the transfer (its cipher is derived there)."""
+        :meth:`parse` has seen the transfer (its cipher is derived there).
+
+        :class:`LaidOutDatagrams` are opened in one compiled call
+        (kvtransport.codecs.aesgcm.open_run) where it is available, with the same outcome."""
         sealed = self._key is not None
         c = None
         if sealed:
             c = self._ciphers.get(transfer_id)
             if c is None:
                 return i
+        if isinstance(datagrams, LaidOutDatagrams) and aesgcm.AVAILABLE and stop > i:
+            return self._open_laid_out(datagrams, i, stop, transfer_id, seq, esi, size, out)
         whole = HEADER_SIZE + size + (TAG_SIZE if sealed else 0)
         head, flags = _PREFIX | _SOURCE_TYPE, _SEALED_BIT if sealed else 0
         unpack = _FAST.unpack_from
@@ -427,6 +508,43 @@ class Parser:
             seq += 1
             esi += 1
         return j
+
+    def _open_laid_out(
+        self,
+        datagrams: LaidOutDatagrams,
+        i: int,
+        stop: int,
+        transfer_id: int,
+        seq: int,
+        esi: int,
+        size: int,
+        out: memoryview,
+    ) -> int:
+        """:meth:`source_run` in one compiled call: the expected header of each datagram is
+        what :meth:`Framer.seal` writes for it, compared on every byte the per-datagram
+        loop tests (all but the FEC payload id's key and DT/NSS, which a SOURCE ignores)."""
+        ctx = 0
+        if self._key is not None:
+            run_key = self._run_keys.get(transfer_id)
+            assert run_key is not None  # AVAILABLE, and the transfer's cipher is derived
+            ctx = run_key.open_ctx
+        cached = self._run_cache
+        if cached[0] is not out or cached[1] != transfer_id or cached[2] != size:
+            header = _HEADER_PACK(
+                MAGIC, VERSION, _SOURCE_TYPE, FLAG_SEALED if ctx else 0, 0, size, transfer_id,
+                0, 0, 0, 0,
+            )  # fmt: skip
+            cached = self._run_cache = (
+                out, transfer_id, size, np.frombuffer(header, np.uint8),
+                np.frombuffer(out, np.uint8), np.zeros(size, np.uint8),
+            )  # fmt: skip
+        _, _, _, want, out_array, scratch = cached
+        return int(
+            aesgcm.open_run(
+                ctx, datagrams.buf, datagrams.starts, datagrams.ends, i, stop, want,
+                _SOURCE_CHECKED, _SEQ_AT, _ESI_AT, 0, seq, esi, size, out_array, scratch,
+            )
+        )  # fmt: skip
 
     def _reject(self, data: bytes | bytearray | memoryview) -> NoReturn:
         """Raise the :class:`WireError` that names what is wrong with ``data`` (checked in
@@ -475,7 +593,8 @@ class Framer:
     """
 
     __slots__ = (
-        "transfer_id", "_cipher", "_flags", "_tag_len", "_next_seq", "buf", "_mv", "_pv",
+        "transfer_id", "_cipher", "_run_key", "_flags", "_tag_len", "_next_seq", "buf", "_mv",
+        "_pv", "_source_header",
     )  # fmt: skip
 
     def __init__(self, transfer_id: int, key: bytes | None = None, max_payload: int = 2048) -> None:
@@ -484,7 +603,11 @@ class Framer:
         if not 0 < max_payload <= MAX_PAYLOAD:
             raise ValueError(f"max_payload must be 1..{MAX_PAYLOAD}")
         self.transfer_id = transfer_id
-        self._cipher = None if key is None else transfer_cipher(check_key(key), transfer_id)
+        cipher_key = None if key is None else transfer_key(check_key(key), transfer_id)
+        self._cipher = None if cipher_key is None else AESGCM(cipher_key)
+        self._run_key = None if cipher_key is None else _run_key(cipher_key)
+        # seal_sources' symbol size and header (seq and ESI 0)
+        self._source_header: tuple[int, np.ndarray] = (-1, np.zeros(0, np.uint8))
         self._flags = FLAG_SEALED if key is not None else 0
         self._tag_len = TAG_SIZE if key is not None else 0
         self._next_seq = [0, 0]  # per direction: the lowest seq not yet used
@@ -557,6 +680,56 @@ class Framer:
         if c is None:
             return header + payload
         return header + c.encrypt(_NONCE_PACK(direction, seq), payload, header)
+
+    def seal_sources(
+        self,
+        seq: int,
+        esi: int,
+        count: int,
+        payload: np.ndarray,
+        size: int,
+        last_esi: int,
+        last_symbol: np.ndarray,
+    ) -> list[bytes]:
+        """The SOURCE datagrams ``seal(SOURCE, seq + k, symbol(esi + k), esi + k)`` for k in
+        ``0 .. count - 1``, byte for byte: symbol e is ``payload[e * size : (e + 1) * size]``
+        except ``last_esi``'s, which is ``last_symbol`` (zero-padded). Sealed in one
+        compiled call (kvtransport.codecs.aesgcm.seal_run) where it is available, else one
+        :meth:`seal` each."""
+        if count <= 0:
+            return []
+        if seq < self._next_seq[0]:
+            raise ValueError(f"seq {seq} already used in this direction (nonce reuse)")
+        if size > MAX_PAYLOAD or not 0 <= esi <= esi + count - 1 <= last_esi:
+            raise ValueError(f"sources {esi}..{esi + count - 1} of size {size} do not fit")
+        if not aesgcm.AVAILABLE:
+            out = []
+            for k in range(count):
+                e = esi + k
+                sym = last_symbol if e == last_esi else payload[e * size : e * size + size]
+                out.append(self.seal(_SOURCE_TYPE, seq + k, memoryview(sym), e))
+            return out
+        run_key = self._run_key
+        if self._source_header[0] != size:
+            self._source_header = (size, np.frombuffer(
+                _HEADER_PACK(
+                    MAGIC, VERSION, _SOURCE_TYPE, self._flags, 0, size, self.transfer_id,
+                    0, 0, 0, 0,
+                ),
+                np.uint8,
+            ))  # fmt: skip
+        header = self._source_header[1]
+        whole = HEADER_SIZE + size + self._tag_len
+        blob = bytearray(count * whole)
+        written = aesgcm.seal_run(
+            0 if run_key is None else run_key.seal_ctx, header, _SEQ_AT, _ESI_AT, 0, seq, esi,
+            count, payload, size, last_esi, last_symbol, np.frombuffer(blob, np.uint8),
+        )  # fmt: skip
+        if written != len(blob):
+            raise RuntimeError("libcrypto failed to seal a run of sources")
+        self._next_seq[0] = seq + count
+        mv = memoryview(blob)
+        return [bytes(mv[a : a + whole]) for a in range(0, len(blob), whole)]
 
     def build(
         self,

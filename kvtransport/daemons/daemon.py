@@ -476,9 +476,11 @@ def warm_up(
     kernels with any RLC policy, the DDQN's (features, network) with ``ddqn``, the
     allocator's only once a second transfer shares the link. The receiver daemon hands a
     read's datagrams over in one call (runs of them in one RLCDecoder.add_packets call), so
-    what each receiver got is handed once more that way to a fresh host.
+    what each receiver got is handed once more that way to a fresh host, laid out in one
+    buffer as a socket read leaves it (its runs of sources open in one compiled call).
     """
     from kvtransport.core.transfer import synthetic_transfer
+    from kvtransport.core.wire import LaidOutDatagrams, ReceivedBatch
     from kvtransport.hosts.receiver_host import ReceiverHost
     from kvtransport.hosts.sender_host import SenderHost
     from kvtransport.sim.virtual_clock import VirtualClockLoop
@@ -498,6 +500,7 @@ def warm_up(
         loop.add(sender, "sender", channel=_WarmUpPath(1e-3))
         rx = loop.add(receiver, "receiver", channel=_WarmUpPath(1e-3, quiet_until=2e-3))
         loop.run(until=1.0)
-        got = [(e[3], "sender") for e in trace if e[0] == "recv" and e[2] == rx]
-        ReceiverHost(key=key).receive_datagrams(got, 0.0)
+        got = LaidOutDatagrams.join([e[3] for e in trace if e[0] == "recv" and e[2] == rx])
+        batch = ReceivedBatch([(d, "sender") for d in got], got.buf, got.starts, got.ends)
+        ReceiverHost(key=key).receive_datagrams(batch, 0.0)  # as a socket read: laid out
     return clock() - t0

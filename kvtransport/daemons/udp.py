@@ -15,7 +15,9 @@ The protocol sessions (kvtransport.core.sender, .receiver) never touch a socket;
   into one buffer and says the segment size in ancillary data; ``recvmsg_into`` writes them
   into a preallocated buffer and :meth:`DatagramSocket.recv_batch` cuts them back into
   datagrams (memoryviews, valid until the next ``recv_batch``). Without GRO the same call
-  reads one datagram at a time into the same buffer.
+  reads one datagram at a time into the same buffer. The list is a
+  kvtransport.core.wire.ReceivedBatch: it also says where each datagram lies in the buffer,
+  so the receiver opens runs of sources in one compiled call.
 - **Errors** never escape into the event loop: EAGAIN on send waits briefly for room, then
   drops (the protocol treats it as loss); ECONNREFUSED (an ICMP port unreachable on a
   connected socket: the peer is not up yet), ENOBUFS, unreachable networks and truncated
@@ -44,6 +46,9 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
+
+from kvtransport.core.wire import ReceivedBatch
 from kvtransport.errors import UserError
 
 UDP_SEGMENT = 103  # linux/udp.h: per-socket or per-call GSO segment size
@@ -204,6 +209,7 @@ class DatagramSocket:
         self._gso_limit = GSO_MAX_SEGMENT  # largest segment size GSO has not refused
         self._buf = bytearray(max(batch_bytes, 2 * MAX_DATAGRAM))
         self._mv = memoryview(self._buf)
+        self._array = np.frombuffer(self._buf, np.uint8)  # the same buffer, for ReceivedBatch
         self._anc = socket.CMSG_SPACE(_INT.size)
         self.stats: dict[str, int] = {
             "datagrams_sent": 0,
@@ -348,10 +354,13 @@ class DatagramSocket:
 
     # ------------------------------------------------------------------ receiving
 
-    def recv_batch(self, max_datagrams: int = 4096) -> list[tuple[memoryview, Any]]:
+    def recv_batch(self, max_datagrams: int = 4096) -> ReceivedBatch:
         """Every datagram waiting (up to the batch buffer or ``max_datagrams``) as
-        ``(data, (host, port))``; ``data`` stays valid until the next call."""
+        ``(data, (host, port))``; ``data`` stays valid until the next call. The list also
+        says where each datagram lies in the socket's buffer (:class:`ReceivedBatch`)."""
         out: list[tuple[memoryview, Any]] = []
+        starts: list[int] = []
+        ends: list[int] = []
         mv = self._mv
         limit = len(self._buf) - MAX_DATAGRAM
         anc_size = self._anc
@@ -385,9 +394,13 @@ class DatagramSocket:
                 stats["gro_batches"] += 1
                 for s in range(off, end, seg):
                     out.append((mv[s : min(s + seg, end)], addr))
+                starts.extend(range(off, end, seg))
+                ends.extend(range(off + seg, end, seg))
             else:
                 out.append((mv[off:end], addr))
+                starts.append(off)
+            ends.append(end)
             stats["bytes_received"] += nbytes
             off = end
         stats["datagrams_received"] += len(out)
-        return out
+        return ReceivedBatch(out, self._array, np.array(starts, np.int64), np.array(ends, np.int64))

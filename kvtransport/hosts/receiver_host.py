@@ -68,7 +68,13 @@ from kvtransport.core.protocol import STANDARD, ProtocolConfig
 from kvtransport.core.receiver import ReceiverSession
 from kvtransport.core.replay import ReplayRecord
 from kvtransport.core.transfer import TransportManifest
-from kvtransport.core.wire import HEADER_SIZE, DatagramType, Parser, WireError
+from kvtransport.core.wire import (
+    HEADER_SIZE,
+    DatagramType,
+    Parser,
+    ReceivedBatch,
+    WireError,
+)
 from kvtransport.errors import UserError
 
 log = logging.getLogger("kvtransport.receiver-daemon")
@@ -237,10 +243,14 @@ class ReceiverHost:
         outcome, but each run of consecutive datagrams of one transfer reaches its session
         in one ``ReceiverSession.receive_datagrams`` call (its data symbols in one decoder
         call). A run is handed over before the next datagram of any other transfer is
-        looked at, so admitting a new transfer sees the sessions as it would otherwise."""
+        looked at, so admitting a new transfer sees the sessions as it would otherwise.
+        A run of a :class:`ReceivedBatch` (a socket read) goes as :class:`LaidOutDatagrams`,
+        so its sessions open runs of sources in one compiled call."""
+        laid = batch if isinstance(batch, ReceivedBatch) else None
         run: list[bytes] = []
         owner: Incoming | None = None
         owner_tid = -1
+        first = j = 0  # the run's first pair and the current one, in the batch
         unpack = _TID.unpack_from
         for data, addr in batch:
             if len(data) >= HEADER_SIZE and unpack(data, 8)[0] == owner_tid:
@@ -249,16 +259,18 @@ class ReceiverHost:
                 assert owner is not None  # owner_tid is set with owner
                 owner.datagrams += 1
                 run.append(data)
+                j += 1
                 continue
             if owner is not None:
-                owner.session.receive_datagrams(run, now)
+                owner.session.receive_datagrams(run if laid is None else laid.run(first, run), now)
                 run, owner, owner_tid = [], None, -1
             inc = self._route(data, addr, now)
             if inc is not None:
-                owner, owner_tid = inc, inc.transfer_id
+                owner, owner_tid, first = inc, inc.transfer_id, j
                 run.append(data)
+            j += 1
         if owner is not None:
-            owner.session.receive_datagrams(run, now)
+            owner.session.receive_datagrams(run if laid is None else laid.run(first, run), now)
 
     def _route(self, data: bytes, addr: Address, now: float) -> Incoming | None:
         """The session ``data`` goes to (its transfer's; a new one if the transfer is new
