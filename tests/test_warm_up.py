@@ -3,26 +3,28 @@
 On a fresh install numba compiles each kernel at its first call (seconds in all); a daemon
 that paid that inside its first transfer would miss that transfer's deadline. The check:
 no kernel of the data path gains a new compiled signature during a transfer with loss,
-reordering, duplication, authentication, the DDQN policy and two transfers sharing the
-allocator, once warm_up has run with the daemon's arguments.
+reordering, duplication, authentication (source runs sealed and opened in one call), the
+DDQN policy and two transfers sharing the allocator, once warm_up has run with the
+daemon's arguments.
 """
 
 import random
 
 import numba
 from kvtransport.agents import features, runtime
-from kvtransport.codecs import gf256, rlc, tinymt32
+from kvtransport.codecs import aesgcm, gf256, rlc, tinymt32
 
 from kvtransport.core.policy import make_policy
 from kvtransport.core.receiver import ReceiverSession
 from kvtransport.core.sender import SenderSession
 from kvtransport.core.transfer import synthetic_transfer
+from kvtransport.core.wire import LaidOutDatagrams
 from kvtransport.daemons.daemon import warm_up
 from kvtransport.hosts import allocator
 from kvtransport.hosts.utility_model import SigmoidUtility
 
 KEY = bytes(range(32))
-MODULES = (gf256, tinymt32, rlc, features, runtime, allocator)
+MODULES = (gf256, tinymt32, rlc, aesgcm, features, runtime, allocator)
 
 
 def compiled_signatures():
@@ -47,7 +49,7 @@ def impaired_transfer(policy):
             i += 1
             if i % 9 != 4:  # lost
                 kept.append(d)
-        r.receive_datagrams(kept, t)  # as the receiver daemon hands over a read
+        r.receive_datagrams(LaidOutDatagrams.join(kept), t)  # as the daemon hands over a read
         for fb in r.datagrams_to_send(t):
             s.receive_datagram(fb, t)
         t += 1e-3
@@ -59,6 +61,7 @@ def test_a_transfer_after_warm_up_compiles_nothing():
     warm_up(KEY, ("fixed:1/4", policy), allocator=True)
     before = compiled_signatures()
     assert before["kvtransport.codecs.rlc._decode_repair"] >= 1  # warm_up reached the decoder
+    assert before["kvtransport.codecs.aesgcm.open_run"] >= 1  # and the source runs' kernels
     result = impaired_transfer(policy)
     sched = allocator.OnlineScheduler(1.25e7)
     for i in range(3):

@@ -32,6 +32,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any, Protocol
 
+import numpy as np
+
 from kvtransport.daemons.api import (
     MAX_HEADER_BYTES,
     ApiError,
@@ -462,6 +464,17 @@ class _WarmUpPath:
         return t + self.delay + (50e-6 if self.n % 3 == 0 else 0.0)
 
 
+def _warm_source_runs(key: bytes | None) -> None:
+    """Seal a run of sources as a sender does (``Framer.seal_sources``, its payload a
+    read-only array): on the virtual clock one slot is due per call, so no source run
+    happens there, and the run kernel would load in the first real transfer."""
+    from kvtransport.core.wire import Framer
+
+    payload = np.zeros(128, np.uint8)
+    payload.flags.writeable = False
+    Framer(1, key).seal_sources(0, 0, 2, payload, 64, 1, np.frombuffer(bytes(64), np.uint8))
+
+
 def warm_up(
     key: bytes | None = None, policies: Sequence[str] = ("fixed:1/4",), allocator: bool = False
 ) -> float:
@@ -490,6 +503,7 @@ def warm_up(
     runs = [[name] for name in dict.fromkeys(policies)]
     if allocator and runs:
         runs.append(runs[0] * 2)
+    _warm_source_runs(key)
     for names in runs:
         sender = SenderHost(rate_bps=1e9, key=key, burst_s=0.0)
         receiver = ReceiverHost(key=key)
