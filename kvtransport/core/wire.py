@@ -479,7 +479,28 @@ class Parser:
             if c is None:
                 return i
         if isinstance(datagrams, LaidOutDatagrams) and aesgcm.AVAILABLE and stop > i:
-            return self._open_laid_out(datagrams, i, stop, transfer_id, seq, esi, size, out)
+            # one compiled call: the expected header of each datagram is what Framer.seal
+            # writes for it, compared on every byte the loop below tests (all but the FEC
+            # payload id's key and DT/NSS, which a SOURCE ignores)
+            run_key = self._run_keys.get(transfer_id) if sealed else None
+            cached = self._run_cache
+            if cached[0] is not out or cached[1] != transfer_id or cached[2] != size:
+                header = _HEADER_PACK(
+                    MAGIC, VERSION, _SOURCE_TYPE, FLAG_SEALED if sealed else 0, 0, size,
+                    transfer_id, 0, 0, 0, 0,
+                )  # fmt: skip
+                cached = self._run_cache = (
+                    out, transfer_id, size, np.frombuffer(header, np.uint8),
+                    np.frombuffer(out, np.uint8), np.zeros(size, np.uint8),
+                )  # fmt: skip
+            _, _, _, want, out_array, scratch = cached
+            return int(
+                aesgcm.open_run(
+                    0 if run_key is None else run_key.open_ctx, datagrams.buf, datagrams.starts,
+                    datagrams.ends, i, stop, want, _SOURCE_CHECKED, _SEQ_AT, _ESI_AT, 0, seq,
+                    esi, size, out_array, scratch,
+                )
+            )  # fmt: skip
         whole = HEADER_SIZE + size + (TAG_SIZE if sealed else 0)
         head, flags = _PREFIX | _SOURCE_TYPE, _SEALED_BIT if sealed else 0
         unpack = _FAST.unpack_from
@@ -508,43 +529,6 @@ class Parser:
             seq += 1
             esi += 1
         return j
-
-    def _open_laid_out(
-        self,
-        datagrams: LaidOutDatagrams,
-        i: int,
-        stop: int,
-        transfer_id: int,
-        seq: int,
-        esi: int,
-        size: int,
-        out: memoryview,
-    ) -> int:
-        """:meth:`source_run` in one compiled call: the expected header of each datagram is
-        what :meth:`Framer.seal` writes for it, compared on every byte the per-datagram
-        loop tests (all but the FEC payload id's key and DT/NSS, which a SOURCE ignores)."""
-        ctx = 0
-        if self._key is not None:
-            run_key = self._run_keys.get(transfer_id)
-            assert run_key is not None  # AVAILABLE, and the transfer's cipher is derived
-            ctx = run_key.open_ctx
-        cached = self._run_cache
-        if cached[0] is not out or cached[1] != transfer_id or cached[2] != size:
-            header = _HEADER_PACK(
-                MAGIC, VERSION, _SOURCE_TYPE, FLAG_SEALED if ctx else 0, 0, size, transfer_id,
-                0, 0, 0, 0,
-            )  # fmt: skip
-            cached = self._run_cache = (
-                out, transfer_id, size, np.frombuffer(header, np.uint8),
-                np.frombuffer(out, np.uint8), np.zeros(size, np.uint8),
-            )  # fmt: skip
-        _, _, _, want, out_array, scratch = cached
-        return int(
-            aesgcm.open_run(
-                ctx, datagrams.buf, datagrams.starts, datagrams.ends, i, stop, want,
-                _SOURCE_CHECKED, _SEQ_AT, _ESI_AT, 0, seq, esi, size, out_array, scratch,
-            )
-        )  # fmt: skip
 
     def _reject(self, data: bytes | bytearray | memoryview) -> NoReturn:
         """Raise the :class:`WireError` that names what is wrong with ``data`` (checked in
