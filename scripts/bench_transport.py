@@ -43,6 +43,7 @@ Writes results/bench_transport.json and prints tables. ``--quick`` is a smoke ru
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -51,6 +52,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -465,7 +467,7 @@ def _role_recv(args: argparse.Namespace) -> None:
 
         ReceiverSession.source_runs = False
     results = []
-    with DatagramSocket(("127.0.0.1", 0), buffer_bytes=32 << 20) as sock:
+    with DatagramSocket((args.rcv_addr, 0), buffer_bytes=32 << 20) as sock:
         host = ReceiverHost(key=key, single=True, max_bytes=2 << 30)
         eng = ReceiverEngine(sock, host, on_result=results.append)
         print(sock.address[1], flush=True)
@@ -505,8 +507,8 @@ def _role_send(args: argparse.Namespace) -> None:
     warm_up(key, ("fixed:1/4", args.policy))  # as the sender daemon warms its default
     size = int(args.goodput_mb * 1e6)
     tr = synthetic_transfer(size, max(1, size // 12_288), seed=2)
-    dest = ("127.0.0.1", args.port)
-    with DatagramSocket(("127.0.0.1", 0), dest, buffer_bytes=32 << 20) as sock:
+    dest = (args.rcv_addr, args.port)
+    with DatagramSocket(("0.0.0.0", 0), dest, buffer_bytes=32 << 20) as sock:
         # no queue guard: a receiver behind on CPU queues in its socket buffer, and the
         # bench measures what each side costs at the given rate, not how a guard would pace
         host = SenderHost(rate_bps=args.rate_gbps * 1e9, key=key, burst_s=200e-6, queue_guard=False)
@@ -532,25 +534,31 @@ def _goodput_once(
     source_runs: bool = True,
     compiled_aead: bool = True,
 ) -> dict:
-    """One loopback transfer between the two ends (``compiled_aead`` False: both seal and
-    open each datagram with one AESGCM call, KVTRANSPORT_AEAD=python)."""
+    """One transfer between the two ends, on loopback or (``args.veth``) across the veth
+    pair of ``_veth_pair`` (``compiled_aead`` False: both seal and open each datagram with
+    one AESGCM call, KVTRANSPORT_AEAD=python)."""
     from kvtransport.codecs import aesgcm
 
     env = {**os.environ}
     if not compiled_aead:
         env[aesgcm.AEAD_ENV] = "python"
     me = [sys.executable, str(Path(__file__).resolve())]
+    rx_me, tx_me = me, me
+    if args.veth:
+        rx_me = ["ip", "netns", "exec", VETH_NS["rcv"], *me]
+        tx_me = ["ip", "netns", "exec", VETH_NS["snd"], *me]
     common = ["--goodput-mb", str(args.goodput_mb), "--rate-gbps", str(args.rate_gbps)]
+    common += ["--rcv-addr", VETH_ADDR["rcv"] if args.veth else "127.0.0.1"]
     common += ["--auth"] if auth else []
     common += ["--realtime"] if args.realtime else []
     rx_only = [] if source_runs else ["--no-source-runs"]
     rx = subprocess.Popen(
-        [*me, "_recv", *common, *rx_only], stdout=subprocess.PIPE, text=True, env=env
+        [*rx_me, "_recv", *common, *rx_only], stdout=subprocess.PIPE, text=True, env=env
     )
     try:
         port = int(rx.stdout.readline())
         tx = subprocess.run(
-            [*me, "_send", "--port", str(port), "--policy", policy, *common],
+            [*tx_me, "_send", "--port", str(port), "--policy", policy, *common],
             capture_output=True, text=True, timeout=120, env=env,
         )  # fmt: skip
         r = json.loads(rx.stdout.readline())
@@ -584,7 +592,42 @@ def _goodput_once(
     }
 
 
+VETH_NS = {"snd": "kvbench-snd", "rcv": "kvbench-rcv"}
+VETH_ADDR = {"snd": "10.78.0.1", "rcv": "10.78.0.2"}
+
+
+@contextlib.contextmanager
+def _veth_pair() -> Iterator[None]:
+    """Two network namespaces joined by a plain veth pair (no qdisc, the kernel's default
+    offloads: UDP GSO and GRO cross it), removed afterwards. Needs root."""
+    if os.geteuid() != 0:
+        raise SystemExit("bench_transport.py: --veth needs root (network namespaces)")
+    snd, rcv = VETH_NS["snd"], VETH_NS["rcv"]
+    plan = [
+        f"ip netns add {snd}", f"ip netns add {rcv}",
+        f"ip link add kvb-s netns {snd} type veth peer name kvb-r netns {rcv}",
+        f"ip -n {snd} addr add {VETH_ADDR['snd']}/24 dev kvb-s",
+        f"ip -n {rcv} addr add {VETH_ADDR['rcv']}/24 dev kvb-r",
+        f"ip -n {snd} link set dev kvb-s up", f"ip -n {rcv} link set dev kvb-r up",
+        f"ip -n {snd} link set dev lo up", f"ip -n {rcv} link set dev lo up",
+    ]  # fmt: skip
+    try:
+        for cmd in plan:
+            done = subprocess.run(cmd.split(), capture_output=True, text=True)
+            if done.returncode != 0:
+                raise SystemExit(f"bench_transport.py: `{cmd}` failed: {done.stderr.strip()}")
+        yield
+    finally:
+        for ns in (snd, rcv):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
 def goodput(args: argparse.Namespace) -> dict:
+    with _veth_pair() if args.veth else contextlib.nullcontext():
+        return _goodput_rounds(args)
+
+
+def _goodput_rounds(args: argparse.Namespace) -> dict:
     from tqdm import tqdm
 
     variants = [
@@ -632,7 +675,7 @@ def goodput(args: argparse.Namespace) -> dict:
 # ------------------------------------------------------------------ main
 
 
-def _table(pp: dict, sock: dict, gp: dict | None) -> str:
+def _table(pp: dict, sock: dict, gp: dict | None, link: str = "loopback") -> str:
     loss = next(iter(pp.values()))["loss"] if pp else 0.05
     lines = [f"per-packet cost, us (1 Gbit/s, {100 * loss:g}% loss, in memory; 'stages' = "
              "coding + state, the PriorityFEC stages; target < 5)"]  # fmt: skip
@@ -662,7 +705,7 @@ def _table(pp: dict, sock: dict, gp: dict | None) -> str:
     if gp:
         base = gp["plain"]["goodput_gbps"] if "plain" in gp else float("nan")
         lines.append("")
-        lines.append("loopback goodput (medians; CPU-bound = bytes / busier process's CPU s)")
+        lines.append(f"{link} goodput (medians; CPU-bound = bytes / busier process's CPU s)")
         lines.append(f"{'config':15s} {'Gbit/s':>7s} {'vs plain':>8s} {'CPU-bound':>9s} "
                      f"{'snd us/dg':>9s} {'rcv us/dg':>9s} {'loss':>6s} "
                      f"{'decision us mean/p99':>21s}")  # fmt: skip
@@ -708,11 +751,18 @@ def main() -> int:
         help="goodput runs: each configuration also with one AESGCM call per datagram at "
         "both ends instead of the compiled run kernels (KVTRANSPORT_AEAD=python), interleaved",
     )
+    p.add_argument(
+        "--veth",
+        action="store_true",
+        help="goodput runs: the two ends in two network namespaces joined by a veth pair "
+        "(root; default offloads) instead of on loopback",
+    )
     p.add_argument("--quick", action="store_true", help="small smoke run")
     p.add_argument("--out", default=str(ROOT / "results" / "bench_transport.json"),
                    help="the JSON file to write, or a folder to write bench_transport.json "
                    "in (default results/bench_transport.json)")  # fmt: skip
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--rcv-addr", default="127.0.0.1", help=argparse.SUPPRESS)
     p.add_argument("--policy", default="fixed:1/16", help=argparse.SUPPRESS)
     p.add_argument("--auth", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--no-source-runs", action="store_true", help=argparse.SUPPRESS)
@@ -763,7 +813,7 @@ def main() -> int:
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
-    print(_table(pp, sock, gp))
+    print(_table(pp, sock, gp, "veth-pair" if args.veth else "loopback"))
     print(f"\nwritten to {out}")
     return 0
 
