@@ -14,6 +14,8 @@ turns the trained online network into plain arrays for kvtransport.agents.runtim
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import torch as th
 from kvtransport.agents.runtime import QWeights
@@ -49,17 +51,41 @@ class DoubleDQN(DQN):
     action must look at least ``margin`` better than the others in its own states, which
     anchors the network where the TD signal is weak; the TD loss (on the whole batch) still
     decides everywhere else. Without experts, training is SB3's with the Double-DQN target.
+
+    ``set_anchor(weight)`` freezes a copy of the current network (a fine-tune's start) and
+    adds ``weight * mean((P(s, a) - P_0(s, a))^2)`` over the whole batch, where
+    ``P(s, a) = Q(s, a) - mean_a' Q(s, a')`` is the network's action preference and
+    ``P_0`` the frozen copy's: a conservative fine-tune, free to move the state values
+    that TD corrects but held near the start's choices except where TD pays for moving.
     """
 
     _expert_idx: np.ndarray | None = None
     expert_margin = 0.0
     expert_weight = 1.0
+    anchor_weight = 0.0
+    _anchor: nn.Module | None = None
 
     def set_expert_transitions(self, indices: np.ndarray, margin: float,
                                weight: float = 1.0) -> None:  # fmt: skip
         self._expert_idx = np.asarray(indices, dtype=np.int64)
         self.expert_margin = float(margin)
         self.expert_weight = float(weight)
+
+    def set_anchor(self, weight: float) -> None:
+        """Anchor the action preferences to the network as it is now (class docstring);
+        ``weight`` 0 removes the anchor."""
+        self.anchor_weight = float(weight)
+        self._anchor = None
+        if self.anchor_weight > 0:
+            self._anchor = copy.deepcopy(self.q_net).requires_grad_(False).eval()
+
+    def anchor_loss(self, obs: th.Tensor, q: th.Tensor) -> th.Tensor:
+        """Mean squared drift of the preferences ``q`` [n, A] at ``obs`` from the anchor's."""
+        assert self._anchor is not None
+        with th.no_grad():
+            q0 = self._anchor(obs)
+        drift = (q - q.mean(dim=1, keepdim=True)) - (q0 - q0.mean(dim=1, keepdim=True))
+        return (drift**2).mean()
 
     def td_target(self, replay_data: ReplayBufferSamples) -> th.Tensor:
         discounts = replay_data.discounts if replay_data.discounts is not None else self.gamma
@@ -108,6 +134,8 @@ class DoubleDQN(DQN):
             loss = F.smooth_l1_loss(current_q, target_q)
             if n_e:
                 loss = loss + self.expert_weight * self.expert_loss(q_all[-n_e:], actions[-n_e:])
+            if self._anchor is not None:
+                loss = loss + self.anchor_weight * self.anchor_loss(replay_data.observations, q_all)
             losses.append(loss.item())
             self.policy.optimizer.zero_grad()
             loss.backward()

@@ -99,6 +99,9 @@ class TrainConfig:
     init_from: str | None = None
     """A weights file (kvtransport.agents.runtime) the Q-network starts from, instead of
     random initial weights (None)."""
+    anchor_weight: float = 0.0
+    """With ``init_from``: the weight of :meth:`DoubleDQN.set_anchor`'s penalty on moving
+    the action preferences away from the starting network's (0: none)."""
     validation: dict = field(default_factory=dict)
     """EpisodeDistribution fields that differ for the validation episodes only, on top of
     ``distribution`` (empty: validate on the training distribution): the checkpoint kept
@@ -118,8 +121,9 @@ def effective_config(cfg: TrainConfig) -> dict:
     This, not the command line, is what a run records next to its weights (``ddqn.json``,
     the ``.npz`` metadata, ``summary.json``): a default that moves later changes what a
     recorded command trains on, and the two effective configurations then differ.
-    ``init_from``, ``validation`` and the distribution's ``exclude_profiles`` are there only
-    when set (runs without them record what they did before the options existed)."""
+    ``init_from``, ``validation``, ``anchor_weight`` and the distribution's
+    ``exclude_profiles`` are there only when set (runs without them record what they did
+    before the options existed)."""
     dist = episode_distribution(cfg)
     knobs = {f.name: getattr(dist, f.name) for f in fields(dist) if f.name != "trace_files"}
     if not knobs["exclude_profiles"]:
@@ -129,6 +133,8 @@ def effective_config(cfg: TrainConfig) -> dict:
         del config["init_from"]
     if not cfg.validation:
         del config["validation"]
+    if not cfg.anchor_weight:
+        del config["anchor_weight"]
     return _jsonable(config)
 
 
@@ -380,6 +386,8 @@ def train(cfg: TrainConfig, out: str | Path, command: str = "", quiet: bool = Fa
     from stable_baselines3.common.logger import configure
     from tqdm import tqdm
 
+    if cfg.anchor_weight and cfg.init_from is None:
+        raise ValueError("anchor_weight needs init_from (the network to anchor to)")
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     out = Path(out)
@@ -406,6 +414,7 @@ def train(cfg: TrainConfig, out: str | Path, command: str = "", quiet: bool = Fa
     )
     if cfg.init_from is not None:
         load_q_network(model, load_weights(cfg.init_from))
+        model.set_anchor(cfg.anchor_weight)
     model.set_logger(configure(str(out / "sb3"), ["csv"]))
     val = validation_specs(cfg, cfg.eval_episodes)
     bar = tqdm(

@@ -9,6 +9,7 @@ import torch as th
 from kvtransport.agents.ddqn import (
     DoubleDQN,
     DuelingDQNPolicy,
+    DuelingHead,
     double_dqn_target,
     export_q_network,
     load_q_network,
@@ -280,3 +281,74 @@ def test_a_run_with_init_from_starts_where_those_weights_are(tmp_path):
     assert json.loads((tmp_path / "ddqn.json").read_text())["config"]["init_from"] == str(
         SHIPPED_WEIGHTS
     )
+
+
+def _preferences(q: np.ndarray) -> np.ndarray:
+    return q - q.mean(axis=1, keepdims=True)
+
+
+def test_the_anchor_penalizes_moved_preferences_not_moved_values():
+    """The anchor loss is zero at the start, stays zero when every action's Q-value moves
+    together (the dueling value head), and grows when the action preferences move."""
+    model = _dueling_model((64, 64))
+    load_q_network(model, load_weights(SHIPPED_WEIGHTS))
+    model.set_anchor(1.0)
+    obs = th.as_tensor(_features_of_an_episode())
+    head = model.q_net.q_net[-1]
+    assert isinstance(head, DuelingHead)
+    with th.no_grad():
+        q0 = model.q_net(obs)
+        assert float(model.anchor_loss(obs, q0)) == 0.0
+        head.value.bias.add_(0.3)
+        q1 = model.q_net(obs)
+        assert float((q1 - q0).abs().min()) > 0.29  # every value moved ...
+        assert float(model.anchor_loss(obs, q1)) < 1e-10  # ... the preferences did not
+        head.advantage.weight.add_(th.randn_like(head.advantage.weight) * 0.01)
+        q2 = model.q_net(obs)
+    drift = _preferences(q2.numpy()) - _preferences(q0.numpy())
+    assert float(model.anchor_loss(obs, q2)) == pytest.approx(float((drift**2).mean()), rel=1e-5)
+    assert float(model.anchor_loss(obs, q2)) > 1e-7
+    model.set_anchor(0.0)
+    assert model._anchor is None
+
+
+def test_an_anchored_fine_tune_keeps_the_start_s_choices():
+    """Training steps on noisy TD targets move the shipped network's action preferences;
+    with the anchor they move far less (the loss term reaches DoubleDQN.train)."""
+    feats = _features_of_an_episode()
+    obs = th.as_tensor(feats)
+    rng = np.random.default_rng(5)
+    drift = {}
+    for weight in (0.0, 100.0):
+        model = _dueling_model((64, 64))
+        load_q_network(model, load_weights(SHIPPED_WEIGHTS))
+        model.set_anchor(weight)
+        for p in model.policy.optimizer.param_groups:
+            p["lr"] = 1e-3
+        model.lr_schedule = lambda _: 1e-3
+        for i in range(len(feats) - 1):
+            a = rng.integers(0, model.action_space.n)
+            model.replay_buffer.add(
+                feats[i][None], feats[i + 1][None], np.array([[a]]),
+                np.array([rng.uniform(-0.05, 0.05)]), np.array([False]), [{}],
+            )  # fmt: skip
+        model.set_logger(Logger(folder=None, output_formats=[]))
+        with th.no_grad():
+            before = _preferences(model.q_net(obs).numpy())
+        th.manual_seed(0)
+        np.random.seed(0)
+        model.train(gradient_steps=60, batch_size=32)
+        with th.no_grad():
+            after = _preferences(model.q_net(obs).numpy())
+        drift[weight] = float(np.abs(after - before).mean())
+    assert drift[0.0] > 1e-3  # the targets do move the unanchored network
+    assert drift[100.0] < 0.2 * drift[0.0]
+
+
+def test_anchor_weight_is_recorded_only_when_set_and_needs_a_start(tmp_path):
+    assert "anchor_weight" not in effective_config(TrainConfig())
+    cfg = TrainConfig(init_from=str(SHIPPED_WEIGHTS), anchor_weight=10.0)
+    assert effective_config(cfg)["anchor_weight"] == 10.0
+    with pytest.raises(ValueError, match="init_from"):
+        train(TrainConfig(anchor_weight=1.0), tmp_path / "run", quiet=True)
+    assert not (tmp_path / "run").exists()
