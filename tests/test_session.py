@@ -466,6 +466,38 @@ def test_pacing_follows_the_link_rate_and_catches_up_when_late():
     assert s.next_timer() == pytest.approx(slot * 6)
 
 
+@pytest.mark.parametrize("rate", [100e6, 1e9, 3e9, 20e9])
+def test_a_late_shell_gets_16_datagrams_or_100_us_of_the_link_at_most(rate):
+    """A shell far behind its pace gets MAX_CATCH_UP (+1) datagrams, or on a link where
+    they are over in less than CATCH_UP_S as many as that time holds, never more than one
+    UDP GSO batch; the rest of the backlog is given up and pacing goes on from there."""
+    from kvtransport.core.sender import CATCH_UP_S, MAX_CATCH_UP
+    from kvtransport.daemons.udp import MAX_GSO_BYTES
+
+    tr = synthetic_transfer(20_000_000, 100, "zipf", seed=7)
+    s = SenderSession(tr, make_policy("none"), rate_bps=rate, deadline=10.0,
+                      transfer_id=TID, key=bytes(32), initial_rtt=2 * DELAY)  # fmt: skip
+    assert len(s.datagrams_to_send(0.0)) == 1
+    late = 0.01
+    burst = s.datagrams_to_send(late)
+    assert s.next_timer() == pytest.approx(late + s.slot_s)  # the backlog is given up
+    n = len(burst)
+    assert n * s.datagram_bytes <= MAX_GSO_BYTES
+    if MAX_CATCH_UP * s.slot_s >= CATCH_UP_S:
+        assert n == MAX_CATCH_UP + 1
+    else:
+        # as much as CATCH_UP_S holds, or what fits one GSO batch where that is less
+        assert (n - 1) * s.slot_s <= CATCH_UP_S < n * s.slot_s or (
+            n + 1
+        ) * s.datagram_bytes > MAX_GSO_BYTES
+        assert n > MAX_CATCH_UP + 1
+    if rate >= 20e9:
+        assert (n + 1) * s.datagram_bytes > MAX_GSO_BYTES  # the batch is full
+    s.set_rate(rate / 100, late + s.slot_s)  # slower: back to MAX_CATCH_UP
+    s.datagrams_to_send(late + s.slot_s)
+    assert len(s.datagrams_to_send(late + 1.0)) == MAX_CATCH_UP + 1
+
+
 def test_a_rate_raised_beyond_the_factor_makes_the_policy_decide_at_the_next_slot():
     """The last decision counted the slots left at the old rate; a share raised by more than
     RATE_REDECIDE in one step is decided on again at once; a smaller rise, or a cut (the

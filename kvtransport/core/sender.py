@@ -152,7 +152,23 @@ the rate of the last decision instead cost the multi-user allocator accuracy; se
 docs/results.md, section 6)."""
 
 MAX_CATCH_UP = 16
-"""A shell that is late may get at most this many datagrams at once (then pacing resumes)."""
+"""A shell that is late may get at most this many datagrams at once (then pacing resumes)
+... """
+CATCH_UP_S = 100e-6
+"""... or, on a link fast enough that ``MAX_CATCH_UP`` slots are shorter, as many as this
+much of its time holds (a sender that cannot keep up with a multi-Gbit/s pace then wakes
+once per UDP GSO batch rather than once per 17 datagrams; a burst still lasts at most
+100 us on the wire) ..."""
+MAX_CATCH_UP_BYTES = 64_000
+"""... but never more bytes than one UDP GSO batch carries."""
+
+
+def catch_up_datagrams(slot_s: float, datagram_bytes: int) -> int:
+    """The most datagrams a late shell gets from one call at slots of ``slot_s`` seconds:
+    ``MAX_CATCH_UP``, or ``CATCH_UP_S`` of slots where that is more, within
+    ``MAX_CATCH_UP_BYTES``."""
+    fast = min(int(CATCH_UP_S / slot_s), MAX_CATCH_UP_BYTES // max(datagram_bytes, 1))
+    return max(MAX_CATCH_UP, fast)
 
 
 class SenderSession:
@@ -217,6 +233,7 @@ class SenderSession:
         self.datagram_bytes = HEADER_SIZE + s + (TAG_SIZE if key else 0)
         self.link_overhead = config.link_overhead
         self.slot_s = (self.datagram_bytes + self.link_overhead) * 8.0 / rate_bps
+        self.catch_up = catch_up_datagrams(self.slot_s, self.datagram_bytes)
         self.decision_packets = decision_packets
         self._initial_rtt = initial_rtt
         self.prior_loss = _check_prior(prior_loss)
@@ -374,7 +391,7 @@ class SenderSession:
             out.append(d)
             burst += 1
             t += slot_s
-            if burst >= MAX_CATCH_UP and t <= now:
+            if burst >= self.catch_up and t <= now:
                 t = now  # give up the backlog rather than burst it out
         self._next_send = t
         return out
@@ -445,6 +462,7 @@ class SenderSession:
         if rate_bps > self.rate_bps * RATE_REDECIDE:
             self._decision_stale = True
         self.slot_s *= self.rate_bps / rate_bps
+        self.catch_up = catch_up_datagrams(self.slot_s, self.datagram_bytes)
         self.rate_bps = rate_bps
         self._rtt_changed()  # stop time and proactive span are counted in slots
         self._state_transfer()
@@ -624,7 +642,7 @@ class SenderSession:
     def _source_run(self, t: float, now: float, burst: int, out: list[bytes]) -> tuple[float, int]:
         """From slot time ``t``: the consecutive slots ``_emit`` would give the next source
         each, sent in one go, appended to ``out``; returns the next slot time and the burst
-        count as ``datagrams_to_send`` steps them (pacing, ``MAX_CATCH_UP``). The same
+        count as ``datagrams_to_send`` steps them (pacing, ``catch_up``). The same
         datagrams, slot times, log entries, counters and scheme state as ``_emit`` and
         ``_sent`` slot by slot: the run stops before a decision slot, a manifest slot, a slot
         whose ``before_source`` the scheme cannot vouch for (``SenderRepair.quiet_slots``;
@@ -667,7 +685,7 @@ class SenderSession:
                 self.next_esi, self.seq, self.slot, self.source_sent = esi, seq, slot + k, sent
             burst += 1
             t += slot_s
-            if burst >= MAX_CATCH_UP and t <= now:
+            if burst >= self.catch_up and t <= now:
                 t = now
         if k:
             out += self.framer.seal_sources(
