@@ -318,6 +318,17 @@ def transfer_cipher(key: bytes, transfer_id: int) -> AESGCM:
     return AESGCM(transfer_key(key, transfer_id))
 
 
+if (aesgcm.HEADER_BYTES, aesgcm.TAG_BYTES) != (HEADER_SIZE, TAG_SIZE):
+    raise ImportError("kvtransport.codecs.aesgcm's header and tag sizes are not the wire's")
+
+
+def _source_template(flags: int, size: int, transfer_id: int) -> np.ndarray:
+    """The header of a SOURCE of ``transfer_id`` with ``size``-byte symbols and ``flags``,
+    its seq and FEC payload id zero: what the run kernels set seq and ESI into."""
+    header = _HEADER_PACK(MAGIC, VERSION, _SOURCE_TYPE, flags, 0, size, transfer_id, 0, 0, 0, 0)
+    return np.frombuffer(header, np.uint8)
+
+
 def _run_key(cipher_key: bytes) -> aesgcm.GcmKey | None:
     """The run kernels' contexts for one transfer key (None where they are unavailable)."""
     return aesgcm.GcmKey(cipher_key) if aesgcm.AVAILABLE else None
@@ -485,12 +496,9 @@ class Parser:
             run_key = self._run_keys.get(transfer_id) if sealed else None
             cached = self._run_cache
             if cached[0] is not out or cached[1] != transfer_id or cached[2] != size:
-                header = _HEADER_PACK(
-                    MAGIC, VERSION, _SOURCE_TYPE, FLAG_SEALED if sealed else 0, 0, size,
-                    transfer_id, 0, 0, 0, 0,
-                )  # fmt: skip
                 cached = self._run_cache = (
-                    out, transfer_id, size, np.frombuffer(header, np.uint8),
+                    out, transfer_id, size,
+                    _source_template(FLAG_SEALED if sealed else 0, size, transfer_id),
                     np.frombuffer(out, np.uint8), np.zeros(size, np.uint8),
                 )  # fmt: skip
             _, _, _, want, out_array, scratch = cached
@@ -695,13 +703,7 @@ class Framer:
             return out
         run_key = self._run_key
         if self._source_header[0] != size:
-            self._source_header = (size, np.frombuffer(
-                _HEADER_PACK(
-                    MAGIC, VERSION, _SOURCE_TYPE, self._flags, 0, size, self.transfer_id,
-                    0, 0, 0, 0,
-                ),
-                np.uint8,
-            ))  # fmt: skip
+            self._source_header = (size, _source_template(self._flags, size, self.transfer_id))
         header = self._source_header[1]
         whole = HEADER_SIZE + size + self._tag_len
         blob = bytearray(count * whole)

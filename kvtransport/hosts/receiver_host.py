@@ -250,16 +250,15 @@ class ReceiverHost:
         run: list[bytes] = []
         owner: Incoming | None = None
         owner_tid = -1
-        first = j = 0  # the run's first pair and the current one, in the batch
+        first = 0  # the run's first pair in the batch
         unpack = _TID.unpack_from
-        for data, addr in batch:
+        for j, (data, addr) in enumerate(batch):
             if len(data) >= HEADER_SIZE and unpack(data, 8)[0] == owner_tid:
                 # the run's transfer again: what _route would do for it (its session is
                 # the one it cached for this transfer), without a call per datagram
                 assert owner is not None  # owner_tid is set with owner
                 owner.datagrams += 1
                 run.append(data)
-                j += 1
                 continue
             if owner is not None:
                 owner.session.receive_datagrams(run if laid is None else laid.run(first, run), now)
@@ -268,7 +267,6 @@ class ReceiverHost:
             if inc is not None:
                 owner, owner_tid, first = inc, inc.transfer_id, j
                 run.append(data)
-            j += 1
         if owner is not None:
             owner.session.receive_datagrams(run if laid is None else laid.run(first, run), now)
 
