@@ -20,29 +20,44 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 _SOURCE = int(DatagramType.SOURCE)
 
 
-class ARQSender(SenderRepair):
-    """The NACKed sources not yet retransmitted, lowest ESI first."""
+class Retransmits:
+    """Sources feedback reported missing, to be sent again (SOURCE with RETRANSMIT),
+    lowest ESI first, none again within 1.5 smoothed RTTs of its last retransmission (one
+    still in flight is not sent twice). ARQ's whole repair; the RLC scheme's for holes
+    below the repair floor its window decoder reaches (kvtransport.core.schemes.rlc).
+    The per-ESI state is made with the first hole."""
 
-    def __init__(self, session: SenderView, policy: Policy) -> None:
-        super().__init__(session, policy)
-        n = session.n_source
-        self.reactive = True  # every retransmission answers a reported hole
+    def __init__(self, session: SenderView) -> None:
+        self.session = session
         self._heap: list[int] = []
-        self._queued = bytearray(n)
-        self._time = [-1e300] * n  # when each ESI was last retransmitted
+        self._queued = bytearray()
+        self._time: list[float] = []  # when each ESI was last retransmitted
 
-    def on_feedback(self, fb: Feedback, now: float) -> None:
+    def __len__(self) -> int:
+        """Sources queued (some may have been recovered since: ``take`` skips those below
+        decoded-through)."""
+        return len(self._heap)
+
+    def add(self, first: int, end: int, now: float) -> None:
+        """Queue the missing ESIs ``first .. end - 1`` (``end`` at most the sources sent)."""
         s = self.session
+        if not self._queued:
+            self._queued = bytearray(s.n_source)
+            self._time = [-1e300] * s.n_source
         guard = 1.5 * (2.0 * s.owd)  # the smoothed RTT (the initial one before any)
         queued, times, heap = self._queued, self._time, self._heap
-        hi = s.next_esi
-        for first, count in fb.ranges:
-            for esi in range(first, min(first + count, hi)):
-                if not queued[esi] and now - times[esi] > guard:
-                    queued[esi] = 1
-                    heapq.heappush(heap, esi)
+        for esi in range(first, min(end, s.next_esi)):
+            if not queued[esi] and now - times[esi] > guard:
+                queued[esi] = 1
+                heapq.heappush(heap, esi)
 
-    def before_source(self, t: float) -> bytes | None:
+    def clear(self) -> None:
+        for esi in self._heap:
+            self._queued[esi] = 0
+        self._heap.clear()
+
+    def take(self, t: float) -> bytes | None:
+        """The next retransmission, sent at ``t`` (None: none queued)."""
         heap, s = self._heap, self.session
         while heap:
             esi = heapq.heappop(heap)
@@ -55,6 +70,22 @@ class ARQSender(SenderRepair):
             s.stats["retransmit_sent"] += 1
             return s.framer.finish(_SOURCE, s.seq, size, esi=esi, flags=FLAG_RETRANSMIT)
         return None
+
+
+class ARQSender(SenderRepair):
+    """The NACKed sources not yet retransmitted, lowest ESI first."""
+
+    def __init__(self, session: SenderView, policy: Policy) -> None:
+        super().__init__(session, policy)
+        self.reactive = True  # every retransmission answers a reported hole
+        self.resend = Retransmits(session)
+
+    def on_feedback(self, fb: Feedback, now: float) -> None:
+        for first, count in fb.ranges:
+            self.resend.add(first, first + count, now)
+
+    def before_source(self, t: float) -> bytes | None:
+        return self.resend.take(t)
 
 
 class ARQ(RepairScheme):

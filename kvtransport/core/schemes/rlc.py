@@ -23,7 +23,10 @@ most ``max_pending_equations`` pending equations, from the receiver's protocol c
 the receiver's window decoder, which holds every known source (kvtransport.core.schemes.
 base, kvtransport.core.receiver). The sender's encoder holds the sender's
 ``decoder_window`` ESIs and no repair reaches below ``highest ESI sent - decoder_window +
-1``.
+1``. A policy that answers holes sends a reported hole below that floor (reported late on a
+path whose round trips outlast the window, or after repairs to it were lost) again as a
+source (RETRANSMIT, kvtransport.core.schemes.arq.Retransmits), lowest first and before any
+repair: no repair could reach it, and given up it would cost its block to the deadline.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import numpy as np
 
 from kvtransport.codecs.rlc import RLCDecoder, RLCEncoder
 from kvtransport.core.protocol import REPAIR_SEGMENT, ProtocolConfig
+from kvtransport.core.schemes.arq import Retransmits
 from kvtransport.core.schemes.base import (
     OWED_SEGMENTS,
     BadFEC,
@@ -106,6 +110,8 @@ class RLCSender(SenderRepair):
             s, window=min(self.decoder_window, max(n, 1)), stream=session.transfer.payload
         )
         self.answer_holes = bool(policy.reactive)
+        # holes below the repair floor, sent again as sources (answer_holes only)
+        self.resend = Retransmits(session)
         self.credit = 0.0
         self.key = 0
         self.span = REPAIR_SEGMENT  # proactive span (rtt_changed)
@@ -124,7 +130,7 @@ class RLCSender(SenderRepair):
     def before_source(self, t: float) -> bytes | None:
         reactive = self.needed > 0
         if reactive and self.answer_holes:
-            d = self._repair(True)
+            d = self._answer(t)
             if d is not None:
                 self.reactive = True
                 return d
@@ -162,7 +168,19 @@ class RLCSender(SenderRepair):
     def fill(self, t: float) -> bytes | None:
         reactive = self.needed > 0
         self.reactive = reactive
+        if reactive and self.answer_holes:
+            return self._answer(t)
         return self._repair(reactive)
+
+    def _answer(self, t: float) -> bytes | None:
+        """A reply to reported holes: the lowest one below the repair floor sent again,
+        else a reactive repair."""
+        if self.resend:
+            d = self.resend.take(t)
+            if d is not None:
+                self.needed -= 1
+                return d
+        return self._repair(True)
 
     def rtt_changed(self) -> None:
         s = self.session
@@ -172,6 +190,7 @@ class RLCSender(SenderRepair):
     def restart(self) -> None:
         self.segments.clear()
         self.flight.clear()
+        self.resend.clear()
         self.needed = 0
 
     def release(self) -> None:
@@ -200,10 +219,13 @@ class RLCSender(SenderRepair):
             in_flight[seg] = in_flight.get(seg, 0) + 1
         pending = dict(fb.segments)
         floor = max(0, s.next_esi - self.decoder_window + 1)
+        resend = self.resend if self.answer_holes else None
         holes: dict[int, list[int]] = {}  # segment -> [holes, end]
         for first, count in fb.ranges:
             first_ok = max(first, floor)
             end = first + count
+            if resend is not None and first < floor:
+                resend.add(first, min(end, floor), now)  # beyond every repair's reach
             while first_ok < end:
                 seg = first_ok // REPAIR_SEGMENT
                 stop = min(end, (seg + 1) * REPAIR_SEGMENT)
@@ -223,6 +245,8 @@ class RLCSender(SenderRepair):
                 plan.append([seg, owed, end])
                 total += owed
         self.segments = plan
+        if resend is not None:
+            total += len(resend)
         self.needed = total
         s.fb_deficit = total if fb.ranges else max(0, fb.unrecovered - fb.pending)
 
