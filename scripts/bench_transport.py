@@ -35,7 +35,9 @@ goodput, each configuration side by side in one run.
    completion. The machines are shared and noisy: the configurations are interleaved in
    --rounds rounds and medians reported, with the CPU seconds each process spent, and the
    CPU-bound goodput (bytes / the busier process's CPU seconds), i.e. what one core per
-   side sustains. Target: 1 Gbit/s with FEC and authentication on.
+   side sustains, and each side's share of system time (socket work and first-touch page
+   zeroing: on a VM whose host reclaims guest memory the latter swings from run to run).
+   Target: 1 Gbit/s with FEC and authentication on.
 
 Writes results/bench_transport.json and prints tables. ``--quick`` is a smoke run.
 """
@@ -47,6 +49,7 @@ import contextlib
 import json
 import os
 import platform
+import resource
 import socket
 import statistics
 import subprocess
@@ -472,14 +475,17 @@ def _role_recv(args: argparse.Namespace) -> None:
         eng = ReceiverEngine(sock, host, on_result=results.append)
         print(sock.address[1], flush=True)
         cpu0 = None
+        use0 = resource.getrusage(resource.RUSAGE_SELF)
         end = time.monotonic() + 60
         while not results and time.monotonic() < end:
             if wait_readable([sock], 0.05):
                 if cpu0 is None:
                     cpu0 = time.process_time()
+                    use0 = resource.getrusage(resource.RUSAGE_SELF)
                 eng.on_readable(clock())
             eng.run_due(clock())
         cpu = time.process_time() - (cpu0 or 0.0)
+        use = _usage_since(use0)
     if not results:
         print(json.dumps({"error": "no result"}), flush=True)
         return
@@ -491,7 +497,7 @@ def _role_recv(args: argparse.Namespace) -> None:
         "seconds": done - first, "bytes": nbytes, "reason": s.result.reason,
         "cpu_s": cpu, "received": s.source_received + s.repair_received,
         "lost": s.monitor.lost, "recovered": s.symbols_recovered,
-        "socket": sock.stats,
+        "socket": sock.stats, **use,
     }), flush=True)  # fmt: skip
 
 
@@ -514,6 +520,7 @@ def _role_send(args: argparse.Namespace) -> None:
         host = SenderHost(rate_bps=args.rate_gbps * 1e9, key=key, burst_s=200e-6, queue_guard=False)
         eng = SenderEngine(sock, host)
         cpu0 = time.process_time()
+        use0 = resource.getrusage(resource.RUSAGE_SELF)
         out = eng.submit(tr, dest, now=clock(), deadline_s=30.0, policy=args.policy,
                          initial_rtt=1e-3)  # fmt: skip
         while host.active:
@@ -523,8 +530,18 @@ def _role_send(args: argparse.Namespace) -> None:
             if wait_readable([sock], timeout):
                 eng.on_readable(clock())
         cpu = time.process_time() - cpu0
+        use = _usage_since(use0)
         st = out.status(clock())
-    print(json.dumps({"cpu_s": cpu, "status": st, "socket": sock.stats}), flush=True)
+    print(json.dumps({"cpu_s": cpu, "status": st, "socket": sock.stats, **use}), flush=True)
+
+
+def _usage_since(before: resource.struct_rusage) -> dict:
+    """The process's system CPU seconds since ``before``: the kernel's socket work, and
+    the zeroing of each page the process touches first (numpy asks for 2 MB pages), which
+    on a VM whose host reclaims guest memory (a balloon, DAMON) can cost more than the
+    protocol's own work and varies from run to run."""
+    now = resource.getrusage(resource.RUSAGE_SELF)
+    return {"sys_s": now.ru_stime - before.ru_stime}
 
 
 def _goodput_once(
@@ -589,6 +606,8 @@ def _goodput_once(
         "decision_mean_us": (s["status"]["decisions"] or {}).get("mean_us", 0.0),
         "decision_p99_us": (s["status"]["decisions"] or {}).get("p99_us", 0.0),
         "receiver_us_per_datagram": r["cpu_s"] / max(r["received"], 1) * 1e6,
+        "receiver_sys_share": r["sys_s"] / r["cpu_s"] if r["cpu_s"] > 0 else 0.0,
+        "sender_sys_share": s["sys_s"] / s["cpu_s"] if s["cpu_s"] > 0 else 0.0,
     }
 
 
@@ -707,13 +726,14 @@ def _table(pp: dict, sock: dict, gp: dict | None, link: str = "loopback") -> str
         lines.append("")
         lines.append(f"{link} goodput (medians; CPU-bound = bytes / busier process's CPU s)")
         lines.append(f"{'config':15s} {'Gbit/s':>7s} {'vs plain':>8s} {'CPU-bound':>9s} "
-                     f"{'snd us/dg':>9s} {'rcv us/dg':>9s} {'loss':>6s} "
+                     f"{'snd us/dg':>9s} {'rcv us/dg':>9s} {'snd/rcv sys':>11s} {'loss':>6s} "
                      f"{'decision us mean/p99':>21s}")  # fmt: skip
         for name, c in gp.items():
             lines.append(
                 f"{name:15s} {c['goodput_gbps']:7.3f} {c['goodput_gbps'] / base:8.2f} "
                 f"{c['cpu_bound_gbps']:9.3f} {c['sender_us_per_datagram']:9.2f} "
-                f"{c['receiver_us_per_datagram']:9.2f} {100 * c['loss']:5.1f}% "
+                f"{c['receiver_us_per_datagram']:9.2f} {100 * c['sender_sys_share']:4.0f}% / "
+                f"{100 * c['receiver_sys_share']:3.0f}% {100 * c['loss']:5.1f}% "
                 f"{c['decision_mean_us']:10.2f} / {c['decision_p99_us']:6.2f}"
             )
     return "\n".join(lines)
