@@ -92,7 +92,9 @@ def product_choice(spec) -> str:
 
     from kvtransport.core.policy import default_policy_for
 
-    return default_policy_for(round_trip(spec) / 2, spec.stream == "handoff")
+    return default_policy_for(
+        round_trip(spec) / 2, spec.stream == "handoff", spec.channel.rate_mbps * 1e6
+    )
 
 
 def make_scheme(name: str, weights: str | None):

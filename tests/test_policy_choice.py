@@ -1,14 +1,16 @@
 """The policy a shell picks for a transfer when told none (kvtransport.core.policy.
 default_policy_for): the shipped DDQN, except for a stream of whole token ranges over a
-long link, where it repairs too late and the heuristic recovers more (docs/results.md,
-issue 16)."""
+long link, where it repairs too late, and on a link whose bandwidth-delay product is
+beyond its training, where the heuristic recovers more (docs/results.md, issue 16)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from kvtransport.agents.runtime import shipped_trained_bdp_bits
 
 from kvtransport.core.policy import (
+    FAST_LINK_POLICY,
     LONG_LINK_HANDOFF_POLICY,
     LONG_LINK_ONE_WAY_S,
     default_policy,
@@ -20,6 +22,7 @@ from kvtransport.model import blocks, utility
 from kvtransport.model.cache_builder import ComputeSpeed
 from kvtransport.model.kvcache import KVCache
 from kvtransport.model.plan import LinkEstimate, planned_stream
+from kvtransport.sim.simulator import simulate
 
 BT = 16
 
@@ -64,13 +67,40 @@ def test_the_transfer_policy_reads_the_stream_and_the_assumed_rtt():
     long_rtt = 2 * LONG_LINK_ONE_WAY_S
     prefix = Transfer.from_encoded_stream(_stream("position"))
     card = Transfer.from_encoded_stream(_stream("utility"))
-    assert transfer_policy(prefix, long_rtt) == LONG_LINK_HANDOFF_POLICY
-    assert transfer_policy(prefix, 0.99 * long_rtt) == default_policy()
-    assert transfer_policy(card, long_rtt) == default_policy()
+    assert transfer_policy(prefix, long_rtt, 100e6) == LONG_LINK_HANDOFF_POLICY
+    assert transfer_policy(prefix, 0.99 * long_rtt, 100e6) == default_policy()
+    assert transfer_policy(card, long_rtt, 100e6) == default_policy()
+    assert transfer_policy(card, 0.16, 1e9) == FAST_LINK_POLICY  # and the link's rate
     # opaque bytes (no manifest, or something else as app metadata) are not a block stream
-    assert transfer_policy(synthetic_transfer(10_000, 4), long_rtt) == default_policy()
+    assert transfer_policy(synthetic_transfer(10_000, 4), long_rtt, None) == default_policy()
     other = Transfer(prefix.payload, prefix.blocks, b"not a manifest")
-    assert transfer_policy(other, long_rtt) == default_policy()
+    assert transfer_policy(other, long_rtt, None) == default_policy()
+
+
+def test_a_link_beyond_the_ddqns_training_gets_the_heuristic():
+    """The shipped weights' training drew links up to 400 Mbit/s and 90 ms one way (their
+    sidecar says so): a link whose rate x round trip exceeds that product gets the
+    heuristic, any other (or one whose rate the shell does not know) the DDQN."""
+    assert FAST_LINK_POLICY != default_policy() == "ddqn"
+    assert shipped_trained_bdp_bits() == pytest.approx(400e6 * 2 * 0.090)
+    assert default_policy_for(0.040, False, 1e9) == FAST_LINK_POLICY  # 80 Mbit
+    assert default_policy_for(0.020, False, 1e9) == default_policy()  # 40 Mbit
+    assert default_policy_for(0.090, False, 400e6) == default_policy()  # the corner
+    assert default_policy_for(0.005, False, 10e9) == FAST_LINK_POLICY  # 100 Mbit
+    assert default_policy_for(0.040, False, None) == default_policy()
+
+
+def test_on_a_fast_long_link_the_pick_recovers_more_than_the_ddqn():
+    """The case the rate rule exists for (2 % loss, 1 Gbit/s, 80 ms one way, rho 1; the
+    DDQN trained up to 400 Mbit/s): the policy it picks recovers clearly more than the
+    shipped DDQN it replaces there."""
+    pick = default_policy_for(0.080, False, 1e9)
+    link = dict(channel="loss 2%", rate_mbps=1000, delay_ms=80, rho=1.0, size_bytes=20_000_000)
+    got = {
+        p: simulate(policy=p, seed=1, record=False, **link).utility_recovered
+        for p in {pick, "ddqn"}
+    }
+    assert got[pick] > got["ddqn"] + 0.02
 
 
 @pytest.mark.parametrize("name", ["bernoulli-5", "4state-bursty"])

@@ -157,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
     bind = parse_address(args.bind, what="--bind")
     transfer = _transfer(args)
     if named is None:  # the default for this transfer and link (as kvtransport.send)
-        args.policy = transfer_policy(transfer, args.initial_rtt_ms * 1e-3)
+        args.policy = transfer_policy(transfer, args.initial_rtt_ms * 1e-3, args.rate_mbps * 1e6)
     rate = args.rate_mbps * 1e6
     spec = {"deadline_ms": args.deadline_ms, "rho": args.rho}
     if spec["deadline_ms"] is None and spec["rho"] is None:

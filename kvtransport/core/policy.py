@@ -339,9 +339,12 @@ LONG_LINK_ONE_WAY_S = 0.02
 ``LONG_LINK_HANDOFF_POLICY`` (:func:`default_policy_for`)."""
 LONG_LINK_HANDOFF_POLICY = "adaptive"
 """The policy of a whole-range stream over a long link when the shell is told none."""
+FAST_LINK_POLICY = "adaptive"
+"""The policy in place of the shipped DDQN on a link whose bandwidth-delay product is
+beyond any it was trained on (:func:`default_policy_for`)."""
 
 
-def default_policy_for(one_way_s: float, whole_ranges: bool) -> str:
+def default_policy_for(one_way_s: float, whole_ranges: bool, rate_bps: float | None = None) -> str:
     """The policy a shell uses for one transfer when told none.
 
     ``whole_ranges``: the stream sends each token range's blocks one after another (the
@@ -351,10 +354,23 @@ def default_policy_for(one_way_s: float, whole_ranges: bool) -> str:
     the RTT it assumes). Such a stream over a link of at least ``LONG_LINK_ONE_WAY_S``
     gets ``LONG_LINK_HANDOFF_POLICY``: there the shipped DDQN, trained on utility-ordered
     streams, repairs too late and the heuristic does better (docs/results.md, issue 16).
-    Every other transfer gets :func:`default_policy`."""
+    ``rate_bps``: the link's rate (None: not known). Where :func:`default_policy` is the
+    shipped DDQN and the link's bandwidth-delay product (``rate_bps`` x twice
+    ``one_way_s``) exceeds the largest one it was trained on
+    (kvtransport.agents.runtime.shipped_trained_bdp_bits: 72 Mbit, 400 Mbit/s x 180 ms),
+    the transfer gets ``FAST_LINK_POLICY``: at 1 Gbit/s and 40-80 ms one way the DDQN
+    fell significantly below the heuristic in 8 of 16 cells (up to 0.05 of utility), tied
+    it within the trained products (docs/results.md, issue 16). Every other transfer gets
+    :func:`default_policy`."""
     if whole_ranges and one_way_s >= LONG_LINK_ONE_WAY_S:
         return LONG_LINK_HANDOFF_POLICY
-    return default_policy()
+    policy = default_policy()
+    if policy == "ddqn" and rate_bps is not None:
+        from kvtransport.agents.runtime import shipped_trained_bdp_bits
+
+        if rate_bps * 2.0 * one_way_s > shipped_trained_bdp_bits():
+            return FAST_LINK_POLICY
+    return policy
 
 
 def register_policy(name: str, factory: Callable[[], Policy]) -> None:

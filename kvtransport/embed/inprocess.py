@@ -325,11 +325,11 @@ def send(
                         receiver_speed=receiver_speed,
                         question_tokens=question_tokens)  # fmt: skip
     transfer = as_transfer(cache_or_card, plan)
-    policy = policy or transfer_policy(transfer, initial_rtt_ms * 1e-3)
-    make_policy(policy)
     rate = float(rate_mbps) * 1e6
     if not rate > 0:
         raise UserError("rate_mbps must be a positive number")
+    policy = policy or transfer_policy(transfer, initial_rtt_ms * 1e-3, rate)
+    make_policy(policy)
     if deadline_ms is None and rho is None:
         rho = 1.0
     spec = {"deadline_ms": deadline_ms, "rho": rho}

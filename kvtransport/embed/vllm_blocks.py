@@ -253,7 +253,10 @@ class Pusher:
         # The pushes are prefix-ordered whole ranges, so send picks the policy for those.
         key = api_key(send_options.get("key"), bool(send_options.get("insecure", False)))
         rtt_s = float(send_options.get("initial_rtt_ms", DEFAULT_INITIAL_RTT * 1e3)) * 1e-3
-        warm_kernels(key, send_options.get("policy") or default_policy_for(rtt_s / 2, True))
+        rate = send_options.get("rate_mbps")
+        rate_bps = None if rate is None else float(rate) * 1e6
+        policy = send_options.get("policy") or default_policy_for(rtt_s / 2, True, rate_bps)
+        warm_kernels(key, policy)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_parallel, "kvt-push")
         self._options = send_options
         self._on_done = on_done
