@@ -22,6 +22,7 @@ from typing import Any
 from kvtransport import bounds
 from kvtransport.bounds import MAX_DEADLINE_S, MAX_INITIAL_RTT_S, MIN_DEADLINE_S
 from kvtransport.core.policy import (
+    FAST_LINK_POLICY,
     LONG_LINK_HANDOFF_POLICY,
     default_policy,
     default_policy_for,
@@ -256,8 +257,9 @@ class SenderDaemon(DaemonShell):
         self.curve_secret = curve_secret(curve_secret_file)
         # before the slow warm-up
         check_endpoint(control, "control", curve=self.curve_secret is not None)
-        # None: each transfer's own default (transfer_policy), so both its picks warm up
-        warm = (policy,) if policy is not None else (default_policy(), LONG_LINK_HANDOFF_POLICY)
+        # None: each transfer's own default (transfer_policy), so all its picks warm up
+        picks = (default_policy(), LONG_LINK_HANDOFF_POLICY, FAST_LINK_POLICY)
+        warm = (policy,) if policy is not None else tuple(dict.fromkeys(picks))
         for name in warm:
             make_policy(name)  # a bad default fails at start, not at the first submit
         self.policy = policy
