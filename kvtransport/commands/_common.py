@@ -199,3 +199,10 @@ def print_rows(rows: list[tuple[str, str]], width: int) -> None:
     """Indented ``name value`` lines, names padded to ``width``."""
     for k, v in rows:
         print(f"  {k:{width}s} {v}")
+
+
+def repairs_text(sent: float, retransmitted: float) -> str:
+    """Repair datagrams sent, and the sources among them sent again (ARQ's, or the RLC
+    scheme's for holes below what its repairs reach) where there were any."""
+    again = f" ({retransmitted:.0f} sources sent again)" if retransmitted else ""
+    return f"{sent:.0f}{again}"

@@ -185,7 +185,7 @@ def _print(st: dict) -> None:
     rows = [
         ("policy", st["policy"]),
         ("source symbols sent", f"{st['source_sent']} of {st['n_source']}"),
-        ("repair symbols sent", str(st["repair_sent"])),
+        ("repair symbols sent", _common.repairs_text(st["repair_sent"], st["retransmit_sent"])),
         ("receiver decoded", f"{st['decoded_through']} of {st['n_source']} in order"),
         ("loss estimate", f"{100 * st['loss_estimate']:.2f}%"),
         ("smoothed RTT", f"{st['srtt_ms']} ms"),

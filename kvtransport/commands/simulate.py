@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvtransport.bounds import float_arg, int_arg
+from kvtransport.commands import _common
 from kvtransport.errors import UserError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -162,8 +163,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-_SUMMED = ("utility_recovered", "source_sent", "repair_sent", "manifest_sent", "packets_sent",
-           "packets_lost", "feedback_sent", "feedback_lost", "blocks_missing", "cpu_s")  # fmt: skip
+_SUMMED = ("utility_recovered", "source_sent", "repair_sent", "retransmit_sent", "manifest_sent",
+           "packets_sent", "packets_lost", "feedback_sent", "feedback_lost", "blocks_missing",
+           "cpu_s")  # fmt: skip
 
 
 def _summary(results: list) -> dict:
@@ -193,7 +195,7 @@ def _print(results: list) -> None:
         ("utility recovered", f"{s['utility_recovered']:.4f}"),
         ("blocks missing", f"{s['blocks_missing']:.1f} of {r.blocks_total}"),
         ("source symbols sent", f"{s['source_sent']:.0f} of {r.n_source}"),
-        ("repair symbols sent", f"{s['repair_sent']:.0f}"),
+        ("repair symbols sent", _common.repairs_text(s["repair_sent"], s["retransmit_sent"])),
         ("manifest symbols sent", f"{s['manifest_sent']:.0f}"),
         ("packets lost", f"{s['packets_lost']:.0f} of {s['packets_sent']:.0f} ({lost_pct:.1f}%)"),
         ("feedback sent / lost", f"{s['feedback_sent']:.0f} / {s['feedback_lost']:.0f}"),

@@ -70,6 +70,7 @@ class SimResult:
     utility_bound: float  # genie: every surviving slot carried a new useful symbol
     source_sent: int
     repair_sent: int
+    retransmit_sent: int  # of repair_sent: sources sent again (ARQ; RLC below its floor)
     manifest_sent: int
     packets_sent: int
     packets_lost: int
@@ -313,6 +314,7 @@ class Simulation:
             utility_bound=meta.get("utility_bound", math.nan),
             source_sent=s.stats["source_sent"],
             repair_sent=s.repair_sent,
+            retransmit_sent=s.stats["retransmit_sent"],
             manifest_sent=s.stats["manifest_sent"],
             packets_sent=getattr(data_ch, "sent", 0),
             packets_lost=getattr(data_ch, "lost", 0) + getattr(data_ch, "dropped", 0),
