@@ -515,9 +515,11 @@ def _role_send(args: argparse.Namespace) -> None:
     tr = synthetic_transfer(size, max(1, size // 12_288), seed=2)
     dest = (args.rcv_addr, args.port)
     with DatagramSocket(("0.0.0.0", 0), dest, buffer_bytes=32 << 20) as sock:
-        # no queue guard: a receiver behind on CPU queues in its socket buffer, and the
-        # bench measures what each side costs at the given rate, not how a guard would pace
-        host = SenderHost(rate_bps=args.rate_gbps * 1e9, key=key, burst_s=200e-6, queue_guard=False)
+        # no queue guard unless asked: a receiver behind on CPU queues in its socket buffer,
+        # and the bench measures what each side costs at the given rate, not how a guard
+        # would pace (--queue-guard: how the product's guard copes with that receiver)
+        host = SenderHost(rate_bps=args.rate_gbps * 1e9, key=key, burst_s=200e-6,
+                          queue_guard=args.queue_guard)  # fmt: skip
         eng = SenderEngine(sock, host)
         cpu0 = time.process_time()
         use0 = resource.getrusage(resource.RUSAGE_SELF)
@@ -568,6 +570,7 @@ def _goodput_once(
     common += ["--rcv-addr", VETH_ADDR["rcv"] if args.veth else "127.0.0.1"]
     common += ["--auth"] if auth else []
     common += ["--realtime"] if args.realtime else []
+    common += ["--queue-guard"] if args.queue_guard else []
     rx_only = [] if source_runs else ["--no-source-runs"]
     rx = subprocess.Popen(
         [*rx_me, "_recv", *common, *rx_only], stdout=subprocess.PIPE, text=True, env=env
@@ -753,6 +756,9 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3, help="goodput rounds (medians)")
     p.add_argument("--rate-gbps", type=float, default=20.0, help="pacing rate (unreachable)")
     p.add_argument("--realtime", action="store_true", help="run the goodput ends SCHED_FIFO")
+    p.add_argument("--queue-guard", action="store_true",
+                   help="the sender paces under the product's queue guard (off by default: "
+                        "the rows measure each side's cost at an unreachable rate)")  # fmt: skip
     p.add_argument("--no-goodput", action="store_true", help="skip the loopback runs")
     p.add_argument(
         "--configs",
