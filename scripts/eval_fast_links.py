@@ -1,0 +1,150 @@
+#!/usr/bin/env python3
+"""Repair schemes on fast and long links, side by side, paired over seeds.
+
+Each scheme plays the same simulated transfers (`kvtransport simulate`'s: a synthetic
+stream of --size-mb with zipf block utilities, feedback over an independent draw of the
+same channel) on a grid of channels x link rates x one-way delays x rhos, seeds 1..--seeds.
+Per cell: each scheme's mean utility recovered before the deadline, and every scheme's
+paired difference against --against (same seed, same channel draws) with a 95 %
+t-interval. ``auto`` is what a shell picks when told no policy
+(kvtransport.core.policy.default_policy_for with the link's rate: adaptive where the
+link's bandwidth-delay product exceeds the shipped DDQN's training, else the DDQN).
+docs/results.md quotes these figures for links beyond 400 Mbit/s.
+
+    .venv/bin/python scripts/eval_fast_links.py --out results/fast_links
+
+Writes eval_fast_links.json and eval_fast_links.md under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+AUTO = "auto"
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
+       9: 2.262}  # fmt: skip
+"""Two-sided 95 % t quantiles by degrees of freedom (1.96 beyond)."""
+
+
+def _play(job: tuple[str, str, float, float, float, int, float]) -> float:
+    """Utility one scheme recovers on one cell and seed (a worker process's job)."""
+    scheme, channel, rate_mbps, delay_ms, rho, seed, size_mb = job
+    from kvtransport.core.policy import default_policy_for
+    from kvtransport.sim.simulator import simulate
+
+    if scheme == AUTO:
+        scheme = default_policy_for(delay_ms * 1e-3, False, rate_mbps * 1e6)
+    return simulate(
+        channel=channel, rate_mbps=rate_mbps, delay_ms=delay_ms, rho=rho,
+        size_bytes=int(size_mb * 1e6), policy=scheme, seed=seed, record=False,
+    ).utility_recovered  # fmt: skip
+
+
+def cell_key(channel: str, rate_mbps: float, delay_ms: float, rho: float) -> str:
+    return f"{channel} {rate_mbps:g}Mbps+{delay_ms:g}ms@{rho:g}"
+
+
+def paired(a: list[float], b: list[float]) -> tuple[float, float]:
+    """Mean of ``a - b`` per seed and its 95 % half-interval (nan with one seed)."""
+    d = [x - y for x, y in zip(a, b, strict=True)]
+    m = sum(d) / len(d)
+    if len(d) < 2:
+        return m, math.nan
+    sd = math.sqrt(sum((x - m) ** 2 for x in d) / (len(d) - 1))
+    return m, T95.get(len(d) - 1, 1.96) * sd / math.sqrt(len(d))
+
+
+def markdown(cells: dict, schemes: list[str], against: str) -> str:
+    others = [s for s in schemes if s != against]
+    head = ["cell", *schemes, *(f"{s} - {against}" for s in others)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for key, c in cells.items():
+        row = [key, *(f"{c['mean'][s]:.4f}" for s in schemes)]
+        for s in others:
+            m, ci = c["vs"][s]
+            row.append(f"{m:+.4f} ± {ci:.4f}" + (" *" if abs(m) > ci else ""))
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n\n(* the 95 % interval excludes 0; paired over seeds)\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    p.add_argument("--channels", default="ge-heavy,ge-light,bernoulli-5,loss 2%",
+                   help="comma-separated profiles or netem loss strings")  # fmt: skip
+    p.add_argument("--rates", default="400,1000", help="link rates, Mbit/s")
+    p.add_argument("--delays", default="40,80", help="one-way delays, ms")
+    p.add_argument("--rhos", default="1,2", help="deadline / loss-free send time")
+    p.add_argument("--seeds", type=int, default=4, help="seeds 1..N per cell (default 4)")
+    p.add_argument("--size-mb", type=float, default=20.0, help="stream size (default 20)")
+    p.add_argument("--schemes", default="adaptive,ddqn,auto", help="schemes (auto: the pick)")
+    p.add_argument("--against", default="adaptive", help="the scheme differences are against")
+    p.add_argument("--workers", type=int, default=2, help="processes (default 2)")
+    p.add_argument("--out", default="results/fast_links", help="output directory")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+
+    def floats(text: str, what: str) -> list[float]:
+        try:
+            return [float(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            p.error(f"{what} must be comma-separated numbers, not {text!r}")
+
+    channels = [c.strip() for c in args.channels.split(",") if c.strip()]
+    rates, delays = floats(args.rates, "--rates"), floats(args.delays, "--delays")
+    rhos = floats(args.rhos, "--rhos")
+    schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
+    if args.against not in schemes:
+        p.error(f"--against {args.against!r} is not among --schemes")
+    if args.seeds < 1 or args.workers < 1 or not args.size_mb > 0:
+        p.error("--seeds and --workers must be at least 1, --size-mb positive")
+    from kvtransport.netem.profiles import ProfileError, load_profile
+
+    from kvtransport.core.policy import make_policy
+    from kvtransport.errors import UserError
+
+    try:
+        for s in schemes:
+            make_policy("ddqn" if s == AUTO else s)
+        for c in channels:
+            load_profile(c)
+    except (UserError, ProfileError) as exc:
+        p.error(str(exc))
+    grid = [(c, r, d, rho) for c in channels for r in rates for d in delays for rho in rhos]
+    jobs = [(s, *g, seed, args.size_mb) for g in grid for seed in range(1, args.seeds + 1)
+            for s in schemes]  # fmt: skip
+    from tqdm import tqdm
+
+    with ProcessPoolExecutor(args.workers) as pool:
+        got = list(tqdm(pool.map(_play, jobs), total=len(jobs), disable=args.quiet,
+                        desc="transfers", file=sys.stderr))  # fmt: skip
+    utilities: dict[str, dict[str, list[float]]] = {}
+    for (s, c, r, d, rho, _, _), u in zip(jobs, got, strict=True):
+        utilities.setdefault(cell_key(c, r, d, rho), {}).setdefault(s, []).append(u)
+    cells = {
+        key: {
+            "utilities": u,
+            "mean": {s: sum(v) / len(v) for s, v in u.items()},
+            "vs": {s: paired(u[s], u[args.against]) for s in schemes if s != args.against},
+        }
+        for key, u in utilities.items()
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    record = {"command": " ".join(sys.argv), "args": vars(args), "cells": cells}
+    (out / "eval_fast_links.json").write_text(json.dumps(record, indent=1))
+    table = markdown(cells, schemes, args.against)
+    (out / "eval_fast_links.md").write_text(table)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

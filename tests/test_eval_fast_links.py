@@ -1,0 +1,40 @@
+"""scripts/eval_fast_links.py, small: each scheme on the same transfers, the product's pick
+(auto) resolved per link, differences paired by seed."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import eval_fast_links  # noqa: E402
+
+
+def test_the_pick_follows_the_link_and_differences_are_paired(tmp_path, capsys):
+    argv = ["--channels", "loss 2%", "--rates", "100,1000", "--delays", "80", "--rhos", "1",
+            "--seeds", "2", "--schemes", "adaptive,ddqn,auto", "--out", str(tmp_path),
+            "--quiet"]  # fmt: skip
+    assert eval_fast_links.main(argv) == 0
+    cells = json.loads((tmp_path / "eval_fast_links.json").read_text())["cells"]
+    slow, fast = cells["loss 2% 100Mbps+80ms@1"], cells["loss 2% 1000Mbps+80ms@1"]
+    # within the DDQN's trained bandwidth-delay product the pick is the DDQN, beyond it
+    # the heuristic, episode for episode
+    assert slow["utilities"]["auto"] == slow["utilities"]["ddqn"]
+    assert fast["utilities"]["auto"] == fast["utilities"]["adaptive"]
+    u = fast["utilities"]
+    diffs = [d - a for d, a in zip(u["ddqn"], u["adaptive"], strict=True)]
+    m, ci = fast["vs"]["ddqn"]
+    assert m == pytest.approx(sum(diffs) / 2) and m + ci < 0  # the loss the pick avoids
+    assert "loss 2% 1000Mbps+80ms@1" in capsys.readouterr().out
+
+
+def test_bad_arguments_get_one_line(capsys):
+    with pytest.raises(SystemExit):
+        eval_fast_links.main(["--rates", "fast"])
+    assert "--rates must be comma-separated numbers" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        eval_fast_links.main(["--schemes", "adaptive", "--against", "ddqn"])
+    assert "is not among --schemes" in capsys.readouterr().err
