@@ -20,15 +20,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _eval_common import md_table  # noqa: E402
+from eval_policy import mean_ci  # noqa: E402
+
 AUTO = "auto"
-T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
-       9: 2.262}  # fmt: skip
-"""Two-sided 95 % t quantiles by degrees of freedom (1.96 beyond)."""
 
 
 def _play(job: tuple[str, str, float, float, float, int, float]) -> float:
@@ -50,26 +52,22 @@ def cell_key(channel: str, rate_mbps: float, delay_ms: float, rho: float) -> str
 
 
 def paired(a: list[float], b: list[float]) -> tuple[float, float]:
-    """Mean of ``a - b`` per seed and its 95 % half-interval (nan with one seed)."""
-    d = [x - y for x, y in zip(a, b, strict=True)]
-    m = sum(d) / len(d)
-    if len(d) < 2:
-        return m, math.nan
-    sd = math.sqrt(sum((x - m) ** 2 for x in d) / (len(d) - 1))
-    return m, T95.get(len(d) - 1, 1.96) * sd / math.sqrt(len(d))
+    """Mean of ``a - b`` per seed and the half-width of its 95 % t-interval (eval_policy's
+    ``mean_ci``; nan with one seed)."""
+    return mean_ci(np.subtract(a, b))
 
 
 def markdown(cells: dict, schemes: list[str], against: str) -> str:
     others = [s for s in schemes if s != against]
     head = ["cell", *schemes, *(f"{s} - {against}" for s in others)]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = []
     for key, c in cells.items():
         row = [key, *(f"{c['mean'][s]:.4f}" for s in schemes)]
         for s in others:
             m, ci = c["vs"][s]
             row.append(f"{m:+.4f} ± {ci:.4f}" + (" *" if abs(m) > ci else ""))
-        lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines) + "\n\n(* the 95 % interval excludes 0; paired over seeds)\n"
+        rows.append(row)
+    return md_table(head, rows) + "\n(* the 95 % interval excludes 0; paired over seeds)\n"
 
 
 def main(argv: list[str] | None = None) -> int:
