@@ -651,6 +651,25 @@ class SourceWindow:
         if n < self.stride:
             self._sym_mv[off + n : off + self.stride] = self._zeros[: self.stride - n]
 
+    def widen(self, capacity: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """Hold ``capacity`` consecutive ESIs from ``base`` on (no change when that is not
+        more than today): every held symbol and state keeps its ESI, the new slots are
+        UNKNOWN. Returns the old and new slot of each held ESI (None when unchanged)."""
+        capacity = int(capacity)
+        old = self.capacity
+        if capacity <= old:
+            return None
+        esis = np.arange(self.base, self.base + old, dtype=np.int64)
+        src, dst = esis % old, esis % capacity
+        sym = np.zeros((capacity, self.stride), dtype=np.uint8)
+        sym[dst] = self.sym[src]
+        state = np.zeros(capacity, dtype=np.uint8)  # UNKNOWN
+        state[dst] = self.state[src]
+        self.capacity, self.sym, self.state = capacity, sym, state
+        self._sym_mv = memoryview(sym.reshape(-1))
+        self._state_mv = memoryview(state)
+        return src, dst
+
     def advance_through(self) -> None:
         """Move ``decoded_through`` over newly known ESIs (amortized O(1) per ESI)."""
         t = self._through
@@ -1506,6 +1525,28 @@ class RLCDecoder(SourceWindow):
         self._n_dependent += c[_C_DEPENDENT]
         self._n_dropped += c[_C_DROPPED]
         return results[: c[_C_RESULTS]].tolist()
+
+    def widen(self, capacity: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """Hold ``capacity`` ESIs from now on (no change when that is not more than
+        ``max_window``): the held symbols, their states, every pending equation and
+        ``max_pending`` stay as they are, so decoding goes on exactly as before, with the
+        window reaching further. For a receiver that learns the window a sender works with
+        after its first symbols (kvtransport.core.receiver); costs one copy of the held
+        symbols and equations."""
+        moved = super().widen(capacity)
+        if moved is None:
+            return None
+        src, dst = moved
+        self.max_window = self.capacity
+        self._wpad = _round8(self.capacity)
+        rows = self._piv.shape[0]
+        coef = np.zeros((rows, self._wpad), dtype=np.uint8)
+        coef[:, dst] = self._coef[:, src]
+        colrow = np.full(self.capacity, -1, dtype=np.int64)
+        colrow[dst] = self._colrow[src]
+        self._coef = coef
+        self._set_ints(self._ints[:_HEADER].copy(), rows, colrow, self._piv.copy())
+        return moved
 
     def _grow_rows(self) -> None:
         rows = self._piv.shape[0]

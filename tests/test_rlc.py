@@ -609,6 +609,72 @@ def test_add_source_run_is_add_source_once_per_symbol(stream, longest):
     assert _decoder_state(one) == _decoder_state(bulk)
 
 
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    streams(max_sources=120, slide=True), st.integers(1, 40), st.integers(0, 10**6),
+    st.integers(0, 100),
+)  # fmt: skip
+def test_a_window_widened_mid_stream_decodes_as_one_that_was_wide_from_the_start(
+    stream, extra, cut_draw, shift
+):
+    """A decoder widened (``widen``) at any point before it had to slide decodes the rest
+    of the stream exactly as one made that wide: the same ESIs per call, the same symbols,
+    pending pivots, base and counters. The stream starts at ESI ``shift`` (the ones below
+    received and released), so held ESIs lie in other ring slots once widened."""
+    size, enc_window, max_window, seed, n, arrivals, releases = stream
+    rng = np.random.default_rng(seed)
+    sources = [rng.integers(0, 256, size, dtype=np.uint8).tobytes() for _ in range(shift + n)]
+    enc = RLCEncoder(size, window=max(enc_window, shift + n))
+    for src in sources:
+        enc.add_source(src)
+    wide_window = max_window + extra
+    narrow = RLCDecoder(size, max_window=max_window)
+    wide = RLCDecoder(size, max_window=wide_window)
+    for d in (narrow, wide):
+        for e in range(shift):
+            d.add_source(e, sources[e])
+        d.release_before(shift)
+    arrivals = [
+        (kind, args + shift if kind == "source" else (args[0] + shift, *args[1:]))
+        for kind, args in arrivals
+    ]
+    releases = {step: bound + shift for step, bound in releases.items()}
+    # the last step at which the narrow window has not had to slide yet
+    base, cut = shift, len(arrivals)
+    for step, (kind, args) in enumerate(arrivals):
+        top = args if kind == "source" else args[0] + args[1] - 1
+        if top >= base + max_window:
+            cut = step
+            break
+        if step in releases:
+            base = max(base, releases[step])
+    widen_at = cut_draw % (cut + 1)
+    for step, (kind, args) in enumerate(arrivals):
+        if step == widen_at:
+            narrow.widen(wide_window)
+            assert narrow.max_window == narrow.capacity == wide_window
+        if kind == "source":
+            got = [d.add_source(args, sources[args]) for d in (narrow, wide)]
+        else:
+            payload = enc.repair(*args)
+            got = [d.add_repair(*args, payload) for d in (narrow, wide)]
+        assert sorted(got[0]) == sorted(got[1])
+        if step in releases:
+            narrow.release_before(releases[step])
+            wide.release_before(releases[step])
+        assert narrow.pending_pivots().tolist() == wide.pending_pivots().tolist()
+    if widen_at == len(arrivals):
+        narrow.widen(wide_window)
+    assert (narrow.base, narrow.decoded_through, narrow.stats) == (
+        wide.base,
+        wide.decoded_through,
+        wide.stats,
+    )
+    for e in range(shift + n):
+        assert narrow.get(e) == wide.get(e)
+    check_equations(narrow, [np.frombuffer(x, np.uint8) for x in sources])
+
+
 def _settled_state(dec):
     """_decoder_state without the scratch count of the last kernel call (ints[3])."""
     state = list(_decoder_state(dec))

@@ -250,8 +250,8 @@ def test_a_policy_naming_an_unknown_scheme_fails_in_one_line():
 
 
 SMALL_WINDOW = ProtocolConfig(
-    decoder_window=512, max_pending_equations=128, max_repair_span=256, release_lag=64,
-    release_chunk=32,
+    decoder_window=512, max_decoder_window=512, max_pending_equations=128,
+    max_repair_span=256, release_lag=64, release_chunk=32,
 )  # fmt: skip
 
 

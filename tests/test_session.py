@@ -5,6 +5,7 @@ with fixed delays and lets each test decide, per datagram, whether it is lost, d
 or delayed (reordered). Time only moves when a session's timer or a delivery says so.
 """
 
+import dataclasses
 import math
 from collections import deque
 
@@ -238,6 +239,59 @@ def test_decoder_limits_are_sized_for_a_gigabit_link_with_40ms_rtt():
     assert r.decoder.max_pending == protocol.MAX_PENDING_EQUATIONS
 
 
+def test_the_decoder_window_is_sized_from_the_link_and_named_in_the_manifest():
+    """Two bandwidth-delay products of the link the sender is given, within the config's
+    bounds and no wider than the transfer (the next test: the manifest carries it)."""
+    tr = synthetic_transfer(40_000_000, 100, "zipf", seed=7)  # 31,250 symbols
+
+    def window(rate, rtt, transfer=tr):
+        s = SenderSession(transfer, make_policy("adaptive"), rate_bps=rate, deadline=1.0,
+                          transfer_id=TID, initial_rtt=rtt)  # fmt: skip
+        return s.decoder_window
+
+    assert window(100e6, 0.040) == window(1e9, 0.040) == protocol.DECODER_WINDOW
+    assert window(1e9, 0.080) == protocol.decoder_window(1e9, 0.080) == 16384
+    assert window(1e9, 0.200) == tr.nbytes // 1280  # the whole transfer
+    assert window(1e9, 0.200, synthetic_transfer(400_000, 10, "zipf")) == protocol.DECODER_WINDOW
+    big = synthetic_transfer(45_000_000, 100, "zipf", seed=7)  # 35,157 symbols
+    assert window(1e9, 0.200, big) == protocol.MAX_DECODER_WINDOW
+
+
+def test_the_receiver_widens_its_decoder_to_the_manifests_window_or_refuses_it():
+    """A path whose round trip (40 ms, about 370 datagrams) outlasts the window a receiver
+    starts with (256 ESIs here): the sender asks for a wider one. The manifest's first run
+    is lost, so the receiver's decoder starts narrow with the first symbols and widens
+    when the manifest arrives; the repairs of a burst a round trip old decode there (a
+    decoder left narrow has let the burst slide out: the transfer runs to its deadline). A
+    receiver whose limit is lower refuses the transfer (counted as decoder_window)."""
+    small = protocol.ProtocolConfig(
+        decoder_window=256, max_decoder_window=1024, max_pending_equations=64,
+        max_repair_span=256, release_lag=64,
+    )  # fmt: skip
+    tr = synthetic_transfer(2_000_000, 40, "zipf", seed=7)
+    drop = _drop_sources(set(range(300, 330)) | set(range(100, 2000, 37)))
+
+    def rule(i, d):
+        if d.type in (T.MANIFEST, T.MANIFEST_REPAIR) and i < 20:
+            return []
+        return drop(i, d)
+
+    def run(receiver_config):
+        s = SenderSession(tr, make_policy("adaptive"), rate_bps=RATE, deadline=1.0,
+                          transfer_id=TID, initial_rtt=0.040, config=small)  # fmt: skip
+        r = ReceiverSession(TID, deadline=1.0, config=receiver_config)
+        net = Net(s, r, data=rule, delay=0.020)
+        net.run()
+        return s, r
+
+    s, r = run(small)
+    assert s.decoder_window == r.decoder_window == 1024
+    assert r.result.reason == "complete" and np.array_equal(r.result.payload, tr.payload)
+    _, r = run(dataclasses.replace(small, max_decoder_window=512))
+    assert r.result.reason == "refused" and r.drop_reasons["decoder_window"] >= 1
+    assert r.result.utility_recovered == 0.0
+
+
 def test_feedback_comes_periodically_and_at_once_on_a_loss():
     tr, s, r = make_pair(size=400_000, blocks=10, policy="none")
     net = Net(s, r, data=_drop_sources({150}))
@@ -251,6 +305,72 @@ def test_feedback_comes_periodically_and_at_once_on_a_loss():
     assert any(abs(t - lost_at) < 1e-9 for t in times)
     fb = next(wire.decode_feedback(d.payload) for t, d in net.feedback if abs(t - lost_at) < 1e-9)
     assert (150, 1) in fb.ranges and fb.lost == 1 and fb.unrecovered == 1
+
+
+def test_feedback_lists_only_the_holes_no_pending_equation_is_pivoted_on():
+    """Two holes in one segment and one repair over both: the repair's equation pivots on
+    the lower hole, so the receiver reports only the upper one, the one that still needs an
+    equation (the wire's NACK list), while still counting both as unrecovered. A second
+    repair decodes both and the list is empty."""
+    sym, n = 64, 40
+    payload = np.random.default_rng(5).integers(0, 256, n * sym, dtype=np.uint8)
+    enc = RLCEncoder(sym, window=n, stream=payload)
+    enc.add_stream_sources(n)
+    framer = wire.Framer(TID)
+    r = ReceiverSession(TID, deadline=10.0)
+    seq = 0
+
+    def send(d, now):
+        nonlocal seq
+        r.receive_datagram(d, now)
+        seq += 1
+
+    def last_feedback(now):
+        r.handle_timer(now)  # the periodic report is due
+        fbs = [wire.parse(d) for d in r.datagrams_to_send(now)]
+        fbs = [wire.decode_feedback(d.payload) for d in fbs if d.type == T.FEEDBACK]
+        return fbs[-1]
+
+    def repair(key):
+        return framer.build(T.REPAIR, seq, enc.repair(0, n, key), esi=0, key=key,
+                            dt_nss=wire.pack_dt_nss(15, n))  # fmt: skip
+
+    for e in range(n):
+        if e not in (10, 20):
+            send(framer.build(T.SOURCE, seq, payload[e * sym : (e + 1) * sym], esi=e), 0.001)
+    fb = last_feedback(1.0)
+    assert fb.ranges == ((10, 1), (20, 1)) and fb.unrecovered == 2
+    send(repair(1), 1.1)
+    fb = last_feedback(2.0)
+    assert fb.ranges == ((20, 1),) and fb.unrecovered == 2 and fb.pending == 1
+    send(repair(2), 2.1)
+    assert r.n_known == n
+    for e in (10, 20):
+        assert bytes(r.known_symbol(e)) == payload[e * sym : (e + 1) * sym].tobytes()
+
+
+def test_a_hole_list_cut_at_its_cap_sends_proactive_repairs_where_it_stopped():
+    """300 holes (every third source of 300..1199) on a 100 ms one-way path: the receiver's
+    reports list 96 ranges and stop short of the rest. Once every source is out and the
+    listed holes have their repairs in flight, the sender's spare slots go to repairs over
+    the symbols from where the list stopped (which it knows hold unlisted holes), not over
+    the newest symbols (which hold none): most wide repairs start there."""
+    tr = synthetic_transfer(3_000_000, 40, "zipf", seed=7)
+    s = SenderSession(tr, make_policy("adaptive"), rate_bps=RATE, deadline=1.0,
+                      transfer_id=TID, initial_rtt=0.2)  # fmt: skip
+    r = ReceiverSession(TID, deadline=1.0)
+    net = Net(s, r, data=_drop_sources(set(range(300, 1200, 3))), delay=0.1)
+    net.run()
+    assert r.result.reason == "complete" and np.array_equal(r.result.payload, tr.payload)
+    cut_ends = set()
+    for _, d in net.feedback:
+        fb = wire.decode_feedback(d.payload)
+        if len(fb.ranges) == wire.MAX_FEEDBACK_RANGES:
+            cut_ends.add(fb.ranges[-1][0] + fb.ranges[-1][1])
+    assert cut_ends
+    proactive = [d for _, d in net.of_type(T.REPAIR) if d.nss > protocol.REPAIR_SEGMENT]
+    at_cut = [d for d in proactive if d.esi in cut_ends]
+    assert len(at_cut) > len(proactive) // 2
 
 
 def test_deadline_cuts_the_stream_and_the_missing_list_is_exact():

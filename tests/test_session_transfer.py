@@ -56,11 +56,12 @@ def test_block_symbol_ranges_cover_unaligned_blocks():
 
 def test_transport_manifest_round_trips_and_rejects_corruption():
     tr = synthetic_transfer(50_000, 12, "zipf", seed=1, app_metadata=b"app says hi")
-    m = TransportManifest(1280, tr.nbytes, tr.blocks, tr.app_metadata, 0.25)
+    m = TransportManifest(1280, tr.nbytes, tr.blocks, tr.app_metadata, 0.25, 1.5e9, 16384)
     data = m.to_bytes()
     back = TransportManifest.from_bytes(data)
     assert back.blocks.equals(tr.blocks) and back.app_metadata == b"app says hi"
     assert (back.symbol_size, back.payload_len, back.deadline_s) == (1280, 50_000, 0.25)
+    assert (back.sent_at, back.decoder_window) == (1.5e9, 16384)
     assert back.n_source == 40
     for bad in (data[:-1], data[:20], b"XXXX" + data[4:], data[:-4] + b"\0\0\0\0"):
         with pytest.raises(wire.BadPayload):

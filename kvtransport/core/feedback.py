@@ -13,6 +13,7 @@ Both are fixed-size rings: state stays bounded on endless streams.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from itertools import repeat
 
 SEQ_RING = 1 << 14
@@ -227,10 +228,14 @@ class SentLog:
         return self.t[i], self.src[i], self.rep[i], self.rea[i]
 
 
-def loss_ranges(known: bytearray, lo: int, hi: int, limit: int) -> tuple:
+def loss_ranges(known: bytearray, lo: int, hi: int, limit: int, skip: Sequence[int] = ()) -> tuple:
     """Runs of zero bytes in ``known[lo:hi]`` as ((first, count), ...), lowest first, at most
-    ``limit`` runs, counts capped at 65535 (the feedback's u16). Two C-level ``find`` calls
-    per run: feedback goes out every millisecond or so and usually has few holes."""
+    ``limit`` runs, counts capped at 65535 (the feedback's u16), leaving out the ESIs in
+    ``skip`` (``known`` is unchanged on return). Two C-level ``find`` calls per run:
+    feedback goes out every millisecond or so and usually has few holes."""
+    marked = [e for e in skip if lo <= e < hi and not known[e]]
+    for e in marked:
+        known[e] = 1
     out: list[tuple[int, int]] = []
     find = known.find
     pos = find(0, lo, hi)
@@ -240,4 +245,6 @@ def loss_ranges(known: bytearray, lo: int, hi: int, limit: int) -> tuple:
             end = hi
         out.append((pos, min(end - pos, 0xFFFF)))
         pos = find(0, end, hi)
+    for e in marked:
+        known[e] = 0
     return tuple(out)

@@ -55,11 +55,18 @@ DESIGN_RTT_S = 0.040
 (a 20 ms one-way path)."""
 
 DECODER_WINDOW = decoder_window(DESIGN_RATE_BPS, DESIGN_RTT_S)
-"""Source ESIs the receiver's RLC decoder holds: 8192, two bandwidth-delay products at the
-design link (10.5 MB of symbols at 1280 bytes; 0.9 s at 100 Mbit/s, 90 ms at 1 Gbit/s). The
-sender's encoder keeps as many, and no repair reaches below ``highest ESI sent -
-DECODER_WINDOW + 1``: a hole older than that is given up. The value is not negotiated, so
-both sides take this constant (a receiver holding fewer only wastes repairs)."""
+"""Source ESIs the receiver's RLC decoder holds at least: 8192, two bandwidth-delay products
+at the design link (10.5 MB of symbols at 1280 bytes; 0.9 s at 100 Mbit/s, 90 ms at 1
+Gbit/s). A transfer on a longer or faster link gets a wider one (MAX_DECODER_WINDOW). The
+sender's encoder keeps as many as the transfer's window, and no repair reaches below
+``highest ESI sent - window + 1``; a hole reported below that is sent again as a source."""
+
+MAX_DECODER_WINDOW = decoder_window(DESIGN_RATE_BPS, 4 * DESIGN_RTT_S)
+"""The widest decoder window a sender asks for and a receiver grants: 32768 ESIs, two
+bandwidth-delay products at 1 Gbit/s with a 160 ms round trip (42 MB of symbols at 1280
+bytes per transfer at the receiver). A sender sizes each transfer's window from its link
+(``ProtocolConfig.window_for``) and names it in the transport manifest; a receiver widens
+its decoder to it on the manifest and refuses a transfer asking more than its own limit."""
 
 MAX_PENDING_EQUATIONS = DECODER_WINDOW // 4
 """Repair equations the receiver's decoder holds pending at most (RLCDecoder max_pending):
@@ -116,7 +123,8 @@ class ProtocolConfig:
     - ``link_overhead``: LINK_OVERHEAD_BYTES, the bytes per datagram pacing counts besides
       the datagram;
     - ``decoder_window``: DECODER_WINDOW, the ESIs the receiver's window decoder and the
-      sender's encoder hold;
+      sender's encoder hold at least; ``max_decoder_window``: MAX_DECODER_WINDOW, the most
+      a sender asks for (``window_for``) and a receiver grants;
     - ``max_pending_equations``: MAX_PENDING_EQUATIONS, at most 1..``decoder_window``;
     - ``release_lag``, ``release_chunk``: RELEASE_LAG, RELEASE_CHUNK;
     - ``max_repair_span``: MAX_REPAIR_SPAN, REPAIR_SEGMENT..``decoder_window``;
@@ -129,6 +137,7 @@ class ProtocolConfig:
     symbol_size: int = DEFAULT_SYMBOL_SIZE
     link_overhead: int = LINK_OVERHEAD_BYTES
     decoder_window: int = DECODER_WINDOW
+    max_decoder_window: int = MAX_DECODER_WINDOW
     max_pending_equations: int = MAX_PENDING_EQUATIONS
     release_lag: int = RELEASE_LAG
     release_chunk: int = RELEASE_CHUNK
@@ -144,6 +153,10 @@ class ProtocolConfig:
             raise ValueError(f"link_overhead must be >= 0 ({self.link_overhead})")
         if self.decoder_window < 1:
             raise ValueError(f"decoder_window must be positive ({self.decoder_window})")
+        if self.max_decoder_window < self.decoder_window:
+            raise ValueError(
+                f"max_decoder_window must be >= decoder_window ({self.max_decoder_window})"
+            )
         if not 1 <= self.max_pending_equations <= self.decoder_window:
             raise ValueError(
                 f"max_pending_equations must be 1..decoder_window ({self.max_pending_equations})"
@@ -155,6 +168,18 @@ class ProtocolConfig:
             raise ValueError("feedback_interval must be positive, min_feedback_gap >= 0")
         if not self.initial_rtt > 0:
             raise ValueError(f"initial_rtt must be positive ({self.initial_rtt})")
+
+    def window_for(
+        self, rate_bps: float, rtt_s: float, n_source: int, symbol_size: int | None = None
+    ) -> int:
+        """The decoder window for a transfer of ``n_source`` symbols of ``symbol_size`` (None:
+        the config's) on a link of ``rate_bps`` and round trip ``rtt_s``: ``decoder_window()``
+        of that link (two bandwidth-delay products) within
+        ``decoder_window``..``max_decoder_window``, and no wider than the transfer once it
+        is wider than ``decoder_window``."""
+        size = self.symbol_size if symbol_size is None else symbol_size
+        want = decoder_window(rate_bps, rtt_s, size, self.link_overhead)
+        return max(self.decoder_window, min(want, self.max_decoder_window, n_source))
 
 
 STANDARD = ProtocolConfig()

@@ -36,9 +36,9 @@ Feedback goes out every ``feedback_interval`` seconds while the transfer is acti
 on a newly detected loss (at most every ``min_feedback_gap``), when the manifest decodes and
 when everything is decoded. It reports the highest packet number seen (and how long ago,
 for the sender's RTT), datagrams received and lost, highest ESI, decoded-through ESI,
-unrecovered count, pending repair equations (in total and per aligned segment of
-``REPAIR_SEGMENT`` ESIs), loss rate, burst length and up to 96 ranges of missing ESIs
-(the NACK list). See kvtransport.core.wire for the layout.
+unrecovered count, pending repair equations, loss rate, burst length and up to 96 ranges
+of the missing ESIs that still need an equation (the NACK list: a hole a pending equation
+is pivoted on is left out). See kvtransport.core.wire for the layout.
 
 The result comes at the deadline (given, or the manifest's deadline counted from the first
 datagram's arrival, which is late by one one-way delay), when everything is decoded, on
@@ -46,8 +46,11 @@ ABORT, or after ``idle_timeout`` without datagrams when no deadline is known. St
 bounded: symbols beyond ``max_bytes`` are dropped (a manifest announcing more is refused),
 the output buffer grows only as far as the shell's ``reserve(extra_bytes)`` allows (a
 daemon's budget for all transfers in flight: beyond it symbols are dropped as
-``over_budget`` and a manifest is refused), the decoder holds ``decoder_window`` ESIs and
-at most ``max_pending_equations`` pending repair equations (the session's ``config``,
+``over_budget`` and a manifest is refused), the decoder holds ``decoder_window`` ESIs, or
+as many as the manifest names up to ``max_decoder_window`` (it widens when the manifest
+comes, the wider ring and coefficient columns reserved like output buffer; a manifest
+naming more is refused, ``decoder_window``), and at most
+``max_pending_equations`` pending repair equations (the session's ``config``,
 kvtransport.core.protocol.ProtocolConfig), rings are fixed size.
 
 Replays: a shell with a replay record (kvtransport.core.replay) passes ``admit(transfer_id,
@@ -136,7 +139,7 @@ class ReceiverSession:
         self.transfer_id = transfer_id
         self._reserve = reserve
         self._admit = admit
-        self.reserved = 0  # bytes of output buffer ``reserve`` granted this session
+        self.reserved = 0  # bytes ``reserve`` granted this session (output, wider window)
         self._key = key
         self.parser = Parser(key)
         self.framer: Framer | None = None
@@ -157,6 +160,8 @@ class ReceiverSession:
         self._window = schemes.window()
         self._window_type = self._window.wire_type
         self.decoder: schemes.WindowDecoder | None = None
+        # the ESIs it holds (the config's, or more once the manifest names more)
+        self.decoder_window = config.decoder_window
         self.monitor = LossMonitor()
         self.manifest_rx = ManifestReceiver()
         self.manifest: TransportManifest | None = None
@@ -442,6 +447,7 @@ class ReceiverSession:
         self.max_symbols = max(1, self.max_bytes // size)
         self._limit = self.n_source if self.manifest is not None else self.max_symbols
         self.decoder = self._window.window_decoder(size, self.config)
+        self.decoder.widen(self.decoder_window)  # a manifest came first and names more
 
     def _grant(self, nbytes: int) -> bool:
         """Ask the shell's ``reserve`` for the output buffer to reach ``nbytes``."""
@@ -948,13 +954,24 @@ class ReceiverSession:
             self._drop("too_large")
             self._finish(now, "refused")  # bounded state: a transfer too large is refused
             return
-        if not self._grant(m.n_source * m.symbol_size):
+        if m.decoder_window > self.config.max_decoder_window:
+            self._drop("decoder_window")
+            self._finish(now, "refused")  # bounded state: a window wider than allowed
+            return
+        # a wider window's ring and coefficient columns count as buffer too
+        window = max(self.decoder_window, m.decoder_window)
+        per_esi = -(-m.symbol_size // 8) * 8 + self.config.max_pending_equations
+        wider = (window - self.config.decoder_window) * per_esi
+        if not self._grant(m.n_source * m.symbol_size + wider):
             self._drop("over_budget")
             self._finish(now, "refused")  # the shell's memory budget is spent
             return
         self.manifest = m
         self.timings["manifest"] = now
         n = self.n_source = m.n_source
+        self.decoder_window = window
+        if self.decoder is not None:
+            self.decoder.widen(self.decoder_window)  # before any repair reaches further
         if self.symbol_size == 0:
             self._set_symbol_size(m.symbol_size)
         self._limit = n
@@ -1067,8 +1084,11 @@ class ReceiverSession:
         if holes and end < self.esi_end:
             holes -= self._known.count(0, end, self.esi_end)  # those still in the window
         if holes:
-            ranges = loss_ranges(self._known, self.through, end, MAX_FEEDBACK_RANGES)
-        segments = self.decoder.pending_segments() if self.decoder is not None else ()
+            # only the holes no pending equation is pivoted on: each needs one more equation
+            # (a pivoted one is decoded once the equations' other unknowns are), and so the
+            # capped list reaches as far as the holes that still need anything
+            pivots = self.decoder.pending_pivots() if self.decoder is not None else ()
+            ranges = loss_ranges(self._known, self.through, end, MAX_FEEDBACK_RANGES, pivots)
         # the echo: the highest number as of one reordering window ago (the highest one
         # without reordering), so a datagram merely late still counts as in flight; there is
         # one, as the framer is made where the first datagram is counted
@@ -1090,7 +1110,6 @@ class ReceiverSession:
             mon.burst_mean,
             flags,
             ranges,
-            segments,
         )
 
     def _send_feedback(self, now: float) -> None:

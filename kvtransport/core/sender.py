@@ -180,8 +180,10 @@ class SenderSession:
     manifest carries ``now + wall_offset`` as its send time, which a daemon receiver checks
     for freshness (kvtransport.core.replay); shells without a real receiver leave it 0.
     ``config``: the protocol's settings (kvtransport.core.protocol.ProtocolConfig: the
-    encoder's window, pacing overhead, and the defaults of ``symbol_size``,
-    ``initial_rtt`` and ``max_repair_span``).
+    bounds of the encoder's window, pacing overhead, and the defaults of ``symbol_size``,
+    ``initial_rtt`` and ``max_repair_span``). ``decoder_window`` (the ESIs the encoder and
+    the receiver's decoder hold, named in the manifest) is sized once, from ``rate_bps``
+    and ``initial_rtt`` (``ProtocolConfig.window_for``).
     """
 
     source_runs = True
@@ -251,6 +253,9 @@ class SenderSession:
         self._raw_buf = memoryview(self._raw)
 
         self._wall_offset = wall_offset
+        # the ESIs the encoder and the receiver's decoder hold (two bandwidth-delay products
+        # of the link as given, within the config's bounds), named in the manifest
+        self.decoder_window = config.window_for(rate_bps, initial_rtt, n, s)
         self.manifest = self._manifest(max(deadline - now, 0.0), now)
 
         # source symbols: views into the payload; the last one zero-padded
@@ -825,7 +830,7 @@ class SenderSession:
         assert t is not None  # released only once done
         manifest = TransportManifest(
             self.symbol_size, t.nbytes, t.blocks, t.app_metadata, deadline_s,
-            max(now + self._wall_offset, 0.0),
+            max(now + self._wall_offset, 0.0), self.decoder_window,
         )  # fmt: skip
         return ManifestSender(manifest.to_bytes(), self.symbol_size)
 

@@ -7,12 +7,12 @@ byte offset, length and utility, utilities summing to at most 1). The transport 
 payload into fixed-size source symbols; a block is delivered only if every byte of it is.
 
 The :class:`TransportManifest` is what the receiver needs before the payload makes sense:
-symbol size, payload size, block table, application metadata and the deadline relative to
-the transfer's first datagram. Its serialization (:meth:`TransportManifest.to_bytes`) is
-little-endian::
+symbol size, payload size, block table, application metadata, the deadline relative to
+the transfer's first datagram and the decoder window the sender works with. Its
+serialization (:meth:`TransportManifest.to_bytes`) is little-endian::
 
     0   4  magic b"KVTM"
-    4   2  version (2)
+    4   2  version (3; version 2 had no decoder window)
     6   2  flags (0)
     8   4  symbol size
     12  8  payload length (bytes)
@@ -23,7 +23,9 @@ little-endian::
            fresh or that it accepted before (kvtransport.core.replay)
     40  4  application metadata length A
     44  4  compressed block table length Z
-    48  Z  zlib(offsets u64[n] | lengths u64[n] | utilities f64[n])
+    48  4  decoder window: source ESIs the receiver's window decoder must hold (0 = not
+           given: its own default); a receiver refuses one beyond its limit
+    52  Z  zlib(offsets u64[n] | lengths u64[n] | utilities f64[n])
     ..  A  application metadata
     ..  4  CRC-32 of everything before
 
@@ -50,9 +52,9 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
 UTILITY_PROFILES = ("zipf", "flat", "linear")
 MANIFEST_MAGIC = b"KVTM"
-MANIFEST_VERSION = 2
+MANIFEST_VERSION = 3
 MAX_BLOCKS = 1 << 22
-_MANIFEST_FIXED = struct.Struct("<4sHHIQIddII")
+_MANIFEST_FIXED = struct.Struct("<4sHHIQIddIII")
 _CRC = struct.Struct("<I")
 _UTILITY_SLACK = 1e-6
 
@@ -184,6 +186,9 @@ class TransportManifest:
     app_metadata: bytes = b""
     deadline_s: float = 0.0  # seconds from the transfer's first datagram; 0 = not given
     sent_at: float = 0.0  # the sender's wall clock (Unix s) when it made the manifest
+    # source ESIs the sender's window spans (kvtransport.core.protocol.ProtocolConfig.
+    # window_for), which the receiver's decoder must hold; 0 = not given (its own default)
+    decoder_window: int = 0
 
     @property
     def n_source(self) -> int:
@@ -208,6 +213,7 @@ class TransportManifest:
             float(self.sent_at),
             len(self.app_metadata),
             len(table),
+            self.decoder_window,
         )
         body = head + table + self.app_metadata
         return body + _CRC.pack(zlib.crc32(body))
@@ -223,7 +229,7 @@ class TransportManifest:
         if zlib.crc32(body) != crc:
             raise BadPayload("transport manifest CRC mismatch")
         fields = _MANIFEST_FIXED.unpack_from(body)
-        magic, version, _flags, sym, plen, n, deadline, sent_at, alen, zlen = fields
+        magic, version, _flags, sym, plen, n, deadline, sent_at, alen, zlen, window = fields
         if magic != MANIFEST_MAGIC or version != MANIFEST_VERSION:
             raise BadPayload(f"not a version-{MANIFEST_VERSION} transport manifest")
         if fixed + zlen + alen != len(body) or not 0 < sym <= 65535 or n > MAX_BLOCKS:
@@ -250,7 +256,7 @@ class TransportManifest:
             raise BadPayload(f"transport manifest block table: {exc}") from None
         if blocks.end > plen:
             raise BadPayload("transport manifest blocks run past the payload")
-        return cls(sym, plen, blocks, body[fixed + zlen :], deadline, sent_at)
+        return cls(sym, plen, blocks, body[fixed + zlen :], deadline, sent_at, window)
 
 
 @dataclass

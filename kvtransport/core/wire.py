@@ -63,10 +63,13 @@ code; see kvtransport.core.transfer for its content.
 
 Feedback payload (receiver -> sender): ``FEEDBACK_FIXED`` (counters, loss estimates, flags;
 field list at its definition), then ``n_ranges`` loss ranges ``(first ESI u32, count u16)``
-of recoverable source symbols the receiver still misses, lowest first (the NACK list), then
-``n_segments`` entries ``(segment u32, pending u16)``: how many of its pending repair
-equations have their lowest unknown in the aligned segment of ``REPAIR_SEGMENT`` ESIs, so
-the sender can tell how many more equations each segment needs.
+of recoverable source symbols the receiver still misses and no pending repair equation is
+pivoted on (has as its lowest unknown), lowest first (the NACK list): each needs one more
+equation, while a pivoted one is decoded once its equation's other unknowns are. Then
+``n_segments`` entries ``(segment u32, pending u16)``, pending equations pivoted per aligned
+segment of ``REPAIR_SEGMENT`` ESIs, which a sender subtracts from that segment's holes:
+receivers of this version send none (their list already leaves those holes out); earlier
+ones listed every hole and sent these.
 
 Parsing is defensive: whatever the bytes, :func:`parse` either returns a :class:`Datagram`
 or raises a :class:`WireError` subclass whose ``reason`` names a counter; nothing else

@@ -33,7 +33,8 @@ What bounds the state (every datagram is attacker-controlled):
   longer counts); a new transfer beyond that is dropped and counted (``over_capacity``),
   never an old one evicted;
 - ``max_bytes`` per transfer: the session refuses symbols beyond it and a manifest
-  announcing more (``too_large``);
+  announcing more (``too_large``); its decoder holds at most the config's
+  ``max_decoder_window`` ESIs, and a manifest naming more is refused (``decoder_window``);
 - ``budget_bytes`` for all of them: the output buffers of the sessions held (receiving,
   or finished and lingering) never exceed it; a session that would is refused its
   symbols (``over_budget``) or, at its manifest, the whole transfer (result reason

@@ -80,7 +80,8 @@ class SenderView(Protocol):
     :class:`~kvtransport.core.sender.SenderSession`."""
 
     transfer: Transfer | None
-    config: ProtocolConfig  # the protocol's settings (its decoder_window)
+    config: ProtocolConfig  # the protocol's settings
+    decoder_window: int  # the ESIs this transfer's encoder and receiver decoder hold
     framer: Framer  # builds every datagram; a repair is sealed at ``seq``
     seq: int
     symbol_size: int
@@ -248,14 +249,18 @@ class WindowDecoder(Protocol):
 
     def read_into(self, esi: int, out: Any) -> bool: ...
 
+    def widen(self, capacity: int) -> Any:
+        """Hold ``capacity`` ESIs from now on when that is more (decoding goes on exactly
+        as in a decoder made that wide); no change otherwise."""
+        ...
+
     def release_before(self, esi: int) -> None:
         """Drop every ESI below ``esi`` (decoded through, and read out)."""
         ...
 
-    def pending_segments(self) -> tuple[tuple[int, int], ...]:
-        """(segment of ``REPAIR_SEGMENT`` ESIs, pending equations pivoted there), lowest
-        first, at most ``MAX_FEEDBACK_SEGMENTS`` of them: the feedback's per-segment
-        report (kvtransport.core.wire)."""
+    def pending_pivots(self) -> Any:
+        """The pivot (lowest unknown ESI) of each pending equation, ascending (int64
+        array): the holes the receiver does not report as needing an equation."""
         ...
 
 

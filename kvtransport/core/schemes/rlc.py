@@ -1,21 +1,24 @@
 """Sliding-window RLC (RFC 8681, dense, DT = 15): the default code.
 
-Reactive repairs: feedback lists the receiver's holes and, per aligned segment of
-``REPAIR_SEGMENT`` ESIs, the equations it already holds; each segment owed equations gets
-repairs over its own holes only, lowest segment first. Segments thus decode independently,
-any equation fixes any hole of its segment, a lost repair costs one more next round, and
-windows stay short (decoding cost grows with the window). A ``reactive`` policy has them
-sent as soon as feedback asks; otherwise they take the proactive share's slots first. In a
-segment's last round (a lost repair could no longer be reported and replaced before the
-stop time) it is owed more repairs than it lacks equations, a margin for the reported
-loss (``last_round_repairs``).
+Reactive repairs: feedback lists the receiver's holes that still need an equation (those no
+pending equation is pivoted on; an older receiver lists every hole and, per aligned segment
+of ``REPAIR_SEGMENT`` ESIs, the equations it holds pivoted there); each segment owed
+equations gets repairs over its own holes only, lowest segment first. Segments thus decode
+independently, any equation fixes any hole of its segment, a lost repair costs one more
+next round, and windows stay short (decoding cost grows with the window). A ``reactive``
+policy has them sent as soon as feedback asks; otherwise they take the proactive share's
+slots first. In a segment's last round (a lost repair could no longer be reported and
+replaced before the stop time) it is owed more repairs than it lacks equations, a margin
+for the reported loss (``last_round_repairs``).
 
 Proactive repairs (one whenever the repair credit, the policy's share added per slot,
-reaches one; and, once no source may go, instead of an idle slot): over the newest
-symbols, those feedback cannot have reported yet: one RTT plus one interval of them (at
-least a segment, at most the session's ``max_repair_span``), never below decoded-through
-or the receiver's decoder window; open loop (no feedback for a while) at least
-``OPEN_LOOP_SPAN``.
+reaches one; and, once no source may go, instead of an idle slot): over the symbols
+feedback has not described: the newest, those it cannot have reported yet, or, when its
+hole list was cut at ``MAX_FEEDBACK_RANGES``, those from where it stopped (holes the
+receiver knows of and could not list, which no reactive repair can aim at); one RTT plus
+one interval of them (at least a segment, at most the session's ``max_repair_span``),
+never below decoded-through or the receiver's decoder window; open loop (no feedback for a
+while) at least ``OPEN_LOOP_SPAN``.
 
 A repair is a REPAIR datagram (kvtransport.core.wire: repair key, DT and NSS, first ESI).
 RLC is the window scheme: its decoder (:class:`RLCReceiver`, ``decoder_window`` ESIs, at
@@ -48,7 +51,7 @@ from kvtransport.core.schemes.base import (
     WindowDecoder,
 )
 from kvtransport.core.wire import (
-    MAX_FEEDBACK_SEGMENTS,
+    MAX_FEEDBACK_RANGES,
     Datagram,
     DatagramType,
     pack_dt_nss,
@@ -104,7 +107,7 @@ class RLCSender(SenderRepair):
         super().__init__(session, policy)
         s, n = session.symbol_size, session.n_source
         assert session.transfer is not None  # a new session holds its transfer
-        self.decoder_window = session.config.decoder_window
+        self.decoder_window = session.decoder_window
         # stream mode: no per-source copy into an encoder ring
         self.encoder: RLCEncoder | None = RLCEncoder(
             s, window=min(self.decoder_window, max(n, 1)), stream=session.transfer.payload
@@ -118,6 +121,8 @@ class RLCSender(SenderRepair):
         # [segment, equations still to send, one past its highest hole], lowest first
         self.segments: deque[list[int]] = deque()
         self.flight: deque[tuple[int, int]] = deque()  # (seq, segment) sent after echo
+        # where the last feedback's hole list stopped when it was cut at its cap (-1: not cut)
+        self.unreported_from = -1
         # repairs built ahead over one span (rows), for keys ahead_key..
         self._area = session.framer.payload_view(s)
         self._ahead = np.zeros((_REPAIR_BATCH, s), dtype=np.uint8)
@@ -191,14 +196,17 @@ class RLCSender(SenderRepair):
         self.segments.clear()
         self.flight.clear()
         self.resend.clear()
+        self.unreported_from = -1
         self.needed = 0
 
     def release(self) -> None:
         self.encoder = None
 
     def on_feedback(self, fb: Feedback, now: float) -> None:
-        """Equations still owed per segment: its recoverable holes, minus the equations the
-        receiver holds pivoted there, minus reactive repairs to it still in flight.
+        """Equations still owed per segment: its listed holes (those that need an equation),
+        minus the equations an older receiver reports pivoted there, minus reactive repairs
+        to it still in flight. A list cut at its cap sends proactive repairs to where it
+        stopped (``unreported_from``).
 
         Reactive repairs never leave their aligned segment, so segments decode on their
         own: any equation to a segment fixes any one of its holes, a lost one costs one
@@ -218,6 +226,9 @@ class RLCSender(SenderRepair):
         for _, seg in flight:
             in_flight[seg] = in_flight.get(seg, 0) + 1
         pending = dict(fb.segments)
+        ranges = fb.ranges
+        cut = len(ranges) >= MAX_FEEDBACK_RANGES
+        self.unreported_from = ranges[-1][0] + ranges[-1][1] if cut else -1
         floor = max(0, s.next_esi - self.decoder_window + 1)
         resend = self.resend if self.answer_holes else None
         holes: dict[int, list[int]] = {}  # segment -> [holes, end]
@@ -261,9 +272,14 @@ class RLCSender(SenderRepair):
             # above decoded-through) to its last
             seg, _, end = self.segments[0]
             return max(seg * REPAIR_SEGMENT, s.fb_through, floor), min(end, hi)
-        # proactive: the newest symbols, those feedback cannot have reported yet (one RTT
-        # and an interval of them); older holes are the reactive repairs' job
+        # proactive: the symbols feedback has not described: where its hole list was cut,
+        # else the newest (one RTT and an interval of them, which it cannot have reported
+        # yet); older holes are the reactive repairs' job
         span = max(OPEN_LOOP_SPAN, self.span) if s.open_loop else self.span
+        lo = self.unreported_from
+        if lo >= 0:
+            lo = max(s.fb_through, floor, lo)
+            return lo, min(hi, lo + span)
         return max(s.fb_through, floor, hi - span), hi
 
     def _repair(self, reactive: bool) -> bytes | None:
@@ -340,21 +356,6 @@ class RLCReceiver(RLCDecoder):
         except ValueError:
             raise BadFEC("RLC repair fields out of range") from None
         return first, nss, key, dt
-
-    def pending_segments(self) -> tuple[tuple[int, int], ...]:
-        """(segment, pending equations whose pivot, i.e. lowest unknown, lies in it), lowest
-        segments first, from ``pending_pivots()`` (at most ``MAX_FEEDBACK_SEGMENTS``)."""
-        if self.pending_equations == 0:
-            return ()
-        out: list[list[int]] = []  # a few dozen pivots at most: a plain loop beats np.unique
-        for seg in (self.pending_pivots() // REPAIR_SEGMENT).tolist():
-            if out and out[-1][0] == seg:
-                out[-1][1] += 1
-            elif len(out) < MAX_FEEDBACK_SEGMENTS:
-                out.append([seg, 1])
-            else:
-                break
-        return tuple((seg, count) for seg, count in out)
 
 
 class RLC(RepairScheme):
