@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from kvtransport.codecs import aesgcm
 
+from kvtransport.core import protocol
 from kvtransport.core.policy import Adaptive
 from kvtransport.core.transfer import synthetic_transfer
 from kvtransport.core.wire import HEADER_SIZE, LaidOutDatagrams, ReceivedBatch
@@ -199,6 +200,32 @@ def test_the_links_guard_follows_the_one_way_delay_the_host_measures():
     srtt = min(o.session.srtt for o in outs if o.session.srtt is not None)
     assert sender.link.one_way_s == srtt / 2.0 and srtt >= 0.02
     assert sender.link.scheduler.policy.guard_s == repair_guard_s(srtt / 2.0)
+
+
+def test_a_new_transfer_assumes_the_round_trip_its_receivers_last_one_measured():
+    """No initial RTT given: the first transfer to a receiver assumes the config's (20 ms),
+    the next one the shortest round trip the first measured on its 80 ms path, and so on a
+    1 Gbit/s link gets the decoder window two such round trips call for. Another receiver
+    still starts from the config's; a given initial RTT wins."""
+    sender = SenderHost(rate_bps=1e9, key=KEY, burst_s=0.0)
+    first = sender.submit(synthetic_transfer(2_000_000, 32, seed=1), B, now=0.0,
+                          deadline_s=1.0)  # fmt: skip
+    assert first.session.decoder_window == protocol.DECODER_WINDOW
+    assert sender.initial_rtt_for(B) == protocol.DEFAULT_INITIAL_RTT
+    loop = VirtualClockLoop()
+    loop.add(sender, A, channel=_Delay(0.04))
+    loop.add(ReceiverHost(key=KEY), B, channel=_Delay(0.04))
+    loop.run(0.5)
+    assert first.transfer_id in sender.finished
+    rtt = sender.initial_rtt_for(B)
+    assert rtt == pytest.approx(0.08, abs=1e-4)
+    assert rtt == first.session.min_rtt <= first.session.srtt
+    big = synthetic_transfer(40_000_000, 64, seed=2)
+    again = sender.submit(big, B, now=0.5, deadline_s=2.0)
+    assert again.session.decoder_window == protocol.decoder_window(1e9, rtt) == 16384
+    assert sender.initial_rtt_for(C) == protocol.DEFAULT_INITIAL_RTT
+    told = sender.submit(big, B, now=0.5, deadline_s=2.0, initial_rtt=0.02)
+    assert told.session.decoder_window == protocol.DECODER_WINDOW
 
 
 def test_the_last_transfer_to_finish_leaves_no_wake_up_and_a_given_prior_wins():

@@ -240,6 +240,7 @@ class SenderSession:
         self._initial_rtt = initial_rtt
         self.prior_loss = _check_prior(prior_loss)
         self.srtt: float | None = None
+        self.min_rtt: float | None = None  # the shortest RTT sample (the path's, unqueued)
         self.rtt_sample: float | None = None  # the latest feedback's RTT sample (None: none)
         self.fb_data_received = 0  # data datagrams the receiver reported received
         self.stop_time = 0.0  # last moment a datagram can leave and arrive before the deadline
@@ -771,6 +772,8 @@ class SenderSession:
             if rtt > 0:
                 self.rtt_sample = rtt
                 self.srtt = rtt if self.srtt is None else self.srtt + 0.125 * (rtt - self.srtt)
+                if self.min_rtt is None or rtt < self.min_rtt:
+                    self.min_rtt = rtt
                 self._rtt_changed()
             self._fb_src_mark, self._fb_rep_mark, self._fb_rea_mark = src_mark, rep_mark, rea_mark
         prev_lost, prev_total = self._fb_prev

@@ -15,7 +15,9 @@ Sender daemon ops::
     submit  {"op": "submit", "to": "HOST:PORT", "deadline_ms": D | "rho": R,
              "policy": "adaptive", "weight": 1.0, "label": "...",
              "utility": {"a":..,"b":..,"c":..,"d":..}  (or "model" + "context_tokens"),
-             "transfer_id": "hex" (optional), "initial_rtt_ms": 20}
+             "transfer_id": "hex" (optional), "initial_rtt_ms": 20 (optional: else
+             the shortest round trip the receiver's last transfer measured, else the
+             config's)}
             + frames  payload (uint8 stream in utility order), offsets (<u8), lengths
                       (<u8), utilities (<f8), app_metadata (bytes, may be empty)
             -> {"ok": true, "transfer_id": "0123...", "deadline_s": .., "n_source": ..}

@@ -223,8 +223,9 @@ class SenderDaemon(DaemonShell):
     per-transfer JSON lines go
     (kvtransport.daemons.daemon.StatsWriter). ``config``: the protocol's settings its host
     builds every session with (kvtransport.core.protocol; ``symbol_size`` None is its
-    symbol size, a request without ``initial_rtt_ms`` gets its initial RTT, and ``rho``
-    counts its link overhead). ``queue_guard``: while one transfer is in flight, the host
+    symbol size, a request without ``initial_rtt_ms`` gets the shortest round trip its
+    receiver's last transfer measured, else the config's initial RTT, and ``rho`` counts
+    its link overhead). ``queue_guard``: while one transfer is in flight, the host
     paces below the link rate while the path's queue builds (kvtransport.hosts.queue_guard).
     """
 
@@ -310,8 +311,8 @@ class SenderDaemon(DaemonShell):
         )
         tid = parse_tid(head["transfer_id"]) if head.get("transfer_id") is not None else None
         rtt_ms = head.get("initial_rtt_ms")
-        if rtt_ms is None:
-            rtt_ms = h.config.initial_rtt * 1e3
+        if rtt_ms is None:  # what this receiver's last transfer measured, else the config's
+            rtt_ms = h.initial_rtt_for(dest) * 1e3
         rtt_ms = bounds.number(rtt_ms, "initial_rtt_ms", 0.0, 1e3 * MAX_INITIAL_RTT_S, lo_open=True)
         policy = head.get("policy")
         if policy is not None:

@@ -29,9 +29,11 @@ link never does). The link's one-way delay it plans with is ``one_way_s`` when g
 else half the shortest smoothed round trip the sessions measured; the default
 allocator's guard (the time a loss near a deadline needs to be repaired) is derived from
 it and follows it. Each transfer's utility curve is what its submitter gave, else
-:func:`stream_utility_curve`. The host remembers the loss each receiver's last transfer
-ended with (``RECEIVER_MEMORY`` receivers) and a new transfer to that receiver starts
-its repair from it (status ``prior_loss``).
+:func:`stream_utility_curve`. The host remembers, of each receiver's last transfer
+(``RECEIVER_MEMORY`` receivers), the loss it ended with and its shortest round trip: a new
+transfer to that receiver starts its repair from that loss (status ``prior_loss``) and,
+unless told its initial RTT, assumes that round trip (``initial_rtt_for``), which also
+sizes its decoder window.
 
 Queueing. With ``queue_guard`` (the default) the host paces the link at most at what a
 :class:`~kvtransport.hosts.queue_guard.QueueGuard` allows while a transfer is alone on it:
@@ -86,6 +88,14 @@ _TID = struct.Struct("!Q")
 
 Address = Any
 """A peer's address as the shell knows it (a (host, port) tuple over UDP)."""
+
+
+def _remember(memory: OrderedDict[Address, float], dest: Address, value: float) -> None:
+    """``memory[dest] = value`` as its newest entry, at most RECEIVER_MEMORY entries."""
+    memory[dest] = value
+    memory.move_to_end(dest)
+    while len(memory) > RECEIVER_MEMORY:
+        memory.popitem(last=False)
 
 
 def stream_utility_curve(transfer: Transfer) -> SigmoidUtility:
@@ -227,6 +237,8 @@ class Outgoing:
             "loss_estimate": round(s.loss_estimate(), 5),
             "decisions": s.decision_latency(),
             "srtt_ms": None if s.srtt is None else round(s.srtt * 1e3, 3),
+            "min_rtt_ms": None if s.min_rtt is None else round(s.min_rtt * 1e3, 3),
+            "decoder_window": s.decoder_window,
             "rate_mbps": round(m.rate_bps / 1e6, 6),
             "share": m.share,
             "admitted": m.admitted,
@@ -302,9 +314,11 @@ class SenderHost:
         self.finished: OrderedDict[int, Outgoing] = OrderedDict()
         self.drop_reasons: dict[str, int] = {}
         self.dropped = 0
-        # the loss each receiver's last transfer ended with (at most RECEIVER_MEMORY of
-        # them): a new transfer to it starts its repair from that, not a blind prior
+        # the loss each receiver's last transfer ended with and its shortest round trip (at
+        # most RECEIVER_MEMORY of them): a new transfer to it starts from those, not from
+        # a blind prior and the config's initial RTT
         self.receiver_loss: OrderedDict[Address, float] = OrderedDict()
+        self.receiver_rtt: OrderedDict[Address, float] = OrderedDict()
         self.link = LinkShare(
             self.rate_bps,
             slot_policy,
@@ -349,8 +363,8 @@ class SenderHost:
         transfer's session then owns; ``wall_offset``: the wall clock minus the shell's
         (the manifest's send time); ``prior_loss``: what the shell knows of this path's
         loss (instead of what the host remembers of ``dest``; see ``Member.prior_loss``).
-        ``initial_rtt``: None takes the host's config's. A refusal raises UserError and
-        changes nothing (module docstring)."""
+        ``initial_rtt``: None takes ``initial_rtt_for(dest)``. A refusal raises UserError
+        and changes nothing (module docstring)."""
         if len(self.active) >= self.max_transfers:
             raise UserError(f"{len(self.active)} transfers in flight (the limit): try later")
         if not MIN_DEADLINE_S <= deadline_s <= MAX_DEADLINE_S:
@@ -358,7 +372,7 @@ class SenderHost:
                 f"the deadline must be {MIN_DEADLINE_S:g}..{MAX_DEADLINE_S:g} s ({deadline_s})"
             )
         if initial_rtt is None:
-            initial_rtt = self.config.initial_rtt
+            initial_rtt = self.initial_rtt_for(dest)
         if not 0.0 < initial_rtt <= bounds.MAX_INITIAL_RTT_S:
             raise UserError(
                 f"the initial RTT must be in (0, {bounds.MAX_INITIAL_RTT_S * 1e3:g}] ms "
@@ -561,11 +575,19 @@ class SenderHost:
         else:
             self._reschedule(now)  # nothing left to share: no wake-up for it
         if out.session.fb_time is not None:  # its receiver reported: remember its path
-            self.receiver_loss[out.dest] = out.session.loss_estimate()
-            self.receiver_loss.move_to_end(out.dest)
-            while len(self.receiver_loss) > RECEIVER_MEMORY:
-                self.receiver_loss.popitem(last=False)
+            _remember(self.receiver_loss, out.dest, out.session.loss_estimate())
+            if out.session.min_rtt is not None:
+                _remember(self.receiver_rtt, out.dest, out.session.min_rtt)
         self._events.append(TransferFinished(out, now))
+
+    def initial_rtt_for(self, dest: Address) -> float:
+        """The round trip a new transfer to ``dest`` assumes before its first feedback: the
+        shortest its last transfer measured (within the allowed initial RTTs), else the
+        config's ``initial_rtt``."""
+        rtt = self.receiver_rtt.get(dest)
+        if rtt is None:
+            return self.config.initial_rtt
+        return min(max(rtt, 1e-6), bounds.MAX_INITIAL_RTT_S)
 
     def _guard_anew(self) -> bool:
         """The link's transfers changed: the queue guard starts over, its cap gone. Returns
