@@ -173,7 +173,8 @@ def _summary(results: list) -> dict:
         return results[0].to_dict()
     first = results[0].to_dict()
     out = {k: first[k] for k in ("policy", "channel", "rate_mbps", "rho", "size_bytes",
-                                 "n_source", "deadline_s", "blocks_total")}  # fmt: skip
+                                 "n_source", "decoder_window", "deadline_s",
+                                 "blocks_total")}  # fmt: skip
     for k in _SUMMED:
         out[k] = sum(getattr(r, k) for r in results) / len(results)
     out["seeds"] = [r.seed for r in results]
@@ -197,6 +198,7 @@ def _print(results: list) -> None:
         ("source symbols sent", f"{s['source_sent']:.0f} of {r.n_source}"),
         ("repair symbols sent", _common.repairs_text(s["repair_sent"], s["retransmit_sent"])),
         ("manifest symbols sent", f"{s['manifest_sent']:.0f}"),
+        ("decoder window", f"{r.decoder_window} symbols"),
         ("packets lost", f"{s['packets_lost']:.0f} of {s['packets_sent']:.0f} ({lost_pct:.1f}%)"),
         ("feedback sent / lost", f"{s['feedback_sent']:.0f} / {s['feedback_lost']:.0f}"),
         ("simulation cpu", f"{s['cpu_s']:.2f} s per run"),

@@ -65,6 +65,7 @@ class SimResult:
     seed: int
     size_bytes: int
     n_source: int
+    decoder_window: int  # the ESIs the sender's encoder and the receiver's decoder held
     deadline_s: float
     utility_recovered: float
     utility_bound: float  # genie: every surviving slot carried a new useful symbol
@@ -309,6 +310,7 @@ class Simulation:
             seed=meta.get("seed", -1),
             size_bytes=transfer.nbytes,
             n_source=s.n_source,
+            decoder_window=s.decoder_window,
             deadline_s=self.deadline,
             utility_recovered=self.utility_recovered,
             utility_bound=meta.get("utility_bound", math.nan),
