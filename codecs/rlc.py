@@ -1187,6 +1187,12 @@ def _decode_batch(
 # --------------------------------------------------------------------------------------------
 
 
+def decoder_bytes_per_esi(symbol_size: int, max_pending: int) -> int:
+    """Bytes an RLCDecoder holds per ESI of its window at most: a ring row (the symbol
+    padded to 8 bytes) and one coefficient column in each of ``max_pending`` rows."""
+    return _round8(symbol_size) + max_pending
+
+
 class RLCDecoder(SourceWindow):
     """RFC 8681 sliding-window RLC decoder (on-the-fly Gaussian elimination).
 

@@ -68,6 +68,7 @@ from itertools import repeat
 
 import numpy as np
 
+from kvtransport.codecs.rlc import decoder_bytes_per_esi
 from kvtransport.core import schemes
 from kvtransport.core.feedback import LossMonitor, loss_ranges
 from kvtransport.core.manifest_fec import ManifestReceiver
@@ -960,7 +961,7 @@ class ReceiverSession:
             return
         # a wider window's ring and coefficient columns count as buffer too
         window = max(self.decoder_window, m.decoder_window)
-        per_esi = -(-m.symbol_size // 8) * 8 + self.config.max_pending_equations
+        per_esi = decoder_bytes_per_esi(m.symbol_size, self.config.max_pending_equations)
         wider = (window - self.config.decoder_window) * per_esi
         if not self._grant(m.n_source * m.symbol_size + wider):
             self._drop("over_budget")
@@ -1087,7 +1088,7 @@ class ReceiverSession:
             # only the holes no pending equation is pivoted on: each needs one more equation
             # (a pivoted one is decoded once the equations' other unknowns are), and so the
             # capped list reaches as far as the holes that still need anything
-            pivots = self.decoder.pending_pivots() if self.decoder is not None else ()
+            pivots = self.decoder.pending_pivots().tolist() if self.decoder is not None else ()
             ranges = loss_ranges(self._known, self.through, end, MAX_FEEDBACK_RANGES, pivots)
         # the echo: the highest number as of one reordering window ago (the highest one
         # without reordering), so a datagram merely late still counts as in flight; there is
