@@ -62,6 +62,7 @@ def test_the_shipped_command_parses_to_the_shipped_configuration():
         ["--rate-range", "33.333333333,33.333333333", "--prior", "profile=2,none=0.1234567"],
         ["--handoff-share", "0.1234567", "--prior", "previous", "--seed", "7"],
         ["--prior", "none=0.3,previous=0.5,profile=0.2", "--hidden", "32,16"],
+        ["--long-link-min-rtts", "1.25", "--rate-range", "20,1000", "--rho-range", "0.6,2"],
     ],
 )
 def test_a_recorded_command_asks_for_the_same_run_again(argv):
@@ -80,6 +81,8 @@ def test_the_recorded_command_spells_out_the_distribution_defaults():
     lo, hi = dist["rate_range_mbps"]
     assert words[words.index("--rate-range") + 1] == f"{lo:g},{hi:g}"
     assert "--prior" in words and "--handoff-share" in words
+    assert words[words.index("--rho-range") + 1] == ",".join(f"{r:g}" for r in dist["rho_range"])
+    assert words[words.index("--long-link-min-rtts") + 1] == f"{dist['high_rtt_min_rtts']:g}"
     _, cfg = _parse(words[1:])
     assert cfg.distribution["prior_weights"] == dist["prior_weights"]
 
@@ -93,10 +96,11 @@ def _draws(cfg: TrainConfig, n: int) -> list:
     return train + validation_specs(cfg, n)
 
 
-def test_rate_range_and_prior_reach_the_draws():
-    _, cfg = _parse(["train", "--rate-range", "20,40", "--prior", "none"])
+def test_rate_range_rho_range_and_prior_reach_the_draws():
+    _, cfg = _parse(["train", "--rate-range", "20,40", "--prior", "none", "--rho-range", "1.5,2"])
     specs = _draws(cfg, 8)
     assert all(20.0 <= s.channel.rate_mbps <= 40.0 for s in specs)
+    assert all(1.5 <= s.rho <= 2.0 for s in specs)
     assert all(s.prior_loss is None for s in specs)
     _, cfg = _parse(["train", "--rate-range", "700,700", "--prior", "profile"])
     specs = _draws(cfg, 8)
@@ -104,9 +108,35 @@ def test_rate_range_and_prior_reach_the_draws():
     assert all(s.prior_loss is not None for s in specs)
 
 
+def test_long_link_min_rtts_reaches_the_draws():
+    """Long-link episodes (one way beyond the short links' range) keep deadlines of at
+    least ``--long-link-min-rtts`` round trips: the default 2 draws none under two, 1 lets
+    the draws between one and two round trips in (fast long links: a 20 MB stream at
+    1 Gbit/s over 80 ms one way has about one)."""
+    from kvtransport.agents.episodes import round_trip, spec_deadline
+
+    def long_rtts(argv: list[str]) -> list[float]:
+        _, cfg = _parse(["train", "--rate-range", "500,1000", *argv])
+        env = make_env(cfg)
+        specs = [env.reset(seed=s)[1]["spec"] for s in range(60)]
+        return [spec_deadline(s) / round_trip(s) for s in specs if s.channel.delay_ms >= 20.0]
+
+    default, one = long_rtts([]), long_rtts(["--long-link-min-rtts", "1"])
+    assert default and one
+    assert min(default) >= 2.0
+    assert min(one) >= 1.0 and any(r < 2.0 for r in one)
+
+
 @pytest.mark.parametrize(
     ("option", "value"),
     [
+        ("--rho-range", "2,1"),
+        ("--rho-range", "0,1"),
+        ("--rho-range", "1"),
+        ("--rho-range", "1,inf"),
+        ("--long-link-min-rtts", "-1"),
+        ("--long-link-min-rtts", "nan"),
+        ("--long-link-min-rtts", "soon"),
         ("--rate-range", "400,20"),  # inverted
         ("--rate-range", "0,100"),
         ("--rate-range", "-5,10"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 import shlex
+from collections.abc import Callable
 from pathlib import Path
 
 from kvtransport.bounds import float_arg, int_arg
@@ -42,6 +43,8 @@ examples:
 
 MAX_RATE_MBPS = 100_000.0
 """The fastest link --rate-range may draw (100 Gbit/s)."""
+MAX_RHO = 100.0
+"""The loosest deadline --rho-range may draw (in loss-free send times)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -112,6 +115,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "50,1000)",
     )
     p.add_argument(
+        "--rho-range",
+        type=_rho_range,
+        default=None,
+        metavar="LO,HI",
+        help="deadlines of the training and validation episodes (handoff streams keep "
+        "their own), in loss-free send times of the stream (rho): drawn uniform in LO..HI "
+        "(0 < LO <= HI; default: the episode distribution's, 0.6,1.2)",
+    )
+    p.add_argument(
+        "--long-link-min-rtts",
+        type=float_arg(0, 1000),
+        default=None,
+        metavar="R",
+        help="the shortest deadline a long-link episode (one way beyond the short links' "
+        "20 ms) may draw, in round trips of its link; shorter draws are redrawn (default: "
+        "the episode distribution's, 2)",
+    )
+    p.add_argument(
         "--prior",
         type=_prior_weights,
         default=None,
@@ -133,25 +154,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-def _rate_range(text: str) -> tuple[float, float]:
-    """An argparse ``type``: ``LO,HI`` link rates in Mbit/s, 0 < LO <= HI."""
-    parts = text.split(",")
-    try:
-        if len(parts) != 2:
-            raise ValueError
-        lo, hi = (float(x) for x in parts)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"must be two rates in Mbit/s like 20,400, not {text!r}"
-        ) from None
-    for x in (lo, hi):
-        if not 0.0 < x <= MAX_RATE_MBPS:  # also NaN
+def _range(what: str, most: float, unit: str, example: str) -> Callable[[str], tuple[float, float]]:
+    """An argparse ``type``: ``LO,HI`` with 0 < LO <= HI <= ``most`` (``what``: the
+    values' name in errors, ``unit`` their unit, ``example`` a valid text)."""
+
+    def parse(text: str) -> tuple[float, float]:
+        parts = text.split(",")
+        try:
+            if len(parts) != 2:
+                raise ValueError
+            lo, hi = (float(x) for x in parts)
+        except ValueError:
             raise argparse.ArgumentTypeError(
-                f"rates must be in (0, {MAX_RATE_MBPS:g}] Mbit/s, not {x:g} in {text!r}"
-            )
-    if lo > hi:
-        raise argparse.ArgumentTypeError(f"LO must not exceed HI (inverted range {text!r})")
-    return lo, hi
+                f"must be two {what}{unit} like {example}, not {text!r}"
+            ) from None
+        for x in (lo, hi):
+            if not 0.0 < x <= most:  # also NaN
+                raise argparse.ArgumentTypeError(
+                    f"{what} must be in (0, {most:g}]{unit}, not {x:g} in {text!r}"
+                )
+        if lo > hi:
+            raise argparse.ArgumentTypeError(f"LO must not exceed HI (inverted range {text!r})")
+        return lo, hi
+
+    return parse
+
+
+_rate_range = _range("rates", MAX_RATE_MBPS, " Mbit/s", "20,400")
+_rho_range = _range("rhos", MAX_RHO, "", "0.6,2")
 
 
 def _prior_weights(text: str) -> dict[str, float]:
@@ -198,6 +228,10 @@ def _config(args: argparse.Namespace):  # noqa: ANN202 - TrainConfig is imported
         distribution["handoff_share"] = args.handoff_share
     if args.rate_range is not None:
         distribution["rate_range_mbps"] = args.rate_range
+    if args.rho_range is not None:
+        distribution["rho_range"] = args.rho_range
+    if args.long_link_min_rtts is not None:
+        distribution["high_rtt_min_rtts"] = args.long_link_min_rtts
     if args.prior is not None:
         from kvtransport.agents.episodes import PRIOR_KINDS
 
@@ -269,6 +303,10 @@ def _command_line(args: argparse.Namespace, config: dict) -> str:
         prior_text,
         "--handoff-share",
         _number(dist["handoff_share"]),
+        "--rho-range",
+        ",".join(_number(r) for r in dist["rho_range"]),
+        "--long-link-min-rtts",
+        _number(dist["high_rtt_min_rtts"]),
     ]
     for t in args.trace:
         parts += ["--trace", t]
