@@ -28,6 +28,8 @@ caller's generator):
   stationary loss;
 - rho 0.6..1.2; caches of 100..1800 blocks of 3, 6 or 12 KiB (int4, int8, fp16 blocks
   of one SmolLM2 layer x 16 tokens);
+  with ``long_link_deadline_rtts``, a long-link episode of a synthetic utility instead has
+  as many blocks as make its deadline a drawn number of round trips;
 - block utilities: measured from the real model (agents/data/utility_profiles.npz,
   training contexts only) or synthetic (zipf with exponent 0.6..1.4, flat, linear).
 
@@ -87,6 +89,9 @@ HANDOFF_LAYERS, HANDOFF_KV_HEADS, HANDOFF_HEAD_DIM = 30, 3, 64
 """The handoff episodes' cache geometry: SmolLM2-135M (blocks of 16 tokens, fp16)."""
 HANDOFF_MODEL = "SmolLM2-135M-Instruct.Q4_1"
 """Whose packaged layer sensitivity weights the handoff episodes' utilities."""
+LONG_LINK_MAX_BLOCKS = 7200
+"""The most blocks ``EpisodeDistribution.long_link_deadline_rtts`` gives an episode
+(4 x the default draws' largest: 88 MB of 12 KB blocks)."""
 HANDOFF_TOKENS = (200, 2000)
 """Context lengths (tokens) of training handoff episodes (log-uniform)."""
 HANDOFF_EVAL_TOKENS = (300, 600, 900, 1200)
@@ -429,6 +434,12 @@ class EpisodeDistribution:
     out of the loss draws too, as the evaluation channels' are (with ``held_out``): a
     range widened towards a held-out channel's family still leaves its cells unseen. A run
     records the files' paths, not their contents."""
+    long_link_deadline_rtts: tuple[float, float] | None = None
+    """Long-link episodes of a synthetic utility (not a measured profile, not a handoff)
+    get as many blocks as make their deadline a draw of this many round trips (uniform;
+    within ``blocks_range``'s low end and ``LONG_LINK_MAX_BLOCKS``), so that fast long links
+    see deadlines of one or two round trips as often as slow ones. None: the blocks are
+    drawn as on short links, and a fast long link's deadline is rarely short."""
     handoff_rho_range: tuple[float, float] = (0.95, 1.1)
     handoff_tokens: tuple[int, int] = HANDOFF_TOKENS
 
@@ -526,12 +537,13 @@ class EpisodeDistribution:
         channel = self._channel(rng)
         feedback = self._feedback(rng, channel)
         label, n_blocks = self._utility(rng)
+        sized = n_blocks is None  # a synthetic utility: any number of blocks will do
         if n_blocks is None:
             n_blocks = int(round(_log_uniform(rng, *self.blocks_range)))
         block_bytes = int(self.block_bytes[int(rng.integers(len(self.block_bytes)))])
         seed = int(rng.integers(0, HELD_OUT_SEED))
         prior = episode_prior(self._pick(rng, self.prior_weights), channel, seed)
-        return EpisodeSpec(
+        spec = EpisodeSpec(
             seed=seed,
             channel=channel,
             feedback=feedback,
@@ -541,6 +553,19 @@ class EpisodeDistribution:
             utility=label,
             prior_loss=prior,
         )
+        rtts = self.long_link_deadline_rtts
+        if rtts is not None and sized and channel.delay_ms >= self.delay_range_ms[1]:
+            spec = self._sized_to_round_trips(rng, spec, rtts)
+        return spec
+
+    def _sized_to_round_trips(
+        self, rng: np.random.Generator, spec: EpisodeSpec, rtts: tuple[float, float]
+    ) -> EpisodeSpec:
+        """``spec`` with as many blocks as make its deadline ``U(*rtts)`` round trips."""
+        target = float(rng.uniform(*rtts)) * round_trip(spec)
+        per_block = spec_deadline(spec) / spec.n_blocks
+        n = int(round(target / per_block))
+        return replace(spec, n_blocks=min(max(n, self.blocks_range[0]), LONG_LINK_MAX_BLOCKS))
 
     def _handoff(self, rng: np.random.Generator, spec: EpisodeSpec) -> EpisodeSpec:
         """``spec``'s links, seed and prior with a handoff stream instead of its blocks."""

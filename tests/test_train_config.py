@@ -63,6 +63,7 @@ def test_the_shipped_command_parses_to_the_shipped_configuration():
         ["--handoff-share", "0.1234567", "--prior", "previous", "--seed", "7"],
         ["--prior", "none=0.3,previous=0.5,profile=0.2", "--hidden", "32,16"],
         ["--long-link-min-rtts", "1.25", "--rate-range", "20,1000", "--rho-range", "0.6,2"],
+        ["--long-link-deadline-rtts", "1,3.5", "--long-link-min-rtts", "1"],
     ],
 )
 def test_a_recorded_command_asks_for_the_same_run_again(argv):
@@ -127,9 +128,33 @@ def test_long_link_min_rtts_reaches_the_draws():
     assert min(one) >= 1.0 and any(r < 2.0 for r in one)
 
 
+def test_long_link_deadline_rtts_sizes_the_long_link_episodes():
+    """With ``--long-link-deadline-rtts 1,2`` a long-link episode of a synthetic utility
+    has as many blocks as make its deadline 1-2 round trips (up to a block's rounding and
+    the block-count bounds), at any rate; without it fast long links rarely get there."""
+    from kvtransport.agents.episodes import round_trip, spec_deadline
+
+    def long_specs(argv: list[str]) -> list:
+        _, cfg = _parse(["train", "--rate-range", "500,1000", "--long-link-min-rtts", "1", *argv])
+        env = make_env(cfg)
+        specs = [env.reset(seed=s)[1]["spec"] for s in range(80)]
+        return [s for s in specs if s.channel.delay_ms >= 20.0 and s.utility.startswith("zipf")]
+
+    sized = long_specs(["--long-link-deadline-rtts", "1,2"])
+    plain = long_specs([])
+    assert len(sized) >= 5 and len(plain) >= 2
+    for s in sized:
+        per_block = spec_deadline(s) / s.n_blocks
+        assert round_trip(s) - per_block <= spec_deadline(s) <= 2 * round_trip(s) + per_block
+    # sizing gives these episodes more blocks than the short links' draws do
+    assert np.mean([s.n_blocks for s in sized]) > 1.5 * np.mean([s.n_blocks for s in plain])
+
+
 @pytest.mark.parametrize(
     ("option", "value"),
     [
+        ("--long-link-deadline-rtts", "2,1"),
+        ("--long-link-deadline-rtts", "0,1"),
         ("--rho-range", "2,1"),
         ("--rho-range", "0,1"),
         ("--rho-range", "1"),

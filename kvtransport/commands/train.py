@@ -133,6 +133,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "the episode distribution's, 2)",
     )
     p.add_argument(
+        "--long-link-deadline-rtts",
+        type=_rtts_range,
+        default=None,
+        metavar="LO,HI",
+        help="size the long-link episodes (synthetic utilities) so that each one's deadline "
+        "is LO..HI round trips of its link (uniform): fast long links then get one- and "
+        "two-round-trip deadlines as often as slow ones (default: off, blocks drawn as on "
+        "short links)",
+    )
+    p.add_argument(
         "--prior",
         type=_prior_weights,
         default=None,
@@ -182,6 +192,7 @@ def _range(what: str, most: float, unit: str, example: str) -> Callable[[str], t
 
 _rate_range = _range("rates", MAX_RATE_MBPS, " Mbit/s", "20,400")
 _rho_range = _range("rhos", MAX_RHO, "", "0.6,2")
+_rtts_range = _range("round trips", MAX_RHO, "", "1,4")
 
 
 def _prior_weights(text: str) -> dict[str, float]:
@@ -230,6 +241,8 @@ def _config(args: argparse.Namespace):  # noqa: ANN202 - TrainConfig is imported
         distribution["rate_range_mbps"] = args.rate_range
     if args.rho_range is not None:
         distribution["rho_range"] = args.rho_range
+    if args.long_link_deadline_rtts is not None:
+        distribution["long_link_deadline_rtts"] = args.long_link_deadline_rtts
     if args.long_link_min_rtts is not None:
         distribution["high_rtt_min_rtts"] = args.long_link_min_rtts
     if args.prior is not None:
@@ -308,6 +321,11 @@ def _command_line(args: argparse.Namespace, config: dict) -> str:
         "--long-link-min-rtts",
         _number(dist["high_rtt_min_rtts"]),
     ]
+    if dist.get("long_link_deadline_rtts") is not None:  # off (None) has no value to spell
+        parts += [
+            "--long-link-deadline-rtts",
+            ",".join(map(_number, dist["long_link_deadline_rtts"])),
+        ]
     for t in args.trace:
         parts += ["--trace", t]
     if args.init_from is not None:
