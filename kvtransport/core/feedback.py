@@ -16,6 +16,8 @@ from collections import deque
 from collections.abc import Sequence
 from itertools import repeat
 
+import numpy as np
+
 SEQ_RING = 1 << 14
 _MASK = SEQ_RING - 1
 BURST_GAIN = 1 / 8
@@ -228,14 +230,22 @@ class SentLog:
         return self.t[i], self.src[i], self.rep[i], self.rea[i]
 
 
-def loss_ranges(known: bytearray, lo: int, hi: int, limit: int, skip: Sequence[int] = ()) -> tuple:
+def loss_ranges(
+    known: bytearray, lo: int, hi: int, limit: int, skip: Sequence[int] | np.ndarray = ()
+) -> tuple:
     """Runs of zero bytes in ``known[lo:hi]`` as ((first, count), ...), lowest first, at most
     ``limit`` runs, counts capped at 65535 (the feedback's u16), leaving out the ESIs in
     ``skip`` (``known`` is unchanged on return). Two C-level ``find`` calls per run:
-    feedback goes out every millisecond or so and usually has few holes."""
-    marked = [e for e in skip if lo <= e < hi and not known[e]]
-    for e in marked:
-        known[e] = 1
+    feedback goes out every millisecond or so and usually has few holes. ``skip`` is
+    marked and unmarked in two vectorized stores (a receiver's pending pivots: up to its
+    decoder's ``max_pending``)."""
+    marked = np.asarray(skip, dtype=np.int64)
+    view = None
+    if marked.size:
+        view = np.frombuffer(known, np.uint8)  # released below, before any resize
+        marked = marked[(marked >= lo) & (marked < hi)]
+        marked = marked[view[marked] == 0]
+        view[marked] = 1
     out: list[tuple[int, int]] = []
     find = known.find
     pos = find(0, lo, hi)
@@ -245,6 +255,7 @@ def loss_ranges(known: bytearray, lo: int, hi: int, limit: int, skip: Sequence[i
             end = hi
         out.append((pos, min(end - pos, 0xFFFF)))
         pos = find(0, end, hi)
-    for e in marked:
-        known[e] = 0
+    if view is not None:
+        view[marked] = 0
+        del view  # the bytearray may be resized again
     return tuple(out)

@@ -1088,7 +1088,7 @@ class ReceiverSession:
             # only the holes no pending equation is pivoted on: each needs one more equation
             # (a pivoted one is decoded once the equations' other unknowns are), and so the
             # capped list reaches as far as the holes that still need anything
-            pivots = self.decoder.pending_pivots().tolist() if self.decoder is not None else ()
+            pivots = self.decoder.pending_pivots() if self.decoder is not None else ()
             ranges = loss_ranges(self._known, self.through, end, MAX_FEEDBACK_RANGES, pivots)
         # the echo: the highest number as of one reordering window ago (the highest one
         # without reordering), so a datagram merely late still counts as in flight; there is
