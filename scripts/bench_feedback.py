@@ -4,8 +4,8 @@
 A receiver's window of --window ESIs with --holes lost symbols spread over it; the list the
 feedback carries (at most MAX_FEEDBACK_RANGES ranges) is built leaving out the holes that
 pending equations are pivoted on, for 0 to the decoder's ``max_pending`` (2,048) pivots.
-Best of --rounds, microseconds per feedback. The receiver sends one about every
-millisecond while data flows, so 100 us is a tenth of a core.
+Best of --rounds, microseconds per feedback. While losses come a receiver sends one up to
+every millisecond (MIN_FEEDBACK_GAP), so 100 us is then a tenth of a core.
 
     .venv/bin/python scripts/bench_feedback.py           # a few seconds
 """
