@@ -122,12 +122,14 @@ def effective_config(cfg: TrainConfig) -> dict:
     the ``.npz`` metadata, ``summary.json``): a default that moves later changes what a
     recorded command trains on, and the two effective configurations then differ.
     ``init_from``, ``validation``, ``anchor_weight`` and the distribution's
-    ``exclude_profiles`` are there only when set (runs without them record what they did
-    before the options existed)."""
+    ``exclude_profiles`` and ``long_link_deadline_rtts`` are there only when set (runs
+    without them record what they did before the options existed)."""
     dist = episode_distribution(cfg)
     knobs = {f.name: getattr(dist, f.name) for f in fields(dist) if f.name != "trace_files"}
     if not knobs["exclude_profiles"]:
         del knobs["exclude_profiles"]
+    if knobs["long_link_deadline_rtts"] is None:
+        del knobs["long_link_deadline_rtts"]
     config = {**asdict(cfg), "distribution": knobs}
     if cfg.init_from is None:
         del config["init_from"]

@@ -45,6 +45,14 @@ MAX_RATE_MBPS = 100_000.0
 """The fastest link --rate-range may draw (100 Gbit/s)."""
 MAX_RHO = 100.0
 """The loosest deadline --rho-range may draw (in loss-free send times)."""
+DISTRIBUTION_OPTIONS = {
+    "rate_range": "rate_range_mbps",
+    "rho_range": "rho_range",
+    "long_link_min_rtts": "high_rtt_min_rtts",
+    "long_link_deadline_rtts": "long_link_deadline_rtts",
+}
+"""Options (argparse dests) that set an EpisodeDistribution field of the same meaning
+when given (None: the distribution's default)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -237,14 +245,9 @@ def _config(args: argparse.Namespace):  # noqa: ANN202 - TrainConfig is imported
     distribution: dict = {}
     if args.handoff_share:
         distribution["handoff_share"] = args.handoff_share
-    if args.rate_range is not None:
-        distribution["rate_range_mbps"] = args.rate_range
-    if args.rho_range is not None:
-        distribution["rho_range"] = args.rho_range
-    if args.long_link_deadline_rtts is not None:
-        distribution["long_link_deadline_rtts"] = args.long_link_deadline_rtts
-    if args.long_link_min_rtts is not None:
-        distribution["high_rtt_min_rtts"] = args.long_link_min_rtts
+    for option, field in DISTRIBUTION_OPTIONS.items():
+        if getattr(args, option) is not None:
+            distribution[field] = getattr(args, option)
     if args.prior is not None:
         from kvtransport.agents.episodes import PRIOR_KINDS
 
