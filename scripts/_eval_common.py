@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -126,6 +128,20 @@ def summary(values: list[float] | np.ndarray) -> dict[str, float]:
     """{"mean", "ci95" (half-width), "n"} of a sample."""
     m, h = mean_ci(np.asarray(values, dtype=np.float64))
     return {"mean": m, "ci95": h, "n": int(len(values))}
+
+
+def best_seconds(
+    fn: Callable[[], object], rounds: int, clock: Callable[[], float] = time.perf_counter
+) -> float:
+    """The shortest of ``rounds`` timed calls of ``fn`` (after one untimed call that
+    compiles and warms it), in seconds of ``clock`` (the benchmarks' "best of N")."""
+    fn()
+    best = math.inf
+    for _ in range(rounds):
+        t = clock()
+        fn()
+        best = min(best, clock() - t)
+    return best
 
 
 def md_table(header: list[str], rows: list[list[str]]) -> str:

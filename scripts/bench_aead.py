@@ -25,10 +25,14 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 from kvtransport.codecs import aesgcm as A
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _eval_common import best_seconds  # noqa: E402
 from numba import njit
 
 EVP_STEPS = ("nonce", "+ header (AAD)", "+ payload", "+ finish", "+ tag")
@@ -58,14 +62,9 @@ def _evp_steps(ctx: int, steps: int, buf: np.ndarray, size: int, n: int) -> int:
     return bad
 
 
-def _best(fn, count: int, rounds: int) -> float:  # noqa: ANN001 - a zero-argument callable
-    fn()  # compiled and warm
-    best = float("inf")
-    for _ in range(rounds):
-        t = time.process_time()
-        fn()
-        best = min(best, time.process_time() - t)
-    return best / count * 1e9
+def _ns_per_datagram(fn: Callable[[], object], count: int, rounds: int) -> float:
+    """Best of ``rounds`` calls of ``fn`` (``count`` datagrams each), CPU ns per datagram."""
+    return best_seconds(fn, rounds, time.process_time) / count * 1e9
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,14 +112,16 @@ def main(argv: list[str] | None = None) -> int:
             print("the kernels refused the run: libcrypto failed", file=sys.stderr)
             return 1
     rows = {
-        "seal_run keyed": _best(lambda: seal(key.seal_ctx), n, args.rounds),
-        "seal_run unkeyed": _best(lambda: seal(0), n, args.rounds),
-        "open_run keyed": _best(lambda: opened(key.seal_ctx, key.open_ctx), n, args.rounds),
-        "open_run unkeyed": _best(lambda: opened(0, 0), n, args.rounds),
+        "seal_run keyed": _ns_per_datagram(lambda: seal(key.seal_ctx), n, args.rounds),
+        "seal_run unkeyed": _ns_per_datagram(lambda: seal(0), n, args.rounds),
+        "open_run keyed": _ns_per_datagram(
+            lambda: opened(key.seal_ctx, key.open_ctx), n, args.rounds
+        ),
+        "open_run unkeyed": _ns_per_datagram(lambda: opened(0, 0), n, args.rounds),
     }
     buf = np.zeros(whole, np.uint8)
     for steps, name in enumerate(EVP_STEPS, start=1):
-        rows[f"evp: {name}"] = _best(
+        rows[f"evp: {name}"] = _ns_per_datagram(
             lambda steps=steps: _evp_steps(key.seal_ctx, steps, buf, size, n), n, args.rounds
         )
     version = A._LIB.OpenSSL_version_num() if A._LIB is not None else 0

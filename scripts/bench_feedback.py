@@ -15,13 +15,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 from kvtransport.core.feedback import loss_ranges
 from kvtransport.core.wire import MAX_FEEDBACK_RANGES
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _eval_common import best_seconds  # noqa: E402
 
 PIVOTS = (0, 20, 256, 2048)
 
@@ -47,12 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"hole list per feedback, us ({args.holes} holes in {args.window} ESIs)")
     for n in PIVOTS:
         pivots = np.sort(rng.choice(holes, n, replace=False))
-        best = float("inf")
-        for _ in range(args.rounds):
-            t = time.perf_counter()
-            loss_ranges(known, 0, args.window, MAX_FEEDBACK_RANGES, pivots)
-            best = min(best, time.perf_counter() - t)
-        rows[n] = best * 1e6
+        rows[n] = 1e6 * best_seconds(
+            lambda p=pivots: loss_ranges(known, 0, args.window, MAX_FEEDBACK_RANGES, p),
+            args.rounds,
+        )
         print(f"  {n:5d} pivots  {rows[n]:7.1f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

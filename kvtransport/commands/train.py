@@ -45,6 +45,8 @@ MAX_RATE_MBPS = 100_000.0
 """The fastest link --rate-range may draw (100 Gbit/s)."""
 MAX_RHO = 100.0
 """The loosest deadline --rho-range may draw (in loss-free send times)."""
+MAX_DEADLINE_RTTS = 100.0
+"""The most round trips --long-link-min-rtts and --long-link-deadline-rtts may name."""
 DISTRIBUTION_OPTIONS = {
     "rate_range": "rate_range_mbps",
     "rho_range": "rho_range",
@@ -52,7 +54,7 @@ DISTRIBUTION_OPTIONS = {
     "long_link_deadline_rtts": "long_link_deadline_rtts",
 }
 """Options (argparse dests) that set an EpisodeDistribution field of the same meaning
-when given (None: the distribution's default)."""
+when given (None: the distribution's default); a recorded command spells each out."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -133,7 +135,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--long-link-min-rtts",
-        type=float_arg(0, 1000),
+        type=float_arg(0, MAX_DEADLINE_RTTS),
         default=None,
         metavar="R",
         help="the shortest deadline a long-link episode (one way beyond the short links' "
@@ -200,7 +202,7 @@ def _range(what: str, most: float, unit: str, example: str) -> Callable[[str], t
 
 _rate_range = _range("rates", MAX_RATE_MBPS, " Mbit/s", "20,400")
 _rho_range = _range("rhos", MAX_RHO, "", "0.6,2")
-_rtts_range = _range("round trips", MAX_RHO, "", "1,4")
+_rtts_range = _range("round trips", MAX_DEADLINE_RTTS, "", "1,4")
 
 
 def _prior_weights(text: str) -> dict[str, float]:
@@ -313,22 +315,17 @@ def _command_line(args: argparse.Namespace, config: dict) -> str:
         str(args.eval_every),
         "--eval-episodes",
         str(args.eval_episodes),
-        "--rate-range",
-        ",".join(_number(r) for r in dist["rate_range_mbps"]),
         "--prior",
         prior_text,
         "--handoff-share",
         _number(dist["handoff_share"]),
-        "--rho-range",
-        ",".join(_number(r) for r in dist["rho_range"]),
-        "--long-link-min-rtts",
-        _number(dist["high_rtt_min_rtts"]),
     ]
-    if dist.get("long_link_deadline_rtts") is not None:  # off (None) has no value to spell
-        parts += [
-            "--long-link-deadline-rtts",
-            ",".join(map(_number, dist["long_link_deadline_rtts"])),
-        ]
+    for option, field in DISTRIBUTION_OPTIONS.items():
+        value = dist.get(field)
+        if value is None:  # off (long_link_deadline_rtts): no value to spell
+            continue
+        text = ",".join(map(_number, value)) if isinstance(value, list | tuple) else _number(value)
+        parts += ["--" + option.replace("_", "-"), text]
     for t in args.trace:
         parts += ["--trace", t]
     if args.init_from is not None:
