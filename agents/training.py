@@ -24,7 +24,10 @@ The loop, in order:
 3. **Validation** every ``eval_every`` steps: the current network, exported to the numpy
    runtime the daemon uses, plays a fixed set of held-out episodes (seeds outside the
    training range, fresh channel draws), side by side with the adaptive heuristic on the
-   same episodes. The best network so far is kept (SB3 zip and exported ``.npz``).
+   same episodes (and, with ``eval_hard_episodes``, :func:`hard_validation_specs`'
+   fast long links too). The network with the best :func:`validation_score` so far is
+   kept (SB3 zip and exported ``.npz``); every validated network's ``.npz`` stays in
+   ``checkpoints/``.
 4. Logs: ``progress.csv`` (one row per validation), SB3's own ``sb3/progress.csv``, and
    ``learning_curve.png``.
 
@@ -106,6 +109,13 @@ class TrainConfig:
     """EpisodeDistribution fields that differ for the validation episodes only, on top of
     ``distribution`` (empty: validate on the training distribution): the checkpoint kept
     is the best on these, so they say which episodes a run must not lose."""
+    eval_hard_episodes: int = 0
+    """Validation episodes added to ``eval_episodes`` on the links where networks most
+    often lose to the adaptive heuristic (:func:`hard_validation_specs`; 0: none)."""
+    shortfall_weight: float = 0.0
+    """The checkpoint kept is the one with the best validation score: the mean utility
+    minus this weight times the mean shortfall, per episode, below the better of the
+    adaptive heuristic and the tail rule on that episode (0: the mean utility alone)."""
 
 
 def episode_distribution(cfg: TrainConfig) -> EpisodeDistribution:
@@ -121,9 +131,10 @@ def effective_config(cfg: TrainConfig) -> dict:
     This, not the command line, is what a run records next to its weights (``ddqn.json``,
     the ``.npz`` metadata, ``summary.json``): a default that moves later changes what a
     recorded command trains on, and the two effective configurations then differ.
-    ``init_from``, ``validation``, ``anchor_weight`` and the distribution's
-    ``exclude_profiles`` and ``long_link_deadline_rtts`` are there only when set (runs
-    without them record what they did before the options existed)."""
+    ``init_from``, ``validation``, ``anchor_weight``, ``eval_hard_episodes``,
+    ``shortfall_weight`` and the distribution's ``exclude_profiles`` and
+    ``long_link_deadline_rtts`` are there only when set (runs without them record what they
+    did before the options existed)."""
     dist = episode_distribution(cfg)
     knobs = {f.name: getattr(dist, f.name) for f in fields(dist) if f.name != "trace_files"}
     if not knobs["exclude_profiles"]:
@@ -135,8 +146,9 @@ def effective_config(cfg: TrainConfig) -> dict:
         del config["init_from"]
     if not cfg.validation:
         del config["validation"]
-    if not cfg.anchor_weight:
-        del config["anchor_weight"]
+    for name in ("anchor_weight", "eval_hard_episodes", "shortfall_weight"):
+        if not getattr(cfg, name):
+            del config[name]
     return _jsonable(config)
 
 
@@ -222,6 +234,59 @@ def validation_specs(cfg: TrainConfig, n: int) -> list[EpisodeSpec]:
     dist = EpisodeDistribution(trace_files=cfg.trace_files, **fields_)
     rng = np.random.default_rng(12345)
     return [replace(dist.sample(rng), seed=VALIDATION_SEED + i) for i in range(n)]
+
+
+HARD_VALIDATION_RTTS = (1.0, 2.0)
+"""Deadlines of the hard validation episodes, in round trips of their link."""
+HARD_VALIDATION_SEED = VALIDATION_SEED + (1 << 29)
+"""Hard validation episodes' seeds start here (after any count of ordinary ones)."""
+
+
+def hard_validation_specs(
+    cfg: TrainConfig,
+    n: int,
+    rtts: tuple[float, float] = HARD_VALIDATION_RTTS,
+    draw_seed: int = 54321,
+    first_seed: int = HARD_VALIDATION_SEED,
+) -> list[EpisodeSpec]:
+    """``n`` fixed validation episodes where a network most often loses to the adaptive
+    heuristic: long links only (one way 20 ms and more), at rates in the upper half
+    (log scale) of the run's, synthetic utilities sized so that the deadline is ``rtts``
+    round trips (uniform), Gilbert-Elliott or Bernoulli loss; everything else (prior, rho,
+    feedback path, held-out neighbourhoods) as ``validation_specs``'. ``draw_seed`` seeds
+    the draws, episode i gets seed ``first_seed + i`` (scripts/eval_short_deadlines.py
+    draws other episodes with other values).
+
+    At one or two round trips feedback can repair at most one loss, so the episode turns on
+    when to stop admitting sources and how much proactive repair to send; at high rates
+    such a deadline is a long stream, and the default distribution draws few of them."""
+    if n <= 0:
+        return []
+    fields_ = {**cfg.distribution, **cfg.validation}
+    base = EpisodeDistribution(trace_files=cfg.trace_files, **fields_)
+    lo, hi = base.rate_range_mbps
+    dist = replace(
+        base,
+        high_rtt_share=1.0,
+        rate_range_mbps=(math.sqrt(lo * hi), hi),
+        long_link_deadline_rtts=rtts,
+        high_rtt_min_rtts=min(base.high_rtt_min_rtts, rtts[0]),
+        utility_weights={"zipf": 1.0},
+        loss_weights={"ge": 0.6, "bernoulli": 0.4},
+        handoff_share=0.0,
+    )
+    rng = np.random.default_rng(draw_seed)
+    return [replace(dist.sample(rng), seed=first_seed + i) for i in range(n)]
+
+
+def validation_score(
+    utility: np.ndarray, best_heuristic: np.ndarray, shortfall_weight: float
+) -> tuple[float, float]:
+    """The validation score of one checkpoint and its mean shortfall: ``utility`` (per
+    episode) averaged, minus ``shortfall_weight`` times the mean of how far each episode
+    falls below ``best_heuristic`` (the better heuristic's utility on that episode)."""
+    shortfall = float(np.maximum(best_heuristic - utility, 0.0).mean())
+    return float(utility.mean()) - shortfall_weight * shortfall, shortfall
 
 
 def play(spec: EpisodeSpec, policy: Policy) -> float:
@@ -418,7 +483,9 @@ def train(cfg: TrainConfig, out: str | Path, command: str = "", quiet: bool = Fa
         load_q_network(model, load_weights(cfg.init_from))
         model.set_anchor(cfg.anchor_weight)
     model.set_logger(configure(str(out / "sb3"), ["csv"]))
-    val = validation_specs(cfg, cfg.eval_episodes)
+    val = validation_specs(cfg, cfg.eval_episodes) + hard_validation_specs(
+        cfg, cfg.eval_hard_episodes
+    )
     bar = tqdm(
         total=cfg.demo_steps + cfg.steps,
         desc="train ddqn",
@@ -430,6 +497,7 @@ def train(cfg: TrainConfig, out: str | Path, command: str = "", quiet: bool = Fa
     base_adaptive = np.array([play(s, Adaptive()) for s in val])
     base_oracle = np.array([play(s, Oracle()) for s in val])
     base_tail = np.array([play(s, _Constant(0)) for s in val])
+    best_heuristic = np.maximum(base_adaptive, base_tail)
     bar.set_postfix_str("demonstrations")
     experts = collect_demonstrations(model, env, cfg.demo_steps, cfg.seed, bar)
     if cfg.expert_margin > 0 and cfg.expert_weight > 0:
@@ -438,12 +506,15 @@ def train(cfg: TrainConfig, out: str | Path, command: str = "", quiet: bool = Fa
     config = effective_config(cfg)
     provenance = {"command": command, "config": config}
     rows: list[dict] = []
-    best = {"utility": -1.0, "step": 0}
+    best = {"score": -math.inf, "utility": -1.0, "step": 0}
     log_path = out / "progress.csv"
+    checkpoints = out / "checkpoints"
+    checkpoints.mkdir(exist_ok=True)
 
     def validate(step: int) -> None:
         weights = export_q_network(model, actions, {"step": step})
         u = np.array([play(s, DDQNPolicy(weights)) for s in val])
+        score, shortfall = validation_score(u, best_heuristic, cfg.shortfall_weight)
         returns = [e["r"] for e in model.ep_info_buffer] if model.ep_info_buffer else []
         row = {
             "step": step,
@@ -455,17 +526,18 @@ def train(cfg: TrainConfig, out: str | Path, command: str = "", quiet: bool = Fa
             "val_oracle": float(base_oracle.mean()),
             "val_tail_rule": float(base_tail.mean()),
             "val_gap_vs_adaptive": float((u - base_adaptive).mean()),
+            "val_shortfall": shortfall,
+            "val_score": score,
             "best": False,
         }
-        if row["val_ddqn"] > best["utility"]:
-            best.update(utility=row["val_ddqn"], step=step)
+        meta = {**provenance, "step": step, "validation_utility": row["val_ddqn"],
+                "validation_score": score}  # fmt: skip
+        save_weights(checkpoints / f"step_{step}.npz", weights, meta)
+        if score > best["score"]:
+            best.update(score=score, utility=row["val_ddqn"], step=step)
             row["best"] = True
             model.save(out / "best_model.zip")
-            save_weights(
-                out / "ddqn.npz",
-                weights,
-                {**provenance, "step": step, "validation_utility": row["val_ddqn"]},
-            )
+            save_weights(out / "ddqn.npz", weights, meta)
         rows.append(row)
         with open(log_path, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(row))
@@ -474,7 +546,7 @@ def train(cfg: TrainConfig, out: str | Path, command: str = "", quiet: bool = Fa
         _plot(rows, out / "learning_curve.png")
         bar.set_postfix_str(
             f"val {row['val_ddqn']:.4f} (adaptive {row['val_adaptive']:.4f}, "
-            f"best {best['utility']:.4f} @ {best['step']})"
+            f"best {best['score']:.4f} @ {best['step']})"
         )
 
     class _Hook(BaseCallback):
@@ -496,6 +568,7 @@ def train(cfg: TrainConfig, out: str | Path, command: str = "", quiet: bool = Fa
         "config": config,
         "best_step": best["step"],
         "best_validation_utility": best["utility"],
+        "best_validation_score": best["score"],
         "adaptive_validation_utility": float(base_adaptive.mean()),
         "oracle_validation_utility": float(base_oracle.mean()),
         "wall_s": wall,
@@ -508,6 +581,7 @@ def train(cfg: TrainConfig, out: str | Path, command: str = "", quiet: bool = Fa
         "config": config,
         "best_step": best["step"],
         "validation_utility": best["utility"],
+        "validation_score": best["score"],
         "adaptive_validation_utility": float(base_adaptive.mean()),
         "wall_s": round(wall, 1),
     }

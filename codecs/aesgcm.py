@@ -29,6 +29,15 @@ The contract (tests/test_aesgcm.py checks it against ``AESGCM`` byte for byte):
 Availability: :data:`AVAILABLE` is False where no libcrypto of OpenSSL 1.1 or later loads
 (the callers keep their per-datagram ``AESGCM`` path) or where the environment variable
 ``KVTRANSPORT_AEAD=python`` asks for that path (tests and benchmarks force each).
+
+Which libcrypto: the system's (``ctypes.util.find_library("crypto")``), or the file the
+environment variable ``KVTRANSPORT_LIBCRYPTO`` names, for a newer OpenSSL than the system
+ships without replacing it (OpenSSL 3.0 has no AES-GCM path for VAES/AVX-512; later releases
+do). A named file that does not load as an OpenSSL libcrypto with AES-256-GCM fails the
+import with a one-line :class:`~kvtransport.errors.UserError`: no silent fallback. The
+kernels' EVP calls are bound to the loaded library's own functions by address (before any
+kernel is compiled or loaded from the cache), so they and :class:`GcmKey`'s contexts always
+come from the same library, whatever other libcrypto the process has loaded.
 """
 
 from __future__ import annotations
@@ -45,6 +54,8 @@ from llvmlite import binding as llvm_binding
 from numba import njit, types
 from numba.core import cgutils
 
+from kvtransport.errors import UserError
+
 if TYPE_CHECKING:
     # as in kvtransport.codecs.gf256: to mypy an intrinsic is untyped
     def intrinsic(func: Callable[..., Any]) -> Any: ...
@@ -52,6 +63,7 @@ else:
     from numba.extending import intrinsic
 
 AEAD_ENV = "KVTRANSPORT_AEAD"
+LIBCRYPTO_ENV = "KVTRANSPORT_LIBCRYPTO"
 HEADER_BYTES = 28
 TAG_BYTES = 16
 NONCE_BYTES = 12
@@ -60,32 +72,69 @@ _GCM_SET_TAG = 0x11  # EVP_CTRL_GCM_SET_TAG
 _MIN_OPENSSL = 0x10100000  # 1.1.0: EVP_CIPHER_CTX_new and friends as used here
 
 
+_KERNEL_CALLS = (
+    "EVP_EncryptInit_ex",
+    "EVP_EncryptUpdate",
+    "EVP_EncryptFinal_ex",
+    "EVP_DecryptInit_ex",
+    "EVP_DecryptUpdate",
+    "EVP_DecryptFinal_ex",
+    "EVP_CIPHER_CTX_ctrl",
+)
+"""The libcrypto functions the run kernels call (bound by address in ``_open``)."""
+
+
+def _open(name: str) -> ctypes.CDLL:
+    """``name`` loaded as a libcrypto with AES-256-GCM, its kernel calls bound for numba's
+    linker; OSError, AttributeError or RuntimeError (with the reason) if it is not one."""
+    lib = ctypes.CDLL(name)
+    lib.OpenSSL_version_num.restype = ctypes.c_ulong
+    if lib.OpenSSL_version_num() < _MIN_OPENSSL:
+        raise RuntimeError(f"OpenSSL {lib.OpenSSL_version_num():#x} is older than 1.1")
+    lib.EVP_aes_256_gcm.restype = ctypes.c_void_p
+    if not lib.EVP_aes_256_gcm():
+        raise RuntimeError("it has no AES-256-GCM")
+    for fn in _KERNEL_CALLS:
+        llvm_binding.add_symbol(fn, ctypes.cast(getattr(lib, fn), ctypes.c_void_p).value)
+    lib.EVP_CIPHER_CTX_new.restype = ctypes.c_void_p
+    lib.EVP_CIPHER_CTX_free.argtypes = [ctypes.c_void_p]
+    lib.EVP_CIPHER_CTX_free.restype = None
+    for init in (lib.EVP_EncryptInit_ex, lib.EVP_DecryptInit_ex):
+        init.argtypes = [ctypes.c_void_p] * 5
+        init.restype = ctypes.c_int
+    return lib
+
+
 def _load_libcrypto() -> ctypes.CDLL | None:
-    """libcrypto with AES-256-GCM, made visible to numba's linker; None if there is none
-    (or the environment asks for the per-datagram path)."""
+    """libcrypto with AES-256-GCM (``LIBCRYPTO_ENV``'s file, else the system's), its kernel
+    calls bound; None if there is none (or the environment asks for the per-datagram
+    path). A file named in ``LIBCRYPTO_ENV`` that fails raises UserError."""
     if os.environ.get(AEAD_ENV, "").strip().lower() == "python":
         return None
+    forced = os.environ.get(LIBCRYPTO_ENV, "").strip()
+    if forced:
+        try:
+            return _open(forced)
+        except (OSError, AttributeError, RuntimeError) as exc:
+            why = "not an OpenSSL libcrypto" if isinstance(exc, AttributeError) else exc
+            raise UserError(f"{LIBCRYPTO_ENV}={forced}: {why}") from None
     names = [ctypes.util.find_library("crypto"), "libcrypto.so.3", "libcrypto.so.1.1"]
     for name in dict.fromkeys(n for n in names if n):
         try:
-            lib = ctypes.CDLL(name)
-            lib.OpenSSL_version_num.restype = ctypes.c_ulong
-            if lib.OpenSSL_version_num() < _MIN_OPENSSL:
-                continue
-            lib.EVP_aes_256_gcm.restype = ctypes.c_void_p
-            if not lib.EVP_aes_256_gcm():
-                continue
-            llvm_binding.load_library_permanently(name)
+            return _open(name)
         except (OSError, AttributeError, RuntimeError):
             continue
-        lib.EVP_CIPHER_CTX_new.restype = ctypes.c_void_p
-        lib.EVP_CIPHER_CTX_free.argtypes = [ctypes.c_void_p]
-        lib.EVP_CIPHER_CTX_free.restype = None
-        for init in (lib.EVP_EncryptInit_ex, lib.EVP_DecryptInit_ex):
-            init.argtypes = [ctypes.c_void_p] * 5
-            init.restype = ctypes.c_int
-        return lib
     return None
+
+
+def libcrypto_version() -> str | None:
+    """The OpenSSL version the run kernels call (like ``OpenSSL 3.0.19 27 Jan 2026``), or
+    None where they are not available."""
+    if _LIB is None:
+        return None
+    _LIB.OpenSSL_version.restype = ctypes.c_char_p
+    _LIB.OpenSSL_version.argtypes = [ctypes.c_int]
+    return _LIB.OpenSSL_version(0).decode()  # OPENSSL_VERSION
 
 
 _LIB = _load_libcrypto()

@@ -91,7 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `kvtransport` command; returns the exit status (a usage error
     found by argparse, such as an option value out of its bounds, returns 2 too, after
     its one-line message; ``--help`` returns 0)."""
-    parser = build_parser()
+    try:
+        parser = build_parser()
+    except UserError as exc:  # an environment setting the commands' modules refuse on import
+        print(f"kvtransport: error: {exc}", file=sys.stderr)
+        return 2
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:

@@ -11,7 +11,8 @@ one process (CPU-bound, single thread):
                              each row minus the one above is that call's cost
 
 keyed minus unkeyed is the cipher's cost on the data path; the libcrypto the kernels load
-(its OpenSSL version is printed) decides it. docs/results.md quotes these figures (issue 15).
+(its OpenSSL version is printed) decides it: the system's, or the file KVTRANSPORT_LIBCRYPTO
+names. docs/results.md quotes these figures (issue 15).
 
     .venv/bin/python scripts/bench_aead.py            # about 10 s
     .venv/bin/python scripts/bench_aead.py --quick    # smoke run
@@ -124,9 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         rows[f"evp: {name}"] = _ns_per_datagram(
             lambda steps=steps: _evp_steps(key.seal_ctx, steps, buf, size, n), n, args.rounds
         )
-    version = A._LIB.OpenSSL_version_num() if A._LIB is not None else 0
-    ver = f"{version >> 28}.{(version >> 20) & 0xFF}.{(version >> 4) & 0xFFFF}"
-    print(f"AES-256-GCM per {size}-byte datagram, ns (best of {args.rounds}; OpenSSL {ver})")
+    ver = A.libcrypto_version()
+    print(f"AES-256-GCM per {size}-byte datagram, ns (best of {args.rounds}; {ver})")
     for name, ns in rows.items():
         print(f"  {name:22s} {ns:7.0f}")
     gbps = size / (rows["evp: + payload"] - rows["evp: + header (AAD)"])

@@ -551,16 +551,12 @@ def _goodput_once(
     auth: bool,
     args: argparse.Namespace,
     source_runs: bool = True,
-    compiled_aead: bool = True,
+    aead_env: dict[str, str] | None = None,
 ) -> dict:
     """One transfer between the two ends, on loopback or (``args.veth``) across the veth
-    pair of ``_veth_pair`` (``compiled_aead`` False: both seal and open each datagram with
-    one AESGCM call, KVTRANSPORT_AEAD=python)."""
-    from kvtransport.codecs import aesgcm
-
-    env = {**os.environ}
-    if not compiled_aead:
-        env[aesgcm.AEAD_ENV] = "python"
+    pair of ``_veth_pair``; ``aead_env``: environment variables both ends get on top of
+    this process's (``_aead_variants``: one AESGCM call per datagram, another libcrypto)."""
+    env = {**os.environ, **(aead_env or {})}
     me = [sys.executable, str(Path(__file__).resolve())]
     rx_me, tx_me = me, me
     if args.veth:
@@ -644,6 +640,37 @@ def _veth_pair() -> Iterator[None]:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
+def _aead_variants(args: argparse.Namespace) -> list[tuple[str, dict[str, str]]]:
+    """The cipher set-ups each goodput configuration is run beside (name suffix, both
+    ends' extra environment): --compare-aead's per-datagram AESGCM calls, and
+    --compare-libcrypto's other libcrypto for the compiled kernels."""
+    from kvtransport.codecs import aesgcm
+
+    out = []
+    if args.compare_aead:
+        out.append(("aead-python", {aesgcm.AEAD_ENV: "python"}))
+    if args.compare_libcrypto:
+        out.append(("other-libcrypto", {aesgcm.LIBCRYPTO_ENV: args.compare_libcrypto}))
+    return out
+
+
+def _libcrypto_version_of(path: str | None) -> str | None:
+    """The OpenSSL version the kernels run on with KVTRANSPORT_LIBCRYPTO=``path`` (None:
+    no path); exits with the loader's one-line reason where it does not load."""
+    if not path:
+        return None
+    from kvtransport.codecs import aesgcm
+
+    code = "from kvtransport.codecs import aesgcm; print(aesgcm.libcrypto_version())"
+    env = {**os.environ, aesgcm.LIBCRYPTO_ENV: path}
+    env.pop(aesgcm.AEAD_ENV, None)
+    got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    if got.returncode != 0:
+        why = got.stderr.strip().splitlines()[-1].split("UserError: ", 1)[-1]
+        raise SystemExit(f"bench_transport.py: --compare-libcrypto: {why}")
+    return got.stdout.strip()
+
+
 def goodput(args: argparse.Namespace) -> dict:
     with _veth_pair() if args.veth else contextlib.nullcontext():
         return _goodput_rounds(args)
@@ -652,32 +679,29 @@ def goodput(args: argparse.Namespace) -> dict:
 def _goodput_rounds(args: argparse.Namespace) -> dict:
     from tqdm import tqdm
 
-    variants = [
-        (name, pol, auth, True, True) for name, pol, auth in CONFIGS if name in args.configs
+    variants: list[tuple[str, str, bool, bool, dict[str, str]]] = [
+        (name, pol, auth, True, {}) for name, pol, auth in CONFIGS if name in args.configs
     ]
     if args.compare_receiver_runs:  # each beside its receiver without held source runs
         variants = [
             v
             for name, pol, auth, _, _ in variants
             for v in (
-                (name, pol, auth, True, True),
-                (f"{name} rx-runs-off", pol, auth, False, True),
+                (name, pol, auth, True, {}),
+                (f"{name} rx-runs-off", pol, auth, False, {}),
             )
         ]
-    if args.compare_aead:  # each beside both ends with one AESGCM call per datagram
+    for suffix, env in _aead_variants(args):  # each beside its other cipher set-ups
         variants = [
             v
             for name, pol, auth, rx_runs, _ in variants
-            for v in (
-                (name, pol, auth, rx_runs, True),
-                (f"{name} aead-python", pol, auth, rx_runs, False),
-            )
+            for v in ((name, pol, auth, rx_runs, {}), (f"{name} {suffix}", pol, auth, rx_runs, env))
         ]
     runs: dict[str, list[dict]] = {v[0]: [] for v in variants}
     bar = tqdm(total=len(variants) * args.rounds, desc="loopback goodput", file=sys.stderr)
     for _ in range(args.rounds):
-        for name, pol, auth, rx_runs, compiled in variants:  # interleaved: noise hits all alike
-            runs[name].append(_goodput_once(pol, auth, args, rx_runs, compiled))
+        for name, pol, auth, rx_runs, env in variants:  # interleaved: noise hits all alike
+            runs[name].append(_goodput_once(pol, auth, args, rx_runs, env))
             bar.update(1)
     bar.close()
     out = {}
@@ -728,12 +752,13 @@ def _table(pp: dict, sock: dict, gp: dict | None, link: str = "loopback") -> str
         base = gp["plain"]["goodput_gbps"] if "plain" in gp else float("nan")
         lines.append("")
         lines.append(f"{link} goodput (medians; CPU-bound = bytes / busier process's CPU s)")
-        lines.append(f"{'config':15s} {'Gbit/s':>7s} {'vs plain':>8s} {'CPU-bound':>9s} "
+        w = max(15, *(len(name) for name in gp))
+        lines.append(f"{'config':{w}s} {'Gbit/s':>7s} {'vs plain':>8s} {'CPU-bound':>9s} "
                      f"{'snd us/dg':>9s} {'rcv us/dg':>9s} {'snd/rcv sys':>11s} {'loss':>6s} "
                      f"{'decision us mean/p99':>21s}")  # fmt: skip
         for name, c in gp.items():
             lines.append(
-                f"{name:15s} {c['goodput_gbps']:7.3f} {c['goodput_gbps'] / base:8.2f} "
+                f"{name:{w}s} {c['goodput_gbps']:7.3f} {c['goodput_gbps'] / base:8.2f} "
                 f"{c['cpu_bound_gbps']:9.3f} {c['sender_us_per_datagram']:9.2f} "
                 f"{c['receiver_us_per_datagram']:9.2f} {100 * c['sender_sys_share']:4.0f}% / "
                 f"{100 * c['receiver_sys_share']:3.0f}% {100 * c['loss']:5.1f}% "
@@ -778,6 +803,13 @@ def main() -> int:
         "both ends instead of the compiled run kernels (KVTRANSPORT_AEAD=python), interleaved",
     )
     p.add_argument(
+        "--compare-libcrypto",
+        metavar="PATH",
+        help="goodput runs: each configuration also with both ends' compiled AES-GCM "
+        "kernels on this libcrypto (KVTRANSPORT_LIBCRYPTO, e.g. a newer OpenSSL than the "
+        "system's), interleaved",
+    )
+    p.add_argument(
         "--veth",
         action="store_true",
         help="goodput runs: the two ends in two network namespaces joined by a veth pair "
@@ -810,6 +842,9 @@ def main() -> int:
     args.configs = args.configs.split(",")
     if unknown := [c for c in args.configs if c not in names]:
         p.error(f"--configs: unknown {', '.join(unknown)}; choose from {', '.join(names)}")
+    from kvtransport.codecs import aesgcm
+
+    other = _libcrypto_version_of(args.compare_libcrypto)  # a bad path stops here, at once
     pp = per_packet(args.packets, args.repeats, args.owd_us * 1e-6, args.loss_pct / 100.0)
     sock = socket_cost(n=4000 if args.quick else 20000, repeats=2 if args.quick else 5)
     gp = None if args.no_goodput else goodput(args)
@@ -833,6 +868,8 @@ def main() -> int:
             "cpus": os.cpu_count(),
             "load_avg": os.getloadavg(),
             "python": platform.python_version(),
+            "libcrypto": aesgcm.libcrypto_version(),
+            "other_libcrypto": other,
             "host": socket.gethostname(),
         },
         "args": {k: v for k, v in vars(args).items() if k not in ("role", "port")},
@@ -840,6 +877,8 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(_table(pp, sock, gp, "veth-pair" if args.veth else "loopback"))
+    print(f"\nAES-GCM kernels on {aesgcm.libcrypto_version()}"
+          + (f"; other-libcrypto rows on {other}" if other else ""))  # fmt: skip
     print(f"\nwritten to {out}")
     return 0
 

@@ -87,13 +87,17 @@ PAIRED = ("tail-rule", "adaptive")
 def product_choice(spec) -> str:
     """The policy a shell picks for ``spec``'s transfer when told none
     (kvtransport.core.policy.default_policy_for): the link's one-way delay is half the
-    episode's round trip, and a handoff stream is whole token ranges."""
-    from kvtransport.agents.episodes import round_trip
+    episode's round trip, a handoff stream is whole token ranges, and the deadline is the
+    episode's."""
+    from kvtransport.agents.episodes import round_trip, spec_deadline
 
     from kvtransport.core.policy import default_policy_for
 
     return default_policy_for(
-        round_trip(spec) / 2, spec.stream == "handoff", spec.channel.rate_mbps * 1e6
+        round_trip(spec) / 2,
+        spec.stream == "handoff",
+        spec.channel.rate_mbps * 1e6,
+        spec_deadline(spec),
     )
 
 

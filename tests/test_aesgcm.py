@@ -2,7 +2,11 @@
 AESGCM, byte for byte, and the wire layer's use of them (Framer.seal_sources,
 Parser.source_run on laid-out datagrams) against the per-datagram path."""
 
+import ctypes
+import ctypes.util
+import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -25,6 +29,73 @@ def test_the_kernels_are_available_on_linux_with_openssl():
     code = "from kvtransport.codecs import aesgcm; print(aesgcm.AVAILABLE)"
     forced = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert forced.stdout.strip() == "False", forced.stderr
+
+
+_BOUND_TO = """
+import ctypes, json
+import numpy as np
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from llvmlite import binding
+from kvtransport.codecs import aesgcm
+lib = aesgcm._LIB
+bound = {f: binding.address_of_symbol(f) for f in aesgcm._KERNEL_CALLS}
+own = {f: ctypes.cast(getattr(lib, f), ctypes.c_void_p).value for f in aesgcm._KERNEL_CALLS}
+key = bytes(range(32))
+header = np.zeros(28, np.uint8)
+payload = np.arange(1280, dtype=np.uint8)
+out = np.zeros(1280 + 44, np.uint8)
+gcm = aesgcm.GcmKey(key)  # kept: its contexts are freed with it
+aesgcm.seal_run(gcm.seal_ctx, header, 16, 20, 0, 7, 0, 1, payload, 1280, 0, payload, out)
+aad = bytes(16) + (7).to_bytes(4, "big") + bytes(8)  # seq 7 at byte 16, ESI 0 at 20
+want = aad + AESGCM(key).encrypt(bytes(4) + (7).to_bytes(8, "big"), payload.tobytes(), aad)
+maps = open("/proc/self/maps").read()
+print(json.dumps({"bound": bound, "own": own, "same": out.tobytes() == want,
+                  "version": aesgcm.libcrypto_version(), "maps": maps}))
+"""
+
+
+def test_kvtransport_libcrypto_binds_the_kernels_to_the_named_file(tmp_path):
+    """With KVTRANSPORT_LIBCRYPTO naming a copy of the system's libcrypto (another file,
+    so another load at other addresses), the kernels' EVP calls are that copy's functions,
+    also where the system's is loaded too, and they still seal as AESGCM does."""
+    system = ctypes.util.find_library("crypto")
+    assert system is not None
+    found = ctypes.CDLL(system)
+    path = tmp_path / "libcrypto-copy.so.3"
+    shutil.copy(os.path.realpath(_loaded_path(found)), path)
+    env = {**os.environ, aesgcm.LIBCRYPTO_ENV: str(path)}
+    env.pop(aesgcm.AEAD_ENV, None)
+    preload = f"import ctypes; ctypes.CDLL({system!r}, mode=ctypes.RTLD_GLOBAL)\n"
+    got = subprocess.run([sys.executable, "-c", preload + _BOUND_TO], env=env,
+                         capture_output=True, text=True)  # fmt: skip
+    assert got.returncode == 0, got.stderr
+    res = json.loads(got.stdout)
+    assert str(path) in res["maps"]
+    assert res["bound"] == res["own"]  # the copy's functions, not the system's
+    assert res["same"] and res["version"].startswith("OpenSSL ")
+
+
+def _loaded_path(lib: ctypes.CDLL) -> str:
+    """The file a loaded library came from (from this process's mappings)."""
+    name = os.path.basename(lib._name)
+    for line in open("/proc/self/maps"):
+        if line.rstrip().endswith(name) or f"/{name}" in line:
+            return line.split()[-1]
+    raise AssertionError(f"{name} is not mapped")
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [("/no/such/libcrypto.so.3", "cannot open shared object"), ("libc.so.6", "not an OpenSSL")],
+)
+def test_a_bad_kvtransport_libcrypto_is_a_one_line_error(value, message):
+    env = {**os.environ, aesgcm.LIBCRYPTO_ENV: value}
+    env.pop(aesgcm.AEAD_ENV, None)
+    cli = [sys.executable, "-m", "kvtransport", "simulate", "--size-mb", "1"]
+    got = subprocess.run(cli, env=env, capture_output=True, text=True)
+    assert got.returncode == 2
+    lines = got.stderr.strip().splitlines()
+    assert len(lines) == 1 and aesgcm.LIBCRYPTO_ENV in lines[0] and message in lines[0]
 
 
 def _header(size: int, sealed: bool, tid: int = TID, dtype: int = SOURCE) -> np.ndarray:

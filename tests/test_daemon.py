@@ -187,10 +187,12 @@ def test_submit_status_and_published_result(daemons):
 def test_a_daemon_started_without_a_policy_picks_per_transfer(daemons):
     """``kvtransport sender-daemon`` without ``--policy``: a request naming none gets its
     transfer's default (daemon_sender.transfer_policy): the heuristic for a stream of
-    whole token ranges over a long initial RTT, the DDQN for a synthetic stream."""
+    whole token ranges over a long initial RTT, the DDQN for a synthetic stream, unless
+    its deadline is under two of those round trips."""
     from kvtransport.core.policy import (
         LONG_LINK_HANDOFF_POLICY,
         LONG_LINK_ONE_WAY_S,
+        SHORT_DEADLINE_POLICY,
         default_policy,
     )
     from kvtransport.core.transfer import Transfer
@@ -205,11 +207,22 @@ def test_a_daemon_started_without_a_policy_picks_per_transfer(daemons):
     prefix = Transfer.from_encoded_stream(blocks.encode_stream(cache, u, order, block_tokens=16))
     rtt_ms = 2e3 * LONG_LINK_ONE_WAY_S
     used = {}
-    for name, tr in (("prefix", prefix), ("synthetic", synthetic_transfer(200_000, 16, seed=3))):
-        tid = daemons.sender.submit(tr, daemons.to(), rho=3.0, initial_rtt_ms=rtt_ms)
+    synthetic = synthetic_transfer(200_000, 16, seed=3)
+    for name, tr, deadline_ms in (
+        ("prefix", prefix, 1000.0),
+        ("synthetic", synthetic, 1000.0),
+        ("synthetic, 1.5 round trips", synthetic, 1.5 * rtt_ms),
+    ):
+        tid = daemons.sender.submit(
+            tr, daemons.to(), deadline_ms=deadline_ms, initial_rtt_ms=rtt_ms
+        )
         daemons.sub.wait_for(tid, timeout_s=20)
         used[name] = daemons.sender.wait(tid, timeout_s=10)["policy"]
-    assert used == {"prefix": LONG_LINK_HANDOFF_POLICY, "synthetic": default_policy()}
+    assert used == {
+        "prefix": LONG_LINK_HANDOFF_POLICY,
+        "synthetic": default_policy(),
+        "synthetic, 1.5 round trips": SHORT_DEADLINE_POLICY,
+    }
 
 
 def test_cancel_delivers_the_partial_result_at_once(daemons):

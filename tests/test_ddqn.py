@@ -169,8 +169,10 @@ def test_a_tiny_training_run_improves_on_the_untrained_network(tmp_path):
         seed=1,
         hidden=(32, 32),
         demo_steps=1_000,
-        eval_every=8_000,
+        eval_every=4_000,
         eval_episodes=8,
+        eval_hard_episodes=2,
+        shortfall_weight=3.0,
         learning_rate=1e-3,
         target_update_interval=500,
         gamma=0.98,
@@ -196,7 +198,19 @@ def test_a_tiny_training_run_improves_on_the_untrained_network(tmp_path):
     trained = float(rows[-1]["val_ddqn"])
     adaptive = float(rows[0]["val_adaptive"])
     assert int(rows[-1]["step"]) == 8_000
-    assert res.best_utility == pytest.approx(max(float(r["val_ddqn"]) for r in rows))
+    # the network kept is the best validation score's; every validated one is on disk
+    kept = max(rows, key=lambda r: float(r["val_score"]))
+    for r in rows:
+        score = float(r["val_ddqn"]) - 3.0 * float(r["val_shortfall"])
+        assert float(r["val_score"]) == pytest.approx(score)
+        assert (r["best"] == "True") == (float(r["val_score"]) > max(
+            [float(q["val_score"]) for q in rows[: rows.index(r)]], default=-1e9))  # fmt: skip
+        assert (tmp_path / "checkpoints" / f"step_{r['step']}.npz").is_file()
+    assert res.best_step == int(kept["step"])
+    assert res.best_utility == pytest.approx(float(kept["val_ddqn"]))
+    kept_weights = load_weights(tmp_path / "checkpoints" / f"step_{kept['step']}.npz")
+    kept_file = load_weights(tmp_path / "ddqn.npz")
+    assert np.array_equal(kept_file.layers[0][0], kept_weights.layers[0][0])
     assert untrained < 0.75 * adaptive  # the starting point is poor ...
     assert trained > untrained + 0.1  # ... and training fixes most of it
     assert trained > 0.85 * adaptive

@@ -154,3 +154,5 @@ def test_train_cli_defaults_equal_train_config_defaults():
     for name in ("steps", "seed", "demo_steps", "eval_every", "eval_episodes"):
         assert getattr(args, name) == getattr(cfg, name), name
     assert tuple(int(h) for h in args.hidden.split(",")) == cfg.hidden
+    assert args.eval_hard == cfg.eval_hard_episodes
+    assert args.shortfall_weight == cfg.shortfall_weight

@@ -1,7 +1,8 @@
 """The policy a shell picks for a transfer when told none (kvtransport.core.policy.
 default_policy_for): the shipped DDQN, except for a stream of whole token ranges over a
-long link, where it repairs too late, and on a link whose bandwidth-delay product is
-beyond its training, where the heuristic recovers more (docs/results.md, issue 16)."""
+long link, where it repairs too late, on a link whose bandwidth-delay product is beyond
+its training, and on a long link with a deadline under two round trips, where the
+heuristic recovers more (docs/results.md, issue 16)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from kvtransport.core.policy import (
     FAST_LINK_POLICY,
     LONG_LINK_HANDOFF_POLICY,
     LONG_LINK_ONE_WAY_S,
+    SHORT_DEADLINE_POLICY,
+    SHORT_DEADLINE_RTTS,
     default_policy,
     default_policy_for,
 )
@@ -71,6 +74,8 @@ def test_the_transfer_policy_reads_the_stream_and_the_assumed_rtt():
     assert transfer_policy(prefix, 0.99 * long_rtt, 100e6) == default_policy()
     assert transfer_policy(card, long_rtt, 100e6) == default_policy()
     assert transfer_policy(card, 0.16, 1e9) == FAST_LINK_POLICY  # and the link's rate
+    assert transfer_policy(card, 0.16, 100e6, 0.3) == SHORT_DEADLINE_POLICY  # and the deadline
+    assert transfer_policy(card, 0.16, 100e6, 0.33) == default_policy()
     # opaque bytes (no manifest, or something else as app metadata) are not a block stream
     assert transfer_policy(synthetic_transfer(10_000, 4), long_rtt, None) == default_policy()
     other = Transfer(prefix.payload, prefix.blocks, b"not a manifest")
@@ -128,24 +133,27 @@ def test_on_long_link_handoffs_the_pick_recovers_more_than_the_ddqn(name):
 def test_the_sender_daemon_picks_per_transfer_unless_told(tmp_path):
     """A sender daemon started without ``--policy`` gives each request that names none
     its transfer's default (daemon_sender.transfer_policy, from the request's initial
-    RTT); a request's own policy, or the daemon's, wins."""
+    RTT and deadline); a request's own policy, or the daemon's, wins."""
     from kvtransport.daemons.api import transfer_frames
     from kvtransport.daemons.daemon_sender import SenderDaemon
 
     prefix = Transfer.from_encoded_stream(_stream("position"))
+    card = Transfer.from_encoded_stream(_stream("utility"))
     long_ms = 2e3 * LONG_LINK_ONE_WAY_S
     picks = {}
     for default in (None, "fixed:4/32"):
         tx = SenderDaemon(bind=("127.0.0.1", 0), control=f"ipc://{tmp_path}/s.ipc",
                           rate_bps=50e6, key=None, policy=default)  # fmt: skip
         try:
-            for label, head in (
-                ("long", {"initial_rtt_ms": long_ms}),
-                ("short", {"initial_rtt_ms": 20.0}),
-                ("named", {"initial_rtt_ms": long_ms, "policy": "arq"}),
+            for label, transfer, head in (
+                ("long", prefix, {"initial_rtt_ms": long_ms, "rho": 1.0}),
+                ("short", prefix, {"initial_rtt_ms": 20.0, "rho": 1.0}),
+                ("named", prefix, {"initial_rtt_ms": long_ms, "policy": "arq", "rho": 1.0}),
+                ("card, 1.9 RTTs", card, {"initial_rtt_ms": 160.0, "deadline_ms": 304.0}),
+                ("card, 2.1 RTTs", card, {"initial_rtt_ms": 160.0, "deadline_ms": 336.0}),
             ):
-                got = tx._submit({"to": "127.0.0.1:9", "rho": 1.0, **head},
-                                 transfer_frames(prefix))  # fmt: skip
+                got = tx._submit({"to": "127.0.0.1:9", **head},
+                                 transfer_frames(transfer))  # fmt: skip
                 out = tx.engine.host.get(int(got["transfer_id"], 16))
                 assert out is not None
                 picks[default, label] = out.policy
@@ -153,5 +161,38 @@ def test_the_sender_daemon_picks_per_transfer_unless_told(tmp_path):
             tx.close()
     assert picks[None, "long"] == LONG_LINK_HANDOFF_POLICY
     assert picks[None, "short"] == default_policy()
+    assert picks[None, "card, 1.9 RTTs"] == SHORT_DEADLINE_POLICY
+    assert picks[None, "card, 2.1 RTTs"] == default_policy()
     assert picks[None, "named"] == picks["fixed:4/32", "named"] == "arq"
     assert picks["fixed:4/32", "long"] == picks["fixed:4/32", "short"] == "fixed:4/32"
+
+
+def test_a_long_link_deadline_under_two_round_trips_gets_the_heuristic():
+    """Below ``SHORT_DEADLINE_RTTS`` round trips of a long link the DDQN gives way; at or
+    above it, on a short link, or with no deadline known, it stays."""
+    assert SHORT_DEADLINE_POLICY != default_policy() == "ddqn"
+    rtt = 0.160
+    assert default_policy_for(rtt / 2, False, 100e6, 0.99 * SHORT_DEADLINE_RTTS * rtt) == (
+        SHORT_DEADLINE_POLICY
+    )
+    assert default_policy_for(rtt / 2, False, 100e6, SHORT_DEADLINE_RTTS * rtt) == "ddqn"
+    assert default_policy_for(rtt / 2, False, None, 0.2) == SHORT_DEADLINE_POLICY
+    assert default_policy_for(rtt / 2, False, 100e6, None) == "ddqn"
+    short = 0.99 * LONG_LINK_ONE_WAY_S
+    assert default_policy_for(short, False, 100e6, 0.5 * short) == "ddqn"
+
+
+@pytest.mark.parametrize("channel", ["bernoulli-5", "ge-heavy"])
+def test_on_a_one_round_trip_deadline_the_pick_recovers_more_than_the_ddqn(channel):
+    """The case the deadline rule exists for, inside the DDQN's trained links: 150 Mbit/s,
+    80 ms one way, 3.5 MB at rho 1 (a deadline of about 1.2 round trips). The policy it
+    picks recovers clearly more than the shipped DDQN it replaces there."""
+    link = dict(channel=channel, rate_mbps=150, delay_ms=80, rho=1.0, size_bytes=3_500_000)
+    deadline = simulate(policy="ddqn", seed=1, record=False, **link).deadline_s
+    pick = default_policy_for(0.080, False, 150e6, deadline)
+    assert pick == SHORT_DEADLINE_POLICY
+    got = {
+        p: sum(simulate(policy=p, seed=s, record=False, **link).utility_recovered for s in (1, 2))
+        for p in (pick, "ddqn")
+    }
+    assert got[pick] > got["ddqn"] + 0.2, got

@@ -13,11 +13,15 @@ import shlex
 
 import numpy as np
 import pytest
+from kvtransport.agents.episodes import round_trip, spec_deadline
 from kvtransport.agents.runtime import SHIPPED_WEIGHTS
 from kvtransport.agents.training import (
+    HARD_VALIDATION_RTTS,
     TrainConfig,
     effective_config,
+    hard_validation_specs,
     make_env,
+    validation_score,
     validation_specs,
 )
 
@@ -37,6 +41,22 @@ def _recorded(argv: list[str]) -> tuple[str, dict]:
     args, cfg = _parse(argv)
     config = effective_config(cfg)
     return train_cmd._command_line(args, config), config
+
+
+CANDIDATE = SHIPPED_WEIGHTS.parent.parent / "candidates" / "ddqn_n.json"
+
+
+def test_the_candidate_network_records_a_command_that_asks_for_its_configuration():
+    """agents/candidates/ddqn_n: a retrain kept for shipping later (docs/results.md): its
+    command, parsed today, gives the configuration it trained on, and its weights file
+    records the same."""
+    side = json.loads(CANDIDATE.read_text())
+    _, cfg = _parse(shlex.split(side["command"])[1:])
+    assert effective_config(cfg) == side["config"]
+    assert side["config"]["eval_hard_episodes"] == 40
+    with np.load(CANDIDATE.with_name(side["weights"]), allow_pickle=False) as z:
+        meta = json.loads(str(z["meta"]))
+    assert (meta["command"], meta["config"]) == (side["command"], side["config"])
 
 
 def test_the_shipped_command_parses_to_the_shipped_configuration():
@@ -64,6 +84,7 @@ def test_the_shipped_command_parses_to_the_shipped_configuration():
         ["--prior", "none=0.3,previous=0.5,profile=0.2", "--hidden", "32,16"],
         ["--long-link-min-rtts", "1.25", "--rate-range", "20,1000", "--rho-range", "0.6,2"],
         ["--long-link-deadline-rtts", "1,3.5", "--long-link-min-rtts", "1"],
+        ["--eval-hard", "12", "--shortfall-weight", "2.5"],
     ],
 )
 def test_a_recorded_command_asks_for_the_same_run_again(argv):
@@ -153,6 +174,10 @@ def test_long_link_deadline_rtts_sizes_the_long_link_episodes():
 @pytest.mark.parametrize(
     ("option", "value"),
     [
+        ("--eval-hard", "-1"),
+        ("--eval-hard", "many"),
+        ("--shortfall-weight", "-1"),
+        ("--shortfall-weight", "nan"),
         ("--long-link-deadline-rtts", "2,1"),
         ("--long-link-deadline-rtts", "0,1"),
         ("--rho-range", "2,1"),
@@ -236,3 +261,50 @@ def test_validation_overrides_change_the_validation_episodes_only():
         assert a == env_b.reset(seed=seed)[1]["spec"]
     assert "validation" not in effective_config(base)
     assert effective_config(cfg)["validation"] == {"handoff_share": 1.0, "high_rtt_share": 1.0}
+
+
+def test_hard_validation_options_reach_the_run_and_are_recorded():
+    command, config = _recorded(["train", "--eval-hard", "12", "--shortfall-weight", "2.5"])
+    assert (config["eval_hard_episodes"], config["shortfall_weight"]) == (12, 2.5)
+    words = shlex.split(command)
+    assert words[words.index("--eval-hard") + 1] == "12"
+    assert words[words.index("--shortfall-weight") + 1] == "2.5"
+    # a run without them records what runs did before the options existed
+    plain = _recorded(["train"])[1]
+    assert "eval_hard_episodes" not in plain and "shortfall_weight" not in plain
+
+
+def test_hard_validation_episodes_are_fast_long_links_at_one_or_two_round_trips():
+    """The added validation episodes are the cells where networks lose to adaptive: long
+    links, the upper half of the run's rates (log scale), deadlines of 1-2 round trips,
+    synthetic utilities, held-out seeds apart from the ordinary validation's."""
+    cfg = TrainConfig(distribution={"rate_range_mbps": (20.0, 1000.0), "handoff_share": 0.3})
+    hard = hard_validation_specs(cfg, 24)
+    assert len(hard) == 24 and hard == hard_validation_specs(cfg, 24)  # fixed
+    lo, hi = HARD_VALIDATION_RTTS
+    for s in hard:
+        assert s.channel.delay_ms >= 20.0 and s.stream == "utility"
+        assert (20.0 * 1000.0) ** 0.5 <= s.channel.rate_mbps <= 1000.0
+        assert not s.utility.startswith("measured")
+        rtts = spec_deadline(s) / round_trip(s)
+        assert lo * 0.99 <= rtts <= hi * 1.01 or s.n_blocks == 100  # sizing's floor
+    ordinary = validation_specs(cfg, 24)
+    assert not {s.seed for s in hard} & {s.seed for s in ordinary}
+    # the ordinary validation draws mostly other links: few fast long links at <= 2 RTTs
+    fast_short = [s for s in ordinary if s.channel.delay_ms >= 20.0
+                  and s.channel.rate_mbps >= 141.0
+                  and spec_deadline(s) <= 2 * round_trip(s)]  # fmt: skip
+    assert len(fast_short) < 6
+    assert hard_validation_specs(cfg, 0) == []
+
+
+def test_the_validation_score_charges_shortfalls_below_the_better_heuristic():
+    best = np.array([0.8, 0.6])
+    greedy = np.array([0.95, 0.5])  # higher mean, falls 0.1 short on the second episode
+    steady = np.array([0.8, 0.6])
+    assert validation_score(greedy, best, 0.0) == (pytest.approx(0.725), pytest.approx(0.05))
+    assert validation_score(greedy, best, 2.0)[0] == pytest.approx(0.625)
+    assert validation_score(steady, best, 2.0) == (pytest.approx(0.7), 0.0)
+    # the weight decides which checkpoint a run keeps
+    assert validation_score(greedy, best, 0.0)[0] > validation_score(steady, best, 0.0)[0]
+    assert validation_score(greedy, best, 2.0)[0] < validation_score(steady, best, 2.0)[0]

@@ -156,13 +156,13 @@ def run(args: argparse.Namespace) -> int:
     dest = parse_address(args.to, what="receiver")
     bind = parse_address(args.bind, what="--bind")
     transfer = _transfer(args)
-    if named is None:  # the default for this transfer and link (as kvtransport.send)
-        args.policy = transfer_policy(transfer, args.initial_rtt_ms * 1e-3, args.rate_mbps * 1e6)
     rate = args.rate_mbps * 1e6
     spec = {"deadline_ms": args.deadline_ms, "rho": args.rho}
     if spec["deadline_ms"] is None and spec["rho"] is None:
         spec["rho"] = 1.0
     deadline_s = deadline_from(spec, transfer.nbytes, rate, args.symbol_size, key is not None)
+    if named is None:  # the default for this transfer and link (as kvtransport.send)
+        args.policy = transfer_policy(transfer, args.initial_rtt_ms * 1e-3, rate, deadline_s)
 
     set_realtime(args.realtime)
     warm_up(key)

@@ -23,10 +23,10 @@ episodes against the adaptive heuristic, and the best one is kept.
 
 Writes into --out: best_model.zip (SB3 checkpoint of the best validation), last_model.zip,
 ddqn.npz (the best network exported for the numpy runtime; scripts/eval_policy.py
---weights evaluates it), ddqn.json (the command with every option spelled out, and the
-effective configuration: every training and episode-distribution setting, defaults
-included), progress.csv (one row per validation), sb3/progress.csv (SB3's training log),
-learning_curve.png, summary.json.
+--weights evaluates it), checkpoints/step_N.npz (every validated network), ddqn.json (the
+command with every option spelled out, and the effective configuration: every training
+and episode-distribution setting, defaults included), progress.csv (one row per
+validation), sb3/progress.csv (SB3's training log), learning_curve.png, summary.json.
 
 To ship a policy, copy ddqn.npz and ddqn.json into the package's agents/data/. The
 shipped policy's recorded command trains on the distribution it was trained on
@@ -96,6 +96,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=40,
         metavar="N",
         help="held-out validation episodes (default 40)",
+    )
+    p.add_argument(
+        "--eval-hard",
+        type=int_arg(0, 1_000_000),
+        default=0,
+        metavar="N",
+        help="validation episodes added on long links at the upper half of the trained "
+        "rates with deadlines of 1-2 round trips, where networks most often lose to the "
+        "adaptive heuristic (default 0: none)",
+    )
+    p.add_argument(
+        "--shortfall-weight",
+        type=float_arg(0, 1000),
+        default=0.0,
+        metavar="W",
+        help="keep the checkpoint with the best mean validation utility minus W times the "
+        "mean shortfall below the better of the adaptive heuristic and the tail rule on "
+        "each episode (default 0: the mean utility alone)",
     )
     p.add_argument(
         "--trace",
@@ -275,6 +293,8 @@ def _config(args: argparse.Namespace):  # noqa: ANN202 - TrainConfig is imported
         demo_steps=args.demo_steps,
         eval_every=args.eval_every,
         eval_episodes=args.eval_episodes,
+        eval_hard_episodes=args.eval_hard,
+        shortfall_weight=args.shortfall_weight,
         trace_files=tuple(args.trace),
         distribution=distribution,
         init_from=args.init_from,
@@ -315,6 +335,10 @@ def _command_line(args: argparse.Namespace, config: dict) -> str:
         str(args.eval_every),
         "--eval-episodes",
         str(args.eval_episodes),
+        "--eval-hard",
+        str(args.eval_hard),
+        "--shortfall-weight",
+        _number(args.shortfall_weight),
         "--prior",
         prior_text,
         "--handoff-share",

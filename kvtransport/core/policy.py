@@ -342,9 +342,18 @@ LONG_LINK_HANDOFF_POLICY = "adaptive"
 FAST_LINK_POLICY = "adaptive"
 """The policy in place of the shipped DDQN on a link whose bandwidth-delay product is
 beyond any it was trained on (:func:`default_policy_for`)."""
+SHORT_DEADLINE_RTTS = 2.0
+"""A transfer over a long link whose deadline is under this many round trips gets
+``SHORT_DEADLINE_POLICY`` in place of the shipped DDQN (:func:`default_policy_for`)."""
+SHORT_DEADLINE_POLICY = "adaptive"
 
 
-def default_policy_for(one_way_s: float, whole_ranges: bool, rate_bps: float | None = None) -> str:
+def default_policy_for(
+    one_way_s: float,
+    whole_ranges: bool,
+    rate_bps: float | None = None,
+    deadline_s: float | None = None,
+) -> str:
     """The policy a shell uses for one transfer when told none.
 
     ``whole_ranges``: the stream sends each token range's blocks one after another (the
@@ -360,16 +369,26 @@ def default_policy_for(one_way_s: float, whole_ranges: bool, rate_bps: float | N
     (kvtransport.agents.runtime.shipped_trained_bdp_bits: 72 Mbit, 400 Mbit/s x 180 ms),
     the transfer gets ``FAST_LINK_POLICY``: at 1 Gbit/s and 40-80 ms one way the DDQN
     fell significantly below the heuristic in 8 of 16 cells (up to 0.05 of utility), tied
-    it within the trained products (docs/results.md, issue 16). Every other transfer gets
+    it within the trained products (docs/results.md, issue 16). ``deadline_s``: the
+    transfer's deadline from its first datagram (None: not known). Where the shipped DDQN
+    would run over a link of at least ``LONG_LINK_ONE_WAY_S`` with a deadline under
+    ``SHORT_DEADLINE_RTTS`` round trips, the transfer gets ``SHORT_DEADLINE_POLICY``: at
+    1-1.5 round trips the DDQN fell 0.066 below the heuristic on average, and beat it
+    from 2 on (docs/results.md, issue 16). Every other transfer gets
     :func:`default_policy`."""
     if whole_ranges and one_way_s >= LONG_LINK_ONE_WAY_S:
         return LONG_LINK_HANDOFF_POLICY
     policy = default_policy()
-    if policy == "ddqn" and rate_bps is not None:
+    if policy != "ddqn":
+        return policy
+    if rate_bps is not None:
         from kvtransport.agents.runtime import shipped_trained_bdp_bits
 
         if rate_bps * 2.0 * one_way_s > shipped_trained_bdp_bits():
             return FAST_LINK_POLICY
+    long_link = one_way_s >= LONG_LINK_ONE_WAY_S
+    if long_link and deadline_s is not None and deadline_s < SHORT_DEADLINE_RTTS * 2 * one_way_s:
+        return SHORT_DEADLINE_POLICY
     return policy
 
 

@@ -160,20 +160,25 @@ class SenderEngine:
 # ---------------------------------------------------------------------- the daemon
 
 
-def transfer_policy(transfer: Transfer, initial_rtt_s: float, rate_bps: float | None) -> str:
+def transfer_policy(
+    transfer: Transfer,
+    initial_rtt_s: float,
+    rate_bps: float | None,
+    deadline_s: float | None = None,
+) -> str:
     """The policy for ``transfer`` when the caller names none
     (kvtransport.core.policy.default_policy_for): its stream is whole ranges when its app
     metadata is a block-stream manifest that sends each token range's blocks together
     (kvtransport.model.blocks.Manifest.whole_ranges); the link's one-way delay is half
     ``initial_rtt_s``, the RTT the sender assumes before feedback; ``rate_bps`` the
-    link's rate."""
+    link's rate; ``deadline_s`` the transfer's deadline (None: not known)."""
     from kvtransport.model.blocks import Manifest, ManifestError
 
     try:
         whole = Manifest.from_bytes(transfer.app_metadata).whole_ranges
     except ManifestError:  # opaque bytes or no manifest: not a block stream
         whole = False
-    return default_policy_for(initial_rtt_s / 2, whole, rate_bps)
+    return default_policy_for(initial_rtt_s / 2, whole, rate_bps, deadline_s)
 
 
 def deadline_from(
@@ -318,7 +323,7 @@ class SenderDaemon(DaemonShell):
         if policy is not None:
             policy = bounds.text(policy, "policy", 200)
         else:
-            policy = self.policy or transfer_policy(transfer, rtt_ms * 1e-3, h.rate_bps)
+            policy = self.policy or transfer_policy(transfer, rtt_ms * 1e-3, h.rate_bps, deadline_s)
         out = e.submit(
             transfer,
             dest,

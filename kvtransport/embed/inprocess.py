@@ -328,12 +328,12 @@ def send(
     rate = float(rate_mbps) * 1e6
     if not rate > 0:
         raise UserError("rate_mbps must be a positive number")
-    policy = policy or transfer_policy(transfer, initial_rtt_ms * 1e-3, rate)
-    make_policy(policy)
     if deadline_ms is None and rho is None:
         rho = 1.0
     spec = {"deadline_ms": deadline_ms, "rho": rho}
     deadline_s = deadline_from(spec, transfer.nbytes, rate, symbol_size, raw_key is not None)
+    policy = policy or transfer_policy(transfer, initial_rtt_ms * 1e-3, rate, deadline_s)
+    make_policy(policy)
     warm_kernels(raw_key, policy)
     stop = StopSignal()  # not installed: signals stay the application's
     sock = DatagramSocket(local, dest, gso=gso)
