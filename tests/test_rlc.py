@@ -618,9 +618,10 @@ def test_a_window_widened_mid_stream_decodes_as_one_that_was_wide_from_the_start
     stream, extra, cut_draw, shift
 ):
     """A decoder widened (``widen``) at any point before it had to slide decodes the rest
-    of the stream exactly as one made that wide: the same ESIs per call, the same symbols,
-    pending pivots, base and counters. The stream starts at ESI ``shift`` (the ones below
-    received and released), so held ESIs lie in other ring slots once widened."""
+    of the stream exactly as one made that wide with the same ``max_pending`` (``widen``
+    keeps it, as the receiver's bounded state needs): the same ESIs per call, the same
+    symbols, pending pivots, base and counters. The stream starts at ESI ``shift`` (the ones
+    below received and released), so held ESIs lie in other ring slots once widened."""
     size, enc_window, max_window, seed, n, arrivals, releases = stream
     rng = np.random.default_rng(seed)
     sources = [rng.integers(0, 256, size, dtype=np.uint8).tobytes() for _ in range(shift + n)]
@@ -628,8 +629,8 @@ def test_a_window_widened_mid_stream_decodes_as_one_that_was_wide_from_the_start
     for src in sources:
         enc.add_source(src)
     wide_window = max_window + extra
-    narrow = RLCDecoder(size, max_window=max_window)
-    wide = RLCDecoder(size, max_window=wide_window)
+    narrow = RLCDecoder(size, max_window=max_window, max_pending=max_window)
+    wide = RLCDecoder(size, max_window=wide_window, max_pending=max_window)
     for d in (narrow, wide):
         for e in range(shift):
             d.add_source(e, sources[e])
