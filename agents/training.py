@@ -227,11 +227,16 @@ def make_env(cfg: TrainConfig) -> gym.Env:
     return FeatureObservation(env)
 
 
+def _validation_distribution(cfg: TrainConfig) -> EpisodeDistribution:
+    """The training distribution with ``cfg.validation``'s fields changed."""
+    fields_ = {**cfg.distribution, **cfg.validation}
+    return EpisodeDistribution(trace_files=cfg.trace_files, **fields_)
+
+
 def validation_specs(cfg: TrainConfig, n: int) -> list[EpisodeSpec]:
     """``n`` fixed episodes with held-out seeds from the training distribution, with
     ``cfg.validation``'s fields changed."""
-    fields_ = {**cfg.distribution, **cfg.validation}
-    dist = EpisodeDistribution(trace_files=cfg.trace_files, **fields_)
+    dist = _validation_distribution(cfg)
     rng = np.random.default_rng(12345)
     return [replace(dist.sample(rng), seed=VALIDATION_SEED + i) for i in range(n)]
 
@@ -262,8 +267,7 @@ def hard_validation_specs(
     such a deadline is a long stream, and the default distribution draws few of them."""
     if n <= 0:
         return []
-    fields_ = {**cfg.distribution, **cfg.validation}
-    base = EpisodeDistribution(trace_files=cfg.trace_files, **fields_)
+    base = _validation_distribution(cfg)
     lo, hi = base.rate_range_mbps
     dist = replace(
         base,

@@ -102,6 +102,8 @@ def _open(name: str) -> ctypes.CDLL:
     for init in (lib.EVP_EncryptInit_ex, lib.EVP_DecryptInit_ex):
         init.argtypes = [ctypes.c_void_p] * 5
         init.restype = ctypes.c_int
+    lib.OpenSSL_version.restype = ctypes.c_char_p
+    lib.OpenSSL_version.argtypes = [ctypes.c_int]
     return lib
 
 
@@ -132,8 +134,6 @@ def libcrypto_version() -> str | None:
     None where they are not available."""
     if _LIB is None:
         return None
-    _LIB.OpenSSL_version.restype = ctypes.c_char_p
-    _LIB.OpenSSL_version.argtypes = [ctypes.c_int]
     return _LIB.OpenSSL_version(0).decode()  # OPENSSL_VERSION
 
 

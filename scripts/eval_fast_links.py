@@ -29,9 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _eval_common import md_table  # noqa: E402
-from eval_policy import mean_ci  # noqa: E402
-
-AUTO = "auto"
+from eval_policy import AUTO, check_schemes, mean_ci  # noqa: E402
 
 
 def _play(job: tuple[str, str, float, float, float, int, float]) -> float:
@@ -109,12 +107,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--seeds and --workers must be at least 1, --size-mb positive")
     from kvtransport.netem.profiles import ProfileError, load_profile
 
-    from kvtransport.core.policy import make_policy
     from kvtransport.errors import UserError
 
     try:
-        for s in schemes:
-            make_policy("ddqn" if s == AUTO else s)
+        check_schemes(schemes)
         for c in channels:
             load_profile(c)
     except (UserError, ProfileError) as exc:

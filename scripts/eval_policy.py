@@ -101,6 +101,15 @@ def product_choice(spec) -> str:
     )
 
 
+def check_schemes(schemes: list[str]) -> None:
+    """Raise UserError with its one-line reason for a scheme name no policy has (``AUTO``:
+    the policies a shell picks, the DDQN among them); the scripts' fail-fast check."""
+    from kvtransport.core.policy import make_policy
+
+    for s in schemes:
+        make_policy("ddqn" if s == AUTO else s)
+
+
 def make_scheme(name: str, weights: str | None):
     from kvtransport.agents.runtime import DDQNPolicy
 

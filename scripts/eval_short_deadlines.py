@@ -30,7 +30,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _eval_common import md_table  # noqa: E402
-from eval_policy import AUTO, mean_ci, product_choice  # noqa: E402
+from eval_policy import AUTO, check_schemes, mean_ci, product_choice  # noqa: E402
 
 
 def _play(job: tuple) -> float:
@@ -85,12 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     from kvtransport.agents.training import HARD_VALIDATION_SEED, TrainConfig, hard_validation_specs
     from tqdm import tqdm
 
-    from kvtransport.core.policy import make_policy
     from kvtransport.errors import UserError
 
     try:
-        for s in schemes:
-            make_policy("ddqn" if s == AUTO else s)
+        check_schemes(schemes)
     except UserError as exc:
         p.error(str(exc))
     cfg = TrainConfig(distribution={"rate_range_mbps": (lo, hi), "prior_weights": {"none": 1.0}})

@@ -346,6 +346,8 @@ SHORT_DEADLINE_RTTS = 2.0
 """A transfer over a long link whose deadline is under this many round trips gets
 ``SHORT_DEADLINE_POLICY`` in place of the shipped DDQN (:func:`default_policy_for`)."""
 SHORT_DEADLINE_POLICY = "adaptive"
+"""The policy in place of the shipped DDQN on a long link with a deadline under
+``SHORT_DEADLINE_RTTS`` round trips (:func:`default_policy_for`)."""
 
 
 def default_policy_for(
@@ -373,10 +375,11 @@ def default_policy_for(
     transfer's deadline from its first datagram (None: not known). Where the shipped DDQN
     would run over a link of at least ``LONG_LINK_ONE_WAY_S`` with a deadline under
     ``SHORT_DEADLINE_RTTS`` round trips, the transfer gets ``SHORT_DEADLINE_POLICY``: at
-    1-1.5 round trips the DDQN fell 0.066 below the heuristic on average, and beat it
-    from 2 on (docs/results.md, issue 16). Every other transfer gets
-    :func:`default_policy`."""
-    if whole_ranges and one_way_s >= LONG_LINK_ONE_WAY_S:
+    1-1.5 round trips the DDQN fell 0.054 below the heuristic on average, and beat it
+    from 2 on (scripts/eval_short_deadlines.py; docs/results.md, issue 16). Every other
+    transfer gets :func:`default_policy`."""
+    long_link = one_way_s >= LONG_LINK_ONE_WAY_S
+    if whole_ranges and long_link:
         return LONG_LINK_HANDOFF_POLICY
     policy = default_policy()
     if policy != "ddqn":
@@ -386,7 +389,6 @@ def default_policy_for(
 
         if rate_bps * 2.0 * one_way_s > shipped_trained_bdp_bits():
             return FAST_LINK_POLICY
-    long_link = one_way_s >= LONG_LINK_ONE_WAY_S
     if long_link and deadline_s is not None and deadline_s < SHORT_DEADLINE_RTTS * 2 * one_way_s:
         return SHORT_DEADLINE_POLICY
     return policy
