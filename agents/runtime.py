@@ -24,6 +24,7 @@ import json
 import math
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from kvtransport.agents.features import FEATURES_VERSION, N_FEATURES, features_into
@@ -206,19 +207,31 @@ def shipped_policy_available() -> bool:
 
 
 @lru_cache(maxsize=1)
+def shipped_distribution() -> dict[str, Any] | None:
+    """The training distribution (EpisodeDistribution's settings) the shipped weights'
+    sidecar records; None where the sidecar is missing or unreadable."""
+    try:
+        dist = json.loads(SHIPPED_SIDECAR.read_text())["config"]["distribution"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return dist if isinstance(dist, dict) else None
+
+
 def shipped_trained_bdp_bits() -> float:
     """The largest bandwidth-delay product (bits: link rate x round trip) the shipped
     weights were trained on, from the training distribution their sidecar records: the
     top of its rate range times twice the longest one-way delay it drew. ``math.inf``
     where the sidecar is missing or does not say. Beyond it the network meets spans in
     flight it never saw (kvtransport.core.policy.default_policy_for)."""
+    dist = shipped_distribution()
+    if dist is None:
+        return math.inf
     try:
-        dist = json.loads(SHIPPED_SIDECAR.read_text())["config"]["distribution"]
         rate_bps = float(dist["rate_range_mbps"][1]) * 1e6
         one_way_ms = float(dist["delay_range_ms"][1])
         if float(dist.get("high_rtt_share", 0.0)) > 0:
             one_way_ms = max(one_way_ms, float(dist["high_delay_range_ms"][1]))
-    except (OSError, ValueError, KeyError, TypeError, IndexError):
+    except (ValueError, KeyError, TypeError, IndexError):
         return math.inf
     return rate_bps * 2.0 * one_way_ms * 1e-3
 

@@ -10,7 +10,7 @@ t-interval. ``auto`` is what a shell picks when told no policy
 (kvtransport.core.policy.default_policy_for with the link's rate and the deadline:
 adaptive where the link's bandwidth-delay product exceeds the shipped DDQN's training or
 the deadline is under two round trips of a long link, else the DDQN).
-docs/results.md quotes these figures for links beyond 400 Mbit/s.
+docs/results.md quotes these figures for links faster than the DDQN's training.
 
     .venv/bin/python scripts/eval_fast_links.py --out results/fast_links
 
@@ -120,9 +120,12 @@ def main(argv: list[str] | None = None) -> int:
             for s in schemes]  # fmt: skip
     from tqdm import tqdm
 
-    with ProcessPoolExecutor(args.workers) as pool:
-        got = list(tqdm(pool.map(_play, jobs), total=len(jobs), disable=args.quiet,
-                        desc="transfers", file=sys.stderr))  # fmt: skip
+    try:
+        with ProcessPoolExecutor(args.workers) as pool:
+            got = list(tqdm(pool.map(_play, jobs), total=len(jobs), disable=args.quiet,
+                            desc="transfers", file=sys.stderr))  # fmt: skip
+    except UserError as exc:  # a cell the sender refuses (its deadline is shorter than the path)
+        p.error(f"{exc} (a larger --size-mb or --rhos, or shorter --delays)")
     utilities: dict[str, dict[str, list[float]]] = {}
     for (s, c, r, d, rho, _, _), u in zip(jobs, got, strict=True):
         utilities.setdefault(cell_key(c, r, d, rho), {}).setdefault(s, []).append(u)

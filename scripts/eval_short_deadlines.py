@@ -62,8 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bands", default="1,1.5:1.5,2:2,2.5:2,3:3,5:5,10",
                    help="deadline bands in round trips, LO,HI:LO,HI:...")  # fmt: skip
     p.add_argument("--episodes", type=int, default=80, help="episodes per band (default 80)")
-    p.add_argument("--rate-range", default="20,400",
-                   help="the trained rate range, Mbit/s (default 20,400)")  # fmt: skip
+    p.add_argument("--rate-range", default=None,
+                   help="the trained rate range, Mbit/s, LO,HI (default: the shipped "
+                        "network's, from its sidecar)")  # fmt: skip
     p.add_argument("--schemes", default="adaptive,tail-rule,ddqn,auto", help="schemes")
     p.add_argument("--against", default="adaptive", help="the scheme differences are against")
     p.add_argument("--draw-seed", type=int, default=7, help="seed of the episode draws")
@@ -71,6 +72,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="results/short_deadlines", help="output directory")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
+    if args.rate_range is None:
+        from kvtransport.agents.runtime import shipped_distribution
+
+        dist = shipped_distribution()
+        if dist is None:
+            p.error("the shipped network's sidecar is missing: give --rate-range LO,HI")
+        args.rate_range = ",".join(f"{r:g}" for r in dist["rate_range_mbps"])
     try:
         bands = _bands(args.bands)
         lo, hi = (float(x) for x in args.rate_range.split(","))

@@ -14,12 +14,12 @@ import eval_fast_links  # noqa: E402
 
 
 def test_the_pick_follows_the_link_and_differences_are_paired(tmp_path, capsys):
-    argv = ["--channels", "loss 2%", "--rates", "100,1000", "--delays", "80", "--rhos", "1",
+    argv = ["--channels", "loss 2%", "--rates", "100,2000", "--delays", "80", "--rhos", "1",
             "--seeds", "2", "--schemes", "adaptive,ddqn,auto", "--out", str(tmp_path),
             "--quiet"]  # fmt: skip
     assert eval_fast_links.main(argv) == 0
     cells = json.loads((tmp_path / "eval_fast_links.json").read_text())["cells"]
-    slow, fast = cells["loss 2% 100Mbps+80ms@1"], cells["loss 2% 1000Mbps+80ms@1"]
+    slow, fast = cells["loss 2% 100Mbps+80ms@1"], cells["loss 2% 2000Mbps+80ms@1"]
     # within the DDQN's trained bandwidth-delay product the pick is the DDQN, beyond it
     # the heuristic, episode for episode
     assert slow["utilities"]["auto"] == slow["utilities"]["ddqn"]
@@ -28,7 +28,7 @@ def test_the_pick_follows_the_link_and_differences_are_paired(tmp_path, capsys):
     diffs = [d - a for d, a in zip(u["ddqn"], u["adaptive"], strict=True)]
     m, ci = fast["vs"]["ddqn"]
     assert m == pytest.approx(sum(diffs) / 2) and m + ci < 0  # the loss the pick avoids
-    assert "loss 2% 1000Mbps+80ms@1" in capsys.readouterr().out
+    assert "loss 2% 2000Mbps+80ms@1" in capsys.readouterr().out
 
 
 def test_bad_arguments_get_one_line(capsys):
@@ -38,3 +38,8 @@ def test_bad_arguments_get_one_line(capsys):
     with pytest.raises(SystemExit):
         eval_fast_links.main(["--schemes", "adaptive", "--against", "ddqn"])
     assert "is not among --schemes" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a deadline shorter than the path: no traceback
+        eval_fast_links.main(["--rates", "5000", "--delays", "80", "--rhos", "1",
+                              "--size-mb", "1", "--schemes", "adaptive", "--seeds", "1",
+                              "--workers", "1", "--quiet", "--out", "/nonexistent"])  # fmt: skip
+    assert "leaves no time to send" in capsys.readouterr().err.strip().splitlines()[-1]

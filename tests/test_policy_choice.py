@@ -73,7 +73,7 @@ def test_the_transfer_policy_reads_the_stream_and_the_assumed_rtt():
     assert transfer_policy(prefix, long_rtt, 100e6) == LONG_LINK_HANDOFF_POLICY
     assert transfer_policy(prefix, 0.99 * long_rtt, 100e6) == default_policy()
     assert transfer_policy(card, long_rtt, 100e6) == default_policy()
-    assert transfer_policy(card, 0.16, 1e9) == FAST_LINK_POLICY  # and the link's rate
+    assert transfer_policy(card, 0.16, 3e9) == FAST_LINK_POLICY  # and the link's rate
     assert transfer_policy(card, 0.16, 100e6, 0.3) == SHORT_DEADLINE_POLICY  # and the deadline
     assert transfer_policy(card, 0.16, 100e6, 0.33) == default_policy()
     # opaque bytes (no manifest, or something else as app metadata) are not a block stream
@@ -83,51 +83,54 @@ def test_the_transfer_policy_reads_the_stream_and_the_assumed_rtt():
 
 
 def test_a_link_beyond_the_ddqns_training_gets_the_heuristic():
-    """The shipped weights' training drew links up to 400 Mbit/s and 90 ms one way (their
+    """The shipped weights' training drew links up to 1 Gbit/s and 90 ms one way (their
     sidecar says so): a link whose rate x round trip exceeds that product gets the
     heuristic, any other (or one whose rate the shell does not know) the DDQN."""
     assert FAST_LINK_POLICY != default_policy() == "ddqn"
-    assert shipped_trained_bdp_bits() == pytest.approx(400e6 * 2 * 0.090)
-    assert default_policy_for(0.040, False, 1e9) == FAST_LINK_POLICY  # 80 Mbit
-    assert default_policy_for(0.020, False, 1e9) == default_policy()  # 40 Mbit
-    assert default_policy_for(0.090, False, 400e6) == default_policy()  # the corner
-    assert default_policy_for(0.005, False, 10e9) == FAST_LINK_POLICY  # 100 Mbit
-    assert default_policy_for(0.040, False, None) == default_policy()
+    assert shipped_trained_bdp_bits() == pytest.approx(1e9 * 2 * 0.090)
+    assert default_policy_for(0.080, False, 2e9) == FAST_LINK_POLICY  # 320 Mbit
+    assert default_policy_for(0.040, False, 1e9) == default_policy()  # 80 Mbit
+    assert default_policy_for(0.090, False, 1e9) == default_policy()  # the corner
+    assert default_policy_for(0.005, False, 20e9) == FAST_LINK_POLICY  # 200 Mbit
+    assert default_policy_for(0.080, False, None) == default_policy()
 
 
 def test_on_a_fast_long_link_the_pick_recovers_more_than_the_ddqn():
-    """The case the rate rule exists for (2 % loss, 1 Gbit/s, 80 ms one way, rho 1; the
-    DDQN trained up to 400 Mbit/s): the policy it picks recovers clearly more than the
-    shipped DDQN it replaces there."""
-    pick = default_policy_for(0.080, False, 1e9)
-    link = dict(channel="loss 2%", rate_mbps=1000, delay_ms=80, rho=1.0, size_bytes=20_000_000)
+    """The case the rate rule exists for (2 % loss, 2 Gbit/s, 80 ms one way, 20 MB at
+    rho 1; the DDQN trained up to 1 Gbit/s): the policy it picks recovers more than the
+    shipped DDQN it replaces there, on both seeds. (Beyond its training the shipped DDQN
+    mostly ties the heuristic; this cell, a deadline of half a round trip, is where it
+    was measured below it: docs/results.md, "The shipped network is now N".)"""
+    pick = default_policy_for(0.080, False, 2e9)
+    link = dict(channel="loss 2%", rate_mbps=2000, delay_ms=80, rho=1.0, size_bytes=20_000_000)
     got = {
-        p: simulate(policy=p, seed=1, record=False, **link).utility_recovered
+        p: [simulate(policy=p, seed=s, record=False, **link).utility_recovered for s in (1, 2)]
         for p in {pick, "ddqn"}
     }
-    assert got[pick] > got["ddqn"] + 0.02
+    assert all(a > d + 0.01 for a, d in zip(got[pick], got["ddqn"], strict=True)), got
 
 
-@pytest.mark.parametrize("name", ["bernoulli-5", "4state-bursty"])
-def test_on_long_link_handoffs_the_pick_recovers_more_than_the_ddqn(name):
-    """The case the rule exists for, on held-out episodes (the first of the evaluation's
-    cells at 80 ms one way): the policy it picks recovers more whole ranges in total than
-    the shipped DDQN it replaces there."""
+@pytest.mark.parametrize(("name", "delay_ms"), [("ge-heavy", 80.0), ("4state-bursty", 60.0)])
+def test_on_long_link_handoffs_the_pick_recovers_more_than_the_ddqn(name, delay_ms):
+    """The case the rule exists for, on held-out episodes (the evaluation's first 12 at
+    rho 1): on bursty loss over a long link the policy it picks recovers more whole ranges
+    in total than the shipped DDQN it replaces there. (On light loss the two are about
+    even: docs/results.md, "The shipped network is now N".)"""
     import kvtransport.agents  # noqa: F401  (registers ddqn)
     from kvtransport.agents.episodes import build_simulation, eval_spec, round_trip
 
     from kvtransport.core.policy import make_policy
 
     got = {"pick": 0.0, "ddqn": 0.0}
-    for i in range(6):
-        spec = eval_spec(name, 1.0, i, delay_ms=80.0, stream="handoff")
+    for i in range(12):
+        spec = eval_spec(name, 1.0, i, delay_ms=delay_ms, stream="handoff")
         pick = default_policy_for(round_trip(spec) / 2, whole_ranges=True)
         assert pick == LONG_LINK_HANDOFF_POLICY
         for who, policy in (("pick", pick), ("ddqn", "ddqn")):
             sim = build_simulation(spec, make_policy(policy))
             sim.run()
             got[who] += sim.utility_recovered
-    assert got["pick"] > got["ddqn"] + 0.1, got
+    assert got["pick"] > got["ddqn"] + 0.2, got
 
 
 def test_the_sender_daemon_picks_per_transfer_unless_told(tmp_path):
@@ -185,11 +188,12 @@ def test_a_long_link_deadline_under_two_round_trips_gets_the_heuristic():
 @pytest.mark.parametrize("channel", ["bernoulli-5", "ge-heavy"])
 def test_on_a_one_round_trip_deadline_the_pick_recovers_more_than_the_ddqn(channel):
     """The case the deadline rule exists for, inside the DDQN's trained links: 150 Mbit/s,
-    80 ms one way, 3.5 MB at rho 1 (a deadline of about 1.2 round trips). The policy it
+    60 ms one way, 2.5 MB at rho 1 (a deadline of about 1.2 round trips). The policy it
     picks recovers clearly more than the shipped DDQN it replaces there."""
-    link = dict(channel=channel, rate_mbps=150, delay_ms=80, rho=1.0, size_bytes=3_500_000)
+    link = dict(channel=channel, rate_mbps=150, delay_ms=60, rho=1.0, size_bytes=2_500_000)
     deadline = simulate(policy="ddqn", seed=1, record=False, **link).deadline_s
-    pick = default_policy_for(0.080, False, 150e6, deadline)
+    assert deadline < 1.5 * 0.120
+    pick = default_policy_for(0.060, False, 150e6, deadline)
     assert pick == SHORT_DEADLINE_POLICY
     got = {
         p: sum(simulate(policy=p, seed=s, record=False, **link).utility_recovered for s in (1, 2))

@@ -363,21 +363,24 @@ def default_policy_for(
     range only once every block of it arrived and a partial range is worth nothing.
     ``one_way_s``: the link's one-way delay as the sender knows it before feedback (half
     the RTT it assumes). Such a stream over a link of at least ``LONG_LINK_ONE_WAY_S``
-    gets ``LONG_LINK_HANDOFF_POLICY``: there the shipped DDQN, trained on utility-ordered
-    streams, repairs too late and the heuristic does better (docs/results.md, issue 16).
-    ``rate_bps``: the link's rate (None: not known). Where :func:`default_policy` is the
-    shipped DDQN and the link's bandwidth-delay product (``rate_bps`` x twice
-    ``one_way_s``) exceeds the largest one it was trained on
-    (kvtransport.agents.runtime.shipped_trained_bdp_bits: 72 Mbit, 400 Mbit/s x 180 ms),
-    the transfer gets ``FAST_LINK_POLICY``: at 1 Gbit/s and 40-80 ms one way the DDQN
-    fell significantly below the heuristic in 8 of 16 cells (up to 0.05 of utility), tied
-    it within the trained products (docs/results.md, issue 16). ``deadline_s``: the
-    transfer's deadline from its first datagram (None: not known). Where the shipped DDQN
-    would run over a link of at least ``LONG_LINK_ONE_WAY_S`` with a deadline under
-    ``SHORT_DEADLINE_RTTS`` round trips, the transfer gets ``SHORT_DEADLINE_POLICY``: at
-    1-1.5 round trips the DDQN fell 0.054 below the heuristic on average, and beat it
-    from 2 on (scripts/eval_short_deadlines.py; docs/results.md, issue 16). Every other
-    transfer gets :func:`default_policy`."""
+    gets ``LONG_LINK_HANDOFF_POLICY``: there the shipped DDQN, trained mostly on
+    utility-ordered streams, recovers less than the heuristic under bursty loss (up to
+    0.11 of utility per episode) and about as much under light loss (docs/results.md,
+    issue 16). ``rate_bps``: the link's rate (None: not known). Where
+    :func:`default_policy` is the shipped DDQN and the link's bandwidth-delay product
+    (``rate_bps`` x twice ``one_way_s``) exceeds the largest one it was trained on
+    (kvtransport.agents.runtime.shipped_trained_bdp_bits: 180 Mbit, 1 Gbit/s x 180 ms),
+    the transfer gets ``FAST_LINK_POLICY``: beyond its training the network meets spans
+    in flight it never saw; the shipped one mostly ties the heuristic there but fell
+    0.013 below it at 2 Gbit/s, 80 ms one way, with a deadline of half a round trip, and
+    its predecessor, trained to 400 Mbit/s, fell below it in 9 of 16 cells at 1 Gbit/s
+    (docs/results.md, issue 16). ``deadline_s``: the transfer's deadline from its first
+    datagram (None: not known). Where the shipped DDQN would run over a link of at least
+    ``LONG_LINK_ONE_WAY_S`` with a deadline under ``SHORT_DEADLINE_RTTS`` round trips,
+    the transfer gets ``SHORT_DEADLINE_POLICY``: at 1-1.5 round trips the DDQN fell 0.025
+    below the heuristic on average (1.5-2: 0.012), and tied it from 2 on
+    (scripts/eval_short_deadlines.py; docs/results.md, issue 16). Every other transfer
+    gets :func:`default_policy`."""
     long_link = one_way_s >= LONG_LINK_ONE_WAY_S
     if whole_ranges and long_link:
         return LONG_LINK_HANDOFF_POLICY
