@@ -415,7 +415,10 @@ def test_race_receive_binds_races_and_closes(smollm, setup):
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # a free port
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    tx = _Sender(stream, f"127.0.0.1:{port}", deadline_ms=1e3 * prefill_s, insecure=True)
+    # the sender's own deadline is not what this test is about: a generous one keeps a
+    # sender slowed by another test worker on the same cores from ending the stream early
+    # (in a CI run it sent 619 datagrams by a 0.4 s deadline, 16 Mbit/s of a 100 Mbit/s link)
+    tx = _Sender(stream, f"127.0.0.1:{port}", deadline_ms=3e3 * prefill_s, insecure=True)
     threading.Thread(target=_when_bound, args=(port, tx.go), daemon=True).start()
     # the sender starts when the port is bound; the race, which starts then too, expects
     # its first datagram within 150 ms
