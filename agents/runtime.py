@@ -206,10 +206,10 @@ def shipped_policy_available() -> bool:
     return SHIPPED_WEIGHTS.is_file()
 
 
-@lru_cache(maxsize=1)
 def shipped_distribution() -> dict[str, Any] | None:
     """The training distribution (EpisodeDistribution's settings) the shipped weights'
-    sidecar records; None where the sidecar is missing or unreadable."""
+    sidecar records, read afresh (the caller may keep or change it); None where the
+    sidecar is missing or unreadable."""
     try:
         dist = json.loads(SHIPPED_SIDECAR.read_text())["config"]["distribution"]
     except (OSError, ValueError, KeyError, TypeError):
@@ -217,6 +217,7 @@ def shipped_distribution() -> dict[str, Any] | None:
     return dist if isinstance(dist, dict) else None
 
 
+@lru_cache(maxsize=1)
 def shipped_trained_bdp_bits() -> float:
     """The largest bandwidth-delay product (bits: link rate x round trip) the shipped
     weights were trained on, from the training distribution their sidecar records: the
