@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import zmq
 
+from kvtransport.codecs import aesgcm
 from kvtransport.core.keys import resolve_key
 from kvtransport.core.transfer import synthetic_transfer
 from kvtransport.daemons.api import ApiError, read_result_file
@@ -182,6 +183,12 @@ def test_submit_status_and_published_result(daemons):
     stored = read_result_file(res.stats["file"])
     assert stored.transfer_id == int(tid, 16) and stored.complete.all()
     assert np.array_equal(stored.payload, tr.payload)
+    # both start-up lines say which AES-GCM seals their datagrams (keyed by default)
+    version = aesgcm.libcrypto_version()
+    cipher = f"AES-256-GCM on {version}" if version else "AES-256-GCM per datagram"
+    for name in ("sender", "receiver"):
+        (up,) = [line for line in daemons.log(name).splitlines() if "daemon up" in line]
+        assert cipher in up, up
 
 
 def test_a_daemon_started_without_a_policy_picks_per_transfer(daemons):

@@ -310,6 +310,20 @@ class ControlServer:
         remove_ipc_file(self.endpoint)
 
 
+def cipher_text(keyed: bool) -> str:
+    """The start-up log's words on the datagram cipher: none, or which AES-GCM runs and on
+    which libcrypto (its speed differs several-fold between OpenSSL releases, and
+    ``KVTRANSPORT_LIBCRYPTO`` can name another: kvtransport.codecs.aesgcm)."""
+    if not keyed:
+        return "no key: datagrams plaintext and unauthenticated"
+    from kvtransport.codecs import aesgcm
+
+    version = aesgcm.libcrypto_version()
+    if version is None:
+        return "AES-256-GCM per datagram (no libcrypto for the compiled kernels)"
+    return f"AES-256-GCM on {version} ({aesgcm.LIBCRYPTO_ENV} names another)"
+
+
 class DaemonShell:
     """What both daemons share around their engine: the ZeroMQ context and control socket,
     the ``status``/``stats``/``ping`` requests, the stats lines and the lifecycle.
@@ -381,12 +395,13 @@ class DaemonShell:
         """Serve until ``stop.requested``; then shut the engine down and close."""
         host, port = self.sock.address
         self.log.info(
-            "%s daemon up: UDP %s:%d, control %s, %s",
+            "%s daemon up: UDP %s:%d, control %s, %s; %s",
             self.role,
             host,
             port,
             self.control.endpoint,
             self._describe(),
+            cipher_text(self.engine.host.key is not None),
         )
         try:
             serve(self.engine, [self.control], stop, on_idle=self._on_idle)
