@@ -80,6 +80,9 @@ def compare(cand: dict, base: dict, scheme: str = "ddqn") -> tuple[list[dict], l
             row["best_mean"] = float(np.mean(b[best]))
             row["new_minus_best"] = _paired(new, b[best])
             row["shipped_minus_best"] = _paired(old, b[best])
+        if "adaptive" in b:  # the heuristic the product falls back to (issue 16's target)
+            row["new_minus_adaptive"] = _paired(new, b["adaptive"])
+            row["shipped_minus_adaptive"] = _paired(old, b["adaptive"])
         if "clairvoyant" in b:
             ref = np.maximum(np.array(b["clairvoyant"]), np.array(new))
             row["share"] = {
@@ -122,7 +125,24 @@ def markdown(rows: list[dict], new: str = "new DDQN") -> str:
         f" ({', '.join(lost_old) or '-'}); significantly below the best heuristic in "
         f"{len(lost_best)} ({', '.join(lost_best) or '-'})."
     )
+    lines.extend(_adaptive_line(rows))
     return "\n".join(lines) + "\n"
+
+
+def _adaptive_line(rows: list[dict]) -> list[str]:
+    """The long-link cells (a one-way delay in the key, like ``ge-heavy+80ms@0.7``) where
+    each DDQN is significantly above adaptive; nothing if the baseline has no adaptive."""
+    long = [r for r in rows if "new_minus_adaptive" in r and "ms@" in r["cell"]]
+    if not long:
+        return []
+    new, old = (
+        sum(_significant(r[f"{who}_minus_adaptive"]) > 0 for r in long)
+        for who in ("new", "shipped")
+    )
+    return [
+        f"Long-link cells significantly above adaptive: new {new}, shipped {old} "
+        f"(of {len(long)})."
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:

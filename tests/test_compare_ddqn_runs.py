@@ -58,6 +58,16 @@ def test_differences_are_paired_over_the_same_episodes(runs):
     assert row["share"]["shipped"] == pytest.approx(np.mean(b["ddqn"]) / ref.mean())
     table = cmp.markdown([row])
     assert f"| {key} | 3 |" in table and "1 cells:" in table
+    # the count: long-link cells (this one is at 40 ms) significantly above adaptive
+    a = np.array(b["adaptive"])
+    assert row["new_minus_adaptive"]["mean"] == pytest.approx((new - a).mean())
+    assert row["shipped_minus_adaptive"]["mean"] == pytest.approx((np.array(b["ddqn"]) - a).mean())
+    wins = [int(cmp._significant(row[f"{w}_minus_adaptive"]) > 0) for w in ("new", "shipped")]
+    assert f"above adaptive: new {wins[0]}, shipped {wins[1]} (of 1)." in table
+    won = {**row, "new_minus_adaptive": {"mean": 0.01, "ci95": 0.005}}
+    assert "above adaptive: new 1," in cmp.markdown([won])
+    short = {**won, "cell": "ge-heavy@0.8"}  # a short-link cell is not counted
+    assert "above adaptive" not in cmp.markdown([short])
 
 
 def test_runs_of_other_episodes_are_refused(runs, tmp_path, capsys):
