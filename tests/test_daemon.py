@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zmq
-
 from kvtransport.codecs import aesgcm
+
 from kvtransport.core.keys import resolve_key
 from kvtransport.core.transfer import synthetic_transfer
 from kvtransport.daemons.api import ApiError, read_result_file
