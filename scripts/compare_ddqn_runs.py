@@ -140,8 +140,7 @@ def _adaptive_line(rows: list[dict]) -> list[str]:
         for who in ("new", "shipped")
     )
     return [
-        f"Long-link cells significantly above adaptive: new {new}, shipped {old} "
-        f"(of {len(long)})."
+        f"Long-link cells significantly above adaptive: new {new}, shipped {old} (of {len(long)})."
     ]
 
 
