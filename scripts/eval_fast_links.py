@@ -29,12 +29,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _eval_common import md_table  # noqa: E402
-from eval_policy import AUTO, check_schemes, mean_ci  # noqa: E402
+from eval_policy import AUTO, check_schemes, make_scheme, mean_ci  # noqa: E402
 
 
-def _play(job: tuple[str, str, float, float, float, int, float]) -> float:
-    """Utility one scheme recovers on one cell and seed (a worker process's job)."""
-    scheme, channel, rate_mbps, delay_ms, rho, seed, size_mb = job
+def _play(job: tuple[str, str, float, float, float, int, float, str | None]) -> float:
+    """Utility one scheme recovers on one cell and seed (a worker process's job); the
+    ``ddqn`` scheme (also where ``auto`` picks it) plays ``weights`` if given."""
+    scheme, channel, rate_mbps, delay_ms, rho, seed, size_mb, weights = job
     from kvtransport.core.policy import default_policy_for
     from kvtransport.core.protocol import DEFAULT_SYMBOL_SIZE
     from kvtransport.core.wire import full_send_time
@@ -45,7 +46,8 @@ def _play(job: tuple[str, str, float, float, float, int, float]) -> float:
         scheme = default_policy_for(delay_ms * 1e-3, False, rate_mbps * 1e6, rho * send_s)
     return simulate(
         channel=channel, rate_mbps=rate_mbps, delay_ms=delay_ms, rho=rho,
-        size_bytes=int(size_mb * 1e6), policy=scheme, seed=seed, record=False,
+        size_bytes=int(size_mb * 1e6), policy=make_scheme(scheme, weights), seed=seed,
+        record=False,
     ).utility_recovered  # fmt: skip
 
 
@@ -87,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--schemes", default="adaptive,ddqn,auto", help="schemes (auto: the pick)")
     p.add_argument("--against", default="adaptive", help="the scheme differences are against")
     p.add_argument("--workers", type=int, default=2, help="processes (default 2)")
+    p.add_argument("--weights", help="DDQN weights file the ddqn scheme plays (default: the "
+                   "shipped policy; auto's rules stay the shipped network's)")  # fmt: skip
     p.add_argument("--out", default="results/fast_links", help="output directory")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
@@ -116,8 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     except (UserError, ProfileError) as exc:
         p.error(str(exc))
     grid = [(c, r, d, rho) for c in channels for r in rates for d in delays for rho in rhos]
-    jobs = [(s, *g, seed, args.size_mb) for g in grid for seed in range(1, args.seeds + 1)
-            for s in schemes]  # fmt: skip
+    if args.weights is not None and not Path(args.weights).is_file():
+        p.error(f"--weights {args.weights}: no such file")
+    jobs = [(s, *g, seed, args.size_mb, args.weights) for g in grid
+            for seed in range(1, args.seeds + 1) for s in schemes]  # fmt: skip
     from tqdm import tqdm
 
     try:
@@ -127,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:  # a cell the sender refuses (its deadline is shorter than the path)
         p.error(f"{exc} (a larger --size-mb or --rhos, or shorter --delays)")
     utilities: dict[str, dict[str, list[float]]] = {}
-    for (s, c, r, d, rho, _, _), u in zip(jobs, got, strict=True):
+    for (s, c, r, d, rho, *_), u in zip(jobs, got, strict=True):
         utilities.setdefault(cell_key(c, r, d, rho), {}).setdefault(s, []).append(u)
     cells = {
         key: {
