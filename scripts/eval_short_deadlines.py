@@ -30,18 +30,17 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _eval_common import md_table  # noqa: E402
-from eval_policy import AUTO, check_schemes, mean_ci, product_choice  # noqa: E402
+from eval_policy import AUTO, check_schemes, make_scheme, mean_ci, product_choice  # noqa: E402
 
 
 def _play(job: tuple) -> float:
-    """Utility one scheme recovers on one episode (a worker process's job)."""
-    scheme, spec = job
+    """Utility one scheme recovers on one episode (a worker process's job); the ``ddqn``
+    scheme (also where ``auto`` picks it) plays ``weights`` if given."""
+    scheme, spec, weights = job
     import kvtransport.agents  # noqa: F401  (registers ddqn)
     from kvtransport.agents.training import play
 
-    from kvtransport.core.policy import make_policy
-
-    return play(spec, make_policy(product_choice(spec) if scheme == AUTO else scheme))
+    return play(spec, make_scheme(product_choice(spec) if scheme == AUTO else scheme, weights))
 
 
 def _bands(text: str) -> list[tuple[float, float]]:
@@ -68,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--schemes", default="adaptive,tail-rule,ddqn,auto", help="schemes")
     p.add_argument("--against", default="adaptive", help="the scheme differences are against")
     p.add_argument("--draw-seed", type=int, default=7, help="seed of the episode draws")
+    p.add_argument("--weights", help="DDQN weights file the ddqn scheme plays (default: the "
+                   "shipped policy; auto's rules and the default rate range stay the shipped "
+                   "network's)")  # fmt: skip
     p.add_argument("--workers", type=int, default=2, help="processes (default 2)")
     p.add_argument("--out", default="results/short_deadlines", help="output directory")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -89,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--against {args.against!r} is not among --schemes")
     if args.episodes < 2 or args.workers < 1:
         p.error("--episodes must be at least 2, --workers at least 1")
+    if args.weights is not None and not Path(args.weights).is_file():
+        p.error(f"--weights {args.weights}: no such file")
     import kvtransport.agents  # noqa: F401  (registers ddqn)
     from kvtransport.agents.training import HARD_VALIDATION_SEED, TrainConfig, hard_validation_specs
     from tqdm import tqdm
@@ -105,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         band: hard_validation_specs(cfg, args.episodes, band, args.draw_seed + i, first)
         for i, band in enumerate(bands)
     }
-    jobs = [(s, spec) for band in bands for spec in specs[band] for s in schemes]
+    jobs = [(s, spec, args.weights) for band in bands for spec in specs[band] for s in schemes]
     with ProcessPoolExecutor(args.workers) as pool:
         got = list(tqdm(pool.map(_play, jobs, chunksize=4), total=len(jobs),
                         disable=args.quiet, desc="episodes", file=sys.stderr))  # fmt: skip

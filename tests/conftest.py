@@ -39,6 +39,22 @@ def smollm():
     return load_model(threads=1)
 
 
+@pytest.fixture
+def tail_rule_network(tmp_path):
+    """A DDQN weights file (the shipped network's layers) whose last layer makes action 0,
+    the tail rule, score highest in every state: played as ``ddqn`` it plays exactly the
+    ``tail-rule`` scheme, so an evaluation script's ``--weights`` is seen to take effect."""
+    import numpy as np
+    from kvtransport.agents.runtime import SHIPPED_WEIGHTS
+
+    layers = dict(np.load(SHIPPED_WEIGHTS))
+    layers["W2"] = np.zeros_like(layers["W2"])
+    layers["b2"] = np.eye(len(layers["b2"]), dtype=layers["b2"].dtype)[0]
+    path = tmp_path / "tail-rule.npz"
+    np.savez(path, **layers)
+    return path
+
+
 # Files whose tests measure wall-clock behaviour (real sockets with deadlines, daemons,
 # namespaces, the live race): `make test` runs them one at a time after the rest, which
 # runs on two worker processes (scripts/run_tests.sh). A test outside these files that

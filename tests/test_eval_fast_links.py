@@ -45,21 +45,13 @@ def test_bad_arguments_get_one_line(capsys):
     assert "leaves no time to send" in capsys.readouterr().err.strip().splitlines()[-1]
 
 
-def test_weights_name_the_network_the_ddqn_scheme_plays(tmp_path):
-    """``--weights``: a network whose action 0 (the tail rule) always scores highest plays
-    exactly the tail rule's transfers, where the shipped DDQN plays others."""
-    import numpy as np
-    from kvtransport.agents.runtime import SHIPPED_WEIGHTS
-
-    shipped = dict(np.load(SHIPPED_WEIGHTS))
-    shipped["W2"] = np.zeros_like(shipped["W2"])
-    shipped["b2"] = np.eye(len(shipped["b2"]), dtype=shipped["b2"].dtype)[0]
-    constant = tmp_path / "constant.npz"
-    np.savez(constant, **shipped)
+def test_weights_name_the_network_the_ddqn_scheme_plays(tmp_path, tail_rule_network):
+    """``--weights``: a network that always picks the tail rule plays exactly the tail
+    rule's transfers, where the shipped DDQN plays others."""
     cell = ["--channels", "ge-heavy", "--rates", "400", "--delays", "80", "--rhos", "2",
             "--seeds", "2", "--size-mb", "5", "--workers", "1", "--quiet"]  # fmt: skip
     got = {}
-    for name, extra in (("shipped", []), ("constant", ["--weights", str(constant)])):
+    for name, extra in (("shipped", []), ("constant", ["--weights", str(tail_rule_network)])):
         out = tmp_path / name
         argv = [*cell, "--schemes", "tail-rule,ddqn", "--against", "tail-rule", "--out", str(out)]
         assert eval_fast_links.main([*argv, *extra]) == 0

@@ -28,3 +28,31 @@ def test_a_bad_band_is_a_one_line_usage_error(tmp_path):
     out = subprocess.run([sys.executable, str(SCRIPT), "--bands", "2,1", "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert out.returncode == 2 and "--bands" in out.stderr.strip().splitlines()[-1]
+
+
+def test_weights_name_the_network_the_ddqn_scheme_plays(tmp_path, tail_rule_network):
+    """``--weights``: a network that always picks the tail rule plays exactly the tail
+    rule's episodes (the shipped DDQN does not: the first test's band)."""
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), "--bands", "1,1.5", "--episodes", "4",
+         "--schemes", "adaptive,tail-rule,ddqn", "--weights", str(tail_rule_network),
+         "--workers", "1", "--out", str(tmp_path), "--quiet"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    band = json.loads((tmp_path / "eval_short_deadlines.json").read_text())["bands"]["1-1.5"]
+    assert band["utilities"]["ddqn"] == band["utilities"]["tail-rule"]
+    bad = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--weights",
+            str(tmp_path / "no.npz"),
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2 and "--weights" in bad.stderr.strip().splitlines()[-1]
