@@ -114,14 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     from kvtransport.errors import UserError
 
     try:
-        check_schemes(schemes)
+        check_schemes(schemes, args.weights)
         for c in channels:
             load_profile(c)
     except (UserError, ProfileError) as exc:
         p.error(str(exc))
     grid = [(c, r, d, rho) for c in channels for r in rates for d in delays for rho in rhos]
-    if args.weights is not None and not Path(args.weights).is_file():
-        p.error(f"--weights {args.weights}: no such file")
     jobs = [(s, *g, seed, args.size_mb, args.weights) for g in grid
             for seed in range(1, args.seeds + 1) for s in schemes]  # fmt: skip
     from tqdm import tqdm

@@ -101,13 +101,18 @@ def product_choice(spec) -> str:
     )
 
 
-def check_schemes(schemes: list[str]) -> None:
+def check_schemes(schemes: list[str], weights: str | None = None) -> None:
     """Raise UserError with its one-line reason for a scheme name no policy has (``AUTO``:
-    the policies a shell picks, the DDQN among them); the scripts' fail-fast check."""
+    the policies a shell picks, the DDQN among them), or for ``weights`` (a DDQN weights
+    file) that does not load; the scripts' fail-fast check."""
+    from kvtransport.agents.runtime import load_weights
+
     from kvtransport.core.policy import make_policy
 
     for s in schemes:
         make_policy("ddqn" if s == AUTO else s)
+    if weights is not None:
+        load_weights(weights)
 
 
 def make_scheme(name: str, weights: str | None):

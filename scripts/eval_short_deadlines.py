@@ -91,8 +91,6 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--against {args.against!r} is not among --schemes")
     if args.episodes < 2 or args.workers < 1:
         p.error("--episodes must be at least 2, --workers at least 1")
-    if args.weights is not None and not Path(args.weights).is_file():
-        p.error(f"--weights {args.weights}: no such file")
     import kvtransport.agents  # noqa: F401  (registers ddqn)
     from kvtransport.agents.training import HARD_VALIDATION_SEED, TrainConfig, hard_validation_specs
     from tqdm import tqdm
@@ -100,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvtransport.errors import UserError
 
     try:
-        check_schemes(schemes)
+        check_schemes(schemes, args.weights)
     except UserError as exc:
         p.error(str(exc))
     cfg = TrainConfig(distribution={"rate_range_mbps": (lo, hi), "prior_weights": {"none": 1.0}})

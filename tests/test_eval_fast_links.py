@@ -45,7 +45,7 @@ def test_bad_arguments_get_one_line(capsys):
     assert "leaves no time to send" in capsys.readouterr().err.strip().splitlines()[-1]
 
 
-def test_weights_name_the_network_the_ddqn_scheme_plays(tmp_path, tail_rule_network):
+def test_weights_name_the_network_the_ddqn_scheme_plays(tmp_path, tail_rule_network, capsys):
     """``--weights``: a network that always picks the tail rule plays exactly the tail
     rule's transfers, where the shipped DDQN plays others."""
     cell = ["--channels", "ge-heavy", "--rates", "400", "--delays", "80", "--rhos", "2",
@@ -62,3 +62,4 @@ def test_weights_name_the_network_the_ddqn_scheme_plays(tmp_path, tail_rule_netw
     assert got["shipped"]["ddqn"] != got["shipped"]["tail-rule"]
     with pytest.raises(SystemExit):
         eval_fast_links.main([*cell, "--weights", str(tmp_path / "missing.npz")])
+    assert "no such DDQN weights file" in capsys.readouterr().err.strip().splitlines()[-1]

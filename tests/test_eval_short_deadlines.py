@@ -55,4 +55,4 @@ def test_weights_name_the_network_the_ddqn_scheme_plays(tmp_path, tail_rule_netw
         text=True,
         timeout=60,
     )
-    assert bad.returncode == 2 and "--weights" in bad.stderr.strip().splitlines()[-1]
+    assert bad.returncode == 2 and "no such DDQN weights file" in bad.stderr.splitlines()[-1]
