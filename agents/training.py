@@ -112,10 +112,6 @@ class TrainConfig:
     eval_hard_episodes: int = 0
     """Validation episodes added to ``eval_episodes`` on the links where networks most
     often lose to the adaptive heuristic (:func:`hard_validation_specs`; 0: none)."""
-    eval_fast_episodes: int = 0
-    """Validation episodes added on fast long links with generous deadlines, where
-    retrains lose to the adaptive heuristic that the shipped network ties
-    (:func:`fast_validation_specs`; 0: none)."""
     shortfall_weight: float = 0.0
     """The checkpoint kept is the one with the best validation score: the mean utility
     minus this weight times the mean shortfall, per episode, below the better of the
@@ -136,7 +132,7 @@ def effective_config(cfg: TrainConfig) -> dict:
     the ``.npz`` metadata, ``summary.json``): a default that moves later changes what a
     recorded command trains on, and the two effective configurations then differ.
     ``init_from``, ``validation``, ``anchor_weight``, ``eval_hard_episodes``,
-    ``eval_fast_episodes``, ``shortfall_weight`` and the distribution's ``exclude_profiles`` and
+    ``shortfall_weight`` and the distribution's ``exclude_profiles`` and
     ``long_link_deadline_rtts`` are there only when set (runs without them record what they
     did before the options existed)."""
     dist = episode_distribution(cfg)
@@ -150,7 +146,7 @@ def effective_config(cfg: TrainConfig) -> dict:
         del config["init_from"]
     if not cfg.validation:
         del config["validation"]
-    for name in ("anchor_weight", "eval_hard_episodes", "eval_fast_episodes", "shortfall_weight"):
+    for name in ("anchor_weight", "eval_hard_episodes", "shortfall_weight"):
         if not getattr(cfg, name):
             del config[name]
     return _jsonable(config)
@@ -257,14 +253,12 @@ def hard_validation_specs(
     rtts: tuple[float, float] = HARD_VALIDATION_RTTS,
     draw_seed: int = 54321,
     first_seed: int = HARD_VALIDATION_SEED,
-    rho_range: tuple[float, float] | None = None,
 ) -> list[EpisodeSpec]:
     """``n`` fixed validation episodes where a network most often loses to the adaptive
     heuristic: long links only (one way 20 ms and more), at rates in the upper half
     (log scale) of the run's, synthetic utilities sized so that the deadline is ``rtts``
-    round trips (uniform), Gilbert-Elliott or Bernoulli loss; everything else (prior, rho
-    unless ``rho_range`` is given, feedback path, held-out neighbourhoods) as
-    ``validation_specs``'. ``draw_seed`` seeds
+    round trips (uniform), Gilbert-Elliott or Bernoulli loss; everything else (prior, rho,
+    feedback path, held-out neighbourhoods) as ``validation_specs``'. ``draw_seed`` seeds
     the draws, episode i gets seed ``first_seed + i`` (scripts/eval_short_deadlines.py
     draws other episodes with other values).
 
@@ -285,29 +279,8 @@ def hard_validation_specs(
         loss_weights={"ge": 0.6, "bernoulli": 0.4},
         handoff_share=0.0,
     )
-    if rho_range is not None:
-        dist = replace(dist, rho_range=rho_range)
     rng = np.random.default_rng(draw_seed)
     return [replace(dist.sample(rng), seed=first_seed + i) for i in range(n)]
-
-
-FAST_VALIDATION_RTTS = (2.0, 4.0)
-"""Deadlines of the fast validation episodes, in round trips of their link."""
-FAST_VALIDATION_RHO = (1.5, 2.0)
-"""Their deadlines in loss-free send times of the stream: generous ones."""
-FAST_VALIDATION_SEED = VALIDATION_SEED + (1 << 30)
-"""Fast validation episodes' seeds start here (after any count of hard ones)."""
-
-
-def fast_validation_specs(cfg: TrainConfig, n: int) -> list[EpisodeSpec]:
-    """``n`` fixed validation episodes as :func:`hard_validation_specs`' (long links, the
-    upper half of the run's rates) but with deadlines of 2-4 round trips and 1.5-2 times
-    the stream's loss-free send time: the episodes of scripts/eval_fast_links.py's
-    1 Gbit/s cells at rho 2, where retrains that beat adaptive elsewhere lost to it by
-    0.004-0.085 and the shipped network ties it (docs/results.md, issue 16)."""
-    return hard_validation_specs(
-        cfg, n, FAST_VALIDATION_RTTS, 65432, FAST_VALIDATION_SEED, FAST_VALIDATION_RHO
-    )
 
 
 def validation_score(
@@ -514,10 +487,8 @@ def train(cfg: TrainConfig, out: str | Path, command: str = "", quiet: bool = Fa
         load_q_network(model, load_weights(cfg.init_from))
         model.set_anchor(cfg.anchor_weight)
     model.set_logger(configure(str(out / "sb3"), ["csv"]))
-    val = (
-        validation_specs(cfg, cfg.eval_episodes)
-        + hard_validation_specs(cfg, cfg.eval_hard_episodes)
-        + fast_validation_specs(cfg, cfg.eval_fast_episodes)
+    val = validation_specs(cfg, cfg.eval_episodes) + hard_validation_specs(
+        cfg, cfg.eval_hard_episodes
     )
     bar = tqdm(
         total=cfg.demo_steps + cfg.steps,

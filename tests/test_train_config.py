@@ -16,12 +16,9 @@ import pytest
 from kvtransport.agents.episodes import round_trip, spec_deadline
 from kvtransport.agents.runtime import SHIPPED_WEIGHTS
 from kvtransport.agents.training import (
-    FAST_VALIDATION_RHO,
-    FAST_VALIDATION_RTTS,
     HARD_VALIDATION_RTTS,
     TrainConfig,
     effective_config,
-    fast_validation_specs,
     hard_validation_specs,
     make_env,
     validation_score,
@@ -73,7 +70,6 @@ def test_the_shipped_command_parses_to_the_shipped_configuration():
         ["--long-link-min-rtts", "1.25", "--rate-range", "20,1000", "--rho-range", "0.6,2"],
         ["--long-link-deadline-rtts", "1,3.5", "--long-link-min-rtts", "1"],
         ["--eval-hard", "12", "--shortfall-weight", "2.5"],
-        ["--eval-fast", "16", "--eval-hard", "8"],
     ],
 )
 def test_a_recorded_command_asks_for_the_same_run_again(argv):
@@ -285,34 +281,6 @@ def test_hard_validation_episodes_are_fast_long_links_at_one_or_two_round_trips(
                   and spec_deadline(s) <= 2 * round_trip(s)]  # fmt: skip
     assert len(fast_short) < 6
     assert hard_validation_specs(cfg, 0) == []
-
-
-def test_fast_validation_options_reach_the_run_and_are_recorded():
-    command, config = _recorded(["train", "--eval-fast", "16"])
-    assert config["eval_fast_episodes"] == 16
-    words = shlex.split(command)
-    assert words[words.index("--eval-fast") + 1] == "16"
-    plain_command, plain = _recorded(["train"])
-    assert "eval_fast_episodes" not in plain and "--eval-fast" not in plain_command
-
-
-def test_fast_validation_episodes_are_fast_long_links_with_generous_deadlines():
-    """The fast validation episodes are the fast grid's losing cells: long links, the upper
-    half of the run's rates, 2-4 round trips and 1.5-2 loss-free send times to the
-    deadline, seeds apart from the ordinary and the hard validation's."""
-    cfg = TrainConfig(distribution={"rate_range_mbps": (20.0, 1000.0), "rho_range": (0.6, 2.0)})
-    fast = fast_validation_specs(cfg, 24)
-    assert len(fast) == 24 and fast == fast_validation_specs(cfg, 24)  # fixed
-    lo, hi = FAST_VALIDATION_RTTS
-    for s in fast:
-        assert s.channel.delay_ms >= 20.0 and s.stream == "utility"
-        assert (20.0 * 1000.0) ** 0.5 <= s.channel.rate_mbps <= 1000.0
-        assert FAST_VALIDATION_RHO[0] <= s.rho <= FAST_VALIDATION_RHO[1]
-        rtts = spec_deadline(s) / round_trip(s)
-        assert lo * 0.99 <= rtts <= hi * 1.01 or s.n_blocks == 100  # sizing's floor
-    others = validation_specs(cfg, 24) + hard_validation_specs(cfg, 24)
-    assert not {s.seed for s in fast} & {s.seed for s in others}
-    assert fast_validation_specs(cfg, 0) == []
 
 
 def test_the_validation_score_charges_shortfalls_below_the_better_heuristic():

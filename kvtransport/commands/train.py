@@ -107,15 +107,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "adaptive heuristic (default 0: none)",
     )
     p.add_argument(
-        "--eval-fast",
-        type=int_arg(0, 1_000_000),
-        default=0,
-        metavar="N",
-        help="validation episodes added on long links at the upper half of the trained "
-        "rates with generous deadlines (2-4 round trips, rho 1.5-2), where retrains lose to "
-        "the adaptive heuristic that the shipped network ties (default 0: none)",
-    )
-    p.add_argument(
         "--shortfall-weight",
         type=float_arg(0, 1000),
         default=0.0,
@@ -303,7 +294,6 @@ def _config(args: argparse.Namespace):  # noqa: ANN202 - TrainConfig is imported
         eval_every=args.eval_every,
         eval_episodes=args.eval_episodes,
         eval_hard_episodes=args.eval_hard,
-        eval_fast_episodes=args.eval_fast,
         shortfall_weight=args.shortfall_weight,
         trace_files=tuple(args.trace),
         distribution=distribution,
@@ -347,7 +337,6 @@ def _command_line(args: argparse.Namespace, config: dict) -> str:
         str(args.eval_episodes),
         "--eval-hard",
         str(args.eval_hard),
-        *(["--eval-fast", str(args.eval_fast)] if args.eval_fast else []),
         "--shortfall-weight",
         _number(args.shortfall_weight),
         "--prior",
