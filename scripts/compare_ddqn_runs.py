@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from eval_policy import _paired, _significant  # noqa: E402
+from eval_policy import _paired, _significant, is_high_rtt  # noqa: E402
 
 NOT_HEURISTICS = ("ddqn", "auto", "oracle", "clairvoyant", "genie", "clairvoyant_best")
 SETTINGS = ("stream", "utility", "prior")
@@ -130,9 +130,9 @@ def markdown(rows: list[dict], new: str = "new DDQN") -> str:
 
 
 def _adaptive_line(rows: list[dict]) -> list[str]:
-    """The long-link cells (a one-way delay in the key, like ``ge-heavy+80ms@0.7``) where
+    """The long-link cells (``eval_policy.is_high_rtt``, like ``ge-heavy+80ms@0.7``) where
     each DDQN is significantly above adaptive; nothing if the baseline has no adaptive."""
-    long = [r for r in rows if "new_minus_adaptive" in r and "ms@" in r["cell"]]
+    long = [r for r in rows if "new_minus_adaptive" in r and is_high_rtt(r["cell"])]
     if not long:
         return []
     new, old = (

@@ -144,6 +144,11 @@ def cell_key(channel: str, rho: float, delay_ms: float | None = None) -> str:
     return f"{channel}{'' if delay_ms is None else f'+{delay_ms:g}ms'}@{rho:g}"
 
 
+def is_high_rtt(key: str) -> bool:
+    """Whether ``key`` (a :func:`cell_key`) names a high-RTT cell (one with a delay)."""
+    return "+" in key.rsplit("@", 1)[0]
+
+
 def run_cell(
     channel: str | Profile,
     rho: float,
@@ -251,7 +256,7 @@ def targets(summary: dict) -> dict:
         if "ddqn" in s.get("gap", {}):
             share = s["gap"]["ddqn"]["of_clairvoyant"]
             checks[f"ddqn >= 95% of clairvoyant on {key}"] = {"ok": share >= 0.95, "ratio": share}
-        if "+" in channel:  # high-RTT cell: does the DDQN beat both, beyond noise?
+        if is_high_rtt(key):  # does the DDQN beat both, beyond noise?
             for m, d in s.get("ddqn_minus", {}).items():
                 checks[f"ddqn > {m} on {key} (paired CI)"] = {
                     "ok": d["mean"] - d["ci95"] > 0.0,
@@ -645,7 +650,7 @@ def main(argv: list[str] | None = None) -> int:
     all_schemes = list(dict.fromkeys(schemes + hi_schemes))
     summary = summarize(results, all_schemes)
     checks = targets(summary)
-    original = {k: v for k, v in summary.items() if "+" not in k.rsplit("@", 1)[0]}
+    original = {k: v for k, v in summary.items() if not is_high_rtt(k)}
     high = {k: v for k, v in summary.items() if k not in original}
     table = ""
     if original:

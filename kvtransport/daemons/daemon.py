@@ -320,7 +320,7 @@ def cipher_text(keyed: bool) -> str:
 
     version = aesgcm.libcrypto_version()
     if version is None:
-        return "AES-256-GCM per datagram (no libcrypto for the compiled kernels)"
+        return "AES-256-GCM per datagram (the compiled kernels are off or have no libcrypto)"
     return f"AES-256-GCM on {version} ({aesgcm.LIBCRYPTO_ENV} names another)"
 
 
