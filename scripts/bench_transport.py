@@ -29,14 +29,17 @@ goodput, each configuration side by side in one run.
    UDP GSO vs one send() each, recvmsg_into with UDP GRO vs one read each.
 
 3. Loopback goodput: `kvtransport`'s own sender and receiver engines in two processes,
-   one transfer each of --goodput-mb paced at an unreachable rate (the sender is then as
-   fast as its CPU allows), with FEC (fixed RLC 1/16 or adaptive) and authentication on or
+   --transfers transfers (default 1; rows "<config> later": the second and later ones) of
+   --goodput-mb each, paced at an unreachable rate (the sender is then as fast as its CPU
+   allows), with FEC (fixed RLC 1/16 or adaptive) and authentication on or
    off. Goodput = payload bytes the receiver decoded / seconds from its first datagram to
    completion. The machines are shared and noisy: the configurations are interleaved in
    --rounds rounds and medians reported, with the CPU seconds each process spent, and the
    CPU-bound goodput (bytes / the busier process's CPU seconds), i.e. what one core per
    side sustains, and each side's share of system time (socket work and first-touch page
-   zeroing: on a VM whose host reclaims guest memory the latter swings from run to run).
+   zeroing: on a VM whose host reclaims guest memory the latter swings from run to run)
+   and page faults; --compare-prefault MB runs each beside ends that fault memory in at
+   start-up (the daemons' --prefault-mb).
    Target: 1 Gbit/s with FEC and authentication on.
 
 Writes results/bench_transport.json and prints tables. ``--quick`` is a smoke run.
@@ -57,8 +60,11 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
+
+from kvtransport.hosts.receiver_host import DEFAULT_LINGER_S
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = [
@@ -456,52 +462,59 @@ def socket_cost(n: int = 20000, repeats: int = 5) -> dict:
 
 
 def _role_recv(args: argparse.Namespace) -> None:
-    """Child: receive one transfer; print its figures as JSON."""
+    """Child: receive --transfers transfers one after another (one host, as the daemon's);
+    print each one's figures as a JSON line."""
     from kvtransport.daemons.daemon import warm_up
     from kvtransport.daemons.daemon_receiver import ReceiverEngine, ReceiverHost
     from kvtransport.daemons.udp import DatagramSocket, clock, set_realtime, wait_readable
 
     if args.realtime:
         set_realtime(5)
+    _heap_setup(args)
     key = KEY if args.auth else None
     warm_up(key)
     if args.no_source_runs:  # the reference: no source runs
         from kvtransport.core.receiver import ReceiverSession
 
         ReceiverSession.source_runs = False
-    results = []
+    results: list = []
+    rows = []
     with DatagramSocket((args.rcv_addr, 0), buffer_bytes=32 << 20) as sock:
-        host = ReceiverHost(key=key, single=True, max_bytes=2 << 30)
+        host = ReceiverHost(key=key, max_bytes=2 << 30, budget_bytes=4 << 30)
         eng = ReceiverEngine(sock, host, on_result=results.append)
         print(sock.address[1], flush=True)
-        cpu0 = None
-        use0 = resource.getrusage(resource.RUSAGE_SELF)
-        end = time.monotonic() + 60
-        while not results and time.monotonic() < end:
-            if wait_readable([sock], 0.05):
-                if cpu0 is None:
-                    cpu0 = time.process_time()
-                    use0 = resource.getrusage(resource.RUSAGE_SELF)
-                eng.on_readable(clock())
-            eng.run_due(clock())
-        cpu = time.process_time() - (cpu0 or 0.0)
-        use = _usage_since(use0)
-    if not results:
-        print(json.dumps({"error": "no result"}), flush=True)
-        return
-    s = results[0].session
-    first = s.timings["first_packet"]
-    done = s.timings.get("complete", s.timings["finished"])
-    nbytes = min(s.n_known * s.symbol_size, s.manifest.payload_len if s.manifest else 0)
-    print(json.dumps({
-        "seconds": done - first, "bytes": nbytes, "reason": s.result.reason,
-        "cpu_s": cpu, "received": s.source_received + s.repair_received,
-        "lost": s.monitor.lost, "recovered": s.symbols_recovered,
-        "socket": sock.stats, **use,
-    }), flush=True)  # fmt: skip
+        end = time.monotonic() + 60 * args.transfers
+        while len(rows) < args.transfers and time.monotonic() < end:
+            cpu0, use0 = None, resource.getrusage(resource.RUSAGE_SELF)
+            while not results and time.monotonic() < end:
+                if wait_readable([sock], 0.05):
+                    if cpu0 is None:  # this transfer's first datagram
+                        cpu0 = time.process_time()
+                        use0 = resource.getrusage(resource.RUSAGE_SELF)
+                    eng.on_readable(clock())
+                eng.run_due(clock())
+            if not results:
+                break
+            cpu, use = time.process_time() - (cpu0 or 0.0), _usage_since(use0)
+            s = results.pop().session
+            first = s.timings["first_packet"]
+            done = s.timings.get("complete", s.timings["finished"])
+            nbytes = min(s.n_known * s.symbol_size, s.manifest.payload_len if s.manifest else 0)
+            rows.append({
+                "seconds": done - first, "bytes": nbytes, "reason": s.result.reason,
+                "cpu_s": cpu, "received": s.source_received + s.repair_received,
+                "lost": s.monitor.lost, "recovered": s.symbols_recovered,
+                "socket": dict(sock.stats), **use,
+            })  # fmt: skip
+            del s
+            print(json.dumps(rows[-1]), flush=True)
+    if len(rows) < args.transfers:
+        print(json.dumps({"error": f"{len(rows)} of {args.transfers} results"}), flush=True)
 
 
 def _role_send(args: argparse.Namespace) -> None:
+    """Child: send --transfers transfers one after another (each --gap-s after the last
+    has ended, a new transfer id each); print each one's figures as a JSON line."""
     from kvtransport.core.transfer import synthetic_transfer
     from kvtransport.daemons.daemon import warm_up
     from kvtransport.daemons.daemon_sender import SenderEngine, SenderHost
@@ -509,10 +522,10 @@ def _role_send(args: argparse.Namespace) -> None:
 
     if args.realtime:
         set_realtime(5)
+    _heap_setup(args)
     key = KEY if args.auth else None
     warm_up(key, ("fixed:1/4", args.policy))  # as the sender daemon warms its default
     size = int(args.goodput_mb * 1e6)
-    tr = synthetic_transfer(size, max(1, size // 12_288), seed=2)
     dest = (args.rcv_addr, args.port)
     with DatagramSocket(("0.0.0.0", 0), dest, buffer_bytes=32 << 20) as sock:
         # no queue guard unless asked: a receiver behind on CPU queues in its socket buffer,
@@ -521,20 +534,37 @@ def _role_send(args: argparse.Namespace) -> None:
         host = SenderHost(rate_bps=args.rate_gbps * 1e9, key=key, burst_s=200e-6,
                           queue_guard=args.queue_guard)  # fmt: skip
         eng = SenderEngine(sock, host)
-        cpu0 = time.process_time()
-        use0 = resource.getrusage(resource.RUSAGE_SELF)
-        out = eng.submit(tr, dest, now=clock(), deadline_s=30.0, policy=args.policy,
-                         initial_rtt=1e-3)  # fmt: skip
-        while host.active:
-            eng.run_due(clock())
-            wake = eng.next_wake()
-            timeout = 0.0 if wake is None else max(0.0, min(0.01, wake - clock()))
-            if wait_readable([sock], timeout):
-                eng.on_readable(clock())
-        cpu = time.process_time() - cpu0
-        use = _usage_since(use0)
-        st = out.status(clock())
-    print(json.dumps({"cpu_s": cpu, "status": st, "socket": sock.stats, **use}), flush=True)
+        for i in range(args.transfers):
+            if i:
+                time.sleep(args.gap_s)
+            tr = synthetic_transfer(size, max(1, size // 12_288), seed=2 + i)
+            cpu0 = time.process_time()
+            use0 = resource.getrusage(resource.RUSAGE_SELF)
+            out = eng.submit(tr, dest, now=clock(), deadline_s=30.0, policy=args.policy,
+                             initial_rtt=1e-3)  # fmt: skip
+            del tr
+            while host.active:
+                eng.run_due(clock())
+                wake = eng.next_wake()
+                timeout = 0.0 if wake is None else max(0.0, min(0.01, wake - clock()))
+                if wait_readable([sock], timeout):
+                    eng.on_readable(clock())
+            cpu = time.process_time() - cpu0
+            use = _usage_since(use0)
+            st = out.status(clock())
+            del out
+            print(json.dumps({"cpu_s": cpu, "status": st, "socket": dict(sock.stats), **use}),
+                  flush=True)  # fmt: skip
+
+
+def _heap_setup(args: argparse.Namespace) -> None:
+    """Either end's memory as the daemon commands set it (--prefault-mb:
+    kvtransport.daemons.heap)."""
+    import logging
+
+    from kvtransport.commands import _common
+
+    _common.setup_memory(args, logging.getLogger("bench"))
 
 
 def _usage_since(before: resource.struct_rusage) -> dict:
@@ -543,7 +573,7 @@ def _usage_since(before: resource.struct_rusage) -> dict:
     on a VM whose host reclaims guest memory (a balloon, DAMON) can cost more than the
     protocol's own work and varies from run to run."""
     now = resource.getrusage(resource.RUSAGE_SELF)
-    return {"sys_s": now.ru_stime - before.ru_stime}
+    return {"sys_s": now.ru_stime - before.ru_stime, "faults": now.ru_minflt - before.ru_minflt}
 
 
 def _goodput_once(
@@ -552,10 +582,13 @@ def _goodput_once(
     args: argparse.Namespace,
     source_runs: bool = True,
     aead_env: dict[str, str] | None = None,
-) -> dict:
-    """One transfer between the two ends, on loopback or (``args.veth``) across the veth
-    pair of ``_veth_pair``; ``aead_env``: environment variables both ends get on top of
-    this process's (``_aead_variants``: one AESGCM call per datagram, another libcrypto)."""
+    prefault_mb: float = 0.0,
+) -> list[dict]:
+    """--transfers transfers, one after another, between one pair of ends, on loopback or
+    (``args.veth``) across the veth pair of ``_veth_pair``; the figures of each.
+    ``aead_env``: environment variables both ends get on top of this process's
+    (``_aead_variants``: one AESGCM call per datagram, another libcrypto);
+    ``prefault_mb``: both ends' memory set-up, as the daemons' --prefault-mb (_heap_setup)."""
     env = {**os.environ, **(aead_env or {})}
     me = [sys.executable, str(Path(__file__).resolve())]
     rx_me, tx_me = me, me
@@ -564,6 +597,8 @@ def _goodput_once(
         tx_me = ["ip", "netns", "exec", VETH_NS["snd"], *me]
     common = ["--goodput-mb", str(args.goodput_mb), "--rate-gbps", str(args.rate_gbps)]
     common += ["--rcv-addr", VETH_ADDR["rcv"] if args.veth else "127.0.0.1"]
+    common += ["--transfers", str(args.transfers), "--gap-s", str(args.gap_s)]
+    common += ["--prefault-mb", str(prefault_mb)]
     common += ["--auth"] if auth else []
     common += ["--realtime"] if args.realtime else []
     common += ["--queue-guard"] if args.queue_guard else []
@@ -575,17 +610,22 @@ def _goodput_once(
         port = int(rx.stdout.readline())
         tx = subprocess.run(
             [*tx_me, "_send", "--port", str(port), "--policy", policy, *common],
-            capture_output=True, text=True, timeout=120, env=env,
+            capture_output=True, text=True, timeout=120 * args.transfers, env=env,
         )  # fmt: skip
-        r = json.loads(rx.stdout.readline())
+        rs = [json.loads(line) for line in rx.stdout.read().splitlines() if line.strip()]
         rx.wait(timeout=60)
     finally:
         if rx.poll() is None:
             rx.kill()
             rx.wait()
-    if tx.returncode != 0 or "error" in r:
-        raise RuntimeError(f"goodput run failed: {tx.stderr[-500:]} {r}")
-    s = json.loads(tx.stdout.strip().splitlines()[-1])
+    if tx.returncode != 0 or not rs or "error" in rs[-1]:
+        raise RuntimeError(f"goodput run failed: {tx.stderr[-500:]} {rs[-1:]}")
+    ss = [json.loads(line) for line in tx.stdout.strip().splitlines()[-len(rs) :]]
+    return [_goodput_figures(r, s) for r, s in zip(rs, ss, strict=True)]
+
+
+def _goodput_figures(r: dict, s: dict) -> dict:
+    """One transfer's figures from the receiver's (``r``) and the sender's (``s``) lines."""
     gbps = r["bytes"] * 8 / r["seconds"] / 1e9
     busy = max(r["cpu_s"], s["cpu_s"])
     return {
@@ -607,6 +647,8 @@ def _goodput_once(
         "receiver_us_per_datagram": r["cpu_s"] / max(r["received"], 1) * 1e6,
         "receiver_sys_share": r["sys_s"] / r["cpu_s"] if r["cpu_s"] > 0 else 0.0,
         "sender_sys_share": s["sys_s"] / s["cpu_s"] if s["cpu_s"] > 0 else 0.0,
+        "receiver_faults": r["faults"],
+        "sender_faults": s["faults"],
     }
 
 
@@ -676,49 +718,67 @@ def goodput(args: argparse.Namespace) -> dict:
         return _goodput_rounds(args)
 
 
+class _Variant(NamedTuple):
+    """One goodput row's set-up (see _goodput_once)."""
+
+    name: str
+    policy: str
+    auth: bool
+    source_runs: bool = True
+    env: dict[str, str] = {}
+    prefault_mb: float = 0.0
+
+
+def _variants(args: argparse.Namespace) -> list[_Variant]:
+    """The --configs, each beside the set-ups the --compare-* options ask for."""
+    variants = [_Variant(name, pol, auth) for name, pol, auth in CONFIGS if name in args.configs]
+    others: list[tuple[str, dict]] = []  # (name suffix, what differs)
+    if args.compare_receiver_runs:  # each beside its receiver without held source runs
+        others.append(("rx-runs-off", {"source_runs": False}))
+    for suffix, env in _aead_variants(args):  # each beside its other cipher set-ups
+        others.append((suffix, {"env": env}))
+    if args.compare_prefault:  # each beside ends that fault memory in at start-up
+        others.append(("prefault", {"prefault_mb": args.compare_prefault}))
+    for suffix, change in others:
+        variants = [
+            w for v in variants for w in (v, v._replace(name=f"{v.name} {suffix}", **change))
+        ]
+    return variants
+
+
 def _goodput_rounds(args: argparse.Namespace) -> dict:
+    """Each variant's medians over --rounds interleaved rounds: its first transfer per pair
+    of ends under its name, with --transfers N the later ones under "<name> later"."""
     from tqdm import tqdm
 
-    variants: list[tuple[str, str, bool, bool, dict[str, str]]] = [
-        (name, pol, auth, True, {}) for name, pol, auth in CONFIGS if name in args.configs
-    ]
-    if args.compare_receiver_runs:  # each beside its receiver without held source runs
-        variants = [
-            v
-            for name, pol, auth, _, _ in variants
-            for v in (
-                (name, pol, auth, True, {}),
-                (f"{name} rx-runs-off", pol, auth, False, {}),
-            )
-        ]
-    for suffix, env in _aead_variants(args):  # each beside its other cipher set-ups
-        variants = [
-            v
-            for name, pol, auth, rx_runs, _ in variants
-            for v in ((name, pol, auth, rx_runs, {}), (f"{name} {suffix}", pol, auth, rx_runs, env))
-        ]
-    runs: dict[str, list[dict]] = {v[0]: [] for v in variants}
+    variants = _variants(args)
+    runs: dict[str, list[dict]] = {}
     bar = tqdm(total=len(variants) * args.rounds, desc="loopback goodput", file=sys.stderr)
     for _ in range(args.rounds):
-        for name, pol, auth, rx_runs, env in variants:  # interleaved: noise hits all alike
-            runs[name].append(_goodput_once(pol, auth, args, rx_runs, env))
+        for v in variants:  # interleaved: noise hits all alike
+            first, *later = _goodput_once(
+                v.policy, v.auth, args, v.source_runs, v.env, v.prefault_mb
+            )
+            runs.setdefault(v.name, []).append(first)
+            if later:
+                runs.setdefault(f"{v.name} later", []).extend(later)
             bar.update(1)
     bar.close()
+    setups = {v.name: v for v in variants}
     out = {}
-    for name, pol, auth, _, _ in variants:
-        rs = runs[name]
+    for name, rs in runs.items():
+        v = setups[name.removesuffix(" later")]
         med = {k: statistics.median(r[k] for r in rs)
                for k in rs[0] if isinstance(rs[0][k], int | float)}  # fmt: skip
-        med["policy"], med["auth"], med["reasons"] = pol, auth, [r["reason"] for r in rs]
+        med["policy"], med["auth"], med["reasons"] = v.policy, v.auth, [r["reason"] for r in rs]
         med["goodput_gbps_runs"] = [round(r["goodput_gbps"], 3) for r in rs]
         med["cpu_bound_gbps_runs"] = [round(r["cpu_bound_gbps"] or 0.0, 3) for r in rs]
         med["receiver_us_per_datagram_runs"] = [round(r["receiver_us_per_datagram"], 2) for r in rs]
+        med["receiver_sys_share_runs"] = [round(r["receiver_sys_share"], 3) for r in rs]
+        med["receiver_faults_runs"] = [r["receiver_faults"] for r in rs]
         med["repairs_runs"] = [r["repairs"] for r in rs]
         out[name] = med
     return out
-
-
-# ------------------------------------------------------------------ main
 
 
 def _table(pp: dict, sock: dict, gp: dict | None, link: str = "loopback") -> str:
@@ -809,6 +869,17 @@ def main() -> int:
         "kernels on this libcrypto (KVTRANSPORT_LIBCRYPTO, e.g. a newer OpenSSL than the "
         "system's), interleaved",
     )
+    p.add_argument("--transfers", type=int, default=1,
+                   help="goodput runs: transfers per pair of ends, one after another; the "
+                   "rows '<config> later' are the second and later ones (default 1)")  # fmt: skip
+    p.add_argument("--gap-s", type=float, default=DEFAULT_LINGER_S + 0.5,
+                   help="goodput runs: seconds between one transfer's end and the next one's "
+                   "start (default: the receiver's linger after a result, %(default)g s, "
+                   "so that the last transfer's session has gone)")  # fmt: skip
+    p.add_argument("--compare-prefault", type=float, default=0.0, metavar="MB",
+                   help="goodput runs: each configuration also with both ends faulting in MB "
+                   "of memory at start-up (the daemons' --prefault-mb), interleaved")  # fmt: skip
+    p.add_argument("--prefault-mb", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument(
         "--veth",
         action="store_true",
@@ -833,6 +904,8 @@ def main() -> int:
         return 0
     if args.quick:
         args.packets, args.repeats, args.goodput_mb, args.rounds = 4000, 1, 8.0, 1
+    if args.transfers < 1 or args.compare_prefault < 0 or args.gap_s < 0:
+        p.error("--transfers must be at least 1, --compare-prefault and --gap-s not negative")
     if not 0.0 <= args.loss_pct < 100.0:
         p.error(f"--loss-pct must be in [0, 100), got {args.loss_pct:g}")
     out = Path(args.out)

@@ -156,8 +156,9 @@ def assert_blocks_exact(result, transfer):
 def daemons(tmp_path_factory):
     d = Daemons(
         tmp_path_factory.mktemp("daemons"),
-        receiver_args=["--listen", "127.0.0.1:0", "--out-dir", str(tmp_path_factory.mktemp("out"))],
-    )
+        receiver_args=["--listen", "127.0.0.1:0", "--out-dir", str(tmp_path_factory.mktemp("out")),
+                       "--prefault-mb", "8"],
+    )  # fmt: skip
     yield d
     d.stop()
 
@@ -189,6 +190,9 @@ def test_submit_status_and_published_result(daemons):
     for name in ("sender", "receiver"):
         (up,) = [line for line in daemons.log(name).splitlines() if "daemon up" in line]
         assert cipher in up, up
+    # the receiver faulted memory in at start-up (--prefault-mb; kvtransport.daemons.heap)
+    assert "8 MB faulted in and kept" in daemons.log("receiver")
+    assert "faulted in" not in daemons.log("sender")
 
 
 def test_a_daemon_started_without_a_policy_picks_per_transfer(daemons):

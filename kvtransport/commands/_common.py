@@ -117,8 +117,35 @@ def add_daemon_output(parser: argparse.ArgumentParser) -> None:
         help="one JSON line per finished transfer (stdout, or FILE)",
     )
     add_realtime(parser)
+    add_memory(parser)
     parser.add_argument("-v", "--verbose", action="count", default=0, help="debug logs")
     add_operability(parser)
+
+
+def add_memory(parser: argparse.ArgumentParser) -> None:
+    """The daemons' ``--prefault-mb`` (kvtransport.daemons.heap)."""
+    parser.add_argument(
+        "--prefault-mb",
+        type=float_arg(0, 1e6),
+        default=0.0,
+        metavar="MB",
+        help="fault in this much memory at start-up and keep it, and the memory of "
+        "finished transfers, for the next transfers' buffers, which then take no page "
+        "faults (glibc only; resident from the start; default 0: glibc's defaults)",
+    )
+
+
+def setup_memory(args: argparse.Namespace, log: Any) -> None:
+    """Apply ``add_memory``'s option to this process (after logging is set up)."""
+    from kvtransport.daemons import heap
+
+    if not args.prefault_mb:
+        return
+    if not heap.keep_freed_memory():
+        log.warning("--prefault-mb ignored: the C library is not glibc")
+        return
+    heap.prefault(int(args.prefault_mb * 1e6))
+    log.info("%g MB faulted in and kept for transfers' buffers", args.prefault_mb)
 
 
 def add_operability(parser: argparse.ArgumentParser) -> None:

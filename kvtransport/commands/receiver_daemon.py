@@ -76,12 +76,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvtransport.daemons.daemon import setup_logging
-    from kvtransport.daemons.daemon_receiver import ReceiverDaemon
+    from kvtransport.daemons.daemon_receiver import ReceiverDaemon, log
     from kvtransport.daemons.udp import parse_address, set_realtime
 
     if args.max_transfers < 1 or not args.max_mb > 0 or not args.idle_timeout > 0:
         raise UserError("--max-transfers, --max-mb and --idle-timeout must be positive")
     setup_logging(args.verbose, "receiver-daemon", json_lines=args.log_json)
+    _common.setup_memory(args, log)
     set_realtime(args.realtime)
     stats, metrics = _common.daemon_stats(args, "receiver")
     daemon = ReceiverDaemon(

@@ -64,7 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvtransport.daemons.daemon import setup_logging
-    from kvtransport.daemons.daemon_sender import SenderDaemon
+    from kvtransport.daemons.daemon_sender import SenderDaemon, log
     from kvtransport.daemons.udp import parse_address, set_realtime
 
     named = args.policy  # None: each transfer's default (daemon_sender.transfer_policy)
@@ -72,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_transfers < 1 or not args.slot_ms > 0:
         raise UserError("--max-transfers and --slot-ms must be positive")
     setup_logging(args.verbose, "sender-daemon", json_lines=args.log_json)
+    _common.setup_memory(args, log)
     set_realtime(args.realtime)
     stats, metrics = _common.daemon_stats(args, "sender")
     daemon = SenderDaemon(
