@@ -32,10 +32,14 @@ from _eval_common import md_table  # noqa: E402
 from eval_policy import AUTO, check_schemes, make_scheme, mean_ci  # noqa: E402
 
 
-def _play(job: tuple[str, str, float, float, float, int, float, str | None]) -> float:
+def _play(job: tuple[str, str, float, float, float, int, float, str | None, str]) -> float:
     """Utility one scheme recovers on one cell and seed (a worker process's job); the
-    ``ddqn`` scheme (also where ``auto`` picks it) plays ``weights`` if given."""
-    scheme, channel, rate_mbps, delay_ms, rho, seed, size_mb, weights = job
+    ``ddqn`` scheme (also where ``auto`` picks it) plays ``weights`` if given; the sender
+    starts from the loss prior of kind ``prior`` (agents.episodes.episode_prior)."""
+    scheme, channel, rate_mbps, delay_ms, rho, seed, size_mb, weights, prior = job
+    from kvtransport.agents.episodes import episode_prior
+    from kvtransport.netem.profiles import load_profile
+
     from kvtransport.core.policy import default_policy_for
     from kvtransport.core.protocol import DEFAULT_SYMBOL_SIZE
     from kvtransport.core.wire import full_send_time
@@ -47,7 +51,7 @@ def _play(job: tuple[str, str, float, float, float, int, float, str | None]) -> 
     return simulate(
         channel=channel, rate_mbps=rate_mbps, delay_ms=delay_ms, rho=rho,
         size_bytes=int(size_mb * 1e6), policy=make_scheme(scheme, weights), seed=seed,
-        record=False,
+        record=False, prior_loss=episode_prior(prior, load_profile(channel), seed),
     ).utility_recovered  # fmt: skip
 
 
@@ -91,6 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=2, help="processes (default 2)")
     p.add_argument("--weights", help="DDQN weights file the ddqn scheme plays (default: the "
                    "shipped policy; auto's rules stay the shipped network's)")  # fmt: skip
+    p.add_argument("--prior", choices=("none", "previous", "profile"), default="none",
+                   help="the senders' loss prior before feedback: none (a first transfer, "
+                   "default), previous (the loss an earlier transfer over the link ended "
+                   "with, as a daemon keeps it) or profile (the channel's stationary "
+                   "loss)")  # fmt: skip
     p.add_argument("--out", default="results/fast_links", help="output directory")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
@@ -120,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     except (UserError, ProfileError) as exc:
         p.error(str(exc))
     grid = [(c, r, d, rho) for c in channels for r in rates for d in delays for rho in rhos]
-    jobs = [(s, *g, seed, args.size_mb, args.weights) for g in grid
+    jobs = [(s, *g, seed, args.size_mb, args.weights, args.prior) for g in grid
             for seed in range(1, args.seeds + 1) for s in schemes]  # fmt: skip
     from tqdm import tqdm
 

@@ -63,3 +63,18 @@ def test_weights_name_the_network_the_ddqn_scheme_plays(tmp_path, tail_rule_netw
     with pytest.raises(SystemExit):
         eval_fast_links.main([*cell, "--weights", str(tmp_path / "missing.npz")])
     assert "no such DDQN weights file" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_a_prior_reaches_the_senders(tmp_path):
+    """``--prior``: the senders start from a loss prior (agents.episodes.episode_prior), so
+    adaptive plays other transfers than as a first transfer with none."""
+    cell = ["--channels", "bernoulli-5", "--rates", "400", "--delays", "80", "--rhos", "2",
+            "--seeds", "2", "--size-mb", "5", "--workers", "1", "--quiet",
+            "--schemes", "adaptive"]  # fmt: skip
+    got = {}
+    for prior in ("none", "profile"):
+        out = tmp_path / prior
+        assert eval_fast_links.main([*cell, "--prior", prior, "--out", str(out)]) == 0
+        cells = json.loads((out / "eval_fast_links.json").read_text())["cells"]
+        (got[prior],) = [c["utilities"]["adaptive"] for c in cells.values()]
+    assert got["none"] != got["profile"]
