@@ -237,6 +237,19 @@ def shipped_trained_bdp_bits() -> float:
     return rate_bps * 2.0 * one_way_ms * 1e-3
 
 
+@lru_cache(maxsize=1)
+def shipped_trained_priors() -> bool:
+    """Whether the shipped weights trained with loss priors (their sidecar's training
+    distribution gives weight to a prior other than none); False where it does not say.
+    A network trained without them never saw a loss before the first feedback
+    (kvtransport.core.policy.default_policy_for)."""
+    dist = shipped_distribution()
+    weights = dist.get("prior_weights") if dist is not None else None
+    if not isinstance(weights, dict):
+        return False
+    return any(kind != "none" and float(w) > 0 for kind, w in weights.items())
+
+
 class DDQNPolicy(Policy):
     """The learned repair scheduler: RLC repair, reactive hole repair as in the adaptive
     heuristic, and the proactive share and admission chosen by the exported Q-network.

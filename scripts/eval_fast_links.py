@@ -7,9 +7,10 @@ same channel) on a grid of channels x link rates x one-way delays x rhos, seeds 
 Per cell: each scheme's mean utility recovered before the deadline, and every scheme's
 paired difference against --against (same seed, same channel draws) with a 95 %
 t-interval. ``auto`` is what a shell picks when told no policy
-(kvtransport.core.policy.default_policy_for with the link's rate and the deadline:
-adaptive where the link's bandwidth-delay product exceeds the shipped DDQN's training or
-the deadline is under two round trips of a long link, else the DDQN).
+(kvtransport.core.policy.default_policy_for with the link's rate, the deadline and
+--prior: adaptive where the link's bandwidth-delay product exceeds the shipped DDQN's
+training, or 24 Mbit with a prior, or the deadline is under two round trips of a long
+link, else the DDQN).
 docs/results.md quotes these figures for links faster than the DDQN's training.
 
     .venv/bin/python scripts/eval_fast_links.py --out results/fast_links
@@ -47,7 +48,9 @@ def _play(job: tuple[str, str, float, float, float, int, float, str | None, str]
 
     if scheme == AUTO:
         send_s = full_send_time(int(size_mb * 1e6), rate_mbps * 1e6, DEFAULT_SYMBOL_SIZE)
-        scheme = default_policy_for(delay_ms * 1e-3, False, rate_mbps * 1e6, rho * send_s)
+        scheme = default_policy_for(
+            delay_ms * 1e-3, False, rate_mbps * 1e6, rho * send_s, prior != "none"
+        )
     return simulate(
         channel=channel, rate_mbps=rate_mbps, delay_ms=delay_ms, rho=rho,
         size_bytes=int(size_mb * 1e6), policy=make_scheme(scheme, weights), seed=seed,

@@ -87,8 +87,8 @@ PAIRED = ("tail-rule", "adaptive")
 def product_choice(spec) -> str:
     """The policy a shell picks for ``spec``'s transfer when told none
     (kvtransport.core.policy.default_policy_for): the link's one-way delay is half the
-    episode's round trip, a handoff stream is whole token ranges, and the deadline is the
-    episode's."""
+    episode's round trip, a handoff stream is whole token ranges, the deadline is the
+    episode's, and so is whether the sender has a loss prior."""
     from kvtransport.agents.episodes import round_trip, spec_deadline
 
     from kvtransport.core.policy import default_policy_for
@@ -98,6 +98,7 @@ def product_choice(spec) -> str:
         spec.stream == "handoff",
         spec.channel.rate_mbps * 1e6,
         spec_deadline(spec),
+        spec.prior_loss is not None,
     )
 
 

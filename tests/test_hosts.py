@@ -212,6 +212,7 @@ def test_a_new_transfer_assumes_the_round_trip_its_receivers_last_one_measured()
                           deadline_s=1.0)  # fmt: skip
     assert first.session.decoder_window == protocol.DECODER_WINDOW
     assert sender.initial_rtt_for(B) == protocol.DEFAULT_INITIAL_RTT
+    assert not sender.has_prior_for(B)  # nor a loss prior (for the default policy)
     loop = VirtualClockLoop()
     loop.add(sender, A, channel=_Delay(0.04))
     loop.add(ReceiverHost(key=KEY), B, channel=_Delay(0.04))
@@ -220,12 +221,28 @@ def test_a_new_transfer_assumes_the_round_trip_its_receivers_last_one_measured()
     rtt = sender.initial_rtt_for(B)
     assert rtt == pytest.approx(0.08, abs=1e-4)
     assert rtt == first.session.min_rtt <= first.session.srtt
+    assert sender.has_prior_for(B) and not sender.has_prior_for(C)
     big = synthetic_transfer(40_000_000, 64, seed=2)
     again = sender.submit(big, B, now=0.5, deadline_s=2.0)
     assert again.session.decoder_window == protocol.decoder_window(1e9, rtt) == 16384
     assert sender.initial_rtt_for(C) == protocol.DEFAULT_INITIAL_RTT
     told = sender.submit(big, B, now=0.5, deadline_s=2.0, initial_rtt=0.02)
     assert told.session.decoder_window == protocol.DECODER_WINDOW
+
+
+def test_a_transfer_joining_a_link_whose_transfers_report_loss_has_a_prior():
+    """A first transfer to a receiver still starts from a loss prior while another
+    transfer on the link has had feedback (LinkShare._prime): the default policy reads
+    it (has_prior_for)."""
+    sender = SenderHost(rate_bps=100e6, key=KEY, burst_s=0.0)
+    sender.submit(synthetic_transfer(4_000_000, 32, seed=1), B, now=0.0, deadline_s=2.0)
+    assert not sender.has_prior_for(C)
+    loop = VirtualClockLoop()
+    loop.add(sender, A, channel=_Delay(0.01))
+    loop.add(ReceiverHost(key=KEY), B, channel=_Delay(0.01))
+    loop.run(0.1)  # feedback has come; the transfer (0.33 s of sending) goes on
+    assert sender.active and sender.link.link_loss() is not None
+    assert sender.has_prior_for(C)
 
 
 def test_the_last_transfer_to_finish_leaves_no_wake_up_and_a_given_prior_wins():

@@ -110,6 +110,44 @@ def test_on_a_fast_long_link_the_pick_recovers_more_than_the_ddqn():
     assert all(a > d + 0.01 for a, d in zip(got[pick], got["ddqn"], strict=True)), got
 
 
+def test_with_a_loss_prior_a_link_beyond_24_mbit_gets_the_heuristic():
+    """The shipped weights trained without priors (their sidecar says so): a sender that
+    knows the path's loss before feedback keeps the DDQN only up to PRIOR_MAX_BDP_BITS of
+    rate x round trip; without a prior the trained product still applies."""
+    from kvtransport.agents.runtime import shipped_trained_priors
+
+    from kvtransport.core.policy import PRIOR_MAX_BDP_BITS
+
+    assert not shipped_trained_priors() and PRIOR_MAX_BDP_BITS == 24e6
+    assert default_policy_for(0.080, False, 200e6, prior_known=True) == FAST_LINK_POLICY
+    assert default_policy_for(0.040, False, 400e6, prior_known=True) == FAST_LINK_POLICY
+    assert default_policy_for(0.040, False, 300e6, prior_known=True) == default_policy()
+    assert default_policy_for(0.080, False, 200e6) == default_policy()  # no prior
+    card = Transfer.from_encoded_stream(_stream("utility"))
+    assert transfer_policy(card, 0.16, 200e6, None, True) == FAST_LINK_POLICY
+    assert transfer_policy(card, 0.16, 200e6, None, False) == default_policy()
+
+
+def test_with_a_prior_on_a_fast_long_link_the_pick_recovers_more_than_the_ddqn():
+    """The case the prior rule exists for (5 % loss, 300 Mbit/s, 80 ms one way: 48 Mbit;
+    20 MB at rho 1, the loss an earlier transfer ended with as the prior): the policy it
+    picks recovers more than the shipped DDQN on both seeds. The DDQN never learned to
+    use a prior; the heuristic starts from it."""
+    from kvtransport.agents.episodes import episode_prior
+    from kvtransport.netem.profiles import load_profile
+
+    pick = default_policy_for(0.080, False, 300e6, prior_known=True)
+    link = dict(channel="bernoulli-5", rate_mbps=300, delay_ms=80, rho=1.0,
+                size_bytes=20_000_000)  # fmt: skip
+    got: dict[str, list[float]] = {pick: [], "ddqn": []}
+    for s in (1, 2):
+        prior = episode_prior("previous", load_profile("bernoulli-5"), s)
+        for p in got:
+            sim = simulate(policy=p, seed=s, record=False, prior_loss=prior, **link)
+            got[p].append(sim.utility_recovered)
+    assert all(a > d + 0.01 for a, d in zip(got[pick], got["ddqn"], strict=True)), got
+
+
 @pytest.mark.parametrize(("name", "delay_ms"), [("ge-heavy", 80.0), ("4state-bursty", 60.0)])
 def test_on_long_link_handoffs_the_pick_recovers_more_than_the_ddqn(name, delay_ms):
     """The case the rule exists for, on held-out episodes (the evaluation's first 12 at
@@ -168,6 +206,34 @@ def test_the_sender_daemon_picks_per_transfer_unless_told(tmp_path):
     assert picks[None, "card, 2.1 RTTs"] == default_policy()
     assert picks[None, "named"] == picks["fixed:4/32", "named"] == "arq"
     assert picks["fixed:4/32", "long"] == picks["fixed:4/32", "short"] == "fixed:4/32"
+
+
+def test_the_sender_daemon_reads_whether_it_knows_the_receivers_loss(tmp_path):
+    """On a 400 Mbit/s link with a 160 ms round trip (64 Mbit), a daemon's first transfer
+    to a receiver gets the DDQN; once the host remembers the loss that receiver's last
+    transfer ended with (SenderHost.receiver_loss, as a finished transfer leaves it), the
+    next one gets the heuristic; another receiver still gets the DDQN."""
+    from kvtransport.daemons.api import transfer_frames
+    from kvtransport.daemons.daemon_sender import SenderDaemon
+
+    card = Transfer.from_encoded_stream(_stream("utility"))
+    tx = SenderDaemon(bind=("127.0.0.1", 0), control=f"ipc://{tmp_path}/s.ipc",
+                      rate_bps=400e6, key=None, policy=None)  # fmt: skip
+    try:
+
+        def pick(to: str) -> str:
+            got = tx._submit({"to": to, "initial_rtt_ms": 160.0, "deadline_ms": 600.0},
+                             transfer_frames(card))  # fmt: skip
+            out = tx.engine.host.get(int(got["transfer_id"], 16))
+            assert out is not None
+            return out.policy
+
+        assert pick("127.0.0.1:9") == default_policy()
+        tx.engine.host.receiver_loss[("127.0.0.1", 9)] = 0.03
+        assert pick("127.0.0.1:9") == FAST_LINK_POLICY
+        assert pick("127.0.0.1:10") == default_policy()
+    finally:
+        tx.close()
 
 
 def test_a_long_link_deadline_under_two_round_trips_gets_the_heuristic():

@@ -342,6 +342,11 @@ LONG_LINK_HANDOFF_POLICY = "adaptive"
 FAST_LINK_POLICY = "adaptive"
 """The policy in place of the shipped DDQN on a link whose bandwidth-delay product is
 beyond any it was trained on (:func:`default_policy_for`)."""
+PRIOR_MAX_BDP_BITS = 24e6
+"""With a loss prior (the sender knows the path's loss before its first feedback), the
+largest bandwidth-delay product (bits: rate x round trip) on which a shipped DDQN trained
+without priors keeps the transfer; beyond it the transfer gets ``FAST_LINK_POLICY``
+(:func:`default_policy_for`)."""
 SHORT_DEADLINE_RTTS = 2.0
 """A transfer over a long link whose deadline is under this many round trips gets
 ``SHORT_DEADLINE_POLICY`` in place of the shipped DDQN (:func:`default_policy_for`)."""
@@ -355,6 +360,7 @@ def default_policy_for(
     whole_ranges: bool,
     rate_bps: float | None = None,
     deadline_s: float | None = None,
+    prior_known: bool = False,
 ) -> str:
     """The policy a shell uses for one transfer when told none.
 
@@ -379,8 +385,15 @@ def default_policy_for(
     ``LONG_LINK_ONE_WAY_S`` with a deadline under ``SHORT_DEADLINE_RTTS`` round trips,
     the transfer gets ``SHORT_DEADLINE_POLICY``: at 1-1.5 round trips the DDQN fell 0.025
     below the heuristic on average (1.5-2: 0.012), and tied it from 2 on
-    (scripts/eval_short_deadlines.py; docs/results.md, issue 16). Every other transfer
-    gets :func:`default_policy`."""
+    (scripts/eval_short_deadlines.py; docs/results.md, issue 16). ``prior_known``: the
+    sender starts from a loss prior (a daemon's later transfers to a receiver, or a link
+    whose other transfers report loss). Where the shipped DDQN trained without priors
+    (its sidecar says so), the bandwidth-delay product it keeps is then at most
+    ``PRIOR_MAX_BDP_BITS``: the heuristic starts from the prior and the network does not;
+    with a previous transfer's prior the shipped one fell below the heuristic in 36 of
+    80 cells beyond 24 Mbit (200 Mbit/s to 1 Gbit/s, up to 0.12) and in none of the 88 at
+    24 Mbit or less (scripts/eval_fast_links.py --prior previous; docs/results.md, issue
+    16). Every other transfer gets :func:`default_policy`."""
     long_link = one_way_s >= LONG_LINK_ONE_WAY_S
     if whole_ranges and long_link:
         return LONG_LINK_HANDOFF_POLICY
@@ -388,9 +401,12 @@ def default_policy_for(
     if policy != "ddqn":
         return policy
     if rate_bps is not None:
-        from kvtransport.agents.runtime import shipped_trained_bdp_bits
+        from kvtransport.agents.runtime import shipped_trained_bdp_bits, shipped_trained_priors
 
-        if rate_bps * 2.0 * one_way_s > shipped_trained_bdp_bits():
+        limit = shipped_trained_bdp_bits()
+        if prior_known and not shipped_trained_priors():
+            limit = min(limit, PRIOR_MAX_BDP_BITS)
+        if rate_bps * 2.0 * one_way_s > limit:
             return FAST_LINK_POLICY
     if long_link and deadline_s is not None and deadline_s < SHORT_DEADLINE_RTTS * 2 * one_way_s:
         return SHORT_DEADLINE_POLICY

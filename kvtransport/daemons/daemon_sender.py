@@ -165,20 +165,22 @@ def transfer_policy(
     initial_rtt_s: float,
     rate_bps: float | None,
     deadline_s: float | None = None,
+    prior_known: bool = False,
 ) -> str:
     """The policy for ``transfer`` when the caller names none
     (kvtransport.core.policy.default_policy_for): its stream is whole ranges when its app
     metadata is a block-stream manifest that sends each token range's blocks together
     (kvtransport.model.blocks.Manifest.whole_ranges); the link's one-way delay is half
     ``initial_rtt_s``, the RTT the sender assumes before feedback; ``rate_bps`` the
-    link's rate; ``deadline_s`` the transfer's deadline (None: not known)."""
+    link's rate; ``deadline_s`` the transfer's deadline (None: not known);
+    ``prior_known``: the sender starts from a loss prior (SenderHost.has_prior_for)."""
     from kvtransport.model.blocks import Manifest, ManifestError
 
     try:
         whole = Manifest.from_bytes(transfer.app_metadata).whole_ranges
     except ManifestError:  # opaque bytes or no manifest: not a block stream
         whole = False
-    return default_policy_for(initial_rtt_s / 2, whole, rate_bps, deadline_s)
+    return default_policy_for(initial_rtt_s / 2, whole, rate_bps, deadline_s, prior_known)
 
 
 def deadline_from(
@@ -323,7 +325,9 @@ class SenderDaemon(DaemonShell):
         if policy is not None:
             policy = bounds.text(policy, "policy", 200)
         else:
-            policy = self.policy or transfer_policy(transfer, rtt_ms * 1e-3, h.rate_bps, deadline_s)
+            policy = self.policy or transfer_policy(
+                transfer, rtt_ms * 1e-3, h.rate_bps, deadline_s, h.has_prior_for(dest)
+            )
         out = e.submit(
             transfer,
             dest,

@@ -580,6 +580,12 @@ class SenderHost:
                 _remember(self.receiver_rtt, out.dest, out.session.min_rtt)
         self._events.append(TransferFinished(out, now))
 
+    def has_prior_for(self, dest: Address) -> bool:
+        """Whether a transfer submitted now to ``dest`` starts from a loss prior: the loss
+        that receiver's last transfer ended with, or the loss the link's transfers report
+        (see ``LinkShare._prime``)."""
+        return dest in self.receiver_loss or self.link.link_loss() is not None
+
     def initial_rtt_for(self, dest: Address) -> float:
         """The round trip a new transfer to ``dest`` assumes before its first feedback: the
         shortest its last transfer measured (within the allowed initial RTTs), else the
