@@ -583,12 +583,14 @@ def _goodput_once(
     source_runs: bool = True,
     aead_env: dict[str, str] | None = None,
     prefault_mb: float = 0.0,
+    queue_guard: bool = False,
 ) -> list[dict]:
     """--transfers transfers, one after another, between one pair of ends, on loopback or
     (``args.veth``) across the veth pair of ``_veth_pair``; the figures of each.
     ``aead_env``: environment variables both ends get on top of this process's
     (``_aead_variants``: one AESGCM call per datagram, another libcrypto);
-    ``prefault_mb``: both ends' memory set-up, as the daemons' --prefault-mb (_heap_setup)."""
+    ``prefault_mb``: both ends' memory set-up, as the daemons' --prefault-mb (_heap_setup);
+    ``queue_guard``: the sender paces under the product's queue guard."""
     env = {**os.environ, **(aead_env or {})}
     me = [sys.executable, str(Path(__file__).resolve())]
     rx_me, tx_me = me, me
@@ -601,7 +603,7 @@ def _goodput_once(
     common += ["--prefault-mb", str(prefault_mb)]
     common += ["--auth"] if auth else []
     common += ["--realtime"] if args.realtime else []
-    common += ["--queue-guard"] if args.queue_guard else []
+    common += ["--queue-guard"] if queue_guard else []
     rx_only = [] if source_runs else ["--no-source-runs"]
     rx = subprocess.Popen(
         [*rx_me, "_recv", *common, *rx_only], stdout=subprocess.PIPE, text=True, env=env
@@ -727,11 +729,16 @@ class _Variant(NamedTuple):
     source_runs: bool = True
     env: dict[str, str] = {}
     prefault_mb: float = 0.0
+    queue_guard: bool = False
 
 
 def _variants(args: argparse.Namespace) -> list[_Variant]:
     """The --configs, each beside the set-ups the --compare-* options ask for."""
-    variants = [_Variant(name, pol, auth) for name, pol, auth in CONFIGS if name in args.configs]
+    variants = [
+        _Variant(name, pol, auth, queue_guard=args.queue_guard)
+        for name, pol, auth in CONFIGS
+        if name in args.configs
+    ]
     others: list[tuple[str, dict]] = []  # (name suffix, what differs)
     if args.compare_receiver_runs:  # each beside its receiver without held source runs
         others.append(("rx-runs-off", {"source_runs": False}))
@@ -739,6 +746,8 @@ def _variants(args: argparse.Namespace) -> list[_Variant]:
         others.append((suffix, {"env": env}))
     if args.compare_prefault:  # each beside ends that fault memory in at start-up
         others.append(("prefault", {"prefault_mb": args.compare_prefault}))
+    if args.compare_queue_guard:  # each beside a sender under the queue guard
+        others.append(("guarded", {"queue_guard": True}))
     for suffix, change in others:
         variants = [
             w for v in variants for w in (v, v._replace(name=f"{v.name} {suffix}", **change))
@@ -757,7 +766,7 @@ def _goodput_rounds(args: argparse.Namespace) -> dict:
     for _ in range(args.rounds):
         for v in variants:  # interleaved: noise hits all alike
             first, *later = _goodput_once(
-                v.policy, v.auth, args, v.source_runs, v.env, v.prefault_mb
+                v.policy, v.auth, args, v.source_runs, v.env, v.prefault_mb, v.queue_guard
             )
             runs.setdefault(v.name, []).append(first)
             if later:
@@ -876,6 +885,9 @@ def main() -> int:
                    help="goodput runs: seconds between one transfer's end and the next one's "
                    "start (default: the receiver's linger after a result, %(default)g s, "
                    "so that the last transfer's session has gone)")  # fmt: skip
+    p.add_argument("--compare-queue-guard", action="store_true",
+                   help="goodput runs: each configuration also with the sender under the "
+                   "product's queue guard (--queue-guard), interleaved")  # fmt: skip
     p.add_argument("--compare-prefault", type=float, default=0.0, metavar="MB",
                    help="goodput runs: each configuration also with both ends faulting in MB "
                    "of memory at start-up (the daemons' --prefault-mb), interleaved")  # fmt: skip
