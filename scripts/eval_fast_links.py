@@ -30,7 +30,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _eval_common import md_table  # noqa: E402
-from eval_policy import AUTO, check_schemes, make_scheme, mean_ci  # noqa: E402
+from eval_policy import AUTO, add_prior_option, check_schemes, make_scheme, mean_ci  # noqa: E402
 
 
 def _play(job: tuple[str, str, float, float, float, int, float, str | None, str]) -> float:
@@ -98,11 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=2, help="processes (default 2)")
     p.add_argument("--weights", help="DDQN weights file the ddqn scheme plays (default: the "
                    "shipped policy; auto's rules stay the shipped network's)")  # fmt: skip
-    p.add_argument("--prior", choices=("none", "previous", "profile"), default="none",
-                   help="the senders' loss prior before feedback: none (a first transfer, "
-                   "default), previous (the loss an earlier transfer over the link ended "
-                   "with, as a daemon keeps it) or profile (the channel's stationary "
-                   "loss)")  # fmt: skip
+    add_prior_option(p)
     p.add_argument("--out", default="results/fast_links", help="output directory")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)

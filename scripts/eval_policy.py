@@ -102,6 +102,16 @@ def product_choice(spec) -> str:
     )
 
 
+def add_prior_option(p: argparse.ArgumentParser) -> None:
+    """``--prior``: the senders' loss prior before feedback
+    (kvtransport.agents.episodes.episode_prior's kinds)."""
+    p.add_argument("--prior", choices=("none", "previous", "profile"), default="none",
+                   help="the senders' loss prior before feedback: none (a first transfer, "
+                   "the default), previous (the loss an earlier transfer over the link "
+                   "ended with, as a daemon keeps it) or profile (the channel's stationary "
+                   "loss)")  # fmt: skip
+
+
 def check_schemes(schemes: list[str], weights: str | None = None) -> None:
     """Raise UserError with its one-line reason for a scheme name no policy has (``AUTO``:
     the policies a shell picks, the DDQN among them), or for ``weights`` (a DDQN weights
@@ -589,10 +599,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--high-rtt-episodes", type=int, default=40,
                    help="episodes per high-RTT cell (default 40)")  # fmt: skip
     p.add_argument("--weights", help="DDQN weights file (default: the shipped policy)")
-    p.add_argument("--prior", choices=("none", "previous", "profile"), default="none",
-                   help="the senders' loss prior before feedback: none (a first transfer, "
-                   "the default), the loss an earlier transfer over the link ended with, or "
-                   "the profile's stationary loss")  # fmt: skip
+    add_prior_option(p)
     p.add_argument("--no-queue-guard", action="store_true",
                    help="the senders pace at the link rate even while the path's queue "
                    "builds (kvtransport.hosts.queue_guard)")  # fmt: skip

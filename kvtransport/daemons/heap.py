@@ -22,11 +22,8 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import logging
 
 import numpy as np
-
-log = logging.getLogger("kvtransport.heap")
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
