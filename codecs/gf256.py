@@ -850,15 +850,20 @@ def region_dot_multi_tiled(
     region_muladd_multi_tiled(out, flat, offsets, coefs, m, n)
 
 
+MULTI_KERNEL = "shuffle" if HAVE_SHUFFLE and KERNEL != "bitsliced" else "tiled"
+"""The multi-output kernel the plain names below run: the shuffle kernel's register
+accumulators wherever the host has AVX2, a GFNI host included (there, side by side, 1.3x
+the GFNI tiles' speed cache-cold and 1.9x cache-hot: scripts/bench_codec.py, docs/results.md),
+else tiles of the host's region_muladd (and with the bit-sliced kernel forced)."""
 region_muladd_multi = (
-    region_muladd_multi_shuffle if KERNEL == "shuffle" else region_muladd_multi_tiled
+    region_muladd_multi_shuffle if MULTI_KERNEL == "shuffle" else region_muladd_multi_tiled
 )
 """out[k, :n] ^= sum over i < m of coefs[k, i] * flat[offsets[i] : offsets[i] + n], for every
 row k of ``coefs`` (uint8, r x >= m; ``out``: uint8, >= r x n, C-contiguous; ``offsets``:
 int64): several outputs (the repairs of one span) from one pass over the sources. Raises
-ValueError if a source runs past ``flat`` or n, m exceed the arrays. The host's variant: the
-register-accumulator shuffle kernel, else tiles of region_muladd."""
-region_dot_multi = region_dot_multi_shuffle if KERNEL == "shuffle" else region_dot_multi_tiled
+ValueError if a source runs past ``flat`` or n, m exceed the arrays. ``MULTI_KERNEL``'s
+variant."""
+region_dot_multi = region_dot_multi_shuffle if MULTI_KERNEL == "shuffle" else region_dot_multi_tiled
 """out[k, :n] = sum over i < m of coefs[k, i] * flat[offsets[i] : offsets[i] + n]: as
 region_muladd_multi, the outputs overwritten instead of added to (never read; the shuffle
 kernel then needs no scalar tail)."""

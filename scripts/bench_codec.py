@@ -491,6 +491,24 @@ def block_repair_cases(st: Stream, cold_mb: float, hot_rounds: int) -> dict[str,
 
         return run
 
+    def kernel(multi: Callable, data: np.ndarray, blocks: int, rounds: int) -> Callable[[], dict]:
+        """One multi-output kernel alone on the same blocks (no API around it)."""
+        offsets = [(b * k + np.arange(k, dtype=np.int64)) * size for b in range(blocks)]
+        coefs = np.random.default_rng(st.seed + 2).integers(1, 256, (r, k), dtype=np.uint8)
+        out = np.empty((r, size), dtype=np.uint8)
+
+        def run() -> dict:
+            for _ in range(rounds):
+                for off in offsets:
+                    multi(out, data, off, coefs, k, size)
+            return {"source_bytes": rounds * blocks * k * size}
+
+        return run
+
+    # the multi-output kernels this host runs, each alone (the API's is gf256.MULTI_KERNEL)
+    kernels = {"tiles of the host kernel": gf256.region_dot_multi_tiled}
+    if gf256.HAVE_SHUFFLE:
+        kernels["shuffle accumulators"] = gf256.region_dot_multi_shuffle
     # the same repairs either way (checked before anything is timed)
     enc = RLCEncoder(size, window=k, stream=hot)
     enc.add_stream_sources(k)
@@ -504,11 +522,16 @@ def block_repair_cases(st: Stream, cold_mb: float, hot_rounds: int) -> dict[str,
             "RLC repairs_into (one pass)": rlc(hot, 1, hot_rounds, True),
             "RLC repair_into per repair": rlc(hot, 1, hot_rounds, False),
             "zfec (block RS, C)": zf([hot_shares], hot_rounds),
+            **{
+                f"kernel: {name}": kernel(f, hot.reshape(-1), 1, hot_rounds)
+                for name, f in kernels.items()
+            },
         },
         "cold": {
             "RLC repairs_into (one pass)": rlc(cold, nb, 1, True),
             "RLC repair_into per repair": rlc(cold, nb, 1, False),
             "zfec (block RS, C)": zf(cold_blocks, 1),
+            **{f"kernel: {name}": kernel(f, cold, nb, 1) for name, f in kernels.items()},
         },
     }
 
@@ -697,6 +720,11 @@ def issue15_table(sections: dict, batch: int) -> tuple[list[dict], list[dict]]:
         {"operation": f"decoding at 10 % loss, add_packets (runs of {batch})",
          "kvtransport": g(dec[f"RLC, add_packets (runs of {batch})"]), "zfec": g(dec[zf])},
     ]  # fmt: skip
+    for name in (c.removeprefix("kernel: ") for c in hot if c.startswith("kernel: ")):
+        for where, cases in (("cache-cold", cold), ("cache-hot", hot)):
+            case = cases[f"kernel: {name}"]
+            rows.append({"operation": f"repair kernel alone, {name}, {where}",
+                         "kvtransport": g(case), "zfec": g(cases[zf])})  # fmt: skip
     for row in rows:
         row["ratio"] = row["kvtransport"] / row["zfec"] if row["zfec"] else None
     measured = {

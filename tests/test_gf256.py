@@ -205,9 +205,15 @@ def test_the_host_kernel_is_picked_at_import_fastest_first():
     if not os.environ.get(gf256.KERNEL_ENV):
         assert gf256.KERNEL == gf256.AVAILABLE[0]
     assert (gf256.region_muladd, gf256.region_scale) == gf256.KERNELS[gf256.KERNEL]
-    shuffle = gf256.KERNEL == "shuffle"
+    # the multi-output kernels: the shuffle accumulators wherever the host has AVX2 (a
+    # GFNI host too), unless the bit-sliced kernel is forced
+    shuffle = gf256.HAVE_SHUFFLE and gf256.KERNEL != "bitsliced"
+    assert gf256.MULTI_KERNEL == ("shuffle" if shuffle else "tiled")
     assert gf256.region_muladd_multi is (
         gf256.region_muladd_multi_shuffle if shuffle else gf256.region_muladd_multi_tiled
+    )
+    assert gf256.region_dot_multi is (
+        gf256.region_dot_multi_shuffle if shuffle else gf256.region_dot_multi_tiled
     )
 
 
