@@ -576,22 +576,11 @@ def _usage_since(before: resource.struct_rusage) -> dict:
     return {"sys_s": now.ru_stime - before.ru_stime, "faults": now.ru_minflt - before.ru_minflt}
 
 
-def _goodput_once(
-    policy: str,
-    auth: bool,
-    args: argparse.Namespace,
-    source_runs: bool = True,
-    aead_env: dict[str, str] | None = None,
-    prefault_mb: float = 0.0,
-    queue_guard: bool = False,
-) -> list[dict]:
-    """--transfers transfers, one after another, between one pair of ends, on loopback or
-    (``args.veth``) across the veth pair of ``_veth_pair``; the figures of each.
-    ``aead_env``: environment variables both ends get on top of this process's
-    (``_aead_variants``: one AESGCM call per datagram, another libcrypto);
-    ``prefault_mb``: both ends' memory set-up, as the daemons' --prefault-mb (_heap_setup);
-    ``queue_guard``: the sender paces under the product's queue guard."""
-    env = {**os.environ, **(aead_env or {})}
+def _goodput_once(v: _Variant, args: argparse.Namespace) -> list[dict]:
+    """--transfers transfers of set-up ``v``, one after another, between one pair of ends,
+    on loopback or (``args.veth``) across the veth pair of ``_veth_pair``; the figures of
+    each (``_Variant``'s fields say what each end runs)."""
+    env = {**os.environ, **v.env}
     me = [sys.executable, str(Path(__file__).resolve())]
     rx_me, tx_me = me, me
     if args.veth:
@@ -600,18 +589,18 @@ def _goodput_once(
     common = ["--goodput-mb", str(args.goodput_mb), "--rate-gbps", str(args.rate_gbps)]
     common += ["--rcv-addr", VETH_ADDR["rcv"] if args.veth else "127.0.0.1"]
     common += ["--transfers", str(args.transfers), "--gap-s", str(args.gap_s)]
-    common += ["--prefault-mb", str(prefault_mb)]
-    common += ["--auth"] if auth else []
+    common += ["--prefault-mb", str(v.prefault_mb)]
+    common += ["--auth"] if v.auth else []
     common += ["--realtime"] if args.realtime else []
-    common += ["--queue-guard"] if queue_guard else []
-    rx_only = [] if source_runs else ["--no-source-runs"]
+    common += ["--queue-guard"] if v.queue_guard else []
+    rx_only = [] if v.source_runs else ["--no-source-runs"]
     rx = subprocess.Popen(
         [*rx_me, "_recv", *common, *rx_only], stdout=subprocess.PIPE, text=True, env=env
     )
     try:
         port = int(rx.stdout.readline())
         tx = subprocess.run(
-            [*tx_me, "_send", "--port", str(port), "--policy", policy, *common],
+            [*tx_me, "_send", "--port", str(port), "--policy", v.policy, *common],
             capture_output=True, text=True, timeout=120 * args.transfers, env=env,
         )  # fmt: skip
         rs = [json.loads(line) for line in rx.stdout.read().splitlines() if line.strip()]
@@ -721,7 +710,10 @@ def goodput(args: argparse.Namespace) -> dict:
 
 
 class _Variant(NamedTuple):
-    """One goodput row's set-up (see _goodput_once)."""
+    """One goodput row's set-up: its name, the sender's policy, authentication, the
+    receiver's held source runs, both ends' extra environment (``_aead_variants``: one
+    AESGCM call per datagram, another libcrypto), their --prefault-mb (_heap_setup), and
+    the sender's queue guard."""
 
     name: str
     policy: str
@@ -765,9 +757,7 @@ def _goodput_rounds(args: argparse.Namespace) -> dict:
     bar = tqdm(total=len(variants) * args.rounds, desc="loopback goodput", file=sys.stderr)
     for _ in range(args.rounds):
         for v in variants:  # interleaved: noise hits all alike
-            first, *later = _goodput_once(
-                v.policy, v.auth, args, v.source_runs, v.env, v.prefault_mb, v.queue_guard
-            )
+            first, *later = _goodput_once(v, args)
             runs.setdefault(v.name, []).append(first)
             if later:
                 runs.setdefault(f"{v.name} later", []).extend(later)
