@@ -853,7 +853,7 @@ def region_dot_multi_tiled(
 MULTI_KERNEL = "shuffle" if HAVE_SHUFFLE and KERNEL != "bitsliced" else "tiled"
 """The multi-output kernel the plain names below run: the shuffle kernel's register
 accumulators wherever the host has AVX2, a GFNI host included (there, side by side, 1.3x
-the GFNI tiles' speed cache-cold and 1.9x cache-hot: scripts/bench_codec.py, docs/results.md),
+the GFNI tiles' speed cache-cold and 1.8x cache-hot: scripts/bench_codec.py, docs/results.md),
 else tiles of the host's region_muladd (and with the bit-sliced kernel forced)."""
 region_muladd_multi = (
     region_muladd_multi_shuffle if MULTI_KERNEL == "shuffle" else region_muladd_multi_tiled

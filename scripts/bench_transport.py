@@ -506,7 +506,7 @@ def _role_recv(args: argparse.Namespace) -> None:
                 "lost": s.monitor.lost, "recovered": s.symbols_recovered,
                 "socket": dict(sock.stats), **use,
             })  # fmt: skip
-            del s
+            del s  # its buffers may go once the host lets the session go (memory reuse)
             print(json.dumps(rows[-1]), flush=True)
     if len(rows) < args.transfers:
         print(json.dumps({"error": f"{len(rows)} of {args.transfers} results"}), flush=True)
@@ -542,7 +542,7 @@ def _role_send(args: argparse.Namespace) -> None:
             use0 = resource.getrusage(resource.RUSAGE_SELF)
             out = eng.submit(tr, dest, now=clock(), deadline_s=30.0, policy=args.policy,
                              initial_rtt=1e-3)  # fmt: skip
-            del tr
+            del tr  # the session holds the payload; nothing else keeps it past the transfer
             while host.active:
                 eng.run_due(clock())
                 wake = eng.next_wake()
@@ -552,7 +552,7 @@ def _role_send(args: argparse.Namespace) -> None:
             cpu = time.process_time() - cpu0
             use = _usage_since(use0)
             st = out.status(clock())
-            del out
+            del out  # as tr: the next transfer may reuse its memory
             print(json.dumps({"cpu_s": cpu, "status": st, "socket": dict(sock.stats), **use}),
                   flush=True)  # fmt: skip
 

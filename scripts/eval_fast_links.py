@@ -30,7 +30,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _eval_common import md_table  # noqa: E402
-from eval_policy import AUTO, add_prior_option, check_schemes, make_scheme, mean_ci  # noqa: E402
+from eval_policy import (  # noqa: E402
+    AUTO,
+    add_prior_option,
+    add_weights_option,
+    check_schemes,
+    make_scheme,
+    mean_ci,
+)
 
 
 def _play(job: tuple[str, str, float, float, float, int, float, str | None, str]) -> float:
@@ -46,15 +53,16 @@ def _play(job: tuple[str, str, float, float, float, int, float, str | None, str]
     from kvtransport.core.wire import full_send_time
     from kvtransport.sim.simulator import simulate
 
+    prior_loss = episode_prior(prior, load_profile(channel), seed)
     if scheme == AUTO:
         send_s = full_send_time(int(size_mb * 1e6), rate_mbps * 1e6, DEFAULT_SYMBOL_SIZE)
         scheme = default_policy_for(
-            delay_ms * 1e-3, False, rate_mbps * 1e6, rho * send_s, prior != "none"
+            delay_ms * 1e-3, False, rate_mbps * 1e6, rho * send_s, prior_loss is not None
         )
     return simulate(
         channel=channel, rate_mbps=rate_mbps, delay_ms=delay_ms, rho=rho,
         size_bytes=int(size_mb * 1e6), policy=make_scheme(scheme, weights), seed=seed,
-        record=False, prior_loss=episode_prior(prior, load_profile(channel), seed),
+        record=False, prior_loss=prior_loss,
     ).utility_recovered  # fmt: skip
 
 
@@ -96,8 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--schemes", default="adaptive,ddqn,auto", help="schemes (auto: the pick)")
     p.add_argument("--against", default="adaptive", help="the scheme differences are against")
     p.add_argument("--workers", type=int, default=2, help="processes (default 2)")
-    p.add_argument("--weights", help="DDQN weights file the ddqn scheme plays (default: the "
-                   "shipped policy; auto's rules stay the shipped network's)")  # fmt: skip
+    add_weights_option(p)
     add_prior_option(p)
     p.add_argument("--out", default="results/fast_links", help="output directory")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

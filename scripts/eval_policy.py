@@ -102,6 +102,13 @@ def product_choice(spec) -> str:
     )
 
 
+def add_weights_option(p: argparse.ArgumentParser, also: str = "") -> None:
+    """``--weights``: the DDQN weights file the ``ddqn`` scheme plays (``make_scheme``;
+    ``also``: what else of the shipped network's the script keeps, said in the help)."""
+    p.add_argument("--weights", help="DDQN weights file the ddqn scheme plays (default: the "
+                   f"shipped policy; auto's rules{also} stay the shipped network's)")  # fmt: skip
+
+
 def add_prior_option(p: argparse.ArgumentParser) -> None:
     """``--prior``: the senders' loss prior before feedback
     (kvtransport.agents.episodes.episode_prior's kinds)."""
@@ -598,7 +605,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="schemes played in the high-RTT cells")  # fmt: skip
     p.add_argument("--high-rtt-episodes", type=int, default=40,
                    help="episodes per high-RTT cell (default 40)")  # fmt: skip
-    p.add_argument("--weights", help="DDQN weights file (default: the shipped policy)")
+    add_weights_option(p)
     add_prior_option(p)
     p.add_argument("--no-queue-guard", action="store_true",
                    help="the senders pace at the link rate even while the path's queue "

@@ -30,7 +30,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _eval_common import md_table  # noqa: E402
-from eval_policy import AUTO, check_schemes, make_scheme, mean_ci, product_choice  # noqa: E402
+from eval_policy import (  # noqa: E402
+    AUTO,
+    add_weights_option,
+    check_schemes,
+    make_scheme,
+    mean_ci,
+    product_choice,
+)
 
 
 def _play(job: tuple) -> float:
@@ -67,9 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--schemes", default="adaptive,tail-rule,ddqn,auto", help="schemes")
     p.add_argument("--against", default="adaptive", help="the scheme differences are against")
     p.add_argument("--draw-seed", type=int, default=7, help="seed of the episode draws")
-    p.add_argument("--weights", help="DDQN weights file the ddqn scheme plays (default: the "
-                   "shipped policy; auto's rules and the default rate range stay the shipped "
-                   "network's)")  # fmt: skip
+    add_weights_option(p, also=" and the default rate range")
     p.add_argument("--workers", type=int, default=2, help="processes (default 2)")
     p.add_argument("--out", default="results/short_deadlines", help="output directory")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
