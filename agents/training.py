@@ -4,11 +4,12 @@ The loop, in order:
 
 1. **Demonstrations.** The replay buffer starts with whole episodes played by behaviour
    policies: the best of the clairvoyant oracle, the session's own tail rule alone and
-   kvtransport.core.policy's adaptive heuristic (z = 1, 2, 3) on each episode, the adaptive
-   heuristic with margins z in 0..3, the tail rule, and random play, each with a little
-   random noise. Double DQN learns off-policy from all of them as from its own transitions; they
-   put the states where decisions matter (when to stop admitting sources, how much to
-   protect the last RTT) into the buffer from the start.
+   kvtransport.core.policy's adaptive heuristic (z = 1, 2, 3) on each episode (on average
+   over ``expert_realizations`` draws of its channels), the adaptive heuristic with
+   margins z in 0..3, the tail rule, and random play, each with a little random noise.
+   Double DQN learns off-policy from all of them as from its own transitions; they put
+   the states where decisions matter (when to stop admitting sources, how much to protect
+   the last RTT) into the buffer from the start.
 2. **Double DQN** (kvtransport.agents.ddqn) with a dueling head, n-step returns and
    epsilon-greedy exploration, on the environment's observation mapped to the network's
    features (kvtransport.agents.features) and the reward re-timed by :class:`CreditOnSend`
@@ -112,6 +113,10 @@ class TrainConfig:
     eval_hard_episodes: int = 0
     """Validation episodes added to ``eval_episodes`` on the links where networks most
     often lose to the adaptive heuristic (:func:`hard_validation_specs`; 0: none)."""
+    expert_realizations: int = 1
+    """Channel realizations each demonstration episode's candidates are played on before
+    the best is chosen as its expert (:func:`best_demonstrator`; 1: the episode's own,
+    which picks in hindsight)."""
     shortfall_weight: float = 0.0
     """The checkpoint kept is the one with the best validation score: the mean utility
     minus this weight times the mean shortfall, per episode, below the better of the
@@ -132,9 +137,9 @@ def effective_config(cfg: TrainConfig) -> dict:
     the ``.npz`` metadata, ``summary.json``): a default that moves later changes what a
     recorded command trains on, and the two effective configurations then differ.
     ``init_from``, ``validation``, ``anchor_weight``, ``eval_hard_episodes``,
-    ``shortfall_weight`` and the distribution's ``exclude_profiles`` and
-    ``long_link_deadline_rtts`` are there only when set (runs without them record what they
-    did before the options existed)."""
+    ``shortfall_weight``, ``expert_realizations`` (other than 1) and the distribution's
+    ``exclude_profiles`` and ``long_link_deadline_rtts`` are there only when set (runs
+    without them record what they did before the options existed)."""
     dist = episode_distribution(cfg)
     knobs = {f.name: getattr(dist, f.name) for f in fields(dist) if f.name != "trace_files"}
     if not knobs["exclude_profiles"]:
@@ -149,6 +154,8 @@ def effective_config(cfg: TrainConfig) -> dict:
     for name in ("anchor_weight", "eval_hard_episodes", "shortfall_weight"):
         if not getattr(cfg, name):
             del config[name]
+    if cfg.expert_realizations == 1:
+        del config["expert_realizations"]
     return _jsonable(config)
 
 
@@ -315,7 +322,8 @@ up to a tenth of the utility."""
 
 EXPERTS = ("best",)
 """Episodes whose behaviour transitions get the large-margin loss: those played by the
-best of ``DEMONSTRATORS`` on that very episode (each candidate is played on it first).
+best of ``DEMONSTRATORS`` on that episode (each candidate is played on it first, on
+``TrainConfig.expert_realizations`` draws of its channels).
 Where the candidates disagree across episodes, the margin lifts whichever did best there
 and TD learning generalizes between them from the observation."""
 
@@ -329,15 +337,28 @@ def demonstrator(name: str) -> Policy:
     return Adaptive(z=float(name.split(":", 1)[1]))
 
 
-def best_demonstrator(spec: EpisodeSpec) -> str:
-    """The candidate of ``DEMONSTRATORS`` that recovers the most utility on ``spec``."""
-    scores = [play(spec, demonstrator(n)) for n in DEMONSTRATORS]
+def best_demonstrator(spec: EpisodeSpec, realizations: int = 1) -> str:
+    """The candidate of ``DEMONSTRATORS`` that recovers the most utility on ``spec``, on
+    average over ``realizations`` draws of its channels: the episode's own seed, then
+    seeds :data:`REALIZATION_STRIDE` apart (still training seeds). One draw picks in
+    hindsight: on a long lossy link the tail rule wins the draws whose last round trips
+    happen to lose little, where a margin wins on average."""
+    scores = np.zeros(len(DEMONSTRATORS))
+    for j in range(realizations):
+        draw = replace(spec, seed=(spec.seed + j * REALIZATION_STRIDE) % HELD_OUT_SEED)
+        scores += [play(draw, demonstrator(n)) for n in DEMONSTRATORS]
     return DEMONSTRATORS[int(np.argmax(scores))]
 
 
-def _behaviour(kind: str, rng: np.random.Generator, spec: EpisodeSpec) -> tuple[Policy, float]:
+REALIZATION_STRIDE = 1 << 36
+"""Seed distance between the channel draws :func:`best_demonstrator` averages over."""
+
+
+def _behaviour(
+    kind: str, rng: np.random.Generator, spec: EpisodeSpec, realizations: int
+) -> tuple[Policy, float]:
     if kind == "best":
-        return demonstrator(best_demonstrator(spec)), 0.05
+        return demonstrator(best_demonstrator(spec, realizations)), 0.05
     if kind == "adaptive":
         return Adaptive(z=float(rng.uniform(0.0, 3.0))), 0.05
     if kind == "tail":
@@ -346,10 +367,16 @@ def _behaviour(kind: str, rng: np.random.Generator, spec: EpisodeSpec) -> tuple[
 
 
 def collect_demonstrations(
-    model: DoubleDQN, env: gym.Env, n_steps: int, seed: int, progress: Any = None
+    model: DoubleDQN,
+    env: gym.Env,
+    n_steps: int,
+    seed: int,
+    progress: Any = None,
+    realizations: int = 1,
 ) -> np.ndarray:
     """Add whole episodes of behaviour policies to ``model``'s replay buffer; returns the
-    buffer indices of the experts' own (not noise) transitions (see ``EXPERTS``)."""
+    buffer indices of the experts' own (not noise) transitions (see ``EXPERTS``; an
+    expert is chosen over ``realizations`` channel draws, :func:`best_demonstrator`)."""
     rng = np.random.default_rng(seed)
     n_actions = len(_scheduling_env(env).actions)
     buf = model.replay_buffer
@@ -362,7 +389,7 @@ def collect_demonstrations(
         obs, info = env.reset(seed=int(rng.integers(1 << 31)))
         kind = kinds[episode % len(kinds)]
         episode += 1
-        pol, eps = _behaviour(kind, rng, info["spec"])
+        pol, eps = _behaviour(kind, rng, info["spec"], realizations)
         sim = _simulation(env)
         pol.reset(sim.sender.policy.ctx)
         if isinstance(pol, Oracle):
@@ -503,7 +530,9 @@ def train(cfg: TrainConfig, out: str | Path, command: str = "", quiet: bool = Fa
     base_tail = np.array([play(s, _Constant(0)) for s in val])
     best_heuristic = np.maximum(base_adaptive, base_tail)
     bar.set_postfix_str("demonstrations")
-    experts = collect_demonstrations(model, env, cfg.demo_steps, cfg.seed, bar)
+    experts = collect_demonstrations(
+        model, env, cfg.demo_steps, cfg.seed, bar, cfg.expert_realizations
+    )
     if cfg.expert_margin > 0 and cfg.expert_weight > 0:
         model.set_expert_transitions(experts, cfg.expert_margin, cfg.expert_weight)
 

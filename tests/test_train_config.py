@@ -70,6 +70,7 @@ def test_the_shipped_command_parses_to_the_shipped_configuration():
         ["--long-link-min-rtts", "1.25", "--rate-range", "20,1000", "--rho-range", "0.6,2"],
         ["--long-link-deadline-rtts", "1,3.5", "--long-link-min-rtts", "1"],
         ["--eval-hard", "12", "--shortfall-weight", "2.5"],
+        ["--expert-realizations", "3", "--seed", "2"],
     ],
 )
 def test_a_recorded_command_asks_for_the_same_run_again(argv):
@@ -160,6 +161,8 @@ def test_long_link_deadline_rtts_sizes_the_long_link_episodes():
     ("option", "value"),
     [
         ("--eval-hard", "-1"),
+        ("--expert-realizations", "0"),
+        ("--expert-realizations", "two"),
         ("--eval-hard", "many"),
         ("--shortfall-weight", "-1"),
         ("--shortfall-weight", "nan"),
@@ -259,6 +262,15 @@ def test_hard_validation_options_reach_the_run_and_are_recorded():
     assert "eval_hard_episodes" not in plain and "shortfall_weight" not in plain
 
 
+def test_expert_realizations_reach_the_run_and_are_recorded_only_when_set():
+    command, config = _recorded(["train", "--expert-realizations", "2"])
+    assert config["expert_realizations"] == 2
+    words = shlex.split(command)
+    assert words[words.index("--expert-realizations") + 1] == "2"
+    command, config = _recorded(["train"])
+    assert "expert_realizations" not in config and "--expert-realizations" not in command
+
+
 def test_hard_validation_episodes_are_fast_long_links_at_one_or_two_round_trips():
     """The added validation episodes are the cells where networks lose to adaptive: long
     links, the upper half of the run's rates (log scale), deadlines of 1-2 round trips,
@@ -293,3 +305,17 @@ def test_the_validation_score_charges_shortfalls_below_the_better_heuristic():
     # the weight decides which checkpoint a run keeps
     assert validation_score(greedy, best, 0.0)[0] > validation_score(steady, best, 0.0)[0]
     assert validation_score(greedy, best, 2.0)[0] < validation_score(steady, best, 2.0)[0]
+
+
+def test_an_expert_chosen_over_several_draws_is_the_best_on_average_not_in_hindsight():
+    """ge-heavy at 80 ms one way, deadline 1.6 send times: on the episode's own draw the
+    tail rule alone recovers the most, over two draws of the channel the adaptive
+    heuristic's margin does (found by search; each draw plays all five candidates)."""
+    from kvtransport.agents.episodes import EpisodeSpec
+    from kvtransport.agents.training import best_demonstrator
+    from kvtransport.netem import load_profile
+
+    link = load_profile("ge-heavy").with_overrides(delay_ms=80)
+    spec = EpisodeSpec(seed=5, channel=link, feedback=link, rho=1.6, n_blocks=300)
+    assert best_demonstrator(spec) == "tail"
+    assert best_demonstrator(spec, realizations=2) == "adaptive:2"

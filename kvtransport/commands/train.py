@@ -107,6 +107,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "adaptive heuristic (default 0: none)",
     )
     p.add_argument(
+        "--expert-realizations",
+        type=int_arg(1, 64),
+        default=1,
+        metavar="K",
+        help="choose each demonstration episode's expert (the best of the tail rule, the "
+        "adaptive heuristic's margins and the clairvoyant oracle) on average over K draws "
+        "of its channels rather than on the episode's own draw alone (default 1)",
+    )
+    p.add_argument(
         "--shortfall-weight",
         type=float_arg(0, 1000),
         default=0.0,
@@ -295,6 +304,7 @@ def _config(args: argparse.Namespace):  # noqa: ANN202 - TrainConfig is imported
         eval_episodes=args.eval_episodes,
         eval_hard_episodes=args.eval_hard,
         shortfall_weight=args.shortfall_weight,
+        expert_realizations=args.expert_realizations,
         trace_files=tuple(args.trace),
         distribution=distribution,
         init_from=args.init_from,
@@ -354,6 +364,8 @@ def _command_line(args: argparse.Namespace, config: dict) -> str:
         parts += ["--trace", t]
     if args.init_from is not None:
         parts += ["--init-from", args.init_from]
+    if args.expert_realizations != 1:
+        parts += ["--expert-realizations", str(args.expert_realizations)]
     return " ".join(shlex.quote(p) for p in parts)
 
 
