@@ -7,7 +7,9 @@
 ``CANDIDATE.json``: the same cells, episode counts, stream, utility and prior with
 ``--weights NEW`` (``--schemes ddqn --high-rtt-schemes ddqn --no-references`` is enough).
 ``--candidate-scheme auto`` compares the candidate run's ``auto`` scheme (the product's default
-choice, eval_policy.py) instead of its ``ddqn``.
+choice, eval_policy.py) instead of its ``ddqn``. ``--episodes FROM:TO`` compares episodes
+FROM..TO-1 of every cell only: with runs of more episodes than a candidate was chosen on,
+the ones no choice saw.
 Evaluation episodes are fixed by their index (``kvtransport.agents.episodes.eval_spec``),
 so the two runs play the same held-out episodes and every difference is paired.
 
@@ -48,6 +50,27 @@ def _load(path: str) -> dict:
 
 def _fmt(d: dict) -> str:
     return f"{d['mean']:+.4f} ± {d['ci95']:.4f}{'*' if _significant(d) else ''}"
+
+
+def episode_range(doc: dict, first: int, stop: int) -> dict:
+    """``doc`` with every cell's per-episode lists cut to episodes ``first``..``stop``-1;
+    a scheme that played none of them (block RS plays a few per cell) is left out."""
+    cells = {
+        key: {name: list(u)[first:stop] for name, u in cell.items() if list(u)[first:stop]}
+        for key, cell in doc["utilities"].items()
+    }
+    return {**doc, "utilities": cells}
+
+
+def _range(text: str) -> tuple[int, int]:
+    first, sep, stop = text.partition(":")
+    try:
+        lo, hi = int(first), int(stop)
+    except ValueError:
+        lo = hi = -1
+    if not sep or lo < 0 or hi <= lo + 1:
+        raise argparse.ArgumentTypeError(f"expected FROM:TO with 0 <= FROM < TO - 1, not {text!r}")
+    return lo, hi
 
 
 def compare(cand: dict, base: dict, scheme: str = "ddqn") -> tuple[list[dict], list[str]]:
@@ -156,8 +179,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--candidate-scheme", default="ddqn", choices=("ddqn", "auto"),
                    help="the candidate run's scheme to compare (default ddqn; auto: the "
                    "product's default choice)")  # fmt: skip
+    p.add_argument("--episodes", type=_range, metavar="FROM:TO",
+                   help="compare episodes FROM..TO-1 of each cell only (default: all)")  # fmt: skip
     args = p.parse_args(argv)
-    rows, problems = compare(_load(args.candidate), _load(args.baseline), args.candidate_scheme)
+    cand, base = _load(args.candidate), _load(args.baseline)
+    if args.episodes is not None:
+        cand, base = (episode_range(doc, *args.episodes) for doc in (cand, base))
+    rows, problems = compare(cand, base, args.candidate_scheme)
     for msg in problems:
         print(f"skipped {msg}", file=sys.stderr)
     if not rows:

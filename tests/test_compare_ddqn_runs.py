@@ -101,3 +101,25 @@ def test_the_products_choice_is_compared_as_a_candidate(runs):
     assert cmp.compare(cand, base, "auto") == ([], [f"{key}: not in both runs with a ddqn "
                                                     "(candidate: auto)"])  # fmt: skip
     assert "| auto | shipped DDQN |" in cmp.markdown([row], "auto")
+
+
+def test_an_episode_range_compares_those_episodes_only(runs, tmp_path, capsys):
+    """``--episodes 1:3``: each cell's episodes 1 and 2 of both runs, paired (the ones a
+    candidate chosen on episode 0 never saw)."""
+    cmp = _module("compare_ddqn_runs")
+    cand, base, key = runs
+    paths = []
+    for name, doc in (("cand", cand), ("base", base)):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(doc))
+    out = tmp_path / "cmp.md"
+    assert cmp.main([*map(str, paths), "--episodes", "1:3", "--out", str(out)]) == 0
+    b = base["utilities"][key]
+    d = np.array(b["tail-rule"][1:3]) - np.array(b["ddqn"][1:3])
+    (row,), _ = cmp.compare(*(cmp.episode_range(doc, 1, 3) for doc in (cand, base)))
+    assert row["n"] == 2 and row["new_minus_shipped"]["mean"] == pytest.approx(d.mean())
+    assert f"| {key} | 2 |" in out.read_text()
+    for bad in ("3:2", "1:2", "x:3", "2"):
+        with pytest.raises(SystemExit):
+            cmp.main([*map(str, paths), "--episodes", bad])
+        assert "--episodes" in capsys.readouterr().err
