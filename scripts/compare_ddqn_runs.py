@@ -56,7 +56,7 @@ def episode_range(doc: dict, first: int, stop: int) -> dict:
     """``doc`` with every cell's per-episode lists cut to episodes ``first``..``stop``-1;
     a scheme that played none of them (block RS plays a few per cell) is left out."""
     cells = {
-        key: {name: list(u)[first:stop] for name, u in cell.items() if list(u)[first:stop]}
+        key: {name: u[first:stop] for name, u in cell.items() if len(u) > first}
         for key, cell in doc["utilities"].items()
     }
     return {**doc, "utilities": cells}
