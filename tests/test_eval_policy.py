@@ -46,8 +46,8 @@ def test_shipped_ddqn_beats_no_fec_on_held_out_ge_heavy(tmp_path):
     # the high-RTT cell: the same held-out episodes over a 40 ms link, with the paired
     # differences of the DDQN against always-action-0 (tail-rule) and adaptive
     hi = doc["utilities"]["ge-heavy+40ms@0.85"]
-    assert set(hi) == {"tail-rule", "adaptive", "ddqn", "oracle", "genie", "clairvoyant",
-                       "clairvoyant_best"}  # fmt: skip
+    assert set(hi) == {"tail-rule", "adaptive", "ddqn", "auto", "oracle", "genie",
+                       "clairvoyant", "clairvoyant_best"}  # fmt: skip
     assert all(len(v) == 4 for v in hi.values())
     assert hi["adaptive"] != cell["adaptive"]
     sh = doc["summary"]["ge-heavy+40ms@0.85"]
@@ -80,6 +80,10 @@ def test_shipped_ddqn_beats_no_fec_on_held_out_ge_heavy(tmp_path):
             assert gap[m]["genie"]["mean"] >= gap[m]["clairvoyant"]["mean"]
             assert gap[m]["of_clairvoyant"] <= 1.0
     assert "ddqn >= 95% of clairvoyant on ge-heavy+40ms@0.85" in doc["targets"]
+    # the product's pick (a high-RTT default scheme) is held to the same share
+    share = doc["targets"]["auto >= 95% of clairvoyant on ge-heavy+40ms@0.85"]
+    assert share["ratio"] == doc["summary"]["ge-heavy+40ms@0.85"]["gap"]["auto"]["of_clairvoyant"]
+    assert share["ok"] == (share["ratio"] >= 0.95)
     assert table.count("Gaps to the references") == 2
 
     # DDQN minus the best heuristic per cell: the table's last line counts the paired wins
