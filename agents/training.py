@@ -337,6 +337,10 @@ def demonstrator(name: str) -> Policy:
     return Adaptive(z=float(name.split(":", 1)[1]))
 
 
+REALIZATION_STRIDE = 1 << 36
+"""Seed distance between the channel draws :func:`best_demonstrator` averages over."""
+
+
 def best_demonstrator(spec: EpisodeSpec, realizations: int = 1) -> str:
     """The candidate of ``DEMONSTRATORS`` that recovers the most utility on ``spec``, on
     average over ``realizations`` draws of its channels: the episode's own seed, then
@@ -348,10 +352,6 @@ def best_demonstrator(spec: EpisodeSpec, realizations: int = 1) -> str:
         draw = replace(spec, seed=(spec.seed + j * REALIZATION_STRIDE) % HELD_OUT_SEED)
         scores += [play(draw, demonstrator(n)) for n in DEMONSTRATORS]
     return DEMONSTRATORS[int(np.argmax(scores))]
-
-
-REALIZATION_STRIDE = 1 << 36
-"""Seed distance between the channel draws :func:`best_demonstrator` averages over."""
 
 
 def _behaviour(

@@ -364,8 +364,8 @@ def _command_line(args: argparse.Namespace, config: dict) -> str:
         parts += ["--trace", t]
     if args.init_from is not None:
         parts += ["--init-from", args.init_from]
-    if args.expert_realizations != 1:
-        parts += ["--expert-realizations", str(args.expert_realizations)]
+    if "expert_realizations" in config:  # recorded only when set (effective_config)
+        parts += ["--expert-realizations", str(config["expert_realizations"])]
     return " ".join(shlex.quote(p) for p in parts)
 
 
