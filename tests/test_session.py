@@ -26,7 +26,7 @@ from kvtransport.core.policy import (
 )
 from kvtransport.core.receiver import ReceiverSession
 from kvtransport.core.schemes.rlc import LAST_ROUND_Z, last_round_repairs
-from kvtransport.core.sender import SenderSession
+from kvtransport.core.sender import STOP_RTTVAR, SenderSession
 from kvtransport.core.transfer import BlockTable, Transfer, TransportManifest, synthetic_transfer
 from kvtransport.core.wire import DatagramType as T
 from kvtransport.sim.virtual_clock import (
@@ -392,6 +392,63 @@ def test_deadline_cuts_the_stream_and_the_missing_list_is_exact():
     ends = tr.blocks.offsets + tr.blocks.lengths
     owner = np.searchsorted(ends, np.array(sorted(sent)) * 1280, side="right")
     assert res.complete[owner].all()
+
+
+def _cut_run(extra):
+    """A deadline-cut transfer (no repair, rho 0.5, 3000 small blocks) whose i-th datagram
+    on each path takes ``DELAY`` plus ``extra(i)``; the sender and the data datagrams'
+    arrival times."""
+    extras = []
+
+    def data(i, d):
+        extras.append(extra(i))
+        return [extras[-1]]
+
+    tr, s, r = make_pair(size=4_000_000, blocks=3000, policy="none", rho=0.5)
+    net = Net(s, r, data=data, back=lambda i, d: [extra(i)])
+    net.run()
+    arrivals = [t + DELAY + extras[i] for i, (t, d) in enumerate(net.sent) if d.type != T.CONTROL]
+    return s, np.array(arrivals)
+
+
+def _jittered_cut_run(jitter_s, seed):
+    """``_cut_run`` with a uniform extra in [0, jitter_s] each way (datagrams reorder)."""
+    rng = np.random.default_rng(seed)
+    return _cut_run(lambda i: float(rng.uniform(0.0, jitter_s)))
+
+
+def test_the_stop_time_keeps_a_jittered_paths_last_datagrams_before_the_deadline(monkeypatch):
+    """Up to 2 ms of jitter each way on a 5 ms path, three runs: the path reorders, and the
+    stop time's margin of ``STOP_RTTVAR`` RTT mean deviations keeps all but at most one of
+    their ~4500 data datagrams' arrivals before the deadline, where half the smoothed RTT
+    alone (the mean one-way delay, even a little less: the receiver echoes the highest
+    number that arrived, which favours the datagrams that were fast) lets several arrive
+    late. Without jitter the mean deviation, and the margin, stay near 0."""
+    runs = [_jittered_cut_run(0.002, seed) for seed in range(3)]
+    for s, _ in runs:
+        assert s.finish_reason == "deadline" and s.path_reorders
+        assert 0.0002 < s.rttvar < 0.0012  # the RTT's spread: a triangle over 0..4 ms
+        want = s.deadline - s.srtt / 2 - STOP_RTTVAR * s.rttvar - s.slot_s
+        assert s.stop_time == pytest.approx(want)
+    late = sum(int((arrivals > s.deadline).sum()) for s, arrivals in runs)
+    assert late <= 1
+    fixed, _ = _cut_run(lambda i: 0.0)
+    assert fixed.rttvar < 1e-5 and not fixed.path_reorders
+    assert fixed.stop_time > max(s.stop_time for s, _ in runs) + 0.001
+    monkeypatch.setattr("kvtransport.core.sender.STOP_RTTVAR", 0.0)
+    bare = [_jittered_cut_run(0.002, seed) for seed in range(3)]
+    assert sum(int((arrivals > s.deadline).sum()) for s, arrivals in bare) >= 5
+
+
+def test_delay_that_varies_in_order_keeps_no_stop_margin():
+    """A queue that fills and drains (the delay climbs 4 ms and falls back, in order): the
+    RTT samples spread as much as under jitter, but nothing reorders, so the stop time
+    keeps no margin (half the smoothed RTT, which lags a draining queue, errs late
+    already)."""
+    s, arrivals = _cut_run(lambda i: 0.004 * (1.0 - abs(i / 700.0 - 1.0)) if i < 1400 else 0.0)
+    assert s.rttvar > 0.0003 and not s.path_reorders and s.jitter_margin == 0.0
+    assert s.stop_time == pytest.approx(s.deadline - s.srtt / 2 - s.slot_s)
+    assert np.all(np.diff(arrivals) > 0)  # in order
 
 
 def test_manifest_arrives_even_when_its_whole_first_run_is_lost():

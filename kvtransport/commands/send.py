@@ -188,7 +188,8 @@ def _print(st: dict) -> None:
         ("repair symbols sent", _common.repairs_text(st["repair_sent"], st["retransmit_sent"])),
         ("receiver decoded", f"{st['decoded_through']} of {st['n_source']} in order"),
         ("loss estimate", f"{100 * st['loss_estimate']:.2f}%"),
-        ("smoothed RTT", f"{st['srtt_ms']} ms"),
+        ("smoothed RTT", f"{st['srtt_ms']} ms (mean deviation {st['rttvar_ms']} ms)"),
+        ("stop margin for jitter", f"{st['jitter_margin_ms']} ms"),
         ("feedback received", str(st["feedback_received"])),
         ("send calls / datagrams", f"{st['socket']['send_calls']} / {st['datagrams_sent']}"),
     ]

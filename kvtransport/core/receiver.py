@@ -78,6 +78,7 @@ from kvtransport.core.wire import (
     FB_ALL_DONE,
     FB_FINISHED,
     FB_MANIFEST_DONE,
+    FB_REORDERED,
     MAX_FEEDBACK_RANGES,
     ControlCode,
     Datagram,
@@ -1080,6 +1081,8 @@ class ReceiverSession:
                 flags |= FB_ALL_DONE
         if self.finished:
             flags |= FB_FINISHED
+        if mon.reorder_s > 0.0:
+            flags |= FB_REORDERED
         ranges = ()
         holes = self.esi_end - self.n_known
         if holes and end < self.esi_end:

@@ -61,8 +61,10 @@ windows; their proactive span is at most ``max_repair_span``, default the config
 the policy decides how much repair and when.
 
 Stop time = deadline - one-way delay estimate (half the smoothed RTT) - one slot: a datagram
-sent later cannot arrive before the deadline. Then a CONTROL FIN goes out and the session is
-done. Feedback ALL_DONE or FINISHED ends it early.
+sent later cannot arrive before the deadline; on a path that reorders (jitters), less
+``STOP_RTTVAR`` mean deviations of the RTT (``jitter_margin``), past which one is unlikely
+to. Then a CONTROL FIN goes out and the session is done. Feedback ALL_DONE or FINISHED
+ends it early.
 
 The policy is asked once per ``decision_packets`` slots with an observation built in place
 (kvtransport.core.policy documents the fields), and at the next slot after ``set_rate``
@@ -104,6 +106,7 @@ from kvtransport.core.wire import (
     FB_ALL_DONE,
     FB_FINISHED,
     FB_MANIFEST_DONE,
+    FB_REORDERED,
     HEADER_SIZE,
     TAG_SIZE,
     ControlCode,
@@ -140,6 +143,16 @@ OPEN_LOOP_MIN_S = 0.02
 """... but never before this much silence."""
 OPEN_LOOP_MAX_SHARE = 0.5
 """The most of the slots open-loop repair takes."""
+
+STOP_RTTVAR = 2.0
+"""On a path that reorders (the receiver's feedback says so, ``FB_REORDERED``), the stop
+time keeps this many smoothed mean deviations of the RTT samples (``rttvar``, RFC 6298's
+estimator) for the delay's spread. Reordering is what tells jitter from a queue: a FIFO
+queue that fills and drains moves the RTT as much, but in order, and there the smoothed
+RTT already errs late (it lags a draining queue), so a margin only cut the transfer
+short. When both directions jitter alike, the RTT's mean deviation is about 1.13
+standard deviations of one direction's delay, so two of them put the last datagram about
+2.3 of those beyond the mean one-way delay."""
 
 RATE_REDECIDE = 1.5
 """A rate raised (``set_rate``) by more than this factor in one step makes the policy
@@ -240,6 +253,8 @@ class SenderSession:
         self._initial_rtt = initial_rtt
         self.prior_loss = _check_prior(prior_loss)
         self.srtt: float | None = None
+        self.rttvar = 0.0  # smoothed mean deviation of the RTT samples (RFC 6298's RTTVAR)
+        self.path_reorders = False  # feedback said the data path reorders (FB_REORDERED)
         self.min_rtt: float | None = None  # the shortest RTT sample (the path's, unqueued)
         self.rtt_sample: float | None = None  # the latest feedback's RTT sample (None: none)
         self.fb_data_received = 0  # data datagrams the receiver reported received
@@ -505,6 +520,12 @@ class SenderSession:
         return 0.5 * (self.srtt if self.srtt is not None else self._initial_rtt)
 
     @property
+    def jitter_margin(self) -> float:
+        """Seconds the stop time keeps for the delay's spread: ``STOP_RTTVAR`` RTT mean
+        deviations once feedback said the path reorders, else 0."""
+        return STOP_RTTVAR * self.rttvar if self.path_reorders else 0.0
+
+    @property
     def max_repair_span(self) -> int:
         """Most source symbols a proactive RLC repair covers (the constructor's
         ``max_repair_span``, default the config's); setting it applies at once."""
@@ -532,7 +553,7 @@ class SenderSession:
 
     def _rtt_changed(self) -> None:
         self._repair.rtt_changed()
-        self.stop_time = self.deadline - self.owd - self.slot_s
+        self.stop_time = self.deadline - self.owd - self.jitter_margin - self.slot_s
         self._raw[Raw.STOP_TIME] = self.stop_time
 
     def slots_left(self, t: float) -> int:
@@ -764,6 +785,9 @@ class SenderSession:
         self.fb_time = now
         self.fb_data_received = fb.received
         self.rtt_sample = None
+        if fb.flags & FB_REORDERED and not self.path_reorders:
+            self.path_reorders = True
+            self._rtt_changed()
         echo = fb.echo_seq
         if echo > self._fb_echo and self._log.holds(echo):
             self._fb_echo = echo
@@ -771,6 +795,8 @@ class SenderSession:
             rtt = now - sent_t - fb.echo_delay_us * 1e-6
             if rtt > 0:
                 self.rtt_sample = rtt
+                if self.srtt is not None:
+                    self.rttvar += 0.25 * (abs(self.srtt - rtt) - self.rttvar)
                 self.srtt = rtt if self.srtt is None else self.srtt + 0.125 * (rtt - self.srtt)
                 if self.min_rtt is None or rtt < self.min_rtt:
                     self.min_rtt = rtt

@@ -238,6 +238,8 @@ class Outgoing:
             "decisions": s.decision_latency(),
             "srtt_ms": None if s.srtt is None else round(s.srtt * 1e3, 3),
             "min_rtt_ms": None if s.min_rtt is None else round(s.min_rtt * 1e3, 3),
+            "rttvar_ms": round(s.rttvar * 1e3, 3),
+            "jitter_margin_ms": round(s.jitter_margin * 1e3, 3),
             "decoder_window": s.decoder_window,
             "rate_mbps": round(m.rate_bps / 1e6, 6),
             "share": m.share,
