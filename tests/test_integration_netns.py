@@ -50,6 +50,7 @@ from kvtransport.netem.testbed import RCV_ADDR, Testbed, netem_available, teardo
 from scipy import stats
 from test_daemon import Daemons, assert_blocks_exact
 
+from kvtransport.core.sender import STOP_RTTVAR
 from kvtransport.core.transfer import synthetic_transfer
 from kvtransport.sim.simulator import DEFAULT_BLOCK_BYTES, simulate
 
@@ -180,3 +181,44 @@ def test_daemons_across_ge_heavy_agree_with_the_simulator(tmp_path):
     # the link really was ge-heavy (about 12% loss in bursts), not a clean one
     assert 0.05 < np.mean([r[0]["loss_rate"] for r in results]) < 0.25, diag
     assert abs(np.mean(real) - sim.mean()) <= tol, diag
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
+def test_a_jittered_real_link_gives_the_sender_its_stop_margin(tmp_path):
+    """bernoulli-5-jitter (held-out.toml: 5 ms +- 1 ms normal jitter each way, which
+    reorders at 100 Mbit/s) between the daemons: the receiver daemon's feedback says the
+    path reorders (``FB_REORDERED``) and the sender daemon's stop time keeps
+    ``STOP_RTTVAR`` mean deviations of its real RTT samples, which its status shows."""
+    backend = "netem" if netem_available() else "relay"
+    with Testbed(
+        "bernoulli-5-jitter",
+        profiles_file="netem/data/held-out.toml",
+        prefix=PREFIX,
+        seed=5,
+        backend=backend,
+        shaper="relay",
+        relay_priority=5,
+    ) as tb:
+        try:
+            d = Daemons(
+                tmp_path,
+                netns=tb.command,
+                receiver_args=["--listen", f"{RCV_ADDR}:9400", "--realtime", "--insecure"],
+                sender_args=["--realtime", "6", "--insecure"]
+                + (["--no-gso"] if tb.backend == "netem" else []),
+            )
+            tr = synthetic_transfer(SIZE, SIZE // DEFAULT_BLOCK_BYTES, UTILITY, seed=7)
+            tid = d.sender.submit(
+                tr, f"{RCV_ADDR}:9400", rho=RHO, policy="tail-rule", initial_rtt_ms=INITIAL_RTT_MS
+            )
+            res = d.sub.wait_for(tid, timeout_s=30)
+            sst = d.sender.wait(tid, timeout_s=10)
+        finally:
+            rcs = d.stop()
+            teardown(PREFIX)
+    assert rcs == (0, 0)
+    assert_blocks_exact(res, tr)
+    # normal jitter of 1 ms each way: the RTT's mean deviation is about 1.1 ms
+    assert 0.3 < sst["rttvar_ms"] < 5.0, sst
+    assert sst["jitter_margin_ms"] == pytest.approx(STOP_RTTVAR * sst["rttvar_ms"], abs=0.002)
