@@ -102,6 +102,21 @@ def simulated_utilities() -> np.ndarray:
     )
 
 
+def _daemons(tmp_path, tb: Testbed) -> Daemons:
+    """The receiver daemon (listening on port 9400) and the sender daemon in the testbed's
+    namespaces, both --insecure at real-time priority: on a machine busy with other work a
+    stalled sender loses its slots, which is the host's doing, not the protocol's (the
+    testbed's probe runs the same way). Kernel netem drops a whole GSO batch as one
+    packet, so no GSO under it."""
+    return Daemons(
+        tmp_path,
+        netns=tb.command,
+        receiver_args=["--listen", f"{RCV_ADDR}:9400", "--realtime", "--insecure"],
+        sender_args=["--realtime", "6", "--insecure"]
+        + (["--no-gso"] if tb.backend == "netem" else []),
+    )
+
+
 @pytest.mark.netns
 @pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
 def test_daemons_across_ge_heavy_agree_with_the_simulator(tmp_path):
@@ -115,17 +130,7 @@ def test_daemons_across_ge_heavy_agree_with_the_simulator(tmp_path):
         PROFILE, prefix=PREFIX, seed=5, backend=backend, shaper="relay", relay_priority=5
     ) as tb:
         try:
-            # real-time priority: on a machine busy with other work a stalled sender loses
-            # its slots, which is the host's doing, not the protocol's (the testbed's probe
-            # runs the same way); kernel netem drops a whole GSO batch as one packet, so
-            # no GSO under it
-            d = Daemons(
-                tmp_path,
-                netns=tb.command,
-                receiver_args=["--listen", f"{RCV_ADDR}:9400", "--realtime", "--insecure"],
-                sender_args=["--realtime", "6", "--insecure"]
-                + (["--no-gso"] if tb.backend == "netem" else []),
-            )
+            d = _daemons(tmp_path, tb)
             # a first small transfer takes the fresh link's start-up (the relay's first
             # frames wait while it loads its kernels); it is not measured
             warm = synthetic_transfer(300_000, 24, UTILITY, seed=99)
@@ -201,13 +206,7 @@ def test_a_jittered_real_link_gives_the_sender_its_stop_margin(tmp_path):
         relay_priority=5,
     ) as tb:
         try:
-            d = Daemons(
-                tmp_path,
-                netns=tb.command,
-                receiver_args=["--listen", f"{RCV_ADDR}:9400", "--realtime", "--insecure"],
-                sender_args=["--realtime", "6", "--insecure"]
-                + (["--no-gso"] if tb.backend == "netem" else []),
-            )
+            d = _daemons(tmp_path, tb)
             tr = synthetic_transfer(SIZE, SIZE // DEFAULT_BLOCK_BYTES, UTILITY, seed=7)
             tid = d.sender.submit(
                 tr, f"{RCV_ADDR}:9400", rho=RHO, policy="tail-rule", initial_rtt_ms=INITIAL_RTT_MS
