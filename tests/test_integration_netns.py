@@ -102,6 +102,21 @@ def simulated_utilities() -> np.ndarray:
     )
 
 
+def _testbed(profile: str, profiles_file: str | None = None) -> Testbed:
+    """The testbed on ``profile``: kernel netem where the kernel has it, else the relay.
+    The relay backend shapes with the simulator's own token bucket (robust to the kernel
+    handing the relay frames in bunches on a busy machine; see netem.testbed)."""
+    return Testbed(
+        profile,
+        profiles_file=profiles_file,
+        prefix=PREFIX,
+        seed=5,
+        backend="netem" if netem_available() else "relay",
+        shaper="relay",
+        relay_priority=5,
+    )
+
+
 def _daemons(tmp_path, tb: Testbed) -> Daemons:
     """The receiver daemon (listening on port 9400) and the sender daemon in the testbed's
     namespaces, both --insecure at real-time priority: on a machine busy with other work a
@@ -120,15 +135,11 @@ def _daemons(tmp_path, tb: Testbed) -> Daemons:
 @pytest.mark.netns
 @pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
 def test_daemons_across_ge_heavy_agree_with_the_simulator(tmp_path):
-    backend = "netem" if netem_available() else "relay"
     real, results = [], []
     queue_cuts = None
-    # the relay backend shapes with the simulator's own token bucket (robust to the kernel
-    # handing the relay frames in bunches on a busy machine; see netem.testbed)
     stalled = []
-    with Testbed(
-        PROFILE, prefix=PREFIX, seed=5, backend=backend, shaper="relay", relay_priority=5
-    ) as tb:
+    with _testbed(PROFILE) as tb:
+        backend = tb.backend
         try:
             d = _daemons(tmp_path, tb)
             # a first small transfer takes the fresh link's start-up (the relay's first
@@ -195,16 +206,7 @@ def test_a_jittered_real_link_gives_the_sender_its_stop_margin(tmp_path):
     reorders at 100 Mbit/s) between the daemons: the receiver daemon's feedback says the
     path reorders (``FB_REORDERED``) and the sender daemon's stop time keeps
     ``STOP_RTTVAR`` mean deviations of its real RTT samples, which its status shows."""
-    backend = "netem" if netem_available() else "relay"
-    with Testbed(
-        "bernoulli-5-jitter",
-        profiles_file="netem/data/held-out.toml",
-        prefix=PREFIX,
-        seed=5,
-        backend=backend,
-        shaper="relay",
-        relay_priority=5,
-    ) as tb:
+    with _testbed("bernoulli-5-jitter", "netem/data/held-out.toml") as tb:
         try:
             d = _daemons(tmp_path, tb)
             tr = synthetic_transfer(SIZE, SIZE // DEFAULT_BLOCK_BYTES, UTILITY, seed=7)
