@@ -118,7 +118,10 @@ def test_live_race_loads_what_arrives_and_computes_the_rest(smollm, setup, order
     assert 0 < plan.split < len(ctx)  # the plan leaves the receiver a prefix
     sent = blocks.decode_stream(stream.manifest, stream.payload).cache  # what the link carries
     with kvtransport.Receiver("127.0.0.1:0", insecure=True) as rx:
-        tx = _Sender(stream, rx.address, deadline_ms=1e3 * prefill_s, insecure=True)
+        # a generous sender deadline: a sender process slowed by another test worker on the
+        # same cores must not end the stream early (a CI run's sender sent 378 datagrams,
+        # 55 of 180 blocks, by a deadline of one prefill); the race's claim is unchanged
+        tx = _Sender(stream, rx.address, deadline_ms=3e3 * prefill_s, insecure=True)
         tx.go()
         # the handoff is announced when its first datagram is in: how soon a freshly
         # spawned sender process starts on a shared machine is not what this test measures
@@ -248,7 +251,8 @@ def test_a_receiver_daemon_on_this_host_is_raced_through_its_race_dir(smollm, se
     race_dir.mkdir(mode=0o700)
     proc, port = _receiver_daemon(tmp_path, "--race-dir", str(race_dir))
     try:
-        tx = _Sender(stream, f"127.0.0.1:{port}", deadline_ms=1e3 * prefill_s, insecure=True)
+        # generous for a slowed sender process, as in the in-process race above
+        tx = _Sender(stream, f"127.0.0.1:{port}", deadline_ms=3e3 * prefill_s, insecure=True)
         tx.go()
         t_end = time.monotonic() + 20
         while not list(race_dir.glob("*.kvrace")):  # the handoff is announced
