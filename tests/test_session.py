@@ -25,7 +25,7 @@ from kvtransport.core.policy import (
     make_policy,
 )
 from kvtransport.core.receiver import ReceiverSession
-from kvtransport.core.schemes.rlc import LAST_ROUND_Z, last_round_repairs
+from kvtransport.core.schemes.rlc import LAST_ROUND_Z, _gilbert_failures, last_round_repairs
 from kvtransport.core.sender import STOP_RTTVAR, SenderSession
 from kvtransport.core.transfer import BlockTable, Transfer, TransportManifest, synthetic_transfer
 from kvtransport.core.wire import DatagramType as T
@@ -438,6 +438,20 @@ def test_the_stop_time_keeps_a_jittered_paths_last_datagrams_before_the_deadline
     monkeypatch.setattr("kvtransport.core.sender.STOP_RTTVAR", 0.0)
     bare = [_jittered_cut_run(0.002, seed) for seed in range(3)]
     assert sum(int((arrivals > s.deadline).sum()) for s, arrivals in bare) >= 5
+
+
+def test_a_reordering_paths_gaps_are_not_taken_for_loss_bursts():
+    """Jitter alone (nothing lost): the receiver's gap lengths, counted when each gap
+    opens, read as bursts of about three datagrams, and a late datagram fills the gap
+    later. The sender's burst estimate (what RLC's last-round margin reads) is 1 there;
+    on a path that loses in bursts and does not reorder it is the receiver's."""
+    for seed in range(2):
+        s, _ = _jittered_cut_run(0.002, seed)
+        assert s.path_reorders and s.fb_burst > 2.0
+        assert s.burst_estimate() == 1.0
+    tr, s, r = make_pair(size=2_000_000, blocks=100, rho=0.9)
+    Net(s, r, data=lambda i, d: [] if 100 <= i % 200 < 120 else [0.0]).run()
+    assert not s.path_reorders and s.burst_estimate() == s.fb_burst > 5.0
 
 
 def test_delay_that_varies_in_order_keeps_no_stop_margin():
@@ -864,17 +878,23 @@ def test_a_refused_block_is_not_skipped_for_a_later_smaller_one():
     assert res.complete.tolist() == [True] * big + [False] * (len(lengths) - big)
 
 
-def _hole_then_lost_repair(before_stop):
+def _hole_then_lost_repair(before_stop, outages=False):
     """A transfer that keeps the link busy to its end (rho 0.9); the first source sent
     ``before_stop`` seconds before the sender's stop time is lost, and so is the first
-    reactive repair over its segment. Returns the receiver's result, the lost ESI's block
-    and the repairs sent over its segment after the report of its loss."""
+    reactive repair over its segment. With ``outages``, until 0.1 s before the stop time
+    the link also loses 20 back-to-back sources in every 200 (with the repairs between
+    them, the receiver reports bursts of about five). Returns the receiver's result, the
+    lost ESI's block and the repairs sent over its segment after the report of its loss."""
     tr, s, r = make_pair(size=2_000_000, blocks=100, rho=0.9)
     lost = {}
     net = None
 
     def rule(i, d):
         t = net.sent[-1][0]
+        if (outages and d.type == T.SOURCE and 100 <= d.esi % 200 < 120
+                and t < s.stop_time - 0.1 and d.esi not in lost):  # fmt: skip
+            lost[d.esi] = t  # its first transmission only
+            return []
         if d.type == T.SOURCE and "esi" not in lost and t >= s.stop_time - before_stop:
             lost["esi"] = d.esi
             return []
@@ -911,6 +931,57 @@ def test_a_hole_reported_in_the_last_round_gets_a_repair_to_spare():
         first = [d for t, d in over if t < over[0][0] + 1e-3]  # the answer to the report
         assert len(first) == first_answer, before_stop
         assert res.complete[block], before_stop  # recovered despite the lost repair
+
+
+def test_a_hole_reported_in_the_last_round_of_an_outage_path_gets_no_margin():
+    """Where the receiver reports long loss bursts, back-to-back margin repairs would be
+    lost together (kvtransport.core.schemes.rlc.last_round_repairs): the last-round hole
+    gets the one repair it lacks (its loss then leaves the block incomplete, as the rule
+    accepts), and earlier holes are still replaced."""
+    res, block, over = _hole_then_lost_repair(0.017, outages=True)
+    first = [d for t, d in over if t < over[0][0] + 1e-3]
+    assert len(first) == 1
+    assert not res.complete[block]
+    res, block, over = _hole_then_lost_repair(0.060, outages=True)
+    assert res.complete[block]  # reported earlier: the lost repair is replaced
+
+
+def test_gilbert_failures_match_a_simulated_gilbert_channel():
+    """P(fewer than m of j back-to-back datagrams arrive) on the two-state channel of that
+    loss and mean burst, against 200,000 simulated rounds (each from the stationary
+    state); with bursts of 1 / (1 - p) it is the binomial tail."""
+    rng = np.random.default_rng(5)
+    for loss, burst, m, k in ((0.09, 20.0, 3, 12), (0.2, 2.5, 2, 8)):
+        fail = _gilbert_failures(m, k, loss, burst)
+        r, g = 1 / burst, loss / burst / (1 - loss)
+        n = 200_000
+        bad = rng.random(n) < loss
+        arrived = np.zeros((n, k + 1), dtype=np.int32)
+        for j in range(k):
+            arrived[:, j + 1] = arrived[:, j] + ~bad
+            flip = rng.random(n)
+            bad = np.where(bad, flip >= r, flip < g)
+        sim = (arrived < m).mean(axis=0)
+        tol = 4 * np.sqrt(np.maximum(sim * (1 - sim), 1e-6) / n)
+        assert np.all(np.abs(np.array(fail) - sim) <= tol), (loss, burst)
+    p, m, k = 0.05, 4, 9
+    binomial = [sum(math.comb(j, a) * (1 - p) ** a * p ** (j - a) for a in range(min(m, j + 1)))
+                for j in range(k + 1)]  # fmt: skip
+    assert np.allclose(_gilbert_failures(m, k, p, 1 / (1 - p)), binomial, atol=1e-12)
+
+
+def test_last_round_margin_is_left_out_where_bursts_outlast_it():
+    """With a burst much longer than the margin (9 % loss in bursts of 20, 24 % in bursts
+    of 20) a segment gets exactly what it lacks; with independent or short bursts
+    (ge-heavy's 11 % in bursts of 2.3) the independent margin. Never more than it."""
+    for m in (1, 2, 4, 9):
+        assert last_round_repairs(m, 0.09, 20.0) == m
+        assert last_round_repairs(m, 0.24, 20.0) == m
+        for p in (0.02, 0.05, 0.114):
+            assert last_round_repairs(m, p, 1 / (1 - p)) == last_round_repairs(m, p)
+        assert last_round_repairs(m, 0.114, 2.3) == last_round_repairs(m, 0.114) > m
+        for burst in (1.0, 1.5, 3.0, 8.0, 40.0):
+            assert m <= last_round_repairs(m, 0.1, burst) <= last_round_repairs(m, 0.1)
 
 
 def test_last_round_repairs_cover_the_missing_equations_with_a_margin():

@@ -566,6 +566,14 @@ class SenderSession:
             return self.fb_loss
         return self.prior_loss if self.prior_loss is not None else 0.0
 
+    def burst_estimate(self) -> float:
+        """The receiver's smoothed loss-burst length (datagrams) where its gaps are losses:
+        1 before its first report and on a path that reorders (a gap that a late datagram
+        fills later was counted as a burst when it opened)."""
+        if self.fb_time is None or self.path_reorders:
+            return 1.0
+        return self.fb_burst
+
     def in_flight(self) -> tuple[int, int]:
         """Sources and repairs sent after the last packet the receiver reported."""
         return self.source_sent - self._fb_src_mark, self.repair_sent - self._fb_rep_mark

@@ -9,7 +9,8 @@ next round, and windows stay short (decoding cost grows with the window). A ``re
 policy has them sent as soon as feedback asks; otherwise they take the proactive share's
 slots first. In a segment's last round (a lost repair could no longer be reported and
 replaced before the stop time) it is owed more repairs than it lacks equations, a margin
-for the reported loss (``last_round_repairs``).
+for the reported loss, unless the reported bursts are long enough to take the whole margin
+with the repair it protects (``last_round_repairs``).
 
 Proactive repairs (one whenever the repair credit, the policy's share added per slot,
 reaches one; and, once no source may go, instead of an idle slot): over the symbols
@@ -78,21 +79,70 @@ recover more of an unreported loss pattern, but cost more to encode and decode).
 LAST_ROUND_Z = 2.0
 """Margin, in standard deviations of the losses, of the repairs sent in a segment's last
 round (``last_round_repairs``)."""
+LAST_ROUND_BURST_SHARE = 0.5
+"""On a bursty path a segment's last-round margin is sent only where it lowers the
+segment's failure probability by at least this share of what it does where losses are
+independent (``last_round_repairs``)."""
 
 
-def last_round_repairs(missing: int, loss: float) -> int:
+def last_round_repairs(missing: int, loss: float, burst: float = 1.0) -> int:
     """Repairs to send for ``missing`` equations when a lost repair could no longer be
-    replaced: the fewest k whose expected arrivals, less LAST_ROUND_Z standard deviations,
-    cover ``missing`` (k (1 - p) - z sqrt(k p (1 - p)) >= missing); ``missing`` itself
-    without loss. One owed equation at 5 % loss gets two repairs (the segment then fails
-    with p^2 instead of p), four get six."""
+    replaced. With independent losses at rate ``loss``: the fewest k whose expected
+    arrivals, less LAST_ROUND_Z standard deviations, cover ``missing`` (k (1 - p) -
+    z sqrt(k p (1 - p)) >= missing); ``missing`` itself without loss. One owed equation at
+    5 % loss gets two repairs (the segment then fails with p^2 instead of p), four get six.
+
+    Where the receiver's mean loss burst ``burst`` (datagrams; the sender's
+    ``burst_estimate``, 1 on a path that reorders) is longer than independent
+    losses give (1 / (1 - p)), back-to-back repairs are lost together, and a margin
+    shorter than a burst buys little: the margin's k - missing repairs are sent only if,
+    under the Gilbert model of that loss and burst (``_gilbert_failures``), they lower the
+    segment's failure probability by at least LAST_ROUND_BURST_SHARE of what they do with
+    independent losses; else ``missing``. One owed equation at 9 % loss in bursts of 20
+    (the margin saves 0.0045 of the segment instead of 0.082) gets one repair; at 11 % in
+    bursts of 2.3 (0.078 instead of 0.113) it keeps its three."""
     if missing <= 0 or loss <= 0.0:
         return max(missing, 0)
     p = min(loss, 0.5)
     k = missing
     while k * (1.0 - p) - LAST_ROUND_Z * math.sqrt(k * p * (1.0 - p)) < missing:
         k += 1
+    if k == missing or burst * (1.0 - p) <= 1.0:
+        return k
+    independent = _gilbert_failures(missing, k, p, 1.0 / (1.0 - p))  # Bernoulli's
+    bursty = _gilbert_failures(missing, k, p, burst)
+    saved = bursty[missing] - bursty[k]
+    if saved < LAST_ROUND_BURST_SHARE * (independent[missing] - independent[k]):
+        return missing
     return k
+
+
+def _gilbert_failures(missing: int, k: int, loss: float, burst: float) -> list[float]:
+    """P(fewer than ``missing`` of j back-to-back datagrams arrive), for j = 0..k, on the
+    two-state Gilbert channel (every datagram lost in the bad state) with stationary loss
+    ``loss`` and mean burst ``burst``: bad -> good with 1 / burst, good -> bad with
+    loss / burst / (1 - loss); the first datagram sees the stationary state. Counts losses
+    up to k - missing + 1 (any more fail every j <= k): O(k (k - missing)) steps."""
+    r = 1.0 / burst
+    g = min(1.0, loss * r / (1.0 - loss))
+    cap = k - missing + 1
+    good = [0.0] * (cap + 1)  # P(the state the next datagram meets, losses so far)
+    bad = [0.0] * (cap + 1)
+    good[0], bad[0] = 1.0 - loss, loss
+    fail = [1.0]
+    for j in range(1, k + 1):
+        nxt_good = [0.0] * (cap + 1)
+        nxt_bad = [0.0] * (cap + 1)
+        for lost in range(cap + 1):
+            more = min(lost + 1, cap)
+            nxt_good[lost] += good[lost] * (1.0 - g)  # good: it arrives, the state moves on
+            nxt_bad[lost] += good[lost] * g
+            nxt_good[more] += bad[lost] * r  # bad: it is lost
+            nxt_bad[more] += bad[lost] * (1.0 - r)
+        good, bad = nxt_good, nxt_bad
+        spare = j - missing  # the losses j datagrams can take and still deliver missing
+        fail.append(1.0 - sum(good[: spare + 1]) - sum(bad[: spare + 1]) if spare >= 0 else 1.0)
+    return fail
 
 
 class RLCSender(SenderRepair):
@@ -213,12 +263,13 @@ class RLCSender(SenderRepair):
         more next round, and the lowest segments (the most useful, in utility order) are
         served first. In the last round (a repair sent now, if lost, would be reported
         and replaced after the stop time: now + a round trip + a feedback interval is past
-        it) a segment's missing equations get ``last_round_repairs`` at the reported loss,
-        so one lost repair no longer leaves the segment, and the stream after it,
-        undecodable."""
+        it) a segment's missing equations get ``last_round_repairs`` at the reported loss
+        and burst length (``burst_estimate``), so one lost repair no longer leaves the
+        segment, and the stream after it, undecodable."""
         s = self.session
         last = now + 2.0 * s.owd + s.config.feedback_interval > s.stop_time
         loss = s.loss_estimate() if last else 0.0
+        burst = s.burst_estimate() if last else 1.0
         flight = self.flight
         while flight and flight[0][0] <= s.fb_echo:
             flight.popleft()  # it had arrived (or was lost) when the receiver reported
@@ -246,11 +297,15 @@ class RLCSender(SenderRepair):
                 first_ok = stop
         plan: deque[list[int]] = deque()
         total = 0
+        with_margin: dict[int, int] = {}  # missing -> last-round repairs (same loss, burst)
         for seg in sorted(holes):
             n, end = holes[seg]
             missing = n - pending.get(seg, 0)
             if last:
-                missing = last_round_repairs(missing, loss)
+                k = with_margin.get(missing)
+                if k is None:
+                    k = with_margin[missing] = last_round_repairs(missing, loss, burst)
+                missing = k
             owed = missing - in_flight.get(seg, 0)
             if owed > 0:
                 plan.append([seg, owed, end])
