@@ -310,12 +310,13 @@ def test_the_validation_score_charges_shortfalls_below_the_better_heuristic():
 def test_an_expert_chosen_over_several_draws_is_the_best_on_average_not_in_hindsight():
     """ge-heavy at 80 ms one way, deadline 1.6 send times: on the episode's own draw the
     tail rule alone recovers the most, over two draws of the channel the adaptive
-    heuristic's margin does (found by search; each draw plays all five candidates)."""
+    heuristic's margin does (found by search; each draw plays all five candidates; seed 5
+    until RLC's last-round margin learnt bursts moved ge-heavy's outcomes)."""
     from kvtransport.agents.episodes import EpisodeSpec
     from kvtransport.agents.training import best_demonstrator
     from kvtransport.netem import load_profile
 
     link = load_profile("ge-heavy").with_overrides(delay_ms=80)
-    spec = EpisodeSpec(seed=5, channel=link, feedback=link, rho=1.6, n_blocks=300)
+    spec = EpisodeSpec(seed=11, channel=link, feedback=link, rho=1.6, n_blocks=300)
     assert best_demonstrator(spec) == "tail"
     assert best_demonstrator(spec, realizations=2) == "adaptive:2"
