@@ -887,13 +887,14 @@ def _hole_then_lost_repair(before_stop, outages=False):
     lost ESI's block and the repairs sent over its segment after the report of its loss."""
     tr, s, r = make_pair(size=2_000_000, blocks=100, rho=0.9)
     lost = {}
+    in_outage = set()  # ESIs whose first transmission an outage took
     net = None
 
     def rule(i, d):
         t = net.sent[-1][0]
         if (outages and d.type == T.SOURCE and 100 <= d.esi % 200 < 120
-                and t < s.stop_time - 0.1 and d.esi not in lost):  # fmt: skip
-            lost[d.esi] = t  # its first transmission only
+                and t < s.stop_time - 0.1 and d.esi not in in_outage):  # fmt: skip
+            in_outage.add(d.esi)
             return []
         if d.type == T.SOURCE and "esi" not in lost and t >= s.stop_time - before_stop:
             lost["esi"] = d.esi
