@@ -20,7 +20,8 @@ baseline has the clairvoyant planner, each one's share of it. The planner is the
 its search and of every scheme it was shown; the candidate was not among them, so its
 reference is the per-episode maximum of the two, which is what the planner returns when
 shown the candidate too. The last lines count the significant losses the shipping rule
-forbids.
+forbids, and warn when a heuristic both runs played differs between them (the code changed:
+the heuristic columns are then the baseline code's, not the candidate's).
 """
 
 from __future__ import annotations
@@ -117,6 +118,20 @@ def compare(cand: dict, base: dict, scheme: str = "ddqn") -> tuple[list[dict], l
     return rows, problems
 
 
+def heuristics_differ(cand: dict, base: dict) -> list[str]:
+    """The cells where a heuristic that both runs played recovered differently on some
+    episode: the code changed between the runs, so this comparison's "best heuristic" and
+    "adaptive" (the baseline's) are not what the candidate's code plays; as
+    ``CELL: SCHEME, ...``."""
+    out = []
+    for key, c in cand["utilities"].items():
+        b = base["utilities"].get(key, {})
+        moved = [m for m in c if m not in NOT_HEURISTICS and m in b and c[m] != b[m]]
+        if moved:
+            out.append(f"{key}: {', '.join(moved)}")
+    return out
+
+
 def markdown(rows: list[dict], new: str = "new DDQN") -> str:
     """The rows as a table; ``new`` names the candidate in its head."""
     shares = any("share" in r for r in rows)
@@ -191,6 +206,16 @@ def main(argv: list[str] | None = None) -> int:
     if not rows:
         raise SystemExit("no cell in common (same cells, episodes and settings needed)")
     table = markdown(rows, "new DDQN" if args.candidate_scheme == "ddqn" else "auto")
+    moved = heuristics_differ(cand, base)
+    if moved:
+        warning = (
+            f"Warning: the two runs' heuristics differ in {len(moved)} cells ({moved[0]}"
+            f"{', ...' if len(moved) > 1 else ''}): the code changed between them, and the "
+            "heuristic columns are the baseline's; compare against heuristics within one run "
+            "(its eval_policy.json targets)."
+        )
+        print(warning, file=sys.stderr)
+        table += "\n" + warning + "\n"
     if args.out:
         Path(args.out).write_text(table)
     print(table)

@@ -123,3 +123,27 @@ def test_an_episode_range_compares_those_episodes_only(runs, tmp_path, capsys):
         with pytest.raises(SystemExit):
             cmp.main([*map(str, paths), "--episodes", bad])
         assert "--episodes" in capsys.readouterr().err
+
+
+def test_runs_whose_heuristics_differ_are_warned_about(runs, tmp_path, capsys):
+    """A candidate run that also played a heuristic, which recovered differently than in
+    the baseline (the code changed between the runs): the table says that its heuristic
+    columns are the baseline's. The same heuristic results: no warning."""
+    cmp = _module("compare_ddqn_runs")
+    cand, base, key = runs
+    b = base["utilities"][key]
+    same = {**cand, "utilities": {key: {**cand["utilities"][key], "tail-rule": b["tail-rule"]}}}
+    moved = [u + 0.001 for u in b["tail-rule"]]
+    other = {**cand, "utilities": {key: {**cand["utilities"][key], "tail-rule": moved}}}
+    assert cmp.heuristics_differ(same, base) == []
+    assert cmp.heuristics_differ(other, base) == [f"{key}: tail-rule"]
+    mine = tmp_path / "base.json"
+    mine.write_text(json.dumps(base))
+    for doc, warned in ((same, False), (other, True)):
+        path = tmp_path / "cand.json"
+        path.write_text(json.dumps(doc))
+        out = tmp_path / "cmp.md"
+        assert cmp.main([str(path), str(mine), "--out", str(out)]) == 0
+        captured = capsys.readouterr()
+        assert ("heuristics differ in 1 cells" in out.read_text()) is warned
+        assert ("heuristics differ" in captured.err) is warned
