@@ -949,21 +949,23 @@ def test_a_hole_reported_in_the_last_round_of_an_outage_path_gets_no_margin():
 
 def test_gilbert_failures_match_a_simulated_gilbert_channel():
     """P(fewer than m of j back-to-back datagrams arrive) on the two-state channel of that
-    loss and mean burst, against 200,000 simulated rounds (each from the stationary
-    state); with bursts of 1 / (1 - p) it is the binomial tail."""
+    loss and mean burst, against 200,000 rounds of netem's own Gilbert-Elliott sampler
+    (``gemodel g r``; each round starts 40 datagrams after the last one ended, so from
+    about the stationary state); with bursts of 1 / (1 - p) it is the binomial tail."""
+    from kvtransport.netem import GilbertElliott
+
     rng = np.random.default_rng(5)
+    rounds, gap = 200_000, 40
     for loss, burst, m, k in ((0.09, 20.0, 3, 12), (0.2, 2.5, 2, 8)):
         fail = _gilbert_failures(m, k, loss, burst)
-        r, g = 1 / burst, loss / burst / (1 - loss)
-        n = 200_000
-        bad = rng.random(n) < loss
-        arrived = np.zeros((n, k + 1), dtype=np.int32)
-        for j in range(k):
-            arrived[:, j + 1] = arrived[:, j] + ~bad
-            flip = rng.random(n)
-            bad = np.where(bad, flip >= r, flip < g)
+        r = 1 / burst
+        sampler = GilbertElliott(p=loss * r / (1 - loss), r=r).sampler(rng)
+        sampler.draw(10_000)  # away from the chain's start in the good state
+        lost = np.concatenate([sampler.draw(20_000 * (k + gap)).reshape(-1, k + gap)[:, :k]
+                               for _ in range(rounds // 20_000)])  # fmt: skip
+        arrived = np.concatenate([np.zeros((rounds, 1), int), np.cumsum(~lost, axis=1)], axis=1)
         sim = (arrived < m).mean(axis=0)
-        tol = 4 * np.sqrt(np.maximum(sim * (1 - sim), 1e-6) / n)
+        tol = 4 * np.sqrt(np.maximum(sim * (1 - sim), 1e-6) / rounds)
         assert np.all(np.abs(np.array(fail) - sim) <= tol), (loss, burst)
     p, m, k = 0.05, 4, 9
     binomial = [sum(math.comb(j, a) * (1 - p) ** a * p ** (j - a) for a in range(min(m, j + 1)))
