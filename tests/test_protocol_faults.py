@@ -66,6 +66,29 @@ def test_without_reordering_every_gap_counts_at_once():
     assert mon.window_s == 0 and mon.lost == 2 and mon.loss_rate == pytest.approx(2 / 7)
 
 
+def test_loss_bursts_are_the_runs_left_missing_once_numbers_settle():
+    """Burst lengths are counted when numbers settle, not when a gap opens: without
+    reordering every gap is one burst at once; with reordering a gap that late datagrams
+    fill within the window is none, and one they fill in part is the runs they leave."""
+    plain = LossMonitor()
+    for seq in (0, 1, 5, 6, 8):  # gaps of 3 and 1
+        plain.on_packet(seq, seq * 1e-3)
+    plain.sample(9e-3)
+    assert plain.burst_mean == pytest.approx(1 + (3 - 1) / 8 + (1 - 1.25) / 8)
+    mon = LossMonitor()
+    # 2 comes 2 ms after 3 (a window of 2.5 ms); then a gap of 5 opens (4..8), and 5 and 7
+    # fill it in part before the window passes
+    for seq, t in ((0, 0.0), (1, 1e-3), (3, 2e-3), (2, 4e-3), (9, 7e-3), (5, 8e-3), (7, 9e-3)):
+        mon.on_packet(seq, t)
+    assert mon.window_s == pytest.approx(2.5e-3)
+    mon.sample(20e-3)
+    assert mon.lost == 3 and mon.burst_mean == pytest.approx(1.0)  # runs 4, 6 and 8
+    mon.on_packet(14, 21e-3)  # 10..13 lost, nothing fills them
+    mon.on_packet(15, 22e-3)
+    mon.sample(40e-3)
+    assert mon.lost == 7 and mon.burst_mean == pytest.approx(1 + 3 / 8)
+
+
 def test_reports_echo_the_highest_number_as_of_one_reordering_window_ago():
     """The echo is a number that arrived and its arrival time: the highest one without
     reordering; with reordering, the highest one a window ago, so datagrams sent after it

@@ -441,17 +441,27 @@ def test_the_stop_time_keeps_a_jittered_paths_last_datagrams_before_the_deadline
 
 
 def test_a_reordering_paths_gaps_are_not_taken_for_loss_bursts():
-    """Jitter alone (nothing lost): the receiver's gap lengths, counted when each gap
-    opens, read as bursts of about three datagrams, and a late datagram fills the gap
-    later. The sender's burst estimate (what RLC's last-round margin reads) is 1 there;
-    on a path that loses in bursts and does not reorder it is the receiver's."""
+    """Jitter alone (nothing lost): gaps open all the time, but late datagrams fill them
+    within the reordering window, so only the first ones, before the receiver has a window,
+    settle as bursts; the receiver reports about 1 (what RLC's last-round margin and the
+    DDQN read; when gaps counted as they opened it was above 2). With 20 back-to-back datagrams of every
+    200 lost on the same jittered path, it reports bursts as long as on a path that does
+    not reorder."""
     for seed in range(2):
         s, _ = _jittered_cut_run(0.002, seed)
-        assert s.path_reorders and s.fb_burst > 2.0
-        assert s.burst_estimate() == 1.0
-    tr, s, r = make_pair(size=2_000_000, blocks=100, rho=0.9)
-    Net(s, r, data=lambda i, d: [] if 100 <= i % 200 < 120 else [0.0]).run()
-    assert not s.path_reorders and s.burst_estimate() == s.fb_burst > 5.0
+        assert s.path_reorders and s.burst_estimate() < 1.3
+    bursts = []
+    for jitter_s in (0.0, 0.002):
+        rng = np.random.default_rng(3)
+        tr, s, r = make_pair(size=2_000_000, blocks=100, rho=0.9)
+
+        def data(i, d):
+            return [] if 100 <= i % 200 < 120 else [float(rng.uniform(0.0, jitter_s))]
+
+        Net(s, r, data=data).run()
+        assert s.path_reorders == (jitter_s > 0)
+        bursts.append(s.burst_estimate())
+    assert bursts[0] > 5.0 and bursts[1] == pytest.approx(bursts[0], rel=0.2)
 
 
 def test_delay_that_varies_in_order_keeps_no_stop_margin():

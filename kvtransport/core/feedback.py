@@ -34,9 +34,11 @@ that arrived."""
 class LossMonitor:
     """Receiver-side accounting of the data path from packet numbers.
 
-    A gap in the numbers is one loss burst of that many datagrams; a late datagram that
-    fills a gap (reordering) is counted as received again, a repeated number (duplicate) is
-    ignored. ``loss_rate`` is refreshed by :meth:`sample` at each feedback report, weighted
+    A late datagram that fills a gap (reordering) is counted as received, a repeated number
+    (duplicate) is ignored. A run of missing numbers among the settled ones (below) is one
+    loss burst of that many datagrams: ``burst_mean`` smooths their lengths as they settle,
+    so a gap that late datagrams fill within the window is no burst, and one they fill in
+    part is the runs they leave. ``loss_rate`` is refreshed by :meth:`sample` at each feedback report, weighted
     by the number of datagrams the interval covered (memory about LOSS_MEMORY_PACKETS).
 
     Reordering tolerance (as QUIC's time threshold, RFC 9002 6.1.2): a missing number
@@ -125,10 +127,7 @@ class LossMonitor:
             return 0
         self.highest = seq
         self._tops.append((now, seq))
-        gap = seq - h - 1
-        if gap:
-            self.burst_mean += BURST_GAIN * (gap - self.burst_mean)
-        return gap
+        return seq - h - 1
 
     def on_run(self, n: int, now: float = 0.0) -> None:
         """Account the next ``n`` datagrams in order (numbers ``highest + 1`` on) arriving at
@@ -171,10 +170,21 @@ class LossMonitor:
             return
         self.settled_at = at
         ring = self._ring
+        first = max(self.settled + 1, target - SEQ_RING + 1)
+        # numbers older than the ring count as lost (as in ``lost``); ``settled`` and
+        # ``target`` arrived, so every run of lost numbers ends inside this walk
+        run = first - self.settled - 1
         got = 0
-        for s in range(max(self.settled + 1, target - SEQ_RING + 1), target + 1):
+        burst = self.burst_mean
+        for s in range(first, target + 1):
             if ring[s & _MASK] == s:
                 got += 1
+                if run:
+                    burst += BURST_GAIN * (run - burst)
+                    run = 0
+            else:
+                run += 1
+        self.burst_mean = burst
         self.settled_received += got
         self.settled = target
 

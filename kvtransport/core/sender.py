@@ -567,11 +567,7 @@ class SenderSession:
         return self.prior_loss if self.prior_loss is not None else 0.0
 
     def burst_estimate(self) -> float:
-        """The receiver's smoothed loss-burst length (datagrams) where its gaps are losses:
-        1 before its first report and on a path that reorders (a gap that a late datagram
-        fills later was counted as a burst when it opened)."""
-        if self.fb_time is None or self.path_reorders:
-            return 1.0
+        """The receiver's smoothed loss-burst length (datagrams); 1 before its first report."""
         return self.fb_burst
 
     def in_flight(self) -> tuple[int, int]:

@@ -93,7 +93,7 @@ def last_round_repairs(missing: int, loss: float, burst: float = 1.0) -> int:
     5 % loss gets two repairs (the segment then fails with p^2 instead of p), four get six.
 
     Where the receiver's mean loss burst ``burst`` (datagrams; the sender's
-    ``burst_estimate``, 1 on a path that reorders) is longer than independent
+    ``burst_estimate``) is longer than independent
     losses give (1 / (1 - p)), back-to-back repairs are lost together, and a margin
     shorter than a burst buys little: the margin's k - missing repairs are sent only if,
     under the Gilbert model of that loss and burst (``_gilbert_failures``), they lower the
