@@ -15,7 +15,12 @@ outputs index), ``obs_fields`` and free-form provenance. A file whose feature ve
 observation layout differs from this code is refused with a one-line error, except a
 file trained on fewer observation fields of the same feature version (fields added since,
 such as the loss prior): its network gets zero input weights for the new fields, so it
-computes exactly what it computed before they existed.
+computes exactly what it computed before they existed. Likewise a network whose training
+drew no loss prior (``meta["config"]["distribution"]["prior_weights"]`` gives weight to
+none but "none", or the file does not say) held ``PRIOR_FIELDS`` at 0 throughout: their
+input weights are still the random initial ones, so they are zeroed when it is loaded,
+and the prior reaches such a network only as the loss estimate it already learned to
+read (kvtransport.core.observation).
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ from kvtransport.errors import UserError
 
 SHIPPED_WEIGHTS = Path(__file__).with_name("data") / "ddqn.npz"
 SHIPPED_SIDECAR = SHIPPED_WEIGHTS.with_suffix(".json")
+PRIOR_FIELDS = ("prior_loss", "prior_known")
+"""The observation fields only a loss prior moves (0 in every episode without one)."""
 
 
 @njit(cache=True, nogil=True)
@@ -175,6 +182,12 @@ def load_weights(path: str | Path) -> QWeights:
             f"(features v{meta.get('features_version')}, this code v{FEATURES_VERSION}); "
             "retrain with `kvtransport train`"
         )
+    config = meta.get("config")
+    dist = config.get("distribution") if isinstance(config, dict) else None
+    if layers and not trained_priors(dist if isinstance(dist, dict) else None):
+        w0 = layers[0][0].copy()
+        w0[:, [OBS_FIELDS.index(name) for name in PRIOR_FIELDS]] = 0.0
+        layers[0] = (w0, layers[0][1])
     try:
         return QWeights(layers, np.array(meta["actions"], dtype=np.float32), meta)
     except ValueError as exc:
@@ -237,17 +250,22 @@ def shipped_trained_bdp_bits() -> float:
     return rate_bps * 2.0 * one_way_ms * 1e-3
 
 
-@lru_cache(maxsize=1)
-def shipped_trained_priors() -> bool:
-    """Whether the shipped weights trained with loss priors (their sidecar's training
-    distribution gives weight to a prior other than none); False where it does not say.
-    A network trained without them never saw a loss before the first feedback
-    (kvtransport.core.policy.default_policy_for)."""
-    dist = shipped_distribution()
-    weights = dist.get("prior_weights") if dist is not None else None
+def trained_priors(distribution: dict[str, Any] | None) -> bool:
+    """Whether a network trained on ``distribution`` (EpisodeDistribution's settings, as
+    a sidecar or a weights file's meta records them) drew loss priors: weight on a prior
+    other than none. False where it does not say."""
+    weights = distribution.get("prior_weights") if distribution is not None else None
     if not isinstance(weights, dict):
         return False
     return any(kind != "none" and float(w) > 0 for kind, w in weights.items())
+
+
+@lru_cache(maxsize=1)
+def shipped_trained_priors() -> bool:
+    """Whether the shipped weights trained with loss priors (:func:`trained_priors` of
+    their sidecar's distribution). A network trained without them never saw a loss before
+    the first feedback (kvtransport.core.policy.default_policy_for)."""
+    return trained_priors(shipped_distribution())
 
 
 class DDQNPolicy(Policy):

@@ -130,23 +130,25 @@ def test_with_a_loss_prior_a_link_beyond_24_mbit_gets_the_heuristic():
 
 
 def test_with_a_prior_on_a_fast_long_link_the_pick_recovers_more_than_the_ddqn():
-    """The case the prior rule exists for (5 % loss, 300 Mbit/s, 80 ms one way: 48 Mbit;
-    20 MB at rho 1, the loss an earlier transfer ended with as the prior): the policy it
-    picks recovers more than the shipped DDQN on both seeds. The DDQN never learned to
-    use a prior; the heuristic starts from it."""
+    """The case the prior rule exists for (ge-light, 400 Mbit/s, 80 ms one way: 64 Mbit;
+    20 MB at rho 1, two round trips and more, the loss an earlier transfer ended with as
+    the prior): the policy it picks recovers more than the shipped DDQN on both seeds, by
+    0.0057-0.0061 on four (docs/results.md, "A network trained without priors ignores
+    them"). The DDQN never learned to use a prior; the heuristic starts from it."""
     from kvtransport.agents.episodes import episode_prior
     from kvtransport.netem.profiles import load_profile
 
-    pick = default_policy_for(0.080, False, 300e6, prior_known=True)
-    link = dict(channel="bernoulli-5", rate_mbps=300, delay_ms=80, rho=1.0,
+    pick = default_policy_for(0.080, False, 400e6, 0.4, prior_known=True)
+    assert pick != "ddqn"
+    link = dict(channel="ge-light", rate_mbps=400, delay_ms=80, rho=1.0,
                 size_bytes=20_000_000)  # fmt: skip
     got: dict[str, list[float]] = {pick: [], "ddqn": []}
     for s in (1, 2):
-        prior = episode_prior("previous", load_profile("bernoulli-5"), s)
+        prior = episode_prior("previous", load_profile("ge-light"), s)
         for p in got:
             sim = simulate(policy=p, seed=s, record=False, prior_loss=prior, **link)
             got[p].append(sim.utility_recovered)
-    assert all(a > d + 0.01 for a, d in zip(got[pick], got["ddqn"], strict=True)), got
+    assert all(a > d + 0.004 for a, d in zip(got[pick], got["ddqn"], strict=True)), got
 
 
 @pytest.mark.parametrize(("name", "delay_ms"), [("ge-heavy", 120.0), ("4state-bursty", 60.0)])

@@ -15,7 +15,9 @@ from kvtransport.agents.features import FEATURES_VERSION, N_FEATURES, features
 from kvtransport.agents.runtime import (
     SHIPPED_SIDECAR,
     SHIPPED_WEIGHTS,
+    PRIOR_FIELDS,
     DDQNPolicy,
+    QWeights,
     load_weights,
     save_weights,
     shipped_policy_available,
@@ -116,7 +118,9 @@ def test_export_of_a_torch_network_acts_the_same(recorded_observations, tmp_path
     with th.no_grad():  # away from the initialization's tiny output weights
         for p in model.q_net.parameters():
             p.add_(th.randn(p.shape, generator=gen) * 0.2)
-    path = save_weights(tmp_path / "w.npz", export_q_network(model, ACTIONS), {"command": "x"})
+    # trained with priors, as its file says: every input keeps its weights when loaded
+    provenance = {"command": "x", "config": {"distribution": {"prior_weights": {"previous": 1}}}}
+    path = save_weights(tmp_path / "w.npz", export_q_network(model, ACTIONS), provenance)
     pol = DDQNPolicy(path)
     assert pol.weights.meta["command"] == "x"
     assert pol.weights.n_params == N_FEATURES * 48 + 48 + 48 * 24 + 24 + 25 * len(ACTIONS)
@@ -159,16 +163,53 @@ def test_bad_weights_files_are_one_line_errors(tmp_path):
         load_weights(old)
 
 
+def _random_layers(rng: np.random.Generator) -> list[tuple[np.ndarray, np.ndarray]]:
+    """A one-hidden-layer (16) network over today's features, random throughout."""
+    return [(rng.standard_normal((16, N_FEATURES)).astype(np.float32),
+             rng.standard_normal(16).astype(np.float32)),
+            (rng.standard_normal((len(ACTIONS), 16)).astype(np.float32),
+             rng.standard_normal(len(ACTIONS)).astype(np.float32))]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("prior_weights", "zeroed"),
+    [({"none": 1.0}, True), (None, True), ({"none": 0.5, "previous": 0.5}, False)],
+)
+def test_a_network_trained_without_priors_loads_with_zero_prior_inputs(
+    tmp_path, prior_weights, zeroed
+):
+    """A network whose training drew no loss prior (or whose file does not say) saw the
+    prior fields at 0 only: their input weights are the random initial ones. They are
+    zeroed when it is loaded, so a prior moves its Q-values only through the loss
+    estimate; a network trained with priors keeps them."""
+    rng = np.random.default_rng(7)
+    prior = [OBS_FIELDS.index(name) for name in PRIOR_FIELDS]
+    layers = _random_layers(rng)
+    dist = {} if prior_weights is None else {"prior_weights": prior_weights}
+    meta = {"features_version": FEATURES_VERSION, "obs_fields": list(OBS_FIELDS),
+            "actions": ACTIONS.tolist(), "config": {"distribution": dist}}  # fmt: skip
+    path = save_weights(tmp_path / "w.npz", QWeights(layers, ACTIONS, meta))
+    got = load_weights(path)
+    w0 = got.layers[0][0]
+    keep = [i for i in range(N_FEATURES) if i not in prior]
+    assert np.array_equal(w0[:, keep], layers[0][0][:, keep])
+    assert np.all(w0[:, prior] == 0.0) == zeroed
+    assert zeroed or np.array_equal(w0[:, prior], layers[0][0][:, prior])
+    obs = rng.uniform(0.0, 1.0, (20, len(OBS_FIELDS))).astype(np.float32)
+    without = obs.copy()
+    without[:, prior] = 0.0
+    same = [np.array_equal(got.qvalues(o), got.qvalues(z)) for o, z in zip(obs, without)]
+    assert all(same) if zeroed else not any(same)
+
+
 def test_weights_trained_before_new_observation_fields_load_with_zero_inputs(tmp_path):
     """A file trained on fewer observation fields (before the loss prior existed) gets zero
     first-layer weights for the new fields: it computes what it computed before."""
     rng = np.random.default_rng(5)
     new = [OBS_FIELDS.index("prior_loss"), OBS_FIELDS.index("prior_known")]
     keep = [i for i in range(N_FEATURES) if i not in new]
-    w0 = rng.standard_normal((16, N_FEATURES)).astype(np.float32)
-    layers = [(w0, rng.standard_normal(16).astype(np.float32)),
-              (rng.standard_normal((len(ACTIONS), 16)).astype(np.float32),
-               rng.standard_normal(len(ACTIONS)).astype(np.float32))]  # fmt: skip
+    layers = _random_layers(rng)
+    w0 = layers[0][0]
     narrow = [(w0[:, keep], layers[0][1]), layers[1]]
     fields = [f for i, f in enumerate(OBS_FIELDS) if i not in new]
     path = tmp_path / "old.npz"

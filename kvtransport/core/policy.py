@@ -389,11 +389,13 @@ def default_policy_for(
     sender starts from a loss prior (a daemon's later transfers to a receiver, or a link
     whose other transfers report loss). Where the shipped DDQN trained without priors
     (its sidecar says so), the bandwidth-delay product it keeps is then at most
-    ``PRIOR_MAX_BDP_BITS``: the heuristic starts from the prior and the network does not;
-    with a previous transfer's prior the shipped one fell below the heuristic in 36 of
-    80 cells beyond 24 Mbit (200 Mbit/s to 1 Gbit/s, up to 0.12) and in none of the 88 at
-    24 Mbit or less (scripts/eval_fast_links.py --prior previous; docs/results.md, issue
-    16). Every other transfer gets :func:`default_policy`."""
+    ``PRIOR_MAX_BDP_BITS``: the heuristic starts from the prior, while such a network
+    reads it only as a loss estimate in states where it never saw one (its prior inputs
+    are zeroed: kvtransport.agents.runtime); with a previous transfer's prior the shipped
+    one fell below the heuristic in 12 of 32 cells beyond 24 Mbit (400 Mbit/s and 1 Gbit/s,
+    40 and 80 ms one way; up to 0.015) and in none of the 48 at 24 Mbit or less (50-150
+    Mbit/s; scripts/eval_fast_links.py --prior previous; docs/results.md, issue 16).
+    Every other transfer gets :func:`default_policy`."""
     long_link = one_way_s >= LONG_LINK_ONE_WAY_S
     if whole_ranges and long_link:
         return LONG_LINK_HANDOFF_POLICY
