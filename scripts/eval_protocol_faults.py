@@ -3,12 +3,14 @@
 - restart: the receiver is killed and a new one (no state, deadline from the manifest, as a
   daemon's) takes over mid-transfer; its result must be a partial one with an exact missing
   list by the deadline;
-- feedback-loss: 100 % feedback loss + 10 % Bernoulli data loss at rho 1.2: utility;
+- feedback-loss: 100 % feedback loss + 10 % Bernoulli data loss (rho 1.2 and 5 ms one way
+  unless ``--rho`` / ``--delay-ms`` say otherwise): utility;
 - jitter: 5 +- 4 ms uniform jitter + 2 % loss: repairs and the receiver's loss estimate
   against the same link without jitter.
 
 ``python scripts/eval_protocol_faults.py [--size-mb 10] [--seeds 3] [--policy adaptive]
-[--out FILE]`` prints one JSON object per scenario and seed (and writes them to FILE).
+[--rho 1.2] [--delay-ms 5] [--out FILE]`` prints one JSON object per scenario and seed
+(and writes them to FILE).
 tests/test_protocol_faults.py runs the same functions at small scale.
 """
 
@@ -60,9 +62,11 @@ def restart(size_mb: float, seed: int, policy: str, at: float = 0.4, rho: float 
     }
 
 
-def feedback_loss(size_mb: float, seed: int, policy: str, rho: float = 1.2) -> dict:
+def feedback_loss(
+    size_mb: float, seed: int, policy: str, rho: float = 1.2, delay_ms: float = 5.0
+) -> dict:
     """10 % Bernoulli data loss, every feedback datagram lost."""
-    sim = make_simulation(channel=Profile("b10", loss=parse_loss("10%")),
+    sim = make_simulation(channel=Profile("b10", loss=parse_loss("10%"), delay_ms=delay_ms),
                           feedback_channel=Profile("dead", loss=parse_loss("100%")), rho=rho,
                           policy=policy, seed=seed, size_bytes=int(size_mb * 1e6),
                           record=False)  # fmt: skip
@@ -71,6 +75,8 @@ def feedback_loss(size_mb: float, seed: int, policy: str, rho: float = 1.2) -> d
     return {
         "scenario": "feedback-loss",
         "seed": seed,
+        "rho": rho,
+        "delay_ms": delay_ms,
         "utility": res.utility_recovered,
         "source_sent": res.source_sent,
         "repair_sent": res.repair_sent,
@@ -107,18 +113,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--policy", default="adaptive")
     p.add_argument("--only", choices=["restart", "feedback-loss", "jitter"])
+    p.add_argument("--rho", type=float, default=1.2, help="feedback-loss: deadline / send time")
+    p.add_argument("--delay-ms", type=float, default=5.0, help="feedback-loss: one-way delay")
     p.add_argument("--out")
     args = p.parse_args(argv)
     rows = []
     for seed in range(1, args.seeds + 1):
+        first = len(rows)
         if args.only in (None, "restart"):
             rows.append(restart(args.size_mb, seed, args.policy))
         if args.only in (None, "feedback-loss"):
-            rows.append(feedback_loss(args.size_mb, seed, args.policy))
+            rows.append(feedback_loss(args.size_mb, seed, args.policy, args.rho, args.delay_ms))
         if args.only in (None, "jitter"):
             rows.append(jitter(args.size_mb, seed, args.policy, 0.0))
             rows.append(jitter(args.size_mb, seed, args.policy, 4.0))
-        for r in rows[-4:]:
+        for r in rows[first:]:
             print(json.dumps({"policy": args.policy, **r}), flush=True)
     if args.out:
         with open(args.out, "w") as fh:
