@@ -13,9 +13,9 @@ from kvtransport.agents.env import RepairSchedulingEnv
 from kvtransport.agents.episodes import EpisodeDistribution, build_simulation
 from kvtransport.agents.features import FEATURES_VERSION, N_FEATURES, features
 from kvtransport.agents.runtime import (
+    PRIOR_FIELDS,
     SHIPPED_SIDECAR,
     SHIPPED_WEIGHTS,
-    PRIOR_FIELDS,
     DDQNPolicy,
     QWeights,
     load_weights,
@@ -198,7 +198,8 @@ def test_a_network_trained_without_priors_loads_with_zero_prior_inputs(
     obs = rng.uniform(0.0, 1.0, (20, len(OBS_FIELDS))).astype(np.float32)
     without = obs.copy()
     without[:, prior] = 0.0
-    same = [np.array_equal(got.qvalues(o), got.qvalues(z)) for o, z in zip(obs, without)]
+    pairs = zip(obs, without, strict=True)
+    same = [np.array_equal(got.qvalues(o), got.qvalues(z)) for o, z in pairs]
     assert all(same) if zeroed else not any(same)
 
 

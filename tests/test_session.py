@@ -24,9 +24,10 @@ from kvtransport.core.policy import (
     Obs,
     make_policy,
 )
+from kvtransport.core.policy_base import Policy
 from kvtransport.core.receiver import ReceiverSession
 from kvtransport.core.schemes.rlc import LAST_ROUND_Z, _gilbert_failures, last_round_repairs
-from kvtransport.core.sender import STOP_RTTVAR, SenderSession
+from kvtransport.core.sender import OPEN_LOOP_LOSS, STOP_RTTVAR, SenderSession
 from kvtransport.core.transfer import BlockTable, Transfer, TransportManifest, synthetic_transfer
 from kvtransport.core.wire import DatagramType as T
 from kvtransport.sim.virtual_clock import (
@@ -136,14 +137,14 @@ class Net:
 
 
 def make_pair(size=200_000, blocks=20, policy="adaptive", rho=None, deadline=1.0, key=None,
-              receiver_deadline="same", **kw):  # fmt: skip
+              receiver_deadline="same", delay=DELAY, **kw):  # fmt: skip
     tr = synthetic_transfer(size, blocks, "zipf", seed=7)
     n_source = -(-size // 1280)
     if rho is not None:
         deadline = rho * n_source * (28 + 1280 + 42) * 8 / RATE
     pol = make_policy(policy) if isinstance(policy, str) else policy
     s = SenderSession(tr, pol, rate_bps=RATE, deadline=deadline, transfer_id=TID, key=key,
-                      initial_rtt=2 * DELAY, **kw)  # fmt: skip
+                      initial_rtt=2 * delay, **kw)  # fmt: skip
     rd = deadline if receiver_deadline == "same" else receiver_deadline
     r = ReceiverSession(TID, key=key, deadline=rd)
     return tr, s, r
@@ -444,9 +445,9 @@ def test_a_reordering_paths_gaps_are_not_taken_for_loss_bursts():
     """Jitter alone (nothing lost): gaps open all the time, but late datagrams fill them
     within the reordering window, so only the first ones, before the receiver has a window,
     settle as bursts; the receiver reports about 1 (what RLC's last-round margin and the
-    DDQN read; when gaps counted as they opened it was above 2). With 20 back-to-back datagrams of every
-    200 lost on the same jittered path, it reports bursts as long as on a path that does
-    not reorder."""
+    DDQN read; when gaps counted as they opened it was above 2). With 20 back-to-back
+    datagrams of every 200 lost on the same jittered path, it reports bursts as long as on
+    a path that does not reorder."""
     for seed in range(2):
         s, _ = _jittered_cut_run(0.002, seed)
         assert s.path_reorders and s.burst_estimate() < 1.3
@@ -455,7 +456,7 @@ def test_a_reordering_paths_gaps_are_not_taken_for_loss_bursts():
         rng = np.random.default_rng(3)
         tr, s, r = make_pair(size=2_000_000, blocks=100, rho=0.9)
 
-        def data(i, d):
+        def data(i, d, rng=rng, jitter_s=jitter_s):
             return [] if 100 <= i % 200 < 120 else [float(rng.uniform(0.0, jitter_s))]
 
         Net(s, r, data=data).run()
@@ -537,6 +538,45 @@ def test_total_feedback_loss_leaves_the_sender_finishing_open_loop():
     assert s.stats["rlc_repair_sent"] > 0.04 * s.stats["source_sent"]  # protected blind
     res = r.result
     assert res.reason == "deadline" and res.utility_recovered > 0.5
+    assert all(_block_ok(tr, res, b) for b in np.flatnonzero(res.complete))
+
+
+class _TailRule(Policy):
+    """No proactive repair ever (action 0): the tail rule and reactive repair alone, as
+    the shipped DDQN plays a transfer's first round trip."""
+
+    name = "tail-rule"
+    reactive = True
+
+    def act(self, obs):
+        return 0
+
+
+@pytest.mark.parametrize("rho", [0.8, 1.0])
+def test_a_receiver_that_never_answers_still_gets_its_first_sources_repaired(rho):
+    """Every report lost, 10 % loss, 40 ms one way, rho 1 and below (no slack), a policy
+    that sends no proactive repair of its own: two round trips into the silence the sender assumes
+    ``OPEN_LOOP_LOSS`` (the tail rule then leaves room), repairs at that share between the
+    sources, and walks them from the oldest symbols, so the first (most useful) sources,
+    sent before the silence counted, are repaired too. Before, the sender assumed no loss,
+    admitted every source, had no slack to repair with and aimed any repair at the newest
+    symbols: 0.18-0.25 of the utility (docs/results.md, "A return path that never
+    answers")."""
+    rng = np.random.default_rng(11)
+    tr, s, r = make_pair(size=4_000_000, blocks=200, policy=_TailRule(), rho=rho, delay=0.04)
+    net = Net(s, r, data=lambda i, d: [] if rng.random() < 0.1 else [0.0], back=lambda i, d: [],
+              delay=0.04)  # fmt: skip
+    net.run()
+    assert s.stats["feedback_received"] == 0 and s.open_loop
+    assert s.loss_estimate() == OPEN_LOOP_LOSS
+    repairs = net.of_type(T.REPAIR)
+    assert min(d.esi for _, d in repairs) == 0  # the oldest symbols got repairs
+    # at the assumed loss's share between the sources, not all after the last one
+    last_source = net.of_type(T.SOURCE)[-1][0]
+    assert sum(t < last_source for t, _ in repairs) > 0.1 * len(repairs)
+    res = r.result
+    assert res.utility_recovered > 0.85
+    assert res.complete[:10].all()  # the ten most useful blocks
     assert all(_block_ok(tr, res, b) for b in np.flatnonzero(res.complete))
 
 

@@ -38,8 +38,9 @@ class LossMonitor:
     (duplicate) is ignored. A run of missing numbers among the settled ones (below) is one
     loss burst of that many datagrams: ``burst_mean`` smooths their lengths as they settle,
     so a gap that late datagrams fill within the window is no burst, and one they fill in
-    part is the runs they leave. ``loss_rate`` is refreshed by :meth:`sample` at each feedback report, weighted
-    by the number of datagrams the interval covered (memory about LOSS_MEMORY_PACKETS).
+    part is the runs they leave. ``loss_rate`` is refreshed by :meth:`sample` at each
+    feedback report, weighted by the number of datagrams the interval covered (memory about
+    LOSS_MEMORY_PACKETS).
 
     Reordering tolerance (as QUIC's time threshold, RFC 9002 6.1.2): a missing number
     counts as lost only once a later one has been held for the reordering window,

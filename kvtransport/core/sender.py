@@ -139,6 +139,14 @@ _pack_transfer, _AT_TRANSFER = _packer(RAW_TRANSFER)
 
 OPEN_LOOP_RTTS = 4.0
 """Round trips without feedback after which the sender repairs open-loop."""
+OPEN_LOOP_FIRST_RTTS = 2.0
+"""... round trips (assumed, before any sample) without a first report: a receiver's
+first report is due one round trip and a report interval after the first datagram."""
+OPEN_LOOP_LOSS = 0.15
+"""The loss a sender assumes once its receiver has been silent since the start (when the
+shell gave no prior): above the stationary loss of every named link profile (ge-heavy's
+12 % the highest), so ``owed`` and the tail rule leave room for the repairs that cover
+what went out unreported (kvtransport.core.schemes.rlc walks them over the stream)."""
 OPEN_LOOP_MIN_S = 0.02
 """... but never before this much silence."""
 OPEN_LOOP_MAX_SHARE = 0.5
@@ -561,10 +569,14 @@ class SenderSession:
         return int(left / self.slot_s) + 1 if left >= 0 else 0
 
     def loss_estimate(self) -> float:
-        """The receiver's smoothed loss rate; before its first report, the prior (or 0)."""
+        """The receiver's smoothed loss rate; before its first report, the prior, else
+        ``OPEN_LOOP_LOSS`` once the silence counts as open loop, else 0. (The session's
+        own accounting: the policy observation keeps the prior or 0 before feedback.)"""
         if self.fb_time is not None:
             return self.fb_loss
-        return self.prior_loss if self.prior_loss is not None else 0.0
+        if self.prior_loss is not None:
+            return self.prior_loss
+        return OPEN_LOOP_LOSS if self.open_loop else 0.0
 
     def burst_estimate(self) -> float:
         """The receiver's smoothed loss-burst length (datagrams); 1 before its first report."""
@@ -981,19 +993,26 @@ class SenderSession:
         The sender then repairs open-loop."""
         since = max(self.fb_time if self.fb_time is not None else self.start, self._resumed_at)
         rtt = self.srtt if self.srtt is not None else self._initial_rtt
-        return t - since > max(OPEN_LOOP_RTTS * rtt, OPEN_LOOP_MIN_S)
+        rtts = OPEN_LOOP_RTTS if self.fb_time is not None else OPEN_LOOP_FIRST_RTTS
+        return t - since > max(rtts * rtt, OPEN_LOOP_MIN_S)
 
     def _open_loop_share(self, t: float) -> float:
         """Open loop, nothing tells the sender what was lost, so the slack (slots before
         the stop time beyond the sources still to send) is spread evenly over the rest of
         the stream as proactive repairs over at least ``OPEN_LOOP_SPAN`` newest symbols:
         every part of the stream gets repairs while it is still inside the decoder's
-        window, not only the newest span once all sources are out."""
+        window, not only the newest span once all sources are out. Silent since the start,
+        at least the assumed loss (``loss_estimate``) goes to repairs, between the sources
+        (where the tail rule leaves no slack, they would otherwise all wait for the last
+        source)."""
         left = self.slots_left(t)
         sources = self.n_source - self.next_esi
         if left <= 0:
             return 0.0
-        return min(max(left - sources, 0) / left, OPEN_LOOP_MAX_SHARE)
+        share = max(left - sources, 0) / left
+        if self.fb_time is None:
+            share = max(share, self.loss_estimate())
+        return min(share, OPEN_LOOP_MAX_SHARE)
 
     def _drop(self, reason: str) -> None:
         self.stats["dropped"] += 1

@@ -90,6 +90,8 @@ class SenderView(Protocol):
     stats: dict[str, int]
     share: float  # the policy's repair share for this interval
     open_loop: bool  # no feedback for a while
+    fb_time: float | None  # when the latest report arrived (None: none yet)
+    repair_sent: int  # repairs sent so far (all kinds)
     fb_through: int  # the receiver's decoded-through, as last reported
     fb_deficit: int  # reported holes still owed repairs
     decision_packets: int

@@ -19,7 +19,10 @@ hole list was cut at ``MAX_FEEDBACK_RANGES``, those from where it stopped (holes
 receiver knows of and could not list, which no reactive repair can aim at); one RTT plus
 one interval of them (at least a segment, at most the session's ``max_repair_span``),
 never below decoded-through or the receiver's decoder window; open loop (no feedback for a
-while) at least ``OPEN_LOOP_SPAN``.
+while) at least ``OPEN_LOOP_SPAN``. Open loop with no report ever, the windows instead walk
+the stream from its oldest symbols, one stride of ``(1 - p) / p`` symbols per repair (``p``
+the session's loss estimate), so the sources sent before the silence counted are repaired
+too.
 
 A repair is a REPAIR datagram (kvtransport.core.wire: repair key, DT and NSS, first ESI).
 RLC is the window scheme: its decoder (:class:`RLCReceiver`, ``decoder_window`` ESIs, at
@@ -173,6 +176,8 @@ class RLCSender(SenderRepair):
         self.flight: deque[tuple[int, int]] = deque()  # (seq, segment) sent after echo
         # where the last feedback's hole list stopped when it was cut at its cap (-1: not cut)
         self.unreported_from = -1
+        # open loop with no report ever: the symbol the next repair starts at (None: not yet)
+        self.blind_from: float | None = None
         # repairs built ahead over one span (rows), for keys ahead_key..
         self._area = session.framer.payload_view(s)
         self._ahead = np.zeros((_REPAIR_BATCH, s), dtype=np.uint8)
@@ -331,6 +336,20 @@ class RLCSender(SenderRepair):
         # else the newest (one RTT and an interval of them, which it cannot have reported
         # yet); older holes are the reactive repairs' job
         span = max(OPEN_LOOP_SPAN, self.span) if s.open_loop else self.span
+        if s.open_loop and s.fb_time is None:
+            # nothing ever reported: the sources sent before the silence counted got only
+            # the repairs sent so far, so windows of ``span`` walk the stream a stride
+            # apart, from where those would have reached, until they reach the newest
+            # span. They start a span before the stream (cut at its first symbol), so its
+            # first symbols lie in as many windows as any other.
+            p = min(max(s.loss_estimate(), 0.01), 0.5)
+            stride = (1.0 - p) / p  # symbols per repair: the tail rule's room, spread evenly
+            if self.blind_from is None:
+                self.blind_from = s.repair_sent * stride - span
+            start = int(self.blind_from)
+            if start + span < hi:
+                self.blind_from += stride
+                return max(start, floor, 0), start + span
         lo = self.unreported_from
         if lo >= 0:
             lo = max(s.fb_through, floor, lo)
