@@ -96,14 +96,14 @@ def last_round_repairs(missing: int, loss: float, burst: float = 1.0) -> int:
     5 % loss gets two repairs (the segment then fails with p^2 instead of p), four get six.
 
     Where the receiver's mean loss burst ``burst`` (datagrams; the sender's
-    ``burst_estimate``) is longer than independent
-    losses give (1 / (1 - p)), back-to-back repairs are lost together, and a margin
-    shorter than a burst buys little: the margin's k - missing repairs are sent only if,
-    under the Gilbert model of that loss and burst (``_gilbert_failures``), they lower the
-    segment's failure probability by at least LAST_ROUND_BURST_SHARE of what they do with
-    independent losses; else ``missing``. One owed equation at 9 % loss in bursts of 20
-    (the margin saves 0.0045 of the segment instead of 0.082) gets one repair; at 11 % in
-    bursts of 2.3 (0.078 instead of 0.113) it keeps its three."""
+    ``burst_estimate``) is longer than independent losses give (1 / (1 - p)),
+    back-to-back repairs are lost together, and a margin shorter than a burst buys little:
+    the margin's k - missing repairs are sent only if, under the Gilbert model of that
+    loss and burst (``_gilbert_failures``), they lower the segment's failure probability
+    by at least LAST_ROUND_BURST_SHARE of what they do with independent losses; else
+    ``missing``. One owed equation at 9 % loss in bursts of 20 (the margin saves 0.0045 of
+    the segment instead of 0.082) gets one repair; at 11 % in bursts of 2.3 (0.078 instead
+    of 0.113) it keeps its three."""
     if missing <= 0 or loss <= 0.0:
         return max(missing, 0)
     p = min(loss, 0.5)
