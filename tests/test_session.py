@@ -24,7 +24,6 @@ from kvtransport.core.policy import (
     Obs,
     make_policy,
 )
-from kvtransport.core.policy_base import Policy
 from kvtransport.core.receiver import ReceiverSession
 from kvtransport.core.schemes.rlc import LAST_ROUND_Z, _gilbert_failures, last_round_repairs
 from kvtransport.core.sender import OPEN_LOOP_LOSS, STOP_RTTVAR, SenderSession
@@ -450,7 +449,7 @@ def test_a_reordering_paths_gaps_are_not_taken_for_loss_bursts():
     a path that does not reorder."""
     for seed in range(2):
         s, _ = _jittered_cut_run(0.002, seed)
-        assert s.path_reorders and s.burst_estimate() < 1.3
+        assert s.path_reorders and s.fb_burst < 1.3
     bursts = []
     for jitter_s in (0.0, 0.002):
         rng = np.random.default_rng(3)
@@ -461,7 +460,7 @@ def test_a_reordering_paths_gaps_are_not_taken_for_loss_bursts():
 
         Net(s, r, data=data).run()
         assert s.path_reorders == (jitter_s > 0)
-        bursts.append(s.burst_estimate())
+        bursts.append(s.fb_burst)
     assert bursts[0] > 5.0 and bursts[1] == pytest.approx(bursts[0], rel=0.2)
 
 
@@ -541,17 +540,6 @@ def test_total_feedback_loss_leaves_the_sender_finishing_open_loop():
     assert all(_block_ok(tr, res, b) for b in np.flatnonzero(res.complete))
 
 
-class _TailRule(Policy):
-    """No proactive repair ever (action 0): the tail rule and reactive repair alone, as
-    the shipped DDQN plays a transfer's first round trip."""
-
-    name = "tail-rule"
-    reactive = True
-
-    def act(self, obs):
-        return 0
-
-
 @pytest.mark.parametrize("rho", [0.8, 1.0])
 def test_a_receiver_that_never_answers_still_gets_its_first_sources_repaired(rho):
     """Every report lost, 10 % loss, 40 ms one way, rho 1 and below (no slack), a policy
@@ -563,11 +551,11 @@ def test_a_receiver_that_never_answers_still_gets_its_first_sources_repaired(rho
     symbols: 0.18-0.25 of the utility (docs/results.md, "A return path that never
     answers")."""
     rng = np.random.default_rng(11)
-    tr, s, r = make_pair(size=4_000_000, blocks=200, policy=_TailRule(), rho=rho, delay=0.04)
+    tr, s, r = make_pair(size=4_000_000, blocks=200, policy="tail-rule", rho=rho, delay=0.04)
     net = Net(s, r, data=lambda i, d: [] if rng.random() < 0.1 else [0.0], back=lambda i, d: [],
               delay=0.04)  # fmt: skip
     net.run()
-    assert s.stats["feedback_received"] == 0 and s.open_loop
+    assert s.stats["feedback_received"] == 0 and s.blind
     assert s.loss_estimate() == OPEN_LOOP_LOSS
     repairs = net.of_type(T.REPAIR)
     assert min(d.esi for _, d in repairs) == 0  # the oldest symbols got repairs

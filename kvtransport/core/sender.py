@@ -576,11 +576,13 @@ class SenderSession:
             return self.fb_loss
         if self.prior_loss is not None:
             return self.prior_loss
-        return OPEN_LOOP_LOSS if self.open_loop else 0.0
+        return OPEN_LOOP_LOSS if self.blind else 0.0
 
-    def burst_estimate(self) -> float:
-        """The receiver's smoothed loss-burst length (datagrams); 1 before its first report."""
-        return self.fb_burst
+    @property
+    def blind(self) -> bool:
+        """Open loop with no report ever (a receiver silent since the start): what the
+        sender sent has never been described, so its repairs cover the whole stream."""
+        return self.open_loop and self.fb_time is None
 
     def in_flight(self) -> tuple[int, int]:
         """Sources and repairs sent after the last packet the receiver reported."""
@@ -1010,7 +1012,7 @@ class SenderSession:
         if left <= 0:
             return 0.0
         share = max(left - sources, 0) / left
-        if self.fb_time is None:
+        if self.blind:
             share = max(share, self.loss_estimate())
         return min(share, OPEN_LOOP_MAX_SHARE)
 

@@ -90,10 +90,10 @@ class SenderView(Protocol):
     stats: dict[str, int]
     share: float  # the policy's repair share for this interval
     open_loop: bool  # no feedback for a while
-    fb_time: float | None  # when the latest report arrived (None: none yet)
     repair_sent: int  # repairs sent so far (all kinds)
     fb_through: int  # the receiver's decoded-through, as last reported
     fb_deficit: int  # reported holes still owed repairs
+    fb_burst: float  # the receiver's smoothed loss-burst length (1 before its first report)
     decision_packets: int
     slot_s: float
     srtt: float | None
@@ -101,8 +101,9 @@ class SenderView(Protocol):
 
     @property
     def owd(self) -> float: ...
+    @property
+    def blind(self) -> bool: ...  # open loop with no report ever
     def loss_estimate(self) -> float: ...
-    def burst_estimate(self) -> float: ...
     @property
     def fb_echo(self) -> int: ...
     @property

@@ -96,7 +96,7 @@ def last_round_repairs(missing: int, loss: float, burst: float = 1.0) -> int:
     5 % loss gets two repairs (the segment then fails with p^2 instead of p), four get six.
 
     Where the receiver's mean loss burst ``burst`` (datagrams; the sender's
-    ``burst_estimate``) is longer than independent losses give (1 / (1 - p)),
+    ``fb_burst``) is longer than independent losses give (1 / (1 - p)),
     back-to-back repairs are lost together, and a margin shorter than a burst buys little:
     the margin's k - missing repairs are sent only if, under the Gilbert model of that
     loss and burst (``_gilbert_failures``), they lower the segment's failure probability
@@ -269,12 +269,12 @@ class RLCSender(SenderRepair):
         served first. In the last round (a repair sent now, if lost, would be reported
         and replaced after the stop time: now + a round trip + a feedback interval is past
         it) a segment's missing equations get ``last_round_repairs`` at the reported loss
-        and burst length (``burst_estimate``), so one lost repair no longer leaves the
+        and burst length (``fb_burst``), so one lost repair no longer leaves the
         segment, and the stream after it, undecodable."""
         s = self.session
         last = now + 2.0 * s.owd + s.config.feedback_interval > s.stop_time
         loss = s.loss_estimate() if last else 0.0
-        burst = s.burst_estimate() if last else 1.0
+        burst = s.fb_burst if last else 1.0
         flight = self.flight
         while flight and flight[0][0] <= s.fb_echo:
             flight.popleft()  # it had arrived (or was lost) when the receiver reported
@@ -336,7 +336,7 @@ class RLCSender(SenderRepair):
         # else the newest (one RTT and an interval of them, which it cannot have reported
         # yet); older holes are the reactive repairs' job
         span = max(OPEN_LOOP_SPAN, self.span) if s.open_loop else self.span
-        if s.open_loop and s.fb_time is None:
+        if s.blind:
             # nothing ever reported: the sources sent before the silence counted got only
             # the repairs sent so far, so windows of ``span`` walk the stream a stride
             # apart, from where those would have reached, until they reach the newest
