@@ -4,7 +4,8 @@
   daemon's) takes over mid-transfer; its result must be a partial one with an exact missing
   list by the deadline;
 - feedback-loss: 100 % feedback loss + 10 % Bernoulli data loss (rho 1.2 and 5 ms one way
-  unless ``--rho`` / ``--delay-ms`` say otherwise): utility;
+  unless ``--rho`` / ``--delay-ms`` say otherwise; with ``--dies-at FRAC`` the return path
+  works until FRAC x the deadline, then dies): utility;
 - jitter: 5 +- 4 ms uniform jitter + 2 % loss: repairs and the receiver's loss estimate
   against the same link without jitter.
 
@@ -21,8 +22,9 @@ import json
 import sys
 
 import numpy as np
-from kvtransport.netem import Profile, parse_loss
+from kvtransport.netem import Profile, make_channel, parse_loss
 
+from kvtransport.core.protocol import STANDARD
 from kvtransport.sim.simulator import make_simulation
 
 
@@ -62,14 +64,41 @@ def restart(size_mb: float, seed: int, policy: str, at: float = 0.4, rho: float 
     }
 
 
+class _DiesAt:
+    """A loss-free return path that loses every datagram handed to it from ``at`` (seconds
+    on the virtual clock) on."""
+
+    def __init__(self, delay_ms: float, at: float = 0.0) -> None:
+        self._link = make_channel(Profile("b0", loss=parse_loss("0%"), delay_ms=delay_ms), 0,
+                                  overhead_bytes=STANDARD.link_overhead)  # fmt: skip
+        self.overhead_bytes = self._link.overhead_bytes
+        self.at = at
+        self.lost = 0
+
+    def transmit(self, t_send: float, nbytes: int) -> float | None:
+        if t_send >= self.at:
+            self.lost += 1
+            return None
+        return self._link.transmit(t_send, nbytes)
+
+
 def feedback_loss(
-    size_mb: float, seed: int, policy: str, rho: float = 1.2, delay_ms: float = 5.0
+    size_mb: float,
+    seed: int,
+    policy: str,
+    rho: float = 1.2,
+    delay_ms: float = 5.0,
+    dies_at: float = 0.0,
 ) -> dict:
-    """10 % Bernoulli data loss, every feedback datagram lost."""
+    """10 % Bernoulli data loss, every feedback datagram lost (from ``dies_at`` x the
+    deadline on: before, none)."""
+    dying = _DiesAt(delay_ms) if dies_at > 0 else None
     sim = make_simulation(channel=Profile("b10", loss=parse_loss("10%"), delay_ms=delay_ms),
-                          feedback_channel=Profile("dead", loss=parse_loss("100%")), rho=rho,
-                          policy=policy, seed=seed, size_bytes=int(size_mb * 1e6),
+                          feedback_channel=dying or Profile("dead", loss=parse_loss("100%")),
+                          rho=rho, policy=policy, seed=seed, size_bytes=int(size_mb * 1e6),
                           record=False)  # fmt: skip
+    if dying is not None:
+        dying.at = dies_at * sim.deadline
     sim.run()
     res = sim.result()
     return {
@@ -77,6 +106,7 @@ def feedback_loss(
         "seed": seed,
         "rho": rho,
         "delay_ms": delay_ms,
+        "dies_at": dies_at,
         "utility": res.utility_recovered,
         "source_sent": res.source_sent,
         "repair_sent": res.repair_sent,
@@ -115,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", choices=["restart", "feedback-loss", "jitter"])
     p.add_argument("--rho", type=float, default=1.2, help="feedback-loss: deadline / send time")
     p.add_argument("--delay-ms", type=float, default=5.0, help="feedback-loss: one-way delay")
+    p.add_argument("--dies-at", type=float, default=0.0, metavar="FRAC",
+                   help="feedback-loss: the return path works until FRAC x the deadline, "
+                   "then loses everything (default 0: dead from the start)")  # fmt: skip
     p.add_argument("--out")
     args = p.parse_args(argv)
     rows = []
@@ -123,7 +156,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.only in (None, "restart"):
             rows.append(restart(args.size_mb, seed, args.policy))
         if args.only in (None, "feedback-loss"):
-            rows.append(feedback_loss(args.size_mb, seed, args.policy, args.rho, args.delay_ms))
+            rows.append(
+                feedback_loss(
+                    args.size_mb, seed, args.policy, args.rho, args.delay_ms, args.dies_at
+                )
+            )
         if args.only in (None, "jitter"):
             rows.append(jitter(args.size_mb, seed, args.policy, 0.0))
             rows.append(jitter(args.size_mb, seed, args.policy, 4.0))

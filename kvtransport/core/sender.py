@@ -143,10 +143,12 @@ OPEN_LOOP_FIRST_RTTS = 2.0
 """... round trips (assumed, before any sample) without a first report: a receiver's
 first report is due one round trip and a report interval after the first datagram."""
 OPEN_LOOP_LOSS = 0.15
-"""The loss a sender assumes once its receiver has been silent since the start (when the
-shell gave no prior): above the stationary loss of every named link profile (ge-heavy's
-12 % the highest), so ``owed`` and the tail rule leave room for the repairs that cover
-what went out unreported (kvtransport.core.schemes.rlc walks them over the stream)."""
+"""The least loss a sender assumes once its receiver has been silent long enough to count
+as open loop (since the start, or since its last report): above the stationary loss of
+every named link profile (ge-heavy's 12 % the highest), since the smoothed rate a report
+gave lags a rising loss and nothing will correct it, so ``owed`` and the tail rule leave
+room for the repairs that cover what went out unreported (kvtransport.core.schemes.rlc
+walks them over the stream)."""
 OPEN_LOOP_MIN_S = 0.02
 """... but never before this much silence."""
 OPEN_LOOP_MAX_SHARE = 0.5
@@ -569,20 +571,14 @@ class SenderSession:
         return int(left / self.slot_s) + 1 if left >= 0 else 0
 
     def loss_estimate(self) -> float:
-        """The receiver's smoothed loss rate; before its first report, the prior, else
-        ``OPEN_LOOP_LOSS`` once the silence counts as open loop, else 0. (The session's
-        own accounting: the policy observation keeps the prior or 0 before feedback.)"""
+        """The receiver's smoothed loss rate; before its first report, the prior, else 0;
+        open loop, at least ``OPEN_LOOP_LOSS``. (The session's own accounting: the policy
+        observation keeps the reported rate, or the prior or 0 before feedback.)"""
         if self.fb_time is not None:
-            return self.fb_loss
-        if self.prior_loss is not None:
-            return self.prior_loss
-        return OPEN_LOOP_LOSS if self.blind else 0.0
-
-    @property
-    def blind(self) -> bool:
-        """Open loop with no report ever (a receiver silent since the start): what the
-        sender sent has never been described, so its repairs cover the whole stream."""
-        return self.open_loop and self.fb_time is None
+            p = self.fb_loss
+        else:
+            p = self.prior_loss if self.prior_loss is not None else 0.0
+        return max(p, OPEN_LOOP_LOSS) if self.open_loop else p
 
     def in_flight(self) -> tuple[int, int]:
         """Sources and repairs sent after the last packet the receiver reported."""
@@ -1003,17 +999,16 @@ class SenderSession:
         the stop time beyond the sources still to send) is spread evenly over the rest of
         the stream as proactive repairs over at least ``OPEN_LOOP_SPAN`` newest symbols:
         every part of the stream gets repairs while it is still inside the decoder's
-        window, not only the newest span once all sources are out. Silent since the start,
-        at least the assumed loss (``loss_estimate``) goes to repairs, between the sources
-        (where the tail rule leaves no slack, they would otherwise all wait for the last
-        source)."""
+        window, not only the newest span once all sources are out. At least the assumed
+        loss (``loss_estimate``, open loop at least ``OPEN_LOOP_LOSS``) goes to repairs,
+        between the sources (where the tail rule leaves no slack, they would otherwise all
+        wait for the last source)."""
         left = self.slots_left(t)
         sources = self.n_source - self.next_esi
         if left <= 0:
             return 0.0
         share = max(left - sources, 0) / left
-        if self.blind:
-            share = max(share, self.loss_estimate())
+        share = max(share, self.loss_estimate())
         return min(share, OPEN_LOOP_MAX_SHARE)
 
     def _drop(self, reason: str) -> None:

@@ -44,6 +44,7 @@ from kvtransport.core.wire import full_send_time, link_bytes
 from kvtransport.hosts.receiver_host import DEFAULT_MAX_BYTES, Incoming, ReceiverHost
 from kvtransport.hosts.sender_host import alone_on_link
 from kvtransport.netem import Channel, Profile, load_profile, make_channel
+from kvtransport.sim.virtual_clock import Channel as LinkDirection
 from kvtransport.sim.virtual_clock import VirtualClockLoop
 
 DEFAULT_SIZE_BYTES = 10_000_000
@@ -123,7 +124,7 @@ class Simulation:
         transfer: Transfer,
         policy: Policy,
         data_channel: Channel,
-        feedback_channel: Channel,
+        feedback_channel: LinkDirection,
         *,
         rate_bps: float,
         deadline: float,
@@ -410,7 +411,7 @@ def make_simulation(
     transfer: Transfer | None = None,
     *,
     channel: str | Profile = "ge-heavy",
-    feedback_channel: str | Profile | Channel | None = None,
+    feedback_channel: str | Profile | LinkDirection | None = None,
     rate_mbps: float | None = None,
     delay_ms: float | None = None,
     rho: float = 0.8,
@@ -430,7 +431,9 @@ def make_simulation(
 ) -> Simulation:
     """Set up one transfer (see ``kvtransport simulate --help`` for the arguments).
 
-    The feedback path defaults to the same profile as the data path (independent draws).
+    The feedback path defaults to the same profile as the data path (independent draws);
+    a channel (anything with kvtransport.sim.virtual_clock.Channel's ``transmit``) is
+    used as it is.
     ``transfer`` defaults to a synthetic stream of ``size_bytes`` in ``n_blocks`` blocks
     (default: 12 KiB each) with the given utility profile. Every random choice (channels,
     payload, transfer id) derives from ``seed``. ``prior_loss``: the sender's loss prior
@@ -460,13 +463,13 @@ def make_simulation(
         )
     pol = make_policy(policy) if isinstance(policy, str) else policy
     data_ch = make_channel(prof, data_seed, overhead_bytes=overhead)
-    if isinstance(feedback_channel, Channel):
-        fb_ch = feedback_channel
-    else:
+    if feedback_channel is None or isinstance(feedback_channel, (str, Profile)):
         fb_prof = prof if feedback_channel is None else load_profile(feedback_channel)
-        fb_ch = make_channel(
+        fb_ch: LinkDirection = make_channel(
             fb_prof.with_overrides(rate_mbps, delay_ms), fb_seed, overhead_bytes=overhead
         )
+    else:
+        fb_ch = feedback_channel
     deadline = rho * full_send_time(
         transfer.nbytes, rate_bps, symbol_size, key is not None, link_overhead=overhead
     )

@@ -92,6 +92,7 @@ class SenderView(Protocol):
     open_loop: bool  # no feedback for a while
     repair_sent: int  # repairs sent so far (all kinds)
     fb_through: int  # the receiver's decoded-through, as last reported
+    fb_esi_end: int  # one past the highest ESI the receiver had seen, as last reported
     fb_deficit: int  # reported holes still owed repairs
     fb_burst: float  # the receiver's smoothed loss-burst length (1 before its first report)
     decision_packets: int
@@ -101,9 +102,8 @@ class SenderView(Protocol):
 
     @property
     def owd(self) -> float: ...
-    @property
-    def blind(self) -> bool: ...  # open loop with no report ever
     def loss_estimate(self) -> float: ...
+    def in_flight(self) -> tuple[int, int]: ...
     @property
     def fb_echo(self) -> int: ...
     @property

@@ -19,10 +19,10 @@ hole list was cut at ``MAX_FEEDBACK_RANGES``, those from where it stopped (holes
 receiver knows of and could not list, which no reactive repair can aim at); one RTT plus
 one interval of them (at least a segment, at most the session's ``max_repair_span``),
 never below decoded-through or the receiver's decoder window; open loop (no feedback for a
-while) at least ``OPEN_LOOP_SPAN``. Open loop with no report ever, the windows instead walk
-the stream from its oldest symbols, one stride of ``(1 - p) / p`` symbols per repair (``p``
-the session's loss estimate), so the sources sent before the silence counted are repaired
-too.
+while) at least ``OPEN_LOOP_SPAN``, and the windows walk the stream from the first symbol
+the last report did not describe (from the first symbol, with no report ever), one stride
+of ``(1 - p) / p`` symbols per repair (``p`` the session's loss estimate), so the sources
+sent before the silence counted are repaired too.
 
 A repair is a REPAIR datagram (kvtransport.core.wire: repair key, DT and NSS, first ESI).
 RLC is the window scheme: its decoder (:class:`RLCReceiver`, ``decoder_window`` ESIs, at
@@ -176,8 +176,8 @@ class RLCSender(SenderRepair):
         self.flight: deque[tuple[int, int]] = deque()  # (seq, segment) sent after echo
         # where the last feedback's hole list stopped when it was cut at its cap (-1: not cut)
         self.unreported_from = -1
-        # open loop with no report ever: the symbol the next repair starts at (None: not yet)
-        self.blind_from: float | None = None
+        # open loop: the symbol the next repair's walk starts at (None: not walking)
+        self.walk_from: float | None = None
         # repairs built ahead over one span (rows), for keys ahead_key..
         self._area = session.framer.payload_view(s)
         self._ahead = np.zeros((_REPAIR_BATCH, s), dtype=np.uint8)
@@ -252,6 +252,7 @@ class RLCSender(SenderRepair):
         self.flight.clear()
         self.resend.clear()
         self.unreported_from = -1
+        self.walk_from = None
         self.needed = 0
 
     def release(self) -> None:
@@ -285,6 +286,7 @@ class RLCSender(SenderRepair):
         ranges = fb.ranges
         cut = len(ranges) >= MAX_FEEDBACK_RANGES
         self.unreported_from = ranges[-1][0] + ranges[-1][1] if cut else -1
+        self.walk_from = None  # a report: the loop is closed again
         floor = max(0, s.next_esi - self.decoder_window + 1)
         resend = self.resend if self.answer_holes else None
         holes: dict[int, list[int]] = {}  # segment -> [holes, end]
@@ -336,20 +338,22 @@ class RLCSender(SenderRepair):
         # else the newest (one RTT and an interval of them, which it cannot have reported
         # yet); older holes are the reactive repairs' job
         span = max(OPEN_LOOP_SPAN, self.span) if s.open_loop else self.span
-        if s.blind:
-            # nothing ever reported: the sources sent before the silence counted got only
-            # the repairs sent so far, so windows of ``span`` walk the stream a stride
-            # apart, from where those would have reached, until they reach the newest
-            # span. They start a span before the stream (cut at its first symbol), so its
-            # first symbols lie in as many windows as any other.
+        if s.open_loop:
+            # no report describes what went out since the last one (or since the start):
+            # the sources sent before the silence counted got only the repairs sent since
+            # that report, so windows of ``span`` walk the stream a stride apart, from
+            # where those would have reached, until they reach the newest span. They start
+            # a span before the first undescribed symbol (cut at decoded-through), so it
+            # lies in as many windows as any other, and the reported holes just below it,
+            # whose answers may be lost, in some.
             p = min(max(s.loss_estimate(), 0.01), 0.5)
             stride = (1.0 - p) / p  # symbols per repair: the tail rule's room, spread evenly
-            if self.blind_from is None:
-                self.blind_from = s.repair_sent * stride - span
-            start = int(self.blind_from)
+            if self.walk_from is None:
+                self.walk_from = s.fb_esi_end + s.in_flight()[1] * stride - span
+            start = int(self.walk_from)
             if start + span < hi:
-                self.blind_from += stride
-                return max(start, floor, 0), start + span
+                self.walk_from += stride
+                return max(start, floor, s.fb_through), start + span
         lo = self.unreported_from
         if lo >= 0:
             lo = max(s.fb_through, floor, lo)
