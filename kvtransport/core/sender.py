@@ -145,10 +145,10 @@ first report is due one round trip and a report interval after the first datagra
 OPEN_LOOP_LOSS = 0.15
 """The least loss a sender assumes once its receiver has been silent long enough to count
 as open loop (since the start, or since its last report): above the stationary loss of
-every named link profile (ge-heavy's 12 % the highest), since the smoothed rate a report
-gave lags a rising loss and nothing will correct it, so ``owed`` and the tail rule leave
-room for the repairs that cover what went out unreported (kvtransport.core.schemes.rlc
-walks them over the stream)."""
+every named link profile (ge-heavy's 12 % the highest), since the smoothed rate the last
+report gave may lie below the loss (an EWMA) and no report will correct it, so ``owed``
+and the tail rule leave room for the repairs that cover what went out unreported
+(kvtransport.core.schemes.rlc walks them over the stream)."""
 OPEN_LOOP_MIN_S = 0.02
 """... but never before this much silence."""
 OPEN_LOOP_MAX_SHARE = 0.5
