@@ -29,7 +29,7 @@ import math
 import numpy as np
 from numba import njit
 
-from kvtransport.core.observation import OBS_CLIP, OBS_SIZE, Obs
+from kvtransport.core.observation import BURST_UNIT, OBS_CLIP, OBS_SIZE, Obs
 from kvtransport.core.policy_base import DECISION_PACKETS
 
 EXTRA_FEATURES = (
@@ -65,7 +65,7 @@ def features_into(obs: np.ndarray, out: np.ndarray) -> None:
     for i in range(n):
         out[i] = obs[i]
     p = min(max(float(obs[_I_LOSS]), 0.0), 0.95)
-    burst = max(1.0, float(obs[_I_BURST]) * 10.0)
+    burst = max(1.0, float(obs[_I_BURST]) * BURST_UNIT)
     room = float(obs[_I_SLACK]) * 8.0
     left = (room + float(obs[_I_OWED])) / (1.0 - p)
     if left < 0.0:

@@ -35,7 +35,7 @@ import numpy as np
 from kvtransport.agents.features import FEATURES_VERSION, N_FEATURES, features_into
 from numba import njit
 
-from kvtransport.core.observation import OBS_FIELDS, observe_into
+from kvtransport.core.observation import BURST_UNIT, OBS_FIELDS, Obs, observe_into
 from kvtransport.core.policy_base import Policy
 from kvtransport.errors import UserError
 
@@ -43,6 +43,7 @@ SHIPPED_WEIGHTS = Path(__file__).with_name("data") / "ddqn.npz"
 SHIPPED_SIDECAR = SHIPPED_WEIGHTS.with_suffix(".json")
 PRIOR_FIELDS = ("prior_loss", "prior_known")
 """The observation fields only a loss prior moves (0 in every episode without one)."""
+_BURST = Obs.BURST_MEAN.value
 
 
 @njit(cache=True, nogil=True)
@@ -77,8 +78,12 @@ def mlp_qvalues(x: np.ndarray, layers: tuple) -> np.ndarray:
 
 
 @njit(cache=True, nogil=True)
-def act_kernel(obs: np.ndarray, layers: tuple) -> int:
-    """Features, Q-values and arg-max (first of equals) for one observation."""
+def act_kernel(obs: np.ndarray, layers: tuple, burst_max: float = np.inf, base: int = 0) -> int:
+    """Features, Q-values and arg-max (first of equals) for one observation; ``base``
+    where the observed loss-burst length exceeds ``burst_max`` (observation units: see
+    :class:`DDQNPolicy`)."""
+    if obs[_BURST] > burst_max:
+        return base
     feat = np.empty(layers[0].shape[0] - 1, dtype=np.float32)
     features_into(obs, feat)
     q = mlp_qvalues(feat, layers)
@@ -90,11 +95,13 @@ def act_kernel(obs: np.ndarray, layers: tuple) -> int:
 
 
 @njit(cache=True, nogil=True)
-def decide_kernel(raw: np.ndarray, obs: np.ndarray, layers: tuple) -> int:
+def decide_kernel(
+    raw: np.ndarray, obs: np.ndarray, layers: tuple, burst_max: float = np.inf, base: int = 0
+) -> int:
     """The whole decision in one compiled call: the observation of sender state ``raw``
     (written to ``obs``, which the sender keeps), then :func:`act_kernel`."""
     observe_into(raw, obs)
-    return act_kernel(obs, layers)
+    return act_kernel(obs, layers, burst_max, base)
 
 
 class QWeights:
@@ -260,6 +267,28 @@ def trained_priors(distribution: dict[str, Any] | None) -> bool:
     return any(kind != "none" and float(w) > 0 for kind, w in weights.items())
 
 
+def trained_burst_packets(distribution: dict[str, Any] | None) -> float:
+    """The longest mean loss burst (packets) of the channels a network trained on
+    ``distribution`` (EpisodeDistribution's settings) could draw: a Gilbert-Elliott bad
+    state that loses every packet and is left with the least recovery probability r
+    (mean stay 1 / r); Bernoulli and clean draws have shorter ones. ``math.inf`` where it
+    does not say, or drew trace windows (whose bursts are the traces')."""
+    if distribution is None:
+        return math.inf
+    weights = distribution.get("loss_weights")
+    try:
+        r_min = float(distribution["ge_r_range"][0])
+        if not isinstance(weights, dict) or (
+            float(weights.get("trace", 0.0)) > 0 and distribution.get("trace_files")
+        ):
+            return math.inf
+    except (ValueError, KeyError, TypeError, IndexError):
+        return math.inf
+    if float(weights.get("ge", 0.0)) <= 0:
+        return 1.0 / (1.0 - float(distribution.get("bernoulli_range", [0.0, 0.0])[1]))
+    return 1.0 / r_min if r_min > 0 else math.inf
+
+
 @lru_cache(maxsize=1)
 def shipped_trained_priors() -> bool:
     """Whether the shipped weights trained with loss priors (:func:`trained_priors` of
@@ -271,6 +300,14 @@ def shipped_trained_priors() -> bool:
 class DDQNPolicy(Policy):
     """The learned repair scheduler: RLC repair, reactive hole repair as in the adaptive
     heuristic, and the proactive share and admission chosen by the exported Q-network.
+
+    Where the receiver's smoothed loss-burst length exceeds the longest mean burst of the
+    channels the network trained on (:func:`trained_burst_packets` of its weights'
+    recorded distribution), the network is not asked: the policy plays its base action
+    (no proactive repair, keep admitting: the tail rule, with reactive repair), since the
+    network's proactive bets were learned on shorter bursts. On gilbert-long (mean outage
+    20 packets; the shipped network trained to 6.7) its bets had cost -0.0003 against the
+    tail rule (docs/results.md, "A network does not bet beyond the bursts it trained on").
 
     weights: a :class:`QWeights`, a path to a weights file, or None for the shipped one.
     """
@@ -292,12 +329,23 @@ class DDQNPolicy(Policy):
         self.weights = weights
         self.actions = weights.actions
         self._layers = weights.kernel_layers
+        config = weights.meta.get("config")
+        dist = config.get("distribution") if isinstance(config, dict) else None
+        base = np.flatnonzero((weights.actions[:, 0] == 0) & (weights.actions[:, 1] > 0.5))
+        self.base_action = int(base[0]) if len(base) else -1
+        self.burst_limit = (
+            trained_burst_packets(dist if isinstance(dist, dict) else None)
+            if self.base_action >= 0
+            else math.inf
+        )
+        """Packets of smoothed loss burst beyond which the policy plays ``base_action``."""
+        self._burst_max = self.burst_limit / BURST_UNIT
 
     def act(self, obs: np.ndarray) -> int:
-        return act_kernel(obs, self._layers)
+        return act_kernel(obs, self._layers, self._burst_max, self.base_action)
 
     def decide(self, raw: np.ndarray, obs: np.ndarray) -> int:
-        return decide_kernel(raw, obs, self._layers)
+        return decide_kernel(raw, obs, self._layers, self._burst_max, self.base_action)
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         """A subclass that overrides ``act`` (to count or log actions) gets the two-step

@@ -21,9 +21,11 @@ from kvtransport.agents.runtime import (
     load_weights,
     save_weights,
     shipped_policy_available,
+    trained_burst_packets,
 )
 from kvtransport.agents.training import TrainConfig, make_env
 
+from kvtransport.core.observation import BURST_UNIT, Obs, Raw
 from kvtransport.core.policy import (
     ACTIONS,
     OBS_FIELDS,
@@ -265,6 +267,59 @@ def test_fused_decision_equals_the_observation_then_the_network():
         assert a1 == a2 and np.array_equal(o1, o2)
         actions.add(a1)
     assert len(actions) >= 2
+
+
+@pytest.mark.parametrize(
+    ("distribution", "packets"),
+    [
+        ({"ge_r_range": [0.15, 0.7], "loss_weights": {"ge": 0.6, "bernoulli": 0.4}}, 1 / 0.15),
+        ({"ge_r_range": [0.15, 0.7], "loss_weights": {"ge": 0.0, "bernoulli": 1.0},
+          "bernoulli_range": [0.0, 0.2]}, 1.25),
+        ({"ge_r_range": [0.15, 0.7], "loss_weights": {"ge": 0.5, "trace": 0.5},
+          "trace_files": ["t.csv"]}, float("inf")),
+        ({}, float("inf")),
+        (None, float("inf")),
+    ],
+)  # fmt: skip
+def test_the_bursts_a_network_trained_on_come_from_its_distribution(distribution, packets):
+    """The longest mean loss burst a training distribution could draw: a Gilbert-Elliott
+    bad state losing everything, left with the least recovery probability; Bernoulli's
+    1 / (1 - p); unknown (traces, or not recorded): no bound."""
+    assert trained_burst_packets(distribution) == pytest.approx(packets)
+
+
+@pytest.mark.skipif(not shipped_policy_available(), reason="no trained policy shipped yet")
+def test_beyond_the_bursts_it_trained_on_the_network_is_not_asked(recorded_observations):
+    """Where the receiver's smoothed loss burst exceeds the longest mean burst the shipped
+    network trained on (6.7 packets, from its sidecar), the policy plays its base action
+    (no proactive repair, keep admitting) whatever the network would pick, on both the
+    two-step and the fused path; within it, the network decides."""
+    pol = DDQNPolicy()
+    assert pol.burst_limit == pytest.approx(1 / 0.15)
+    base = pol.base_action
+    assert pol.actions[base].tolist() == [0.0, 1.0]
+    picks = np.array([int(np.argmax(pol.weights.qvalues(o))) for o in recorded_observations])
+    chosen = recorded_observations[picks != base]
+    assert len(chosen) >= 20  # states where the network bets on proactive repair
+    for burst, network_decides in ((pol.burst_limit - 0.1, True), (pol.burst_limit + 0.1, False)):
+        obs = chosen.copy()
+        obs[:, Obs.BURST_MEAN] = burst / BURST_UNIT
+        want = [int(np.argmax(pol.weights.qvalues(o))) if network_decides else base for o in obs]
+        assert [pol.act(o) for o in obs] == want
+        assert (np.array(want) != base).any() == network_decides
+    # the fused path: real sender states, the reported burst set beyond the limit
+    states = []
+    fused = pol.decide
+    pol.decide = lambda raw, obs: states.append(raw.copy()) or fused(raw, obs)  # type: ignore
+    rng = np.random.default_rng(11)
+    build_simulation(EpisodeDistribution(high_rtt_share=1.0).sample(rng), pol).run()
+    pol = DDQNPolicy()
+    out = np.zeros(len(OBS_FIELDS), np.float32)
+    within = [pol.decide(raw, out) for raw in states]
+    assert any(a != base for a in within)
+    for raw in states:
+        raw[Raw.FB_BURST] = pol.burst_limit + 0.1
+    assert all(pol.decide(raw, out) == base for raw in states)
 
 
 def test_a_subclass_that_overrides_act_sees_every_decision():

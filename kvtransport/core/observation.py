@@ -23,6 +23,9 @@ from enum import IntEnum
 import numpy as np
 from numba import njit
 
+BURST_UNIT = 10.0
+"""Packets per unit of the ``BURST_MEAN`` observation."""
+
 
 class Obs(IntEnum):
     """Indices of the observation vector's fields."""
@@ -168,7 +171,7 @@ def observe_into(raw: np.ndarray, obs: np.ndarray) -> None:
     cap = left / (cap if cap > 1.0 else 1.0)
     slack = (left * (1.0 - p) - owed) / iv / 8.0
     slack = -1.0 if -1.0 > slack else (slack if slack < 8.0 else 8.0)
-    burst = raw[Raw.FB_BURST.value] / 10.0
+    burst = raw[Raw.FB_BURST.value] / BURST_UNIT
     deficit = (raw[Raw.FB_DEFICIT.value] + raw[Raw.FB_UNSEEN.value]) / iv
     src_f /= iv
     rep_f /= iv

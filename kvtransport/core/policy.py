@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvtransport.core.observation import (  # noqa: F401 (the observation's names, re-exported)
+    BURST_UNIT,
     OBS_CLIP,
     OBS_FIELDS,
     OBS_SIZE,
@@ -175,7 +176,7 @@ class Adaptive(Policy):
         blind_start = obs[Obs.FEEDBACK_AGE] >= OBS_CLIP and not obs[Obs.PRIOR_KNOWN]
         p = self.prior_loss if blind_start else float(obs[Obs.LOSS_RATE])
         p = min(max(p, float(obs[Obs.LOSS_RECENT]) * 0.5, 0.002), 0.9)
-        burst = max(1.0, float(obs[Obs.BURST_MEAN]) * 10.0)
+        burst = max(1.0, float(obs[Obs.BURST_MEAN]) * BURST_UNIT)
         owed = float(obs[Obs.OWED]) * n
         slots_left = float(obs[Obs.TIME_LEFT]) * ctx.budget_s / ctx.slot_s
         blind = min(slots_left, float(obs[Obs.RTT]) * n + n)
