@@ -78,7 +78,7 @@ def mlp_qvalues(x: np.ndarray, layers: tuple) -> np.ndarray:
 
 
 @njit(cache=True, nogil=True)
-def act_kernel(obs: np.ndarray, layers: tuple, burst_max: float = np.inf, base: int = 0) -> int:
+def act_kernel(obs: np.ndarray, layers: tuple, burst_max: float, base: int) -> int:
     """Features, Q-values and arg-max (first of equals) for one observation; ``base``
     where the observed loss-burst length exceeds ``burst_max`` (observation units: see
     :class:`DDQNPolicy`)."""
@@ -96,7 +96,7 @@ def act_kernel(obs: np.ndarray, layers: tuple, burst_max: float = np.inf, base: 
 
 @njit(cache=True, nogil=True)
 def decide_kernel(
-    raw: np.ndarray, obs: np.ndarray, layers: tuple, burst_max: float = np.inf, base: int = 0
+    raw: np.ndarray, obs: np.ndarray, layers: tuple, burst_max: float, base: int
 ) -> int:
     """The whole decision in one compiled call: the observation of sender state ``raw``
     (written to ``obs``, which the sender keeps), then :func:`act_kernel`."""
@@ -189,9 +189,7 @@ def load_weights(path: str | Path) -> QWeights:
             f"(features v{meta.get('features_version')}, this code v{FEATURES_VERSION}); "
             "retrain with `kvtransport train`"
         )
-    config = meta.get("config")
-    dist = config.get("distribution") if isinstance(config, dict) else None
-    if layers and not trained_priors(dist if isinstance(dist, dict) else None):
+    if layers and not trained_priors(recorded_distribution(meta)):
         w0 = layers[0][0].copy()
         w0[:, [OBS_FIELDS.index(name) for name in PRIOR_FIELDS]] = 0.0
         layers[0] = (w0, layers[0][1])
@@ -199,6 +197,14 @@ def load_weights(path: str | Path) -> QWeights:
         return QWeights(layers, np.array(meta["actions"], dtype=np.float32), meta)
     except ValueError as exc:
         raise UserError(f"{path}: {exc}") from None
+
+
+def recorded_distribution(meta: dict[str, Any]) -> dict[str, Any] | None:
+    """The training distribution (EpisodeDistribution's settings) a weights file's meta
+    records (``meta["config"]["distribution"]``); None where it records none."""
+    config = meta.get("config")
+    dist = config.get("distribution") if isinstance(config, dict) else None
+    return dist if isinstance(dist, dict) else None
 
 
 def _widen_input(w0: np.ndarray, fields: list[str]) -> np.ndarray:
@@ -231,10 +237,10 @@ def shipped_distribution() -> dict[str, Any] | None:
     sidecar records, read afresh (the caller may keep or change it); None where the
     sidecar is missing or unreadable."""
     try:
-        dist = json.loads(SHIPPED_SIDECAR.read_text())["config"]["distribution"]
-    except (OSError, ValueError, KeyError, TypeError):
+        sidecar = json.loads(SHIPPED_SIDECAR.read_text())
+    except (OSError, ValueError):
         return None
-    return dist if isinstance(dist, dict) else None
+    return recorded_distribution(sidecar) if isinstance(sidecar, dict) else None
 
 
 @lru_cache(maxsize=1)
@@ -305,9 +311,8 @@ class DDQNPolicy(Policy):
     channels the network trained on (:func:`trained_burst_packets` of its weights'
     recorded distribution), the network is not asked: the policy plays its base action
     (no proactive repair, keep admitting: the tail rule, with reactive repair), since the
-    network's proactive bets were learned on shorter bursts. On gilbert-long (mean outage
-    20 packets; the shipped network trained to 6.7) its bets had cost -0.0003 against the
-    tail rule (docs/results.md, "A network does not bet beyond the bursts it trained on").
+    network's proactive bets were learned on shorter bursts (docs/results.md, "A network
+    does not bet beyond the bursts it trained on").
 
     weights: a :class:`QWeights`, a path to a weights file, or None for the shipped one.
     """
@@ -329,12 +334,10 @@ class DDQNPolicy(Policy):
         self.weights = weights
         self.actions = weights.actions
         self._layers = weights.kernel_layers
-        config = weights.meta.get("config")
-        dist = config.get("distribution") if isinstance(config, dict) else None
         base = np.flatnonzero((weights.actions[:, 0] == 0) & (weights.actions[:, 1] > 0.5))
         self.base_action = int(base[0]) if len(base) else -1
         self.burst_limit = (
-            trained_burst_packets(dist if isinstance(dist, dict) else None)
+            trained_burst_packets(recorded_distribution(weights.meta))
             if self.base_action >= 0
             else math.inf
         )
