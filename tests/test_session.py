@@ -540,8 +540,8 @@ def test_total_feedback_loss_leaves_the_sender_finishing_open_loop():
     assert all(_block_ok(tr, res, b) for b in np.flatnonzero(res.complete))
 
 
-@pytest.mark.parametrize("rho", [0.8, 1.0])
-def test_a_receiver_that_never_answers_still_gets_its_first_sources_repaired(rho):
+@pytest.mark.parametrize(("rho", "prior"), [(0.8, None), (1.0, None), (1.0, 0.02)])
+def test_a_receiver_that_never_answers_still_gets_its_first_sources_repaired(rho, prior):
     """Every report lost, 10 % loss, 40 ms one way, rho 1 and below (no slack), a policy
     that sends no proactive repair of its own: two round trips into the silence the sender assumes
     ``OPEN_LOOP_LOSS`` (the tail rule then leaves room), repairs at that share between the
@@ -549,9 +549,12 @@ def test_a_receiver_that_never_answers_still_gets_its_first_sources_repaired(rho
     sent before the silence counted, are repaired too. Before, the sender assumed no loss,
     admitted every source, had no slack to repair with and aimed any repair at the newest
     symbols: 0.18-0.25 of the utility (docs/results.md, "A return path that never
-    answers")."""
+    answers"). The same with a prior below the loss (a daemon's later transfer: 2 %), which
+    the sender kept before: 0.16-0.48 (docs/results.md, "A return path that dies
+    midway")."""
     rng = np.random.default_rng(11)
     tr, s, r = make_pair(size=4_000_000, blocks=200, policy="tail-rule", rho=rho, delay=0.04)
+    s.set_prior_loss(prior)
     net = Net(s, r, data=lambda i, d: [] if rng.random() < 0.1 else [0.0], back=lambda i, d: [],
               delay=0.04)  # fmt: skip
     net.run()
