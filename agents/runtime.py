@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 from kvtransport.agents.features import FEATURES_VERSION, N_FEATURES, features_into
+from kvtransport.netem import Bernoulli, GilbertElliott
 from numba import njit
 
 from kvtransport.core.observation import BURST_UNIT, OBS_FIELDS, Obs, observe_into
@@ -274,25 +275,29 @@ def trained_priors(distribution: dict[str, Any] | None) -> bool:
 
 
 def trained_burst_packets(distribution: dict[str, Any] | None) -> float:
-    """The longest mean loss burst (packets) of the channels a network trained on
-    ``distribution`` (EpisodeDistribution's settings) could draw: a Gilbert-Elliott bad
-    state that loses every packet and is left with the least recovery probability r
-    (mean stay 1 / r); Bernoulli and clean draws have shorter ones. ``math.inf`` where it
-    does not say, or drew trace windows (whose bursts are the traces')."""
+    """The longest mean loss burst (packets, the loss models' ``mean_burst_length``) of the
+    channels a network trained on ``distribution`` (EpisodeDistribution's settings) could
+    draw: its Gilbert-Elliott draws' extreme (the most loss in the bad state, none in the
+    good one, the least recovery probability r) or its heaviest Bernoulli draw.
+    ``math.inf`` where it does not say, drew no lossy channel, or drew trace windows
+    (whose bursts are the traces')."""
     if distribution is None:
         return math.inf
-    weights = distribution.get("loss_weights")
     try:
-        r_min = float(distribution["ge_r_range"][0])
-        if not isinstance(weights, dict) or (
-            float(weights.get("trace", 0.0)) > 0 and distribution.get("trace_files")
-        ):
+        weights = {kind: float(w) for kind, w in distribution["loss_weights"].items()}
+        if weights.get("trace", 0.0) > 0 and distribution.get("trace_files"):
             return math.inf
-    except (ValueError, KeyError, TypeError, IndexError):
+        longest = 0.0
+        if weights.get("ge", 0.0) > 0:
+            p, r = float(distribution["ge_p_range"][1]), float(distribution["ge_r_range"][0])
+            bad = float(distribution["ge_bad_range"][1])
+            longest = GilbertElliott(p, r, bad).mean_burst_length()
+        if weights.get("bernoulli", 0.0) > 0:
+            heaviest = Bernoulli(float(distribution["bernoulli_range"][1]))
+            longest = max(longest, heaviest.mean_burst_length())
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError):
         return math.inf
-    if float(weights.get("ge", 0.0)) <= 0:
-        return 1.0 / (1.0 - float(distribution.get("bernoulli_range", [0.0, 0.0])[1]))
-    return 1.0 / r_min if r_min > 0 else math.inf
+    return longest if longest > 0 else math.inf
 
 
 @lru_cache(maxsize=1)

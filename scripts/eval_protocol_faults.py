@@ -66,13 +66,13 @@ def restart(size_mb: float, seed: int, policy: str, at: float = 0.4, rho: float 
 
 class _DiesAt:
     """A loss-free return path that loses every datagram handed to it from ``at`` (seconds
-    on the virtual clock) on."""
+    on the virtual clock; 0 until set: dead from the start) on."""
 
-    def __init__(self, delay_ms: float, at: float = 0.0) -> None:
+    def __init__(self, delay_ms: float) -> None:
         self._link = make_channel(Profile("b0", loss=parse_loss("0%"), delay_ms=delay_ms), 0,
                                   overhead_bytes=STANDARD.link_overhead)  # fmt: skip
         self.overhead_bytes = self._link.overhead_bytes
-        self.at = at
+        self.at = 0.0
         self.lost = 0
 
     def transmit(self, t_send: float, nbytes: int) -> float | None:
@@ -92,13 +92,11 @@ def feedback_loss(
 ) -> dict:
     """10 % Bernoulli data loss, every feedback datagram lost (from ``dies_at`` x the
     deadline on: before, none)."""
-    dying = _DiesAt(delay_ms) if dies_at > 0 else None
+    dying = _DiesAt(delay_ms)
     sim = make_simulation(channel=Profile("b10", loss=parse_loss("10%"), delay_ms=delay_ms),
-                          feedback_channel=dying or Profile("dead", loss=parse_loss("100%")),
-                          rho=rho, policy=policy, seed=seed, size_bytes=int(size_mb * 1e6),
-                          record=False)  # fmt: skip
-    if dying is not None:
-        dying.at = dies_at * sim.deadline
+                          feedback_channel=dying, rho=rho, policy=policy, seed=seed,
+                          size_bytes=int(size_mb * 1e6), record=False)  # fmt: skip
+    dying.at = dies_at * sim.deadline
     sim.run()
     res = sim.result()
     return {

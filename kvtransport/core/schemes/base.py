@@ -90,7 +90,6 @@ class SenderView(Protocol):
     stats: dict[str, int]
     share: float  # the policy's repair share for this interval
     open_loop: bool  # no feedback for a while
-    repair_sent: int  # repairs sent so far (all kinds)
     fb_through: int  # the receiver's decoded-through, as last reported
     fb_esi_end: int  # one past the highest ESI the receiver had seen, as last reported
     fb_deficit: int  # reported holes still owed repairs

@@ -337,8 +337,9 @@ class RLCSender(SenderRepair):
         # proactive: the symbols feedback has not described: where its hole list was cut,
         # else the newest (one RTT and an interval of them, which it cannot have reported
         # yet); older holes are the reactive repairs' job
-        span = max(OPEN_LOOP_SPAN, self.span) if s.open_loop else self.span
+        span = self.span
         if s.open_loop:
+            span = max(OPEN_LOOP_SPAN, span)
             # no report describes what went out since the last one (or since the start):
             # the sources sent before the silence counted got only the repairs sent since
             # that report, so windows of ``span`` walk the stream a stride apart, from
