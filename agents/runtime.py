@@ -33,7 +33,6 @@ from typing import Any
 
 import numpy as np
 from kvtransport.agents.features import FEATURES_VERSION, N_FEATURES, features_into
-from kvtransport.netem import Bernoulli, GilbertElliott
 from numba import njit
 
 from kvtransport.core.observation import BURST_UNIT, OBS_FIELDS, Obs, observe_into
@@ -275,29 +274,31 @@ def trained_priors(distribution: dict[str, Any] | None) -> bool:
 
 
 def trained_burst_packets(distribution: dict[str, Any] | None) -> float:
-    """The longest mean loss burst (packets, the loss models' ``mean_burst_length``) of the
-    channels a network trained on ``distribution`` (EpisodeDistribution's settings) could
-    draw: its Gilbert-Elliott draws' extreme (the most loss in the bad state, none in the
-    good one, the least recovery probability r) or its heaviest Bernoulli draw.
-    ``math.inf`` where it does not say, drew no lossy channel, or drew trace windows
-    (whose bursts are the traces')."""
+    """The longest mean loss burst (packets) of the channels a network trained on
+    ``distribution`` (EpisodeDistribution's settings) could draw: its Gilbert-Elliott
+    draws' extreme (the most loss in the bad state, none in the good one, the least
+    recovery probability r: a run of losses goes on with probability (1 - r) x bad-state
+    loss per packet) or its heaviest Bernoulli draw (1 / (1 - p)). These are the loss
+    models' ``mean_burst_length`` (kvtransport.netem.loss) in closed form: the data plane
+    does not load the channel models. ``math.inf`` where it does not say, drew no lossy
+    channel, or drew trace windows (whose bursts are the traces')."""
     if distribution is None:
         return math.inf
     try:
         weights = {kind: float(w) for kind, w in distribution["loss_weights"].items()}
         if weights.get("trace", 0.0) > 0 and distribution.get("trace_files"):
             return math.inf
-        longest = 0.0
+        go_on = 0.0  # the largest probability that a run of losses goes on
         if weights.get("ge", 0.0) > 0:
-            p, r = float(distribution["ge_p_range"][1]), float(distribution["ge_r_range"][0])
-            bad = float(distribution["ge_bad_range"][1])
-            longest = GilbertElliott(p, r, bad).mean_burst_length()
+            r, bad = float(distribution["ge_r_range"][0]), float(distribution["ge_bad_range"][1])
+            go_on = (1.0 - r) * bad
         if weights.get("bernoulli", 0.0) > 0:
-            heaviest = Bernoulli(float(distribution["bernoulli_range"][1]))
-            longest = max(longest, heaviest.mean_burst_length())
+            go_on = max(go_on, float(distribution["bernoulli_range"][1]))
     except (ValueError, KeyError, TypeError, IndexError, AttributeError):
         return math.inf
-    return longest if longest > 0 else math.inf
+    if not 0.0 < go_on < 1.0:
+        return math.inf
+    return 1.0 / (1.0 - go_on)
 
 
 @lru_cache(maxsize=1)

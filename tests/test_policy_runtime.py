@@ -24,6 +24,7 @@ from kvtransport.agents.runtime import (
     trained_burst_packets,
 )
 from kvtransport.agents.training import TrainConfig, make_env
+from kvtransport.netem import Bernoulli, GilbertElliott
 
 from kvtransport.core.observation import BURST_UNIT, Obs, Raw
 from kvtransport.core.policy import (
@@ -274,25 +275,26 @@ _RANGES = {"ge_p_range": [0.002, 0.08], "ge_r_range": [0.15, 0.7], "ge_bad_range
 
 
 @pytest.mark.parametrize(
-    ("distribution", "packets"),
+    ("distribution", "longest"),
     [
-        ({**_RANGES, "loss_weights": {"ge": 0.6, "bernoulli": 0.4}}, 1 / 0.15),
+        ({**_RANGES, "loss_weights": {"ge": 0.6, "bernoulli": 0.4}},
+         GilbertElliott(0.08, 0.15, 1.0)),
         ({**_RANGES, "ge_bad_range": [0.3, 0.5], "loss_weights": {"ge": 1.0}},
-         1 / (1 - 0.85 * 0.5)),
-        ({**_RANGES, "loss_weights": {"ge": 0.0, "bernoulli": 1.0}}, 1.25),
-        ({**_RANGES, "loss_weights": {"ge": 0.5, "trace": 0.5}, "trace_files": ["t.csv"]},
-         float("inf")),
-        ({**_RANGES, "loss_weights": {"clean": 1.0}}, float("inf")),
-        ({}, float("inf")),
-        (None, float("inf")),
+         GilbertElliott(0.08, 0.15, 0.5)),
+        ({**_RANGES, "loss_weights": {"ge": 0.0, "bernoulli": 1.0}}, Bernoulli(0.2)),
+        ({**_RANGES, "loss_weights": {"ge": 0.5, "trace": 0.5}, "trace_files": ["t.csv"]}, None),
+        ({**_RANGES, "loss_weights": {"clean": 1.0}}, None),
+        ({}, None),
+        (None, None),
     ],
 )  # fmt: skip
-def test_the_bursts_a_network_trained_on_come_from_its_distribution(distribution, packets):
-    """The longest mean loss burst a training distribution could draw: a Gilbert-Elliott
-    bad state losing the most, left with the least recovery probability (losing half of
-    it, a run goes on with probability 0.85 x 0.5 per packet); Bernoulli's 1 / (1 - p);
-    unknown (traces, no lossy draw, or not recorded): no bound."""
-    assert trained_burst_packets(distribution) == pytest.approx(packets)
+def test_the_bursts_a_network_trained_on_come_from_its_distribution(distribution, longest):
+    """The longest mean loss burst a training distribution could draw, as the loss models
+    define it (``mean_burst_length``): its Gilbert-Elliott draws' extreme (the most loss in
+    the bad state, the least recovery probability), its heaviest Bernoulli draw; no bound
+    where it is unknown (traces, no lossy draw, not recorded)."""
+    want = longest.mean_burst_length() if longest is not None else float("inf")
+    assert trained_burst_packets(distribution) == pytest.approx(want)
 
 
 @pytest.mark.skipif(not shipped_policy_available(), reason="no trained policy shipped yet")
