@@ -102,6 +102,11 @@ HANDOFF_SPEED_PER_CALL_S = 0.07
 HANDOFF_BUDGET = (0.5, 1.0)
 """The TTFT budget as a share of the link time of the whole cache at int8 (uniform):
 tight enough that the plan mixes precisions and leaves a prefix to the receiver."""
+HANDOFF_FIDELITY = {"fp32": 1.0, "fp16": 1.0, "int8": 0.999, "int4": 0.98}
+"""The per-precision fidelities the handoff episodes are planned with: the calibration of
+when the policies were trained (int4 keys per token; kvtransport.model.blocks.
+DEFAULT_FIDELITY is the product's now), so that training and evaluation draw the same
+streams as then."""
 
 
 @dataclass(frozen=True)
@@ -235,9 +240,11 @@ def handoff_stream(spec: EpisodeSpec) -> tuple[BlockTable, np.ndarray]:
         raise ValueError(f"not a handoff episode (stream {spec.stream!r})")
     ranges = spec.n_blocks // HANDOFF_LAYERS
     u = handoff_utilities(spec.seed, ranges)
-    # int8 in 32-value groups (int8_group_size 0), as when the handoff cells in
+    # int8 in 32-value groups (int8_group_size 0) and int4 with keys per token, planned
+    # with int4's fidelity of then (HANDOFF_FIDELITY), as when the handoff cells in
     # docs/results.md were measured and the policies trained; the product's streams now
-    # quantize int8 in one group per head vector (blocks 6 % smaller: Geometry.of)
+    # quantize int8 in one group per head vector (blocks 6 % smaller) and int4's keys per
+    # channel (5 % larger, and planned at a higher fidelity: Geometry.of, DEFAULT_FIDELITY)
     g = Geometry(HANDOFF_LAYERS, HANDOFF_KV_HEADS, ranges * 16, HANDOFF_HEAD_DIM, "float16")
     rng = np.random.default_rng([spec.seed, 0x91_A7])
     speed = ComputeSpeed(HANDOFF_SPEED_PER_CALL_S, _log_uniform(rng, *HANDOFF_SPEED_PER_TOKEN_S))
@@ -247,7 +254,9 @@ def handoff_stream(spec: EpisodeSpec) -> tuple[BlockTable, np.ndarray]:
     int8 = int(g.cost_table(("int8",)).sum())
     budget = float(rng.uniform(*HANDOFF_BUDGET)) * link.seconds(int8)
     # the planned part only: the hedge the product's plans append after it is not modelled
-    plan = plan_handoff(g, u, link=link, speed=speed, budget_s=budget, hedge_share=0.0)
+    plan = plan_handoff(
+        g, u, link=link, speed=speed, budget_s=budget, hedge_share=0.0, fidelity=HANDOFF_FIDELITY
+    )
     order = stream_order(u, g.block_tokens, "position")
     level = plan.precision.reshape(-1)[order]
     sent = order[level >= 0]

@@ -1,11 +1,15 @@
-"""KV-cache quantization: per-token group-wise int8/int4, and a mixed-precision allocator.
+"""KV-cache quantization: group-wise int8/int4, keys per channel, and a mixed-precision allocator.
 
-Quantization (asymmetric, KIVI/QKVShare style, but per token for both K and V): the last
-axis (head_dim) of every token's head vector is cut into groups of ``group_size``
-elements; each group gets its own ``scale`` and ``zero`` (its minimum), both stored as
-float16 so that a group of 32 costs 4 extra bytes. Codes are unsigned,
-``q = round((x - zero) / scale)`` in ``[0, 2**bits - 1]``; int4 codes are packed two per
-byte (element ``2i`` in the low nibble, ``2i + 1`` in the high nibble).
+Quantization (asymmetric): the last axis (head_dim) of every token's head vector is cut
+into groups of ``group_size`` elements; each group gets its own ``scale`` and ``zero``
+(its minimum), both stored as float16 so that a group of 32 costs 4 extra bytes. Codes
+are unsigned, ``q = round((x - zero) / scale)`` in ``[0, 2**bits - 1]``; int4 codes are
+packed two per byte (element ``2i`` in the low nibble, ``2i + 1`` in the high nibble).
+:func:`quantize_channels` groups the other way (KIVI's keys): one scale and zero per
+channel (head_dim position) over a block's tokens, because a key cache's outliers sit in
+a few fixed channels, which per-token groups must stretch over every other value (on
+SmolLM2 at int4 this cuts the answer's KL to the full cache 2.7-fold: docs/results.md,
+"int4 keys per channel"). The codes keep the token-major layout either way.
 
 The exact bound. ``zero`` is the group minimum rounded *down* to float16 and ``scale`` is
 ``(max - zero) / qmax`` rounded *up* to float16, so every element lies inside
@@ -14,6 +18,10 @@ Codes are computed in float64 (exact for float32/float16 inputs), hence the dequ
 value ``q * scale + zero`` is within ``scale / 2`` of ``x`` in exact arithmetic; producing it
 as float32 adds at most half a float32 ulp of the result:
 ``|x - dequantize(quantize(x))| <= scale / 2 + spacing(|result|) / 2`` for every element.
+
+A quantized KV block (:func:`quantize_kv`, the layout kvtransport.model.blocks sends):
+codes of ``[2, H, T, D]`` (K then V), then the float16 scales of K then V, then their
+zeros; K's scales are ``[H, T, D / G]`` per token, or ``[H, D]`` with keys per channel.
 
 Mixed precision (the QKVShare way): given each block's utility and a byte budget, choose
 each block's precision among fp16 / int8 / int4 / dropped so the kept utility is maximal;
@@ -37,7 +45,9 @@ class Quantized:
     """Quantized tensor: codes plus one float16 scale and zero point per group.
 
     codes: uint8, ``[..., head_dim]`` for 8 bits, ``[..., head_dim // 2]`` packed for 4 bits.
-    scales, zeros: float16 ``[..., head_dim // group_size]``.
+    scales, zeros: float16 ``[..., head_dim // group_size]``; per channel
+    (:func:`quantize_channels`, ``group_size`` 0) ``[..., 1, head_dim]``, one per position
+    of the last axis over the second-to-last.
     """
 
     codes: np.ndarray
@@ -47,8 +57,12 @@ class Quantized:
     group_size: int
 
     @property
+    def per_channel(self) -> bool:
+        return self.group_size == 0
+
+    @property
     def head_dim(self) -> int:
-        return int(self.scales.shape[-1] * self.group_size)
+        return int(self.scales.shape[-1] * max(self.group_size, 1))
 
 
 def _check_bits(bits: int) -> int:
@@ -120,6 +134,22 @@ def _group_codes(
     return out
 
 
+def _scales_zeros(lo: np.ndarray, hi: np.ndarray, qmax: int) -> tuple[np.ndarray, np.ndarray]:
+    """float16 (scales, zeros) of groups spanning ``[lo, hi]`` (float64): the exact bound's
+    rounding (module docstring). Raises ValueError for non-finite values or values beyond
+    float16's range."""
+    if not (np.all(np.isfinite(lo)) and np.all(np.isfinite(hi))):
+        raise ValueError("cannot quantize non-finite values")
+    if lo.size and (lo.min() < -_F16_MAX or hi.max() > _F16_MAX):
+        raise ValueError("values exceed the float16 range of scales and zero points")
+    zeros = _f16_round(lo, up=False)
+    scales = _f16_round((hi - zeros.astype(np.float64)) / qmax, up=True)
+    # A constant group whose minimum is exactly representable needs no scale: any
+    # positive value keeps its codes at 0 and the result exact.
+    scales[scales == 0] = np.float16(1.0)
+    return scales, zeros
+
+
 def quantize(x: np.ndarray, bits: int, group_size: int = DEFAULT_GROUP_SIZE) -> Quantized:
     """Quantize ``x`` (float16/32, any leading shape) group-wise along its last axis.
 
@@ -134,17 +164,8 @@ def quantize(x: np.ndarray, bits: int, group_size: int = DEFAULT_GROUP_SIZE) -> 
     groups = x.shape[-1] // group_size
     g = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, group_size)
     lo, hi = _group_min_max(g) if g.shape[0] else (np.zeros(0), np.zeros(0))
-    if not (np.all(np.isfinite(lo)) and np.all(np.isfinite(hi))):
-        raise ValueError("cannot quantize non-finite values")
-    if lo.size and (lo.min() < -_F16_MAX or hi.max() > _F16_MAX):
-        raise ValueError("values exceed the float16 range of scales and zero points")
-    zeros = _f16_round(lo, up=False)
-    z64 = zeros.astype(np.float64)
-    scales = _f16_round((hi - z64) / qmax, up=True)
-    # A constant group whose minimum is exactly representable needs no scale: any
-    # positive value keeps its codes at 0 and the result exact.
-    scales[scales == 0] = np.float16(1.0)
-    codes = _group_codes(g, z64, scales.astype(np.float64), qmax, bits == 4)
+    scales, zeros = _scales_zeros(lo, hi, qmax)
+    codes = _group_codes(g, zeros.astype(np.float64), scales.astype(np.float64), qmax, bits == 4)
     return Quantized(
         codes=codes.reshape(*lead, -1),
         scales=scales.reshape(*lead, groups),
@@ -154,9 +175,37 @@ def quantize(x: np.ndarray, bits: int, group_size: int = DEFAULT_GROUP_SIZE) -> 
     )
 
 
+def quantize_channels(x: np.ndarray, bits: int) -> Quantized:
+    """Quantize ``x`` ``[..., T, D]`` (float16/32) per channel: each of the last axis's D
+    positions gets one scale and zero over the T rows of the second-to-last axis (a
+    block's tokens). Codes keep ``x``'s layout (int4 packed along D, which must be even);
+    the exact bound and the errors are :func:`quantize`'s."""
+    qmax = _check_bits(bits)
+    if x.ndim < 2 or x.shape[-2] < 1 or (bits == 4 and x.shape[-1] % 2):
+        raise ValueError(f"per-channel int{bits} needs [..., tokens, even channels], not {x.shape}")
+    *lead, t, d = x.shape
+    g = np.ascontiguousarray(np.swapaxes(x, -1, -2), dtype=np.float32).reshape(-1, t)
+    lo, hi = _group_min_max(g) if g.shape[0] else (np.zeros(0), np.zeros(0))
+    scales, zeros = _scales_zeros(lo, hi, qmax)
+    codes = _group_codes(g, zeros.astype(np.float64), scales.astype(np.float64), qmax, False)
+    codes = np.ascontiguousarray(np.swapaxes(codes.reshape(*lead, d, t), -1, -2))
+    return Quantized(
+        codes=pack_int4(codes) if bits == 4 else codes,
+        scales=scales.reshape(*lead, 1, d),
+        zeros=zeros.reshape(*lead, 1, d),
+        bits=bits,
+        group_size=0,
+    )
+
+
 def dequantize(q: Quantized, dtype: np.dtype | type = np.float32) -> np.ndarray:
-    """Inverse of :func:`quantize`: ``codes * scale + zero`` per group, as ``dtype``."""
+    """Inverse of :func:`quantize` and :func:`quantize_channels`: ``codes * scale + zero``
+    per group, as ``dtype``."""
     codes = unpack_int4(q.codes) if q.bits == 4 else q.codes
+    if q.per_channel:
+        out = codes.astype(np.float32) * q.scales.astype(np.float32)
+        out += q.zeros.astype(np.float32)
+        return out.astype(dtype, copy=False)
     shape = codes.shape
     g = codes.reshape(*shape[:-1], shape[-1] // q.group_size, q.group_size)
     out = g.astype(np.float32) * q.scales.astype(np.float32)[..., None]
@@ -178,6 +227,22 @@ def _half_to_float(h: int) -> np.float32:  # pragma: no cover - numba
     return np.float32(-v if h & 0x8000 else v)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _half_at(buf: np.ndarray, at: int) -> np.float32:  # pragma: no cover - numba
+    """The little-endian float16 at byte ``at`` of ``buf``, as float32."""
+    return _half_to_float(buf[at] | (buf[at + 1] << 8))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _code(buf: np.ndarray, base: int, d: int, bits: int) -> np.float32:  # pragma: no cover
+    """Element ``d``'s code of the code row at byte ``base``."""
+    if bits == 8:
+        return np.float32(buf[base + d])
+    if d % 2 == 0:
+        return np.float32(buf[base + d // 2] & 0x0F)
+    return np.float32(buf[base + d // 2] >> 4)
+
+
 @njit(cache=True, nogil=True)
 def dequantize_blocks_into(
     buf: np.ndarray,
@@ -187,24 +252,30 @@ def dequantize_blocks_into(
     count: int,
     bits: int,
     group_size: int,
+    channel_keys: bool,
     keys: np.ndarray,
     values: np.ndarray,
 ) -> None:  # pragma: no cover - numba
-    """Dequantize serialized blocks (kvtransport.model.blocks layout) straight into a cache.
+    """Dequantize serialized blocks (:func:`quantize_kv`'s layout) straight into a cache.
 
     buf: uint8 stream; block ``j`` starts at ``offsets[j]``, holds ``count`` tokens of
     layer ``layers[j]`` from token ``starts[j]``: codes ``[2, H, count, D * bits / 8]``,
-    then little-endian float16 scales and zeros ``[2, H, count, D / group_size]`` each.
+    then little-endian float16 scales and zeros, each K's (``[H, count, D / group_size]``,
+    or ``[H, D]`` with ``channel_keys``) then V's ``[H, count, D / group_size]``.
     keys, values: float32 ``[L, H, N, D]``, written in place. One pass over the bytes, no
-    temporaries; the arithmetic (float32 ``q * scale``, then ``+ zero``) is the same as
-    :func:`dequantize`, so both give identical bits.
+    temporaries beyond one head's channel scales; the arithmetic (float32 ``q * scale``,
+    then ``+ zero``) is the same as :func:`dequantize`, so both give identical bits.
     """
     heads = keys.shape[1]
     dim = keys.shape[3]
     per_row = dim * bits // 8
     groups = dim // group_size
     n_codes = 2 * heads * count * per_row
-    n_groups = 2 * heads * count * groups
+    v_groups = heads * count * groups
+    k_groups = heads * dim if channel_keys else v_groups
+    n_groups = k_groups + v_groups
+    ch_scale = np.empty(dim, np.float32)
+    ch_zero = np.empty(dim, np.float32)
     for j in range(offsets.size):
         o = offsets[j]
         so = o + n_codes
@@ -213,22 +284,26 @@ def dequantize_blocks_into(
         t0 = starts[j]
         for kv in range(2):
             out = keys if kv == 0 else values
+            first = 0 if kv == 0 else k_groups  # this half's first group
             for h in range(heads):
+                if kv == 0 and channel_keys:
+                    for d in range(dim):
+                        ch_scale[d] = _half_at(buf, so + 2 * (h * dim + d))
+                        ch_zero[d] = _half_at(buf, zo + 2 * (h * dim + d))
+                    for t in range(count):
+                        base = o + (h * count + t) * per_row
+                        for d in range(dim):
+                            q = _code(buf, base, d, bits)
+                            out[layer, h, t0 + t, d] = q * ch_scale[d] + ch_zero[d]
+                    continue
                 for t in range(count):
-                    row = (kv * heads + h) * count + t
-                    base = o + row * per_row
+                    base = o + ((kv * heads + h) * count + t) * per_row
                     for g in range(groups):
-                        gi = row * groups + g
-                        sc = _half_to_float(buf[so + 2 * gi] | (buf[so + 2 * gi + 1] << 8))
-                        zr = _half_to_float(buf[zo + 2 * gi] | (buf[zo + 2 * gi + 1] << 8))
+                        gi = first + (h * count + t) * groups + g
+                        sc = _half_at(buf, so + 2 * gi)
+                        zr = _half_at(buf, zo + 2 * gi)
                         for d in range(g * group_size, (g + 1) * group_size):
-                            if bits == 8:
-                                q = buf[base + d]
-                            elif d % 2 == 0:
-                                q = buf[base + d // 2] & 0x0F
-                            else:
-                                q = buf[base + d // 2] >> 4
-                            out[layer, h, t0 + t, d] = np.float32(q) * sc + zr
+                            out[layer, h, t0 + t, d] = _code(buf, base, d, bits) * sc + zr
 
 
 def pack_int4(codes: np.ndarray) -> np.ndarray:
@@ -246,46 +321,62 @@ def unpack_int4(packed: np.ndarray) -> np.ndarray:
     return out
 
 
-def quantized_nbytes(num_elements: int, bits: int, group_size: int = DEFAULT_GROUP_SIZE) -> int:
-    """Bytes of codes plus float16 scales and zeros for ``num_elements`` values."""
+def kv_nbytes(
+    heads: int, tokens: int, dim: int, bits: int, group_size: int, channel_keys: bool
+) -> int:
+    """Bytes of one quantized KV block (:func:`quantize_kv`): codes plus float16 scales and
+    zeros, K's per channel when ``channel_keys``."""
     _check_bits(bits)
-    groups = num_elements // group_size
-    return num_elements * bits // 8 + 4 * groups
+    per_token = heads * tokens * (dim // group_size)
+    groups = (heads * dim if channel_keys else per_token) + per_token
+    return 2 * heads * tokens * dim * bits // 8 + 4 * groups
 
 
-def to_bytes(q: Quantized) -> np.ndarray:
-    """Serialize as uint8 rows: ``[leading..., codes | scales (LE f16) | zeros (LE f16)]``.
+def quantize_kv(kv: np.ndarray, bits: int, group_size: int, channel_keys: bool) -> np.ndarray:
+    """``[n, 2, H, T, D]`` float blocks (K then V) -> ``[n, bytes]`` uint8 rows in the KV
+    block layout (module docstring): V in groups of ``group_size`` per token, K the same
+    or, with ``channel_keys``, per channel over the block's T tokens."""
+    keys = kv[:, 0]
+    k = quantize_channels(keys, bits) if channel_keys else quantize(keys, bits, group_size)
+    v = quantize(kv[:, 1], bits, group_size)
+    n = kv.shape[0]
 
-    The first axis is kept (one row per block), everything after it is flattened, so a
-    stack of blocks becomes ``[blocks, bytes_per_block]`` in one vectorized step.
-    """
-    n = q.codes.shape[0]
-    parts = [
-        q.codes.reshape(n, -1),
-        np.ascontiguousarray(q.scales, dtype="<f2").view(np.uint8).reshape(n, -1),
-        np.ascontiguousarray(q.zeros, dtype="<f2").view(np.uint8).reshape(n, -1),
-    ]
+    def f16(a: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(a, dtype="<f2").view(np.uint8).reshape(n, -1)
+
+    parts = [k.codes.reshape(n, -1), v.codes.reshape(n, -1)]
+    parts += [f16(k.scales), f16(v.scales), f16(k.zeros), f16(v.zeros)]
     return np.concatenate(parts, axis=1)
 
 
-def from_bytes(
-    rows: np.ndarray, shape: Sequence[int], bits: int, group_size: int = DEFAULT_GROUP_SIZE
-) -> Quantized:
-    """Inverse of :func:`to_bytes` for rows of blocks whose float shape is ``shape``."""
+def dequantize_kv(
+    rows: np.ndarray,
+    shape: Sequence[int],
+    bits: int,
+    group_size: int,
+    channel_keys: bool,
+    dtype: np.dtype | type = np.float32,
+) -> np.ndarray:
+    """Inverse of :func:`quantize_kv`: rows -> ``shape`` ``[n, 2, H, T, D]`` as ``dtype``.
+    Rows of the wrong size raise ValueError."""
     _check_bits(bits)
-    check_group(shape[-1], group_size)
-    n = rows.shape[0]
-    inner = tuple(shape[1:]) if len(shape) and shape[0] == n else tuple(shape)
-    code_last = inner[-1] * bits // 8
-    n_codes = int(np.prod(inner[:-1], dtype=np.int64)) * code_last
-    n_groups = int(np.prod(inner[:-1], dtype=np.int64)) * (inner[-1] // group_size)
-    if rows.shape[1] != n_codes + 4 * n_groups:
-        raise ValueError(f"rows of {rows.shape[1]} bytes do not hold {inner} at {bits} bits")
-    codes = rows[:, :n_codes].reshape(n, *inner[:-1], code_last)
-    sz = rows[:, n_codes:].copy()  # contiguous so the float16 view is aligned
-    scales = sz[:, : 2 * n_groups].view("<f2").reshape(n, *inner[:-1], -1)
-    zeros = sz[:, 2 * n_groups :].view("<f2").reshape(n, *inner[:-1], -1)
-    return Quantized(codes=codes, scales=scales, zeros=zeros, bits=bits, group_size=group_size)
+    n, _, heads, tokens, dim = shape
+    check_group(dim, group_size)
+    if rows.shape != (n, kv_nbytes(heads, tokens, dim, bits, group_size, channel_keys)):
+        raise ValueError(f"rows {rows.shape} do not hold {tuple(shape)} at {bits} bits")
+    n_codes = 2 * heads * tokens * dim * bits // 8
+    codes = rows[:, :n_codes].reshape(n, 2, heads, tokens, dim * bits // 8)
+    halves = rows[:, n_codes:].copy().view("<f2")  # contiguous so the view is aligned
+    v_shape: tuple[int, ...] = (n, heads, tokens, dim // group_size)
+    k_shape = (n, heads, 1, dim) if channel_keys else v_shape
+    k_n, v_n = int(np.prod(k_shape[1:])), int(np.prod(v_shape[1:]))
+    k_scales, v_scales, k_zeros, v_zeros = np.split(halves, np.cumsum([k_n, v_n, k_n])[:3], axis=1)
+    k_group = 0 if channel_keys else group_size
+    k_scales, k_zeros = k_scales.reshape(k_shape), k_zeros.reshape(k_shape)
+    v_scales, v_zeros = v_scales.reshape(v_shape), v_zeros.reshape(v_shape)
+    k = Quantized(codes[:, 0], k_scales, k_zeros, bits, k_group)
+    v = Quantized(codes[:, 1], v_scales, v_zeros, bits, group_size)
+    return np.stack([dequantize(k, dtype), dequantize(v, dtype)], axis=1)
 
 
 # ---------------------------------------------------------------------------------------

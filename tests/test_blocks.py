@@ -301,21 +301,58 @@ def test_encode_rejects_bad_arguments():
         blocks.encode_stream(huge, u, o, "fp16", block_tokens=BT)
 
 
-@pytest.mark.parametrize("precision", ["int8", "int4"])
-def test_quantized_blocks_decode_to_exactly_the_reference_dequantization(precision):
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])  # numba in place / numpy rows
+@pytest.mark.parametrize(
+    "precision,int4_keys", [("int8", "channel"), ("int4", "channel"), ("int4", "token")]
+)
+def test_quantized_blocks_decode_to_exactly_the_reference_dequantization(
+    precision, int4_keys, dtype
+):
     from kvtransport.codecs import quant
 
-    c = _cache(tokens=70)  # includes short tail blocks
-    s = _encode(c, precision)
+    c = _cache(tokens=70, dtype=dtype)  # includes short tail blocks
+    s = _encode(c, precision, int4_keys=int4_keys)
     r = blocks.decode_stream(s.manifest_bytes, s.payload)
     m = s.manifest
     bits = 8 if precision == "int8" else 4
+    group = 64 if precision == "int8" or int4_keys == "channel" else 32
     for i in range(m.num_blocks):
         layer, sl = m.layer[i], _token_slice(m, i)
-        kv = np.stack([c.keys[layer, :, sl], c.values[layer, :, sl]])
-        ref = quant.dequantize(quant.quantize(kv, bits, 64 if precision == "int8" else 32))
-        assert np.array_equal(r.cache.keys[layer, :, sl], ref[0])
-        assert np.array_equal(r.cache.values[layer, :, sl], ref[1])
+        k, v = c.keys[layer, :, sl], c.values[layer, :, sl]
+        channel = precision == "int4" and int4_keys == "channel"
+        qk = quant.quantize_channels(k, bits) if channel else quant.quantize(k, bits, group)
+        assert np.array_equal(r.cache.keys[layer, :, sl], quant.dequantize(qk, dtype))
+        ref_v = quant.dequantize(quant.quantize(v, bits, group), dtype)
+        assert np.array_equal(r.cache.values[layer, :, sl], ref_v)
+
+
+def test_int4_keys_per_channel_are_version_3_and_older_int4_manifests_decode_per_token():
+    c = _cache(tokens=40, dim=64)
+    s = _encode(c, "int4")
+    g = s.manifest.geometry
+    assert (g.int4_keys, g.group_of("int4")) == ("channel", 64)
+    # codes, K's scale and zero per channel and head, V's per head vector
+    assert g.block_nbytes("int4") == 2 * 2 * BT * 32 + 4 * (2 * 64 + 2 * BT)
+    # version 3, which older readers refuse instead of decoding keys per token
+    assert s.manifest.version == 3 and s.manifest_bytes[4:6] == b"\x03\x00"
+    assert _encode(c, "int8").manifest.version == 1  # no int4 block: older readers take it
+    # a per-token stream whose manifest lacks the key (written before it): per token
+    old = _encode(c, "int4", int4_keys="token", group_size=32)
+    assert old.manifest.version == 1 and old.manifest.geometry.group_of("int4") == 32
+    legacy = _edited_header(old.manifest_bytes, lambda h: h.pop("int4_keys"))
+    assert blocks.Manifest.from_bytes(legacy).geometry.int4_keys == "token"
+    ref = blocks.decode_stream(old.manifest_bytes, old.payload)
+    got = blocks.decode_stream(legacy, old.payload)
+    assert np.array_equal(got.cache.keys, ref.cache.keys) and got.missing.size == 0
+    # the same bytes read per channel size the blocks otherwise: refused, not misread
+    forged = _edited_header(old.manifest_bytes, lambda h: h.update(int4_keys="channel"))
+    with pytest.raises(ValueError, match="shorter"):
+        blocks.decode_stream(forged, old.payload)
+    bad = _edited_header(s.manifest_bytes, lambda h: h.update(int4_keys="diagonal"))
+    with pytest.raises(blocks.ManifestError, match="int4_keys"):
+        blocks.Manifest.from_bytes(bad)
+    with pytest.raises(ValueError, match="int4_keys"):
+        _encode(c, "int4", int4_keys="diagonal")
 
 
 def _edited_header(manifest_bytes: bytes, edit) -> bytes:
@@ -334,7 +371,7 @@ def _edited_header(manifest_bytes: bytes, edit) -> bytes:
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_int8_groups_span_the_head_vector_and_older_manifests_keep_the_common_group(dtype):
     c = _cache(tokens=48, dim=64, dtype=dtype)
-    s = _encode(c, "int8")
+    s = _encode(c, "int8", int4_keys="token")
     g = s.manifest.geometry
     assert (g.group_size, g.group_of("int8"), g.group_of("int4")) == (32, 64, 32)
     # codes plus one float16 scale and zero per head vector of K and of V
@@ -343,11 +380,11 @@ def test_int8_groups_span_the_head_vector_and_older_manifests_keep_the_common_gr
     # version 2, which a version-1 reader refuses instead of mis-sizing the blocks; a
     # stream without int8 blocks in other groups stays version 1
     assert s.manifest.version == 2 and s.manifest_bytes[4:6] == b"\x02\x00"
-    assert _encode(c, "int4").manifest.version == 1
+    assert _encode(c, "int4", int4_keys="token").manifest.version == 1
     assert _encode(c, "fp16").manifest.version == 1
     # a stream encoded with 32-value int8 groups, its manifest without the new key (as
     # written before it existed): decodes exactly as with the key, not as 64-value groups
-    old = _encode(c, "int8", int8_group_size=32)
+    old = _encode(c, "int8", int8_group_size=32, int4_keys="token")
     assert old.manifest.version == 1 and old.payload.size > s.payload.size
     legacy = _edited_header(old.manifest_bytes, lambda h: h.pop("int8_group_size"))
     assert blocks.Manifest.from_bytes(legacy).geometry.group_of("int8") == 32
@@ -364,7 +401,7 @@ def test_int8_groups_span_the_head_vector_and_older_manifests_keep_the_common_gr
         _encode(c, "int8", int8_group_size=24)
     # a version this module does not know is refused
     future = bytearray(s.manifest_bytes[:-4])
-    future[4:6] = (3).to_bytes(2, "little")
+    future[4:6] = (4).to_bytes(2, "little")
     future += zlib.crc32(bytes(future)).to_bytes(4, "little")
-    with pytest.raises(blocks.ManifestError, match="version 3"):
+    with pytest.raises(blocks.ManifestError, match="version 4"):
         blocks.Manifest.from_bytes(bytes(future))

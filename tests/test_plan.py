@@ -151,7 +151,9 @@ def _fidelity(plan, u) -> float:
 
 
 @pytest.mark.parametrize("objective", ["ttft", "fidelity"])
-@pytest.mark.parametrize("floor", [0.99, 0.997, 0.999])
+# floors well above int4's calibrated fidelity (0.988), where they bind: below, a plan may
+# send everything at int4, its computed prefix making up the rest
+@pytest.mark.parametrize("floor", [0.995, 0.997, 0.999])
 def test_int4_goes_to_the_least_useful_blocks_only_as_far_as_the_fidelity_floor(objective, floor):
     u = _utilities(5)
     with_int4 = tight = 0

@@ -13,8 +13,10 @@ from kvtransport.codecs import quant
 def _bound_holds(x, q):
     """|x - deq| <= scale/2 + spacing(|deq|)/2 element-wise (the documented exact bound)."""
     deq = quant.dequantize(q).astype(np.float64)
-    gs = q.group_size
-    scale = np.repeat(q.scales.astype(np.float64), gs, axis=-1).reshape(x.shape)
+    if q.per_channel:
+        scale = np.broadcast_to(q.scales.astype(np.float64), x.shape)
+    else:
+        scale = np.repeat(q.scales.astype(np.float64), q.group_size, axis=-1).reshape(x.shape)
     err = np.abs(x.astype(np.float64) - deq)
     slack = np.spacing(np.abs(deq).astype(np.float32)).astype(np.float64) / 2
     return err <= scale / 2 + slack, err, scale
@@ -77,16 +79,55 @@ def test_int4_packs_two_codes_per_byte_low_nibble_first():
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_bytes_round_trip_and_size(bits):
-    x = np.random.default_rng(2).standard_normal((6, 2, 3, 16, 64)).astype(np.float32)
-    q = quant.quantize(x, bits, 32)
-    rows = quant.to_bytes(q)
-    per_block = x[0].size
-    assert rows.shape == (6, quant.quantized_nbytes(per_block, bits, 32))
-    back = quant.from_bytes(rows, x.shape, bits, 32)
-    assert np.array_equal(quant.dequantize(back), quant.dequantize(q))
+@pytest.mark.parametrize("offset,spread", [(0.0, 1.0), (37.0, 0.01), (-5.0, 300.0)])
+def test_per_channel_round_trip_bound_and_tightness(bits, offset, spread):
+    rng = np.random.default_rng(bits)
+    x = (offset + spread * rng.standard_normal((5, 3, 16, 64))).astype(np.float32)
+    q = quant.quantize_channels(x, bits)
+    assert q.scales.shape == (5, 3, 1, 64) and q.codes.shape == (5, 3, 16, 64 * bits // 8)
+    ok, err, scale = _bound_holds(x, q)
+    assert ok.all(), f"worst excess {(err - scale / 2).max()}"
+    # each scale is the smallest covering its channel's 16 tokens, not its token's 64 values
+    ideal = (x.max(-2, keepdims=True) - x.min(-2, keepdims=True)).astype(np.float64)
+    ideal /= 2**bits - 1
+    assert np.all(q.scales >= ideal)
+    assert np.all(q.scales <= ideal * (1 + 2**-9) + 2 * 2**-24 + abs(offset) * 2**-9)
+    assert (err / scale).max() > 0.45
+
+
+def test_keys_with_outlier_channels_lose_less_per_channel():
+    """A key cache's outliers sit in a few fixed channels: per-token groups must stretch
+    their scale over them, per-channel ones do not (KIVI's observation)."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((4, 3, 16, 64)).astype(np.float32)
+    x[..., [5, 40]] += 30.0  # two outlier channels, in every token
+    per_token = quant.dequantize(quant.quantize(x, 4, 32))
+    per_channel = quant.dequantize(quant.quantize_channels(x, 4))
+    normal = np.ones(64, bool)
+    normal[[5, 40]] = False
+    err_token = np.abs(per_token - x)[..., normal].mean()
+    err_channel = np.abs(per_channel - x)[..., normal].mean()
+    assert err_channel * 4 < err_token
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("channel_keys", [False, True])
+@pytest.mark.parametrize("tokens", [16, 7])
+def test_kv_bytes_round_trip_and_size(bits, channel_keys, tokens):
+    kv = np.random.default_rng(2).standard_normal((6, 2, 3, tokens, 64)).astype(np.float32)
+    rows = quant.quantize_kv(kv, bits, 32, channel_keys)
+    assert rows.shape == (6, quant.kv_nbytes(3, tokens, 64, bits, 32, channel_keys))
+    k_groups = 3 * 64 if channel_keys else 3 * tokens * 2
+    assert rows.shape[1] == 2 * 3 * tokens * 64 * bits // 8 + 4 * (k_groups + 3 * tokens * 2)
+    back = quant.dequantize_kv(rows, kv.shape, bits, 32, channel_keys)
+    k = kv[:, 0]
+    keys = quant.quantize_channels(k, bits) if channel_keys else quant.quantize(k, bits, 32)
+    assert np.array_equal(back[:, 0], quant.dequantize(keys))
+    assert np.array_equal(back[:, 1], quant.dequantize(quant.quantize(kv[:, 1], bits, 32)))
     with pytest.raises(ValueError):
-        quant.from_bytes(rows[:, :-1], x.shape, bits, 32)
+        quant.dequantize_kv(rows[:, :-1], kv.shape, bits, 32, channel_keys)
+    with pytest.raises(ValueError):
+        quant.dequantize_kv(rows, kv.shape, bits, 32, not channel_keys)
 
 
 def test_bad_inputs_raise():
@@ -98,6 +139,10 @@ def test_bad_inputs_raise():
         quant.quantize(np.zeros((2, 64), np.float32), 8, 24)
     with pytest.raises(ValueError, match="bits"):
         quant.quantize(np.zeros((2, 64), np.float32), 2)
+    with pytest.raises(ValueError, match="per-channel"):
+        quant.quantize_channels(np.zeros((2, 63), np.float32), 4)
+    with pytest.raises(ValueError, match="non-finite"):
+        quant.quantize_channels(np.array([[np.inf] * 4] * 2, np.float32), 4)
 
 
 # ---------------------------------------------------------------------------------------

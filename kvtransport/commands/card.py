@@ -74,8 +74,8 @@ def _print_text(info: dict, table: list[dict]) -> None:
         f"geometry    {info['layers']} layers x {info['kv_heads']} kv heads x "
         f"{info['tokens']} tokens x {info['head_dim']} head_dim",
         f"blocks      {info['blocks']} of {info['blocks_in_geometry']} "
-        f"({info['block_tokens']} tokens each; quant groups: int4 {info['group_size']}, "
-        f"int8 {info['int8_group_size']})",
+        f"({info['block_tokens']} tokens each; quant groups: int4 {info['group_size']} "
+        f"(keys per {info['int4_keys']}), int8 {info['int8_group_size']})",
         f"precisions  {prec}",
         f"stream      {info['stream_bytes']:,} bytes ({info['compression']}x compression vs "
         f"{info['dtype']}); manifest {info['manifest_bytes']:,} bytes",

@@ -18,15 +18,19 @@ Block byte layout (all little-endian; ``H`` kv heads, ``T`` tokens, ``D`` head_d
 
 - ``fp32`` / ``fp16``: K ``[H, T, D]`` then V ``[H, T, D]``;
 - ``int8`` / ``int4``: codes of ``[2, H, T, D]`` (K then V; int4 packed two per byte), then
-  float16 scales ``[2, H, T, D / G]``, then float16 zeros (see kvtransport.codecs.quant);
-  ``G`` is the precision's group (the header's ``int8_group_size`` for int8, absent in
-  manifests written before it and then ``group_size``; ``group_size`` for int4).
+  float16 scales, K's then V's, then float16 zeros, the same (kvtransport.codecs.quant.
+  quantize_kv): per token ``[H, T, D / G]``, ``G`` the precision's group (the header's
+  ``int8_group_size`` for int8, absent in manifests written before it and then
+  ``group_size``; ``group_size`` for int4), except int4's keys when the header's
+  ``int4_keys`` is ``channel``: ``[H, D]``, one per channel over the block's tokens (absent
+  in manifests written before it, and then ``token``).
 
-Manifest format, version 1 or 2 (all integers little-endian)::
+Manifest format, version 1 to 3 (all integers little-endian)::
 
     0   4  magic b"KVMF"
-    4   2  version (2 when the stream holds int8 blocks quantized in groups other than
-           ``group_size``, which a version-1 reader would mis-size; 1 otherwise)
+    4   2  version (3 when the stream holds int4 blocks with keys per channel, 2 when it
+           holds int8 blocks quantized in groups other than ``group_size``, either of which
+           an older reader would mis-size; 1 otherwise)
     6   2  flags (bit 0: token ids included)
     8   4  header length J
     12  4  body length B
@@ -63,12 +67,14 @@ PRECISIONS = ("fp32", "fp16", "int8", "int4")
 
 DEFAULT_BLOCK_TOKENS = 16
 MANIFEST_MAGIC = b"KVMF"
-MANIFEST_VERSIONS = (1, 2)
+MANIFEST_VERSIONS = (1, 2, 3)
 """The manifest versions this module reads; it writes the lowest that holds the stream
 (:attr:`Manifest.version`)."""
 _FIXED = struct.Struct("<4sHHII")
 _FLAG_TOKEN_IDS = 1
 _BITS = {"int8": 8, "int4": 4}
+INT4_KEYS = ("token", "channel")
+"""How int4 blocks quantize their keys (:attr:`Geometry.int4_keys`)."""
 _FLOAT = {"fp32": "<f4", "fp16": "<f2"}
 _DTYPES = {"float32": np.float32, "float16": np.float16}
 _MAX_TOKEN_ID = 2**32 - 1
@@ -95,27 +101,38 @@ class Geometry:
     values): int8's error stays far below int4's either way, and on SmolLM2 (head_dim 64)
     that halves the scales and zeros, from 4 of every 36 bytes of an int8 block to 2 of
     34 (docs/results.md, section 0)."""
+    int4_keys: str = "token"
+    """int4's keys: ``token`` (groups of ``group_size`` per token, like the values: what
+    manifests written before the field hold) or ``channel`` (one scale and zero per channel
+    over the block's tokens, what :meth:`of` gives; kvtransport.codecs.quant says why)."""
 
     def __post_init__(self) -> None:
         if not self.int8_group_size:
             object.__setattr__(self, "int8_group_size", self.group_size)
+        if self.int4_keys not in INT4_KEYS:
+            raise ValueError(f"int4_keys {self.int4_keys!r} is not one of {INT4_KEYS}")
 
     @classmethod
     def of(
         cls,
         cache: KVCache,
         block_tokens: int = DEFAULT_BLOCK_TOKENS,
-        group_size: int = quant.DEFAULT_GROUP_SIZE,
+        group_size: int | None = None,
         int8_group_size: int | None = None,
+        int4_keys: str = "channel",
     ) -> Geometry:
-        """``cache``'s geometry; ``group_size`` capped at head_dim, ``int8_group_size``
-        None: one group per head vector. A group that is not an even divisor of head_dim
-        raises ValueError."""
+        """``cache``'s geometry; ``group_size`` capped at head_dim, None: one group per head
+        vector with int4's keys per channel (only the values then use it: their error is
+        the same in 32-value groups, at 4 more bytes per 64 values), else
+        ``quant.DEFAULT_GROUP_SIZE``; ``int8_group_size`` None: one group per head vector.
+        A group that is not an even divisor of head_dim raises ValueError."""
         dtype = np.dtype(cache.keys.dtype).name
         if dtype not in _DTYPES:
             raise ValueError(f"cache dtype {dtype} is not float32 or float16")
         if block_tokens <= 0:
             raise ValueError(f"block_tokens must be positive, not {block_tokens}")
+        if group_size is None:
+            group_size = cache.head_dim if int4_keys == "channel" else quant.DEFAULT_GROUP_SIZE
         group = min(group_size, cache.head_dim)
         group8 = cache.head_dim if int8_group_size is None else int8_group_size
         quant.check_group(cache.head_dim, group)
@@ -129,11 +146,16 @@ class Geometry:
             block_tokens,
             group,
             group8,
+            int4_keys,
         )
 
     def group_of(self, precision: str) -> int:
         """The quantization group of a quantized precision (int8 or int4)."""
         return self.int8_group_size if precision == "int8" else self.group_size
+
+    def channel_keys(self, precision: str) -> bool:
+        """Does a block at this precision quantize its keys per channel?"""
+        return precision == "int4" and self.int4_keys == "channel"
 
     @property
     def token_blocks(self) -> int:
@@ -151,10 +173,11 @@ class Geometry:
     def block_nbytes(self, precision: str, tokens: int | None = None) -> int:
         """Bytes of one block of ``tokens`` tokens (default: a full block) at a precision."""
         t = self.block_tokens if tokens is None else tokens
-        elements = 2 * self.num_kv_heads * t * self.head_dim
         if precision in _FLOAT:
+            elements = 2 * self.num_kv_heads * t * self.head_dim
             return elements * np.dtype(_FLOAT[precision]).itemsize
-        return quant.quantized_nbytes(elements, _BITS[precision], self.group_of(precision))
+        return quant.kv_nbytes(self.num_kv_heads, t, self.head_dim, _BITS[precision],
+                               self.group_of(precision), self.channel_keys(precision))  # fmt: skip
 
     def cost_table(self, precisions: tuple[str, ...]) -> np.ndarray:
         """``[num_blocks, len(precisions)]`` bytes per block (flat index) per precision."""
@@ -236,10 +259,13 @@ class Manifest:
 
     @property
     def version(self) -> int:
-        """The manifest version written: 2 where a version-1 reader would mis-size blocks
-        (int8 blocks in groups other than ``group_size``), else 1, which older readers
-        take."""
+        """The manifest version written: the lowest whose readers size every block right
+        (3: int4 blocks with keys per channel; 2: int8 blocks in groups other than
+        ``group_size``; else 1), so older readers take what they can read and refuse, by
+        version, what they would mis-size."""
         g = self.geometry
+        if g.int4_keys == "channel" and np.any(self.precision == PRECISIONS.index("int4")):
+            return 3
         has_int8 = bool(np.any(self.precision == PRECISIONS.index("int8")))
         return 2 if has_int8 and g.int8_group_size != g.group_size else 1
 
@@ -257,6 +283,7 @@ class Manifest:
             "block_tokens": g.block_tokens,
             "group_size": g.group_size,
             "int8_group_size": g.group_of("int8"),
+            "int4_keys": g.int4_keys,
             "num_blocks": self.num_blocks,
             "token_ids_sha256": self.token_ids_sha256,
             "created": self.created,
@@ -397,6 +424,7 @@ def _parse_header(head: Any) -> tuple[Geometry, int, str, str, dict[str, Any]]:
         ints["num_blocks"] = head["num_blocks"]
         model_id, dtype, sha = head["model_id"], head["dtype"], head["token_ids_sha256"]
         created = head.get("created", {})
+        int4_keys = head.get("int4_keys", "token")
     except KeyError as exc:
         raise ManifestError(f"manifest header lacks {exc}") from exc
     if not all(type(v) is int and 0 <= v <= MAX_GEOMETRY for v in ints.values()):
@@ -414,6 +442,8 @@ def _parse_header(head: Any) -> tuple[Geometry, int, str, str, dict[str, Any]]:
         raise ManifestError("manifest dtype, model_id or token hash malformed")
     if not isinstance(created, dict):
         raise ManifestError("manifest creation info malformed")
+    if int4_keys not in INT4_KEYS:
+        raise ManifestError(f"manifest int4_keys must be one of {INT4_KEYS}")
     g = Geometry(
         ints["layers"],
         ints["kv_heads"],
@@ -423,6 +453,7 @@ def _parse_header(head: Any) -> tuple[Geometry, int, str, str, dict[str, Any]]:
         ints["block_tokens"],
         ints["group_size"],
         ints["int8_group_size"],
+        int4_keys,
     )
     if ints["num_blocks"] > g.num_blocks:
         raise ManifestError(f"manifest lists {ints['num_blocks']} blocks, geometry has fewer")
@@ -542,12 +573,14 @@ def parse_precision(spec: str) -> tuple[str, int | None]:
 
 
 MIXED_LEVELS = ("fp16", "int8", "int4")
-DEFAULT_FIDELITY = {"fp32": 1.0, "fp16": 1.0, "int8": 0.999, "int4": 0.98}
+DEFAULT_FIDELITY = {"fp32": 1.0, "fp16": 1.0, "int8": 0.999, "int4": 0.988}
 """Share of a block's utility that survives at each precision, used by the mixed
-allocator. Calibrated with scripts/eval_quant.py's uniform-precision runs on SmolLM2
-(16 prompts, task seeds 30000+): teacher-forced top-1 agreement with the fp32 answer was
-1.000 for fp16 and int8 and 0.978 [0.952, 1.005] for int4. int8 is set just below 1 so
-that fp16 still wins a block when bytes are plentiful; the agreement saturates there."""
+allocator and the handoff plan. Calibrated with scripts/eval_quant.py's uniform-precision
+runs on SmolLM2 (16 prompts, task seeds 30000+): teacher-forced top-1 agreement with the
+fp32 answer was 1.000 for fp16, 0.996 for int8 and 0.988 [0.975, 1.002] for int4 with keys
+per channel (0.978 with int4 keys per token, which the value before was set from). int8
+is set just below 1 so that fp16 still wins a block when bytes are plentiful; the
+agreement saturates there."""
 
 
 def plan_precision(
@@ -597,7 +630,7 @@ def _encode_rows(kv: np.ndarray, precision: str, g: Geometry) -> np.ndarray:
         if precision == "fp16" and not np.all(np.isfinite(arr)):
             raise ValueError("cache values exceed the float16 range")
         return np.ascontiguousarray(arr).view(np.uint8).reshape(n, -1)
-    return quant.to_bytes(quant.quantize(kv, _BITS[precision], g.group_of(precision)))
+    return quant.quantize_kv(kv, _BITS[precision], g.group_of(precision), g.channel_keys(precision))
 
 
 def _decode_rows(rows: np.ndarray, precision: str, g: Geometry, tokens: int) -> np.ndarray:
@@ -606,8 +639,8 @@ def _decode_rows(rows: np.ndarray, precision: str, g: Geometry, tokens: int) -> 
     shape = (n, 2, g.num_kv_heads, tokens, g.head_dim)
     if precision in _FLOAT:
         return np.ascontiguousarray(rows).view(_FLOAT[precision]).reshape(shape)
-    q = quant.from_bytes(rows, shape, _BITS[precision], g.group_of(precision))
-    return quant.dequantize(q, _DTYPES[g.dtype])
+    return quant.dequantize_kv(rows, shape, _BITS[precision], g.group_of(precision),
+                               g.channel_keys(precision), _DTYPES[g.dtype])  # fmt: skip
 
 
 def encode_stream(
@@ -617,8 +650,9 @@ def encode_stream(
     precision: np.ndarray | str | None = None,
     *,
     block_tokens: int = DEFAULT_BLOCK_TOKENS,
-    group_size: int = quant.DEFAULT_GROUP_SIZE,
+    group_size: int | None = None,
     int8_group_size: int | None = None,
+    int4_keys: str = "channel",
     include_token_ids: bool = True,
     created: dict[str, Any] | None = None,
 ) -> EncodedStream:
@@ -630,12 +664,12 @@ def encode_stream(
         (dropped by a byte budget) are left out of the stream.
     precision: a precision name for every block, or ``[layers, token_blocks]`` codes
         (index into PRECISIONS, -1 = dropped); default: the cache's own dtype (lossless).
-    group_size / int8_group_size: the quantization groups (:class:`Geometry`; None: one
-        int8 group per head vector).
+    group_size / int8_group_size / int4_keys: the quantization groups and int4's key
+        layout (:meth:`Geometry.of`).
     include_token_ids: carry the token ids in the manifest (4 bytes per token before
         compression); otherwise only their SHA-256 and the receiver supplies them.
     """
-    g = Geometry.of(cache, block_tokens, group_size, int8_group_size)
+    g = Geometry.of(cache, block_tokens, group_size, int8_group_size, int4_keys)
     shape = (g.num_layers, g.token_blocks)
     u = np.asarray(utilities, dtype=np.float64)
     if u.shape != shape:
@@ -827,7 +861,7 @@ def decode_blocks_into(
         if name not in _FLOAT and keys.dtype == np.float32:  # one numba pass, in place
             quant.dequantize_blocks_into(
                 buf, offset[idx], layers[idx].astype(np.int64), starts[idx], c,
-                _BITS[name], g.group_of(name), keys, values,
+                _BITS[name], g.group_of(name), g.channel_keys(name), keys, values,
             )  # fmt: skip
             continue
         kv: list[np.ndarray] | np.ndarray

@@ -35,10 +35,10 @@ from kvtransport.model import blocks, utility
 from kvtransport.model.kvcache import KVCache
 
 CARD_FORMAT = "kvtransport-card"
-CARD_VERSIONS = (1, 2)
+CARD_VERSIONS = blocks.MANIFEST_VERSIONS
 """The card versions this module reads. A card is written with its manifest's version
-(kvtransport.model.blocks.Manifest.version): 2 where int8 blocks are in groups a
-version-1 reader would mis-size, else 1, which older readers take."""
+(kvtransport.model.blocks.Manifest.version): the lowest whose readers size every block
+right, so older readers take what they can read."""
 METADATA_KEY = "kvtransport.card"
 TENSOR_NAME = "stream"
 
@@ -259,6 +259,7 @@ def summary(card: CacheCard, path: str | os.PathLike | None = None) -> dict[str,
         "block_tokens": g.block_tokens,
         "group_size": g.group_size,
         "int8_group_size": g.group_of("int8"),
+        "int4_keys": g.int4_keys,
         "blocks": m.num_blocks,
         "blocks_in_geometry": g.num_blocks,
         "precisions": by_precision,

@@ -81,7 +81,7 @@ DEFAULT_LEVELS = ("fp16", "int8", "int4")
 DEFAULT_MIN_FIDELITY = 0.999
 """The expected fidelity every plan keeps (when its levels can reach it). With the
 calibrated per-precision fidelities (kvtransport.model.blocks.DEFAULT_FIDELITY: int8
-0.999, int4 0.98) the least useful sent blocks go as int4 and the rest at int8 or better.
+0.999, int4 0.988) the least useful sent blocks go as int4 and the rest at int8 or better.
 The int4 share this gives, and what lower floors cost in answers, are measured in
 docs/results.md (section 0)."""
 DEFAULT_REPAIR_MARGIN = 0.05
@@ -493,6 +493,8 @@ def planned_stream(
     hedge_share: float = DEFAULT_HEDGE_SHARE,
     answer_s: float = 0.0,
     int8_group_size: int | None = None,
+    int4_keys: str = "channel",
+    fidelity: dict[str, float] | None = None,
 ) -> tuple[HandoffPlan, EncodedStream]:
     """Plan a card's stream for ``budget_s`` and re-encode it the way the plan sends it.
 
@@ -502,21 +504,22 @@ def planned_stream(
     receiver's compute speed; None plans nothing for the receiver to compute (split 0).
     token_ids: needed when the stream's manifest carries only their hash; answer_s: the
     question's forward time on the receiver (its tail, :func:`plan_handoff`).
-    int8_group_size: the int8 quantization group planned and sent, whatever the card's own
-    (None: one group per head vector, :meth:`Geometry.of`; cards written before that hold
-    32-value groups in their geometry).
+    int8_group_size / int4_keys: the int8 quantization group and int4's key layout planned
+    and sent, whatever the card's own (:meth:`Geometry.of`'s defaults: cards written
+    before them hold 32-value groups and int4 keys per token; int4's group is Geometry.of's
+    for the key layout). fidelity: per precision, as :func:`plan_handoff` takes it.
     """
     m = stream.manifest
     full = decode_stream(m, stream.payload, token_ids=token_ids)
     if full.missing.size:
         raise ValueError("the stream to plan is incomplete")
-    g = Geometry.of(full.cache, m.geometry.block_tokens, m.geometry.group_size, int8_group_size)
+    g = Geometry.of(full.cache, m.geometry.block_tokens, None, int8_group_size, int4_keys)
     u = m.utility_grid()
     if not u.sum() > 0:
         u[:] = 1.0
     plan = plan_handoff(g, u, link=link, speed=speed or NO_RECEIVER_COMPUTE,
                         budget_s=budget_s, levels=levels, objective=objective,
-                        min_fidelity=min_fidelity, order=order,
+                        fidelity=fidelity, min_fidelity=min_fidelity, order=order,
                         hedge_share=hedge_share, answer_s=answer_s)  # fmt: skip
     sending = sending_order(plan, u, g.block_tokens)
     note = f"split {plan.split}, budget {budget_s * 1e3:.0f} ms"
@@ -525,5 +528,5 @@ def planned_stream(
     created = dict(m.created, plan=note if order == "position" else f"{note}, order {order}")
     out = encode_stream(full.cache, u, sending, plan.precision, block_tokens=g.block_tokens,
                         group_size=g.group_size, int8_group_size=g.int8_group_size,
-                        created=created)  # fmt: skip
+                        int4_keys=g.int4_keys, created=created)  # fmt: skip
     return plan, out
