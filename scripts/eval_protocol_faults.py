@@ -24,7 +24,9 @@ import sys
 import numpy as np
 from kvtransport.netem import Profile, make_channel, parse_loss
 
+from kvtransport.core.policy import make_policy
 from kvtransport.core.protocol import STANDARD
+from kvtransport.errors import UserError
 from kvtransport.sim.simulator import make_simulation
 
 
@@ -148,6 +150,10 @@ def main(argv: list[str] | None = None) -> int:
                    "then loses everything (default 0: dead from the start)")  # fmt: skip
     p.add_argument("--out")
     args = p.parse_args(argv)
+    try:
+        make_policy(args.policy)
+    except UserError as exc:
+        p.error(str(exc))
     rows = []
     for seed in range(1, args.seeds + 1):
         first = len(rows)
