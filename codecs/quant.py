@@ -60,10 +60,6 @@ class Quantized:
     def per_channel(self) -> bool:
         return self.group_size == 0
 
-    @property
-    def head_dim(self) -> int:
-        return int(self.scales.shape[-1] * max(self.group_size, 1))
-
 
 def _check_bits(bits: int) -> int:
     if bits not in (4, 8):
