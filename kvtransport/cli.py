@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import pkgutil
 import sys
 from types import ModuleType
@@ -23,6 +24,9 @@ PREFERRED_ORDER = [
     "recv",
     "sender-daemon",
     "receiver-daemon",
+    "submit",
+    "status",
+    "cancel",
     "netem",
     "prefill",
     "answer",
@@ -87,10 +91,33 @@ def build_parser() -> _ArgumentParser:
     return parser
 
 
+EXIT_BROKEN_PIPE = 128 + 13
+"""A reader closed our standard output (``kvtransport send ... | head -1``): the status a
+Unix tool killed by SIGPIPE leaves."""
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `kvtransport` command; returns the exit status (a usage error
     found by argparse, such as an option value out of its bounds, returns 2 too, after
-    its one-line message; ``--help`` returns 0)."""
+    its one-line message; ``--help`` returns 0). A reader that closes standard output
+    early ends it quietly with ``EXIT_BROKEN_PIPE``, as Unix tools end."""
+    try:
+        status = _main(argv)
+        sys.stdout.flush()  # here, not at exit: a closed pipe is then ours to handle
+        return status
+    except BrokenPipeError:
+        # what is still buffered for the closed pipe goes nowhere (the interpreter's
+        # final flush would otherwise print a traceback-like warning)
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        except (OSError, ValueError):  # not a file descriptor (an embedding's stream)
+            pass
+        return EXIT_BROKEN_PIPE
+
+
+def _main(argv: list[str] | None) -> int:
     try:
         parser = build_parser()
     except UserError as exc:  # an environment setting the commands' modules refuse on import

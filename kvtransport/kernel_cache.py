@@ -14,6 +14,12 @@ maintain). Any edit to one of them starts a fresh folder, and every kernel compi
 (about 15 s for the data path on these machines); edits anywhere else cost nothing. Only
 the newest few folders are kept.
 
+Whether a folder is warm: the data path's warm-up (kvtransport.daemons.daemon.warm_up)
+leaves a stamp in it (``WARM_STAMP``: the index files numba wrote, the seconds compiling
+took) once every kernel a transfer can use is in it; :func:`is_warm` says whether that
+stamp is there and every index file it lists still is. A folder without one (just created,
+cleared, or warmed by an older version) is cold: the next warm-up compiles and says so.
+
 :func:`configure` runs from ``kvtransport/__init__.py``, before any kernel is defined.
 """
 
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -162,3 +169,71 @@ def configure(kvtransport_dir: Path) -> Path | None:
     if config is not None:  # numba imported first: its config has read the variable already
         config.CACHE_DIR = str(target)
     return target
+
+
+WARM_STAMP = "warm-up.json"
+"""The stamp the data path's warm-up leaves in a digest folder it filled (module docstring)."""
+FIRST_COMPILE_S = 45.0
+"""What a first compile of the data path's kernels is announced to take when no folder of
+this base says how long one took here (a rough figure for a loaded 2-core host)."""
+
+
+def current() -> Path | None:
+    """The digest folder numba caches into in this process (:func:`configure`'s), or None
+    when there is none (numba then caches beside the sources, or nowhere)."""
+    folder = os.environ.get("NUMBA_CACHE_DIR")
+    if not folder or not _DIGEST_NAME.fullmatch(Path(folder).name):
+        return None
+    return Path(folder)
+
+
+def _stamp(folder: Path) -> dict[str, Any] | None:
+    try:
+        stamp = json.loads((folder / WARM_STAMP).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return stamp if isinstance(stamp, dict) else None
+
+
+def is_warm(folder: Path | None) -> bool:
+    """Does ``folder`` hold every kernel the warm-up put there: its stamp, and every index
+    file the stamp lists? False for None (no cache folder: every process compiles)."""
+    stamp = None if folder is None else _stamp(folder)
+    if folder is None or stamp is None or not isinstance(stamp.get("index"), list):
+        return False
+    return bool(stamp["index"]) and all((folder / str(f)).is_file() for f in stamp["index"])
+
+
+def record_warm(folder: Path | None, seconds: float) -> None:
+    """Stamp ``folder`` warm: the index files in it now, and ``seconds`` (what compiling
+    them took, the next first compile's estimate). Best effort: an unwritable folder
+    stays cold."""
+    if folder is None:
+        return
+    index = sorted(str(p.relative_to(folder)) for p in folder.rglob("*.nbi"))
+    text = json.dumps({"index": index, "compile_s": round(seconds, 1)})
+    with contextlib.suppress(OSError):
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".warm-", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+            os.replace(tmp, folder / WARM_STAMP)
+        except OSError:
+            Path(tmp).unlink(missing_ok=True)
+
+
+def compile_estimate(folder: Path | None) -> float:
+    """The seconds a first compile into ``folder`` is announced to take: the latest one
+    stamped in a digest folder beside it (the same host, an earlier version of the
+    kernels), else ``FIRST_COMPILE_S``."""
+    best: tuple[float, float] | None = None
+    if folder is not None:
+        with contextlib.suppress(OSError):
+            for p in folder.parent.iterdir():
+                stamp = _stamp(p) if _DIGEST_NAME.fullmatch(p.name) else None
+                seconds = None if stamp is None else stamp.get("compile_s")
+                if isinstance(seconds, int | float) and seconds > 0:
+                    mtime = (p / WARM_STAMP).stat().st_mtime
+                    if best is None or mtime > best[0]:
+                        best = (mtime, float(seconds))
+    return FIRST_COMPILE_S if best is None else best[1]

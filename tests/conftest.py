@@ -60,10 +60,12 @@ def tail_rule_network(tmp_path):
 # runs on two worker processes (scripts/run_tests.sh). A test outside these files that
 # needs the machine to itself carries ``@pytest.mark.serial`` (netns tests do implicitly).
 SERIAL_FILES = frozenset({
-    "test_control_fuzz.py", "test_curve.py", "test_daemon.py", "test_daemon_robustness.py",
-    "test_fuzz_datagrams.py", "test_hosts.py", "test_inprocess.py", "test_integration_netns.py",
-    "test_keys.py", "test_live_race.py", "test_memory_bounds.py", "test_operability.py",
-    "test_race.py", "test_replay.py", "test_tcp_baseline.py", "test_tcp_baseline_netns.py",
+    "test_answer_race_dir.py", "test_control_fuzz.py", "test_curve.py", "test_daemon.py",
+    "test_daemon_robustness.py", "test_fuzz_datagrams.py", "test_hosts.py",
+    "test_inprocess.py", "test_integration_netns.py", "test_keys.py", "test_live_race.py",
+    "test_memory_bounds.py", "test_operability.py", "test_race.py", "test_readme.py",
+    "test_replay.py",
+    "test_submit_cli.py", "test_tcp_baseline.py", "test_tcp_baseline_netns.py",
     "test_testbed.py", "test_udp.py", "test_vllm_blocks.py", "test_vllm_connector.py",
 })  # fmt: skip
 

@@ -36,7 +36,7 @@ STREAMING = ["RLC 4/32", "adaptive", "DDQN"]  # the sliding-window RLC schemes
 def test_quick_demo_on_the_emulated_link_repeats_and_fec_recovers_more(smollm, tmp_path):
     speed = (0.01, 0.004)  # a fixed compute speed: the same plan, the same transfers
     cfg = DemoConfig.quick(link="emulated", card_dir=tmp_path, progress=False,
-                           compute_speed=speed)  # fmt: skip
+                           compute_speed=speed, repeats=1)  # fmt: skip
     first = run_demo(cfg, loaded=smollm)
     # reads the card the first run cached; one scheme is enough to see the link repeat
     # (and to time every TTFT in three interleaved rounds)
@@ -151,6 +151,7 @@ def test_bad_arguments_give_one_line_errors():
         (["--budget", "0"], "--budget must be in (0, 1]"),
         (["--threads", "0"], "--threads must be at least 1"),
         (["--questions", "0"], "--questions must be 1..10"),
+        (["--rounds", "0"], "--rounds must be 1..20"),
         (["--link-rate-mbps", "0.5"], "--link-rate-mbps must be in [1, 10000]"),
     ]
     for extra, message in cases:

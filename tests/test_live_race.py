@@ -265,7 +265,7 @@ def test_a_receiver_daemon_on_this_host_is_raced_through_its_race_dir(smollm, se
         tx.join()
         other = [ctx[1], *ctx[1:]]
         res_other = kvtransport.race_daemon(smollm.model, other, race_dir=str(race_dir),
-                                            speed=speed, hello_ms=50)  # fmt: skip
+                                            speed=speed, hello_ms=50, wait_s=0)  # fmt: skip
     finally:
         proc.terminate()
         proc.wait(20)

@@ -72,3 +72,34 @@ def test_a_transfer_after_warm_up_compiles_nothing():
         k: (before.get(k, 0), n) for k, n in compiled_signatures().items() if n > before.get(k, 0)
     }
     assert grown == {}, f"compiled during the transfer: {grown}"
+
+
+def test_a_cold_kernel_cache_is_announced_before_compiling_and_a_warm_one_is_silent(
+    tmp_path, monkeypatch
+):
+    from kvtransport import kernel_cache
+    from kvtransport.daemons import daemon
+
+    folder = tmp_path / "0123456789abcdef"  # a digest folder, as kernel_cache.configure makes
+    index = folder / "codecs_0" / "rlc._decode_repair-1.py311.nbi"
+    index.parent.mkdir(parents=True)
+    index.touch()
+    monkeypatch.setattr(kernel_cache, "current", lambda: folder)
+    notes = []
+
+    def warm():
+        monkeypatch.setattr(daemon, "_warm_keyed", set())  # a fresh process
+        daemon.warm_data_path(KEY, notes.append)
+
+    warm()  # no stamp: cold
+    assert len(notes) == 2 and notes[0].startswith("compiling kernels (first run only, about ")
+    assert notes[1].startswith("kernels compiled in ")
+    assert kernel_cache.is_warm(folder)
+    warm()  # stamped, every index file there: silent
+    assert len(notes) == 2
+    index.unlink()  # the cache was cleared under the stamp: cold again
+    warm()
+    assert len(notes) == 4 and notes[2].startswith("compiling kernels")
+    # a new digest folder announces what the last compile beside it took
+    spent = kernel_cache._stamp(folder)["compile_s"]
+    assert kernel_cache.compile_estimate(tmp_path / "fedcba9876543210") == spent

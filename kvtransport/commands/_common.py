@@ -17,6 +17,15 @@ from typing import Any
 from kvtransport.bounds import float_arg, int_arg
 from kvtransport.errors import UserError
 
+EXIT_COMPLETE = 0
+"""``send`` and ``recv``: every block (``send``: every source symbol) arrived."""
+EXIT_PARTIAL = 3
+"""Some of the transfer arrived (its manifest did), not all of it."""
+EXIT_NOTHING = 4
+"""Nothing usable arrived: no manifest, a refusal, or (``send``) no feedback at all."""
+EXIT_BY_OUTCOME = {"complete": EXIT_COMPLETE, "partial": EXIT_PARTIAL, "nothing": EXIT_NOTHING}
+"""A sender's ``delivered`` (kvtransport.hosts.sender_host.Outgoing.outcome) as an exit status."""
+
 MODEL_HELP = (
     "model: a HuggingFace directory, a .gguf file, or 'smollm2' (default: SmolLM2-135M-Instruct)"
 )
@@ -33,6 +42,25 @@ KEY_HELP = (
     "(made on first use, mode 0600: copy it to the peer host with scp -p). --insecure runs "
     "without one (plaintext, forgeable)."
 )
+
+
+def add_synthetic(parser: argparse.ArgumentParser, what: Any) -> None:
+    """A synthetic stream's ``--size-mb`` (in the mutually exclusive group ``what``, beside
+    the option or argument naming a card), ``--blocks``, ``--utility`` and ``--seed``;
+    kvtransport.commands.send's ``_transfer`` builds the stream from them."""
+    what.add_argument(
+        "--size-mb",
+        type=float_arg(0, 4096, lo_open=True),
+        help="synthetic stream size in MB (default 10)",
+    )
+    parser.add_argument(
+        "--blocks", type=int_arg(1, 10**9), help="synthetic: number of blocks (default 12 KiB each)"
+    )
+    parser.add_argument("--utility", default="zipf", choices=("zipf", "flat", "linear"),
+                        help="synthetic: block utility profile (default zipf)")  # fmt: skip
+    parser.add_argument(
+        "--seed", type=int_arg(0, 2**32 - 1), default=1, help="synthetic: payload seed (default 1)"
+    )
 
 
 def add_key(parser: argparse.ArgumentParser) -> None:
@@ -198,6 +226,27 @@ def check_sending(args: argparse.Namespace) -> None:
     if not 0 <= args.burst_us <= 100_000:
         raise UserError("--burst-us must be 0..100000")
     make_policy(args.policy)
+
+
+@contextlib.contextmanager
+def warnings_to_stderr(command: str) -> Iterator[None]:
+    """While inside: the package's warnings (a refused transfer, datagrams that fail
+    authentication) go to standard error as ``kvtransport COMMAND: message`` lines, unless
+    logging is configured already (an embedding application's handlers take them)."""
+    import logging
+
+    pkg = logging.getLogger("kvtransport")
+    if logging.getLogger().handlers or pkg.handlers:
+        yield
+        return
+    handler = logging.StreamHandler()
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(logging.Formatter(f"kvtransport {command}: %(message)s"))
+    pkg.addHandler(handler)
+    try:
+        yield
+    finally:
+        pkg.removeHandler(handler)
 
 
 @contextlib.contextmanager

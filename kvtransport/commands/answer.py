@@ -9,6 +9,10 @@ from typing import Any
 
 from kvtransport.bounds import float_arg, int_arg
 
+DEFAULT_WAIT_S = 10.0
+"""answer --race-dir's default --wait-s: how long, from the command's start, it waits for
+a transfer of its context to appear."""
+
 NAME = "answer"
 HELP = "answer a question from a cache card (injected, optionally degraded) or a context"
 DESCRIPTION = """\
@@ -22,8 +26,12 @@ question and answer greedily. With
 complete card both print the same answer. With --context and --race-dir DIR, race the
 transfer of that context's cache that a receiver daemon on this host (run with
 --race-dir DIR) is receiving: compute the context's front, load each token range as it
-arrives, recompute exactly what does not (kvtransport.model.live_race.race_daemon); the
-receiver's compute speed is measured first, before the clock starts.
+arrives, recompute exactly what does not (kvtransport.model.live_race.race_daemon). The
+transfer may start before or after the command, or have ended already: the command claims
+it (the daemon keeps its mirror until the answer is done), measures the model's speed,
+and waits up to --wait-s seconds from its start for the transfer to appear; then it races.
+A line on stderr says what the race did: tokens loaded from the transfer, computed and
+waited for, or that no transfer of this context came (answered by re-prefilling).
 
 --json prints one object with the answer, timings in seconds (load_model, read_card or
 prefill, injection, first_token, total) and the blocks used.
@@ -87,6 +95,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --context: race the transfer of its cache that a local receiver daemon "
         "mirrors into DIR (its --race-dir) instead of re-prefilling all of it",
     )
+    parser.add_argument(
+        "--wait-s",
+        type=float_arg(0, 3600),
+        default=None,
+        metavar="S",
+        help="with --race-dir: wait up to S seconds from the start for the transfer to "
+        f"appear in DIR (default {DEFAULT_WAIT_S:g})",
+    )
     parser.add_argument("--threads", type=int_arg(1, 1024), default=None, help="torch threads")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -106,6 +122,8 @@ def _validate(args: argparse.Namespace) -> None:
         args.context is None or args.drop > 0 or args.precision is not None or args.complete
     ):
         raise UserError("--race-dir goes with --context, without --drop, --precision, --complete")
+    if args.wait_s is not None and args.race_dir is None:
+        raise UserError("--wait-s goes with --race-dir")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -243,14 +261,18 @@ def _race(
     args: argparse.Namespace, loaded: Any, context_ids: list[int], question_ids: list[int],
     t_all: float,
 ) -> int:  # fmt: skip
-    """--race-dir: the context's cache raced from a local receiver daemon's mirror."""
+    """--race-dir: the context's cache raced from a local receiver daemon's mirror (the
+    wait for it counted from the command's start, the model's load and speed measure
+    within it)."""
+    import sys
+
     from kvtransport.model import hf
-    from kvtransport.model.cache_builder import ComputeSpeed
     from kvtransport.model.live_race import race_daemon
 
-    speed = ComputeSpeed.measure(loaded.model, context_ids)  # at start-up, off the clock
+    wait_s = DEFAULT_WAIT_S if args.wait_s is None else args.wait_s
+    left = max(0.0, wait_s - (time.perf_counter() - t_all))
     # the race ends with the question's first token (while the stream's tail arrives)
-    res = race_daemon(loaded.model, context_ids, race_dir=args.race_dir, speed=speed,
+    res = race_daemon(loaded.model, context_ids, race_dir=args.race_dir, wait_s=left,
                       question_ids=question_ids)  # fmt: skip
     assert res.answer_s is not None
     gen = hf.greedy_generate(loaded.model, res.model_cache, question_ids,
@@ -258,6 +280,8 @@ def _race(
     answer = loaded.tokenizer.decode(gen.tokens, skip_special_tokens=True).strip()
     if not args.json:
         print(answer)
+        print(f"kvtransport answer: {_race_summary(res, args.race_dir, wait_s)}",
+              file=sys.stderr)  # fmt: skip
         return 0
     timings = {
         "load_model": loaded.load_seconds,
@@ -275,9 +299,23 @@ def _race(
         "question_tokens": len(question_ids),
         "timings": {k: round(v, 4) for k, v in timings.items()},
         "race": {"computed_tokens": res.computed, "loaded_tokens": res.loaded,
-                 "waited_s": round(res.waited_s, 4)},
+                 "waited_s": round(res.waited_s, 4), "transfer": res.transfer,
+                 "refused": res.refused, "summary": _race_summary(res, args.race_dir, wait_s)},
     }))  # fmt: skip
     return 0
+
+
+def _race_summary(res: Any, race_dir: str, wait_s: float) -> str:
+    """One line: whether the answer raced a transfer, and what the race did."""
+    n = res.computed + res.loaded
+    if res.transfer is None:
+        return (f"no transfer for this context in {race_dir} within {wait_s:g} s: answered "
+                f"by re-prefilling ({n} tokens computed)")  # fmt: skip
+    if res.refused:
+        return (f"transfer {res.transfer} in {race_dir} not loaded ({res.refused}): answered "
+                f"by re-prefilling ({n} tokens computed)")  # fmt: skip
+    return (f"raced transfer {res.transfer}: {res.loaded} of {n} context tokens loaded, "
+            f"{res.computed} computed, {res.waited_s:.2f} s waited for arrivals")  # fmt: skip
 
 
 def _precision_counts(manifest: Any, missing: Any) -> dict[str, int]:

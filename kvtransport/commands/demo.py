@@ -52,6 +52,15 @@ Links (--link):
 question's own forward pass is a large share of re-prefilling). Progress bars
 go to stderr when it is a terminal; --json prints one JSON object instead of the table.
 
+A shared host: every TTFT is measured in --rounds interleaved rounds (default 3:
+re-prefill, then each row, then again), and the table shows medians, each speed-up the
+median of the rounds' ratios. The "host" line gives the 1-minute load average and warns
+when other work wanted more cores than the demo leaves free (the cores less its
+--threads), as timings then stretch unevenly. A host too slow for the plan does not stop
+the demo: the netns link measures its round trip with warm daemons and plans with it, and
+a transfer whose deadline still leaves no time to send crosses nothing (the receiver
+computes every token; a note under the table says so).
+
 examples:
   kvtransport demo
   kvtransport demo --quick --link emulated --seed 7
@@ -147,9 +156,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "states fewer facts)",
     )  # fmt: skip
     parser.add_argument(
-        "--repeats", type=int, default=None, metavar="N",
-        help="measure every TTFT N times in interleaved rounds and report medians (default "
-        "1; answers are computed once)",
+        "--rounds", "--repeats", dest="repeats", type=int, default=None, metavar="N",
+        help="measure every TTFT in N interleaved rounds (re-prefill, then each row, per "
+        "round) and report medians (default 3; answers are computed once)",
     )  # fmt: skip
     parser.add_argument(
         "--no-card-cache",

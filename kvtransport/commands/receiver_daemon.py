@@ -20,8 +20,11 @@ each transfer is also mirrored into <DIR>/<transfer id>.kvrace (mode 0600) while
 arrives, so that a model process on this host races it instead of waiting for the result:
 kvtransport.race_daemon(model, context_ids, race_dir=DIR) computes the context's front,
 loads each token range as it completes and recomputes what never comes. A mirror is a
-second copy of its transfer's payload (outside --budget-mb), removed 30 s after the
-transfer's result or when the daemon stops.
+second copy of its transfer's payload (outside --budget-mb). A racer (`kvtransport answer
+--race-dir`) claims its context's transfer before it looks: a claimed mirror stays until
+that racer is done with it (at most 10 minutes after the result), an unclaimed one
+--race-keep-s seconds after it (default 120); finished mirrors beyond 1 GiB in all go
+oldest first; every mirror goes when the daemon stops.
 
 Local clients: kvtransport.daemons.client.ResultSubscriber for results, ReceiverClient for
 status/abort on --control. State is bounded: --max-transfers at once, --max-mb per
@@ -41,6 +44,7 @@ Example:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from kvtransport.daemons.api import DEFAULT_RECEIVER_CONTROL, DEFAULT_RESULTS
+    from kvtransport.daemons.race_share import CLAIM_KEEP_S, KEEP_S
 
     p.add_argument("--listen", default="0.0.0.0:9400", metavar="HOST:PORT",
                    help="UDP address (default 0.0.0.0:9400)")  # fmt: skip
@@ -54,6 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="mirror each transfer into DIR while it arrives (e.g. a 0700 folder "
                    "under /dev/shm), so a model process on this host races it: "
                    "kvtransport.model.live_race.race_daemon")  # fmt: skip
+    p.add_argument("--race-keep-s", type=float_arg(0, 86400), default=None, metavar="S",
+                   help="with --race-dir: keep a finished transfer's mirror S seconds for a "
+                   f"racer that has not claimed it (default {KEEP_S:g}; a claimed one stays "
+                   f"until its racer is done, at most {CLAIM_KEEP_S:g} s)")  # fmt: skip
     p.add_argument(
         "--max-transfers", type=int_arg(1, 4096), default=16, help="at once (default 16)"
     )
@@ -79,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
     from kvtransport.daemons.daemon_receiver import ReceiverDaemon, log
     from kvtransport.daemons.udp import parse_address, set_realtime
 
+    if args.race_keep_s is not None and args.race_dir is None:
+        raise UserError("--race-keep-s goes with --race-dir")
     if args.max_transfers < 1 or not args.max_mb > 0 or not args.idle_timeout > 0:
         raise UserError("--max-transfers, --max-mb and --idle-timeout must be positive")
     setup_logging(args.verbose, "receiver-daemon", json_lines=args.log_json)
@@ -92,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
         key=_common.key_from(args),
         out_dir=args.out_dir,
         race_dir=args.race_dir,
+        race_keep_s=args.race_keep_s,
         gro=not args.no_gro,
         max_transfers=args.max_transfers,
         max_bytes=int(args.max_mb * 1e6),

@@ -13,9 +13,9 @@ from kvtransport.errors import UserError
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from kvtransport.daemons.api import DeliveredResult
 
-EXIT_COMPLETE = 0
-EXIT_PARTIAL = 3
-EXIT_NOTHING = 4
+EXIT_COMPLETE = _common.EXIT_COMPLETE
+EXIT_PARTIAL = _common.EXIT_PARTIAL
+EXIT_NOTHING = _common.EXIT_NOTHING
 
 NAME = "recv"
 HELP = "receive one transfer over UDP; print the utility recovered, save the result"
@@ -28,8 +28,10 @@ recovered and which blocks are missing; --out DIR writes the result as
 kvtransport.daemons.api). Datagrams of any other transfer are counted and dropped.
 
 Exit status: 0 when every block arrived, 3 when the result is partial (blocks missing at
-the deadline or on abort), 4 when the manifest never arrived (nothing usable), 2 when no
-transfer arrived or on bad input, 130 when interrupted.
+the deadline or on abort), 4 when the manifest never arrived or the transfer was refused
+(nothing usable), 2 when no transfer arrived or on bad input, 130 when interrupted. When
+datagrams failed authentication (another key) or a transfer was refused (a stale manifest:
+clocks out of sync), a line on standard error says so.
 
 Examples:
   kvtransport recv --listen :9400 --json
@@ -76,15 +78,22 @@ def run(args: argparse.Namespace) -> int:
     sock = DatagramSocket(bind, gro=not args.no_gro)
     host, port = sock.address
     print(f"kvtransport recv: listening on {host}:{port}", file=sys.stderr, flush=True)
-    with _common.stoppable(sock) as stop:
+    with _common.stoppable(sock) as stop, _common.warnings_to_stderr(NAME):
         inc, engine = run_receive(
             sock, stop=stop, key=key, timeout_s=args.timeout, idle_timeout_s=args.idle_timeout,
             max_bytes=int(args.max_mb * 1e6), replay=replay,
         )  # fmt: skip
         if inc is None:
+            note = engine.host.failure_note()
+            why = f"; {note}" if note else ""
             if stop.signal_name.startswith("SIG"):
-                raise UserError(f"interrupted ({stop.signal_name}) before any transfer arrived")
-            raise UserError(f"no transfer arrived on {args.listen} within {args.timeout:g} s")
+                raise UserError(
+                    f"interrupted ({stop.signal_name}) before any transfer arrived{why}"
+                )
+            raise UserError(f"no transfer arrived on {args.listen} within {args.timeout:g} s{why}")
+        note = engine.host.failure_note(refusals=False)  # a refusal was logged as it came
+        if note:
+            print(f"kvtransport recv: {note}", file=sys.stderr)
         result = delivered(inc, engine)
         stats = result.stats
         if args.out:
@@ -102,8 +111,9 @@ def exit_status(result: DeliveredResult) -> int:
 
 
 def _print(st: dict) -> None:
+    reason = st["reason"] + (f" ({st['refused']})" if st.get("refused") else "")
     print(
-        f"transfer {st['transfer_id']} from {st['from']}: {st['reason']} after "
+        f"transfer {st['transfer_id']} from {st['from']}: {reason} after "
         f"{st['elapsed_s'] * 1e3:.1f} ms, utility recovered {st['utility']:.4f}"
     )
     blocks = st["blocks"]

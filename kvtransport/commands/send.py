@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import TYPE_CHECKING
 
-from kvtransport.bounds import float_arg, int_arg
+from kvtransport.bounds import float_arg
 from kvtransport.commands import _common
 from kvtransport.errors import UserError
 
@@ -34,6 +35,13 @@ sends the card as it is, fp32 only when asked (--precision fp32). Both ends must
 same pre-shared key (--key-file, or the default key file ~/.config/kvtransport/key, made
 on first use: copy it to the peer host); --insecure on both ends runs without one.
 
+Exit status, as the receiver last reported (as `kvtransport recv`'s): 0 when it decoded
+every source symbol, 3 when partial (it decoded the manifest, not every symbol), 4 when
+nothing was delivered: no feedback at all (no receiver there, or another key), the
+receiver refused the transfer (its reason is printed: a stale manifest means the hosts'
+clocks disagree), or it never decoded the manifest; 2 on bad input, 130 when interrupted.
+A transfer that is not complete gets a line on standard error naming why.
+
 Examples:
   kvtransport recv --listen :9400 &
   kvtransport send 127.0.0.1:9400 --size-mb 10 --rate-mbps 500 --rho 0.9 --json
@@ -45,19 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("to", metavar="HOST:PORT", help="the receiver's address")
     what = p.add_mutually_exclusive_group()
     what.add_argument("--card", metavar="FILE", help="send this cache card")
-    what.add_argument(
-        "--size-mb",
-        type=float_arg(0, 4096, lo_open=True),
-        help="synthetic stream size in MB (default 10)",
-    )
-    p.add_argument(
-        "--blocks", type=int_arg(1, 10**9), help="synthetic: number of blocks (default 12 KiB each)"
-    )
-    p.add_argument("--utility", default="zipf", choices=("zipf", "flat", "linear"),
-                   help="synthetic: block utility profile (default zipf)")  # fmt: skip
-    p.add_argument(
-        "--seed", type=int_arg(0, 2**32 - 1), default=1, help="synthetic: payload seed (default 1)"
-    )
+    _common.add_synthetic(p, what)
     p.add_argument(
         "--rate-mbps",
         type=float_arg(0, 1e6, lo_open=True),
@@ -165,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
         args.policy = transfer_policy(transfer, args.initial_rtt_ms * 1e-3, rate, deadline_s)
 
     set_realtime(args.realtime)
-    warm_up(key)
+    warm_up(key, (args.policy,))  # every kernel; says so on stderr when compiling
     sock = DatagramSocket(bind, dest, gso=not args.no_gso)
     with _common.stoppable(sock) as stop:
         status, interrupted = run_send(
@@ -174,7 +170,11 @@ def run(args: argparse.Namespace) -> int:
             initial_rtt=args.initial_rtt_ms * 1e-3,
         )  # fmt: skip
     _common.report(args, status, _print)
-    return 130 if interrupted else 0
+    if status.get("note"):
+        print(f"kvtransport send: {status['note']}", file=sys.stderr)
+    if interrupted:
+        return 130
+    return _common.EXIT_BY_OUTCOME.get(status.get("delivered", ""), _common.EXIT_NOTHING)
 
 
 def _print(st: dict) -> None:
@@ -182,13 +182,18 @@ def _print(st: dict) -> None:
         f"transfer {st['transfer_id']} to {st['to']}: {st['finish_reason']} after "
         f"{st['elapsed_s'] * 1e3:.1f} ms (deadline {st['deadline_s'] * 1e3:.1f} ms)"
     )
+    if st["srtt_ms"] is None:  # no feedback, or only a refusal (which measures nothing)
+        rtt = "no feedback" if not st["feedback_received"] else "no sample"
+    else:
+        rtt = f"{st['srtt_ms']} ms (mean deviation {st['rttvar_ms']} ms)"
     rows = [
+        ("delivered", st["delivered"]),
         ("policy", st["policy"]),
         ("source symbols sent", f"{st['source_sent']} of {st['n_source']}"),
         ("repair symbols sent", _common.repairs_text(st["repair_sent"], st["retransmit_sent"])),
         ("receiver decoded", f"{st['decoded_through']} of {st['n_source']} in order"),
         ("loss estimate", f"{100 * st['loss_estimate']:.2f}%"),
-        ("smoothed RTT", f"{st['srtt_ms']} ms (mean deviation {st['rttvar_ms']} ms)"),
+        ("smoothed RTT", rtt),
         ("stop margin for jitter", f"{st['jitter_margin_ms']} ms"),
         ("feedback received", str(st["feedback_received"])),
         ("send calls / datagrams", f"{st['socket']['send_calls']} / {st['datagrams_sent']}"),

@@ -192,9 +192,11 @@ def _print(results: list) -> None:
         f"for {r.size_bytes / 1e6:.2f} MB), policy {r.policy}, {head}"
     )
     lost_pct = 100.0 * s["packets_lost"] / max(s["packets_sent"], 1)
+    # a count for one seed, the mean count for several
+    missing = f"{r.blocks_missing:d}" if n == 1 else f"{s['blocks_missing']:.1f} (mean)"
     rows = [
         ("utility recovered", f"{s['utility_recovered']:.4f}"),
-        ("blocks missing", f"{s['blocks_missing']:.1f} of {r.blocks_total}"),
+        ("blocks missing", f"{missing} of {r.blocks_total}"),
         ("source symbols sent", f"{s['source_sent']:.0f} of {r.n_source}"),
         ("repair symbols sent", _common.repairs_text(s["repair_sent"], s["retransmit_sent"])),
         ("manifest symbols sent", f"{s['manifest_sent']:.0f}"),

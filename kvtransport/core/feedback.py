@@ -8,6 +8,16 @@ left and how many sources and repairs had left by then, so a report that echoes 
 ``seq`` tells the sender its RTT and exactly what is still in flight.
 
 Both are fixed-size rings: state stays bounded on endless streams.
+
+Refusals: a receiver that refuses a transfer (a stale or replayed manifest, one too large,
+its memory budget or transfer limit reached) says why in the feedback it answers with:
+the feedback ``flags``' high byte holds the reason's code (:data:`REFUSALS`; 0: none),
+with ``FB_FINISHED`` set. It is feedback like any other, sealed with the transfer's key,
+so only a holder of the key can refuse a transfer, and a receiver sends at most one per
+manifest datagram it receives (kvtransport.hosts.receiver_host), so it amplifies nothing.
+A sender reads it with :func:`refusal_reason`; senders that predate it see a receiver
+that finished. :func:`refusal_datagram` is the reply of a receiver that has no session
+for the transfer (its transfer limit is reached).
 """
 
 from __future__ import annotations
@@ -17,6 +27,8 @@ from collections.abc import Sequence
 from itertools import repeat
 
 import numpy as np
+
+from kvtransport.core.wire import FB_FINISHED, DatagramType, Feedback, Framer, encode_feedback
 
 SEQ_RING = 1 << 14
 _MASK = SEQ_RING - 1
@@ -29,6 +41,66 @@ MAX_REORDER_S = 0.5
 REORDER_SCAN = 64
 """A late datagram's reordering is timed against the first of the next this many numbers
 that arrived."""
+
+
+REFUSALS = (
+    "",
+    "stale_manifest",
+    "replayed_manifest",
+    "too_large",
+    "decoder_window",
+    "over_budget",
+    "over_capacity",
+)
+"""A refusal's reason by its code in the feedback flags' high byte (code 0: not refused).
+The first two are kvtransport.core.replay's names; the others the receiver's drop reasons."""
+REFUSAL_SHIFT = 8
+_REFUSAL_CODE = {name: code for code, name in enumerate(REFUSALS) if name}
+REFUSAL_SEQ = 0xFFFFFFFF
+"""The feedback sequence number of :func:`refusal_datagram` (less the reason's code):
+beyond any a session reaches."""
+
+_REFUSAL_TEXT = {
+    "stale_manifest": "the manifest's send time is outside the receiver's replay window: "
+    "are both hosts' clocks in sync (NTP)?",
+    "replayed_manifest": "the receiver accepted this transfer before (a replay)",
+    "too_large": "the transfer is larger than the receiver accepts (its --max-mb)",
+    "decoder_window": "the transfer's decoder window is wider than the receiver allows",
+    "over_budget": "the receiver's memory budget for transfers is spent",
+    "over_capacity": "the receiver is receiving as many transfers as it allows",
+}
+
+
+def refusal_flags(reason: str) -> int:
+    """The feedback flags' bits that carry refusal ``reason`` (0 for "")."""
+    return _REFUSAL_CODE.get(reason, 0) << REFUSAL_SHIFT
+
+
+def refusal_reason(flags: int) -> str:
+    """The refusal a feedback's ``flags`` carry ("" when none; "refusal N" for a code this
+    version does not know)."""
+    code = (flags >> REFUSAL_SHIFT) & 0xFF
+    if not code:
+        return ""
+    return REFUSALS[code] if code < len(REFUSALS) else f"refusal {code}"
+
+
+def refusal_text(reason: str) -> str:
+    """One line for people: what refusal ``reason`` means and what to check."""
+    return _REFUSAL_TEXT.get(reason, reason)
+
+
+def refusal_datagram(key: bytes | None, transfer_id: int, reason: str) -> bytes:
+    """The FEEDBACK datagram a receiver without a session for ``transfer_id`` refuses it
+    with: counters all zero, ``FB_FINISHED`` and the reason's code, sealed with the
+    transfer's key, feedback sequence number ``REFUSAL_SEQ`` less the code. Its bytes
+    depend on the key, the transfer id and the reason alone: sent again it repeats its
+    nonce only with the same plaintext, which reveals nothing."""
+    code = _REFUSAL_CODE[reason]
+    fb = Feedback(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0.0, 1.0, FB_FINISHED | code << REFUSAL_SHIFT, ())
+    framer = Framer(transfer_id, key)
+    n = encode_feedback(fb, framer.payload_view(128))
+    return framer.finish(DatagramType.FEEDBACK, REFUSAL_SEQ - code, n)
 
 
 class LossMonitor:

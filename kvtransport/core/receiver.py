@@ -56,8 +56,14 @@ kvtransport.core.protocol.ProtocolConfig), rings are fixed size.
 Replays: a shell with a replay record (kvtransport.core.replay) passes ``admit(transfer_id,
 manifest)``; when it names a reason (a stale or already accepted manifest), the session
 counts it in ``drop_reasons``, finishes at once with reason ``replayed`` and nothing of the
-transfer (no block, no payload byte), and drops its later datagrams as ``replayed``
-without answering them.
+transfer (no block, no payload byte), and drops its later datagrams as ``replayed``.
+
+Refusals (a stale or replayed manifest, or one refused for bounded state: ``too_large``,
+``decoder_window``, ``over_budget``) are named in ``refused`` and in the final feedback
+(kvtransport.core.feedback: the flags' refusal code), so the sender learns why. A refused
+session answers only manifest datagrams afterwards, with that feedback again, at most one
+per feedback interval: a peer replaying a captured transfer gets at most one small reply
+per manifest datagram it sends, never more bytes than it sent.
 """
 
 from __future__ import annotations
@@ -70,7 +76,7 @@ import numpy as np
 
 from kvtransport.codecs.rlc import decoder_bytes_per_esi
 from kvtransport.core import schemes
-from kvtransport.core.feedback import LossMonitor, loss_ranges
+from kvtransport.core.feedback import LossMonitor, loss_ranges, refusal_flags
 from kvtransport.core.manifest_fec import ManifestReceiver
 from kvtransport.core.protocol import STANDARD, ProtocolConfig
 from kvtransport.core.transfer import TransferResult, TransportManifest
@@ -93,6 +99,7 @@ from kvtransport.core.wire import (
 
 _SOURCE = int(DatagramType.SOURCE)
 _FEEDBACK = int(DatagramType.FEEDBACK)
+_MANIFEST_TYPES = (int(DatagramType.MANIFEST), int(DatagramType.MANIFEST_REPAIR))
 FIN_GRACE = 0.05
 FEEDBACK_QUIET_S = 1.0
 """Periodic feedback pauses after this long without a datagram (a sender paused by its
@@ -216,6 +223,7 @@ class ReceiverSession:
         self._next_fb: float | None = None
         self._fin_at: float | None = None
         self.finished = False
+        self.refused = ""  # why the transfer was refused (kvtransport.core.feedback.REFUSALS)
         self.result: TransferResult | None = None
         self.timings: dict[str, float] = {}
         self.drop_reasons: dict[str, int] = {}
@@ -385,10 +393,12 @@ class ReceiverSession:
             return None
         if self.finished:
             assert self.result is not None  # set when the session finished
-            if self.result.reason == "replayed":
-                self._drop("replayed")  # no answer: the peer replays a captured transfer
-            else:
+            if not self.refused:
                 self._answer_after_finish(now)
+            elif t in _MANIFEST_TYPES:
+                self._answer_after_finish(now)  # the refusal again (module docstring)
+            elif self.result.reason == "replayed":
+                self._drop("replayed")  # no answer: the peer may replay a captured transfer
             return None
         if self.framer is None:
             self.framer = Framer(self.transfer_id, self._key, max_payload=2048)
@@ -949,24 +959,20 @@ class ReceiverSession:
             assert self.transfer_id is not None  # a manifest came with its transfer id
             why = self._admit(self.transfer_id, m)
             if why is not None:  # stale or replayed (kvtransport.core.replay): nothing delivered
-                self._drop(why)
-                self._finish(now, "replayed")
+                self._refuse(why, now, "replayed")
                 return
         if m.payload_len > self.max_bytes:
-            self._drop("too_large")
-            self._finish(now, "refused")  # bounded state: a transfer too large is refused
+            self._refuse("too_large", now)  # bounded state: a transfer too large is refused
             return
         if m.decoder_window > self.config.max_decoder_window:
-            self._drop("decoder_window")
-            self._finish(now, "refused")  # bounded state: a window wider than allowed
+            self._refuse("decoder_window", now)  # bounded state: a window wider than allowed
             return
         # a wider window's ring and coefficient columns count as buffer too
         window = max(self.decoder_window, m.decoder_window)
         per_esi = decoder_bytes_per_esi(m.symbol_size, self.config.max_pending_equations)
         wider = (window - self.config.decoder_window) * per_esi
         if not self._grant(m.n_source * m.symbol_size + wider):
-            self._drop("over_budget")
-            self._finish(now, "refused")  # the shell's memory budget is spent
+            self._refuse("over_budget", now)  # the shell's memory budget is spent
             return
         self.manifest = m
         self.timings["manifest"] = now
@@ -1080,7 +1086,7 @@ class ReceiverSession:
             if self.n_known == self.n_source:
                 flags |= FB_ALL_DONE
         if self.finished:
-            flags |= FB_FINISHED
+            flags |= FB_FINISHED | refusal_flags(self.refused)
         if mon.reorder_s > 0.0:
             flags |= FB_REORDERED
         ranges = ()
@@ -1164,6 +1170,13 @@ class ReceiverSession:
         # the final count (``lost``) settles every gap; the loss rate is left as it was:
         # datagrams still in flight now are not a loss sample
         self.monitor.settle(float("inf"))
+
+    def _refuse(self, why: str, now: float, reason: str = "refused") -> None:
+        """Refuse the transfer: ``why`` counted as a drop and named in ``refused`` and the
+        final feedback; the result (reason ``reason``) delivers nothing."""
+        self._drop(why)
+        self.refused = why
+        self._finish(now, reason)
 
     def _drop(self, reason: str) -> None:
         self.dropped += 1

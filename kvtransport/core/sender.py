@@ -64,7 +64,8 @@ Stop time = deadline - one-way delay estimate (half the smoothed RTT) - one slot
 sent later cannot arrive before the deadline; on a path that reorders (jitters), less
 ``STOP_RTTVAR`` mean deviations of the RTT (``jitter_margin``), past which one is unlikely
 to. Then a CONTROL FIN goes out and the session is done. Feedback ALL_DONE or FINISHED
-ends it early.
+ends it early; a FINISHED that carries a refusal (kvtransport.core.feedback) ends it with
+``refused`` naming the receiver's reason and ``finish_reason`` "refused (REASON)".
 
 The policy is asked once per ``decision_packets`` slots with an observation built in place
 (kvtransport.core.policy documents the fields), and at the next slot after ``set_rate``
@@ -85,7 +86,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvtransport.core import schemes
-from kvtransport.core.feedback import SEQ_RING, SentLog
+from kvtransport.core.feedback import SEQ_RING, SentLog, refusal_reason
 from kvtransport.core.manifest_fec import ManifestSender
 from kvtransport.core.observation import (
     OBS_SIZE,
@@ -327,6 +328,7 @@ class SenderSession:
         self.awaiting_action = False
         self.done = False
         self.finish_reason = ""
+        self.refused = ""  # the receiver's refusal (kvtransport.core.feedback.REFUSALS)
         self.finished_at: float | None = None
         self._pending: list[bytes] = []
         self._pending_at = now
@@ -441,6 +443,13 @@ class SenderSession:
         except WireError as exc:
             self._drop(exc.reason)
             return
+        why = refusal_reason(fb.flags)
+        if why:  # sealed with the transfer's key: only the receiver can have sent it
+            self.stats["feedback_received"] += 1
+            if not self.done:
+                self.refused = why
+                self._mark_done(now, f"refused ({why})")
+            return
         if d.seq <= self._fb_seq or self._restarted(fb):
             if not self._restarted(fb):
                 self.stats["feedback_stale"] += 1
@@ -449,6 +458,37 @@ class SenderSession:
         self._fb_seq = d.seq
         self.stats["feedback_received"] += 1
         self._on_feedback(fb, now)
+
+    def late_feedback(self, data: bytes, now: float) -> None:
+        """Feedback that comes after the session is done (the receiver's final report
+        overtaken by the sender's stop): read only for what it says was delivered (decoded
+        through, the manifest decoded, a refusal); nothing else changes and nothing is
+        sent. Garbage is counted and dropped as in :meth:`receive_datagram`."""
+        try:
+            d = self.parser.parse(data)
+            if d.transfer_id != self.transfer_id or d.type != DatagramType.FEEDBACK:
+                self._drop(
+                    "foreign_transfer" if d.transfer_id != self.transfer_id else "unexpected_type"
+                )
+                return
+            fb = decode_feedback(d.payload)
+        except WireError as exc:
+            self._drop(exc.reason)
+            return
+        self.stats["feedback_received"] += 1
+        why = refusal_reason(fb.flags)
+        if why:
+            self.refused = self.refused or why
+            return
+        if d.seq <= self._fb_seq:
+            self.stats["feedback_stale"] += 1
+            return
+        self._fb_seq = d.seq
+        if self.fb_time is None:
+            self.fb_time = now
+        self.fb_through = max(self.fb_through, min(fb.decoded_through, self.next_esi))
+        if fb.flags & FB_MANIFEST_DONE:
+            self.manifest.acked = True
 
     def apply_action(self, action: int) -> None:
         """Supply the decision an ExternalPolicy deferred (Gymnasium environment)."""

@@ -225,6 +225,7 @@ FB_MANIFEST_DONE = 0x01  # the receiver has decoded the transport manifest
 FB_ALL_DONE = 0x02  # every source symbol is known: stop sending
 FB_FINISHED = 0x04  # the receiver has yielded its result (deadline, abort or all done)
 FB_REORDERED = 0x08  # the data path reorders (jitters); earlier senders ignore the bit
+# bits 8-15: why the receiver refused the transfer (kvtransport.core.feedback.REFUSALS)
 MAX_FEEDBACK_RANGES = 96
 MAX_FEEDBACK_SEGMENTS = 96
 

@@ -28,6 +28,7 @@ import logging
 import signal
 import socket
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any, Protocol
@@ -481,44 +482,56 @@ class _WarmUpPath:
 
 def _warm_source_runs(key: bytes | None) -> None:
     """Seal a run of sources as a sender does (``Framer.seal_sources``, its payload a
-    read-only array): on the virtual clock one slot is due per call, so no source run
-    happens there, and the run kernel would load in the first real transfer."""
-    from kvtransport.core.wire import Framer
+    read-only array) and open it as a receiver does a socket read's (``Parser.source_run``
+    over :class:`~kvtransport.core.wire.LaidOutDatagrams`, into a writable array): on the
+    virtual clock one slot is due per call, and the tiny transfers leave few runs of
+    in-order sources, so the run kernels would otherwise load in the first real transfer."""
+    from kvtransport.core.wire import Framer, LaidOutDatagrams, Parser
 
     payload = np.zeros(128, np.uint8)
     payload.flags.writeable = False
-    Framer(1, key).seal_sources(0, 0, 2, payload, 64, 1, np.frombuffer(bytes(64), np.uint8))
+    sealed = Framer(1, key).seal_sources(
+        0, 0, 2, payload, 64, 1, np.frombuffer(bytes(64), np.uint8)
+    )
+    run = LaidOutDatagrams.join(sealed)
+    parser = Parser(key)
+    parser.parse(run[0])  # a receiver's first datagram of a transfer derives its key
+    parser.source_run(run, 0, len(run), 1, 0, 0, 64, memoryview(np.zeros(128, np.uint8)))
 
 
-def warm_up(
-    key: bytes | None = None, policies: Sequence[str] = ("fixed:1/4",), allocator: bool = False
-) -> float:
-    """Run a tiny lossy transfer per policy in ``policies`` between the daemons' own hosts
-    on the virtual-clock loop (kvtransport.sim.virtual_clock), and with ``allocator`` two
-    transfers sharing the link (the allocator plans); returns the seconds spent.
+def _warm_block_codec() -> None:
+    """Encode a small float32 cache at int8 and int4 (a sender planning a card or cache)
+    and decode it range by range from a writable buffer (a receiver's payload) and a
+    read-only one (a racer's mirror of a daemon's transfer): the block codec's kernels
+    (kvtransport.codecs.quant, through kvtransport.model.blocks; numpy only, no torch)."""
+    from kvtransport.model import blocks
+    from kvtransport.model.kvcache import KVCache
 
-    The first call of each numba kernel in a process loads it from numba's cache (about
-    0.5 s on these machines) or, on a fresh install, compiles it (several seconds). Paid
-    inside the first transfer, that stall would be measured as round-trip time and could
-    cost the transfer its deadline, so the shells pay it before they serve: the codec's
-    kernels with any RLC policy, the DDQN's (features, network) with ``ddqn``, the
-    allocator's only once a second transfer shares the link. The receiver daemon hands a
-    read's datagrams over in one call (runs of them in one RLCDecoder.add_packets call), so
-    what each receiver got is handed once more that way to a fresh host, laid out in one
-    buffer as a socket read leaves it (its runs of sources open in one compiled call).
-    """
+    bt = blocks.DEFAULT_BLOCK_TOKENS
+    shape = (1, 1, 2 * bt, 64)
+    rng = np.random.default_rng(0)
+    kv = rng.standard_normal((2, *shape), dtype=np.float32)
+    cache = KVCache(kv[0], kv[1], np.arange(2 * bt, dtype=np.int64), "warm-up")
+    for precision in ("int8", "int4"):
+        s = blocks.encode_stream(cache, np.ones((1, 2)), np.arange(2), precision)
+        for payload in (s.payload.copy(), np.frombuffer(s.payload.tobytes(), np.uint8)):
+            blocks.RangeDecoder(s.manifest).take(payload, 0, 2 * bt)
+
+
+def _warm_transfers(key: bytes | None, runs: Sequence[Sequence[str]]) -> None:
+    """Run each of ``runs`` (the policies of transfers sharing one link) as a tiny lossy
+    transfer between the daemons' own hosts on the virtual-clock loop
+    (kvtransport.sim.virtual_clock). The receiver daemon hands a read's datagrams over in
+    one call (runs of them in one RLCDecoder.add_packets call), so what each receiver got
+    is handed once more that way to a fresh host, laid out in one buffer as a socket read
+    leaves it (its runs of sources open in one compiled call)."""
     from kvtransport.core.transfer import synthetic_transfer
     from kvtransport.core.wire import LaidOutDatagrams, ReceivedBatch
     from kvtransport.hosts.receiver_host import ReceiverHost
     from kvtransport.hosts.sender_host import SenderHost
     from kvtransport.sim.virtual_clock import VirtualClockLoop
 
-    t0 = clock()
     transfer = synthetic_transfer(64 * 1024, 8, seed=0)
-    runs = [[name] for name in dict.fromkeys(policies)]
-    if allocator and runs:
-        runs.append(runs[0] * 2)
-    _warm_source_runs(key)
     for names in runs:
         sender = SenderHost(rate_bps=1e9, key=key, burst_s=0.0)
         receiver = ReceiverHost(key=key)
@@ -532,4 +545,90 @@ def warm_up(
         got = LaidOutDatagrams.join([e[3] for e in trace if e[0] == "recv" and e[2] == rx])
         batch = ReceivedBatch([(d, "sender") for d in got], got.buf, got.starts, got.ends)
         ReceiverHost(key=key).receive_datagrams(batch, 0.0)  # as a socket read: laid out
+
+
+def data_path_policies() -> tuple[str, ...]:
+    """One policy of every kind a transfer can run (kvtransport.core.policy.make_policy's
+    names; one rate of ``fixed`` and of ``block-rs``), hence every built-in repair scheme
+    (rlc, block-rs, arq, none): ``ddqn`` where the package ships its weights. ``oracle``
+    is not one: it reads a simulated channel's future and runs in no real transfer."""
+    from kvtransport.core.policy import default_policy
+
+    names = ("fixed:1/4", "block-rs:2/8", "adaptive", "tail-rule", "arq", "none")
+    return (*names, "ddqn") if default_policy() == "ddqn" else names
+
+
+def _stderr_note(text: str) -> None:
+    print(f"kvtransport: {text}", file=sys.stderr, flush=True)
+
+
+_warm_lock = threading.Lock()
+_warm_keyed: set[bool] = set()
+"""Whether a keyed / keyless data path is warm in this process (:func:`warm_data_path`)."""
+
+
+def warm_data_path(key: bytes | None = None, note: Callable[[str], None] | None = None) -> float:
+    """Compile or load every kernel a transfer with ``key`` (or keyless, for None) can use
+    on either side, once per process; returns the seconds spent (0 once done).
+
+    What runs: a source run sealed and opened (AES-GCM with a key), tiny lossy, reordered
+    transfers sharing one link (the allocator), one per policy of
+    :func:`data_path_policies` (every repair scheme's encoder and decoder, the
+    observation, the DDQN's features and network), the receiver's datagrams handed over
+    once more as a socket read lays them out, and the block codec
+    (:func:`_warm_block_codec`).
+    The first call of each numba kernel in a process loads it from numba's cache or, on
+    a fresh install, compiles it (seconds in all): paid inside a transfer, that stall
+    would count as round-trip time and could cost the transfer its deadline.
+
+    ``note`` (default: a line on stderr) hears, only when the kernel cache is cold
+    (kvtransport.kernel_cache.is_warm), that kernels are compiling and about how long
+    that takes, before compiling, and the time it took afterwards; a warm cache is
+    silent. A cold run stamps the cache warm when done."""
+    from kvtransport import kernel_cache
+
+    with _warm_lock:
+        keyed = key is not None
+        if keyed in _warm_keyed:
+            return 0.0
+        t0 = clock()
+        folder = kernel_cache.current()
+        cold = not kernel_cache.is_warm(folder)
+        say = note or _stderr_note
+        if cold:
+            estimate = kernel_cache.compile_estimate(folder)
+            say(f"compiling kernels (first run only, about {estimate:.0f} s)...")
+        policies = data_path_policies()
+        _warm_source_runs(key)
+        _warm_transfers(key, [policies])
+        _warm_block_codec()
+        if not keyed:  # a keyless process has no keyed peer; warm the cache for those who do
+            _warm_source_runs(bytes(32))
+        spent = clock() - t0
+        if cold:
+            kernel_cache.record_warm(folder, spent)
+            say(f"kernels compiled in {spent:.1f} s")
+        _warm_keyed.add(keyed)
+        return spent
+
+
+def warm_up(
+    key: bytes | None = None,
+    policies: Sequence[str] = ("fixed:1/4",),
+    allocator: bool = False,
+    note: Callable[[str], None] | None = None,
+) -> float:
+    """Make every kernel a transfer can use ready before a shell serves
+    (:func:`warm_data_path`: every policy, scheme and decoder, the allocator, the block
+    codec), then run a tiny transfer for each of ``policies`` that is not one of
+    :func:`data_path_policies` (a policy registered by the application), with
+    ``allocator`` two of the first sharing the link; returns the seconds spent.
+    ``note``: where the cold cache's lines go (:func:`warm_data_path`)."""
+    t0 = clock()
+    warm_data_path(key, note)
+    known = set(data_path_policies())
+    runs = [[name] for name in dict.fromkeys(policies) if name not in known]
+    if allocator and runs:
+        runs.append(runs[0] * 2)
+    _warm_transfers(key, runs)
     return clock() - t0

@@ -9,7 +9,9 @@ one batch (at most ``BATCH``) and hands it to the host (``receive_datagrams``: e
 transfer's run of datagrams to its session in one call), saves the replay record when the
 batch accepted a manifest, then sends the feedback the batch produced, stamped with the
 time it really leaves; ``run_due(now)`` runs the host's timers. Each finished transfer
-goes to ``on_result(incoming)``.
+goes to ``on_result(incoming)``. Datagrams that fail authentication before any transfer
+holds them (another key) are logged as a warning when they start, and again at most every
+``AUTH_WARN_S`` while more come.
 
 :class:`ReceiverDaemon` adds the ZeroMQ control socket (status, abort, stats, ping), the
 PUB socket that publishes every result (kvtransport.daemons.api), ``--out-dir`` result files
@@ -29,7 +31,7 @@ from kvtransport.core.protocol import STANDARD, ProtocolConfig
 from kvtransport.core.replay import DEFAULT_WINDOW_S, open_record
 from kvtransport.daemons.api import load_json_header
 from kvtransport.daemons.daemon import DaemonShell
-from kvtransport.daemons.race_share import RaceDir
+from kvtransport.daemons.race_share import KEEP_S, RaceDir
 from kvtransport.daemons.udp import DatagramSocket, clock
 from kvtransport.errors import UserError
 from kvtransport.hosts.receiver_host import (
@@ -40,6 +42,7 @@ from kvtransport.hosts.receiver_host import (
     ReceiverHost,
     ResultReady,
     TransferStarted,
+    auth_failures,
 )
 
 log = logging.getLogger("kvtransport.receiver-daemon")
@@ -51,6 +54,8 @@ PUB_BACKLOG = 1024
 BATCH = 256
 """Datagrams handled between two feedback flushes: a backlog is worked off in slices, so
 feedback (and its echo of the highest packet) is never held back by a long batch."""
+AUTH_WARN_S = 10.0
+"""Least time between two warnings about datagrams that fail authentication."""
 
 
 class ReceiverEngine:
@@ -72,6 +77,8 @@ class ReceiverEngine:
         # Any: its batches are memoryviews, which the sessions take (they annotate bytes)
         self.sock: Any = sock
         self.on_result = on_result
+        self._auth_warned = 0  # the host's bad_tag count at the last warning
+        self._auth_warn_at = -1e300  # when the next warning may come
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -93,6 +100,16 @@ class ReceiverEngine:
         if n:
             # the batch took time: the sender's RTT must not count it as network delay
             self._transmit(now + (clock() - t0))
+            self._warn_auth(now)
+
+    def _warn_auth(self, now: float) -> None:
+        """Log datagrams that failed authentication outside any transfer (module
+        docstring): at the first, then at most every AUTH_WARN_S while more come."""
+        bad = self.host.drop_reasons.get("bad_tag", 0)
+        if bad > self._auth_warned and now >= self._auth_warn_at:
+            log.warning("%s", auth_failures(bad))
+            self._auth_warned = bad
+            self._auth_warn_at = now + AUTH_WARN_S
 
     def next_wake(self) -> float | None:
         return self.host.get_timer()
@@ -180,6 +197,7 @@ class ReceiverDaemon(DaemonShell):
         pub_backlog: int = PUB_BACKLOG,
         config: ProtocolConfig = STANDARD,
         race_dir: str | None = None,
+        race_keep_s: float | None = None,
     ) -> None:
         from kvtransport.daemons.api import check_endpoint
         from kvtransport.daemons.daemon import StatsWriter, curve_secret, warm_up
@@ -194,10 +212,13 @@ class ReceiverDaemon(DaemonShell):
 
             if not Path(out_dir).is_dir():
                 raise UserError(f"--out-dir {out_dir} is not a directory")
-        shared = RaceDir(race_dir) if race_dir is not None else None  # before warm-up
+        shared = None  # before the slow warm-up: a bad folder fails at once
+        if race_dir is not None:
+            keep_s = KEEP_S if race_keep_s is None else race_keep_s
+            shared = RaceDir(race_dir, keep_s=keep_s)
         replay = open_record(replay_file, bind[1], replay_window_s)
         self.stats_out = stats if stats is not None else StatsWriter(None)
-        self.warm_up_s = warm_up(key)
+        self.warm_up_s = warm_up(key, note=self.log.info)
         self.sock = DatagramSocket(bind, gro=gro)
         host = ReceiverHost(
             key=key,

@@ -10,7 +10,9 @@ host's timer. Pacing, link sharing, admission and the status view are the host's
 (kvtransport.hosts.sender_host; the engine is built from one: ``SenderEngine(sock, host)``).
 
 :class:`SenderDaemon` adds the ZeroMQ control socket (kvtransport.daemons.api: submit, status,
-cancel, stats, ping), logs and one ``--stats`` JSON line per finished transfer.
+cancel, stats, ping), logs and one ``--stats`` JSON line per finished transfer (its
+``delivered`` as of the finish); a transfer that delivered nothing is named in a warning
+with why, once its receiver's last report is in.
 """
 
 from __future__ import annotations
@@ -277,7 +279,7 @@ class SenderDaemon(DaemonShell):
 
             self.table = UtilityTable.load(utility_table)
         self.stats_out = stats if stats is not None else StatsWriter(None)
-        self.warm_up_s = warm_up(key, ("fixed:1/4", *warm), allocator=True)
+        self.warm_up_s = warm_up(key, warm, allocator=True, note=self.log.info)
         self.sock = DatagramSocket(bind, gso=gso)
         host = SenderHost(
             rate_bps=rate_bps,
@@ -290,6 +292,7 @@ class SenderDaemon(DaemonShell):
             queue_guard=queue_guard,
         )
         self.engine = SenderEngine(self.sock, host, on_finish=self._finished)
+        self._reporting: list[Outgoing] = []  # finished, their receivers' last word awaited
         self._start_control(
             control, {"submit": self._submit, "status": self._status, "cancel": self._cancel}
         )
@@ -383,6 +386,22 @@ class SenderDaemon(DaemonShell):
         from kvtransport.daemons.udp import clock
 
         self.stats_out.write({"event": "transfer", "role": "sender", **out.status(clock())})
+        self._reporting.append(out)
+
+    def _on_idle(self, now: float) -> None:
+        """Name the transfers that delivered nothing (no feedback, a refusal, no manifest)
+        in a warning, once their receivers' last report is in (Outgoing.outcome_final)."""
+        if not self._reporting:
+            return
+        waiting = []
+        for out in self._reporting:
+            if not out.outcome_final(now):
+                waiting.append(out)
+                continue
+            delivered, note = out.outcome()
+            if note:
+                log.warning("transfer %016x: %s delivered: %s", out.transfer_id, delivered, note)
+        self._reporting = waiting
 
     def _describe(self) -> str:
         rate = self.engine.host.rate_bps

@@ -36,7 +36,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvtransport.core.protocol import STANDARD, ProtocolConfig
-from kvtransport.demo.demo_links import INITIAL_RTT_S, PROFILE, Link, LinkOutcome, TransferRequest
+from kvtransport.demo.demo_links import (
+    INITIAL_RTT_S,
+    PROFILE,
+    Link,
+    LinkOutcome,
+    NoTimeToSend,
+    TransferRequest,
+    refusal_is_no_time,
+)
 from kvtransport.errors import UserError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -221,19 +229,24 @@ class EmulatedLink(Link):
         data_ch = make_channel(self.profile, data_seed, overhead_bytes=overhead)
         fb_ch = make_channel(self.profile, fb_seed, overhead_bytes=overhead)
         rate_bps = self.profile.rate_bps
-        self.sender.call(
-            "start",
-            {
-                "policy": req.policy,
-                "rate_bps": rate_bps,
-                "deadline_s": deadline_s,
-                "transfer_id": req.transfer_id,
-                "symbol_size": self.symbol_size,
-                "initial_rtt": INITIAL_RTT_S,
-                "key": self.key,
-                "config": self.config,
-            },
-        )
+        try:
+            self.sender.call(
+                "start",
+                {
+                    "policy": req.policy,
+                    "rate_bps": rate_bps,
+                    "deadline_s": deadline_s,
+                    "transfer_id": req.transfer_id,
+                    "symbol_size": self.symbol_size,
+                    "initial_rtt": INITIAL_RTT_S,
+                    "key": self.key,
+                    "config": self.config,
+                },
+            )
+        except PeerError as exc:
+            if refusal_is_no_time(str(exc)):
+                raise NoTimeToSend(str(exc)) from None
+            raise
         self.receiver.call(
             "start", {"transfer_id": req.transfer_id, "key": self.key, "config": self.config}
         )

@@ -71,6 +71,19 @@ def _arrival(complete: Any, age: Any, transfer_s: float) -> np.ndarray:
     return np.where(done, float(transfer_s) - np.where(done, age, 0.0), np.inf)
 
 
+class NoTimeToSend(Exception):
+    """The link's sender refused a transfer whose deadline leaves no time to send
+    (kvtransport.hosts.sender_host.NoTimeToSend): nothing of it crossed. The message is the
+    sender's one line."""
+
+
+def refusal_is_no_time(message: str) -> bool:
+    """Whether a sender's refusal, as text from another process, is the no-time one."""
+    from kvtransport.hosts.sender_host import NO_TIME_TO_SEND
+
+    return NO_TIME_TO_SEND in message
+
+
 def _no_progress(fraction: float) -> None:
     pass
 
@@ -101,6 +114,9 @@ class Link(abc.ABC):
     """
 
     name = ""
+    rtt_s: float | None = None
+    """The round trip the link measured once :meth:`ready` (None: the profile's): the plan
+    and the measured transfers' initial RTT use it."""
 
     @abc.abstractmethod
     def describe(self) -> str:
@@ -125,7 +141,9 @@ class Link(abc.ABC):
     ) -> LinkOutcome:
         """Send the loaded transfer with ``policy``; returns what the receiver delivered.
 
-        ``on_progress(fraction)`` follows the transfer towards its deadline (0..1)."""
+        ``on_progress(fraction)`` follows the transfer towards its deadline (0..1). A
+        deadline the sender finds too short to send anything in raises
+        :class:`NoTimeToSend` (nothing crossed)."""
         progress = on_progress or _no_progress
         return self._transfer(TransferRequest(policy, deadline_s, transfer_id, seed, progress))
 

@@ -137,6 +137,7 @@ def plan_stream(
     *,
     hedge: float,
     answer_s: float = 0.0,
+    one_way_s: float | None = None,
 ) -> tuple[Any, Any, float]:
     """Plan the handoff (kvtransport.model.plan) for a TTFT budget and encode what it sends.
 
@@ -145,7 +146,9 @@ def plan_stream(
     at REBUILD_BYTES_PER_S) and the question's forward pass. Returns (plan, the planned
     stream, the link's budget in seconds). order: the stream order
     (kvtransport.model.plan.ORDERS); hedge: the plan's hedge share (0: none); answer_s:
-    the question's forward time on the receiver, for the plan's tail (0: none).
+    the question's forward time on the receiver, for the plan's tail (0: none);
+    one_way_s: the link's one-way delay (None: the profile's; a link that measured its
+    round trip gives half of it).
     """
     from kvtransport.core.protocol import DEFAULT_SYMBOL_SIZE
     from kvtransport.model.plan import LinkEstimate, planned_stream
@@ -153,7 +156,7 @@ def plan_stream(
     link = LinkEstimate(
         rate_bps=profile.rate_bps,
         loss=float(profile.stationary_loss()),
-        one_way_s=profile.delay_ms / 1e3,
+        one_way_s=profile.delay_ms / 1e3 if one_way_s is None else one_way_s,
         symbol_size=DEFAULT_SYMBOL_SIZE,
     )
     g = stream.manifest.geometry

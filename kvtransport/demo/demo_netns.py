@@ -23,7 +23,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvtransport.demo.demo_links import INITIAL_RTT_S, PROFILE, Link, LinkOutcome, TransferRequest
+from kvtransport.demo.demo_links import (
+    INITIAL_RTT_S,
+    PROFILE,
+    Link,
+    LinkOutcome,
+    NoTimeToSend,
+    TransferRequest,
+    refusal_is_no_time,
+)
 from kvtransport.errors import UserError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -33,6 +41,23 @@ RECEIVER_PORT = 9400
 TCP_PORT = 9401  # the TCP baseline's receiver (kvtransport.demo.tcp_baseline)
 DAEMON_PRIORITY = 5  # SCHED_FIFO of the netns daemons (the relay runs above them)
 WARM_UP_BYTES = 256 * 1024
+WARM_UP_DEADLINE_MS = 500.0  # it ends sooner: a transfer is over once its receiver has it all
+RTT_PROBES = 3
+RTT_PROBE_BYTES = 32 * 1024
+
+
+def measured_rtt(rtts: list[float | None]) -> float | None:
+    """The link's round trip from probes' shortest round trips (None where a probe
+    measured none): their median, within the initial RTTs a sender accepts; None when no
+    probe measured one."""
+    import statistics
+
+    from kvtransport import bounds
+
+    got = [r for r in rtts if r is not None and r > 0]
+    if not got:
+        return None
+    return min(statistics.median(got), bounds.MAX_INITIAL_RTT_S)
 
 
 class NetnsLink(Link):
@@ -138,8 +163,16 @@ class NetnsLink(Link):
     def ready(self) -> None:
         """Wait for both daemons, subscribe to results, warm each policy up (one small
         transfer each: the daemons load its compiled code, RLC, Reed-Solomon or the DDQN
-        network, before a measured transfer would pay for it inside its deadline)."""
-        from kvtransport.core.transfer import synthetic_transfer
+        network, before a measured transfer would pay for it inside its deadline), then
+        measure the link's round trip with warm daemons (:attr:`rtt_s`: the median of
+        ``RTT_PROBES`` small transfers' shortest round trips), which the plan and the
+        measured transfers use.
+
+        Every warm-up and probe gives its initial RTT (the profile's) and a deadline of
+        ``WARM_UP_DEADLINE_MS``, so none is refused however slow the daemons were before
+        it: left to itself, the sender daemon would assume the round trip the previous
+        transfer to that receiver measured, and one taken while the receiver compiled its
+        kernels leaves a short deadline no time to send."""
         from kvtransport.daemons.client import ReceiverClient, ResultSubscriber, SenderClient
 
         self._wait_for("receiver", ReceiverClient)
@@ -148,26 +181,49 @@ class NetnsLink(Link):
         self.results = ResultSubscriber(self.endpoints["results"])
         self.clients = [self.sender, self.results]
         time.sleep(0.2)  # the subscription reaches the PUB socket before any result
+        self.warm_up()
+
+    def warm_up(self) -> None:
+        """The warm-ups and the round-trip probes of :meth:`ready` (again, at any time)."""
+        from kvtransport.core.transfer import synthetic_transfer
+
         for i, policy in enumerate(self.policies):
-            tr = synthetic_transfer(WARM_UP_BYTES, 16, "linear", seed=i)
-            tid = self.sender.submit(tr, self.dest, rho=2.0, policy=policy, label="warm-up")
-            self.results.wait_for(tid, timeout_s=30)
-            self.sender.wait(tid, timeout_s=10)
+            self._small_transfer(synthetic_transfer(WARM_UP_BYTES, 16, "linear", seed=i),
+                                 policy, "warm-up")  # fmt: skip
+        probe = synthetic_transfer(RTT_PROBE_BYTES, 8, "linear", seed=99)
+        rtts = [self._small_transfer(probe, "fixed:4/32", "rtt probe") for _ in range(RTT_PROBES)]
+        self.rtt_s = measured_rtt(rtts)
+
+    def _small_transfer(self, tr: Any, policy: str, label: str) -> float | None:
+        """Send ``tr`` (a warm-up or a probe) and wait for it; its shortest RTT in seconds
+        (None: it measured none)."""
+        tid = self.sender.submit(tr, self.dest, deadline_ms=WARM_UP_DEADLINE_MS, policy=policy,
+                                 initial_rtt_ms=INITIAL_RTT_S * 1e3, label=label)  # fmt: skip
+        self.results.wait_for(tid, timeout_s=30)
+        rtt_ms = self.sender.wait(tid, timeout_s=10).get("min_rtt_ms")
+        return None if rtt_ms is None else rtt_ms * 1e-3
 
     def load(self, transfer: Any) -> None:
         self._loaded = transfer
 
     def _transfer(self, req: TransferRequest) -> LinkOutcome:
+        from kvtransport.daemons.api import ApiError
+
         t0 = time.perf_counter()
-        tid = self.sender.submit(
-            self._loaded,
-            self.dest,
-            deadline_ms=req.deadline_s * 1e3,
-            policy=req.policy,
-            transfer_id=req.transfer_id,
-            initial_rtt_ms=INITIAL_RTT_S * 1e3,
-            label=f"demo {req.policy}",
-        )
+        try:
+            tid = self.sender.submit(
+                self._loaded,
+                self.dest,
+                deadline_ms=req.deadline_s * 1e3,
+                policy=req.policy,
+                transfer_id=req.transfer_id,
+                initial_rtt_ms=(self.rtt_s or INITIAL_RTT_S) * 1e3,
+                label=f"demo {req.policy}",
+            )
+        except ApiError as exc:
+            if refusal_is_no_time(str(exc)):
+                raise NoTimeToSend(str(exc)) from None
+            raise
         if self.on_submitted is not None:
             self.on_submitted()
         res = self._wait_result(tid, t0, req.deadline_s, req.progress)

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtransport.demo.host_load import load_text
 from kvtransport.model.plan import DEFAULT_HEDGE_SHARE, DEFAULT_LEVELS
 
 SCHEMES: tuple[tuple[str, str], ...] = (
@@ -39,6 +40,7 @@ DEFAULT_OBJECTIVE = "ttft"
 DEFAULT_ORDER = "position"
 MAX_QUESTIONS = 10
 MAX_REPEATS = 20
+DEFAULT_REPEATS = 3  # interleaved TTFT rounds: a slow moment of a shared host hits one round
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,7 @@ class DemoConfig:
     repeats: how many times the TTFTs are measured, in rounds that time re-prefilling and
         then every row's race once each (the first round also answers); a row's TTFT is
         its median, its speed-up the median of the rounds' ratios, so a slow moment of
-        the host hits both sides of a ratio instead of one.
+        the host hits both sides of a ratio instead of one (``--rounds``).
     """
 
     task: str = "fiction_qa"
@@ -98,7 +100,7 @@ class DemoConfig:
     card_dir: Path | None = None
     progress: bool = True
     questions: int = DEFAULT_QUESTIONS
-    repeats: int = 1
+    repeats: int = DEFAULT_REPEATS
 
     @classmethod
     def quick(cls, **overrides: Any) -> DemoConfig:
@@ -140,6 +142,7 @@ class SchemeResult:
     ttft_rounds: list[float] = field(default_factory=list)  # DemoConfig.repeats of them
     counters: dict[str, Any] = field(default_factory=dict)
     error: str = ""  # why the scheme did not run (e.g. no shipped DDQN weights)
+    note: str = ""  # one line under the table: why the row is as it is (degraded, late)
 
 
 @dataclass
@@ -169,6 +172,8 @@ class DemoReport:
     questions: list[dict[str, Any]] = field(default_factory=list)
     # the floor: every block masked (answers, f1s, f1, matches as in SchemeResult)
     no_cache: dict[str, Any] = field(default_factory=dict)
+    # the host's load over the run (kvtransport.demo.host_load.LoadWatch.summary)
+    host: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -218,10 +223,18 @@ def render_table(rep: DemoReport) -> str:
     k = len(rep.questions)
     lines = [
         "kvtransport demo: a KV-cache handoff across a burst-loss link, against re-prefill",
-        f"  link      {rep.link['description']}",
+        f"  link      {rep.link['description']}"
+        + (
+            f"; round trip {rtt * 1e3:.1f} ms as measured with warm daemons (plan and "
+            "transfers use it)"
+            if (rtt := rep.link.get("rtt_s"))
+            else ""
+        ),
     ]
     if rep.link["note"]:
         lines.append(f"  note      {rep.link['note']}")
+    if rep.host:
+        lines.append(f"  host      {load_text(rep.host, rep.config.get('repeats', 1))}")
     lines += [
         f"  repeats   {rep.link['deterministic']}",
         f"  task      {t['name']} (seed {t['seed']}): {_count(k, 'question')} about one context, "
@@ -289,6 +302,10 @@ def render_table(rep: DemoReport) -> str:
     lines.append(fmt(head))
     lines.append("  " + "  ".join("-" * w for w in widths))
     lines += [fmt(r) for r in rows]
+    notes = [s for s in race_rows if s.note]
+    if notes:
+        lines += ["", "  notes:"]
+        lines += [f"    {s.label}: {s.note}" for s in notes]
     lines += ["", "  questions (the full cache's answer; the gold answer in brackets):"]
     for i, q in enumerate(rep.questions, 1):
         lines.append(

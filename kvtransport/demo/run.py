@@ -57,7 +57,7 @@ from typing import Any
 import numpy as np
 
 from kvtransport.demo.demo_emulated import EmulatedLink, PeerError
-from kvtransport.demo.demo_links import LINKS, PROFILE, Link, LinkOutcome
+from kvtransport.demo.demo_links import LINKS, PROFILE, Link, LinkOutcome, NoTimeToSend
 from kvtransport.demo.demo_model import (
     answer,
     default_card_dir,
@@ -79,6 +79,7 @@ from kvtransport.demo.demo_report import (
     render_table,
     report_json,
 )
+from kvtransport.demo.host_load import LoadWatch, load_text
 from kvtransport.errors import UserError
 
 __all__ = [
@@ -200,6 +201,8 @@ def run_demo(cfg: DemoConfig, loaded: Any = None) -> DemoReport:
     """
     _check_config(cfg)
     t_all = time.perf_counter()
+    load = LoadWatch(cfg.threads)
+    load.sample(own=0.0)  # before the demo computes anything: other work only
     link, note = choose_link(cfg.link)
     ui = _Progress(cfg.progress)
     timings: dict[str, float] = {}
@@ -215,19 +218,28 @@ def run_demo(cfg: DemoConfig, loaded: Any = None) -> DemoReport:
         if note:
             ui.note(f"note: {note}")
         link_text = lk.describe()
-        prep = _prepare(cfg, loaded, ui, timings)
+        measured = _measure(cfg, loaded, ui, timings)
         t = time.perf_counter()
-        lk.ready()
+        lk.ready()  # warm daemons, and the link's round trip measured with them
+        timings["link_ready"] = time.perf_counter() - t
+        prep = _plan(cfg, measured, ui, timings, lk.rtt_s)
+        t = time.perf_counter()
         lk.load(prep.transfer)
         outcomes = _run_transfers(lk, rows, prep.deadline_s, cfg.seed, ui)
         if link == "netns":  # the same bytes over TCP through the same link
             rows += _tcp_rows(lk, prep.deadline_s, outcomes, len(rows), ui)
         timings["transfers"] = time.perf_counter() - t
+    load.sample(own=cfg.threads)
     t = time.perf_counter()
     baseline = _answer_all(cfg, prep, rows, outcomes, ui)
     timings["answers"] = time.perf_counter() - t
     timings["total"] = time.perf_counter() - t_all
-    return _report(cfg, link, note, link_text, prep, baseline, rows, timings)
+    load.sample(own=cfg.threads)
+    rep = _report(cfg, link, note, link_text, prep, baseline, rows, timings)
+    rep.host = load.summary()
+    if rep.host["loaded"]:
+        ui.note(f"note: {load_text(rep.host, cfg.repeats)}")
+    return rep
 
 
 def _scheme_rows(labels: tuple[str, ...] | None = None) -> list[SchemeResult]:
@@ -247,8 +259,9 @@ def _scheme_rows(labels: tuple[str, ...] | None = None) -> list[SchemeResult]:
 
 
 @dataclass
-class _Prepared:
-    """The model, the task's two halves, the plan and the block stream that crosses."""
+class _Measured:
+    """The model, the task's two halves, the full cache's stream and the receiver's speed:
+    everything the plan needs but the link."""
 
     loaded: Any
     sample: Any
@@ -259,18 +272,34 @@ class _Prepared:
     stream: Any  # the full cache's stream (fp32, utility order): the card
     cached: bool
     speed: Any  # the receiver's measured compute speed (kvtransport.model.cache_builder)
+
+
+@dataclass
+class _Prepared(_Measured):
+    """:class:`_Measured`, the plan and the block stream that crosses."""
+
     budget_s: float  # the TTFT budget
     plan: Any  # kvtransport.model.plan.HandoffPlan
     planned: Any  # the stream the plan sends (kvtransport.model.blocks.EncodedStream)
     transfer: Any
     send_time_s: float  # the planned stream's loss-free time at the link rate
     deadline_s: float  # the transport's deadline (from the transfer's start)
+    rtt_s: float | None = None  # the round trip the link measured (None: the profile's)
 
 
-def _prepare(cfg: DemoConfig, loaded: Any, ui: _Progress, timings: dict[str, float]) -> _Prepared:
-    from kvtransport.core.protocol import DEFAULT_SYMBOL_SIZE
-    from kvtransport.core.transfer import Transfer
-    from kvtransport.core.wire import full_send_time
+def _prepare(
+    cfg: DemoConfig,
+    loaded: Any,
+    ui: _Progress,
+    timings: dict[str, float],
+    rtt_s: float | None = None,
+) -> _Prepared:
+    """The model loaded, the card, the receiver's speed and the plan for a link whose
+    round trip is ``rtt_s`` (None: the profile's)."""
+    return _plan(cfg, _measure(cfg, loaded, ui, timings), ui, timings, rtt_s)
+
+
+def _measure(cfg: DemoConfig, loaded: Any, ui: _Progress, timings: dict[str, float]) -> _Measured:
     from kvtransport.model import tasks
     from kvtransport.model.cache_builder import ComputeSpeed
     from kvtransport.model.loader import load_model, set_threads
@@ -297,15 +326,36 @@ def _prepare(cfg: DemoConfig, loaded: Any, ui: _Progress, timings: dict[str, flo
     else:
         speed = ComputeSpeed.measure(loaded.model, context_ids)
     timings["measure_speed"] = time.perf_counter() - t
+    return _Measured(loaded, sample, context_ids, question_ids, probes, probe_ids, stream,
+                     cached, speed)  # fmt: skip
+
+
+def _plan(
+    cfg: DemoConfig,
+    m: _Measured,
+    ui: _Progress,
+    timings: dict[str, float],
+    rtt_s: float | None = None,
+) -> _Prepared:
+    """The plan for the TTFT budget over a link whose round trip is ``rtt_s`` (None: the
+    profile's), and the transfer it sends."""
+    from kvtransport.core.protocol import DEFAULT_SYMBOL_SIZE
+    from kvtransport.core.transfer import Transfer
+    from kvtransport.core.wire import full_send_time
+
+    t = time.perf_counter()
+    speed, context_ids, question_ids = m.speed, m.context_ids, m.question_ids
     profile = link_profile(cfg.rate_mbps)
     # the receiver's own estimate of re-prefilling (context, then the question): the
     # budget is a share of it, as a user would set a TTFT target
     budget_s = cfg.budget * (speed.seconds(len(context_ids)) + speed.seconds(len(question_ids)))
     answer_s = speed.answer_seconds(len(question_ids), len(context_ids)) if cfg.tail else 0.0
-    plan, planned, link_budget = plan_stream(stream, context_ids, profile, speed, budget_s,
+    one_way_s = None if rtt_s is None else rtt_s / 2
+    plan, planned, link_budget = plan_stream(m.stream, context_ids, profile, speed, budget_s,
                                              len(question_ids), cfg.precision,
                                              cfg.objective, cfg.order, hedge=cfg.hedge,
-                                             answer_s=answer_s)  # fmt: skip
+                                             answer_s=answer_s,
+                                             one_way_s=one_way_s)  # fmt: skip
     transfer = Transfer.from_encoded_stream(planned)
     # both links seal every datagram (a per-run key): a 16-byte tag each
     send_time = full_send_time(transfer.nbytes, profile.rate_bps, DEFAULT_SYMBOL_SIZE, True)
@@ -313,8 +363,8 @@ def _prepare(cfg: DemoConfig, loaded: Any, ui: _Progress, timings: dict[str, flo
     ui.note(f"plan: {plan.describe()}")
     deadline = max(link_budget, plan.finish_s, plan.send_s)  # the hedge too
     return _Prepared(
-        loaded, sample, context_ids, question_ids, probes, probe_ids, stream, cached,
-        speed, budget_s, plan, planned, transfer, send_time, deadline,
+        m.loaded, m.sample, m.context_ids, m.question_ids, m.probes, m.probe_ids, m.stream,
+        m.cached, speed, budget_s, plan, planned, transfer, send_time, deadline, rtt_s,
     )  # fmt: skip
 
 
@@ -342,9 +392,29 @@ def _run_transfers(
                     seed=seed,
                     on_progress=step,
                 )
+            except NoTimeToSend as exc:  # a slow host's plan: the receiver computes it all
+                outcomes[i] = nothing_crossed(NOTHING_CROSSED)
+                why = _refusal_words(str(exc))
+                row.note = f"{why}: nothing crossed, the receiver computed every token"
             except PeerError as exc:
                 row.error = str(exc)
     return outcomes
+
+
+NOTHING_CROSSED = "no time to send"
+"""The reason of a transfer the sender refused for want of time (nothing crossed)."""
+
+
+def nothing_crossed(reason: str = "") -> LinkOutcome:
+    """The outcome of a transfer of which nothing arrived (the receiver computes it all)."""
+    return LinkOutcome(0.0, reason, np.zeros(0, bool), np.zeros(0, np.uint8), None, 0.0)
+
+
+def _refusal_words(message: str) -> str:
+    """A sender's no-time refusal shortened for a table note: what it found, not its advice
+    (the demo follows the advice itself: its transfers assume the measured round trip)."""
+    text = message.removeprefix("submit: ")
+    return text.split("; ")[0]
 
 
 TCP_CONGESTION = ("cubic", "bbr")
@@ -390,7 +460,6 @@ def _answer_all(
     each scheme's answers from the cache its race built (kvtransport.model.race: the planned
     prefix computed, the rest loaded as it arrived or recomputed); fills the rows,
     returns the baselines."""
-    import numpy as np
 
     from kvtransport.model import blocks
 
@@ -416,7 +485,7 @@ def _answer_all(
         del full
         reprefill_ttft = prefill_s + re_first
         # the floor: nothing of the context (every block masked), the question alone
-        nothing = LinkOutcome(0.0, "", np.zeros(0, bool), np.zeros(0, np.uint8), None, 0.0)
+        nothing = nothing_crossed()
         floor_answers, _ = ask(*rebuild(stream, nothing, prep.context_ids))
         floor = _scores(floor_answers, full_answers)
         dead = _race_row(prep, nothing, ask, full_answers, reprefill_ttft,
@@ -502,7 +571,45 @@ def _race_row(
     row.ttft_s = race.answer_s + row.rebuild_s
     row.speedup = reprefill_ttft / row.ttft_s
     row.counters = out.counters
+    row.note = row.note or late_note(row, out, plan.link_s)
     return row
+
+
+LATE_SHARE = 0.1
+"""A row's last block is late when it completes more than this share after the plan's time."""
+
+
+def late_note(row: SchemeResult, out: LinkOutcome, planned_s: float) -> str:
+    """The note of a row whose link lost no block yet did not give the receiver every
+    block when its race wanted it: the row shows full utility (everything was in place
+    by the transport's deadline) with a speed-up that says otherwise. Either the receiver
+    computed tokens beyond its planned prefix itself (the race computes a range when
+    waiting for it is not expected to be sooner), or the last block completed more than
+    ``LATE_SHARE`` after the plan's ``planned_s`` (the link's part in place) and the race
+    waited for blocks (a race also waits for blocks due on plan: that alone is no note).
+    Says which, and when the last block completed. Empty when neither is the case."""
+    if out.app_metadata is None or row.blocks_missing != 0:
+        return ""
+    arrival = out.arrival_s
+    done = arrival[np.isfinite(arrival)] if arrival is not None else np.zeros(0)
+    last = float(done.max()) if done.size else None
+    late = last is not None and last > planned_s * (1 + LATE_SHARE)
+    waited = late and (row.waited_s or 0.0) > 0
+    if not row.recomputed_tokens and not waited:
+        return ""
+    when = ""
+    if last is not None:
+        than = "after" if last > planned_s else "within"
+        when = f" (the last at {last * 1e3:.0f} ms, {than} the plan's {planned_s * 1e3:.0f} ms)"
+    what = []
+    if row.recomputed_tokens:
+        what.append(
+            f"the receiver computed {row.recomputed_tokens} tokens itself: when its race "
+            "reached them they were not in place or computing was sooner than waiting"
+        )
+    if waited:
+        what.append(f"the receiver waited {(row.waited_s or 0.0) * 1e3:.0f} ms for late blocks")
+    return f"no block lost{when}, but " + "; ".join(what)
 
 
 def reprefilled(prep: _Prepared) -> tuple[Any, float]:
@@ -616,6 +723,7 @@ def _report(
             "note": note,
             "description": link_text,
             "deterministic": determinism_text(link, cfg.seed),
+            "rtt_s": prep.rtt_s,  # measured by the link's warm-up (None: the profile's)
         },
         task={
             "name": sample.task,
@@ -731,6 +839,6 @@ def _check_config(cfg: DemoConfig) -> None:
     if not 1 <= cfg.questions <= MAX_QUESTIONS:
         raise UserError(f"--questions must be 1..{MAX_QUESTIONS}, not {cfg.questions}")
     if not 1 <= cfg.repeats <= MAX_REPEATS:
-        raise UserError(f"--repeats must be 1..{MAX_REPEATS}, not {cfg.repeats}")
+        raise UserError(f"--rounds must be 1..{MAX_REPEATS}, not {cfg.repeats}")
     if cfg.link not in LINKS:
         raise UserError(f"--link must be one of {', '.join(LINKS)}, not {cfg.link!r}")

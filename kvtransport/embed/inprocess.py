@@ -79,7 +79,13 @@ def run_send(
         transfer, dest, now=clock(), deadline_s=deadline_s, policy=policy, initial_rtt=initial_rtt
     )
     try:
-        serve(engine, [], stop, on_idle=lambda now: None if host.active else stop.request())
+        # once sent, wait for the receiver's last report: the status says what it holds
+        serve(
+            engine,
+            [],
+            stop,
+            on_idle=lambda now: None if not out.outcome_final(now) else stop.request(),
+        )
     finally:
         interrupted = bool(host.active)
         engine.close(clock())
@@ -145,6 +151,7 @@ def delivered(incoming: Any, engine: Any) -> DeliveredResult:
     stats = incoming.stats(clock())
     stats["engine_drops"] = dict(engine.host.drop_reasons)
     stats["socket"] = dict(engine.sock.stats)
+    stats["note"] = engine.host.failure_note()  # e.g. datagrams of another key, refusals
     return DeliveredResult.from_result(incoming.session.result, stats)
 
 
@@ -311,11 +318,20 @@ def send(
     first token is out soonest.
 
     Returns the sender's final status (``transfer_id``, ``finish_reason``,
-    ``decoded_through`` of ``n_source``, datagrams, loss estimate, ...). Blocks the calling
+    ``decoded_through`` of ``n_source``, datagrams, loss estimate, ...; ``delivered``:
+    "complete", "partial" or "nothing" as the receiver last reported, and ``note``, one
+    line naming why when it is not complete: no feedback at all, the receiver's refusal,
+    kvtransport.hosts.sender_host.Outgoing.outcome). Blocks the calling
     thread for at most the deadline plus a round trip; see :func:`send_async`.
+
+    A deadline that leaves no time to send (by ``initial_rtt_ms`` a datagram sent now
+    would arrive after it) is not an error: nothing is sent and the status says so
+    (``state`` "not sent", ``finish_reason`` :data:`NOT_SENT`, ``reason`` the sender's
+    one line, nothing delivered); a racing receiver then computes the whole cache itself.
     """
     from kvtransport.core.policy import make_policy
     from kvtransport.daemons.daemon_sender import deadline_from, transfer_policy
+    from kvtransport.hosts.sender_host import NoTimeToSend
 
     raw_key = api_key(key, insecure)
     dest = _address(to, "receiver")
@@ -350,10 +366,38 @@ def send(
             symbol_size=symbol_size,
             initial_rtt=initial_rtt_ms * 1e-3,
         )
+    except NoTimeToSend as exc:  # the main job degrades: the receiver computes it all
+        status = not_sent(transfer, dest, policy, deadline_s, str(exc))
     finally:
         sock.close()
         stop.close()
     return status
+
+
+NOT_SENT = "no time to send"
+"""``finish_reason`` of a transfer :func:`send` did not start: its deadline left no time."""
+
+
+def not_sent(
+    transfer: Transfer, dest: tuple[str, int], policy: str, deadline_s: float, reason: str
+) -> dict[str, Any]:
+    """The status of a transfer that was not sent (the keys a finished transfer's status
+    has that say what crossed, all nothing)."""
+    return {
+        "transfer_id": None,
+        "state": "not sent",
+        "finish_reason": NOT_SENT,
+        "reason": reason,
+        "to": f"{dest[0]}:{dest[1]}",
+        "policy": policy,
+        "bytes": transfer.nbytes,
+        "source_sent": 0,
+        "repair_sent": 0,
+        "datagrams_sent": 0,
+        "decoded_through": 0,
+        "delivered_bytes": 0,
+        "deadline_s": round(deadline_s, 6),
+    }
 
 
 async def send_async(cache_or_card: Any, to: str | tuple[str, int], **kwargs: Any) -> dict:
@@ -451,10 +495,14 @@ class Receiver:
             inc, engine = run_receive(self.sock, stop=self._stop, **kwargs)
             if inc is None:
                 why = self._stop.signal_name
+                note = engine.host.failure_note()
                 raise UserError(
-                    f"no transfer arrived on {self.address} within {self._timeout_s:g} s"
-                    if why == "timeout"
-                    else f"receiver closed ({why}) before any transfer arrived"
+                    (
+                        f"no transfer arrived on {self.address} within {self._timeout_s:g} s"
+                        if why == "timeout"
+                        else f"receiver closed ({why}) before any transfer arrived"
+                    )
+                    + (f"; {note}" if note else "")
                 )
             self._future.set_result(delivered(inc, engine))
         except BaseException as exc:  # handed to whoever waits for the result

@@ -31,7 +31,9 @@ What bounds the state (every datagram is attacker-controlled):
 
 - ``max_transfers`` sessions at once (a session that finished but is not yet settled no
   longer counts); a new transfer beyond that is dropped and counted (``over_capacity``),
-  never an old one evicted;
+  never an old one evicted; each of its manifest datagrams is answered with one small
+  sealed refusal (kvtransport.core.feedback.refusal_datagram), so its sender stops and
+  says why;
 - ``max_bytes`` per transfer: the session refuses symbols beyond it and a manifest
   announcing more (``too_large``); its decoder holds at most the config's
   ``max_decoder_window`` ESIs, and a manifest naming more is refused (``decoder_window``);
@@ -52,8 +54,12 @@ What bounds the state (every datagram is attacker-controlled):
 
 Garbage never reaches a session unless it carries a known transfer id; there it is
 counted by reason in the session's ``drop_reasons`` (bad tag, truncated, ...), elsewhere
-in the host's. ``single``: the ``recv`` command's mode, where the first transfer is the
-only one and datagrams of any other transfer id are dropped as ``foreign_transfer``.
+in the host's. :meth:`ReceiverHost.failure_note` names, in one line, what a user most
+likely got wrong from those counters: datagrams that failed authentication (another key),
+of another protocol version, transfers refused (and why).
+
+``single``: the ``recv`` command's mode, where the first transfer is the only one and
+datagrams of any other transfer id are dropped as ``foreign_transfer``.
 """
 
 from __future__ import annotations
@@ -65,6 +71,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from kvtransport.core.feedback import refusal_datagram, refusal_text
 from kvtransport.core.protocol import STANDARD, ProtocolConfig
 from kvtransport.core.receiver import ReceiverSession
 from kvtransport.core.replay import ReplayRecord
@@ -88,10 +95,18 @@ DEFAULT_BUDGET_BYTES = 1 << 30
 """Output-buffer bytes all transfers held at once may take (``budget_bytes``)."""
 MAX_IDLE_TIMEOUT_S = 3600.0
 RECENT_IDS = 4096
+REFUSAL_CACHE = 64
+"""Over-capacity refusals kept (their bytes are fixed per transfer: made once each)."""
 _TID = struct.Struct("!Q")
 
 Address = Any
 """A peer's address as the shell knows it (a (host, port) tuple over UDP)."""
+
+
+def auth_failures(n: int) -> str:
+    """The one line that names ``n`` datagrams that failed authentication."""
+    plural = "s" if n != 1 else ""
+    return f"{n} datagram{plural} failed authentication: do both ends have the same key?"
 
 
 @dataclass
@@ -118,6 +133,7 @@ class Incoming:
             "transfer_id": f"{self.transfer_id:016x}",
             "state": self.state,
             "reason": res.reason if res is not None else "",
+            "refused": s.refused,
             "from": f"{self.peer[0]}:{self.peer[1]}",
             "utility": round(float(res.utility_recovered if res else s.utility), 6),
             "manifest": m is not None,
@@ -229,6 +245,9 @@ class ReceiverHost:
         self._last_tid = -1  # the previous datagram's transfer (consecutive: one lookup)
         self._last: Incoming | None = None
         self._events: deque[ReceiverEvent] = deque()
+        self._replies: list[tuple[list[bytes], Address]] = []  # refusals without a session
+        self._refusals: OrderedDict[int, bytes] = OrderedDict()
+        self.last_refusal = ""  # the latest refused transfer, in one line (failure_note)
 
     # ------------------------------------------------------------------ datagrams
 
@@ -298,7 +317,7 @@ class ReceiverHost:
         touched = self._touched
         self._touched = {}
         self._last_tid, self._last = -1, None
-        out: list[tuple[list[bytes], Address]] = []
+        out, self._replies = self._replies, []
         for inc in touched.values():
             datagrams = inc.session.datagrams_to_send(now)
             if datagrams:
@@ -451,8 +470,25 @@ class ReceiverHost:
             return None
         if len(self.active) >= self.max_transfers and self._live() >= self.max_transfers:
             self._drop("over_capacity")
+            if d.type == DatagramType.MANIFEST or d.type == DatagramType.MANIFEST_REPAIR:
+                self._refuse_unopened(tid, addr)
             return None
         return self._open(tid, addr, now)
+
+    def _refuse_unopened(self, tid: int, addr: Address) -> None:
+        """Answer a manifest datagram of a transfer refused for capacity: one sealed
+        refusal (the same bytes each time, made once per transfer)."""
+        reply = self._refusals.get(tid)
+        if reply is None:
+            reply = self._refusals[tid] = refusal_datagram(self.key, tid, "over_capacity")
+            while len(self._refusals) > REFUSAL_CACHE:
+                self._refusals.popitem(last=False)
+            self.last_refusal = (
+                f"transfer {tid:016x} from {addr[0]}:{addr[1]} refused: "
+                f"{self.max_transfers} transfers are receiving (the limit)"
+            )
+            log.warning("%s", self.last_refusal)
+        self._replies.append(([reply], addr))
 
     def _open(self, tid: int, peer: Address, now: float, deadline: float | None = None) -> Incoming:
         session = ReceiverSession(
@@ -479,15 +515,33 @@ class ReceiverHost:
         wall = self.wall_clock()
         why = self.replay.admit(tid, manifest.sent_at, wall)
         if why is not None:
-            log.warning(
-                "transfer %016x refused (%s): manifest sent %.1f s from this host's clock "
-                "(window %g s); a replay, or clocks out of sync",
-                tid,
-                why,
-                manifest.sent_at - wall,
-                self.replay.window_s,
+            self.last_refusal = (
+                f"transfer {tid:016x} refused ({why}): its manifest was sent "
+                f"{manifest.sent_at - wall:+.1f} s from this host's clock (replay window "
+                f"{self.replay.window_s:g} s): a replay, or the hosts' clocks are out of sync"
             )
+            log.warning("%s", self.last_refusal)
         return why
+
+    def failure_note(self, refusals: bool = True) -> str:
+        """One line naming what most likely went wrong, from the counters ("" when
+        nothing did): datagrams that failed authentication (``bad_tag``: another key, or
+        tampered with), datagrams of another protocol version, and (``refusals``) the
+        latest transfer refused (also logged as a warning when it happened)."""
+        reasons = self.stats()["drop_reasons"]
+        notes = []
+        bad = reasons.get("bad_tag", 0)
+        if bad:
+            notes.append(auth_failures(bad))
+        other = reasons.get("bad_version", 0)
+        if other:
+            notes.append(
+                f"{other} datagram{'s' if other != 1 else ''} of another protocol version: "
+                "do both ends run the same kvtransport release?"
+            )
+        if refusals and self.last_refusal:
+            notes.append(self.last_refusal)
+        return "; ".join(notes)
 
     def _live(self) -> int:
         """Sessions still receiving: one that finished but is not yet settled (its result
@@ -509,6 +563,12 @@ class ReceiverHost:
         self.lingering[inc.transfer_id] = inc
         res = inc.session.result
         assert res is not None  # the session has finished
+        why = inc.session.refused
+        if why and res.reason != "replayed":  # (a replay's line is _admit_manifest's)
+            self.last_refusal = f"transfer {inc.transfer_id:016x} refused ({why}): " + (
+                refusal_text(why).replace("the receiver", "this receiver")
+            )
+            log.warning("%s", self.last_refusal)
         if res.reason == "replayed":  # nothing to deliver; its later datagrams are dropped
             self.replays_refused += 1
             if self.single and self.adopted == inc.transfer_id:

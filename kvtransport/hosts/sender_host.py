@@ -52,6 +52,14 @@ changes nothing): at most ``max_transfers`` in flight, a deadline in
 [MIN_DEADLINE_S, MAX_DEADLINE_S] that leaves time to send (longer than the one-way delay
 the initial RTT implies, plus a datagram), an initial RTT in (0, MAX_INITIAL_RTT_S], a
 non-negative weight, an unused transfer id.
+
+Outcome. Each transfer's status says what its receiver reported holding
+(:meth:`Outgoing.outcome`): ``delivered`` is "complete" (every source decoded), "partial"
+(the manifest decoded, not every source), or "nothing" (no feedback at all, a refusal, or
+the manifest never decoded), with ``note``, one line naming why when not complete. It is
+the receiver's last report, also one that arrives after the transfer finished (counted
+as a ``finished_transfer`` drop, and read for the outcome): one lost on the way leaves
+the previous one. :meth:`Outgoing.outcome_final` says when to stop waiting for it.
 """
 
 from __future__ import annotations
@@ -66,6 +74,7 @@ import numpy as np
 
 from kvtransport import bounds
 from kvtransport.bounds import MAX_DEADLINE_S, MIN_DEADLINE_S
+from kvtransport.core.feedback import refusal_text
 from kvtransport.core.policy import Policy, make_policy
 from kvtransport.core.protocol import STANDARD, ProtocolConfig
 from kvtransport.core.sender import SenderSession
@@ -81,6 +90,14 @@ DEFAULT_BURST_S = 200e-6
 DEFAULT_SLOT_S = 0.01
 DEFAULT_MAX_TRANSFERS = 64
 HISTORY = 256
+LATE_REPORT_RTTS = 3.0
+"""A finished transfer's outcome waits this many round trips for the receiver's final
+report (``Outgoing.outcome_final``) ..."""
+LATE_REPORT_MIN_S = 0.05
+"""... at least this long ..."""
+LATE_REPORT_MAX_S = 1.0
+"""... and at most this long."""
+NO_FEEDBACK = "no feedback from the receiver: is it running, reachable, and using the same key?"
 """Finished transfers whose status the host keeps (the oldest forgotten)."""
 RECEIVER_MEMORY = 1024
 """Receivers whose last transfer's loss the host remembers (the oldest forgotten)."""
@@ -203,6 +220,36 @@ class Outgoing:
     def deadline(self) -> float:
         return self.link.deadline
 
+    def outcome(self) -> tuple[str, str]:
+        """``(delivered, note)`` as the receiver last reported (module docstring): delivered
+        is "complete", "partial" or "nothing"; note one line naming why it is not complete
+        ("" when it is, or while the transfer is in flight with nothing wrong yet)."""
+        s = self.session
+        if s.refused:
+            return "nothing", f"refused by the receiver ({s.refused}): {refusal_text(s.refused)}"
+        if s.fb_time is None:
+            return "nothing", NO_FEEDBACK if s.done else ""
+        if s.fb_through >= s.n_source:
+            return "complete", ""
+        if not s.manifest.acked:
+            note = "the receiver never decoded the manifest: nothing it holds is usable"
+            return "nothing", note if s.done else ""
+        return "partial", ""
+
+    def outcome_final(self, now: float) -> bool:
+        """Whether :meth:`outcome` can no longer change by ``now``: the transfer is
+        complete or refused, or it finished ``LATE_REPORT_RTTS`` round trips ago (within
+        [LATE_REPORT_MIN_S, LATE_REPORT_MAX_S]), time for the receiver's last report (its
+        ``ALL_DONE`` as the last datagrams arrive, or its result) to come back."""
+        if self.finished is None:
+            return False
+        s = self.session
+        if s.refused or s.fb_through >= s.n_source:
+            return True
+        rtt = 2.0 * s.owd  # the smoothed round trip, else the initial one
+        wait = min(max(LATE_REPORT_RTTS * rtt, LATE_REPORT_MIN_S), LATE_REPORT_MAX_S)
+        return now >= self.finished + wait
+
     def status(self, now: float) -> dict[str, Any]:
         """The status view of this transfer (the control API's ``status`` entry).
 
@@ -212,11 +259,15 @@ class Outgoing:
         m = self.link
         st = s.stats
         end = self.finished if self.finished is not None else now
+        delivered, note = self.outcome()
         return {
             "transfer_id": f"{self.transfer_id:016x}",
             "label": self.label,
             "state": self.state,
             "finish_reason": s.finish_reason,
+            "delivered": delivered,
+            "note": note,
+            "refused": s.refused,
             "to": f"{self.dest[0]}:{self.dest[1]}",
             "policy": self.policy,
             "bytes": self.size,
@@ -249,6 +300,17 @@ class Outgoing:
             "deadline_s": round(self.deadline - self.submitted, 6),
             "elapsed_s": round(end - self.submitted, 6),
         }
+
+
+NO_TIME_TO_SEND = "leaves no time to send"
+"""The words of :class:`NoTimeToSend`'s message (a refusal crosses the control API as text)."""
+
+
+class NoTimeToSend(UserError):
+    """:meth:`SenderHost.submit`'s refusal of a deadline that leaves no time to send: by the
+    initial RTT a datagram sent now would arrive after it. Callers that can do without the
+    transfer (the main job: the receiver computes what does not cross) catch this one, or
+    its message (it holds :data:`NO_TIME_TO_SEND`) where it crossed a process boundary."""
 
 
 @dataclass(frozen=True)
@@ -402,8 +464,8 @@ class SenderHost:
         except ValueError as exc:
             raise UserError(str(exc)) from None
         if session.stop_time <= now:  # it would send nothing, and so never learn the RTT
-            raise UserError(
-                f"a {deadline_s * 1e3:g} ms deadline leaves no time to send: by the initial "
+            raise NoTimeToSend(
+                f"a {deadline_s * 1e3:g} ms deadline {NO_TIME_TO_SEND}: by the initial "
                 f"RTT ({initial_rtt * 1e3:g} ms) a datagram takes {session.owd * 1e3:g} ms to "
                 "arrive; give the link's real round trip (initial RTT) if it is shorter"
             )
@@ -482,7 +544,10 @@ class SenderHost:
         tid = _TID.unpack_from(data, 8)[0]
         out = self.active.get(tid)
         if out is None:
-            self._drop("finished_transfer" if tid in self.finished else "foreign_transfer")
+            done = self.finished.get(tid)
+            self._drop("finished_transfer" if done is not None else "foreign_transfer")
+            if done is not None:  # the receiver's last report may still tell the outcome
+                done.session.late_feedback(data, now)
             return
         s = out.session
         taken = s.stats["feedback_received"]

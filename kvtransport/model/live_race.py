@@ -78,7 +78,10 @@ log = logging.getLogger("kvtransport.race")
 
 DEFAULT_HELLO_S = 0.05
 """When the receiver expects the first range before it knows anything of the plan."""
+DEFAULT_WAIT_S = 10.0
+"""How long :func:`race_daemon` waits for a transfer of its context to appear."""
 WAIT_POLL_S = 0.001
+LOOK_POLL_S = 0.01
 _speeds: weakref.WeakKeyDictionary[Any, ComputeSpeed] = weakref.WeakKeyDictionary()
 
 
@@ -339,25 +342,64 @@ def live_race(
         raise UserError(f"split must be a multiple of {block_tokens} in 0..{len(ids)}, "
                         f"not {split}")  # fmt: skip
     if speed is None:
-        speed = _speeds.get(model)
-        if speed is None:
-            speed = _speeds[model] = ComputeSpeed.measure(model, ids)
+        speed = _speed_of(model, ids)
     src = LiveArrivals(session, ids, block_tokens=block_tokens, model_id=model_id_of(model),
                        rate_bps=None if rate_mbps is None else rate_mbps * 1e6,
                        hello_s=hello_ms * 1e-3)  # fmt: skip
     try:
-        return race(model, ids, src, split=split or 0, speed=speed, block_tokens=block_tokens,
-                    max_chunk=max_chunk, question_ids=question_ids)  # fmt: skip
+        res = race(model, ids, src, split=split or 0, speed=speed, block_tokens=block_tokens,
+                   max_chunk=max_chunk, question_ids=question_ids)  # fmt: skip
     finally:
         src.close()
+    if src._session is not None:
+        tid = getattr(src._session, "transfer_id", None)
+        res.transfer = f"{tid:016x}" if isinstance(tid, int) else str(tid or "")
+        res.refused = src.refused
+    return res
 
 
-def race_daemon(model: Any, token_ids: Sequence[int], race_dir: str, **kwargs: Any) -> RaceResult:
+def _speed_of(model: Any, ids: list[int]) -> ComputeSpeed:
+    """The model's compute speed, measured once per model (on ``ids``)."""
+    speed = _speeds.get(model)
+    if speed is None:
+        speed = _speeds[model] = ComputeSpeed.measure(model, ids)
+    return speed
+
+
+def race_daemon(
+    model: Any,
+    token_ids: Sequence[int],
+    race_dir: str,
+    *,
+    wait_s: float = DEFAULT_WAIT_S,
+    speed: ComputeSpeed | None = None,
+    **kwargs: Any,
+) -> RaceResult:
     """Race the transfer of ``token_ids``'s cache that a receiver daemon on this host is
-    receiving: the daemon runs with ``--race-dir race_dir`` and mirrors each transfer into
-    it while it arrives (kvtransport.daemons.race_share); the race takes the newest mirror
-    of this context's cache, once it appears. ``kwargs``: :func:`live_race`'s options.
-    The daemon still publishes the transfer's result when it ends."""
-    from kvtransport.daemons.race_share import SharedTransfers
+    receiving or has received: the daemon runs with ``--race-dir race_dir`` and mirrors
+    each transfer into it while it arrives (kvtransport.daemons.race_share); the race takes
+    the newest mirror of this context's cache, arriving or complete.
 
-    return live_race(SharedTransfers(race_dir, token_ids), model, token_ids, **kwargs)
+    In the order a user starts things: the call claims the context's transfer first (the
+    daemon keeps its mirror until the race is done, within its bounds), maps a mirror that
+    is already there, measures the model's speed when ``speed`` is not given (once per
+    model), then waits for the mirror to appear until ``wait_s`` after the call, and races.
+    With no transfer by then the race computes the context (loading what a transfer that
+    starts later still brings in time); the result's ``transfer`` is None when none came.
+    ``kwargs``: :func:`live_race`'s options. The daemon still publishes the transfer's
+    result when it ends."""
+    from kvtransport.daemons.race_share import SharedTransfers
+    from kvtransport.errors import UserError
+
+    if not wait_s >= 0:
+        raise UserError(f"wait_s must be 0 or more seconds, not {wait_s}")
+    t_end = clock() + wait_s
+    ids = [int(t) for t in token_ids]
+    source = SharedTransfers(race_dir, ids)
+    with source.claim():
+        source()  # look first: a mirror there now is mapped, and stays readable
+        if speed is None and ids:
+            speed = _speed_of(model, ids)
+        while source() is None and clock() < t_end:
+            time.sleep(LOOK_POLL_S)
+        return live_race(source, model, ids, speed=speed, **kwargs)

@@ -18,13 +18,17 @@ Any HuggingFace causal-LM directory (config.json + weights) or any GGUF path als
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import hashlib
 import importlib.util
 import os
 import shutil
+import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -149,6 +153,47 @@ def converted_dir(gguf: Path) -> Path:
     return cache_root() / f"{gguf.stem}-{_file_digest(gguf)[:16]}"
 
 
+def _stderr_is_terminal() -> bool:
+    try:
+        return sys.stderr is not None and sys.stderr.isatty()
+    except (AttributeError, ValueError):  # replaced by an object without isatty, or closed
+        return False
+
+
+@contextlib.contextmanager
+def progress_bars_on_a_terminal() -> Iterator[None]:
+    """Inside it, the model-loading progress bars of transformers and huggingface_hub
+    (a GGUF's de-quantization, "Loading weights") show only when stderr is a terminal, so
+    a log redirected to a file or a pipe gets none of them; the settings before are
+    restored on exit. Process-wide while it lasts (the bars are global switches)."""
+    if _stderr_is_terminal():
+        yield
+        return
+    import huggingface_hub.utils as hub_utils
+    from transformers.utils import logging as hf_logging
+
+    hf_was, hub_was = hf_logging.is_progress_bar_enabled(), hub_utils.are_progress_bars_disabled()
+    try:  # its GGUF de-quantization bar is a plain tqdm, outside those switches
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:
+        gguf_utils = None
+    gguf_tqdm = getattr(gguf_utils, "tqdm", None)
+    hf_logging.disable_progress_bar()
+    if gguf_tqdm is not None:
+        gguf_utils.tqdm = functools.partial(gguf_tqdm, disable=True)
+    try:
+        yield
+    finally:
+        if gguf_tqdm is not None:
+            gguf_utils.tqdm = gguf_tqdm
+        if hf_was:
+            hf_logging.enable_progress_bar()
+        if hub_was:
+            hub_utils.disable_progress_bars()
+        else:
+            hub_utils.enable_progress_bars()
+
+
 def load_gguf(gguf: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a GGUF with transformers, de-quantized to fp32 (slow: ~15-20 s for SmolLM2)."""
     from transformers import AutoTokenizer
@@ -162,9 +207,10 @@ def load_gguf_model(gguf: Path) -> PreTrainedModel:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    )
+    with progress_bars_on_a_terminal():
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        )
     return model.eval()
 
 
@@ -246,7 +292,8 @@ def _load_directory(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBas
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        with progress_bars_on_a_terminal():
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     except (OSError, ValueError) as exc:
         raise UserError(f"cannot load a causal LM from {path}: {exc}") from exc
     return model.eval(), tokenizer

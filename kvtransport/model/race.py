@@ -152,6 +152,9 @@ class RaceResult:
     computed / loaded: tokens computed by the receiver / loaded from the link.
     first_token / answer_s: with a question, its first answer token and the race clock
     when it was out (the time to first token); None without one.
+    transfer / refused (a live race, kvtransport.model.live_race): the id of the transfer
+    the race found ("" when its session has none; None: no transfer came), and why it was
+    not loaded ("" when it was, or none came).
     """
 
     builder: CacheBuilder
@@ -162,6 +165,8 @@ class RaceResult:
     steps: list[RaceStep] = field(default_factory=list)
     first_token: int | None = None
     answer_s: float | None = None
+    transfer: str | None = None
+    refused: str = ""
 
     @property
     def model_cache(self) -> Any:
