@@ -5,7 +5,7 @@
 - ``episodes``: the seeded episode distribution and held-out evaluation episodes;
 - ``utility_profiles``: block-utility profiles measured once from the real model;
 - ``features``, ``runtime``: the numpy/numba policy runtime (no torch), the ``ddqn`` repair
-  policy of kvtransport.core.policy;
+  policy of kvtransport.policies.ddqn;
 - ``ddqn``, ``training``: Double DQN on stable-baselines3 and the training loop behind
   ``kvtransport train`` (these import torch; nothing else here does).
 
@@ -16,6 +16,6 @@ data plane. ``env``, ``episodes`` and ``training`` need the ``train`` extra.
 
 from __future__ import annotations
 
-from kvtransport.agents.runtime import DDQNPolicy, shipped_policy_available
+from kvtransport.policies.ddqn import DDQNPolicy, shipped_policy_available
 
 __all__ = ["DDQNPolicy", "shipped_policy_available"]

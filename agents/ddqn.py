@@ -9,7 +9,7 @@ and scores the next action, which over-estimates (van Hasselt et al., 2016).
 
 Everything else (replay buffer with optional n-step returns, epsilon-greedy exploration,
 target-network sync, Huber loss, gradient clipping) is SB3's. :func:`export_q_network`
-turns the trained online network into plain arrays for kvtransport.agents.runtime.
+turns the trained online network into plain arrays for kvtransport.policies.ddqn.
 """
 
 from __future__ import annotations
@@ -18,12 +18,13 @@ import copy
 
 import numpy as np
 import torch as th
-from kvtransport.agents.runtime import QWeights
 from stable_baselines3 import DQN
 from stable_baselines3.common.type_aliases import ReplayBufferSamples
 from stable_baselines3.dqn.policies import DQNPolicy, QNetwork
 from torch import nn
 from torch.nn import functional as F
+
+from kvtransport.policies.ddqn import QWeights
 
 
 def double_dqn_target(

@@ -4,14 +4,14 @@ with gymnasium on import of this module).
 One episode is one transfer (kvtransport.agents.episodes draws it); the environment is a
 third shell around the real protocol core: it drives a
 :class:`kvtransport.sim.simulator.Simulation` of the real SenderSession and ReceiverSession
-whose policy is an :class:`kvtransport.core.policy.ExternalPolicy`, so the sender pauses at
+whose policy is an :class:`kvtransport.policies.heuristics.ExternalPolicy`, so the sender pauses at
 every decision and the agent supplies it.
 
 - **step** = one decision interval of the sender (``DECISION_PACKETS`` data-path slots):
   the action applies, the simulation runs to the sender's next decision (or to the end).
 - **observation** = exactly the policy observation the sender built for that decision
-  (kvtransport.core.policy.Obs, float32[OBS_SIZE]); the daemon's policy sees the same vector.
-- **action** = an index into the policy action table (kvtransport.core.policy.ACTIONS: rows
+  (kvtransport.core.observation.Obs, float32[OBS_SIZE]); the daemon's policy sees the same vector.
+- **action** = an index into the policy action table (kvtransport.core.policy_base.ACTIONS: rows
   repair share, admit new sources).
 - **reward** = utility that became decodable at the receiver during the step (a handoff
   episode: whole token ranges only, ``Simulation.utility``). The
@@ -33,7 +33,9 @@ import numpy as np
 from gymnasium import spaces
 from kvtransport.agents.episodes import EpisodeDistribution, EpisodeSpec, build_simulation
 
-from kvtransport.core.policy import ACTIONS, OBS_CLIP, OBS_SIZE, ExternalPolicy, Obs
+from kvtransport.core.observation import OBS_CLIP, OBS_SIZE, Obs
+from kvtransport.core.policy_base import ACTIONS
+from kvtransport.policies.heuristics import ExternalPolicy
 from kvtransport.sim.simulator import Simulation
 
 ENV_ID = "kvtransport/RepairScheduling-v0"
@@ -53,7 +55,7 @@ _BOUNDS = {
 
 
 def observation_space() -> spaces.Box:
-    """The policy observation's range, field by field (kvtransport.core.policy.Obs)."""
+    """The policy observation's range, field by field (kvtransport.core.observation.Obs)."""
     low = np.zeros(OBS_SIZE, dtype=np.float32)
     high = np.ones(OBS_SIZE, dtype=np.float32)
     for f, (lo, hi) in _BOUNDS.items():
@@ -66,7 +68,7 @@ class RepairSchedulingEnv(gym.Env):
 
     distribution: the episode distribution (default: the training distribution, with
         ``trace_files`` if given).
-    actions: the action table (default: the shared kvtransport.core.policy.ACTIONS).
+    actions: the action table (default: the shared kvtransport.core.policy_base.ACTIONS).
     """
 
     metadata = {"render_modes": []}

@@ -73,7 +73,7 @@ from kvtransport.netem.loss import LossSpec
 from kvtransport.netem.trace import TraceReplay, read_trace
 
 from kvtransport.core.feedback import LOSS_MEMORY_PACKETS
-from kvtransport.core.policy import DECISION_PACKETS, Policy
+from kvtransport.core.policy_base import DECISION_PACKETS, Policy
 from kvtransport.core.protocol import DEFAULT_SYMBOL_SIZE, STANDARD, ProtocolConfig
 from kvtransport.core.transfer import BlockTable, Transfer, utility_profile
 from kvtransport.sim.simulator import Simulation, full_send_time, make_simulation
@@ -104,7 +104,7 @@ HANDOFF_BUDGET = (0.5, 1.0)
 tight enough that the plan mixes precisions and leaves a prefix to the receiver."""
 HANDOFF_FIDELITY = {"fp32": 1.0, "fp16": 1.0, "int8": 0.999, "int4": 0.98}
 """The per-precision fidelities the handoff episodes are planned with: the calibration of
-when the policies were trained (int4 keys per token; kvtransport.model.blocks.
+when the policies were trained (int4 keys per token; kvtransport.kvformat.blocks.
 DEFAULT_FIDELITY is the product's now), so that training and evaluation draw the same
 streams as then."""
 
@@ -231,7 +231,7 @@ def handoff_stream(spec: EpisodeSpec) -> tuple[BlockTable, np.ndarray]:
     size; utilities are the sent blocks' shares of the sent utility (summing to 1). With
     it, each sent block's token range (the plan sends or computes whole ranges, every
     layer of a range at once)."""
-    from kvtransport.model.blocks import PRECISIONS, Geometry
+    from kvtransport.kvformat.blocks import PRECISIONS, Geometry
     from kvtransport.model.cache_builder import ComputeSpeed
     from kvtransport.model.plan import DEFAULT_LEVELS, LinkEstimate, plan_handoff
     from kvtransport.model.utility import stream_order

@@ -4,7 +4,7 @@ The loop, in order:
 
 1. **Demonstrations.** The replay buffer starts with whole episodes played by behaviour
    policies: the best of the clairvoyant oracle, the session's own tail rule alone and
-   kvtransport.core.policy's adaptive heuristic (z = 1, 2, 3) on each episode (on average
+   kvtransport.policies.heuristics' adaptive heuristic (z = 1, 2, 3) on each episode (on average
    over ``expert_realizations`` draws of its channels), the adaptive heuristic with
    margins z in 0..3, the tail rule, and random play, each with a little random noise.
    Double DQN learns off-policy from all of them as from its own transitions; they put
@@ -12,7 +12,7 @@ The loop, in order:
    the last RTT) into the buffer from the start.
 2. **Double DQN** (kvtransport.agents.ddqn) with a dueling head, n-step returns and
    epsilon-greedy exploration, on the environment's observation mapped to the network's
-   features (kvtransport.agents.features) and the reward re-timed by :class:`CreditOnSend`
+   features (kvtransport.policies.features) and the reward re-timed by :class:`CreditOnSend`
    (same return, earlier signal). The experts' own transitions (``EXPERTS``: episodes
    played by whichever of the oracle, the session's tail rule alone and the adaptive
    heuristic with a few margins did best on that episode) also get DQfD's large-margin
@@ -54,11 +54,14 @@ from kvtransport.agents.episodes import (
     EpisodeSpec,
     build_simulation,
 )
-from kvtransport.agents.features import N_FEATURES, feature_bounds, features
-from kvtransport.agents.runtime import DDQNPolicy, load_weights, save_weights
 
-from kvtransport.core.policy import Adaptive, Obs, Oracle, Policy
-from kvtransport.core.policy import ConstantAction as _Constant
+from kvtransport.core.observation import Obs
+from kvtransport.core.policy_base import Policy
+from kvtransport.policies.ddqn import DDQNPolicy, load_weights, save_weights
+from kvtransport.policies.features import N_FEATURES, feature_bounds, features
+from kvtransport.policies.heuristics import Adaptive
+from kvtransport.policies.heuristics import ConstantAction as _Constant
+from kvtransport.sim.oracle import Oracle
 from kvtransport.sim.simulator import Simulation
 
 if TYPE_CHECKING:  # pragma: no cover - typing only (ddqn imports torch: loaded in train)
@@ -101,7 +104,7 @@ class TrainConfig:
     """EpisodeDistribution fields that differ from its defaults (the rest are its
     defaults *when the run starts*: :func:`effective_config` records them all)."""
     init_from: str | None = None
-    """A weights file (kvtransport.agents.runtime) the Q-network starts from, instead of
+    """A weights file (kvtransport.policies.ddqn) the Q-network starts from, instead of
     random initial weights (None)."""
     anchor_weight: float = 0.0
     """With ``init_from``: the weight of :meth:`DoubleDQN.set_anchor`'s penalty on moving
@@ -471,8 +474,9 @@ def train(cfg: TrainConfig, out: str | Path, command: str = "", quiet: bool = Fa
 
     ``command`` is the command line that asked for the run (recorded as given). Next to
     the weights go ``ddqn.json`` (the command, :func:`effective_config` and the validation
-    figures; what to copy into agents/data/ with ``ddqn.npz`` to ship a policy), and the
-    same command and configuration in the ``.npz`` metadata and ``summary.json``."""
+    figures; what to copy into kvtransport/policies/data/ with ``ddqn.npz`` to ship a
+    policy), and the same command and configuration in the ``.npz`` metadata and
+    ``summary.json``."""
     import torch
     from kvtransport.agents.ddqn import (
         DoubleDQN,

@@ -19,7 +19,7 @@ value ``q * scale + zero`` is within ``scale / 2`` of ``x`` in exact arithmetic;
 as float32 adds at most half a float32 ulp of the result:
 ``|x - dequantize(quantize(x))| <= scale / 2 + spacing(|result|) / 2`` for every element.
 
-A quantized KV block (:func:`quantize_kv`, the layout kvtransport.model.blocks sends):
+A quantized KV block (:func:`quantize_kv`, the layout kvtransport.kvformat.blocks sends):
 codes of ``[2, H, T, D]`` (K then V), then the float16 scales of K then V, then their
 zeros; K's scales are ``[H, T, D / G]`` per token, or ``[H, D]`` with keys per channel.
 

@@ -1,6 +1,6 @@
 """kvtransport: FEC-protected KV-cache transport for multi-agent LLM handoffs.
 
-The embeddable API (kvtransport.embed.inprocess, kvtransport.model.partial), loaded on first use so
+The embeddable API (kvtransport.embed.inprocess, kvtransport.embed.partial), loaded on first use so
 that ``import kvtransport`` stays cheap::
 
     kvtransport.send(cache_or_card, to="HOST:PORT", deadline_ms=300, key=None)
@@ -28,9 +28,9 @@ _API = {
     "receive": "kvtransport.embed.inprocess",
     "receive_async": "kvtransport.embed.inprocess",
     "Receiver": "kvtransport.embed.inprocess",
-    "partial_cache": "kvtransport.model.partial",
+    "partial_cache": "kvtransport.embed.partial",
     "race_receive": "kvtransport.embed.inprocess",
-    "race_daemon": "kvtransport.model.live_race",
+    "race_daemon": "kvtransport.embed.live_race",
     "DeliveredResult": "kvtransport.daemons.api",
 }
 __all__ = ["__version__", *_API]

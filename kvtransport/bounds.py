@@ -21,6 +21,14 @@ from typing import Any
 
 from kvtransport.errors import UserError
 
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse that exits with a one-line error (status 2) and a hint to --help."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 MAX_DEADLINE_S = 3600.0
 """The longest deadline a transfer may have (a submit, the manifest a receiver trusts):
 an hour is far beyond any time-to-first-token budget, and keeps every timer finite."""

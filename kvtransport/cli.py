@@ -14,6 +14,7 @@ import sys
 from types import ModuleType
 
 from kvtransport import commands
+from kvtransport.bounds import OneLineArgumentParser
 from kvtransport.errors import UserError
 
 # Order in `kvtransport --help`; subcommands not listed follow alphabetically.
@@ -44,13 +45,10 @@ time-to-first-token deadline. The receiver injects whatever arrived as a partial
 """
 
 
-class _ArgumentParser(argparse.ArgumentParser):
-    """argparse that exits with a one-line error (status 2) and a hint to --help."""
+class _ArgumentParser(OneLineArgumentParser):
+    """The command's parser: one-line errors, and its subcommands' parsers by name."""
 
     commands: dict[str, _ArgumentParser]  # name -> subparser (build_parser)
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _command_modules() -> list[ModuleType]:

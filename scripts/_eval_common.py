@@ -12,13 +12,13 @@ model (kvtransport.model.loader) prefilled once: its KV cache, block utilities
 (kvtransport.model.utility with the packaged layer weights, as the demo and the cards use) and the
 full cache's greedy answer, which is both the clean reference answer and the teacher-forcing
 reference for top-1 agreement (scripts/eval_retention.py's ``reference_answer``).
-:meth:`Case.stream` serializes the cache as a block stream (kvtransport.model.card.encode_cache,
+:meth:`Case.stream` serializes the cache as a block stream (kvtransport.model.encoding.encode_cache,
 fp16 blocks of 16 tokens by default: 12 KiB blocks, the unit the policy evaluation uses) in utility
 or position order. :func:`deliver` sends it through the simulator (kvtransport.sim.simulator:
 the real sender and receiver sessions over the channel model, the run ``kvtransport
 simulate`` and the demo's emulated link make for the same seed) and rebuilds what arrived
-(kvtransport.demo.run's rebuild: kvtransport.model.blocks.decode_stream, all masked if the manifest
-never came). :meth:`Case.answer` injects the partial cache with the missing blocks masked
+(kvtransport.demo.run's rebuild: kvtransport.kvformat.blocks.decode_stream, all masked if the
+manifest never came). :meth:`Case.answer` injects the partial cache with the missing blocks masked
 per layer and decodes greedily (kvtransport.demo.run's answer step); answers and agreements are
 memoized per presence mask, because two deliveries that hold the same blocks hold the same
 cache and get the same greedy answer (at rho >= 1 most schemes deliver everything).
@@ -45,7 +45,8 @@ ROOT = Path(__file__).resolve().parents[1]
 FIGURES = {1: "utility", 2: "f1", 3: "ablation", 4: "overhead", 5: "ttft", 6: "multiuser"}
 """Figure number -> short name (file names: fig<N>_<name>.png/.md/.json)."""
 SCHEMES = ("none", "fixed:4/32", "block-rs:4/32", "arq", "adaptive", "ddqn", "oracle")
-"""kvtransport.core.policy names of the repair schemes compared (the demo's and eval_policy's)."""
+"""Policy names (kvtransport.sim.oracle.make_sim_policy) of the repair schemes compared (the demo's
+and eval_policy's)."""
 LABELS = {
     "none": "no FEC",
     "fixed:4/32": "RLC 4/32",
@@ -167,7 +168,7 @@ class Case:
     sample: Any
     context_ids: list[int]
     question_ids: list[int]
-    kv: Any  # kvtransport.model.kvcache.KVCache (fp32, as prefilled)
+    kv: Any  # kvtransport.kvformat.kvcache.KVCache (fp32, as prefilled)
     utilities: np.ndarray  # [layers, token_blocks]
     reference: list[int]  # the full cache's greedy answer (+ its stop token)
     full_answer: str
@@ -182,13 +183,12 @@ class Case:
         return tuple(self.sample.answers)
 
     def stream(self, order: str = "utility") -> tuple[Any, Any]:
-        """(kvtransport.model.blocks.EncodedStream, kvtransport.core.transfer.Transfer) in ``order``
-        (utility or position; the block utilities are the same either way)."""
+        """(kvtransport.kvformat.blocks.EncodedStream, kvtransport.core.transfer.Transfer) in
+        ``order`` (utility or position; the block utilities are the same either way)."""
         if order not in self._streams:
-            from kvtransport.core.transfer import Transfer
-            from kvtransport.model import card
+            from kvtransport.model import encoding
 
-            st = card.encode_cache(
+            st = encoding.encode_cache(
                 self.kv,
                 utilities=self.utilities,
                 block_tokens=BLOCK_TOKENS,
@@ -200,7 +200,7 @@ class Case:
                     "seed": self.sample.seed,
                 },
             )
-            self._streams[order] = (st, Transfer.from_encoded_stream(st))
+            self._streams[order] = (st, st.to_transfer())
         return self._streams[order]
 
     def answer(self, lm: Any, kv: Any, present: np.ndarray, max_new_tokens: int) -> str:
@@ -454,8 +454,8 @@ class Run:
         rec = self._measured.get(key)
         if rec is not None and (not top1 or "top1" in rec):
             return rec
-        from kvtransport.core.policy import make_policy
         from kvtransport.model import metrics
+        from kvtransport.policies.registry import make_policy
 
         case = self.cases()[i]
         seed = self.channel_seed(i, k)

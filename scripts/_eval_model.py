@@ -258,9 +258,9 @@ def _ttft_size(run: ec.Run, size: int, policy: str) -> dict[str, Any]:
     """Re-prefill vs handoff TTFT for one context size, interleaved repeats."""
     from eval_ttft import ttft_prefill
 
-    from kvtransport.core.policy import make_policy
     from kvtransport.demo.run import _answer
     from kvtransport.model import hf, tasks, utility
+    from kvtransport.sim.oracle import make_sim_policy
 
     s, lm = run.settings, run.lm
     sample = tasks.generate("niah_single", lm.tokenizer, target_tokens=size, seed=size)
@@ -284,7 +284,7 @@ def _ttft_size(run: ec.Run, size: int, policy: str) -> dict[str, Any]:
                 d = ec.deliver(
                     cases[prec],
                     "utility",
-                    make_policy(policy),
+                    make_sim_policy(policy),
                     channel=s.channel,
                     rho=rho,
                     seed=run.seed + k,
@@ -317,7 +317,7 @@ def _ttft_size(run: ec.Run, size: int, policy: str) -> dict[str, Any]:
 
 
 def figure5(run: ec.Run) -> dict[str, Any]:
-    from kvtransport.core.policy import default_policy
+    from kvtransport.policies.registry import default_policy
 
     s, policy = run.settings, default_policy()
     _ = run.lm  # loaded before the clock starts

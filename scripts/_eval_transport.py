@@ -44,14 +44,14 @@ def _policy(name: str, actions: list[int]) -> Any:
     """A fresh policy for one episode. ``tail-rule`` is the training's constant action 0
     (reactive repair, the session's tail rule alone decides admission); the DDQN also
     counts its actions into ``actions``."""
-    from kvtransport.core.policy import make_policy
+    from kvtransport.sim.oracle import make_sim_policy
 
     if name == "tail-rule":
         from kvtransport.agents.training import _Constant
 
         return _Constant(0)
     if name == "ddqn":
-        from kvtransport.agents.runtime import DDQNPolicy
+        from kvtransport.policies.ddqn import DDQNPolicy
 
         class CountingDDQN(DDQNPolicy):
             def act(self, obs: np.ndarray) -> int:
@@ -60,7 +60,7 @@ def _policy(name: str, actions: list[int]) -> Any:
                 return a
 
         return CountingDDQN()
-    return make_policy(name)
+    return make_sim_policy(name)
 
 
 def figure1(run: ec.Run) -> dict[str, Any]:
@@ -219,7 +219,7 @@ def overhead_stages(
 
 
 def figure4(run: ec.Run) -> dict[str, Any]:
-    from kvtransport.core.policy import DECISION_PACKETS
+    from kvtransport.core.policy_base import DECISION_PACKETS
 
     s = run.settings
     t0, before = time.perf_counter(), ec.machine()

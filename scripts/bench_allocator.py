@@ -25,7 +25,7 @@ import numpy as np
 
 
 def random_state(rng: np.random.Generator, n: int, curves: list, together: bool) -> list:
-    from kvtransport.hosts.allocator import ScheduledTransfer
+    from kvtransport.scheduling.allocator import ScheduledTransfer
 
     out = []
     for i in range(n):
@@ -63,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from tqdm import tqdm
 
-    from kvtransport.hosts.allocator import EqualShare, UtilityWaterFilling
-    from kvtransport.hosts.utility_model import UtilityTable, packaged_model_ids
+    from kvtransport.scheduling.allocator import EqualShare, UtilityWaterFilling
+    from kvtransport.scheduling.utility_model import UtilityTable, packaged_model_ids
 
     model = packaged_model_ids()[0]
     curves = list(UtilityTable.packaged(model))

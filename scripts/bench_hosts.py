@@ -88,9 +88,9 @@ def time_receiver(log: list[tuple[str, float, bytes]], size: int, host: bool) ->
 
 
 def time_sender(tr: Any, log: list[tuple[str, float, bytes]], host: bool) -> float:
-    from kvtransport.core.policy import make_policy
     from kvtransport.core.sender import SenderSession
     from kvtransport.hosts.sender_host import SenderHost
+    from kvtransport.policies.registry import make_policy
 
     inputs = [(kind, t, d) for kind, t, d in log if kind != "data"]
     if host:

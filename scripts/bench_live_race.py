@@ -12,7 +12,7 @@ builds a context of about ``--tokens`` tokens (a facts_qa sample). Per round, in
                ranges layer by layer unless ``--no-tail``) sends to an in-process
                kvtransport.Receiver whose ``race`` builds the same cache while the KV
                streams in and ends with the question's first token, run through the model
-               while the tail arrives (kvtransport.model.live_race); with ``--via daemon`` to a
+               while the tail arrives (kvtransport.embed.live_race); with ``--via daemon`` to a
                receiver daemon process (``--race-dir``) that this process races through
                its mirror of the transfer (kvtransport.race_daemon).
 
@@ -42,8 +42,8 @@ from typing import Any
 def _sender(stream: Any, to: str, deadline_ms: float, rate_mbps: float, ready: Any,
             go: Any) -> None:  # fmt: skip
     import kvtransport
-    from kvtransport.core.policy import default_policy
     from kvtransport.embed.inprocess import warm_kernels
+    from kvtransport.policies.registry import default_policy
 
     warm_kernels(None, default_policy())
     ready.set()
@@ -80,7 +80,7 @@ def _receiver_daemon(stack: contextlib.ExitStack) -> tuple[int, Path]:
     import tempfile
 
     from kvtransport.daemons.api import ApiError
-    from kvtransport.daemons.client import ReceiverClient
+    from kvtransport.embed.client import ReceiverClient
 
     shm = Path("/dev/shm")
     base = Path(stack.enter_context(tempfile.TemporaryDirectory(
@@ -109,7 +109,7 @@ def _receiver_daemon(stack: contextlib.ExitStack) -> tuple[int, Path]:
 def _bench(args: argparse.Namespace, daemon: tuple[int, Path] | None) -> None:
 
     import kvtransport
-    from kvtransport.model import card, hf, tasks
+    from kvtransport.model import encoding, hf, tasks
     from kvtransport.model.cache_builder import CacheBuilder, ComputeSpeed
     from kvtransport.model.loader import load_model
     from kvtransport.model.plan import LinkEstimate, planned_stream
@@ -144,7 +144,7 @@ def _bench(args: argparse.Namespace, daemon: tuple[int, Path] | None) -> None:
         prefill_kv = b.kv()
         budget = rows["reprefill_s"][-1]
         link = LinkEstimate(args.rate_mbps * 1e6, 0.0, 0.0005, 1280)
-        plan, stream = planned_stream(card.encode_cache(kv), link=link, budget_s=budget,
+        plan, stream = planned_stream(encoding.encode_cache(kv), link=link, budget_s=budget,
                                       speed=speed, objective="ttft",
                                       answer_s=answer_s)  # fmt: skip
         with contextlib.ExitStack() as stack:

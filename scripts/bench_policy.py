@@ -50,7 +50,8 @@ def decision_latency(specs, weights) -> dict:
     touched: code, weights and interpreter state come back from DRAM, 10-30 us) and is
     1 % of these short episodes' decisions, so it sets their p99."""
     from kvtransport.agents.episodes import build_simulation
-    from kvtransport.agents.runtime import DDQNPolicy
+
+    from kvtransport.policies.ddqn import DDQNPolicy
 
     ns, later = [], []
     for spec in specs:
@@ -65,7 +66,8 @@ def recorded_inputs(specs, weights) -> tuple[np.ndarray, np.ndarray]:
     """The sender states and observations of every decision of ``specs`` (a separate run,
     so that copying them does not disturb the timed one)."""
     from kvtransport.agents.episodes import build_simulation
-    from kvtransport.agents.runtime import DDQNPolicy
+
+    from kvtransport.policies.ddqn import DDQNPolicy
 
     states, observations = [], []
     for spec in specs:
@@ -107,7 +109,8 @@ def call_only(inputs: list[tuple], fn, repeat: int = 3) -> dict:
 
 def torch_act(weights):
     import torch
-    from kvtransport.agents.features import features
+
+    from kvtransport.policies.features import features
 
     torch.set_num_threads(1)
     mods = []
@@ -131,7 +134,8 @@ def torch_act(weights):
 def env_speed(specs, weights) -> dict:
     from kvtransport.agents.env import RepairSchedulingEnv
     from kvtransport.agents.episodes import build_simulation
-    from kvtransport.agents.runtime import DDQNPolicy
+
+    from kvtransport.policies.ddqn import DDQNPolicy
 
     env = RepairSchedulingEnv()
     pol = DDQNPolicy(weights)
@@ -173,10 +177,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from kvtransport.agents.episodes import EpisodeDistribution
-    from kvtransport.agents.runtime import DDQNPolicy
 
     from kvtransport.core.observation import observe_into
-    from kvtransport.core.policy import Adaptive
+    from kvtransport.policies.ddqn import DDQNPolicy
+    from kvtransport.policies.heuristics import Adaptive
 
     weights = DDQNPolicy(args.weights).weights
     rng = np.random.default_rng(2024)
@@ -252,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def build_ctx():
-    from kvtransport.core.policy import DECISION_PACKETS, PolicyContext
+    from kvtransport.core.policy_base import DECISION_PACKETS, PolicyContext
 
     return PolicyContext(7813, 1280, 1e-4, DECISION_PACKETS, 0.7)
 

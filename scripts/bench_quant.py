@@ -2,7 +2,7 @@
 """Quantized KV blocks: bytes, encode and decode time per layout, side by side.
 
 A random cache of SmolLM2-135M's geometry (30 layers, 3 kv heads, head_dim 64, float32;
-``--tokens`` tokens, blocks of 16) is encoded as a whole stream (kvtransport.model.blocks.
+``--tokens`` tokens, blocks of 16) is encoded as a whole stream (kvtransport.kvformat.blocks.
 encode_stream) and decoded in place (``decode_blocks_into``, the receiver's compiled pass)
 at each layout, in interleaved rounds:
 
@@ -45,8 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.tokens < 16 or args.rounds < 1:
         ap.error("--tokens must be at least 16 and --rounds at least 1")
 
-    from kvtransport.model import blocks, utility
-    from kvtransport.model.kvcache import KVCache
+    from kvtransport.kvformat import blocks
+    from kvtransport.kvformat.kvcache import KVCache
+    from kvtransport.model import utility
 
     rng = np.random.default_rng(0)
     shape = (30, 3, args.tokens, 64)

@@ -186,10 +186,10 @@ class _Recorder:
 
 
 def _make_pair(policy: str, key: bytes | None, n_packets: int) -> tuple:
-    from kvtransport.core.policy import make_policy
     from kvtransport.core.receiver import ReceiverSession
     from kvtransport.core.sender import SenderSession
     from kvtransport.core.transfer import synthetic_transfer
+    from kvtransport.policies.registry import make_policy
 
     size = int(n_packets * SYMBOL * 0.9)
     tr = synthetic_transfer(size, max(1, size // 12_288), seed=1)

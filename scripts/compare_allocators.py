@@ -2,7 +2,7 @@
 
 Runs eval_multiuser's scenarios (same handovers, same channel seeds) under the three
 baselines, the allocator as a git revision has it (``--before``, default ``main``: its
-kvtransport/hosts/allocator.py loaded as a module of its own) and the allocator of this
+kvtransport/scheduling/allocator.py loaded as a module of its own) and the allocator of this
 tree, and prints per cell the mean accuracy of each, the ratios to one clairvoyant bound
 (fed the best efficiency of all five, so both allocators are measured against the same
 bound), and paired differences over the seeds with 95 % t intervals:
@@ -37,11 +37,11 @@ BEFORE, AFTER = "wf-before", "wf-after"
 
 
 def load_allocator(rev: str) -> Any:
-    """kvtransport/hosts/allocator.py as git revision ``rev`` has it, as its own module."""
+    """kvtransport/scheduling/allocator.py as git revision ``rev`` has it, as its own module."""
     root = Path(__file__).resolve().parent.parent
     try:
         text = subprocess.run(
-            ["git", "show", f"{rev}:kvtransport/hosts/allocator.py"],
+            ["git", "show", f"{rev}:kvtransport/scheduling/allocator.py"],
             cwd=root, check=True, capture_output=True, text=True,
         ).stdout  # fmt: skip
     except subprocess.CalledProcessError as exc:
@@ -77,7 +77,7 @@ def run_cell(
     baselines: tuple[str, ...] = BASELINES,
 ) -> dict[str, Any]:
     """eval_multiuser's run_scenario with the two allocators under names of their own."""
-    from kvtransport.hosts import allocator as al
+    from kvtransport.scheduling import allocator as al
 
     def factory(name: str, one_way_s: float) -> Any:
         mod = {BEFORE: before_mod, AFTER: al}.get(name)
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="results/compare_allocators")
     args = p.parse_args(argv)
 
-    from kvtransport.hosts.utility_model import UtilityTable, packaged_model_ids
+    from kvtransport.scheduling.utility_model import UtilityTable, packaged_model_ids
 
     model_id = packaged_model_ids()[0]
     table = UtilityTable.packaged(model_id)

@@ -7,7 +7,7 @@ same channel) on a grid of channels x link rates x one-way delays x rhos, seeds 
 Per cell: each scheme's mean utility recovered before the deadline, and every scheme's
 paired difference against --against (same seed, same channel draws) with a 95 %
 t-interval. ``auto`` is what a shell picks when told no policy
-(kvtransport.core.policy.default_policy_for with the link's rate, the deadline and
+(kvtransport.hosts.policy_choice.default_policy_for with the link's rate, the deadline and
 --prior: adaptive where the link's bandwidth-delay product exceeds the shipped DDQN's
 training, or 24 Mbit with a prior, or the deadline is under two round trips of a long
 link, else the DDQN).
@@ -48,9 +48,9 @@ def _play(job: tuple[str, str, float, float, float, int, float, str | None, str]
     from kvtransport.agents.episodes import episode_prior
     from kvtransport.netem.profiles import load_profile
 
-    from kvtransport.core.policy import default_policy_for
     from kvtransport.core.protocol import DEFAULT_SYMBOL_SIZE
     from kvtransport.core.wire import full_send_time
+    from kvtransport.hosts.policy_choice import default_policy_for
     from kvtransport.sim.simulator import simulate
 
     prior_loss = episode_prior(prior, load_profile(channel), seed)

@@ -247,7 +247,7 @@ def run(n_fuzz: int, size_mb: float, rate_mbps: float, seed: int = 1,
         fuzz_rate: float = 200_000.0, timeout_s: float = 900.0) -> dict:  # fmt: skip
     """One transfer of ``size_mb`` with ``n_fuzz`` fuzzed datagrams; the report."""
     from kvtransport.core.transfer import synthetic_transfer
-    from kvtransport.daemons.client import ReceiverClient, ResultSubscriber
+    from kvtransport.embed.client import ReceiverClient, ResultSubscriber
 
     tmp = Path(tempfile.mkdtemp(prefix="kvt-fuzz-"))
     err_path = tmp / "rx.err"

@@ -157,7 +157,8 @@ def _speed(loaded: object, tokens: int, seed: int) -> tuple[float, float, float]
 def concentration(loaded: object, tokens: int = 512, seed: int = 1) -> dict:
     """Share of tokens to recompute when the stream's last 10 % of blocks is lost."""
     from kvtransport.demo.demo_model import prepare_card
-    from kvtransport.model import blocks, tasks, utility
+    from kvtransport.kvformat import blocks
+    from kvtransport.model import tasks, utility
 
     tok = loaded.tokenizer  # type: ignore[attr-defined]
     sample = tasks.generate("facts_qa", tok, target_tokens=tokens, seed=seed)

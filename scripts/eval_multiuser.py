@@ -18,8 +18,8 @@ sessions' pacing rates every 10 ms through their rate hook. A user's
 accuracy is its curve at the fraction of its cache decoded (in utility order) by its
 deadline.
 
-The clairvoyant bound (kvtransport.sim.allocation_bound.clairvoyant_bound: every arrival known in
-advance, solved offline over a fluid link, certified by duality and branch and bound) is
+The clairvoyant bound (kvtransport.scheduling.allocation_bound.clairvoyant_bound: every arrival
+known in advance, solved offline over a fluid link, certified by duality and branch and bound) is
 fed the *effective* capacity the sessions achieve: the link rate times the decoded
 payload per byte on the link, the best any of the four policies reached in that
 scenario. The protocol's own costs (headers, losses, FEC repairs, manifests) are paid
@@ -55,8 +55,8 @@ ALLOCATOR = "water-filling"
 
 def make_policy(name: str, delay_s: float = 0.0) -> Any:
     """A slot policy by name. The allocator's guard is the one the sender daemon's link
-    derives for this one-way delay (kvtransport.hosts.allocator.repair_guard_s)."""
-    from kvtransport.hosts import allocator as al
+    derives for this one-way delay (kvtransport.scheduling.allocator.repair_guard_s)."""
+    from kvtransport.scheduling import allocator as al
 
     if name == "water-filling":
         return al.UtilityWaterFilling(guard_s=al.repair_guard_s(delay_s))
@@ -132,8 +132,8 @@ def run_scenario(
     factory = factory or make_policy
     from kvtransport.netem import load_profile
 
-    from kvtransport.hosts import allocator as al
-    from kvtransport.sim import allocation_bound as bound
+    from kvtransport.scheduling import allocation_bound as bound
+    from kvtransport.scheduling import allocator as al
     from kvtransport.sim.multisim import payload_efficiency, simulate_handovers
 
     delay_s = 0.0 if fluid else load_profile(channel).delay_ms * 1e-3
@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from tqdm import tqdm
 
-    from kvtransport.hosts.utility_model import UtilityTable, packaged_model_ids
+    from kvtransport.scheduling.utility_model import UtilityTable, packaged_model_ids
 
     shipped = packaged_model_ids()
     model_id = args.model or (shipped[0] if shipped else "")

@@ -12,7 +12,7 @@ and tail-rule (the DDQN's action 0 throughout: no proactive repair, keep admitti
 session's tail rule and reactive repair doing the rest; a learned policy that does not
 beat it is a constant), on the same episodes (common random numbers: every scheme sees
 the same channel seeds). ``auto`` plays, per episode, the policy a shell picks when told
-none (kvtransport.core.policy.default_policy_for): what the product does; its share of
+none (kvtransport.hosts.policy_choice.default_policy_for): what the product does; its share of
 the clairvoyant planner is checked as the DDQN's is.
 
 Two references per episode (``--no-references`` skips them): the genie bound
@@ -89,12 +89,12 @@ PAIRED = ("tail-rule", "adaptive")
 
 def product_choice(spec) -> str:
     """The policy a shell picks for ``spec``'s transfer when told none
-    (kvtransport.core.policy.default_policy_for): the link's one-way delay is half the
+    (kvtransport.hosts.policy_choice.default_policy_for): the link's one-way delay is half the
     episode's round trip, a handoff stream is whole token ranges, the deadline is the
     episode's, and so is whether the sender has a loss prior."""
     from kvtransport.agents.episodes import round_trip, spec_deadline
 
-    from kvtransport.core.policy import default_policy_for
+    from kvtransport.hosts.policy_choice import default_policy_for
 
     return default_policy_for(
         round_trip(spec) / 2,
@@ -126,20 +126,18 @@ def check_schemes(schemes: list[str], weights: str | None = None) -> None:
     """Raise UserError with its one-line reason for a scheme name no policy has (``AUTO``:
     the policies a shell picks, the DDQN among them), or for ``weights`` (a DDQN weights
     file) that does not load; the scripts' fail-fast check."""
-    from kvtransport.agents.runtime import load_weights
-
-    from kvtransport.core.policy import make_policy
+    from kvtransport.policies.ddqn import load_weights
+    from kvtransport.sim.oracle import make_sim_policy
 
     for s in schemes:
-        make_policy("ddqn" if s == AUTO else s)
+        make_sim_policy("ddqn" if s == AUTO else s)
     if weights is not None:
         load_weights(weights)
 
 
 def make_scheme(name: str, weights: str | None):
-    from kvtransport.agents.runtime import DDQNPolicy
-
-    from kvtransport.core.policy import make_policy
+    from kvtransport.policies.ddqn import DDQNPolicy
+    from kvtransport.sim.oracle import make_sim_policy
 
     if name == "ddqn":
         return DDQNPolicy(weights)
@@ -147,7 +145,7 @@ def make_scheme(name: str, weights: str | None):
         from kvtransport.agents.training import _Constant
 
         return _Constant(0)
-    return make_policy(name)
+    return make_sim_policy(name)
 
 
 def mean_ci(x: np.ndarray) -> tuple[float, float]:

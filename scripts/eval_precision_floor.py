@@ -44,7 +44,7 @@ def evaluate(
 ) -> dict:
     """Per seed and setting: int4 share of the sent blocks, planned finish, answers equal.
     int8_group / int4_keys: the int8 quantization group and int4's key layout the plan
-    sends (None / channel: the product's; kvtransport.model.blocks.Geometry.of);
+    sends (None / channel: the product's; kvtransport.kvformat.blocks.Geometry.of);
     int4_fidelity: int4's fidelity the plan assumes (None: DEFAULT_FIDELITY's)."""
     from kvtransport.core.protocol import DEFAULT_SYMBOL_SIZE
     from kvtransport.demo.demo_model import answer, link_profile, prepare_card
@@ -53,7 +53,8 @@ def evaluate(
         DEFAULT_MAX_NEW_TOKENS,
         DEFAULT_QUESTIONS,
     )
-    from kvtransport.model import blocks, tasks
+    from kvtransport.kvformat import blocks
+    from kvtransport.model import tasks
     from kvtransport.model.cache_builder import ComputeSpeed
     from kvtransport.model.plan import LinkEstimate, planned_stream
 

@@ -24,9 +24,9 @@ import sys
 import numpy as np
 from kvtransport.netem import Profile, make_channel, parse_loss
 
-from kvtransport.core.policy import make_policy
 from kvtransport.core.protocol import STANDARD
 from kvtransport.errors import UserError
+from kvtransport.policies.registry import make_policy
 from kvtransport.sim.simulator import make_simulation
 
 

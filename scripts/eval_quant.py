@@ -2,7 +2,7 @@
 
 For held-out prompts (needle tasks and facts QA), prefill the context, take the full fp32
 cache's greedy answer as the reference, then pass the cache through the real block codec
-(kvtransport.model.card.degrade: encode at a precision, decode) and measure
+(kvtransport.model.encoding.degrade: encode at a precision, decode) and measure
 
 - teacher-forced top-1 agreement with the reference answer,
 - the greedy answer's token F1 (and contains) against the task's gold answer.
@@ -47,7 +47,7 @@ def configs(fp32_bytes: int) -> list[tuple[str, str | None, float]]:
 
 
 def measure_prompt(model, tokenizer, sample, *, max_tokens: int = 32, layer_weights=None) -> dict:
-    from kvtransport.model import card, hf, metrics, utility
+    from kvtransport.model import encoding, hf, metrics, utility
 
     ctx, question = sample.prompt(tokenizer)
     kv = hf.prefill(model, tokenizer, ctx, window=utility.OBSERVATION_WINDOW)
@@ -57,7 +57,7 @@ def measure_prompt(model, tokenizer, sample, *, max_tokens: int = 32, layer_weig
     ref = full.tokens + ([stops[0]] if full.stopped and len(stops) == 1 else [])
     rec = {"task": sample.task, "seed": sample.seed, "tokens": kv.num_tokens, "results": {}}
     for label, spec, drop in configs(kv.nbytes):
-        got = card.degrade(kv, u, drop=drop, precision=spec)
+        got = encoding.degrade(kv, u, drop=drop, precision=spec)
         present = None if got.present.all() else got.present
         top1 = hf.top1_agreement(model, got.cache, question, ref, present=present)
         gen = hf.greedy_generate(
@@ -149,7 +149,7 @@ def main(argv=None) -> int:
         type=int,
         default=HELD_OUT_SEED,
         help=f"first task seed (default {HELD_OUT_SEED}; the int8/int4 fidelities in "
-        "kvtransport.model.blocks were calibrated on these, use another to evaluate held-out)",
+        "kvtransport.kvformat.blocks were calibrated on these, use another to evaluate held-out)",
     )
     p.add_argument(
         "--profile", default=None, help="sensitivity profile JSON, or 'uniform' (default: packaged)"
@@ -161,7 +161,8 @@ def main(argv=None) -> int:
 
     from eval_retention import layer_weights_for, run_prompts, save_report, weights_label
 
-    from kvtransport.model import blocks, tasks
+    from kvtransport.kvformat import blocks
+    from kvtransport.model import tasks
     from kvtransport.model.loader import load_model
 
     lm = load_model(args.model, threads=args.threads)

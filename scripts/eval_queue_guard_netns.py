@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         profile = load_profile(args.profile, args.profiles)
     except ProfileError as e:
         p.error(str(e))
-    from kvtransport.core.policy import make_policy
+    from kvtransport.policies.registry import make_policy
 
     make_policy(args.policy)  # an unknown name: its one-line error, before any testbed
     if not profile.rate_steps:

@@ -10,7 +10,7 @@ neighbourhoods, no loss prior), but with draws and seeds of their own (--draw-se
 no training run validated on them. Every scheme plays the same episodes; per band: each
 scheme's mean utility recovered before the deadline, its paired difference against
 --against with a 95 % t-interval, and the worst single episode. ``auto`` plays what a
-shell picks for the episode when told none (kvtransport.core.policy.default_policy_for).
+shell picks for the episode when told none (kvtransport.hosts.policy_choice.default_policy_for).
 docs/results.md quotes these figures (issue 16: the short-deadline rule).
 
     .venv/bin/python scripts/eval_short_deadlines.py --out results/short_deadlines
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     if args.rate_range is None:
-        from kvtransport.agents.runtime import shipped_distribution
+        from kvtransport.policies.ddqn import shipped_distribution
 
         rates = (shipped_distribution() or {}).get("rate_range_mbps")
         if not isinstance(rates, list):

@@ -2,7 +2,7 @@
 
 The demo's cache (SmolLM2-135M's geometry: 30 layers, 3 KV heads, head_dim 64, 504
 tokens, 16-token blocks: 960 blocks; fp32 22.1 MiB, int8 5.9 MiB), cut into blocks and
-serialized by the real block codec (kvtransport.model.blocks.encode_stream, the manifest as
+serialized by the real block codec (kvtransport.kvformat.blocks.encode_stream, the manifest as
 application metadata; random K/V values, utilities from the position prior, blocks in
 utility order), crosses the netns testbed (--profile, default ge-heavy: 100 Mbit/s, 5 ms
 each way, Gilbert-Elliott bursts, ~12 % loss, both directions, the relay backend) over
@@ -54,9 +54,8 @@ BLOCK_TOKENS = 16
 
 def demo_like_transfer(tokens: int, precision: str, seed: int = 0):  # noqa: ANN201
     """The demo's cache layout with random values, encoded by the real block codec."""
-    from kvtransport.core.transfer import Transfer
-    from kvtransport.model.blocks import encode_stream
-    from kvtransport.model.kvcache import KVCache
+    from kvtransport.kvformat.blocks import encode_stream
+    from kvtransport.kvformat.kvcache import KVCache
     from kvtransport.model.utility import block_utility, stream_order, token_importance
 
     rng = np.random.default_rng(seed)
@@ -70,7 +69,7 @@ def demo_like_transfer(tokens: int, precision: str, seed: int = 0):  # noqa: ANN
     u = block_utility(token_importance(GEOMETRY["layers"], tokens), BLOCK_TOKENS)
     order = stream_order(u, BLOCK_TOKENS)
     stream = encode_stream(cache, u, order, precision, block_tokens=BLOCK_TOKENS)
-    return Transfer.from_encoded_stream(stream)
+    return stream.to_transfer()
 
 
 def at_deadlines(outcome, transfer, deadlines: list[float]) -> list[dict[str, float]]:  # noqa: ANN001

@@ -48,7 +48,8 @@ def ttft_prefill(model, ids: list[int]) -> tuple[float, int]:
 
 
 def ttft_card(model, path: Path, question: list[int]) -> tuple[float, int, dict]:
-    from kvtransport.model import card, hf
+    from kvtransport.kvformat import card
+    from kvtransport.model import hf
 
     t0 = time.perf_counter()
     got = card.load_cache(path)
@@ -71,7 +72,8 @@ def main(argv=None) -> int:
 
     from tqdm import tqdm
 
-    from kvtransport.model import card, hf, tasks
+    from kvtransport.kvformat import card
+    from kvtransport.model import encoding, hf, tasks
     from kvtransport.model.loader import load_model
 
     lm = load_model(args.model, threads=args.threads)
@@ -85,7 +87,7 @@ def main(argv=None) -> int:
             paths = {}
             for prec in ("fp32", "int8"):
                 paths[prec] = Path(tmp) / f"ctx{size}-{prec}.card"
-                card.write_card(paths[prec], card.encode_cache(kv, precision=prec))
+                card.write_card(paths[prec], encoding.encode_cache(kv, precision=prec))
             times: dict[str, list[float]] = {m: [] for m in METHODS}
             stages: dict[str, list[dict]] = {m: [] for m in METHODS[1:]}
             first: dict[str, int] = {}

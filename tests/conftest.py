@@ -45,7 +45,8 @@ def tail_rule_network(tmp_path):
     the tail rule, score highest in every state: played as ``ddqn`` it plays exactly the
     ``tail-rule`` scheme, so an evaluation script's ``--weights`` is seen to take effect."""
     import numpy as np
-    from kvtransport.agents.runtime import SHIPPED_WEIGHTS
+
+    from kvtransport.policies.ddqn import SHIPPED_WEIGHTS
 
     layers = dict(np.load(SHIPPED_WEIGHTS))
     layers["W2"] = np.zeros_like(layers["W2"])

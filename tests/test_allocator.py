@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 from scipy.optimize import linprog, minimize, minimize_scalar
 
-from kvtransport.hosts import allocator as al
-from kvtransport.hosts.allocator import (
+from kvtransport.scheduling import allocator as al
+from kvtransport.scheduling.allocation_bound import clairvoyant_bound, simulate_fluid
+from kvtransport.scheduling.allocator import (
     EarliestDeadlineFirst,
     EqualShare,
     OnlineScheduler,
@@ -20,8 +21,7 @@ from kvtransport.hosts.allocator import (
     plan_horizon,
     water_fill,
 )
-from kvtransport.hosts.utility_model import SigmoidUtility
-from kvtransport.sim.allocation_bound import clairvoyant_bound, simulate_fluid
+from kvtransport.scheduling.utility_model import SigmoidUtility
 
 POLICIES = [EqualShare, ProportionalToSize, EarliestDeadlineFirst, UtilityWaterFilling]
 

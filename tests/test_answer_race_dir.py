@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 
 from kvtransport.daemons.race_share import SUFFIX, SharedTransfers
-from kvtransport.model import card, hf
-from kvtransport.model.kvcache import KVCache
+from kvtransport.kvformat import card
+from kvtransport.kvformat.kvcache import KVCache
+from kvtransport.model import encoding, hf
 
 RACED = re.compile(r"raced transfer [0-9a-f]{16}: (\d+) of (\d+) context tokens loaded")
 KVT = [sys.executable, "-m", "kvtransport"]
@@ -28,7 +29,7 @@ KVT = [sys.executable, "-m", "kvtransport"]
 def _receiver_daemon(tmp_path, *args):
     """A receiver daemon process on loopback (insecure), its UDP port once it answers."""
     from kvtransport.daemons.api import ApiError
-    from kvtransport.daemons.client import ReceiverClient
+    from kvtransport.embed.client import ReceiverClient
 
     ctl = f"ipc://{tmp_path}/rx.ipc"
     pub = f"ipc://{tmp_path}/results.ipc"
@@ -75,7 +76,7 @@ def _synthetic_card(path, seed):
     rng = np.random.default_rng(seed)
     kv = rng.standard_normal((2, 2, 1, 32, 8)).astype(np.float16)
     cache = KVCache(kv[0], kv[1], rng.integers(0, 1000, 32).astype(np.int64), "synthetic")
-    card.write_card(path, card.encode_cache(cache, utilities=np.ones((2, 2))))
+    card.write_card(path, encoding.encode_cache(cache, utilities=np.ones((2, 2))))
     return cache.token_ids
 
 
@@ -154,7 +155,7 @@ def test_answer_races_a_transfer_it_waited_for_and_one_that_ended_before_it(smol
     2. started after the transfer ended: it loads the mirror and says so.
     Both answers are the re-prefilled one, word for word."""
     kv, want = _reprefilled(smollm)
-    card.write_card(tmp_path / "ctx.card", card.encode_cache(kv))
+    card.write_card(tmp_path / "ctx.card", encoding.encode_cache(kv))
     race_dir = tmp_path / "race"
     race_dir.mkdir(mode=0o700)
     answer = _answer_argv(tmp_path, race_dir)

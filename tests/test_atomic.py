@@ -12,8 +12,9 @@ from kvtransport.atomic import AtomicWriteError, atomic_write
 from kvtransport.core.transfer import BlockTable, TransferResult, TransportManifest
 from kvtransport.daemons.api import read_result_file, write_result_file
 from kvtransport.errors import UserError
-from kvtransport.model import card
-from kvtransport.model.kvcache import KVCache
+from kvtransport.kvformat import card
+from kvtransport.kvformat.kvcache import KVCache
+from kvtransport.model import encoding
 
 
 def _names(directory):
@@ -159,7 +160,7 @@ def _stream():
     rng = np.random.default_rng(3)
     k, v = (rng.standard_normal((2, 2, 40, 32)).astype(np.float32) for _ in range(2))
     cache = KVCache(k, v, rng.integers(0, 1000, 40), "toy", rng.random((2, 40)))
-    return card.encode_cache(cache, created={"by": "test"})
+    return encoding.encode_cache(cache, created={"by": "test"})
 
 
 def test_write_card_replaces_atomically_and_reports_a_missing_directory(tmp_path):

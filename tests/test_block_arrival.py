@@ -52,8 +52,8 @@ def test_a_receiver_session_records_when_each_block_completed():
     blocks recovered late (by repair) complete after blocks further down the stream."""
     from kvtransport.netem import make_channel
 
-    from kvtransport.core.policy import make_policy
     from kvtransport.core.transfer import synthetic_transfer
+    from kvtransport.policies.registry import make_policy
     from kvtransport.sim.simulator import Simulation, full_send_time
 
     tr = synthetic_transfer(600_000, 60, "zipf", seed=2)

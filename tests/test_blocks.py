@@ -6,9 +6,10 @@ import zlib
 import numpy as np
 import pytest
 
-from kvtransport.core.transfer import BlockTable, Transfer
-from kvtransport.model import blocks, utility
-from kvtransport.model.kvcache import KVCache
+from kvtransport.core.transfer import BlockTable
+from kvtransport.kvformat import blocks
+from kvtransport.kvformat.kvcache import KVCache
+from kvtransport.model import utility
 
 BT = 16
 
@@ -76,7 +77,7 @@ def test_block_table_is_contiguous_and_matches_layout():
         assert np.array_equal(k.reshape(2, -1, 64), c.keys[m.layer[i], :, sl])
         assert np.array_equal(v.reshape(2, -1, 64), c.values[m.layer[i], :, sl])
     # the transport accepts it as is
-    t = Transfer.from_encoded_stream(s)
+    t = s.to_transfer()
     assert isinstance(t.blocks, BlockTable) and t.blocks.utilities.sum() <= 1.0
 
 

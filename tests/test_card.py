@@ -8,8 +8,9 @@ import sys
 import numpy as np
 import pytest
 
-from kvtransport.model import card
-from kvtransport.model.kvcache import KVCache
+from kvtransport.kvformat import card
+from kvtransport.kvformat.kvcache import KVCache
+from kvtransport.model import encoding
 
 
 def _cache(tokens=50, seed=0):
@@ -22,7 +23,7 @@ def _cache(tokens=50, seed=0):
 
 def _write(path, cache=None, **kw):
     c = cache or _cache()
-    card.write_card(path, card.encode_cache(c, created={"by": "test"}, **kw))
+    card.write_card(path, encoding.encode_cache(c, created={"by": "test"}, **kw))
     return c
 
 
@@ -174,7 +175,7 @@ def test_card_injection_continues_generation_exactly(smollm, tmp_path):
     kv = hf.prefill(model, tok, ctx)
     want = hf.greedy_generate(model, kv, question, max_new_tokens=16, stop_ids=())
     path = tmp_path / "ctx.card"
-    card.write_card(path, card.encode_cache(kv, created=card.creation_info()))
+    card.write_card(path, encoding.encode_cache(kv, created=card.creation_info()))
     got = card.load_cache(path)
     assert got.cache.model_id == smollm.model_id and got.present.all()
     assert np.array_equal(got.cache.keys, kv.keys) and np.array_equal(got.cache.values, kv.values)
@@ -194,7 +195,8 @@ def test_int4_keys_per_channel_keep_the_real_models_answer_closer_than_per_token
     bytes. What int4's calibrated fidelity (blocks.DEFAULT_FIDELITY) rests on."""
     import torch
 
-    from kvtransport.model import blocks, hf, tasks, utility
+    from kvtransport.kvformat import blocks
+    from kvtransport.model import hf, tasks, utility
 
     model, tok = smollm
     kl = {"token": [], "channel": []}

@@ -229,8 +229,9 @@ def test_bad_command_lines_exit_2_with_one_line_and_no_traceback(tmp, monkeypatc
 def test_a_card_of_the_wrong_geometry_is_a_one_line_error(tmp_path, smollm):
     """A card whose manifest claims 37 layers passes `card inspect` (it is a valid card)
     but `answer --card` refuses it in one line: the model has another geometry."""
-    from kvtransport.model import card
-    from kvtransport.model.kvcache import KVCache
+    from kvtransport.kvformat import card
+    from kvtransport.kvformat.kvcache import KVCache
+    from kvtransport.model import encoding
 
     rng = np.random.default_rng(0)
     shape = (37, 3, 32, 64)
@@ -241,7 +242,7 @@ def test_a_card_of_the_wrong_geometry_is_a_one_line_error(tmp_path, smollm):
         smollm.model_id,
     )
     path = tmp_path / "l37.card"
-    card.write_card(path, card.encode_cache(cache, utilities=np.ones((37, 2)), created={}))
+    card.write_card(path, encoding.encode_cache(cache, utilities=np.ones((37, 2)), created={}))
     assert _run(["card", "inspect", str(path)])[0] == 0
     code, err = _run(["answer", "--card", str(path), "--question", "q"])
     assert code == 2 and "Traceback" not in err and "37 layers" in err, err

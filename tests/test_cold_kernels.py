@@ -152,9 +152,8 @@ def _block_stream() -> Any:
     """A small float32 cache's stream at int8 and int4 (quantized on the way)."""
     import numpy as np
 
-    from kvtransport.core.transfer import Transfer
-    from kvtransport.model import blocks
-    from kvtransport.model.kvcache import KVCache
+    from kvtransport.kvformat import blocks
+    from kvtransport.kvformat.kvcache import KVCache
 
     rng = np.random.default_rng(3)
     kv = rng.standard_normal((2, 2, 2, 64, 64), dtype=np.float32)
@@ -162,7 +161,7 @@ def _block_stream() -> Any:
     i8, i4 = blocks.PRECISIONS.index("int8"), blocks.PRECISIONS.index("int4")
     precision = np.array([[i8, i4, i8, i4], [i4, i8, i4, i8]])
     s = blocks.encode_stream(cache, np.ones((2, 4)), np.arange(8), precision)
-    return Transfer.from_encoded_stream(s)
+    return s.to_transfer()
 
 
 def probe() -> dict[str, Any]:
@@ -172,8 +171,8 @@ def probe() -> dict[str, Any]:
 
     from kvtransport.core.transfer import synthetic_transfer
     from kvtransport.daemons.daemon import data_path_policies, warm_up
-    from kvtransport.model import blocks
-    from kvtransport.model.partial import partial_cache
+    from kvtransport.embed.partial import partial_cache
+    from kvtransport.kvformat import blocks
 
     warm_up(KEY)  # as `send` / `recv` / the receiver daemon
     warm_up(None)  # as with --insecure
@@ -220,8 +219,8 @@ def test_no_kernel_compiles_or_loads_during_real_transfers_after_warm_up():
         "codecs.blockrs._combine",
         "codecs.aesgcm.open_run",
         "codecs.quant.dequantize_blocks_into",
-        "hosts.allocator._plan_prefix",
-        "agents.runtime.decide_kernel",
+        "scheduling.allocator._plan_prefix",
+        "policies.ddqn.decide_kernel",
     ):
         assert any(k.endswith(kernel) for k in warm), kernel
 

@@ -12,9 +12,9 @@ from test_daemon import CLI, SenderThread, assert_blocks_exact
 
 from kvtransport.core.transfer import synthetic_transfer
 from kvtransport.daemons.api import ApiError, check_endpoint
-from kvtransport.daemons.client import ReceiverClient, ResultSubscriber
 from kvtransport.daemons.curve import server_keys, server_public_key
 from kvtransport.daemons.udp import clock
+from kvtransport.embed.client import ReceiverClient, ResultSubscriber
 from kvtransport.errors import UserError
 
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE")

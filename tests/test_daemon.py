@@ -3,7 +3,7 @@ published and written, several transfers sharing the link, bad requests, SIGTERM
 
 The daemons run as real processes (`python -m kvtransport sender-daemon|receiver-daemon`)
 on ipc:// endpoints in a temporary directory; the test talks to them with
-kvtransport.daemons.client exactly as a user program would."""
+kvtransport.embed.client exactly as a user program would."""
 
 import contextlib
 import json
@@ -22,10 +22,10 @@ from kvtransport.codecs import aesgcm
 from kvtransport.core.keys import resolve_key
 from kvtransport.core.transfer import synthetic_transfer
 from kvtransport.daemons.api import ApiError, read_result_file
-from kvtransport.daemons.client import ReceiverClient, ResultSubscriber, SenderClient
 from kvtransport.daemons.daemon import StopSignal, serve
 from kvtransport.daemons.daemon_sender import SenderEngine
 from kvtransport.daemons.udp import DatagramSocket, clock
+from kvtransport.embed.client import ReceiverClient, ResultSubscriber, SenderClient
 from kvtransport.embed.inprocess import warm_kernels
 from kvtransport.hosts.sender_host import SenderHost
 
@@ -200,22 +200,22 @@ def test_a_daemon_started_without_a_policy_picks_per_transfer(daemons):
     transfer's default (daemon_sender.transfer_policy): the heuristic for a stream of
     whole token ranges over a long initial RTT, the DDQN for a synthetic stream, unless
     its deadline is under two of those round trips."""
-    from kvtransport.core.policy import (
+    from kvtransport.hosts.policy_choice import (
         LONG_LINK_HANDOFF_POLICY,
         LONG_LINK_ONE_WAY_S,
         SHORT_DEADLINE_POLICY,
-        default_policy,
     )
-    from kvtransport.core.transfer import Transfer
-    from kvtransport.model import blocks, utility
-    from kvtransport.model.kvcache import KVCache
+    from kvtransport.kvformat import blocks
+    from kvtransport.kvformat.kvcache import KVCache
+    from kvtransport.model import utility
+    from kvtransport.policies.registry import default_policy
 
     rng = np.random.default_rng(7)
     k = rng.standard_normal((4, 2, 96, 64)).astype(np.float16)
     cache = KVCache(k, k.copy(), rng.integers(0, 1000, 96), "toy", rng.random((4, 96)).astype("f4"))
     u = utility.cache_utility(cache, 16)
     order = utility.stream_order(u, 16, "position")
-    prefix = Transfer.from_encoded_stream(blocks.encode_stream(cache, u, order, block_tokens=16))
+    prefix = blocks.encode_stream(cache, u, order, block_tokens=16).to_transfer()
     rtt_ms = 2e3 * LONG_LINK_ONE_WAY_S
     used = {}
     synthetic = synthetic_transfer(200_000, 16, seed=3)
@@ -404,14 +404,15 @@ def test_a_card_submitted_with_a_deadline_goes_as_the_handoff_plan(daemons, tmp_
     """A sender daemon's submit plans a cache card as kvtransport.send does: for a racing
     receiver (its speed given) the context's front is not sent and blocks go at the plan's
     precisions; with precision "keep" the card goes as it is (every range, fp32)."""
-    from kvtransport.model import blocks, card
+    from kvtransport.kvformat import blocks, card
+    from kvtransport.kvformat.kvcache import KVCache
+    from kvtransport.model import encoding
     from kvtransport.model.cache_builder import ComputeSpeed
-    from kvtransport.model.kvcache import KVCache
 
     rng = np.random.default_rng(5)
     k, v = (rng.standard_normal((30, 3, 256, 64), dtype=np.float32) for _ in range(2))
     path = card.write_card(
-        tmp_path / "c.card", card.encode_cache(KVCache(k, v, np.arange(256), "m"))
+        tmp_path / "c.card", encoding.encode_cache(KVCache(k, v, np.arange(256), "m"))
     )
     speed = ComputeSpeed(per_call_s=0.02, per_token_s=0.003)
     sent = {}

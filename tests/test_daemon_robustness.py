@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 from test_daemon import Daemons, SenderThread, assert_blocks_exact
 
-from kvtransport.core.policy import make_policy
 from kvtransport.core.sender import SenderSession
 from kvtransport.core.transfer import synthetic_transfer
 from kvtransport.core.wire import HEADER, DatagramType, Framer
@@ -26,6 +25,7 @@ from kvtransport.daemons.daemon_sender import SenderEngine
 from kvtransport.daemons.udp import DatagramSocket, clock
 from kvtransport.hosts.receiver_host import ReceiverHost
 from kvtransport.hosts.sender_host import SenderHost
+from kvtransport.policies.registry import make_policy
 
 KEY_HEX = "a5" * 32
 KEY = bytes.fromhex(KEY_HEX)

@@ -16,7 +16,6 @@ from kvtransport.agents.ddqn import (
     torch_qvalues,
 )
 from kvtransport.agents.episodes import EpisodeDistribution
-from kvtransport.agents.runtime import SHIPPED_WEIGHTS, DDQNPolicy, load_weights, mlp_qvalues
 from kvtransport.agents.training import (
     TrainConfig,
     effective_config,
@@ -27,6 +26,8 @@ from kvtransport.agents.training import (
 )
 from stable_baselines3.common.logger import Logger
 from stable_baselines3.common.type_aliases import ReplayBufferSamples
+
+from kvtransport.policies.ddqn import SHIPPED_WEIGHTS, DDQNPolicy, load_weights, mlp_qvalues
 
 th.set_num_threads(1)
 

@@ -22,7 +22,8 @@ from kvtransport.agents.episodes import (
 from kvtransport.netem import SAMPLE_TRACE, Bernoulli, FourState, GilbertElliott, load_profile
 from kvtransport.netem.profiles import ProfileError
 
-from kvtransport.core.policy import ACTIONS, OBS_SIZE, Obs, Policy
+from kvtransport.core.observation import OBS_SIZE, Obs
+from kvtransport.core.policy_base import ACTIONS, Policy
 from kvtransport.sim.simulator import simulate
 
 SMALL = {"blocks_range": (60, 160), "utility_weights": {"zipf": 1.0, "flat": 1.0}}

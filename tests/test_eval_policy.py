@@ -120,9 +120,9 @@ def test_handoff_stream_cells_play_the_planned_stream():
 
 def test_auto_plays_the_products_choice_per_episode():
     """``auto``: on a handoff over a long link the heuristic the product picks
-    (kvtransport.core.policy.default_policy_for), on a short one the DDQN, episode by
+    (kvtransport.hosts.policy_choice.default_policy_for), on a short one the DDQN, episode by
     episode; a utility stream over the long link keeps the DDQN."""
-    from kvtransport.core.policy import LONG_LINK_HANDOFF_POLICY, LONG_LINK_ONE_WAY_S
+    from kvtransport.hosts.policy_choice import LONG_LINK_HANDOFF_POLICY, LONG_LINK_ONE_WAY_S
 
     mod = _script()
     import kvtransport.agents  # noqa: F401  (registers ddqn)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvtransport.cli import main
-from kvtransport.hosts.utility_model import SigmoidUtility, UtilityTable
+from kvtransport.scheduling.utility_model import SigmoidUtility, UtilityTable
 
 TRUE = {
     ("m-small", 2048): SigmoidUtility(0.9, 14.0, 0.3),
@@ -192,7 +192,7 @@ def test_points_and_measure_exclude_each_other(capsys):
 def test_saved_measure_points_refit_by_metric_and_record_the_command(tmp_path, capsys):
     """--save-points output (one entry per measure) read back with --points --metric."""
     from kvtransport.commands.fit_utility import save_points
-    from kvtransport.hosts.utility_model import MeasuredCurve
+    from kvtransport.scheduling.utility_model import MeasuredCurve
 
     x = np.linspace(0, 1, 11)
     curves = [

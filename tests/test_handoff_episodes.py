@@ -19,9 +19,9 @@ from kvtransport.agents.episodes import (
     spec_transfer,
 )
 
-from kvtransport.core.policy import ConstantAction
-from kvtransport.model.blocks import Geometry
+from kvtransport.kvformat.blocks import Geometry
 from kvtransport.model.utility import stream_order
+from kvtransport.policies.heuristics import ConstantAction
 from kvtransport.sim.simulator import simulate
 
 SMOLLM2 = Geometry(HANDOFF_LAYERS, 3, 16, 64, "float16")

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
+from kvtransport.kvformat.kvcache import KVCache
 from kvtransport.model import hf, metrics, tasks
-from kvtransport.model.kvcache import KVCache
 
 pytestmark = pytest.mark.model
 BLOCK = 16

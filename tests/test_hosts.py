@@ -10,14 +10,14 @@ import pytest
 from kvtransport.codecs import aesgcm
 
 from kvtransport.core import protocol
-from kvtransport.core.policy import Adaptive
 from kvtransport.core.transfer import synthetic_transfer
 from kvtransport.core.wire import HEADER_SIZE, LaidOutDatagrams, ReceivedBatch
 from kvtransport.errors import UserError
-from kvtransport.hosts.allocator import EqualShare, UtilityWaterFilling, repair_guard_s
 from kvtransport.hosts.receiver_host import ReceiverHost, ResultReady, TransferStarted
 from kvtransport.hosts.sender_host import SenderHost, TransferFinished
-from kvtransport.hosts.utility_model import SigmoidUtility
+from kvtransport.policies.heuristics import Adaptive
+from kvtransport.scheduling.allocator import EqualShare, UtilityWaterFilling, repair_guard_s
+from kvtransport.scheduling.utility_model import SigmoidUtility
 from kvtransport.sim.multisim import Handover, MultiSimulation
 from kvtransport.sim.virtual_clock import VirtualClockLoop
 

@@ -47,10 +47,10 @@ import kvtransport.commands.receiver_daemon
 import kvtransport.commands.sender_daemon
 import kvtransport.daemons.daemon_receiver
 import kvtransport.daemons.daemon_sender
-from kvtransport.agents.runtime import DDQNPolicy
+from kvtransport.policies.ddqn import DDQNPolicy
 from kvtransport.daemons.daemon import warm_up
 from kvtransport.daemons.daemon_sender import deadline_from
-from kvtransport.core.policy import default_policy, make_policy
+from kvtransport.policies.registry import default_policy, make_policy
 
 policy = make_policy("ddqn")
 assert isinstance(policy, DDQNPolicy), type(policy)

@@ -16,8 +16,8 @@ import kvtransport
 from kvtransport.core.transfer import synthetic_transfer
 from kvtransport.daemons.api import write_result_file
 from kvtransport.errors import UserError
-from kvtransport.model import card
-from kvtransport.model.kvcache import KVCache
+from kvtransport.kvformat.kvcache import KVCache
+from kvtransport.model import encoding
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -91,7 +91,7 @@ def test_async_partial_transfer_gives_the_cache_of_what_arrived(tmp_path):
 def test_send_with_a_deadline_sends_the_plan():
     """With a deadline the API plans the cache (fp16/int8 by utility, prefix order); the
     receiver gets those blocks, within quantization error of the cache."""
-    from kvtransport.model import blocks
+    from kvtransport.kvformat import blocks
 
     cache = _toy_cache()
 
@@ -114,13 +114,10 @@ def test_send_with_a_deadline_sends_the_plan():
 
 def test_send_picks_the_policy_for_the_stream_and_the_link():
     """Told no policy, send uses the shipped DDQN, except for a planned (whole-range)
-    stream over a link whose assumed RTT is long (kvtransport.core.policy.
+    stream over a link whose assumed RTT is long (kvtransport.hosts.policy_choice.
     default_policy_for); a named policy is always the one used."""
-    from kvtransport.core.policy import (
-        LONG_LINK_HANDOFF_POLICY,
-        LONG_LINK_ONE_WAY_S,
-        default_policy,
-    )
+    from kvtransport.hosts.policy_choice import LONG_LINK_HANDOFF_POLICY, LONG_LINK_ONE_WAY_S
+    from kvtransport.policies.registry import default_policy
 
     cache = _toy_cache()
     long_rtt_ms = 2e3 * LONG_LINK_ONE_WAY_S
@@ -153,7 +150,7 @@ def test_partial_cache_without_a_manifest_needs_the_expected_one():
     from kvtransport.daemons.api import DeliveredResult
 
     cache = _toy_cache(tokens=32)
-    stream = card.encode_cache(cache)
+    stream = encoding.encode_cache(cache)
     nothing = DeliveredResult(1, 0.0, "idle", None, np.zeros(0, bool), np.zeros(0, np.int64),
                               np.zeros(0, np.uint8), None)  # fmt: skip
     with pytest.raises(UserError, match="manifest never arrived"):

@@ -31,7 +31,11 @@ def test_kernel_sources_are_the_kernels_and_what_they_import_transitively(tmp_pa
     kv = _tree(tmp_path)
     files = kernel_cache.kernel_sources(kernel_cache.package_dirs(kv))
     names = [str(p.relative_to(tmp_path)) for p in files]
-    assert names == ["agents/features.py", "kvtransport/errors.py", "kvtransport/policy.py"]
+    assert names == [
+        "kvtransport/policies/features.py",
+        "kvtransport/errors.py",
+        "kvtransport/policy.py",
+    ]
 
 
 def test_kernels_in_a_layer_folder_are_found(tmp_path):

@@ -15,7 +15,7 @@ import pytest
 from kvtransport.cli import main
 from kvtransport.core import keys
 from kvtransport.daemons.api import check_endpoint
-from kvtransport.daemons.client import SenderClient
+from kvtransport.embed.client import SenderClient
 from kvtransport.errors import UserError
 
 CLI = [sys.executable, "-m", "kvtransport"]

@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 from kvtransport.netem import make_channel
 
-from kvtransport.core.policy import make_policy
 from kvtransport.core.protocol import STANDARD, ProtocolConfig
 from kvtransport.core.transfer import synthetic_transfer
 from kvtransport.core.wire import full_send_time, link_bytes
-from kvtransport.hosts.allocator import EqualShare
 from kvtransport.hosts.link_share import payload_efficiency
-from kvtransport.hosts.utility_model import SigmoidUtility
+from kvtransport.policies.registry import make_policy
+from kvtransport.scheduling.allocator import EqualShare
+from kvtransport.scheduling.utility_model import SigmoidUtility
 from kvtransport.sim.multisim import Handover, MultiSimulation
 from kvtransport.sim.simulator import Simulation, make_simulation
 

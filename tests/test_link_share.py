@@ -3,12 +3,13 @@
 
 import pytest
 
-from kvtransport.core.policy import Obs, make_policy
+from kvtransport.core.observation import Obs
 from kvtransport.core.sender import SenderSession
 from kvtransport.core.transfer import synthetic_transfer
-from kvtransport.hosts.allocator import EqualShare, UtilityWaterFilling, repair_guard_s
 from kvtransport.hosts.link_share import LinkShare, Member
-from kvtransport.hosts.utility_model import SigmoidUtility
+from kvtransport.policies.registry import make_policy
+from kvtransport.scheduling.allocator import EqualShare, UtilityWaterFilling, repair_guard_s
+from kvtransport.scheduling.utility_model import SigmoidUtility
 
 U = SigmoidUtility(0.85, 10.0, 0.2)
 SYMBOL = 1200

@@ -17,10 +17,11 @@ import numpy as np
 import pytest
 
 import kvtransport
-from kvtransport.core.policy import default_policy
-from kvtransport.model import blocks, card, hf, tasks
+from kvtransport.kvformat import blocks
+from kvtransport.model import encoding, hf, tasks
 from kvtransport.model.cache_builder import CacheBuilder, ComputeSpeed
 from kvtransport.model.plan import LinkEstimate, planned_stream
+from kvtransport.policies.registry import default_policy
 
 pytestmark = pytest.mark.model
 TOL = 2e-4  # float32 rounding of a chunked against a one-shot prefill (as test_race)
@@ -46,7 +47,7 @@ def setup(smollm):
 
 def _planned(kv, budget_s, order):
     link = LinkEstimate(RATE_MBPS * 1e6, 0.0, 0.0005, 1280)
-    return planned_stream(card.encode_cache(kv), link=link, budget_s=budget_s,
+    return planned_stream(encoding.encode_cache(kv), link=link, budget_s=budget_s,
                           speed=PLAN_SPEED, objective="ttft", order=order)  # fmt: skip
 
 
@@ -162,7 +163,7 @@ def test_the_live_race_answers_while_the_layered_tail_arrives(smollm, setup):
     rate = 20.0
     link = LinkEstimate(rate * 1e6, 0.0, 0.0005, 1280)
     slow = ComputeSpeed(per_call_s=0.05, per_token_s=0.01)  # a receiver 3x slower than this
-    plan, stream = planned_stream(card.encode_cache(kv), link=link, budget_s=prefill_s,
+    plan, stream = planned_stream(encoding.encode_cache(kv), link=link, budget_s=prefill_s,
                                   speed=slow, objective="ttft",
                                   answer_s=slow.answer_seconds(len(question),
                                                                len(ctx)))  # fmt: skip
@@ -187,7 +188,7 @@ def test_ranges_are_decoded_as_they_arrive_before_the_race_loads_them(setup):
     """The receiver's decoding thread checks and decodes each range once it is complete,
     while the race is busy elsewhere (computing): here nothing is ever loaded, yet every
     range the sender sent ends up decoded, exactly the sender's bytes."""
-    from kvtransport.model.live_race import LiveArrivals, adopted_session
+    from kvtransport.embed.live_race import LiveArrivals, adopted_session
 
     ctx, kv, speed, prefill_s, plan, stream = setup
     sent = blocks.decode_stream(stream.manifest, stream.payload).cache
@@ -220,7 +221,7 @@ def _receiver_daemon(tmp_path, *args):
     import sys
 
     from kvtransport.daemons.api import ApiError
-    from kvtransport.daemons.client import ReceiverClient
+    from kvtransport.embed.client import ReceiverClient
 
     ctl = f"ipc://{tmp_path}/rx.ipc"
     pub = f"ipc://{tmp_path}/results.ipc"
@@ -302,7 +303,9 @@ def test_answer_races_a_receiver_daemon_from_the_command_line(smollm, tmp_path):
               str(tmp_path / "context.txt"), "--question", question, "--json",
               "--max-new-tokens", "12", "--threads", "1"]  # fmt: skip
     try:
-        tx = _Sender(card.encode_cache(kv), f"127.0.0.1:{port}", deadline_ms=2000, insecure=True)
+        tx = _Sender(
+            encoding.encode_cache(kv), f"127.0.0.1:{port}", deadline_ms=2000, insecure=True
+        )
         tx.go()
         t_end = time.monotonic() + 20
         while not list(race_dir.glob("*.kvrace")):

@@ -11,7 +11,6 @@ import weakref
 
 import zmq
 
-from kvtransport.core.policy import make_policy
 from kvtransport.core.receiver import ReceiverSession
 from kvtransport.core.sender import SenderSession
 from kvtransport.core.transfer import synthetic_transfer
@@ -20,6 +19,7 @@ from kvtransport.daemons.daemon_sender import SenderEngine
 from kvtransport.daemons.udp import DatagramSocket, clock
 from kvtransport.hosts.receiver_host import ReceiverHost
 from kvtransport.hosts.sender_host import SenderHost
+from kvtransport.policies.registry import make_policy
 
 
 def test_sender_engine_frees_a_finished_transfers_payload():
@@ -116,7 +116,7 @@ def test_lagging_subscriber_loses_nothing_unseen(tmp_path):
         bind=("127.0.0.1", 0), key=None, control=f"ipc://{tmp_path}/c.ipc",
         publish=f"ipc://{tmp_path}/p.ipc",
     )  # fmt: skip
-    from kvtransport.daemons.client import ResultSubscriber
+    from kvtransport.embed.client import ResultSubscriber
 
     sub = ResultSubscriber(f"ipc://{tmp_path}/p.ipc")
     sub.sock.setsockopt(zmq.RCVHWM, 4)
@@ -164,7 +164,7 @@ def test_a_forged_card_manifest_cannot_size_memory():
     import pytest
     from test_blocks import _cache, _encode, _reframe
 
-    from kvtransport.model import blocks
+    from kvtransport.kvformat import blocks
 
     header = _encode(_cache(layers=2, tokens=40)).manifest.header()
     with pytest.raises(blocks.ManifestError, match="non-negative"):

@@ -4,8 +4,12 @@ import numpy as np
 import pytest
 
 from kvtransport.errors import UserError
-from kvtransport.hosts.allocator import EarliestDeadlineFirst, EqualShare, UtilityWaterFilling
-from kvtransport.hosts.utility_model import SigmoidUtility
+from kvtransport.scheduling.allocator import (
+    EarliestDeadlineFirst,
+    EqualShare,
+    UtilityWaterFilling,
+)
+from kvtransport.scheduling.utility_model import SigmoidUtility
 from kvtransport.sim.multisim import (
     Handover,
     MultiSimulation,

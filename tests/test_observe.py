@@ -11,10 +11,11 @@ too late, a field left out, or kernel arithmetic that drifts from the methods fa
 import numpy as np
 import pytest
 
-from kvtransport.core.policy import OBS_CLIP, OBS_SIZE, Obs, make_policy
+from kvtransport.core.observation import OBS_CLIP, OBS_SIZE, Obs
 from kvtransport.core.receiver import ReceiverSession
 from kvtransport.core.sender import SenderSession
 from kvtransport.core.transfer import synthetic_transfer
+from kvtransport.policies.registry import make_policy
 
 
 def _clip(x, lo, hi):

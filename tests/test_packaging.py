@@ -102,8 +102,8 @@ def test_data_plane_imports_and_runs_without_the_extras():
     proc = _core_python(
         """
         import kvtransport, kvtransport.daemons.daemon_sender, kvtransport.daemons.daemon_receiver
-        import kvtransport.daemons.client, kvtransport.cli, kvtransport.daemons.api
-        from kvtransport.core.policy import default_policy, make_policy
+        import kvtransport.embed.client, kvtransport.cli, kvtransport.daemons.api
+        from kvtransport.policies.registry import default_policy, make_policy
         assert default_policy() == "ddqn", default_policy()
         make_policy("ddqn")
         from kvtransport.cli import main

@@ -3,9 +3,10 @@
 import numpy as np
 import pytest
 
-from kvtransport.model import blocks, utility
+from kvtransport.kvformat import blocks
+from kvtransport.kvformat.kvcache import KVCache
+from kvtransport.model import utility
 from kvtransport.model.cache_builder import ComputeSpeed
-from kvtransport.model.kvcache import KVCache
 from kvtransport.model.plan import LinkEstimate, plan_handoff
 
 GEOM = blocks.Geometry(num_layers=30, num_kv_heads=3, num_tokens=504, head_dim=64)

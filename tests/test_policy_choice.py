@@ -1,4 +1,4 @@
-"""The policy a shell picks for a transfer when told none (kvtransport.core.policy.
+"""The policy a shell picks for a transfer when told none (kvtransport.hosts.policy_choice.
 default_policy_for): the shipped DDQN, except for a stream of whole token ranges over a
 long link, where it repairs too late, on a link whose bandwidth-delay product is beyond
 its training, and on a long link with a deadline under two round trips, where the
@@ -8,23 +8,24 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from kvtransport.agents.runtime import shipped_trained_bdp_bits
 
-from kvtransport.core.policy import (
+from kvtransport.core.transfer import Transfer, synthetic_transfer
+from kvtransport.daemons.daemon_sender import transfer_policy
+from kvtransport.hosts.policy_choice import (
     FAST_LINK_POLICY,
     LONG_LINK_HANDOFF_POLICY,
     LONG_LINK_ONE_WAY_S,
     SHORT_DEADLINE_POLICY,
     SHORT_DEADLINE_RTTS,
-    default_policy,
     default_policy_for,
 )
-from kvtransport.core.transfer import Transfer, synthetic_transfer
-from kvtransport.daemons.daemon_sender import transfer_policy
-from kvtransport.model import blocks, utility
+from kvtransport.kvformat import blocks
+from kvtransport.kvformat.kvcache import KVCache
+from kvtransport.model import utility
 from kvtransport.model.cache_builder import ComputeSpeed
-from kvtransport.model.kvcache import KVCache
 from kvtransport.model.plan import LinkEstimate, planned_stream
+from kvtransport.policies.ddqn import shipped_trained_bdp_bits
+from kvtransport.policies.registry import default_policy
 from kvtransport.sim.simulator import simulate
 
 BT = 16
@@ -68,8 +69,8 @@ def test_a_manifest_says_whether_its_stream_sends_whole_ranges():
 
 def test_the_transfer_policy_reads_the_stream_and_the_assumed_rtt():
     long_rtt = 2 * LONG_LINK_ONE_WAY_S
-    prefix = Transfer.from_encoded_stream(_stream("position"))
-    card = Transfer.from_encoded_stream(_stream("utility"))
+    prefix = _stream("position").to_transfer()
+    card = _stream("utility").to_transfer()
     assert transfer_policy(prefix, long_rtt, 100e6) == LONG_LINK_HANDOFF_POLICY
     assert transfer_policy(prefix, 0.99 * long_rtt, 100e6) == default_policy()
     assert transfer_policy(card, long_rtt, 100e6) == default_policy()
@@ -115,16 +116,15 @@ def test_with_a_loss_prior_a_link_beyond_24_mbit_gets_the_heuristic():
     """The shipped weights trained without priors (their sidecar says so): a sender that
     knows the path's loss before feedback keeps the DDQN only up to PRIOR_MAX_BDP_BITS of
     rate x round trip; without a prior the trained product still applies."""
-    from kvtransport.agents.runtime import shipped_trained_priors
-
-    from kvtransport.core.policy import PRIOR_MAX_BDP_BITS
+    from kvtransport.hosts.policy_choice import PRIOR_MAX_BDP_BITS
+    from kvtransport.policies.ddqn import shipped_trained_priors
 
     assert not shipped_trained_priors() and PRIOR_MAX_BDP_BITS == 24e6
     assert default_policy_for(0.080, False, 200e6, prior_known=True) == FAST_LINK_POLICY
     assert default_policy_for(0.040, False, 400e6, prior_known=True) == FAST_LINK_POLICY
     assert default_policy_for(0.040, False, 300e6, prior_known=True) == default_policy()
     assert default_policy_for(0.080, False, 200e6) == default_policy()  # no prior
-    card = Transfer.from_encoded_stream(_stream("utility"))
+    card = _stream("utility").to_transfer()
     assert transfer_policy(card, 0.16, 200e6, None, True) == FAST_LINK_POLICY
     assert transfer_policy(card, 0.16, 200e6, None, False) == default_policy()
 
@@ -162,7 +162,7 @@ def test_on_long_link_handoffs_the_pick_recovers_more_than_the_ddqn(name, delay_
     import kvtransport.agents  # noqa: F401  (registers ddqn)
     from kvtransport.agents.episodes import build_simulation, eval_spec, round_trip
 
-    from kvtransport.core.policy import make_policy
+    from kvtransport.policies.registry import make_policy
 
     got = {"pick": 0.0, "ddqn": 0.0}
     for i in range(12):
@@ -183,8 +183,8 @@ def test_the_sender_daemon_picks_per_transfer_unless_told(tmp_path):
     from kvtransport.daemons.api import transfer_frames
     from kvtransport.daemons.daemon_sender import SenderDaemon
 
-    prefix = Transfer.from_encoded_stream(_stream("position"))
-    card = Transfer.from_encoded_stream(_stream("utility"))
+    prefix = _stream("position").to_transfer()
+    card = _stream("utility").to_transfer()
     long_ms = 2e3 * LONG_LINK_ONE_WAY_S
     picks = {}
     for default in (None, "fixed:4/32"):
@@ -221,7 +221,7 @@ def test_the_sender_daemon_reads_whether_it_knows_the_receivers_loss(tmp_path):
     from kvtransport.daemons.api import transfer_frames
     from kvtransport.daemons.daemon_sender import SenderDaemon
 
-    card = Transfer.from_encoded_stream(_stream("utility"))
+    card = _stream("utility").to_transfer()
     tx = SenderDaemon(bind=("127.0.0.1", 0), control=f"ipc://{tmp_path}/s.ipc",
                       rate_bps=400e6, key=None, policy=None)  # fmt: skip
     try:

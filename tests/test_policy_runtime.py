@@ -11,8 +11,13 @@ import torch as th
 from kvtransport.agents.ddqn import DoubleDQN, DuelingDQNPolicy, export_q_network, torch_qvalues
 from kvtransport.agents.env import RepairSchedulingEnv
 from kvtransport.agents.episodes import EpisodeDistribution, build_simulation
-from kvtransport.agents.features import FEATURES_VERSION, N_FEATURES, features
-from kvtransport.agents.runtime import (
+from kvtransport.agents.training import TrainConfig, make_env
+from kvtransport.netem import Bernoulli, GilbertElliott
+
+from kvtransport.core.observation import BURST_UNIT, OBS_FIELDS, Obs, Raw
+from kvtransport.core.policy_base import ACTIONS, Policy
+from kvtransport.errors import UserError
+from kvtransport.policies.ddqn import (
     PRIOR_FIELDS,
     SHIPPED_SIDECAR,
     SHIPPED_WEIGHTS,
@@ -23,19 +28,9 @@ from kvtransport.agents.runtime import (
     shipped_policy_available,
     trained_burst_packets,
 )
-from kvtransport.agents.training import TrainConfig, make_env
-from kvtransport.netem import Bernoulli, GilbertElliott
-
-from kvtransport.core.observation import BURST_UNIT, Obs, Raw
-from kvtransport.core.policy import (
-    ACTIONS,
-    OBS_FIELDS,
-    Adaptive,
-    Policy,
-    default_policy,
-    make_policy,
-)
-from kvtransport.errors import UserError
+from kvtransport.policies.features import FEATURES_VERSION, N_FEATURES, features
+from kvtransport.policies.heuristics import Adaptive
+from kvtransport.policies.registry import default_policy, make_policy
 
 th.set_num_threads(1)
 
@@ -350,9 +345,9 @@ def test_data_plane_runs_the_policy_without_torch():
     code = (
         "import sys, numpy as np\n"
         "from kvtransport.sim.simulator import simulate\n"
-        "from kvtransport.agents.runtime import DDQNPolicy, QWeights\n"
-        "from kvtransport.agents.features import N_FEATURES\n"
-        "from kvtransport.core.policy import ACTIONS\n"
+        "from kvtransport.policies.ddqn import DDQNPolicy, QWeights\n"
+        "from kvtransport.policies.features import N_FEATURES\n"
+        "from kvtransport.core.policy_base import ACTIONS\n"
         "rng = np.random.default_rng(0)\n"
         "w = QWeights([(rng.normal(size=(16, N_FEATURES)), np.zeros(16)),\n"
         "              (rng.normal(size=(len(ACTIONS), 16)), np.zeros(len(ACTIONS)))], ACTIONS)\n"

@@ -109,8 +109,8 @@ SHELL = dataclasses.replace(OTHER, link_overhead=0)
 
 
 def test_the_simulators_build_their_hosts_with_their_config():
-    from kvtransport.hosts.allocator import EqualShare
-    from kvtransport.hosts.utility_model import SigmoidUtility
+    from kvtransport.scheduling.allocator import EqualShare
+    from kvtransport.scheduling.utility_model import SigmoidUtility
     from kvtransport.sim.multisim import Handover, MultiSimulation
     from kvtransport.sim.simulator import make_simulation
 

@@ -145,10 +145,10 @@ def test_a_return_path_that_dies_midway_still_gets_the_stream_repaired():
 def test_periodic_feedback_pauses_when_nothing_arrives():
     """A forger's few datagrams (a manifest with an hour's deadline) buy at most a second
     of feedback, not an hour of it; the next datagram resumes it."""
-    from kvtransport.core.policy import make_policy
     from kvtransport.core.receiver import ReceiverSession
     from kvtransport.core.sender import SenderSession
     from kvtransport.core.transfer import synthetic_transfer
+    from kvtransport.policies.registry import make_policy
 
     s = SenderSession(synthetic_transfer(50_000, 4), make_policy("none"), rate_bps=1e9,
                       deadline=3600.0, transfer_id=9)  # fmt: skip
@@ -172,9 +172,9 @@ def test_periodic_feedback_pauses_when_nothing_arrives():
 def _repair_share_after_resume(pause_s: float) -> float:
     """Share of repairs among the first 200 datagrams of an adaptive sender that its shell
     kept paused for ``pause_s`` (no feedback arrives during the 200)."""
-    from kvtransport.core.policy import make_policy
     from kvtransport.core.sender import SenderSession
     from kvtransport.core.transfer import synthetic_transfer
+    from kvtransport.policies.registry import make_policy
 
     s = SenderSession(synthetic_transfer(4_000_000, 325, seed=2), make_policy("adaptive"),
                       rate_bps=1e9, deadline=1.0, now=0.0, initial_rtt=0.011)  # fmt: skip

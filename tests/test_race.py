@@ -11,9 +11,10 @@ import time
 import numpy as np
 import pytest
 
-from kvtransport.model import blocks, hf, tasks, utility
+from kvtransport.kvformat import blocks
+from kvtransport.kvformat.kvcache import KVCache
+from kvtransport.model import hf, tasks, utility
 from kvtransport.model.cache_builder import CacheBuilder, ComputeSpeed
-from kvtransport.model.kvcache import KVCache
 from kvtransport.model.race import (
     LinkView,
     ReplayArrivals,
@@ -303,7 +304,8 @@ def test_a_link_that_stalls_is_not_waited_for_forever(smollm, context):
 
 
 def test_range_ready_at_is_the_last_layer(smollm, context):
-    from kvtransport.model import blocks, utility
+    from kvtransport.kvformat import blocks
+    from kvtransport.model import utility
 
     ctx, _, kv = context
     g = blocks.Geometry.of(kv, BT)

@@ -15,10 +15,10 @@ from kvtransport.netem import Profile, make_channel, parse_loss
 
 from kvtransport.core import protocol, wire
 from kvtransport.core.manifest_fec import ManifestSender
-from kvtransport.core.policy import make_policy
 from kvtransport.core.protocol import STANDARD, ProtocolConfig
 from kvtransport.core.receiver import ReceiverSession
 from kvtransport.core.transfer import BlockTable, TransportManifest, synthetic_transfer
+from kvtransport.policies.registry import make_policy
 from kvtransport.sim.simulator import Simulation
 
 TID = 0x0BA7_C4ED_0000_0001

@@ -7,7 +7,7 @@ from functools import partial
 import pytest
 from kvtransport.agents.episodes import build_simulation, eval_spec
 
-from kvtransport.core.policy import make_policy
+from kvtransport.policies.registry import make_policy
 from kvtransport.sim.repair_planner import CAUSAL_SEARCH, SEARCH, candidate, clairvoyant_plan, play
 
 EPISODES = [("ge-heavy", 0.7, None, i) for i in range(2)] + [

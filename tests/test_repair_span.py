@@ -43,9 +43,9 @@ def test_the_span_cap_is_a_sender_parameter():
     import pytest
 
     from kvtransport.core import protocol
-    from kvtransport.core.policy import make_policy
     from kvtransport.core.sender import SenderSession
     from kvtransport.core.transfer import synthetic_transfer
+    from kvtransport.policies.registry import make_policy
 
     tr = synthetic_transfer(2_000_000, 10, seed=1)
 

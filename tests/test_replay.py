@@ -18,7 +18,7 @@ from test_daemon_robustness import Proxy
 from kvtransport.core.replay import REPLAYED, STALE, ReplayRecord
 from kvtransport.core.transfer import TransportManifest, synthetic_transfer
 from kvtransport.daemons.api import ApiError
-from kvtransport.daemons.client import ReceiverClient, ResultSubscriber
+from kvtransport.embed.client import ReceiverClient, ResultSubscriber
 from kvtransport.errors import UserError
 
 W = 120.0
@@ -218,11 +218,11 @@ def test_a_receiver_killed_mid_transfer_accepts_the_senders_fresh_manifest(tmp_p
 def test_recv_mode_refuses_a_replay_and_waits_for_a_genuine_transfer():
     """The `recv` command's engine (single transfer): a replayed transfer does not take
     the one slot; the next genuine transfer is received."""
-    from kvtransport.core.policy import make_policy
     from kvtransport.core.sender import SenderSession
     from kvtransport.daemons.daemon_receiver import ReceiverEngine
     from kvtransport.daemons.udp import DatagramSocket, clock
     from kvtransport.hosts.receiver_host import ReceiverHost
+    from kvtransport.policies.registry import make_policy
 
     key = b"k" * 32
 

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 from kvtransport.core import wire
-from kvtransport.core.policy import make_policy
 from kvtransport.core.receiver import ReceiverSession
 from kvtransport.core.sender import SenderSession
 from kvtransport.core.transfer import synthetic_transfer
 from kvtransport.core.wire import DatagramType as T
+from kvtransport.policies.registry import make_policy
 
 TID = 0x0BAD_CAFE_F00D_0001
 RATE = 100e6

@@ -13,13 +13,15 @@ import numpy as np
 import pytest
 
 from kvtransport.core import schemes, wire
-from kvtransport.core.policy import NoFEC, Policy, make_policy
+from kvtransport.core.policy_base import Policy
 from kvtransport.core.protocol import ProtocolConfig
 from kvtransport.core.receiver import ReceiverSession
 from kvtransport.core.schemes import rlc
 from kvtransport.core.sender import SenderSession
 from kvtransport.core.transfer import synthetic_transfer
 from kvtransport.errors import UserError
+from kvtransport.policies.heuristics import NoFEC
+from kvtransport.policies.registry import make_policy
 from kvtransport.sim.simulator import simulate
 
 REPEAT_TYPE = 0xE1  # not a DatagramType: the scheme brings it

@@ -14,10 +14,10 @@ sources inside runs.
 import numpy as np
 import pytest
 
-from kvtransport.core.policy import make_policy
 from kvtransport.core.receiver import ReceiverSession
 from kvtransport.core.sender import SenderSession
 from kvtransport.core.transfer import synthetic_transfer
+from kvtransport.policies.registry import make_policy
 
 KEY = bytes(range(32))
 RATE = 1e9
@@ -239,7 +239,7 @@ def test_a_raise_on_a_slot_already_decided_is_decided_again_by_both_paths() -> N
     deferred decision: the slot stays decided while the shell answers), then its rate is
     raised past RATE_REDECIDE: both paths decide again before anything is sent, the source
     runs too (they must not send the slot's sources on the old decision)."""
-    from kvtransport.core.policy import ExternalPolicy
+    from kvtransport.policies.heuristics import ExternalPolicy
 
     senders = []
     for runs in (False, True):

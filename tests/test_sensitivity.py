@@ -10,8 +10,8 @@ import pytest
 
 from kvtransport import cli
 from kvtransport.errors import UserError
+from kvtransport.kvformat.kvcache import KVCache
 from kvtransport.model import hf, sensitivity, tasks
-from kvtransport.model.kvcache import KVCache
 
 
 def test_layer_weights_formula_by_hand():

@@ -17,18 +17,15 @@ from kvtransport.codecs.rlc import RLCEncoder
 
 from kvtransport.core import protocol, wire
 from kvtransport.core.manifest_fec import ManifestSender
-from kvtransport.core.policy import (
-    ACTIONS,
-    REPAIR_ONLY,
-    ExternalPolicy,
-    Obs,
-    make_policy,
-)
+from kvtransport.core.observation import Obs
+from kvtransport.core.policy_base import ACTIONS
 from kvtransport.core.receiver import ReceiverSession
 from kvtransport.core.schemes.rlc import LAST_ROUND_Z, _gilbert_failures, last_round_repairs
 from kvtransport.core.sender import OPEN_LOOP_LOSS, STOP_RTTVAR, SenderSession
 from kvtransport.core.transfer import BlockTable, Transfer, TransportManifest, synthetic_transfer
 from kvtransport.core.wire import DatagramType as T
+from kvtransport.policies.heuristics import REPAIR_ONLY, ExternalPolicy
+from kvtransport.policies.registry import make_policy
 from kvtransport.sim.virtual_clock import (
     ReceiverSessionEndpoint,
     SenderSessionEndpoint,

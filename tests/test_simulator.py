@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from kvtransport.netem import make_channel
 
-from kvtransport.core import policy as P
 from kvtransport.core.transfer import synthetic_transfer
+from kvtransport.policies.heuristics import Adaptive, ExternalPolicy
 from kvtransport.sim.simulator import SimResult, Simulation, full_send_time, simulate
 
 
@@ -93,10 +93,10 @@ def test_step_mode_is_the_same_protocol_as_the_policy_itself():
         return Simulation(tr, policy, make_channel("ge-heavy", a), make_channel("ge-heavy", b),
                           rate_bps=100e6, deadline=deadline, transfer_id=5)  # fmt: skip
 
-    direct = sim(P.Adaptive())
+    direct = sim(Adaptive())
     direct.run()
-    brain = P.Adaptive()
-    stepped = sim(P.ExternalPolicy())
+    brain = Adaptive()
+    stepped = sim(ExternalPolicy())
     brain.reset(stepped.sender.policy.ctx)
     steps, utilities = 0, []
     while stepped.run_until_decision():

@@ -105,13 +105,14 @@ def test_submit_prints_the_id_then_status_and_cancel_act_on_it(daemons, capsys):
 def test_a_card_is_planned_for_its_deadline_or_sent_as_it_is(daemons, capsys, tmp_path):
     """CARD with --deadline-ms goes as the handoff plan encodes it (fp16/int8 blocks);
     --precision keep sends it as it is (fp32), as kvtransport send does."""
-    from kvtransport.model import blocks, card
-    from kvtransport.model.kvcache import KVCache
+    from kvtransport.kvformat import blocks, card
+    from kvtransport.kvformat.kvcache import KVCache
+    from kvtransport.model import encoding
 
     rng = np.random.default_rng(5)
     k, v = (rng.standard_normal((30, 3, 256, 64), dtype=np.float32) for _ in range(2))
     path = card.write_card(
-        tmp_path / "c.card", card.encode_cache(KVCache(k, v, np.arange(256), "m"))
+        tmp_path / "c.card", encoding.encode_cache(KVCache(k, v, np.arange(256), "m"))
     )
     sent = {}
     for precision in ("auto", "keep"):

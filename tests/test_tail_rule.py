@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 
 from kvtransport.core import protocol, wire
-from kvtransport.core.policy import make_policy
 from kvtransport.core.sender import SenderSession
 from kvtransport.core.transfer import BlockTable, Transfer
 from kvtransport.core.wire import DatagramType as T
+from kvtransport.policies.registry import make_policy
 
 TID = 0x7A11_0000_0000_0043
 RATE = 100e6

@@ -168,8 +168,8 @@ def test_fiction_qa_is_answered_from_the_cache_and_not_without_it(smollm):
     import numpy as np
 
     from kvtransport.demo.demo_model import answer
+    from kvtransport.kvformat.kvcache import KVCache
     from kvtransport.model import hf
-    from kvtransport.model.kvcache import KVCache
 
     tok = smollm.tokenizer
     full, none = [], []

@@ -14,7 +14,6 @@ import shlex
 import numpy as np
 import pytest
 from kvtransport.agents.episodes import round_trip, spec_deadline
-from kvtransport.agents.runtime import SHIPPED_WEIGHTS
 from kvtransport.agents.training import (
     HARD_VALIDATION_RTTS,
     TrainConfig,
@@ -27,6 +26,7 @@ from kvtransport.agents.training import (
 
 from kvtransport.cli import build_parser, main
 from kvtransport.commands import train as train_cmd
+from kvtransport.policies.ddqn import SHIPPED_WEIGHTS
 
 SIDECAR = SHIPPED_WEIGHTS.with_name("ddqn.json")
 

@@ -16,8 +16,9 @@ from kvtransport.core.transfer import synthetic_transfer
 from kvtransport.daemons.api import read_result_file
 from kvtransport.daemons.udp import DatagramSocket, parse_address
 from kvtransport.errors import UserError
-from kvtransport.model import card
-from kvtransport.model.kvcache import KVCache
+from kvtransport.kvformat import card
+from kvtransport.kvformat.kvcache import KVCache
+from kvtransport.model import encoding
 
 CLI = [sys.executable, "-m", "kvtransport"]
 
@@ -183,7 +184,7 @@ def test_send_card_arrives_as_a_readable_card(tmp_path, capsys):
     v = rng.standard_normal((4, 2, 96, 64)).astype(np.float16)
     cache = KVCache(k, v, rng.integers(0, 1000, 96), "toy", rng.random((4, 96)).astype("f4"))
     path = tmp_path / "ctx.card"
-    card.write_card(path, card.encode_cache(cache, created={"by": "test"}))
+    card.write_card(path, encoding.encode_cache(cache, created={"by": "test"}))
     out = tmp_path / "out"
     out.mkdir()
     _, recv_st = _run_pair(
@@ -201,14 +202,14 @@ def test_send_card_arrives_as_a_readable_card(tmp_path, capsys):
 def test_send_plans_a_card_for_its_deadline(tmp_path, capsys):
     """With a deadline the card crosses as the plan encodes it: prefix order, fp16 for the
     most useful blocks and int8 for the rest, within the bytes the deadline allows."""
-    from kvtransport.model import blocks
+    from kvtransport.kvformat import blocks
 
     rng = np.random.default_rng(5)
     k = rng.standard_normal((4, 2, 256, 64)).astype(np.float32)
     v = rng.standard_normal((4, 2, 256, 64)).astype(np.float32)
     cache = KVCache(k, v, rng.integers(0, 1000, 256), "toy", rng.random((4, 256)).astype("f4"))
     path = tmp_path / "ctx.card"
-    card.write_card(path, card.encode_cache(cache, created={"by": "test"}))
+    card.write_card(path, encoding.encode_cache(cache, created={"by": "test"}))
     out = tmp_path / "out"
     out.mkdir()
     # 1 MiB fp32, 0.5 MiB fp16, 0.27 MiB int8: 1 s at 5 Mbit/s fits a mix. The plan
@@ -236,12 +237,9 @@ def test_send_plans_a_card_for_its_deadline(tmp_path, capsys):
 def test_send_picks_the_policy_for_a_planned_card_over_a_long_link(tmp_path, capsys):
     """Told no --policy, a planned card (whole token ranges) over a long --initial-rtt-ms
     goes with the heuristic, the same card kept as it is (utility order) with the default
-    (kvtransport.core.policy.default_policy_for)."""
-    from kvtransport.core.policy import (
-        LONG_LINK_HANDOFF_POLICY,
-        LONG_LINK_ONE_WAY_S,
-        default_policy,
-    )
+    (kvtransport.hosts.policy_choice.default_policy_for)."""
+    from kvtransport.hosts.policy_choice import LONG_LINK_HANDOFF_POLICY, LONG_LINK_ONE_WAY_S
+    from kvtransport.policies.registry import default_policy
 
     rng = np.random.default_rng(6)
     k = rng.standard_normal((4, 2, 128, 64)).astype(np.float16)
@@ -249,7 +247,7 @@ def test_send_picks_the_policy_for_a_planned_card_over_a_long_link(tmp_path, cap
         k, k.copy(), rng.integers(0, 1000, 128), "toy", rng.random((4, 128)).astype("f4")
     )
     path = tmp_path / "ctx.card"
-    card.write_card(path, card.encode_cache(cache))
+    card.write_card(path, encoding.encode_cache(cache))
     rtt = ["--initial-rtt-ms", f"{2e3 * LONG_LINK_ONE_WAY_S:g}"]
     send = ["--card", str(path), "--rate-mbps", "50", "--deadline-ms", "400", *rtt]
     planned, _ = _run_pair(["--out", str(tmp_path)], send, capsys)

@@ -6,14 +6,14 @@ import numpy as np
 import pytest
 
 from kvtransport.errors import UserError
-from kvtransport.hosts.utility_model import (
+from kvtransport.model import metrics
+from kvtransport.model.utility_fit import MEASURE_SEED, fit_sigmoid, measure_sample
+from kvtransport.scheduling.utility_model import (
     SigmoidUtility,
     UtilityCurve,
     UtilityTable,
     packaged_model_ids,
 )
-from kvtransport.model import metrics
-from kvtransport.model.utility_fit import MEASURE_SEED, fit_sigmoid, measure_sample
 
 X = np.linspace(0.0, 1.0, 41)
 

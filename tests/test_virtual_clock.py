@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from kvtransport.netem import load_profile, make_channel
 
-from kvtransport.core.policy import make_policy
 from kvtransport.core.protocol import STANDARD, ProtocolConfig
 from kvtransport.core.transfer import synthetic_transfer
 from kvtransport.demo.demo_emulated import EmulatedLink, PeerError
 from kvtransport.demo.demo_links import INITIAL_RTT_S, PROFILE
+from kvtransport.policies.registry import make_policy
 from kvtransport.sim.simulator import Simulation, full_send_time
 from kvtransport.sim.virtual_clock import VirtualClockLoop
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvtransport.embed import vllm_blocks as vb
-from kvtransport.model.kvcache import KVCache
+from kvtransport.kvformat.kvcache import KVCache
 
 LAYERS, HEADS, DIM, BS, NBLOCKS = 4, 2, 64, 32, 12
 KEY = b"vllm connector test key!"

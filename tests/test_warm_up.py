@@ -11,17 +11,18 @@ daemon's arguments.
 import random
 
 import numba
-from kvtransport.agents import features, runtime
 from kvtransport.codecs import aesgcm, gf256, rlc, tinymt32
 
-from kvtransport.core.policy import make_policy
 from kvtransport.core.receiver import ReceiverSession
 from kvtransport.core.sender import SenderSession
 from kvtransport.core.transfer import synthetic_transfer
 from kvtransport.core.wire import LaidOutDatagrams
 from kvtransport.daemons.daemon import warm_up
-from kvtransport.hosts import allocator
-from kvtransport.hosts.utility_model import SigmoidUtility
+from kvtransport.policies import ddqn as runtime
+from kvtransport.policies import features
+from kvtransport.policies.registry import make_policy
+from kvtransport.scheduling import allocator
+from kvtransport.scheduling.utility_model import SigmoidUtility
 
 KEY = bytes(range(32))
 MODULES = (gf256, tinymt32, rlc, aesgcm, features, runtime, allocator)

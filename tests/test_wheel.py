@@ -14,6 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = {"kvtransport/data": "kvtransport/data", "agents/data": "kvtransport/agents/data",
+        "kvtransport/policies/data": "kvtransport/policies/data",
         "netem/data": "kvtransport/netem/data"}  # fmt: skip
 
 

@@ -216,7 +216,7 @@ def daemon_stats(args: argparse.Namespace, role: str) -> tuple[Any, Any]:
 def check_sending(args: argparse.Namespace) -> None:
     """Validate the sending side's shared options; an unset ``--policy`` becomes the
     default policy (ddqn if its weights ship, else adaptive), which must be makeable."""
-    from kvtransport.core.policy import default_policy, make_policy
+    from kvtransport.policies.registry import default_policy, make_policy
 
     args.policy = args.policy or default_policy()
     if not (args.rate_mbps > 0 and math.isfinite(args.rate_mbps)):

@@ -1,7 +1,7 @@
 """Talking to a running daemon from the command line (submit, status, cancel).
 
 Not a subcommand (the CLI skips modules whose name starts with an underscore). The
-requests go through kvtransport.daemons.client; this module adds the options that name the
+requests go through kvtransport.embed.client; this module adds the options that name the
 daemon and turns "nobody answers" into one line that says how to start one.
 """
 
@@ -16,7 +16,7 @@ from kvtransport.bounds import float_arg
 from kvtransport.errors import UserError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
-    from kvtransport.daemons.client import ReceiverClient, SenderClient
+    from kvtransport.embed.client import ReceiverClient, SenderClient
 
 ROLES = ("sender", "receiver")
 
@@ -69,7 +69,7 @@ def connect(args: argparse.Namespace) -> SenderClient | ReceiverClient:
     within ``--timeout`` (an ipc:// socket file that does not exist yet is waited for as
     long, so a daemon just started is found). The caller closes it (``with``)."""
     from kvtransport.daemons.api import ApiError
-    from kvtransport.daemons.client import ReceiverClient, SenderClient
+    from kvtransport.embed.client import ReceiverClient, SenderClient
 
     role = role_of(args)
     endpoint = args.control or _default(role)
@@ -94,7 +94,7 @@ def connect(args: argparse.Namespace) -> SenderClient | ReceiverClient:
 
 def connect_sender(args: argparse.Namespace) -> SenderClient:
     """:func:`connect` to the sender daemon."""
-    from kvtransport.daemons.client import SenderClient
+    from kvtransport.embed.client import SenderClient
 
     client = connect(args)
     assert isinstance(client, SenderClient)

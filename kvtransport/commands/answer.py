@@ -26,7 +26,7 @@ question and answer greedily. With
 complete card both print the same answer. With --context and --race-dir DIR, race the
 transfer of that context's cache that a receiver daemon on this host (run with
 --race-dir DIR) is receiving: compute the context's front, load each token range as it
-arrives, recompute exactly what does not (kvtransport.model.live_race.race_daemon). The
+arrives, recompute exactly what does not (kvtransport.embed.live_race.race_daemon). The
 transfer may start before or after the command, or have ended already: the command claims
 it (the daemon keeps its mirror until the answer is done), measures the model's speed,
 and waits up to --wait-s seconds from its start for the transfer to appear; then it races.
@@ -130,10 +130,11 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
 
     from kvtransport.commands.prefill import read_text
+    from kvtransport.embed.partial import partial_cache
     from kvtransport.errors import UserError
-    from kvtransport.model import card, hf, utility
+    from kvtransport.kvformat import card
+    from kvtransport.model import encoding, hf, utility
     from kvtransport.model.loader import chat_prompt, load_model
-    from kvtransport.model.partial import partial_cache
 
     _validate(args)
     degrading = args.drop > 0 or args.precision is not None
@@ -184,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
             utilities = utility.cache_utility(kv, block_tokens, weights)
     if degrading:
         t = time.perf_counter()
-        got = card.degrade(
+        got = encoding.degrade(
             got.cache if got is not None else kv,
             utilities,
             drop=args.drop,
@@ -266,8 +267,8 @@ def _race(
     within it)."""
     import sys
 
+    from kvtransport.embed.live_race import race_daemon
     from kvtransport.model import hf
-    from kvtransport.model.live_race import race_daemon
 
     wait_s = DEFAULT_WAIT_S if args.wait_s is None else args.wait_s
     left = max(0.0, wait_s - (time.perf_counter() - t_all))
@@ -321,7 +322,7 @@ def _race_summary(res: Any, race_dir: str, wait_s: float) -> str:
 def _precision_counts(manifest: Any, missing: Any) -> dict[str, int]:
     import numpy as np
 
-    from kvtransport.model.blocks import PRECISIONS
+    from kvtransport.kvformat.blocks import PRECISIONS
 
     ok = np.ones(manifest.num_blocks, dtype=bool)
     ok[missing] = False

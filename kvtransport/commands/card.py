@@ -40,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtransport.model import blocks, card
+    from kvtransport.kvformat import blocks, card
 
     stored = card.read_card(args.file)
     info = card.summary(stored, args.file)

@@ -253,7 +253,7 @@ def read_points_file(
     """
     import numpy as np
 
-    from kvtransport.hosts.utility_model import MeasuredCurve
+    from kvtransport.scheduling.utility_model import MeasuredCurve
 
     path = Path(path)
     try:
@@ -485,8 +485,12 @@ def _plot(path: str, curves: list[Any], fits: list[Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtransport.hosts.utility_model import DEFAULT_TABLE_PATH, UtilityCurve, UtilityTable
     from kvtransport.model.utility_fit import fit_sigmoid
+    from kvtransport.scheduling.utility_model import (
+        DEFAULT_TABLE_PATH,
+        UtilityCurve,
+        UtilityTable,
+    )
 
     out = Path(args.out or DEFAULT_TABLE_PATH)
     # Read an existing table first: a corrupt one should fail before a long measurement.

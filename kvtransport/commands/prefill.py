@@ -134,7 +134,7 @@ def load_layer_weights(spec: str | None, model_id: str, num_layers: int):  # noq
 
 def check_precision(spec: str | None) -> None:
     from kvtransport.errors import UserError
-    from kvtransport.model import blocks
+    from kvtransport.kvformat import blocks
 
     if spec is None:
         return
@@ -146,7 +146,8 @@ def check_precision(spec: str | None) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvtransport.errors import UserError
-    from kvtransport.model import card
+    from kvtransport.kvformat import card
+    from kvtransport.model import encoding
 
     check_precision(args.precision)
     if args.block_tokens < 1:
@@ -170,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
     cache = hf.prefill(loaded.model, loaded.tokenizer, context, window=args.window)
     t_prefill = time.perf_counter() - t0
     t1 = time.perf_counter()
-    stream = card.encode_cache(
+    stream = encoding.encode_cache(
         cache,
         layer_weights=weights,
         window=args.window,

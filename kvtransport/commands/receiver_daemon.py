@@ -26,7 +26,7 @@ that racer is done with it (at most 10 minutes after the result), an unclaimed o
 --race-keep-s seconds after it (default 120); finished mirrors beyond 1 GiB in all go
 oldest first; every mirror goes when the daemon stops.
 
-Local clients: kvtransport.daemons.client.ResultSubscriber for results, ReceiverClient for
+Local clients: kvtransport.embed.client.ResultSubscriber for results, ReceiverClient for
 status/abort on --control. State is bounded: --max-transfers at once, --max-mb per
 transfer, --budget-mb for the buffers of all of them, and a transfer whose manifest never
 comes ends --idle-timeout seconds after its last datagram. A subscriber that lags gets its
@@ -57,7 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--race-dir", metavar="DIR",
                    help="mirror each transfer into DIR while it arrives (e.g. a 0700 folder "
                    "under /dev/shm), so a model process on this host races it: "
-                   "kvtransport.model.live_race.race_daemon")  # fmt: skip
+                   "kvtransport.embed.live_race.race_daemon")  # fmt: skip
     p.add_argument("--race-keep-s", type=float_arg(0, 86400), default=None, metavar="S",
                    help="with --race-dir: keep a finished transfer's mirror S seconds for a "
                    f"racer that has not claimed it (default {KEEP_S:g}; a claimed one stays "

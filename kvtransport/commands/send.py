@@ -111,9 +111,8 @@ def _transfer(args: argparse.Namespace) -> Transfer:
 
 def _planned_card(args: argparse.Namespace) -> Transfer:
     """The card re-encoded by the handoff plan for the deadline (see the description)."""
-    from kvtransport.core.transfer import Transfer
-    from kvtransport.model.blocks import EncodedStream
-    from kvtransport.model.card import read_card
+    from kvtransport.kvformat.blocks import EncodedStream
+    from kvtransport.kvformat.card import read_card
     from kvtransport.model.plan import LinkEstimate, parse_levels, planned_stream
 
     try:
@@ -137,7 +136,7 @@ def _planned_card(args: argparse.Namespace) -> Transfer:
         raise UserError(f"{args.card}: cannot plan this card ({exc})") from None
     if not args.json:
         print(f"plan: {plan.describe()}")
-    return Transfer.from_encoded_stream(planned)
+    return planned.to_transfer()
 
 
 def run(args: argparse.Namespace) -> int:

@@ -11,7 +11,7 @@ from kvtransport.errors import UserError
 NAME = "sender-daemon"
 HELP = "run the sender daemon (UDP data plane, ZeroMQ control for local clients)"
 DESCRIPTION = """\
-Serve transfer requests from local clients (kvtransport.daemons.client.SenderClient, or any
+Serve transfer requests from local clients (kvtransport.embed.client.SenderClient, or any
 ZeroMQ REQ socket speaking kvtransport.daemons.api) and send each over UDP to the receiver it
 names, paced to the link rate. Several transfers can be in flight at once; they then share
 --rate-mbps as the multi-user allocator decides every --slot-ms (weighted utility

@@ -111,11 +111,11 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtransport.core.policy import default_policy
+    from kvtransport.policies.registry import default_policy
 
     args.policy = args.policy or default_policy()
-    from kvtransport.core.policy import make_policy
     from kvtransport.netem import load_profile
+    from kvtransport.policies.registry import make_policy
     from kvtransport.sim.simulator import simulate
 
     _check(args)

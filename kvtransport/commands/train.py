@@ -28,8 +28,8 @@ command with every option spelled out, and the effective configuration: every tr
 and episode-distribution setting, defaults included), progress.csv (one row per
 validation), sb3/progress.csv (SB3's training log), learning_curve.png, summary.json.
 
-To ship a policy, copy ddqn.npz and ddqn.json into the package's agents/data/. The
-shipped policy's recorded command trains on the distribution it was trained on
+To ship a policy, copy ddqn.npz and ddqn.json into the package's kvtransport/policies/data/.
+The shipped policy's recorded command trains on the distribution it was trained on
 (tests/test_train_config.py holds the two equal).
 torch runs on one thread. On a 2-core machine expect about 150-400 steps per second.
 
@@ -38,7 +38,7 @@ examples:
   kvtransport train --steps 20000 --out /tmp/quick --eval-every 5000 --trace office.csv.gz
   kvtransport train --steps 150000 --handoff-share 0.3 --out runs/ddqn-handoff
   kvtransport train --steps 150000 --rate-range 20,400 --prior none --out runs/ddqn-v2
-  kvtransport train --steps 60000 --init-from agents/data/ddqn.npz --out runs/warm
+  kvtransport train --steps 60000 --init-from kvtransport/policies/data/ddqn.npz --out runs/warm
 """
 
 MAX_RATE_MBPS = 100_000.0
@@ -195,8 +195,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="WEIGHTS",
         help="start the Q-network from this weights file (a ddqn.npz; the shipped one is "
-        "agents/data/ddqn.npz in the source tree) instead of random weights; its hidden "
-        "sizes must be --hidden's (default: random initial weights)",
+        "kvtransport/policies/data/ddqn.npz in the source tree) instead of random weights; "
+        "its hidden sizes must be --hidden's (default: random initial weights)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -287,7 +287,7 @@ def _config(args: argparse.Namespace):  # noqa: ANN202 - TrainConfig is imported
             )
         distribution["prior_weights"] = args.prior
     if args.init_from is not None:
-        from kvtransport.agents.runtime import load_weights
+        from kvtransport.policies.ddqn import load_weights
 
         trained = [int(d) for d in load_weights(args.init_from).dims[1:-1]]
         if trained != list(hidden):

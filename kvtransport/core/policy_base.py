@@ -1,9 +1,10 @@
 """The policy interface: the action table and the base class.
 
-The contract (observation, action, repair scheme) is described in kvtransport.core.policy, which
-holds the built-in policies and ``make_policy`` and re-exports these names. They live here, below
-both the built-in policies and the DDQN runtime (kvtransport.agents.runtime), so that the
-registry can build the runtime without the runtime importing the registry.
+The contract (observation, action, repair scheme) is described in
+kvtransport.policies.heuristics, which holds the built-in policies; kvtransport.policies.registry
+builds them by name. The interface lives here, in the protocol core, below every policy (the
+heuristics, the DDQN runtime kvtransport.policies.ddqn, the simulators' oracle), so the sender
+session drives a policy without knowing which.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ REPAIR_SHARES = (0.0, 1 / 32, 1 / 16, 1 / 8, 3 / 16, 1 / 4, 3 / 8, 1 / 2)
 ACTIONS = np.array([(s, 1.0) for s in REPAIR_SHARES] + [(1.0, 0.0)], dtype=np.float32)
 """The shared action table: rows (repair share, admit new sources)."""
 DEFER = -1
-"""What ``act`` returns to leave the decision to the shell (kvtransport.core.policy's
+"""What ``act`` returns to leave the decision to the shell (kvtransport.policies.heuristics'
 ExternalPolicy: the Gymnasium environment supplies the action)."""
 
 

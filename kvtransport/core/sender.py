@@ -68,7 +68,7 @@ ends it early; a FINISHED that carries a refusal (kvtransport.core.feedback) end
 ``refused`` naming the receiver's reason and ``finish_reason`` "refused (REASON)".
 
 The policy is asked once per ``decision_packets`` slots with an observation built in place
-(kvtransport.core.policy documents the fields), and at the next slot after ``set_rate``
+(kvtransport.core.observation documents the fields), and at the next slot after ``set_rate``
 raises the rate by more than ``RATE_REDECIDE``. An ``ExternalPolicy`` defers: the session stops
 emitting with ``awaiting_action`` set until the shell calls ``apply_action``.
 """

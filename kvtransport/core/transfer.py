@@ -1,7 +1,8 @@
 """What the transport moves: a transfer, its transport manifest, and the receiver's result.
 
 A :class:`Transfer` is the transport-level view of one handoff: opaque application
-metadata (for KV caches, kvtransport.model.blocks' manifest; the transport never parses it), the
+metadata (for KV caches, kvtransport.kvformat.blocks' manifest; the transport never parses it), what
+its producer declares of the stream (``whole_ranges``), the
 payload (a uint8 stream already in utility order) and the :class:`BlockTable` (per block:
 byte offset, length and utility, utilities summing to at most 1). The transport cuts the
 payload into fixed-size source symbols; a block is delivered only if every byte of it is.
@@ -40,15 +41,11 @@ from __future__ import annotations
 import struct
 import zlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvtransport.bounds import MAX_DEADLINE_S
 from kvtransport.core.wire import BadPayload
-
-if TYPE_CHECKING:  # pragma: no cover - typing only
-    from kvtransport.model.blocks import EncodedStream
 
 UTILITY_PROFILES = ("zipf", "flat", "linear")
 MANIFEST_MAGIC = b"KVTM"
@@ -120,6 +117,11 @@ class Transfer:
     payload: np.ndarray  # uint8 [n bytes], blocks in utility (stream) order
     blocks: BlockTable
     app_metadata: bytes = b""
+    whole_ranges: bool = False
+    """Declared by the producer: the stream sends its units (a KV cache's token ranges)
+    one after another, and a unit is worth something only once all its blocks arrived.
+    The sender's host reads it to choose a policy (kvtransport.hosts.policy_choice);
+    nothing in the transport parses the application's metadata to learn it."""
 
     def __post_init__(self) -> None:
         p = np.ascontiguousarray(self.payload, dtype=np.uint8).reshape(-1)
@@ -131,15 +133,6 @@ class Transfer:
     @property
     def nbytes(self) -> int:
         return int(self.payload.shape[0])
-
-    @classmethod
-    def from_encoded_stream(cls, stream: EncodedStream) -> Transfer:
-        """From kvtransport.model.blocks.EncodedStream (its manifest travels as app metadata)."""
-        return cls(
-            payload=stream.payload,
-            blocks=BlockTable(stream.offsets, stream.lengths, stream.utilities),
-            app_metadata=stream.manifest_bytes,
-        )
 
 
 def utility_profile(name: str, n_blocks: int, zipf_s: float = 1.0) -> np.ndarray:

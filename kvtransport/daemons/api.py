@@ -40,9 +40,9 @@ of the submitted payload frame, and a subscriber's arrays are views of the recei
 Result files (``--out-dir``): ``<transfer id>.result.safetensors`` with tensors
 ``stream``, ``complete`` and ``app_metadata`` plus metadata ``kvtransport.result`` (JSON:
 the result header and the block table). When the application metadata is a
-kvtransport.model.blocks manifest (the transfer came from a cache card) the file also carries
+kvtransport.kvformat.blocks manifest (the transfer came from a cache card) the file also carries
 the card metadata, so
-:func:`kvtransport.model.card.read_card` opens it as a cache card; its missing blocks are the
+:func:`kvtransport.kvformat.card.read_card` opens it as a cache card; its missing blocks are the
 ``complete == 0`` ones (they fail their checksums, as they should).
 """
 
@@ -266,8 +266,11 @@ def _frame_buffer(frame: Any) -> memoryview:
     return frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
 
 
-def transfer_from_frames(frames: list) -> Transfer:
-    """Rebuild a submitted transfer; the payload stays a view of its frame (zero-copy)."""
+def transfer_from_frames(frames: list, whole_ranges: object = False) -> Transfer:
+    """Rebuild a submitted transfer; the payload stays a view of its frame (zero-copy).
+    ``whole_ranges``: the request's declaration of the stream's kind (a bool)."""
+    if not isinstance(whole_ranges, bool):
+        raise ApiError("whole_ranges must be true or false")
     if len(frames) not in (4, 5):
         raise ApiError(
             f"submit needs frames {', '.join(TRANSFER_FRAMES)} (app_metadata optional); "
@@ -285,19 +288,19 @@ def transfer_from_frames(frames: list) -> Transfer:
     if payload.size == 0:
         raise ApiError("the payload frame is empty")
     try:
-        return Transfer(payload, BlockTable(offsets, lengths, utilities), meta)
+        return Transfer(payload, BlockTable(offsets, lengths, utilities), meta, whole_ranges)
     except ValueError as exc:
         raise ApiError(f"bad block table: {exc}") from None
 
 
 def transfer_from_card(path: str | os.PathLike) -> Transfer:
     """A cache card file as a transfer (its blocks manifest travels as app metadata)."""
-    from kvtransport.model.blocks import EncodedStream
-    from kvtransport.model.card import read_card
+    from kvtransport.kvformat.blocks import EncodedStream
+    from kvtransport.kvformat.card import read_card
 
     card = read_card(path)
     stream = EncodedStream(card.manifest, card.manifest.to_bytes(), card.payload)
-    return Transfer.from_encoded_stream(stream)
+    return stream.to_transfer()
 
 
 # --------------------------------------------------------------------- results
@@ -450,10 +453,10 @@ def write_result_file(directory: str | os.PathLike, result: TransferResult, stat
 
 
 def _card_metadata(app_metadata: bytes) -> dict[str, str] | None:
-    """Card metadata when the app metadata is a kvtransport.model.blocks manifest, else None."""
+    """Card metadata when the app metadata is a kvtransport.kvformat.blocks manifest, else None."""
     if not app_metadata:
         return None
-    from kvtransport.model import blocks, card
+    from kvtransport.kvformat import blocks, card
 
     try:
         manifest = blocks.Manifest.from_bytes(app_metadata)

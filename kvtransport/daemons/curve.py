@@ -8,7 +8,7 @@ then every message encrypted and authenticated) a daemon may bind any ``tcp://``
 - the daemon: ``--curve-secret FILE``, the daemon's secret key (Z85 text, 40
   characters). Made on first use, mode 0600 in a 0700 directory, with its public key
   beside it in ``FILE.pub``; a file that other users may read is refused.
-- a client (:class:`kvtransport.daemons.client.SenderClient`, ``ReceiverClient``,
+- a client (:class:`kvtransport.embed.client.SenderClient`, ``ReceiverClient``,
   ``ResultSubscriber``): ``curve_server_key=``, the daemon's public key (the Z85 text, or
   the ``FILE.pub`` path). The client makes a throwaway key pair of its own per socket. A
   client without the right server key never completes the handshake, so it gets no

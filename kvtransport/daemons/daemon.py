@@ -503,9 +503,9 @@ def _warm_block_codec() -> None:
     """Encode a small float32 cache at int8 and int4 (a sender planning a card or cache)
     and decode it range by range from a writable buffer (a receiver's payload) and a
     read-only one (a racer's mirror of a daemon's transfer): the block codec's kernels
-    (kvtransport.codecs.quant, through kvtransport.model.blocks; numpy only, no torch)."""
-    from kvtransport.model import blocks
-    from kvtransport.model.kvcache import KVCache
+    (kvtransport.codecs.quant, through kvtransport.kvformat.blocks; numpy only, no torch)."""
+    from kvtransport.kvformat import blocks
+    from kvtransport.kvformat.kvcache import KVCache
 
     bt = blocks.DEFAULT_BLOCK_TOKENS
     shape = (1, 1, 2 * bt, 64)
@@ -548,11 +548,11 @@ def _warm_transfers(key: bytes | None, runs: Sequence[Sequence[str]]) -> None:
 
 
 def data_path_policies() -> tuple[str, ...]:
-    """One policy of every kind a transfer can run (kvtransport.core.policy.make_policy's
+    """One policy of every kind a transfer can run (kvtransport.policies.registry.make_policy's
     names; one rate of ``fixed`` and of ``block-rs``), hence every built-in repair scheme
     (rlc, block-rs, arq, none): ``ddqn`` where the package ships its weights. ``oracle``
     is not one: it reads a simulated channel's future and runs in no real transfer."""
-    from kvtransport.core.policy import default_policy
+    from kvtransport.policies.registry import default_policy
 
     names = ("fixed:1/4", "block-rs:2/8", "adaptive", "tail-rule", "arq", "none")
     return (*names, "ddqn") if default_policy() == "ddqn" else names

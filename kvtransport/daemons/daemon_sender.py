@@ -23,19 +23,17 @@ from typing import Any
 
 from kvtransport import bounds
 from kvtransport.bounds import MAX_DEADLINE_S, MAX_INITIAL_RTT_S, MIN_DEADLINE_S
-from kvtransport.core.policy import (
-    FAST_LINK_POLICY,
-    LONG_LINK_HANDOFF_POLICY,
-    default_policy,
-    default_policy_for,
-    make_policy,
-)
 from kvtransport.core.protocol import LINK_OVERHEAD_BYTES, STANDARD, ProtocolConfig
 from kvtransport.core.transfer import Transfer
 from kvtransport.core.wire import full_send_time
 from kvtransport.daemons.daemon import DaemonShell
 from kvtransport.daemons.udp import DatagramSocket, wall_offset
 from kvtransport.errors import UserError
+from kvtransport.hosts.policy_choice import (
+    FAST_LINK_POLICY,
+    LONG_LINK_HANDOFF_POLICY,
+    default_policy_for,
+)
 from kvtransport.hosts.sender_host import (  # noqa: F401 (HISTORY: re-exported for the tests)
     DEFAULT_BURST_S,
     DEFAULT_MAX_TRANSFERS,
@@ -45,7 +43,8 @@ from kvtransport.hosts.sender_host import (  # noqa: F401 (HISTORY: re-exported 
     SenderHost,
     TransferFinished,
 )
-from kvtransport.hosts.utility_model import SigmoidUtility
+from kvtransport.policies.registry import default_policy, make_policy
+from kvtransport.scheduling.utility_model import SigmoidUtility
 
 log = logging.getLogger("kvtransport.sender-daemon")
 
@@ -170,19 +169,14 @@ def transfer_policy(
     prior_known: bool = False,
 ) -> str:
     """The policy for ``transfer`` when the caller names none
-    (kvtransport.core.policy.default_policy_for): its stream is whole ranges when its app
-    metadata is a block-stream manifest that sends each token range's blocks together
-    (kvtransport.model.blocks.Manifest.whole_ranges); the link's one-way delay is half
+    (kvtransport.hosts.policy_choice.default_policy_for), from the stream's kind as its
+    producer declared it (``Transfer.whole_ranges``); the link's one-way delay is half
     ``initial_rtt_s``, the RTT the sender assumes before feedback; ``rate_bps`` the
     link's rate; ``deadline_s`` the transfer's deadline (None: not known);
     ``prior_known``: the sender starts from a loss prior (SenderHost.has_prior_for)."""
-    from kvtransport.model.blocks import Manifest, ManifestError
-
-    try:
-        whole = Manifest.from_bytes(transfer.app_metadata).whole_ranges
-    except ManifestError:  # opaque bytes or no manifest: not a block stream
-        whole = False
-    return default_policy_for(initial_rtt_s / 2, whole, rate_bps, deadline_s, prior_known)
+    return default_policy_for(
+        initial_rtt_s / 2, transfer.whole_ranges, rate_bps, deadline_s, prior_known
+    )
 
 
 def deadline_from(
@@ -275,7 +269,7 @@ class SenderDaemon(DaemonShell):
         self.policy = policy
         self.table = None
         if utility_table:
-            from kvtransport.hosts.utility_model import UtilityTable
+            from kvtransport.scheduling.utility_model import UtilityTable
 
             self.table = UtilityTable.load(utility_table)
         self.stats_out = stats if stats is not None else StatsWriter(None)
@@ -308,7 +302,7 @@ class SenderDaemon(DaemonShell):
         if "to" not in head:
             raise ApiError("submit needs 'to': the receiver's HOST:PORT")
         dest = parse_address(bounds.text(head["to"], "to", 300), what="receiver")
-        transfer = transfer_from_frames(frames)
+        transfer = transfer_from_frames(frames, whole_ranges=head.get("whole_ranges", False))
         e = self.engine
         h = e.host
         deadline_s = deadline_from(

@@ -4,7 +4,7 @@ and a racer's view of it.
 A receiver daemon run with ``--race-dir DIR`` mirrors every transfer it is receiving into
 a file ``DIR/<transfer id>.kvrace`` (mode 0600; DIR must not be writable by other users,
 for both sides), so that a model process on the same host
-can race it (kvtransport.model.live_race.race_daemon: compute the context's front while
+can race it (kvtransport.embed.live_race.race_daemon: compute the context's front while
 the rest arrives, load token ranges as their blocks complete) instead of waiting for the
 result. The file appears, complete with its header, once the transfer's manifest is
 known; then, after every batch of datagrams, the daemon copies the blocks that completed
@@ -16,7 +16,7 @@ reading its map whatever happens to the file.
 Lifetime and claims: a racer claims its context before it prepares (loads its model,
 measures its speed) and looks: a claim is a file ``DIR/<context digest>.<pid>.<any>.claim``
 (:class:`Claim`; the digest is the SHA-256 of the context's token ids that every blocks
-manifest carries, kvtransport.model.blocks), removed when the racer is done with it. The
+manifest carries, kvtransport.kvformat.blocks), removed when the racer is done with it. The
 daemon keeps the mirror of a finished transfer while a claim on its context is held by a
 live process (at most ``CLAIM_KEEP_S`` after the result), removes it once such a claim,
 seen while the mirror existed, is gone (used), and otherwise removes it ``KEEP_S`` after
@@ -147,7 +147,7 @@ def private_dir(directory: str, what: str) -> Path:
 
 def _context_digest(app_metadata: bytes | None) -> str:
     """The SHA-256 of the token ids whose cache a transfer carries ("" if none)."""
-    from kvtransport.model import blocks
+    from kvtransport.kvformat import blocks
 
     try:
         return blocks.Manifest.from_bytes(bytes(app_metadata or b"")).token_ids_sha256
@@ -157,8 +157,8 @@ def _context_digest(app_metadata: bytes | None) -> str:
 
 def context_digest(token_ids: Any) -> str:
     """The digest a claim names a context by: the SHA-256 of its token ids, as a blocks
-    manifest carries it (kvtransport.model.blocks)."""
-    from kvtransport.model import blocks
+    manifest carries it (kvtransport.kvformat.blocks)."""
+    from kvtransport.kvformat import blocks
 
     return blocks._token_hash(np.asarray(token_ids, dtype=np.int64))
 
@@ -333,7 +333,7 @@ class _SharedManifest:
 @dataclass
 class SharedTransfer:
     """A racer's read-only view of a mirrored transfer, shaped as the receiver session
-    that kvtransport.model.live_race.LiveArrivals reads."""
+    that kvtransport.embed.live_race.LiveArrivals reads."""
 
     path: Path
     transfer_id: str
@@ -386,7 +386,7 @@ def open_shared(path: Path) -> SharedTransfer | None:
 class SharedTransfers:
     """A racer's search of a race directory for the transfer of its context: the newest
     mirror whose blocks manifest is the cache of ``token_ids``
-    (kvtransport.model.blocks.is_cache_of), mapped when first found and kept from then on
+    (kvtransport.kvformat.blocks.is_cache_of), mapped when first found and kept from then on
     (:attr:`found`), even once the daemon removes its file. Call it as the race's session
     source; :meth:`claim` asks the daemon to keep the mirror until released."""
 
@@ -411,7 +411,7 @@ class SharedTransfers:
         return self.found
 
     def _search(self) -> SharedTransfer | None:
-        from kvtransport.model import blocks
+        from kvtransport.kvformat import blocks
 
         try:
             paths = sorted(self.directory.glob(f"*{SUFFIX}"), key=_mtime, reverse=True)

@@ -42,14 +42,15 @@ def _card_key(model_id: str, context_ids: list[int], weights: np.ndarray | None)
 def prepare_card(
     loaded: Any, task: Any, context_ids: list[int], card_dir: Path | None
 ) -> tuple[Any, bool, float]:
-    """The context's block stream (kvtransport.model.blocks.EncodedStream), from the card cache
+    """The context's block stream (kvtransport.kvformat.blocks.EncodedStream), from the card cache
     or from one prefill; returns (stream, cached, prefill seconds).
 
     The manifest's creation info holds no time stamp, so the same context always gives
     the same bytes (the emulated link's repeatability starts here).
     """
     from kvtransport import __version__
-    from kvtransport.model import blocks, card, hf, utility
+    from kvtransport.kvformat import blocks, card
+    from kvtransport.model import encoding, hf, utility
 
     weights = utility.default_layer_weights(loaded.model_id, loaded.num_layers)
     path = None
@@ -69,7 +70,7 @@ def prepare_card(
     t0 = time.perf_counter()
     kv = hf.prefill(loaded.model, loaded.tokenizer, context_ids, window=utility.OBSERVATION_WINDOW)
     prefill_s = time.perf_counter() - t0
-    stream = card.encode_cache(
+    stream = encoding.encode_cache(
         kv,
         layer_weights=weights,
         block_tokens=BLOCK_TOKENS,
@@ -103,7 +104,7 @@ def answer(loaded: Any, kv: Any, present: np.ndarray | None, question_ids: list[
 def rebuild(stream: Any, outcome: LinkOutcome, context_ids: list[int]) -> tuple[Any, np.ndarray]:
     """The receiver's cache and presence mask from what arrived (all masked if the
     manifest never came: the receiver then knows nothing of the context)."""
-    from kvtransport.model.partial import partial_cache
+    from kvtransport.embed.partial import partial_cache
 
     got = partial_cache(outcome, token_ids=context_ids, expected=stream.manifest)
     return got.cache, got.present
@@ -119,7 +120,7 @@ def link_profile(rate_mbps: float | None) -> Any:
 
 REBUILD_BYTES_PER_S = 200e6
 """The receiver's rebuild speed assumed by the plan (dequantizing and placing blocks:
-kvtransport.model.blocks.decode_stream ran at 240-360 MB/s on int8/fp16 blocks on a loaded
+kvtransport.kvformat.blocks.decode_stream ran at 240-360 MB/s on int8/fp16 blocks on a loaded
 2-core machine). A constant, not a measurement per run, so that a fixed compute speed
 gives a fixed plan and deadline."""
 

@@ -1,7 +1,7 @@
 """The demo's netns link: the real ``kvtransport sender-daemon`` and ``receiver-daemon``
 in the two network namespaces of the netem testbed (kvtransport.netem.testbed: kernel
 netem, or rate limiting plus the userspace relay where the kernel has no sch_netem), at
-real-time priority, driven through the ZeroMQ client API (kvtransport.daemons.client).
+real-time priority, driven through the ZeroMQ client API (kvtransport.embed.client).
 
 It runs on real clocks and kernel queues and is not repeatable; its relay draws loss fates
 from the seed per packet in arrival order.
@@ -173,7 +173,7 @@ class NetnsLink(Link):
         it: left to itself, the sender daemon would assume the round trip the previous
         transfer to that receiver measured, and one taken while the receiver compiled its
         kernels leaves a short deadline no time to send."""
-        from kvtransport.daemons.client import ReceiverClient, ResultSubscriber, SenderClient
+        from kvtransport.embed.client import ReceiverClient, ResultSubscriber, SenderClient
 
         self._wait_for("receiver", ReceiverClient)
         self._wait_for("sender", SenderClient)

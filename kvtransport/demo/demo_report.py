@@ -25,7 +25,7 @@ SCHEMES: tuple[tuple[str, str], ...] = (
     ("adaptive", "adaptive"),
     ("DDQN", "ddqn"),
 )
-"""(label, kvtransport.core.policy spec) of the schemes in the table, in table order."""
+"""(label, kvtransport.policies.registry spec) of the schemes in the table, in table order."""
 
 DEFAULT_TOKENS = 512
 QUICK_TOKENS = 128

@@ -4,11 +4,11 @@ What :func:`run_demo` (``kvtransport demo``) does:
 
 1. The real model (kvtransport.model.loader; SmolLM2-135M-Instruct by default) prefills the
    context of a seeded task (kvtransport.model.tasks: invented facts by default) once. The
-   cache becomes a cache card (kvtransport.model.card: blocks in utility order), kept in
+   cache becomes a cache card (kvtransport.kvformat.card: blocks in utility order), kept in
    ``$KVT_CACHE/demo`` so that the next run with the same task skips this prefill.
 2. A sender and a receiver start once, in processes of their own, and the card crosses
    between them once per scheme: no FEC, block Reed-Solomon, fixed-rate RLC, the adaptive
-   heuristic and the shipped Double-DQN policy (kvtransport.core.policy names ``none``,
+   heuristic and the shipped Double-DQN policy (kvtransport.policies.registry names ``none``,
    ``block-rs:4/32``, ``fixed:4/32``, ``adaptive``, ``ddqn``). The deadline is rho times
    the loss-free send time; the link is the ``ge-heavy`` profile (100 Mbit/s, 5 ms,
    Gilbert-Elliott bursts, about 12 % loss) in both directions. Two links:
@@ -16,7 +16,7 @@ What :func:`run_demo` (``kvtransport demo``) does:
    - ``netns`` (root): the real ``kvtransport sender-daemon`` and ``receiver-daemon`` in
      the two network namespaces of the testbed (kvtransport.netem.testbed: kernel netem,
      or rate limiting plus the userspace relay where the kernel has no sch_netem), at
-     real-time priority, driven through the ZeroMQ client API (kvtransport.daemons.client).
+     real-time priority, driven through the ZeroMQ client API (kvtransport.embed.client).
    - ``emulated`` (any user, and the fallback when not root): the sender and receiver
      sessions (kvtransport.core.sender and .receiver, inside the daemons) in two processes, joined
      by the userspace channel of the same profile (kvtransport.netem.Channel: the loss
@@ -245,7 +245,7 @@ def run_demo(cfg: DemoConfig, loaded: Any = None) -> DemoReport:
 def _scheme_rows(labels: tuple[str, ...] | None = None) -> list[SchemeResult]:
     """One row per scheme; a policy that cannot be made here (no shipped DDQN weights, say)
     keeps its row with the reason instead of stopping the demo."""
-    from kvtransport.core.policy import make_policy
+    from kvtransport.policies.registry import make_policy
 
     rows = [
         SchemeResult(label, spec) for label, spec in SCHEMES if labels is None or label in labels
@@ -280,7 +280,7 @@ class _Prepared(_Measured):
 
     budget_s: float  # the TTFT budget
     plan: Any  # kvtransport.model.plan.HandoffPlan
-    planned: Any  # the stream the plan sends (kvtransport.model.blocks.EncodedStream)
+    planned: Any  # the stream the plan sends (kvtransport.kvformat.blocks.EncodedStream)
     transfer: Any
     send_time_s: float  # the planned stream's loss-free time at the link rate
     deadline_s: float  # the transport's deadline (from the transfer's start)
@@ -340,7 +340,6 @@ def _plan(
     """The plan for the TTFT budget over a link whose round trip is ``rtt_s`` (None: the
     profile's), and the transfer it sends."""
     from kvtransport.core.protocol import DEFAULT_SYMBOL_SIZE
-    from kvtransport.core.transfer import Transfer
     from kvtransport.core.wire import full_send_time
 
     t = time.perf_counter()
@@ -356,7 +355,7 @@ def _plan(
                                              cfg.objective, cfg.order, hedge=cfg.hedge,
                                              answer_s=answer_s,
                                              one_way_s=one_way_s)  # fmt: skip
-    transfer = Transfer.from_encoded_stream(planned)
+    transfer = planned.to_transfer()
     # both links seal every datagram (a per-run key): a 16-byte tag each
     send_time = full_send_time(transfer.nbytes, profile.rate_bps, DEFAULT_SYMBOL_SIZE, True)
     timings["plan"] = time.perf_counter() - t
@@ -461,7 +460,7 @@ def _answer_all(
     prefix computed, the rest loaded as it arrived or recomputed); fills the rows,
     returns the baselines."""
 
-    from kvtransport.model import blocks
+    from kvtransport.kvformat import blocks
 
     lm, qs, n_new = prep.loaded, prep.probe_ids, cfg.max_new_tokens
     with ui.bar(len(qs) * (4 + len(outcomes)), "answering", unit="answer") as bar:
@@ -643,10 +642,10 @@ def race_ttft_once(prep: _Prepared, out: LinkOutcome) -> float:
 def _race(prep: _Prepared, out: LinkOutcome) -> tuple[Any, float]:
     """The receiver's race (kvtransport.model.race.RaceResult) over one transfer's outcome, and
     the seconds it took to read the received manifest before it. The received blocks are
-    checked and decoded range by range as the race loads them (kvtransport.model.blocks.
+    checked and decoded range by range as the race loads them (kvtransport.kvformat.blocks.
     RangeDecoder), on the race's clock, as a live receiver does. The race ends with the
     first question's first token (:attr:`kvtransport.model.race.RaceResult.answer_s`)."""
-    from kvtransport.model import blocks
+    from kvtransport.kvformat import blocks
     from kvtransport.model.race import (
         LinkView,
         Received,
@@ -769,7 +768,7 @@ def _report(
 
 
 def _plan_dict(prep: _Prepared, objective: str) -> dict[str, Any]:
-    from kvtransport.model.blocks import PRECISIONS
+    from kvtransport.kvformat.blocks import PRECISIONS
 
     p = prep.plan
     codes, counts = np.unique(p.precision[p.precision >= 0], return_counts=True)
@@ -812,7 +811,7 @@ def _check_config(cfg: DemoConfig) -> None:
         raise UserError(f"--order must be one of {', '.join(ORDERS)}, not {cfg.order!r}")
     if not 0 <= cfg.hedge <= 1:
         raise UserError(f"--hedge must be in [0, 1], not {cfg.hedge:g}")
-    from kvtransport.model.blocks import PRECISIONS
+    from kvtransport.kvformat.blocks import PRECISIONS
 
     if not cfg.precision or any(p not in PRECISIONS for p in cfg.precision):
         raise UserError(

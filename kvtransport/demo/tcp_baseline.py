@@ -418,15 +418,15 @@ def _cmd_send(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvtransport.cli import _ArgumentParser
+    from kvtransport.bounds import OneLineArgumentParser
     from kvtransport.daemons.udp import REALTIME_HELP
 
-    p = _ArgumentParser(
+    p = OneLineArgumentParser(
         prog="python -m kvtransport.demo.tcp_baseline",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sub = p.add_subparsers(dest="mode", required=True, parser_class=_ArgumentParser)
+    sub = p.add_subparsers(dest="mode", required=True, parser_class=OneLineArgumentParser)
     r = sub.add_parser("recv", help="receive one stream until complete or the deadline")
     r.add_argument("listen", metavar="HOST:PORT", help="address to listen on")
     r.add_argument(

@@ -111,7 +111,7 @@ def run_receive(
     ``stop`` (a transfer in progress then delivers what it holds). ``replay``: a
     :class:`~kvtransport.core.replay.ReplayRecord` (a replayed transfer is refused and the wait
     goes on). ``on_engine``: called with the engine before it serves (a live reader of its
-    host's sessions, kvtransport.model.live_race). Returns
+    host's sessions, kvtransport.embed.live_race). Returns
     ``(incoming, engine)``: the :class:`~kvtransport.daemons.daemon_receiver.Incoming` (None when
     no transfer arrived) and the engine, whose counters say what was dropped.
     """
@@ -170,7 +170,7 @@ def handoff_plan(
     question_tokens: int | None = None,
 ) -> tuple | None:
     """What :func:`as_transfer` plans a cache with (its ``plan``) for :func:`send`'s
-    options (and a sender daemon submit's, kvtransport.daemons.client): None without a
+    options (and a sender daemon submit's, kvtransport.embed.client): None without a
     deadline or with ``precision`` "keep"; UserError for bad levels, loss estimate or
     question length."""
     if deadline_ms is None or precision == "keep":
@@ -194,7 +194,7 @@ def handoff_plan(
 
 def as_transfer(what: Any, plan: Any = None) -> Transfer:
     """A :class:`Transfer` from a transfer, a cache card (path or CacheCard), a block
-    stream (kvtransport.model.blocks.EncodedStream) or a KVCache (encoded with the card
+    stream (kvtransport.kvformat.blocks.EncodedStream) or a KVCache (encoded with the card
     defaults: utility order, utilities from its attention statistics or the prior).
 
     plan: None, or ``(link, budget_s, levels[, speed[, question_tokens]])`` to send a
@@ -204,8 +204,9 @@ def as_transfer(what: Any, plan: Any = None) -> Transfer:
     while the stream's last ranges arrive layer by layer, None: no such tail); a
     :class:`Transfer` is opaque bytes and is sent as it is.
     """
-    from kvtransport.model import blocks, card
-    from kvtransport.model.kvcache import KVCache
+    from kvtransport.kvformat import blocks, card
+    from kvtransport.kvformat.kvcache import KVCache
+    from kvtransport.model import encoding
 
     if isinstance(what, Transfer):
         return what
@@ -215,11 +216,11 @@ def as_transfer(what: Any, plan: Any = None) -> Transfer:
         m = what.manifest
         what = blocks.EncodedStream(m, m.to_bytes(), what.payload)
     elif isinstance(what, KVCache):
-        what = card.encode_cache(what)
+        what = encoding.encode_cache(what)
     if not isinstance(what, blocks.EncodedStream):
         raise UserError(
             f"cannot send a {type(what).__name__}: give a cache card (path), a KVCache, "
-            "a kvtransport.model.blocks.EncodedStream or a kvtransport.core.transfer.Transfer"
+            "a kvtransport.kvformat.blocks.EncodedStream or a kvtransport.core.transfer.Transfer"
         )
     if plan is not None:
         from kvtransport.model.plan import planned_stream
@@ -239,7 +240,7 @@ def as_transfer(what: Any, plan: Any = None) -> Transfer:
                                      objective=objective)  # fmt: skip
         except ValueError as exc:
             raise UserError(f"cannot plan this cache: {exc}") from None
-    return Transfer.from_encoded_stream(what)
+    return what.to_transfer()
 
 
 def _address(to: str | tuple[str, int], what: str) -> tuple[str, int]:
@@ -329,9 +330,9 @@ def send(
     (``state`` "not sent", ``finish_reason`` :data:`NOT_SENT`, ``reason`` the sender's
     one line, nothing delivered); a racing receiver then computes the whole cache itself.
     """
-    from kvtransport.core.policy import make_policy
     from kvtransport.daemons.daemon_sender import deadline_from, transfer_policy
     from kvtransport.hosts.sender_host import NoTimeToSend
+    from kvtransport.policies.registry import make_policy
 
     raw_key = api_key(key, insecure)
     dest = _address(to, "receiver")
@@ -476,7 +477,7 @@ class Receiver:
         comes; with nothing arriving it computes everything (about one prefill). Call it when
         the handoff is announced: the race clock starts then. ``token_ids``: the context the
         cache is of (a transfer of another context or model is not loaded). Options
-        (kvtransport.model.live_race.live_race): ``speed`` (the model's
+        (kvtransport.embed.live_race.live_race): ``speed`` (the model's
         :class:`~kvtransport.model.cache_builder.ComputeSpeed`; None measures it once per model),
         ``rate_mbps`` (the link rate the sender was given), ``split`` (tokens to compute
         first, before the link is looked at: the plan's ``first_call`` when the receiver
@@ -486,7 +487,7 @@ class Receiver:
         token, run through the model while the stream's layer-by-layer tail arrives: its
         ``first_token`` and ``answer_s``). The transfer goes on
         receiving; :meth:`result` still gives it."""
-        from kvtransport.model.live_race import adopted_session, live_race
+        from kvtransport.embed.live_race import adopted_session, live_race
 
         return live_race(lambda: adopted_session(self._engine), model, token_ids, **kwargs)
 

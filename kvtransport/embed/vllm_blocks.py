@@ -14,7 +14,7 @@ This module is numpy and the embeddable API only:
 - :func:`gather` / :func:`scatter`: a request's tokens between per-layer paged arrays
   (logical K and V views ``[num_blocks, kv_heads, block_size, head_dim]``, strided as the
   engine stores them: kvtransport.embed.vllm_connector.paged_views) and a
-  :class:`~kvtransport.model.kvcache.KVCache`;
+  :class:`~kvtransport.kvformat.kvcache.KVCache`;
 - :func:`encode_request`: the cache as a prefix-ordered, lossless block stream whose
   manifest names the request (``created["request"]``);
 - :func:`load_plan`: from a received result, the usable prefix and the vLLM block ids
@@ -37,8 +37,8 @@ import numpy as np
 
 from kvtransport.daemons.api import DeliveredResult
 from kvtransport.errors import UserError
-from kvtransport.model import blocks
-from kvtransport.model.kvcache import KVCache
+from kvtransport.kvformat import blocks
+from kvtransport.kvformat.kvcache import KVCache
 from kvtransport.model.utility import stream_order
 
 REQUEST_TAG = "request"
@@ -203,7 +203,7 @@ def load_plan(
         raise ValueError(f"a load must start on a block boundary, not at token {start}")
     if result is None:
         return failed(start, "nothing arrived")
-    from kvtransport.model.partial import partial_cache
+    from kvtransport.embed.partial import partial_cache
 
     try:
         got = partial_cache(result)
@@ -244,9 +244,9 @@ class Pusher:
     """
 
     def __init__(self, max_parallel: int = 2, on_done: Any = None, **send_options: Any) -> None:
-        from kvtransport.core.policy import default_policy_for
         from kvtransport.core.protocol import DEFAULT_INITIAL_RTT
         from kvtransport.embed.inprocess import api_key, warm_kernels
+        from kvtransport.hosts.policy_choice import default_policy_for
 
         # Load (or compile) the sender's kernels now: done by the first push instead, it
         # took seconds on a busy host and the consumer gave up waiting for that transfer.

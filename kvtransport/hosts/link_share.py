@@ -5,7 +5,7 @@ endpoint's host (kvtransport.hosts.sender_host.SenderHost), which the sender dae
 multi-user simulator (kvtransport.sim.multisim) both run: what one shows of link sharing is
 what the other does.
 
-:class:`LinkShare` holds an :class:`~kvtransport.hosts.allocator.OnlineScheduler` and the
+:class:`LinkShare` holds an :class:`~kvtransport.scheduling.allocator.OnlineScheduler` and the
 sender sessions on the link (:class:`Member`). :meth:`LinkShare.step` is called at each
 slot boundary it returns and whenever a transfer joins or leaves; it tells the scheduler,
 per transfer, what a sender can know:
@@ -50,7 +50,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvtransport.core.policy import Adaptive
 from kvtransport.core.protocol import (
     DEFAULT_FEEDBACK_INTERVAL,
     DEFAULT_SYMBOL_SIZE,
@@ -58,7 +57,8 @@ from kvtransport.core.protocol import (
 )
 from kvtransport.core.sender import SenderSession
 from kvtransport.core.wire import link_bytes
-from kvtransport.hosts.allocator import (
+from kvtransport.policies.heuristics import Adaptive
+from kvtransport.scheduling.allocator import (
     OnlineScheduler,
     ScheduledTransfer,
     SlotDecision,
@@ -66,7 +66,7 @@ from kvtransport.hosts.allocator import (
     UtilityWaterFilling,
     repair_guard_s,
 )
-from kvtransport.hosts.utility_model import SigmoidUtility
+from kvtransport.scheduling.utility_model import SigmoidUtility
 
 MIN_PRIOR_LOSS = 0.002
 MAX_PRIOR_LOSS = 0.9
@@ -113,7 +113,7 @@ class Member:
 class LinkShare:
     """Members of one link and the allocator that shares it (module docstring).
 
-    rate_bps: the link's wire rate; slot_policy: how it is shared (kvtransport.hosts.allocator;
+    rate_bps: the link's wire rate; slot_policy: how it is shared (kvtransport.scheduling.allocator;
     None: utility water-filling whose guard is derived from this link, see below);
     one_way_s: the link's one-way delay (change it with :meth:`set_one_way`); tagged:
     datagrams carry an authentication tag; capacity_Bps: feed the allocator this fixed

@@ -75,16 +75,17 @@ import numpy as np
 from kvtransport import bounds
 from kvtransport.bounds import MAX_DEADLINE_S, MIN_DEADLINE_S
 from kvtransport.core.feedback import refusal_text
-from kvtransport.core.policy import Policy, make_policy
+from kvtransport.core.policy_base import Policy
 from kvtransport.core.protocol import STANDARD, ProtocolConfig
 from kvtransport.core.sender import SenderSession
 from kvtransport.core.transfer import Transfer
 from kvtransport.core.wire import HEADER_SIZE, link_bytes
 from kvtransport.errors import UserError
-from kvtransport.hosts.allocator import SlotPolicy
 from kvtransport.hosts.link_share import LinkShare, Member
 from kvtransport.hosts.queue_guard import QueueGuard
-from kvtransport.hosts.utility_model import SigmoidUtility
+from kvtransport.policies.registry import make_policy
+from kvtransport.scheduling.allocator import SlotPolicy
+from kvtransport.scheduling.utility_model import SigmoidUtility
 
 DEFAULT_BURST_S = 200e-6
 DEFAULT_SLOT_S = 0.01
@@ -337,7 +338,7 @@ class SenderHost:
     """Sender sessions of one endpoint on one shared link (see the module docstring).
 
     rate_bps: the link rate shared by all transfers; key: the datagrams' authentication
-    key; slot_policy: how the link is shared (kvtransport.hosts.allocator; None: utility
+    key; slot_policy: how the link is shared (kvtransport.scheduling.allocator; None: utility
     water-filling with its guard derived from the link's one-way delay, see
     kvtransport.hosts.link_share.LinkShare); one_way_s: the link's one-way delay for the
     allocator's last useful send time (None: half the shortest measured round trip);

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtransport.model.kvcache import KVCache
+from kvtransport.kvformat.kvcache import KVCache
 
 PAIR_CHUNK = 64
 """Tokens of the chunk that measures :attr:`ComputeSpeed.per_pair_s` (the demo's
@@ -88,7 +88,7 @@ class ComputeSpeed:
 
         Cost: ``repeats`` computes of the large prefix and three short calls each (about
         three times one call of the large prefix alone); the live race measures once per
-        model and keeps it (kvtransport.model.live_race). Fewer than 2 context tokens
+        model and keeps it (kvtransport.embed.live_race). Fewer than 2 context tokens
         raise ValueError.
         """
         small, large = sizes

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvtransport.model.kvcache import KVCache
+from kvtransport.kvformat.kvcache import KVCache
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch

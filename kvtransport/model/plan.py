@@ -41,7 +41,7 @@ the receiver's measured compute speed (kvtransport.model.cache_builder.ComputeSp
 
 Two objectives (``objective``), both over the expected answer fidelity: the
 utility-weighted share of the cache that the receiver holds exactly (computed) or at a
-precision's fidelity (kvtransport.model.blocks.DEFAULT_FIDELITY):
+precision's fidelity (kvtransport.kvformat.blocks.DEFAULT_FIDELITY):
 
 - ``fidelity`` spends the budget: the highest fidelity with everything in place by the
   budget, among equal plans the one that finishes first;
@@ -65,7 +65,7 @@ from functools import cached_property
 import numpy as np
 
 from kvtransport.core.wire import full_send_time
-from kvtransport.model.blocks import (
+from kvtransport.kvformat.blocks import (
     DEFAULT_FIDELITY,
     PRECISIONS,
     EncodedStream,
@@ -80,7 +80,7 @@ from kvtransport.model.utility import range_rank, stream_order
 DEFAULT_LEVELS = ("fp16", "int8", "int4")
 DEFAULT_MIN_FIDELITY = 0.999
 """The expected fidelity every plan keeps (when its levels can reach it). With the
-calibrated per-precision fidelities (kvtransport.model.blocks.DEFAULT_FIDELITY: int8
+calibrated per-precision fidelities (kvtransport.kvformat.blocks.DEFAULT_FIDELITY: int8
 0.999, int4 0.988) the least useful sent blocks go as int4 and the rest at int8 or better.
 The int4 share this gives, and what lower floors cost in answers, are measured in
 docs/results.md (section 0)."""
@@ -137,7 +137,7 @@ class LinkEstimate:
 class HandoffPlan:
     """A plan (see the module docstring).
 
-    precision: codes ``[layers, token_blocks]`` (index into kvtransport.model.blocks.PRECISIONS;
+    precision: codes ``[layers, token_blocks]`` (index into kvtransport.kvformat.blocks.PRECISIONS;
         -1 for the receiver's prefix, except its hedge). expect_at: per token range, the
         planned arrival in seconds from the start (inf for the prefix, except its hedge,
         due after every planned range). fidelity: the objective's value (the prefix counted
@@ -316,7 +316,7 @@ class _Task:
 
     @cached_property
     def codes(self) -> np.ndarray:
-        """Per level, its code (index into kvtransport.model.blocks.PRECISIONS)."""
+        """Per level, its code (index into kvtransport.kvformat.blocks.PRECISIONS)."""
         return np.array([PRECISIONS.index(p) for p in self.levels])
 
     @cached_property

@@ -51,7 +51,7 @@ arrival (or to the end of the wait). The decisions only use arrivals up
 to the race clock, so they are the ones a live receiver would take; what the replay leaves
 out is any CPU contention between the receiving daemon (and the decoding thread) and the
 model (on a receiver host they run on different cores). The live race
-(kvtransport.model.live_race) runs the same loop on the wall clock while the in-process
+(kvtransport.embed.live_race) runs the same loop on the wall clock while the in-process
 receiver receives.
 """
 
@@ -65,9 +65,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kvtransport.model.blocks import RangeDecoder
+from kvtransport.kvformat.blocks import RangeDecoder
+from kvtransport.kvformat.kvcache import KVCache
 from kvtransport.model.cache_builder import CacheBuilder, ComputeSpeed
-from kvtransport.model.kvcache import KVCache
 from kvtransport.model.utility import range_rank
 
 DEFAULT_MAX_CHUNK = 128
@@ -78,7 +78,7 @@ POLL_S = 0.002
 def range_ready_at(manifest: Any, arrival_s: np.ndarray | None) -> np.ndarray:
     """Per token range: when its last layer's block was complete (inf: some never was).
 
-    manifest: the blocks manifest (kvtransport.model.blocks.Manifest) of the stream; arrival_s:
+    manifest: the blocks manifest (kvtransport.kvformat.blocks.Manifest) of the stream; arrival_s:
     per block in stream order, seconds from the transfer's start (inf: never). A range
     with a layer not in the stream (the receiver's own prefix) is never ready.
     """
@@ -152,7 +152,7 @@ class RaceResult:
     computed / loaded: tokens computed by the receiver / loaded from the link.
     first_token / answer_s: with a question, its first answer token and the race clock
     when it was out (the time to first token); None without one.
-    transfer / refused (a live race, kvtransport.model.live_race): the id of the transfer
+    transfer / refused (a live race, kvtransport.embed.live_race): the id of the transfer
     the race found ("" when its session has none; None: no transfer came), and why it was
     not loaded ("" when it was, or none came).
     """
@@ -312,7 +312,7 @@ class ReplayArrivals:
     wait during work (the layer-by-layer answer, :func:`race`).
 
     With a received stream to decode, the live receiver's decoding thread (on the
-    receiver's other core: kvtransport.model.live_race) is modelled as a queue: each range
+    receiver's other core: kvtransport.embed.live_race) is modelled as a queue: each range
     (but those of the link's layer-major tail, which the answer decodes a layer at a time
     as it loads them) is checked and decoded once complete, in arrival order, one after the
     other, each taking its measured wall time (decoded here, up front). Loading a range
@@ -478,7 +478,7 @@ def race(
     question_ids: Sequence[int] | None = None,
 ) -> RaceResult:
     """The race's decision loop (see the module docstring) against ``src``: the replay
-    (:func:`run_race`) and the live receiver (kvtransport.model.live_race) both run it.
+    (:func:`run_race`) and the live receiver (kvtransport.embed.live_race) both run it.
 
     split: tokens computed first in one call (a token range boundary); speed: the
     receiver's compute speed, which sizes waits against computes; builder: what builds the
@@ -677,7 +677,7 @@ def complete_missing(
     """The whole cache from a partial one after the fact (nothing more will arrive):
     every token range present in all layers is loaded, every other one recomputed exactly.
 
-    present: ``[layers, tokens]`` as kvtransport.model.blocks.Reassembled gives it.
+    present: ``[layers, tokens]`` as kvtransport.kvformat.blocks.Reassembled gives it.
     """
     n = len(token_ids)
     if present.shape != (received.num_layers, n):

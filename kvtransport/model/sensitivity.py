@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from kvtransport.errors import UserError
-from kvtransport.model.kvcache import KVCache
+from kvtransport.kvformat.kvcache import KVCache
 
 FORMAT = "kvtransport-sensitivity/1"
 DEFAULT_NOISE_SCALE = 1.0

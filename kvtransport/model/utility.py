@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvtransport.model.kvcache import KVCache
+from kvtransport.kvformat.kvcache import KVCache
 from kvtransport.model.sensitivity import DEFAULT_RATIO as LAYER_RATIO
 
 SINK_TOKENS = 4

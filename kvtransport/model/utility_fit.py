@@ -1,11 +1,11 @@
 """Fitting and measuring utility curves offline (what `kvtransport fit-utility` runs).
 
-``fit_sigmoid`` fits kvtransport.hosts.utility_model.SigmoidUtility to measured points with
+``fit_sigmoid`` fits kvtransport.scheduling.utility_model.SigmoidUtility to measured points with
 scipy (multi-start, bounded least squares, R^2; the floored 4-parameter variant only when
 AICc asks for it by more than FLOOR_AICC_MARGIN). ``measure_curves`` measures answer
 quality with the real model: task prompts answered with only the first x of each cache
 present, in utility order. The results go into the curve table
-(kvtransport.hosts.utility_model.UtilityTable) that the sender daemon reads; nothing here runs
+(kvtransport.scheduling.utility_model.UtilityTable) that the sender daemon reads; nothing here runs
 in a daemon. scipy and the model side are imported inside the functions.
 """
 
@@ -19,7 +19,7 @@ from typing import Any, Literal
 import numpy as np
 
 from kvtransport.errors import UserError
-from kvtransport.hosts.utility_model import (
+from kvtransport.scheduling.utility_model import (
     MEASURES,
     MeasuredCurve,
     SigmoidUtility,

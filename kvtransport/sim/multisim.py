@@ -20,8 +20,8 @@ the manifest's deadline counted from there; a transfer leaves the link when its 
 session is done. The host is told the link's one-way delay (the profile's) instead of
 estimating it from the round trips, and releases datagrams on their slots (no burst lead).
 
-A handover's accuracy is its fitted sigmoid (kvtransport.hosts.utility_model) at the fraction of
-its cache delivered *in utility order* when its receiver finished: the bytes of the
+A handover's accuracy is its fitted sigmoid (kvtransport.scheduling.utility_model) at the
+fraction of its cache delivered *in utility order* when its receiver finished: the bytes of the
 longest prefix of the stream whose blocks are all complete at the receiver, over the size.
 
 Event loop: the hosts are endpoints of one kvtransport.sim.virtual_clock.VirtualClockLoop (the
@@ -44,15 +44,15 @@ from typing import Any
 
 import numpy as np
 
-from kvtransport.core.policy import make_policy
 from kvtransport.core.protocol import STANDARD, ProtocolConfig
 from kvtransport.core.transfer import BlockTable, Transfer, utility_profile
-from kvtransport.hosts.allocator import SlotPolicy
 from kvtransport.hosts.link_share import LinkShare, payload_efficiency
 from kvtransport.hosts.receiver_host import DEFAULT_MAX_BYTES, Incoming, ReceiverHost, ResultReady
 from kvtransport.hosts.sender_host import SenderHost
-from kvtransport.hosts.utility_model import SigmoidUtility
 from kvtransport.netem import Channel, Profile, load_profile, make_channel
+from kvtransport.policies.registry import make_policy
+from kvtransport.scheduling.allocator import SlotPolicy
+from kvtransport.scheduling.utility_model import SigmoidUtility
 from kvtransport.sim.simulator import DEFAULT_BLOCK_BYTES
 from kvtransport.sim.virtual_clock import VirtualClockLoop
 
@@ -170,10 +170,10 @@ SENDER_ADDR = ("sender", 1)
 class MultiSimulation:
     """Handovers over one shared link, their rates set by the sender host's LinkShare.
 
-    handovers: the scenario; slot_policy: how the link is shared (kvtransport.hosts.allocator:
+    handovers: the scenario; slot_policy: how the link is shared (kvtransport.scheduling.allocator:
     UtilityWaterFilling, EqualShare, ProportionalToSize, EarliestDeadlineFirst);
     channel: a netem profile (name or Profile) for both directions, rate overridden by
-    rate_mbps; repair_policy: each session's FEC policy (kvtransport.core.policy names);
+    rate_mbps; repair_policy: each session's FEC policy (kvtransport.policies.registry names);
     capacity_Bps: feed the scheduler this fixed payload capacity instead of estimating
     it from the link rate and the reported loss. ``trace``: a list to which the loop
     appends every call it makes into a host and what came out (kvtransport.sim.virtual_clock:

@@ -9,7 +9,7 @@ planner plays a search set of repair plans on that one realization and keeps the
 - the **causal** policies (tail rule alone, the adaptive heuristic at margins z = 1, 2, 3,
   ARQ, fixed 4/32 RLC): whatever any of them achieves on this realization is reachable,
   so the planner never loses to them;
-- **clairvoyant** plans: the oracle (kvtransport.core.policy.Oracle) reads the data channel's
+- **clairvoyant** plans: the oracle (kvtransport.sim.oracle.Oracle) reads the data channel's
   loss fate of every slot left and of every datagram in flight, and repairs exactly what
   will be lost; its ``margin`` (surviving intervals kept before admission stops: 0, 1, 2,
   4), the session's tail rule on or off, and proactive cover of the exact losses
@@ -29,7 +29,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from kvtransport.core.policy import Adaptive, Oracle, Policy, make_policy
+from kvtransport.core.policy_base import Policy
+from kvtransport.policies.heuristics import Adaptive
+from kvtransport.sim.oracle import Oracle, make_sim_policy
 from kvtransport.sim.simulator import Simulation
 
 CAUSAL_SEARCH = ("tail-rule", "adaptive", "adaptive:z=1", "adaptive:z=3", "arq", "fixed:4/32")
@@ -52,7 +54,7 @@ def candidate(name: str) -> Policy:
         if arg and not arg.startswith("m="):
             raise ValueError(f"unknown planner candidate {name!r}")
         return Oracle(margin, tail_rule=head == "oracle+tail", proactive=head == "oracle+pro")
-    return make_policy(name)
+    return make_sim_policy(name)
 
 
 @dataclass(frozen=True)

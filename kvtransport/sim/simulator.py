@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtransport.core.policy import Policy, make_policy
+from kvtransport.core.policy_base import Policy
 from kvtransport.core.protocol import STANDARD, ProtocolConfig
 from kvtransport.core.receiver import ReceiverSession
 from kvtransport.core.sender import SenderSession
@@ -44,6 +44,7 @@ from kvtransport.core.wire import full_send_time, link_bytes
 from kvtransport.hosts.receiver_host import DEFAULT_MAX_BYTES, Incoming, ReceiverHost
 from kvtransport.hosts.sender_host import alone_on_link
 from kvtransport.netem import Channel, Profile, load_profile, make_channel
+from kvtransport.sim.oracle import make_sim_policy
 from kvtransport.sim.virtual_clock import Channel as LinkDirection
 from kvtransport.sim.virtual_clock import VirtualClockLoop
 
@@ -461,7 +462,7 @@ def make_simulation(
         transfer = synthetic_transfer(
             size_bytes, blocks, utility_profile, seed=int(payload_seed.generate_state(1)[0])
         )
-    pol = make_policy(policy) if isinstance(policy, str) else policy
+    pol = make_sim_policy(policy) if isinstance(policy, str) else policy
     data_ch = make_channel(prof, data_seed, overhead_bytes=overhead)
     if feedback_channel is None or isinstance(feedback_channel, (str, Profile)):
         fb_prof = prof if feedback_channel is None else load_profile(feedback_channel)

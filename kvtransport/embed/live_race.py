@@ -39,7 +39,7 @@ at most ``hello_ms``, then it is silent as above) instead of computing ahead. A 
 another context, model or token range size is not loaded: the race computes everything.
 
 A token range's blocks are checked (CRC-32) and decoded into one preallocated cache
-(kvtransport.model.blocks.RangeDecoder), each block once, by a decoding thread as soon as
+(kvtransport.kvformat.blocks.RangeDecoder), each block once, by a decoding thread as soon as
 the range is complete, so that while the model computes on one core the ranges arriving
 are decoded on the other and loading them is a copy (the race decodes what the thread has
 not reached yet itself). The receiving
@@ -60,7 +60,7 @@ import numpy as np
 
 from kvtransport.core.wire import full_send_time
 from kvtransport.daemons.udp import clock
-from kvtransport.model import blocks
+from kvtransport.kvformat import blocks
 from kvtransport.model.cache_builder import ComputeSpeed
 from kvtransport.model.race import (
     DEFAULT_HOLE_WAIT_S,

@@ -4,7 +4,7 @@ A card holds exactly what the transport would ship, so one code path serves both
 
 - tensor ``stream`` (uint8): the block stream, every block's bytes back to back in
   stream (utility) order, each block fp32/fp16 or int8/int4 with its scales and zero
-  points (layout: kvtransport.model.blocks). One tensor rather than thousands keeps the
+  points (layout: kvtransport.kvformat.blocks). One tensor rather than thousands keeps the
   safetensors header small and the load a single zero-copy read;
 - metadata ``kvtransport.card``: JSON with the format version, the creation info and the
   manifest in readable form (model, dtype, geometry, block size, quantization groups, and
@@ -31,13 +31,12 @@ import numpy as np
 
 from kvtransport.atomic import atomic_write
 from kvtransport.errors import UserError
-from kvtransport.model import blocks, utility
-from kvtransport.model.kvcache import KVCache
+from kvtransport.kvformat import blocks
 
 CARD_FORMAT = "kvtransport-card"
 CARD_VERSIONS = blocks.MANIFEST_VERSIONS
 """The card versions this module reads. A card is written with its manifest's version
-(kvtransport.model.blocks.Manifest.version): the lowest whose readers size every block
+(kvtransport.kvformat.blocks.Manifest.version): the lowest whose readers size every block
 right, so older readers take what they can read."""
 METADATA_KEY = "kvtransport.card"
 TENSOR_NAME = "stream"
@@ -69,68 +68,6 @@ class CacheCard:
                 f"{'...' if out.corrupted.size > 5 else ''}): checksum mismatch"
             )
         return out
-
-
-def encode_cache(
-    cache: KVCache,
-    *,
-    utilities: np.ndarray | None = None,
-    layer_weights: np.ndarray | None = None,
-    block_tokens: int = blocks.DEFAULT_BLOCK_TOKENS,
-    precision: str | None = None,
-    order: str = "utility",
-    seed: int = 0,
-    window: int | None = utility.OBSERVATION_WINDOW,
-    created: dict[str, Any] | None = None,
-) -> blocks.EncodedStream:
-    """Cache -> block stream: utilities (from attention or given), order, precision.
-
-    utilities: ``[layers, token_blocks]``; default: :func:`kvtransport.model.utility.cache_utility`
-        with ``layer_weights`` and the observation ``window`` the attention came from.
-    precision: None (the cache's own dtype, lossless), a precision name, or ``mixed:BYTES``.
-    """
-    g = blocks.Geometry.of(cache, block_tokens)
-    if utilities is None:
-        utilities = utility.cache_utility(cache, block_tokens, layer_weights, window=window)
-    spec = precision or ("fp32" if g.dtype == "float32" else "fp16")
-    codes = blocks.plan_precision(g, utilities, spec)
-    order_idx = utility.stream_order(utilities, block_tokens, order, seed=seed)
-    return blocks.encode_stream(
-        cache, utilities, order_idx, codes, block_tokens=block_tokens, created=created
-    )
-
-
-def degrade(
-    cache: KVCache,
-    utilities: np.ndarray,
-    *,
-    drop: float = 0.0,
-    order: str = "utility",
-    precision: str | None = None,
-    block_tokens: int = blocks.DEFAULT_BLOCK_TOKENS,
-    seed: int = 0,
-) -> blocks.Reassembled:
-    """What a receiver would hold after the stream lost its last ``drop`` share of blocks.
-
-    The cache goes through the real sender and receiver code (encode at ``precision`` in
-    ``order``, mark the tail of the stream missing, decode), so the result carries the
-    quantization error and the per-layer presence mask exactly as a transfer would.
-    """
-    if not 0.0 <= drop <= 1.0:
-        raise ValueError(f"drop fraction {drop} is not in [0, 1]")
-    stream = encode_cache(
-        cache,
-        utilities=utilities,
-        block_tokens=block_tokens,
-        precision=precision,
-        order=order,
-        seed=seed,
-    )
-    n = stream.manifest.num_blocks
-    complete = np.arange(n) < n - int(round(drop * n))
-    return blocks.decode_stream(
-        stream.manifest, stream.payload, complete, token_ids=cache.token_ids
-    )
 
 
 def creation_info(**extra: Any) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 ::
 
-    from kvtransport.daemons.client import SenderClient, ResultSubscriber
+    from kvtransport.embed.client import SenderClient, ResultSubscriber
 
     with ResultSubscriber() as results, SenderClient() as sender:   # default ipc:// paths
         tid = sender.submit(transfer, to="10.77.0.2:9400", rho=0.8)  # sent as it is
@@ -228,6 +228,8 @@ class SenderClient(_DaemonClient):
                 head[name] = value
         if transfer_id is not None:
             head["transfer_id"] = _tid_text(transfer_id)
+        if transfer.whole_ranges:
+            head["whole_ranges"] = True
         return str(self._req.request(head, transfer_frames(transfer))["transfer_id"])
 
     def cancel(self, transfer_id: int | str) -> bool:

@@ -1,9 +1,9 @@
 """The trained Q-network as plain arrays, evaluated by a numba kernel: the ``ddqn`` policy.
 
 Nothing here imports torch: the daemons' data plane loads the shipped weights file
-(``agents/data/ddqn.npz``) and the sender calls :meth:`DDQNPolicy.decide` once per
+(``kvtransport/policies/data/ddqn.npz``) and the sender calls :meth:`DDQNPolicy.decide` once per
 decision interval. One compiled call builds the observation from the sender's state
-(kvtransport.core.observation), computes its features (kvtransport.agents.features), runs the
+(kvtransport.core.observation), computes its features (kvtransport.policies.features), runs the
 MLP (ReLU hidden layers, float64 accumulation) and returns the arg-max action: the
 sender state, the observation to fill and a tuple of per-layer weight arrays in, an action
 index out.
@@ -32,12 +32,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from kvtransport.agents.features import FEATURES_VERSION, N_FEATURES, features_into
 from numba import njit
 
 from kvtransport.core.observation import BURST_UNIT, OBS_FIELDS, Obs, observe_into
 from kvtransport.core.policy_base import Policy
 from kvtransport.errors import UserError
+from kvtransport.policies.features import FEATURES_VERSION, N_FEATURES, features_into
 
 SHIPPED_WEIGHTS = Path(__file__).with_name("data") / "ddqn.npz"
 SHIPPED_SIDECAR = SHIPPED_WEIGHTS.with_suffix(".json")
@@ -249,7 +249,7 @@ def shipped_trained_bdp_bits() -> float:
     weights were trained on, from the training distribution their sidecar records: the
     top of its rate range times twice the longest one-way delay it drew. ``math.inf``
     where the sidecar is missing or does not say. Beyond it the network meets spans in
-    flight it never saw (kvtransport.core.policy.default_policy_for)."""
+    flight it never saw (kvtransport.hosts.policy_choice.default_policy_for)."""
     dist = shipped_distribution()
     if dist is None:
         return math.inf
@@ -305,7 +305,7 @@ def trained_burst_packets(distribution: dict[str, Any] | None) -> float:
 def shipped_trained_priors() -> bool:
     """Whether the shipped weights trained with loss priors (:func:`trained_priors` of
     their sidecar's distribution). A network trained without them never saw a loss before
-    the first feedback (kvtransport.core.policy.default_policy_for)."""
+    the first feedback (kvtransport.hosts.policy_choice.default_policy_for)."""
     return trained_priors(shipped_distribution())
 
 
@@ -331,7 +331,7 @@ class DDQNPolicy(Policy):
         if weights is None:
             if not shipped_policy_available():
                 raise UserError(
-                    "no trained DDQN policy is installed (agents/data/ddqn.npz); "
+                    "no trained DDQN policy is installed (kvtransport/policies/data/ddqn.npz); "
                     "train one with `kvtransport train`"
                 )
             weights = _shipped()

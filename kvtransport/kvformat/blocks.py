@@ -2,7 +2,7 @@
 
 A *block* is one layer's K and V for one token range of ``block_tokens`` tokens (the last
 range of a layer may be shorter). The sender side (:func:`encode_stream`) turns a
-:class:`~kvtransport.model.kvcache.KVCache`, the blocks' utilities, a stream order and a
+:class:`~kvtransport.kvformat.kvcache.KVCache`, the blocks' utilities, a stream order and a
 precision per block into
 
 - a compact binary **manifest** (sent first by the transport, heavily protected),
@@ -60,7 +60,8 @@ from typing import Any
 import numpy as np
 
 from kvtransport.codecs import quant
-from kvtransport.model.kvcache import KVCache
+from kvtransport.core.transfer import BlockTable, Transfer
+from kvtransport.kvformat.kvcache import KVCache
 
 PRECISIONS = ("fp32", "fp16", "int8", "int4")
 """Precision names; a block's precision code is its index here."""
@@ -548,6 +549,17 @@ class EncodedStream:
         u = self.manifest.utility.astype(np.float64)
         total = u.sum()
         return u / total if total > 1.0 else u
+
+    def to_transfer(self) -> Transfer:
+        """The stream as the transport's transfer: the blocks, their utilities, the
+        manifest as opaque app metadata, and the stream's kind declared for the transport
+        (``whole_ranges``: :attr:`Manifest.whole_ranges`), which never parses the manifest."""
+        return Transfer(
+            payload=self.payload,
+            blocks=BlockTable(self.offsets, self.lengths, self.utilities),
+            app_metadata=self.manifest_bytes,
+            whole_ranges=self.manifest.whole_ranges,
+        )
 
 
 def parse_precision(spec: str) -> tuple[str, int | None]:

@@ -16,7 +16,7 @@ fit-utility``, shipped for the default model as kvtransport/data/<model>-utility
 ``UtilityTable.packaged``). Fitting and measuring with the real model are offline work:
 kvtransport.model.utility_fit. How well the shipped curves fit is in docs/results.md.
 
-The multi-user allocator (kvtransport.hosts.allocator) needs two closed forms from the curve:
+The multi-user allocator (kvtransport.scheduling.allocator) needs two closed forms from the curve:
 the inverse of U' on its concave branch (water-filling) and the tangent from a point
 below the midpoint to the curve (the concave envelope, i.e. the best utility per byte a
 user can get before it is useful). Both live here as the reference implementation; the

@@ -1,6 +1,6 @@
 """The evaluation's references for link sharing: a fluid link and the clairvoyant bound.
 
-``simulate_fluid`` runs any slot policy (kvtransport.hosts.allocator) against a fluid link (no
+``simulate_fluid`` runs any slot policy (kvtransport.scheduling.allocator) against a fluid link (no
 loss, no protocol) to compare policies quickly; ``clairvoyant_bound`` is the offline
 optimum over every arrival known in advance, bracketed by branch and bound over an LP
 relaxation of the concave envelopes. Neither runs in a daemon: they are what the
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvtransport.hosts.allocator import (
+from kvtransport.scheduling.allocator import (
     _C,
     _LIN,
     _S,

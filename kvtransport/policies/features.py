@@ -1,6 +1,6 @@
 """The Q-network's input: the policy observation plus a few quantities derived from it.
 
-The network sees ``features(obs)``: the raw observation (kvtransport.core.policy.Obs) followed
+The network sees ``features(obs)``: the raw observation (kvtransport.core.observation.Obs) followed
 by what the repair decision hinges on, computed from the observation alone so that the
 environment's observation stays exactly the daemon's:
 
@@ -17,7 +17,7 @@ environment's observation stays exactly the daemon's:
 - ``room - z sigma`` for z = 1, 2, 3: the margins a cautious scheduler would keep;
 - whether feedback is stale (no report for four RTTs) or has never come.
 
-These are the terms kvtransport.core.policy.Adaptive thresholds by hand; the network learns
+These are the terms kvtransport.policies.heuristics.Adaptive thresholds by hand; the network learns
 its own thresholds and shares from them. One implementation serves training (the
 observation wrapper calls it per step) and the runtime (inside the numba kernel).
 """

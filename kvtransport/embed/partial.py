@@ -3,7 +3,7 @@
 :func:`partial_cache` turns a received result (a :class:`~kvtransport.daemons.api.DeliveredResult`
 from ``kvtransport.receive`` or a daemon's subscriber, a receiver session's
 :class:`~kvtransport.core.transfer.TransferResult`, the demo's link outcome), a result file, or
-a cache card into a :class:`~kvtransport.model.blocks.Reassembled`: the numpy ``KVCache`` with
+a cache card into a :class:`~kvtransport.kvformat.blocks.Reassembled`: the numpy ``KVCache`` with
 zeros where blocks are missing and the per-layer presence mask. Hand both to the model
 with :func:`kvtransport.model.hf.greedy_generate` (``present=got.mask``) or
 :func:`kvtransport.model.hf.to_model_cache` plus :func:`kvtransport.model.hf.layer_visibility`,
@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 
 from kvtransport.errors import UserError
-from kvtransport.model import blocks
-from kvtransport.model.kvcache import KVCache
+from kvtransport.kvformat import blocks
+from kvtransport.kvformat.kvcache import KVCache
 
 
 def partial_cache(
@@ -35,7 +35,7 @@ def partial_cache(
 
     source: anything with ``app_metadata`` (the blocks manifest, None if it never arrived),
         ``payload`` (complete blocks' bytes at their offsets) and ``complete`` (per block);
-        a :class:`~kvtransport.model.card.CacheCard`; or the path of a result file
+        a :class:`~kvtransport.kvformat.card.CacheCard`; or the path of a result file
         (``recv --out``, ``receiver-daemon --out-dir``) or of a cache card.
     token_ids: the context's token ids, needed only when the manifest carries just their
         hash (checked against it).
@@ -44,11 +44,11 @@ def partial_cache(
         answers from the question alone). Without it that case raises a UserError.
 
     Blocks marked complete that fail their CRC-32 count as missing. A cache card must be
-    intact (a corrupted block raises :class:`~kvtransport.model.card.CardError`).
+    intact (a corrupted block raises :class:`~kvtransport.kvformat.card.CardError`).
     """
     if isinstance(source, str | os.PathLike):
         return _from_file(Path(source), token_ids, expected)
-    from kvtransport.model.card import CacheCard
+    from kvtransport.kvformat.card import CacheCard
 
     if isinstance(source, CacheCard):
         return source.reassemble()
@@ -68,7 +68,7 @@ def partial_cache(
 
 def _from_file(path: Path, token_ids: Any, expected: blocks.Manifest | None) -> blocks.Reassembled:
     from kvtransport.daemons.api import RESULT_KEY, read_result_file
-    from kvtransport.model.card import read_card
+    from kvtransport.kvformat.card import read_card
 
     if RESULT_KEY in _metadata(path):
         return partial_cache(read_result_file(path), token_ids=token_ids, expected=expected)

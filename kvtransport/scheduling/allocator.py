@@ -3,7 +3,7 @@
 When several users hand over at once, their transfers share a link of C bytes/s and not
 every cache can arrive before its deadline. Transfer i (size S_i bytes, weight w_i,
 already delivered D_i bytes, deadline T_i) is worth w_i U_i(x_i) where x_i is the
-delivered fraction and U_i a fitted sigmoid (kvtransport.hosts.utility_model). This module
+delivered fraction and U_i a fitted sigmoid (kvtransport.scheduling.utility_model). This module
 decides how many bytes each transfer gets.
 
 The per-slot problem and its closed form
@@ -85,8 +85,8 @@ serves of the plan what the deadlines force, then the rest by value (doubtful tr
 as late as their deadlines allow); spare capacity goes to deferred users so that it is
 never wasted. ``EqualShare``, ``ProportionalToSize`` and ``EarliestDeadlineFirst`` are the
 evaluation's baselines; its references (the clairvoyant bound and a fluid link) live in
-kvtransport.sim.allocation_bound, and kvtransport.sim.multisim runs the policies with the real
-sessions and hosts.
+kvtransport.scheduling.allocation_bound, and kvtransport.sim.multisim runs the policies with
+the real sessions and hosts.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ import numpy as np
 from numba import njit
 
 from kvtransport.core.protocol import DEFAULT_FEEDBACK_INTERVAL
-from kvtransport.hosts.utility_model import SigmoidUtility, logistic
+from kvtransport.scheduling.utility_model import SigmoidUtility, logistic
 
 # Columns of the per-user parameter matrix the kernels read.
 # X0: delivered fraction (bytes count from there); XLB..XHI: the fractions the user may end
