@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from kvtransport.bounds import int_arg
+from kvtransport.commands import _common
 
 NAME = "demo"
 HELP = "hand a real model's KV cache across a burst-loss link: five repair schemes side by side"
@@ -65,11 +67,13 @@ examples:
   kvtransport demo
   kvtransport demo --quick --link emulated --seed 7
   kvtransport demo --task niah_single --tokens 1024 --json > demo.json
+  kvtransport demo --quick --model ~/models/Qwen2.5-0.5B-Instruct   # your own model
 """
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="smaller context, shorter answers")
+    _common.add_model(parser)
     parser.add_argument(
         "--link",
         choices=("auto", "netns", "emulated"),
@@ -213,9 +217,19 @@ def run(args: argparse.Namespace) -> int:
     if args.precision is not None:
         overrides["precision"] = tuple(p.strip() for p in args.precision.split(",") if p.strip())
     cfg = DemoConfig(**{**base.__dict__, **overrides})
-    report = run_demo(cfg)
+    report = run_demo(cfg, _model(args))
     print(report_json(report) if args.json else render_table(report))
     return 0
+
+
+def _model(args: argparse.Namespace) -> Any:
+    """The model ``--model`` names, loaded (a one-line error for a path that is not one);
+    None for the default, which the demo loads after opening its link."""
+    if args.model is None:
+        return None
+    from kvtransport.model.loader import load_model
+
+    return load_model(args.model, threads=args.threads)
 
 
 def _speed(text: str) -> tuple[float, ...]:

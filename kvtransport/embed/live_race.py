@@ -326,6 +326,7 @@ def live_race(
     (kvtransport.model.race.race)."""
     from kvtransport.errors import UserError
     from kvtransport.model.loader import model_id_of
+    from kvtransport.model.model_cache import check_model
 
     ids = [int(t) for t in token_ids]
     if not ids:
@@ -341,6 +342,7 @@ def live_race(
     ):
         raise UserError(f"split must be a multiple of {block_tokens} in 0..{len(ids)}, "
                         f"not {split}")  # fmt: skip
+    check_model(model)  # refused before anything is measured or received
     if speed is None:
         speed = _speed_of(model, ids)
     src = LiveArrivals(session, ids, block_tokens=block_tokens, model_id=model_id_of(model),

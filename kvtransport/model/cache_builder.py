@@ -42,11 +42,13 @@ class ComputeSpeed:
     """Seconds to compute ``n`` context tokens in one call: ``per_call_s + n * per_token_s``;
     ``per_pair_s``: what each token of a short call adds per context token before it (the
     attention over a long cache, which a question's forward pass pays: :meth:`answer_seconds`;
-    0 when not measured)."""
+    0 when not measured); ``spread``: how far the measured rounds of a long prefix
+    disagreed ((max - min) / median; 0 when given, not measured: :meth:`measure`)."""
 
     per_call_s: float
     per_token_s: float
     per_pair_s: float = 0.0
+    spread: float = 0.0
 
     def answer_seconds(self, question_tokens: int, context_tokens: int) -> float:
         """The time of a question's forward pass after a cache of ``context_tokens``."""
@@ -69,27 +71,35 @@ class ComputeSpeed:
         sizes: tuple[int, int] = (16, 512),
         pair_chunk: int = PAIR_CHUNK,
         repeats: int = 3,
+        max_repeats: int = 7,
     ) -> ComputeSpeed:
         """Fit the three costs from timed chunks of this context on this model, in
-        ``repeats`` rounds (the host's speed drifts by a tenth within seconds, and the
-        plan's split follows the estimate).
+        ``repeats`` rounds, more (up to ``max_repeats``) while the rounds disagree.
 
         Each round computes the small chunk after a prefix of the context of its length
-        (the fastest over the rounds: the cost of a call), then the large one (at most the
-        context) from the start, as a planned prefix is (the median: its cost per token
-        includes the attention over a long chunk, which short chunks do not show; a line
-        through two short chunks underestimated a 600-token prefix by a quarter), and a
-        ``pair_chunk``-token chunk after each: what a call pays per context token before
-        it (``per_pair_s``: the median of the rounds' differences, the chunk after the
+        (a call's cost), then the large one (at most the context) from the start, as a
+        planned prefix is (its cost per token includes the attention over a long chunk,
+        which short chunks do not show; a line through two short chunks underestimated a
+        600-token prefix by a quarter), and a ``pair_chunk``-token chunk after each: what
+        a call pays per context token before it (``per_pair_s``: the chunk after the
         large prefix less the same chunk after twice the small one; a 16-token chunk's
         difference was within the timing noise). A context too short to tell the two
         apart (the large prefix less than ``pair_chunk`` beyond twice the small one) gets
         ``per_pair_s`` 0, not measured.
 
-        Cost: ``repeats`` computes of the large prefix and three short calls each (about
-        three times one call of the large prefix alone); the live race measures once per
-        model and keeps it (kvtransport.embed.live_race). Fewer than 2 context tokens
-        raise ValueError.
+        Outliers: a shared host (or more torch threads than free cores) makes some calls
+        several times slower, at random. The short calls take their fastest round each
+        (an interrupted call is only ever slower), so ``per_pair_s``, a difference of two
+        short calls, is the difference of their fastest rounds, never of one slow and one
+        fast call; the large prefix takes the median of the rounds (the speed the host
+        holds over a prefix's time). While the large prefix's rounds spread by more than
+        :data:`SPREAD_LIMIT` of their median, another round is run (up to
+        ``max_repeats``); :attr:`spread` is the spread left, for the caller to warn on.
+
+        Cost: each round computes the large prefix once and three short calls (about three
+        times one call of the large prefix alone); the live race measures once per model
+        and keeps it (kvtransport.embed.live_race). Fewer than 2 context tokens raise
+        ValueError.
         """
         small, large = sizes
         ids = list(token_ids)
@@ -99,27 +109,44 @@ class ComputeSpeed:
         if large <= small:
             small = max(1, large // 4)
         q = max(1, min(pair_chunk, large))
+        small_s: list[float] = []
+        long_s: list[float] = []
+        short_q: list[float] = []
+        long_q: list[float] = []
 
         def timed(builder: CacheBuilder, n: int) -> float:
             t0 = time.perf_counter()
             builder.compute(n)
             return time.perf_counter() - t0
 
-        best = float("inf")
-        long_s, pair_s = [], []
-        for _ in range(max(1, repeats)):
+        while len(long_s) < max(1, repeats) or (
+            _spread(long_s) > SPREAD_LIMIT and len(long_s) < max(repeats, max_repeats)
+        ):
             b = CacheBuilder(model, ids[:small] + ids[:small] + ids[:q])
             b.compute(small)
-            best = min(best, timed(b, small))
-            after_short = timed(b, q)
+            small_s.append(timed(b, small))
+            short_q.append(timed(b, q))
             b = CacheBuilder(model, ids[:large] + ids[:q])
             long_s.append(timed(b, large))
-            pair_s.append(timed(b, q) - after_short)
+            long_q.append(timed(b, q))
+        best = min(small_s)
         per_token = max((float(np.median(long_s)) - best) / (large - small), 1e-6)
         apart = large - 2 * small  # context tokens between the two chunks' positions
-        per_pair = max(float(np.median(pair_s)) / (q * apart), 0.0) if apart >= q else 0.0
+        pair = max(min(long_q) - min(short_q), 0.0) / (q * apart) if apart >= q else 0.0
         return cls(per_call_s=max(best - small * per_token, 0.0), per_token_s=per_token,
-                   per_pair_s=per_pair)  # fmt: skip
+                   per_pair_s=pair, spread=_spread(long_s))  # fmt: skip
+
+
+SPREAD_LIMIT = 0.25
+"""The spread of the large prefix's timed rounds (max less min, over the median) beyond
+which :meth:`ComputeSpeed.measure` runs another round."""
+
+
+def _spread(times: Sequence[float]) -> float:
+    """(max - min) / median of ``times``; inf for fewer than two."""
+    if len(times) < 2:
+        return float("inf")
+    return float((max(times) - min(times)) / max(float(np.median(times)), 1e-12))
 
 
 class CacheBuilder:

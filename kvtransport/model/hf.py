@@ -127,9 +127,13 @@ def _causal_chunk_attention(
 @contextmanager
 def causal_chunks(model: Any) -> Iterator[None]:
     """While active, the model's forward calls are plain causal continuations (batch 1,
-    no padding, the new tokens right after the cached ones): attention may ignore the mask
-    transformers passes and use :func:`_causal_chunk_attention`."""
-    mods = _attention_modules(model)
+    no padding, the new tokens right after the cached ones): the full-attention layers'
+    attention may ignore the mask transformers passes and use
+    :func:`_causal_chunk_attention`; sliding-window layers keep the mask (their window)."""
+    from kvtransport.model.model_cache import sliding_windows
+
+    windows = sliding_windows(model.config)
+    mods = [m for m in _attention_modules(model) if windows[m.layer_idx] is None]
     for mod in mods:
         mod._kvt_causal_chunks = True
     try:
@@ -181,8 +185,13 @@ def _masked_sdpa(
 
 
 def install_masked_attention(model: Any) -> None:
-    """Register the masking attention (once per process) and switch ``model`` to it."""
+    """Register the masking attention (once per process) and switch ``model`` to it;
+    a model kvtransport cannot serve exactly is refused first (one-line UserError:
+    kvtransport.model.model_cache.check_model)."""
     global _registered
+    from kvtransport.model.model_cache import check_model
+
+    check_model(model)
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -292,21 +301,17 @@ def prefill(
     """
     import torch
 
+    from kvtransport.model.model_cache import new_model_cache
+
     ids = _as_ids(tokenizer, text_or_ids)
     install_masked_attention(model)
-    input_ids = torch.tensor([ids], dtype=torch.long)
-    positions = torch.arange(len(ids), dtype=torch.long)[None]
+    cache = new_model_cache(model, len(ids))  # sliding-window layers keep every token too
     with torch.inference_mode():
         if attention:
             with _probing(model, window) as probe:
-                out = model(
-                    input_ids=input_ids, position_ids=positions, use_cache=True, logits_to_keep=1
-                )
+                forward_at(model, ids, 0, cache, 1)
         else:
-            out = model(
-                input_ids=input_ids, position_ids=positions, use_cache=True, logits_to_keep=1
-            )
-    cache = out.cache if hasattr(out, "cache") else out.past_key_values
+            forward_at(model, ids, 0, cache, 1)
     keys = np.stack([layer.keys[0].float().numpy() for layer in cache.layers])
     values = np.stack([layer.values[0].float().numpy() for layer in cache.layers])
     att = probe.stacked() if attention else None

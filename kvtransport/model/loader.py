@@ -129,6 +129,7 @@ def resolve_model(spec: str | os.PathLike | None) -> tuple[str, Path]:
         return "gguf", default_gguf_path()
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":
+        _check_gguf_magic(path)
         return "gguf", path
     if path.is_dir() and (path / "config.json").is_file():
         return "directory", path
@@ -138,6 +139,17 @@ def resolve_model(spec: str | os.PathLike | None) -> tuple[str, Path]:
         f"unknown model {spec!r}: give a HuggingFace model directory, a .gguf file, "
         f"or one of {', '.join(DEFAULT_MODEL_ALIASES)}"
     )
+
+
+def _check_gguf_magic(path: Path) -> None:
+    """A one-line UserError for a ``.gguf`` path that is not a GGUF file."""
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as exc:
+        raise UserError(f"cannot read {path}: {exc.strerror}") from None
+    if magic != b"GGUF":
+        raise UserError(f"{path} is not a GGUF file (it does not start with the GGUF magic)")
 
 
 def _file_digest(path: Path) -> str:
@@ -198,8 +210,12 @@ def load_gguf(gguf: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a GGUF with transformers, de-quantized to fp32 (slow: ~15-20 s for SmolLM2)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    return load_gguf_model(gguf), tokenizer
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        return load_gguf_model(gguf), tokenizer
+    except (OSError, ValueError, KeyError) as exc:  # a damaged or unsupported GGUF
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"cannot load a causal LM from {gguf}: {first}") from exc
 
 
 def load_gguf_model(gguf: Path) -> PreTrainedModel:
@@ -295,7 +311,8 @@ def _load_directory(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBas
         with progress_bars_on_a_terminal():
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     except (OSError, ValueError) as exc:
-        raise UserError(f"cannot load a causal LM from {path}: {exc}") from exc
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"cannot load a causal LM from {path}: {first}") from exc
     return model.eval(), tokenizer
 
 

@@ -13,6 +13,16 @@ the filled part, which is all the attention reads.
 capacity in tokens. It behaves as transformers' own (same update, length, crop), so the
 cache a receiver builds is the one its model answers from, with no copy in between.
 
+Sliding-window layers (Mistral, windowed Qwen2, Gemma-2's alternate layers) keep every
+token too: transformers' ``DynamicSlidingWindowLayer`` drops the keys that fell out of the
+window, so a context computed in chunks would lose the keys the next chunk's first tokens
+still see (and it cannot be cropped back past its window). With every token kept, the
+model's own mask builder applies the window (``create_sliding_window_causal_mask`` reads
+``config.sliding_window``, and a full layer reports its whole length and offset 0), so a
+chunk attends to exactly the window it would in one pass. :func:`check_model` refuses,
+with one line naming the layer, the models whose cache or attention this cannot build
+exactly.
+
 Imports torch and transformers (the model's edge): import this module lazily.
 """
 
@@ -22,7 +32,9 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+from kvtransport.errors import UserError
 
 MIN_CAPACITY = 64
 ANSWER_ROOM = 256
@@ -106,12 +118,56 @@ class GrowingLayer(DynamicLayer):
 
 
 def new_model_cache(model: Any, capacity: int) -> Any:
-    """An empty ``DynamicCache`` for ``model`` whose full-attention layers grow in place
-    (:class:`GrowingLayer`), each with room for ``capacity`` tokens before it grows; other
-    layer kinds (sliding windows) stay transformers' own."""
-    cache = DynamicCache(config=model.config)
+    """An empty ``DynamicCache`` for ``model`` whose layers, sliding-window ones included,
+    keep every token and grow in place (:class:`GrowingLayer`), each with room for
+    ``capacity`` tokens before it grows (module docstring). The model must pass
+    :func:`check_model`."""
+    check_model(model)
     room = max(int(capacity), MIN_CAPACITY)
-    cache.layers = [
-        GrowingLayer(room) if type(layer) is DynamicLayer else layer for layer in cache.layers
-    ]
+    cache = DynamicCache(config=model.config)
+    cache.layers = [GrowingLayer(room) for _ in cache.layers]
     return cache
+
+
+def sliding_windows(config: Any) -> list[int | None]:
+    """Per layer, the window of a sliding-window layer (tokens a query sees, itself
+    included) or None for full attention, as transformers' own cache for ``config`` has
+    them."""
+    layers = DynamicCache(config=config).layers
+    return [
+        int(layer.sliding_window) if isinstance(layer, DynamicSlidingWindowLayer) else None
+        for layer in layers
+    ]
+
+
+def check_model(model: Any) -> None:
+    """Raise a one-line UserError when ``model``'s cache cannot be built exactly in chunks
+    and answered from (the race, partial recompute, the answer step): an encoder-decoder,
+    a cache layer other than full or sliding-window attention (chunked attention, linear
+    attention, state-space layers), attention logit soft-capping (Gemma-2's), or any model
+    whose attention transformers does not run on SDPA (kvtransport's attention is SDPA with
+    masks). Checked once per model object."""
+    if getattr(model, "_kvt_checked", False):
+        return
+    cfg = model.config
+    name = type(model).__name__
+    if getattr(cfg, "is_encoder_decoder", False):
+        raise UserError(f"{name} is an encoder-decoder model: kvtransport carries the "
+                        "KV cache of a decoder-only causal LM")  # fmt: skip
+    cap = getattr(cfg, "attn_logit_softcapping", None)
+    if cap is not None:
+        raise UserError(f"{name}: attention logit soft-capping ({cap}) is not supported by "
+                        "the race's chunked compute yet (SDPA does not apply it)")  # fmt: skip
+    if not getattr(model, "_supports_sdpa", True):
+        raise UserError(f"{name}: its attention does not run on PyTorch SDPA, which the "
+                        "race's chunked compute uses")  # fmt: skip
+    types = list(getattr(cfg, "layer_types", None) or [])
+    for i, kind in enumerate(types):
+        if kind not in ("full_attention", "sliding_attention"):
+            raise UserError(f"{name}: {kind} (layer {i}) is not supported by the race's "
+                            "chunked compute yet")  # fmt: skip
+    for i, layer in enumerate(DynamicCache(config=cfg).layers):
+        if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer):
+            raise UserError(f"{name}: cache layer {type(layer).__name__} (layer {i}) is not "
+                            "supported by the race's chunked compute yet")  # fmt: skip
+    model._kvt_checked = True
