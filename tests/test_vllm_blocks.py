@@ -201,3 +201,137 @@ def test_the_inbox_keeps_at_most_max_results_untaken():
         pusher.close()
         inbox.close()
     assert got is not None and inbox.take("old") is None and inbox.expired == 1
+
+
+COMPAT = vb.Compat("toy", LAYERS, HEADS, DIM, "float32", BS, vb.config_digest({"n": 1}))
+
+
+def _complete(stream):
+    return _result_with(stream, np.ones(stream.manifest.num_blocks, bool))
+
+
+def test_load_plan_refuses_a_push_whose_header_or_prompt_is_not_the_consumers():
+    cache = _cache(150)
+    ids, block_ids = cache.token_ids, [40, 41, 42, 43, 44]
+
+    def plan(stream, expect=COMPAT, token_ids=ids):
+        return vb.load_plan(_complete(stream), block_ids=block_ids, block_size=BS, start=0,
+                            stop=150, token_ids=token_ids, expect=expect)  # fmt: skip
+
+    good = plan(vb.encode_request(cache, "r", BS, COMPAT))
+    assert good.complete and not good.refused and good.prefix == 150
+    # right shape, no header (random KV a stranger pushed): nothing loads
+    rng = np.random.default_rng(1)
+    shape = cache.keys.shape
+    noise = KVCache(rng.standard_normal(shape).astype(np.float32),
+                    rng.standard_normal(shape).astype(np.float32), ids, "toy")  # fmt: skip
+    headless = plan(vb.encode_request(noise, "r", BS))
+    assert headless.refused and headless.cache is None and headless.prefix == 0
+    assert headless.failed_block_ids == block_ids and "no compatibility header" in headless.why
+    # another model, another config, another block size: refused, naming the field
+    for field_, value in (("model_id", "other"), ("config_hash", "0" * 64), ("block_size", 16)):
+        theirs = vb.Compat(**{**COMPAT.to_dict(), field_: value})
+        p = plan(vb.encode_request(cache, "r", BS, theirs))
+        assert p.refused and p.cache is None and field_ in p.why
+    # a header that lies about the payload's shape (2 layers sent, 4 claimed)
+    two = KVCache(cache.keys[:2], cache.values[:2], ids, "toy")
+    p = plan(vb.encode_request(two, "r", BS, COMPAT))
+    assert p.refused and "geometry" in p.why
+    # a valid header on the cache of another prompt
+    other = ids.copy()
+    other[7] += 1
+    p = plan(vb.encode_request(cache, "r", BS, COMPAT), token_ids=other)
+    assert p.refused and "another prompt" in p.why
+
+
+def test_compat_header_reads_back_and_rejects_malformed_ones():
+    m = vb.encode_request(_cache(40), "r", BS, COMPAT).manifest
+    assert vb.Compat.from_created(m.created) == COMPAT
+    assert vb.Compat.from_created({"vllm": {"model_id": "x"}}) is None
+    assert vb.Compat.from_created({"vllm": {**COMPAT.to_dict(), "num_layers": "many"}}) is None
+    assert COMPAT.mismatch(COMPAT) == ""
+    # the digest ignores where the config was read from, not what it says
+    assert vb.config_digest({"n": 1, "_name_or_path": "/a"}) == vb.config_digest({"n": 1})
+    assert vb.config_digest({"n": 2}) != vb.config_digest({"n": 1})
+
+
+def test_the_pusher_encodes_in_its_own_thread():
+    import threading
+
+    inbox = vb.Inbox(listen="127.0.0.1:0", key=KEY)
+    pusher = vb.Pusher(key=KEY, rate_mbps=200)
+    where: list[str] = []
+    cache = _cache(40)
+
+    def encode():
+        where.append(threading.current_thread().name)
+        return vb.encode_request(cache, "t", BS, COMPAT)
+
+    try:
+        pusher.push(encode, "t", inbox.address, deadline_ms=2000)
+        got = _wait(inbox, "t")
+    finally:
+        pusher.close()
+        inbox.close()
+    assert where and where[0] != threading.current_thread().name
+    assert got.is_complete
+
+
+def test_a_cut_delivers_what_arrived_of_a_transfer_still_receiving():
+    """At the consumer's wait: the inbox ends the transfer and its prefix is usable."""
+    rng = np.random.default_rng(4)
+    n, nb = 640, 20
+    shape = (nb, 3, BS, DIM)
+    keys = [rng.standard_normal(shape).astype(np.float32) for _ in range(8)]
+    cache = vb.gather(keys, keys, list(range(nb)), list(range(n)), "toy")  # 7.9 MB
+    inbox = vb.Inbox(listen="127.0.0.1:0", key=KEY)
+    pusher = vb.Pusher(key=KEY, rate_mbps=10)  # ~6 s of wire time; the deadline far off
+    try:
+        pusher.push(vb.encode_request(cache, "r", BS), "r", inbox.address, deadline_ms=60000)
+        end = time.monotonic() + 30
+        while time.monotonic() < end and not any(  # a few ranges in
+            inc.session.blocks_complete >= 24 for inc in list(inbox.engine.host.active.values())
+        ):
+            time.sleep(0.05)
+        inbox.cut("r")
+        while not inbox.cut_done("r") and time.monotonic() < end:
+            time.sleep(0.01)
+        got = inbox.take("r")
+        status = {}
+        while not status and time.monotonic() < end:  # the sender hears the end
+            status = pusher.poll()
+            time.sleep(0.05)
+    finally:
+        pusher.close()
+        inbox.close()
+    assert got is not None and got.reason == "cut" and not got.is_complete
+    plan = vb.load_plan(got, block_ids=list(range(nb)), block_size=BS, start=0, stop=n,
+                        token_ids=cache.token_ids)  # fmt: skip
+    assert BS <= plan.prefix < n and not plan.refused
+    assert np.array_equal(plan.cache.keys[:, :, : plan.prefix], cache.keys[:, :, : plan.prefix])
+    assert status["r"].get("delivered") != "complete"
+
+
+def test_unclaimed_results_expire_by_lease_and_by_bytes():
+    keys, values = _paged(6)
+    c = vb.gather(keys, values, [0, 1], list(range(50)), "toy")  # 205 KB of payload
+    inbox = vb.Inbox(listen="127.0.0.1:0", key=KEY, lease_s=0.5, max_held_mb=0.3)
+    pusher = vb.Pusher(max_parallel=1, key=KEY, rate_mbps=200)
+    try:
+        pusher.push(vb.encode_request(c, "a", BS), "a", inbox.address, deadline_ms=2000)
+        end = time.monotonic() + 20
+        while inbox.held_bytes == 0 and time.monotonic() < end:
+            time.sleep(0.01)
+        held = inbox.held_bytes
+        assert held == 204_800
+        pusher.push(vb.encode_request(c, "b", BS), "b", inbox.address, deadline_ms=2000)
+        while inbox.expired == 0 and time.monotonic() < end:
+            time.sleep(0.01)
+        assert inbox.expired == 1 and inbox.expired_bytes == held  # the older went first
+        assert inbox.take("a") is None
+        while inbox.held_bytes and time.monotonic() < end:  # "b" outlives its lease
+            time.sleep(0.05)
+        assert inbox.expired == 2 and inbox.take("b") is None
+    finally:
+        pusher.close()
+        inbox.close()

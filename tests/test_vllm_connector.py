@@ -91,14 +91,14 @@ def _tokens(paged: dict[str, torch.Tensor], block_ids: list[int], tokens: list[i
 
 
 def _handoff(model_dir, tokens: list[int], deadline_ms: float, rate_mbps: float = 100,
-             load_log: str | None = None):  # fmt: skip
+             load_log: str | None = None, wait_ms: float = 5000):  # fmt: skip
     """Producer and consumer connectors, both roles each, one request pushed and loaded.
     Returns (src pages, dst pages, producer block ids, consumer block ids, load errors,
     consumer stats, producer's request_finished answer)."""
     port = _port()
     p_cfg = _config(model_dir, "kv_producer",
                     {"push_to": f"127.0.0.1:{port}", "rate_mbps": rate_mbps})  # fmt: skip
-    c_extra = {"listen": f"127.0.0.1:{port}", "wait_ms": 5000}
+    c_extra = {"listen": f"127.0.0.1:{port}", "wait_ms": wait_ms}
     c_cfg = _config(
         model_dir, "kv_consumer", dict(c_extra, load_log=load_log) if load_log else c_extra
     )
@@ -151,9 +151,10 @@ def test_vllm_loads_the_connector_from_its_module_path(model_dir):
     from kvtransport.embed.vllm_connector import KVTransportConnector
 
     assert cls is KVTransportConnector
-    stats = cls.build_kv_connector_stats({"loads": 2, "load_wait_s": 0.5})
-    stats.aggregate(cls.build_kv_connector_stats({"loads": 2, "load_wait_s": 0.3}))
+    stats = cls.build_kv_connector_stats({"loads": 2, "load_waits": [0.1, 0.4]})
+    stats.aggregate(cls.build_kv_connector_stats({"loads": 2, "load_waits": [0.1, 0.2]}))
     assert stats.reduce()["mean_load_wait_ms"] == pytest.approx(200.0)
+    assert stats.reduce()["loads"] == 4
     plain = _request("x", [1, 2, 3], {})
     assert _connector(cfg, KVConnectorRole.SCHEDULER).get_num_new_matched_tokens(plain, 0) == (
         0, False)  # fmt: skip
@@ -194,7 +195,7 @@ def test_complete_push_lands_bit_identical_in_the_decode_engines_blocks(model_di
 
     k, v = paged_views(dst, 64)
     assert not k[3][c_ids[4], :, 22:].any() and not v[3][c_ids[4], :, 22:].any()
-    assert stats.data["tokens_loaded"] == 150 and stats.data["tokens_failed"] == 0
+    assert stats.data["tokens_loaded"] == 150 and stats.data["tokens_recomputed"] == 0
     # the load log: what loaded, and what the link did to the transfer (the receiver's
     # counters: 6.9 MB of KV in 1280-byte symbols; loopback loses next to nothing)
     (record,) = [json.loads(line) for line in log.read_text().splitlines()]
@@ -207,7 +208,7 @@ def test_complete_push_lands_bit_identical_in_the_decode_engines_blocks(model_di
 def test_a_deadline_cut_loads_a_prefix_and_reports_the_tail_as_load_errors(model_dir):
     tokens = list(range(2000, 2000 + 20 * BS))  # 20 blocks, 27.6 MB of fp32 KV
     src, dst, p_ids, c_ids, errors, stats = _handoff(
-        model_dir, tokens, deadline_ms=300, rate_mbps=100
+        model_dir, tokens, deadline_ms=1500, rate_mbps=40
     )
     loaded = stats.data["tokens_loaded"]
     assert 0 < loaded < len(tokens) and loaded % BS == 0
@@ -217,4 +218,157 @@ def test_a_deadline_cut_loads_a_prefix_and_reports_the_tail_as_load_errors(model
     assert np.array_equal(got.keys[:, :, :loaded], want.keys[:, :, :loaded])
     assert not got.keys[:, :, loaded:].any()  # nothing of the failed blocks written
     assert not any(t[c_ids[k]].any() for t in dst.values())
-    assert np.isclose(stats.data["tokens_failed"], len(tokens) - loaded)
+    assert np.isclose(stats.data["tokens_recomputed"], len(tokens) - loaded)
+
+
+def test_at_wait_ms_the_prefix_that_arrived_loads(model_dir):
+    """A push far longer than the consumer's wait (the deadline later still): at wait_ms
+    the transfer is cut and the ranges that arrived load, not nothing."""
+    tokens = list(range(3000, 3000 + 20 * BS))  # 27.6 MB of fp32 KV, ~11 s at 20 Mbit/s
+    src, dst, p_ids, c_ids, errors, stats = _handoff(
+        model_dir, tokens, deadline_ms=60000, rate_mbps=20, wait_ms=3000
+    )
+    loaded = stats.data["tokens_loaded"]
+    assert 0 < loaded < len(tokens) and loaded % BS == 0
+    assert errors == set(c_ids[loaded // BS :])
+    want, got = _tokens(src, p_ids, tokens), _tokens(dst, c_ids, tokens)
+    assert np.array_equal(got.keys[:, :, :loaded], want.keys[:, :, :loaded])
+
+
+def _consumer(model_dir, port: int, wait_ms: float = 8000):
+    cfg = _config(model_dir, "kv_consumer", {"listen": f"127.0.0.1:{port}", "wait_ms": wait_ms})
+    sched, work = (
+        _connector(cfg, KVConnectorRole.SCHEDULER),
+        _connector(cfg, KVConnectorRole.WORKER),
+    )
+    dst = _paged(cfg, seed=None)
+    work.register_kv_caches(dst)
+    return sched, work, dst
+
+
+def _claim(sched, work, rid: str, tag: str, tokens: list[int], c_ids: list[int]):
+    req = _request(rid, tokens, {"do_remote_prefill": True, "kvt_request": tag})
+    assert sched.get_num_new_matched_tokens(req, 0) == (len(tokens), True)
+    sched.update_state_after_alloc(req, _blocks(c_ids), len(tokens))
+    work.bind_connector_metadata(sched.build_connector_meta(None))
+    work.start_load_kv(None)
+    return req
+
+
+def _steps_until_done(sched, work, rid: str, timeout_s: float = 30.0) -> set[int]:
+    errors: set[int] = set()
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        work.bind_connector_metadata(sched.build_connector_meta(None))
+        work.start_load_kv(None)
+        errors |= work.get_block_ids_with_load_errors()
+        _, recving = work.get_finished(set())
+        if recving and rid in recving:
+            return errors
+        time.sleep(0.005)
+    raise AssertionError(f"load of {rid} did not finish")
+
+
+def test_foreign_wrong_shape_and_headerless_pushes_are_load_errors_and_write_nothing(model_dir):
+    """What crashed the decode engine (KV of 2 layers instead of 30) or served garbage
+    (random KV of the right shape): each is a load error for its request, every block of
+    it, and not one value written into the paged cache."""
+    from kvtransport.embed import vllm_blocks as vb
+
+    port = _port()
+    sched, work, dst = _consumer(model_dir, port)
+    pusher = vb.Pusher(key=KEY, rate_mbps=200)
+    try:
+        mine = work.compat
+        tokens = list(range(500, 600))  # 4 blocks
+        rng = np.random.default_rng(3)
+        heads, dim, n = mine.num_kv_heads, mine.head_dim, len(tokens)
+
+        def kv(layers: int):
+            k = rng.standard_normal((layers, heads, n, dim)).astype(np.float32)
+            return vb.KVCache(k, k.copy(), np.asarray(tokens), "x")
+
+        cases = {
+            # 2 layers, its header forged to claim this engine's geometry
+            "shape": vb.encode_request(kv(2), "shape", BS, mine),
+            "random": vb.encode_request(kv(mine.num_layers), "random", BS),  # no header
+            "foreign": vb.encode_request(kv(mine.num_layers), "foreign", BS,
+                                         vb.Compat(**{**mine.to_dict(), "model_id": "other"})),
+        }  # fmt: skip
+        for i, (tag, stream) in enumerate(cases.items()):
+            c_ids = [4 * i + j for j in range(4)]
+            _claim(sched, work, f"d-{tag}", tag, tokens, c_ids)
+            pusher.push(stream, tag, f"127.0.0.1:{port}", deadline_ms=5000)
+            errors = _steps_until_done(sched, work, f"d-{tag}")
+            assert errors == set(c_ids), tag
+        assert not any(t.any() for t in dst.values())  # nothing written anywhere
+        stats = work.get_kv_connector_stats().data
+        assert stats["loads_refused"] == 3 and stats["tokens_loaded"] == 0
+        assert stats["tokens_refused"] == 3 * n
+    finally:
+        pusher.close()
+        work.shutdown()
+
+
+def test_a_request_aborted_while_it_waits_gets_nothing_written_later(model_dir):
+    """vLLM frees an aborted request's blocks at once: its push, arriving after, must not
+    be written into them (they may be another request's)."""
+    from kvtransport.embed import vllm_blocks as vb
+
+    port = _port()
+    sched, work, dst = _consumer(model_dir, port)
+    pusher = vb.Pusher(key=KEY, rate_mbps=200)
+    try:
+        tokens, c_ids = list(range(700, 764)), [5, 6]
+        req = _claim(sched, work, "d-a", "abort-me", tokens, c_ids)
+        assert sched.request_finished(req, [c_ids]) == (False, None)  # aborted: freed
+        stream = vb.encode_request(_tokens(_paged(_config(model_dir, "kv_producer", {}), 2),
+                                           c_ids, tokens), "abort-me", BS, work.compat)  # fmt: skip
+        work.bind_connector_metadata(sched.build_connector_meta(None))
+        work.start_load_kv(None)  # the cancel lands first
+        pusher.push(stream, "abort-me", f"127.0.0.1:{port}", deadline_ms=5000)
+        end = time.monotonic() + 10
+        while not pusher.poll() and time.monotonic() < end:
+            work.bind_connector_metadata(sched.build_connector_meta(None))
+            work.start_load_kv(None)
+            time.sleep(0.01)
+        for _ in range(20):
+            work.bind_connector_metadata(sched.build_connector_meta(None))
+            work.start_load_kv(None)
+            time.sleep(0.01)
+        assert work.get_finished(set()) == (None, None)
+        assert not any(t.any() for t in dst.values())
+    finally:
+        pusher.close()
+        work.shutdown()
+
+
+def test_stats_reach_a_prometheus_scrape_and_fail_policy_warns(model_dir, caplog):
+    import logging
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+    registry = CollectorRegistry()
+
+    def bind(cls):  # the metric classes, registered in a private registry
+        return lambda *a, **k: cls(*a, registry=registry, **k)
+
+    cfg = _config(model_dir, "kv_consumer", {})
+    cls = KVConnectorFactory.get_connector_class(cfg.kv_transfer_config)
+    types = {Gauge: bind(Gauge), Counter: bind(Counter), Histogram: bind(Histogram)}
+    prom = cls.build_prom_metrics(cfg, types, ["engine"], {0: ["0"]})
+    stats = cls.build_kv_connector_stats({"tokens_loaded": 96, "tokens_recomputed": 54,
+                                          "load_waits": [0.2], "bytes_received": 4096})  # fmt: skip
+    prom.observe(stats.data, 0)
+    text = generate_latest(registry).decode()
+    assert 'vllm:kvt_tokens_loaded_total{engine="0"} 96.0' in text
+    assert 'vllm:kvt_tokens_recomputed_total{engine="0"} 54.0' in text
+    assert 'vllm:kvt_load_wait_s_count{engine="0"} 1.0' in text
+    tc = KVTransferConfig(kv_connector="KVTransportConnector",
+                          kv_connector_module_path="kvtransport.embed.vllm_connector",
+                          kv_role="kv_consumer")  # fmt: skip
+    fail = VllmConfig(model_config=cfg.model_config, cache_config=CacheConfig(block_size=BS),
+                      kv_transfer_config=tc)  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="vllm.kvtransport"):
+        _connector(fail, KVConnectorRole.SCHEDULER)
+    assert any(r.name == "vllm.kvtransport" and "'fail'" in r.getMessage() for r in caplog.records)

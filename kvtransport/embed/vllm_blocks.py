@@ -16,26 +16,36 @@ This module is numpy and the embeddable API only:
   engine stores them: kvtransport.embed.vllm_connector.paged_views) and a
   :class:`~kvtransport.kvformat.kvcache.KVCache`;
 - :func:`encode_request`: the cache as a prefix-ordered, lossless block stream whose
-  manifest names the request (``created["request"]``);
+  manifest names the request (``created["request"]``) and carries the producer's
+  :class:`Compat` header (``created["vllm"]``);
 - :func:`load_plan`: from a received result, the usable prefix and the vLLM block ids
-  that failed (:class:`LoadPlan`);
-- :class:`Pusher` sends caches in background threads through :func:`kvtransport.send`
-  with a deadline; :class:`Inbox` receives many transfers on one UDP port (the receiver
-  daemon's engine) and hands each result out by its request tag.
+  that failed (:class:`LoadPlan`); a result whose header does not match the consumer's
+  :class:`Compat`, or whose manifest is not the cache of the request's prompt, loads
+  nothing;
+- :class:`Pusher` encodes and sends caches in background threads through
+  :func:`kvtransport.send` with a deadline; :class:`Inbox` receives many transfers on one
+  UDP port (the receiver daemon's engine), hands each result out by its request tag,
+  cuts a transfer short on request (:meth:`Inbox.cut`: what arrived is delivered at
+  once) and drops results nobody took within a lease or beyond a byte bound.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
+import json
+import socket
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
 
 from kvtransport.daemons.api import DeliveredResult
+from kvtransport.embed.inprocess import NOT_SENT
 from kvtransport.errors import UserError
 from kvtransport.kvformat import blocks
 from kvtransport.kvformat.kvcache import KVCache
@@ -43,6 +53,66 @@ from kvtransport.model.utility import stream_order
 
 REQUEST_TAG = "request"
 """Key in the blocks manifest's ``created`` dict that names the vLLM request."""
+COMPAT_TAG = "vllm"
+"""Key in the blocks manifest's ``created`` dict that holds the producer's :class:`Compat`."""
+VOLATILE_CONFIG_KEYS = frozenset({"_name_or_path", "transformers_version", "_commit_hash"})
+"""Model config entries that differ between two copies of one model (a path, the library
+version that wrote it): left out of :func:`config_digest`."""
+
+
+# ---------------------------------------------------------------------- compatibility
+
+
+@dataclass(frozen=True)
+class Compat:
+    """What a consumer's paged cache must share with the producer's for its KV to load.
+
+    model_id: the served model's name (the same on both engines, or set in both
+    connectors' ``model_id``); num_layers / num_kv_heads / head_dim: the paged cache's
+    geometry; dtype: its element type (``float32`` / ``float16``); block_size: vLLM's block
+    size; config_hash: :func:`config_digest` of the model's config (a different checkpoint
+    of the same shape has another).
+    """
+
+    model_id: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    block_size: int
+    config_hash: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_created(cls, created: dict[str, Any]) -> Compat | None:
+        """The header a manifest's ``created`` carries (None: absent or malformed)."""
+        raw = created.get(COMPAT_TAG)
+        if not isinstance(raw, dict) or set(raw) != {f.name for f in fields(cls)}:
+            return None
+        try:
+            return cls(str(raw["model_id"]), int(raw["num_layers"]), int(raw["num_kv_heads"]),
+                       int(raw["head_dim"]), str(raw["dtype"]), int(raw["block_size"]),
+                       str(raw["config_hash"]))  # fmt: skip
+        except (TypeError, ValueError):
+            return None
+
+    def mismatch(self, other: Compat) -> str:
+        """The first field where ``other`` differs, as one line ("" when they match)."""
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if mine != theirs:
+                return f"{f.name} {theirs!r} is not this engine's {mine!r}"
+        return ""
+
+
+def config_digest(config: dict[str, Any]) -> str:
+    """SHA-256 (hex) of a model config dict, sorted, without :data:`VOLATILE_CONFIG_KEYS`
+    (non-JSON values by their ``str``)."""
+    kept = {k: v for k, v in config.items() if k not in VOLATILE_CONFIG_KEYS}
+    text = json.dumps(kept, sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 # ---------------------------------------------------------------------- layout
@@ -119,8 +189,12 @@ def scatter(
 # ---------------------------------------------------------------------- the stream
 
 
-def encode_request(cache: KVCache, tag: str, block_tokens: int) -> blocks.EncodedStream:
-    """The cache as a lossless block stream in prefix order, its manifest tagged ``tag``.
+def encode_request(
+    cache: KVCache, tag: str, block_tokens: int, compat: Compat | None = None
+) -> blocks.EncodedStream:
+    """The cache as a lossless block stream in prefix order, its manifest tagged ``tag``
+    and carrying ``compat`` (a consumer that checks headers loads nothing without one) and
+    the prompt's token ids (what binds the stream to one prompt).
 
     block_tokens: tokens per range; vLLM's block size, or a divisor of it (a smaller range
     is lost alone, but vLLM still recomputes its whole block).
@@ -131,8 +205,10 @@ def encode_request(cache: KVCache, tag: str, block_tokens: int) -> blocks.Encode
     counts = g.block_token_count(np.arange(g.token_blocks)).astype(np.float64)
     u = np.tile(counts, (g.num_layers, 1))
     order = stream_order(u, block_tokens, "position")
-    return blocks.encode_stream(cache, u, order, block_tokens=block_tokens,
-                                created={REQUEST_TAG: str(tag)})  # fmt: skip
+    created: dict[str, Any] = {REQUEST_TAG: str(tag)}
+    if compat is not None:
+        created[COMPAT_TAG] = compat.to_dict()
+    return blocks.encode_stream(cache, u, order, block_tokens=block_tokens, created=created)
 
 
 def request_tag(result: DeliveredResult) -> str | None:
@@ -155,13 +231,15 @@ class LoadPlan:
         whole request. failed_block_ids: the request's vLLM blocks among ``[start, stop)``
         that were not loaded (vLLM recomputes from the first). cache: the reassembled
         cache (None when nothing usable arrived). why: a short reason when not everything
-        loaded ("" when it did).
+        loaded ("" when it did). refused: the result was refused whole (no or another
+        compatibility header, another prompt, an unreadable manifest), not merely cut.
     """
 
     prefix: int
     failed_block_ids: list[int]
     cache: KVCache | None
     why: str = ""
+    refused: bool = False
 
     @property
     def complete(self) -> bool:
@@ -175,6 +253,46 @@ def usable_prefix(present: np.ndarray) -> int:
     return int(missing[0]) if missing.size else int(every.size)
 
 
+def _covers(manifest: blocks.Manifest, ids: np.ndarray) -> bool:
+    """Whether the stream is the cache of a prompt that starts with ``ids`` (exactly
+    ``ids`` unless the manifest carries its token ids)."""
+    if manifest.geometry.num_tokens == ids.size:
+        return blocks.is_cache_of(manifest, ids)
+    if manifest.token_ids is None or manifest.geometry.num_tokens < ids.size:
+        return False
+    return bool(np.array_equal(manifest.token_ids[: ids.size], ids))
+
+
+def refusal(result: DeliveredResult, expect: Compat | None, token_ids: np.ndarray) -> str:
+    """Why ``result`` must not be written into the consumer's cache ("" when it may).
+
+    The manifest must parse, be the cache of ``token_ids`` (its token ids or their
+    SHA-256), and, with ``expect``, carry a :class:`Compat` header equal to it whose
+    geometry is the manifest's own.
+    """
+    if result.app_metadata is None:
+        return "no manifest arrived"
+    try:
+        m = blocks.Manifest.from_bytes(result.app_metadata)
+    except ValueError as exc:
+        return f"unreadable manifest ({exc})"
+    if not _covers(m, token_ids):
+        return "the transfer is of another prompt"
+    if expect is None:
+        return ""
+    got = Compat.from_created(m.created)
+    if got is None:
+        return "the transfer has no compatibility header"
+    why = expect.mismatch(got)
+    if why:
+        return f"incompatible KV: {why}"
+    g = m.geometry
+    if (g.num_layers, g.num_kv_heads, g.head_dim, g.dtype) != (
+        got.num_layers, got.num_kv_heads, got.head_dim, got.dtype):  # fmt: skip
+        return "incompatible KV: the payload's geometry is not its header's"
+    return ""
+
+
 def load_plan(
     result: DeliveredResult | None,
     *,
@@ -183,21 +301,23 @@ def load_plan(
     start: int,
     stop: int,
     token_ids: Sequence[int],
+    expect: Compat | None = None,
 ) -> LoadPlan:
     """Decide what of ``result`` the consumer loads into tokens ``[start, stop)``.
 
     result: the transfer (None: nothing arrived by the deadline). block_ids: the request's
-    vLLM blocks in token order. token_ids: the request's prompt; a transfer of another
-    prompt (other tokens, other length) loads nothing. The usable prefix is the longest
+    vLLM blocks in token order. token_ids: the request's prompt. A result :func:`refusal`
+    turns down (another prompt; with ``expect``, a missing or different compatibility
+    header) loads nothing and is ``refused``. Otherwise the usable prefix is the longest
     run of token ranges complete in every layer, rounded down to whole vLLM blocks
     (unless it reaches ``stop``); every block from there to ``stop`` fails.
     """
     last_block = -(-stop // block_size)
 
-    def failed(prefix: int, why: str, cache: KVCache | None = None) -> LoadPlan:
+    def failed(prefix: int, why: str, cache: KVCache | None = None, refused: bool = False):
         cut = max(prefix, start)
         ids = [int(b) for b in block_ids[cut // block_size : last_block]] if cut < stop else []
-        return LoadPlan(prefix, ids, cache, why if ids else "")
+        return LoadPlan(prefix, ids, cache, why if ids else "", refused and bool(ids))
 
     if start % block_size:
         raise ValueError(f"a load must start on a block boundary, not at token {start}")
@@ -205,13 +325,14 @@ def load_plan(
         return failed(start, "nothing arrived")
     from kvtransport.embed.partial import partial_cache
 
+    ids = np.asarray(token_ids, dtype=np.int64)[:stop]
+    why = refusal(result, expect, ids)
+    if why:
+        return failed(start, why, refused=result.app_metadata is not None)
     try:
         got = partial_cache(result)
-    except UserError as exc:
-        return failed(start, str(exc))
-    ids = np.asarray(token_ids, dtype=np.int64)
-    if got.cache.num_tokens < stop or not np.array_equal(got.cache.token_ids[:stop], ids[:stop]):
-        return failed(start, "the transfer is of another prompt")
+    except (UserError, ValueError) as exc:
+        return failed(start, str(exc), refused=True)
     prefix = min(usable_prefix(got.present[:, :stop]), stop)
     if prefix < stop:
         prefix -= prefix % block_size
@@ -234,11 +355,12 @@ class _Sent:
 
 
 class Pusher:
-    """Send caches to receivers in background threads (the producer's side).
+    """Encode and send caches to receivers in background threads (the producer's side).
 
     ``send_options`` go to :func:`kvtransport.send` (``key``, ``insecure``,
-    ``rate_mbps``, ...). :meth:`push` returns at once; :meth:`poll` returns the tags whose
-    transfer ended, with the sender's final status (or the exception as ``error``).
+    ``rate_mbps``, ...). :meth:`push` returns at once: the stream is encoded (when given
+    as a function) and sent in a pool thread. :meth:`poll` returns the tags whose transfer
+    ended, with the sender's final status (or the exception as ``error``).
     ``on_done(tag, status)``, if given, is called with the same in the sending thread as
     each transfer ends (when nobody polls: an idle engine).
     """
@@ -257,20 +379,43 @@ class Pusher:
         rate_bps = None if rate is None else float(rate) * 1e6
         policy = send_options.get("policy") or default_policy_for(rtt_s / 2, True, rate_bps)
         warm_kernels(key, policy)
+        # and the encoder's (its first call imports and allocates for a while)
+        tiny = np.zeros((1, 1, 1, 8), np.float32)
+        encode_request(KVCache(tiny, tiny, np.zeros(1, np.int64), "warm-up"), "warm-up", 1)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_parallel, "kvt-push")
         self._options = send_options
         self._on_done = on_done
         self._sent: list[_Sent] = []
 
-    def push(self, stream: blocks.EncodedStream, tag: str, to: str, deadline_ms: float) -> None:
-        """Start sending ``stream`` to ``to`` with a deadline ``deadline_ms`` from now."""
-        from kvtransport.embed.inprocess import send
-
-        opts = dict(self._options, deadline_ms=deadline_ms, precision="keep")
-        future = self._pool.submit(send, stream, to, **opts)
+    def push(
+        self,
+        stream: blocks.EncodedStream | Callable[[], blocks.EncodedStream],
+        tag: str,
+        to: str,
+        deadline_ms: float,
+    ) -> None:
+        """Start sending ``stream`` (or what the function ``stream`` returns, called in the
+        sending thread) to ``to`` with a deadline ``deadline_ms`` from now."""
+        future = self._pool.submit(self._send, stream, to, deadline_ms, time.monotonic())
         if self._on_done is not None:
             future.add_done_callback(lambda f: self._on_done(tag, _status(f)))
         self._sent.append(_Sent(tag, future))
+
+    def _send(self, stream: Any, to: str, deadline_ms: float, asked: float) -> dict[str, Any]:
+        """Encode (when asked to) and send; the deadline counts from :meth:`push`."""
+        from kvtransport.embed.inprocess import send
+
+        encoded = stream() if callable(stream) else stream
+        left_ms = deadline_ms - 1e3 * (time.monotonic() - asked)
+        status: dict[str, Any]
+        if left_ms <= 0:  # the queue or the encoding took the whole deadline
+            note = f"no time left of the {deadline_ms:.0f} ms deadline to send"
+            status = {"finish_reason": NOT_SENT, "delivered": "nothing", "to": to, "note": note}
+        else:
+            status = send(encoded, to, **dict(self._options, deadline_ms=left_ms,
+                                               precision="keep"))  # fmt: skip
+        status["bytes_encoded"] = int(encoded.payload.nbytes)
+        return status
 
     def poll(self) -> dict[str, dict[str, Any]]:
         """Transfers that ended since the last poll: tag -> status."""
@@ -292,15 +437,57 @@ class Pusher:
         self._pool.shutdown(wait=True)
 
 
+class _Waker:
+    """A socket pair the daemon loop watches (it takes anything with ``fileno`` and
+    ``drain``, as it takes a control server): :meth:`wake` from any thread makes the loop
+    run ``on_drain`` in its own thread at once."""
+
+    def __init__(self, on_drain: Callable[[], None]) -> None:
+        self._r, self._w = socket.socketpair()
+        self._r.setblocking(False)
+        self._w.setblocking(False)
+        self._on_drain = on_drain
+
+    def fileno(self) -> int:
+        return self._r.fileno()
+
+    def wake(self) -> None:
+        try:
+            self._w.send(b"\0")
+        except OSError:  # full: a wake-up is already pending
+            pass
+
+    def drain(self) -> None:
+        try:
+            while self._r.recv(4096):
+                pass
+        except OSError:
+            pass
+        self._on_drain()
+
+    def close(self) -> None:
+        self._r.close()
+        self._w.close()
+
+
+@dataclass
+class _Held:
+    result: DeliveredResult
+    at: float
+    nbytes: int
+
+
 @dataclass
 class Inbox:
     """Receive transfers on one UDP port in a thread; results by request tag.
 
     The receiver daemon's engine (kvtransport.daemons.daemon_receiver.ReceiverEngine) on its loop
     (kvtransport.daemons.daemon.serve). A transfer without a tagged manifest is counted in
-    ``untagged`` and dropped. :meth:`take` hands a result out once; at most
-    ``max_results`` results wait to be taken (the oldest beyond are dropped and counted in
-    ``expired``: a request that never reached this engine).
+    ``untagged`` and dropped. :meth:`take` hands a result out once. A result waits to be
+    taken at most ``lease_s`` seconds from its arrival; beyond ``max_results`` results or
+    ``max_held_mb`` of payload held, the oldest go first (both counted in ``expired``, with
+    ``expired_bytes``: a request that never reached this engine, or came too late).
+    :meth:`cut` ends a transfer still receiving: what arrived becomes its result.
     """
 
     listen: str = "0.0.0.0:9400"
@@ -309,9 +496,12 @@ class Inbox:
     max_transfers: int = 64
     max_mb: float = 1024.0
     max_results: int = 256
+    lease_s: float = 30.0
+    max_held_mb: float = 512.0
     untagged: int = 0
     expired: int = 0
-    results: OrderedDict[str, DeliveredResult] = field(default_factory=OrderedDict)
+    expired_bytes: int = 0
+    results: OrderedDict[str, _Held] = field(default_factory=OrderedDict)
 
     def __post_init__(self) -> None:
         from kvtransport.daemons.daemon import StopSignal
@@ -324,6 +514,10 @@ class Inbox:
         self.sock = DatagramSocket(parse_address(self.listen, what="listen"))
         self._lock = threading.Lock()
         self._stop = StopSignal()
+        self._cuts: set[str] = set()  # tags to cut, for the loop thread
+        self._cut_done: set[str] = set()  # tags whose cut the loop has handled
+        self._tags: dict[int, str | None] = {}  # transfer id -> its tag, once known
+        self._waker = _Waker(self._on_wake)
         host = ReceiverHost(key=raw_key, max_transfers=self.max_transfers,
                             max_bytes=int(self.max_mb * 1e6))  # fmt: skip
         self.engine = ReceiverEngine(self.sock, host, on_result=self._on_result)
@@ -335,32 +529,98 @@ class Inbox:
         host, port = self.sock.address
         return f"{'127.0.0.1' if host == '0.0.0.0' else host}:{port}"
 
+    @property
+    def held_bytes(self) -> int:
+        """Payload bytes of the results waiting to be taken."""
+        with self._lock:
+            return sum(h.nbytes for h in self.results.values())
+
     def _run(self) -> None:
         from kvtransport.daemons.daemon import serve
 
-        serve(self.engine, [], self._stop)
+        serve(self.engine, [self._waker], self._stop)  # type: ignore[list-item]
 
     def _on_result(self, incoming: Any) -> None:
         from kvtransport.embed.inprocess import delivered
 
         result = delivered(incoming, self.engine)
+        self._tags.pop(incoming.transfer_id, None)
         tag = request_tag(result)
         with self._lock:
             if tag is None:
                 self.untagged += 1
-            else:
-                self.results[tag] = result
-                while len(self.results) > self.max_results:
-                    self.results.popitem(last=False)
-                    self.expired += 1
+                return
+            self.results.pop(tag, None)
+            self.results[tag] = _Held(result, time.monotonic(), int(result.payload.nbytes))
+            self._expire(time.monotonic())
+
+    def _expire(self, now: float) -> None:
+        """Drop results past their lease, then the oldest beyond the bounds (lock held)."""
+        budget = int(self.max_held_mb * 1e6)
+        held = sum(h.nbytes for h in self.results.values())
+        while self.results:
+            tag, oldest = next(iter(self.results.items()))
+            over = len(self.results) > self.max_results or held > budget
+            if not over and now - oldest.at < self.lease_s:
+                break
+            del self.results[tag]
+            held -= oldest.nbytes
+            self.expired += 1
+            self.expired_bytes += oldest.nbytes
+
+    def _tag_of(self, transfer_id: int, incoming: Any) -> str | None:
+        """A receiving transfer's tag (None until its manifest arrived; cached after)."""
+        if self._tags.get(transfer_id) is None:
+            tm = incoming.session.manifest
+            if tm is None or not tm.app_metadata:
+                return None
+            try:
+                m = blocks.Manifest.from_bytes(tm.app_metadata)
+            except ValueError:
+                self._tags[transfer_id] = ""
+                return None
+            self._tags[transfer_id] = str(m.created.get(REQUEST_TAG, ""))
+        return self._tags[transfer_id] or None
+
+    def _on_wake(self) -> None:
+        """In the loop thread: cut the transfers asked for; expire results."""
+        from kvtransport.daemons.udp import clock
+
+        with self._lock:
+            cuts, self._cuts = self._cuts, set()
+        for tag in cuts:
+            for tid, inc in list(self.engine.host.active.items()):
+                if self._tag_of(tid, inc) == tag:
+                    self.engine.abort(tid, clock(), "cut")  # its result: _on_result, now
+        with self._lock:
+            self._cut_done |= cuts
+            self._expire(time.monotonic())
+
+    def cut(self, tag: str) -> None:
+        """Ask for transfer ``tag`` to end now if it is still receiving (what arrived
+        becomes its result); :meth:`cut_done` says when the loop has done so."""
+        with self._lock:
+            self._cuts.add(tag)
+        self._waker.wake()
+
+    def cut_done(self, tag: str) -> bool:
+        """Whether the cut of ``tag`` was handled (once): its result, if a transfer was
+        receiving, is then in :meth:`take`."""
+        with self._lock:
+            if tag in self._cut_done:
+                self._cut_done.discard(tag)
+                return True
+            return False
 
     def take(self, tag: str) -> DeliveredResult | None:
         """The result of request ``tag`` if it has ended (once; None otherwise)."""
         with self._lock:
-            return self.results.pop(tag, None)
+            held = self.results.pop(tag, None)
+            return held.result if held is not None else None
 
     def close(self) -> None:
         self._stop.request("closed")
         self._thread.join()
         self.sock.close()
+        self._waker.close()
         self._stop.close()

@@ -19,15 +19,31 @@ on both engines (vLLM's request ids differ).
 
 - Producer: when the request finishes, the scheduler side keeps its blocks
   (``request_finished`` returns True) and passes them to the worker, which copies the
-  prompt's KV out of the paged cache in the next step, releases the blocks and sends the
-  copy in the background: a lossless stream in prefix order (token ranges front first,
-  every layer of a range together) with the deadline (kvtransport.embed.vllm_blocks).
+  prompt's KV out of the paged cache in the next step (the copy must be taken before the
+  blocks are reused) and releases the blocks; encoding and sending run in a pool thread:
+  a lossless stream in prefix order (token ranges front first, every layer of a range
+  together) with the deadline (kvtransport.embed.vllm_blocks). Every push carries a
+  compatibility header (:class:`~kvtransport.embed.vllm_blocks.Compat`: model id,
+  layers, KV heads, head_dim, dtype, block size, a digest of the model's config) and the
+  prompt's token ids. A push that ends without reaching the decode engine (no feedback:
+  a wrong port, a black hole, another key) is logged with the sender's one-line reason.
 - Consumer: ``get_num_new_matched_tokens`` claims the whole prompt as an asynchronous
   load; the worker waits (without blocking the engine) for the transfer tagged TAG on
-  its UDP port, at most ``wait_ms`` from the load's start; then it writes the longest
-  prefix of token ranges complete in every layer into the request's blocks and reports
-  every block after it through ``get_block_ids_with_load_errors``. With
-  ``kv_load_failure_policy`` "recompute", vLLM recomputes from the first failed block.
+  its UDP port, at most ``wait_ms`` from the load's start; at ``wait_ms`` a transfer
+  still arriving is cut and what arrived is used. It writes the longest prefix of token
+  ranges complete in every layer into the request's blocks and reports every block after
+  it through ``get_block_ids_with_load_errors``; with ``kv_load_failure_policy``
+  "recompute", vLLM recomputes from the first failed block ("fail", vLLM's default,
+  fails the request: a warning says so at start-up). A transfer whose header is not this
+  engine's, or that is not the cache of the request's prompt, writes nothing: every
+  block is a load error. Writes happen only in the step that reports the load finished,
+  while vLLM holds the request's blocks; a request aborted while it waits has its load
+  dropped before any later write. Results nobody claims expire after ``result_lease_s``
+  (default 30) or beyond ``max_held_mb`` (default 512) of held payload, oldest first.
+- Logs go to vLLM's logger tree (``vllm.kvtransport``; kvtransport's own warnings too);
+  stats go through ``KVConnectorStats`` to vLLM's log and through
+  :meth:`KVTransportConnector.build_prom_metrics` to its Prometheus endpoint
+  (``vllm:kvt_*``: tokens loaded / recomputed / refused, bytes, transfer and wait time).
   ``load_log`` (a file path) appends one JSON line per finished load (request, tag,
   tokens, loaded, failed_blocks, waited_ms, why, and the transfer's ``LINK_STATS``:
   datagrams received and lost, loss rate, repair received, symbols recovered); a
@@ -36,13 +52,16 @@ on both engines (vLLM's request ids differ).
 
 Supported: one KV cache group of full attention, vLLM's CPU backend with float32 or
 float16 caches (its "vec" kernels' block layout, see :func:`paged_views`), tensor
-parallel size 1.
+parallel size 1. ``model_id`` in the extra config names the model in the header when
+the two engines load it from different paths (default: vLLM's served model name).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,15 +73,23 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 from vllm.logger import init_logger
 
 from kvtransport.embed import vllm_blocks as vb
 
-logger = init_logger(__name__)
+LOGGER_NAME = "vllm.kvtransport"
+"""The connector's logger: inside vLLM's tree, so its lines reach vLLM's log."""
+logger = init_logger(LOGGER_NAME)
 
 DEFAULT_LISTEN = "0.0.0.0:9500"
 DEFAULT_DEADLINE_MS = 300.0
+CUT_GRACE_S = 1.0
+"""After ``wait_ms``, how long a load waits at most for the inbox's loop to cut its
+transfer (it answers within one loop iteration; this only bounds a stuck loop)."""
 LINK_STATS = ("datagrams", "datagrams_lost", "loss_rate", "repair_received", "symbols_recovered",
               "elapsed_s")  # fmt: skip
 """A received transfer's receiver statistics that ``load_log`` records."""
@@ -79,6 +106,13 @@ class _Load:
 
 
 @dataclass
+class _Pending:
+    load: _Load
+    started: float
+    cut_at: float | None = None  # when the inbox was asked to cut the transfer
+
+
+@dataclass
 class _Send:
     req_id: str
     tag: str
@@ -90,32 +124,98 @@ class _Send:
 
 @dataclass
 class KVTransportMetadata(KVConnectorMetadata):
-    """Scheduler -> worker, one step: loads to start and sends to make."""
+    """Scheduler -> worker, one step: loads to drop (aborted requests: handled first),
+    loads to start and sends to make."""
 
     loads: list[_Load] = field(default_factory=list)
     sends: list[_Send] = field(default_factory=list)
+    cancels: list[str] = field(default_factory=list)
+
+
+COUNTERS = {
+    "tokens_loaded": "Prompt tokens whose KV was loaded from a push",
+    "tokens_recomputed": "Prompt tokens claimed for a load that vLLM recomputes",
+    "tokens_refused": "Prompt tokens of pushes refused whole (incompatible or another prompt)",
+    "loads_refused": "Loads whose push was refused whole",
+    "loads": "Loads finished (loaded, cut or refused)",
+    "bytes_received": "Payload bytes of the pushes a load used or refused",
+    "pushes": "Pushes started by the prefill engine",
+    "push_failures": "Pushes that ended without delivering everything",
+    "bytes_pushed": "Payload bytes encoded for pushes",
+    "results_expired": "Received pushes dropped unclaimed (lease or memory bound)",
+}
+"""Stats counters (``KVConnectorStats`` keys) exported as ``vllm:kvt_<name>`` counters."""
+HISTOGRAMS = {
+    "push_s": ("Seconds from a push's start to its end", "push_times"),
+    "load_wait_s": ("Seconds a load waited for its push", "load_waits"),
+}
+"""Per-event times (lists in the stats) exported as ``vllm:kvt_<name>`` histograms."""
 
 
 @dataclass
 class KVTransportStats(KVConnectorStats):
-    """Counters of one interval: sends, loads, tokens loaded and recomputed, load waits."""
+    """Counters of one interval (:data:`COUNTERS`) and the times of its pushes and
+    loads (:data:`HISTOGRAMS`' lists)."""
 
     def reset(self) -> None:
         self.data: dict[str, Any] = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVTransportStats:
         for k, v in other.data.items():
-            self.data[k] = self.data.get(k, 0) + v
+            self.data[k] = self.data.get(k, [] if isinstance(v, list) else 0) + v
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        d = dict(self.data)
-        if d.get("loads"):
-            d["mean_load_wait_ms"] = round(1e3 * d.get("load_wait_s", 0.0) / d["loads"], 3)
+        d = {k: v for k, v in self.data.items() if not isinstance(v, list)}
+        for name, (_, key) in HISTOGRAMS.items():
+            times = self.data.get(key) or []
+            if times:
+                d[f"mean_{name[:-2]}_ms"] = round(1e3 * sum(times) / len(times), 3)
         return d
 
     def is_empty(self) -> bool:
         return not self.data
+
+
+class KVTransportPromMetrics(KVConnectorPromMetrics):
+    """The connector's stats as Prometheus counters and histograms (``vllm:kvt_*``)."""
+
+    def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:  # fmt: skip
+        from vllm.v1.metrics.utils import create_metric_per_engine
+
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.counters = {
+            k: create_metric_per_engine(
+                self._counter_cls(
+                    name=f"vllm:kvt_{k}", documentation=doc, labelnames=labelnames
+                ),  # fmt: skip
+                per_engine_labelvalues,
+            )
+            for k, doc in COUNTERS.items()
+        }
+        buckets = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+        self.histograms = {
+            key: create_metric_per_engine(
+                self._histogram_cls(
+                    name=f"vllm:kvt_{name}",
+                    documentation=doc,
+                    buckets=buckets,
+                    labelnames=labelnames,
+                ),  # fmt: skip
+                per_engine_labelvalues,
+            )
+            for name, (doc, key) in HISTOGRAMS.items()
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for k, per_engine in self.counters.items():
+            v = transfer_stats_data.get(k)
+            if v:
+                per_engine[engine_idx].inc(v)
+        for key, per_engine in self.histograms.items():
+            for t in transfer_stats_data.get(key) or []:
+                per_engine[engine_idx].observe(t)
 
 
 def _layer_index(name: str) -> int:
@@ -162,6 +262,34 @@ def paged_views(kv_caches: dict[str, torch.Tensor], head_dim: int) -> tuple[list
     return keys, values
 
 
+def _route_library_logs() -> None:
+    """kvtransport's own warnings (e.g. datagrams failing authentication on the decode
+    engine's port) to vLLM's handlers, when the application has not configured them."""
+    lib, parent = logging.getLogger("kvtransport"), logging.getLogger("vllm")
+    if lib.handlers or not parent.handlers:
+        return
+    for h in parent.handlers:
+        lib.addHandler(h)
+    if lib.level == logging.NOTSET:
+        lib.setLevel(logging.WARNING)
+    lib.propagate = False
+
+
+def model_id_of(vllm_config: Any, extra: dict[str, Any]) -> str:
+    """The model's name in the compatibility header: ``model_id`` in the extra config,
+    else vLLM's (first) served model name."""
+    if extra.get("model_id"):
+        return str(extra["model_id"])
+    mc = vllm_config.model_config
+    name = getattr(mc, "served_model_name", None) or mc.model
+    return str(name[0] if isinstance(name, list | tuple) else name)
+
+
+def config_hash_of(vllm_config: Any) -> str:
+    hf = vllm_config.model_config.hf_config
+    return vb.config_digest(hf.to_dict() if hasattr(hf, "to_dict") else dict(vars(hf)))
+
+
 class KVTransportConnector(KVConnectorBase_V1):
     """vLLM KV connector over kvtransport (see the module docstring)."""
 
@@ -170,7 +298,8 @@ class KVTransportConnector(KVConnectorBase_V1):
         tc = self._kv_transfer_config
         extra = dict(tc.kv_connector_extra_config or {})
         self.block_size = int(vllm_config.cache_config.block_size)
-        self.model_id = str(vllm_config.model_config.model)
+        self.model_id = model_id_of(vllm_config, extra)
+        self.config_hash = config_hash_of(vllm_config)
         self.head_dim = int(vllm_config.model_config.get_head_size())
         self.is_producer = bool(tc.is_kv_producer)
         self.is_consumer = bool(tc.is_kv_consumer)
@@ -178,31 +307,48 @@ class KVTransportConnector(KVConnectorBase_V1):
         self.wait_s = float(extra.get("wait_ms", self.deadline_ms + 1000.0)) * 1e-3
         self.push_to = extra.get("push_to")
         self.load_log = extra.get("load_log")  # a file: one JSON line per finished load
+        self.push_log = extra.get("push_log")  # a file: one JSON line per push
         self.block_tokens = int(extra.get("block_tokens", self.block_size))
         if self.block_tokens < 1 or self.block_size % self.block_tokens:
             raise ValueError(f"block_tokens {self.block_tokens} must divide the block size "
                              f"{self.block_size}")  # fmt: skip
         key = extra.get("key")
         insecure = bool(extra.get("insecure", False))
+        _route_library_logs()
         # scheduler side
         self._loads: list[_Load] = []
         self._sends: list[_Send] = []
+        self._cancels: list[str] = []
         self._claimed: set[str] = set()
+        self._loading: set[str] = set()  # claimed, and the worker has not reported done
         # worker side
         self._keys: list[np.ndarray] = []
         self._values: list[np.ndarray] = []
-        self._pending: dict[str, tuple[_Load, float]] = {}
+        self.compat: vb.Compat | None = None
+        self._pending: dict[str, _Pending] = {}
         self._done_sending: set[str] = set()
         self._done_recving: set[str] = set()
         self._load_errors: set[int] = set()
-        self._stats: dict[str, float] = {}
+        self._stats: dict[str, Any] = {}
+        self._stats_lock = threading.Lock()  # the push threads count too
+        self._expired_seen = 0
         self.inbox: vb.Inbox | None = None
         self.pusher: vb.Pusher | None = None
+        if role == KVConnectorRole.SCHEDULER and self.is_consumer:
+            if tc.kv_load_failure_policy == "fail":
+                logger.warning("kvtransport: kv_load_failure_policy is 'fail': a push that is "
+                               "lost, cut or refused fails its request; set "
+                               "\"kv_load_failure_policy\": \"recompute\" to recompute "
+                               "what did not load")  # fmt: skip
         if role == KVConnectorRole.WORKER:
             if self.is_consumer:
                 listen = str(extra.get("listen", DEFAULT_LISTEN))
-                self.inbox = vb.Inbox(listen=listen, key=key, insecure=insecure)
-                logger.info("kvtransport: receiving KV on %s", self.inbox.address)
+                lease_s = float(extra.get("result_lease_s", 30.0))
+                held_mb = float(extra.get("max_held_mb", 512.0))
+                self.inbox = vb.Inbox(listen=listen, key=key, insecure=insecure,
+                                      lease_s=lease_s, max_held_mb=held_mb)  # fmt: skip
+                logger.info("kvtransport: receiving KV on %s (wait_ms %.0f)",
+                            self.inbox.address, self.wait_s * 1e3)  # fmt: skip
             if self.is_producer:
                 rate = float(extra.get("rate_mbps", 100.0))
                 # pushes in flight at once, each paced at rate_mbps: together they offer
@@ -210,10 +356,11 @@ class KVTransportConnector(KVConnectorBase_V1):
                 parallel = int(extra.get("push_parallel", 1))
                 if parallel < 1:
                     raise ValueError(f"push_parallel must be at least 1, not {parallel}")
-                self.push_log = extra.get("push_log")  # a file: one JSON line per push
-                on_done = self._log_push if self.push_log else None
-                self.pusher = vb.Pusher(max_parallel=parallel, rate_mbps=rate, on_done=on_done,
-                                        key=key, insecure=insecure)  # fmt: skip
+                self.pusher = vb.Pusher(max_parallel=parallel, rate_mbps=rate,
+                                        on_done=self._push_done, key=key,
+                                        insecure=insecure)  # fmt: skip
+                logger.info("kvtransport: pushing KV to %s at %.0f Mbit/s",
+                            self.push_to or "each request's kvt_push_to", rate)  # fmt: skip
 
     # ------------------------------------------------------------------ scheduler side
 
@@ -235,6 +382,7 @@ class KVTransportConnector(KVConnectorBase_V1):
             return
         stop = len(request.prompt_token_ids)
         self._claimed.add(request.request_id)
+        self._loading.add(request.request_id)
         self._loads.append(_Load(
             request.request_id, str(request.kv_transfer_params["kvt_request"]),
             list(blocks.get_block_ids()[0]), stop - num_external_tokens, stop,
@@ -242,14 +390,24 @@ class KVTransportConnector(KVConnectorBase_V1):
         ))  # fmt: skip
 
     def build_connector_meta(self, scheduler_output: Any) -> KVTransportMetadata:
-        meta = KVTransportMetadata(loads=self._loads, sends=self._sends)
-        self._loads, self._sends = [], []
+        meta = KVTransportMetadata(loads=self._loads, sends=self._sends, cancels=self._cancels)
+        self._loads, self._sends, self._cancels = [], [], []
         return meta
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Loads the worker reported finished no longer need cancelling."""
+        self._loading -= set(getattr(connector_output, "finished_recving", None) or ())
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict | None]:
         """Producer: keep the blocks of a ``do_remote_decode`` request until the worker
-        has copied them out; hand the decode engine its ``kv_transfer_params``."""
+        has copied them out; hand the decode engine its ``kvt_transfer_params``.
+        Consumer: a request that ends while its load is pending (aborted) has the load
+        dropped in the worker before anything more is written (its blocks go back to
+        vLLM now)."""
         self._claimed.discard(request.request_id)
+        if request.request_id in self._loading:
+            self._loading.discard(request.request_id)
+            self._cancels.append(request.request_id)
         params = request.kv_transfer_params or {}
         if not self.is_producer or not params.get("do_remote_decode"):
             return False, None
@@ -270,74 +428,139 @@ class KVTransportConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._keys, self._values = paged_views(kv_caches, self.head_dim)
+        k = self._keys[0]
+        self.compat = vb.Compat(self.model_id, len(self._keys), int(k.shape[1]),
+                                int(k.shape[3]), np.dtype(k.dtype).name, self.block_size,
+                                self.config_hash)  # fmt: skip
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        """Take this step's work: copy out and push finished prefills; poll the loads."""
+        """Take this step's work: drop aborted loads; copy out finished prefills (their
+        encoding and sending run in the pusher's threads); poll the loads."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVTransportMetadata)
+        for req_id in meta.cancels:  # first: their blocks may be another request's now
+            if self._pending.pop(req_id, None) is not None:
+                logger.info("kvtransport: request %s aborted while loading", req_id)
         now = time.monotonic()
         for s in meta.sends:
             self._push(s)
         for load in meta.loads:
-            self._pending[load.req_id] = (load, now)
-        for req_id, (load, started) in list(self._pending.items()):
-            assert self.inbox is not None
-            result = self.inbox.take(load.tag)
-            if result is None and now - started < self.wait_s:
-                continue
-            self._finish_load(load, result, now - started)
-            del self._pending[req_id]
+            self._pending[load.req_id] = _Pending(load, now)
+        for req_id, p in list(self._pending.items()):
+            if self._poll_load(p, now):
+                del self._pending[req_id]
         if self.pusher is not None:
-            for tag, status in self.pusher.poll().items():
-                if "error" in status:
-                    logger.warning("kvtransport: push of %s failed: %s", tag, status["error"])
-                    self._count("push_errors")
+            self.pusher.poll()  # forget ended pushes (their ends are logged as they end)
+        if self.inbox is not None and self.inbox.expired > self._expired_seen:
+            self._count("results_expired", self.inbox.expired - self._expired_seen)
+            self._expired_seen = self.inbox.expired
+
+    def _poll_load(self, p: _Pending, now: float) -> bool:
+        """Finish ``p`` if its push ended, or at ``wait_ms`` with what arrived (the inbox
+        cuts the transfer first); True once finished."""
+        assert self.inbox is not None
+        tag, waited = p.load.tag, now - p.started
+        result = self.inbox.take(tag)
+        if result is None:
+            if waited < self.wait_s:
+                return False
+            if p.cut_at is None:
+                p.cut_at = now
+                self.inbox.cut(tag)
+                return False
+            if not self.inbox.cut_done(tag) and now - p.cut_at < CUT_GRACE_S:
+                return False
+            result = self.inbox.take(tag)  # what the cut delivered, if it was arriving
+        self._finish_load(p.load, result, waited)
+        return True
 
     def _push(self, s: _Send) -> None:
-        assert self.pusher is not None
+        """Copy the request's KV out now (vLLM frees its blocks after this step); encode
+        and send it in the pusher's threads."""
+        assert self.pusher is not None and self.compat is not None
         cache = vb.gather(self._keys, self._values, s.block_ids, s.token_ids, self.model_id)
-        self.pusher.push(vb.encode_request(cache, s.tag, self.block_tokens), s.tag, s.to,
-                         s.deadline_ms)  # fmt: skip
+        compat, block_tokens = self.compat, self.block_tokens
+
+        def encode() -> Any:
+            return vb.encode_request(cache, s.tag, block_tokens, compat)
+
+        self.pusher.push(encode, s.tag, s.to, s.deadline_ms)
         self._done_sending.add(s.req_id)  # copied out: vLLM may free the blocks
         self._count("pushes")
         self._count("tokens_pushed", len(s.token_ids))
 
-    def _log_push(self, tag: str, status: dict[str, Any]) -> None:
-        keep = ("transfer_id", "finish_reason", "decoded_through", "n_source", "source_sent",
-                "repair_sent", "datagrams_sent", "max_lag_ms", "error")  # fmt: skip
-        record = {"tag": tag, **{k: status[k] for k in keep if k in status}}
-        assert self.push_log is not None  # set whenever this callback is
-        with open(self.push_log, "a") as fh:
-            fh.write(json.dumps(record) + "\n")
+    def _push_done(self, tag: str, status: dict[str, Any]) -> None:
+        """A push ended (in its sending thread): count it, log a failure, and append it to
+        ``push_log``."""
+        self._count("bytes_pushed", status.get("bytes_encoded", 0))
+        if "elapsed_s" in status:
+            self._count("push_times", [float(status["elapsed_s"])])
+        failed = "error" in status or status.get("delivered", "complete") != "complete"
+        if failed:
+            self._count("push_failures")
+            why = status.get("error") or status.get("note") or status.get("finish_reason")
+            logger.warning("kvtransport: push %s to %s ended %s: %s", tag, status.get("to", "?"),
+                           status.get("delivered", "with an error"), why)  # fmt: skip
+        if self.push_log:
+            keep = ("transfer_id", "finish_reason", "delivered", "note", "decoded_through",
+                    "n_source", "source_sent", "repair_sent", "datagrams_sent", "max_lag_ms",
+                    "bytes_encoded", "error")  # fmt: skip
+            record = {"tag": tag, **{k: status[k] for k in keep if k in status}}
+            with open(self.push_log, "a") as fh:
+                fh.write(json.dumps(record) + "\n")
 
     def _finish_load(self, load: _Load, result: Any, waited_s: float) -> None:
-        plan = vb.load_plan(result, block_ids=load.block_ids, block_size=self.block_size,
-                            start=load.start, stop=load.stop, token_ids=load.token_ids)  # fmt: skip
-        if plan.cache is not None and plan.prefix > load.start:
-            vb.scatter(plan.cache, self._keys, self._values, load.block_ids, load.start,
-                       plan.prefix)  # fmt: skip
+        """Write what of ``result`` loads into the request's blocks and report the rest as
+        load errors. Never raises: anything unexpected fails every block, unwritten."""
+        try:
+            plan = vb.load_plan(result, block_ids=load.block_ids, block_size=self.block_size,
+                                start=load.start, stop=load.stop, token_ids=load.token_ids,
+                                expect=self.compat)  # fmt: skip
+            if plan.cache is not None and plan.prefix > load.start:
+                vb.scatter(plan.cache, self._keys, self._values, load.block_ids, load.start,
+                           plan.prefix)  # fmt: skip
+        except Exception as exc:  # a bug or a hostile push must not kill the engine
+            logger.exception("kvtransport: request %s: load failed", load.req_id)
+            last = -(-load.stop // self.block_size)
+            ids = [int(b) for b in load.block_ids[load.start // self.block_size : last]]
+            plan = vb.LoadPlan(load.start, ids, None, f"load failed: {exc}", refused=True)
         self._load_errors.update(plan.failed_block_ids)
         self._done_recving.add(load.req_id)
+        loaded = max(plan.prefix - load.start, 0)
         self._count("loads")
-        self._count("load_wait_s", waited_s)
-        self._count("tokens_loaded", max(plan.prefix - load.start, 0))
-        self._count("tokens_failed", load.stop - max(plan.prefix, load.start))
-        if self.load_log:
-            record = {"request": load.req_id, "tag": load.tag, "tokens": load.stop,
-                      "loaded": plan.prefix, "failed_blocks": len(plan.failed_block_ids),
-                      "waited_ms": round(waited_s * 1e3, 3), "why": plan.why}  # fmt: skip
-            if result is not None:  # what the link did to this transfer (receiver's view)
-                record.update({k: result.stats[k] for k in LINK_STATS if k in result.stats})
-            with open(self.load_log, "a") as fh:
-                fh.write(json.dumps(record) + "\n")
-        if not plan.complete:
-            self._count("partial_loads")
+        self._count("load_waits", [waited_s])
+        self._count("tokens_loaded", loaded)
+        self._count("tokens_recomputed", load.stop - load.start - loaded)
+        if result is not None:
+            self._count("bytes_received", int(result.payload.nbytes))
+        if plan.refused:
+            self._count("loads_refused")
+            self._count("tokens_refused", load.stop - load.start)
+            logger.warning("kvtransport: request %s (%s): push refused, nothing loaded: %s",
+                           load.req_id, load.tag, plan.why)  # fmt: skip
+        elif not plan.complete:
             logger.info("kvtransport: request %s loads %d of %d tokens (%s); recomputing "
                         "%d blocks", load.req_id, plan.prefix, load.stop, plan.why,
                         len(plan.failed_block_ids))  # fmt: skip
+        if self.load_log:
+            self._log_load(load, plan, result, waited_s)
 
-    def _count(self, name: str, value: float = 1) -> None:
-        self._stats[name] = self._stats.get(name, 0) + value
+    def _log_load(self, load: _Load, plan: vb.LoadPlan, result: Any, waited_s: float) -> None:
+        record = {"request": load.req_id, "tag": load.tag, "tokens": load.stop,
+                  "loaded": plan.prefix, "failed_blocks": len(plan.failed_block_ids),
+                  "refused": plan.refused, "waited_ms": round(waited_s * 1e3, 3),
+                  "why": plan.why}  # fmt: skip
+        if result is not None:  # what the link did to this transfer (receiver's view)
+            record["reason"] = result.reason
+            record.update({k: result.stats[k] for k in LINK_STATS if k in result.stats})
+        assert self.load_log is not None
+        with open(self.load_log, "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+
+    def _count(self, name: str, value: Any = 1) -> None:
+        with self._stats_lock:
+            zero: Any = [] if isinstance(value, list) else 0
+            self._stats[name] = self._stats.get(name, zero) + value
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing to wait for: a request's whole load lands before vLLM schedules it."""
@@ -359,14 +582,26 @@ class KVTransportConnector(KVConnectorBase_V1):
         return errors
 
     def get_kv_connector_stats(self) -> KVTransportStats | None:
-        if not self._stats:
-            return None
-        stats, self._stats = KVTransportStats(data=self._stats), {}
+        with self._stats_lock:
+            if not self._stats:
+                return None
+            stats, self._stats = KVTransportStats(data=self._stats), {}
         return stats
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVTransportStats:
         return KVTransportStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVTransportPromMetrics:
+        return KVTransportPromMetrics(vllm_config, metric_types, labelnames,
+                                      per_engine_labelvalues)  # fmt: skip
 
     def shutdown(self) -> None:
         if self.pusher is not None:
