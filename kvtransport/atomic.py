@@ -52,8 +52,11 @@ def _umask() -> int:
     return 0o022
 
 
-def atomic_write(path: str | os.PathLike, data: bytes | bytearray | memoryview) -> Path:
-    """Replace ``path`` with ``data`` atomically; returns the path.
+def atomic_write(
+    path: str | os.PathLike, data: bytes | bytearray | memoryview, *, mode: int | None = None
+) -> Path:
+    """Replace ``path`` with ``data`` atomically; returns the path. ``mode``: the new
+    file's permissions (default: 0666 less the umask, module docstring).
 
     Raises :class:`AtomicWriteError` if the directory is missing or not writable, the
     target is a directory, or any write, fsync or rename fails. Anything else (a ``data``
@@ -71,7 +74,8 @@ def atomic_write(path: str | os.PathLike, data: bytes | bytearray | memoryview) 
     except OSError as exc:
         raise _error(path, exc) from exc
     try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 would hide the file from others
+        # mkstemp's 0600 would hide the file from others, unless that is what is asked
+        os.fchmod(fd, (0o666 & ~_umask()) if mode is None else mode)
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()

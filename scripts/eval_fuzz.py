@@ -47,6 +47,16 @@ import numpy as np
 from kvtransport.core.wire import HEADER_SIZE, Parser, WireError  # the fuzzer needs only these
 
 KEY_HEX = "5e" * 32
+
+
+def _key_file(folder: Path) -> Path:
+    """KEY_HEX in a 0600 file of ``folder`` (a key in argv is refused: ps shows it)."""
+    path = folder / "key"
+    path.write_text(KEY_HEX)
+    path.chmod(0o600)
+    return path
+
+
 KINDS = ("bitflip", "header", "truncate", "extend", "splice", "new_id", "random", "unsealed")
 CAPTURE = 256  # genuine datagrams the fuzzer mutates
 BUDGET_MB = 256.0
@@ -255,7 +265,7 @@ def run(n_fuzz: int, size_mb: float, rate_mbps: float, seed: int = 1,
     rx = subprocess.Popen(
         [sys.executable, "-m", "kvtransport", "receiver-daemon", "--listen", "127.0.0.1:0",
          "--control", f"ipc://{tmp}/rx.ipc", "--publish", f"ipc://{tmp}/res.ipc",
-         "--key", KEY_HEX, "--replay-file", str(tmp / "replay"), "--max-mb", "64",
+         "--key-file", str(_key_file(tmp)), "--replay-file", str(tmp / "replay"), "--max-mb", "64",
          "--budget-mb", str(BUDGET_MB)],
         stdout=subprocess.DEVNULL, stderr=err,
     )  # fmt: skip

@@ -65,7 +65,7 @@ SERIAL_FILES = frozenset({
     "test_daemon_robustness.py", "test_fuzz_datagrams.py", "test_hosts.py",
     "test_inprocess.py", "test_integration_netns.py", "test_keys.py", "test_live_race.py",
     "test_memory_bounds.py", "test_operability.py", "test_race.py", "test_readme.py",
-    "test_replay.py",
+    "test_replay.py", "test_full_filesystem.py", "test_replay_failclosed.py",
     "test_submit_cli.py", "test_tcp_baseline.py", "test_tcp_baseline_netns.py",
     "test_testbed.py", "test_udp.py", "test_vllm_blocks.py", "test_vllm_connector.py",
 })  # fmt: skip

@@ -43,7 +43,12 @@ class Daemons:
         self.sender_ctl = f"ipc://{self.dir}/sender.ipc"
         self.receiver_ctl = f"ipc://{self.dir}/receiver.ipc"
         self.results = f"ipc://{self.dir}/results.ipc"
-        keyed = ["--key", key] if key else []
+        keyed = []
+        if key:  # a key file, as between hosts (a key in argv is refused: ps shows it)
+            key_file = self.dir / "key"
+            key_file.write_text(key)
+            key_file.chmod(0o600)
+            keyed = ["--key-file", str(key_file)]
         wrap = netns or (lambda side, argv: argv)
         self.rx = self._spawn(
             "receiver",

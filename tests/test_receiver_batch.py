@@ -21,6 +21,14 @@ from kvtransport.core.transfer import BlockTable, TransportManifest, synthetic_t
 from kvtransport.policies.registry import make_policy
 from kvtransport.sim.simulator import Simulation
 
+
+@pytest.fixture(autouse=True)
+def _one_feedback_epoch(monkeypatch):
+    """The sessions compared seal their feedback under one epoch (each draws a random one,
+    kvtransport.core.wire "Sealing"), so their datagrams compare byte for byte."""
+    monkeypatch.setattr(wire, "new_epoch", lambda: 1)
+
+
 TID = 0x0BA7_C4ED_0000_0001
 KEY = bytes(range(32))
 RATE = 200e6
@@ -521,6 +529,9 @@ def test_the_host_hands_each_transfers_runs_of_a_batch_to_its_session():
             stream.append(b"\x00" * int(rng.integers(0, 40)))  # truncated or garbage
     addr = ("127.0.0.1", 9)
     one, run = ReceiverHost(key=KEY), ReceiverHost(key=KEY)
+    for h in (one, run):  # the streams carry no manifest: their sessions opened ahead
+        for tid in (TID, TID + 1):
+            h.expect(tid, addr, 0.0, 100.0)
     t, i = 0.0, 0
     while i < len(stream):
         batch = stream[i : i + int(rng.integers(1, 80))]

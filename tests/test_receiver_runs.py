@@ -37,6 +37,14 @@ from kvtransport.core.feedback import SEQ_RING, LossMonitor
 from kvtransport.core.protocol import STANDARD, ProtocolConfig
 from kvtransport.core.receiver import ReceiverSession
 
+
+@pytest.fixture(autouse=True)
+def _one_feedback_epoch(monkeypatch):
+    """The sessions compared seal their feedback under one epoch (each draws a random one,
+    kvtransport.core.wire "Sealing"), so their datagrams compare byte for byte."""
+    monkeypatch.setattr(wire, "new_epoch", lambda: 1)
+
+
 TID = 0x5EED_0000_0000_0015
 KEY = bytes(range(32))
 RATE = 200e6

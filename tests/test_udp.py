@@ -162,10 +162,23 @@ def _run_pair(recv_args, send_args, capsys, timeout=60):
 
 
 def test_send_recv_synthetic_transfer_is_byte_exact(tmp_path, capsys):
-    key = "5e" * 16
+    key = tmp_path / "key"
+    key.write_text("5e" * 16)
+    key.chmod(0o600)
     sent_st, recv_st = _run_pair(
-        ["--key", key, "--out", str(tmp_path)],
-        ["--key", key, "--size-mb", "1.5", "--rate-mbps", "100", "--rho", "3", "--seed", "7"],
+        ["--key-file", str(key), "--out", str(tmp_path)],
+        [
+            "--key-file",
+            str(key),
+            "--size-mb",
+            "1.5",
+            "--rate-mbps",
+            "100",
+            "--rho",
+            "3",
+            "--seed",
+            "7",
+        ],
         capsys,
     )
     assert recv_st["reason"] == "complete" and recv_st["utility"] == pytest.approx(1.0)

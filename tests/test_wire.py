@@ -48,6 +48,9 @@ def test_every_type_round_trips(key):
         d = parser.parse(data)
         assert d.type == want["type"] and d.seq == want["seq"] and d.transfer_id == TID
         assert bytes(d.payload) == want.get("payload", b"")
+        if d.type == T.FEEDBACK:  # its FEC payload id fields carry the framer's epoch
+            assert wire.feedback_epoch(d) == framer.epoch and (framer.epoch != 0) == bool(key)
+            continue
         assert d.esi == want.get("esi", 0) and d.key == want.get("key", 0)
         assert d.dt_nss == want.get("dt_nss", 0)
         assert d.flags & wire.FLAG_RETRANSMIT == want.get("flags", 0)
@@ -263,8 +266,10 @@ def _reference_verdict(data: bytes, key: bytes | None):
     end = wire.HEADER_SIZE + plen
     payload = data[wire.HEADER_SIZE : end]
     if key is not None:
+        if dtype == T.FEEDBACK and not (k or dt_nss or esi):
+            return wire.BadTag  # epoch 0 would be the data path's nonces
         try:
-            payload = _open(data, key, tid, dtype, seq)
+            payload = _open(data, key, tid, _nonce(dtype, seq, k, dt_nss, esi))
         except InvalidTag:
             return wire.BadTag
     return (dtype, flags, tid, seq, k, dt_nss, esi, payload)
@@ -276,17 +281,20 @@ def _transfer_key(key: bytes, tid: int) -> AESGCM:
     return AESGCM(hkdf.derive(key))
 
 
-def _nonce(dtype: int, seq: int) -> bytes:
-    return (1 if dtype == T.FEEDBACK else 0).to_bytes(4, "big") + seq.to_bytes(8, "big")
+def _nonce(dtype: int, seq: int, k: int, dt_nss: int, esi: int) -> bytes:
+    """The documented nonce: epoch (u64) | seq (u32); the data path's epoch is 0, a
+    FEEDBACK's is its key, DT/NSS and ESI fields."""
+    epoch = (k << 48 | dt_nss << 32 | esi) if dtype == T.FEEDBACK else 0
+    return epoch.to_bytes(8, "big") + seq.to_bytes(4, "big")
 
 
-def _open(data: bytes, key: bytes, tid: int, dtype: int, seq: int) -> bytes:
+def _open(data: bytes, key: bytes, tid: int, nonce: bytes) -> bytes:
     h = wire.HEADER_SIZE
-    return _transfer_key(key, tid).decrypt(_nonce(dtype, seq), data[h:], data[:h])
+    return _transfer_key(key, tid).decrypt(nonce, data[h:], data[:h])
 
 
-def _seal(header: bytes, body: bytes, key: bytes, tid: int, dtype: int, seq: int) -> bytes:
-    return header + _transfer_key(key, tid).encrypt(_nonce(dtype, seq), body, header)
+def _seal(header: bytes, body: bytes, key: bytes, tid: int, nonce: bytes) -> bytes:
+    return header + _transfer_key(key, tid).encrypt(nonce, body, header)
 
 
 def _mostly(good, *bad):
@@ -317,7 +325,7 @@ def test_parser_verdict_matches_the_documented_rules(
     body = bytes(range(max(0, plen + slack)))
     data = header + body
     if tag != "none":
-        data = _seal(header, body, KEY, tid, dtype, 77)
+        data = _seal(header, body, KEY, tid, _nonce(dtype, 77, 5, 9, 3))
         if tag == "bad":
             data = data[:-1] + bytes([data[-1] ^ 1])
     expected = _reference_verdict(data, key)

@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import json
 import math
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -38,7 +39,7 @@ def add_model(parser: argparse.ArgumentParser) -> None:
 
 KEY_HELP = (
     "Datagrams are encrypted and authenticated (AES-256-GCM) with a pre-shared key both "
-    "hosts hold: --key-file FILE, --key FILE|HEX, or by default ~/.config/kvtransport/key "
+    "hosts hold: --key-file FILE, --key-stdin, $KVT_KEY, or by default ~/.config/kvtransport/key "
     "(made on first use, mode 0600: copy it to the peer host with scp -p). --insecure runs "
     "without one (plaintext, forgeable)."
 )
@@ -64,11 +65,13 @@ def add_synthetic(parser: argparse.ArgumentParser, what: Any) -> None:
 
 
 def add_key(parser: argparse.ArgumentParser) -> None:
-    """``--key-file FILE``, ``--key FILE|HEX`` and ``--insecure`` (see kvtransport.core.keys);
-    both ends must use the same key. :func:`key_from` reads them."""
+    """``--key-file FILE``, ``--key FILE``, ``--key-stdin`` and ``--insecure`` (see
+    kvtransport.core.keys); both ends must use the same key. :func:`key_from` reads them."""
     g = parser.add_argument_group("pre-shared key", KEY_HELP)
-    g.add_argument("--key-file", metavar="FILE", help="the key file (hex or raw, mode 0600)")
-    g.add_argument("--key", metavar="FILE|HEX", help="a key file, or the key in hex")
+    g.add_argument("--key-file", metavar="FILE", help="the key file (hex, mode 0600, yours)")
+    g.add_argument("--key", metavar="FILE", help="the key file (as --key-file)")
+    g.add_argument("--key-stdin", action="store_true",
+                   help="read the key (hex) from standard input; or set $KVT_KEY")  # fmt: skip
     g.add_argument(
         "--insecure", action="store_true", help="no key: plaintext, unauthenticated datagrams"
     )
@@ -76,8 +79,19 @@ def add_key(parser: argparse.ArgumentParser) -> None:
 
 def key_from(args: argparse.Namespace) -> bytes | None:
     """The key :func:`add_key`'s options name (None only with ``--insecure``)."""
-    from kvtransport.core.keys import resolve_key
+    from pathlib import Path
 
+    from kvtransport.core.keys import parse_hex, resolve_key
+
+    if args.key is not None and not Path(args.key).exists():
+        raise UserError(
+            "--key takes a key file: a key in hex on the command line is visible to every "
+            "user in ps; use --key-file FILE, --key-stdin or $KVT_KEY"
+        )
+    if getattr(args, "key_stdin", False):
+        if args.key is not None or args.key_file is not None or args.insecure:
+            raise UserError("give one of --key-stdin, --key-file, --key, --insecure")
+        return parse_hex(sys.stdin.readline(), "the key on standard input")
     return resolve_key(args.key_file, args.key, args.insecure)
 
 
@@ -106,7 +120,9 @@ def add_curve(parser: argparse.ArgumentParser) -> None:
         "--curve-secret", metavar="FILE",
         help="encrypt and authenticate the ZeroMQ sockets with CURVE, this daemon's secret "
         "key in FILE (made on first use, mode 0600; its public key in FILE.pub, which "
-        "clients pass as curve_server_key); needed for tcp:// off loopback",
+        "clients pass as --curve-server-key); only the clients whose public keys are in "
+        "FILE.clients (one per line, or a directory of such files) get in; needed for "
+        "any tcp:// endpoint",
     )  # fmt: skip
 
 

@@ -24,7 +24,7 @@ ROLES = ("sender", "receiver")
 def add_control(parser: argparse.ArgumentParser, *, receiver_switch: bool = False) -> None:
     """``--control ENDPOINT`` (default: the sender daemon's default endpoint, or with
     ``--receiver``, where ``receiver_switch`` offers it, the receiver daemon's),
-    ``--curve-server-key FILE`` and ``--timeout S``."""
+    ``--curve-server-key FILE``, ``--curve-client-key FILE`` and ``--timeout S``."""
     from kvtransport.daemons.api import DEFAULT_RECEIVER_CONTROL, DEFAULT_SENDER_CONTROL
 
     g = parser.add_argument_group("daemon")
@@ -39,6 +39,9 @@ def add_control(parser: argparse.ArgumentParser, *, receiver_switch: bool = Fals
     g.add_argument("--curve-server-key", metavar="FILE",
                    help="the daemon's public CURVE key (FILE.pub beside its --curve-secret "
                    "FILE), for a daemon whose control runs with CURVE")  # fmt: skip
+    g.add_argument("--curve-client-key", metavar="FILE",
+                   help="this client's CURVE secret key (made on first use; add the line in "
+                   "FILE.pub to the daemon's --curve-secret FILE.clients)")  # fmt: skip
     g.add_argument("--timeout", type=float_arg(0, 3600, lo_open=True), default=5.0,
                    metavar="S",
                    help="wait this long for the daemon to be up and answer "
@@ -80,7 +83,12 @@ def connect(args: argparse.Namespace) -> SenderClient | ReceiverClient:
                 raise _no_daemon(role, endpoint, f"no socket file after {args.timeout:g} s")
             time.sleep(0.05)
     kind = ReceiverClient if role == "receiver" else SenderClient
-    client = kind(endpoint, timeout_s=args.timeout, curve_server_key=args.curve_server_key)
+    client = kind(
+        endpoint,
+        timeout_s=args.timeout,
+        curve_server_key=args.curve_server_key,
+        curve_client_key=args.curve_client_key,
+    )
     try:
         pong = client.ping()
     except ApiError:

@@ -24,8 +24,11 @@ Wait for one transfer from `kvtransport send` (or a sender daemon), feed it to t
 receiver session (authentication, RLC decoding, feedback to the sender) and stop at its
 deadline, when everything is decoded, or when the sender aborts. Prints the utility
 recovered and which blocks are missing; --out DIR writes the result as
-<transfer id>.result.safetensors (a cache card when a card was sent, see
-kvtransport.daemons.api). Datagrams of any other transfer are counted and dropped.
+<transfer id>.result.safetensors (mode 0600; a cache card when a card was sent, see
+kvtransport.daemons.api). --out is checked at start (a writable directory with room); if
+writing the result fails later (disk full), the result is kept in the state directory's
+results/ folder instead and the failure named on standard error (exit 2).
+Datagrams of any other transfer are counted and dropped.
 
 Exit status: 0 when every block arrived, 3 when the result is partial (blocks missing at
 the deadline or on abort), 4 when the manifest never arrived or the transfer was refused
@@ -58,16 +61,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from kvtransport.core.replay import open_record
-    from kvtransport.daemons.api import write_result_file
+    from kvtransport.daemons.api import keep_result, probe_result_dir
     from kvtransport.daemons.daemon import warm_up
     from kvtransport.daemons.udp import DatagramSocket, parse_address, set_realtime
     from kvtransport.embed.inprocess import delivered, run_receive
 
-    if args.out and not Path(args.out).is_dir():
-        raise UserError(f"--out {args.out} is not a directory")
+    if args.out:
+        probe_result_dir(args.out, "--out")
     if not args.timeout > 0 or not args.idle_timeout > 0 or not args.max_mb > 0:
         raise UserError("--timeout, --idle-timeout and --max-mb must be positive")
     key = _common.key_from(args)
@@ -96,9 +97,15 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvtransport recv: {note}", file=sys.stderr)
         result = delivered(inc, engine)
         stats = result.stats
+        kept = None
         if args.out:
-            stats["file"] = str(write_result_file(args.out, inc.session.result, stats))
+            path, kept = keep_result(args.out, inc.session.result, stats)
+            stats["file"] = str(path)
+            if kept is not None:
+                stats["file_error"] = kept
     _common.report(args, stats, _print)
+    if kept is not None:
+        raise UserError(f"{kept}: the result is kept in {stats['file']} instead")
     return exit_status(result)
 
 

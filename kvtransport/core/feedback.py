@@ -60,6 +60,9 @@ REFUSAL_SEQ = 0xFFFFFFFF
 """The feedback sequence number of :func:`refusal_datagram` (less the reason's code):
 beyond any a session reaches."""
 
+REFUSAL_EPOCH = (1 << 64) - 1
+"""The feedback epoch (kvtransport.core.wire, "Sealing") of :func:`refusal_datagram`."""
+
 _REFUSAL_TEXT = {
     "stale_manifest": "the manifest's send time is outside the receiver's replay window: "
     "are both hosts' clocks in sync (NTP)?",
@@ -95,10 +98,12 @@ def refusal_datagram(key: bytes | None, transfer_id: int, reason: str) -> bytes:
     with: counters all zero, ``FB_FINISHED`` and the reason's code, sealed with the
     transfer's key, feedback sequence number ``REFUSAL_SEQ`` less the code. Its bytes
     depend on the key, the transfer id and the reason alone: sent again it repeats its
-    nonce only with the same plaintext, which reveals nothing."""
+    nonce only with the same plaintext, which reveals nothing: its feedback epoch is the
+    fixed :data:`REFUSAL_EPOCH` (a session's random epoch is never it but by a 2^-64
+    chance)."""
     code = _REFUSAL_CODE[reason]
     fb = Feedback(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0.0, 1.0, FB_FINISHED | code << REFUSAL_SHIFT, ())
-    framer = Framer(transfer_id, key)
+    framer = Framer(transfer_id, key, epoch=REFUSAL_EPOCH if key is not None else 0)
     n = encode_feedback(fb, framer.payload_view(128))
     return framer.finish(DatagramType.FEEDBACK, REFUSAL_SEQ - code, n)
 

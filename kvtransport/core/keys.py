@@ -4,8 +4,11 @@ Every datagram is sealed with a key both hosts share (kvtransport.core.wire), so
 that sends or receives needs one. :func:`resolve_key` decides, in this order:
 
 1. ``--insecure``: no key, plaintext datagrams anyone can read or forge; logged loudly.
-2. ``--key-file FILE``: the key in FILE (hex text, or raw bytes).
-3. ``--key FILE|HEX``: a key file, or the key itself in hex.
+2. ``--key-file FILE`` (or ``--key FILE``): the key in FILE, as hex text (whitespace
+   around it ignored). The CLI also reads hex from standard input (``--key-stdin``); the
+   key in hex on the command line (``--key HEX``) is refused, since every local user can
+   read a command line in ``ps``; the Python API's ``key=`` still takes hex.
+3. ``$KVT_KEY``: the key in hex, from the environment.
 4. Nothing given: the default key file, :func:`default_key_path`
    (``$KVT_KEY_FILE``, else ``$XDG_CONFIG_HOME/kvtransport/key``, else
    ``~/.config/kvtransport/key``). If it does not exist, 32 random bytes are written there
@@ -17,7 +20,8 @@ peer:.config/kvtransport/key`` (create the directory there first with ``mkdir -m
 ~/.config/kvtransport``), or pass ``--key-file`` on both hosts.
 
 Keys shorter than 16 bytes (or longer than 64) are refused, and so is a key file that
-other users may read or write; every refusal is a one-line :class:`UserError`.
+is not strict hex, is not a regular file (a FIFO would block), is owned by another user,
+or that other users may read or write; every refusal is a one-line :class:`UserError`.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ from kvtransport.errors import UserError
 log = logging.getLogger("kvtransport.keys")
 
 GENERATED_KEY_BYTES = 32
+KEY_ENV = "KVT_KEY"
+"""The environment variable that may hold the key in hex."""
 INSECURE_WARNING = (
     "INSECURE: running without a key (--insecure): datagrams are plaintext and "
     "unauthenticated; anyone on the path can read the cache and forge or end transfers"
@@ -58,26 +64,42 @@ def check_key(key: bytes, source: str) -> bytes:
     return key
 
 
+def parse_hex(text: str | bytes, source: str) -> bytes:
+    """The key written as hex digits in ``text`` (whitespace around it ignored); a
+    one-line UserError naming ``source`` for anything else (a passphrase, a typo)."""
+    try:
+        raw = text.decode("ascii") if isinstance(text, bytes) else text
+        key = bytes.fromhex(raw.strip())
+    except (UnicodeDecodeError, ValueError):
+        raise UserError(
+            f"{source} is not a key in hex digits; make one with: "
+            "head -c 32 /dev/urandom | xxd -p -c 64"
+        ) from None
+    return check_key(key, source)
+
+
 def read_key_file(path: str | Path) -> bytes:
-    """The key in ``path``: hex text (whitespace around it ignored) or raw bytes. Refused
-    when the file is missing, unreadable, open to other users, or the key's size is off."""
+    """The key in ``path``, hex text. Refused when the file is missing, unreadable, not a
+    regular file, owned by another user, open to other users, not hex, or the key's size
+    is off."""
+    from kvtransport.core.replay import read_regular_file
+
     p = Path(path)
     try:
         st = p.stat()
-        raw = p.read_bytes()
+        raw = read_regular_file(p.resolve())
     except OSError as exc:
         raise UserError(f"cannot read key file {p}: {exc.strerror}") from None
+    if st.st_uid != os.getuid():
+        raise UserError(
+            f"key file {p} belongs to another user (uid {st.st_uid}); use a key file you own"
+        )
     if stat.S_IMODE(st.st_mode) & 0o077:
         raise UserError(
             f"key file {p} is accessible by other users (mode {stat.S_IMODE(st.st_mode):04o}); "
             f"run: chmod 600 {p}"
         )
-    text = raw.strip()
-    try:
-        key = bytes.fromhex(text.decode("ascii"))
-    except (UnicodeDecodeError, ValueError):
-        key = raw
-    return check_key(key, f"key file {p}")
+    return parse_hex(raw, f"key file {p}")
 
 
 def generate_key_file(path: str | Path) -> bytes:
@@ -134,6 +156,9 @@ def resolve_key(
         return read_key_file(key_file)
     if key is not None:
         return parse_key(key)
+    env = os.environ.get(KEY_ENV)
+    if env:
+        return parse_hex(env, f"${KEY_ENV}")
     path = default_key_path()
     if path.exists():
         return read_key_file(path)

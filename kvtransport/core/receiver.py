@@ -53,6 +53,12 @@ naming more is refused, ``decoder_window``), and at most
 ``max_pending_equations`` pending repair equations (the session's ``config``,
 kvtransport.core.protocol.ProtocolConfig), rings are fixed size.
 
+Duplicates: the loss monitor's ring of recent packet numbers is the session's sliding
+replay window (as WireGuard's): a data-path datagram whose number was seen before, or
+that is older than the ring, is dropped as ``duplicate_packet`` before it changes
+anything (no liveness, no symbol, no feedback). Runs of in-order sources taken in one
+call (``receive_datagrams``) continue the highest number, so they cannot repeat one.
+
 Replays: a shell with a replay record (kvtransport.core.replay) passes ``admit(transfer_id,
 manifest)``; when it names a reason (a stale or already accepted manifest), the session
 counts it in ``drop_reasons``, finishes at once with reason ``replayed`` and nothing of the
@@ -400,12 +406,17 @@ class ReceiverSession:
             elif self.result.reason == "replayed":
                 self._drop("replayed")  # no answer: the peer may replay a captured transfer
             return None
+        gap = self.monitor.on_packet(seq, now)
+        if gap < 0:  # the replay window: a packet number seen before, or too old to tell
+            self._drop("duplicate_packet")
+            return None
         if self.framer is None:
+            # feedback under a random epoch of this session's own (kvtransport.core.wire)
             self.framer = Framer(self.transfer_id, self._key, max_payload=2048)
-            self.timings["first_packet"] = now
+            self.timings.setdefault("first_packet", now)
         self.last_activity = now
         self._now = now
-        return d, self.monitor.on_packet(seq, now)
+        return d, gap
 
     def _dispatch(self, d: Datagram, gap: int, now: float) -> None:
         """One admitted datagram (see ``_accept``), handled at once."""
@@ -946,10 +957,53 @@ class ReceiverSession:
 
     # ------------------------------------------------------------------ manifest
 
+    def open_validated(
+        self,
+        manifest_rx: ManifestReceiver,
+        first_at: float,
+        datagrams: list[bytes],
+        now: float,
+    ) -> None:
+        """Start with a manifest the shell decoded and admitted (fresh, not replayed) from
+        ``datagrams``, the transfer's datagrams it held until then (the first at
+        ``first_at``, from which the manifest's deadline counts): they are received in
+        order, then the manifest is taken, as if it had decoded with the last of them.
+        ``manifest_rx`` is the shell's decoder, done: later manifest datagrams change
+        nothing."""
+        m = manifest_rx.manifest
+        if m is None:
+            raise ValueError("the manifest receiver has not decoded a manifest")
+        self.manifest_rx = manifest_rx
+        self.timings["first_packet"] = first_at
+        self.receive_datagrams(datagrams, now)
+        if self.finished:
+            return
+        if self.framer is None:  # every held datagram was dropped here: feedback still goes
+            self.framer = Framer(self._tid(), self._key, max_payload=2048)
+        try:
+            self._take_manifest(m, now)
+        except WireError as exc:
+            self._drop(exc.reason)
+            return
+        if not self.finished and self.n_known == self.n_source:
+            self.timings["complete"] = now
+            self._finish(now, "complete")
+        elif self._next_fb is None:
+            self._next_fb = now + self.feedback_interval
+
+    def _tid(self) -> int:
+        if self.transfer_id is None:
+            raise ValueError("a session opened by its shell needs its transfer id")
+        return self.transfer_id
+
     def _on_manifest(self, d: Datagram, now: float) -> None:
         m = self.manifest_rx.add(d)
         if m is None:
             return
+        self._take_manifest(m, now)
+
+    def _take_manifest(self, m: TransportManifest, now: float) -> None:
+        """The decoded manifest: checked (replay, bounds, budget), then the block table."""
         self._sync_decoder()
         if (self.symbol_size and m.symbol_size != self.symbol_size) or not (
             16 <= m.symbol_size <= 65000

@@ -20,10 +20,21 @@ manifest fresh again). Refusals are named ``stale_manifest`` (outside the window
 or below the floor) and ``replayed_manifest`` (this id, not newer).
 
 Survives restarts: :meth:`ReplayRecord.persist` writes the record with
-kvtransport.atomic (a crash leaves the previous record or the new one, never a torn one);
-the receiver engine persists after every receive batch that accepted a manifest, before
-that batch's results go out. A missing file is a first start (empty record); a corrupt
-one is replaced by a floor at the current time (everything sent before this start is
+kvtransport.atomic (a crash leaves the previous record or the new one, never a torn one).
+A receiver engine does not write on its data path: :meth:`ReplayRecord.save_soon` hands a
+snapshot to a background writer thread and returns its generation; a result is handed on
+only once :meth:`ReplayRecord.durable` says that generation (or a later one) is on disk.
+
+Fails closed: while the latest save failed (``failing``), :meth:`ReplayRecord.admit`
+refuses every new transfer (reason ``replay_record_unsaved``); the writer retries every
+``RETRY_S`` and admission resumes with the first save that succeeds. Each failure streak
+is logged once, at its start.
+
+Only ever a regular file: at start-up the path is checked with ``lstat``; a directory,
+device node, FIFO, socket or symbolic link, or a regular file that is not a replay record
+(other magic), is a one-line :class:`UserError` and is never written over. A missing file
+is a first start (empty record); a damaged record (its magic right, its CRC or layout
+wrong) is replaced by a floor at the current time (everything sent before this start is
 refused), with a warning; an unreadable one is a one-line :class:`UserError`.
 
 File layout (little-endian): ``b"KVTR"``, version u16 (1), reserved u16, floor f64, count
@@ -32,11 +43,14 @@ u32, count x (transfer id u64, sent_at f64), CRC-32 of everything before.
 
 from __future__ import annotations
 
+import errno
 import heapq
 import logging
 import math
 import os
+import stat
 import struct
+import threading
 import time
 import zlib
 from pathlib import Path
@@ -62,6 +76,9 @@ _CRC = struct.Struct("<I")
 
 STALE = "stale_manifest"
 REPLAYED = "replayed_manifest"
+UNSAVED = "replay_record_unsaved"
+RETRY_S = 1.0
+"""Time between the writer's tries while the record cannot be saved."""
 
 
 def default_state_dir() -> Path:
@@ -121,6 +138,13 @@ class ReplayRecord:
         self.dirty = False
         self.refused: dict[str, int] = {}
         self.persist_errors = 0
+        self.failing = False  # the latest save failed: admit() refuses (module docstring)
+        self.generation = 0  # snapshots handed to the writer (save_soon)
+        self.saved_generation = 0  # the newest of them on disk
+        self._cond = threading.Condition()
+        self._pending: tuple[int, bytes] | None = None  # (generation, snapshot) to write
+        self._writer: threading.Thread | None = None
+        self._closing = False
         if self.path is not None:
             self._load(now)
         self._forget(now)
@@ -130,6 +154,8 @@ class ReplayRecord:
     def admit(self, transfer_id: int, sent_at: float, now: float) -> str | None:
         """None, and ``transfer_id`` recorded as sent at ``sent_at``, when the manifest is
         fresh and new; else the refusal's reason (counted in ``refused``)."""
+        if self.failing:
+            return self._refuse(UNSAVED)
         w = self.window_s
         if not (now - w <= sent_at <= now + w) or sent_at <= self.floor:
             return self._refuse(STALE)
@@ -171,19 +197,97 @@ class ReplayRecord:
         return body + _CRC.pack(zlib.crc32(body))
 
     def persist(self) -> bool:
-        """Write the record if it changed (atomically); False, logged and counted in
-        ``persist_errors``, when the write failed (the record stays in memory, and is
-        written again with the next change)."""
+        """Write the record now if it changed (atomically, on the calling thread); False
+        when the write failed (``failing`` set: :meth:`admit` refuses until a save
+        succeeds; the record stays dirty and in memory)."""
         if not self.dirty or self.path is None:
+            return self.durable(self.generation)
+        self.generation += 1
+        gen, data = self.generation, self.to_bytes()
+        self.dirty = False
+        if self._write(gen, data):
             return True
+        self.dirty = True
+        return False
+
+    def _write(self, gen: int, data: bytes) -> bool:
+        """Write snapshot ``gen``; the outcome goes to ``failing``/``saved_generation``."""
+        assert self.path is not None
         try:
-            atomic_write(self.path, self.to_bytes())
+            atomic_write(self.path, data, mode=0o600)
         except OSError as exc:
             self.persist_errors += 1
-            log.error("replay record not saved (a restart may accept a replay): %s", exc)
+            if not self.failing:
+                log.error(
+                    "replay record %s not saved: refusing new transfers until it is (%s)",
+                    self.path,
+                    exc,
+                )
+            self.failing = True
             return False
-        self.dirty = False
+        if self.failing:
+            log.warning("replay record %s saved again: accepting transfers", self.path)
+        self.failing = False
+        with self._cond:
+            self.saved_generation = max(self.saved_generation, gen)
         return True
+
+    def durable(self, generation: int) -> bool:
+        """Whether snapshot ``generation`` (or a newer one) is on disk; always true for
+        a record kept in memory only."""
+        return self.path is None or self.saved_generation >= generation
+
+    def save_soon(self) -> int:
+        """Hand the record, if it changed, to the background writer (a thread that runs
+        while snapshots wait); returns the generation a result must wait for
+        (:meth:`durable`)."""
+        if self.path is None or not self.dirty:
+            return self.generation
+        self.generation += 1
+        self.dirty = False
+        with self._cond:
+            self._pending = (self.generation, self.to_bytes())
+            self._cond.notify()
+            if self._writer is None:
+                self._writer = threading.Thread(
+                    target=self._write_loop, name="kvtransport-replay-writer", daemon=True
+                )
+                self._writer.start()
+        return self.generation
+
+    def _write_loop(self) -> None:
+        """The writer thread: the newest pending snapshot to disk; a failed one is tried
+        again every RETRY_S unless a newer snapshot replaces it. Ends when nothing waits
+        (or at :meth:`close`)."""
+        while True:
+            with self._cond:
+                job, self._pending = self._pending, None
+                if job is None or self._closing:
+                    self._pending = job  # close() writes it on its own thread
+                    self._writer = None
+                    self._cond.notify_all()
+                    return
+            if not self._write(*job):
+                with self._cond:
+                    if self._pending is None:
+                        self._pending = job
+                    if not self._closing:
+                        self._cond.wait(RETRY_S)
+
+    def close(self) -> bool:
+        """Stop the writer and save whatever is left on this thread; whether everything
+        handed out is on disk."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+            while self._writer is not None:
+                self._cond.wait()
+            job, self._pending = self._pending, None
+            self._closing = False
+        if job is not None and not self._write(*job):
+            self.dirty = True
+        self.persist()
+        return self.durable(self.generation)
 
     def _load(self, now: float) -> None:
         p = self.path
@@ -191,11 +295,16 @@ class ReplayRecord:
             return
         try:
             p.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            data = p.read_bytes()
+            data = read_regular_file(p)
         except FileNotFoundError:
             return
         except OSError as exc:
             raise UserError(f"cannot read replay record {p}: {exc.strerror}") from None
+        if data[: len(_MAGIC)] != _MAGIC:
+            raise UserError(
+                f"{p} is not a replay record (it does not start with {_MAGIC!r}): "
+                "refusing to write over it; name another --replay-file"
+            )
         try:
             self._parse(data)
         except ValueError as exc:
@@ -226,3 +335,31 @@ class ReplayRecord:
                 self.entries[tid] = t
         self._heap = [(t, i) for i, t in self.entries.items()]
         heapq.heapify(self._heap)
+
+
+def read_regular_file(path: os.PathLike | str) -> bytes:
+    """The bytes of ``path``, which must be a regular file (checked with ``lstat``, and
+    opened without following a link or waiting on a FIFO). FileNotFoundError when it is
+    missing; any other OSError (``strerror`` naming what the path is instead) otherwise."""
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise OSError(errno.EINVAL, f"not a regular file but {_file_kind(st.st_mode)}")
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # swapped since the lstat
+            raise OSError(errno.EINVAL, "not a regular file")
+        return fh.read()
+
+
+def _file_kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return name
+    return "not a file"

@@ -117,6 +117,7 @@ from kvtransport.core.wire import (
     Parser,
     WireError,
     decode_feedback,
+    feedback_epoch,
 )
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -337,6 +338,7 @@ class SenderSession:
         self._log = SentLog()
         self.fb_time: float | None = None
         self._fb_seq = -1
+        self._fb_epoch = -1  # the feedback epoch _fb_seq counts in (-1: no report yet)
         self._fb_echo = -1
         self.fb_loss = 0.0
         self.fb_loss_recent = 0.0
@@ -450,14 +452,24 @@ class SenderSession:
                 self.refused = why
                 self._mark_done(now, f"refused ({why})")
             return
-        if d.seq <= self._fb_seq or self._restarted(fb):
-            if not self._restarted(fb):
-                self.stats["feedback_stale"] += 1
-                return
+        epoch = feedback_epoch(d)
+        if self._restarted(fb):
             self._receiver_restarted(fb, now)
-        self._fb_seq = d.seq
+        elif not self._fresh(epoch, d.seq, fb):
+            self.stats["feedback_stale"] += 1
+            return
+        self._fb_epoch, self._fb_seq = epoch, d.seq
         self.stats["feedback_received"] += 1
         self._on_feedback(fb, now)
+
+    def _fresh(self, epoch: int, seq: int, fb: Feedback) -> bool:
+        """Is a report newer than the last one taken? Within one feedback epoch (one
+        receiving session, kvtransport.core.wire "Sealing") by its sequence number; from
+        another epoch (a receiver restarted, or the host's answer before its session
+        opened) only when it echoes a packet newer than any report before."""
+        if epoch == self._fb_epoch:
+            return seq > self._fb_seq
+        return self._fb_epoch == -1 or fb.echo_seq > self._fb_echo
 
     def late_feedback(self, data: bytes, now: float) -> None:
         """Feedback that comes after the session is done (the receiver's final report
@@ -480,10 +492,11 @@ class SenderSession:
         if why:
             self.refused = self.refused or why
             return
-        if d.seq <= self._fb_seq:
+        epoch = feedback_epoch(d)
+        if not self._fresh(epoch, d.seq, fb):
             self.stats["feedback_stale"] += 1
             return
-        self._fb_seq = d.seq
+        self._fb_epoch, self._fb_seq = epoch, d.seq
         if self.fb_time is None:
             self.fb_time = now
         self.fb_through = max(self.fb_through, min(fb.decoded_through, self.next_esi))

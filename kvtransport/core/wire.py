@@ -7,7 +7,7 @@ a user runs the transport) the payload is sealed with AES-256-GCM (see "Sealing"
     offset size field         meaning
     ------ ---- ------------- -----------------------------------------------------------
      0     2    magic         0x4B56 ("KV")
-     2     1    version       2
+     2     1    version       3
      3     1    type          DatagramType (table below)
      4     1    flags         bit 0 SEALED: the payload is AES-GCM ciphertext and a 16-byte
                               tag follows it
@@ -28,15 +28,30 @@ a user runs the transport) the payload is sealed with AES-256-GCM (see "Sealing"
 
 Sealing (one mechanism for every type: sources, repairs, manifest, feedback, control).
 Each transfer has its own AES-256 key, ``HKDF-SHA256(ikm = pre-shared key, salt =
-transfer_id as 8 bytes, info = "kvtransport/2 datagram AES-256-GCM")``; the transfer id is
-64 random bits the sender draws per transfer, so it is the per-transfer salt. The 96-bit
-GCM nonce is ``direction (u32: 0 sender -> receiver, 1 the FEEDBACK type, receiver ->
-sender) | seq (u64)``: each direction numbers its datagrams 0, 1, 2, ... (a :class:`Framer`
-refuses to go back), so no nonce repeats under one key. The 28-byte header is the
-associated data: every header bit is authenticated, and a datagram moved to another
-transfer, direction or sequence number fails its tag. Without a key (the explicit
+transfer_id as 8 bytes, info = "kvtransport/2 datagram AES-256-GCM")``. The 28-byte header
+is the associated data: every header bit is authenticated, and a datagram moved to another
+transfer, direction, epoch or sequence number fails its tag. Without a key (the explicit
 ``--insecure`` mode) datagrams carry plaintext and no tag, and a keyed parser rejects
 them (and an unkeyed one rejects sealed ones) as ``bad_tag``.
+
+Nonces are unique by construction: the 96-bit GCM nonce is ``epoch (u64) | seq (u32)``.
+
+- Data path (sender -> receiver, every type but FEEDBACK): epoch 0, so the nonce is the
+  header's seq, which a :class:`Framer` numbers 0, 1, 2, ... and refuses to repeat. The
+  key is unique to one run of one sender because the transfer id is: a sender draws it at
+  random (64 bits) per transfer. A transfer id chosen by a client of the sender daemon is
+  only the transfer's *name* there: the daemon draws the wire id at random
+  (kvtransport.daemons.daemon_sender), so the same name submitted again after a restart
+  gets a new key. Only a sans-I/O shell that passes an explicit wire id (a simulator
+  replaying a seed) vouches for its uniqueness itself.
+- Feedback (receiver -> sender): each receiving session draws a random 64-bit epoch
+  (never 0 with a key) and carries it in its FEEDBACK datagrams' header (key, DT/NSS and
+  ESI fields, unused by feedback otherwise); the nonce is that epoch and the feedback's
+  own seq. A receiver restarted mid-transfer numbers its feedback from 0 again, but under
+  a new epoch, so no (key, nonce) pair repeats; the sender reads the epoch from the header
+  (:func:`feedback_epoch`) and orders reports per epoch. A sealed FEEDBACK with epoch 0
+  (the data path's nonces) is rejected as ``bad_tag``. Without a key the epoch is
+  whatever the receiver writes (no nonce to protect; kept deterministic there).
 
 Per type (the FEC payload id fields are RFC 8681's: a source symbol carries its 32-bit ESI;
 a repair symbol carries Repair_Key 16, DT 4, NSS 12 and the ESI of the first source symbol
@@ -47,7 +62,7 @@ of its window)::
     SOURCE           1    0                      0             ESI               symbol
     REPAIR           2    repair_key             DT, NSS       first ESI         symbol
     BLOCK_REPAIR     3    p << 8 | repair index  NSS = k       first ESI (block) symbol
-    FEEDBACK         4    0                      0             0                 FEEDBACK_*
+    FEEDBACK         4    epoch (bits 63-48)     epoch (47-32) epoch (31-0)      FEEDBACK_*
     MANIFEST         5    M (manifest symbols)   0             manifest ESI      symbol
     MANIFEST_REPAIR  6    repair_key             DT, NSS = M   0                 symbol
     CONTROL          7    0                      0             ControlCode       optional
@@ -89,6 +104,7 @@ with the same outcome as its per-datagram loop.
 
 from __future__ import annotations
 
+import secrets
 import struct
 from collections.abc import Sequence
 from enum import IntEnum
@@ -104,7 +120,7 @@ from kvtransport.codecs import aesgcm
 from kvtransport.core.protocol import LINK_OVERHEAD_BYTES
 
 MAGIC = 0x4B56
-VERSION = 2
+VERSION = 3
 HEADER = struct.Struct("!HBBBBHQIHHI")
 HEADER_SIZE = HEADER.size  # 28
 TAG_SIZE = 16
@@ -199,8 +215,9 @@ _SEALED_BIT = FLAG_SEALED << 8
 _RETRANSMIT_BIT = FLAG_RETRANSMIT << 8
 _BAD_BITS = 0xFFFF & ~(_KNOWN_FLAGS << 8)  # unknown flags, or a non-zero reserved byte
 _tuple_new = tuple.__new__  # a Datagram without the Python-level NamedTuple constructor
-_NONCE = struct.Struct("!IQ")  # direction, seq: the 96-bit GCM nonce
+_NONCE = struct.Struct("!IQ")  # the 96-bit GCM nonce of the data path: (0, seq)
 _NONCE_PACK = _NONCE.pack
+_FB_NONCE_PACK = struct.Struct("!HHII").pack  # a FEEDBACK's: its epoch (key, dt_nss, esi), seq
 _HEADER_PACK = HEADER.pack
 _FEEDBACK_TYPE = 4  # DatagramType.FEEDBACK: the receiver -> sender direction
 _SEQ_AT = struct.calcsize("!HBBBBHQ")  # the header's seq field (u32)
@@ -294,6 +311,19 @@ class Datagram(NamedTuple):
     @property
     def nss(self) -> int:
         return self.dt_nss & MAX_NSS
+
+
+def new_epoch() -> int:
+    """A random 64-bit feedback epoch, never 0 (module docstring, "Sealing")."""
+    while True:
+        e = secrets.randbits(64)
+        if e:
+            return e
+
+
+def feedback_epoch(d: Datagram) -> int:
+    """The feedback epoch a FEEDBACK datagram carries in its header (key, DT/NSS, ESI)."""
+    return d.key << 48 | d.dt_nss << 32 | d.esi
 
 
 def check_key(key: bytes) -> bytes:
@@ -447,14 +477,14 @@ class Parser:
             c = self._ciphers.get(tid)
             if c is None:
                 c = self._cipher(tid)
+            if dtype == _FEEDBACK_TYPE:
+                if not (key or dt_nss or esi):
+                    raise BadTag("sealed feedback with epoch 0 (the data path's nonces)")
+                nonce = _FB_NONCE_PACK(key, dt_nss, esi, seq)
+            else:
+                nonce = _NONCE_PACK(0, seq)
             try:
-                payload = memoryview(
-                    c.decrypt(
-                        _NONCE.pack(dtype == _FEEDBACK_TYPE, seq),
-                        mv[HEADER_SIZE:n],
-                        mv[:HEADER_SIZE],
-                    )
-                )
+                payload = memoryview(c.decrypt(nonce, mv[HEADER_SIZE:n], mv[:HEADER_SIZE]))
             except InvalidTag:
                 raise BadTag("datagram does not open under its transfer's key") from None
         else:
@@ -587,18 +617,34 @@ class Framer:
     (with a key) and returns the datagram as ``bytes``. Sequence numbers must increase
     per direction (FEEDBACK, everything else): the nonce is made of them, so a repeat
     raises ValueError instead of reusing a nonce.
+
+    ``epoch``: the feedback epoch a FEEDBACK datagram of this framer carries in its header
+    and nonce (module docstring). None draws a random one (never 0) with a key, and is 0
+    without one; a keyed framer refuses epoch 0 (the data path's nonces).
     """
 
     __slots__ = (
-        "transfer_id", "_cipher", "_run_key", "_flags", "_tag_len", "_next_seq", "buf", "_mv",
-        "_pv", "_source_header",
+        "transfer_id", "epoch", "_epoch_fields", "_cipher", "_run_key", "_flags", "_tag_len",
+        "_next_seq", "buf", "_mv", "_pv", "_source_header",
     )  # fmt: skip
 
-    def __init__(self, transfer_id: int, key: bytes | None = None, max_payload: int = 2048) -> None:
+    def __init__(
+        self,
+        transfer_id: int,
+        key: bytes | None = None,
+        max_payload: int = 2048,
+        epoch: int | None = None,
+    ) -> None:
         if not 0 <= transfer_id < 1 << 64:
             raise ValueError("transfer_id must fit 64 bits")
         if not 0 < max_payload <= MAX_PAYLOAD:
             raise ValueError(f"max_payload must be 1..{MAX_PAYLOAD}")
+        if epoch is None:
+            epoch = new_epoch() if key is not None else 0
+        if not 0 <= epoch < 1 << 64 or (epoch == 0 and key is not None):
+            raise ValueError("a keyed framer's feedback epoch must be 1..2^64-1")
+        self.epoch = epoch
+        self._epoch_fields = (epoch >> 48, (epoch >> 32) & 0xFFFF, epoch & 0xFFFFFFFF)
         self.transfer_id = transfer_id
         cipher_key = None if key is None else transfer_key(check_key(key), transfer_id)
         self._cipher = None if cipher_key is None else AESGCM(cipher_key)
@@ -659,6 +705,8 @@ class Framer:
         n = len(payload)
         if n > MAX_PAYLOAD:
             raise ValueError(f"payload of {n} bytes > {MAX_PAYLOAD}")
+        if direction:  # the feedback epoch rides in the FEC payload id fields
+            key, dt_nss, esi = self._epoch_fields
         header = _HEADER_PACK(
             MAGIC,
             VERSION,
@@ -676,7 +724,8 @@ class Framer:
         c = self._cipher
         if c is None:
             return header + payload
-        return header + c.encrypt(_NONCE_PACK(direction, seq), payload, header)
+        nonce = _FB_NONCE_PACK(key, dt_nss, esi, seq) if direction else _NONCE_PACK(0, seq)
+        return header + c.encrypt(nonce, payload, header)
 
     def seal_sources(
         self,

@@ -91,26 +91,26 @@ def _is_loopback(host: str) -> bool:
 def check_endpoint(endpoint: str, what: str = "endpoint", *, curve: bool = False) -> str:
     """``endpoint`` if a daemon may bind it or a client may trust it, else a one-line
     UserError naming it as ``what``. Daemons check before any slow start-up work.
-    ``tcp://`` must be a loopback address unless ``curve`` (the socket uses ZeroMQ CURVE,
-    kvtransport.daemons.curve: then any address); ``ipc://`` must name a socket file (not a
+    ``tcp://`` (any address, loopback included: every local user can connect there)
+    needs ``curve``: the socket uses ZeroMQ CURVE with a client allowlist
+    (kvtransport.daemons.curve); ``ipc://`` must name a socket file (not a
     directory) whose directory is made (mode 0700) when missing and must then be owned by
     this user and closed to others' writes, so nobody else can squat the socket path;
     ``inproc://`` is process-local."""
     if endpoint.startswith("inproc://"):
         return endpoint
     if endpoint.startswith("tcp://"):
-        host = endpoint[len("tcp://") :].rsplit(":", 1)[0]
-        if curve:
-            from kvtransport.daemons.curve import available
-
-            if not available():
-                raise UserError(f"{what} {endpoint}: this pyzmq's libzmq has no CURVE support")
-        elif not _is_loopback(host):
+        if not curve:
             raise UserError(
-                f"{what} {endpoint} is not on loopback and CURVE is not configured: use "
-                "ipc://, tcp://127.0.0.1:PORT, or CURVE (daemon --curve-secret FILE, "
-                "clients curve_server_key=FILE.pub)"
+                f"{what} {endpoint}: tcp:// is open to every local user, so it needs CURVE "
+                "with a client allowlist (daemon --curve-secret FILE and the clients' public "
+                "keys in FILE.clients; clients --curve-server-key FILE.pub "
+                "--curve-client-key KEY); or use ipc://"
             )
+        from kvtransport.daemons.curve import available
+
+        if not available():
+            raise UserError(f"{what} {endpoint}: this pyzmq's libzmq has no CURVE support")
         return endpoint
     if not endpoint.startswith("ipc://"):
         raise UserError(f"{what} {endpoint!r}: use ipc://PATH or tcp://127.0.0.1:PORT")
@@ -449,7 +449,60 @@ def write_result_file(directory: str | os.PathLike, result: TransferResult, stat
             meta.update(card_meta)
     meta[RESULT_KEY] = json.dumps(head, separators=(",", ":"))
     data = save(tensors, metadata=meta)
-    return atomic_write(directory / f"{format_tid(result.transfer_id)}.result.safetensors", data)
+    name = f"{format_tid(result.transfer_id)}.result.safetensors"
+    return atomic_write(directory / name, data, mode=0o600)  # the cache: its owner's only
+
+
+PROBE_BYTES = 1 << 20
+"""Space a result directory must have free at start (:func:`probe_result_dir`)."""
+
+
+def kept_results_dir() -> Path:
+    """Where a result goes when its directory cannot take it (:func:`keep_result`):
+    ``results`` in the state directory (kvtransport.core.replay.default_state_dir)."""
+    from kvtransport.core.replay import default_state_dir
+
+    return default_state_dir() / "results"
+
+
+def probe_result_dir(directory: str | os.PathLike, what: str) -> Path:
+    """``directory`` if results can be written there: a directory, writable by this
+    process, with PROBE_BYTES free (a file of that size is allocated and removed). A
+    one-line UserError naming ``what`` otherwise, before anything is received."""
+    d = Path(directory)
+    if not d.is_dir():
+        raise UserError(f"{what} {d} is not a directory")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".kvtransport-probe.", dir=d)
+    except OSError as exc:
+        raise UserError(f"{what} {d} is not writable: {exc.strerror}") from None
+    try:
+        os.posix_fallocate(fd, 0, PROBE_BYTES)
+    except OSError as exc:
+        raise UserError(f"{what} {d} has no room for results: {exc.strerror}") from None
+    finally:
+        os.close(fd)
+        os.unlink(tmp)
+    return d
+
+
+def keep_result(
+    directory: str | os.PathLike, result: TransferResult, stats: dict
+) -> tuple[Path, str | None]:
+    """Write a result into ``directory`` (:func:`write_result_file`); when that fails
+    (disk full, read-only, removed), into :func:`kept_results_dir` instead, so what
+    arrived is not lost. Returns the file and, after a fallback, the one-line reason
+    the directory refused it. Raises AtomicWriteError only when both writes fail."""
+    try:
+        return write_result_file(directory, result, stats), None
+    except OSError as exc:
+        why = str(exc)
+    fallback = kept_results_dir()
+    try:
+        fallback.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"{why}; and cannot make {fallback}: {exc.strerror}") from None
+    return write_result_file(fallback, result, stats), why
 
 
 def _card_metadata(app_metadata: bytes) -> dict[str, str] | None:

@@ -42,6 +42,7 @@ from kvtransport.daemons.api import (
     dump_json,
     load_json_header,
 )
+from kvtransport.daemons.curve import CurveServer
 from kvtransport.daemons.udp import clock, set_timer_slack, wait_readable
 from kvtransport.errors import UserError
 
@@ -181,7 +182,7 @@ class StopSignal:
 Handler = Callable[[dict[str, Any], list], tuple[dict[str, Any], list] | dict[str, Any]]
 
 
-def bind_endpoint(sock: Any, endpoint: str, curve_secret: bytes | None = None) -> None:
+def bind_endpoint(sock: Any, endpoint: str, curve_secret: CurveServer | None = None) -> None:
     """Bind a ZeroMQ socket to a checked endpoint (kvtransport.daemons.api.check_endpoint: loopback
     tcp, or ipc in a private directory, made 0700 when missing; with ``curve_secret`` the
     socket is a CURVE server, kvtransport.daemons.curve, and any tcp address will do); an ipc://
@@ -202,16 +203,22 @@ def bind_endpoint(sock: Any, endpoint: str, curve_secret: bytes | None = None) -
             Path(endpoint[len("ipc://") :]).chmod(0o600)
 
 
-def curve_secret(path: str | None) -> bytes | None:
-    """The daemon's CURVE secret key from ``--curve-secret`` (made on first use, its public
-    key written beside it; kvtransport.daemons.curve), or None without one."""
+def curve_secret(path: str | None) -> CurveServer | None:
+    """The daemon's CURVE configuration from ``--curve-secret`` (its secret key, made on
+    first use with its public key beside it, and the allowed clients in ``FILE.clients``;
+    kvtransport.daemons.curve), or None without one. The key itself is not logged."""
     if path is None:
         return None
-    from kvtransport.daemons.curve import server_keys
+    from kvtransport.daemons.curve import server_config
 
-    public, secret = server_keys(path)
-    log.info("CURVE on: clients need the public key %s (in %s.pub)", public.decode(), path)
-    return secret
+    server = server_config(path)
+    log.info(
+        "CURVE on: clients need %s.pub; %d client key(s) allowed (%s)",
+        path,
+        len(server.clients),
+        server.clients_path,
+    )
+    return server
 
 
 def remove_ipc_file(endpoint: str) -> None:
@@ -236,7 +243,7 @@ class ControlServer:
         context: Any,
         endpoint: str,
         handlers: dict[str, Handler],
-        curve_secret: bytes | None = None,
+        curve_secret: CurveServer | None = None,
     ) -> None:
         import zmq
 
@@ -344,8 +351,10 @@ class DaemonShell:
     stats_out: StatsWriter
     context: Any
     control: ControlServer
-    curve_secret: bytes | None = None
-    """The CURVE secret key of the control (and result) sockets (kvtransport.daemons.curve)."""
+    curve_secret: CurveServer | None = None
+    """The CURVE keys and client allowlist of the control (and result) sockets
+    (kvtransport.daemons.curve)."""
+    _zap: Any = None
 
     def _start_control(
         self, control: str, handlers: dict[str, Handler], before: Callable[[], None] | None = None
@@ -357,6 +366,10 @@ class DaemonShell:
 
         self.context = zmq.Context()
         try:
+            if self.curve_secret is not None:  # before any socket binds
+                from kvtransport.daemons.curve import start_authenticator
+
+                self._zap = start_authenticator(self.context, self.curve_secret)
             if before is not None:
                 before()
             self.control = ControlServer(
@@ -367,8 +380,14 @@ class DaemonShell:
             )
         except BaseException:
             self.sock.close()
+            self._stop_zap()
             self.context.destroy(linger=0)
             raise
+
+    def _stop_zap(self) -> None:
+        if self._zap is not None:
+            self._zap.stop()
+            self._zap = None
 
     def _status(self, head: dict[str, Any], frames: list) -> dict[str, Any]:
         from kvtransport.daemons.api import parse_tid
@@ -429,6 +448,7 @@ class DaemonShell:
     def close(self) -> None:
         self.control.close()
         self.sock.close()
+        self._stop_zap()
         self.context.term()
         self.stats_out.close()
 

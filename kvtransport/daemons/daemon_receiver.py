@@ -6,10 +6,14 @@ results as events, the status view: all sans-I/O, see kvtransport.hosts.receiver
 UDP socket (GRO, kvtransport.daemons.udp), built from one: ``ReceiverEngine(sock, host)``.
 ``on_readable(now)`` reads every waiting datagram in
 one batch (at most ``BATCH``) and hands it to the host (``receive_datagrams``: each
-transfer's run of datagrams to its session in one call), saves the replay record when the
-batch accepted a manifest, then sends the feedback the batch produced, stamped with the
-time it really leaves; ``run_due(now)`` runs the host's timers. Each finished transfer
-goes to ``on_result(incoming)``. Datagrams that fail authentication before any transfer
+transfer's run of datagrams to its session in one call), hands the replay record to its
+background writer when the batch changed it (kvtransport.core.replay: the save is off the
+data path), then sends the feedback the batch produced, stamped with the time it really
+leaves; ``run_due(now)`` runs the host's timers. Each finished transfer goes to
+``on_result(incoming)``, but only once the replay record that accepted it is on disk
+(held until then, the loop polling every ``HELD_POLL_S``; at close, a result whose
+record could not be saved is withheld and logged: a restart could accept its replay).
+Datagrams that fail authentication before any transfer
 holds them (another key) are logged as a warning when they start, and again at most every
 ``AUTH_WARN_S`` while more come.
 
@@ -33,7 +37,6 @@ from kvtransport.daemons.api import load_json_header
 from kvtransport.daemons.daemon import DaemonShell
 from kvtransport.daemons.race_share import KEEP_S, RaceDir
 from kvtransport.daemons.udp import DatagramSocket, clock
-from kvtransport.errors import UserError
 from kvtransport.hosts.receiver_host import (
     DEFAULT_IDLE_TIMEOUT_S,
     DEFAULT_MAX_BYTES,
@@ -56,6 +59,8 @@ BATCH = 256
 feedback (and its echo of the highest packet) is never held back by a long batch."""
 AUTH_WARN_S = 10.0
 """Least time between two warnings about datagrams that fail authentication."""
+HELD_POLL_S = 0.002
+"""How often the loop looks whether a held result's replay record is on disk yet."""
 
 
 class ReceiverEngine:
@@ -79,6 +84,8 @@ class ReceiverEngine:
         self.on_result = on_result
         self._auth_warned = 0  # the host's bad_tag count at the last warning
         self._auth_warn_at = -1e300  # when the next warning may come
+        # finished transfers waiting for their replay record generation to be on disk
+        self._held: deque[tuple[int, Incoming]] = deque()
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -92,9 +99,7 @@ class ReceiverEngine:
         batch = self.sock.recv_batch(BATCH)
         n = len(batch)
         self.host.receive_datagrams(batch, now)  # each transfer's runs in one call
-        replay = self.host.replay
-        if replay is not None and replay.dirty:
-            replay.persist()  # the batch accepted a transfer: on disk before any result
+        self._save_replay()
         if self.race_dir is not None:
             self.race_dir.update(self.host, now)
         if n:
@@ -111,10 +116,29 @@ class ReceiverEngine:
             self._auth_warned = bad
             self._auth_warn_at = now + AUTH_WARN_S
 
+    def _save_replay(self) -> int:
+        """The replay record to its writer if it changed; the generation on disk before
+        a result finished now may be handed on (0 without a record)."""
+        replay = self.host.replay
+        return 0 if replay is None else replay.save_soon()
+
+    def _release(self) -> None:
+        """Hand on the held results whose replay record is on disk, in order."""
+        replay, held = self.host.replay, self._held
+        while held and (replay is None or replay.durable(held[0][0])):
+            _, inc = held.popleft()
+            if self.on_result is not None:
+                self.on_result(inc)
+
     def next_wake(self) -> float | None:
-        return self.host.get_timer()
+        wake = self.host.get_timer()
+        if self._held:
+            soon = clock() + HELD_POLL_S
+            return soon if wake is None else min(wake, soon)
+        return wake
 
     def run_due(self, now: float) -> None:
+        self._release()
         self.host.handle_timer(now)
         if self.race_dir is not None:
             self.race_dir.update(self.host, now)
@@ -130,6 +154,17 @@ class ReceiverEngine:
         """Shutdown: every transfer still receiving delivers what it holds."""
         self.host.close(now)
         self._transmit(now)
+        replay = self.host.replay
+        if replay is not None:
+            replay.close()  # on this thread: what is left is saved now, or never
+        self._release()
+        for _, inc in self._held:
+            log.error(
+                "transfer %016x: result withheld: the replay record that accepted it could "
+                "not be saved (a restart could accept its replay)",
+                inc.transfer_id,
+            )
+        self._held.clear()
         if self.race_dir is not None:
             self.race_dir.close()
 
@@ -138,6 +173,7 @@ class ReceiverEngine:
         host = self.host
         for datagrams, peer in host.datagrams_to_send(now):
             self.sock.send(datagrams, peer)
+        generation = self._save_replay()
         while (ev := host.next_event()) is not None:
             inc = ev.transfer
             if isinstance(ev, TransferStarted):
@@ -159,8 +195,8 @@ class ReceiverEngine:
                     res.complete.size,
                     inc.datagrams,
                 )
-                if self.on_result is not None:
-                    self.on_result(inc)
+                self._held.append((generation, inc))
+        self._release()
 
     # ------------------------------------------------------------------ results
 
@@ -208,10 +244,9 @@ class ReceiverDaemon(DaemonShell):
         check_endpoint(publish, "publish", curve=curve)
         self.out_dir = out_dir
         if out_dir is not None:
-            from pathlib import Path
+            from kvtransport.daemons.api import probe_result_dir
 
-            if not Path(out_dir).is_dir():
-                raise UserError(f"--out-dir {out_dir} is not a directory")
+            probe_result_dir(out_dir, "--out-dir")
         shared = None  # before the slow warm-up: a bad folder fails at once
         if race_dir is not None:
             keep_s = KEEP_S if race_keep_s is None else race_keep_s
@@ -299,17 +334,22 @@ class ReceiverDaemon(DaemonShell):
             log.exception("transfer %016x: result not delivered", inc.transfer_id)
 
     def _deliver(self, inc: Incoming) -> None:
-        from kvtransport.daemons.api import result_frames, write_result_file
+        from kvtransport.daemons.api import keep_result, result_frames
 
         res = inc.session.result
         assert res is not None  # delivered once finished
         stats = inc.stats(clock())
         if self.out_dir is not None:  # first, so that subscribers learn where it is
             try:
-                path = write_result_file(self.out_dir, res, stats)
+                path, kept = keep_result(self.out_dir, res, stats)
                 stats["file"] = str(path)
-                log.info("transfer %016x written to %s", inc.transfer_id, path)
+                if kept is not None:
+                    stats["file_error"] = kept
+                    log.error("transfer %016x: %s: kept in %s", inc.transfer_id, kept, path)
+                else:
+                    log.info("transfer %016x written to %s", inc.transfer_id, path)
             except OSError as exc:
+                stats["file_error"] = str(exc)
                 log.error("transfer %016x: cannot write result: %s", inc.transfer_id, exc)
         self._seq += 1
         self._publish(result_frames(res, {**stats, "seq": self._seq}))

@@ -331,7 +331,7 @@ class SenderDaemon(DaemonShell):
             now=clock(),
             deadline_s=deadline_s,
             policy=policy,
-            transfer_id=tid,
+            name=tid,  # a client's id names the transfer; its wire id is random (core.wire)
             weight=bounds.number(head.get("weight", 1.0), "weight", 0.0, bounds.MAX_WEIGHT),
             utility=self._utility(head),
             label=bounds.text(head.get("label", ""), "label", 200),

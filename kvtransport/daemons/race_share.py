@@ -87,12 +87,7 @@ class TransferMirror:
         size = payload + int(tm.payload_len)
         tmp = self.path.with_suffix(".tmp")
         tmp.unlink(missing_ok=True)  # a previous run's; never opened through a link
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        try:
-            os.ftruncate(fd, max(size, 1))
-            self._map = mmap.mmap(fd, max(size, 1))
-        finally:
-            os.close(fd)
+        self._map = _allocate(tmp, max(size, 1))
         self._map[: _PREFIX.size + len(header)] = _PREFIX.pack(MAGIC, len(header)) + header
         self._times = np.frombuffer(self._map, np.float64, len(b), times)
         self._times[:] = np.inf
@@ -130,6 +125,22 @@ class TransferMirror:
             pass
         del self._times, self._payload
         self._map.close()
+
+
+def _allocate(path: Path, size: int) -> mmap.mmap:
+    """A new file of ``size`` bytes at ``path``, every block of it allocated on the
+    filesystem (``posix_fallocate``: a sparse file would SIGBUS the daemon when a write
+    through the map finds the filesystem full), mapped. OSError (the file removed) when
+    the space is not there."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)
+        return mmap.mmap(fd, size)
+    except OSError:
+        path.unlink(missing_ok=True)
+        raise
+    finally:
+        os.close(fd)
 
 
 def private_dir(directory: str, what: str) -> Path:

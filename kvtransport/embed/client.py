@@ -46,6 +46,7 @@ from kvtransport.daemons.api import (
     result_from_frames,
     transfer_frames,
 )
+from kvtransport.errors import UserError
 
 DEFAULT_TIMEOUT_S = 5.0
 
@@ -70,10 +71,17 @@ class _Closing:
 class _Socket(_Closing):
     """A ZeroMQ socket (no linger) in the caller's context, or in one of its own that
     closing it ends; a CURVE client of the daemon whose public key is ``curve_server_key``
-    (kvtransport.daemons.curve: the Z85 text or its file), which any tcp:// endpoint then needs."""
+    (kvtransport.daemons.curve: the Z85 text or its file), which any tcp:// endpoint then
+    needs, with the key pair in the file ``curve_client_key`` (the daemon admits only the
+    clients its allowlist names; without one a throwaway pair, which none does)."""
 
     def __init__(
-        self, kind: str, context: Any, endpoint: str, curve_server_key: str | bytes | None
+        self,
+        kind: str,
+        context: Any,
+        endpoint: str,
+        curve_server_key: str | bytes | None,
+        curve_client_key: str | None = None,
     ) -> None:
         import zmq
 
@@ -92,7 +100,9 @@ class _Socket(_Closing):
         if server_key is not None:
             from kvtransport.daemons.curve import connect_as_client
 
-            connect_as_client(self.sock, server_key)
+            connect_as_client(self.sock, server_key, curve_client_key)
+        elif curve_client_key is not None:
+            raise UserError("curve_client_key needs curve_server_key (the daemon's FILE.pub)")
 
     def close(self) -> None:
         self.sock.close(linger=0)
@@ -104,9 +114,14 @@ class _Requester(_Socket):
     """One REQ socket to a daemon's control endpoint."""
 
     def __init__(
-        self, endpoint: str, timeout_s: float, context: Any, curve_server_key: str | bytes | None
+        self,
+        endpoint: str,
+        timeout_s: float,
+        context: Any,
+        curve_server_key: str | bytes | None,
+        curve_client_key: str | None = None,
     ) -> None:
-        super().__init__("REQ", context, endpoint, curve_server_key)
+        super().__init__("REQ", context, endpoint, curve_server_key, curve_client_key)
         zmq = self._zmq
         self.endpoint = endpoint
         self.timeout_s = timeout_s
@@ -145,10 +160,12 @@ class _DaemonClient(_Closing):
         timeout_s: float = DEFAULT_TIMEOUT_S,
         context: Any = None,
         curve_server_key: str | bytes | None = None,
+        curve_client_key: str | None = None,
     ) -> None:
         self._req = _Requester(
-            endpoint or self.DEFAULT_ENDPOINT, timeout_s, context, curve_server_key
-        )
+            endpoint or self.DEFAULT_ENDPOINT, timeout_s, context, curve_server_key,
+            curve_client_key,
+        )  # fmt: skip
 
     def status(self, transfer_id: int | str | None = None) -> Any:
         """One transfer's status (a dict) or, without an id, a list of all of them."""
@@ -272,8 +289,9 @@ class ResultSubscriber(_Socket):
         *,
         context: Any = None,
         curve_server_key: str | bytes | None = None,
+        curve_client_key: str | None = None,
     ) -> None:
-        super().__init__("SUB", context, endpoint, curve_server_key)
+        super().__init__("SUB", context, endpoint, curve_server_key, curve_client_key)
         self.sock.setsockopt(self._zmq.SUBSCRIBE, RESULT_TOPIC)
         self.sock.connect(endpoint)
         self._held: dict[int, DeliveredResult] = {}

@@ -16,24 +16,43 @@ ReceiverSession` s, in the style of aioquic's ``QuicConnection``: no socket, no 
   feedback really leaves, so the sender's RTT does not count the batch as network delay;
   sessions that finished are settled here;
 - :meth:`ReceiverHost.next_event` returns the typed events, oldest first:
-  :class:`TransferStarted`, :class:`ResultReady` (a finished transfer's result),
-  :class:`TransferRefused` (a replayed manifest: nothing is delivered).
+  :class:`TransferStarted` (a session opened: its manifest was admitted),
+  :class:`ResultReady` (a finished transfer's result), :class:`TransferRefused` (a
+  session opened ahead whose manifest was a replay: nothing is delivered).
 
-A transfer's session is created by its first datagram that authenticates and parses (with
-the host's key; any data-path type). Waiting for the manifest instead would drop the
-sources that arrive before the first manifest datagram that survives the link (the
-manifest is interleaved with data; on ge-heavy the first one is lost one time in eight);
-the session holds them until the manifest says what they are. A shell that shares the
-sender's clock (the simulator) may open it ahead instead, with the exact deadline
-(:meth:`ReceiverHost.expect`).
+Nothing before a fresh manifest (as WireGuard answers nothing before its handshake): a
+transfer has no session, no slot, no feedback, no result and no timer until a manifest
+that authenticates has decoded and passed the checks (``max_transfers``, then the replay
+record's freshness and once checks). Its datagrams that arrive before (the manifest is
+interleaved with data, and its first datagram may be lost) are authenticated and wait in
+a bounded pool (:class:`Pending`: per transfer at most ``POOL_DATAGRAMS`` datagrams and
+``POOL_TRANSFER_BYTES``, ``POOL_BYTES`` in all, ``POOL_TRANSFERS`` transfers, the oldest
+evicted first; each lives ``POOL_TIMEOUT_S`` after its creation or its latest manifest
+datagram); what does not fit is dropped and counted (``pool_full``, ``pool_expired``,
+a repeated packet number ``duplicate_packet``). The session opens with the pool's
+datagrams (:meth:`ReceiverSession.open_validated`), its deadline counted from the first
+of them. A replayed datagram without its manifest thus opens nothing, and a replayed
+manifest is refused before anything exists.
+
+Before its session opens, a transfer's replies stay within ``AMPLIFICATION`` (3, QUIC's
+limit before address validation) times the bytes received from its peer: the sealed
+refusals (kvtransport.core.feedback.refusal_datagram: at most one per manifest datagram)
+and the probe: a transfer of which ``PROBE_EVERY`` datagrams arrived and no manifest
+datagram is answered with one small sealed report that it has no manifest (what a
+receiver restarted mid-transfer sends, so its sender sends a fresh manifest). A reply
+beyond the limit is withheld and counted (``replies_withheld``).
+
+A shell that shares the sender's clock (the simulator) may open a session ahead instead,
+with the exact deadline (:meth:`ReceiverHost.expect`); such a session checks its manifest
+against the replay record itself.
 
 What bounds the state (every datagram is attacker-controlled):
 
 - ``max_transfers`` sessions at once (a session that finished but is not yet settled no
   longer counts); a new transfer beyond that is dropped and counted (``over_capacity``),
   never an old one evicted; each of its manifest datagrams is answered with one small
-  sealed refusal (kvtransport.core.feedback.refusal_datagram), so its sender stops and
-  says why;
+  sealed refusal (kvtransport.core.feedback.refusal_datagram, within the amplification
+  limit), so its sender stops and says why;
 - ``max_bytes`` per transfer: the session refuses symbols beyond it and a manifest
   announcing more (``too_large``); its decoder holds at most the config's
   ``max_decoder_window`` ESIs, and a manifest naming more is refused (``decoder_window``);
@@ -42,15 +61,17 @@ What bounds the state (every datagram is attacker-controlled):
   symbols (``over_budget``) or, at its manifest, the whole transfer (result reason
   ``refused``);
 - every session ends by itself: at its deadline (from the manifest, counted from its first
-  datagram), on the sender's ABORT, when everything is decoded, or ``idle_timeout``
-  seconds after its last datagram when no manifest came;
+  datagram), on the sender's ABORT, when everything is decoded, or (a session opened
+  ahead by :meth:`ReceiverHost.expect`) ``idle_timeout`` seconds after its last datagram
+  when no manifest came;
 - a finished session lingers ``linger_s`` to remind a sender that missed the final
   feedback; then its id goes to a bounded list of recent ids whose late datagrams are
   dropped (``finished_transfer``) instead of opening a new session;
 - with a ``replay`` record (kvtransport.core.replay), a manifest that is stale or was accepted
-  before ends its session with nothing delivered (reason ``replayed``, counted in
-  ``replays_refused``); persisting the record is the shell's (before it hands on any
-  result of the batch that accepted a manifest: ``replay.dirty``).
+  before opens nothing: the reason is counted (and in ``replays_refused``), the refusal
+  answered, the transfer's later datagrams dropped as ``replayed`` until its pool entry
+  expires; persisting the record is the shell's (before it hands on any result of the
+  batch that accepted a manifest: ``replay.dirty``).
 
 Garbage never reaches a session unless it carries a known transfer id; there it is
 counted by reason in the session's ``drop_reasons`` (bad tag, truncated, ...), elsewhere
@@ -72,16 +93,22 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtransport.core.feedback import refusal_datagram, refusal_text
+from kvtransport.core.manifest_fec import ManifestReceiver
 from kvtransport.core.protocol import STANDARD, ProtocolConfig
 from kvtransport.core.receiver import ReceiverSession
 from kvtransport.core.replay import ReplayRecord
 from kvtransport.core.transfer import TransportManifest
 from kvtransport.core.wire import (
     HEADER_SIZE,
+    Datagram,
     DatagramType,
+    Feedback,
+    Framer,
     Parser,
     ReceivedBatch,
     WireError,
+    encode_feedback,
+    feedback_size,
 )
 from kvtransport.errors import UserError
 
@@ -98,6 +125,24 @@ RECENT_IDS = 4096
 REFUSAL_CACHE = 64
 """Over-capacity refusals kept (their bytes are fixed per transfer: made once each)."""
 _TID = struct.Struct("!Q")
+_MANIFEST_TYPES = (int(DatagramType.MANIFEST), int(DatagramType.MANIFEST_REPAIR))
+
+POOL_TRANSFERS = 64
+"""Transfers whose datagrams may wait for their manifest at once (beyond: the entry that
+expires first is evicted)."""
+POOL_DATAGRAMS = 1024
+"""Datagrams one transfer may hold in the pool."""
+POOL_TRANSFER_BYTES = 2 << 20
+"""Bytes one transfer may hold in the pool."""
+POOL_BYTES = 16 << 20
+"""Bytes all transfers may hold in the pool."""
+POOL_TIMEOUT_S = 1.0
+"""A pool entry lives this long after its creation or its latest manifest datagram."""
+AMPLIFICATION = 3
+"""Reply bytes allowed per byte received before a transfer's session opens (QUIC's 3x)."""
+PROBE_EVERY = 16
+"""A transfer that sent this many datagrams (and multiples) and no manifest datagram is
+answered with one probe (a report with no manifest)."""
 
 Address = Any
 """A peer's address as the shell knows it (a (host, port) tuple over UDP)."""
@@ -159,9 +204,32 @@ class Incoming:
         }
 
 
+@dataclass
+class Pending:
+    """A transfer's datagrams waiting for its manifest (the pool, module docstring)."""
+
+    transfer_id: int
+    peer: Address
+    first: float  # when its first datagram arrived
+    expires: float
+    rx: ManifestReceiver
+    datagrams: list[bytes]
+    seqs: set[int]
+    nbytes: int = 0  # pooled bytes
+    received: int = 0  # bytes of authenticated datagrams from ``peer``
+    replied: int = 0  # bytes answered to ``peer``
+    seen: int = 0  # authenticated datagrams
+    manifests: int = 0  # of which manifest datagrams
+    highest: int = -1  # highest packet number and its arrival (the probe's echo)
+    highest_at: float = 0.0
+    refused: str = ""  # why its admitted-or-not manifest was refused ("": not refused)
+    framer: Framer | None = None  # its probes' (an epoch of their own)
+    probes: int = 0
+
+
 @dataclass(frozen=True)
 class TransferStarted:
-    """A new transfer's first genuine datagram opened a session."""
+    """A new transfer's admitted manifest opened a session."""
 
     transfer: Incoming
 
@@ -246,7 +314,10 @@ class ReceiverHost:
         self._last: Incoming | None = None
         self._events: deque[ReceiverEvent] = deque()
         self._replies: list[tuple[list[bytes], Address]] = []  # refusals without a session
-        self._refusals: OrderedDict[int, bytes] = OrderedDict()
+        self._refusals: OrderedDict[tuple[int, str], bytes] = OrderedDict()
+        self.pending: OrderedDict[int, Pending] = OrderedDict()  # by expiry, first first
+        self.pool_bytes = 0
+        self.replies_withheld = 0  # replies beyond the amplification limit
         self.last_refusal = ""  # the latest refused transfer, in one line (failure_note)
 
     # ------------------------------------------------------------------ datagrams
@@ -345,6 +416,10 @@ class ReceiverHost:
             t = first.finished + self.linger_s
             if wake is None or t < wake:
                 wake = t
+        if self.pending:
+            t = next(iter(self.pending.values())).expires
+            if wake is None or t < wake:
+                wake = t
         return wake
 
     def handle_timer(self, now: float) -> None:
@@ -367,6 +442,11 @@ class ReceiverHost:
             self._retired_dropped += inc.session.dropped
             for k, v in inc.session.drop_reasons.items():
                 self._retired_drops[k] = self._retired_drops.get(k, 0) + v
+        while self.pending:
+            entry = next(iter(self.pending.values()))
+            if entry.expires > now:
+                break
+            self._forget_pending(entry, "pool_expired")
 
     # ------------------------------------------------------------------ control
 
@@ -435,6 +515,9 @@ class ReceiverHost:
             "held_bytes": self.held_bytes,
             "budget_bytes": self.budget_bytes,
             "replays_refused": self.replays_refused,
+            "pending": len(self.pending),
+            "pool_bytes": self.pool_bytes,
+            "replies_withheld": self.replies_withheld,
             "replay_record": (
                 {
                     "entries": len(self.replay.entries),
@@ -453,7 +536,9 @@ class ReceiverHost:
         self.drop_reasons[reason] = self.drop_reasons.get(reason, 0) + 1
 
     def _admit(self, tid: int, data: bytes, addr: Address, now: float) -> Incoming | None:
-        """A datagram of a transfer without a session: open one if it is genuine."""
+        """A datagram of a transfer without a session: into its pool entry if it is
+        genuine; the session it opened when its manifest was admitted (module docstring).
+        Returns None: the datagram is held, answered or dropped (counted) here."""
         if tid in self.recent:
             self._drop("finished_transfer")
             return None
@@ -468,29 +553,157 @@ class ReceiverHost:
         if d.type == DatagramType.FEEDBACK:
             self._drop("unexpected_type")
             return None
-        if len(self.active) >= self.max_transfers and self._live() >= self.max_transfers:
-            self._drop("over_capacity")
-            if d.type == DatagramType.MANIFEST or d.type == DatagramType.MANIFEST_REPAIR:
-                self._refuse_unopened(tid, addr)
+        entry = self.pending.get(tid)
+        if entry is None:
+            entry = self._new_pending(tid, addr, now)
+        if addr == entry.peer:
+            entry.received += len(data)
+        if entry.refused:
+            self._drop("over_capacity" if entry.refused == "over_capacity" else "replayed")
+            if d.type in _MANIFEST_TYPES:
+                self._reply(entry, self._refusal(tid, entry.refused))
             return None
-        return self._open(tid, addr, now)
+        self._pool(entry, d, data, now)
+        return None
 
-    def _refuse_unopened(self, tid: int, addr: Address) -> None:
-        """Answer a manifest datagram of a transfer refused for capacity: one sealed
-        refusal (the same bytes each time, made once per transfer)."""
-        reply = self._refusals.get(tid)
-        if reply is None:
-            reply = self._refusals[tid] = refusal_datagram(self.key, tid, "over_capacity")
-            while len(self._refusals) > REFUSAL_CACHE:
-                self._refusals.popitem(last=False)
+    def _new_pending(self, tid: int, addr: Address, now: float) -> Pending:
+        while len(self.pending) >= POOL_TRANSFERS:
+            self._forget_pending(next(iter(self.pending.values())), "pool_full")
+        entry = Pending(tid, addr, now, now + POOL_TIMEOUT_S, ManifestReceiver(), [], set())
+        self.pending[tid] = entry
+        return entry
+
+    def _forget_pending(self, entry: Pending, reason: str) -> None:
+        """Drop a pool entry and its datagrams (counted as ``reason``)."""
+        del self.pending[entry.transfer_id]
+        self._drop_held(entry, reason)
+
+    def _drop_held(self, entry: Pending, reason: str) -> None:
+        n = len(entry.datagrams)
+        if n:
+            self.dropped += n
+            self.drop_reasons[reason] = self.drop_reasons.get(reason, 0) + n
+        self.pool_bytes -= entry.nbytes
+        entry.datagrams, entry.nbytes = [], 0
+
+    def _pool(self, entry: Pending, d: Datagram, data: bytes, now: float) -> None:
+        """An authenticated datagram of a transfer without a session (module docstring)."""
+        seq = d[3]
+        if seq in entry.seqs:
+            self._drop("duplicate_packet")
+            return
+        entry.seqs.add(seq)
+        entry.seen += 1
+        if seq > entry.highest:
+            entry.highest, entry.highest_at = seq, now
+        n = len(data)
+        if (
+            len(entry.datagrams) >= POOL_DATAGRAMS
+            or entry.nbytes + n > POOL_TRANSFER_BYTES
+            or self.pool_bytes + n > POOL_BYTES
+        ):
+            self._drop("pool_full")
+        else:
+            entry.datagrams.append(bytes(data))  # a socket's buffer is reused: a copy
+            entry.nbytes += n
+            self.pool_bytes += n
+        if d[0] not in _MANIFEST_TYPES:
+            if not entry.manifests and entry.seen % PROBE_EVERY == 0:
+                self._probe(entry, now)
+            return
+        entry.manifests += 1
+        entry.expires = now + POOL_TIMEOUT_S
+        self.pending.move_to_end(entry.transfer_id)
+        try:
+            m = entry.rx.add(d)
+        except WireError as exc:
+            self._drop(exc.reason)
+            return
+        if m is not None:
+            self._validated(entry, m, now)
+
+    def _validated(self, entry: Pending, m: TransportManifest, now: float) -> None:
+        """A transfer's manifest decoded: refused for capacity or as a replay, else its
+        session opens with the pool's datagrams."""
+        tid = entry.transfer_id
+        if len(self.active) >= self.max_transfers and self._live() >= self.max_transfers:
+            self._refuse_pending(entry, "over_capacity")
+            return
+        if self.replay is not None:
+            why = self._admit_manifest(tid, m)
+            if why is not None:
+                self.replays_refused += 1
+                self._drop(why)
+                self._refuse_pending(entry, why)
+                return
+        del self.pending[tid]
+        self.pool_bytes -= entry.nbytes
+        inc = self._open(tid, entry.peer, now, admit=False)
+        inc.datagrams += len(entry.datagrams)
+        inc.session.open_validated(entry.rx, entry.first, entry.datagrams, now)
+        self._touched[tid] = inc
+
+    def _refuse_pending(self, entry: Pending, why: str) -> None:
+        """Refuse a transfer before its session: its held datagrams dropped, the refusal
+        answered (within the amplification limit); its later datagrams are dropped."""
+        entry.refused = why
+        self._drop_held(entry, "over_capacity" if why == "over_capacity" else "replayed")
+        tid = entry.transfer_id
+        if why == "over_capacity":
+            addr = entry.peer
             self.last_refusal = (
                 f"transfer {tid:016x} from {addr[0]}:{addr[1]} refused: "
                 f"{self.max_transfers} transfers are receiving (the limit)"
             )
             log.warning("%s", self.last_refusal)
-        self._replies.append(([reply], addr))
+        self._reply(entry, self._refusal(tid, why))
 
-    def _open(self, tid: int, peer: Address, now: float, deadline: float | None = None) -> Incoming:
+    def _refusal(self, tid: int, why: str) -> bytes:
+        """The sealed refusal of ``tid`` for ``why`` (the same bytes each time, made once
+        per transfer and reason)."""
+        reply = self._refusals.get((tid, why))
+        if reply is None:
+            reply = self._refusals[(tid, why)] = refusal_datagram(self.key, tid, why)
+            while len(self._refusals) > REFUSAL_CACHE:
+                self._refusals.popitem(last=False)
+        return reply
+
+    def _probe(self, entry: Pending, now: float) -> None:
+        """Tell the sender this receiver has no manifest of the transfer (a report with
+        its packet count, nothing decoded): a sender whose receiver restarted sends a fresh
+        manifest on it (kvtransport.core.sender). Sealed under a feedback epoch of the
+        entry's own (random with a key; 1 without, sessions' being 0 there)."""
+        if entry.framer is None:
+            entry.framer = Framer(
+                entry.transfer_id, self.key, epoch=None if self.key is not None else 1
+            )
+        delay = min(int((now - entry.highest_at) * 1e6), 0xFFFFFFFF)
+        fb = Feedback(entry.highest, delay, entry.seen, 0, 0, 0, 0, 0, 0, 0, 0.0, 1.0, 0, ())
+        f = entry.framer
+        n = encode_feedback(fb, f.payload_view(feedback_size(0)))
+        datagram = f.finish(DatagramType.FEEDBACK, entry.probes, n)
+        entry.probes += 1
+        self._reply(entry, datagram)
+
+    def _reply(self, entry: Pending, datagram: bytes) -> None:
+        """A reply to a transfer without a session, to its peer, if it stays within
+        ``AMPLIFICATION`` times what the peer sent (else withheld, counted)."""
+        n = len(datagram)
+        if entry.replied + n > AMPLIFICATION * entry.received:
+            self.replies_withheld += 1
+            return
+        entry.replied += n
+        self._replies.append(([datagram], entry.peer))
+
+    def _open(
+        self,
+        tid: int,
+        peer: Address,
+        now: float,
+        deadline: float | None = None,
+        *,
+        admit: bool = True,
+    ) -> Incoming:
         session = ReceiverSession(
             tid,
             key=self.key,
@@ -499,7 +712,7 @@ class ReceiverHost:
             max_bytes=self.max_bytes,
             idle_timeout=self.idle_timeout,
             reserve=self._reserve,
-            admit=self._admit_manifest if self.replay is not None else None,
+            admit=self._admit_manifest if admit and self.replay is not None else None,
             config=self.config,
         )
         inc = Incoming(tid, session, peer, now)

@@ -196,6 +196,7 @@ class Outgoing:
     policy: str
     label: str = ""
     keep: Any = None  # the buffers the payload views (zero-copy ZeroMQ frames)
+    name: int | None = None  # a client's id for it (SenderHost.submit's ``name``)
     state: str = "sending"
     finished: float | None = None
     sent_datagrams: int = 0
@@ -263,6 +264,7 @@ class Outgoing:
         delivered, note = self.outcome()
         return {
             "transfer_id": f"{self.transfer_id:016x}",
+            "name": f"{self.name:016x}" if self.name is not None else None,
             "label": self.label,
             "state": self.state,
             "finish_reason": s.finish_reason,
@@ -377,6 +379,7 @@ class SenderHost:
         self.fixed_one_way_s = one_way_s
         self.active: dict[int, Outgoing] = {}
         self.finished: OrderedDict[int, Outgoing] = OrderedDict()
+        self._names: dict[int, int] = {}  # a client's id (name) -> the wire id
         self.drop_reasons: dict[str, int] = {}
         self.dropped = 0
         # the loss each receiver's last transfer ended with and its shortest round trip (at
@@ -422,6 +425,7 @@ class SenderHost:
         keep: Any = None,
         wall_offset: float = 0.0,
         prior_loss: float | None = None,
+        name: int | None = None,
     ) -> Outgoing:
         """Start sending ``transfer`` to ``dest`` with ``deadline_s`` from ``now``;
         ``policy``: a policy name (``make_policy``) or a policy instance, which the
@@ -429,7 +433,14 @@ class SenderHost:
         (the manifest's send time); ``prior_loss``: what the shell knows of this path's
         loss (instead of what the host remembers of ``dest``; see ``Member.prior_loss``).
         ``initial_rtt``: None takes ``initial_rtt_for(dest)``. A refusal raises UserError
-        and changes nothing (module docstring)."""
+        and changes nothing (module docstring).
+
+        Transfer ids: the wire id (the per-transfer key's salt, kvtransport.core.wire) is
+        drawn at random unless ``transfer_id`` gives it, which only a shell that vouches
+        for its uniqueness under the key does (a simulator replaying a seed). A client's
+        id is a ``name``: the transfer gets a random wire id, and :meth:`get`,
+        :meth:`cancel` and :meth:`status` find it by its name too while the host
+        remembers it; a name in use by a transfer in flight is refused."""
         if len(self.active) >= self.max_transfers:
             raise UserError(f"{len(self.active)} transfers in flight (the limit): try later")
         if not MIN_DEADLINE_S <= deadline_s <= MAX_DEADLINE_S:
@@ -447,6 +458,11 @@ class SenderHost:
             raise UserError("the weight must be a non-negative number")
         if transfer_id is not None and (transfer_id in self.active or transfer_id in self.finished):
             raise UserError(f"transfer id {transfer_id:016x} is already in use")
+        if name is not None:
+            if transfer_id is not None:
+                raise ValueError("a transfer has a wire id or a name, not both")
+            if self._names.get(name) in self.active:
+                raise UserError(f"transfer id {name:016x} is already in use")
         pol = make_policy(policy) if isinstance(policy, str) else policy
         try:
             session = SenderSession(
@@ -483,7 +499,7 @@ class SenderHost:
             prior_loss=prior_loss if prior_loss is not None else self.receiver_loss.get(dest),
             rate_bps=self.rate_bps,
         )
-        out = Outgoing(link=member, dest=dest, policy=pol.name, label=label, keep=keep)
+        out = Outgoing(link=member, dest=dest, policy=pol.name, label=label, keep=keep, name=name)
         self.active[out.transfer_id] = out
         self.link.join(member)
         try:
@@ -495,11 +511,29 @@ class SenderHost:
             raise
         if self._guard_anew():
             self._reschedule(now)  # the cap went: share the whole link again
+        if name is not None:
+            self._name(name, out.transfer_id)
         return out
+
+    def _name(self, name: int, transfer_id: int) -> None:
+        """Let ``name`` find ``transfer_id``; names of transfers forgotten are forgotten."""
+        names = self._names
+        names[name] = transfer_id
+        if len(names) > len(self.active) + len(self.finished):
+            for n, tid in list(names.items()):
+                if tid not in self.active and tid not in self.finished:
+                    del names[n]
+
+    def resolve(self, transfer_id: int) -> int:
+        """The wire id of a transfer given its wire id or its name (module docstring of
+        kvtransport.core.wire: a client's id is a name); unknown ids come back as given."""
+        if transfer_id in self.active or transfer_id in self.finished:
+            return transfer_id
+        return self._names.get(transfer_id, transfer_id)
 
     def cancel(self, transfer_id: int, now: float) -> bool:
         """Abort a transfer in flight (its receiver is told to deliver what it has)."""
-        out = self.active.get(transfer_id)
+        out = self.active.get(self.resolve(transfer_id))
         if out is None:
             return False
         out.session.cancel(now)
@@ -512,8 +546,9 @@ class SenderHost:
             self.cancel(tid, now)
 
     def get(self, transfer_id: int) -> Outgoing | None:
-        """A transfer in flight or recently finished."""
-        return self.active.get(transfer_id) or self.finished.get(transfer_id)
+        """A transfer in flight or recently finished (by its wire id or its name)."""
+        tid = self.resolve(transfer_id)
+        return self.active.get(tid) or self.finished.get(tid)
 
     def status(self, now: float, transfer_id: int | None = None) -> list[dict[str, Any]]:
         """Status of one transfer (in flight or recently finished) or of all of them."""
