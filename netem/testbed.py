@@ -470,10 +470,12 @@ class RateSteps:
     """Plays rate steps (``Profile.rate_steps``: from ``t`` seconds on, ``r`` Mbit/s) on a
     testbed, timed from the moment it is built, on a thread of its own, as the simulator's
     channel steps from its time 0: build it when the transfer starts. ``applied`` lists
-    ``(planned_s, applied_s, rate_mbps)`` per step taken (``applied_s`` when ``tc``
-    returned, a few milliseconds late). ``stop()`` skips the steps not yet due and sets
-    ``base_mbps`` again; ``wait()`` lets every step play. A step that fails ends the
-    playing; ``wait()`` and ``stop()`` then raise its TestbedError.
+    ``(planned_s, applied_s, rate_mbps)`` per step taken (``applied_s`` when the thread
+    started its ``tc`` call: the thread's own timing; ``tc`` itself takes a few
+    milliseconds, and up to about 0.1 s while the queue it reshapes is full). ``stop()``
+    skips the steps not yet due and sets ``base_mbps`` again; ``wait()`` lets every step
+    play. A step that fails ends the playing; ``wait()`` and ``stop()`` then raise its
+    TestbedError.
 
     ``priority``: the playing thread's SCHED_FIFO priority (1..99; its ``tc`` calls inherit
     it), or None for ordinary scheduling. Give it one above real-time daemons that share
@@ -509,6 +511,7 @@ class RateSteps:
         for planned, rate in self.steps:
             if self._cancel.wait(max(0.0, self._start + planned - time.monotonic())):
                 return
+            started = time.monotonic() - self._start
             try:
                 set_rate(self.prefix, rate)
             except TestbedError as e:
@@ -517,7 +520,7 @@ class RateSteps:
             except Exception as e:  # (a fork failing on a loaded host, a damaged state)
                 self._error = TestbedError(f"rate step to {rate:g} Mbit/s failed: {e}")
                 return
-            self.applied.append((planned, time.monotonic() - self._start, rate))
+            self.applied.append((planned, started, rate))
 
     def wait(self, timeout_s: float | None = None) -> None:
         """Return once every step is played (TestbedError if one failed or time ran out)."""

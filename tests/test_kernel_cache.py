@@ -32,7 +32,7 @@ def test_kernel_sources_are_the_kernels_and_what_they_import_transitively(tmp_pa
     files = kernel_cache.kernel_sources(kernel_cache.package_dirs(kv))
     names = [str(p.relative_to(tmp_path)) for p in files]
     assert names == [
-        "kvtransport/policies/features.py",
+        "agents/features.py",
         "kvtransport/errors.py",
         "kvtransport/policy.py",
     ]
@@ -97,7 +97,7 @@ def test_the_package_caches_its_kernels_under_the_digest_folder():
     files = kernel_cache.kernel_sources(kernel_cache.package_dirs(here))
     assert folder.name == kernel_cache.source_digest(files, here.parent)
     names = {p.name for p in files}
-    assert {"gf256.py", "rlc.py", "features.py", "runtime.py", "policy_base.py"} <= names
+    assert {"gf256.py", "rlc.py", "features.py", "ddqn.py", "policy_base.py"} <= names
     # a fresh process compiles or loads rlc's kernels there, not next to the sources
     code = "from kvtransport.codecs import rlc; rlc.coding_coefficients(1, 4)"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -8,14 +8,14 @@ from kvtransport.core.policy_base import ACTIONS, REPAIR_SHARES, Policy, PolicyC
 from kvtransport.errors import UserError
 from kvtransport.policies.heuristics import ARQ, N_ACTIONS, REPAIR_ONLY, Adaptive, NoFEC
 from kvtransport.policies.registry import _FACTORIES, make_policy, register_policy
-from kvtransport.sim.oracle import Oracle
+from kvtransport.sim.oracle import Oracle, make_sim_policy
 
 
 def test_policy_names_build_the_right_policies():
     assert isinstance(make_policy("none"), NoFEC)
     assert isinstance(make_policy("arq"), ARQ)
     assert isinstance(make_policy("adaptive"), Adaptive)
-    assert isinstance(make_policy("oracle"), Oracle)
+    assert isinstance(make_sim_policy("oracle"), Oracle)  # a simulation name only
     f = make_policy("fixed:4/32")
     assert f.scheme == "rlc" and f.actions[0].tolist() == pytest.approx([4 / 36, 1.0])
     b = make_policy("block-rs:4/32")

@@ -26,6 +26,8 @@ BASH = [code for lang, code in BLOCKS if lang == "bash"]
 NOT_RUN = {
     "make demo": "the demo and the whole suite: minutes; the suite runs their parts",
     "vllm.entrypoints.openai.api_server": "needs the separate vLLM environment and a model dir",
+    "--model ~/models/": "needs the user's own model directory (tests/test_model_cli.py runs "
+    "--model with a tiny model it builds)",
 }
 
 
