@@ -7,10 +7,11 @@ The protocol sessions (kvtransport.core.sender, .receiver) never touch a socket;
   equal-sized datagrams go to the kernel in one ``sendmsg`` with UDP GSO (``UDP_SEGMENT``
   ancillary data; the list is passed as an iovec, so nothing is joined in Python): one
   system call for up to ``MAX_GSO_SEGMENTS`` datagrams, about 0.2 us per datagram instead
-  of 5 us (shared/notes/udp-batching.md). A datagram on its own, or a kernel that refuses
-  GSO (EINVAL, EMSGSIZE, EIO: no offload or a segment over the MTU), goes out with plain
-  ``send``; a refused size is remembered so the next batch does not try again. A segment
-  above ``GSO_MAX_SEGMENT`` (a 1500-byte MTU's UDP payload) is never batched.
+  of 5 us (docs/results.md, "Facts the design rests on"). A datagram on its own, or a
+  kernel that refuses GSO (EINVAL, EMSGSIZE, EIO: no offload or a segment over the MTU),
+  goes out with plain ``send``; a refused size is remembered so the next batch does not
+  try again. A segment above ``GSO_MAX_SEGMENT`` (a 1500-byte MTU's UDP payload) is never
+  batched.
 - **Receiving** turns ``UDP_GRO`` on: the kernel glues consecutive datagrams of one flow
   into one buffer and says the segment size in ancillary data; ``recvmsg_into`` writes them
   into a preallocated buffer and :meth:`DatagramSocket.recv_batch` cuts them back into

@@ -14,7 +14,7 @@ naive baseline. Positions never shift: every slot keeps its place and new tokens
 with explicit ``position_ids`` (``generate()`` would derive positions from the attention
 mask's cumulative sum, which is wrong once slots are masked), hence the small greedy loop.
 
-How the hook works (checked on transformers 5.24, see shared/notes/partial-cache-injection.md):
+How the hook works (checked on transformers 5.24; docs/results.md, "Facts the design rests on"):
 an attention function and a mask builder are registered under one name and the model is
 switched to it. The function delegates to stock SDPA with the causal mask AND-ed with the
 layer's visibility, which rides on the attention module itself (``_kvt_visible``) only for
