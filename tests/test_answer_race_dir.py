@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 import pytest
+from test_live_race import _receiver_daemon
 
 from kvtransport.daemons.race_share import SUFFIX, SharedTransfers
 from kvtransport.kvformat import card
@@ -24,29 +25,6 @@ from kvtransport.model import encoding, hf
 
 RACED = re.compile(r"raced transfer [0-9a-f]{16}: (\d+) of (\d+) context tokens loaded")
 KVT = [sys.executable, "-m", "kvtransport"]
-
-
-def _receiver_daemon(tmp_path, *args):
-    """A receiver daemon process on loopback (insecure), its UDP port once it answers."""
-    from kvtransport.daemons.api import ApiError
-    from kvtransport.embed.client import ReceiverClient
-
-    ctl = f"ipc://{tmp_path}/rx.ipc"
-    pub = f"ipc://{tmp_path}/results.ipc"
-    argv = [*KVT, "receiver-daemon", "--listen", "127.0.0.1:0", "--control", ctl,
-            "--publish", pub, "--insecure", *args]  # fmt: skip
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    t_end = time.monotonic() + 180
-    while True:
-        client = ReceiverClient(ctl, timeout_s=2)
-        try:
-            return proc, int(client.ping()["udp"].rsplit(":", 1)[1])
-        except ApiError:
-            if proc.poll() is not None or time.monotonic() > t_end:
-                proc.kill()
-                raise
-        finally:
-            client.close()
 
 
 def _send(card_path, port):
