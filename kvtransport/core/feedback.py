@@ -347,3 +347,116 @@ def loss_ranges(
         view[marked] = 0
         del view  # the bytearray may be resized again
     return tuple(out)
+
+
+OPEN_LOOP_LOSS = 0.15
+"""The least loss a sender assumes once its receiver has been silent long enough to count
+as open loop (since the start, or since its last report): above the stationary loss of
+every named link profile (ge-heavy's 12 % the highest), since the smoothed rate the last
+report gave may lie below the loss (an EWMA) and no report will correct it, so ``owed``
+and the tail rule leave room for the repairs that cover what went out unreported
+(kvtransport.core.schemes.rlc walks them over the stream)."""
+
+
+class FeedbackState:
+    """What the sender knows from its receiver's reports: the last report taken (its
+    feedback epoch and sequence number, the packet it echoed), what it said (loss rates,
+    burst length, decoded-through, highest ESI seen, holes still owed, sources sent before
+    the echoed packet it has not seen), the sender's counters as of the echoed packet
+    (``*_mark``, from its :class:`SentLog`), the loss prior a shell gave, and whether the
+    receiver has been silent long enough to count as open loop. ``loss_estimate`` is the
+    sender's loss belief from these."""
+
+    __slots__ = (
+        "time",
+        "seq",
+        "epoch",
+        "echo",
+        "data_received",
+        "loss",
+        "loss_recent",
+        "burst",
+        "through",
+        "esi_end",
+        "deficit",
+        "unseen",
+        "src_mark",
+        "rep_mark",
+        "rea_mark",
+        "prev",
+        "prior_loss",
+        "open_loop",
+    )
+
+    def __init__(self, prior_loss: float | None) -> None:
+        self.time: float | None = None  # when the last report was taken (None: none yet)
+        self.seq = -1  # its feedback sequence number
+        self.epoch = -1  # the feedback epoch ``seq`` counts in (-1: no report yet)
+        self.echo = -1  # the highest packet number a report echoed
+        self.data_received = 0  # data datagrams the receiver reported received
+        self.loss = 0.0
+        self.loss_recent = 0.0
+        self.burst = 1.0
+        self.through = 0
+        self.esi_end = 0
+        self.deficit = 0
+        self.unseen = 0
+        self.src_mark = 0
+        self.rep_mark = 0
+        self.rea_mark = 0
+        self.prev = (0, 0)  # (lost, lost + received) of the report before
+        self.prior_loss = prior_loss
+        self.open_loop = False  # no feedback for a while: repair open-loop
+
+    def fresh(self, epoch: int, seq: int, fb: Feedback) -> bool:
+        """Is a report newer than the last one taken? Within one feedback epoch (one
+        receiving session, kvtransport.core.wire "Sealing") by its sequence number; from
+        another epoch (a receiver restarted, or the host's answer before its session
+        opened) only when it echoes a packet newer than any report before."""
+        if epoch == self.epoch:
+            return seq > self.seq
+        return self.epoch == -1 or fb.echo_seq > self.echo
+
+    def take_echo(self, fb: Feedback, log: SentLog) -> float | None:
+        """The echoed packet's send time, if it is newer than any echoed before and the
+        log still holds it (its counters become the marks); else None."""
+        echo = fb.echo_seq
+        if echo > self.echo and log.holds(echo):
+            self.echo = echo
+            sent_t, self.src_mark, self.rep_mark, self.rea_mark = log.lookup(echo)
+            return sent_t
+        return None
+
+    def take_counts(self, fb: Feedback, next_esi: int) -> None:
+        """Take a report's loss counts and positions (``next_esi``: sources sent)."""
+        prev_lost, prev_total = self.prev
+        dl = fb.lost - prev_lost
+        dn = dl + fb.received - (prev_total - prev_lost)
+        if dn > 0:
+            self.loss_recent = min(max(dl / dn, 0.0), 1.0)
+        self.prev = (fb.lost, fb.received + fb.lost)
+        self.loss = fb.loss_rate
+        self.burst = fb.burst_mean
+        self.through = max(self.through, min(fb.decoded_through, next_esi))
+        self.esi_end = fb.esi_end if fb.esi_end > self.esi_end else self.esi_end
+        # equations the receiver still needs to close the span of the holes it reported
+        # (it already holds ``pending`` independent ones confined to that span), and the
+        # sources sent before the echoed packet that it has not seen at all
+        self.deficit = max(0, fb.unrecovered - fb.pending)
+        self.unseen = max(0, self.src_mark - fb.esi_end)
+
+    def restart(self) -> None:
+        """The receiver restarted: its numbers and decoded-through start over."""
+        self.seq = -1
+        self.through = 0
+        self.esi_end = 0
+        self.prev = (0, 0)
+
+    def loss_estimate(self) -> float:
+        """The receiver's smoothed loss rate; before its first report, the prior, else 0;
+        open loop, at least ``OPEN_LOOP_LOSS``."""
+        if self.time is not None:
+            p = self.loss
+        else:
+            p = self.prior_loss if self.prior_loss is not None else 0.0
+        return max(p, OPEN_LOOP_LOSS) if self.open_loop else p

@@ -83,8 +83,17 @@ import numpy as np
 from kvtransport.codecs.rlc import decoder_bytes_per_esi
 from kvtransport.core import schemes
 from kvtransport.core.feedback import LossMonitor, loss_ranges, refusal_flags
+from kvtransport.core.lifecycle import ReceiverFinish
 from kvtransport.core.manifest_fec import ManifestReceiver
 from kvtransport.core.protocol import STANDARD, ProtocolConfig
+from kvtransport.core.receiver_parts import (
+    BlockTracker,
+    DecodeState,
+    ReceiveBudget,
+    ReceiverCounts,
+    ReceiverFeedback,
+    ReceiverLifecycle,
+)
 from kvtransport.core.transfer import TransferResult, TransportManifest
 from kvtransport.core.wire import (
     FB_ALL_DONE,
@@ -152,49 +161,25 @@ class ReceiverSession:
     ) -> None:
         self.config = config
         self.transfer_id = transfer_id
-        self._reserve = reserve
-        self._admit = admit
-        self.reserved = 0  # bytes ``reserve`` granted this session (output, wider window)
-        self._key = key
         self.parser = Parser(key)
-        self.framer: Framer | None = None
-        self.deadline = deadline
-        self.feedback_interval = config.feedback_interval
-        self._min_fb_gap = config.min_feedback_gap
-        self._release_lag = config.release_lag
-        self._release_chunk = config.release_chunk
-        self.max_bytes = max_bytes
-        self.idle_timeout = idle_timeout
-        self.created = now
-        self.last_activity = now
+        self.life = ReceiverLifecycle(now, deadline, idle_timeout)
+        self.budget = ReceiveBudget(max_bytes, reserve, admit)
+        self.fb = ReceiverFeedback(key, config)
+        self.dec = DecodeState(config)
+        self.counts = ReceiverCounts()
+        self.blocks = BlockTracker(now)
+        self.manifest_rx = ManifestReceiver()
+        self.manifest: TransportManifest | None = None
 
         self.symbol_size = 0
         self._limit = 0  # ESIs at or beyond this are out of range (0: no symbol size yet)
-        # the window scheme's decoder (kvtransport.core.schemes.base), made with the first
-        # data symbol: it holds every known source
-        self._window = schemes.window()
-        self._window_type = self._window.wire_type
-        self.decoder: schemes.WindowDecoder | None = None
-        # the ESIs it holds (the config's, or more once the manifest names more)
-        self.decoder_window = config.decoder_window
-        self.monitor = LossMonitor()
-        self.manifest_rx = ManifestReceiver()
-        self.manifest: TransportManifest | None = None
-        self.max_symbols = 0
         self.n_source = 0  # known once the manifest arrives
         self._known = bytearray(0)
         self._out = np.zeros(0, dtype=np.uint8)
         self._out_mv = memoryview(self._out)
         self.n_known = 0
         self.esi_end = 0
-        self._ends: deque[tuple[float, int]] = deque()  # (when, esi_end) as it grew
-        self._settled_end = 0  # esi_end as of the reordering window ago (see _feedback)
         self.through = 0
-        self._released = 0
-        self.source_received = 0
-        self.repair_received = 0
-        self.symbols_recovered = 0
-        self.duplicates = 0
         # a run of sources [_lazy_from, _lazy_to) not yet handed to the decoder
         self._lazy_from = self._lazy_to = -1
         # receive_datagrams: in-order sources [_held_from, _lazy_to) in the output buffer and
@@ -202,39 +187,132 @@ class ReceiverSession:
         # held run stops before (set when it starts)
         self._held_from = -1
         self._hold_end = 0
-
-        # blocks (after the manifest): per symbol, the range of blocks it overlaps; per
-        # block, its end (one past its last ESI) and its missing-symbol count, which counts
-        # only symbols known out of order (see the module docstring); the sweep resumes at
-        # block ``_blk_next``, the first one decoded-through had not passed
-        self._blk_first: list[int] = []
-        self._blk_last: list[int] = []
-        self._blk_end: list[int] = []
-        self._blk_missing: list[int] = []
-        self._blk_next = 0
-        self._blk_util: list[float] = []
-        self.complete = np.zeros(0, dtype=np.bool_)
-        self.complete_at = np.zeros(0, dtype=np.float64)  # when each block completed
-        self._now = now  # the time of the datagram being handled
-        self.blocks_complete = 0
-        self.utility = 0.0
-
-        # per wire type, the side decoder of another scheme (once one of its repairs came)
-        self._side: dict[int, schemes.ReceiverRepair] = {}
         self._batch = _Run()  # receive_datagrams' run of data symbols not yet decoded
 
-        self._pending: list[bytes] = []
-        self._fb_seq = 0
-        self._last_fb = -1e300
-        self._next_fb: float | None = None
-        self._fin_at: float | None = None
-        self.finished = False
-        self.refused = ""  # why the transfer was refused (kvtransport.core.feedback.REFUSALS)
-        self.result: TransferResult | None = None
-        self.timings: dict[str, float] = {}
-        self.drop_reasons: dict[str, int] = {}
-        self.dropped = 0
-        self.feedback_sent = 0
+    # ------------------------------------------------------------------ parts as attributes
+
+    @property
+    def deadline(self) -> float | None:
+        return self.life.deadline
+
+    @property
+    def created(self) -> float:
+        return self.life.created
+
+    @property
+    def last_activity(self) -> float:
+        return self.life.last_activity
+
+    @property
+    def idle_timeout(self) -> float:
+        return self.life.idle_timeout
+
+    @property
+    def timings(self) -> dict[str, float]:
+        return self.life.timings
+
+    @property
+    def finished(self) -> bool:
+        return self.life.finished
+
+    @property
+    def refused(self) -> str:
+        """Why the transfer was refused (kvtransport.core.feedback.REFUSALS; "" for none)."""
+        return self.life.refused
+
+    @property
+    def result(self) -> TransferResult | None:
+        return self.life.result
+
+    @property
+    def reserved(self) -> int:
+        return self.budget.reserved
+
+    @property
+    def max_bytes(self) -> int:
+        return self.budget.max_bytes
+
+    @property
+    def max_symbols(self) -> int:
+        return self.budget.max_symbols
+
+    @property
+    def monitor(self) -> LossMonitor:
+        return self.fb.monitor
+
+    @property
+    def framer(self) -> Framer | None:
+        return self.fb.framer
+
+    @property
+    def feedback_interval(self) -> float:
+        return self.fb.interval
+
+    @property
+    def feedback_sent(self) -> int:
+        return self.fb.sent
+
+    @property
+    def _ends(self) -> deque[tuple[float, int]]:
+        return self.fb.ends
+
+    @property
+    def decoder(self) -> schemes.WindowDecoder | None:
+        return self.dec.decoder
+
+    @property
+    def decoder_window(self) -> int:
+        return self.dec.window
+
+    @property
+    def _side(self) -> dict[int, schemes.ReceiverRepair]:
+        return self.dec.side
+
+    @property
+    def _released(self) -> int:
+        return self.dec.released
+
+    @property
+    def source_received(self) -> int:
+        return self.counts.source_received
+
+    @property
+    def repair_received(self) -> int:
+        return self.counts.repair_received
+
+    @property
+    def symbols_recovered(self) -> int:
+        return self.counts.symbols_recovered
+
+    @property
+    def duplicates(self) -> int:
+        return self.counts.duplicates
+
+    @property
+    def dropped(self) -> int:
+        return self.counts.dropped
+
+    @property
+    def drop_reasons(self) -> dict[str, int]:
+        return self.counts.drop_reasons
+
+    @property
+    def complete(self) -> np.ndarray:
+        """Per block: complete (its bytes in place)."""
+        return self.blocks.complete
+
+    @property
+    def complete_at(self) -> np.ndarray:
+        """Per block: when it completed (inf: not yet)."""
+        return self.blocks.complete_at
+
+    @property
+    def blocks_complete(self) -> int:
+        return self.blocks.n_complete
+
+    @property
+    def utility(self) -> float:
+        return self.blocks.utility
 
     @property
     def payload_buffer(self) -> np.ndarray | None:
@@ -247,39 +325,30 @@ class ReceiverSession:
     # ------------------------------------------------------------------ shell API
 
     def next_timer(self) -> float | None:
-        if self.finished:
-            return None
-        t = self.deadline if self.deadline is not None else self.last_activity + self.idle_timeout
-        if self._fin_at is not None and self._fin_at < t:
-            t = self._fin_at
-        if self._next_fb is not None and self._next_fb < t:
-            t = self._next_fb
-        return t
+        return self.life.next_timer(self.fb.next_at)
 
     def handle_timer(self, now: float) -> None:
-        if self.finished:
+        if self.life.finished:
             return
-        if self.deadline is not None and now >= self.deadline:
-            self._finish(now, "deadline")
-        elif self._fin_at is not None and now >= self._fin_at:
-            self._finish(now, "fin")
-        elif self.deadline is None and now >= self.last_activity + self.idle_timeout:
-            self._finish(now, "idle")
-        elif self._next_fb is not None and now >= self._next_fb:
-            if now - self.last_activity > FEEDBACK_QUIET_S:
-                self._next_fb = None  # nobody is sending: stop reporting until data comes
+        why = self.life.expired(now)
+        if why is not None:
+            self._finish(now, why)
+        elif self.fb.next_at is not None and now >= self.fb.next_at:
+            if now - self.life.last_activity > FEEDBACK_QUIET_S:
+                self.fb.next_at = None  # nobody is sending: stop reporting until data comes
             else:
                 self._send_feedback(now)
 
-    def close(self, now: float, reason: str = "shutdown") -> None:
+    def close(self, now: float, reason: str = ReceiverFinish.SHUTDOWN) -> None:
         """Yield the result now, with what has arrived (the shell is shutting down, or a
         user asked for the partial result early)."""
-        if not self.finished:
+        if not self.life.finished:
             self._finish(now, reason)
 
     def datagrams_to_send(self, now: float) -> list[bytes]:
-        out = self._pending
-        self._pending = []
+        fb = self.fb
+        out = fb.pending
+        fb.pending = []
         return out
 
     def receive_datagram(self, data: bytes, now: float) -> None:
@@ -316,8 +385,8 @@ class ReceiverSession:
         b = self._batch
         accept, batchable, dispatch = self._accept, self._batchable, self._dispatch
         hold, mark_held = self._hold, self._mark_held
-        window_type = self._window_type
-        min_gap = self._min_fb_gap
+        window_type = self.dec.wire_type
+        min_gap = self.fb.min_gap
         batch = datagrams if isinstance(datagrams, list | tuple) else list(datagrams)
         runs = self.source_runs
         i, n = 0, len(batch)
@@ -367,11 +436,11 @@ class ReceiverSession:
             except WireError as exc:
                 self._drop(exc.reason)
                 continue
-            if self._next_fb is None:
-                self._next_fb = now + self.feedback_interval
-            if b.n >= b.rows or (gap > 0 and now - self._last_fb >= min_gap):
+            if self.fb.next_at is None:
+                self.fb.next_at = now + self.fb.interval
+            if b.n >= b.rows or (gap > 0 and now - self.fb.last >= min_gap):
                 self._flush_batch(now)
-                if gap > 0 and now - self._last_fb >= min_gap:
+                if gap > 0 and now - self.fb.last >= min_gap:
                     self._send_feedback(now)
             elif runs and t == _SOURCE:
                 i = self._queue_run(batch, i, d[6] + 1, now)
@@ -397,25 +466,26 @@ class ReceiverSession:
         if t == _FEEDBACK:
             self._drop("unexpected_type")
             return None
-        if self.finished:
-            assert self.result is not None  # set when the session finished
-            if not self.refused:
+        life, fb = self.life, self.fb
+        if life.finished:
+            assert life.result is not None  # set when the session finished
+            if not life.refused:
                 self._answer_after_finish(now)
             elif t in _MANIFEST_TYPES:
                 self._answer_after_finish(now)  # the refusal again (module docstring)
-            elif self.result.reason == "replayed":
+            elif life.result.reason == ReceiverFinish.REPLAYED:
                 self._drop("replayed")  # no answer: the peer may replay a captured transfer
             return None
-        gap = self.monitor.on_packet(seq, now)
+        gap = fb.monitor.on_packet(seq, now)
         if gap < 0:  # the replay window: a packet number seen before, or too old to tell
             self._drop("duplicate_packet")
             return None
-        if self.framer is None:
+        if fb.framer is None:
             # feedback under a random epoch of this session's own (kvtransport.core.wire)
-            self.framer = Framer(self.transfer_id, self._key, max_payload=2048)
-            self.timings.setdefault("first_packet", now)
-        self.last_activity = now
-        self._now = now
+            fb.framer = Framer(self.transfer_id, fb.key, max_payload=2048)
+            life.timings.setdefault("first_packet", now)
+        life.last_activity = now
+        self.blocks.now = now
         return d, gap
 
     def _dispatch(self, d: Datagram, gap: int, now: float) -> None:
@@ -425,7 +495,7 @@ class ReceiverSession:
         try:
             if t == _SOURCE:
                 self._on_source(d[6], d[7])
-            elif t == self._window_type:
+            elif t == self.dec.wire_type:
                 self._on_window_repair(d)
             elif t == DatagramType.MANIFEST or t == DatagramType.MANIFEST_REPAIR:
                 self._on_manifest(d, now)
@@ -437,16 +507,16 @@ class ReceiverSession:
             self._drop(exc.reason)
             return
         if self.esi_end > end0:
-            self._ends.append((now, self.esi_end))
-        if self.finished:
+            self.fb.ends.append((now, self.esi_end))
+        if self.life.finished:
             return
         if self.manifest is not None and self.n_known == self.n_source:
-            self.timings["complete"] = now
-            self._finish(now, "complete")
+            self.life.timings["complete"] = now
+            self._finish(now, ReceiverFinish.COMPLETE)
             return
-        if self._next_fb is None:
-            self._next_fb = now + self.feedback_interval
-        if gap > 0 and now - self._last_fb >= self._min_fb_gap:
+        if self.fb.next_at is None:
+            self.fb.next_at = now + self.fb.interval
+        if gap > 0 and now - self.fb.last >= self.fb.min_gap:
             self._send_feedback(now)
 
     # ------------------------------------------------------------------ symbols
@@ -467,22 +537,18 @@ class ReceiverSession:
 
     def _set_symbol_size(self, size: int) -> None:
         self.symbol_size = size
-        self.max_symbols = max(1, self.max_bytes // size)
-        self._limit = self.n_source if self.manifest is not None else self.max_symbols
-        self.decoder = self._window.window_decoder(size, self.config)
-        self.decoder.widen(self.decoder_window)  # a manifest came first and names more
+        self.budget.max_symbols = max(1, self.budget.max_bytes // size)
+        self._limit = self.n_source if self.manifest is not None else self.budget.max_symbols
+        self.dec.decoder = self.dec.scheme.window_decoder(size, self.config)
+        self.dec.decoder.widen(self.dec.window)  # a manifest came first and names more
 
     def _grant(self, nbytes: int) -> bool:
         """Ask the shell's ``reserve`` for the output buffer to reach ``nbytes``."""
-        extra = nbytes - self.reserved
-        if extra > 0 and self._reserve is not None and not self._reserve(extra):
-            return False
-        self.reserved = max(self.reserved, nbytes)
-        return True
+        return self.budget.grant(nbytes)
 
     def _grow(self, need: int) -> None:
         cap = max(need, 2 * len(self._known), 256)
-        cap = min(cap, self.max_symbols) if self.manifest is None else self.n_source
+        cap = min(cap, self.budget.max_symbols) if self.manifest is None else self.n_source
         if not self._grant(cap * self.symbol_size):
             if self.manifest is not None or not self._grant(need * self.symbol_size):
                 raise _Drop("over_budget")
@@ -499,9 +565,9 @@ class ReceiverSession:
         counted as a duplicate.)"""
         if len(payload) != self.symbol_size or esi >= self._limit or esi >= len(self._known):
             self._symbol_slot(esi, len(payload))  # first symbol, growth, or a bad one
-        self.source_received += 1
+        self.counts.source_received += 1
         if self._known[esi]:
-            self.duplicates += 1
+            self.counts.duplicates += 1
             return False
         return True
 
@@ -509,7 +575,7 @@ class ReceiverSession:
         if not self._source_new(esi, payload):
             return
         s, known = self.symbol_size, self._known
-        decoder = self.decoder
+        decoder = self.dec.decoder
         assert decoder is not None  # made with the first symbol (_symbol_slot)
         if esi == self._lazy_to or not decoder.involves(esi):
             # No repair equation waits on it: the decoder learns it later, with the rest of
@@ -529,24 +595,24 @@ class ReceiverSession:
                 for e in got:
                     if e != esi and not known[e]:
                         self._recovered(e)
-        if self._side:
-            for dec in self._side.values():
+        if self.dec.side:
+            for dec in self.dec.side.values():
                 self._side_recovered(dec, dec.add_source(esi, payload))
 
     def _window_repair_slot(self, d: Datagram) -> None:
         """Validate (the slot of the highest ESI it covers, ``check``) and count a window
         scheme's repair; the decoder checks the coding fields."""
-        last = self._window.check(d)
+        last = self.dec.scheme.check(d)
         payload = d[7]
         s = self.symbol_size
         if s == 0 or len(payload) != s or last >= self._limit or last >= len(self._known):
             self._symbol_slot(last, len(payload))  # first symbol, growth, or a bad one
-        self.repair_received += 1
+        self.counts.repair_received += 1
 
     def _on_window_repair(self, d: Datagram) -> None:
         self._window_repair_slot(d)
         self._sync_decoder()
-        decoder = self.decoder
+        decoder = self.dec.decoder
         assert decoder is not None  # made with the first symbol (_symbol_slot)
         got = decoder.add_repair_datagram(d)
         if got:
@@ -563,14 +629,14 @@ class ReceiverSession:
         or after it? No when: a side decoder is active; no decoder exists yet (the first symbol
         sizes it); the run is empty and the source needs no decoder (the per-datagram lazy
         path is cheaper); or the run's bounds refuse it (``_joinable``)."""
-        dec, b = self.decoder, self._batch
-        if dec is None or self._side:
+        dec, b = self.dec.decoder, self._batch
+        if dec is None or self.dec.side:
             return False
         lo = d[6]
         if d[0] == _SOURCE:
             hi, first = lo, -1
         else:
-            hi, first = self._window.check(d), lo
+            hi, first = self.dec.scheme.check(d), lo
         if not b.n:
             if first < 0 and (lo == self._lazy_to or not dec.involves(lo)):
                 return False
@@ -602,17 +668,17 @@ class ReceiverSession:
           equations involve only unknown ESIs, so the release leaves them as they are).
 
         The caller raises the run's ``top`` past the ESIs of those that joined."""
-        dec, b = self.decoder, self._batch
+        dec, b = self.dec.decoder, self._batch
         assert dec is not None  # _batchable: only with a decoder
         if first >= 0 and b.n:
             # decoded-through after the packets so far is at most ``top``, and at most the
             # (k+1)-th unknown ESI from here, k = the symbols they can make known at most
             # (looked for only when ``top`` alone does not rule a release out)
-            lag, chunk = self._release_lag, self._release_chunk
+            lag, chunk = self.dec.release_lag, self.dec.release_chunk
             t = b.top - lag
-            if first < t and t - self._released >= chunk:
+            if first < t and t - self.dec.released >= chunk:
                 t = self._unknown_bound(b) - lag
-                if first < t and t - self._released >= chunk:
+                if first < t and t - self.dec.released >= chunk:
                     return 0
         k = min(n, b.base + dec.capacity - hi)  # hi + j < base + capacity, each j < k
         if self.manifest is not None:  # n_known + (b.n + j) + 1 + pending0 < n_source
@@ -643,8 +709,8 @@ class ReceiverSession:
 
     def _queue_repair(self, d: Datagram) -> None:
         self._window_repair_slot(d)
-        assert self.decoder is not None  # _batchable: only with a decoder
-        first, nss, key, dt = self.decoder.repair_row(d)
+        assert self.dec.decoder is not None  # _batchable: only with a decoder
+        first, nss, key, dt = self.dec.decoder.repair_row(d)
         self._batch.add_repair(first, nss, key, dt, d[7], self.symbol_size)
 
     def _flush_batch(self, now: float) -> None:
@@ -656,7 +722,7 @@ class ReceiverSession:
         if not n:
             return
         self._sync_decoder()
-        decoder = self.decoder
+        decoder = self.dec.decoder
         assert decoder is not None  # the run holds symbols
         s = self.symbol_size
         rows = b.meta
@@ -673,7 +739,7 @@ class ReceiverSession:
             end, end0 = ends[i], self.esi_end
             if rows[4 * i + 1] == 0:  # a source, in the output buffer already
                 if end == pos:  # an earlier datagram of the run made it known
-                    self.duplicates += 1
+                    self.counts.duplicates += 1
                 else:
                     self._mark(got[pos])
                     if end - pos > 1:
@@ -686,7 +752,7 @@ class ReceiverSession:
                         self._recovered(e)
             pos = end
             if self.esi_end > end0:
-                self._ends.append((now, self.esi_end))
+                self.fb.ends.append((now, self.esi_end))
 
     def _sync_decoder(self) -> None:
         """Hand the decoder the run of sources it has not seen yet.
@@ -701,8 +767,8 @@ class ReceiverSession:
         if hi > lo:
             self._lazy_from = self._lazy_to = -1
             s = self.symbol_size
-            assert self.decoder is not None  # sources have arrived
-            got = self.decoder.add_source_run(lo, self._out[lo * s : hi * s])
+            assert self.dec.decoder is not None  # sources have arrived
+            got = self.dec.decoder.add_source_run(lo, self._out[lo * s : hi * s])
             known = self._known
             for e in got:  # all known here already, unless the decoder also recovered
                 if not known[e]:  # something with them: as in _on_source
@@ -710,9 +776,9 @@ class ReceiverSession:
 
     def _recovered(self, esi: int) -> None:
         s = self.symbol_size
-        assert self.decoder is not None  # it recovered esi
-        self.decoder.read_into(esi, self._out_mv[esi * s : esi * s + s])
-        self.symbols_recovered += 1
+        assert self.dec.decoder is not None  # it recovered esi
+        self.dec.decoder.read_into(esi, self._out_mv[esi * s : esi * s + s])
+        self.counts.symbols_recovered += 1
         self._mark(esi)
 
     def _mark(self, esi: int) -> None:
@@ -729,44 +795,28 @@ class ReceiverSession:
                 if t < 0:
                     t = len(known)
             self.through = t
-            if t - self._release_lag - self._released >= self._release_chunk:
+            dec = self.dec
+            if t - dec.release_lag - dec.released >= dec.release_chunk:
                 self._release(t)
-            if self._blk_missing:
-                ends, b = self._blk_end, self._blk_next
+            blocks = self.blocks
+            if blocks.missing:
+                ends, b = blocks.end, blocks.next
                 if b < len(ends) and ends[b] <= t:
                     self._sweep_blocks(t)
-        elif self._blk_missing:  # out of order: count it against its blocks
-            self._count_out_of_order(esi)
-
-    def _count_out_of_order(self, esi: int) -> None:
-        """ESI ``esi`` became known beyond decoded-through: one less missing in each block
-        it overlaps (usually one), completing those that reach zero."""
-        missing = self._blk_missing
-        b, last = self._blk_first[esi], self._blk_last[esi]
-        while b <= last:
-            m = missing[b] - 1
-            missing[b] = m
-            if not m:
-                self._block_done(b)
-            b += 1
+        elif self.blocks.missing:  # out of order: count it against its blocks
+            self.blocks.out_of_order(esi)
 
     def _release(self, t: int) -> None:
         """Decoded-through reached ``t``, a release chunk past the last release: the
         decoder drops its state below ``t - release_lag`` (after taking the lazy run)."""
-        self._released = t - self._release_lag
+        self.dec.released = t - self.dec.release_lag
         self._sync_decoder()
-        assert self.decoder is not None  # symbols have arrived
-        self.decoder.release_before(self._released)
+        assert self.dec.decoder is not None  # symbols have arrived
+        self.dec.decoder.release_before(self.dec.released)
 
     def _sweep_blocks(self, t: int) -> None:
         """Complete, in order, the blocks decoded-through ``t`` passed."""
-        ends, b, missing = self._blk_end, self._blk_next, self._blk_missing
-        while b < len(ends) and ends[b] <= t:
-            if missing[b]:
-                missing[b] = 0
-                self._block_done(b)
-            b += 1
-        self._blk_next = b
+        self.blocks.sweep(t)
 
     # ------------------------------------------------------------------ held in-order runs
 
@@ -784,8 +834,8 @@ class ReceiverSession:
         source continues one at decoded-through; they are checked once per held run.)"""
         lo = self._held_from
         if lo < 0:
-            dec = self.decoder
-            if esi != self.through or dec is None or dec.pending_equations or self._side:
+            dec = self.dec.decoder
+            if esi != self.through or dec is None or dec.pending_equations or self.dec.side:
                 return False
             # the held run may reach up to (not including) the first of: the end of the
             # range or the buffer, the next known ESI, the source that would complete
@@ -798,7 +848,7 @@ class ReceiverSession:
         if esi >= self._hold_end or len(payload) != s:
             return False
         self._held_from = lo
-        self.source_received += 1
+        self.counts.source_received += 1
         self._out_mv[esi * s : esi * s + s] = payload
         self._lazy_to = esi + 1
         return True
@@ -830,7 +880,7 @@ class ReceiverSession:
         stop = min(len(batch), i + end - esi)
         if stop <= i:
             return 0
-        mon = self.monitor
+        mon = self.fb.monitor
         assert self.transfer_id is not None  # _accept has admitted a datagram
         k = (
             self.parser.source_run(
@@ -841,7 +891,7 @@ class ReceiverSession:
         )  # fmt: skip
         if k:
             mon.on_run(k, now)
-            self.source_received += k
+            self.counts.source_received += k
         return k
 
     def _queue_run(self, batch: list | tuple, i: int, esi: int, now: float) -> int:
@@ -886,7 +936,7 @@ class ReceiverSession:
         with a side decoder (it sees every source) or a finished session; the run cannot
         complete the transfer (the hole at decoded-through stays unknown)."""
         esi = self._lazy_to
-        if self._side or self.finished or self.decoder is None:
+        if self.dec.side or self.life.finished or self.dec.decoder is None:
             return i
         known = self._known
         k = self._take_sources(batch, i, esi, self._unknown_to(esi), now)
@@ -897,10 +947,10 @@ class ReceiverSession:
             end0 = self.esi_end
             if hi > end0:  # one step per source at or past esi_end, as _dispatch records them
                 self.esi_end = hi
-                self._ends.extend(zip(repeat(now), range(max(esi, end0) + 1, hi + 1)))
-            if self._blk_missing:
+                self.fb.ends.extend(zip(repeat(now), range(max(esi, end0) + 1, hi + 1)))
+            if self.blocks.missing:
                 for e in range(esi, hi):
-                    self._count_out_of_order(e)
+                    self.blocks.out_of_order(e)
         return i + k
 
     def _mark_held(self, now: float) -> None:
@@ -919,41 +969,35 @@ class ReceiverSession:
         end0 = self.esi_end
         if hi > end0:  # one step per source at or past esi_end, as _dispatch records them
             self.esi_end = hi
-            self._ends.extend(zip(repeat(now), range(max(lo, end0) + 1, hi + 1)))
+            self.fb.ends.extend(zip(repeat(now), range(max(lo, end0) + 1, hi + 1)))
         t = hi  # decoded-through after the last one (after each earlier one e: e + 1)
         if t < len(known) and known[t]:
             t = known.find(0, t)
             if t < 0:
                 t = len(known)
         self.through = t
-        lag, chunk = self._release_lag, self._release_chunk
+        lag, chunk = self.dec.release_lag, self.dec.release_chunk
         step = lo + 1  # the least decoded-through the next earlier source can make
-        while (at := max(self._released + lag + chunk, step)) < hi:
+        while (at := max(self.dec.released + lag + chunk, step)) < hi:
             self._lazy_to = at  # the lazy run as it stood when source at - 1 was marked
             self._release(at)
             self._lazy_from, self._lazy_to = at, hi
             step = at + 1
-        if t - lag - self._released >= chunk:
+        if t - lag - self.dec.released >= chunk:
             self._release(t)
-        if self._blk_missing:
-            ends = self._blk_end
-            if self._blk_next < len(ends) and ends[self._blk_next] <= t:
+        if self.blocks.missing:
+            ends = self.blocks.end
+            if self.blocks.next < len(ends) and ends[self.blocks.next] <= t:
                 self._sweep_blocks(t)
-        if self._next_fb is None:
-            self._next_fb = now + self.feedback_interval
+        if self.fb.next_at is None:
+            self.fb.next_at = now + self.fb.interval
 
     def _redundant(self, d: Datagram) -> bool:
         """Does window repair ``d`` cover only ESIs below decoded-through (all known)?"""
         try:
-            return self._window.check(d) < self.through
+            return self.dec.scheme.check(d) < self.through
         except WireError:
             return False  # the per-datagram path drops it
-
-    def _block_done(self, b: int) -> None:
-        self.complete[b] = True
-        self.complete_at[b] = self._now
-        self.blocks_complete += 1
-        self.utility += self._blk_util[b]
 
     # ------------------------------------------------------------------ manifest
 
@@ -974,22 +1018,22 @@ class ReceiverSession:
         if m is None:
             raise ValueError("the manifest receiver has not decoded a manifest")
         self.manifest_rx = manifest_rx
-        self.timings["first_packet"] = first_at
+        self.life.timings["first_packet"] = first_at
         self.receive_datagrams(datagrams, now)
-        if self.finished:
+        if self.life.finished:
             return
-        if self.framer is None:  # every held datagram was dropped here: feedback still goes
-            self.framer = Framer(self._tid(), self._key, max_payload=2048)
+        if self.fb.framer is None:  # every held datagram was dropped here: feedback still goes
+            self.fb.framer = Framer(self._tid(), self.fb.key, max_payload=2048)
         try:
             self._take_manifest(m, now)
         except WireError as exc:
             self._drop(exc.reason)
             return
-        if not self.finished and self.n_known == self.n_source:
-            self.timings["complete"] = now
-            self._finish(now, "complete")
-        elif self._next_fb is None:
-            self._next_fb = now + self.feedback_interval
+        if not self.life.finished and self.n_known == self.n_source:
+            self.life.timings["complete"] = now
+            self._finish(now, ReceiverFinish.COMPLETE)
+        elif self.fb.next_at is None:
+            self.fb.next_at = now + self.fb.interval
 
     def _tid(self) -> int:
         if self.transfer_id is None:
@@ -1009,36 +1053,36 @@ class ReceiverSession:
             16 <= m.symbol_size <= 65000
         ):
             raise _Drop("bad_manifest")
-        if self._admit is not None:
+        if self.budget.admit is not None:
             assert self.transfer_id is not None  # a manifest came with its transfer id
-            why = self._admit(self.transfer_id, m)
+            why = self.budget.admit(self.transfer_id, m)
             if why is not None:  # stale or replayed (kvtransport.core.replay): nothing delivered
-                self._refuse(why, now, "replayed")
+                self._refuse(why, now, ReceiverFinish.REPLAYED)
                 return
-        if m.payload_len > self.max_bytes:
+        if m.payload_len > self.budget.max_bytes:
             self._refuse("too_large", now)  # bounded state: a transfer too large is refused
             return
         if m.decoder_window > self.config.max_decoder_window:
             self._refuse("decoder_window", now)  # bounded state: a window wider than allowed
             return
         # a wider window's ring and coefficient columns count as buffer too
-        window = max(self.decoder_window, m.decoder_window)
+        window = max(self.dec.window, m.decoder_window)
         per_esi = decoder_bytes_per_esi(m.symbol_size, self.config.max_pending_equations)
         wider = (window - self.config.decoder_window) * per_esi
         if not self._grant(m.n_source * m.symbol_size + wider):
             self._refuse("over_budget", now)  # the shell's memory budget is spent
             return
         self.manifest = m
-        self.timings["manifest"] = now
+        self.life.timings["manifest"] = now
         n = self.n_source = m.n_source
-        self.decoder_window = window
-        if self.decoder is not None:
-            self.decoder.widen(self.decoder_window)  # before any repair reaches further
+        self.dec.window = window
+        if self.dec.decoder is not None:
+            self.dec.decoder.widen(self.dec.window)  # before any repair reaches further
         if self.symbol_size == 0:
             self._set_symbol_size(m.symbol_size)
         self._limit = n
-        if self.deadline is None and m.deadline_s > 0:
-            self.deadline = self.timings["first_packet"] + m.deadline_s
+        if self.life.deadline is None and m.deadline_s > 0:
+            self.life.deadline = self.life.timings["first_packet"] + m.deadline_s
         # symbols beyond the payload (a forger's, before the manifest) are forgotten
         if len(self._known) > n:
             for e in range(n, len(self._known)):
@@ -1051,27 +1095,7 @@ class ReceiverSession:
             self.through = min(self.through, n)
         if len(self._known) < n:
             self._grow(n)
-        first, last = m.blocks.symbol_ranges(m.symbol_size)
-        nb = len(m.blocks)
-        # per symbol: the range of blocks it overlaps
-        sym_first = np.searchsorted(last, np.arange(n), side="right")
-        sym_last = np.searchsorted(first, np.arange(n), side="right") - 1
-        self._blk_first = sym_first.tolist()
-        self._blk_last = sym_last.tolist()
-        self._blk_end = last.tolist()
-        # blocks decoded-through has passed are complete (counted just below)
-        self._blk_next = int(np.searchsorted(last, self.through, side="right"))
-        known = np.frombuffer(self._known, dtype=np.uint8).astype(np.int64)
-        csum = np.concatenate(([0], np.cumsum(known)))
-        missing = (last - first) - (csum[last] - csum[first])
-        self._blk_missing = missing.tolist()
-        self._blk_util = m.blocks.utilities.tolist()
-        self.complete = missing == 0
-        self.complete_at = np.where(self.complete, now, np.inf)
-        self.blocks_complete = int(self.complete.sum())
-        self.utility = float(m.blocks.utilities[self.complete].sum())
-        if nb == 0:
-            self._blk_missing = []
+        self.blocks.start(m, self._known, self.through, now)
         self._send_feedback(now)
 
     # ------------------------------------------------------------------ other schemes
@@ -1082,10 +1106,10 @@ class ReceiverSession:
         if scheme is None:  # a type the parser accepts but no scheme decodes any more
             raise _Drop("unexpected_type")
         self._symbol_slot(scheme.check(d), len(d.payload))
-        self.repair_received += 1
-        dec = self._side.get(d.type)
+        self.counts.repair_received += 1
+        dec = self.dec.side.get(d.type)
         if dec is None:
-            dec = self._side[d.type] = scheme.decoder(self.symbol_size, d)
+            dec = self.dec.side[d.type] = scheme.decoder(self.symbol_size, d)
         self._side_recovered(dec, dec.add_repair(d, self))
 
     def known_symbol(self, esi: int) -> memoryview | bytes | None:
@@ -1104,43 +1128,40 @@ class ReceiverSession:
 
     def _side_recovered(self, dec: schemes.ReceiverRepair, esis: list[int]) -> None:
         self._sync_decoder()
-        s, known, decoder = self.symbol_size, self._known, self.decoder
+        s, known, decoder = self.symbol_size, self._known, self.dec.decoder
         assert decoder is not None  # a repair has arrived
         for e in esis:
             if e < len(known) and not known[e] and (self.manifest is None or e < self.n_source):
                 dec.read_into(e, self._out_mv[e * s : e * s + s])
                 decoder.add_source(e, self._out_mv[e * s : e * s + s])
-                self.symbols_recovered += 1
+                self.counts.symbols_recovered += 1
                 self._mark(e)
 
     # ------------------------------------------------------------------ control, feedback
 
     def _on_control(self, code: int, now: float) -> None:
         if code == ControlCode.ABORT:
-            self._finish(now, "abort")
+            self._finish(now, ReceiverFinish.ABORT)
         elif code == ControlCode.FIN:
-            if self.deadline is None:
-                self._fin_at = now + FIN_GRACE
-            self._next_fb = None  # the sender is gone: stop reporting
+            if self.life.deadline is None:
+                self.life.fin_at = now + FIN_GRACE
+            self.fb.next_at = None  # the sender is gone: stop reporting
         else:
             raise _Drop("bad_control")
 
     def _feedback(self, now: float) -> Feedback:
-        mon = self.monitor
+        mon = self.fb.monitor
         mon.sample(now)
         # holes are reported only below the ESI end of one reordering window ago: a
         # datagram that is merely late (jitter) is not asked for again
-        ends, cutoff = self._ends, now - mon.window_s
-        while ends and ends[0][0] <= cutoff:
-            self._settled_end = ends.popleft()[1]
-        end = min(self._settled_end, self.esi_end)
+        end = self.fb.settled(now, self.esi_end)
         flags = 0
         if self.manifest is not None:
             flags |= FB_MANIFEST_DONE
             if self.n_known == self.n_source:
                 flags |= FB_ALL_DONE
-        if self.finished:
-            flags |= FB_FINISHED | refusal_flags(self.refused)
+        if self.life.finished:
+            flags |= FB_FINISHED | refusal_flags(self.life.refused)
         if mon.reorder_s > 0.0:
             flags |= FB_REORDERED
         ranges = ()
@@ -1151,7 +1172,7 @@ class ReceiverSession:
             # only the holes no pending equation is pivoted on: each needs one more equation
             # (a pivoted one is decoded once the equations' other unknowns are), and so the
             # capped list reaches as far as the holes that still need anything
-            pivots = self.decoder.pending_pivots() if self.decoder is not None else ()
+            pivots = self.dec.decoder.pending_pivots() if self.dec.decoder is not None else ()
             ranges = loss_ranges(self._known, self.through, end, MAX_FEEDBACK_RANGES, pivots)
         # the echo: the highest number as of one reordering window ago (the highest one
         # without reordering), so a datagram merely late still counts as in flight; there is
@@ -1167,9 +1188,9 @@ class ReceiverSession:
             self.esi_end,
             self.through,
             holes,
-            self.decoder.pending_equations if self.decoder is not None else 0,
-            self.source_received,
-            self.repair_received,
+            self.dec.decoder.pending_equations if self.dec.decoder is not None else 0,
+            self.counts.source_received,
+            self.counts.repair_received,
             mon.loss_rate,
             mon.burst_mean,
             flags,
@@ -1177,64 +1198,68 @@ class ReceiverSession:
         )
 
     def _send_feedback(self, now: float) -> None:
-        if self.framer is None:
+        out = self.fb
+        framer = out.framer
+        if framer is None:
             return
         fb = self._feedback(now)
         size = feedback_size(len(fb.ranges), len(fb.segments))
-        n = encode_feedback(fb, self.framer.payload_view(size))
-        self._pending.append(self.framer.finish(DatagramType.FEEDBACK, self._fb_seq, n))
-        self._fb_seq += 1
-        self.feedback_sent += 1
-        self._last_fb = now
-        if not self.finished and self._next_fb is not None:
-            self._next_fb = now + self.feedback_interval
+        n = encode_feedback(fb, framer.payload_view(size))
+        out.pending.append(framer.finish(DatagramType.FEEDBACK, out.seq, n))
+        out.seq += 1
+        out.sent += 1
+        out.last = now
+        if not self.life.finished and out.next_at is not None:
+            out.next_at = now + out.interval
 
     def _answer_after_finish(self, now: float) -> None:
         """Data after the result: remind the sender (at most once per feedback interval)."""
-        if now - self._last_fb >= self.feedback_interval:
+        if now - self.fb.last >= self.fb.interval:
             self._send_feedback(now)
 
     # ------------------------------------------------------------------ result
 
     def _finish(self, now: float, reason: str) -> None:
-        self.finished = True
-        self.timings["finished"] = now
+        """Finish now with ``reason`` (a ``ReceiverFinish`` value, or the shell's own word
+        for ``close``); the result carries it as a plain string."""
+        life = self.life
+        life.finished = True
+        life.timings["finished"] = now
         m = self.manifest
         if m is not None:
             payload = self._out[: m.payload_len]
-            complete = self.complete.copy()
-            complete_at = self.complete_at.copy()
+            complete = self.blocks.complete.copy()
+            complete_at = self.blocks.complete_at.copy()
             missing = np.flatnonzero(~complete)
-            utility = min(self.utility, 1.0)
+            utility = min(self.blocks.utility, 1.0)
         else:
             payload = np.zeros(0, dtype=np.uint8)
             complete = np.zeros(0, dtype=np.bool_)
             complete_at = np.zeros(0, dtype=np.float64)
             missing = np.zeros(0, dtype=np.int64)
             utility = 0.0
-        self.result = TransferResult(
-            self.transfer_id or 0, m, payload, complete, missing, utility, reason, self.timings,
-            complete_at,
+        life.result = TransferResult(
+            self.transfer_id or 0, m, payload, complete, missing, utility, str(reason),
+            life.timings, complete_at,
         )  # fmt: skip
-        self._next_fb = None
+        self.fb.next_at = None
         self._sync_decoder()
-        self.decoder = None  # free the decoding window
+        self.dec.decoder = None  # free the decoding window
         self._batch = _Run()  # and the run buffer (receive_datagrams: nothing is held)
         self._send_feedback(now)
         # the final count (``lost``) settles every gap; the loss rate is left as it was:
         # datagrams still in flight now are not a loss sample
-        self.monitor.settle(float("inf"))
+        self.fb.monitor.settle(float("inf"))
 
-    def _refuse(self, why: str, now: float, reason: str = "refused") -> None:
+    def _refuse(self, why: str, now: float, reason: str = ReceiverFinish.REFUSED) -> None:
         """Refuse the transfer: ``why`` counted as a drop and named in ``refused`` and the
         final feedback; the result (reason ``reason``) delivers nothing."""
         self._drop(why)
-        self.refused = why
+        self.life.refused = why
         self._finish(now, reason)
 
     def _drop(self, reason: str) -> None:
-        self.dropped += 1
-        self.drop_reasons[reason] = self.drop_reasons.get(reason, 0) + 1
+        self.counts.drop(reason)
 
 
 class _Run:

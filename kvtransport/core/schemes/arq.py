@@ -27,8 +27,8 @@ class Retransmits:
     below the repair floor its window decoder reaches (kvtransport.core.schemes.rlc).
     The per-ESI state is made with the first hole."""
 
-    def __init__(self, session: SenderView) -> None:
-        self.session = session
+    def __init__(self, view: SenderView) -> None:
+        self.view = view
         self._heap: list[int] = []
         self._queued = bytearray()
         self._time: list[float] = []  # when each ESI was last retransmitted
@@ -40,7 +40,7 @@ class Retransmits:
 
     def add(self, first: int, end: int, now: float) -> None:
         """Queue the missing ESIs ``first .. end - 1`` (``end`` at most the sources sent)."""
-        s = self.session
+        s = self.view
         if not self._queued:
             self._queued = bytearray(s.n_source)
             self._time = [-1e300] * s.n_source
@@ -58,7 +58,7 @@ class Retransmits:
 
     def take(self, t: float) -> bytes | None:
         """The next retransmission, sent at ``t`` (None: none queued)."""
-        heap, s = self._heap, self.session
+        heap, s = self._heap, self.view
         while heap:
             esi = heapq.heappop(heap)
             self._queued[esi] = 0
@@ -75,14 +75,15 @@ class Retransmits:
 class ARQSender(SenderRepair):
     """The NACKed sources not yet retransmitted, lowest ESI first."""
 
-    def __init__(self, session: SenderView, policy: Policy) -> None:
-        super().__init__(session, policy)
+    def __init__(self, view: SenderView, policy: Policy) -> None:
+        super().__init__(view, policy)
         self.reactive = True  # every retransmission answers a reported hole
-        self.resend = Retransmits(session)
+        self.resend = Retransmits(view)
 
-    def on_feedback(self, fb: Feedback, now: float) -> None:
+    def on_feedback(self, fb: Feedback, now: float) -> int | None:
         for first, count in fb.ranges:
             self.resend.add(first, first + count, now)
+        return None
 
     def before_source(self, t: float) -> bytes | None:
         return self.resend.take(t)
@@ -92,8 +93,8 @@ class ARQ(RepairScheme):
     name = "arq"
     stat = "retransmit_sent"
 
-    def sender(self, session: SenderView, policy: Policy) -> SenderRepair:
-        return ARQSender(session, policy)
+    def sender(self, view: SenderView, policy: Policy) -> SenderRepair:
+        return ARQSender(view, policy)
 
 
 SCHEME = ARQ()

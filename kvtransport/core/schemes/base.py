@@ -7,7 +7,8 @@ interval and whether new sources are admitted); the scheme decides how. A
 one it uses (``Policy.scheme``).
 
 **Sender side.** :class:`~kvtransport.core.sender.SenderSession` makes one :class:`SenderRepair`
-per transfer (``scheme.sender(session, policy)``) and, slot by slot, after the manifest:
+per transfer (``scheme.sender(view, policy)``, the view a read-only :class:`SenderView` of
+the sender: kvtransport.core.repair_view) and, slot by slot, after the manifest:
 
 1. ``before_source(t)``: a repair datagram that goes before the next source (parities of a
    completed block, a retransmission, a reactive or credited RLC repair), or None;
@@ -18,11 +19,12 @@ per transfer (``scheme.sender(session, policy)``) and, slot by slot, after the m
 3. otherwise, when ``fills_idle`` is set, ``fill(t)``: a repair of what was already sent
    instead of an idle slot (then a source the tail rule allows, admitted or not).
 
-A repair the object returns is a sealed datagram built with ``session.framer`` at
-``session.seq``; ``reactive`` tells the session whether it answered holes feedback reported.
+A repair the object returns is a sealed datagram built with ``view.framer`` at
+``view.seq``; ``reactive`` tells the session whether it answered holes feedback reported.
 The object also sees every feedback (``on_feedback``, before the policy's state is packed:
-it may refine ``session.fb_deficit``), a receiver restart (``restart``), RTT and rate
-changes (``rtt_changed``) and the end of the transfer (``release``). ``owed_model`` tells
+what it returns, if not None, becomes the session's ``fb_deficit``), a receiver restart
+(``restart``), RTT and rate changes (``rtt_changed``) and the end of the transfer
+(``release``). ``owed_model`` tells
 the observation kernel and ``SenderSession.owed`` how repairs still owed are counted
 (kvtransport.core.observation ``OWED_*``); ``needed`` is the reactive repairs the latest
 feedback asked for, under ``OWED_SEGMENTS``.
@@ -56,9 +58,10 @@ from kvtransport.core.observation import OWED_NONE, OWED_REPORTED, OWED_SEGMENTS
 from kvtransport.core.wire import Datagram, WireError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
+    import numpy as np
+
     from kvtransport.core.policy_base import Policy
     from kvtransport.core.protocol import ProtocolConfig
-    from kvtransport.core.transfer import Transfer
     from kvtransport.core.wire import Feedback, Framer
 
 __all__ = [
@@ -76,37 +79,54 @@ __all__ = [
 
 
 class SenderView(Protocol):
-    """What a :class:`SenderRepair` may read (and, for ``fb_deficit``, refine) of its
-    :class:`~kvtransport.core.sender.SenderSession`."""
-
-    transfer: Transfer | None
-    config: ProtocolConfig  # the protocol's settings
-    decoder_window: int  # the ESIs this transfer's encoder and receiver decoder hold
-    framer: Framer  # builds every datagram; a repair is sealed at ``seq``
-    seq: int
-    symbol_size: int
-    n_source: int
-    next_esi: int  # sources sent so far: ESIs 0 .. next_esi - 1
-    stats: dict[str, int]
-    share: float  # the policy's repair share for this interval
-    open_loop: bool  # no feedback for a while
-    fb_through: int  # the receiver's decoded-through, as last reported
-    fb_esi_end: int  # one past the highest ESI the receiver had seen, as last reported
-    fb_deficit: int  # reported holes still owed repairs
-    fb_burst: float  # the receiver's smoothed loss-burst length (1 before its first report)
-    decision_packets: int
-    slot_s: float
-    srtt: float | None
-    stop_time: float  # the last moment a datagram can leave and arrive in time
+    """What a :class:`SenderRepair` may read of its sender (kvtransport.core.repair_view.
+    RepairView): read-only, so a scheme cannot change the session's state; it seals its
+    repairs with ``framer`` at ``seq`` and counts them in ``stats``."""
 
     @property
-    def owd(self) -> float: ...
-    def loss_estimate(self) -> float: ...
-    def in_flight(self) -> tuple[int, int]: ...
+    def config(self) -> ProtocolConfig: ...  # the protocol's settings
     @property
-    def fb_echo(self) -> int: ...
+    def decoder_window(self) -> int: ...  # the ESIs the encoder and receiver decoder hold
+    @property
+    def framer(self) -> Framer: ...  # builds every datagram; a repair is sealed at ``seq``
+    @property
+    def stats(self) -> dict[str, int]: ...  # the session's counters
+    @property
+    def payload(self) -> np.ndarray: ...  # the transfer's payload
+    @property
+    def seq(self) -> int: ...
+    @property
+    def symbol_size(self) -> int: ...
+    @property
+    def n_source(self) -> int: ...
+    @property
+    def next_esi(self) -> int: ...  # sources sent so far: ESIs 0 .. next_esi - 1
+    @property
+    def share(self) -> float: ...  # the policy's repair share for this interval
+    @property
+    def open_loop(self) -> bool: ...  # no feedback for a while
+    @property
+    def fb_through(self) -> int: ...  # the receiver's decoded-through, as last reported
+    @property
+    def fb_esi_end(self) -> int: ...  # one past the highest ESI it had seen, as reported
+    @property
+    def fb_burst(self) -> float: ...  # its smoothed loss-burst length (1 before a report)
+    @property
+    def fb_echo(self) -> int: ...  # the highest packet number feedback reported (-1: none)
+    @property
+    def decision_packets(self) -> int: ...
+    @property
+    def slot_s(self) -> float: ...
+    @property
+    def srtt(self) -> float | None: ...
+    @property
+    def owd(self) -> float: ...  # one-way delay estimate
+    @property
+    def stop_time(self) -> float: ...  # the last moment a datagram can leave and arrive
     @property
     def max_repair_span(self) -> int: ...
+    def loss_estimate(self) -> float: ...
+    def in_flight(self) -> tuple[int, int]: ...
     def source_symbol(self, esi: int) -> memoryview | bytes: ...
     def tail_fits(self, left: int, need: int) -> bool: ...
 
@@ -129,10 +149,15 @@ class SenderRepair:
     finishes_when_sent = False  # the session finishes once every source is sent
     repairs_open_loop = False  # without feedback, the session raises the repair share
 
-    def __init__(self, session: SenderView, policy: Policy) -> None:
-        self.session = session
+    def __init__(self, view: SenderView, policy: Policy) -> None:
+        self.view = view
         self.reactive = False  # the repair returned last answered reported holes
         self.needed = 0  # OWED_SEGMENTS: repairs the latest feedback asked for, still owed
+
+    @property
+    def session(self) -> SenderView:
+        """The view, by the name schemes written before it used."""
+        return self.view
 
     def before_source(self, t: float) -> bytes | None:
         """A repair datagram that goes out before the next source, or None."""
@@ -156,8 +181,11 @@ class SenderRepair:
     def on_source(self, esi: int, sym: memoryview | bytes) -> None:
         """Source ``esi`` (its zero-padded symbol ``sym``) is being sent."""
 
-    def on_feedback(self, fb: Feedback, now: float) -> None:
-        """A new feedback report (already applied to the session's estimates)."""
+    def on_feedback(self, fb: Feedback, now: float) -> int | None:
+        """A new feedback report (already applied to the session's estimates). Returns
+        the repairs the reported holes still need as this scheme counts them (the
+        session's ``fb_deficit`` becomes it), or None to keep the report's count."""
+        return None
 
     def restart(self) -> None:
         """The receiver restarted: forget what its earlier feedback asked for."""
@@ -170,7 +198,7 @@ class SenderRepair:
         them to finish its block? By default the session's loss-aware rule
         (``tail_fits``: the expected surviving slots cover the repairs owed plus
         ``need``); a scheme that overrides this rules alone."""
-        return self.session.tail_fits(left, need)
+        return self.view.tail_fits(left, need)
 
     def release(self) -> None:
         """The transfer is over: drop every reference to its payload."""
@@ -279,9 +307,9 @@ class RepairScheme:
     stat = ""
     """The sender's ``stats`` key counting its repair datagrams ("" for none)."""
 
-    def sender(self, session: SenderView, policy: Policy) -> SenderRepair:
+    def sender(self, view: SenderView, policy: Policy) -> SenderRepair:
         """The sender side for one transfer."""
-        return SenderRepair(session, policy)
+        return SenderRepair(view, policy)
 
     def check(self, d: Datagram) -> int:
         """Validate a repair's header fields (raise :class:`BadFEC`); return the ESI the

@@ -37,12 +37,12 @@ class BlockRSSender(SenderRepair):
 
     sees_sources = True
 
-    def __init__(self, session: SenderView, policy: Policy) -> None:
+    def __init__(self, view: SenderView, policy: Policy) -> None:
         from kvtransport.codecs.blockrs import BlockRSEncoder
 
-        super().__init__(session, policy)
-        self.k, self.p, self.n_source = policy.block_k, policy.block_p, session.n_source
-        self.encoder = BlockRSEncoder(session.symbol_size, self.k, self.p, max_blocks=2)
+        super().__init__(view, policy)
+        self.k, self.p, self.n_source = policy.block_k, policy.block_p, view.n_source
+        self.encoder = BlockRSEncoder(view.symbol_size, self.k, self.p, max_blocks=2)
         self.queue: deque[tuple[int, int, int, bytes]] = deque()
 
     def on_source(self, esi: int, sym: memoryview | bytes) -> None:
@@ -60,7 +60,7 @@ class BlockRSSender(SenderRepair):
         if not self.queue:
             return None
         first, p, index, parity = self.queue.popleft()
-        s = self.session
+        s = self.view
         size = s.symbol_size
         s.framer.payload_view(size)[:] = parity
         s.stats["block_repair_sent"] += 1
@@ -112,8 +112,8 @@ class BlockRS(RepairScheme):
     wire_type = _BLOCK_REPAIR
     stat = "block_repair_sent"
 
-    def sender(self, session: SenderView, policy: Policy) -> SenderRepair:
-        return BlockRSSender(session, policy)
+    def sender(self, view: SenderView, policy: Policy) -> SenderRepair:
+        return BlockRSSender(view, policy)
 
     def check(self, d: Datagram) -> int:
         first, k = d.esi, d.dt_nss

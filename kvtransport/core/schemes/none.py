@@ -24,8 +24,8 @@ class NoRepairSender(SenderRepair):
 class NoRepair(RepairScheme):
     name = "none"
 
-    def sender(self, session: SenderView, policy: Policy) -> SenderRepair:
-        return NoRepairSender(session, policy)
+    def sender(self, view: SenderView, policy: Policy) -> SenderRepair:
+        return NoRepairSender(view, policy)
 
 
 SCHEME = NoRepair()

@@ -156,18 +156,17 @@ class RLCSender(SenderRepair):
     fills_idle = True
     repairs_open_loop = True
 
-    def __init__(self, session: SenderView, policy: Policy) -> None:
-        super().__init__(session, policy)
-        s, n = session.symbol_size, session.n_source
-        assert session.transfer is not None  # a new session holds its transfer
-        self.decoder_window = session.decoder_window
+    def __init__(self, view: SenderView, policy: Policy) -> None:
+        super().__init__(view, policy)
+        s, n = view.symbol_size, view.n_source
+        self.decoder_window = view.decoder_window
         # stream mode: no per-source copy into an encoder ring
         self.encoder: RLCEncoder | None = RLCEncoder(
-            s, window=min(self.decoder_window, max(n, 1)), stream=session.transfer.payload
+            s, window=min(self.decoder_window, max(n, 1)), stream=view.payload
         )
         self.answer_holes = bool(policy.reactive)
         # holes below the repair floor, sent again as sources (answer_holes only)
-        self.resend = Retransmits(session)
+        self.resend = Retransmits(view)
         self.credit = 0.0
         self.key = 0
         self.span = REPAIR_SEGMENT  # proactive span (rtt_changed)
@@ -179,7 +178,7 @@ class RLCSender(SenderRepair):
         # open loop: the symbol the next repair's walk starts at (None: not walking)
         self.walk_from: float | None = None
         # repairs built ahead over one span (rows), for keys ahead_key..
-        self._area = session.framer.payload_view(s)
+        self._area = view.framer.payload_view(s)
         self._ahead = np.zeros((_REPAIR_BATCH, s), dtype=np.uint8)
         self._ahead_span = (-1, 0)
         self._ahead_key = -1
@@ -194,7 +193,7 @@ class RLCSender(SenderRepair):
             if d is not None:
                 self.reactive = True
                 return d
-        s = self.session
+        s = self.view
         self.credit += s.share
         if self.credit >= 1.0:
             self.credit -= 1.0
@@ -210,7 +209,7 @@ class RLCSender(SenderRepair):
         # the slots whose credit stays below one (the same additions before_source makes)
         if self.needed > 0 and self.answer_holes:
             return 0
-        share, credit = self.session.share, self.credit
+        share, credit = self.view.share, self.credit
         k = 0
         while k < limit:
             credit += share
@@ -220,7 +219,7 @@ class RLCSender(SenderRepair):
         return k
 
     def passed(self, k: int) -> None:
-        share, credit = self.session.share, self.credit
+        share, credit = self.view.share, self.credit
         for _ in range(k):
             credit += share
         self.credit = credit
@@ -243,7 +242,7 @@ class RLCSender(SenderRepair):
         return self._repair(True)
 
     def rtt_changed(self) -> None:
-        s = self.session
+        s = self.view
         span = int(2.0 * s.owd / s.slot_s) + s.decision_packets
         self.span = min(s.max_repair_span, max(REPAIR_SEGMENT, span))
 
@@ -258,7 +257,7 @@ class RLCSender(SenderRepair):
     def release(self) -> None:
         self.encoder = None
 
-    def on_feedback(self, fb: Feedback, now: float) -> None:
+    def on_feedback(self, fb: Feedback, now: float) -> int | None:
         """Equations still owed per segment: its listed holes (those that need an equation),
         minus the equations an older receiver reports pivoted there, minus reactive repairs
         to it still in flight. A list cut at its cap sends proactive repairs to where it
@@ -272,7 +271,7 @@ class RLCSender(SenderRepair):
         it) a segment's missing equations get ``last_round_repairs`` at the reported loss
         and burst length (``fb_burst``), so one lost repair no longer leaves the
         segment, and the stream after it, undecodable."""
-        s = self.session
+        s = self.view
         last = now + 2.0 * s.owd + s.config.feedback_interval > s.stop_time
         loss = s.loss_estimate() if last else 0.0
         burst = s.fb_burst if last else 1.0
@@ -321,12 +320,12 @@ class RLCSender(SenderRepair):
         if resend is not None:
             total += len(resend)
         self.needed = total
-        s.fb_deficit = total if fb.ranges else max(0, fb.unrecovered - fb.pending)
+        return total if fb.ranges else max(0, fb.unrecovered - fb.pending)
 
     # ------------------------------------------------------------------ repairs
 
     def _window(self, reactive: bool) -> tuple[int, int]:
-        s = self.session
+        s = self.view
         hi = s.next_esi
         floor = max(0, hi - self.decoder_window + 1)
         if reactive and self.segments:
@@ -365,7 +364,7 @@ class RLCSender(SenderRepair):
         lo, hi = self._window(reactive)
         if hi <= lo:
             return None
-        s = self.session
+        s = self.view
         key = self.key
         self.key = (key + 1) & 0xFFFF
         nss = hi - lo
@@ -443,8 +442,8 @@ class RLC(RepairScheme):
     window = True
     stat = "rlc_repair_sent"
 
-    def sender(self, session: SenderView, policy: Policy) -> SenderRepair:
-        return RLCSender(session, policy)
+    def sender(self, view: SenderView, policy: Policy) -> SenderRepair:
+        return RLCSender(view, policy)
 
     def check(self, d: Datagram) -> int:
         # the coding fields are the decoder's to check (add_repair_datagram, repair_row)
