@@ -162,6 +162,15 @@ RUNTIME = [
     ["no-such-command"],
     ["simulate", "--no-such-option"],
     ["send", "127.0.0.1:9", "--rho", "1", "--deadline-ms", "5"],
+    # issue 44, row 9: idna's UnicodeError on empty or over-long labels, ports ZeroMQ wraps
+    ["send", "a..b:9"],
+    ["send", "a" * 70 + ".example:9"],
+    ["recv", "--listen", ".:9400"],
+    ["receiver-daemon", "--listen", "a..b:1"],
+    ["sender-daemon", "--bind", "b" * 64 + ".x:0"],
+    ["sender-daemon", "--control", "tcp://127.0.0.1:99999"],
+    ["receiver-daemon", "--publish", "tcp://127.0.0.1:0"],
+    ["receiver-daemon", "--control", "tcp://127.0.0.1:x"],
 ]  # fmt: skip
 
 

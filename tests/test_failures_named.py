@@ -206,21 +206,22 @@ def test_send_and_recv_with_different_keys_say_so_and_fail(tmp_path, capsys):
 def test_a_sender_whose_clock_is_off_is_refused_and_both_ends_name_the_skew(
     tmp_path, capsys, monkeypatch
 ):
-    """The sender's wall clock 10 minutes behind the receiver's 5 s replay window."""
+    """The sender's wall clock 10 minutes behind the receiver's 5 s replay window: recv
+    exits 4 with the reason soon after the refusal, not at its --timeout (issue 44)."""
     import kvtransport.daemons.daemon_sender as daemon_sender
     from kvtransport.daemons.udp import clock
 
     key = _key_file(tmp_path, "k", KEY)
-    rx, port, _ = _start_recv(tmp_path, "--key-file", key, "--timeout", "4",
+    rx, port, _ = _start_recv(tmp_path, "--key-file", key, "--timeout", "600",
                               "--replay-window", "5")  # fmt: skip
     monkeypatch.setattr(daemon_sender, "wall_offset", lambda: time.time() - clock() - 600.0)
     rc, st, err = _send(port, capsys, "--key-file", key)
-    _, rx_err = _finish(rx)
+    _, rx_err = _finish(rx, timeout=60)  # 60 s: a recv waiting for its --timeout fails here
     assert rc == 4 and st["delivered"] == "nothing"
     assert st["finish_reason"] == "refused (stale_manifest)" and st["refused"] == "stale_manifest"
     assert "kvtransport send: refused by the receiver (stale_manifest)" in err
     assert "clocks in sync" in err.strip().splitlines()[-1]
-    assert rx.returncode == 2
+    assert rx.returncode == 4
     said = rx_err.strip().splitlines()
     assert any(
         line.startswith("kvtransport recv: transfer ") and "refused (stale_manifest)" in line

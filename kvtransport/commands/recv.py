@@ -32,7 +32,8 @@ Datagrams of any other transfer are counted and dropped.
 
 Exit status: 0 when every block arrived, 3 when the result is partial (blocks missing at
 the deadline or on abort), 4 when the manifest never arrived or the transfer was refused
-(nothing usable), 2 when no transfer arrived or on bad input, 130 when interrupted. When
+(nothing usable; a refused transfer ends the wait a second later unless another one
+started), 2 when no transfer arrived or on bad input, 130 when interrupted. When
 datagrams failed authentication (another key) or a transfer was refused (a stale manifest:
 clocks out of sync), a line on standard error says so.
 
@@ -84,6 +85,9 @@ def run(args: argparse.Namespace) -> int:
             sock, stop=stop, key=key, timeout_s=args.timeout, idle_timeout_s=args.idle_timeout,
             max_bytes=int(args.max_mb * 1e6), replay=replay,
         )  # fmt: skip
+        if inc is None and stop.signal_name == "refused":
+            print(f"kvtransport recv: error: {engine.host.last_refusal}", file=sys.stderr)
+            return EXIT_NOTHING
         if inc is None:
             note = engine.host.failure_note()
             why = f"; {note}" if note else ""

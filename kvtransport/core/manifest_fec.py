@@ -18,6 +18,12 @@ Schedule, in data-path slots from the start of the transfer:
 
 The receiver side (:class:`ManifestReceiver`) decodes with an RLCDecoder over the M symbols
 and parses the result; anything inconsistent raises kvtransport.core.wire.BadPayload.
+
+Bounded: a manifest takes at most ``MAX_MANIFEST_BYTES`` in symbols (M times the symbol
+size; the sender refuses to make a larger one, the receiver to decode one), and
+:attr:`ManifestReceiver.nbytes` counts the symbol bytes its decoder has taken in so far,
+so a host can charge a manifest being decoded to its memory budget as its datagrams
+arrive, not as its first datagram claims.
 """
 
 from __future__ import annotations
@@ -34,6 +40,10 @@ _LEN = struct.Struct("!I")
 INITIAL_SPACING = 2
 FIRST_REPEAT_GAP = 16
 MAX_REPEAT_GAP = 1024
+MAX_MANIFEST_BYTES = 8 << 20
+"""The most a manifest may take in symbols (M x symbol size): above the largest one of
+the standard symbol size (MAX_NSS symbols of 1280 bytes), far below what a forged first
+datagram could otherwise claim (MAX_NSS symbols of 64 KiB, 268 MB)."""
 
 
 def manifest_symbols(manifest: bytes, symbol_size: int) -> int:
@@ -51,6 +61,12 @@ class ManifestSender:
             raise ValueError(
                 f"manifest of {len(manifest)} bytes needs {self.m} symbols > {MAX_NSS}; "
                 "use a larger symbol size or a smaller block table"
+            )
+        if self.m * symbol_size > MAX_MANIFEST_BYTES:
+            raise ValueError(
+                f"manifest of {len(manifest)} bytes takes {self.m} symbols of {symbol_size} "
+                f"bytes > {MAX_MANIFEST_BYTES} (a receiver refuses it); use a smaller block "
+                "table or application metadata"
             )
         self.symbol_size = symbol_size
         padded = np.zeros(self.m * symbol_size, dtype=np.uint8)
@@ -91,12 +107,16 @@ class ManifestSender:
 class ManifestReceiver:
     """Collects MANIFEST / MANIFEST_REPAIR datagrams until the manifest decodes."""
 
-    def __init__(self, max_symbols: int = MAX_NSS) -> None:
+    def __init__(self, max_symbols: int = MAX_NSS, max_bytes: int = MAX_MANIFEST_BYTES) -> None:
         self.max_symbols = max_symbols
+        self.max_bytes = max_bytes
         self.m = 0
         self.symbol_size = 0
         self._decoder: RLCDecoder | None = None
         self._known = 0
+        self.nbytes = 0
+        """Symbol bytes the decoder has taken in (0 once decoded or reset): what it holds,
+        at most two rows per manifest symbol (sources and pending repairs)."""
         self.manifest: TransportManifest | None = None
 
     def add(self, d: Datagram) -> TransportManifest | None:
@@ -113,6 +133,8 @@ class ManifestReceiver:
         if self._decoder is None:
             if not 1 <= m <= self.max_symbols or size == 0:
                 raise BadPayload(f"manifest of {m} symbols of {size} bytes")
+            if m * size > self.max_bytes:
+                raise BadPayload(f"manifest of {m} symbols of {size} bytes > {self.max_bytes}")
             self.m, self.symbol_size = m, size
             self._decoder = RLCDecoder(size, max_window=m)
         elif m != self.m or size != self.symbol_size:
@@ -124,6 +146,7 @@ class ManifestReceiver:
         else:
             got = self._decoder.add_repair(0, m, d.key, d.dt, d.payload)
         self._known += len(got)
+        self.nbytes = min(self.nbytes + size, 2 * self.m * size)
         if self._known < self.m:
             return None
         parts = []
@@ -142,9 +165,11 @@ class ManifestReceiver:
             self._reset()
             raise
         self._decoder = None  # free the symbols
+        self.nbytes = 0
         return self.manifest
 
     def _reset(self) -> None:
         self._decoder = None
         self._known = 0
+        self.nbytes = 0
         self.m = 0

@@ -51,6 +51,9 @@ UTILITY_PROFILES = ("zipf", "flat", "linear")
 MANIFEST_MAGIC = b"KVTM"
 MANIFEST_VERSION = 3
 MAX_BLOCKS = 1 << 22
+MAX_PAYLOAD_BYTES = 1 << 48
+"""The largest payload, block offset or block length a transfer may name (256 TiB): far
+beyond any cache, and small enough that an offset plus a length never wraps a u64."""
 _MANIFEST_FIXED = struct.Struct("<4sHHIQIddIII")
 _CRC = struct.Struct("<I")
 _UTILITY_SLACK = 1e-6
@@ -82,6 +85,8 @@ class BlockTable:
             raise ValueError(f"{n} blocks > {MAX_BLOCKS}")
         if n and (ln == 0).any():
             raise ValueError("blocks must not be empty")
+        if n and (off.max() > MAX_PAYLOAD_BYTES or ln.max() > MAX_PAYLOAD_BYTES):
+            raise ValueError(f"block offsets and lengths must be at most {MAX_PAYLOAD_BYTES}")
         if n > 1 and (off[1:] < off[:-1] + ln[:-1]).any():
             raise ValueError("blocks must be in increasing offset order and must not overlap")
         if not np.isfinite(ut).all() or (ut < 0).any() or ut.sum() > 1.0 + _UTILITY_SLACK:
@@ -227,6 +232,8 @@ class TransportManifest:
             raise BadPayload(f"not a version-{MANIFEST_VERSION} transport manifest")
         if fixed + zlen + alen != len(body) or not 0 < sym <= 65535 or n > MAX_BLOCKS:
             raise BadPayload("transport manifest lengths are inconsistent")
+        if plen > MAX_PAYLOAD_BYTES:
+            raise BadPayload(f"transport manifest payload of {plen} bytes > {MAX_PAYLOAD_BYTES}")
         if not (0.0 <= deadline <= MAX_DEADLINE_S):
             raise BadPayload(
                 f"transport manifest deadline is not a time in 0..{MAX_DEADLINE_S:g} s"

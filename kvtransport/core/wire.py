@@ -92,7 +92,8 @@ escapes. Per-packet cost matters (a few microseconds per datagram in Python), so
 is one precompiled ``struct.Struct``, datagrams are built in one preallocated buffer by
 :class:`Framer`, payloads come back as memoryviews (slices of the caller's buffer when
 unsealed, of the decrypted copy when sealed), and each transfer's AES-GCM context is
-derived once and kept (a :class:`Parser` keeps the most recent ``MAX_CACHED_KEYS``).
+derived once and kept (a :class:`Parser` keeps the most recent ``MAX_CACHED_KEYS`` whose
+datagrams opened; a forged transfer id costs one derivation and is not kept).
 
 Runs of sources (a sender's consecutive source slots, a receiver's in-order sources) are
 sealed and opened in one compiled call each where libcrypto is available
@@ -134,8 +135,9 @@ _KNOWN_FLAGS = FLAG_SEALED | FLAG_RETRANSMIT
 MIN_KEY_BYTES = 16
 MAX_KEY_BYTES = 64
 MAX_CACHED_KEYS = 256
-"""Per-transfer AES-GCM contexts a :class:`Parser` keeps (forged transfer ids cannot grow
-it beyond this; an evicted genuine transfer's context is derived again)."""
+"""Per-transfer AES-GCM contexts a :class:`Parser` keeps, of transfers whose datagrams
+opened (a forged transfer id is never kept; an evicted genuine transfer's context is
+derived again)."""
 _HKDF_INFO = b"kvtransport/2 datagram AES-256-GCM"
 
 MAX_NSS = 0x0FFF
@@ -420,30 +422,52 @@ class Parser:
     With a key, unsealed datagrams and ones that do not open under their transfer's key
     raise :class:`BadTag`; without a key, sealed datagrams raise :class:`BadTag` too (they
     cannot be opened, and accepting them would hide a misconfigured peer). Per-transfer
-    contexts are cached (at most ``MAX_CACHED_KEYS``, oldest evicted first).
+    contexts are cached once a datagram of the transfer opened (at most
+    ``MAX_CACHED_KEYS``, oldest evicted first); a forged transfer id costs one key
+    derivation and one open, and is not kept.
     """
 
-    __slots__ = ("_key", "_ciphers", "_run_keys", "_run_cache")
+    __slots__ = ("_key", "_ciphers", "_keys", "_run_keys", "_run_cache")
 
     def __init__(self, key: bytes | None = None) -> None:
         self._key = None if key is None else check_key(key)
+        # transfers whose datagrams opened: their AES-GCM contexts and keys (for the run
+        # kernels' contexts, made when a run of sources first needs them)
         self._ciphers: dict[int, AESGCM] = {}
-        self._run_keys: dict[int, aesgcm.GcmKey | None] = {}  # the same transfers' run keys
+        self._keys: dict[int, bytes] = {}
+        self._run_keys: dict[int, aesgcm.GcmKey | None] = {}
         # the last compiled run's output buffer, transfer and symbol size, and for them: the
         # expected header, the output as an array, room for a plaintext before its tag
         self._run_cache: tuple = (None, -1, -1, None, None, None)
 
-    def _cipher(self, tid: int) -> AESGCM:
-        ciphers, run_keys = self._ciphers, self._run_keys
+    def _remember(self, tid: int, cipher: AESGCM, key: bytes) -> None:
+        """Cache a transfer's context once a datagram of it opened: a forged transfer id
+        (one whose datagram does not open) is derived, tried and forgotten, so forgeries
+        cannot evict genuine transfers' contexts."""
+        ciphers = self._ciphers
         if len(ciphers) >= MAX_CACHED_KEYS:
             oldest = next(iter(ciphers))
-            del ciphers[oldest]
-            run_keys.pop(oldest, None)
-        assert self._key is not None  # parse() seals and opens only with a key
+            del ciphers[oldest], self._keys[oldest]
+            self._run_keys.pop(oldest, None)
+        ciphers[tid] = cipher
+        self._keys[tid] = key
+
+    def _run_key_of(self, tid: int) -> aesgcm.GcmKey | None:
+        """The run kernels' contexts of a cached transfer, made on first use."""
+        run_key = self._run_keys.get(tid)
+        if run_key is None:
+            run_key = self._run_keys[tid] = _run_key(self._keys[tid])
+        return run_key
+
+    def _open_new(self, tid: int, nonce: bytes, sealed: memoryview, header: memoryview) -> bytes:
+        """Open a datagram of a transfer not cached: one key derivation and one AES-GCM
+        open (no run-kernel context until the transfer is known genuine)."""
+        assert self._key is not None  # parse() opens only with a key
         k = transfer_key(self._key, tid)
-        c = ciphers[tid] = AESGCM(k)
-        run_keys[tid] = _run_key(k)
-        return c
+        c = AESGCM(k)
+        plain = c.decrypt(nonce, sealed, header)  # InvalidTag: nothing is kept
+        self._remember(tid, c, k)
+        return plain
 
     def parse(self, data: bytes | bytearray | memoryview) -> Datagram:
         """Return the datagram in ``data`` or raise a :class:`WireError`.
@@ -474,17 +498,19 @@ class Parser:
         if fr & _RETRANSMIT_BIT and dtype != _SOURCE_TYPE:
             raise BadType("RETRANSMIT flag on a non-source datagram")
         if sealed:
-            c = self._ciphers.get(tid)
-            if c is None:
-                c = self._cipher(tid)
             if dtype == _FEEDBACK_TYPE:
                 if not (key or dt_nss or esi):
                     raise BadTag("sealed feedback with epoch 0 (the data path's nonces)")
                 nonce = _FB_NONCE_PACK(key, dt_nss, esi, seq)
             else:
                 nonce = _NONCE_PACK(0, seq)
+            c = self._ciphers.get(tid)
             try:
-                payload = memoryview(c.decrypt(nonce, mv[HEADER_SIZE:n], mv[:HEADER_SIZE]))
+                if c is None:
+                    plain = self._open_new(tid, nonce, mv[HEADER_SIZE:n], mv[:HEADER_SIZE])
+                else:
+                    plain = c.decrypt(nonce, mv[HEADER_SIZE:n], mv[:HEADER_SIZE])
+                payload = memoryview(plain)
             except InvalidTag:
                 raise BadTag("datagram does not open under its transfer's key") from None
         else:
@@ -528,7 +554,7 @@ class Parser:
             # one compiled call: the expected header of each datagram is what Framer.seal
             # writes for it, compared on every byte the loop below tests (all but the FEC
             # payload id's key and DT/NSS, which a SOURCE ignores)
-            run_key = self._run_keys.get(transfer_id) if sealed else None
+            run_key = self._run_key_of(transfer_id) if sealed else None
             cached = self._run_cache
             if cached[0] is not out or cached[1] != transfer_id or cached[2] != size:
                 cached = self._run_cache = (

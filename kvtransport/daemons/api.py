@@ -100,6 +100,7 @@ def check_endpoint(endpoint: str, what: str = "endpoint", *, curve: bool = False
     if endpoint.startswith("inproc://"):
         return endpoint
     if endpoint.startswith("tcp://"):
+        _check_tcp_port(endpoint, what)
         if not curve:
             raise UserError(
                 f"{what} {endpoint}: tcp:// is open to every local user, so it needs CURVE "
@@ -129,6 +130,14 @@ def check_endpoint(endpoint: str, what: str = "endpoint", *, curve: bool = False
             f"{st.st_mode & 0o7777:04o}); use a directory only you can write (chmod 700)"
         )
     return endpoint
+
+
+def _check_tcp_port(endpoint: str, what: str) -> None:
+    """A one-line UserError unless ``endpoint`` (tcp://) ends in a port 1..65535: ZeroMQ
+    would bind a port outside it modulo 65536 without a word."""
+    port = endpoint.rpartition(":")[2]
+    if not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+        raise UserError(f"{what} {endpoint}: the port must be a number in 1..65535")
 
 
 _RUN_DIR = runtime_dir()

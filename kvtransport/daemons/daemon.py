@@ -261,8 +261,13 @@ class ControlServer:
     def fileno(self) -> int:
         return self.fd
 
+    def pending(self) -> bool:
+        """Is a request waiting (one :meth:`drain` left for the next turn)?"""
+        return bool(self.sock.getsockopt(self._zmq.EVENTS) & self._zmq.POLLIN)
+
     def drain(self, max_requests: int = 64) -> int:
-        """Answer every waiting request (at most ``max_requests`` per call)."""
+        """Answer every waiting request (at most ``max_requests`` per call, so a burst of
+        requests cannot hold back pacing; the loop comes back at once for the rest)."""
         zmq = self._zmq
         sock = self.sock
         done = 0
@@ -472,14 +477,22 @@ def serve(
             on_idle(clock())
         if stop.requested:
             break
-        wake = engine.next_wake()
-        now = clock()
-        timeout = MAX_IDLE_SLEEP_S if wake is None else min(MAX_IDLE_SLEEP_S, wake - now)
+        timeout = _sleep_s(engine, controls)
         ready = wait_readable(fds, timeout)
         if udp_fd in ready:
             engine.on_readable(clock())
         if stop.fileno() in ready:
             stop.drain()
+
+
+def _sleep_s(engine: Engine, controls: list[ControlServer]) -> float:
+    """How long the loop may wait for a descriptor: 0 while a control socket still holds
+    requests (its descriptor is edge-triggered: it would not wake the wait for them), else
+    until the engine's next timer, at most ``MAX_IDLE_SLEEP_S``."""
+    if any(c.pending() for c in controls):
+        return 0.0
+    wake = engine.next_wake()
+    return MAX_IDLE_SLEEP_S if wake is None else min(MAX_IDLE_SLEEP_S, wake - clock())
 
 
 class _WarmUpPath:

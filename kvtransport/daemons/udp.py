@@ -151,6 +151,8 @@ def parse_address(text: str, default_host: str = "0.0.0.0", what: str = "address
         info = socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_DGRAM)
     except socket.gaierror as exc:
         raise UserError(f"{what} {text!r}: cannot resolve {host!r} ({exc.strerror})") from None
+    except UnicodeError:  # the idna codec: an empty or over-long (> 63) label
+        raise UserError(f"{what} {text!r}: {host!r} is not a host name") from None
     return info[0][4]
 
 

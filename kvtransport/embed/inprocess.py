@@ -40,6 +40,10 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from kvtransport.model.race import RaceResult
 
 DEFAULT_LISTEN = "0.0.0.0:9400"
+REFUSED_GRACE_S = 1.0
+"""How long :func:`run_receive` goes on waiting after it refused a transfer (a stale or
+replayed manifest) before it gives up: long enough that a genuine transfer racing a
+replayed capture is still received, short against any wait for a transfer."""
 _warmed: set[tuple[bool, str]] = set()
 _warm_lock = threading.Lock()
 
@@ -114,6 +118,9 @@ def run_receive(
     host's sessions, kvtransport.embed.live_race). Returns
     ``(incoming, engine)``: the :class:`~kvtransport.daemons.daemon_receiver.Incoming` (None when
     no transfer arrived) and the engine, whose counters say what was dropped.
+
+    A refused transfer (``host.last_refusal``) ends the wait ``REFUSED_GRACE_S`` later
+    unless a transfer was adopted by then: ``stop.signal_name`` is then "refused".
     """
     import time
 
@@ -133,10 +140,18 @@ def run_receive(
     if on_engine is not None:
         on_engine(engine)
     started = clock()
+    refused_at: list[float] = []  # when the first refusal was seen
 
     def check(now: float) -> None:
-        if results or (host.adopted is None and now - started > timeout_s):
-            stop.request("timeout" if not results else "done")
+        if results:
+            stop.request("done")
+        elif host.adopted is None:
+            if host.last_refusal and not refused_at:
+                refused_at.append(now)
+            if refused_at and now - refused_at[0] >= REFUSED_GRACE_S:
+                stop.request("refused")
+            elif now - started > timeout_s:
+                stop.request("timeout")
 
     try:
         serve(engine, [], stop, on_idle=check)

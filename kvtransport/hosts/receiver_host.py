@@ -28,7 +28,8 @@ interleaved with data, and its first datagram may be lost) are authenticated and
 a bounded pool (:class:`Pending`: per transfer at most ``POOL_DATAGRAMS`` datagrams and
 ``POOL_TRANSFER_BYTES``, ``POOL_BYTES`` in all, ``POOL_TRANSFERS`` transfers, the oldest
 evicted first; each lives ``POOL_TIMEOUT_S`` after its creation or its latest manifest
-datagram); what does not fit is dropped and counted (``pool_full``, ``pool_expired``,
+datagram); the symbols its manifest decoder holds count as pooled bytes too, charged as
+they arrive; what does not fit is dropped and counted (``pool_full``, ``pool_expired``,
 a repeated packet number ``duplicate_packet``). The session opens with the pool's
 datagrams (:meth:`ReceiverSession.open_validated`), its deadline counted from the first
 of them. A replayed datagram without its manifest thus opens nothing, and a replayed
@@ -614,11 +615,18 @@ class ReceiverHost:
         entry.manifests += 1
         entry.expires = now + POOL_TIMEOUT_S
         self.pending.move_to_end(entry.transfer_id)
+        if self.pool_bytes + len(d[7]) > POOL_BYTES:  # its decoder shares the pool's bound
+            self._drop("pool_full")
+            return
+        before = entry.rx.nbytes
         try:
             m = entry.rx.add(d)
         except WireError as exc:
             self._drop(exc.reason)
             return
+        finally:  # the decoder's symbol bytes count as pooled (issue 44, item 7)
+            entry.nbytes += entry.rx.nbytes - before
+            self.pool_bytes += entry.rx.nbytes - before
         if m is not None:
             self._validated(entry, m, now)
 
