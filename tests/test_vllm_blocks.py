@@ -335,3 +335,85 @@ def test_unclaimed_results_expire_by_lease_and_by_bytes():
     finally:
         pusher.close()
         inbox.close()
+
+
+def _link(rate_mbps: float = 100.0, loss: float = 0.0):
+    from kvtransport.model.plan import LinkEstimate
+
+    return LinkEstimate(rate_mbps * 1e6, loss, 5e-4, 1280)
+
+
+def test_a_planned_push_is_int8_front_first_and_loads_its_dequantized_prefix():
+    """The producer's planner (kvtransport.model.plan) sets each block's precision: on a
+    prefix-only consumer every token counts alike, so the fidelity floor keeps the blocks
+    at int8, a quarter of fp32's bytes; the stream stays front first, and a cut loads the
+    dequantized prefix into the consumer's float32 pages."""
+    from kvtransport.kvformat.blocks import PRECISIONS, Geometry, decode_stream
+
+    cache = _cache(150)
+    g = vb.geometry_for(LAYERS, HEADS, DIM, "float32", 150, BS)
+    assert g == Geometry.of(cache, BS)  # planned before the cache is copied out: same geometry
+    push = vb.plan_push(g, link=_link(), budget_s=1.0, levels=("fp16", "int8", "int4"))
+    assert not push.declined and push.plan.split == 0 and push.plan.hedge == 0
+    stream = vb.encode_request(cache, "r", BS, plan=push.plan)
+    m = stream.manifest
+    names = {PRECISIONS[p] for p in m.precision}
+    assert names <= {"int8", "int4"} and "int8" in names
+    lossless = vb.encode_request(cache, "r", BS)
+    assert stream.payload.nbytes < 0.3 * lossless.payload.nbytes
+    assert list(m.token_block) == sorted(m.token_block)  # still front first
+    complete = m.token_block < 2  # the first two ranges (64 tokens) arrived
+    plan = vb.load_plan(_result_with(stream, complete), block_ids=[5, 6, 7, 8, 9],
+                        block_size=BS, start=0, stop=150, token_ids=cache.token_ids)  # fmt: skip
+    assert plan.prefix == 64 and plan.failed_block_ids == [7, 8, 9]
+    dk, dv = _zeros()
+    vb.scatter(plan.cache, dk, dv, [5, 6, 7, 8, 9], 0, plan.prefix)
+    want = decode_stream(m, stream.payload, token_ids=cache.token_ids).cache
+    assert np.array_equal(dk[1][6], want.keys[1, :, 32:64])  # [heads, tokens, dim]
+    err = np.abs(dk[1][6] - cache.keys[1, :, 32:64]).max()
+    assert 0 < err < 0.05  # quantized, not garbage
+    assert not dk[1][7].any()
+    with pytest.raises(ValueError, match="not a push plan"):
+        vb.encode_request(_cache(100), "r", BS, plan=push.plan)
+
+
+def test_a_push_slower_than_the_consumers_own_prefill_is_declined():
+    from kvtransport.model.cache_builder import ComputeSpeed
+
+    g = vb.geometry_for(LAYERS, HEADS, DIM, "float32", 150, BS)
+    levels = ("fp16", "int8", "int4")
+    slow = ComputeSpeed(0.0, 1e-2)  # 1.5 s to recompute 150 tokens
+    fast = ComputeSpeed(0.0, 1e-6)  # 0.15 ms
+    kept = vb.plan_push(g, link=_link(), budget_s=1.0, levels=levels, speed=slow)
+    assert not kept.declined and kept.recompute_s == pytest.approx(1.5)
+    gone = vb.plan_push(g, link=_link(), budget_s=1.0, levels=levels, speed=fast)
+    assert gone.declined and "own prefill" in gone.why
+    assert gone.plan.link_s > gone.recompute_s
+    # threshold 0 never declines; an unknown speed never declines
+    assert not vb.plan_push(g, link=_link(), budget_s=1.0, levels=levels, speed=fast,
+                            threshold=0).declined  # fmt: skip
+    assert not vb.plan_push(g, link=_link(), budget_s=1.0, levels=levels).declined
+    # loss raises the planned time: a push that pays on a clean link may not on a lossy one
+    t = kept.plan.link_s
+    lossy = vb.plan_push(g, link=_link(loss=0.3), budget_s=1.0, levels=levels, speed=slow)
+    assert lossy.plan.link_s > t
+
+
+def test_step_speed_times_big_steps_from_when_they_could_start():
+    s = vb.StepSpeed(min_tokens=100, window=3)
+    assert s.speed() is None
+    s.scheduled(0.0, 50)  # too small to tell
+    s.finished(1.0)
+    assert s.speed() is None
+    s.scheduled(1.0, 1000)
+    s.scheduled(1.1, 1000)  # scheduled ahead: it runs once the one before finished
+    s.finished(2.0)
+    s.finished(3.0)
+    assert s.speed().per_token_s == pytest.approx(1e-3)  # both 1 s / 1000 tokens
+    s.scheduled(3.0, 1000)
+    s.finished(13.0)  # one step ten times slower (a busy host) does not move it
+    assert s.speed().per_token_s == pytest.approx(1e-3)
+    for end in (15.0, 17.0):  # lasting slower steps take the window over
+        s.scheduled(end - 2.0, 1000)
+        s.finished(end)
+    assert s.speed().per_token_s == pytest.approx(2e-3)

@@ -90,14 +90,21 @@ def _tokens(paged: dict[str, torch.Tensor], block_ids: list[int], tokens: list[i
     return vb.gather(*paged_views(paged, 64), block_ids, tokens, "m")
 
 
+LOSSLESS = {"precision": "lossless"}
+"""The producer's extra config that pushes every block lossless (the connector before the
+planner): what the bit-identity tests check."""
+
+
 def _handoff(model_dir, tokens: list[int], deadline_ms: float, rate_mbps: float = 100,
-             load_log: str | None = None, wait_ms: float = 5000):  # fmt: skip
+             load_log: str | None = None, wait_ms: float = 5000,
+             producer: dict | None = None):  # fmt: skip
     """Producer and consumer connectors, both roles each, one request pushed and loaded.
-    Returns (src pages, dst pages, producer block ids, consumer block ids, load errors,
-    consumer stats, producer's request_finished answer)."""
+    producer: more of the producer's extra config (default: LOSSLESS). Returns (src
+    pages, dst pages, producer block ids, consumer block ids, load errors, consumer
+    stats)."""
     port = _port()
-    p_cfg = _config(model_dir, "kv_producer",
-                    {"push_to": f"127.0.0.1:{port}", "rate_mbps": rate_mbps})  # fmt: skip
+    p_extra = {"push_to": f"127.0.0.1:{port}", "rate_mbps": rate_mbps}
+    p_cfg = _config(model_dir, "kv_producer", {**p_extra, **(producer or LOSSLESS)})
     c_extra = {"listen": f"127.0.0.1:{port}", "wait_ms": wait_ms}
     c_cfg = _config(
         model_dir, "kv_consumer", dict(c_extra, load_log=load_log) if load_log else c_extra
@@ -203,6 +210,87 @@ def test_complete_push_lands_bit_identical_in_the_decode_engines_blocks(model_di
     assert record["datagrams"] >= 150 * 46080 // 1280
     assert 0 <= record["datagrams_lost"] <= record["datagrams"] // 100
     assert 0 <= record["loss_rate"] < 0.05
+
+
+def test_a_planned_push_lands_int8_dequantized_in_the_decode_engines_blocks(model_dir):
+    """The default push is planned (kvtransport.model.plan): int8 blocks, a quarter of
+    fp32's bytes on the wire, dequantized into the decode engine's float32 pages: close
+    to the prefill engine's KV, not equal to it, and nothing past the prompt written."""
+    tokens = list(range(1000, 1150))
+    slow = {"decode_tokens_per_s": 50}  # the decode engine's own prefill: 3 s, a push pays
+    src, dst, p_ids, c_ids, errors, stats = _handoff(model_dir, tokens, deadline_ms=3000,
+                                                     producer=slow)  # fmt: skip
+    assert errors == set() and stats.data["tokens_loaded"] == 150
+    assert stats.data["bytes_received"] < 0.3 * 150 * 46080  # fp32: 46080 bytes a token
+    want, got = _tokens(src, p_ids, tokens), _tokens(dst, c_ids, tokens)
+    err = np.abs(got.keys - want.keys).max()
+    assert 0 < err < 0.05 * np.abs(want.keys).max()
+    assert np.abs(got.values - want.values).max() < 0.05 * np.abs(want.values).max()
+    from kvtransport.embed.vllm_connector import paged_views
+
+    k, _ = paged_views(dst, 64)
+    assert not k[3][c_ids[4], :, 22:].any()
+
+
+def _producer(model_dir, extra: dict):
+    cfg = _config(model_dir, "kv_producer", {"push_to": "127.0.0.1:9", **extra})
+    return _connector(cfg, KVConnectorRole.SCHEDULER)
+
+
+def _finish(sched, rid: str, tokens: list[int]):
+    req = _request(rid, tokens, {"do_remote_decode": True, "kvt_request": rid})
+    return sched.request_finished(req, list(range(-(-len(tokens) // BS))))
+
+
+def test_a_push_that_cannot_pay_off_is_declined_and_the_decode_engine_recomputes(model_dir):
+    """A decode engine that prefills faster than the push would cross the link gets no
+    push: the prefill engine frees the blocks at once, hands ``do_remote_prefill`` false,
+    and counts the declined tokens; the decode engine then claims nothing."""
+    from types import SimpleNamespace
+
+    tokens = list(range(100, 164))
+    fast = _producer(model_dir, {"decode_tokens_per_s": 1e6, "rate_mbps": 100})
+    delay, handed = _finish(fast, "r1", tokens)
+    assert delay is False and handed["do_remote_prefill"] is False
+    assert "own prefill" in handed["kvt_declined"]
+    assert fast.build_connector_meta(SimpleNamespace()).sends == []
+    stats = fast.get_kv_connector_stats().data
+    assert stats["tokens_declined"] == 64 and stats["pushes_declined"] == 1
+    consumer = _connector(_config(model_dir, "kv_consumer", {}), KVConnectorRole.SCHEDULER)
+    assert consumer.get_num_new_matched_tokens(_request("d", tokens, handed), 0) == (0, False)
+    # the same push to a slow decode engine, and with the threshold off, goes ahead
+    for extra in ({"decode_tokens_per_s": 20}, {"decode_tokens_per_s": 1e6,
+                                                "recompute_threshold": 0}):  # fmt: skip
+        delay, handed = _finish(_producer(model_dir, extra), "r2", tokens)
+        assert delay is True and handed["do_remote_prefill"] is True
+    # unconfigured, the producer's own steps give the speed: unknown at first (pushed),
+    # then measured fast (1000 tokens in ~10 ms): declined
+    own = _producer(model_dir, {"rate_mbps": 100})
+    assert _finish(own, "r3", tokens)[0] is True
+    own.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=1000))
+    time.sleep(0.01)
+    own.get_kv_connector_stats()  # the scheduler's call once the step's output is back
+    delay, handed = _finish(own, "r4", tokens)
+    assert delay is False and handed["do_remote_prefill"] is False
+
+
+def test_a_bad_push_config_is_one_line(model_dir):
+    from kvtransport.errors import UserError
+
+    for bad, what in (({"precision": "int3"}, "precision"), ({"loss": 2}, "loss"),
+                      ({"decode_tokens_per_s": 0}, "decode_tokens_per_s"),
+                      ({"recompute_threshold": -1}, "recompute_threshold"),
+                      ({"rate_mbps": "fast"}, "kv_connector_extra_config")):  # fmt: skip
+        with pytest.raises(UserError, match=what):
+            _producer(model_dir, bad)
+    # a request's own bad values are ignored (logged), never fatal to the engine
+    sched = _producer(model_dir, {"decode_tokens_per_s": 20})
+    for params in ({"kvt_ttft_ms": "soon"}, {"kvt_ttft_ms": -5}, {"kvt_precision": "int3"}):
+        req = _request("r", list(range(64)), {"do_remote_decode": True, "kvt_request": "r",
+                                              **params})  # fmt: skip
+        assert sched.request_finished(req, [0, 1])[0] is True
+    (lossless,) = sched.build_connector_meta(None).sends[2:]
+    assert lossless.plan is None  # int3 is no precision: that push goes lossless
 
 
 def test_a_deadline_cut_loads_a_prefix_and_reports_the_tail_as_load_errors(model_dir):
@@ -358,12 +446,14 @@ def test_stats_reach_a_prometheus_scrape_and_fail_policy_warns(model_dir, caplog
     types = {Gauge: bind(Gauge), Counter: bind(Counter), Histogram: bind(Histogram)}
     prom = cls.build_prom_metrics(cfg, types, ["engine"], {0: ["0"]})
     stats = cls.build_kv_connector_stats({"tokens_loaded": 96, "tokens_recomputed": 54,
-                                          "load_waits": [0.2], "bytes_received": 4096})  # fmt: skip
+                                          "load_waits": [0.2], "bytes_received": 4096,
+                                          "tokens_declined": 640})  # fmt: skip
     prom.observe(stats.data, 0)
     text = generate_latest(registry).decode()
     assert 'vllm:kvt_tokens_loaded_total{engine="0"} 96.0' in text
     assert 'vllm:kvt_tokens_recomputed_total{engine="0"} 54.0' in text
     assert 'vllm:kvt_load_wait_s_count{engine="0"} 1.0' in text
+    assert 'vllm:kvt_tokens_declined_total{engine="0"} 640.0' in text
     tc = KVTransferConfig(kv_connector="KVTransportConnector",
                           kv_connector_module_path="kvtransport.embed.vllm_connector",
                           kv_role="kv_consumer")  # fmt: skip

@@ -15,9 +15,12 @@ This module is numpy and the embeddable API only:
   (logical K and V views ``[num_blocks, kv_heads, block_size, head_dim]``, strided as the
   engine stores them: kvtransport.embed.vllm_connector.paged_views) and a
   :class:`~kvtransport.kvformat.kvcache.KVCache`;
-- :func:`encode_request`: the cache as a prefix-ordered, lossless block stream whose
-  manifest names the request (``created["request"]``) and carries the producer's
-  :class:`Compat` header (``created["vllm"]``);
+- :func:`plan_push`: the producer's decision for one push, by the product's handoff
+  planner (kvtransport.model.plan): a precision per block and the planned time, or a
+  decline where the consumer's own prefill (:class:`StepSpeed` measures one) is sooner;
+- :func:`encode_request`: the cache as a prefix-ordered block stream (lossless, or at a
+  plan's precisions) whose manifest names the request (``created["request"]``) and
+  carries the producer's :class:`Compat` header (``created["vllm"]``);
 - :func:`load_plan`: from a received result, the usable prefix and the vLLM block ids
   that failed (:class:`LoadPlan`); a result whose header does not match the consumer's
   :class:`Compat`, or whose manifest is not the cache of the request's prompt, loads
@@ -49,6 +52,14 @@ from kvtransport.embed.inprocess import NOT_SENT
 from kvtransport.errors import UserError
 from kvtransport.kvformat import blocks
 from kvtransport.kvformat.kvcache import KVCache
+from kvtransport.model.cache_builder import ComputeSpeed
+from kvtransport.model.plan import (
+    NO_RECEIVER_COMPUTE,
+    HandoffPlan,
+    LinkEstimate,
+    plan_handoff,
+    sending_order,
+)
 from kvtransport.model.utility import stream_order
 
 REQUEST_TAG = "request"
@@ -189,26 +200,146 @@ def scatter(
 # ---------------------------------------------------------------------- the stream
 
 
+def prefix_utilities(g: blocks.Geometry) -> np.ndarray:
+    """``[layers, token_blocks]`` block utilities for a prefix-only consumer: a range's
+    token count (every token of a usable prefix counts alike)."""
+    counts = g.block_token_count(np.arange(g.token_blocks)).astype(np.float64)
+    return np.tile(counts, (g.num_layers, 1))
+
+
+def geometry_for(
+    num_layers: int, num_kv_heads: int, head_dim: int, dtype: str, num_tokens: int,
+    block_tokens: int,
+) -> blocks.Geometry:  # fmt: skip
+    """The geometry :func:`encode_request` gives a request's cache of this shape (the
+    block format's defaults, :meth:`Geometry.of`), known before the cache is (the
+    scheduler plans a push before the worker copies it out). ValueError for a dtype the
+    block format does not hold (only float32 and float16)."""
+    shape = (num_layers, num_kv_heads, num_tokens, head_dim)
+    kv = np.broadcast_to(np.zeros((), dtype=dtype), shape)
+    return blocks.Geometry.of(KVCache(kv, kv, np.zeros(num_tokens, np.int64), ""), block_tokens)
+
+
+@dataclass(frozen=True)
+class PushPlan:
+    """What the producer decided for one push (:func:`plan_push`).
+
+    plan: the handoff plan (kvtransport.model.plan.HandoffPlan: a precision per block, the
+    stream order, ``link_s``: when the whole cache is planned in place at the consumer);
+    recompute_s: the consumer's own prefill of the prompt at its compute speed (None:
+    unknown); declined: the push cannot pay off (``link_s`` beyond ``threshold`` times
+    ``recompute_s``), the consumer recomputes instead; why: one line saying so.
+    """
+
+    plan: HandoffPlan
+    recompute_s: float | None
+    declined: bool
+    why: str = ""
+
+    def describe(self) -> str:
+        own = "?" if self.recompute_s is None else f"{self.recompute_s * 1e3:.0f}"
+        return (f"{self.plan.describe()}; the consumer's own prefill {own} ms"
+                + (f"; declined: {self.why}" if self.declined else ""))  # fmt: skip
+
+
+def plan_push(
+    g: blocks.Geometry,
+    *,
+    link: LinkEstimate,
+    budget_s: float,
+    levels: tuple[str, ...],
+    speed: ComputeSpeed | None = None,
+    threshold: float = 1.0,
+    objective: str = "ttft",
+) -> PushPlan:
+    """Plan a push of a cache of geometry ``g`` with the product's handoff planner
+    (kvtransport.model.plan.plan_handoff) for a consumer that loads a prefix and
+    recomputes the rest (vLLM): precisions from ``levels`` over ``link`` within
+    ``budget_s`` under ``objective``, token ranges front first, nothing left for the
+    consumer to compute first (its engine takes loaded KV only as a prefix), no hedge and
+    no layer-by-layer tail.
+
+    speed: the consumer's prefill speed (None: unknown, never declined); the push is
+    declined when its planned time in place exceeds ``threshold`` times the consumer's
+    own prefill of the prompt (``threshold`` 0: never declined).
+    """
+    plan = plan_handoff(g, prefix_utilities(g), link=link, speed=NO_RECEIVER_COMPUTE,
+                        budget_s=budget_s, levels=levels, objective=objective,
+                        hedge_share=0.0)  # fmt: skip
+    recompute_s = None if speed is None else float(speed.seconds(g.num_tokens))
+    if recompute_s is None or threshold <= 0 or plan.link_s <= threshold * recompute_s:
+        return PushPlan(plan, recompute_s, False)
+    why = (f"planned {plan.link_s * 1e3:.0f} ms to move {plan.payload_bytes} bytes > "
+           f"{threshold:g} x the consumer's own prefill ({recompute_s * 1e3:.0f} ms)")  # fmt: skip
+    return PushPlan(plan, recompute_s, True, why)
+
+
+@dataclass
+class StepSpeed:
+    """An engine's prefill speed measured on its own steps (the consumer's, when the
+    producer runs the same model on the same kind of host and nobody configured it).
+
+    :meth:`scheduled` when a step is scheduled with its token count, :meth:`finished` when
+    its output is back, in order. A step runs from when it was scheduled or the step before
+    it finished, whichever is later (so steps scheduled ahead are not counted twice), to
+    when it finished; steps of at least ``min_tokens`` tokens give a time per token, and
+    :meth:`speed` is the median of the last ``window`` (None before the first).
+    """
+
+    min_tokens: int = 128
+    window: int = 8
+    _queue: list[tuple[float, int]] = field(default_factory=list)
+    _last_end: float = float("-inf")
+    _samples: list[float] = field(default_factory=list)
+
+    def scheduled(self, now: float, tokens: int) -> None:
+        self._queue.append((now, int(tokens)))
+
+    def finished(self, now: float) -> None:
+        if not self._queue:
+            return
+        at, tokens = self._queue.pop(0)
+        began, self._last_end = max(at, self._last_end), now
+        if tokens >= self.min_tokens and now > began:
+            self._samples = [*self._samples[-(self.window - 1) :], (now - began) / tokens]
+
+    def speed(self) -> ComputeSpeed | None:
+        if not self._samples:
+            return None
+        return ComputeSpeed(per_call_s=0.0, per_token_s=float(np.median(self._samples)))
+
+
 def encode_request(
-    cache: KVCache, tag: str, block_tokens: int, compat: Compat | None = None
+    cache: KVCache,
+    tag: str,
+    block_tokens: int,
+    compat: Compat | None = None,
+    plan: HandoffPlan | None = None,
 ) -> blocks.EncodedStream:
-    """The cache as a lossless block stream in prefix order, its manifest tagged ``tag``
-    and carrying ``compat`` (a consumer that checks headers loads nothing without one) and
+    """The cache as a block stream in prefix order, its manifest tagged ``tag`` and
+    carrying ``compat`` (a consumer that checks headers loads nothing without one) and
     the prompt's token ids (what binds the stream to one prompt).
 
     block_tokens: tokens per range; vLLM's block size, or a divisor of it (a smaller range
-    is lost alone, but vLLM still recomputes its whole block).
+    is lost alone, but vLLM still recomputes its whole block). plan: None sends every block
+    lossless (the cache's dtype); a :class:`PushPlan`'s plan (made for this geometry)
+    sends each block at its planned precision in its planned order
+    (kvtransport.model.plan.sending_order). ValueError when the plan is another shape's.
     """
     g = blocks.Geometry.of(cache, block_tokens)
-    # A range's utility for a prefix-only consumer is its token count: every token of a
-    # usable prefix counts alike.
-    counts = g.block_token_count(np.arange(g.token_blocks)).astype(np.float64)
-    u = np.tile(counts, (g.num_layers, 1))
-    order = stream_order(u, block_tokens, "position")
+    u = prefix_utilities(g)
     created: dict[str, Any] = {REQUEST_TAG: str(tag)}
     if compat is not None:
         created[COMPAT_TAG] = compat.to_dict()
-    return blocks.encode_stream(cache, u, order, block_tokens=block_tokens, created=created)
+    if plan is None:
+        order = stream_order(u, block_tokens, "position")
+        return blocks.encode_stream(cache, u, order, block_tokens=block_tokens, created=created)
+    if plan.precision.shape != u.shape or plan.split:
+        raise ValueError(f"a plan of {plan.precision.shape} blocks (split {plan.split}) is not "
+                         f"a push plan for {u.shape} blocks")  # fmt: skip
+    order = sending_order(plan, u, block_tokens)
+    return blocks.encode_stream(cache, u, order, plan.precision, block_tokens=block_tokens,
+                                created=created)  # fmt: skip
 
 
 def request_tag(result: DeliveredResult) -> str | None:
@@ -438,9 +569,9 @@ class Pusher:
 
 
 class _Waker:
-    """A socket pair the daemon loop watches (it takes anything with ``fileno`` and
-    ``drain``, as it takes a control server): :meth:`wake` from any thread makes the loop
-    run ``on_drain`` in its own thread at once."""
+    """A socket pair the daemon loop watches (it takes anything with ``fileno``, ``drain``
+    and ``pending``, as it takes a control server): :meth:`wake` from any thread makes the
+    loop run ``on_drain`` in its own thread at once."""
 
     def __init__(self, on_drain: Callable[[], None]) -> None:
         self._r, self._w = socket.socketpair()
@@ -450,6 +581,10 @@ class _Waker:
 
     def fileno(self) -> int:
         return self._r.fileno()
+
+    def pending(self) -> bool:
+        """Never: a socket pair is level-triggered, so the loop's wait wakes for it."""
+        return False
 
     def wake(self) -> None:
         try:

@@ -12,17 +12,32 @@ Loaded out of tree; nothing here is imported unless vLLM loads it::
       "kv_connector_extra_config": {"listen": "0.0.0.0:9500", "wait_ms": 2000}}'
 
 A request goes to the prefill engine with ``kv_transfer_params`` ``{"do_remote_decode":
-true, "kvt_request": TAG}`` (optionally ``"kvt_push_to"``, ``"kvt_deadline_ms"``) and
+true, "kvt_request": TAG}`` (optionally ``"kvt_push_to"``, ``"kvt_deadline_ms"``,
+``"kvt_ttft_ms"``, ``"kvt_precision"``: the extra config's, for this request) and
 ``max_tokens`` 1; its output's ``kv_transfer_params`` (``{"do_remote_prefill": true,
 "kvt_request": TAG}``) go with the same prompt to the decode engine. TAG names the request
 on both engines (vLLM's request ids differ).
 
-- Producer: when the request finishes, the scheduler side keeps its blocks
+- Producer: when the request finishes, the scheduler side plans the push with the
+  handoff planner (kvtransport.model.plan, through
+  :func:`~kvtransport.embed.vllm_blocks.plan_push`): a precision per block (int8/int4
+  with their scales, fp16 where it pays; ``precision`` in the extra config, default
+  "auto") from the link estimate (``rate_mbps``, ``loss``, ``rtt_ms``), the decode
+  engine's prefill speed (``decode_tokens_per_s`` / ``decode_call_ms``, else the
+  producer's own steps, measured: same model, same kind of host) and the request's TTFT
+  budget (``kvt_ttft_ms`` in its params, ``ttft_budget_ms``, else the decode engine's own
+  prefill of the prompt). A push planned to take longer than ``recompute_threshold``
+  (default 1) times the decode engine's own prefill is declined, like NixlConnector's
+  ``kv_recompute_threshold``: nothing is pushed, the blocks are freed, and the decode
+  engine gets ``do_remote_prefill`` false (with ``kvt_declined``, the reason) and
+  recomputes at once (counted as ``tokens_declined``). Otherwise it keeps the blocks
   (``request_finished`` returns True) and passes them to the worker, which copies the
   prompt's KV out of the paged cache in the next step (the copy must be taken before the
   blocks are reused) and releases the blocks; encoding and sending run in a pool thread:
-  a lossless stream in prefix order (token ranges front first, every layer of a range
-  together) with the deadline (kvtransport.embed.vllm_blocks). Every push carries a
+  the planned stream in prefix order (token ranges front first, every layer of a range
+  together) with the deadline (kvtransport.embed.vllm_blocks). ``precision`` "lossless"
+  (or "fp32") pushes every block in the engine's dtype, unplanned and never declined, as
+  the connector did before the planner. Every push carries a
   compatibility header (:class:`~kvtransport.embed.vllm_blocks.Compat`: model id,
   layers, KV heads, head_dim, dtype, block size, a digest of the model's config) and the
   prompt's token ids. A push that ends without reaching the decode engine (no feedback:
@@ -31,7 +46,8 @@ on both engines (vLLM's request ids differ).
   load; the worker waits (without blocking the engine) for the transfer tagged TAG on
   its UDP port, at most ``wait_ms`` from the load's start; at ``wait_ms`` a transfer
   still arriving is cut and what arrived is used. It writes the longest prefix of token
-  ranges complete in every layer into the request's blocks and reports every block after
+  ranges complete in every layer into the request's blocks (dequantized into the
+  engine's dtype) and reports every block after
   it through ``get_block_ids_with_load_errors``; with ``kv_load_failure_policy``
   "recompute", vLLM recomputes from the first failed block ("fail", vLLM's default,
   fails the request: a warning says so at start-up). A transfer whose header is not this
@@ -87,6 +103,9 @@ logger = init_logger(LOGGER_NAME)
 
 DEFAULT_LISTEN = "0.0.0.0:9500"
 DEFAULT_DEADLINE_MS = 300.0
+LOSSLESS = ("lossless", "fp32")
+"""``precision`` values that push every block lossless in the engine's dtype, unplanned
+(the connector before the handoff planner; "fp32" is its name on a float32 engine)."""
 CUT_GRACE_S = 1.0
 """After ``wait_ms``, how long a load waits at most for the inbox's loop to cut its
 transfer (it answers within one loop iteration; this only bounds a stuck loop)."""
@@ -120,6 +139,8 @@ class _Send:
     token_ids: list[int]
     to: str
     deadline_ms: float
+    plan: Any = None  # the push's HandoffPlan (None: every block lossless)
+    planned: dict[str, Any] = field(default_factory=dict)  # what push_log records of it
 
 
 @dataclass
@@ -140,6 +161,8 @@ COUNTERS = {
     "loads": "Loads finished (loaded, cut or refused)",
     "bytes_received": "Payload bytes of the pushes a load used or refused",
     "pushes": "Pushes started by the prefill engine",
+    "pushes_declined": "Pushes declined because their planned time could not pay off",
+    "tokens_declined": "Prompt tokens of declined pushes (the decode engine recomputes them)",
     "push_failures": "Pushes that ended without delivering everything",
     "bytes_pushed": "Payload bytes encoded for pushes",
     "results_expired": "Received pushes dropped unclaimed (lease or memory bound)",
@@ -290,6 +313,117 @@ def config_hash_of(vllm_config: Any) -> str:
     return vb.config_digest(hf.to_dict() if hasattr(hf, "to_dict") else dict(vars(hf)))
 
 
+@dataclass(frozen=True)
+class PushConfig:
+    """How the producer plans its pushes, from ``kv_connector_extra_config``.
+
+    levels: the precisions a push may use, best first (``precision``: "auto" = fp16, int8,
+    int4, or names such as "int8" or "fp16,int8"; None for "lossless"/"fp32": every block
+    in the engine's dtype, unplanned). link: the link estimate (``rate_mbps``, ``loss``,
+    ``rtt_ms``). decode_speed: the decode engine's prefill speed (``decode_tokens_per_s``,
+    ``decode_call_ms``; None: the producer's own, measured). ttft_budget_ms: the budget a
+    push is planned for (``ttft_budget_ms``, or per request ``kvt_ttft_ms``; None: the
+    decode engine's own prefill of the prompt). threshold: a push whose planned time
+    exceeds this many times the decode engine's own prefill is declined
+    (``recompute_threshold``, default 1; 0: never). objective: the planner's
+    (``ttft``, default, or ``fidelity``).
+    """
+
+    levels: tuple[str, ...] | None
+    link: Any
+    decode_speed: Any
+    ttft_budget_ms: float | None
+    threshold: float
+    objective: str
+
+    @classmethod
+    def of(cls, extra: dict[str, Any], deadline_ms: float) -> PushConfig:
+        """UserError (one line) for a bad precision, loss, speed, threshold or objective."""
+        from kvtransport.errors import UserError
+
+        try:
+            return cls._of(extra, deadline_ms)
+        except (TypeError, ValueError) as exc:  # a value that is not a number
+            raise UserError(f"kv_connector_extra_config: {exc}") from None
+
+    @classmethod
+    def _of(cls, extra: dict[str, Any], deadline_ms: float) -> PushConfig:
+        from kvtransport.embed.inprocess import handoff_plan
+        from kvtransport.errors import UserError
+        from kvtransport.model.cache_builder import ComputeSpeed
+        from kvtransport.model.plan import OBJECTIVES
+
+        spec = str(extra.get("precision", "auto")).strip()
+        planned = handoff_plan(
+            deadline_ms, "auto" if spec in LOSSLESS else spec,
+            float(extra.get("rate_mbps", 100.0)), loss_estimate=float(extra.get("loss", 0.0)),
+            initial_rtt_ms=float(extra.get("rtt_ms", 1.0)),
+        )  # fmt: skip
+        assert planned is not None  # a deadline and levels: always a plan
+        link, _, levels, _, _ = planned
+        tps = extra.get("decode_tokens_per_s")
+        speed = None
+        if tps is not None:
+            if not float(tps) > 0:
+                raise UserError(f"decode_tokens_per_s must be positive, not {tps}")
+            speed = ComputeSpeed(float(extra.get("decode_call_ms", 0.0)) * 1e-3, 1.0 / float(tps))
+        threshold = float(extra.get("recompute_threshold", 1.0))
+        if threshold < 0:
+            raise UserError(f"recompute_threshold must be >= 0, not {threshold}")
+        objective = str(extra.get("objective", "ttft"))
+        if objective not in OBJECTIVES:
+            raise UserError(f"objective must be one of {', '.join(OBJECTIVES)}, not {objective!r}")
+        budget = extra.get("ttft_budget_ms")
+        return cls(None if spec in LOSSLESS else levels, link, speed,
+                   None if budget is None else float(budget), threshold, objective)  # fmt: skip
+
+
+def _positive(value: Any, name: str) -> float | None:
+    """A request's positive number (None when absent; a bad one is logged and ignored:
+    a request must not fail the engine)."""
+    if value is None:
+        return None
+    try:
+        got = float(value)
+    except (TypeError, ValueError):
+        got = float("nan")
+    if got > 0:
+        return got
+    logger.warning("kvtransport: %s %r is not a positive number; ignored", name, value)
+    return None
+
+
+def _levels(spec: Any) -> tuple[str, ...] | None:
+    """A request's ``kvt_precision`` (as the extra config's ``precision``): None for
+    lossless; a bad one is logged and the push goes lossless (a request must not fail
+    the engine)."""
+    from kvtransport.model.plan import parse_levels
+
+    text = str(spec).strip()
+    if text in LOSSLESS:
+        return None
+    try:
+        return parse_levels(text)
+    except ValueError as exc:
+        logger.warning("kvtransport: kvt_precision: %s; pushing lossless", exc)
+        return None
+
+
+def _cache_shape(vllm_config: Any) -> tuple[int, int, int, str] | None:
+    """(layers, KV heads, head_dim, dtype name) of the engine's paged cache as its config
+    states it (None when it cannot tell), for the scheduler to plan pushes before the
+    worker has the cache."""
+    try:
+        mc, pc = vllm_config.model_config, vllm_config.parallel_config
+        dtype = vllm_config.cache_config.cache_dtype
+        if dtype in (None, "auto"):
+            dtype = str(mc.dtype).removeprefix("torch.")
+        return (int(mc.get_num_layers(pc)), int(mc.get_num_kv_heads(pc)), int(mc.get_head_size()),
+                str(dtype))  # fmt: skip
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
 class KVTransportConnector(KVConnectorBase_V1):
     """vLLM KV connector over kvtransport (see the module docstring)."""
 
@@ -314,6 +448,10 @@ class KVTransportConnector(KVConnectorBase_V1):
                              f"{self.block_size}")  # fmt: skip
         key = extra.get("key")
         insecure = bool(extra.get("insecure", False))
+        self.push_config = PushConfig.of(extra, self.deadline_ms)
+        self.geometry = _cache_shape(vllm_config)
+        self.step_speed = vb.StepSpeed()  # the producer's own prefill, measured
+        self._planned: dict[str, dict[str, Any]] = {}  # worker: tag -> its plan, for push_log
         _route_library_logs()
         # scheduler side
         self._loads: list[_Load] = []
@@ -390,6 +528,9 @@ class KVTransportConnector(KVConnectorBase_V1):
         ))  # fmt: skip
 
     def build_connector_meta(self, scheduler_output: Any) -> KVTransportMetadata:
+        if self.is_producer:
+            tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
+            self.step_speed.scheduled(time.perf_counter(), tokens)
         meta = KVTransportMetadata(loads=self._loads, sends=self._sends, cancels=self._cancels)
         self._loads, self._sends, self._cancels = [], [], []
         return meta
@@ -420,9 +561,47 @@ class KVTransportConnector(KVConnectorBase_V1):
                            "no push_to" if not to else "its prompt's blocks are gone")  # fmt: skip
             return False, None
         deadline = float(params.get("kvt_deadline_ms", self.deadline_ms))
-        self._sends.append(_Send(request.request_id, tag, list(ids),
-                                 list(request.prompt_token_ids), str(to), deadline))  # fmt: skip
+        decision = self._plan_push(n, params)
+        if decision is not None and decision.declined:
+            self._count("pushes_declined")
+            self._count("tokens_declined", n)
+            logger.info("kvtransport: request %s (%s) not pushed, the decode engine "
+                        "recomputes it: %s", request.request_id, tag, decision.why)  # fmt: skip
+            return False, {"do_remote_prefill": False, "kvt_request": tag,
+                           "kvt_declined": decision.why}  # fmt: skip
+        send = _Send(request.request_id, tag, list(ids), list(request.prompt_token_ids),
+                     str(to), deadline)  # fmt: skip
+        if decision is not None:
+            send.plan = decision.plan
+            send.planned = {"planned_ms": round(decision.plan.link_s * 1e3, 3),
+                            "planned_bytes": decision.plan.payload_bytes,
+                            "plan": decision.describe()}  # fmt: skip
+        self._sends.append(send)
         return True, {"do_remote_prefill": True, "kvt_request": tag}
+
+    def _plan_push(self, n: int, params: dict[str, Any]) -> vb.PushPlan | None:
+        """The plan of a push of ``n`` prompt tokens (None: lossless, unplanned)."""
+        pc = self.push_config
+        levels = pc.levels if "kvt_precision" not in params else _levels(params["kvt_precision"])
+        if levels is None or self.geometry is None:
+            return None
+        layers, heads, dim, dtype = self.geometry
+        try:
+            g = vb.geometry_for(layers, heads, dim, dtype, n, self.block_tokens)
+        except (TypeError, ValueError) as exc:  # e.g. bfloat16: the worker refuses it too
+            logger.warning("kvtransport: cannot plan a push of this cache (%s)", exc)
+            return None
+        speed = pc.decode_speed or self.step_speed.speed()
+        budget_ms = _positive(params.get("kvt_ttft_ms"), "kvt_ttft_ms") or pc.ttft_budget_ms
+        if budget_ms is not None:
+            budget_s = budget_ms * 1e-3
+        elif speed is not None:  # a push must beat the decode engine's own prefill
+            budget_s = float(speed.seconds(n))
+        else:
+            budget_s = self.deadline_ms * 1e-3
+        return vb.plan_push(g, link=pc.link, budget_s=max(budget_s, 1e-3), levels=levels,
+                            speed=speed, threshold=pc.threshold,
+                            objective=pc.objective)  # fmt: skip
 
     # ------------------------------------------------------------------ worker side
 
@@ -482,8 +661,10 @@ class KVTransportConnector(KVConnectorBase_V1):
         compat, block_tokens = self.compat, self.block_tokens
 
         def encode() -> Any:
-            return vb.encode_request(cache, s.tag, block_tokens, compat)
+            return vb.encode_request(cache, s.tag, block_tokens, compat, s.plan)
 
+        if self.push_log:
+            self._planned[s.tag] = s.planned
         self.pusher.push(encode, s.tag, s.to, s.deadline_ms)
         self._done_sending.add(s.req_id)  # copied out: vLLM may free the blocks
         self._count("pushes")
@@ -505,7 +686,8 @@ class KVTransportConnector(KVConnectorBase_V1):
             keep = ("transfer_id", "finish_reason", "delivered", "note", "decoded_through",
                     "n_source", "source_sent", "repair_sent", "datagrams_sent", "max_lag_ms",
                     "bytes_encoded", "error")  # fmt: skip
-            record = {"tag": tag, **{k: status[k] for k in keep if k in status}}
+            record = {"tag": tag, **{k: status[k] for k in keep if k in status},
+                      **self._planned.pop(tag, {})}  # fmt: skip
             with open(self.push_log, "a") as fh:
                 fh.write(json.dumps(record) + "\n")
 
@@ -582,6 +764,11 @@ class KVTransportConnector(KVConnectorBase_V1):
         return errors
 
     def get_kv_connector_stats(self) -> KVTransportStats | None:
+        """This side's stats of the interval. The scheduler calls its connector's once per
+        step, when the step's output is back: the producer's step clock ends the step
+        there (:class:`~kvtransport.embed.vllm_blocks.StepSpeed`)."""
+        if self.is_producer and self._role == KVConnectorRole.SCHEDULER:
+            self.step_speed.finished(time.perf_counter())
         with self._stats_lock:
             if not self._stats:
                 return None
