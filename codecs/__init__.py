@@ -8,5 +8,7 @@
   (``repairs_into``: several repairs in one pass) and the on-the-fly Gaussian-elimination
   ``RLCDecoder`` (``add_packets``: a run of packets per call).
 - ``blockrs``: a block Reed-Solomon baseline on ``reedsolo`` with the same interface.
-- ``quant``: KV-cache block quantization.
+- ``quant``: KV-cache block quantization (int8, int4, and K and V at their own bits: k8v4).
+- ``kvcodec``: an entropy-coded KV block codec (per-head uniform steps, per-channel anchors
+  across a block's tokens, interleaved rANS with the block's own frequency table).
 """

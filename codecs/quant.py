@@ -252,23 +252,48 @@ def dequantize_blocks_into(
     keys: np.ndarray,
     values: np.ndarray,
 ) -> None:  # pragma: no cover - numba
-    """Dequantize serialized blocks (:func:`quantize_kv`'s layout) straight into a cache.
+    """Dequantize serialized blocks (:func:`quantize_kv`'s layout) straight into a cache:
+    :func:`dequantize_mixed_blocks_into` with K and V at the same bits and group."""
+    dequantize_mixed_blocks_into(buf, offsets, layers, starts, count, bits, group_size,
+                                 channel_keys, bits, group_size, keys, values)  # fmt: skip
+
+
+@njit(cache=True, nogil=True)
+def dequantize_mixed_blocks_into(
+    buf: np.ndarray,
+    offsets: np.ndarray,
+    layers: np.ndarray,
+    starts: np.ndarray,
+    count: int,
+    k_bits: int,
+    k_group: int,
+    channel_keys: bool,
+    v_bits: int,
+    v_group: int,
+    keys: np.ndarray,
+    values: np.ndarray,
+) -> None:  # pragma: no cover - numba
+    """Dequantize serialized blocks (:func:`quantize_kv_mixed`'s layout) straight into a
+    cache.
 
     buf: uint8 stream; block ``j`` starts at ``offsets[j]``, holds ``count`` tokens of
-    layer ``layers[j]`` from token ``starts[j]``: codes ``[2, H, count, D * bits / 8]``,
-    then little-endian float16 scales and zeros, each K's (``[H, count, D / group_size]``,
-    or ``[H, D]`` with ``channel_keys``) then V's ``[H, count, D / group_size]``.
+    layer ``layers[j]`` from token ``starts[j]``: K's codes ``[H, count, D * k_bits / 8]``,
+    V's ``[H, count, D * v_bits / 8]``, then little-endian float16 scales and zeros, each
+    K's (``[H, count, D / k_group]``, or ``[H, D]`` with ``channel_keys``) then V's
+    ``[H, count, D / v_group]``.
     keys, values: float32 ``[L, H, N, D]``, written in place. One pass over the bytes, no
     temporaries beyond one head's channel scales; the arithmetic (float32 ``q * scale``,
     then ``+ zero``) is the same as :func:`dequantize`, so both give identical bits.
     """
     heads = keys.shape[1]
     dim = keys.shape[3]
-    per_row = dim * bits // 8
-    groups = dim // group_size
-    n_codes = 2 * heads * count * per_row
-    v_groups = heads * count * groups
-    k_groups = heads * dim if channel_keys else v_groups
+    k_row = dim * k_bits // 8
+    v_row = dim * v_bits // 8
+    k_groups_tok = dim // k_group
+    v_groups_tok = dim // v_group
+    n_codes = heads * count * (k_row + v_row)
+    v_groups = heads * count * v_groups_tok
+    k_groups = heads * dim if channel_keys else heads * count * k_groups_tok
     n_groups = k_groups + v_groups
     ch_scale = np.empty(dim, np.float32)
     ch_zero = np.empty(dim, np.float32)
@@ -281,24 +306,29 @@ def dequantize_blocks_into(
         for kv in range(2):
             out = keys if kv == 0 else values
             first = 0 if kv == 0 else k_groups  # this half's first group
+            bits = k_bits if kv == 0 else v_bits
+            per_row = k_row if kv == 0 else v_row
+            gsize = k_group if kv == 0 else v_group
+            groups = k_groups_tok if kv == 0 else v_groups_tok
+            codes0 = o if kv == 0 else o + heads * count * k_row
             for h in range(heads):
                 if kv == 0 and channel_keys:
                     for d in range(dim):
                         ch_scale[d] = _half_at(buf, so + 2 * (h * dim + d))
                         ch_zero[d] = _half_at(buf, zo + 2 * (h * dim + d))
                     for t in range(count):
-                        base = o + (h * count + t) * per_row
+                        base = codes0 + (h * count + t) * per_row
                         for d in range(dim):
                             q = _code(buf, base, d, bits)
                             out[layer, h, t0 + t, d] = q * ch_scale[d] + ch_zero[d]
                     continue
                 for t in range(count):
-                    base = o + ((kv * heads + h) * count + t) * per_row
+                    base = codes0 + (h * count + t) * per_row
                     for g in range(groups):
                         gi = first + (h * count + t) * groups + g
                         sc = _half_at(buf, so + 2 * gi)
                         zr = _half_at(buf, zo + 2 * gi)
-                        for d in range(g * group_size, (g + 1) * group_size):
+                        for d in range(g * gsize, (g + 1) * gsize):
                             out[layer, h, t0 + t, d] = _code(buf, base, d, bits) * sc + zr
 
 
@@ -322,19 +352,43 @@ def kv_nbytes(
 ) -> int:
     """Bytes of one quantized KV block (:func:`quantize_kv`): codes plus float16 scales and
     zeros, K's per channel when ``channel_keys``."""
-    _check_bits(bits)
-    per_token = heads * tokens * (dim // group_size)
-    groups = (heads * dim if channel_keys else per_token) + per_token
-    return 2 * heads * tokens * dim * bits // 8 + 4 * groups
+    return kv_nbytes_mixed(heads, tokens, dim, bits, group_size, channel_keys, bits, group_size)
+
+
+def kv_nbytes_mixed(
+    heads: int, tokens: int, dim: int, k_bits: int, k_group: int, channel_keys: bool,
+    v_bits: int, v_group: int,
+) -> int:  # fmt: skip
+    """Bytes of one KV block with K and V at their own bits and groups
+    (:func:`quantize_kv_mixed`)."""
+    _check_bits(k_bits)
+    _check_bits(v_bits)
+    k_groups = heads * dim if channel_keys else heads * tokens * (dim // k_group)
+    v_groups = heads * tokens * (dim // v_group)
+    codes = heads * tokens * dim * (k_bits + v_bits) // 8
+    return codes + 4 * (k_groups + v_groups)
 
 
 def quantize_kv(kv: np.ndarray, bits: int, group_size: int, channel_keys: bool) -> np.ndarray:
     """``[n, 2, H, T, D]`` float blocks (K then V) -> ``[n, bytes]`` uint8 rows in the KV
     block layout (module docstring): V in groups of ``group_size`` per token, K the same
     or, with ``channel_keys``, per channel over the block's T tokens."""
+    return quantize_kv_mixed(kv, bits, group_size, channel_keys, bits, group_size)
+
+
+def quantize_kv_mixed(
+    kv: np.ndarray, k_bits: int, k_group: int, channel_keys: bool, v_bits: int, v_group: int
+) -> np.ndarray:
+    """:func:`quantize_kv` with K at ``k_bits`` in groups of ``k_group`` (or per channel
+    with ``channel_keys``) and V at ``v_bits`` in groups of ``v_group`` per token (keys int8
+    with values int4 is kvtransport.kvformat.blocks' ``k8v4``). The layout is
+    :func:`quantize_kv`'s: K's codes, V's codes, K's and V's scales, K's and V's zeros."""
     keys = kv[:, 0]
-    k = quantize_channels(keys, bits) if channel_keys else quantize(keys, bits, group_size)
-    v = quantize(kv[:, 1], bits, group_size)
+    if channel_keys:
+        k = quantize_channels(keys, k_bits)
+    else:
+        k = quantize(keys, k_bits, k_group)
+    v = quantize(kv[:, 1], v_bits, v_group)
     n = kv.shape[0]
 
     def f16(a: np.ndarray) -> np.ndarray:
@@ -355,23 +409,41 @@ def dequantize_kv(
 ) -> np.ndarray:
     """Inverse of :func:`quantize_kv`: rows -> ``shape`` ``[n, 2, H, T, D]`` as ``dtype``.
     Rows of the wrong size raise ValueError."""
-    _check_bits(bits)
+    return dequantize_kv_mixed(rows, shape, bits, group_size, channel_keys, bits, group_size,
+                               dtype)  # fmt: skip
+
+
+def dequantize_kv_mixed(
+    rows: np.ndarray,
+    shape: Sequence[int],
+    k_bits: int,
+    k_group: int,
+    channel_keys: bool,
+    v_bits: int,
+    v_group: int,
+    dtype: np.dtype | type = np.float32,
+) -> np.ndarray:
+    """Inverse of :func:`quantize_kv_mixed`: rows -> ``shape`` ``[n, 2, H, T, D]`` as
+    ``dtype``. Rows of the wrong size raise ValueError."""
     n, _, heads, tokens, dim = shape
-    check_group(dim, group_size)
-    if rows.shape != (n, kv_nbytes(heads, tokens, dim, bits, group_size, channel_keys)):
-        raise ValueError(f"rows {rows.shape} do not hold {tuple(shape)} at {bits} bits")
-    n_codes = 2 * heads * tokens * dim * bits // 8
-    codes = rows[:, :n_codes].reshape(n, 2, heads, tokens, dim * bits // 8)
-    halves = rows[:, n_codes:].copy().view("<f2")  # contiguous so the view is aligned
-    v_shape: tuple[int, ...] = (n, heads, tokens, dim // group_size)
-    k_shape = (n, heads, 1, dim) if channel_keys else v_shape
+    check_group(dim, k_group)
+    check_group(dim, v_group)
+    size = kv_nbytes_mixed(heads, tokens, dim, k_bits, k_group, channel_keys, v_bits, v_group)
+    if rows.shape != (n, size):
+        raise ValueError(f"rows {rows.shape} do not hold {tuple(shape)} at {k_bits}/{v_bits} bits")
+    k_codes = heads * tokens * dim * k_bits // 8
+    v_codes = heads * tokens * dim * v_bits // 8
+    kc = rows[:, :k_codes].reshape(n, heads, tokens, dim * k_bits // 8)
+    vc = rows[:, k_codes : k_codes + v_codes].reshape(n, heads, tokens, dim * v_bits // 8)
+    halves = rows[:, k_codes + v_codes :].copy().view("<f2")  # contiguous: the view is aligned
+    v_shape: tuple[int, ...] = (n, heads, tokens, dim // v_group)
+    k_shape = (n, heads, 1, dim) if channel_keys else (n, heads, tokens, dim // k_group)
     k_n, v_n = int(np.prod(k_shape[1:])), int(np.prod(v_shape[1:]))
     k_scales, v_scales, k_zeros, v_zeros = np.split(halves, np.cumsum([k_n, v_n, k_n])[:3], axis=1)
-    k_group = 0 if channel_keys else group_size
     k_scales, k_zeros = k_scales.reshape(k_shape), k_zeros.reshape(k_shape)
     v_scales, v_zeros = v_scales.reshape(v_shape), v_zeros.reshape(v_shape)
-    k = Quantized(codes[:, 0], k_scales, k_zeros, bits, k_group)
-    v = Quantized(codes[:, 1], v_scales, v_zeros, bits, group_size)
+    k = Quantized(kc, k_scales, k_zeros, k_bits, 0 if channel_keys else k_group)
+    v = Quantized(vc, v_scales, v_zeros, v_bits, v_group)
     return np.stack([dequantize(k, dtype), dequantize(v, dtype)], axis=1)
 
 

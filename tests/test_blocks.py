@@ -304,8 +304,10 @@ def test_encode_rejects_bad_arguments():
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])  # numba in place / numpy rows
 @pytest.mark.parametrize(
-    "precision,int4_keys", [("int8", "channel"), ("int4", "channel"), ("int4", "token")]
-)
+    "precision,int4_keys",
+    [("int8", "channel"), ("int4", "channel"), ("int4", "token"), ("k8v4", "channel"),
+     ("k8v4", "token")],
+)  # fmt: skip
 def test_quantized_blocks_decode_to_exactly_the_reference_dequantization(
     precision, int4_keys, dtype
 ):
@@ -315,16 +317,51 @@ def test_quantized_blocks_decode_to_exactly_the_reference_dequantization(
     s = _encode(c, precision, int4_keys=int4_keys)
     r = blocks.decode_stream(s.manifest_bytes, s.payload)
     m = s.manifest
-    bits = 8 if precision == "int8" else 4
-    group = 64 if precision == "int8" or int4_keys == "channel" else 32
+    k_bits = 4 if precision == "int4" else 8  # k8v4: keys as int8's, values as int4's
+    v_bits = 8 if precision == "int8" else 4
+    int4_group = 64 if int4_keys == "channel" else 32
+    k_group = 64 if k_bits == 8 else int4_group
+    v_group = 64 if v_bits == 8 else int4_group
     for i in range(m.num_blocks):
         layer, sl = m.layer[i], _token_slice(m, i)
         k, v = c.keys[layer, :, sl], c.values[layer, :, sl]
         channel = precision == "int4" and int4_keys == "channel"
-        qk = quant.quantize_channels(k, bits) if channel else quant.quantize(k, bits, group)
+        qk = quant.quantize_channels(k, 4) if channel else quant.quantize(k, k_bits, k_group)
         assert np.array_equal(r.cache.keys[layer, :, sl], quant.dequantize(qk, dtype))
-        ref_v = quant.dequantize(quant.quantize(v, bits, group), dtype)
+        ref_v = quant.dequantize(quant.quantize(v, v_bits, v_group), dtype)
         assert np.array_equal(r.cache.values[layer, :, sl], ref_v)
+    assert m.payload_nbytes == sum(
+        quant.kv_nbytes_mixed(2, int(t), 64, k_bits, k_group, channel, v_bits, v_group)
+        for t in m.token_count
+    )
+
+
+def test_k8v4_sits_between_int8_and_int4_and_is_version_4():
+    c = _cache(tokens=70)
+    g = blocks.Geometry.of(c)
+    sizes = [g.block_nbytes(p) for p in ("int8", "k8v4", "int4")]
+    assert sizes[0] > sizes[1] > sizes[2]
+    # keys: int8 codes and one scale and zero per head vector; values: int4's layout
+    assert sizes[1] == 2 * BT * 64 + 4 * 2 * BT + 2 * BT * 32 + 4 * 2 * BT
+    errs = {}
+    for p in ("int8", "k8v4", "int4"):
+        r = blocks.decode_stream(*_encode_pair(c, p))
+        errs[p] = (np.abs(r.cache.keys - c.keys).max(), np.abs(r.cache.values - c.values).max())
+    assert errs["k8v4"][0] == errs["int8"][0]  # keys exactly as int8's
+    assert errs["k8v4"][1] > 4 * errs["int8"][1]  # values as int4's
+    s = _encode(c, "k8v4")
+    assert s.manifest.version == 4  # an older reader refuses it by version, not mis-sized
+    mixed = np.full((4, 5), blocks.PRECISIONS.index("int8"))
+    mixed[1, 2] = blocks.PRECISIONS.index("k8v4")
+    u = utility.cache_utility(c, BT)
+    m = blocks.encode_stream(c, u, np.arange(20), mixed, block_tokens=BT).manifest
+    assert m.version == 4
+    assert blocks.Manifest.from_bytes(m.to_bytes()).precision.tolist() == m.precision.tolist()
+
+
+def _encode_pair(cache, precision):
+    s = _encode(cache, precision)
+    return s.manifest_bytes, s.payload
 
 
 def test_int4_keys_per_channel_are_version_3_and_older_int4_manifests_decode_per_token():
@@ -402,7 +439,7 @@ def test_int8_groups_span_the_head_vector_and_older_manifests_keep_the_common_gr
         _encode(c, "int8", int8_group_size=24)
     # a version this module does not know is refused
     future = bytearray(s.manifest_bytes[:-4])
-    future[4:6] = (4).to_bytes(2, "little")
+    future[4:6] = (5).to_bytes(2, "little")
     future += zlib.crc32(bytes(future)).to_bytes(4, "little")
-    with pytest.raises(blocks.ManifestError, match="version 4"):
+    with pytest.raises(blocks.ManifestError, match="version 5"):
         blocks.Manifest.from_bytes(bytes(future))

@@ -218,7 +218,7 @@ def test_no_kernel_compiles_or_loads_during_real_transfers_after_warm_up():
         "codecs.rlc._decode_repair",
         "codecs.blockrs._combine",
         "codecs.aesgcm.open_run",
-        "codecs.quant.dequantize_blocks_into",
+        "codecs.quant.dequantize_mixed_blocks_into",
         "scheduling.allocator._plan_prefix",
         "policies.ddqn.decide_kernel",
     ):

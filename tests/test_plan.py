@@ -7,13 +7,14 @@ from kvtransport.kvformat import blocks
 from kvtransport.kvformat.kvcache import KVCache
 from kvtransport.model import utility
 from kvtransport.model.cache_builder import ComputeSpeed
-from kvtransport.model.plan import LinkEstimate, plan_handoff
+from kvtransport.model.plan import ALL_LEVELS, LinkEstimate, plan_handoff
 
 GEOM = blocks.Geometry(num_layers=30, num_kv_heads=3, num_tokens=504, head_dim=64)
 SPEED = ComputeSpeed(per_call_s=0.01, per_token_s=0.004)  # ~2 s for 504 tokens
 LINK = LinkEstimate(rate_bps=100e6, loss=0.12, one_way_s=0.005, symbol_size=1280)
 FP16, INT8, INT4 = (blocks.PRECISIONS.index(p) for p in ("fp16", "int8", "int4"))
 NO_INT4 = ("fp16", "int8")
+NO_K8V4 = ("fp16", "int8", "int4")  # the menu before k8v4
 BARE = {"hedge_share": 0.0}  # the planned part alone: the tests of its levels
 
 
@@ -59,7 +60,8 @@ def test_more_budget_never_lowers_fidelity_and_upgrades_by_utility():
     assert fid == sorted(fid) and fid[0] < fid[-1]
     for p in plans:
         sent = p.precision >= 0
-        hi, lo = u[p.precision == FP16], u[p.precision == INT8]
+        whole, level = u[:, :-1], p.precision[:, :-1]  # (the last range is short)
+        hi, lo = whole[level == FP16], whole[level == INT8]
         if hi.size and lo.size:
             assert hi.min() >= lo.max()  # fp16 went to the most useful blocks
         assert sent.any()
@@ -131,11 +133,12 @@ def test_the_ttft_objective_upgrades_only_with_the_link_time_compute_leaves_idle
                             levels=NO_INT4, **BARE)  # fmt: skip
         soonest = min(_floor_finish(link, k) for k in range(GEOM.token_blocks + 1))
         assert plan.finish_s == pytest.approx(soonest)  # upgrades never delay the answer
-        hi, lo = u[plan.precision == FP16], u[plan.precision == INT8]
+        per_byte = u / extra  # utility per extra byte (the last range's blocks are short)
+        hi, lo = per_byte[plan.precision == FP16], per_byte[plan.precision == INT8]
         if hi.size:
             upgraded += 1
-            assert lo.size == 0 or hi.min() >= lo.max()  # the most useful blocks first
-        if lo.size:  # the next upgrade in utility order would not cross while it computes
+            assert lo.size == 0 or hi.min() >= lo.max()  # the most useful per byte first
+        if lo.size:  # the next upgrade in that order would not cross while it computes
             nxt = extra[plan.precision == INT8][np.argmax(lo)]
             assert link.seconds(plan.payload_bytes + nxt) > max(plan.compute_s, plan.link_s)
     assert upgraded >= 1  # some rates leave the link idle while the receiver computes
@@ -160,20 +163,22 @@ def test_int4_goes_to_the_least_useful_blocks_only_as_far_as_the_fidelity_floor(
     with_int4 = tight = 0
     for rate in (50e6, 100e6, 1e9):
         link = LinkEstimate(rate_bps=rate, loss=0.12, one_way_s=0.005, symbol_size=1280)
-        plan = plan_handoff(GEOM, u, link=link, speed=SPEED, budget_s=0.5,
+        plan = plan_handoff(GEOM, u, link=link, speed=SPEED, budget_s=0.5, levels=NO_K8V4,
                             objective=objective, min_fidelity=floor, **BARE)  # fmt: skip
         assert plan.fidelity == pytest.approx(_fidelity(plan, u))
         assert plan.fidelity >= floor - 1e-12
-        lo, hi = u[plan.precision == INT4], u[(plan.precision >= 0) & (plan.precision < INT4)]
+        whole, level = u[:, :-1], plan.precision[:, :-1]  # (the last range is short)
+        lo, hi = whole[level == INT4], whole[(level >= 0) & (level < INT4)]
         assert hi.size
         with_int4 += bool(lo.size)
         assert not lo.size or lo.max() <= hi.min()  # int4 only below every better-kept block
         if objective == "ttft" and plan.link_s >= plan.compute_s:
             # no idle link time bought upgrades, so the floor alone set the levels, and
-            # tightly: the least useful int8 block back at int4 would break it
+            # tightly: the int8 block least useful per byte back at int4 would break it
             tight += 1
             low8 = np.argwhere(plan.precision == INT8)
-            i, j = low8[np.argmin(u[plan.precision == INT8])]
+            step = (GEOM.cost_table(("int8",)) - GEOM.cost_table(("int4",))).reshape(u.shape)
+            i, j = low8[np.argmin((u / step)[plan.precision == INT8])]
             back = plan.precision.copy()
             back[i, j] = INT4
             fid = np.array([blocks.DEFAULT_FIDELITY[p] for p in blocks.PRECISIONS])
@@ -380,3 +385,64 @@ def test_send_plans_a_tail_when_told_the_racing_receivers_question_length():
         handoff_plan(200.0, "auto", 10.0, receiver_speed=speed, question_tokens=0)
     with pytest.raises(UserError, match="needs receiver_speed"):
         handoff_plan(200.0, "auto", 10.0, question_tokens=20)
+
+
+K8V4 = blocks.PRECISIONS.index("k8v4")
+
+
+def test_the_menu_keeps_the_levels_on_the_hull_of_bytes_and_fidelity():
+    from kvtransport.model.plan import DEFAULT_LEVELS, menu
+
+    assert DEFAULT_LEVELS == NO_K8V4  # k8v4 is opt-in
+    fid = dict(blocks.DEFAULT_FIDELITY)
+    assert menu(GEOM, ALL_LEVELS, fid) == ("fp16", "int8", "k8v4", "int4")
+    # below the chord from int4 to int8 (in bytes), mixing those two does better
+    c4, c48, c8 = (GEOM.block_nbytes(p) for p in ("int4", "k8v4", "int8"))
+    chord = fid["int4"] + (fid["int8"] - fid["int4"]) * (c48 - c4) / (c8 - c4)
+    assert menu(GEOM, ALL_LEVELS, dict(fid, k8v4=chord - 1e-4)) == NO_K8V4
+    assert menu(GEOM, ALL_LEVELS, dict(fid, k8v4=chord + 1e-4)) == ALL_LEVELS
+    # a calibration that does not rate a level plans without it (the DDQN's episodes)
+    older = {"fp32": 1.0, "fp16": 1.0, "int8": 0.999, "int4": 0.98}
+    assert menu(GEOM, ALL_LEVELS, older) == NO_K8V4
+    with pytest.raises(ValueError, match="rates none"):
+        menu(GEOM, ("k8v4",), older)
+
+
+@pytest.mark.parametrize("floor", [0.995, 0.997, 0.999])
+def test_k8v4_between_int4_and_int8_costs_no_bytes_at_a_fidelity_floor(floor):
+    """Greedy by fidelity per byte is within one raise of the cheapest plan (the last raise
+    may overshoot the floor), with or without the level between."""
+    u = _utilities(7)
+    one_raise = GEOM.block_nbytes("int8") - GEOM.block_nbytes("int4")
+    used = 0
+    for rate in (50e6, 100e6, 300e6):
+        link = LinkEstimate(rate_bps=rate, loss=0.12, one_way_s=0.005, symbol_size=1280)
+        kw = dict(link=link, speed=SPEED, budget_s=0.5, objective="ttft", min_fidelity=floor)
+        four = plan_handoff(GEOM, u, levels=ALL_LEVELS, **kw, **BARE)
+        three = plan_handoff(GEOM, u, levels=NO_K8V4, **kw, **BARE)
+        assert four.fidelity >= floor - 1e-12 and four.fidelity == pytest.approx(_fidelity(four, u))
+        if four.split == three.split:  # the same prefix: the floor alone set the levels
+            assert four.payload_bytes <= three.payload_bytes + one_raise
+        assert four.answer_at_s <= three.answer_at_s + 1e-9
+        whole, level = u[:, :-1], four.precision[:, :-1]  # (the last range is short)
+        i4, k84, i8 = (whole[level == c] for c in (INT4, K8V4, INT8))
+        used += bool(k84.size)
+        if i4.size and k84.size:  # raised by utility (per byte: whole blocks cost the same)
+            assert i4.max() <= k84.min()
+        if k84.size and i8.size:
+            assert k84.max() <= i8.max()
+    assert used
+
+
+def test_a_k8v4_rated_off_the_hull_is_never_planned():
+    u = _utilities(8)
+    c4, c48, c8 = (GEOM.block_nbytes(p) for p in ("int4", "k8v4", "int8"))
+    fid = dict(blocks.DEFAULT_FIDELITY)
+    chord = fid["int4"] + (fid["int8"] - fid["int4"]) * (c48 - c4) / (c8 - c4)
+    for rate in (50e6, 100e6):
+        link = LinkEstimate(rate_bps=rate, loss=0.12, one_way_s=0.005, symbol_size=1280)
+        plan = plan_handoff(GEOM, u, link=link, speed=SPEED, budget_s=0.5, min_fidelity=0.997,
+                            levels=ALL_LEVELS, fidelity=dict(fid, k8v4=chord - 1e-3),
+                            **BARE)  # fmt: skip
+        assert not np.any(plan.precision == K8V4)
+        assert np.any(plan.precision == INT4)

@@ -228,3 +228,30 @@ def test_more_budget_never_keeps_less_utility():
     ]
     assert np.all(np.diff(values) >= -1e-12)
     assert values[0] == 0.0 and values[-1] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("channel_keys", [False, True])
+def test_kv_mixed_bits_round_trip_each_half_at_its_own_precision(channel_keys):
+    kv = np.random.default_rng(4).standard_normal((5, 2, 3, 9, 64)).astype(np.float32)
+    rows = quant.quantize_kv_mixed(kv, 8, 64, channel_keys, 4, 32)
+    size = quant.kv_nbytes_mixed(3, 9, 64, 8, 64, channel_keys, 4, 32)
+    k_groups = 3 * 64 if channel_keys else 3 * 9
+    assert rows.shape == (5, size) == (5, 3 * 9 * (64 + 32) + 4 * (k_groups + 3 * 9 * 2))
+    back = quant.dequantize_kv_mixed(rows, kv.shape, 8, 64, channel_keys, 4, 32)
+    k = kv[:, 0]
+    keys = quant.quantize_channels(k, 8) if channel_keys else quant.quantize(k, 8, 64)
+    assert np.array_equal(back[:, 0], quant.dequantize(keys))
+    assert np.array_equal(back[:, 1], quant.dequantize(quant.quantize(kv[:, 1], 4, 32)))
+    # the compiled in-place decoder gives the same bits
+    keys_out = np.zeros((1, 3, 5 * 9, 64), np.float32)
+    values_out = np.zeros_like(keys_out)
+    buf = rows.reshape(-1)
+    quant.dequantize_mixed_blocks_into(
+        buf, np.arange(5) * size, np.zeros(5, np.int64), np.arange(5) * 9, 9,
+        8, 64, channel_keys, 4, 32, keys_out, values_out,
+    )  # fmt: skip
+    for j in range(5):
+        assert np.array_equal(keys_out[0, :, 9 * j : 9 * j + 9], back[j, 0])
+        assert np.array_equal(values_out[0, :, 9 * j : 9 * j + 9], back[j, 1])
+    with pytest.raises(ValueError):
+        quant.dequantize_kv_mixed(rows, kv.shape, 4, 64, channel_keys, 4, 32)

@@ -23,12 +23,16 @@ Block byte layout (all little-endian; ``H`` kv heads, ``T`` tokens, ``D`` head_d
   ``int8_group_size`` for int8, absent in manifests written before it and then
   ``group_size``; ``group_size`` for int4), except int4's keys when the header's
   ``int4_keys`` is ``channel``: ``[H, D]``, one per channel over the block's tokens (absent
-  in manifests written before it, and then ``token``).
+  in manifests written before it, and then ``token``);
+- ``k8v4``: the same layout with K's codes and groups as int8's and V's as int4's: K codes
+  ``[H, T, D]``, V codes ``[H, T, D / 2]``, float16 scales K's ``[H, T, D / int8 group]``
+  then V's ``[H, T, D / G]``, then the zeros the same.
 
-Manifest format, version 1 to 3 (all integers little-endian)::
+Manifest format, version 1 to 4 (all integers little-endian)::
 
     0   4  magic b"KVMF"
-    4   2  version (3 when the stream holds int4 blocks with keys per channel, 2 when it
+    4   2  version (4 when the stream holds k8v4 blocks, which an older reader does not
+           know; else 3 when the stream holds int4 blocks with keys per channel, 2 when it
            holds int8 blocks quantized in groups other than ``group_size``, either of which
            an older reader would mis-size; 1 otherwise)
     6   2  flags (bit 0: token ids included)
@@ -63,17 +67,20 @@ from kvtransport.codecs import quant
 from kvtransport.core.transfer import BlockTable, Transfer
 from kvtransport.kvformat.kvcache import KVCache
 
-PRECISIONS = ("fp32", "fp16", "int8", "int4")
-"""Precision names; a block's precision code is its index here."""
+PRECISIONS = ("fp32", "fp16", "int8", "int4", "k8v4")
+"""Precision names; a block's precision code is its index here. ``k8v4``: keys as int8's,
+values as int4's (keys weigh more in the answer: between int8 and int4 in bytes and in
+fidelity, DEFAULT_FIDELITY)."""
 
 DEFAULT_BLOCK_TOKENS = 16
 MANIFEST_MAGIC = b"KVMF"
-MANIFEST_VERSIONS = (1, 2, 3)
+MANIFEST_VERSIONS = (1, 2, 3, 4)
 """The manifest versions this module reads; it writes the lowest that holds the stream
 (:attr:`Manifest.version`)."""
 _FIXED = struct.Struct("<4sHHII")
 _FLAG_TOKEN_IDS = 1
-_BITS = {"int8": 8, "int4": 4}
+_BITS = {"int8": (8, 8), "int4": (4, 4), "k8v4": (8, 4)}
+"""Quantized precisions: (key bits, value bits)."""
 INT4_KEYS = ("token", "channel")
 """How int4 blocks quantize their keys (:attr:`Geometry.int4_keys`)."""
 _FLOAT = {"fp32": "<f4", "fp16": "<f2"}
@@ -158,6 +165,14 @@ class Geometry:
         """Does a block at this precision quantize its keys per channel?"""
         return precision == "int4" and self.int4_keys == "channel"
 
+    def quant_spec(self, precision: str) -> tuple[int, int, bool, int, int]:
+        """A quantized precision's (key bits, key group, keys per channel, value bits,
+        value group): each half as at its bits' uniform precision (8 bits: int8's group,
+        4 bits: int4's group and key layout)."""
+        kb, vb = _BITS[precision]
+        k_name, v_name = ("int8" if kb == 8 else "int4"), ("int8" if vb == 8 else "int4")
+        return kb, self.group_of(k_name), self.channel_keys(k_name), vb, self.group_of(v_name)
+
     @property
     def token_blocks(self) -> int:
         """Token ranges per layer (the last may be shorter than block_tokens)."""
@@ -177,8 +192,8 @@ class Geometry:
         if precision in _FLOAT:
             elements = 2 * self.num_kv_heads * t * self.head_dim
             return elements * np.dtype(_FLOAT[precision]).itemsize
-        return quant.kv_nbytes(self.num_kv_heads, t, self.head_dim, _BITS[precision],
-                               self.group_of(precision), self.channel_keys(precision))  # fmt: skip
+        return quant.kv_nbytes_mixed(self.num_kv_heads, t, self.head_dim,
+                                     *self.quant_spec(precision))  # fmt: skip
 
     def cost_table(self, precisions: tuple[str, ...]) -> np.ndarray:
         """``[num_blocks, len(precisions)]`` bytes per block (flat index) per precision."""
@@ -261,10 +276,12 @@ class Manifest:
     @property
     def version(self) -> int:
         """The manifest version written: the lowest whose readers size every block right
-        (3: int4 blocks with keys per channel; 2: int8 blocks in groups other than
-        ``group_size``; else 1), so older readers take what they can read and refuse, by
-        version, what they would mis-size."""
+        (4: k8v4 blocks; 3: int4 blocks with keys per channel; 2: int8 blocks in groups
+        other than ``group_size``; else 1), so older readers take what they can read and
+        refuse, by version, what they would mis-size."""
         g = self.geometry
+        if np.any(self.precision == PRECISIONS.index("k8v4")):
+            return 4
         if g.int4_keys == "channel" and np.any(self.precision == PRECISIONS.index("int4")):
             return 3
         has_int8 = bool(np.any(self.precision == PRECISIONS.index("int8")))
@@ -584,15 +601,19 @@ def parse_precision(spec: str) -> tuple[str, int | None]:
     raise ValueError(f"precision {spec!r} is not one of {', '.join(PRECISIONS)} or mixed:BYTES")
 
 
-MIXED_LEVELS = ("fp16", "int8", "int4")
-DEFAULT_FIDELITY = {"fp32": 1.0, "fp16": 1.0, "int8": 0.999, "int4": 0.988}
+MIXED_LEVELS = ("fp16", "int8", "k8v4", "int4")
+DEFAULT_FIDELITY = {"fp32": 1.0, "fp16": 1.0, "int8": 0.999, "int4": 0.988, "k8v4": 0.994}
 """Share of a block's utility that survives at each precision, used by the mixed
 allocator and the handoff plan. Calibrated with scripts/eval_quant.py's uniform-precision
 runs on SmolLM2 (16 prompts, task seeds 30000+): teacher-forced top-1 agreement with the
 fp32 answer was 1.000 for fp16, 0.996 for int8 and 0.988 [0.975, 1.002] for int4 with keys
 per channel (0.978 with int4 keys per token, which the value before was set from). int8
 is set just below 1 so that fp16 still wins a block when bytes are plentiful; the
-agreement saturates there."""
+agreement saturates there. k8v4's top-1 cannot be told from int4's on those prompts
+(their intervals overlap), so it is placed between int4's and int8's values by the same
+run's teacher-forced KL to the fp32 answer, which tells them apart: as far from int4
+toward int8 as its KL lies, rounded down (kvtransport.model.plan.menu keeps a level only
+where it is worth its bytes against its neighbours)."""
 
 
 def plan_precision(
@@ -604,7 +625,7 @@ def plan_precision(
     """Precision code per block ``[layers, token_blocks]`` (-1: dropped) for a spec.
 
     Uniform specs give every block the same code; ``mixed:BYTES`` runs
-    :func:`kvtransport.codecs.quant.allocate_precision` over fp16/int8/int4/dropped with
+    :func:`kvtransport.codecs.quant.allocate_precision` over MIXED_LEVELS and dropped with
     the payload byte budget BYTES (the manifest is not counted).
     """
     name, budget = parse_precision(spec)
@@ -642,7 +663,7 @@ def _encode_rows(kv: np.ndarray, precision: str, g: Geometry) -> np.ndarray:
         if precision == "fp16" and not np.all(np.isfinite(arr)):
             raise ValueError("cache values exceed the float16 range")
         return np.ascontiguousarray(arr).view(np.uint8).reshape(n, -1)
-    return quant.quantize_kv(kv, _BITS[precision], g.group_of(precision), g.channel_keys(precision))
+    return quant.quantize_kv_mixed(kv, *g.quant_spec(precision))
 
 
 def _decode_rows(rows: np.ndarray, precision: str, g: Geometry, tokens: int) -> np.ndarray:
@@ -651,8 +672,8 @@ def _decode_rows(rows: np.ndarray, precision: str, g: Geometry, tokens: int) -> 
     shape = (n, 2, g.num_kv_heads, tokens, g.head_dim)
     if precision in _FLOAT:
         return np.ascontiguousarray(rows).view(_FLOAT[precision]).reshape(shape)
-    return quant.dequantize_kv(rows, shape, _BITS[precision], g.group_of(precision),
-                               g.channel_keys(precision), _DTYPES[g.dtype])  # fmt: skip
+    return quant.dequantize_kv_mixed(rows, shape, *g.quant_spec(precision),
+                                     _DTYPES[g.dtype])  # fmt: skip
 
 
 def encode_stream(
@@ -870,10 +891,12 @@ def decode_blocks_into(
     for p, c in sorted(set(zip(m.precision[good].tolist(), counts[good].tolist(), strict=True))):
         idx = good[(m.precision[good] == p) & (counts[good] == c)].tolist()
         name = PRECISIONS[p]
-        if name not in _FLOAT and keys.dtype == np.float32:  # one numba pass, in place
-            quant.dequantize_blocks_into(
+        # one numba pass, in place; one compiled kernel for every quantized precision (what
+        # warms int8 and int4 warms k8v4)
+        if name not in _FLOAT and keys.dtype == np.float32:
+            quant.dequantize_mixed_blocks_into(
                 buf, offset[idx], layers[idx].astype(np.int64), starts[idx], c,
-                _BITS[name], g.group_of(name), g.channel_keys(name), keys, values,
+                *g.quant_spec(name), keys, values,
             )  # fmt: skip
             continue
         kv: list[np.ndarray] | np.ndarray

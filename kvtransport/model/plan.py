@@ -5,8 +5,12 @@ the receiver's measured compute speed (kvtransport.model.cache_builder.ComputeSp
 
 - the **split**: the context's first ``split`` tokens, which the receiver computes itself
   while the rest streams in (compute while loading); their blocks are not sent;
-- each sent block's **precision** (fp16, int8 or int4 by default): every block starts at
-  the cheapest level, and blocks are raised in utility order, first until the plan's
+- each sent block's **precision** (fp16, int8 or int4 by default; k8v4 too where the caller
+  lists it, ALL_LEVELS; the plan uses the given levels on the upper convex hull of bytes
+  and fidelity: :func:`menu`): every block
+  starts at the cheapest level, and blocks are raised one level at a time, the raise that
+  buys the most expected fidelity per byte first (utility times the level's fidelity gain
+  over its extra bytes: among whole blocks, utility order), first until the plan's
   expected fidelity reaches a floor (``min_fidelity``: int4 only where it costs little
   utility), then while the bytes still cross within the budget;
 - the **stream order** (``order``, one of ORDERS): whole token ranges, every layer of a
@@ -77,11 +81,17 @@ from kvtransport.model.cache_builder import ComputeSpeed
 from kvtransport.model.race import DEFAULT_MAX_CHUNK
 from kvtransport.model.utility import range_rank, stream_order
 
+ALL_LEVELS = ("fp16", "int8", "k8v4", "int4")
+"""Every level the planner can choose among, best first."""
 DEFAULT_LEVELS = ("fp16", "int8", "int4")
+"""The levels a plan uses unless the caller names others: k8v4 (keys int8, values int4)
+stays opt-in (``--levels fp16,int8,k8v4,int4``) until answers on held-out prompts confirm
+its calibrated fidelity (docs/results.md)."""
 DEFAULT_MIN_FIDELITY = 0.999
 """The expected fidelity every plan keeps (when its levels can reach it). With the
 calibrated per-precision fidelities (kvtransport.kvformat.blocks.DEFAULT_FIDELITY: int8
-0.999, int4 0.988) the least useful sent blocks go as int4 and the rest at int8 or better.
+0.999, int4 0.988) the least useful sent blocks go as int4 (then, where k8v4 is listed, the
+next as k8v4) and the rest at int8 or better.
 The int4 share this gives, and what lower floors cost in answers, are measured in
 docs/results.md (section 0)."""
 DEFAULT_REPAIR_MARGIN = 0.05
@@ -236,9 +246,11 @@ def plan_handoff(
     docstring).
 
     utilities: ``[layers, token_blocks]`` block utilities (normalized here); levels: the
-    precisions the link may carry, best first (the last is where every sent block starts);
+    precisions the link may carry, best first (the last is where every sent block starts;
+    the plan chooses among :func:`menu`'s);
     min_fidelity: the expected fidelity below which no plan goes while its levels can
-    reach it (sent blocks are raised in utility order until they do; 0: no floor);
+    reach it (sent blocks are raised, most fidelity per byte first, until they do; 0: no
+    floor);
     order: the stream order (ORDERS), which only sets the expected arrivals;
     hedge_share: the share of the prefix also sent as a hedge (0: none); answer_s: the
     question's forward time on the receiver (0: no tail, the plan ends at the cache).
@@ -264,6 +276,7 @@ def plan_handoff(
     if not answer_s >= 0.0:
         raise ValueError(f"answer_s must be >= 0, not {answer_s}")
     u = u / u.sum()
+    levels = menu(g, levels, fidelity)
     fid = np.array([(fidelity or DEFAULT_FIDELITY)[p] for p in levels])
     cost = g.cost_table(levels).reshape(g.num_layers, g.token_blocks, len(levels))
     task = _Task(g, u, cost, fid, link, repair_margin, budget_s, levels, min_fidelity, order,
@@ -297,6 +310,33 @@ def plan_handoff(
                        hedge_share, speed)  # fmt: skip
 
 
+def menu(
+    geometry: Geometry, levels: tuple[str, ...], fidelity: dict[str, float] | None = None
+) -> tuple[str, ...]:
+    """The levels a plan chooses among, best first: those of ``levels`` that ``fidelity``
+    (default DEFAULT_FIDELITY) rates, less any that lies on or below the chord between
+    its neighbours in (full block's bytes, fidelity): mixing those neighbours gives as much
+    fidelity for its bytes, and the planner, which raises blocks one level at a time,
+    would pay for the detour. The first and the last rated level always stay. Raises
+    ValueError when ``fidelity`` rates none of ``levels``."""
+    fid = fidelity or DEFAULT_FIDELITY
+    rated = [p for p in levels if p in fid]
+    if not rated:
+        raise ValueError(f"fidelity rates none of the levels {levels}")
+    cost = [geometry.block_nbytes(p) for p in rated]
+    keep = [len(rated) - 1]  # from the cheapest (the last), up the upper hull
+    for i in range(len(rated) - 2, -1, -1):
+        while len(keep) >= 2:
+            a, b = keep[-2], keep[-1]  # b above the chord from a to i: keep b
+            if (fid[rated[b]] - fid[rated[a]]) * (cost[i] - cost[a]) > (
+                fid[rated[i]] - fid[rated[a]]
+            ) * (cost[b] - cost[a]):
+                break
+            keep.pop()
+        keep.append(i)
+    return tuple(rated[i] for i in sorted(keep))
+
+
 @dataclass(frozen=True)
 class _Task:
     """One planning problem: the cache, its utilities, the cost and fidelity per level,
@@ -325,45 +365,57 @@ class _Task:
         flat = stream_order(self.u, self.g.block_tokens, self.order)
         return np.argsort(range_rank(flat, self.g.token_blocks), kind="stable")
 
-    def _raisable(self, level: np.ndarray, target: int) -> np.ndarray:
-        """The blocks one level below ``target``, most useful first ([n, 2] indices)."""
-        cand = np.argwhere(level == target + 1)
-        return cand[np.argsort(-self.u[cand[:, 0], cand[:, 1]], kind="stable")]
+    def upgrades(self, level: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Every one-level raise of a sent block, in the order that buys the most fidelity
+        per byte first: (layer, token block, target level, fidelity gained, extra bytes)
+        arrays. A block's raises keep their own order (each is ranked no higher than the
+        one before it, which matters only where short blocks bend the menu's hull); ties
+        go to the more useful block, then to a block's earlier raise."""
+        u, fid, cost = self.u, self.fid, self.cost
+        rows: list[tuple[np.ndarray, ...]] = []
+        blocks = np.argwhere(level > 0)
+        i, j = blocks[:, 0], blocks[:, 1]
+        best = np.full(len(blocks), np.inf)
+        for nth in range(len(self.levels) - 1):  # the nth raise of each block
+            target = level[i, j] - 1 - nth
+            ok = target >= 0
+            ti, tj, t = i[ok], j[ok], target[ok]
+            gain = u[ti, tj] * (fid[t] - fid[t + 1])
+            extra = cost[ti, tj, t] - cost[ti, tj, t + 1]
+            best[ok] = np.minimum(best[ok], gain / np.maximum(extra, 1))
+            rows.append((ti, tj, t, gain, extra, best[ok].copy(), np.full(t.size, nth)))
+        ti, tj, t, gain, extra, rank, step = (np.concatenate(c) for c in zip(*rows, strict=True))
+        order = np.lexsort((step, -u[ti, tj], -rank))
+        return ti[order], tj[order], t[order], gain[order], extra[order]
 
     def floored(self, k: int) -> np.ndarray:
         """The levels with the first ``k`` token ranges computed (-1) and the rest at the
-        cheapest level, raised one level at a time in utility order until the expected
-        fidelity reaches ``min_fidelity`` (as far as the levels allow)."""
+        cheapest level, raised in :meth:`upgrades`' order (the most fidelity per byte
+        first) until the expected fidelity reaches ``min_fidelity`` (as far as the levels
+        allow)."""
         g, u, fid = self.g, self.u, self.fid
         level = np.full((g.num_layers, g.token_blocks), len(self.levels) - 1)
         level[:, :k] = -1
-        have = float(u[:, :k].sum() + u[:, k:].sum() * fid[-1])
-        for target in range(len(self.levels) - 2, -1, -1):
-            need = self.min_fidelity - have
-            if need <= 0:
-                break
-            cand = self._raisable(level, target)
-            gain = np.cumsum(u[cand[:, 0], cand[:, 1]] * (fid[target] - fid[target + 1]))
-            take = min(int(np.searchsorted(gain, need, side="left")) + 1, len(cand))
-            level[cand[:take, 0], cand[:take, 1]] = target
-            have += float(gain[take - 1]) if take else 0.0
+        need = self.min_fidelity - float(u[:, :k].sum() + u[:, k:].sum() * fid[-1])
+        if need <= 0 or len(self.levels) == 1:
+            return level
+        i, j, target, gain, _ = self.upgrades(level)
+        take = min(int(np.searchsorted(np.cumsum(gain), need, side="left")) + 1, len(gain))
+        np.minimum.at(level, (i[:take], j[:take]), target[:take])
         return level
 
     def upgraded(self, k: int, level: np.ndarray, compute_s: float, by_s: float) -> HandoffPlan:
-        """Raise sent blocks one level at a time in utility order while the bytes still
-        cross by ``by_s`` (the longest prefix of the utility order whose extra bytes fit,
-        per level)."""
+        """Raise sent blocks in :meth:`upgrades`' order while the bytes still cross by
+        ``by_s`` (the longest prefix of that order whose extra bytes fit)."""
         level = level.copy()
         cost = self.cost
         sent = level >= 0
         now = np.take_along_axis(cost, np.maximum(level, 0)[..., None], 2)[..., 0][sent].sum()
         room = self.link.max_bytes(by_s, self.margin) - int(now)
-        for target in range(len(self.levels) - 2, -1, -1):
-            cand = self._raisable(level, target)
-            extra = cost[cand[:, 0], cand[:, 1], target] - cost[cand[:, 0], cand[:, 1], target + 1]
+        if len(self.levels) > 1 and np.any(level > 0):
+            i, j, target, _, extra = self.upgrades(level)
             take = int(np.searchsorted(np.cumsum(extra), room, side="right"))
-            level[cand[:take, 0], cand[:take, 1]] = target
-            room -= int(extra[:take].sum())
+            np.minimum.at(level, (i[:take], j[:take]), target[:take])
         return self.plan(k, level, compute_s)
 
     def hedged(self, plan: HandoffPlan, share: float, speed: ComputeSpeed) -> HandoffPlan:
@@ -447,7 +499,7 @@ class _Task:
 
 
 def parse_levels(spec: str | tuple[str, ...]) -> tuple[str, ...]:
-    """``auto`` (fp16,int8,int4) or precision names best first ("fp16,int8", "fp32", ...).
+    """``auto`` (DEFAULT_LEVELS) or precision names best first ("fp16,int8", "fp32", ...).
 
     Raises ValueError naming the choices otherwise."""
     if isinstance(spec, str):
