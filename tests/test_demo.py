@@ -145,9 +145,26 @@ def test_emulated_link_reproduces_the_simulator():
     assert [p.returncode for p in procs] == [0, 0]  # both processes left when told to
 
 
+def test_a_context_past_the_models_positions_is_refused_in_one_line():
+    """SmolLM2 was trained to 8,192 positions: a longer context (question and answer
+    included) is refused once the model is loaded, before any prefill, in one line."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvtransport", "demo", "--tokens", "8192", "--link", "emulated",
+         "--rounds", "1", "--questions", "1"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in proc.stderr
+    assert last.startswith("kvtransport demo: error: --tokens 8192: ") and (
+        "exceed the model's 8192 positions (max_position_embeddings)" in last
+    ), last
+
+
 def test_bad_arguments_give_one_line_errors():
     cases = [
-        (["--tokens", "5"], "--tokens must be 32..2048"),
+        (["--tokens", "5"], "--tokens must be 32..32768"),
+        (["--tokens", "40000"], "--tokens must be 32..32768"),
         (["--budget", "0"], "--budget must be in (0, 1]"),
         (["--threads", "0"], "--threads must be at least 1"),
         (["--questions", "0"], "--questions must be 1..10"),

@@ -97,3 +97,39 @@ def test_a_growing_cache_answers_as_transformers_own(smollm, sample):
         b = smollm.model(input_ids=ids, position_ids=pos, cache=theirs, use_cache=True).logits
     assert torch.allclose(a, b, atol=1e-5)
     assert ours.get_seq_length() == theirs.get_seq_length() == kv.num_tokens + len(question)
+
+
+def test_the_receivers_memory_is_stated_and_a_context_it_cannot_hold_refused(smollm, sample):
+    """The cache the receiver builds takes exactly cache_bytes (its buffers hold the
+    context and ANSWER_ROOM); the stated need grows linearly in the tokens; a context past
+    the model's 8,192 positions, or larger than the memory available, is refused in one
+    line before anything is allocated."""
+    from kvtransport.errors import UserError
+    from kvtransport.model.model_cache import (
+        ANSWER_ROOM,
+        available_bytes,
+        cache_bytes,
+        check_context,
+        receiver_bytes,
+    )
+
+    model = smollm.model
+    ctx = sample[0]
+    b = CacheBuilder(model, ctx)
+    b.compute(len(ctx))
+    held = sum(t.nbytes for layer in b.model_cache.layers for t in (layer._k, layer._v))
+    assert held == cache_bytes(model.config, len(ctx) + ANSWER_ROOM)
+    assert receiver_bytes(model, 1000) > cache_bytes(model.config, 1000 + ANSWER_ROOM)
+    steps = [receiver_bytes(model, n) for n in (1000, 2000, 3000)]
+    assert steps[2] - steps[1] == steps[1] - steps[0] > 0
+    with pytest.raises(UserError, match=r"8193 tokens exceed the model's 8192 positions"):
+        CacheBuilder(model, [1] * 8193)
+    with pytest.raises(UserError, match="8193 tokens exceed"):
+        hf.prefill(model, smollm.tokenizer, [1] * 8193)
+    check_context(model, 8192)
+    have = available_bytes()
+    assert have is not None
+    with pytest.raises(UserError, match=r"a 100-token cache needs about \d+ MiB"):
+        check_context(model, 100, extra_bytes=have)
+    with pytest.raises(UserError, match="exceed the model's 8192 positions"):
+        b.answer([1] * (8193 - len(ctx)))

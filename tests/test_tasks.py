@@ -237,3 +237,24 @@ def test_token_f1_by_hand():
     assert metrics.token_f1("", "") == 1.0 and metrics.token_f1("the", "x") == 0.0
     scores = metrics.score_answer(" Havana.", ("Havana",))
     assert scores == {"em": 1.0, "contains": 1.0, "contains_all": 1.0, "f1": 1.0}
+
+
+def test_a_long_context_is_filled_or_refused_never_silently_shorter(tok):
+    """32K tokens of invented facts: once every plain place name is taken the names get
+    a prefix word, each fact is still stated once and read back, and the asked fact is
+    in it; facts_qa runs out of countries at about 5K tokens and refuses 8K in one line
+    instead of returning a shorter context."""
+    target = 32768
+    s = tasks.fiction_qa(tok, target_tokens=target, seed=2)
+    ctx = chat_prompt(tok, s.context, s.question)[0]
+    assert tasks.FILL_SHARE * target <= len(ctx) <= target
+    lines = s.context.splitlines()[1:]
+    facts = [tasks._fiction_fact(line) for line in lines]
+    assert None not in facts and [f.sentence for f in facts] == lines
+    pairs = [(f.entity, f.attr) for f in facts]
+    assert len(set(pairs)) == len(pairs)
+    assert any(" " in f.entity and f.kind != "person" for f in facts)  # prefixed names
+    assert s.context.count(f"\n{s.answer_prefix} {s.answers[0]}.") == 1
+    assert len(tasks.question_set(s, 5)) == 5
+    with pytest.raises(ValueError, match=r"facts_qa has material for \d+ context tokens"):
+        tasks.facts_qa(tok, target_tokens=8000, seed=1)

@@ -96,7 +96,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="context size in tokens (default 512; 128 with --quick)",
+        help="context size in tokens, up to the model's positions (8192 for SmolLM2) "
+        "and the memory available (default 512; 128 with --quick)",
     )
     parser.add_argument(
         "--budget", type=float, default=None, metavar="SHARE",

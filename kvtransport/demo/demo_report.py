@@ -29,7 +29,11 @@ SCHEMES: tuple[tuple[str, str], ...] = (
 
 DEFAULT_TOKENS = 512
 QUICK_TOKENS = 128
-MAX_TOKENS = 2048  # 94 MiB of fp32 cache: each scheme's delivery is held until the answers
+MAX_TOKENS = 32768  # the longest --tokens; the model's own positions and the memory
+# available are checked once the model is loaded (kvtransport.demo.run, _check_context)
+DEMO_CACHE_COPIES = 3
+"""fp32 copies of the context's cache the demo holds besides a receiver's own (the card,
+the full cache answered from, one scheme's delivery), for its memory check."""
 DEFAULT_MAX_NEW_TOKENS = 24
 QUICK_MAX_NEW_TOKENS = 12
 DEFAULT_QUESTIONS = 5

@@ -68,6 +68,7 @@ from kvtransport.demo.demo_model import (
 )
 from kvtransport.demo.demo_netns import NetnsLink
 from kvtransport.demo.demo_report import (
+    DEMO_CACHE_COPIES,
     MAX_QUESTIONS,
     MAX_REPEATS,
     MAX_TOKENS,
@@ -312,10 +313,14 @@ def _measure(cfg: DemoConfig, loaded: Any, ui: _Progress, timings: dict[str, flo
         set_threads(cfg.threads)
     timings["load_model"] = time.perf_counter() - t
     tok = loaded.tokenizer
-    sample = tasks.generate(cfg.task, tok, target_tokens=cfg.tokens, seed=cfg.seed)
+    try:
+        sample = tasks.generate(cfg.task, tok, target_tokens=cfg.tokens, seed=cfg.seed)
+    except ValueError as exc:  # the task cannot fill --tokens
+        raise UserError(f"--tokens {cfg.tokens}: {exc}") from None
     context_ids, question_ids = sample.prompt(tok)
     probes = tasks.question_set(sample, cfg.questions)
     probe_ids = [question_ids] + [p.prompt(tok)[1] for p in probes[1:]]
+    _check_context(cfg, loaded, len(context_ids), max(len(q) for q in probe_ids))
     ui.note(f"prefilling {len(context_ids)} context tokens ({cfg.task}, seed {cfg.seed}) ...")
     stream, cached, timings["card_prefill"] = prepare_card(
         loaded, sample, context_ids, cfg.card_dir
@@ -326,6 +331,9 @@ def _measure(cfg: DemoConfig, loaded: Any, ui: _Progress, timings: dict[str, flo
     else:
         speed = ComputeSpeed.measure(loaded.model, context_ids)
     timings["measure_speed"] = time.perf_counter() - t
+    if not speed.trusted:
+        ui.note(f"the compute speed's timed rounds disagree (spread {speed.spread:.2f}): "
+                "planning on the fastest, the race corrects from its first chunk")  # fmt: skip
     return _Measured(loaded, sample, context_ids, question_ids, probes, probe_ids, stream,
                      cached, speed)  # fmt: skip
 
@@ -791,6 +799,23 @@ def _plan_dict(prep: _Prepared, objective: str) -> dict[str, Any]:
                           "per_token_s": prep.speed.per_token_s,
                           "per_pair_s": prep.speed.per_pair_s},
     }  # fmt: skip
+
+
+def _check_context(cfg: DemoConfig, loaded: Any, context: int, question: int) -> None:
+    """A one-line UserError when the context, a question and its answer exceed the model's
+    positions, or the receiver's memory and the demo's copies of the cache
+    (:data:`DEMO_CACHE_COPIES`) the memory available
+    (kvtransport.model.model_cache.check_context)."""
+    from kvtransport.model.model_cache import cache_bytes, check_context
+
+    try:
+        check_context(
+            loaded.model,
+            context + question + cfg.max_new_tokens,
+            extra_bytes=DEMO_CACHE_COPIES * cache_bytes(loaded.model.config, context),
+        )
+    except UserError as exc:
+        raise UserError(f"--tokens {cfg.tokens}: {exc}") from None
 
 
 def _check_config(cfg: DemoConfig) -> None:

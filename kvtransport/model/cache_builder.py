@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
+from kvtransport.errors import UserError
 from kvtransport.kvformat.kvcache import KVCache
 
 PAIR_CHUNK = 64
@@ -49,6 +50,34 @@ class ComputeSpeed:
     per_token_s: float
     per_pair_s: float = 0.0
     spread: float = 0.0
+
+    @property
+    def trusted(self) -> bool:
+        """The measured rounds agreed (:attr:`spread` within :data:`TRUST_LIMIT`); a speed
+        that was given, not measured, is trusted."""
+        return self.spread <= TRUST_LIMIT
+
+    def scaled(self, factor: float) -> ComputeSpeed:
+        """Every cost times ``factor`` (> 0): the same receiver running that much slower."""
+        if not factor > 0:
+            raise ValueError(f"a speed's scale must be positive, not {factor}")
+        return replace(self, per_call_s=self.per_call_s * factor,
+                       per_token_s=self.per_token_s * factor,
+                       per_pair_s=self.per_pair_s * factor)  # fmt: skip
+
+    def learned(self, tokens: int, seconds: float) -> ComputeSpeed:
+        """This speed corrected by one real call: ``tokens`` context tokens computed in
+        ``seconds``. Outside :data:`LEARN_TOLERANCE` of the time it predicts, every cost is
+        scaled so that it predicts the call's time (one timing says how much faster or
+        slower the host is, not which of the costs changed); within it, unchanged (the
+        timing noise of one call)."""
+        predicted = float(self.seconds(tokens))
+        if tokens <= 0 or not seconds > 0 or not predicted > 0:
+            return self
+        ratio = seconds / predicted
+        if 1 / LEARN_TOLERANCE <= ratio <= LEARN_TOLERANCE:
+            return self
+        return self.scaled(ratio)
 
     def answer_seconds(self, question_tokens: int, context_tokens: int) -> float:
         """The time of a question's forward pass after a cache of ``context_tokens``."""
@@ -94,7 +123,12 @@ class ComputeSpeed:
         fast call; the large prefix takes the median of the rounds (the speed the host
         holds over a prefix's time). While the large prefix's rounds spread by more than
         :data:`SPREAD_LIMIT` of their median, another round is run (up to
-        ``max_repeats``); :attr:`spread` is the spread left, for the caller to warn on.
+        ``max_repeats``); :attr:`spread` is the spread left. Rounds still spread beyond
+        :data:`TRUST_LIMIT` (not :attr:`trusted`, for the caller to warn on) give the
+        fastest large prefix instead of the median: a plan on the host's uninterrupted
+        speed, which the race corrects from its first real chunk
+        (kvtransport.model.race) where the host really is slower. ``per_pair_s`` is capped
+        by what the large prefix paid per causal pair (:func:`_pair_cost`).
 
         Cost: each round computes the large prefix once and three short calls (about three
         times one call of the large prefix alone); the live race measures once per model
@@ -129,17 +163,41 @@ class ComputeSpeed:
             b = CacheBuilder(model, ids[:large] + ids[:q])
             long_s.append(timed(b, large))
             long_q.append(timed(b, q))
+        spread = _spread(long_s)
+        # rounds that still disagree: the fastest (an interrupted call is only slower);
+        # the race corrects the plan from its first real chunk if the host stays slower
+        prefix_s = float(np.median(long_s)) if spread <= TRUST_LIMIT else min(long_s)
         best = min(small_s)
-        per_token = max((float(np.median(long_s)) - best) / (large - small), 1e-6)
-        apart = large - 2 * small  # context tokens between the two chunks' positions
-        pair = max(min(long_q) - min(short_q), 0.0) / (q * apart) if apart >= q else 0.0
+        per_token = max((prefix_s - best) / (large - small), 1e-6)
         return cls(per_call_s=max(best - small * per_token, 0.0), per_token_s=per_token,
-                   per_pair_s=pair, spread=_spread(long_s))  # fmt: skip
+                   per_pair_s=_pair_cost(min(long_q) - min(short_q), q, large - 2 * small,
+                                         large, prefix_s),
+                   spread=spread)  # fmt: skip
 
 
 SPREAD_LIMIT = 0.25
 """The spread of the large prefix's timed rounds (max less min, over the median) beyond
 which :meth:`ComputeSpeed.measure` runs another round."""
+
+TRUST_LIMIT = 0.5
+"""The spread beyond which a measured speed is not trusted (:attr:`ComputeSpeed.trusted`):
+the rounds still disagree that much after ``max_repeats`` rounds, so
+:meth:`ComputeSpeed.measure` takes the fastest large prefix instead of their median."""
+
+LEARN_TOLERANCE = 1.25
+"""How far (as a ratio either way) one real call's time may be from a speed's prediction
+before :meth:`ComputeSpeed.learned` rescales the speed."""
+
+
+def _pair_cost(extra_s: float, q: int, apart: int, large: int, prefix_s: float) -> float:
+    """Seconds per (question token, context token) pair: ``extra_s`` that a ``q``-token
+    chunk paid for ``apart`` more context tokens before it (0: not measurable, ``apart``
+    < ``q``), never more than the large prefix's whole time over its ``large**2 / 2``
+    causal pairs (the prefix pays every pair, and more besides): a difference of two
+    short calls one of which a busy host slowed cannot pass for attention cost."""
+    if apart < q:
+        return 0.0
+    return min(max(extra_s, 0.0) / (q * apart), prefix_s / (large * large / 2))
 
 
 def _spread(times: Sequence[float]) -> float:
@@ -151,13 +209,18 @@ def _spread(times: Sequence[float]) -> float:
 
 class CacheBuilder:
     """The model cache of ``token_ids``, grown front to back by :meth:`compute` and
-    :meth:`load`; :attr:`filled` tokens are in place. :meth:`kv` returns it as numpy."""
+    :meth:`load`; :attr:`filled` tokens are in place. :meth:`kv` returns it as numpy.
+
+    A context longer than the model's positions, or whose cache and largest call do not
+    fit the memory available (kvtransport.model.model_cache.receiver_bytes: linear in the
+    tokens), is refused with a one-line UserError before anything is allocated."""
 
     def __init__(self, model: Any, token_ids: Sequence[int]) -> None:
         from kvtransport.model import hf
-        from kvtransport.model.model_cache import ANSWER_ROOM, new_model_cache
+        from kvtransport.model.model_cache import ANSWER_ROOM, check_context, new_model_cache
 
         hf.install_masked_attention(model)
+        check_context(model, len(token_ids))  # positions and memory, before allocating
         self.model = model
         self.token_ids = [int(t) for t in token_ids]
         self.filled = 0
@@ -222,9 +285,14 @@ class CacheBuilder:
         import torch
 
         from kvtransport.model import hf
+        from kvtransport.model.model_cache import max_positions
 
         if len(question_ids) == 0:
             raise ValueError("the question has no tokens")
+        limit = max_positions(self.model)
+        if limit is not None and self.num_tokens + len(question_ids) > limit:
+            raise UserError(f"{self.num_tokens} context and {len(question_ids)} question "
+                            f"tokens exceed the model's {limit} positions")  # fmt: skip
         if tail_layer is None and self.filled < self.num_tokens:
             raise ValueError(f"{self.filled} of {self.num_tokens} context tokens in place")
         layers = self._cache.layers

@@ -298,13 +298,16 @@ def prefill(
         or token ids used as they are.
     window: size of the SnapKV observation window (the context's last queries).
     attention: collect the attention statistics (``KVCache.attention``); a little slower.
+    A context longer than the model's positions or too large for the memory available is
+    refused (kvtransport.model.model_cache.check_context).
     """
     import torch
 
-    from kvtransport.model.model_cache import new_model_cache
+    from kvtransport.model.model_cache import check_context, new_model_cache
 
     ids = _as_ids(tokenizer, text_or_ids)
     install_masked_attention(model)
+    check_context(model, len(ids))  # positions and memory: one-line UserError
     cache = new_model_cache(model, len(ids))  # sliding-window layers keep every token too
     with torch.inference_mode():
         if attention:

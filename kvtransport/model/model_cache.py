@@ -117,6 +117,72 @@ class GrowingLayer(DynamicLayer):
         self.values = self._v[..., : self.filled, :]
 
 
+def cache_bytes(config: Any, tokens: int, itemsize: int = 4) -> int:
+    """Bytes of a model cache of ``tokens`` tokens: every layer's keys and values
+    (``[kv_heads, tokens, head_dim]`` each, ``itemsize`` bytes an element; sliding-window
+    layers keep every token too: module docstring)."""
+    layers = int(config.num_hidden_layers)
+    heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    return 2 * layers * heads * dim * int(tokens) * itemsize
+
+
+def chunk_bytes(config: Any, tokens: int, itemsize: int = 4) -> int:
+    """An upper estimate of the working memory of one forward call of ``tokens`` tokens
+    (the hidden states and one layer's MLP activations at a time; attention runs on the
+    flash kernel, whose scores never take ``tokens**2`` memory)."""
+    hidden = int(config.hidden_size)
+    inner = int(getattr(config, "intermediate_size", None) or 4 * hidden)
+    return int(tokens) * itemsize * (6 * hidden + 3 * inner)
+
+
+def receiver_bytes(model: Any, tokens: int) -> int:
+    """The memory a receiver needs beyond the model's weights to build and answer from the
+    cache of a ``tokens``-token context: its model cache with :data:`ANSWER_ROOM` (at the
+    model's dtype) and one call computing the whole context (the largest the race makes)."""
+    item = torch.empty((), dtype=model.dtype).element_size()
+    return cache_bytes(model.config, tokens + ANSWER_ROOM, item) + chunk_bytes(
+        model.config, tokens, item
+    )
+
+
+def max_positions(model: Any) -> int | None:
+    """The longest sequence ``model`` was made to attend over (its config's
+    ``max_position_embeddings``), or None when the config does not say."""
+    n = getattr(model.config, "max_position_embeddings", None)
+    return int(n) if n else None
+
+
+def available_bytes() -> int | None:
+    """The memory the kernel says is available to start new work (``MemAvailable`` of
+    /proc/meminfo), or None where there is no such file."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_context(model: Any, tokens: int, *, extra_bytes: int = 0) -> None:
+    """Refuse, with a one-line UserError, a context of ``tokens`` tokens (question and
+    answer included) longer than the model's positions (:func:`max_positions`: a model
+    attends past its trained length with no sane answers), or whose receiver memory
+    (:func:`receiver_bytes`, plus ``extra_bytes`` the caller holds besides) exceeds the
+    memory available now (:func:`available_bytes`)."""
+    limit = max_positions(model)
+    if limit is not None and tokens > limit:
+        raise UserError(f"{tokens} tokens exceed the model's {limit} positions "
+                        "(max_position_embeddings): shorten the context")  # fmt: skip
+    need = receiver_bytes(model, tokens) + extra_bytes
+    have = available_bytes()
+    if have is not None and need > have:
+        raise UserError(f"a {tokens}-token cache needs about {need / 2**20:.0f} MiB, "
+                        f"{have / 2**20:.0f} MiB are available")  # fmt: skip
+
+
 def new_model_cache(model: Any, capacity: int) -> Any:
     """An empty ``DynamicCache`` for ``model`` whose layers, sliding-window ones included,
     keep every token and grow in place (:class:`GrowingLayer`), each with room for

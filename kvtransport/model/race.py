@@ -155,6 +155,8 @@ class RaceResult:
     transfer / refused (a live race, kvtransport.embed.live_race): the id of the transfer
     the race found ("" when its session has none; None: no transfer came), and why it was
     not loaded ("" when it was, or none came).
+    speed: the compute speed the race's decisions ended on (the given one, or the one it
+    learned from its first computed chunk: :func:`race`'s ``learn``).
     """
 
     builder: CacheBuilder
@@ -167,6 +169,7 @@ class RaceResult:
     answer_s: float | None = None
     transfer: str | None = None
     refused: str = ""
+    speed: ComputeSpeed | None = None
 
     @property
     def model_cache(self) -> Any:
@@ -443,6 +446,7 @@ def run_race(
     max_chunk: int = DEFAULT_MAX_CHUNK,
     layer_ready: np.ndarray | None = None,
     question_ids: Sequence[int] | None = None,
+    learn: bool = True,
 ) -> RaceResult:
     """Replay the race (see the module docstring) and return the cache it built.
 
@@ -451,7 +455,7 @@ def run_race(
         (:data:`Received`), or None when nothing arrived; ready_at: per token range of
         ``block_tokens``, when it was complete at the receiver (inf: never); link: the
         plan's view of the link; layer_ready: per block (:class:`ReplayArrivals`);
-        question_ids: as :func:`race` takes them.
+        question_ids, learn: as :func:`race` takes them.
     """
     n = len(token_ids)
     ranges = -(-n // block_tokens)
@@ -462,7 +466,7 @@ def run_race(
                          "token ranges")  # fmt: skip
     src = ReplayArrivals(ready_at, received, link, layer_ready)
     return race(model, token_ids, src, split=split, speed=speed, block_tokens=block_tokens,
-                max_chunk=max_chunk, question_ids=question_ids)  # fmt: skip
+                max_chunk=max_chunk, question_ids=question_ids, learn=learn)  # fmt: skip
 
 
 def race(
@@ -476,6 +480,7 @@ def race(
     max_chunk: int = DEFAULT_MAX_CHUNK,
     builder: CacheBuilder | None = None,
     question_ids: Sequence[int] | None = None,
+    learn: bool = True,
 ) -> RaceResult:
     """The race's decision loop (see the module docstring) against ``src``: the replay
     (:func:`run_race`) and the live receiver (kvtransport.embed.live_race) both run it.
@@ -484,6 +489,14 @@ def race(
     receiver's compute speed, which sizes waits against computes; builder: what builds the
     cache (default: a new CacheBuilder of ``model`` and ``token_ids``). Returns the whole
     cache of ``token_ids`` with the race clock when its last token was in place.
+
+    learn: the race times its first computed chunk (the planned prefix, or the first
+    run of ranges it computes) and, where that call took a time the speed does not
+    predict (:meth:`ComputeSpeed.learned`), takes every later wait-or-compute decision,
+    the question's cost included, on the speed it measured
+    (:attr:`RaceResult.speed`): a plan made on a mismeasured speed is corrected from
+    the first real chunk. False: the given speed throughout (a replay that studies the
+    decision rule under a fixed speed).
 
     question_ids: the race ends with the question's first answer token
     (:attr:`RaceResult.first_token`, out at :attr:`RaceResult.answer_s`). Where the stream
@@ -506,15 +519,21 @@ def race(
         raise ValueError(f"split {split} is not a token range boundary of {n} tokens")
     b = builder if builder is not None else CacheBuilder(model, token_ids)
     steps: list[RaceStep] = []
+    learning = learn  # the first computed chunk is still to be timed
+    range_cost = float(speed.seconds(block_tokens))
 
     def timed(action: str, tokens: int, fn: Any, *args: Any) -> None:
+        nonlocal speed, range_cost, learning
         start = b.filled
         t0, t1 = src.run(lambda: fn(*args))
         steps.append(RaceStep(action, start, tokens, t0, t1))
+        if action == "compute" and learning:
+            learning = False
+            speed = speed.learned(tokens, t1 - t0)
+            range_cost = float(speed.seconds(block_tokens))
 
     if split:
         timed("compute", split, b.compute, split)
-    range_cost = float(speed.seconds(block_tokens))
     computes_in_a_row = 0
     first_token: list[int] = []
     tail_in: list[float] = []  # when the layer-major tail's last layer was in place
@@ -598,7 +617,8 @@ def race(
         steps.append(RaceStep("answer", n, 0, t0, t1))
     answer_s = src.now() if question_ids is not None else None
     return RaceResult(b, seconds, computed, n - computed, waited, steps,
-                      first_token[0] if first_token else None, answer_s)  # fmt: skip
+                      first_token[0] if first_token else None, answer_s,
+                      speed=speed)  # fmt: skip
 
 
 class TailLost(Exception):

@@ -101,6 +101,7 @@ def _fit(
     best = build(lo)
     if _context_tokens(tokenizer, best.context) > target:
         raise ValueError(f"target_tokens={target} is too small for even the smallest sample")
+    most = hi
     while lo < hi:
         mid = (lo + hi + 1) // 2
         cand = build(mid)
@@ -108,7 +109,16 @@ def _fit(
             lo, best = mid, cand
         else:
             hi = mid - 1
+    if lo == most and (got := _context_tokens(tokenizer, best.context)) < FILL_SHARE * target:
+        raise ValueError(f"{best.task} has material for {got} context tokens, not "
+                         f"target_tokens={target}: ask for fewer or another task")  # fmt: skip
     return best
+
+
+FILL_SHARE = 0.9
+"""The share of ``target_tokens`` a sample must fill: a task whose material runs out
+before that refuses the target rather than return a shorter context (facts_qa states
+each country's facts once, a few thousand tokens in all)."""
 
 
 def _random_value(rng: random.Random, kind: str) -> str:
@@ -279,6 +289,8 @@ def facts_qa(
 # no context its answers are guesses. (Names of random syllables were tried first: the
 # 135M model confuses them with one another far more often than these.)
 _ENDINGS = "ford mere holm wick stead vale by thorpe haven moor dale brook ton field gate".split()
+# prefix words of the names drawn once the noun-ending pairs run out (long contexts)
+_PREFIXES = "North South East West Old New Little Great Upper Lower High Far".split()
 _GIVEN = (
     "Alric Bertil Corwin Dagny Elowen Fenna Gideon Hesper Isolde Jory Kestrel Linnea Merrick "
     "Nell Oriel Perrin Quill Rowan Sable Tamsin Ulric Vesna Wren Yara Zebedee Brannoc Cato "
@@ -416,6 +428,7 @@ class _Names:
         self.rng = rng
         self.used: set[str] = set()
         self.decks: dict[tuple[str, ...], list[str]] = {}
+        self.plain_left = True  # noun-ending names not all taken yet
 
     def _deal(self, words: tuple[str, ...] | list[str]) -> str:
         key = tuple(words)
@@ -433,7 +446,18 @@ class _Names:
         raise ValueError("fiction_qa ran out of invented names; ask for fewer tokens")
 
     def word(self) -> str:
-        return self._unique(lambda: self._deal(_NOUNS).capitalize() + self.rng.choice(_ENDINGS))
+        """A place name ("Cedarholm"); once every noun-ending pair is taken (a context
+        of several thousand tokens), one with a prefix word ("North Cedarholm")."""
+
+        def plain() -> str:
+            return self._deal(_NOUNS).capitalize() + self.rng.choice(_ENDINGS)
+
+        if self.plain_left:
+            try:
+                return self._unique(plain)
+            except ValueError:
+                self.plain_left = False  # (as good as) all taken
+        return self._unique(lambda: f"{self.rng.choice(_PREFIXES)} {plain()}")
 
     def person(self) -> str:
         return self._unique(lambda: f"{self._deal(_GIVEN)} {self.word()}")
