@@ -57,13 +57,16 @@ def tail_rule_network(tmp_path):
 
 
 # Files whose tests measure wall-clock behaviour (real sockets with deadlines, daemons,
-# namespaces, the live race): `make test` runs them one at a time after the rest, which
-# runs on two worker processes (scripts/run_tests.sh). A test outside these files that
-# needs the machine to itself carries ``@pytest.mark.serial`` (netns tests do implicitly).
+# the live race): `make test` runs them after the CPU-heavy rest, so that they never share
+# the cores with training or evaluation runs, two files at a time (scripts/run_tests.sh).
+# A test outside these files that does carries ``@pytest.mark.serial``. Tests of the netns
+# testbed (kernel shaping: rates, loss, queues) are ``exclusive``: they run last, one at a
+# time, with the machine to themselves.
 SERIAL_FILES = frozenset({
     "test_answer_race_dir.py", "test_control_fuzz.py", "test_curve.py", "test_daemon.py",
     "test_daemon_robustness.py", "test_fuzz_datagrams.py", "test_hosts.py",
     "test_inprocess.py", "test_integration_netns.py", "test_keys.py", "test_live_race.py",
+    "test_manifest_budget.py",
     "test_memory_bounds.py", "test_operability.py", "test_race.py", "test_readme.py",
     "test_replay.py", "test_full_filesystem.py", "test_replay_failclosed.py",
     "test_submit_cli.py", "test_tcp_baseline.py", "test_tcp_baseline_netns.py",
@@ -73,5 +76,7 @@ SERIAL_FILES = frozenset({
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.path.name in SERIAL_FILES or item.get_closest_marker("netns"):
+        if item.get_closest_marker("netns"):
+            item.add_marker(pytest.mark.exclusive)
+        elif item.path.name in SERIAL_FILES:
             item.add_marker(pytest.mark.serial)

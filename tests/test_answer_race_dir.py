@@ -141,11 +141,15 @@ def test_answer_races_a_transfer_it_waited_for_and_one_that_ended_before_it(smol
     try:
         early = subprocess.Popen([*answer, "--wait-s", "600"], stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True)  # fmt: skip
-        _until(lambda: list(race_dir.glob("*.claim")) or early.poll() is not None,
-               "answer never claimed its context", 600)  # fmt: skip
-        time.sleep(10)  # ready (speed measured) well before the transfer: it must wait
+        assert early.stderr is not None
+        said = []  # until it is ready (context claimed, speed measured) and waits
+        while not said or (said[-1] and "waiting up to" not in said[-1]):
+            said.append(early.stderr.readline())
+        assert str(race_dir) in said[-1], said
+        assert list(race_dir.glob("*.claim")), "answer waits without claiming its context"
         _send(tmp_path / "ctx.card", port)
         out, err = early.communicate(timeout=600)
+        err = "".join(said) + err
         assert early.returncode == 0, err
         raced_early = RACED.search(err)
         assert raced_early, err

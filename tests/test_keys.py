@@ -3,12 +3,15 @@ refused, running without one needs --insecure; control endpoints are private (ow
 ipc:// directories, loopback tcp://) and their socket files go away on SIGTERM."""
 
 import os
+import shutil
 import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -150,11 +153,20 @@ def test_control_endpoints_must_be_private(tmp_path):
     assert main(["sender-daemon", "--control", "tcp://0.0.0.0:0"]) == 2
 
 
-def test_default_sockets_live_in_a_private_runtime_dir_and_go_away_on_sigterm(tmp_path):
-    run = tmp_path / "xdg" / "kvtransport"
+@pytest.fixture
+def short_dir():
+    """A fresh folder with a short path: an ipc socket's path must fit sockaddr_un's 107
+    bytes, which pytest's tmp_path under a worker's folder can exceed."""
+    path = Path(tempfile.mkdtemp(prefix="kvt-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_default_sockets_live_in_a_private_runtime_dir_and_go_away_on_sigterm(short_dir):
+    run = short_dir / "xdg" / "kvtransport"
     env = {k: v for k, v in os.environ.items() if k != "KVT_RUN_DIR"}
-    env["XDG_RUNTIME_DIR"] = str(tmp_path / "xdg")
-    (tmp_path / "xdg").mkdir(mode=0o700)
+    env["XDG_RUNTIME_DIR"] = str(short_dir / "xdg")
+    (short_dir / "xdg").mkdir(mode=0o700)
     proc = subprocess.Popen(
         [*CLI, "receiver-daemon", "--listen", "127.0.0.1:0"],
         env=env,

@@ -272,9 +272,13 @@ def _race(
 
     wait_s = DEFAULT_WAIT_S if args.wait_s is None else args.wait_s
     left = max(0.0, wait_s - (time.perf_counter() - t_all))
+
+    def note(line: str) -> None:
+        print(f"kvtransport answer: {line}", file=sys.stderr, flush=True)
+
     # the race ends with the question's first token (while the stream's tail arrives)
     res = race_daemon(loaded.model, context_ids, race_dir=args.race_dir, wait_s=left,
-                      question_ids=question_ids)  # fmt: skip
+                      question_ids=question_ids, note=note)  # fmt: skip
     assert res.answer_s is not None
     gen = hf.greedy_generate(loaded.model, res.model_cache, question_ids,
                              max_new_tokens=args.max_new_tokens)  # fmt: skip

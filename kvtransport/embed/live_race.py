@@ -375,6 +375,7 @@ def race_daemon(
     *,
     wait_s: float = DEFAULT_WAIT_S,
     speed: ComputeSpeed | None = None,
+    note: Callable[[str], None] | None = None,
     **kwargs: Any,
 ) -> RaceResult:
     """Race the transfer of ``token_ids``'s cache that a receiver daemon on this host is
@@ -388,8 +389,9 @@ def race_daemon(
     model), then waits for the mirror to appear until ``wait_s`` after the call, and races.
     With no transfer by then the race computes the context (loading what a transfer that
     starts later still brings in time); the result's ``transfer`` is None when none came.
-    ``kwargs``: :func:`live_race`'s options. The daemon still publishes the transfer's
-    result when it ends."""
+    ``note`` hears one line when the call, ready to race, starts waiting for a transfer
+    that has not appeared. ``kwargs``: :func:`live_race`'s options. The daemon still
+    publishes the transfer's result when it ends."""
     from kvtransport.daemons.race_share import SharedTransfers
     from kvtransport.errors import UserError
 
@@ -402,6 +404,9 @@ def race_daemon(
         source()  # look first: a mirror there now is mapped, and stays readable
         if speed is None and ids:
             speed = _speed_of(model, ids)
+        if note is not None and source() is None and clock() < t_end:
+            note(f"waiting up to {t_end - clock():.1f} s for a transfer of this context "
+                 f"in {race_dir}")  # fmt: skip
         while source() is None and clock() < t_end:
             time.sleep(LOOK_POLL_S)
         return live_race(source, model, ids, speed=speed, **kwargs)
