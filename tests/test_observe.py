@@ -37,11 +37,11 @@ def _expected(s, t):
         age = OBS_CLIP
     else:
         age = min((t - s.fb_time) / max(rtt, 1e-3), OBS_CLIP - 1e-3)
-    last_share, last_admit, prev_share = s._last
+    last_share, last_admit, prev_share = s.driver.last
     return {
-        Obs.TIME_LEFT: _clip((s.stop_time - t) / s._budget, 0.0, 1.0),
+        Obs.TIME_LEFT: _clip((s.stop_time - t) / s.driver.budget, 0.0, 1.0),
         Obs.SOURCE_LEFT: unsent / n,
-        Obs.UTILITY_LEFT: s._utility_after[s.next_esi],
+        Obs.UTILITY_LEFT: s.source.utility_after[s.next_esi],
         Obs.CAPACITY_RATIO: min(left / max(1.0, unsent + owed), 4.0),
         Obs.SLACK: _clip((left * (1.0 - p) - owed) / iv / 8.0, -1.0, 8.0),
         Obs.LOSS_RATE: p,

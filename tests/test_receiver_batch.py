@@ -17,6 +17,7 @@ from kvtransport.core import protocol, wire
 from kvtransport.core.manifest_fec import ManifestSender
 from kvtransport.core.protocol import STANDARD, ProtocolConfig
 from kvtransport.core.receiver import ReceiverSession
+from kvtransport.core.receiver_parts import BlockTracker
 from kvtransport.core.transfer import BlockTable, TransportManifest, synthetic_transfer
 from kvtransport.policies.registry import make_policy
 from kvtransport.sim.simulator import Simulation
@@ -139,8 +140,8 @@ def _state(r: ReceiverSession) -> dict:
         ),  # fmt: skip
         "drops": dict(r.drop_reasons),
         "monitor": (r.monitor.received, r.monitor.lost, r.monitor.loss_rate),
-        "ends": list(r._ends),
-        "released": r._released,  # where decoder state was released (the decoder itself
+        "ends": list(r.fb.ends),
+        "released": r.dec.released,  # where decoder state was released (the decoder itself
         # is gone with the result: _decoder_state, before it)
     }
 
@@ -239,7 +240,7 @@ def test_held_in_order_sources_are_marked_exactly_as_one_by_one(
     events = _record(7, 0.0, 2_000_000, 0.5, jitter_ms=jitter_ms, extra=extra)
     seen = {"held": 0, "releases": 0, "blocks": 0, "inside": False}
     real_mark, real_release = ReceiverSession._mark_held, ReceiverSession._release
-    real_sweep = ReceiverSession._sweep_blocks
+    real_sweep = BlockTracker.sweep
 
     def mark_held(self, now):
         if self._held_from >= 0:
@@ -253,13 +254,13 @@ def test_held_in_order_sources_are_marked_exactly_as_one_by_one(
         real_release(self, t)
 
     def sweep(self, t):
-        before = self.blocks_complete
+        before = self.n_complete
         real_sweep(self, t)
-        seen["blocks"] += (self.blocks_complete - before) * seen["inside"]
+        seen["blocks"] += (self.n_complete - before) * seen["inside"]
 
     monkeypatch.setattr(ReceiverSession, "_mark_held", mark_held)
     monkeypatch.setattr(ReceiverSession, "_release", release)
-    monkeypatch.setattr(ReceiverSession, "_sweep_blocks", sweep)
+    monkeypatch.setattr(BlockTracker, "sweep", sweep)
     one, run = _one_and_runs(events, 0.5, 8)
     assert one.result is not None and one.result.reason == "complete"
     n = sum(1 for kind, _, _ in events if kind == "data")
@@ -275,7 +276,7 @@ def test_held_sources_reach_a_side_decoder_as_one_by_one():
     the side decoder recovered symbols in both."""
     events = _record(5, 0.03, 1_000_000, 0.5, jitter_ms=0.0, extra=False, policy="block-rs:4/16")
     one, _ = _one_and_runs(events, 0.5, 6)
-    assert one._side and one.symbols_recovered > 5
+    assert one.dec.side and one.symbols_recovered > 5
 
 
 def _block1_parities(src: list, framer: wire.Framer) -> list[bytes]:

@@ -457,7 +457,7 @@ def test_a_repair_after_a_queue_run_sees_the_runs_top(monkeypatch):
     src, data = _stream(45, first + second, tid=TID)
     one, run, dec = _one_and_run(data[: len(first)], data[len(first) :], config=config)
     assert [k for k in taken["_queue_run"] if k] == [24]
-    assert one.symbols_recovered == 2 and one.through == 41 and one._released == 32
+    assert one.symbols_recovered == 2 and one.through == 41 and one.dec.released == 32
     assert dec is not None and dec["pending"] == 0 and dec["stale"] == 1
 
 

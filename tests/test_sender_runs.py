@@ -102,11 +102,11 @@ def _replay(snd: SenderSession, inputs: list) -> list[bytes]:
 
 
 def _state(snd: SenderSession) -> tuple:
-    rep = snd._repair
+    rep, log = snd._repair, snd.progress.log
     return (
         snd.next_esi, snd.seq, snd.slot, snd.source_sent, snd.repair_sent,
-        snd.reactive_sent, dict(snd.stats), snd._next_send, snd.done, snd.finish_reason,
-        snd._log.t, snd._log.src, snd._log.rep, snd._log.rea, snd._log.newest,
+        snd.reactive_sent, dict(snd.stats), snd.pacer.next_send, snd.done, snd.finish_reason,
+        log.t, log.src, log.rep, log.rea, log.newest,
         getattr(rep, "credit", None), getattr(rep, "key", None), rep.needed,
     )  # fmt: skip
 
@@ -159,7 +159,7 @@ def test_source_runs_send_what_slot_by_slot_sends(
 @pytest.mark.parametrize("policy", ["fixed:1/16", "adaptive"])
 def test_source_runs_stop_where_the_tail_rule_does(policy: str, deadline: float) -> None:
     """Deadlines that cut the stream at different points, feedback with loss: the runs
-    test the tail rule once per run (``_tail_clear``) and per source past its reach, and
+    test the tail rule once per run (``TailRule.clear``) and per source past its reach, and
     send exactly the sources slot by slot sends."""
     inputs = _grouped(_record(policy, KEY, 3_000_000, deadline, 0.08), seed=int(deadline * 1e3))
     slotwise = _sender(policy, KEY, 3_000_000, deadline)
@@ -172,8 +172,8 @@ def test_source_runs_stop_where_the_tail_rule_does(policy: str, deadline: float)
 
 @pytest.mark.parametrize("policy", ["fixed:1/16", "adaptive"])
 def test_tail_clear_vouches_only_for_what_the_tail_rule_allows(policy: str) -> None:
-    """``_tail_clear`` (one test for a whole run) is sufficient: wherever it passes for
-    sources esi..esi+k-1 up to a slot time, the per-source rule (``_tail_ok``) passes for
+    """``TailRule.clear`` (one test for a whole run) is sufficient: wherever it passes for
+    sources esi..esi+k-1 up to a slot time, the per-source rule (``TailRule.ok``) passes for
     each of them at its slot with the state after the ones before it. Checked on a sender
     with a tight deadline, at states along a lossy run, over the slot times before its stop
     time and runs of 1-32; both outcomes occur, some within a few slots of a refusal."""
@@ -194,7 +194,7 @@ def test_tail_clear_vouches_only_for_what_the_tail_rule_allows(policy: str) -> N
         for t0 in snd.stop_time - slot_s * np.arange(1.0, 600.0, 4.0):
             for k in (1, 2, 5, 9, 17, 32):
                 t_end = t0 + k * slot_s
-                clear = snd._tail_clear(t_end, esi0, k)
+                clear = snd.tail.clear(t_end, esi0, k)
                 outcomes[clear] += 1
                 if not clear:
                     continue
@@ -202,8 +202,8 @@ def test_tail_clear_vouches_only_for_what_the_tail_rule_allows(policy: str) -> N
                     for j in range(k):
                         snd.next_esi, snd.source_sent = esi0 + j, sent0 + j
                         t = t0 + j * slot_s
-                        assert snd._tail_ok(t, esi0 + j)
-                        need = snd._finish_esi[esi0 + j] - (esi0 + j) + 1
+                        assert snd.tail.ok(t, esi0 + j)
+                        need = snd.source.finish_esi[esi0 + j] - (esi0 + j) + 1
                         tight += not snd.tail_fits(snd.slots_left(t) - 3, need)
                 finally:
                     snd.next_esi, snd.source_sent = esi0, sent0
@@ -248,7 +248,7 @@ def test_a_raise_on_a_slot_already_decided_is_decided_again_by_both_paths() -> N
                           transfer_id=7, initial_rtt=1e-3)  # fmt: skip
         s.source_runs = runs
         out = s.datagrams_to_send(0.0)
-        assert out == [] and s.awaiting_action and s._decision_slot == 0  # slot 0 decided
+        assert out == [] and s.awaiting_action and s.driver.decision_slot == 0  # slot 0 decided
         s.apply_action(0)
         s.set_rate(RATE, 0.0)  # 4x
         out = s.datagrams_to_send(1e-3)  # a dozen slots due: a run, were one allowed

@@ -780,7 +780,7 @@ def test_a_rate_raised_beyond_the_factor_makes_the_policy_decide_at_the_next_slo
     s.set_rate(RATE * 4.0, s.next_timer())  # past it in one step: decided at the next slot,
     t = s.next_timer()
     assert len(s.datagrams_to_send(t + 3.5 * s.slot_s)) == 4  # also inside a run of sources
-    assert s.stats["decisions"] == 2 and s._decision_slot == 12 and s.slot == 16
+    assert s.stats["decisions"] == 2 and s.driver.decision_slot == 12 and s.slot == 16
     s.set_rate(RATE / 2.0, s.next_timer())  # cut: the interval stands
     send_next()
     assert s.stats["decisions"] == 2

@@ -74,7 +74,6 @@ per manifest datagram it sends, never more bytes than it sent.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Iterable
 from itertools import repeat
 
@@ -253,24 +252,12 @@ class ReceiverSession:
         return self.fb.sent
 
     @property
-    def _ends(self) -> deque[tuple[float, int]]:
-        return self.fb.ends
-
-    @property
     def decoder(self) -> schemes.WindowDecoder | None:
         return self.dec.decoder
 
     @property
     def decoder_window(self) -> int:
         return self.dec.window
-
-    @property
-    def _side(self) -> dict[int, schemes.ReceiverRepair]:
-        return self.dec.side
-
-    @property
-    def _released(self) -> int:
-        return self.dec.released
 
     @property
     def source_received(self) -> int:
@@ -802,7 +789,7 @@ class ReceiverSession:
             if blocks.missing:
                 ends, b = blocks.end, blocks.next
                 if b < len(ends) and ends[b] <= t:
-                    self._sweep_blocks(t)
+                    self.blocks.sweep(t)
         elif self.blocks.missing:  # out of order: count it against its blocks
             self.blocks.out_of_order(esi)
 
@@ -813,10 +800,6 @@ class ReceiverSession:
         self._sync_decoder()
         assert self.dec.decoder is not None  # symbols have arrived
         self.dec.decoder.release_before(self.dec.released)
-
-    def _sweep_blocks(self, t: int) -> None:
-        """Complete, in order, the blocks decoded-through ``t`` passed."""
-        self.blocks.sweep(t)
 
     # ------------------------------------------------------------------ held in-order runs
 
@@ -988,7 +971,7 @@ class ReceiverSession:
         if self.blocks.missing:
             ends = self.blocks.end
             if self.blocks.next < len(ends) and ends[self.blocks.next] <= t:
-                self._sweep_blocks(t)
+                self.blocks.sweep(t)
         if self.fb.next_at is None:
             self.fb.next_at = now + self.fb.interval
 

@@ -92,7 +92,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvtransport.core import schemes
-from kvtransport.core.feedback import OPEN_LOOP_LOSS, FeedbackState, SentLog, refusal_reason
+from kvtransport.core.feedback import OPEN_LOOP_LOSS, FeedbackState, refusal_reason
 from kvtransport.core.lifecycle import FinishReason, SenderLifecycle, SenderState
 from kvtransport.core.manifest_fec import ManifestSender
 from kvtransport.core.observation import Raw
@@ -443,14 +443,6 @@ class SenderSession:
         return self.fb.echo
 
     @property
-    def _fb_echo(self) -> int:
-        return self.fb.echo
-
-    @property
-    def _log(self) -> SentLog:
-        return self.progress.log
-
-    @property
     def open_loop(self) -> bool:
         """No feedback for a while: the scheme repairs open-loop."""
         return self.fb.open_loop
@@ -487,30 +479,6 @@ class SenderSession:
     def decision_ns(self) -> array[int]:
         """Latency of each decision in ns (``PolicyDriver.decision_ns``)."""
         return self.driver.decision_ns
-
-    @property
-    def _decision_slot(self) -> int:
-        return self.driver.decision_slot
-
-    @property
-    def _last(self) -> tuple[float, float, float]:
-        return self.driver.last
-
-    @property
-    def _budget(self) -> float:
-        return self.driver.budget
-
-    @property
-    def _utility_after(self) -> list[float]:
-        return self.source.utility_after
-
-    @property
-    def _finish_esi(self) -> list[int]:
-        return self.source.finish_esi
-
-    @property
-    def _next_send(self) -> float | None:
-        return self.pacer.next_send
 
     @property
     def state(self) -> SenderState:
@@ -788,12 +756,6 @@ class SenderSession:
         holes not yet answered, plus the expected losses among sources in flight, minus
         the expected arrivals of proactive repairs in flight."""
         return self.tail.owed()
-
-    def _tail_ok(self, t: float, esi: int) -> bool:
-        return self.tail.ok(t, esi)
-
-    def _tail_clear(self, t_end: float, esi: int, k: int) -> bool:
-        return self.tail.clear(t_end, esi, k)
 
     def tail_fits(self, left: int, need: int) -> bool:
         """The loss-aware tail rule: do ``left`` slots, times one minus the loss estimate,

@@ -57,8 +57,8 @@ from kvtransport.model.plan import (
     NO_RECEIVER_COMPUTE,
     HandoffPlan,
     LinkEstimate,
+    encode_planned,
     plan_handoff,
-    sending_order,
 )
 from kvtransport.model.utility import stream_order
 
@@ -324,7 +324,7 @@ def encode_request(
     is lost alone, but vLLM still recomputes its whole block). plan: None sends every block
     lossless (the cache's dtype); a :class:`PushPlan`'s plan (made for this geometry)
     sends each block at its planned precision in its planned order
-    (kvtransport.model.plan.sending_order). ValueError when the plan is another shape's.
+    (kvtransport.model.plan.encode_planned). ValueError when the plan is another shape's.
     """
     g = blocks.Geometry.of(cache, block_tokens)
     u = prefix_utilities(g)
@@ -337,9 +337,7 @@ def encode_request(
     if plan.precision.shape != u.shape or plan.split:
         raise ValueError(f"a plan of {plan.precision.shape} blocks (split {plan.split}) is not "
                          f"a push plan for {u.shape} blocks")  # fmt: skip
-    order = sending_order(plan, u, block_tokens)
-    return blocks.encode_stream(cache, u, order, plan.precision, block_tokens=block_tokens,
-                                created=created)  # fmt: skip
+    return encode_planned(cache, u, plan, g, created)
 
 
 def request_tag(result: DeliveredResult) -> str | None:

@@ -65,6 +65,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import cached_property
+from typing import Any
 
 import numpy as np
 
@@ -77,6 +78,7 @@ from kvtransport.kvformat.blocks import (
     decode_stream,
     encode_stream,
 )
+from kvtransport.kvformat.kvcache import KVCache
 from kvtransport.model.cache_builder import ComputeSpeed
 from kvtransport.model.race import DEFAULT_MAX_CHUNK
 from kvtransport.model.utility import range_rank, stream_order
@@ -573,12 +575,25 @@ def planned_stream(
                         budget_s=budget_s, levels=levels, objective=objective,
                         fidelity=fidelity, min_fidelity=min_fidelity, order=order,
                         hedge_share=hedge_share, answer_s=answer_s)  # fmt: skip
-    sending = sending_order(plan, u, g.block_tokens)
     note = f"split {plan.split}, budget {budget_s * 1e3:.0f} ms"
     note += f", hedge {plan.hedge}" if plan.hedge else ""
     note += f", tail {plan.tail}" if plan.tail else ""
     created = dict(m.created, plan=note if order == "position" else f"{note}, order {order}")
-    out = encode_stream(full.cache, u, sending, plan.precision, block_tokens=g.block_tokens,
-                        group_size=g.group_size, int8_group_size=g.int8_group_size,
-                        int4_keys=g.int4_keys, created=created)  # fmt: skip
-    return plan, out
+    return plan, encode_planned(full.cache, u, plan, g, created)
+
+
+def encode_planned(
+    cache: KVCache,
+    utilities: np.ndarray,
+    plan: HandoffPlan,
+    geometry: Geometry,
+    created: dict[str, Any] | None = None,
+) -> EncodedStream:
+    """``cache`` encoded the way ``plan`` (made for ``geometry``) sends it: each block at its
+    planned precision, in the plan's sending order (:func:`sending_order`: the receiver's
+    first call is not sent). ``utilities``: the grid the plan was made with."""
+    sending = sending_order(plan, utilities, geometry.block_tokens)
+    return encode_stream(cache, utilities, sending, plan.precision,
+                         block_tokens=geometry.block_tokens, group_size=geometry.group_size,
+                         int8_group_size=geometry.int8_group_size, int4_keys=geometry.int4_keys,
+                         created=created)  # fmt: skip

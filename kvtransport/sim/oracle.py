@@ -83,8 +83,8 @@ class Oracle(Policy):
         self._fates[start : start + future.shape[0]] = future
         # datagrams in flight: after the last one feedback reported, up to now
         lost_src, got_pro = 0, 0
-        log = s._log
-        first = max(s._fb_echo + 1, s.seq - 4096, 0)
+        log = s.progress.log
+        first = max(s.fb_echo + 1, s.seq - 4096, 0)
         for seq in range(first, s.seq):
             if seq >= self._fates.shape[0]:
                 break
