@@ -60,8 +60,8 @@ def tail_rule_network(tmp_path):
 # the live race): `make test` runs them after the CPU-heavy rest, so that they never share
 # the cores with training or evaluation runs, two files at a time (scripts/run_tests.sh).
 # A test outside these files that does carries ``@pytest.mark.serial``. Tests of the netns
-# testbed (kernel shaping: rates, loss, queues) are ``exclusive``: they run last, one at a
-# time, with the machine to themselves.
+# testbed (kernel shaping: rates, loss, queues) and of EXCLUSIVE_FILES are ``exclusive``:
+# they run last, one at a time, with the machine to themselves.
 SERIAL_FILES = frozenset({
     "test_answer_race_dir.py", "test_control_fuzz.py", "test_curve.py", "test_daemon.py",
     "test_daemon_robustness.py", "test_fuzz_datagrams.py", "test_hosts.py",
@@ -74,9 +74,15 @@ SERIAL_FILES = frozenset({
 })  # fmt: skip
 
 
+# Files of wall-clock tests that also run last and alone: their margins (the layered tail's
+# arrival against the question's pass; a daemon's peak memory while forged manifests
+# arrive) failed when another wall-clock file ran beside them.
+EXCLUSIVE_FILES = frozenset({"test_live_race.py", "test_manifest_budget.py"})
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.get_closest_marker("netns"):
+        if item.get_closest_marker("netns") or item.path.name in EXCLUSIVE_FILES:
             item.add_marker(pytest.mark.exclusive)
         elif item.path.name in SERIAL_FILES:
             item.add_marker(pytest.mark.serial)
