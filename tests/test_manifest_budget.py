@@ -74,7 +74,6 @@ def test_manifests_being_decoded_stay_within_the_pool(tmp_path):
     RSS grows by about the pool's bound, not by what was sent."""
     proc, client, port = _daemon(tmp_path)
     try:
-        base = _vm(proc.pid, "VmHWM:")
         tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         tx.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
         framers = [Framer(1000 + i, KEY, max_payload=SYMBOL) for i in range(12)]
@@ -85,6 +84,9 @@ def test_manifests_being_decoded_stay_within_the_pool(tmp_path):
                           ("127.0.0.1", port))  # fmt: skip
                 sent += SYMBOL
             time.sleep(0.01)  # the daemon keeps up: nothing lost in the socket buffer
+            if round_ == 0:  # the first round loads the code paths (imports, kernels,
+                time.sleep(0.3)  # allocator arenas): growth is measured from there
+                base = _vm(proc.pid, "VmHWM:")
         time.sleep(0.3)
         st = client.stats()
         grown = _vm(proc.pid, "VmHWM:") - base
