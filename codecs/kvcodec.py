@@ -44,9 +44,25 @@ Coded block layout (little-endian)::
     ..     R   rANS: LANES u32 final states (big-endian), then the renormalisation words
                (u16), in decoding order
 
+**int8 blocks without loss** (kvtransport.kvformat.blocks' ``int8r``): an int8 block
+(kvtransport.codecs.quant.quantize_kv's row: codes ``[2, H, T, D]``, then float16 scales
+and zeros) goes through steps 2 and 3 only, its codes as they are: anchors less 128, then
+each code less its channel's anchor, entropy-coded as above; the scales and zeros follow
+as they are. Decoding gives back the row bit for bit::
+
+    0      1   format byte (FORMAT_INT8)
+    ..     ..  the entropy-coded part, as above from "last used symbol"
+    ..     S   the row's scales and zeros (S: the row's bytes after its codes)
+
+Encoding runs in compiled loops with no per-symbol Python: each channel's median by rank
+(branch-free comparisons, vectorised across channels), one pass for the symbols, their
+histogram and the escapes, and the rANS division by a symbol's frequency as a
+multiplication by its reciprocal.
+
 Decoding untrusted bytes (a forged or truncated block) never reads outside the block:
 every length, frequency and state is checked, and a stream whose states do not end where
-the encoder began, or that leaves bytes unread, is refused (:class:`CodecError`).
+the encoder began, or that leaves bytes unread, or an int8 code outside 0..255, is
+refused (:class:`CodecError`; for int8 blocks a status per block).
 """
 
 from __future__ import annotations
@@ -56,6 +72,8 @@ from numba import njit
 
 FORMAT = 1
 """The coded layout's format byte."""
+FORMAT_INT8 = 2
+"""The format byte of an int8 block coded losslessly (:func:`encode_int8_rows`)."""
 LANES = 4
 """Interleaved rANS states."""
 SCALE_BITS = 12
@@ -105,10 +123,10 @@ def steps_of(kv: np.ndarray, rel_step: tuple[float, float]) -> np.ndarray:
     rel = np.asarray(rel_step, dtype=np.float64)
     if rel.shape != (2,) or not np.all(rel > 0) or not np.all(np.isfinite(rel)):
         raise ValueError(f"rel_step must be two positive numbers (K, V), not {rel_step}")
-    x = np.asarray(kv, dtype=np.float64)
+    x = np.ascontiguousarray(kv, dtype=np.float32)
     if not np.all(np.isfinite(x)):
         raise ValueError("cannot code non-finite values")
-    rms = np.sqrt(np.mean(x * x, axis=(3, 4)))  # [n, 2, H]
+    rms = np.sqrt(_mean_squares(x.reshape(-1, x.shape[3] * x.shape[4])).reshape(x.shape[:3]))
     step = rms * rel[None, :, None]
     if np.any(step > _F16_MAX):
         raise ValueError("values too large for a float16 step")
@@ -119,6 +137,18 @@ def steps_of(kv: np.ndarray, rel_step: tuple[float, float]) -> np.ndarray:
     return h
 
 
+@njit(cache=True, nogil=True)
+def _mean_squares(rows: np.ndarray) -> np.ndarray:  # pragma: no cover - numba
+    """Each float32 row's mean square, accumulated in float64."""
+    out = np.empty(rows.shape[0], np.float64)
+    for i in range(rows.shape[0]):
+        acc = 0.0
+        for v in rows[i]:
+            acc += np.float64(v) * np.float64(v)
+        out[i] = acc / rows.shape[1]
+    return out
+
+
 def encode_blocks(kv: np.ndarray, rel_step: tuple[float, float]) -> list[np.ndarray]:
     """``[n, 2, H, T, D]`` float blocks -> n coded blocks (uint8 arrays, the module's
     layout); ``rel_step``: the (K, V) quantization step relative to each head's RMS."""
@@ -126,12 +156,25 @@ def encode_blocks(kv: np.ndarray, rel_step: tuple[float, float]) -> list[np.ndar
     if kv.ndim != 5 or kv.shape[1] != 2 or min(kv.shape[2:]) < 1:
         raise ValueError(f"blocks must be [n, 2, heads, tokens, dim], not {kv.shape}")
     steps = steps_of(kv, rel_step)
+    heads16 = np.ascontiguousarray(steps.reshape(kv.shape[0], -1), dtype="<f2").view(np.uint8)
     out = []
     for j in range(kv.shape[0]):
         codes = _codes(kv[j], steps[j].astype(np.float32))
         if np.any(np.abs(codes) > MAX_CODE):
             raise ValueError("values too large against their step")
-        out.append(_encode_codes(codes, steps[j]))
+        out.append(_encode_block(FORMAT, heads16[j], codes.reshape(-1), b""))
+    return out
+
+
+def _encode_block(fmt: int, head: np.ndarray, values: np.ndarray, tail: bytes) -> np.ndarray:
+    """One coded block: the format byte, ``head`` (bytes), the entropy-coded ``values``
+    (int64, :func:`_entropy_encode`), then ``tail`` (bytes, sent as they are)."""
+    body = _entropy_encode(values)
+    out = np.empty(1 + head.size + body.size + len(tail), np.uint8)
+    out[0] = fmt
+    out[1 : 1 + head.size] = head
+    out[1 + head.size : 1 + head.size + body.size] = body
+    out[1 + head.size + body.size :] = np.frombuffer(tail, np.uint8)
     return out
 
 
@@ -141,66 +184,125 @@ def _codes(x: np.ndarray, steps: np.ndarray) -> np.ndarray:  # pragma: no cover 
     median code), rows 1.. each token's code less its channel's anchor."""
     two, heads, tokens, dim = x.shape
     out = np.empty((two, heads, tokens + 1, dim), np.int64)
-    col = np.empty(tokens, np.int64)
+    q = np.empty((tokens, dim), np.int64)
+    rank = np.empty(dim, np.int64)
     for s in range(two):
         for h in range(heads):
             st = np.float64(steps[s, h])
-            for d in range(dim):
-                for t in range(tokens):
-                    col[t] = np.int64(np.rint(np.float64(x[s, h, t, d]) / st))
-                srt = np.sort(col)
-                anchor = srt[(tokens - 1) // 2]
-                out[s, h, 0, d] = anchor
-                for t in range(tokens):
-                    out[s, h, t + 1, d] = col[t] - anchor
+            for t in range(tokens):
+                for d in range(dim):
+                    q[t, d] = np.int64(np.rint(np.float64(x[s, h, t, d]) / st))
+            _anchored(q, rank, out[s, h])
     return out
 
 
-def _encode_codes(codes: np.ndarray, steps: np.ndarray) -> np.ndarray:
-    zz = _zigzag(codes.reshape(-1))
-    sym = np.minimum(zz, ESCAPE).astype(np.uint8)
-    escapes = _varints(zz[zz >= ESCAPE])
-    freq = normalized_frequencies(np.bincount(sym, minlength=256))
-    last = int(np.flatnonzero(freq)[-1])
-    table = _varints(freq[: last + 1].astype(np.uint64))
-    rans = _rans_encode(sym, freq.astype(np.int64))
-    head = np.ascontiguousarray(steps.reshape(-1), dtype="<f2").view(np.uint8)
-    lens = np.array([escapes.size, rans.size], dtype="<u4").view(np.uint8)
-    return np.concatenate([np.array([FORMAT, *head, last], np.uint8), table, lens, escapes, rans])
+@njit(cache=True, nogil=True, inline="always")
+def _anchored(q: np.ndarray, rank: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover
+    """Codes ``q`` ``[T, D]`` (a contiguous integer array) -> ``out`` ``[T + 1, D]``: row
+    0 each channel's lower median code (the anchor), rows 1.. the codes less it. The
+    median is found by rank (the code with ``(T - 1) // 2`` codes before it, ties by
+    token), every channel at once: T * T branch-free comparisons per channel, which the
+    compiler vectorises across channels, the narrower ``q``'s type the wider (``rank``: a
+    ``[D]`` scratch array of that type)."""
+    tokens, dim = q.shape
+    mid = (tokens - 1) // 2
+    for t in range(tokens):
+        rank[:] = 0
+        for u in range(t):
+            for d in range(dim):
+                rank[d] += q[u, d] <= q[t, d]
+        for u in range(t + 1, tokens):
+            for d in range(dim):
+                rank[d] += q[u, d] < q[t, d]
+        for d in range(dim):
+            if rank[d] == mid:
+                out[0, d] = q[t, d]
+    for t in range(tokens):
+        for d in range(dim):
+            out[t + 1, d] = q[t, d] - out[0, d]
 
 
-def _zigzag(v: np.ndarray) -> np.ndarray:
-    v = v.astype(np.int64)
-    return ((v << 1) ^ (v >> 63)).astype(np.uint64)
+@njit(cache=True, nogil=True)
+def _entropy_encode(values: np.ndarray) -> np.ndarray:  # pragma: no cover - numba
+    """int64 ``values`` -> the layout's entropy-coded part: the last used symbol, the
+    frequency varints, the escape and rANS stream lengths (u32), the escape varints, the
+    rANS stream. One pass builds the symbols, the histogram and the escapes."""
+    n = values.size
+    sym = np.empty(n, np.uint8)
+    counts = np.zeros(256, np.int64)
+    esc = np.empty(10 * n + 1, np.uint8)
+    e = 0
+    for i in range(n):
+        v = values[i]
+        zz = np.uint64((v << 1) ^ (v >> 63))
+        if zz >= ESCAPE:
+            sym[i] = ESCAPE
+            e = _put_varint(esc, e, zz)
+        else:
+            sym[i] = np.uint8(zz)
+        counts[sym[i]] += 1
+    freq = _normalized(counts)
+    last = 255
+    while freq[last] == 0:
+        last -= 1
+    table = np.empty(2 * (last + 1), np.uint8)
+    t = 0
+    for s in range(last + 1):
+        t = _put_varint(table, t, np.uint64(freq[s]))
+    rans = _rans_encode(sym, freq)
+    out = np.empty(1 + t + 8 + e + rans.size, np.uint8)
+    out[0] = last
+    out[1 : 1 + t] = table[:t]
+    p = 1 + t
+    for b in range(4):
+        out[p + b] = (e >> (8 * b)) & 0xFF
+        out[p + 4 + b] = (rans.size >> (8 * b)) & 0xFF
+    p += 8
+    out[p : p + e] = esc[:e]
+    out[p + e :] = rans
+    return out
 
 
-def _varints(values: np.ndarray) -> np.ndarray:
-    """LEB128 of every value, back to back."""
-    out = bytearray()
-    for v in values.tolist():
-        while v >= 0x80:
-            out.append((v & 0x7F) | 0x80)
-            v >>= 7
-        out.append(v)
-    return np.frombuffer(bytes(out), np.uint8)
+@njit(cache=True, nogil=True, inline="always")
+def _put_varint(buf: np.ndarray, pos: int, v: np.uint64) -> int:  # pragma: no cover
+    """LEB128 of ``v`` at ``pos``; the next position."""
+    while v >= 0x80:
+        buf[pos] = np.uint8((v & np.uint64(0x7F)) | np.uint64(0x80))
+        pos += 1
+        v = v >> np.uint64(7)
+    buf[pos] = np.uint8(v)
+    return pos + 1
 
 
 def normalized_frequencies(counts: np.ndarray) -> np.ndarray:
     """Counts of 256 symbols -> frequencies summing to ``2**SCALE_BITS``, every counted
     symbol at least 1, each within one rounding of its share (the largest ones absorb
-    the rest)."""
+    the rest). Raises ValueError for no counts."""
     counts = np.asarray(counts, dtype=np.int64)
-    n = int(counts.sum())
-    if n == 0:
+    if counts.shape != (256,) or np.any(counts < 0):
+        raise ValueError("counts must be 256 non-negative integers")
+    if int(counts.sum()) == 0:
         raise ValueError("no symbols to count")
-    freq = np.where(counts > 0, np.maximum(1, (counts * _TOTAL + n // 2) // n), 0)
-    excess = int(freq.sum()) - _TOTAL
-    while excess:
-        i = int(np.argmax(freq))
+    return _normalized(counts)
+
+
+@njit(cache=True, nogil=True)
+def _normalized(counts: np.ndarray) -> np.ndarray:  # pragma: no cover - numba
+    """:func:`normalized_frequencies` of non-empty counts."""
+    n = counts.sum()
+    freq = np.zeros(256, np.int64)
+    total = 0
+    for s in range(256):
+        if counts[s] > 0:
+            freq[s] = max(1, (counts[s] * _TOTAL + n // 2) // n)
+            total += freq[s]
+    excess = total - _TOTAL
+    while excess != 0:
+        i = np.argmax(freq)
         if excess < 0:
             freq[i] -= excess
             break
-        take = min(excess, int(freq[i]) - 1)
+        take = min(excess, freq[i] - 1)
         freq[i] -= take
         excess -= take
     return freq
@@ -209,26 +311,37 @@ def normalized_frequencies(counts: np.ndarray) -> np.ndarray:
 @njit(cache=True, nogil=True)
 def _rans_encode(sym: np.ndarray, freq: np.ndarray) -> np.ndarray:  # pragma: no cover
     """Interleaved rANS of ``sym`` (uint8) under ``freq`` (summing to 2**SCALE_BITS): the
-    LANES final states (u32 little-endian) then the bytes, in decoding order."""
+    LANES final states (big-endian, lane 0 first) then the renormalisation words, in
+    decoding order. The division by a symbol's frequency is a multiplication by its
+    reciprocal, exact for the states and frequencies the coder meets."""
     cum = np.zeros(257, np.int64)
     for s in range(256):
         cum[s + 1] = cum[s] + freq[s]
+    # x // f == (x * rcp) >> 44 for every state x < f * 2**20 the coder divides and every
+    # f <= 2**12 (the rounding error stays below 1 / f; the product below 2**64)
+    rcp = np.zeros(256, np.uint64)
+    bound = np.zeros(256, np.int64)
+    for s in range(256):
+        f = freq[s]
+        if f:
+            rcp[s] = np.uint64(((1 << 44) + f - 1) // f)
+            bound[s] = ((_RANS_L >> SCALE_BITS) << 16) * f
     n = sym.size
-    cap = n * 4 + 64
+    cap = n * 2 + 4 * LANES + 16
     buf = np.empty(cap, np.uint8)
     pos = cap
     state = np.full(LANES, _RANS_L, np.int64)
     for i in range(n - 1, -1, -1):
         lane = i & (LANES - 1)
         s = sym[i]
-        f = freq[s]
         x = state[lane]
-        if x >= ((_RANS_L >> SCALE_BITS) << 16) * f:  # one 16-bit word out
+        if x >= bound[s]:  # one 16-bit word out
             pos -= 2
             buf[pos] = x & 0xFF
             buf[pos + 1] = (x >> 8) & 0xFF
             x >>= 16
-        state[lane] = ((x // f) << SCALE_BITS) + (x % f) + cum[s]
+        q = np.int64((np.uint64(x) * rcp[s]) >> np.uint64(44))
+        state[lane] = (q << SCALE_BITS) + (x - q * freq[s]) + cum[s]
     for lane in range(LANES - 1, -1, -1):
         x = state[lane]
         for b in range(4):  # big-endian in decoding order, lane 0 first
@@ -350,6 +463,76 @@ def _rans_run(
 
 
 @njit(cache=True, nogil=True)
+def _entropy_decode(
+    buf: np.ndarray,
+    pos: int,
+    end: int,
+    freq: np.ndarray,
+    tab: np.ndarray,
+    state: np.ndarray,
+    sym: np.ndarray,
+) -> tuple[int, int, int]:  # pragma: no cover - numba
+    """The entropy-coded part of a block, ``buf[pos:end]``, into ``sym`` (``sym.size``
+    symbols; ``freq``, ``tab``, ``state``: scratch). Returns (status, escape stream start,
+    escape stream end): status 0, or an _ERRORS code for a table, lengths or stream that
+    does not hold. The escape varints are the caller's to read, from the start to exactly
+    the end."""
+    if pos + 1 > end:
+        return 1, 0, 0
+    top = buf[pos]
+    pos += 1
+    total = 0
+    freq[:] = 0
+    for s in range(top + 1):
+        f, pos = _varint(buf, pos, end)
+        if pos < 0:
+            return 1, 0, 0
+        if f > _TOTAL:
+            return 4, 0, 0
+        freq[s] = f
+        total += f
+    if total != _TOTAL:
+        return 4, 0, 0
+    c = 0
+    for s in range(256):
+        for k in range(freq[s]):
+            tab[c + k] = ((freq[s] - 1) << 20) | (k << 8) | s
+        c += freq[s]
+    if pos + 8 > end:
+        return 1, 0, 0
+    e_len = 0
+    r_len = 0
+    for b in range(4):
+        e_len |= int(buf[pos + b]) << (8 * b)
+        r_len |= int(buf[pos + 4 + b]) << (8 * b)
+    pos += 8
+    if e_len + r_len != end - pos:
+        return 5, 0, 0
+    esc = pos
+    esc_end = pos + e_len
+    rp = esc_end
+    if r_len < 4 * LANES or r_len % 2:
+        return 5, 0, 0
+    for lane in range(LANES):
+        x = 0
+        for b in range(4):
+            x = (x << 8) | buf[rp + b]
+        rp += 4
+        if x < _RANS_L:
+            return 6, 0, 0
+        state[lane] = x
+    rp = _rans_run(tab, buf, state, rp, end - 2, sym)
+    if rp > end:
+        return 7, 0, 0
+    for lane in range(LANES):
+        if state[lane] != _RANS_L:
+            return 9, 0, 0
+    if rp != end:
+        return 10, 0, 0
+    return 0, esc, esc_end
+
+
+@njit(cache=True, nogil=True)
 def _decode_blocks(
     buf: np.ndarray,
     offsets: np.ndarray,
@@ -367,13 +550,11 @@ def _decode_blocks(
     steps = np.empty(2 * heads, np.float32)
     anchor = np.empty(dim, np.int64)
     state = np.empty(LANES, np.int64)
-    n = 2 * heads * (count + 1) * dim
-    sym = np.empty(n, np.uint8)
+    sym = np.empty(2 * heads * (count + 1) * dim, np.uint8)
     for j in range(offsets.size):
         o = offsets[j]
         end = o + lengths[j]
-        pos = o + 1 + 4 * heads
-        if pos + 1 > end:
+        if o + 1 + 4 * heads > end:
             return 1, j
         if buf[o] != FORMAT:
             return 2, j
@@ -382,49 +563,10 @@ def _decode_blocks(
             if (h >> 10) & 0x1F == 31 or h & 0x8000 or h & 0x7FFF == 0:
                 return 3, j  # not finite, negative or zero
             steps[i] = _half(h)
-        top = buf[pos]
-        pos += 1
-        total = 0
-        freq[:] = 0
-        for s in range(top + 1):
-            f, pos = _varint(buf, pos, end)
-            if pos < 0:
-                return 1, j
-            if f > _TOTAL:
-                return 4, j
-            freq[s] = f
-            total += f
-        if total != _TOTAL:
-            return 4, j
-        c = 0
-        for s in range(256):
-            for k in range(freq[s]):
-                tab[c + k] = ((freq[s] - 1) << 20) | (k << 8) | s
-            c += freq[s]
-        if pos + 8 > end:
-            return 1, j
-        e_len = 0
-        r_len = 0
-        for b in range(4):
-            e_len |= int(buf[pos + b]) << (8 * b)
-            r_len |= int(buf[pos + 4 + b]) << (8 * b)
-        pos += 8
-        if e_len + r_len != end - pos:
-            return 5, j
-        esc = pos
-        esc_end = pos + e_len
-        rp = esc_end
-        if r_len < 4 * LANES or r_len % 2:
-            return 5, j
-        for lane in range(LANES):
-            x = 0
-            for b in range(4):
-                x = (x << 8) | buf[rp + b]
-            rp += 4
-            if x < _RANS_L:
-                return 6, j
-            state[lane] = x
-        rp = _rans_run(tab, buf, state, rp, end - 2, sym)
+        status, esc, esc_end = _entropy_decode(buf, o + 1 + 4 * heads, end, freq, tab, state,
+                                               sym)  # fmt: skip
+        if status:
+            return status, j
         layer = layers[j]
         t0 = starts[j]
         i = 0
@@ -448,12 +590,7 @@ def _decode_blocks(
                             anchor[d] = v
                         else:
                             out[layer, h, t0 + r - 1, d] = np.float32(anchor[d] + v) * st
-        if rp > end:
-            return 7, j
-        for lane in range(LANES):
-            if state[lane] != _RANS_L:
-                return 9, j
-        if rp != end or esc != esc_end:
+        if esc != esc_end:
             return 10, j
     return 0, 0
 
@@ -468,6 +605,160 @@ def _half(h: int) -> np.float32:  # pragma: no cover - numba
     else:
         v = (1024 + m) * 2.0 ** (e - 25)
     return np.float32(-v if h & 0x8000 else v)
+
+
+# ---------------------------------------------------------------------------------------
+# int8 blocks, losslessly
+
+
+def int8_codes_nbytes(heads: int, tokens: int, dim: int) -> int:
+    """Bytes of an int8 block's codes (K's then V's ``[H, T, D]``), before its scales."""
+    return 2 * heads * tokens * dim
+
+
+def encode_int8_rows(
+    rows: np.ndarray, heads: int, tokens: int, dim: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """int8 blocks (uint8 ``[n, bytes]`` rows: ``2 * heads * tokens * dim`` codes, then
+    their scales and zeros, kvtransport.codecs.quant.quantize_kv's layout) -> (the coded
+    blocks back to back, uint8; each one's length, int64 ``[n]``), each in the int8
+    layout (FORMAT_INT8, module docstring): :func:`decode_int8_rows` gives the rows back
+    bit for bit."""
+    rows = np.ascontiguousarray(rows, dtype=np.uint8)
+    if rows.ndim != 2 or rows.shape[1] < int8_codes_nbytes(heads, tokens, dim) or rows.size < 1:
+        raise ValueError(f"int8 rows {rows.shape} do not hold [{heads}, {tokens}, {dim}] blocks")
+    return _encode_int8(rows, heads, tokens, dim)
+
+
+@njit(cache=True, nogil=True)
+def _encode_int8(
+    rows: np.ndarray, heads: int, tokens: int, dim: int
+) -> tuple[np.ndarray, np.ndarray]:  # pragma: no cover - numba
+    n, width = rows.shape
+    codes = 2 * heads * tokens * dim
+    q = np.empty((tokens, dim), np.int16)
+    rank = np.empty(dim, np.int16)
+    vals = np.empty((2 * heads, tokens + 1, dim), np.int64)
+    parts = []
+    lengths = np.empty(n, np.int64)
+    for j in range(n):
+        for i in range(2 * heads):
+            for t in range(tokens):
+                for d in range(dim):
+                    q[t, d] = rows[j, (i * tokens + t) * dim + d]
+            _anchored(q, rank, vals[i])
+            for d in range(dim):
+                vals[i, 0, d] -= 128
+        body = _entropy_encode(vals.reshape(-1))
+        part = np.empty(1 + body.size + width - codes, np.uint8)
+        part[0] = FORMAT_INT8
+        part[1 : 1 + body.size] = body
+        part[1 + body.size :] = rows[j, codes:]
+        parts.append(part)
+        lengths[j] = part.size
+    out = np.empty(lengths.sum(), np.uint8)
+    o = 0
+    for j in range(n):
+        out[o : o + lengths[j]] = parts[j]
+        o += lengths[j]
+    return out, lengths
+
+
+def decode_int8_rows(
+    buf: np.ndarray,
+    offsets: np.ndarray,
+    lengths: np.ndarray,
+    heads: int,
+    tokens: int,
+    dim: int,
+    rows: np.ndarray,
+) -> np.ndarray:
+    """Decode coded int8 blocks (block ``j``: ``buf[offsets[j]:offsets[j] + lengths[j]]``)
+    into ``rows`` (uint8 ``[n, bytes]``, the int8 layout's rows, written in place). Returns
+    each block's status (int64 ``[n]``): 0 decoded, else the code of what did not hold
+    (:func:`error_name`); a refused block's row is left unspecified. Raises ValueError for
+    blocks outside ``buf`` or rows of the wrong shape."""
+    offsets = np.asarray(offsets, np.int64)
+    lengths = np.asarray(lengths, np.int64)
+    width = int8_codes_nbytes(heads, tokens, dim)
+    if offsets.shape != lengths.shape or rows.shape[0] != offsets.size:
+        raise ValueError("one row per coded block")
+    if rows.dtype != np.uint8 or rows.ndim != 2 or rows.shape[1] < width:
+        raise ValueError(f"rows must be uint8 [n, >= {width}]")
+    if np.any(offsets < 0) or np.any(lengths < 0) or np.any(offsets + lengths > buf.size):
+        raise ValueError("coded blocks outside the buffer")
+    status = np.zeros(offsets.size, np.int64)
+    _decode_int8(buf, offsets, lengths, heads, tokens, dim, rows, status)
+    return status
+
+
+def error_name(status: int) -> str:
+    """What a non-zero decoding status means."""
+    return _ERRORS.get(int(status), f"status {status}")
+
+
+@njit(cache=True, nogil=True)
+def _decode_int8(
+    buf: np.ndarray,
+    offsets: np.ndarray,
+    lengths: np.ndarray,
+    heads: int,
+    tokens: int,
+    dim: int,
+    rows: np.ndarray,
+    status: np.ndarray,
+) -> None:  # pragma: no cover - numba
+    codes = 2 * heads * tokens * dim
+    tail = rows.shape[1] - codes
+    freq = np.zeros(256, np.int64)
+    tab = np.empty(_TOTAL, np.int64)
+    state = np.empty(LANES, np.int64)
+    sym = np.empty(2 * heads * (tokens + 1) * dim, np.uint8)
+    anchor = np.empty(dim, np.int64)
+    for j in range(offsets.size):
+        o = offsets[j]
+        end = o + lengths[j] - tail  # the entropy-coded part ends where the tail begins
+        if end < o + 1:
+            status[j] = 1
+            continue
+        if buf[o] != FORMAT_INT8:
+            status[j] = 2
+            continue
+        st, esc, esc_end = _entropy_decode(buf, o + 1, end, freq, tab, state, sym)
+        if st:
+            status[j] = st
+            continue
+        i = 0
+        for half_head in range(2 * heads):
+            for r in range(tokens + 1):
+                for d in range(dim):
+                    s = int(sym[i])
+                    i += 1
+                    zz = s
+                    if s == ESCAPE:
+                        zz, esc = _varint(buf, esc, esc_end)
+                        if esc < 0 or zz > 1024:  # no int8 residual comes near
+                            st = 8 if esc < 0 else 11
+                            break
+                    v = (zz >> 1) ^ -(zz & 1)
+                    if r == 0:
+                        v += 128
+                        anchor[d] = v
+                    else:
+                        v += anchor[d]
+                        rows[j, (half_head * tokens + r - 1) * dim + d] = v
+                    if v < 0 or v > 255:
+                        st = 11
+                        break
+                if st:
+                    break
+            if st:
+                break
+        if not st and esc != esc_end:
+            st = 10
+        status[j] = st
+        if not st:
+            rows[j, codes:] = buf[end : end + tail]
 
 
 # ---------------------------------------------------------------------------------------

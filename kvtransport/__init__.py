@@ -10,6 +10,10 @@ that ``import kvtransport`` stays cheap::
     kvtransport.partial_cache(result)                # KVCache + presence mask for a model
     kvtransport.race_receive(model, token_ids, listen="HOST:PORT")  # live race: whole cache
     kvtransport.race_daemon(model, token_ids, race_dir="DIR")  # race a receiver daemon's
+
+The sans-I/O protocol core is :mod:`kvtransport.protocol`; the evaluation's library is
+:mod:`kvtransport.eval` (the ``eval`` extra). docs/architecture.md ("Public API") lists
+the surface; tests/test_public_api.py pins it.
 """
 
 from pathlib import Path as _Path

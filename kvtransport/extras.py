@@ -5,7 +5,8 @@ safetensors, cryptography. Everything else is an extra (pyproject.toml):
 
 - ``model``: torch, transformers, gguf, accelerate (prefill, answer, demo, to_model_cache);
 - ``train``: gymnasium, stable-baselines3 (the DDQN trainer);
-- ``eval``: scipy, matplotlib, tqdm, worlddatax (plots, fits, evaluation, demo tasks);
+- ``eval``: scipy, matplotlib, tqdm, worlddatax (plots, fits, demo tasks, and
+  :mod:`kvtransport.eval`, the library under the evaluation scripts);
 - ``metrics``: prometheus_client (the daemons' ``--metrics-port``).
 
 Modules outside the data plane import these lazily; the CLI turns a

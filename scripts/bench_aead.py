@@ -31,10 +31,9 @@ from pathlib import Path
 
 import numpy as np
 from kvtransport.codecs import aesgcm as A
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _eval_common import best_seconds  # noqa: E402
 from numba import njit
+
+from kvtransport.eval.statistics import best_seconds
 
 EVP_STEPS = ("nonce", "+ header (AAD)", "+ payload", "+ finish", "+ tag")
 

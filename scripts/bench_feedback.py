@@ -21,9 +21,7 @@ import numpy as np
 
 from kvtransport.core.feedback import loss_ranges
 from kvtransport.core.wire import MAX_FEEDBACK_RANGES
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _eval_common import best_seconds  # noqa: E402
+from kvtransport.eval.statistics import best_seconds
 
 PIVOTS = (0, 20, 256, 2048)
 

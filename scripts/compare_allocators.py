@@ -29,8 +29,9 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import eval_multiuser as em  # noqa: E402
+from kvtransport.eval.args import parse_floats, parse_ints
+from kvtransport.eval.multiuser import BYTES_PER_TOKEN, parse_arrivals, run_scenario, scenario
+from kvtransport.eval.registries import make_allocator
 
 BASELINES = ("equal-share", "proportional", "edf")
 BEFORE, AFTER = "wf-before", "wf-after"
@@ -82,10 +83,10 @@ def run_cell(
     def factory(name: str, one_way_s: float) -> Any:
         mod = {BEFORE: before_mod, AFTER: al}.get(name)
         if mod is None:
-            return em.make_policy(name, one_way_s)
+            return make_allocator(name, one_way_s)
         return mod.UtilityWaterFilling(guard_s=al.repair_guard_s(one_way_s))
 
-    return em.run_scenario(
+    return run_scenario(
         hs, rate, channel=channel, fluid=False, seed=seed,
         policies=(*baselines, BEFORE, AFTER), factory=factory,
     )  # fmt: skip
@@ -117,16 +118,16 @@ def main(argv: list[str] | None = None) -> int:
     channels = [c.strip() for c in args.channel.split(",") if c.strip()]
     arrivals = [a.strip() for a in args.arrivals.split(",") if a.strip()]
     for a in arrivals:
-        em.parse_arrivals(a)
+        parse_arrivals(a)
     rows = []
     t0 = time.perf_counter()
     for ch in channels:
-        for rate in em._floats(args.rates):
+        for rate in parse_floats(args.rates):
             for arr in arrivals:
-                for n in em._ints(args.users):
+                for n in parse_ints(args.users):
                     for seed in range(args.seeds):
-                        hs = em.scenario(n, arr, seed, curves, window_s=0.5,
-                                         bytes_per_token=em.BYTES_PER_TOKEN)  # fmt: skip
+                        hs = scenario(n, arr, seed, curves, window_s=0.5,
+                                      bytes_per_token=BYTES_PER_TOKEN)  # fmt: skip
                         row = run_cell(hs, rate, ch, seed + 1, before_mod, baselines)
                         rows.append({"channel": ch, "rate_mbps": rate, "arrivals": arr,
                                      "users": n, "seed": seed, **row})  # fmt: skip

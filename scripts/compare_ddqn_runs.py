@@ -33,8 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from eval_policy import _paired, _significant, is_high_rtt  # noqa: E402
+from kvtransport.eval.cells import is_high_rtt
+from kvtransport.eval.statistics import paired, significant
 
 NOT_HEURISTICS = ("ddqn", "auto", "oracle", "clairvoyant", "genie", "clairvoyant_best")
 SETTINGS = ("stream", "utility", "prior")
@@ -50,7 +50,7 @@ def _load(path: str) -> dict:
 
 
 def _fmt(d: dict) -> str:
-    return f"{d['mean']:+.4f} ± {d['ci95']:.4f}{'*' if _significant(d) else ''}"
+    return f"{d['mean']:+.4f} ± {d['ci95']:.4f}{'*' if significant(d) else ''}"
 
 
 def episode_range(doc: dict, first: int, stop: int) -> dict:
@@ -97,16 +97,16 @@ def compare(cand: dict, base: dict, scheme: str = "ddqn") -> tuple[list[dict], l
             "n": len(new),
             "new": float(np.mean(new)),
             "shipped": float(np.mean(old)),
-            "new_minus_shipped": _paired(new, old),
+            "new_minus_shipped": paired(new, old),
             "best": best,
         }
         if best is not None:
             row["best_mean"] = float(np.mean(b[best]))
-            row["new_minus_best"] = _paired(new, b[best])
-            row["shipped_minus_best"] = _paired(old, b[best])
+            row["new_minus_best"] = paired(new, b[best])
+            row["shipped_minus_best"] = paired(old, b[best])
         if "adaptive" in b:  # the heuristic the product falls back to (issue 16's target)
-            row["new_minus_adaptive"] = _paired(new, b["adaptive"])
-            row["shipped_minus_adaptive"] = _paired(old, b["adaptive"])
+            row["new_minus_adaptive"] = paired(new, b["adaptive"])
+            row["shipped_minus_adaptive"] = paired(old, b["adaptive"])
         if "clairvoyant" in b:
             ref = np.maximum(np.array(b["clairvoyant"]), np.array(new))
             row["share"] = {
@@ -141,9 +141,9 @@ def markdown(rows: list[dict], new: str = "new DDQN") -> str:
     )
     head += " share of clairvoyant (new / shipped / best heuristic) |" if shares else ""
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    lost_old = [r["cell"] for r in rows if _significant(r["new_minus_shipped"]) < 0]
-    won_old = [r["cell"] for r in rows if _significant(r["new_minus_shipped"]) > 0]
-    lost_best = [r["cell"] for r in rows if "best" in r and _significant(r["new_minus_best"]) < 0]
+    lost_old = [r["cell"] for r in rows if significant(r["new_minus_shipped"]) < 0]
+    won_old = [r["cell"] for r in rows if significant(r["new_minus_shipped"]) > 0]
+    lost_best = [r["cell"] for r in rows if "best" in r and significant(r["new_minus_best"]) < 0]
     for r in rows:
         line = (
             f"| {r['cell']} | {r['n']} | {r['new']:.4f} | {r['shipped']:.4f} | "
@@ -174,8 +174,7 @@ def _adaptive_line(rows: list[dict]) -> list[str]:
     if not long:
         return []
     new, old = (
-        sum(_significant(r[f"{who}_minus_adaptive"]) > 0 for r in long)
-        for who in ("new", "shipped")
+        sum(significant(r[f"{who}_minus_adaptive"]) > 0 for r in long) for who in ("new", "shipped")
     )
     return [
         f"Long-link cells significantly above adaptive: new {new}, shipped {old} (of {len(long)})."

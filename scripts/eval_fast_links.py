@@ -28,16 +28,15 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _eval_common import md_table  # noqa: E402
-from eval_policy import (  # noqa: E402
+from kvtransport.eval.figures import md_table
+from kvtransport.eval.registries import (
     AUTO,
     add_prior_option,
     add_weights_option,
     check_schemes,
     make_scheme,
-    mean_ci,
 )
+from kvtransport.eval.statistics import mean_ci
 
 
 def _play(job: tuple[str, str, float, float, float, int, float, str | None, str]) -> float:

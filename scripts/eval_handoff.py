@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvtransport.eval.args import parse_seeds
 from kvtransport.model.plan import DEFAULT_HEDGE_SHARE
 
 CONFIGS = {"512@100": (512, 100.0), "2048@100": (2048, 100.0), "2048@1000": (2048, 1000.0)}
@@ -51,14 +52,6 @@ def parse_config(name: str) -> tuple[int, float, float | None]:
         return (*CONFIGS[head], None)
     tokens, _, rate = head.partition("@")
     return int(tokens), float(rate), float(link) if link else None
-
-
-def parse_seeds(text: str) -> list[int]:
-    """Seeds from "1-8" (a range, both ends) or "1,3,5"."""
-    if "-" in text:
-        a, b = text.split("-")
-        return list(range(int(a), int(b) + 1))
-    return [int(x) for x in text.split(",")]
 
 
 def run(
@@ -186,14 +179,13 @@ def fallback(loaded: object, tokens: int, repeats: int, seed: int = 1) -> dict:
     from kvtransport.demo.demo_links import LinkOutcome
     from kvtransport.demo.run import (
         DemoConfig,
-        _prepare,
-        _Progress,
+        prepare,
         race_ttft_once,
         reprefill_ttft_once,
     )
 
     cfg = DemoConfig(tokens=tokens, seed=seed, link="emulated", progress=False)
-    prep = _prepare(cfg, loaded, _Progress(False), {})
+    prep = prepare(cfg, loaded)
     nothing = LinkOutcome(0.0, "", np.zeros(0, bool), np.zeros(0, np.uint8), None, 0.0)
     re_s, dead_s = [], []
     for _ in range(repeats):

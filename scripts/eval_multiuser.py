@@ -13,8 +13,8 @@ Every scenario runs in kvtransport.sim.multisim: the sender daemon's own host
 (kvtransport.hosts.sender_host, real sessions with adaptive RLC repair) and one receiver host
 per user, sharing one channel, once per slot policy: equal share,
 proportional to size, earliest deadline first and this allocator (UtilityWaterFilling,
-with the guard the daemon's link derives, see make_policy), each setting the
-sessions' pacing rates every 10 ms through their rate hook. A user's
+with the guard the daemon's link derives, see kvtransport.eval.registries.make_allocator),
+each setting the sessions' pacing rates every 10 ms through their rate hook. A user's
 accuracy is its curve at the fraction of its cache decoded (in utility order) by its
 deadline.
 
@@ -42,162 +42,14 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-BYTES_PER_TOKEN = 23_040  # SmolLM2-135M: 30 layers x 3 kv heads x 64 x (K, V) x fp16
-POLICIES = ("equal-share", "proportional", "edf", "water-filling")
-ALLOCATOR = "water-filling"
-
-
-def make_policy(name: str, delay_s: float = 0.0) -> Any:
-    """A slot policy by name. The allocator's guard is the one the sender daemon's link
-    derives for this one-way delay (kvtransport.scheduling.allocator.repair_guard_s)."""
-    from kvtransport.scheduling import allocator as al
-
-    if name == "water-filling":
-        return al.UtilityWaterFilling(guard_s=al.repair_guard_s(delay_s))
-    return {
-        "equal-share": al.EqualShare,
-        "proportional": al.ProportionalToSize,
-        "edf": al.EarliestDeadlineFirst,
-    }[name]()
-
-
-def parse_arrivals(spec: str) -> tuple[str, float]:
-    """'together' -> ('together', 0); 'staggered:0.3' -> ('staggered', 0.3)."""
-    if spec == "together":
-        return spec, 0.0
-    kind, _, spread = spec.partition(":")
-    if kind != "staggered":
-        raise SystemExit(f"--arrivals: {spec!r} is neither 'together' nor 'staggered:SECONDS'")
-    try:
-        s = float(spread or "0.3")
-    except ValueError:
-        raise SystemExit(f"--arrivals: {spec!r}: the spread must be a number of seconds") from None
-    if not s > 0:
-        raise SystemExit(f"--arrivals: {spec!r}: the spread must be positive")
-    return "staggered", s
-
-
-def scenario(
-    users: int,
-    arrivals: str,
-    seed: int,
-    curves: list[Any],
-    *,
-    window_s: float,
-    bytes_per_token: int,
-) -> list[Any]:
-    """The handovers of one scenario (deterministic in its arguments)."""
-    from kvtransport.sim.multisim import Handover
-
-    kind, spread = parse_arrivals(arrivals)
-    rng = np.random.default_rng([seed, users, int(spread * 1e6)])
-    starts = np.zeros(users) if kind == "together" else np.sort(rng.uniform(0.0, spread, users))
-    out = []
-    for i, a in enumerate(starts):
-        cv = curves[int(rng.integers(len(curves)))]
-        out.append(
-            Handover(
-                id=i,
-                arrival=float(a),
-                deadline=float(a) + window_s,
-                size=int(cv.context_tokens * bytes_per_token),
-                utility=cv.utility,
-                context_tokens=cv.context_tokens,
-            )
-        )
-    return out
-
-
-def run_scenario(
-    handovers: list[Any],
-    rate_mbps: float,
-    *,
-    channel: str,
-    fluid: bool,
-    seed: int,
-    policies: tuple[str, ...] = POLICIES,
-    max_nodes: int = 100,
-    factory: Callable[[str, float], Any] | None = None,
-) -> dict[str, Any]:
-    """Every policy on one scenario, the clairvoyant bound, the full-cache ceiling.
-
-    factory(name, one_way_s) builds each policy (default ``make_policy``; another script
-    passes its own to run variants of a policy under names of its own)."""
-    factory = factory or make_policy
-    from kvtransport.netem import load_profile
-
-    from kvtransport.scheduling import allocation_bound as bound
-    from kvtransport.scheduling import allocator as al
-    from kvtransport.sim.multisim import payload_efficiency, simulate_handovers
-
-    delay_s = 0.0 if fluid else load_profile(channel).delay_ms * 1e-3
-    n = len(handovers)
-    res: dict[str, Any] = {}
-    efficiency = payload_efficiency()
-    if fluid:
-        cap = rate_mbps * 1e6 / 8.0 * efficiency
-        for name in policies:
-            t0 = time.process_time()
-            ts = [
-                al.ScheduledTransfer(h.id, h.size, h.deadline, h.utility, h.weight, h.arrival)
-                for h in handovers
-            ]
-            out = bound.simulate_fluid(ts, cap, factory(name, 0.0))
-            res[name] = {
-                "accuracy": out.weighted_utility / n,
-                "fractions": [out.fractions[h.id] for h in handovers],
-                "cpu_s": time.process_time() - t0,
-            }
-    else:
-        best = 0.0
-        for name in policies:
-            out = simulate_handovers(
-                handovers,
-                factory(name, delay_s),
-                channel=channel,
-                rate_mbps=rate_mbps,
-                seed=seed,
-            )
-            best = max(best, out.efficiency)
-            res[name] = {
-                "accuracy": out.mean_accuracy,
-                "fractions": [o.fraction for o in out.outcomes],
-                "efficiency": out.efficiency,
-                "packets_lost": out.packets_lost + out.packets_dropped,
-                "cpu_s": out.cpu_s,
-            }
-        efficiency = best
-        cap = rate_mbps * 1e6 / 8.0 * efficiency
-    ts = [
-        al.ScheduledTransfer(
-            h.id, h.size, max(h.deadline - delay_s, h.arrival), h.utility, h.weight, h.arrival
-        )
-        for h in handovers
-    ]
-    t0 = time.process_time()
-    cb = bound.clairvoyant_bound(ts, cap, rel_tol=1e-3, max_nodes=max_nodes)
-    bound_cpu = time.process_time() - t0
-    for r in res.values():
-        r["ratio"] = r["accuracy"] * n / cb.upper if cb.upper > 0 else 1.0
-        r["ratio_found"] = r["accuracy"] * n / cb.achievable if cb.achievable > 0 else 1.0
-    return {
-        "ceiling": float(np.mean([float(h.utility(1.0)) for h in handovers])),
-        "clairvoyant": cb.upper / n,
-        "clairvoyant_found": cb.achievable / n,
-        "clairvoyant_nodes": cb.nodes,
-        "clairvoyant_cpu_s": bound_cpu,
-        "efficiency": efficiency,
-        "capacity_Bps": cap,
-        "contexts": [h.context_tokens for h in handovers],
-        "arrival_times": [h.arrival for h in handovers],
-        "policies": res,
-    }
+from kvtransport.eval.args import parse_floats, parse_ints
+from kvtransport.eval.multiuser import BYTES_PER_TOKEN, parse_arrivals, run_scenario, scenario
+from kvtransport.eval.registries import ALLOCATOR, ALLOCATORS
 
 
 def summarize(rows: list[dict[str, Any]], policies: tuple[str, ...]) -> list[dict[str, Any]]:
@@ -291,14 +143,6 @@ def plot(summary: list[dict[str, Any]], policies: tuple[str, ...], path: Path, t
     plt.close(fig)
 
 
-def _ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",") if v.strip()]
-
-
-def _floats(text: str) -> list[float]:
-    return [float(v) for v in text.split(",") if v.strip()]
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--users", default="2,4,8,16,32", help="concurrent handovers (default 2..32)")
@@ -332,11 +176,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"no packaged utility table for {model_id}; pass --table")
     curves = [cv for cv in table if cv.model == model_id]
     if args.contexts:
-        want = set(_ints(args.contexts))
+        want = set(parse_ints(args.contexts))
         curves = [cv for cv in curves if cv.context_tokens in want]
     if not curves:
         raise SystemExit(f"the utility table has no curves for {model_id} (and --contexts)")
-    users, rates = _ints(args.users), _floats(args.rates)
+    users, rates = parse_ints(args.users), parse_floats(args.rates)
     arrivals = [a.strip() for a in args.arrivals.split(",") if a.strip()]
     for a in arrivals:
         parse_arrivals(a)
@@ -353,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             max_nodes=args.max_nodes,
         )  # fmt: skip
         rows.append({"rate_mbps": rate, "arrivals": arr, "users": n, "seed": seed, **row})
-    summary = summarize(rows, POLICIES)
+    summary = summarize(rows, ALLOCATORS)
     doc = {
         "meta": {
             "model": model_id,
@@ -364,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
             "channel": "fluid" if args.fluid else args.channel,
             "bytes_per_token": args.bytes_per_token,
             "seeds": args.seeds,
-            "policies": list(POLICIES),
+            "policies": list(ALLOCATORS),
             "seconds": round(time.perf_counter() - t0, 1),
             "command": "scripts/eval_multiuser.py " + " ".join(argv or sys.argv[1:]),
         },
@@ -379,11 +223,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{'fluid link' if args.fluid else args.channel + ' link, real sessions'}, "
         f"{args.seeds} seed(s) per point"
     )
-    plot(summary, POLICIES, out / "multiuser.png", title)
+    plot(summary, ALLOCATORS, out / "multiuser.png", title)
     if args.json:
         print(json.dumps(doc, indent=1))
     else:
-        print(format_table(summary, POLICIES))
+        print(format_table(summary, ALLOCATORS))
         print(f"wrote {out / 'multiuser.json'} and {out / 'multiuser.png'}")
     return 0
 

@@ -60,12 +60,17 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:  # pragma: no cover - typing only
-    from kvtransport.netem import Profile
+from kvtransport.eval.cells import REFERENCES, cell_key, is_high_rtt, run_cell
+from kvtransport.eval.registries import (
+    AUTO,
+    add_prior_option,
+    add_weights_option,
+    make_scheme,
+)
+from kvtransport.eval.statistics import mean_ci, paired, significant
 
 SCHEMES = (
     "none", "fixed:4/32", "block-rs:4/32", "arq", "adaptive", "tail-rule", "ddqn", "auto",
@@ -77,151 +82,8 @@ HIGH_RTT_SCHEMES = ("tail-rule", "adaptive", "ddqn", "auto", "oracle")
 HIGH_RTT_CHANNELS = ("bernoulli-5", "ge-heavy", "4state-bursty")
 HIGH_RTT_DELAYS_MS = (20.0, 40.0, 80.0)
 HIGH_RTT_RHOS = (0.7, 0.85, 1.0)
-REFERENCES = ("clairvoyant", "genie")
-"""Per-episode references: the clairvoyant planner (never below any scheme on the
-episode) and the genie bound (no scheme can exceed it)."""
-AUTO = "auto"
-"""Not a policy of its own: the one a shell picks for the episode's transfer when told
-none (:func:`product_choice`), so that a table shows what the product does."""
 PAIRED = ("tail-rule", "adaptive")
 """Schemes the DDQN is compared with episode by episode in every cell's pairs table."""
-
-
-def product_choice(spec) -> str:
-    """The policy a shell picks for ``spec``'s transfer when told none
-    (kvtransport.hosts.policy_choice.default_policy_for): the link's one-way delay is half the
-    episode's round trip, a handoff stream is whole token ranges, the deadline is the
-    episode's, and so is whether the sender has a loss prior."""
-    from kvtransport.agents.episodes import round_trip, spec_deadline
-
-    from kvtransport.hosts.policy_choice import default_policy_for
-
-    return default_policy_for(
-        round_trip(spec) / 2,
-        spec.stream == "handoff",
-        spec.channel.rate_mbps * 1e6,
-        spec_deadline(spec),
-        spec.prior_loss is not None,
-    )
-
-
-def add_weights_option(p: argparse.ArgumentParser, also: str = "") -> None:
-    """``--weights``: the DDQN weights file the ``ddqn`` scheme plays (``make_scheme``;
-    ``also``: what else of the shipped network's the script keeps, said in the help)."""
-    p.add_argument("--weights", help="DDQN weights file the ddqn scheme plays (default: the "
-                   f"shipped policy; auto's rules{also} stay the shipped network's)")  # fmt: skip
-
-
-def add_prior_option(p: argparse.ArgumentParser) -> None:
-    """``--prior``: the senders' loss prior before feedback
-    (kvtransport.agents.episodes.episode_prior's kinds)."""
-    p.add_argument("--prior", choices=("none", "previous", "profile"), default="none",
-                   help="the senders' loss prior before feedback: none (a first transfer, "
-                   "the default), previous (the loss an earlier transfer over the link "
-                   "ended with, as a daemon keeps it) or profile (the channel's stationary "
-                   "loss)")  # fmt: skip
-
-
-def check_schemes(schemes: list[str], weights: str | None = None) -> None:
-    """Raise UserError with its one-line reason for a scheme name no policy has (``AUTO``:
-    the policies a shell picks, the DDQN among them), or for ``weights`` (a DDQN weights
-    file) that does not load; the scripts' fail-fast check."""
-    from kvtransport.policies.ddqn import load_weights
-    from kvtransport.sim.oracle import make_sim_policy
-
-    for s in schemes:
-        make_sim_policy("ddqn" if s == AUTO else s)
-    if weights is not None:
-        load_weights(weights)
-
-
-def make_scheme(name: str, weights: str | None):
-    from kvtransport.policies.ddqn import DDQNPolicy
-    from kvtransport.sim.oracle import make_sim_policy
-
-    if name == "ddqn":
-        return DDQNPolicy(weights)
-    if name == "tail-rule":
-        from kvtransport.agents.training import _Constant
-
-        return _Constant(0)
-    return make_sim_policy(name)
-
-
-def mean_ci(x: np.ndarray) -> tuple[float, float]:
-    """Mean and half-width of the 95 % t-interval."""
-    from scipy import stats
-
-    x = np.asarray(x, dtype=np.float64)
-    if x.size < 2:
-        return float(x.mean()) if x.size else float("nan"), float("nan")
-    return float(x.mean()), float(stats.t.ppf(0.975, x.size - 1) * x.std(ddof=1) / np.sqrt(x.size))
-
-
-def cell_key(channel: str, rho: float, delay_ms: float | None = None) -> str:
-    """``CHANNEL@RHO``, or ``CHANNEL+DELAYms@RHO`` for a high-RTT cell."""
-    return f"{channel}{'' if delay_ms is None else f'+{delay_ms:g}ms'}@{rho:g}"
-
-
-def is_high_rtt(key: str) -> bool:
-    """Whether ``key`` (a :func:`cell_key`) names a high-RTT cell (one with a delay)."""
-    return "+" in key.rsplit("@", 1)[0]
-
-
-def run_cell(
-    channel: str | Profile,
-    rho: float,
-    schemes,
-    n: int,
-    n_rs: int,
-    weights,
-    utility: str,
-    delay_ms: float | None = None,
-    references: bool = True,
-    prior: str = "none",
-    stream: str = "utility",
-    queue_guard: bool = True,
-):
-    """Every scheme's utility per episode on ``channel`` (a profile name, netem loss
-    notation or trace path, or a Profile), and (``references``) per episode the genie
-    bound and the clairvoyant planner, which searches its plans plus every scheme's own
-    result on that episode (kvtransport.sim.repair_planner)."""
-    from functools import partial
-
-    from kvtransport.agents.episodes import build_simulation, eval_spec
-
-    from kvtransport.sim.repair_planner import clairvoyant_plan
-
-    out: dict[str, list] = {name: [] for name in schemes}
-    if references:
-        out.update({r: [] for r in REFERENCES}, clairvoyant_best=[])
-    build = partial(build_simulation, queue_guard=queue_guard)
-    for i in range(n):
-        spec = eval_spec(channel, rho, i, utility, delay_ms=delay_ms, prior=prior, stream=stream)
-        known = {}
-        for name in schemes:
-            if name.startswith("block-rs") and i >= n_rs:
-                continue
-            policy = product_choice(spec) if name == AUTO else name
-            sim = build(spec, make_scheme(policy, weights))
-            sim.run()
-            known[name] = sim.utility_recovered
-            out[name].append(known[name])
-        if references:
-            bound = build(spec, make_scheme("none", None)).meta["utility_bound"]
-            out["genie"].append(float(bound))
-            plan = clairvoyant_plan(partial(build, spec), known)
-            out["clairvoyant"].append(plan.utility)
-            out["clairvoyant_best"].append(plan.best)
-    return out
-
-
-def _paired(a, b) -> dict:
-    """Mean and 95 % half-width of a - b over the episodes both played (same seeds)."""
-    n = min(len(a), len(b))
-    d = np.array(a[:n]) - np.array(b[:n])
-    m, c = mean_ci(d)
-    return {"mean": m, "ci95": c, "n": n, "equal": int((d == 0).sum())}
 
 
 def summarize(results: dict, schemes) -> dict:
@@ -248,16 +110,16 @@ def summarize(results: dict, schemes) -> dict:
                 }
             if "oracle" in cell:
                 s["ddqn_over_oracle"] = s["ddqn"]["mean"] / s["oracle"]["mean"]
-            s["ddqn_minus"] = {m: _paired(cell["ddqn"], cell[m]) for m in PAIRED if m in cell}
-            s["ddqn_vs"] = {m: _paired(cell["ddqn"], cell[m]) for m in others}
+            s["ddqn_minus"] = {m: paired(cell["ddqn"], cell[m]) for m in PAIRED if m in cell}
+            s["ddqn_vs"] = {m: paired(cell["ddqn"], cell[m]) for m in others}
         if "oracle" in cell and all(m in cell for m in PAIRED):
             best = max(PAIRED, key=lambda m: s[m]["mean"])
-            s["oracle_headroom"] = {"over": best, **_paired(cell["oracle"], cell[best])}
+            s["oracle_headroom"] = {"over": best, **paired(cell["oracle"], cell[best])}
         if all(r in cell for r in REFERENCES):
             # each scheme's gap to both references (reference - scheme, same episodes) and
             # its share of the clairvoyant planner's utility (ratio of means)
             s["gap"] = {
-                m: {r: _paired(cell[r], cell[m]) for r in REFERENCES}
+                m: {r: paired(cell[r], cell[m]) for r in REFERENCES}
                 | {"of_clairvoyant": s[m]["mean"] / s["clairvoyant"]["mean"]}
                 for m in schemes
                 if m in cell
@@ -355,13 +217,6 @@ def markdown_pairs(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _significant(d: dict) -> int:
-    """+1 / -1 where the paired 95 % interval lies above / below zero, else 0."""
-    if not d["ci95"] == d["ci95"]:  # nan: fewer than two episodes
-        return 0
-    return 1 if d["mean"] - d["ci95"] > 0 else (-1 if d["mean"] + d["ci95"] < 0 else 0)
-
-
 TAIL_OPTIMAL = 1e-3
 """The tail rule counts as already optimal in a cell where its mean gap to the clairvoyant
 planner is below this (the constant action 0 leaves nothing a plan could add)."""
@@ -385,8 +240,8 @@ def markdown_margin(summary: dict) -> str:
     for key in rows:
         s = summary[key]
         d = s["ddqn_minus_best_other"]
-        star = "*" if _significant(d) else ""
-        sig = {m: _significant(v) for m, v in s.get("ddqn_vs", {}).items()}
+        star = "*" if significant(d) else ""
+        sig = {m: significant(v) for m, v in s.get("ddqn_vs", {}).items()}
         w = [m for m, v in sig.items() if v > 0]
         lo = [m for m, v in sig.items() if v < 0]
         wins += len(w)

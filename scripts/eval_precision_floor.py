@@ -27,8 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from eval_handoff import parse_seeds  # noqa: E402
+from kvtransport.eval.args import parse_seeds
 
 SPEED = (0.07, 0.0031)  # seconds per call, per token: the demo host's measured speed
 

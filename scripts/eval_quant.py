@@ -208,8 +208,8 @@ def main(argv=None) -> int:
     if any(x not in (*UNIFORM, "ans") for x in only):
         p.error(f"--only takes names from {','.join(UNIFORM)}, not {args.only!r}")
 
-    from eval_retention import layer_weights_for, run_prompts, save_report, weights_label
-
+    from kvtransport.eval.handoffs import layer_weights_for, weights_label
+    from kvtransport.eval.reports import run_prompts, save_report
     from kvtransport.kvformat import blocks
     from kvtransport.model import tasks
     from kvtransport.model.loader import load_model

@@ -157,7 +157,7 @@ def simulated(
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Mean utility (95 % t interval), the share of sent datagrams the queue dropped, and
     the mean cuts per transfer, of one arm's rows."""
-    from eval_policy import mean_ci  # scripts/ is on sys.path (the tests put it there)
+    from kvtransport.eval.statistics import mean_ci
 
     u, ci = mean_ci(np.array([r["utility"] for r in rows]))
     sent = sum(r["datagrams_sent"] for r in rows)

@@ -38,8 +38,8 @@ from time import perf_counter_ns
 import numpy as np
 
 from kvtransport.core.protocol import REPAIR_SEGMENT, STANDARD
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kvtransport.eval.registries import make_scheme
+from kvtransport.eval.statistics import mean_ci
 
 DEFAULT_CELLS = tuple(
     f"{c}+{d}ms@{r}"
@@ -105,7 +105,6 @@ class Timers:
 
 
 def run_episode(cell: str, scheme: str, span: int, index: int, timers: Timers) -> dict:
-    from eval_policy import make_scheme
     from kvtransport.agents.episodes import build_simulation, eval_spec
     from kvtransport.netem import load_profile
 
@@ -127,12 +126,6 @@ def run_episode(cell: str, scheme: str, span: int, index: int, timers: Timers) -
         "final_span": s._proactive_span,
         "cost": cost,
     }
-
-
-def mean_ci(x) -> tuple[float, float]:
-    from eval_policy import mean_ci as _m
-
-    return _m(np.asarray(x, dtype=np.float64))
 
 
 def per(total) -> float:
@@ -219,7 +212,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("results/repair_span"), help="output folder")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
-    from eval_policy import make_scheme
     from kvtransport.codecs.rlc import MAX_NSS
     from kvtransport.netem import load_profile
     from tqdm import tqdm

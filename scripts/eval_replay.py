@@ -13,10 +13,17 @@ by itself):
 - ``after_restart``: the daemon restarted (same record), data of the delivered transfer
   without its manifest; waited past the pool's timeout;
 - ``whole_after_restart``: then its whole capture, manifest included (the record refuses).
+- ``other_rx_psk_only``: a whole transfer captured on its way to another receiver A that
+  holds the same pre-shared key, replayed to this daemon (issue 44, row 4: delivered);
+- ``other_rx_identities``: the same with identities (kvtransport.core.wire, "Peers"): the
+  transfer sealed from the sender's identity to A's, replayed to a daemon B with its own
+  identity that allows the sender and holds the same pre-shared key (target: nothing
+  opens, every datagram dropped as ``bad_tag``).
 
 Per shape: datagrams and bytes sent, bytes answered and their ratio (target <= 3), and
 the daemon's sessions opened, results and replays refused during the shape (target: no
-session, no result for a replay). ``--out FILE`` writes the rows as JSON.
+session, no result for a replay), and the datagrams dropped as ``bad_tag``. ``--out FILE``
+writes the rows as JSON.
 
     .venv/bin/python scripts/eval_replay.py [--transfers 16] [--rounds 5] [--repeats 240]
 """
@@ -31,6 +38,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 KEY_HEX = "5e" * 32
 
@@ -38,7 +46,7 @@ KEY_HEX = "5e" * 32
 class Daemon:
     """The receiver daemon as a process on a fixed port, with a replay record."""
 
-    def __init__(self, folder: Path, port: int) -> None:
+    def __init__(self, folder: Path, port: int, extra: tuple[str, ...] = ()) -> None:
         from kvtransport.embed.client import ReceiverClient
 
         key = folder / "key"
@@ -50,10 +58,10 @@ class Daemon:
             [sys.executable, "-m", "kvtransport", "receiver-daemon", "--listen",
              f"127.0.0.1:{port}", "--control", f"ipc://{folder}/rx.ipc", "--publish",
              f"ipc://{folder}/res.ipc", "--key-file", str(key), "--replay-file",
-             str(folder / "replay")],
+             str(folder / "replay"), *extra],
             stdout=subprocess.DEVNULL, stderr=self.err,
         )  # fmt: skip
-        self.client = ReceiverClient(f"ipc://{folder}/rx.ipc", timeout_s=120)
+        self.client = ReceiverClient(f"ipc://{folder}/rx.ipc", timeout_s=300)  # a cold compile
         self.client.ping()
 
     def stats(self) -> dict:
@@ -66,19 +74,34 @@ class Daemon:
         self.err.close()
 
 
-def capture(seed: int, n: int = 600, size: int = 400_000) -> list[bytes]:
-    """The first ``n`` datagrams a genuine sender seals for one transfer (fresh manifest)."""
+def capture(seed: int, n: int = 600, size: int = 400_000, key: Any = None) -> list[bytes]:
+    """The first ``n`` datagrams a genuine sender seals for one transfer (fresh manifest),
+    under ``key`` (default: the pre-shared key)."""
     from kvtransport.core.sender import SenderSession
     from kvtransport.core.transfer import synthetic_transfer
     from kvtransport.policies.registry import make_policy
 
     s = SenderSession(synthetic_transfer(size, 16, seed=seed), make_policy("none"),
-                      rate_bps=1e9, deadline=2.0, key=bytes.fromhex(KEY_HEX),
+                      rate_bps=1e9, deadline=2.0, key=key or bytes.fromhex(KEY_HEX),
                       wall_offset=time.time())  # fmt: skip
     out: list[bytes] = []
     while len(out) < n and (t := s.next_timer()) is not None:
         out += s.datagrams_to_send(t)
     return out[:n]
+
+
+def identities(folder: Path) -> tuple[Any, tuple[str, ...]]:
+    """Identities of a sender, receiver A and receiver B in ``folder``: the sender's keys
+    to A (the pre-shared key mixed in), and B's daemon options (its own identity, the
+    sender allowed, the same pre-shared key)."""
+    from kvtransport.core.keys import generate_identity, read_identity
+    from kvtransport.core.wire import PeerKeys, pairwise
+
+    publics = {name: generate_identity(folder / name) for name in ("tx", "rx_a", "rx_b")}
+    pair = pairwise(read_identity(folder / "tx"), publics["rx_a"], sending=True,
+                    psk=bytes.fromhex(KEY_HEX))  # fmt: skip
+    opts = ("--identity", str(folder / "rx_b"), "--allow-pub", str(folder / "tx.pub"))
+    return PeerKeys([pair]), opts
 
 
 def data_only(datagrams: list[bytes]) -> list[bytes]:
@@ -131,7 +154,12 @@ def shape(name: str, daemon: Daemon, port: int, rounds: list[list[bytes]], gap_s
         "results": after["results"] - before["results"],
         "replays_refused": after["replays_refused"] - before["replays_refused"],
         "active_after": after["active"],
+        "bad_tag": _bad_tags(after) - _bad_tags(before),
     }
+
+
+def _bad_tags(stats: dict) -> int:
+    return int(stats.get("drop_reasons", {}).get("bad_tag", 0))
 
 
 def run(transfers: int, rounds: int, repeats: int) -> list[dict]:
@@ -154,6 +182,13 @@ def run(transfers: int, rounds: int, repeats: int) -> list[dict]:
         daemon = Daemon(folder, port)
         rows.append(shape("after_restart", daemon, port, [data_only(genuine)[:200]], 2.0))
         rows.append(shape("whole_after_restart", daemon, port, [genuine], 0.5))
+        to_a = capture(9)  # sealed for A, which holds the same key
+        rows.append(shape("other_rx_psk_only", daemon, port, [to_a], 0.5, settle_s=2.5))
+        daemon.stop()
+        keys, opts = identities(folder)
+        daemon = Daemon(folder, port, opts)
+        to_a = capture(10, key=keys)  # sealed from the sender's identity to A's
+        rows.append(shape("other_rx_identities", daemon, port, [to_a], 0.5, settle_s=2.5))
     finally:
         daemon.stop()
     return rows
@@ -169,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = run(max(1, min(a.transfers, 256)), max(1, min(a.rounds, 100)),
                max(1, min(a.repeats, 10_000)))  # fmt: skip
     cols = ("shape", "datagrams", "bytes_sent", "replies", "bytes_answered", "ratio", "results",
-            "replays_refused", "active_after")  # fmt: skip
+            "replays_refused", "active_after", "bad_tag")  # fmt: skip
+    print(f"load average {Path('/proc/loadavg').read_text().split()[:3]}")
     print("  ".join(f"{c:>16}" for c in cols))
     for r in rows:
         print("  ".join(f"{r[c]!s:>16}" for c in cols))

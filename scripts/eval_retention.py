@@ -21,65 +21,18 @@ Writes ``retention.json`` (every measurement plus the summary) and ``retention.p
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
+from kvtransport.eval.handoffs import layer_weights_for, reference_answer, weights_label
+from kvtransport.eval.reports import run_prompts, save_report
+
 FRACTIONS = (0.25, 0.5, 0.75)
 ORDERS = ("utility", "random", "position")
 HELD_OUT_SEED = 10_000  # calibration (kvtransport profile) uses small seeds
-
-
-def layer_weights_for(model_id: str, num_layers: int, profile: str | None = None):
-    """Layer weights from a sensitivity profile file, else the packaged one, else None."""
-    from kvtransport.model import sensitivity, utility
-
-    if profile is None:
-        return utility.default_layer_weights(model_id, num_layers)
-    if profile == "uniform":
-        return None
-    prof = sensitivity.load_profile(profile)
-    if prof.num_layers != num_layers:
-        raise SystemExit(f"{profile}: {prof.num_layers} layers, the model has {num_layers}")
-    return prof.weights(ratio=utility.LAYER_RATIO)
-
-
-def weights_label(profile: str | None, weights) -> str:
-    """How the layer weights were chosen, for a report's meta block."""
-    return (profile or "packaged profile") if weights is not None else "uniform"
-
-
-def run_prompts(samples, measure) -> list[dict]:
-    """``measure(sample)`` for every sample, with a progress bar on stderr."""
-    from tqdm import tqdm
-
-    return [measure(s) for s in tqdm(samples, desc="prompts", file=sys.stderr)]
-
-
-def save_report(out_dir: str, name: str, meta: dict, summary: dict, records: list[dict],
-                plot_to, table: str) -> None:  # fmt: skip
-    """Write NAME.json (meta, summary, records) and NAME.png (``plot_to(path)``) into
-    ``out_dir``, then print the table and where the files went."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(
-        json.dumps({"meta": meta, "summary": summary, "records": records}, indent=1)
-    )
-    plot_to(out / f"{name}.png")
-    print(table)
-    print(f"wrote {out / f'{name}.json'} and {out / f'{name}.png'}")
-
-
-def reference_answer(model, tokenizer, kv, question, max_tokens: int = 32) -> list[int]:
-    """The full cache's greedy answer, ending with the stop token when it stopped."""
-    from kvtransport.model import hf
-
-    gen = hf.greedy_generate(model, kv, question, max_new_tokens=max_tokens)
-    stops = hf.stop_ids_of(model)  # the ids greedy_generate stops on
-    return gen.tokens + ([stops[0]] if gen.stopped and len(stops) == 1 else [])
 
 
 def measure_prompt(

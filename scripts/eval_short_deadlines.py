@@ -28,16 +28,15 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _eval_common import md_table  # noqa: E402
-from eval_policy import (  # noqa: E402
+from kvtransport.eval.figures import md_table
+from kvtransport.eval.registries import (
     AUTO,
     add_weights_option,
     check_schemes,
     make_scheme,
-    mean_ci,
     product_choice,
 )
+from kvtransport.eval.statistics import mean_ci
 
 
 def _play(job: tuple) -> float:

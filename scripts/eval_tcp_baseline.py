@@ -43,10 +43,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _eval_common import machine, machine_text, md_table  # noqa: E402
-
 from kvtransport.errors import UserError  # noqa: E402
+from kvtransport.eval.figures import md_table
+from kvtransport.eval.provenance import machine, machine_text
 
 GEOMETRY = {"layers": 30, "kv_heads": 3, "head_dim": 64}  # SmolLM2-135M-Instruct
 BLOCK_TOKENS = 16

@@ -28,23 +28,10 @@ from pathlib import Path
 
 import numpy as np
 
+from kvtransport.eval.handoffs import ttft_prefill
+
 SIZES = (512, 1024, 2048, 4096)
 METHODS = ("prefill", "card_fp32", "card_int8")
-
-
-def ttft_prefill(model, ids: list[int]) -> tuple[float, int]:
-    import torch
-
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        out = model(
-            input_ids=torch.tensor([ids]),
-            position_ids=torch.arange(len(ids))[None],
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        tok = int(out.logits[0, -1].argmax())
-    return time.perf_counter() - t0, tok
 
 
 def ttft_card(model, path: Path, question: list[int]) -> tuple[float, int, dict]:

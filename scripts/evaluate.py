@@ -50,19 +50,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import _eval_common as ec  # noqa: E402
-import _eval_model  # noqa: E402
-import _eval_transport  # noqa: E402
+from kvtransport.eval import figures_model, figures_transport
+from kvtransport.eval.harness import ROOT, Run, Settings
+from kvtransport.eval.provenance import machine
+from kvtransport.eval.registries import LABELS
 
 RUNNERS = {
-    1: _eval_transport.figure1,
-    2: _eval_model.figure2,
-    3: _eval_model.figure3,
-    4: _eval_transport.figure4,
-    5: _eval_model.figure5,
-    6: _eval_transport.figure6,
+    1: figures_transport.figure1,
+    2: figures_model.figure2,
+    3: figures_model.figure3,
+    4: figures_transport.figure4,
+    5: figures_model.figure5,
+    6: figures_transport.figure6,
 }
 
 
@@ -82,7 +81,7 @@ def collect_evidence(out: Path) -> list[str]:
     lines = []
     out.mkdir(parents=True, exist_ok=True)
     for name, src in EVIDENCE.items():
-        path = ec.ROOT / src
+        path = ROOT / src
         if path.is_file():
             shutil.copyfile(path, out / name)
             lines.append(f"copied {src} -> {out / name}")
@@ -109,7 +108,7 @@ def headline(records: dict[int, dict[str, Any]]) -> list[str]:
     out = []
     if r := records.get(1):
         rho = "0.8" if "0.8" in r["summary"] else next(iter(r["summary"]))
-        cells = ", ".join(f"{ec.LABELS[n]} {v['mean']:.3f}" for n, v in r["summary"][rho].items())
+        cells = ", ".join(f"{LABELS[n]} {v['mean']:.3f}" for n, v in r["summary"][rho].items())
         out.append(f"fig 1, utility at rho {rho}: {cells}")
     if r := records.get(2):
         for fam, fs in r["summary"].items():
@@ -179,8 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     figures = parse_only(args.only)
     if args.threads < 1:
         raise SystemExit("--threads must be at least 1")
-    run = ec.Run(
-        settings=ec.Settings.small() if args.small else ec.Settings.full(),
+    run = Run(
+        settings=Settings.small() if args.small else Settings.full(),
         out=Path(args.out),
         data=Path(args.data),
         command=shlex.join([".venv/bin/python", "scripts/evaluate.py", *argv]),
@@ -197,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         "figures": figures,
         "wall_s": time.perf_counter() - t0,
         "figure_wall_s": {n: r["wall_s"] for n, r in records.items()},
-        "machine": ec.machine(),
+        "machine": machine(),
     }
     run.data.mkdir(parents=True, exist_ok=True)
     (run.data / "index.json").write_text(json.dumps(index, indent=1) + "\n")

@@ -6,8 +6,7 @@
 #      race; tests/conftest.py SERIAL_FILES), after the CPU-heavy part 1 so that no training
 #      or evaluation run competes with them, two files at a time;
 #   3. the exclusive tests (the netns testbed, and tight wall-clock margins: tests/conftest.py
-#      EXCLUSIVE_FILES), one at
-#      a time, with the machine to themselves.
+#      EXCLUSIVE_FILES), one at a time, with the machine to themselves.
 # Arguments go to every part (e.g. a test file: a part it does not belong to selects
 # nothing, which is not a failure). KVT_TEST_WORKERS overrides the worker count of parts 1
 # and 2.

@@ -439,7 +439,7 @@ def test_int8_groups_span_the_head_vector_and_older_manifests_keep_the_common_gr
         _encode(c, "int8", int8_group_size=24)
     # a version this module does not know is refused
     future = bytearray(s.manifest_bytes[:-4])
-    future[4:6] = (5).to_bytes(2, "little")
+    future[4:6] = (6).to_bytes(2, "little")
     future += zlib.crc32(bytes(future)).to_bytes(4, "little")
-    with pytest.raises(blocks.ManifestError, match="version 5"):
+    with pytest.raises(blocks.ManifestError, match="version 6"):
         blocks.Manifest.from_bytes(bytes(future))

@@ -2,7 +2,6 @@
 
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,6 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "compare_allocators.p
 
 @pytest.fixture(scope="module")
 def compare():
-    sys.path.insert(0, str(SCRIPT.parent))
     spec = importlib.util.spec_from_file_location("compare_allocators", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

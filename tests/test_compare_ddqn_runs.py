@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from kvtransport.eval.statistics import significant
+
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
 def _module(name: str):
-    sys.path.insert(0, str(SCRIPTS))
     spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -62,7 +62,7 @@ def test_differences_are_paired_over_the_same_episodes(runs):
     a = np.array(b["adaptive"])
     assert row["new_minus_adaptive"]["mean"] == pytest.approx((new - a).mean())
     assert row["shipped_minus_adaptive"]["mean"] == pytest.approx((np.array(b["ddqn"]) - a).mean())
-    wins = [int(cmp._significant(row[f"{w}_minus_adaptive"]) > 0) for w in ("new", "shipped")]
+    wins = [int(significant(row[f"{w}_minus_adaptive"]) > 0) for w in ("new", "shipped")]
     assert f"above adaptive: new {wins[0]}, shipped {wins[1]} (of 1)." in table
     won = {**row, "new_minus_adaptive": {"mean": 0.01, "ci95": 0.005}}
     assert "above adaptive: new 1," in cmp.markdown([won])

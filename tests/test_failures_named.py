@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+from procs import finish
 
 from kvtransport.cli import EXIT_BROKEN_PIPE, main
 from kvtransport.core.feedback import refusal_datagram, refusal_reason
@@ -178,21 +179,11 @@ def _send(port, capsys, *args):
     return rc, json.loads(out), err
 
 
-def _finish(rx, timeout=60):
-    try:
-        out, err = rx.communicate(timeout=timeout)
-    finally:
-        if rx.poll() is None:
-            rx.kill()
-            rx.wait()
-    return out, err
-
-
 def test_send_and_recv_with_different_keys_say_so_and_fail(tmp_path, capsys):
     rx, port, _ = _start_recv(tmp_path, "--key-file", _key_file(tmp_path, "a", KEY),
                               "--timeout", "4")  # fmt: skip
     rc, st, err = _send(port, capsys, "--key-file", _key_file(tmp_path, "b", OTHER_KEY))
-    _, rx_err = _finish(rx)
+    _, _, rx_err = finish(rx)
     assert rc == 4 and st["delivered"] == "nothing" and st["feedback_received"] == 0
     assert err.strip().splitlines()[-1] == f"kvtransport send: {NO_FEEDBACK}"
     assert rx.returncode == 2
@@ -216,7 +207,7 @@ def test_a_sender_whose_clock_is_off_is_refused_and_both_ends_name_the_skew(
                               "--replay-window", "5")  # fmt: skip
     monkeypatch.setattr(daemon_sender, "wall_offset", lambda: time.time() - clock() - 600.0)
     rc, st, err = _send(port, capsys, "--key-file", key)
-    _, rx_err = _finish(rx, timeout=60)  # 60 s: a recv waiting for its --timeout fails here
+    _, _, rx_err = finish(rx, timeout=60)  # 60 s: a recv waiting for its --timeout fails here
     assert rc == 4 and st["delivered"] == "nothing"
     assert st["finish_reason"] == "refused (stale_manifest)" and st["refused"] == "stale_manifest"
     assert "kvtransport send: refused by the receiver (stale_manifest)" in err
@@ -234,7 +225,7 @@ def test_a_refused_transfer_fails_both_ends_with_the_reason(tmp_path, capsys):
     key = _key_file(tmp_path, "k", KEY)
     rx, port, _ = _start_recv(tmp_path, "--key-file", key, "--max-mb", "0.1")
     rc, st, err = _send(port, capsys, "--key-file", key)
-    rx_out, rx_err = _finish(rx)
+    _, rx_out, rx_err = finish(rx)
     assert rc == 4 and st["refused"] == "too_large"
     assert "kvtransport send: refused by the receiver (too_large)" in err
     assert rx.returncode == 4 and json.loads(rx_out)["refused"] == "too_large"
@@ -248,7 +239,7 @@ def test_a_partial_transfer_exits_3_and_prints_counts_not_none(tmp_path, capsys)
     rc = main(["send", f"127.0.0.1:{port}", "--key-file", key, "--size-mb", "2",
                "--rate-mbps", "4", "--deadline-ms", "600", "--policy", "adaptive"])  # fmt: skip
     out, _ = capsys.readouterr()
-    _finish(rx)
+    finish(rx)
     assert rc == 3 and rx.returncode == 3
     assert "delivered                partial" in out
     assert "smoothed RTT             None" not in out and " ms (mean deviation" in out

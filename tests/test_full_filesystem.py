@@ -75,7 +75,10 @@ def test_recv_keeps_a_result_its_out_dir_cannot_take(small_fs, tmp_path):
         out, err = recv.communicate(timeout=400)
     finally:
         recv.kill()
-    assert sent.returncode == 0, sent.stderr
+    # the sender is told: the receiver's final report names result_unsaved (exit 4)
+    assert sent.returncode == 4, sent.stderr
+    assert "result_unsaved" in sent.stderr.strip().splitlines()[-1], sent.stderr
+    assert json.loads(sent.stdout.strip().splitlines()[-1])["refused"] == "result_unsaved"
     assert recv.returncode == 2, err
     last = err.strip().splitlines()[-1]
     assert "kept in" in last and "Traceback" not in err, err

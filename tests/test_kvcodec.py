@@ -208,13 +208,23 @@ for f in _forgeries(coded, seed=6):
         pass
     except Exception as exc:
         errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
+from kvtransport.codecs import quant
+rows = quant.quantize_kv(kv, 8, 64, False)
+buf, lengths = kvcodec.encode_int8_rows(rows, 3, 16, 64)
+out = np.empty_like(rows)
+for f in _forgeries(buf, seed=7):
+    try:
+        kvcodec.decode_int8_rows(f, [0], [f.size], 3, 16, 64, out)
+    except Exception as exc:
+        errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
 print(json.dumps(errors))
 """
 
 
 def test_forged_blocks_never_read_out_of_bounds(tmp_path):
-    """The decoder compiled with numba's bounds checking (a fresh kernel cache) meets every
-    forgery: an index outside any array would raise IndexError."""
+    """The decoders (the lossy codec's and int8r's) compiled with numba's bounds checking
+    (a fresh kernel cache) meet every forgery: an index outside any array would raise
+    IndexError."""
     env = dict(os.environ, NUMBA_BOUNDSCHECK="1", NUMBA_CACHE_DIR=str(tmp_path))
     out = subprocess.run(
         [sys.executable, "-c", _PROBE, os.path.dirname(__file__)],
@@ -230,9 +240,12 @@ def test_bench_script_runs_small(capsys):
 
     assert bench_kvcodec.main(["--synthetic", "8", "--rounds", "1", "--steps", "0.1,0.1",
                                "--json"]) == 0  # fmt: skip
-    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert r["blocks"] == 8 and 0 < r["size_vs_int8"] < 1
-    assert r["codec_gbit_s_cpu"] > 0 and r["int8_gbit_s_cpu"] > 0
+    lossy, int8r = (json.loads(line) for line in capsys.readouterr().out.strip().splitlines())
+    assert lossy["blocks"] == 8 and 0 < lossy["size_vs_int8"] < 1
+    assert lossy["codec_gbit_s_cpu"] > 0 and lossy["int8_gbit_s_cpu"] > 0
+    assert lossy["encode_gbit_s_cpu"] > 0
+    assert int8r["kind"] == "int8r" and int8r["blocks"] == 8 and int8r["size_vs_int8"] > 0
+    assert int8r["encode_gbit_s_cpu"] > 0 and int8r["decode_gbit_s_cpu"] > 0
 
 
 def _rans_start(coded: np.ndarray) -> int:

@@ -165,3 +165,48 @@ def test_the_check_sees_lazy_type_only_and_forbidden_imports(layers):
         "kvtransport.model._probe:1 (model) -> kvtransport.hosts.sender_host (hosts): never",
     ]
     assert unplaced == ["kvtransport/newfolder/x.py"]
+
+
+def sibling_imports(source: str, siblings: set[str]) -> list[str]:
+    """What a script does instead of importing the package: ``sys.path`` edits, and
+    imports of a sibling script (``import eval_policy``) as a library."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr == "path":
+            if isinstance(node.value, ast.Name) and node.value.id == "sys":
+                out.append(f"{node.lineno}: sys.path")
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+        out += [f"{node.lineno}: import {n}" for n in names if n.split(".")[0] in siblings]
+    return sorted(out)
+
+
+def test_scripts_are_entries_over_the_eval_package():
+    """The scripts share code through kvtransport.eval, never through each other."""
+    scripts = sorted((ROOT / "scripts").glob("*.py"))
+    siblings = {p.stem for p in scripts}
+    bad = {
+        p.name: found
+        for p in scripts
+        if (found := sibling_imports(p.read_text(encoding="utf-8"), siblings))
+    }
+    assert bad == {}
+    probe = "import sys\nsys.path.insert(0, '.')\nfrom eval_policy import mean_ci\n"
+    assert sibling_imports(probe, siblings) == ["2: sys.path", "3: import eval_policy"]
+
+
+def test_the_eval_package_sits_above_the_demo(layers):
+    """kvtransport.eval drives the demo's steps; the demo importing it is an upward edge."""
+    extra = {
+        "kvtransport.demo._probe": (
+            "kvtransport/demo/_probe.py",
+            "def f():\n    from kvtransport.eval import harness\n",
+        ),
+    }
+    _, bad = violations(layers, extra)
+    assert [b for b in bad if "_probe" in b] == [
+        "kvtransport.demo._probe:2 (demo) -> kvtransport.eval.harness (eval): up"
+    ]

@@ -5,17 +5,14 @@ with its datagrams, charged as their datagrams arrive. Forged but authenticated 
 (the key is known here) against a real receiver daemon process."""
 
 import socket
-import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
+from procs import receiver_daemon
 
 from kvtransport.core.manifest_fec import MAX_MANIFEST_BYTES, ManifestReceiver, ManifestSender
 from kvtransport.core.wire import BadPayload, DatagramType, Framer, Parser
-from kvtransport.daemons.api import ApiError
-from kvtransport.embed.client import ReceiverClient
 from kvtransport.hosts.receiver_host import POOL_BYTES
 
 KEY = bytes(range(32))
@@ -47,32 +44,11 @@ def _vm(pid, field):
     raise AssertionError(field)
 
 
-def _daemon(tmp_path):
-    key = tmp_path / "key"
-    key.write_text(KEY.hex())
-    key.chmod(0o600)
-    ctl = f"ipc://{tmp_path}/rx.ipc"
-    argv = [sys.executable, "-m", "kvtransport", "receiver-daemon", "--listen", "127.0.0.1:0",
-            "--control", ctl, "--publish", f"ipc://{tmp_path}/pub.ipc", "--key-file", str(key),
-            "--budget-mb", "32", "--replay-file", str(tmp_path / "replay")]  # fmt: skip
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    t_end = time.monotonic() + 300  # a cold kernel cache compiles first
-    while True:
-        client = ReceiverClient(ctl, timeout_s=2)
-        try:
-            return proc, client, int(client.ping()["udp"].rsplit(":", 1)[1])
-        except ApiError:
-            client.close()
-            if proc.poll() is not None or time.monotonic() > t_end:
-                proc.kill()
-                raise
-
-
 def test_manifests_being_decoded_stay_within_the_pool(tmp_path):
     """12 forged transfers, each a manifest of 130 symbols of 60 kB (7.8 MB, within the
     bound): 600 of their datagrams (36 MB) would all sit in decoders. The daemon's peak
     RSS grows by about the pool's bound, not by what was sent."""
-    proc, client, port = _daemon(tmp_path)
+    proc, client, port = receiver_daemon(tmp_path, KEY, 32)
     try:
         tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         tx.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)

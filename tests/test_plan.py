@@ -1,5 +1,7 @@
 """The handoff planner: byte budget, utility-ordered upgrades, split against link speed."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -7,7 +9,15 @@ from kvtransport.kvformat import blocks
 from kvtransport.kvformat.kvcache import KVCache
 from kvtransport.model import utility
 from kvtransport.model.cache_builder import ComputeSpeed
-from kvtransport.model.plan import ALL_LEVELS, LinkEstimate, plan_handoff
+from kvtransport.model.plan import (
+    ALL_LEVELS,
+    DEFAULT_MIN_FIDELITY,
+    LinkEstimate,
+    _Task,
+    menu,
+    plan_handoff,
+    robust_speed,
+)
 
 GEOM = blocks.Geometry(num_layers=30, num_kv_heads=3, num_tokens=504, head_dim=64)
 SPEED = ComputeSpeed(per_call_s=0.01, per_token_s=0.004)  # ~2 s for 504 tokens
@@ -446,3 +456,56 @@ def test_a_k8v4_rated_off_the_hull_is_never_planned():
                             **BARE)  # fmt: skip
         assert not np.any(plan.precision == K8V4)
         assert np.any(plan.precision == INT4)
+
+
+def test_an_untrusted_speed_plans_a_shorter_prefix_back_first_at_the_floors_levels():
+    """A speed whose measured rounds disagreed prices the prefix at the slowest round
+    (robust_speed), sends the last ranges first (the receiver computes on from the front
+    to wherever the link meets it: no tail) and sends the floor's levels: no upgrades for
+    an idle link that only the untrusted speed predicts."""
+    u = _utilities(5)
+    slow = SPEED.scaled(10.0)  # measured slow: the link looks idle while it computes
+    shaky = replace(SPEED, spread=1.0)  # the same median speed, rounds 100 % apart
+    assert not shaky.trusted and SPEED.trusted
+    assert robust_speed(shaky).per_token_s == pytest.approx(2 * SPEED.per_token_s)
+    assert robust_speed(SPEED) is SPEED
+    kw = {"budget_s": 20.0, "objective": "ttft", "answer_s": 3.0, **BARE}
+    trusted = plan_handoff(GEOM, u, link=LINK, speed=slow, **kw)
+    untrusted = plan_handoff(GEOM, u, link=LINK, speed=replace(slow, spread=1.0), **kw)
+    assert untrusted.split <= trusted.split
+    assert (trusted.order, untrusted.order) == ("position", "back")
+    assert trusted.tail > 0 and untrusted.tail == 0
+    assert untrusted.compute_s == pytest.approx(slow.scaled(2.0).seconds(untrusted.split))
+    assert untrusted.payload_bytes < trusted.payload_bytes  # the trusted one upgraded
+    assert untrusted.fidelity >= DEFAULT_MIN_FIDELITY > trusted.prefix_utility
+    # the floor's levels: the same blocks as a plan with no idle link time to spend
+    floor = plan_handoff(GEOM, u, link=LINK, speed=replace(slow, spread=1.0),
+                         **{**kw, "budget_s": 1e-3})  # fmt: skip
+    assert np.array_equal(untrusted.precision, floor.precision)
+
+
+@pytest.mark.parametrize("levels", [NO_K8V4, ALL_LEVELS, NO_INT4])
+def test_the_floor_order_for_any_prefix_is_the_whole_caches_less_the_prefix(levels):
+    """_Task.floored takes the raise order once (from every block at the cheapest level)
+    and drops the prefix's blocks: the same levels as ranking the blocks after each
+    prefix on their own."""
+    g, u = GEOM, _utilities(6)
+    lv = menu(g, levels)
+    fid = np.array([blocks.DEFAULT_FIDELITY[p] for p in lv])
+    cost = g.cost_table(lv).reshape(g.num_layers, g.token_blocks, len(lv))
+    task = _Task(g, u, cost, fid, LINK, 0.05, 1.0, lv, DEFAULT_MIN_FIDELITY, "position", 0.0)
+    for k in range(0, g.token_blocks + 1, 3):
+        level = np.full((g.num_layers, g.token_blocks), len(lv) - 1)
+        level[:, :k] = -1
+        need = DEFAULT_MIN_FIDELITY - float(u[:, :k].sum() + u[:, k:].sum() * fid[-1])
+        if need > 0 and k < g.token_blocks:
+            i, j, target, gain, _ = task.upgrades(level)
+            take = min(int(np.searchsorted(np.cumsum(gain), need)) + 1, len(gain))
+            np.minimum.at(level, (i[:take], j[:take]), target[:take])
+        assert np.array_equal(task.floored(k), level), k
+
+
+def test_link_times_of_many_byte_counts_are_each_ones():
+    counts = np.array([0, 1, 1279, 1280, 1281, 10**6, 7.5e7, -3])
+    each = LINK.seconds_each(counts, 0.1)
+    assert each.tolist() == [LINK.seconds(float(c), 0.1) for c in counts]

@@ -30,7 +30,6 @@ def _skip_reason() -> str | None:
 
 
 def _script():
-    sys.path.insert(0, str(ROOT / "scripts"))  # its sibling eval_policy, as when run
     spec = importlib.util.spec_from_file_location(
         "eval_queue_guard_netns", ROOT / "scripts" / "eval_queue_guard_netns.py"
     )

@@ -7,6 +7,7 @@ it should have computed (or the reverse) fails.
 """
 
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -694,6 +695,30 @@ def test_a_race_planned_on_a_mismeasured_speed_learns_from_its_first_chunk(smoll
     ratio = res.speed.per_token_s / slow.per_token_s
     assert res.speed.per_call_s / slow.per_call_s == pytest.approx(ratio)
     assert res.speed.per_pair_s / slow.per_pair_s == pytest.approx(ratio)
+
+
+def test_an_untrusted_speed_with_no_prefix_is_timed_on_one_range_before_any_wait(smollm, context):
+    """No prefix to time, a speed that says a range costs a minute and rounds that
+    disagreed (not trusted), every range due at 10 s: the race computes one range first,
+    learns the receiver is far faster, and computes the rest instead of waiting; the same
+    speed trusted waits for the link."""
+    ctx, _, kv = context
+    ranges = -(-len(ctx) // BT)
+    slow = ComputeSpeed(per_call_s=60.0, per_token_s=1.0, per_pair_s=1e-3)
+    ready = np.full(ranges, 10.0)
+    runs = {}
+    for spread in (1.0, 0.0):
+        runs[spread] = run_race(smollm.model, ctx, split=0,
+                                received=_poisoned(kv, list(range(ranges))), ready_at=ready,
+                                link=_link(ready, deadline_s=10.0),
+                                speed=replace(slow, spread=spread), block_tokens=BT)  # fmt: skip
+    shaky, trusted = runs[1.0], runs[0.0]
+    first = shaky.steps[0]
+    assert (first.action, first.start, first.tokens) == ("compute", 0, BT)
+    assert "wait" not in [s.action for s in shaky.steps]
+    assert shaky.seconds < 10.0 and shaky.computed == len(ctx) and _err(shaky.kv, kv) < TOL
+    assert shaky.speed is not None and shaky.speed.per_token_s < slow.per_token_s / 10
+    assert trusted.steps[0].action == "wait" and trusted.seconds >= 10.0
 
 
 def test_a_speed_is_corrected_only_beyond_the_timing_noise_of_one_call():

@@ -417,3 +417,90 @@ def test_step_speed_times_big_steps_from_when_they_could_start():
         s.scheduled(end - 2.0, 1000)
         s.finished(end)
     assert s.speed().per_token_s == pytest.approx(2e-3)
+
+
+def test_the_race_waits_while_the_push_keeps_pace_and_cuts_once_computing_is_sooner():
+    """The consumer's race (vb.race_cut): 1,000 tokens it computes in 10 s, a push
+    planned at 1 s on the link."""
+    race = dict(total=1000, recompute_s=10.0, planned_s=1.0, wait_s=30.0)
+    # nothing in yet: expected in the planned time, then in as long again as waited
+    assert not vb.race_cut(waited_s=0.5, arrived=0, **race)
+    assert not vb.race_cut(waited_s=9.0, arrived=0, **race)  # the producer is slow
+    assert vb.race_cut(waited_s=10.5, arrived=0, **race)  # computing it all is sooner
+    # the pace counts from the first arrival, not from the wait's start: a tenth in
+    # 50 ms after 5 s of the producer's copy-out and encoding -> 0.45 s more: wait
+    assert not vb.race_cut(waited_s=5.0, arrived=100, arriving_s=0.05, received=0.1, **race)
+    # a thousandth in 20 ms (a burst of loss at the start, repaired later): too early to
+    # tell a pace (PACE_AFTER of the planned time); 20 s at that pace, but wait
+    assert not vb.race_cut(waited_s=1.0, arrived=0, arriving_s=0.02, received=0.001, **race)
+    # a tenth in 5 s -> 45 s more against 9 s of computing: cut
+    assert vb.race_cut(waited_s=6.0, arrived=100, arriving_s=5.0, received=0.1, **race)
+    # the pace is the bytes', not the prefix's: a hole in range 1 holds the prefix at 32
+    # tokens while 60 % arrived in 0.6 s -> 0.4 s more: wait (the prefix alone said 18 s)
+    assert not vb.race_cut(waited_s=1.0, arrived=32, arriving_s=0.6, received=0.6, **race)
+    # half in 2.5 s -> 2.5 s more against 5 s: wait; everything in: never
+    assert not vb.race_cut(waited_s=3.0, arrived=500, arriving_s=2.5, received=0.5, **race)
+    assert not vb.race_cut(waited_s=29.0, arrived=1000, arriving_s=1.0, received=1.0, **race)
+    # at wait_s: always
+    assert vb.race_cut(waited_s=30.0, arrived=900, arriving_s=0.1, received=0.9, **race)
+    # no plan or no compute speed: only wait_s cuts
+    for unknown in ({"planned_s": None}, {"recompute_s": None}):
+        kw = {**race, **unknown}
+        assert not vb.race_cut(waited_s=20.0, arrived=0, **kw)
+        assert vb.race_cut(waited_s=30.0, arrived=0, **kw)
+
+
+def test_arrived_prefix_counts_ranges_complete_in_every_layer():
+    keys, values = _paged(5)
+    n = 150  # 5 ranges of 32, the last short
+    cache = vb.gather(keys, values, [0, 1, 2, 3, 4], list(range(n)), "toy")
+    m = vb.encode_request(cache, "r", BS).manifest
+    tb, layer = m.token_block.astype(int), m.layer.astype(int)
+    complete = np.zeros(len(tb), bool)
+    assert vb.arrived_prefix(m, complete) == 0
+    complete[tb <= 1] = True  # ranges 0 and 1 whole
+    complete[(tb == 2) & (layer != 3)] = True  # range 2 less one layer
+    assert vb.arrived_prefix(m, complete) == 2 * BS
+    complete[:] = True
+    assert vb.arrived_prefix(m, complete) == n  # not 5 * 32
+
+
+def test_progress_reports_what_would_load_of_a_transfer_still_receiving():
+    """Inbox.progress while a push arrives over UDP: whole ranges, never more than a cut
+    then loads, growing; None for a tag nobody sends and once the transfer ended."""
+    rng = np.random.default_rng(6)
+    n, nb = 640, 20
+    shape = (nb, 3, BS, DIM)
+    keys = [rng.standard_normal(shape).astype(np.float32) for _ in range(8)]
+    cache = vb.gather(keys, keys, list(range(nb)), list(range(n)), "toy")  # 7.9 MB
+    inbox = vb.Inbox(listen="127.0.0.1:0", key=KEY)
+    pusher = vb.Pusher(key=KEY, rate_mbps=10)  # ~6 s of wire time
+    seen: list[int] = []
+    shares: list[float] = []
+    try:
+        pusher.push(vb.encode_request(cache, "r", BS), "r", inbox.address, deadline_ms=60000)
+        end = time.monotonic() + 30
+        while time.monotonic() < end and (not seen or seen[-1] < 3 * BS):
+            got = inbox.progress("r")
+            if got is not None:
+                assert got[1] == n and got[2] >= 0 and 0 <= got[3] <= 1
+                assert got[0] == 0 or (got[2] > 0 and got[3] >= got[0] / n)
+                seen.append(got[0])
+                shares.append(got[3])
+            time.sleep(0.02)
+        assert inbox.progress("another") is None
+        inbox.cut("r")
+        while not inbox.cut_done("r") and time.monotonic() < end:
+            time.sleep(0.01)
+        last = seen[-1]
+        result = inbox.take("r")
+        assert inbox.progress("r") is None  # ended
+    finally:
+        pusher.close()
+        inbox.close()
+    assert seen == sorted(seen) and all(s % BS == 0 for s in seen)
+    assert shares == sorted(shares) and 0 < shares[-1] < 1
+    assert 3 * BS <= last < n
+    plan = vb.load_plan(result, block_ids=list(range(nb)), block_size=BS, start=0, stop=n,
+                        token_ids=cache.token_ids)  # fmt: skip
+    assert plan.prefix >= last

@@ -97,11 +97,12 @@ planner): what the bit-identity tests check."""
 
 def _handoff(model_dir, tokens: list[int], deadline_ms: float, rate_mbps: float = 100,
              load_log: str | None = None, wait_ms: float = 5000,
-             producer: dict | None = None):  # fmt: skip
+             producer: dict | None = None, late: dict | None = None):  # fmt: skip
     """Producer and consumer connectors, both roles each, one request pushed and loaded.
-    producer: more of the producer's extra config (default: LOSSLESS). Returns (src
-    pages, dst pages, producer block ids, consumer block ids, load errors, consumer
-    stats)."""
+    producer: more of the producer's extra config (default: LOSSLESS); late: what the
+    decode engine is told instead of the producer's handed-over plan (a push late
+    against it). Returns (src pages, dst pages, producer block ids, consumer block ids,
+    load errors, consumer stats)."""
     port = _port()
     p_extra = {"push_to": f"127.0.0.1:{port}", "rate_mbps": rate_mbps}
     p_cfg = _config(model_dir, "kv_producer", {**p_extra, **(producer or LOSSLESS)})
@@ -125,7 +126,12 @@ def _handoff(model_dir, tokens: list[int], deadline_ms: float, rate_mbps: float 
         req = _request("p-1", tokens, params)
         assert p_sched.get_num_new_matched_tokens(req, 0) == (0, False)  # a producer loads nothing
         delay, handed = p_sched.request_finished(req, p_ids)
-        assert delay is True and handed == {"do_remote_prefill": True, "kvt_request": "t1"}
+        assert delay is True
+        assert {k: handed[k] for k in ("do_remote_prefill", "kvt_request")} == {
+            "do_remote_prefill": True, "kvt_request": "t1"}  # fmt: skip
+        # a planned push tells the decode engine its plan (for its race); lossless none
+        assert ("kvt_planned_ms" in handed) == ((producer or LOSSLESS) != LOSSLESS)
+        handed = {**handed, **(late or {})}
         p_work.bind_connector_metadata(p_sched.build_connector_meta(None))
         p_work.start_load_kv(None)
         assert p_work.get_finished({"p-1"}) == ({"p-1"}, None)  # copied out: blocks freed
@@ -230,6 +236,28 @@ def test_a_planned_push_lands_int8_dequantized_in_the_decode_engines_blocks(mode
 
     k, _ = paged_views(dst, 64)
     assert not k[3][c_ids[4], :, 22:].any()
+
+
+def test_a_push_late_against_its_plan_is_cut_when_computing_the_rest_is_sooner(
+    model_dir, tmp_path
+):  # fmt: skip
+    """The decode engine's race: a push told to take 50 ms (its plan) runs seconds at
+    2 Mbit/s; computing the prompt takes the decode engine 0.8 s (so said). Long before
+    wait_ms it stops waiting, loads the prefix that arrived and reports the rest as load
+    errors."""
+    tokens = list(range(4000, 4000 + 20 * BS))  # int8: ~1.9 MB, ~8 s at 2 Mbit/s
+    log = tmp_path / "loads.jsonl"
+    plan = {"precision": "int8", "decode_tokens_per_s": 5}  # a push pays: it is made
+    late = {"kvt_planned_ms": 50, "kvt_recompute_ms": 800}
+    src, dst, p_ids, c_ids, errors, stats = _handoff(
+        model_dir, tokens, deadline_ms=60000, rate_mbps=2, wait_ms=30000, producer=plan,
+        late=late, load_log=str(log),
+    )  # fmt: skip
+    rec = json.loads(log.read_text().splitlines()[0])
+    assert rec["times"]["race_cut"] is True and rec["waited_ms"] < 30000
+    loaded = stats.data["tokens_loaded"]
+    assert loaded < len(tokens) and loaded % BS == 0
+    assert errors == set(c_ids[loaded // BS :])
 
 
 def _producer(model_dir, extra: dict):

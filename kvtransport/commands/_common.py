@@ -13,10 +13,13 @@ import json
 import math
 import sys
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtransport.bounds import float_arg, int_arg
 from kvtransport.errors import UserError
+
+if TYPE_CHECKING:
+    from kvtransport.core.wire import SealKey
 
 EXIT_COMPLETE = 0
 """``send`` and ``recv``: every block (``send``: every source symbol) arrived."""
@@ -77,11 +80,60 @@ def add_key(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def key_from(args: argparse.Namespace) -> bytes | None:
-    """The key :func:`add_key`'s options name (None only with ``--insecure``)."""
+IDENTITY_HELP = (
+    "Bind transfers to the peers' identities (X25519 key pairs, made by kvtransport keygen): "
+    "a sender names its receiver's public key (--peer-pub), a receiver the senders' it "
+    "allows (--allow-pub); only public keys are copied between hosts. A capture replayed "
+    "to another receiver, or a sender not allowed, opens nothing. A pre-shared key is then "
+    "mixed in only when one is named (--key-file, --key-stdin, $KVT_KEY)."
+)
+
+
+def add_identity(parser: argparse.ArgumentParser, *, sending: bool) -> None:
+    """``--identity FILE`` and a sender's ``--peer-pub FILE`` or a receiver's
+    ``--allow-pub PATH`` (kvtransport.core.keys, identities); :func:`key_from` reads them."""
+    g = parser.add_argument_group("peer identities", IDENTITY_HELP)
+    g.add_argument("--identity", metavar="FILE",
+                   help="this host's private key (default "
+                   "~/.config/kvtransport/identity)")  # fmt: skip
+    if sending:
+        g.add_argument("--peer-pub", metavar="FILE",
+                       help="the receiver's public key file: only that receiver opens what "
+                       "this sends")  # fmt: skip
+    else:
+        g.add_argument("--allow-pub", metavar="PATH", action="append",
+                       help="a sender's public key file, or a directory of *.pub files "
+                       "(repeat for more): only these senders open sessions")  # fmt: skip
+
+
+def key_from(args: argparse.Namespace) -> SealKey | None:
+    """The key :func:`add_key`'s options name (None only with ``--insecure``), or with
+    :func:`add_identity`'s peers named, the peers' keys (kvtransport.core.keys)."""
+    from kvtransport.core.keys import allowed_publics, peer_keys, read_public
+
+    peer = getattr(args, "peer_pub", None)
+    allowed: list[str] = getattr(args, "allow_pub", None) or []
+    if peer is None and not allowed:
+        if getattr(args, "identity", None) is not None:
+            raise UserError("--identity needs the peer's public key: --peer-pub or --allow-pub")
+        return _psk_from(args, explicit=False)
+    if args.insecure:
+        raise UserError("--insecure runs without keys; drop it or --peer-pub/--allow-pub")
+    psk = _psk_from(args, explicit=True)
+    if peer is not None:
+        from pathlib import Path
+
+        return peer_keys(args.identity, [(Path(peer), read_public(peer))], sending=True, psk=psk)
+    return peer_keys(args.identity, allowed_publics(allowed), sending=False, psk=psk)
+
+
+def _psk_from(args: argparse.Namespace, *, explicit: bool) -> bytes | None:
+    """The pre-shared key :func:`add_key`'s options name; with ``explicit`` only one named
+    by an option or ``$KVT_KEY`` (None otherwise: no default key file read or made)."""
+    import os
     from pathlib import Path
 
-    from kvtransport.core.keys import parse_hex, resolve_key
+    from kvtransport.core.keys import KEY_ENV, parse_hex, resolve_key
 
     if args.key is not None and not Path(args.key).exists():
         raise UserError(
@@ -92,6 +144,8 @@ def key_from(args: argparse.Namespace) -> bytes | None:
         if args.key is not None or args.key_file is not None or args.insecure:
             raise UserError("give one of --key-stdin, --key-file, --key, --insecure")
         return parse_hex(sys.stdin.readline(), "the key on standard input")
+    if explicit and args.key is None and args.key_file is None and not os.environ.get(KEY_ENV):
+        return None
     return resolve_key(args.key_file, args.key, args.insecure)
 
 

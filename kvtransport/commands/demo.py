@@ -118,7 +118,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="precisions the plan may send, best first (default fp16,int8,int4: int4 only "
         "for the least useful blocks, as far as an expected fidelity of 0.999 allows; e.g. "
         "fp32, fp16,int8 or, with keys int8 and values int4 between int8 and int4, "
-        "fp16,int8,k8v4,int4)",
+        "fp16,int8,k8v4,int4; int8r is int8 entropy-coded, the same values in fewer bytes)",
     )  # fmt: skip
     parser.add_argument(
         "--objective", choices=("ttft", "fidelity"), default=None,

@@ -53,6 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--publish", default=DEFAULT_RESULTS, metavar="ENDPOINT",
                    help=f"ZeroMQ PUB endpoint for results (default {DEFAULT_RESULTS})")  # fmt: skip
     _common.add_key(p)
+    _common.add_identity(p, sending=False)
     p.add_argument("--out-dir", metavar="DIR", help="also write each result into DIR")
     p.add_argument("--race-dir", metavar="DIR",
                    help="mirror each transfer into DIR while it arrives (e.g. a 0700 folder "

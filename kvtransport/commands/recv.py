@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvtransport.bounds import float_arg
 from kvtransport.commands import _common
@@ -27,7 +27,9 @@ recovered and which blocks are missing; --out DIR writes the result as
 <transfer id>.result.safetensors (mode 0600; a cache card when a card was sent, see
 kvtransport.daemons.api). --out is checked at start (a writable directory with room); if
 writing the result fails later (disk full), the result is kept in the state directory's
-results/ folder instead and the failure named on standard error (exit 2).
+results/ folder instead and the failure named on standard error (exit 2), and the sender
+is told (its final report waits for the write): `kvtransport send` names
+result_unsaved and exits 4.
 Datagrams of any other transfer are counted and dropped.
 
 Exit status: 0 when every block arrived, 3 when the result is partial (blocks missing at
@@ -47,6 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen", default="0.0.0.0:9400", metavar="HOST:PORT",
                    help="UDP address to receive on (default 0.0.0.0:9400)")  # fmt: skip
     _common.add_key(p)
+    _common.add_identity(p, sending=False)
     p.add_argument("--out", metavar="DIR", help="write the result file into DIR")
     p.add_argument("--timeout", type=float_arg(0, 1e6, lo_open=True), default=60.0,
                    help="give up if no transfer starts within this many seconds (60)")  # fmt: skip
@@ -63,6 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvtransport.core.replay import open_record
+    from kvtransport.core.wire import PeerKeys
     from kvtransport.daemons.api import keep_result, probe_result_dir
     from kvtransport.daemons.daemon import warm_up
     from kvtransport.daemons.udp import DatagramSocket, parse_address, set_realtime
@@ -80,10 +84,27 @@ def run(args: argparse.Namespace) -> int:
     sock = DatagramSocket(bind, gro=not args.no_gro)
     host, port = sock.address
     print(f"kvtransport recv: listening on {host}:{port}", file=sys.stderr, flush=True)
+    engines: list = []
+    written: dict = {}
+
+    def keep(inc: Any) -> bool:
+        """The result into --out before the sender is told (else kept elsewhere)."""
+        result = written["result"] = delivered(inc, engines[0])
+        try:
+            path, kept = keep_result(args.out, inc.session.result, result.stats)
+        except UserError as exc:  # neither --out nor the state directory took it
+            written["lost"] = str(exc)
+            return False
+        result.stats["file"] = str(path)
+        if kept is not None:
+            result.stats["file_error"] = written["kept"] = kept
+        return kept is None
+
     with _common.stoppable(sock) as stop, _common.warnings_to_stderr(NAME):
         inc, engine = run_receive(
             sock, stop=stop, key=key, timeout_s=args.timeout, idle_timeout_s=args.idle_timeout,
-            max_bytes=int(args.max_mb * 1e6), replay=replay,
+            max_bytes=int(args.max_mb * 1e6), replay=replay, on_engine=engines.append,
+            keep=keep if args.out else None,
         )  # fmt: skip
         if inc is None and stop.signal_name == "refused":
             print(f"kvtransport recv: error: {engine.host.last_refusal}", file=sys.stderr)
@@ -99,17 +120,15 @@ def run(args: argparse.Namespace) -> int:
         note = engine.host.failure_note(refusals=False)  # a refusal was logged as it came
         if note:
             print(f"kvtransport recv: {note}", file=sys.stderr)
-        result = delivered(inc, engine)
+        result = written["result"] if "result" in written else delivered(inc, engine)
         stats = result.stats
-        kept = None
-        if args.out:
-            path, kept = keep_result(args.out, inc.session.result, stats)
-            stats["file"] = str(path)
-            if kept is not None:
-                stats["file_error"] = kept
+        if isinstance(key, PeerKeys):  # pairwise secrets tried on transfers of no known peer
+            stats["peer_tries"] = key.tries
+    if "lost" in written:
+        raise UserError(f"the result could not be written: {written['lost']}")
     _common.report(args, stats, _print)
-    if kept is not None:
-        raise UserError(f"{kept}: the result is kept in {stats['file']} instead")
+    if "kept" in written:
+        raise UserError(f"{written['kept']}: the result is kept in {stats['file']} instead")
     return exit_status(result)
 
 

@@ -73,7 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="card with --deadline-ms: precisions the plan may send, best first "
                    "(default auto = fp16,int8,int4 with int4 only where it costs little utility; "
                    "keep: as the card is; e.g. fp32, or fp16,int8,k8v4,int4 for keys int8 with "
-                   "values int4 between int8 and int4)")  # fmt: skip
+                   "values int4 between int8 and int4; int8r: int8's values "
+                   "entropy-coded)")  # fmt: skip
     p.add_argument("--loss-estimate", type=float_arg(0, 0.9), default=0.05, metavar="P",
                    help="loss share the plan assumes (default 0.05)")  # fmt: skip
     p.add_argument("--order", choices=("position", "back"), default="position",
@@ -83,6 +84,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "weights ship, else adaptive; for a planned card, whose token ranges go "
                    "whole, over a long --initial-rtt-ms: adaptive)")  # fmt: skip
     _common.add_key(p)
+    _common.add_identity(p, sending=True)
     _common.add_pacing(p)
     p.add_argument("--bind", default="0.0.0.0:0", metavar="HOST:PORT", help="local address")
     p.add_argument("--initial-rtt-ms", type=float_arg(0, 10_000, lo_open=True), default=20.0,
@@ -192,10 +194,18 @@ def _print(st: dict) -> None:
         ("source symbols sent", f"{st['source_sent']} of {st['n_source']}"),
         ("repair symbols sent", _common.repairs_text(st["repair_sent"], st["retransmit_sent"])),
         ("receiver decoded", f"{st['decoded_through']} of {st['n_source']} in order"),
-        ("loss estimate", f"{100 * st['loss_estimate']:.2f}%"),
+        ("loss measured", _loss(st)),
+        ("loss estimate (recent)", f"{100 * st['loss_estimate']:.2f}%"),
         ("smoothed RTT", rtt),
         ("stop margin for jitter", f"{st['jitter_margin_ms']} ms"),
         ("feedback received", str(st["feedback_received"])),
         ("send calls / datagrams", f"{st['socket']['send_calls']} / {st['datagrams_sent']}"),
     ]
     _common.print_rows(rows, 24)
+
+
+def _loss(st: dict) -> str:
+    """The whole transfer's loss as the receiver counted it (its latest report)."""
+    if st.get("loss_measured") is None:
+        return "no report"
+    return f"{100 * st['loss_measured']:.2f}% ({st['datagrams_lost']} datagrams lost)"

@@ -45,6 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "its weights ship, else adaptive; for a stream of whole token ranges "
                    "over a long initial RTT: adaptive)")  # fmt: skip
     _common.add_key(p)
+    _common.add_identity(p, sending=True)
     _common.add_pacing(p)
     p.add_argument(
         "--max-transfers", type=int_arg(1, 4096), default=64, help="in flight at once (64)"

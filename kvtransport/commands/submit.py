@@ -58,7 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="card with --deadline-ms: precisions the plan may send, best first "
                    "(default auto = fp16,int8,int4 with int4 only where it costs little "
                    "utility; keep: as the card is; e.g. fp16,int8,k8v4,int4 for keys int8 with "
-                   "values int4 between int8 and int4)")  # fmt: skip
+                   "values int4 between int8 and int4; int8r: int8's values "
+                   "entropy-coded)")  # fmt: skip
     p.add_argument("--loss-estimate", type=float_arg(0, 0.9), default=0.05, metavar="P",
                    help="loss share the plan assumes (default 0.05)")  # fmt: skip
     p.add_argument("--initial-rtt-ms", type=float_arg(0, 10_000, lo_open=True),

@@ -28,7 +28,14 @@ from itertools import repeat
 
 import numpy as np
 
-from kvtransport.core.wire import FB_FINISHED, DatagramType, Feedback, Framer, encode_feedback
+from kvtransport.core.wire import (
+    FB_FINISHED,
+    DatagramType,
+    Feedback,
+    Framer,
+    SealKey,
+    encode_feedback,
+)
 
 SEQ_RING = 1 << 14
 _MASK = SEQ_RING - 1
@@ -51,9 +58,15 @@ REFUSALS = (
     "decoder_window",
     "over_budget",
     "over_capacity",
+    "result_unsaved",
 )
 """A refusal's reason by its code in the feedback flags' high byte (code 0: not refused).
-The first two are kvtransport.core.replay's names; the others the receiver's drop reasons."""
+The first two are kvtransport.core.replay's names; then the receiver's drop reasons; then
+:data:`RESULT_UNSAVED`."""
+RESULT_UNSAVED = "result_unsaved"
+"""The final report of a transfer that arrived but whose result the receiver could not
+write where it was asked to (kvtransport.core.receiver: ``hold_report``): the sender is
+told, as by a refusal, that nothing was delivered there."""
 REFUSAL_SHIFT = 8
 _REFUSAL_CODE = {name: code for code, name in enumerate(REFUSALS) if name}
 REFUSAL_SEQ = 0xFFFFFFFF
@@ -71,6 +84,8 @@ _REFUSAL_TEXT = {
     "decoder_window": "the transfer's decoder window is wider than the receiver allows",
     "over_budget": "the receiver's memory budget for transfers is spent",
     "over_capacity": "the receiver is receiving as many transfers as it allows",
+    RESULT_UNSAVED: "the data arrived but the receiver could not write the result where it "
+    "was asked to (its output directory is full or read-only): see the receiver's error",
 }
 
 
@@ -93,7 +108,7 @@ def refusal_text(reason: str) -> str:
     return _REFUSAL_TEXT.get(reason, reason)
 
 
-def refusal_datagram(key: bytes | None, transfer_id: int, reason: str) -> bytes:
+def refusal_datagram(key: SealKey | None, transfer_id: int, reason: str) -> bytes:
     """The FEEDBACK datagram a receiver without a session for ``transfer_id`` refuses it
     with: counters all zero, ``FB_FINISHED`` and the reason's code, sealed with the
     transfer's key, feedback sequence number ``REFUSAL_SEQ`` less the code. Its bytes
@@ -451,6 +466,11 @@ class FeedbackState:
         self.through = 0
         self.esi_end = 0
         self.prev = (0, 0)
+
+    def loss_measured(self) -> tuple[int, int]:
+        """The whole transfer's loss as the latest report counts it (since its receiving
+        session began): (data datagrams lost, lost + received); (0, 0) before a report."""
+        return self.prev
 
     def loss_estimate(self) -> float:
         """The receiver's smoothed loss rate; before its first report, the prior, else 0;

@@ -46,10 +46,14 @@ ABORT, or after ``idle_timeout`` without datagrams when no deadline is known. St
 bounded: symbols beyond ``max_bytes`` are dropped (a manifest announcing more is refused),
 the output buffer grows only as far as the shell's ``reserve(extra_bytes)`` allows (a
 daemon's budget for all transfers in flight: beyond it symbols are dropped as
-``over_budget`` and a manifest is refused), the decoder holds ``decoder_window`` ESIs, or
+``over_budget`` and a manifest is refused) and, with a ``window``, covers only ESIs up to
+``window`` bytes beyond the symbols that arrived (further ones are dropped as
+``ahead_of_data``; ``reclaim`` gives the rest back while the session is idle), the
+decoder holds ``decoder_window`` ESIs, or
 as many as the manifest names up to ``max_decoder_window`` (it widens when the manifest
 comes, the wider ring and coefficient columns reserved like output buffer; a manifest
-naming more is refused, ``decoder_window``), and at most
+naming more is refused, ``decoder_window``; the wider part is charged as the output
+covers it), and at most
 ``max_pending_equations`` pending repair equations (the session's ``config``,
 kvtransport.core.protocol.ProtocolConfig), rings are fixed size.
 
@@ -70,6 +74,12 @@ Refusals (a stale or replayed manifest, or one refused for bounded state: ``too_
 session answers only manifest datagrams afterwards, with that feedback again, at most one
 per feedback interval: a peer replaying a captured transfer gets at most one small reply
 per manifest datagram it sends, never more bytes than it sent.
+
+Results a shell saves (``hold_report``): the final report of a transfer that delivers
+something waits for the shell's :meth:`ReceiverSession.report_kept` (nothing answers late
+datagrams until then); a result that could not be written where the shell was asked to
+is reported as refusal ``result_unsaved`` (kvtransport.core.feedback), so its sender does
+not take it for delivered.
 """
 
 from __future__ import annotations
@@ -81,7 +91,7 @@ import numpy as np
 
 from kvtransport.codecs.rlc import decoder_bytes_per_esi
 from kvtransport.core import schemes
-from kvtransport.core.feedback import LossMonitor, loss_ranges, refusal_flags
+from kvtransport.core.feedback import RESULT_UNSAVED, LossMonitor, loss_ranges, refusal_flags
 from kvtransport.core.lifecycle import ReceiverFinish
 from kvtransport.core.manifest_fec import ManifestReceiver
 from kvtransport.core.protocol import STANDARD, ProtocolConfig
@@ -106,6 +116,7 @@ from kvtransport.core.wire import (
     Feedback,
     Framer,
     Parser,
+    SealKey,
     WireError,
     encode_feedback,
     feedback_size,
@@ -145,11 +156,15 @@ class ReceiverSession:
     ``_accept`` and ``_hold``, ``_dispatch`` or ``_queue_source``, the reference the runs
     are tested against)."""
 
+    hold_report = False
+    """Whether the final report of a result waits for :meth:`report_kept` (module
+    docstring; set by a shell that saves results before its sender may stop)."""
+
     def __init__(
         self,
         transfer_id: int | None = None,
         *,
-        key: bytes | None = None,
+        key: SealKey | None = None,
         now: float = 0.0,
         deadline: float | None = None,
         max_bytes: int = DEFAULT_MAX_BYTES,
@@ -157,12 +172,13 @@ class ReceiverSession:
         reserve: Callable[[int], bool] | None = None,
         admit: Callable[[int, TransportManifest], str | None] | None = None,
         config: ProtocolConfig = STANDARD,
+        window: int | None = None,
     ) -> None:
         self.config = config
         self.transfer_id = transfer_id
         self.parser = Parser(key)
         self.life = ReceiverLifecycle(now, deadline, idle_timeout)
-        self.budget = ReceiveBudget(max_bytes, reserve, admit)
+        self.budget = ReceiveBudget(max_bytes, reserve, admit, window)
         self.fb = ReceiverFeedback(key, config)
         self.dec = DecodeState(config)
         self.counts = ReceiverCounts()
@@ -332,6 +348,18 @@ class ReceiverSession:
         if not self.life.finished:
             self._finish(now, reason)
 
+    def report_kept(self, now: float, saved: bool = True) -> None:
+        """The shell wrote the result where it was asked to (``saved``) or could not: the
+        final report held since the session finished goes out, naming ``result_unsaved``
+        when not saved. Nothing when no report is held."""
+        life = self.life
+        if not life.report_held:
+            return
+        life.report_held = False
+        if not saved:
+            life.refused = RESULT_UNSAVED
+        self._send_feedback(now)
+
     def datagrams_to_send(self, now: float) -> list[bytes]:
         fb = self.fb
         out = fb.pending
@@ -456,7 +484,9 @@ class ReceiverSession:
         life, fb = self.life, self.fb
         if life.finished:
             assert life.result is not None  # set when the session finished
-            if not life.refused:
+            if life.report_held:
+                pass  # the final report waits for the shell (report_kept)
+            elif not life.refused or life.refused == RESULT_UNSAVED:
                 self._answer_after_finish(now)
             elif t in _MANIFEST_TYPES:
                 self._answer_after_finish(now)  # the refusal again (module docstring)
@@ -509,16 +539,18 @@ class ReceiverSession:
     # ------------------------------------------------------------------ symbols
 
     def _symbol_slot(self, esi: int, size: int) -> None:
-        """Validate a data symbol's ESI and size; size the buffers on first use."""
+        """Validate a data symbol's ESI and size; size the buffers on first use, cover more
+        ESIs (``_cover``) or grow them (``_grow``) as it needs."""
         if self.symbol_size == 0:
             if not 16 <= size <= 65000:
                 raise _Drop("bad_symbol_size")
             self._set_symbol_size(size)
         elif size != self.symbol_size:
             raise _Drop("bad_symbol_size")
-        limit = self._limit
-        if esi >= limit:
-            raise _Drop("out_of_range")
+        if esi >= self._limit:
+            if self.manifest is None or esi >= self.n_source:
+                raise _Drop("out_of_range")
+            self._cover(esi + 1)
         if esi >= len(self._known):
             self._grow(esi + 1)
 
@@ -533,13 +565,66 @@ class ReceiverSession:
         """Ask the shell's ``reserve`` for the output buffer to reach ``nbytes``."""
         return self.budget.grant(nbytes)
 
-    def _grow(self, need: int) -> None:
-        cap = max(need, 2 * len(self._known), 256)
-        cap = min(cap, self.budget.max_symbols) if self.manifest is None else self.n_source
-        if not self._grant(cap * self.symbol_size):
-            if self.manifest is not None or not self._grant(need * self.symbol_size):
+    def _arrived(self) -> int:
+        """Symbols that arrived (sources and repairs, duplicates included), counting the
+        one being taken: what the reservation's window is measured from."""
+        return self.counts.source_received + self.counts.repair_received + 1
+
+    def _charge(self, cover: int) -> int:
+        """The bytes a reservation covering ESIs [0, ``cover``) takes once the manifest
+        came: the known-symbol map, ``cover`` output symbols and the decoder window's part
+        beyond the config's as far as ``cover`` reaches into it (a ring is filled as the
+        ESIs pass)."""
+        b = self.budget
+        wider = max(0, min(cover, self.dec.window) - self.config.decoder_window)
+        return b.fixed + cover * self.symbol_size + wider * b.per_esi
+
+    def _cover(self, need: int) -> None:
+        """After the manifest: the ESIs the reservation covers (``_limit``) reach at
+        least ``need``, as far as what arrived allows (``ReceiveBudget.reach``: beyond
+        it, ``ahead_of_data``) and the shell grants (else ``over_budget``). The buffers
+        exist whole (their pages are committed as symbols are written): only the charge
+        grows."""
+        reach = self.budget.reach(self._arrived(), self.symbol_size, self.n_source)
+        if need > reach:
+            raise _Drop("ahead_of_data")
+        if not self._grant(self._charge(reach)):
+            if not self._grant(self._charge(need)):
                 raise _Drop("over_budget")
-            cap = need
+            reach = need
+        self._limit = reach
+
+    def reclaim(self) -> int:
+        """Give back the reservation beyond the ESIs known or involved so far (its shell's
+        budget is short and this session idle): it covers more again as data comes
+        (``_cover``). Returns the bytes given back (0 before the manifest, once finished,
+        or without a window)."""
+        if self.manifest is None or self.life.finished or self.budget.window is None:
+            return 0
+        keep = self.esi_end
+        if self.dec.decoder is not None:
+            keep = max(keep, self.dec.decoder.max_involved + 1)
+        keep = min(keep, self._limit)
+        self._limit = keep
+        return self.budget.shrink(self._charge(keep))
+
+    def _grow(self, need: int) -> None:
+        """Grow the buffers to ``need`` ESIs at least. Before the manifest by doubling, as
+        far as what arrived allows (``ReceiveBudget.reach``: beyond it, ``ahead_of_data``)
+        and the shell grants (else ``over_budget``); with it, to the whole payload at once,
+        charged by ``_cover``."""
+        if self.manifest is not None:
+            cap = self.n_source
+        else:
+            b = self.budget
+            allowed = b.reach(self._arrived(), self.symbol_size, b.max_symbols)
+            if need > allowed:
+                raise _Drop("ahead_of_data")
+            cap = min(max(need, 2 * len(self._known), 256), allowed)
+            if not self._grant(cap * self.symbol_size):
+                if not self._grant(need * self.symbol_size):
+                    raise _Drop("over_budget")
+                cap = need
         known = bytearray(cap)
         known[: len(self._known)] = self._known
         out = np.zeros(cap * self.symbol_size, dtype=np.uint8)
@@ -1048,22 +1133,25 @@ class ReceiverSession:
         if m.decoder_window > self.config.max_decoder_window:
             self._refuse("decoder_window", now)  # bounded state: a window wider than allowed
             return
-        # a wider window's ring and coefficient columns count as buffer too
-        window = max(self.dec.window, m.decoder_window)
-        per_esi = decoder_bytes_per_esi(m.symbol_size, self.config.max_pending_equations)
-        wider = (window - self.config.decoder_window) * per_esi
-        if not self._grant(m.n_source * m.symbol_size + wider):
+        # the reservation: the known-symbol map, and the output (and a wider window's
+        # ring and coefficient columns) as far as what arrived allows (_cover)
+        n, held = m.n_source, min(len(self._known), m.n_source)
+        b = self.budget
+        b.fixed = n
+        b.per_esi = decoder_bytes_per_esi(m.symbol_size, self.config.max_pending_equations)
+        self.dec.window = max(self.dec.window, m.decoder_window)
+        self.n_source, self.symbol_size = n, m.symbol_size  # what _charge reads
+        cover = max(held, b.reach(self._arrived() - 1, m.symbol_size, n))
+        if not self._grant(self._charge(cover)):
             self._refuse("over_budget", now)  # the shell's memory budget is spent
             return
         self.manifest = m
         self.life.timings["manifest"] = now
-        n = self.n_source = m.n_source
-        self.dec.window = window
         if self.dec.decoder is not None:
             self.dec.decoder.widen(self.dec.window)  # before any repair reaches further
-        if self.symbol_size == 0:
+        else:
             self._set_symbol_size(m.symbol_size)
-        self._limit = n
+        self._limit = cover
         if self.life.deadline is None and m.deadline_s > 0:
             self.life.deadline = self.life.timings["first_packet"] + m.deadline_s
         # symbols beyond the payload (a forger's, before the manifest) are forgotten
@@ -1079,7 +1167,8 @@ class ReceiverSession:
         if len(self._known) < n:
             self._grow(n)
         self.blocks.start(m, self._known, self.through, now)
-        self._send_feedback(now)
+        if not (self.hold_report and self.n_known == n):  # (complete: the held final one)
+            self._send_feedback(now)
 
     # ------------------------------------------------------------------ other schemes
 
@@ -1229,7 +1318,10 @@ class ReceiverSession:
         self._sync_decoder()
         self.dec.decoder = None  # free the decoding window
         self._batch = _Run()  # and the run buffer (receive_datagrams: nothing is held)
-        self._send_feedback(now)
+        if self.hold_report and not life.refused:
+            life.report_held = True  # the shell saves the result first (report_kept)
+        else:
+            self._send_feedback(now)
         # the final count (``lost``) settles every gap; the loss rate is left as it was:
         # datagrams still in flight now are not a loss sample
         self.fb.monitor.settle(float("inf"))

@@ -25,7 +25,7 @@ from kvtransport.core.feedback import LossMonitor
 from kvtransport.core.lifecycle import ReceiverFinish
 from kvtransport.core.protocol import ProtocolConfig
 from kvtransport.core.transfer import TransferResult, TransportManifest
-from kvtransport.core.wire import Framer
+from kvtransport.core.wire import Framer, SealKey
 
 
 class BlockTracker:
@@ -112,7 +112,7 @@ class ReceiverFeedback:
     __slots__ = ("monitor", "key", "framer", "interval", "min_gap", "pending", "seq", "last",
                  "next_at", "sent", "ends", "settled_end")  # fmt: skip
 
-    def __init__(self, key: bytes | None, config: ProtocolConfig) -> None:
+    def __init__(self, key: SealKey | None, config: ProtocolConfig) -> None:
         self.monitor = LossMonitor()
         self.key = key
         self.framer: Framer | None = None
@@ -138,10 +138,11 @@ class ReceiverFeedback:
 class ReceiverLifecycle:
     """Liveness and the end: when the session was made and last heard from, its deadline
     (None: the manifest's, or the idle timeout), the FIN grace's end, the timings, and
-    once finished the refusal (if any) and the result."""
+    once finished the refusal (if any), the result and whether its final report waits
+    for the shell (``report_held``)."""
 
     __slots__ = ("created", "last_activity", "idle_timeout", "deadline", "fin_at", "timings",
-                 "finished", "refused", "result")  # fmt: skip
+                 "finished", "refused", "result", "report_held")  # fmt: skip
 
     def __init__(self, now: float, deadline: float | None, idle_timeout: float) -> None:
         self.created = now
@@ -153,6 +154,7 @@ class ReceiverLifecycle:
         self.finished = False
         self.refused = ""  # why the transfer was refused (kvtransport.core.feedback.REFUSALS)
         self.result: TransferResult | None = None
+        self.report_held = False  # the final report waits for report_kept
 
     def next_timer(self, feedback_at: float | None) -> float | None:
         """The earliest of the deadline (or idle timeout), the FIN grace's end and the
@@ -179,23 +181,34 @@ class ReceiverLifecycle:
 
 class ReceiveBudget:
     """The bounds on one transfer's state: at most ``max_bytes`` of payload
-    (``max_symbols`` symbols once the symbol size is known), the output buffer and wider
-    decoder granted by the shell's ``reserve`` (``reserved`` so far), and the shell's
-    replay record's ``admit``."""
+    (``max_symbols`` symbols once the symbol size is known), the buffers granted by the
+    shell's ``reserve`` (``reserved`` so far), and the shell's replay record's ``admit``.
 
-    __slots__ = ("reserve", "admit", "reserved", "max_bytes", "max_symbols")
+    ``window`` (None: unbounded) ties the reservation to what arrived: the output buffer
+    covers ESIs up to ``window`` bytes beyond the symbols that arrived (``reach``), so a
+    peer that announces a large transfer and sends little holds little. Once the manifest
+    came: ``fixed``, the part granted whatever arrives (the known-symbol map, one byte
+    per ESI); ``per_esi``, the bytes per ESI of the decoder window's ring and columns
+    (its part beyond the config's window is charged as far as the output covers it)."""
+
+    __slots__ = ("reserve", "admit", "reserved", "max_bytes", "max_symbols", "window", "fixed",
+                 "per_esi")  # fmt: skip
 
     def __init__(
         self,
         max_bytes: int,
         reserve: Callable[[int], bool] | None,
         admit: Callable[[int, TransportManifest], str | None] | None,
+        window: int | None = None,
     ) -> None:
         self.reserve = reserve
         self.admit = admit
         self.reserved = 0  # bytes ``reserve`` granted this session (output, wider window)
         self.max_bytes = max_bytes
         self.max_symbols = 0
+        self.window = window
+        self.fixed = 0
+        self.per_esi = 0
 
     def grant(self, nbytes: int) -> bool:
         """Ask the shell's ``reserve`` for the session's buffers to reach ``nbytes``."""
@@ -204,6 +217,19 @@ class ReceiveBudget:
             return False
         self.reserved = max(self.reserved, nbytes)
         return True
+
+    def reach(self, arrived: int, symbol_size: int, cap: int) -> int:
+        """How many ESIs the output buffer may cover when ``arrived`` symbols of
+        ``symbol_size`` bytes arrived (at most ``cap``): ``window`` bytes beyond them."""
+        if self.window is None:
+            return cap
+        return min(cap, arrived + max(1, self.window // symbol_size))
+
+    def shrink(self, nbytes: int) -> int:
+        """Give back what is reserved beyond ``nbytes``: the bytes the shell frees."""
+        freed = max(0, self.reserved - nbytes)
+        self.reserved -= freed
+        return freed
 
 
 class DecodeState:

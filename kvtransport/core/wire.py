@@ -27,12 +27,30 @@ a user runs the transport) the payload is sealed with AES-256-GCM (see "Sealing"
     28+n   16   tag           only with SEALED: the AES-GCM tag over header and payload
 
 Sealing (one mechanism for every type: sources, repairs, manifest, feedback, control).
-Each transfer has its own AES-256 key, ``HKDF-SHA256(ikm = pre-shared key, salt =
-transfer_id as 8 bytes, info = "kvtransport/2 datagram AES-256-GCM")``. The 28-byte header
-is the associated data: every header bit is authenticated, and a datagram moved to another
-transfer, direction, epoch or sequence number fails its tag. Without a key (the explicit
-``--insecure`` mode) datagrams carry plaintext and no tag, and a keyed parser rejects
-them (and an unkeyed one rejects sealed ones) as ``bad_tag``.
+Each transfer has its own AES-256 key, ``HKDF-SHA256(ikm = secret, salt = transfer_id as
+8 bytes, info = "kvtransport/2 datagram AES-256-GCM" + binding)`` (:func:`transfer_key`).
+With a pre-shared key alone, the secret is that key and the binding is empty. The 28-byte
+header is the associated data: every header bit is authenticated, and a datagram moved to
+another transfer, direction, epoch or sequence number fails its tag. Without a key (the
+explicit ``--insecure`` mode) datagrams carry plaintext and no tag, and a keyed parser
+rejects them (and an unkeyed one rejects sealed ones) as ``bad_tag``.
+
+Peers (static identities, as WireGuard's): a host may hold an X25519 key pair. A sender
+that names its receiver's public key, and a receiver that lists the senders' public keys
+it allows, seal with :class:`PeerKeys` instead of a bare pre-shared key: per peer, the
+secret is ``X25519(own private, peer public)`` followed by the pre-shared key when one is
+also given (mixed in, never required), and the binding is ``sender public key | receiver
+public key`` (32 bytes each, in that order whatever the direction) (:func:`pairwise`). So
+a transfer's key belongs to one sender and one receiver: its datagrams replayed to another
+receiver (another identity, the same pre-shared key or not) open under none of that
+receiver's secrets and are dropped as ``bad_tag``, and a sender whose public key is not
+allowed opens no session. A receiver with several allowed senders tries each pairwise
+secret once on a new transfer's first datagram (one key derivation and one open each, at
+most ``MAX_PEERS``, counted in ``PeerKeys.tries``) and remembers which one opened it
+(``PeerKeys.bind``: only a datagram that opened binds, so forgeries cannot displace a
+genuine transfer's peer); its feedback for that transfer is sealed under that peer's
+secret. The nonce argument below holds per transfer key as before: the binding only
+selects the key, and a transfer id names one key per (sender, receiver) pair.
 
 Nonces are unique by construction: the 96-bit GCM nonce is ``epoch (u64) | seq (u32)``.
 
@@ -114,6 +132,7 @@ from typing import NamedTuple, NoReturn
 import numpy as np
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
@@ -139,6 +158,14 @@ MAX_CACHED_KEYS = 256
 opened (a forged transfer id is never kept; an evicted genuine transfer's context is
 derived again)."""
 _HKDF_INFO = b"kvtransport/2 datagram AES-256-GCM"
+PUBLIC_KEY_BYTES = 32
+"""An X25519 public (and private) key's size."""
+MAX_PEERS = 64
+"""Public keys a :class:`PeerKeys` may hold: the pairwise secrets a receiver tries at most
+on a new transfer's first datagram."""
+MAX_BOUND_TRANSFERS = 65536
+"""Transfers whose peer a :class:`PeerKeys` remembers (the oldest forgotten first; only
+datagrams that opened bind one, so only allowed peers fill it)."""
 
 MAX_NSS = 0x0FFF
 MAX_DT = 15
@@ -338,14 +365,15 @@ def check_key(key: bytes) -> bytes:
     return bytes(key)
 
 
-def transfer_key(key: bytes, transfer_id: int) -> bytes:
-    """One transfer's AES-256 key: HKDF-SHA256 of the pre-shared ``key`` (already checked)
-    salted with the transfer id (module docstring)."""
+def transfer_key(key: bytes, transfer_id: int, binding: bytes = b"") -> bytes:
+    """One transfer's AES-256 key: HKDF-SHA256 of the secret ``key`` (a checked pre-shared
+    key, or a :func:`pairwise` secret) salted with the transfer id, with ``binding`` (the
+    peers' public keys; empty for a pre-shared key alone) in its info (module docstring)."""
     kdf = HKDF(
         algorithm=hashes.SHA256(),
         length=32,
         salt=transfer_id.to_bytes(8, "big"),
-        info=_HKDF_INFO,
+        info=_HKDF_INFO + binding,
     )
     return kdf.derive(key)
 
@@ -353,6 +381,113 @@ def transfer_key(key: bytes, transfer_id: int) -> bytes:
 def transfer_cipher(key: bytes, transfer_id: int) -> AESGCM:
     """The AES-256-GCM context of one transfer (its key: :func:`transfer_key`)."""
     return AESGCM(transfer_key(key, transfer_id))
+
+
+class PairSecret(NamedTuple):
+    """What this host and one peer seal with (:func:`pairwise`): :func:`transfer_key`'s
+    ``key`` and ``binding``, and the peer's public key (to name it)."""
+
+    secret: bytes
+    binding: bytes
+    peer: bytes
+
+
+def pairwise(
+    own: X25519PrivateKey, peer_public: bytes, *, sending: bool, psk: bytes | None = None
+) -> PairSecret:
+    """The secret this host (``own``) shares with the peer whose public key is
+    ``peer_public``: the static-static X25519 result, then ``psk`` (checked) when given;
+    bound to ``sender | receiver`` public keys, this host being the sender when
+    ``sending``. ValueError for a key that is not a usable X25519 public key (wrong size,
+    or a low-order point whose result is all zeros)."""
+    if len(peer_public) != PUBLIC_KEY_BYTES:
+        raise ValueError(f"a public key is {PUBLIC_KEY_BYTES} bytes, not {len(peer_public)}")
+    try:
+        shared = own.exchange(X25519PublicKey.from_public_bytes(bytes(peer_public)))
+    except ValueError:
+        raise ValueError("not a usable X25519 public key (no shared secret)") from None
+    mine = own.public_key().public_bytes_raw()
+    binding = mine + peer_public if sending else peer_public + mine
+    extra = b"" if psk is None else check_key(psk)
+    return PairSecret(shared + extra, bytes(binding), bytes(peer_public))
+
+
+class PeerKeys:
+    """The keys of a host with a static identity (module docstring, "Peers"): one
+    :class:`PairSecret` per peer (a sender: its receiver's; a receiver: one per allowed
+    sender), and the peer each transfer belongs to once one of its datagrams opened.
+    :class:`Framer` and :class:`Parser` take it wherever they take a pre-shared key; a
+    framer needs the transfer's peer known (bound, or the only one)."""
+
+    __slots__ = ("pairs", "tries", "_bound")
+
+    def __init__(self, pairs: Sequence[PairSecret]) -> None:
+        if not 1 <= len(pairs) <= MAX_PEERS:
+            raise ValueError(f"a host holds 1..{MAX_PEERS} peers' public keys, not {len(pairs)}")
+        self.pairs = tuple(pairs)
+        self.tries = 0  # pairwise secrets tried on transfers whose peer was not known
+        self._bound: dict[int, PairSecret] = {}
+
+    def candidates(self, transfer_id: int) -> tuple[PairSecret, ...]:
+        """The secrets a datagram of ``transfer_id`` may be sealed under: its bound peer's,
+        else every peer's."""
+        pair = self._bound.get(transfer_id)
+        return self.pairs if pair is None else (pair,)
+
+    def bind(self, transfer_id: int, pair: PairSecret) -> None:
+        """Remember ``pair`` as the peer of ``transfer_id`` (a datagram of it opened)."""
+        bound = self._bound
+        if transfer_id not in bound and len(bound) >= MAX_BOUND_TRANSFERS:
+            del bound[next(iter(bound))]
+        bound[transfer_id] = pair
+
+    def sealing(self, transfer_id: int) -> PairSecret:
+        """The secret datagrams of ``transfer_id`` are sealed under; ValueError while
+        several peers are possible."""
+        pairs = self.candidates(transfer_id)
+        if len(pairs) != 1:
+            raise ValueError(f"no peer known for transfer {transfer_id:016x}")
+        return pairs[0]
+
+    def peer_of(self, transfer_id: int) -> bytes | None:
+        """The public key of the peer ``transfer_id`` belongs to, if known."""
+        pair = self._bound.get(transfer_id)
+        if pair is None and len(self.pairs) == 1:
+            pair = self.pairs[0]
+        return None if pair is None else pair.peer
+
+
+SealKey = bytes | PeerKeys
+"""What seals datagrams: a pre-shared key, or peers' pairwise secrets."""
+
+
+def _checked(key: SealKey | None) -> SealKey | None:
+    """``key`` ready for a framer or parser: a pre-shared key checked (:func:`check_key`)."""
+    return key if key is None or isinstance(key, PeerKeys) else check_key(key)
+
+
+def _sealing_key(key: SealKey, transfer_id: int) -> bytes:
+    """The AES-256 key a framer seals ``transfer_id``'s datagrams with."""
+    if isinstance(key, PeerKeys):
+        pair = key.sealing(transfer_id)
+        return transfer_key(pair.secret, transfer_id, pair.binding)
+    return transfer_key(key, transfer_id)
+
+
+def _opening_keys(key: SealKey, transfer_id: int) -> list[tuple[bytes, PairSecret | None]]:
+    """The AES-256 keys a datagram of a transfer not cached may open under, each with the
+    peer it would bind (None for a pre-shared key): one derivation per candidate."""
+    if not isinstance(key, PeerKeys):
+        return [(transfer_key(key, transfer_id), None)]
+    pairs = key.candidates(transfer_id)
+    key.tries += len(pairs)
+    return [(transfer_key(p.secret, transfer_id, p.binding), p) for p in pairs]
+
+
+def kernel_stand_in(key: SealKey | None) -> bytes | None:
+    """A pre-shared key that makes the same kernels run as ``key`` does (warming them in a
+    process: never sealed with on a link), or None for None."""
+    return None if key is None else bytes(range(32)) if isinstance(key, PeerKeys) else key
 
 
 if (aesgcm.HEADER_BYTES, aesgcm.TAG_BYTES) != (HEADER_SIZE, TAG_SIZE):
@@ -417,20 +552,22 @@ class ReceivedBatch(list):
 
 
 class Parser:
-    """Parses and opens datagrams under one pre-shared key (or none: insecure mode).
+    """Parses and opens datagrams under one pre-shared key or one :class:`PeerKeys` (or
+    none: insecure mode).
 
     With a key, unsealed datagrams and ones that do not open under their transfer's key
     raise :class:`BadTag`; without a key, sealed datagrams raise :class:`BadTag` too (they
     cannot be opened, and accepting them would hide a misconfigured peer). Per-transfer
     contexts are cached once a datagram of the transfer opened (at most
     ``MAX_CACHED_KEYS``, oldest evicted first); a forged transfer id costs one key
-    derivation and one open, and is not kept.
+    derivation and one open per candidate secret (one; with :class:`PeerKeys`, one per
+    allowed peer), and is not kept.
     """
 
     __slots__ = ("_key", "_ciphers", "_keys", "_run_keys", "_run_cache")
 
-    def __init__(self, key: bytes | None = None) -> None:
-        self._key = None if key is None else check_key(key)
+    def __init__(self, key: SealKey | None = None) -> None:
+        self._key = _checked(key)
         # transfers whose datagrams opened: their AES-GCM contexts and keys (for the run
         # kernels' contexts, made when a run of sources first needs them)
         self._ciphers: dict[int, AESGCM] = {}
@@ -461,13 +598,23 @@ class Parser:
 
     def _open_new(self, tid: int, nonce: bytes, sealed: memoryview, header: memoryview) -> bytes:
         """Open a datagram of a transfer not cached: one key derivation and one AES-GCM
-        open (no run-kernel context until the transfer is known genuine)."""
+        open per candidate secret (one with a pre-shared key; with :class:`PeerKeys`, the
+        bound peer's or each peer's in turn, the one that opens bound), no run-kernel
+        context until the transfer is known genuine. InvalidTag when none opens: nothing
+        is kept."""
         assert self._key is not None  # parse() opens only with a key
-        k = transfer_key(self._key, tid)
-        c = AESGCM(k)
-        plain = c.decrypt(nonce, sealed, header)  # InvalidTag: nothing is kept
-        self._remember(tid, c, k)
-        return plain
+        for k, pair in _opening_keys(self._key, tid):
+            c = AESGCM(k)
+            try:
+                plain = c.decrypt(nonce, sealed, header)
+            except InvalidTag:
+                continue
+            if pair is not None:
+                assert isinstance(self._key, PeerKeys)
+                self._key.bind(tid, pair)
+            self._remember(tid, c, k)
+            return plain
+        raise InvalidTag
 
     def parse(self, data: bytes | bytearray | memoryview) -> Datagram:
         """Return the datagram in ``data`` or raise a :class:`WireError`.
@@ -630,7 +777,7 @@ class Parser:
         raise WireError("malformed")  # pragma: no cover (parse lets only good ones through)
 
 
-def parse(data: bytes | bytearray | memoryview, key: bytes | None = None) -> Datagram:
+def parse(data: bytes | bytearray | memoryview, key: SealKey | None = None) -> Datagram:
     """One-off parse (tests, tools); hot paths keep a :class:`Parser`."""
     return Parser(key).parse(data)
 
@@ -657,7 +804,7 @@ class Framer:
     def __init__(
         self,
         transfer_id: int,
-        key: bytes | None = None,
+        key: SealKey | None = None,
         max_payload: int = 2048,
         epoch: int | None = None,
     ) -> None:
@@ -672,7 +819,8 @@ class Framer:
         self.epoch = epoch
         self._epoch_fields = (epoch >> 48, (epoch >> 32) & 0xFFFF, epoch & 0xFFFFFFFF)
         self.transfer_id = transfer_id
-        cipher_key = None if key is None else transfer_key(check_key(key), transfer_id)
+        key = _checked(key)
+        cipher_key = None if key is None else _sealing_key(key, transfer_id)
         self._cipher = None if cipher_key is None else AESGCM(cipher_key)
         self._run_key = None if cipher_key is None else _run_key(cipher_key)
         # seal_sources' symbol size and header (seq and ESI 0)

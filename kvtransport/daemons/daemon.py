@@ -31,7 +31,7 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import IO, TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -45,6 +45,9 @@ from kvtransport.daemons.api import (
 from kvtransport.daemons.curve import CurveServer
 from kvtransport.daemons.udp import clock, set_timer_slack, wait_readable
 from kvtransport.errors import UserError
+
+if TYPE_CHECKING:
+    from kvtransport.core.wire import SealKey
 
 log = logging.getLogger("kvtransport.daemon")
 
@@ -646,7 +649,7 @@ def warm_data_path(key: bytes | None = None, note: Callable[[str], None] | None 
 
 
 def warm_up(
-    key: bytes | None = None,
+    key: SealKey | None = None,
     policies: Sequence[str] = ("fixed:1/4",),
     allocator: bool = False,
     note: Callable[[str], None] | None = None,
@@ -656,12 +659,16 @@ def warm_up(
     codec), then run a tiny transfer for each of ``policies`` that is not one of
     :func:`data_path_policies` (a policy registered by the application), with
     ``allocator`` two of the first sharing the link; returns the seconds spent.
-    ``note``: where the cold cache's lines go (:func:`warm_data_path`)."""
+    ``note``: where the cold cache's lines go (:func:`warm_data_path`). A ``key`` of peers
+    warms with a stand-in (kvtransport.core.wire.kernel_stand_in): the same kernels."""
+    from kvtransport.core.wire import kernel_stand_in
+
     t0 = clock()
-    warm_data_path(key, note)
+    stand_in = kernel_stand_in(key)
+    warm_data_path(stand_in, note)
     known = set(data_path_policies())
     runs = [[name] for name in dict.fromkeys(policies) if name not in known]
     if allocator and runs:
         runs.append(runs[0] * 2)
-    _warm_transfers(key, runs)
+    _warm_transfers(stand_in, runs)
     return clock() - t0

@@ -13,6 +13,9 @@ leaves; ``run_due(now)`` runs the host's timers. Each finished transfer goes to
 ``on_result(incoming)``, but only once the replay record that accepted it is on disk
 (held until then, the loop polling every ``HELD_POLL_S``; at close, a result whose
 record could not be saved is withheld and logged: a restart could accept its replay).
+``on_result`` returns False when it could not write the result where it was asked to:
+with a host that holds reports (``hold_reports``), the transfer's final report then names
+``result_unsaved`` (kvtransport.core.feedback), and goes out once ``on_result`` returned.
 Datagrams that fail authentication before any transfer
 holds them (another key) are logged as a warning when they start, and again at most every
 ``AUTH_WARN_S`` while more come.
@@ -33,6 +36,7 @@ from typing import Any
 
 from kvtransport.core.protocol import STANDARD, ProtocolConfig
 from kvtransport.core.replay import DEFAULT_WINDOW_S, open_record
+from kvtransport.core.wire import SealKey
 from kvtransport.daemons.api import load_json_header
 from kvtransport.daemons.daemon import DaemonShell
 from kvtransport.daemons.race_share import KEEP_S, RaceDir
@@ -67,14 +71,14 @@ class ReceiverEngine:
     """A :class:`~kvtransport.hosts.receiver_host.ReceiverHost` behind one UDP socket (module
     docstring): the engine is the socket and the loop's calls; every figure of the
     transfers is the host's (``engine.host``). Each finished transfer goes to
-    ``on_result(incoming)``."""
+    ``on_result(incoming)`` (False: its result was not written where asked)."""
 
     def __init__(
         self,
         sock: DatagramSocket,
         host: ReceiverHost,
         *,
-        on_result: Callable[[Incoming], None] | None = None,
+        on_result: Callable[[Incoming], bool | None] | None = None,
         race_dir: RaceDir | None = None,
     ) -> None:
         self.host = host
@@ -122,13 +126,23 @@ class ReceiverEngine:
         replay = self.host.replay
         return 0 if replay is None else replay.save_soon()
 
-    def _release(self) -> None:
-        """Hand on the held results whose replay record is on disk, in order."""
+    def _release(self) -> bool:
+        """Hand on the held results whose replay record is on disk, in order; each one's
+        final report is released as kept or not (``ReceiverHost.result_kept``). Whether
+        any was handed on."""
         replay, held = self.host.replay, self._held
+        handed = False
         while held and (replay is None or replay.durable(held[0][0])):
             _, inc = held.popleft()
-            if self.on_result is not None:
-                self.on_result(inc)
+            kept = self.on_result(inc) if self.on_result is not None else None
+            self.host.result_kept(inc.transfer_id, clock(), kept is not False)
+            handed = True
+        return handed
+
+    def _send(self, now: float) -> None:
+        """Send the feedback the host produced, stamped ``now``."""
+        for datagrams, peer in self.host.datagrams_to_send(now):
+            self.sock.send(datagrams, peer)
 
     def next_wake(self) -> float | None:
         wake = self.host.get_timer()
@@ -157,7 +171,8 @@ class ReceiverEngine:
         replay = self.host.replay
         if replay is not None:
             replay.close()  # on this thread: what is left is saved now, or never
-        self._release()
+        if self._release():
+            self._send(now)  # their final reports
         for _, inc in self._held:
             log.error(
                 "transfer %016x: result withheld: the replay record that accepted it could "
@@ -171,8 +186,7 @@ class ReceiverEngine:
     def _transmit(self, now: float) -> None:
         """Send the feedback the host produced (stamped ``now``), then its events."""
         host = self.host
-        for datagrams, peer in host.datagrams_to_send(now):
-            self.sock.send(datagrams, peer)
+        self._send(now)
         generation = self._save_replay()
         while (ev := host.next_event()) is not None:
             inc = ev.transfer
@@ -196,7 +210,8 @@ class ReceiverEngine:
                     inc.datagrams,
                 )
                 self._held.append((generation, inc))
-        self._release()
+        if self._release():
+            self._send(now)  # the final reports the results' keeping released
 
     # ------------------------------------------------------------------ results
 
@@ -219,7 +234,7 @@ class ReceiverDaemon(DaemonShell):
         bind: tuple[str, int],
         control: str,
         publish: str,
-        key: bytes | None,
+        key: SealKey | None,
         out_dir: str | None = None,
         gro: bool = True,
         max_transfers: int = DEFAULT_MAX_TRANSFERS,
@@ -264,6 +279,7 @@ class ReceiverDaemon(DaemonShell):
             replay=replay,
             wall_clock=time.time,
             config=config,
+            hold_reports=out_dir is not None,  # a sender learns of a result not written
         )
         self.engine = ReceiverEngine(self.sock, host, on_result=self._result, race_dir=shared)
         self.publish_endpoint = publish
@@ -325,35 +341,41 @@ class ReceiverDaemon(DaemonShell):
         if self._backlog:
             self._publish(None, now)
 
-    def _result(self, inc: Incoming) -> None:
-        """Write, publish and log a finished transfer. It runs inside the data plane's
-        receive loop on what the network sent: a failure is logged, never raised."""
+    def _result(self, inc: Incoming) -> bool:
+        """Write, publish and log a finished transfer; False when its result was not
+        written into ``--out-dir``. It runs inside the data plane's receive loop on what
+        the network sent: a failure is logged, never raised."""
         try:
-            self._deliver(inc)
+            return self._deliver(inc)
         except Exception:
             log.exception("transfer %016x: result not delivered", inc.transfer_id)
+            return False
 
-    def _deliver(self, inc: Incoming) -> None:
+    def _deliver(self, inc: Incoming) -> bool:
         from kvtransport.daemons.api import keep_result, result_frames
 
         res = inc.session.result
         assert res is not None  # delivered once finished
         stats = inc.stats(clock())
+        saved = True
         if self.out_dir is not None:  # first, so that subscribers learn where it is
             try:
                 path, kept = keep_result(self.out_dir, res, stats)
                 stats["file"] = str(path)
                 if kept is not None:
+                    saved = False
                     stats["file_error"] = kept
                     log.error("transfer %016x: %s: kept in %s", inc.transfer_id, kept, path)
                 else:
                     log.info("transfer %016x written to %s", inc.transfer_id, path)
             except OSError as exc:
+                saved = False
                 stats["file_error"] = str(exc)
                 log.error("transfer %016x: cannot write result: %s", inc.transfer_id, exc)
         self._seq += 1
         self._publish(result_frames(res, {**stats, "seq": self._seq}))
         self.stats_out.write({"event": "transfer", "role": "receiver", **stats})
+        return saved
 
     def _abort(self, head: dict[str, Any], frames: list) -> dict[str, Any]:
         from kvtransport.daemons.api import parse_tid

@@ -25,7 +25,7 @@ from kvtransport import bounds
 from kvtransport.bounds import MAX_DEADLINE_S, MAX_INITIAL_RTT_S, MIN_DEADLINE_S
 from kvtransport.core.protocol import LINK_OVERHEAD_BYTES, STANDARD, ProtocolConfig
 from kvtransport.core.transfer import Transfer
-from kvtransport.core.wire import full_send_time
+from kvtransport.core.wire import SealKey, full_send_time
 from kvtransport.daemons.daemon import DaemonShell
 from kvtransport.daemons.udp import DatagramSocket, wall_offset
 from kvtransport.errors import UserError
@@ -242,7 +242,7 @@ class SenderDaemon(DaemonShell):
         bind: tuple[str, int],
         control: str,
         rate_bps: float,
-        key: bytes | None,
+        key: SealKey | None,
         policy: str | None = "adaptive",
         symbol_size: int | None = None,
         gso: bool = True,

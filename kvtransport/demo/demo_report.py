@@ -71,8 +71,9 @@ class DemoConfig:
         runs once the whole cache is in place.
     link_rate_mbps: the rate the link really carries when it is not the one the plan
         assumes (``rate_mbps``): a link worse (or better) than planned; None: the same.
-    compute_speed: (seconds per call, seconds per token[, seconds per token pair]) of the
-        receiver's compute (kvtransport.model.cache_builder.ComputeSpeed), used by the plan
+    compute_speed: (seconds per call, seconds per token[, seconds per token pair[,
+        spread]]) of the receiver's compute (kvtransport.model.cache_builder.ComputeSpeed;
+        a spread above its TRUST_LIMIT: a measurement not trusted), used by the plan
         instead of measuring it (a fixed plan makes the emulated link's
         transfers repeat exactly).
     questions: how many questions each received cache answers (the task's own first, then

@@ -94,6 +94,7 @@ __all__ = [
     "choose_link",
     "default_card_dir",
     "open_link",
+    "prepare",
     "prepare_card",
     "render_table",
     "report_json",
@@ -153,9 +154,6 @@ def open_link(
     finally:
         obj.close()
 
-
-_answer = answer  # the names scripts/_eval_common.py and scripts/_eval_model.py import
-_rebuild = rebuild
 
 _TID_BASE = 0x6B76_7464_0000_0000  # "kvtd": transfer ids are derived from the seed
 
@@ -300,6 +298,12 @@ def _prepare(
     return _plan(cfg, _measure(cfg, loaded, ui, timings), ui, timings, rtt_s)
 
 
+def prepare(cfg: DemoConfig, loaded: Any, rtt_s: float | None = None) -> _Prepared:
+    """:func:`_prepare` without progress bars or timings: what :func:`race_ttft_once` and
+    :func:`reprefill_ttft_once` take (scripts/eval_handoff.py)."""
+    return _prepare(cfg, loaded, _Progress(False), {}, rtt_s)
+
+
 def _measure(cfg: DemoConfig, loaded: Any, ui: _Progress, timings: dict[str, float]) -> _Measured:
     from kvtransport.model import tasks
     from kvtransport.model.cache_builder import ComputeSpeed
@@ -333,7 +337,8 @@ def _measure(cfg: DemoConfig, loaded: Any, ui: _Progress, timings: dict[str, flo
     timings["measure_speed"] = time.perf_counter() - t
     if not speed.trusted:
         ui.note(f"the compute speed's timed rounds disagree (spread {speed.spread:.2f}): "
-                "planning on the fastest, the race corrects from its first chunk")  # fmt: skip
+                "planning on the slowest, the last tokens sent first, the race learns its "
+                "real speed from its first chunk")  # fmt: skip
     return _Measured(loaded, sample, context_ids, question_ids, probes, probe_ids, stream,
                      cached, speed)  # fmt: skip
 
@@ -848,7 +853,7 @@ def _check_config(cfg: DemoConfig) -> None:
     if cfg.objective not in OBJECTIVES:
         raise UserError(f"--objective must be one of {', '.join(OBJECTIVES)}, not {cfg.objective}")
     if cfg.compute_speed is not None and not (
-        len(cfg.compute_speed) in (2, 3)
+        len(cfg.compute_speed) in (2, 3, 4)
         and all(math.isfinite(x) and 0 <= x < 10 for x in cfg.compute_speed)
         and cfg.compute_speed[1] > 0
     ):

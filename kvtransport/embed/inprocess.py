@@ -36,6 +36,7 @@ from kvtransport.daemons.udp import DatagramSocket, clock, parse_address
 from kvtransport.errors import UserError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
+    from kvtransport.core.wire import SealKey
     from kvtransport.model.cache_builder import ComputeSpeed
     from kvtransport.model.race import RaceResult
 
@@ -59,7 +60,7 @@ def run_send(
     rate_bps: float,
     deadline_s: float,
     stop: StopSignal,
-    key: bytes | None = None,
+    key: SealKey | None = None,
     policy: str = "adaptive",
     symbol_size: int = DEFAULT_SYMBOL_SIZE,
     burst_s: float | None = None,
@@ -102,12 +103,13 @@ def run_receive(
     sock: DatagramSocket,
     *,
     stop: StopSignal,
-    key: bytes | None = None,
+    key: SealKey | None = None,
     timeout_s: float = 60.0,
     idle_timeout_s: float = 10.0,
     max_bytes: int = 1 << 30,
     replay: Any = None,
     on_engine: Callable[[Any], None] | None = None,
+    keep: Callable[[Any], bool] | None = None,
 ) -> tuple[Any, Any]:
     """Receive the first transfer that reaches ``sock`` (datagrams of others are dropped).
 
@@ -115,7 +117,9 @@ def run_receive(
     ``stop`` (a transfer in progress then delivers what it holds). ``replay``: a
     :class:`~kvtransport.core.replay.ReplayRecord` (a replayed transfer is refused and the wait
     goes on). ``on_engine``: called with the engine before it serves (a live reader of its
-    host's sessions, kvtransport.embed.live_race). Returns
+    host's sessions, kvtransport.embed.live_race). ``keep``: writes the finished transfer's
+    result before its sender is told (its final report waits), returning whether it was
+    written where asked (False: the report names ``result_unsaved``). Returns
     ``(incoming, engine)``: the :class:`~kvtransport.daemons.daemon_receiver.Incoming` (None when
     no transfer arrived) and the engine, whose counters say what was dropped.
 
@@ -135,8 +139,14 @@ def run_receive(
         single=True,
         replay=replay,
         wall_clock=time.time,
+        hold_reports=keep is not None,
     )
-    engine = ReceiverEngine(sock, host, on_result=results.append)
+
+    def on_result(inc: Any) -> bool | None:
+        results.append(inc)
+        return keep(inc) if keep is not None else None
+
+    engine = ReceiverEngine(sock, host, on_result=on_result)
     if on_engine is not None:
         on_engine(engine)
     started = clock()
@@ -277,7 +287,7 @@ def api_key(key: bytes | str | None, insecure: bool = False) -> bytes | None:
     return resolve_key(None, key, insecure)
 
 
-def warm_kernels(key: bytes | None, policy: str) -> None:
+def warm_kernels(key: SealKey | None, policy: str) -> None:
     """Load (or compile) the numba kernels once per process and policy before the first
     transfer (kvtransport.daemons.daemon.warm_up): a stall inside a transfer would count as RTT."""
     with _warm_lock:

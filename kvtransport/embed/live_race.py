@@ -181,7 +181,9 @@ class LiveArrivals:
         with self._decoding:
             got = d.take(s.payload_buffer, lo, hi)
         if got is None:
-            log.warning("%d received blocks failed their CRC-32: recomputed", d.failed.sum())
+            log.warning(
+                "%d received blocks failed (CRC-32 or decoding): recomputed", d.failed.sum()
+            )
         return got
 
     def received_layer(self, layer: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray] | None:
@@ -190,7 +192,9 @@ class LiveArrivals:
         with self._decoding:
             got = d.take_layer(s.payload_buffer, layer, lo, hi)
         if got is None:
-            log.warning("%d received blocks failed their CRC-32: recomputed", d.failed.sum())
+            log.warning(
+                "%d received blocks failed (CRC-32 or decoding): recomputed", d.failed.sum()
+            )
         return got
 
     def run(self, fn: Callable[[], None]) -> tuple[float, float]:

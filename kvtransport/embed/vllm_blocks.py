@@ -25,11 +25,16 @@ This module is numpy and the embeddable API only:
   that failed (:class:`LoadPlan`); a result whose header does not match the consumer's
   :class:`Compat`, or whose manifest is not the cache of the request's prompt, loads
   nothing;
+- :func:`race_cut`: the consumer's race against its own push: whether computing what
+  has not arrived is now sooner than waiting for it (then the load is cut and what
+  arrived loads);
 - :class:`Pusher` encodes and sends caches in background threads through
   :func:`kvtransport.send` with a deadline; :class:`Inbox` receives many transfers on one
   UDP port (the receiver daemon's engine), hands each result out by its request tag,
   cuts a transfer short on request (:meth:`Inbox.cut`: what arrived is delivered at
-  once) and drops results nobody took within a lease or beyond a byte bound.
+  once), says how much of a transfer still arriving would load now
+  (:meth:`Inbox.progress`) and drops results nobody took within a lease or beyond a byte
+  bound.
 """
 
 from __future__ import annotations
@@ -272,6 +277,65 @@ def plan_push(
     why = (f"planned {plan.link_s * 1e3:.0f} ms to move {plan.payload_bytes} bytes > "
            f"{threshold:g} x the consumer's own prefill ({recompute_s * 1e3:.0f} ms)")  # fmt: skip
     return PushPlan(plan, recompute_s, True, why)
+
+
+PACE_AFTER = 0.25
+"""The consumer trusts the pace a push keeps once it has been arriving for this share of
+its planned time (before, a burst of loss at its start, repaired later, looks like a
+link that stopped)."""
+
+
+def race_cut(
+    *,
+    waited_s: float,
+    arrived: int,
+    total: int,
+    recompute_s: float | None,
+    planned_s: float | None,
+    wait_s: float,
+    arriving_s: float = 0.0,
+    received: float = 0.0,
+) -> bool:
+    """Whether a consumer waiting for its push should stop now, load the ``arrived``
+    prefix (tokens complete in every layer) and compute the rest itself.
+
+    waited_s: since the load began; arriving_s: since the push's first block arrived
+    (0: none yet); received: the share of the push's bytes in complete blocks (0 to 1;
+    a lost block holds the prefix back until its repair while later ones arrive, so the
+    pace counts these, not the prefix); total: the prompt's tokens; recompute_s: the
+    consumer's own prefill of the whole prompt (the producer's estimate; None: unknown);
+    planned_s: the push's planned link time (None: unplanned); wait_s: the configured
+    bound, always kept. Computing the rest is taken as ``recompute_s`` per token,
+    evenly. The rest is expected at the pace the push has kept since its first block
+    (once it has been arriving for :data:`PACE_AFTER` of ``planned_s``); before, in
+    ``planned_s`` or, once later than that, in as long again as it has been waited for
+    (the producer's copy-out and encoding come before the link and are not in its
+    plan). Cut when computing the rest is sooner than its expected arrival. Without
+    ``recompute_s`` or ``planned_s`` there is no race: only ``wait_s`` cuts.
+    """
+    if arrived >= total:
+        return False
+    if waited_s >= wait_s:
+        return True
+    if recompute_s is None or planned_s is None:
+        return False
+    rest_compute = recompute_s * (total - arrived) / total
+    if received > 0 and arriving_s >= PACE_AFTER * planned_s:
+        rest_arrive = arriving_s * (1.0 - received) / received
+    else:
+        rest_arrive = max(planned_s, waited_s)
+    return rest_compute < rest_arrive
+
+
+def arrived_prefix(manifest: blocks.Manifest, complete: np.ndarray) -> int:
+    """Leading tokens of a stream whose blocks are complete in every layer (``complete``:
+    per block, in stream order, as the receiving session marks them)."""
+    g = manifest.geometry
+    done = np.zeros((g.num_layers, g.token_blocks), dtype=bool)
+    got = np.asarray(complete, dtype=bool)
+    done[manifest.layer.astype(np.int64), manifest.token_block.astype(np.int64)] = got
+    ranges = usable_prefix(done)
+    return int(min(ranges * g.block_tokens, g.num_tokens))
 
 
 @dataclass
@@ -650,6 +714,7 @@ class Inbox:
         self._cuts: set[str] = set()  # tags to cut, for the loop thread
         self._cut_done: set[str] = set()  # tags whose cut the loop has handled
         self._tags: dict[int, str | None] = {}  # transfer id -> its tag, once known
+        self._manifests: dict[int, blocks.Manifest | None] = {}  # progress's, by transfer id
         self._waker = _Waker(self._on_wake)
         host = ReceiverHost(key=raw_key, max_transfers=self.max_transfers,
                             max_bytes=int(self.max_mb * 1e6))  # fmt: skip
@@ -744,6 +809,52 @@ class Inbox:
                 self._cut_done.discard(tag)
                 return True
             return False
+
+    def progress(self, tag: str) -> tuple[int, int, float, float] | None:
+        """Of transfer ``tag`` while it is still receiving: (the prefix of tokens complete
+        in every layer so far, the tokens it carries, seconds since its first block was
+        complete: 0 before, the share of its bytes in complete blocks); None when no such
+        transfer is
+        receiving (not begun, its manifest not in yet, or ended: see :meth:`take`). Read
+        from any thread: blocks only become complete, so a reading is at most behind."""
+        from kvtransport.daemons.udp import clock  # the sessions' clock
+
+        for _ in range(3):  # the loop thread may add or end a transfer meanwhile
+            try:
+                active = list(self.engine.host.active.values())
+                break
+            except RuntimeError:
+                continue
+        else:
+            return None
+        for inc in active:
+            s = inc.session
+            tm = s.manifest
+            m = self._manifest_of(inc.transfer_id, tm)
+            if tm is None or m is None or str(m.created.get(REQUEST_TAG, "")) != tag:
+                continue
+            complete = np.array(s.complete, dtype=bool)
+            at = np.array(s.complete_at, dtype=np.float64)
+            if complete.shape != (len(tm.blocks),) or at.shape != complete.shape:
+                return None  # being set up by the loop thread
+            since = float(clock() - at[complete].min()) if complete.any() else 0.0
+            sizes = np.asarray(m.length, dtype=np.float64)
+            share = float(sizes[complete].sum() / sizes.sum()) if sizes.sum() > 0 else 0.0
+            return arrived_prefix(m, complete), m.geometry.num_tokens, max(since, 0.0), share
+        return None
+
+    def _manifest_of(self, transfer_id: int, tm: Any) -> blocks.Manifest | None:
+        """A receiving transfer's blocks manifest, parsed once (for :meth:`progress`)."""
+        if tm is None or not tm.app_metadata:
+            return None
+        if transfer_id not in self._manifests:
+            if len(self._manifests) >= 4 * self.max_transfers:
+                self._manifests.clear()
+            try:
+                self._manifests[transfer_id] = blocks.Manifest.from_bytes(tm.app_metadata)
+            except ValueError:
+                self._manifests[transfer_id] = None
+        return self._manifests[transfer_id]
 
     def take(self, tag: str) -> DeliveredResult | None:
         """The result of request ``tag`` if it has ended (once; None otherwise)."""

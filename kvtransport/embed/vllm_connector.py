@@ -45,7 +45,12 @@ on both engines (vLLM's request ids differ).
 - Consumer: ``get_num_new_matched_tokens`` claims the whole prompt as an asynchronous
   load; the worker waits (without blocking the engine) for the transfer tagged TAG on
   its UDP port, at most ``wait_ms`` from the load's start; at ``wait_ms`` a transfer
-  still arriving is cut and what arrived is used. It writes the longest prefix of token
+  still arriving is cut and what arrived is used. A planned push hands the decode engine
+  ``kvt_planned_ms`` and ``kvt_recompute_ms`` (its own prefill of the prompt, as the
+  producer estimates it): then the worker races the push
+  (:func:`~kvtransport.embed.vllm_blocks.race_cut` on what has arrived so far,
+  :meth:`~kvtransport.embed.vllm_blocks.Inbox.progress`) and cuts it as soon as
+  computing the rest is sooner than waiting for it. It writes the longest prefix of token
   ranges complete in every layer into the request's blocks (dequantized into the
   engine's dtype) and reports every block after
   it through ``get_block_ids_with_load_errors``; with ``kv_load_failure_policy``
@@ -122,6 +127,8 @@ class _Load:
     start: int
     stop: int
     token_ids: list[int]
+    planned_s: float | None = None  # the push's planned time (its producer's kvt_planned_ms)
+    recompute_s: float | None = None  # this engine's own prefill of the prompt, estimated
 
 
 @dataclass
@@ -129,6 +136,8 @@ class _Pending:
     load: _Load
     started: float
     cut_at: float | None = None  # when the inbox was asked to cut the transfer
+    t_claimed: float = 0.0  # wall clock when the worker took the load (for load_log)
+    race_cut: bool = False  # the race cut it before wait_ms
 
 
 @dataclass
@@ -141,6 +150,7 @@ class _Send:
     deadline_ms: float
     plan: Any = None  # the push's HandoffPlan (None: every block lossless)
     planned: dict[str, Any] = field(default_factory=dict)  # what push_log records of it
+    t_finished: float = 0.0  # wall clock when the scheduler handed the push over
 
 
 @dataclass
@@ -393,6 +403,15 @@ def _positive(value: Any, name: str) -> float | None:
     return None
 
 
+def _ms_to_s(value: Any) -> float | None:
+    """A handed-over time in ms as seconds (None: absent or not a positive number)."""
+    try:
+        got = float(value)
+    except (TypeError, ValueError):
+        return None
+    return got * 1e-3 if got > 0 else None
+
+
 def _levels(spec: Any) -> tuple[str, ...] | None:
     """A request's ``kvt_precision`` (as the extra config's ``precision``): None for
     lossless; a bad one is logged and the push goes lossless (a request must not fail
@@ -521,10 +540,12 @@ class KVTransportConnector(KVConnectorBase_V1):
         stop = len(request.prompt_token_ids)
         self._claimed.add(request.request_id)
         self._loading.add(request.request_id)
+        params = request.kv_transfer_params
         self._loads.append(_Load(
-            request.request_id, str(request.kv_transfer_params["kvt_request"]),
+            request.request_id, str(params["kvt_request"]),
             list(blocks.get_block_ids()[0]), stop - num_external_tokens, stop,
             list(request.prompt_token_ids),
+            _ms_to_s(params.get("kvt_planned_ms")), _ms_to_s(params.get("kvt_recompute_ms")),
         ))  # fmt: skip
 
     def build_connector_meta(self, scheduler_output: Any) -> KVTransportMetadata:
@@ -570,14 +591,18 @@ class KVTransportConnector(KVConnectorBase_V1):
             return False, {"do_remote_prefill": False, "kvt_request": tag,
                            "kvt_declined": decision.why}  # fmt: skip
         send = _Send(request.request_id, tag, list(ids), list(request.prompt_token_ids),
-                     str(to), deadline)  # fmt: skip
+                     str(to), deadline, t_finished=time.time())  # fmt: skip
+        handed: dict[str, Any] = {"do_remote_prefill": True, "kvt_request": tag}
         if decision is not None:
             send.plan = decision.plan
             send.planned = {"planned_ms": round(decision.plan.link_s * 1e3, 3),
                             "planned_bytes": decision.plan.payload_bytes,
                             "plan": decision.describe()}  # fmt: skip
+            handed["kvt_planned_ms"] = send.planned["planned_ms"]  # the consumer's race
+            if decision.recompute_s is not None:
+                handed["kvt_recompute_ms"] = round(decision.recompute_s * 1e3, 3)
         self._sends.append(send)
-        return True, {"do_remote_prefill": True, "kvt_request": tag}
+        return True, handed
 
     def _plan_push(self, n: int, params: dict[str, Any]) -> vb.PushPlan | None:
         """The plan of a push of ``n`` prompt tokens (None: lossless, unplanned)."""
@@ -624,7 +649,7 @@ class KVTransportConnector(KVConnectorBase_V1):
         for s in meta.sends:
             self._push(s)
         for load in meta.loads:
-            self._pending[load.req_id] = _Pending(load, now)
+            self._pending[load.req_id] = _Pending(load, now, t_claimed=time.time())
         for req_id, p in list(self._pending.items()):
             if self._poll_load(p, now):
                 del self._pending[req_id]
@@ -641,7 +666,7 @@ class KVTransportConnector(KVConnectorBase_V1):
         tag, waited = p.load.tag, now - p.started
         result = self.inbox.take(tag)
         if result is None:
-            if waited < self.wait_s:
+            if not self._cut_now(p, waited):
                 return False
             if p.cut_at is None:
                 p.cut_at = now
@@ -650,21 +675,52 @@ class KVTransportConnector(KVConnectorBase_V1):
             if not self.inbox.cut_done(tag) and now - p.cut_at < CUT_GRACE_S:
                 return False
             result = self.inbox.take(tag)  # what the cut delivered, if it was arriving
-        self._finish_load(p.load, result, waited)
+        self._finish_load(p.load, result, waited, p.t_claimed, p.race_cut)
         return True
+
+    def _cut_now(self, p: _Pending, waited: float) -> bool:
+        """Whether to stop waiting for ``p``'s push: at ``wait_ms``, or sooner where the
+        race (:func:`~kvtransport.embed.vllm_blocks.race_cut`, from the producer's plan
+        and this engine's own prefill as the producer estimated it) says computing what
+        has not arrived is sooner than waiting for it."""
+        if p.cut_at is not None or waited >= self.wait_s:
+            return True
+        load = p.load
+        if load.planned_s is None or load.recompute_s is None:
+            return False
+        assert self.inbox is not None
+        got = self.inbox.progress(load.tag)  # None: not begun (or just ended)
+        arrived, arriving, received = (
+            (min(got[0], load.stop), got[2], got[3]) if got is not None else (0, 0.0, 0.0)
+        )
+        cut = vb.race_cut(waited_s=waited, arrived=max(arrived - load.start, 0),
+                          total=load.stop - load.start, recompute_s=load.recompute_s,
+                          planned_s=load.planned_s, wait_s=self.wait_s,
+                          arriving_s=arriving, received=received)  # fmt: skip
+        if cut:
+            p.race_cut = True
+            logger.info("kvtransport: request %s (%s): computing the rest is sooner than "
+                        "waiting for it (%d of %d tokens in after %.0f ms)", load.req_id,
+                        load.tag, arrived, load.stop, waited * 1e3)  # fmt: skip
+        return cut
 
     def _push(self, s: _Send) -> None:
         """Copy the request's KV out now (vLLM frees its blocks after this step); encode
         and send it in the pusher's threads."""
         assert self.pusher is not None and self.compat is not None
+        times = {"t_finished": s.t_finished, "t_copy_start": time.time()}
         cache = vb.gather(self._keys, self._values, s.block_ids, s.token_ids, self.model_id)
+        times["t_copy_end"] = time.time()
         compat, block_tokens = self.compat, self.block_tokens
 
         def encode() -> Any:
-            return vb.encode_request(cache, s.tag, block_tokens, compat, s.plan)
+            times["t_encode_start"] = time.time()
+            stream = vb.encode_request(cache, s.tag, block_tokens, compat, s.plan)
+            times["t_encode_end"] = time.time()
+            return stream
 
-        if self.push_log:
-            self._planned[s.tag] = s.planned
+        if self.push_log:  # the plan and the push's timeline (wall clock), for push_log
+            self._planned[s.tag] = {**s.planned, "times": times}
         self.pusher.push(encode, s.tag, s.to, s.deadline_ms)
         self._done_sending.add(s.req_id)  # copied out: vLLM may free the blocks
         self._count("pushes")
@@ -683,6 +739,7 @@ class KVTransportConnector(KVConnectorBase_V1):
             logger.warning("kvtransport: push %s to %s ended %s: %s", tag, status.get("to", "?"),
                            status.get("delivered", "with an error"), why)  # fmt: skip
         if self.push_log:
+            self._planned.get(tag, {}).get("times", {})["t_end"] = time.time()
             keep = ("transfer_id", "finish_reason", "delivered", "note", "decoded_through",
                     "n_source", "source_sent", "repair_sent", "datagrams_sent", "max_lag_ms",
                     "bytes_encoded", "error")  # fmt: skip
@@ -691,9 +748,12 @@ class KVTransportConnector(KVConnectorBase_V1):
             with open(self.push_log, "a") as fh:
                 fh.write(json.dumps(record) + "\n")
 
-    def _finish_load(self, load: _Load, result: Any, waited_s: float) -> None:
+    def _finish_load(self, load: _Load, result: Any, waited_s: float,
+                     t_claimed: float = 0.0, race_cut: bool = False) -> None:  # fmt: skip
         """Write what of ``result`` loads into the request's blocks and report the rest as
         load errors. Never raises: anything unexpected fails every block, unwritten."""
+        times: dict[str, Any] = {"t_claimed": t_claimed, "t_taken": time.time(),
+                                 "race_cut": race_cut}  # fmt: skip
         try:
             plan = vb.load_plan(result, block_ids=load.block_ids, block_size=self.block_size,
                                 start=load.start, stop=load.stop, token_ids=load.token_ids,
@@ -706,6 +766,7 @@ class KVTransportConnector(KVConnectorBase_V1):
             last = -(-load.stop // self.block_size)
             ids = [int(b) for b in load.block_ids[load.start // self.block_size : last]]
             plan = vb.LoadPlan(load.start, ids, None, f"load failed: {exc}", refused=True)
+        times["t_loaded"] = time.time()
         self._load_errors.update(plan.failed_block_ids)
         self._done_recving.add(load.req_id)
         loaded = max(plan.prefix - load.start, 0)
@@ -725,13 +786,14 @@ class KVTransportConnector(KVConnectorBase_V1):
                         "%d blocks", load.req_id, plan.prefix, load.stop, plan.why,
                         len(plan.failed_block_ids))  # fmt: skip
         if self.load_log:
-            self._log_load(load, plan, result, waited_s)
+            self._log_load(load, plan, result, waited_s, times)
 
-    def _log_load(self, load: _Load, plan: vb.LoadPlan, result: Any, waited_s: float) -> None:
+    def _log_load(self, load: _Load, plan: vb.LoadPlan, result: Any, waited_s: float,
+                  times: dict[str, Any]) -> None:  # fmt: skip
         record = {"request": load.req_id, "tag": load.tag, "tokens": load.stop,
                   "loaded": plan.prefix, "failed_blocks": len(plan.failed_block_ids),
                   "refused": plan.refused, "waited_ms": round(waited_s * 1e3, 3),
-                  "why": plan.why}  # fmt: skip
+                  "why": plan.why, "times": times}  # fmt: skip
         if result is not None:  # what the link did to this transfer (receiver's view)
             record["reason"] = result.reason
             record.update({k: result.stats[k] for k in LINK_STATS if k in result.stats})

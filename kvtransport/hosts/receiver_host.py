@@ -60,7 +60,13 @@ What bounds the state (every datagram is attacker-controlled):
 - ``budget_bytes`` for all of them: the output buffers of the sessions held (receiving,
   or finished and lingering) never exceed it; a session that would is refused its
   symbols (``over_budget``) or, at its manifest, the whole transfer (result reason
-  ``refused``);
+  ``refused``). A session's reservation follows what arrived, not what its manifest
+  claims: it covers the symbols that arrived plus ``window`` bytes (``RESERVE_WINDOW``,
+  at most a quarter of the budget's share per transfer, at least
+  ``MIN_RESERVE_WINDOW``), a symbol further ahead is dropped (``ahead_of_data``), and
+  when the budget is short the sessions silent for ``RECLAIM_IDLE_S`` give their window
+  back (``reclaimed_bytes``), so transfers announced and left idle cannot keep a later
+  one out;
 - every session ends by itself: at its deadline (from the manifest, counted from its first
   datagram), on the sender's ABORT, when everything is decoded, or (a session opened
   ahead by :meth:`ReceiverHost.expect`) ``idle_timeout`` seconds after its last datagram
@@ -82,6 +88,12 @@ of another protocol version, transfers refused (and why).
 
 ``single``: the ``recv`` command's mode, where the first transfer is the only one and
 datagrams of any other transfer id are dropped as ``foreign_transfer``.
+
+``hold_reports``: the shell writes results (``recv --out``, ``--out-dir``) before their
+senders may take them as delivered: a finished session's final report waits
+(kvtransport.core.receiver: ``hold_report``) until the shell calls
+:meth:`ReceiverHost.result_kept` with whether the result was written (else the report
+names ``result_unsaved``); the session lingers at least until then.
 """
 
 from __future__ import annotations
@@ -107,6 +119,7 @@ from kvtransport.core.wire import (
     Framer,
     Parser,
     ReceivedBatch,
+    SealKey,
     WireError,
     encode_feedback,
     feedback_size,
@@ -121,6 +134,13 @@ DEFAULT_IDLE_TIMEOUT_S = 10.0
 DEFAULT_LINGER_S = 1.0
 DEFAULT_BUDGET_BYTES = 1 << 30
 """Output-buffer bytes all transfers held at once may take (``budget_bytes``)."""
+RESERVE_WINDOW = 64 << 20
+"""The most a transfer's reservation may run ahead of the bytes that arrived (the
+window is also at most a quarter of the budget's share per transfer)."""
+MIN_RESERVE_WINDOW = 256 << 10
+"""The least it may (a small budget shared by many transfers)."""
+RECLAIM_IDLE_S = 1.0
+"""A session silent this long gives its window back when the budget is short."""
 MAX_IDLE_TIMEOUT_S = 3600.0
 RECENT_IDS = 4096
 REFUSAL_CACHE = 64
@@ -266,7 +286,7 @@ class ReceiverHost:
     def __init__(
         self,
         *,
-        key: bytes | None = None,
+        key: SealKey | None = None,
         max_transfers: int = DEFAULT_MAX_TRANSFERS,
         max_bytes: int = DEFAULT_MAX_BYTES,
         idle_timeout: float = DEFAULT_IDLE_TIMEOUT_S,
@@ -276,6 +296,7 @@ class ReceiverHost:
         replay: ReplayRecord | None = None,
         wall_clock: Callable[[], float] | None = None,
         config: ProtocolConfig = STANDARD,
+        hold_reports: bool = False,
     ) -> None:
         if max_transfers < 1 or max_bytes < 1 or not 0 < idle_timeout <= MAX_IDLE_TIMEOUT_S:
             raise UserError(
@@ -290,6 +311,12 @@ class ReceiverHost:
         if replay is not None and wall_clock is None:
             raise ValueError("a replay record needs the shell's wall clock")
         self.held_bytes = 0  # output buffers granted to sessions not yet forgotten
+        self.window = min(
+            RESERVE_WINDOW,
+            max(MIN_RESERVE_WINDOW, self.budget_bytes // (4 * max_transfers)),
+        )  # how far a session's reservation may run ahead of what arrived
+        self.reclaimed = 0  # bytes taken back from idle sessions (_reclaim)
+        self._now = 0.0  # the time of the call being handled (_reclaim's idleness)
         self.key = key
         self.config = config
         self.parser = Parser(key)
@@ -298,6 +325,7 @@ class ReceiverHost:
         self.idle_timeout = idle_timeout
         self.linger_s = linger_s
         self.single = single
+        self.hold_reports = hold_reports
         self.replay = replay
         self.wall_clock = wall_clock
         self.replays_refused = 0
@@ -326,6 +354,7 @@ class ReceiverHost:
     def receive_datagram(self, data: bytes, addr: Address, now: float) -> None:
         """One datagram to its transfer's session (opened if the transfer is new and the
         datagram genuine; otherwise dropped and counted)."""
+        self._now = now
         inc = self._route(data, addr, now)
         if inc is not None:
             inc.session.receive_datagram(data, now)
@@ -339,6 +368,7 @@ class ReceiverHost:
         A run of a :class:`ReceivedBatch` (a socket read) goes as :class:`LaidOutDatagrams`,
         so its sessions open runs of sources in one compiled call."""
         laid = batch if isinstance(batch, ReceivedBatch) else None
+        self._now = now
         run: list[bytes] = []
         owner: Incoming | None = None
         owner_tid = -1
@@ -426,6 +456,7 @@ class ReceiverHost:
     def handle_timer(self, now: float) -> None:
         """Fire the sessions' timers due by ``now``; forget sessions lingered out."""
         self._last_tid, self._last = -1, None
+        self._now = now
         for inc in list(self.active.values()):
             s = inc.session
             t = s.next_timer()
@@ -435,8 +466,8 @@ class ReceiverHost:
         while self.lingering:
             tid, inc = next(iter(self.lingering.items()))
             assert inc.finished is not None  # a lingering transfer has finished
-            if inc.finished + self.linger_s > now:
-                break
+            if inc.finished + self.linger_s > now or inc.session.life.report_held:
+                break  # (a held report: the shell saves its result, in order)
             del self.lingering[tid]
             self.held_bytes -= inc.session.reserved  # its buffers go with it
             self._remember(tid, inc.stats(now))
@@ -474,6 +505,15 @@ class ReceiverHost:
         inc.session.close(now, reason)
         self._touched[transfer_id] = inc
         return True
+
+    def result_kept(self, transfer_id: int, now: float, saved: bool = True) -> None:
+        """The shell wrote a finished transfer's result (``saved``) or could not
+        (``hold_reports``): its final report goes with the next :meth:`datagrams_to_send`,
+        naming ``result_unsaved`` when not saved."""
+        inc = self.get(transfer_id)
+        if inc is not None and inc.session.life.report_held:
+            inc.session.report_kept(now, saved)
+            self._touched[transfer_id] = inc
 
     def close(self, now: float) -> None:
         """Shutdown: every transfer still receiving delivers what it holds."""
@@ -515,6 +555,8 @@ class ReceiverHost:
             "engine_dropped": self.dropped,
             "held_bytes": self.held_bytes,
             "budget_bytes": self.budget_bytes,
+            "reserve_window": self.window,
+            "reclaimed_bytes": self.reclaimed,
             "replays_refused": self.replays_refused,
             "pending": len(self.pending),
             "pool_bytes": self.pool_bytes,
@@ -722,7 +764,9 @@ class ReceiverHost:
             reserve=self._reserve,
             admit=self._admit_manifest if admit and self.replay is not None else None,
             config=self.config,
+            window=self.window,
         )
+        session.hold_report = self.hold_reports
         inc = Incoming(tid, session, peer, now)
         self.active[tid] = inc
         self.adopted = tid
@@ -771,11 +815,25 @@ class ReceiverHost:
 
     def _reserve(self, nbytes: int) -> bool:
         """A session's request for ``nbytes`` more output buffer (kvtransport.core.receiver):
-        granted while everything held stays within ``budget_bytes``."""
+        granted while everything held stays within ``budget_bytes``, after taking back
+        the windows of idle sessions if it would not (``_reclaim``)."""
         if self.held_bytes + nbytes > self.budget_bytes:
-            return False
+            self._reclaim()
+            if self.held_bytes + nbytes > self.budget_bytes:
+                return False
         self.held_bytes += nbytes
         return True
+
+    def _reclaim(self) -> None:
+        """The budget is short: every session still receiving that was silent for
+        ``RECLAIM_IDLE_S`` gives back its reservation beyond what arrived
+        (kvtransport.core.receiver.ReceiverSession.reclaim)."""
+        for inc in self.active.values():
+            s = inc.session
+            if self._now - s.last_activity >= RECLAIM_IDLE_S:
+                freed = s.reclaim()
+                self.held_bytes -= freed
+                self.reclaimed += freed
 
     def _finished(self, inc: Incoming, now: float) -> None:
         inc.state = "finished"

@@ -79,7 +79,7 @@ from kvtransport.core.policy_base import Policy
 from kvtransport.core.protocol import STANDARD, ProtocolConfig
 from kvtransport.core.sender import SenderSession
 from kvtransport.core.transfer import Transfer
-from kvtransport.core.wire import HEADER_SIZE, link_bytes
+from kvtransport.core.wire import HEADER_SIZE, SealKey, link_bytes
 from kvtransport.errors import UserError
 from kvtransport.hosts.link_share import LinkShare, Member
 from kvtransport.hosts.queue_guard import QueueGuard
@@ -147,7 +147,7 @@ def alone_on_link(
     deadline_s: float,
     policy: str | Policy,
     transfer_id: int,
-    key: bytes | None,
+    key: SealKey | None,
     symbol_size: int,
     initial_rtt: float,
     prior_loss: float | None = None,
@@ -289,6 +289,9 @@ class Outgoing:
             "decoded_through": s.fb_through,
             "delivered_bytes": min(s.fb_through * s.symbol_size, self.size),
             "loss_estimate": round(s.loss_estimate(), 5),
+            # the whole transfer's, as the receiver's latest report counts it
+            "datagrams_lost": s.fb.loss_measured()[0],
+            "loss_measured": _ratio(*s.fb.loss_measured()),
             "decisions": s.decision_latency(),
             "srtt_ms": None if s.srtt is None else round(s.srtt * 1e3, 3),
             "min_rtt_ms": None if s.min_rtt is None else round(s.min_rtt * 1e3, 3),
@@ -303,6 +306,11 @@ class Outgoing:
             "deadline_s": round(self.deadline - self.submitted, 6),
             "elapsed_s": round(end - self.submitted, 6),
         }
+
+
+def _ratio(part: int, whole: int) -> float | None:
+    """``part / whole`` rounded for a status (None when ``whole`` is 0)."""
+    return round(part / whole, 5) if whole else None
 
 
 NO_TIME_TO_SEND = "leaves no time to send"
@@ -356,7 +364,7 @@ class SenderHost:
         self,
         *,
         rate_bps: float,
-        key: bytes | None = None,
+        key: SealKey | None = None,
         symbol_size: int | None = None,
         burst_s: float = DEFAULT_BURST_S,
         slot_s: float = DEFAULT_SLOT_S,

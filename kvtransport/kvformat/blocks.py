@@ -26,25 +26,32 @@ Block byte layout (all little-endian; ``H`` kv heads, ``T`` tokens, ``D`` head_d
   in manifests written before it, and then ``token``);
 - ``k8v4``: the same layout with K's codes and groups as int8's and V's as int4's: K codes
   ``[H, T, D]``, V codes ``[H, T, D / 2]``, float16 scales K's ``[H, T, D / int8 group]``
-  then V's ``[H, T, D / G]``, then the zeros the same.
+  then V's ``[H, T, D / G]``, then the zeros the same;
+- ``int8r``: the int8 block entropy-coded without loss (kvtransport.codecs.kvcodec's int8
+  layout: the codes through per-channel anchors and rANS, the scales and zeros as they
+  are); each block decodes on its own into exactly the int8 block's bytes. Its length
+  varies: the manifest carries it.
 
-Manifest format, version 1 to 4 (all integers little-endian)::
+Manifest format, version 1 to 5 (all integers little-endian)::
 
     0   4  magic b"KVMF"
-    4   2  version (4 when the stream holds k8v4 blocks, which an older reader does not
-           know; else 3 when the stream holds int4 blocks with keys per channel, 2 when it
-           holds int8 blocks quantized in groups other than ``group_size``, either of which
-           an older reader would mis-size; 1 otherwise)
+    4   2  version (5 when the stream holds int8r blocks, 4 when it holds k8v4 blocks,
+           either of which an older reader does not know; else 3 when the stream holds
+           int4 blocks with keys per channel, 2 when it holds int8 blocks quantized in
+           groups other than ``group_size``, either of which an older reader would
+           mis-size; 1 otherwise)
     6   2  flags (bit 0: token ids included)
     8   4  header length J
     12  4  body length B
     16  J  header: UTF-8 JSON, sorted keys, no spaces (model id, dtype, geometry,
            block size, group sizes, block count, token-id SHA-256, creation info)
     ..  B  body: zlib of the columns, in stream order: layer u16[n], token block u32[n],
-           precision u8[n], crc32 u32[n], utility f32[n], then token ids u32[tokens]
+           precision u8[n], crc32 u32[n], utility f32[n], (version 5) length u32[n],
+           then token ids u32[tokens]
     ..  4  CRC-32 of everything before
 
-Token counts, byte lengths and offsets are not stored: they follow from the geometry,
+Token counts, byte lengths and offsets are not stored (but for version 5's lengths, which a
+reader checks against the geometry for every block not int8r): they follow from the geometry,
 each block's precision and the stream order. Serialization is deterministic: the same
 inputs give the same bytes (creation info is whatever the caller passes; nothing is
 time-stamped implicitly).
@@ -57,33 +64,43 @@ import json
 import struct
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
 import numpy as np
 
-from kvtransport.codecs import quant
+from kvtransport.codecs import kvcodec, quant
 from kvtransport.core.transfer import BlockTable, Transfer
 from kvtransport.kvformat.kvcache import KVCache
 
-PRECISIONS = ("fp32", "fp16", "int8", "int4", "k8v4")
+PRECISIONS = ("fp32", "fp16", "int8", "int4", "k8v4", "int8r")
 """Precision names; a block's precision code is its index here. ``k8v4``: keys as int8's,
 values as int4's (keys weigh more in the answer: between int8 and int4 in bytes and in
-fidelity, DEFAULT_FIDELITY)."""
+fidelity, DEFAULT_FIDELITY). ``int8r``: int8's block entropy-coded without loss
+(kvtransport.codecs.kvcodec.encode_int8_rows): the same values as int8 in fewer bytes,
+its length per block in the manifest (version 5)."""
+CODED = ("int8r",)
+"""Precisions whose blocks vary in length: the manifest carries each one's."""
+CODED_AS = {"int8r": "int8"}
+"""Each coded precision's values: the fixed-length precision it codes without loss."""
+INT8R_RATIO = 0.98
+"""An int8r block's bytes as a share of int8's, where the cache's own is not measured
+(:func:`estimate_coded`): what the plan sizes int8r blocks by."""
 
 DEFAULT_BLOCK_TOKENS = 16
 MANIFEST_MAGIC = b"KVMF"
-MANIFEST_VERSIONS = (1, 2, 3, 4)
+MANIFEST_VERSIONS = (1, 2, 3, 4, 5)
 """The manifest versions this module reads; it writes the lowest that holds the stream
 (:attr:`Manifest.version`)."""
 _FIXED = struct.Struct("<4sHHII")
 _FLAG_TOKEN_IDS = 1
-_BITS = {"int8": (8, 8), "int4": (4, 4), "k8v4": (8, 4)}
+_BITS = {"int8": (8, 8), "int4": (4, 4), "k8v4": (8, 4), "int8r": (8, 8)}
 """Quantized precisions: (key bits, value bits)."""
 INT4_KEYS = ("token", "channel")
 """How int4 blocks quantize their keys (:attr:`Geometry.int4_keys`)."""
 _FLOAT = {"fp32": "<f4", "fp16": "<f2"}
+_CODED_CODES = [PRECISIONS.index(p) for p in CODED]
 _DTYPES = {"float32": np.float32, "float16": np.float16}
 _MAX_TOKEN_ID = 2**32 - 1
 
@@ -113,6 +130,9 @@ class Geometry:
     """int4's keys: ``token`` (groups of ``group_size`` per token, like the values: what
     manifests written before the field hold) or ``channel`` (one scale and zero per channel
     over the block's tokens, what :meth:`of` gives; kvtransport.codecs.quant says why)."""
+    int8r_ratio: float = field(default=INT8R_RATIO, compare=False)
+    """The share of int8's bytes an int8r block is planned at (:meth:`block_nbytes`); not
+    part of the manifest: a stream carries each int8r block's real length."""
 
     def __post_init__(self) -> None:
         if not self.int8_group_size:
@@ -159,7 +179,7 @@ class Geometry:
 
     def group_of(self, precision: str) -> int:
         """The quantization group of a quantized precision (int8 or int4)."""
-        return self.int8_group_size if precision == "int8" else self.group_size
+        return self.int8_group_size if precision in ("int8", "int8r") else self.group_size
 
     def channel_keys(self, precision: str) -> bool:
         """Does a block at this precision quantize its keys per channel?"""
@@ -187,8 +207,11 @@ class Geometry:
         return np.minimum(self.block_tokens, self.num_tokens - start)
 
     def block_nbytes(self, precision: str, tokens: int | None = None) -> int:
-        """Bytes of one block of ``tokens`` tokens (default: a full block) at a precision."""
+        """Bytes of one block of ``tokens`` tokens (default: a full block) at a precision;
+        for a coded precision (CODED), its planned size: ``int8r_ratio`` of int8's."""
         t = self.block_tokens if tokens is None else tokens
+        if precision in CODED:
+            return max(1, round(self.int8r_ratio * self.block_nbytes(CODED_AS[precision], t)))
         if precision in _FLOAT:
             elements = 2 * self.num_kv_heads * t * self.head_dim
             return elements * np.dtype(_FLOAT[precision]).itemsize
@@ -216,6 +239,9 @@ class Manifest:
     token_ids_sha256: str
     token_ids: np.ndarray | None = None  # int64 [tokens] when carried
     created: dict[str, Any] = field(default_factory=dict)
+    coded_length: np.ndarray | None = None
+    """int64 ``[n]``: each block's byte length where its precision is CODED (other
+    blocks' entries are not read); None when the stream holds none."""
 
     @property
     def num_blocks(self) -> int:
@@ -224,7 +250,7 @@ class Manifest:
 
     @cached_property
     def _layout(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return _layout(self.geometry, self.precision, self.token_block)
+        return _layout(self.geometry, self.precision, self.token_block, self.coded_length)
 
     @property
     def token_start(self) -> np.ndarray:
@@ -276,16 +302,24 @@ class Manifest:
     @property
     def version(self) -> int:
         """The manifest version written: the lowest whose readers size every block right
-        (4: k8v4 blocks; 3: int4 blocks with keys per channel; 2: int8 blocks in groups
-        other than ``group_size``; else 1), so older readers take what they can read and
-        refuse, by version, what they would mis-size."""
+        (5: int8r blocks, whose lengths the manifest carries; 4: k8v4 blocks; 3: int4
+        blocks with keys per channel; 2: int8 blocks in groups other than ``group_size``;
+        else 1), so older readers take what they can read and refuse, by version, what
+        they would mis-size."""
         g = self.geometry
+        if self.has_coded:
+            return 5
         if np.any(self.precision == PRECISIONS.index("k8v4")):
             return 4
         if g.int4_keys == "channel" and np.any(self.precision == PRECISIONS.index("int4")):
             return 3
         has_int8 = bool(np.any(self.precision == PRECISIONS.index("int8")))
         return 2 if has_int8 and g.int8_group_size != g.group_size else 1
+
+    @property
+    def has_coded(self) -> bool:
+        """Whether the stream holds blocks of a coded precision (CODED)."""
+        return bool(np.isin(self.precision, _CODED_CODES).any())
 
     def header(self) -> dict[str, Any]:
         g = self.geometry
@@ -317,6 +351,8 @@ class Manifest:
             self.checksum.astype("<u4").tobytes(),
             self.utility.astype("<f4").tobytes(),
         ]
+        if self.version >= 5:
+            cols.append(self.length.astype("<u4").tobytes())
         flags = 0
         if self.token_ids is not None:
             flags |= _FLAG_TOKEN_IDS
@@ -350,7 +386,8 @@ class Manifest:
             raise ManifestError(f"manifest undecodable: {exc}") from exc
         geometry, n, model_id, sha, created = _parse_header(head)
         tokens = geometry.num_tokens if flags & _FLAG_TOKEN_IDS else 0
-        sizes = [2 * n, 4 * n, n, 4 * n, 4 * n, 4 * tokens]
+        lengths = 4 * n if version >= 5 else 0
+        sizes = [2 * n, 4 * n, n, 4 * n, 4 * n, lengths, 4 * tokens]
         try:  # at most the size the header announces (no decompression bomb)
             z = zlib.decompressobj()
             body = z.decompress(buf[_FIXED.size + jlen : -4], sum(sizes) + 1)
@@ -367,8 +404,9 @@ class Manifest:
             checksum=np.frombuffer(col[3], "<u4").astype(np.uint32),
             utility=np.frombuffer(col[4], "<f4").astype(np.float32),
         )
-        token_ids = np.frombuffer(col[5], "<u4").astype(np.int64) if tokens else None
-        return _validated(cls, model_id, geometry, arrays, sha, token_ids, created)
+        token_ids = np.frombuffer(col[6], "<u4").astype(np.int64) if tokens else None
+        coded = np.frombuffer(col[5], "<u4").astype(np.int64) if lengths else None
+        return _validated(cls, model_id, geometry, arrays, sha, token_ids, created, coded)
 
     def to_json(self) -> dict[str, Any]:
         """A readable form (cards keep it as metadata): header plus a columnar block table."""
@@ -406,6 +444,7 @@ class Manifest:
             )
             ids = obj.get("token_ids")
             token_ids = None if ids is None else np.asarray(ids, dtype=np.int64)
+            coded = np.asarray(b.get("length", []), dtype=np.int64)
         except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise ManifestError(f"manifest block table malformed: {exc}") from exc
         if any(a.shape != (n,) for a in arrays.values()):
@@ -420,7 +459,11 @@ class Manifest:
         arrays["precision"] = arrays["precision"].astype(np.uint8)
         arrays["checksum"] = arrays["checksum"].astype(np.uint32)
         arrays["utility"] = arrays["utility"].astype(np.float32)
-        m = _validated(cls, model_id, geometry, arrays, sha, token_ids, created)
+        has_coded = bool(np.isin(arrays["precision"], _CODED_CODES).any())
+        if has_coded and coded.shape != (n,):
+            raise ManifestError(f"manifest length column does not hold {n} blocks")
+        m = _validated(cls, model_id, geometry, arrays, sha, token_ids, created,
+                       coded if has_coded else None)  # fmt: skip
         for name in ("token_count", "offset", "length"):
             if list(b.get(name, [])) != getattr(m, name).tolist():
                 raise ManifestError(f"manifest {name} column disagrees with the geometry")
@@ -486,6 +529,7 @@ def _validated(
     sha: str,
     token_ids: np.ndarray | None,
     created: dict[str, Any],
+    coded: np.ndarray | None = None,
 ) -> Manifest:
     if np.any(arrays["layer"] >= g.num_layers) or np.any(arrays["token_block"] >= g.token_blocks):
         raise ManifestError("manifest lists a block outside the geometry")
@@ -501,14 +545,44 @@ def _validated(
         raise ManifestError("manifest token ids do not match their hash")
     if token_ids is not None and token_ids.shape != (g.num_tokens,):
         raise ManifestError("manifest token ids have the wrong length")
+    if coded is not None:
+        _check_lengths(g, arrays["precision"], arrays["token_block"], coded)
     return cls(model_id=model_id, geometry=g, token_ids_sha256=sha, token_ids=token_ids,
-               created=created, **arrays)  # fmt: skip
+               created=created, coded_length=coded, **arrays)  # fmt: skip
+
+
+def max_coded_nbytes(g: Geometry, tokens: int) -> int:
+    """The most bytes a coded (int8r) block of ``tokens`` tokens may take: every symbol at
+    its most (a 16-bit rANS word and a 2-byte escape), the frequency table, the lengths and
+    the scales (kvtransport.codecs.kvcodec's layout). A manifest announcing more is forged."""
+    symbols = 2 * g.num_kv_heads * (tokens + 1) * g.head_dim
+    scales = g.block_nbytes("int8", tokens) - kvcodec.int8_codes_nbytes(
+        g.num_kv_heads, tokens, g.head_dim
+    )
+    return 4 * symbols + scales + 2 * 256 + 64
+
+
+def _check_lengths(
+    g: Geometry, precision: np.ndarray, token_block: np.ndarray, length: np.ndarray
+) -> None:
+    """A manifest's length column: each fixed-precision block's as the geometry gives it,
+    each coded block's between 1 and :func:`max_coded_nbytes`; ManifestError otherwise."""
+    counts = g.block_token_count(token_block)
+    coded = np.isin(precision, _CODED_CODES)
+    expected = _layout(g, precision[~coded], token_block[~coded], None)[1]
+    if np.any(length[~coded] != expected):
+        raise ManifestError("manifest length column disagrees with the geometry")
+    for c in np.unique(counts[coded]).tolist():
+        sel = coded & (counts == c)
+        if np.any(length[sel] < 1) or np.any(length[sel] > max_coded_nbytes(g, c)):
+            raise ManifestError("manifest lists a coded block length out of range")
 
 
 def _layout(
-    g: Geometry, precision: np.ndarray, token_block: np.ndarray
+    g: Geometry, precision: np.ndarray, token_block: np.ndarray, coded: np.ndarray | None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Token count, byte length and offset of each block of a stream."""
+    """Token count, byte length and offset of each block of a stream; ``coded``: the
+    lengths of its coded blocks (CODED precisions; None: there are none)."""
     counts = g.block_token_count(token_block)
     table = {
         (p, c): g.block_nbytes(PRECISIONS[p], c)
@@ -516,6 +590,8 @@ def _layout(
     }
     pairs = zip(precision.tolist(), counts.tolist(), strict=True)
     length = np.fromiter((table[pc] for pc in pairs), dtype=np.int64, count=counts.size)
+    if coded is not None:
+        length = np.where(np.isin(precision, _CODED_CODES), coded, length)
     offset = np.zeros_like(length)
     np.cumsum(length[:-1], out=offset[1:])
     return counts, length, offset
@@ -602,7 +678,8 @@ def parse_precision(spec: str) -> tuple[str, int | None]:
 
 
 MIXED_LEVELS = ("fp16", "int8", "k8v4", "int4")
-DEFAULT_FIDELITY = {"fp32": 1.0, "fp16": 1.0, "int8": 0.999, "int4": 0.988, "k8v4": 0.994}
+DEFAULT_FIDELITY = {"fp32": 1.0, "fp16": 1.0, "int8": 0.999, "int4": 0.988, "k8v4": 0.994,
+                    "int8r": 0.999}  # fmt: skip
 """Share of a block's utility that survives at each precision, used by the mixed
 allocator and the handoff plan. Calibrated with scripts/eval_quant.py's uniform-precision
 runs on SmolLM2 (16 prompts, task seeds 30000+): teacher-forced top-1 agreement with the
@@ -613,7 +690,8 @@ agreement saturates there. k8v4's top-1 cannot be told from int4's on those prom
 (their intervals overlap), so it is placed between int4's and int8's values by the same
 run's teacher-forced KL to the fp32 answer, which tells them apart: as far from int4
 toward int8 as its KL lies, rounded down (kvtransport.model.plan.menu keeps a level only
-where it is worth its bytes against its neighbours)."""
+where it is worth its bytes against its neighbours). int8r holds exactly int8's values:
+int8's fidelity."""
 
 
 def plan_precision(
@@ -644,6 +722,32 @@ def plan_precision(
     codes = np.array([PRECISIONS.index(p) for p in MIXED_LEVELS], dtype=np.int64)
     out = np.where(alloc.level >= 0, codes[np.maximum(alloc.level, 0)], -1)
     return out.reshape(shape)
+
+
+def estimate_coded(
+    g: Geometry, cache: KVCache, manifest: Manifest | None = None, sample: int = 64
+) -> Geometry:
+    """``g`` with ``int8r_ratio`` (what the plan sizes int8r blocks by) from ``cache``'s
+    statistics: where ``manifest`` (the card's stream of this cache) holds int8r blocks,
+    their lengths against int8's; else up to ``sample`` full blocks spread evenly over
+    the cache, int8-quantized and coded (a sample, not the whole cache)."""
+    if manifest is not None and manifest.has_coded:
+        m = manifest
+        sel = np.isin(m.precision, _CODED_CODES)
+        int8 = sum(g.block_nbytes("int8", int(c)) for c in m.token_count[sel].tolist())
+        return replace(g, int8r_ratio=float(m.length[sel].sum()) / int8)
+    full = g.num_tokens // g.block_tokens
+    if full == 0:
+        return g
+    flat = np.unique(np.linspace(0, g.num_layers * full - 1, min(sample, g.num_layers * full))
+                     .astype(np.int64))  # fmt: skip
+    layer, tb = np.divmod(flat, full)
+    lo = tb[:, None] * g.block_tokens + np.arange(g.block_tokens)
+    kv = np.stack([cache.keys[layer[:, None], :, lo], cache.values[layer[:, None], :, lo]], 1)
+    kv = kv.transpose(0, 1, 3, 2, 4)  # [n, 2, H, T, D]
+    rows = _encode_rows(np.ascontiguousarray(kv, dtype=np.float32), "int8", g)
+    _, lengths = kvcodec.encode_int8_rows(rows, g.num_kv_heads, g.block_tokens, g.head_dim)
+    return replace(g, int8r_ratio=float(lengths.sum()) / rows.size)
 
 
 def _padded_blocks(x: np.ndarray, g: Geometry) -> np.ndarray:
@@ -728,7 +832,7 @@ def encode_stream(
     layer = (order // g.token_blocks).astype(np.uint16)
     tblock = (order % g.token_blocks).astype(np.uint32)
     prec = codes.reshape(-1)[order].astype(np.uint8)
-    counts, length, offset = _layout(g, prec, tblock)
+    counts = g.block_token_count(tblock)
     # [L, token_blocks, H, T, D] views: one block is then one (layer, token block) row.
     k5 = _padded_blocks(cache.keys, g).transpose(0, 2, 1, 3, 4)
     v5 = _padded_blocks(cache.values, g).transpose(0, 2, 1, 3, 4)
@@ -738,10 +842,20 @@ def encode_stream(
         idx = np.flatnonzero((prec == p) & (counts == c))
         ls, ts = layer[idx].astype(np.int64), tblock[idx].astype(np.int64)
         kv = np.stack([k5[ls, ts, :, :c], v5[ls, ts, :, :c]], axis=1)  # [n, 2, H, c, D]
+        if PRECISIONS[p] in CODED:
+            coded, lens = kvcodec.encode_int8_rows(_encode_rows(kv, "int8", g), g.num_kv_heads,
+                                                   c, g.head_dim)  # fmt: skip
+            ends = np.cumsum(lens)
+            for r, i in enumerate(idx.tolist()):
+                pieces[i] = coded[ends[r] - lens[r] : ends[r]]
+            continue
         rows = _encode_rows(kv, PRECISIONS[p], g)
         for r, i in enumerate(idx.tolist()):
             pieces[i] = rows[r]
     payload = np.concatenate(pieces) if pieces else np.empty(0, np.uint8)
+    length = np.array([piece.size for piece in pieces], dtype=np.int64)
+    offset = np.zeros_like(length)
+    np.cumsum(length[:-1], out=offset[1:])
     checksum = np.array(
         [zlib.crc32(payload[o : o + n]) for o, n in zip(offset, length, strict=True)],
         dtype=np.uint32,
@@ -757,6 +871,7 @@ def encode_stream(
         token_ids_sha256=_token_hash(cache.token_ids),
         token_ids=cache.token_ids.astype(np.int64) if include_token_ids else None,
         created=dict(created or {}),
+        coded_length=length if np.isin(prec, _CODED_CODES).any() else None,
     )
     return EncodedStream(manifest=manifest, manifest_bytes=manifest.to_bytes(), payload=payload)
 
@@ -773,7 +888,8 @@ class Reassembled:
     present: ``[layers, tokens]`` bool, True where the layer's K/V for the token arrived
         intact (the per-layer mask for injection).
     missing: stream indices of listed blocks that did not arrive or failed their checksum.
-    corrupted: the subset of ``missing`` that arrived "complete" but failed the CRC-32.
+    corrupted: the subset of ``missing`` that arrived "complete" but failed the CRC-32 or,
+        coded (CODED), did not decode.
     """
 
     cache: KVCache
@@ -856,8 +972,10 @@ def decode_stream(
     shape = (g.num_layers, g.num_kv_heads, n, g.head_dim)
     keys, values = np.zeros(shape, dtype), np.zeros(shape, dtype)  # lazily zeroed pages
     present_blocks = np.zeros((g.num_layers, tb), dtype=bool)
+    undecodable = decode_blocks_into(m, buf, np.flatnonzero(ok), keys, values)
+    ok[undecodable] = False
+    corrupted = np.union1d(corrupted, undecodable).astype(np.int64)
     good = np.flatnonzero(ok)
-    decode_blocks_into(m, buf, good, keys, values)
     present_blocks[m.layer[good], m.token_block[good]] = True
     present = np.repeat(present_blocks, bt, axis=1)[:, :n]
     if m.token_ids is not None:
@@ -876,26 +994,35 @@ def decode_stream(
 def decode_blocks_into(
     manifest: Manifest, payload: np.ndarray, blocks: np.ndarray, keys: np.ndarray,
     values: np.ndarray,
-) -> None:  # fmt: skip
+) -> np.ndarray:  # fmt: skip
     """Decode the stream blocks ``blocks`` (indices; their bytes in ``payload`` at their
     offsets, checked by the caller) into place in ``keys`` / ``values``, each
     ``[layers, kv_heads, tokens, head_dim]`` of the geometry's dtype. Other slots are left
-    as they are, so a receiver can decode a few token ranges at a time into one cache."""
+    as they are, so a receiver can decode a few token ranges at a time into one cache.
+    Returns the indices of coded blocks (CODED) that do not decode although their bytes
+    passed the CRC-32 (forged or corrupted), whose slots are left as they are too."""
     m, g, buf = manifest, manifest.geometry, _as_u8(payload)
     good = np.asarray(blocks, dtype=np.int64)
     offset, end = m.offset, m.offset + m.length
     counts, starts, layers = m.token_count, m.token_start, m.layer
+    undecodable: list[np.ndarray] = [np.empty(0, np.int64)]
     # Each block is copied straight into place (one slice assignment per K and V); only
     # quantized blocks go through an intermediate, dequantized in one vectorized step per
     # (precision, token count) group.
     for p, c in sorted(set(zip(m.precision[good].tolist(), counts[good].tolist(), strict=True))):
-        idx = good[(m.precision[good] == p) & (counts[good] == c)].tolist()
+        idx = good[(m.precision[good] == p) & (counts[good] == c)]
         name = PRECISIONS[p]
+        src, src_offset = buf, offset[idx]
+        if name in CODED:
+            idx, src, bad = _uncoded_rows(m, buf, idx, c)
+            undecodable.append(bad)
+            name = CODED_AS[name]
+            src_offset = np.arange(idx.size, dtype=np.int64) * (src.size // max(idx.size, 1))
         # one numba pass, in place; one compiled kernel for every quantized precision (what
         # warms int8 and int4 warms k8v4)
         if name not in _FLOAT and keys.dtype == np.float32:
             quant.dequantize_mixed_blocks_into(
-                buf, offset[idx], layers[idx].astype(np.int64), starts[idx], c,
+                src, src_offset, layers[idx].astype(np.int64), starts[idx], c,
                 *g.quant_spec(name), keys, values,
             )  # fmt: skip
             continue
@@ -904,11 +1031,27 @@ def decode_blocks_into(
             kv = [buf[offset[i] : end[i]].view(_FLOAT[name]).reshape(2, -1, c, g.head_dim)
                   for i in idx]  # fmt: skip
         else:
-            kv = _decode_rows(np.stack([buf[offset[i] : end[i]] for i in idx]), name, g, c)
-        for j, i in enumerate(idx):
+            n = g.block_nbytes(name, c)
+            kv = _decode_rows(np.stack([src[o : o + n] for o in src_offset]), name, g, c)
+        for j, i in enumerate(idx.tolist()):
             t0 = int(starts[i])
             keys[layers[i], :, t0 : t0 + c] = kv[j][0]
             values[layers[i], :, t0 : t0 + c] = kv[j][1]
+    return np.sort(np.concatenate(undecodable))
+
+
+def _uncoded_rows(
+    m: Manifest, buf: np.ndarray, idx: np.ndarray, tokens: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Coded blocks ``idx`` of ``tokens`` tokens back to their fixed-length layout: (the
+    blocks that decode, their rows back to back (uint8), the blocks that do not)."""
+    g = m.geometry
+    name = CODED_AS[PRECISIONS[int(m.precision[idx[0]])]] if idx.size else "int8"
+    rows = np.empty((idx.size, g.block_nbytes(name, tokens)), np.uint8)
+    status = kvcodec.decode_int8_rows(buf, m.offset[idx], m.length[idx], g.num_kv_heads,
+                                      tokens, g.head_dim, rows)  # fmt: skip
+    ok = status == 0
+    return idx[ok], np.ascontiguousarray(rows[ok]).reshape(-1), idx[~ok]
 
 
 class RangeDecoder:
@@ -917,8 +1060,8 @@ class RangeDecoder:
     a range when it loads it, instead of decoding the whole stream first.
 
     keys / values: ``[layers, kv_heads, tokens, head_dim]`` of the geometry's dtype,
-    zeros where nothing was decoded; failed: per block, it failed its CRC-32 (never
-    decoded, so its range is never loaded).
+    zeros where nothing was decoded; failed: per block, it failed its CRC-32 or, coded
+    (CODED), did not decode (so its range is never loaded).
     """
 
     def __init__(self, manifest: Manifest) -> None:
@@ -944,7 +1087,7 @@ class RangeDecoder:
     ) -> tuple[np.ndarray, np.ndarray] | None:
         """The K/V of tokens ``[lo, hi)`` (whole token ranges whose blocks are complete in
         ``payload``), decoding what was not yet; None when one of those blocks fails its
-        CRC-32 (then marked in ``failed``)."""
+        CRC-32 or does not decode (then marked in ``failed``)."""
         bt = self.manifest.geometry.block_tokens
         if not self._decode(payload, np.concatenate(self.range_blocks[lo // bt : -(-hi // bt)])):
             return None
@@ -969,7 +1112,7 @@ class RangeDecoder:
         self, payload: np.ndarray | bytes | bytearray | memoryview, idx: np.ndarray
     ) -> bool:
         """Check and decode the blocks ``idx`` not decoded yet; False (and marked in
-        ``failed``) when one fails its CRC-32."""
+        ``failed``) when one fails its CRC-32 or does not decode."""
         todo = idx[~self._decoded[idx]]
         if todo.size:
             m = self.manifest
@@ -979,6 +1122,10 @@ class RangeDecoder:
             if bad.size:
                 self.failed[bad] = True
                 return False
-            decode_blocks_into(m, _as_u8(payload), todo, self.keys, self.values)
+            bad = decode_blocks_into(m, _as_u8(payload), todo, self.keys, self.values)
             self._decoded[todo] = True
+            self._decoded[bad] = False
+            if bad.size:
+                self.failed[bad] = True
+                return False
         return True

@@ -54,7 +54,8 @@ class ComputeSpeed:
     @property
     def trusted(self) -> bool:
         """The measured rounds agreed (:attr:`spread` within :data:`TRUST_LIMIT`); a speed
-        that was given, not measured, is trusted."""
+        that was given, not measured, is trusted. The planner prices one that is not
+        trusted conservatively (kvtransport.model.plan.robust_speed)."""
         return self.spread <= TRUST_LIMIT
 
     def scaled(self, factor: float) -> ComputeSpeed:
@@ -125,9 +126,10 @@ class ComputeSpeed:
         :data:`SPREAD_LIMIT` of their median, another round is run (up to
         ``max_repeats``); :attr:`spread` is the spread left. Rounds still spread beyond
         :data:`TRUST_LIMIT` (not :attr:`trusted`, for the caller to warn on) give the
-        fastest large prefix instead of the median: a plan on the host's uninterrupted
-        speed, which the race corrects from its first real chunk
-        (kvtransport.model.race) where the host really is slower. ``per_pair_s`` is capped
+        fastest large prefix instead of the median (the host's uninterrupted speed); the
+        planner then prices the receiver's prefix :attr:`spread` slower than that, about
+        the slowest round (kvtransport.model.plan.robust_speed), and the race corrects it
+        from its first real chunk (kvtransport.model.race). ``per_pair_s`` is capped
         by what the large prefix paid per causal pair (:func:`_pair_cost`).
 
         Cost: each round computes the large prefix once and three short calls (about three

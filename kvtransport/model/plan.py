@@ -56,6 +56,22 @@ precision's fidelity (kvtransport.kvformat.blocks.DEFAULT_FIDELITY):
   is then a cap, not a target: a plan never answers later than the ``fidelity`` plan for
   the same budget.
 
+A speed whose measured rounds disagreed (not ComputeSpeed.trusted) plans so that being
+wrong costs little, whatever ``order`` says:
+
+- the prefix is priced at the slowest speed the rounds showed (:func:`robust_speed`): a
+  prefix planned too short costs the link time of what it left out, one planned too long
+  the receiver's compute time of what it added (several times more per token);
+- the stream goes in the ``back`` order, so the split stays open: the receiver computes
+  from the front at its real speed (the race learns it from its first computed chunk,
+  kvtransport.model.race) until it meets the link filling the cache from the back, and
+  no link time goes to what it computes. There is then no layer-by-layer tail (the
+  question's pass runs once the cache is in place);
+- the ``ttft`` objective sends every block at its fidelity floor's level
+  (:meth:`_Task.floored`), without the upgrades for the link time the receiver's compute
+  is predicted to leave idle (a guess of the same speed): the precision depends on the
+  link and the floor alone.
+
 The link time of ``b`` payload bytes is the loss-free wire time inflated by the expected
 loss and a repair margin, plus one one-way delay. When nothing fits the budget (even all
 at the cheapest precision), both objectives give the split that finishes soonest.
@@ -65,7 +81,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -77,6 +93,7 @@ from kvtransport.kvformat.blocks import (
     Geometry,
     decode_stream,
     encode_stream,
+    estimate_coded,
 )
 from kvtransport.kvformat.kvcache import KVCache
 from kvtransport.model.cache_builder import ComputeSpeed
@@ -132,7 +149,22 @@ class LinkEstimate:
         if payload_bytes <= 0:
             return 0.0
         wire = full_send_time(int(payload_bytes), self.rate_bps, self.symbol_size, self.sealed)
-        return self.one_way_s + wire * (1.0 + repair_margin) / max(1.0 - self.loss, 0.05)
+        return self._after(wire, repair_margin)
+
+    def seconds_each(
+        self, payload_bytes: np.ndarray, repair_margin: float = DEFAULT_REPAIR_MARGIN
+    ) -> np.ndarray:
+        """:meth:`seconds` of each of an array of byte counts (the planner prices every
+        token range's arrival at once)."""
+        n = np.asarray(payload_bytes, dtype=np.float64).astype(np.int64)
+        some = n > 0
+        wire = full_send_time(cast(Any, np.where(some, n, 0)), self.rate_bps,
+                              self.symbol_size, self.sealed)  # fmt: skip
+        return np.where(some, self._after(wire, repair_margin), 0.0)
+
+    def _after(self, wire_s: Any, repair_margin: float) -> Any:
+        """When what takes ``wire_s`` loss-free on the wire is at the receiver."""
+        return self.one_way_s + wire_s * (1.0 + repair_margin) / max(1.0 - self.loss, 0.05)
 
     def max_bytes(self, seconds: float, repair_margin: float = DEFAULT_REPAIR_MARGIN) -> int:
         """The most payload bytes expected at the receiver within ``seconds``."""
@@ -221,6 +253,8 @@ class HandoffPlan:
                  f"{self.send_s * 1e3:.0f} ms)" if self.hedge else "")  # fmt: skip
         if self.tail:
             front += f"; its last {self.tail} tokens cross layer by layer"
+        if self.order == "back":
+            front += " (or more: the link sends the last tokens first)"
         return (
             f"{front}, the link carries {mix or 'nothing'} "
             f"blocks ({(self.payload_bytes + self.hedge_bytes) / 2**20:.1f} MiB); planned "
@@ -253,9 +287,12 @@ def plan_handoff(
     min_fidelity: the expected fidelity below which no plan goes while its levels can
     reach it (sent blocks are raised, most fidelity per byte first, until they do; 0: no
     floor);
-    order: the stream order (ORDERS), which only sets the expected arrivals;
+    order: the stream order (ORDERS), which only sets the expected arrivals (an untrusted
+    speed plans ``back``: :attr:`HandoffPlan.order`);
     hedge_share: the share of the prefix also sent as a hedge (0: none); answer_s: the
-    question's forward time on the receiver (0: no tail, the plan ends at the cache).
+    question's forward time on the receiver (0: no tail, the plan ends at the cache);
+    speed: the receiver's; an untrusted one plans as the module docstring says (the
+    prefix priced by :func:`robust_speed`, the ``back`` order, the floor's levels).
     Raises ValueError for an unknown objective, order or level, a floor or hedge share
     outside [0, 1], or a negative answer_s.
     """
@@ -278,6 +315,9 @@ def plan_handoff(
     if not answer_s >= 0.0:
         raise ValueError(f"answer_s must be >= 0, not {answer_s}")
     u = u / u.sum()
+    speed = robust_speed(speed)
+    if not speed.trusted:  # the receiver and the link meet wherever their real speeds put them
+        order = "back"
     levels = menu(g, levels, fidelity)
     fid = np.array([(fidelity or DEFAULT_FIDELITY)[p] for p in levels])
     cost = g.cost_table(levels).reshape(g.num_layers, g.token_blocks, len(levels))
@@ -305,11 +345,21 @@ def plan_handoff(
     if best is not None:
         return task.hedged(best[1], hedge_share, speed)
     _, k, quick = fastest
-    if not quick.fits:
+    if not quick.fits or not speed.trusted:  # an untrusted speed's idle link is a guess
         return task.hedged(quick, hedge_share, speed)
     # ttft: the link time that the receiver's own compute leaves idle buys upgrades
     return task.hedged(task.upgraded(k, task.floored(k), quick.compute_s, quick.link_by_s),
                        hedge_share, speed)  # fmt: skip
+
+
+def robust_speed(speed: ComputeSpeed) -> ComputeSpeed:
+    """The speed a plan prices the receiver's compute at: ``speed`` when it is trusted;
+    otherwise (its measured rounds disagreed: ComputeSpeed.trusted) every cost times ``1 +
+    speed.spread``, about the slowest round the measurement saw. A prefix planned too
+    short costs the link time of the tokens it left out, one planned too long the
+    receiver's compute time of the tokens it added, several times more per token on the
+    links the planner is for: so an untrusted speed errs short."""
+    return speed if speed.trusted else speed.scaled(1.0 + speed.spread)
 
 
 def menu(
@@ -390,6 +440,15 @@ class _Task:
         order = np.lexsort((step, -u[ti, tj], -rank))
         return ti[order], tj[order], t[order], gain[order], extra[order]
 
+    @cached_property
+    def cheapest_upgrades(self) -> tuple[np.ndarray, ...]:
+        """:meth:`upgrades` from every block at the cheapest level: (layer, token block,
+        target level, fidelity gained). A block's raises and their rank depend on that
+        block alone, so the order for any prefix is this one less the prefix's blocks
+        (computed once, not once per split)."""
+        level = np.full((self.g.num_layers, self.g.token_blocks), len(self.levels) - 1)
+        return self.upgrades(level)[:4]
+
     def floored(self, k: int) -> np.ndarray:
         """The levels with the first ``k`` token ranges computed (-1) and the rest at the
         cheapest level, raised in :meth:`upgrades`' order (the most fidelity per byte
@@ -401,7 +460,9 @@ class _Task:
         need = self.min_fidelity - float(u[:, :k].sum() + u[:, k:].sum() * fid[-1])
         if need <= 0 or len(self.levels) == 1:
             return level
-        i, j, target, gain, _ = self.upgrades(level)
+        i, j, target, gain = self.cheapest_upgrades
+        sent = j >= k  # a block's raises rank by the block alone: the order from all
+        i, j, target, gain = i[sent], j[sent], target[sent], gain[sent]  # blocks holds
         take = min(int(np.searchsorted(np.cumsum(gain), need, side="left")) + 1, len(gain))
         np.minimum.at(level, (i[:take], j[:take]), target[:take])
         return level
@@ -442,7 +503,7 @@ class _Task:
         range_bytes = plan.range_bytes.copy()
         range_bytes[lo:k] = per_range[lo:k]
         expect = plan.expect_at.copy()
-        expect[lo:k] = [link.seconds(float(c), self.margin) for c in cum[::-1]]
+        expect[lo:k] = link.seconds_each(cum[::-1], self.margin)
         return replace(plan, precision=precision, range_bytes=range_bytes, expect_at=expect,
                        hedge=plan.split - lo * bt,
                        hedge_bytes=int(cum[-1]) - plan.payload_bytes)  # fmt: skip
@@ -462,7 +523,7 @@ class _Task:
         if t < g.token_blocks:  # the tail's ranges complete with their last layer's blocks
             before = cum[t] - per_range[t]
             cum[t:] = before + block_bytes[:-1, t:].sum() + np.cumsum(block_bytes[-1, t:])
-        expect = np.array([link.seconds(float(c), self.margin) for c in cum])
+        expect = link.seconds_each(cum, self.margin)
         expect[:k] = np.inf
         nbytes = int(per_range.sum())
         link_s = link.seconds(nbytes, self.margin)
@@ -494,7 +555,7 @@ class _Task:
         if self.answer_s <= 0 or self.order != "position" or nb - k < 2:
             return nb
         wire = np.cumsum(per_range[k:][::-1])  # bytes of the last 1, 2, ... ranges
-        times = np.array([self.link.seconds(float(b), self.margin) for b in wire])
+        times = self.link.seconds_each(wire, self.margin)
         enough = np.flatnonzero(times - self.link.one_way_s >= self.answer_s)
         count = max(int(enough[0]) + 1 if enough.size else nb - k, 2)
         return nb - count
@@ -568,6 +629,8 @@ def planned_stream(
     if full.missing.size:
         raise ValueError("the stream to plan is incomplete")
     g = Geometry.of(full.cache, m.geometry.block_tokens, None, int8_group_size, int4_keys)
+    if "int8r" in levels:  # int8r blocks planned at the card's coded size (kvformat.blocks)
+        g = estimate_coded(g, full.cache, m)
     u = m.utility_grid()
     if not u.sum() > 0:
         u[:] = 1.0
@@ -578,7 +641,9 @@ def planned_stream(
     note = f"split {plan.split}, budget {budget_s * 1e3:.0f} ms"
     note += f", hedge {plan.hedge}" if plan.hedge else ""
     note += f", tail {plan.tail}" if plan.tail else ""
-    created = dict(m.created, plan=note if order == "position" else f"{note}, order {order}")
+    created = dict(
+        m.created, plan=note if plan.order == "position" else f"{note}, order {plan.order}"
+    )
     return plan, encode_planned(full.cache, u, plan, g, created)
 
 

@@ -495,7 +495,10 @@ def race(
     predict (:meth:`ComputeSpeed.learned`), takes every later wait-or-compute decision,
     the question's cost included, on the speed it measured
     (:attr:`RaceResult.speed`): a plan made on a mismeasured speed is corrected from
-    the first real chunk. False: the given speed throughout (a replay that studies the
+    the first real chunk. A speed that is not trusted (its measured rounds disagreed:
+    ComputeSpeed.trusted) and no prefix to time: the first range not in place is computed
+    before anything is waited for (one range's time, at most, buys the speed every later
+    decision weighs). False: the given speed throughout (a replay that studies the
     decision rule under a fixed speed).
 
     question_ids: the race ends with the question's first answer token
@@ -574,6 +577,11 @@ def race(
                 continue
             steps.append(RaceStep("load", lo, hi - lo, t0, t1))
             computes_in_a_row = 0
+            continue
+        if learning and not speed.trusted:  # time one range before weighing any wait
+            timed("compute", min(block_tokens, n - b.filled), b.compute,
+                  min(block_tokens, n - b.filled))  # fmt: skip
+            computes_in_a_row += 1
             continue
         due = link.expected(ready_at, r, clock)
         if clock + range_cost >= due:  # waiting beats computing: wait, then look again

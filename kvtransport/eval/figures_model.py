@@ -1,9 +1,9 @@
 """scripts/evaluate.py's real-model figures: 2 (F1 vs rho), 3 (ablation), 5 (TTFT).
 
 Every handoff here is a real one: the real model's cache, as a block stream, through the
-simulator's real sessions, rebuilt and injected (see scripts/_eval_common.py). Figures 2
+simulator's real sessions, rebuilt and injected (see kvtransport.eval.handoffs). Figures 2
 and 3 share their prompts, channel seeds and (memoized) handoffs; figure 5 times the
-receiver's side against re-prefilling (scripts/eval_ttft.py's ``ttft_prefill``).
+receiver's side against re-prefilling (kvtransport.eval.handoffs.ttft_prefill).
 """
 
 from __future__ import annotations
@@ -11,8 +11,21 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import _eval_common as ec
 import numpy as np
+
+from kvtransport.eval.figures import md_table, pyplot
+from kvtransport.eval.handoffs import (
+    BLOCK_TOKENS,
+    CASE_SEED,
+    Case,
+    deliver,
+    layer_weights,
+    ttft_prefill,
+)
+from kvtransport.eval.harness import Run
+from kvtransport.eval.provenance import machine
+from kvtransport.eval.registries import FAMILIES, LABELS
+from kvtransport.eval.statistics import ci_cell, summary
 
 METRICS = ("f1", "top1", "utility")
 FIG2_METRICS = ("f1", "f1_minus_full", "utility")
@@ -21,7 +34,9 @@ ABLATION = (("utility", "ddqn"), ("utility", "none"), ("position", "ddqn"), ("po
 FAMILY_TITLES = {"qa": "facts QA (worlddatax)", "ruler": "RULER-style needles"}
 
 
-def _cells(run: ec.Run, order: str, schemes: tuple[str, ...]) -> list[tuple]:
+def _cells(
+    run: Run, order: str, schemes: tuple[str, ...]
+) -> list[tuple[int, str, str, float, int]]:
     s = run.settings
     return [
         (i, order, name, rho, k)
@@ -32,42 +47,40 @@ def _cells(run: ec.Run, order: str, schemes: tuple[str, ...]) -> list[tuple]:
     ]
 
 
-def _seeds(run: ec.Run) -> str:
+def _seeds(run: Run) -> str:
     s = run.settings
     return (
-        f"prompts {ec.CASE_SEED}..{ec.CASE_SEED + s.prompts - 1} per family ({s.tokens} "
+        f"prompts {CASE_SEED}..{CASE_SEED + s.prompts - 1} per family ({s.tokens} "
         f"context tokens); channel seeds {run.seed} + 1000 x prompt index + "
         f"0..{s.channel_seeds - 1}, the same for every scheme and order"
     )
 
 
 def _stats(rows: list[dict[str, Any]], metrics: tuple[str, ...] = METRICS) -> dict[str, Any]:
-    return {m: ec.summary([r[m] for r in rows]) for m in metrics}
+    return {m: summary([r[m] for r in rows]) for m in metrics}
 
 
 # ---------------------------------------------------------------------------- figure 2
 
 
-def figure2(run: ec.Run) -> dict[str, Any]:
+def figure2(run: Run) -> dict[str, Any]:
     from kvtransport.model import metrics
 
     s = run.settings
     cases = run.cases()
-    t0, before = time.perf_counter(), ec.machine()
+    t0, before = time.perf_counter(), machine()
     cells = _cells(run, "utility", s.fig2_schemes)
     rows = [run.measure(*c) for c in run.bar(cells, desc="fig 2: handoffs", unit="handoff")]
     full_f1 = [metrics.token_f1(c.full_answer, c.golds) for c in cases]
     for r in rows:  # paired with the same prompt's clean full-cache answer
         r["f1_minus_full"] = r["f1"] - full_f1[r["case"]]
     summ: dict[str, dict[str, Any]] = {}
-    for fam in ec.FAMILIES:
+    for fam in FAMILIES:
         mine = [c for c in cases if c.family == fam]
         summ[fam] = {
             "full_cache": {
-                "f1": ec.summary(
-                    [f for c, f in zip(cases, full_f1, strict=True) if c.family == fam]
-                ),
-                "utility": ec.summary([1.0] * len(mine)),
+                "f1": summary([f for c, f in zip(cases, full_f1, strict=True) if c.family == fam]),
+                "utility": summary([1.0] * len(mine)),
             }
         }
         for rho in s.rhos:
@@ -78,7 +91,7 @@ def figure2(run: ec.Run) -> dict[str, Any]:
                     if cases[r["case"]].family == fam and r["rho"] == rho and r["scheme"] == n
                 ]
                 summ[fam][f"{n}@{rho:g}"] = _stats(sel, FIG2_METRICS)
-    header = ["family", "rho", *(ec.LABELS[n] for n in s.fig2_schemes)]
+    header = ["family", "rho", *(LABELS[n] for n in s.fig2_schemes)]
     table = ""
     for metric, title in (
         ("f1", "Token F1 against the gold answer"),
@@ -89,20 +102,20 @@ def figure2(run: ec.Run) -> dict[str, Any]:
             [
                 fam,
                 f"{rho:g}",
-                *(ec.ci_cell(summ[fam][f"{n}@{rho:g}"][metric]) for n in s.fig2_schemes),
+                *(ci_cell(summ[fam][f"{n}@{rho:g}"][metric]) for n in s.fig2_schemes),
             ]
-            for fam in ec.FAMILIES
+            for fam in FAMILIES
             for rho in s.rhos
         ]
         if metric == "f1":
             trows += [
-                [fam, "full cache", ec.ci_cell(summ[fam]["full_cache"]["f1"])]
+                [fam, "full cache", ci_cell(summ[fam]["full_cache"]["f1"])]
                 + [""] * (len(s.fig2_schemes) - 1)
-                for fam in ec.FAMILIES
+                for fam in FAMILIES
             ]
         table += (
             f"{'' if not table else chr(10)}{title} (mean ± 95% CI over prompts x "
-            f"channel seeds):\n\n{ec.md_table(header, trows)}"
+            f"channel seeds):\n\n{md_table(header, trows)}"
         )
     record = {
         "channel": s.channel,
@@ -122,9 +135,9 @@ def figure2(run: ec.Run) -> dict[str, Any]:
         "summary": summ,
         "rows": rows,
     }
-    plt = ec.pyplot()
-    fig, axes = plt.subplots(1, len(ec.FAMILIES), figsize=(10, 4.8), sharey=True)
-    for ax, fam in zip(axes, ec.FAMILIES, strict=True):
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(FAMILIES), figsize=(10, 4.8), sharey=True)
+    for ax, fam in zip(axes, FAMILIES, strict=True):
         for n in s.fig2_schemes:
             st = [summ[fam][f"{n}@{rho:g}"]["f1"] for rho in s.rhos]
             ax.errorbar(
@@ -135,7 +148,7 @@ def figure2(run: ec.Run) -> dict[str, Any]:
                 ms=3,
                 capsize=2,
                 lw=2.2 if n == "ddqn" else 1.0,
-                label=ec.LABELS[n],
+                label=LABELS[n],
             )
         fc = summ[fam]["full_cache"]["f1"]
         ax.axhline(fc["mean"], color="k", ls=":", lw=1.2, label="full cache, clean")
@@ -163,13 +176,14 @@ def _label(order: str, scheme: str) -> str:
     return f"{order} order, " + ("adaptive FEC (DDQN)" if scheme == "ddqn" else "no FEC")
 
 
-def figure3(run: ec.Run) -> dict[str, Any]:
+def figure3(run: Run) -> dict[str, Any]:
     s = run.settings
     run.cases()
-    t0, before = time.perf_counter(), ec.machine()
+    t0, before = time.perf_counter(), machine()
     cells = [c for o, n in ABLATION for c in _cells(run, o, (n,))]
     rows = [
-        run.measure(*c, top1=True) for c in run.bar(cells, desc="fig 3: ablation", unit="handoff")
+        run.measure(i, o, n, rho, k, top1=True)
+        for i, o, n, rho, k in run.bar(cells, desc="fig 3: ablation", unit="handoff")
     ]
 
     def pick(rho: float, order: str, scheme: str) -> list[dict[str, Any]]:
@@ -181,9 +195,7 @@ def figure3(run: ec.Run) -> dict[str, Any]:
     for n in ("none", "ddqn"):
         for rho in s.rhos:
             pairs = list(zip(pick(rho, "utility", n), pick(rho, "position", n), strict=True))
-            paired[f"{n}@{rho:g}"] = {
-                m: ec.summary([a[m] - b[m] for a, b in pairs]) for m in METRICS
-            }
+            paired[f"{n}@{rho:g}"] = {m: summary([a[m] - b[m] for a, b in pairs]) for m in METRICS}
     allrho = {}
     for o, n in ABLATION:
         sel = [r for r in rows if r["order"] == o and r["scheme"] == n]
@@ -196,18 +208,18 @@ def figure3(run: ec.Run) -> dict[str, Any]:
         ("utility", "Utility recovered (the same block utilities in both orders)"),
     ):
         trows = [
-            [f"{rho:g}", *(ec.ci_cell(summ[f"{o}/{n}@{rho:g}"][metric]) for o, n in ABLATION)]
+            [f"{rho:g}", *(ci_cell(summ[f"{o}/{n}@{rho:g}"][metric]) for o, n in ABLATION)]
             for rho in s.rhos
         ]
-        trows.append(["all", *(ec.ci_cell(allrho[f"{o}/{n}"][metric]) for o, n in ABLATION)])
+        trows.append(["all", *(ci_cell(allrho[f"{o}/{n}"][metric]) for o, n in ABLATION)])
         table += (
             f"{'' if not table else chr(10)}{title} (mean ± 95% CI over prompts x "
-            f"channel seeds):\n\n{ec.md_table(header, trows)}"
+            f"channel seeds):\n\n{md_table(header, trows)}"
         )
     table += "\nPaired (same prompt and channel seed): utility order minus position order:\n\n"
-    table += ec.md_table(
+    table += md_table(
         ["scheme @ rho", "top-1", "F1", "utility"],
-        [[k, *(ec.ci_cell(v[m]) for m in ("top1", "f1", "utility"))] for k, v in paired.items()],
+        [[k, *(ci_cell(v[m]) for m in ("top1", "f1", "utility"))] for k, v in paired.items()],
     )
     record = {
         "channel": s.channel,
@@ -216,7 +228,7 @@ def figure3(run: ec.Run) -> dict[str, Any]:
         "paired": paired,
         "rows": rows,
     }
-    plt = ec.pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.6))
     width = 0.8 / len(ABLATION)
     x = np.arange(len(s.rhos))
@@ -254,11 +266,9 @@ def figure3(run: ec.Run) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- figure 5
 
 
-def _ttft_size(run: ec.Run, size: int, policy: str) -> dict[str, Any]:
+def _ttft_size(run: Run, size: int, policy: str) -> dict[str, Any]:
     """Re-prefill vs handoff TTFT for one context size, interleaved repeats."""
-    from eval_ttft import ttft_prefill
-
-    from kvtransport.demo.run import _answer
+    from kvtransport.demo.demo_model import answer
     from kvtransport.model import hf, tasks, utility
     from kvtransport.sim.oracle import make_sim_policy
 
@@ -266,10 +276,8 @@ def _ttft_size(run: ec.Run, size: int, policy: str) -> dict[str, Any]:
     sample = tasks.generate("niah_single", lm.tokenizer, target_tokens=size, seed=size)
     ctx, question = sample.prompt(lm.tokenizer)
     kv = hf.prefill(lm.model, lm.tokenizer, ctx, window=utility.OBSERVATION_WINDOW)
-    u = utility.cache_utility(kv, ec.BLOCK_TOKENS, ec.layer_weights(lm))
-    cases = {
-        p: ec.Case("ruler", sample, ctx, question, kv, u, [], "", p) for p in s.ttft_precisions
-    }
+    u = utility.cache_utility(kv, BLOCK_TOKENS, layer_weights(lm))
+    cases = {p: Case("ruler", sample, ctx, question, kv, u, [], "", p) for p in s.ttft_precisions}
     ttft_prefill(lm.model, ctx[:64] + question)  # warm-up
     row: dict[str, Any] = {
         "target_tokens": size,
@@ -281,7 +289,7 @@ def _ttft_size(run: ec.Run, size: int, policy: str) -> dict[str, Any]:
         row["reprefill_s"].append(ttft_prefill(lm.model, ctx + question)[0])
         for prec in s.ttft_precisions:
             for rho in s.ttft_rhos:
-                d = ec.deliver(
+                d = deliver(
                     cases[prec],
                     "utility",
                     make_sim_policy(policy),
@@ -289,7 +297,7 @@ def _ttft_size(run: ec.Run, size: int, policy: str) -> dict[str, Any]:
                     rho=rho,
                     seed=run.seed + k,
                 )
-                _, first = _answer(lm, d.kv, d.present, question, 1)
+                _, first = answer(lm, d.kv, d.present, question, 1)
                 h = row["handoff"].setdefault(
                     f"{prec}@{rho:g}",
                     {
@@ -308,20 +316,20 @@ def _ttft_size(run: ec.Run, size: int, policy: str) -> dict[str, Any]:
                 h["rebuild_s"].append(d.rebuild_s)
                 h["first_token_s"].append(first)
                 h["utility"].append(d.utility)
-    row["reprefill"] = ec.summary(row["reprefill_s"])
+    row["reprefill"] = summary(row["reprefill_s"])
     for h in row["handoff"].values():
         for key in ("ttft_s", "transfer_s", "rebuild_s", "first_token_s", "utility"):
-            h[key.removesuffix("_s")] = ec.summary(h[key])
+            h[key.removesuffix("_s")] = summary(h[key])
         h["speedup"] = row["reprefill"]["mean"] / h["ttft"]["mean"]
     return row
 
 
-def figure5(run: ec.Run) -> dict[str, Any]:
+def figure5(run: Run) -> dict[str, Any]:
     from kvtransport.policies.registry import default_policy
 
     s, policy = run.settings, default_policy()
     _ = run.lm  # loaded before the clock starts
-    t0, before = time.perf_counter(), ec.machine()
+    t0, before = time.perf_counter(), machine()
     results = [
         _ttft_size(run, size, policy)
         for size in run.bar(s.ttft_sizes, desc="fig 5: context sizes", unit="size")
@@ -333,18 +341,18 @@ def figure5(run: ec.Run) -> dict[str, Any]:
     header += [f"handoff {v.replace('@', ', rho ')} (ms; utility; speed-up)" for v in variants]
     trows = []
     for r in results:
-        cells = [str(r["context_tokens"]), ec.ci_cell(r["reprefill"], 0, ms)]
+        cells = [str(r["context_tokens"]), ci_cell(r["reprefill"], 0, ms)]
         for v in variants:
             h = r["handoff"][v]
             cells.append(
-                f"{ec.ci_cell(h['ttft'], 0, ms)}; {h['utility']['mean']:.3f}; {h['speedup']:.1f}x"
+                f"{ci_cell(h['ttft'], 0, ms)}; {h['utility']['mean']:.3f}; {h['speedup']:.1f}x"
             )
         trows.append(cells)
-    table = "Time to first token (mean ± 95% CI over repeats):\n\n" + ec.md_table(header, trows)
+    table = "Time to first token (mean ± 95% CI over repeats):\n\n" + md_table(header, trows)
     table += (
         "\nHandoff TTFT split (ms, means): link time + rebuild + injection and first token:\n\n"
     )
-    table += ec.md_table(
+    table += md_table(
         ["context tokens", *variants],
         [
             [
@@ -365,7 +373,7 @@ def figure5(run: ec.Run) -> dict[str, Any]:
         f"{run.seed + s.ttft_repeats - 1} (one per repeat, interleaved with the re-prefill "
         f"repeats); torch threads {run.threads}"
     )
-    plt = ec.pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 5.2))
     x = [r["context_tokens"] for r in results]
     ax.errorbar(

@@ -18,8 +18,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import _eval_common as ec
 import numpy as np
+
+from kvtransport.eval.figures import md_table, pyplot
+from kvtransport.eval.harness import ROOT, Run
+from kvtransport.eval.provenance import machine
+from kvtransport.eval.registries import LABELS, make_scheme
+from kvtransport.eval.statistics import ci_cell, summary
 
 PUBLISHED_OVERHEAD_MS = 30.0
 """The paper's Table II: about 30 ms of online overhead per 1000 packets."""
@@ -41,15 +46,8 @@ PAIRS = (
 
 
 def _policy(name: str, actions: list[int]) -> Any:
-    """A fresh policy for one episode. ``tail-rule`` is the training's constant action 0
-    (reactive repair, the session's tail rule alone decides admission); the DDQN also
-    counts its actions into ``actions``."""
-    from kvtransport.sim.oracle import make_sim_policy
-
-    if name == "tail-rule":
-        from kvtransport.agents.training import _Constant
-
-        return _Constant(0)
+    """A fresh policy for one episode (:func:`kvtransport.eval.registries.make_scheme`);
+    the DDQN also counts its actions into ``actions``."""
     if name == "ddqn":
         from kvtransport.policies.ddqn import DDQNPolicy
 
@@ -60,31 +58,30 @@ def _policy(name: str, actions: list[int]) -> Any:
                 return a
 
         return CountingDDQN()
-    return make_sim_policy(name)
+    return make_scheme(name, None)
 
 
-def figure1(run: ec.Run) -> dict[str, Any]:
-    from kvtransport.agents.episodes import HELD_OUT_SEED, build_simulation, eval_spec
+def figure1(run: Run) -> dict[str, Any]:
+    from kvtransport.agents.episodes import HELD_OUT_SEED, eval_spec
+    from kvtransport.agents.training import play
 
-    s, t0, before = run.settings, time.perf_counter(), ec.machine()
+    s, t0, before = run.settings, time.perf_counter(), machine()
     util: dict[str, dict[str, list[float]]] = {}
     actions: list[int] = []
     work = [(rho, name) for rho in s.rhos for name in s.fig1_schemes]
     for rho, name in run.bar(work, desc="fig 1: scheme x rho", unit="cell"):
         vals = []
         for i in range(s.episodes):
-            sim = build_simulation(eval_spec(s.channel, rho, i), _policy(name, actions))
-            sim.run()
-            vals.append(float(sim.receiver.result.utility_recovered))
+            vals.append(float(play(eval_spec(s.channel, rho, i), _policy(name, actions))))
         util.setdefault(f"{rho:g}", {})[name] = vals
-    summ = {r: {n: ec.summary(v) for n, v in cell.items()} for r, cell in util.items()}
+    summ = {r: {n: summary(v) for n, v in cell.items()} for r, cell in util.items()}
     paired: dict[str, dict[str, Any]] = {}
     for r, cell in util.items():
         paired[r] = {}
         for a, b in PAIRS:
             if a in cell and b in cell:
                 d = np.array(cell[a]) - np.array(cell[b])
-                paired[r][f"{a} - {b}"] = {**ec.summary(d), "equal": int(np.sum(d == 0.0))}
+                paired[r][f"{a} - {b}"] = {**summary(d), "equal": int(np.sum(d == 0.0))}
     counts = np.bincount(np.asarray(actions, dtype=np.int64), minlength=9)
     share0 = float(counts[0] / counts.sum()) if counts.sum() else None
     record = {
@@ -96,11 +93,11 @@ def figure1(run: ec.Run) -> dict[str, Any]:
         "ddqn_actions": {"counts": counts.tolist(), "share_action0": share0},
         "utilities": util,
     }
-    header = ["rho", *(ec.LABELS[n] for n in s.fig1_schemes)]
-    rows = [[r, *(ec.ci_cell(summ[r][n], 4) for n in s.fig1_schemes)] for r in summ]
+    header = ["rho", *(LABELS[n] for n in s.fig1_schemes)]
+    rows = [[r, *(ci_cell(summ[r][n], 4) for n in s.fig1_schemes)] for r in summ]
     table = (
         f"Utility recovered before the deadline (mean ± 95% CI over {s.episodes} "
-        "held-out episodes):\n\n" + ec.md_table(header, rows)
+        "held-out episodes):\n\n" + md_table(header, rows)
     )
     names = list(next(iter(paired.values())).keys())
     if names:
@@ -115,7 +112,7 @@ def figure1(run: ec.Run) -> dict[str, Any]:
             for r, p in paired.items()
         ]
         table += "\nPaired differences on the same episodes (mean ± 95% CI; episodes equal):\n\n"
-        table += ec.md_table(["rho", *names], prow)
+        table += md_table(["rho", *names], prow)
     if share0 is not None:
         table += (
             f"\nDDQN decisions: {int(counts.sum())}; action 0 (no proactive repair, keep "
@@ -126,7 +123,7 @@ def figure1(run: ec.Run) -> dict[str, Any]:
         f"(channel seeds {HELD_OUT_SEED}+i, measured block utilities of held-out contexts),"
         " the same for every scheme"
     )
-    plt = ec.pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 5.4))
     rhos = [float(r) for r in summ]
     for n in s.fig1_schemes:
@@ -140,7 +137,7 @@ def figure1(run: ec.Run) -> dict[str, Any]:
             ms=3,
             capsize=2,
             lw=2.2 if n == "ddqn" else 1.0,
-            label=ec.LABELS[n],
+            label=LABELS[n],
         )
     ax.set_xlabel("rho (deadline / loss-free send time)")
     ax.set_ylabel("normalized KV utility recovered before the deadline")
@@ -160,8 +157,8 @@ def figure1(run: ec.Run) -> dict[str, Any]:
 
 def _bench(script: str, args: tuple[str, ...], out: Path) -> dict[str, Any]:
     """Run a benchmark script through its command line: its JSON, or {"error": why}."""
-    cmd = [sys.executable, str(ec.ROOT / "scripts" / script), *args, "--out", str(out)]
-    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ec.ROOT)
+    cmd = [sys.executable, str(ROOT / "scripts" / script), *args, "--out", str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if p.returncode != 0 or not out.is_file():
         tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
         return {"error": f"{shlex.join(cmd[1:])} exited {p.returncode}: {' / '.join(tail)}"}
@@ -218,11 +215,11 @@ def overhead_stages(
     return st
 
 
-def figure4(run: ec.Run) -> dict[str, Any]:
+def figure4(run: Run) -> dict[str, Any]:
     from kvtransport.core.policy_base import DECISION_PACKETS
 
     s = run.settings
-    t0, before = time.perf_counter(), ec.machine()
+    t0, before = time.perf_counter(), machine()
     bdir = run.data / "bench"
     bdir.mkdir(parents=True, exist_ok=True)
     transport: list[dict] = []
@@ -247,9 +244,9 @@ def figure4(run: ec.Run) -> dict[str, Any]:
         overhead_stages(t, p, decision_packets=DECISION_PACKETS)
         for t, p in zip(transport, policy, strict=False)
     ]
-    summ = {k: ec.summary([r[k] for r in per_run]) for k in (per_run[0] if per_run else {})}
+    summ = {k: summary([r[k] for r in per_run]) for k in (per_run[0] if per_run else {})}
     lat = {
-        f"{part}.{stat}": ec.summary([_latency(p, part)[stat] for p in policy])
+        f"{part}.{stat}": summary([_latency(p, part)[stat] for p in policy])
         for part in LATENCY_PARTS
         for stat in ("mean_us", "p99_us")
     }
@@ -274,10 +271,10 @@ def figure4(run: ec.Run) -> dict[str, Any]:
         f"Online overhead per 1000 packets, sender + receiver (ms; mean ± 95% CI over "
         f"{len(per_run)} benchmark runs):\n\n"
     )
-    table += ec.md_table(
+    table += md_table(
         ["stage", "this implementation", "published (Table II)"],
         [
-            [k, ec.ci_cell(v, 2), f"~{PUBLISHED_OVERHEAD_MS:.0f}" if k == "total" else ""]
+            [k, ci_cell(v, 2), f"~{PUBLISHED_OVERHEAD_MS:.0f}" if k == "total" else ""]
             for k, v in summ.items()
         ],
     )
@@ -287,13 +284,13 @@ def figure4(run: ec.Run) -> dict[str, Any]:
             "in one call; in situ: every decision of the runs, each transfer's first "
             "included; us):\n\n"
         )
-        table += ec.md_table(
+        table += md_table(
             ["measure", "mean", "p99", "published mean / p99"],
             [
                 [
                     label,
-                    ec.ci_cell(lat[f"{part}.mean_us"], 1),
-                    ec.ci_cell(lat[f"{part}.p99_us"], 1),
+                    ci_cell(lat[f"{part}.mean_us"], 1),
+                    ci_cell(lat[f"{part}.p99_us"], 1),
                     "{:.0f} / {:.0f}".format(*PUBLISHED_CONTROL_US),
                 ]
                 for part, label in LATENCY_PARTS.items()
@@ -311,7 +308,7 @@ def figure4(run: ec.Run) -> dict[str, Any]:
 
 
 def _plot4(summ: dict[str, Any], lat: dict[str, Any]) -> Any:
-    plt = ec.pyplot()
+    plt = pyplot()
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4.6), gridspec_kw={"width_ratios": [1.3, 1]})
     bottom = 0.0
     for k in STAGES:
@@ -355,7 +352,7 @@ def _plot4(summ: dict[str, Any], lat: dict[str, Any]) -> Any:
 
 def multiuser_command(helptext: str, out: Path, extra: tuple[str, ...]) -> list[str]:
     """scripts/eval_multiuser.py's command line, with the options its --help offers."""
-    cmd = [sys.executable, str(ec.ROOT / "scripts" / "eval_multiuser.py")]
+    cmd = [sys.executable, str(ROOT / "scripts" / "eval_multiuser.py")]
     if "--out" in helptext:
         cmd += ["--out", str(out)]
     for i in range(0, len(extra), 2):
@@ -373,35 +370,38 @@ def multiuser_summary(doc: dict[str, Any]) -> tuple[list[str], dict[tuple, dict[
         groups.setdefault((sc["rate_mbps"], sc["arrivals"], sc["users"]), []).append(sc)
     out = {}
     for key, scs in sorted(groups.items(), key=lambda kv: (kv[0][0], str(kv[0][1]), kv[0][2])):
-        cell = {p: ec.summary([sc["policies"][p]["accuracy"] for sc in scs]) for p in policies}
+        cell = {p: summary([sc["policies"][p]["accuracy"] for sc in scs]) for p in policies}
         for p in policies:
-            cell[f"{p} / clairvoyant"] = ec.summary([sc["policies"][p]["ratio"] for sc in scs])
-        cell["clairvoyant"] = ec.summary([sc["clairvoyant"] for sc in scs])
-        cell["ceiling"] = ec.summary([sc["ceiling"] for sc in scs])
+            cell[f"{p} / clairvoyant"] = summary([sc["policies"][p]["ratio"] for sc in scs])
+        cell["clairvoyant"] = summary([sc["clairvoyant"] for sc in scs])
+        cell["ceiling"] = summary([sc["ceiling"] for sc in scs])
         out[key] = cell
     return policies, out
 
 
-def figure6(run: ec.Run) -> dict[str, Any]:
+def figure6(run: Run) -> dict[str, Any]:
     """scripts/eval_multiuser.py's result (through its command line), or "pending"."""
-    t0, before = time.perf_counter(), ec.machine()
-    script = ec.ROOT / "scripts" / "eval_multiuser.py"
+    t0, before = time.perf_counter(), machine()
+    script = ROOT / "scripts" / "eval_multiuser.py"
     if not script.is_file():
-        record = {"status": "pending", "reason": "scripts/eval_multiuser.py does not exist yet"}
+        record: dict[str, Any] = {
+            "status": "pending",
+            "reason": "scripts/eval_multiuser.py does not exist yet",
+        }
         table = (
             "**Pending**: the multi-user evaluation (scripts/eval_multiuser.py, issue 6) "
             "has not landed; this figure runs it once it does.\n"
         )
         return run.finish(6, record, table, None, "-", before, t0)
     helptext = subprocess.run(
-        [sys.executable, str(script), "--help"], capture_output=True, text=True, cwd=ec.ROOT
+        [sys.executable, str(script), "--help"], capture_output=True, text=True, cwd=ROOT
     ).stdout
     mdir = run.data / "multiuser"
     cmd = multiuser_command(helptext, mdir, run.settings.multiuser_args)
     with run.bar(total=1, desc="fig 6: eval_multiuser.py", unit="run") as bar:
-        p = subprocess.run(cmd, capture_output=True, text=True, cwd=ec.ROOT)
+        p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
         bar.update(1)
-    sub = shlex.join([Path(cmd[1]).relative_to(ec.ROOT).as_posix(), *cmd[2:]])
+    sub = shlex.join([Path(cmd[1]).relative_to(ROOT).as_posix(), *cmd[2:]])
     found = mdir / "multiuser.json"
     try:
         doc = json.loads(found.read_text()) if p.returncode == 0 else None
@@ -426,26 +426,24 @@ def figure6(run: ec.Run) -> dict[str, Any]:
     rows = [
         [
             k,
-            *(
-                f"{ec.ci_cell(c[p])} ({100 * c[p + ' / clairvoyant']['mean']:.1f} %)"
-                for p in policies
-            ),
-            ec.ci_cell(c["clairvoyant"]),
-            ec.ci_cell(c["ceiling"]),
+            *(f"{ci_cell(c[p])} ({100 * c[p + ' / clairvoyant']['mean']:.1f} %)" for p in policies),
+            ci_cell(c["clairvoyant"]),
+            ci_cell(c["ceiling"]),
         ]
         for k, c in summ.items()
     ]
     table = (
         f"Average accuracy per user (mean ± 95% CI over seeds; in brackets the ratio to "
-        f"the clairvoyant bound), from `{sub}`:\n\n" + ec.md_table(header, rows)
+        f"the clairvoyant bound), from `{sub}`:\n\n" + md_table(header, rows)
     )
+    assert doc is not None  # cells came from it
     used = sorted({sc["seed"] for sc in doc["scenarios"]})
     seeds = f"eval_multiuser's scenario seeds {used} in every cell"
     return run.finish(6, record, table, _plot6(policies, cells), seeds, before, t0)
 
 
 def _plot6(policies: list[str], cells: dict[tuple, dict[str, Any]]) -> Any:
-    plt = ec.pyplot()
+    plt = pyplot()
     panels = sorted({(r, a) for r, a, _ in cells}, key=lambda x: (x[0], str(x[1])))
     fig, axes = plt.subplots(
         1, len(panels), figsize=(max(7.0, 4.2 * len(panels)), 4.6), squeeze=False, sharey=True
