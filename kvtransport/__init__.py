@@ -3,7 +3,8 @@
 The embeddable API (kvtransport.embed.inprocess, kvtransport.embed.partial), loaded on first use so
 that ``import kvtransport`` stays cheap::
 
-    kvtransport.send(cache_or_card, to="HOST:PORT", deadline_ms=300, key=None)
+    kvtransport.send(cache_or_card, to="HOST:PORT", options=kvtransport.SendOptions(
+        deadline_ms=300))                            # one transfer's SentResult
     kvtransport.Receiver(listen="HOST:PORT")        # .address, .result(), await it
     kvtransport.receive(listen="HOST:PORT")          # one transfer's DeliveredResult
     kvtransport.send_async(...), kvtransport.receive_async(...)
@@ -29,6 +30,8 @@ _kernel_cache.configure(_Path(__file__).resolve().parent)
 _API = {
     "send": "kvtransport.embed.inprocess",
     "send_async": "kvtransport.embed.inprocess",
+    "SendOptions": "kvtransport.embed.inprocess",
+    "SentResult": "kvtransport.embed.inprocess",
     "receive": "kvtransport.embed.inprocess",
     "receive_async": "kvtransport.embed.inprocess",
     "Receiver": "kvtransport.embed.inprocess",

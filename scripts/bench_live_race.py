@@ -48,8 +48,9 @@ def _sender(stream: Any, to: str, deadline_ms: float, rate_mbps: float, ready: A
     warm_kernels(None, default_policy())
     ready.set()
     go.wait(60)
-    kvtransport.send(stream, to, deadline_ms=deadline_ms, precision="keep",
-                     rate_mbps=rate_mbps, insecure=True)  # fmt: skip
+    opts = kvtransport.SendOptions(deadline_ms=deadline_ms, precision="keep",
+                                   rate_mbps=rate_mbps, insecure=True)  # fmt: skip
+    kvtransport.send(stream, to, options=opts)
 
 
 def main() -> None:

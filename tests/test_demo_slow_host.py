@@ -66,12 +66,14 @@ def test_the_embedded_send_with_no_time_to_send_sends_nothing_and_says_so():
     t = synthetic_transfer(200_000, 16, seed=1)
     key = bytes(range(16))
     with kvtransport.Receiver(listen="127.0.0.1:0", key=key, timeout_s=0.5) as rx:
-        st = kvtransport.send(t, to=rx.address, deadline_ms=5, initial_rtt_ms=400, key=key)
+        opts = kvtransport.SendOptions(deadline_ms=5, initial_rtt_ms=400, key=key)
+        st = kvtransport.send(t, to=rx.address, options=opts)
         with pytest.raises(UserError, match="no transfer arrived"):
             rx.result(timeout_s=10)
-    assert st["state"] == "not sent" and st["finish_reason"] == "no time to send"
-    assert "leaves no time to send" in st["reason"] and "400 ms" in st["reason"]
-    assert st["datagrams_sent"] == 0 and st["delivered_bytes"] == 0 and st["bytes"] == t.nbytes
+    assert st.state == "not sent" and st.finish_reason == "no time to send"
+    assert "leaves no time to send" in st.reason and "400 ms" in st.reason
+    assert st.datagrams_sent == 0 and st.delivered_bytes == 0 and st.bytes == t.nbytes
+    assert st.delivered == "nothing" and st.transfer_id is None and not st.is_complete
 
 
 def test_ttft_rounds_interleave_re_prefill_and_every_row(monkeypatch):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import json
 import re
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 import kvtransport
+from kvtransport.core.protocol import DEFAULT_SYMBOL_SIZE
 from kvtransport.core.transfer import synthetic_transfer
 from kvtransport.daemons.api import write_result_file
 from kvtransport.errors import UserError
@@ -34,11 +36,12 @@ def test_send_and_receive_in_process_are_byte_exact_with_a_key():
     t = synthetic_transfer(600_000, 48, seed=11)
     key = bytes(range(16))
     with kvtransport.Receiver(listen="127.0.0.1:0", key=key, timeout_s=20) as rx:
-        sent = kvtransport.send(t, to=rx.address, deadline_ms=1500, rate_mbps=100, key=key)
+        opts = kvtransport.SendOptions(deadline_ms=1500, rate_mbps=100, key=key)
+        sent = kvtransport.send(t, to=rx.address, options=opts)
         got = rx.result(timeout_s=20)
-    assert sent["finish_reason"] in ("receiver done", "receiver finished")
+    assert sent.finish_reason in ("receiver done", "receiver finished")
     assert got.reason == "complete" and got.is_complete
-    assert got.transfer_id == int(sent["transfer_id"], 16)
+    assert got.transfer_id == sent.transfer_id
     assert got.blocks.equals(t.blocks)
     assert np.array_equal(got.payload[: t.nbytes], t.payload)
 
@@ -48,9 +51,46 @@ def test_a_wrong_key_delivers_nothing_and_says_so():
     with kvtransport.Receiver(
         listen="127.0.0.1:0", key=b"the right key, 16+ bytes", timeout_s=1.5
     ) as rx:
-        kvtransport.send(t, to=rx.address, deadline_ms=300, key=b"the wrong key, 16+ bytes")
+        wrong = kvtransport.SendOptions(deadline_ms=300, key=b"the wrong key, 16+ bytes")
+        sent = kvtransport.send(t, to=rx.address, options=wrong)
         with pytest.raises(UserError, match="no transfer arrived"):
             rx.result(timeout_s=20)
+    # the sender heard nothing back, and its result says so
+    assert sent.delivered == "nothing" and sent.note and not sent.is_complete
+    assert sent.decoded_through == 0 and sent.delivered_bytes == 0 and sent.datagrams_sent > 0
+
+
+def test_the_sent_result_carries_the_transfers_outcome():
+    """send's SentResult is what happened on the wire: a complete transfer is complete on
+    both sides, with the receiver's transfer id, every byte in order, the sender's
+    counters; to_dict() is its JSON status (the id in hex, as the CLI prints it)."""
+    t = synthetic_transfer(200_000, 16, seed=5)
+    with kvtransport.Receiver(listen="127.0.0.1:0", insecure=True, timeout_s=20) as rx:
+        opts = kvtransport.SendOptions(deadline_ms=2000, rate_mbps=100, insecure=True)
+        to = rx.address
+        sent = kvtransport.send(t, to=to, options=opts)
+        got = rx.result(timeout_s=20)
+    assert got.is_complete
+    assert isinstance(sent, kvtransport.SentResult)
+    assert sent.delivered == "complete" and sent.is_complete and not sent.note
+    assert sent.transfer_id == got.transfer_id and sent.to == to
+    assert sent.bytes == sent.delivered_bytes == t.nbytes
+    assert sent.n_source == sent.decoded_through == -(-t.nbytes // DEFAULT_SYMBOL_SIZE)
+    assert sent.source_sent >= sent.n_source
+    assert sent.datagrams_sent >= sent.source_sent + sent.repair_sent
+    assert sent.deadline_s == pytest.approx(2.0, abs=0.01)
+    assert sent.stats["socket"]["datagrams_sent"] > 0
+    as_json = json.loads(json.dumps(sent.to_dict()))
+    assert as_json["transfer_id"] == f"{got.transfer_id:016x}"
+    assert as_json["delivered"] == "complete" and as_json["bytes"] == t.nbytes
+    assert "srtt_ms" in as_json and "socket" in as_json
+
+
+def test_send_options_are_checked_and_keep_the_key_out_of_sight():
+    secret = kvtransport.SendOptions(key=b"a key of sixteen+ bytes")
+    assert "sixteen" not in repr(secret)
+    with pytest.raises(UserError, match="options must be a kvtransport.SendOptions"):
+        kvtransport.send(synthetic_transfer(1000, 2), to="127.0.0.1:9", options={"rate_mbps": 1})
 
 
 def test_async_partial_transfer_gives_the_cache_of_what_arrived(tmp_path):
@@ -63,7 +103,9 @@ def test_async_partial_transfer_gives_the_cache_of_what_arrived(tmp_path):
         with kvtransport.Receiver(listen="127.0.0.1:0", timeout_s=20) as rx:
             sent, got = await asyncio.gather(
                 kvtransport.send_async(
-                    cache, to=rx.address, deadline_ms=600, rate_mbps=1, precision="keep"
+                    cache,
+                    to=rx.address,
+                    options=kvtransport.SendOptions(deadline_ms=600, rate_mbps=1, precision="keep"),
                 ),
                 rx,
             )
@@ -71,6 +113,7 @@ def test_async_partial_transfer_gives_the_cache_of_what_arrived(tmp_path):
 
     sent, got = asyncio.run(handoff())
     assert 0 < int(got.complete.sum()) < got.complete.size and not got.is_complete
+    assert sent.delivered == "partial" and sent.transfer_id == got.transfer_id
     partial = kvtransport.partial_cache(got)
     assert partial.mask is not None and 0 < partial.present.mean() < 1
     m = partial.manifest
@@ -96,10 +139,9 @@ def test_send_with_a_deadline_sends_the_plan():
     cache = _toy_cache()
 
     async def handoff():
+        opts = kvtransport.SendOptions(deadline_ms=150, rate_mbps=20)
         with kvtransport.Receiver(listen="127.0.0.1:0", timeout_s=20) as rx:
-            return await asyncio.gather(
-                kvtransport.send_async(cache, to=rx.address, deadline_ms=150, rate_mbps=20), rx
-            )
+            return await asyncio.gather(kvtransport.send_async(cache, rx.address, options=opts), rx)
 
     _, got = asyncio.run(handoff())
     partial = kvtransport.partial_cache(got)
@@ -124,9 +166,10 @@ def test_send_picks_the_policy_for_the_stream_and_the_link():
 
     def policy_used(**kw) -> str:
         with kvtransport.Receiver(listen="127.0.0.1:0", timeout_s=5) as rx:
-            sent = kvtransport.send(cache, to=rx.address, rate_mbps=20, **kw)
+            opts = kvtransport.SendOptions(rate_mbps=20, **kw)
+            sent = kvtransport.send(cache, to=rx.address, options=opts)
             rx.result(timeout_s=5)
-        return sent["policy"]
+        return sent.policy
 
     planned = dict(deadline_ms=400, initial_rtt_ms=long_rtt_ms)
     assert policy_used(**planned) == LONG_LINK_HANDOFF_POLICY

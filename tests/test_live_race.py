@@ -64,7 +64,8 @@ def _send(stream, to, ready, go, kwargs):
         as_transfer(stream, (link, 1.0, ("fp16", "int8"), kwargs["receiver_speed"]))
     ready.set()
     go.wait(30)
-    kvtransport.send(stream, to, **{"precision": "keep", "rate_mbps": RATE_MBPS, **kwargs})
+    opts = kvtransport.SendOptions(**{"precision": "keep", "rate_mbps": RATE_MBPS, **kwargs})
+    kvtransport.send(stream, to, options=opts)
 
 
 class _Sender:

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -21,8 +22,9 @@ from procs import finish
 
 from kvtransport.cli import main
 from kvtransport.core import keys
+from kvtransport.core.manifest_fec import ManifestSender
 from kvtransport.core.sender import SenderSession
-from kvtransport.core.transfer import synthetic_transfer
+from kvtransport.core.transfer import BlockTable, TransportManifest, synthetic_transfer
 from kvtransport.core.wire import PeerKeys, pairwise, transfer_key
 from kvtransport.daemons.api import read_result_file
 from kvtransport.daemons.daemon import warm_up
@@ -167,6 +169,7 @@ def _refused_all(code: int, err: str, n: int) -> None:
     last = err.strip().splitlines()[-1]
     assert code == 2 and "no transfer arrived" in last, err
     assert f"{n} datagrams failed authentication" in last, last
+    assert "--allow-pub" in last and "--peer-pub" in last, last  # what identities check
 
 
 @pytest.mark.parametrize(
@@ -296,3 +299,55 @@ def test_psk_only_transfer_keys_are_unchanged():
     """Without identities the derivation is the pre-shared key's as before (empty binding):
     a fixed vector, so PSK-only peers of earlier versions interoperate."""
     assert transfer_key(bytes(32), 5).hex()[:16] == "ba448d6a1684d51f"
+
+
+def test_a_transfer_whose_binding_was_forgotten_is_not_answered_and_nothing_raises(
+    monkeypatch,
+):
+    """More transfers bound than ``MAX_BOUND_TRANSFERS`` (here 2): a pending transfer's
+    peer is forgotten while its context stays cached, so its probe cannot be sealed. The
+    receiver host sends nothing for it and counts it (``peer_unsealable``), and raises
+    nothing into its shell."""
+    from kvtransport.core import wire
+    from kvtransport.core.wire import DatagramType, Framer, Parser
+    from kvtransport.hosts.receiver_host import PROBE_EVERY, ReceiverHost
+
+    monkeypatch.setattr(wire, "MAX_BOUND_TRANSFERS", 2)
+    rx, a, b = (X25519PrivateKey.generate() for _ in range(3))
+    rx_pub = rx.public_key().public_bytes_raw()
+    allowed = [pairwise(rx, s.public_key().public_bytes_raw(), sending=False) for s in (a, b)]
+    host = ReceiverHost(key=PeerKeys(allowed))
+    tx = PeerKeys([pairwise(a, rx_pub, sending=True)])
+
+    framers: dict[int, Framer] = {}
+
+    def source(tid: int, seq: int) -> bytes:
+        f = framers.setdefault(tid, Framer(tid, tx, max_payload=64))
+        f.payload_view(64)[:] = bytes(64)
+        return f.finish(DatagramType.SOURCE, seq, 64, esi=seq)
+
+    peer = ("127.0.0.1", 5000)
+    for seq in range(PROBE_EVERY - 1):  # pending, bound to sender a
+        host.receive_datagram(source(7, seq), peer, 0.0)
+    for tid in (8, 9):  # two more bound: transfer 7's binding is forgotten
+        host.receive_datagram(source(tid, 0), peer, 0.0)
+    host.receive_datagram(source(7, PROBE_EVERY - 1), peer, 0.1)  # its probe is due
+    assert host.datagrams_to_send(0.1) == []  # no probe went out (nor anything else)
+    assert host.pending[7].probes == 0 and host.key.unsealable == 1
+    stats = host.stats()
+    assert stats["peer_unsealable"] == 1 and stats["peer_tries"] == host.key.tries > 0
+    # its manifest: the session opens with the held datagrams, whose opening there binds
+    # the peer again, so its feedback is sealed to sender a
+    m = TransportManifest(
+        symbol_size=64,
+        payload_len=64 * 64,
+        blocks=BlockTable(np.array([0]), np.array([64 * 64]), np.array([1.0])),
+        deadline_s=30.0,
+        sent_at=time.time(),
+    )
+    ms = ManifestSender(m.to_bytes(), 64)
+    for seq in range(PROBE_EVERY, PROBE_EVERY + ms.m + 2):
+        host.receive_datagram(ms.emit(framers[7], seq, 0), peer, 0.2)
+    assert host.active[7].session.manifest is not None
+    [(datagrams, to)] = host.datagrams_to_send(0.2)
+    assert to == peer and Parser(tx).parse(datagrams[0]).type == DatagramType.FEEDBACK

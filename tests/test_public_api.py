@@ -16,6 +16,8 @@ TOP = [
     "__version__",
     "send",
     "send_async",
+    "SendOptions",
+    "SentResult",
     "receive",
     "receive_async",
     "Receiver",

@@ -28,6 +28,8 @@ NOT_RUN = {
     "vllm.entrypoints.openai.api_server": "needs the separate vLLM environment and a model dir",
     "--model ~/models/": "needs the user's own model directory (tests/test_model_cli.py runs "
     "--model with a tiny model it builds)",
+    "scp TX:": "needs two hosts (tests/test_readme.py::test_the_identity_commands_work_on_one_host "
+    "runs the same commands with two homes on loopback)",
 }
 
 
@@ -121,3 +123,45 @@ def test_the_python_snippets_run_in_order(tmp_path):
     # the handoff printed its reason and utility; the race its tokens computed and loaded
     assert re.search(r"^\S.* \d\.\d{3} ", parts[0].split("\n", 1)[1], flags=re.M), out.stdout
     assert re.search(r"\d+ tokens computed, \d+ loaded: \S", out.stdout), out.stdout
+
+
+def test_the_identity_commands_work_on_one_host(tmp_path):
+    """The README's identity commands, the two hosts played by two homes on loopback (scp
+    by a copy, RX:9400 by the receiver's own port): keygen on both, the receiver allows the
+    sender's .pub, the sender names the receiver's, and the transfer arrives complete."""
+    lines = [ln for ln in _bash("scp TX:").splitlines() if ln and not ln.startswith("#")]
+    keygen, scp_tx, recv, scp_rx, send = lines
+    assert keygen == "kvtransport keygen" and scp_tx.startswith("scp TX:")
+    assert scp_rx.startswith("scp RX:") and "RX:9400" in send
+    import kvtransport  # noqa: F401  (sets NUMBA_CACHE_DIR: the homes share the kernels)
+
+    env = {}
+    for host in ("RX", "TX"):
+        home = tmp_path / host
+        home.mkdir()
+        env[host] = _env(HOME=str(home))
+        env[host].pop("XDG_CONFIG_HOME", None)
+        assert subprocess.run(keygen.split(), env=env[host], timeout=60).returncode == 0
+    for line, here, there in ((scp_tx, "RX", "TX"), (scp_rx, "TX", "RX")):
+        _, src, dst = line.split()
+        (tmp_path / here / dst).write_bytes((tmp_path / there / src.split(":", 1)[1]).read_bytes())
+    rx = subprocess.Popen([*recv.split(), "--listen", "127.0.0.1:0", "--timeout", "120",
+                           "--json"], cwd=tmp_path / "RX", env=env["RX"], text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        line = rx.stderr.readline()
+        while line and "listening on" not in line:  # a kernel compile is announced first
+            line = rx.stderr.readline()
+        port = int(line.rsplit(":", 1)[1])
+        sent = subprocess.run(send.replace("RX:9400", f"127.0.0.1:{port}").split(),
+                              cwd=tmp_path / "TX", env=env["TX"], capture_output=True,
+                              text=True, timeout=300)  # fmt: skip
+        assert sent.returncode == 0, sent.stdout + sent.stderr
+        out, err = rx.communicate(timeout=120)
+    finally:
+        if rx.poll() is None:
+            rx.kill()
+            rx.wait()
+    assert rx.returncode == 0, err
+    assert '"complete"' in out, out
+    assert list((tmp_path / "RX").glob("*.result.safetensors"))

@@ -32,11 +32,14 @@ SYMBOL = 1200
 PEER = ("127.0.0.1", 5000)
 
 
-def _hostile(tid: int, claim: int, esis=(0, 1, 2, 3), deadline_s: float = 3600.0) -> list[bytes]:
-    """A transfer's manifest claiming ``claim`` bytes (``deadline_s``, sent now), whole,
-    then source symbols ``esis``: the datagrams a key holder sends."""
+def _hostile(
+    tid: int, claim: int, esis=(0, 1, 2, 3), deadline_s: float = 3600.0, symbol: int = SYMBOL
+) -> list[bytes]:
+    """A transfer's manifest claiming ``claim`` bytes at ``symbol``-byte symbols
+    (``deadline_s``, sent now), whole, then source symbols ``esis``: the datagrams a key
+    holder sends."""
     m = TransportManifest(
-        symbol_size=SYMBOL,
+        symbol_size=symbol,
         payload_len=claim,
         blocks=BlockTable(np.array([0]), np.array([claim]), np.array([1.0])),
         deadline_s=deadline_s,
@@ -82,6 +85,21 @@ def test_a_large_claim_holds_what_arrived_and_a_window():
     host.datagrams_to_send(0.2)
     assert s.n_known == 4 + k and not s.drop_reasons.get("ahead_of_data", 0) > 1
     assert (4 + k) * SYMBOL <= host.held_bytes <= n + (4 + k) * SYMBOL + host.window
+
+
+def test_a_large_claim_at_tiny_symbols_is_refused_before_its_symbol_map():
+    """256 MB claimed at 16-byte symbols: a 16 MB known-symbol map, held whole from the
+    manifest. Refused (``too_large``): the manifests hold nothing, and a claim of the
+    same size at ordinary symbols is still taken."""
+    host = ReceiverHost(key=KEY)  # the defaults: 1 GB budget, 256 MB per transfer
+    for tid in range(1, 5):
+        _feed(host, _hostile(tid, 256 << 20, esis=(), symbol=16), 0.0)
+    for tid in range(1, 5):
+        assert host.lingering[tid].session.refused == "too_large"
+    assert host.held_bytes == 0, host.held_bytes
+    _feed(host, _hostile(9, 256 << 20, esis=()), 0.0)
+    s = host.active[9].session
+    assert s.manifest is not None and not s.refused, s.drop_reasons
 
 
 def test_idle_sessions_give_their_window_back_when_the_budget_is_short():

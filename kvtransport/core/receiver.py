@@ -117,6 +117,7 @@ from kvtransport.core.wire import (
     Framer,
     Parser,
     SealKey,
+    UnknownPeer,
     WireError,
     encode_feedback,
     feedback_size,
@@ -498,8 +499,7 @@ class ReceiverSession:
             self._drop("duplicate_packet")
             return None
         if fb.framer is None:
-            # feedback under a random epoch of this session's own (kvtransport.core.wire)
-            fb.framer = Framer(self.transfer_id, fb.key, max_payload=2048)
+            self._make_framer()
             life.timings.setdefault("first_packet", now)
         life.last_activity = now
         self.blocks.now = now
@@ -1091,7 +1091,7 @@ class ReceiverSession:
         if self.life.finished:
             return
         if self.fb.framer is None:  # every held datagram was dropped here: feedback still goes
-            self.fb.framer = Framer(self._tid(), self.fb.key, max_payload=2048)
+            self._make_framer()
         try:
             self._take_manifest(m, now)
         except WireError as exc:
@@ -1102,6 +1102,16 @@ class ReceiverSession:
             self._finish(now, ReceiverFinish.COMPLETE)
         elif self.fb.next_at is None:
             self.fb.next_at = now + self.fb.interval
+
+    def _make_framer(self) -> None:
+        """The feedback framer, under a random epoch of this session's own
+        (kvtransport.core.wire); none while the transfer's peer is unknown (its binding
+        forgotten: ``UnknownPeer``, counted by the keys), so feedback is withheld, not
+        raised into the shell, and the next datagram tries again."""
+        try:
+            self.fb.framer = Framer(self._tid(), self.fb.key, max_payload=2048)
+        except UnknownPeer:
+            self.fb.framer = None
 
     def _tid(self) -> int:
         if self.transfer_id is None:
@@ -1127,8 +1137,10 @@ class ReceiverSession:
             if why is not None:  # stale or replayed (kvtransport.core.replay): nothing delivered
                 self._refuse(why, now, ReceiverFinish.REPLAYED)
                 return
-        if m.payload_len > self.budget.max_bytes:
-            self._refuse("too_large", now)  # bounded state: a transfer too large is refused
+        if m.payload_len > self.budget.max_bytes or not self.budget.map_fits(m.n_source):
+            # bounded state: a transfer too large, or of too many symbols for the window
+            # (its known-symbol map is held whole: ReceiveBudget.map_fits), is refused
+            self._refuse("too_large", now)
             return
         if m.decoder_window > self.config.max_decoder_window:
             self._refuse("decoder_window", now)  # bounded state: a window wider than allowed

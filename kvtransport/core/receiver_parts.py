@@ -179,6 +179,13 @@ class ReceiverLifecycle:
         return None
 
 
+MAP_SHARE = 16
+"""The known-symbol map (one byte per ESI, held whole once the manifest came) may take at
+most ``1/MAP_SHARE`` of a session's reservation window: a manifest naming more symbols
+(a large claim at tiny symbols) is refused, so a forged one holds at most a sixteenth of
+the window beyond what arrived (:meth:`ReceiveBudget.map_fits`)."""
+
+
 class ReceiveBudget:
     """The bounds on one transfer's state: at most ``max_bytes`` of payload
     (``max_symbols`` symbols once the symbol size is known), the buffers granted by the
@@ -224,6 +231,11 @@ class ReceiveBudget:
         if self.window is None:
             return cap
         return min(cap, arrived + max(1, self.window // symbol_size))
+
+    def map_fits(self, n_source: int) -> bool:
+        """Whether a manifest's ``n_source`` ESIs' known-symbol map is within
+        ``MAP_SHARE``'s part of the window (always, without a window: all is charged)."""
+        return self.window is None or n_source * MAP_SHARE <= self.window
 
     def shrink(self, nbytes: int) -> int:
         """Give back what is reserved beyond ``nbytes``: the bytes the shell frees."""

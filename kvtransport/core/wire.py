@@ -165,7 +165,9 @@ MAX_PEERS = 64
 on a new transfer's first datagram."""
 MAX_BOUND_TRANSFERS = 65536
 """Transfers whose peer a :class:`PeerKeys` remembers (the oldest forgotten first; only
-datagrams that opened bind one, so only allowed peers fill it)."""
+datagrams that opened bind one, so only allowed peers fill it). A forgotten transfer's next
+uncached datagram binds it again; until then what it would be sent is dropped
+(:class:`UnknownPeer`, counted)."""
 
 MAX_NSS = 0x0FFF
 MAX_DT = 15
@@ -280,6 +282,13 @@ class WireError(ValueError):
     """A datagram that must be dropped; ``reason`` names the counter to bump."""
 
     reason = "malformed"
+
+
+class UnknownPeer(WireError):
+    """No peer is known to seal a transfer's datagrams under (:meth:`PeerKeys.sealing`):
+    the datagram is not sent (counted in ``PeerKeys.unsealable``)."""
+
+    reason = "unknown_peer"
 
 
 class Truncated(WireError):
@@ -417,15 +426,18 @@ class PeerKeys:
     :class:`PairSecret` per peer (a sender: its receiver's; a receiver: one per allowed
     sender), and the peer each transfer belongs to once one of its datagrams opened.
     :class:`Framer` and :class:`Parser` take it wherever they take a pre-shared key; a
-    framer needs the transfer's peer known (bound, or the only one)."""
+    framer needs the transfer's peer known (bound, or the only one): one of a transfer whose
+    binding was forgotten (more than ``MAX_BOUND_TRANSFERS`` bound since) raises
+    :class:`UnknownPeer`, which callers drop and ``unsealable`` counts."""
 
-    __slots__ = ("pairs", "tries", "_bound")
+    __slots__ = ("pairs", "tries", "unsealable", "_bound")
 
     def __init__(self, pairs: Sequence[PairSecret]) -> None:
         if not 1 <= len(pairs) <= MAX_PEERS:
             raise ValueError(f"a host holds 1..{MAX_PEERS} peers' public keys, not {len(pairs)}")
         self.pairs = tuple(pairs)
         self.tries = 0  # pairwise secrets tried on transfers whose peer was not known
+        self.unsealable = 0  # seals asked for transfers of no known peer (UnknownPeer)
         self._bound: dict[int, PairSecret] = {}
 
     def candidates(self, transfer_id: int) -> tuple[PairSecret, ...]:
@@ -442,11 +454,12 @@ class PeerKeys:
         bound[transfer_id] = pair
 
     def sealing(self, transfer_id: int) -> PairSecret:
-        """The secret datagrams of ``transfer_id`` are sealed under; ValueError while
-        several peers are possible."""
+        """The secret datagrams of ``transfer_id`` are sealed under; :class:`UnknownPeer`
+        (counted) while several peers are possible."""
         pairs = self.candidates(transfer_id)
         if len(pairs) != 1:
-            raise ValueError(f"no peer known for transfer {transfer_id:016x}")
+            self.unsealable += 1
+            raise UnknownPeer(f"no peer known for transfer {transfer_id:016x}")
         return pairs[0]
 
     def peer_of(self, transfer_id: int) -> bytes | None:

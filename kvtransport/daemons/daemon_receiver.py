@@ -116,7 +116,7 @@ class ReceiverEngine:
         docstring): at the first, then at most every AUTH_WARN_S while more come."""
         bad = self.host.drop_reasons.get("bad_tag", 0)
         if bad > self._auth_warned and now >= self._auth_warn_at:
-            log.warning("%s", auth_failures(bad))
+            log.warning("%s", auth_failures(bad, self.host.key))
             self._auth_warned = bad
             self._auth_warn_at = now + AUTH_WARN_S
 

@@ -5,7 +5,8 @@
     import kvtransport
 
     with kvtransport.Receiver(listen="127.0.0.1:0") as rx:   # bound; receives in a thread
-        sent = kvtransport.send("ctx.card", to=rx.address, deadline_ms=300)
+        opts = kvtransport.SendOptions(deadline_ms=300)
+        sent = kvtransport.send("ctx.card", to=rx.address, options=opts)  # a SentResult
         got = rx.result(timeout_s=10)                         # a DeliveredResult
     partial = kvtransport.partial_cache(got)                  # KVCache + presence mask
 
@@ -26,6 +27,7 @@ import concurrent.futures
 import os
 import threading
 from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from kvtransport.core.protocol import DEFAULT_INITIAL_RTT, DEFAULT_SYMBOL_SIZE
@@ -299,59 +301,129 @@ def warm_kernels(key: SealKey | None, policy: str) -> None:
 # ---------------------------------------------------------------------- sending
 
 
-def send(
-    cache_or_card: Any,
-    to: str | tuple[str, int],
-    *,
-    deadline_ms: float | None = None,
-    rho: float | None = None,
-    key: bytes | str | None = None,
-    insecure: bool = False,
-    rate_mbps: float = 100.0,
-    policy: str | None = None,
-    bind: str = "0.0.0.0:0",
-    symbol_size: int = DEFAULT_SYMBOL_SIZE,
-    initial_rtt_ms: float = DEFAULT_INITIAL_RTT * 1e3,
-    gso: bool = True,
-    precision: str | tuple[str, ...] = "auto",
-    loss_estimate: float = 0.05,
-    receiver_speed: ComputeSpeed | None = None,
-    question_tokens: int | None = None,
-) -> dict[str, Any]:
-    """Send a KV cache to a receiver (``kvtransport.Receiver``, ``kvtransport recv`` or a
-    receiver daemon) at ``to`` and return when the transfer is over.
+@dataclass(frozen=True)
+class SendOptions:
+    """How :func:`send` sends (everything but the payload and the destination).
 
-    cache_or_card: see :func:`as_transfer`. The deadline is ``deadline_ms`` from now, or
-    ``rho`` times the loss-free send time at ``rate_mbps`` (default rho 1). ``key``: the
-    pre-shared key (bytes, a key file or hex digits; default: the default key file, as
-    the commands use; ``insecure=True`` sends in the clear); both ends must agree. ``policy``:
-    the repair policy (default: kvtransport.daemons.daemon_sender.transfer_policy, the
-    shipped DDQN but for a stream of whole token ranges over a link whose
-    ``initial_rtt_ms`` is long). With ``deadline_ms``
-    a cache, card or stream is sent as the handoff plan encodes it for that deadline
-    (kvtransport.model.plan: ``precision`` "auto" = fp16, int8 or int4 per block by utility,
-    int4 only down to the plan's fidelity floor, for
-    ``rate_mbps`` and ``loss_estimate``, token ranges front first; "keep" sends it as it
-    is; e.g. "fp32" only when asked). ``receiver_speed``: the receiver's
+    ``deadline_ms``: the deadline from the call, or None: ``rho`` times the loss-free send
+    time at ``rate_mbps`` (default rho 1). ``key``: the pre-shared key (bytes, a key file or
+    hex digits; None: the default key file, as the commands use; ``insecure=True`` sends
+    in the clear); both ends must agree. ``rate_mbps``: the pacing rate. ``policy``: the
+    repair policy (None: kvtransport.daemons.daemon_sender.transfer_policy, the shipped
+    DDQN but for a stream of whole token ranges over a link whose ``initial_rtt_ms`` is
+    long). ``bind``: the local HOST:PORT. ``symbol_size``, ``initial_rtt_ms``: the
+    protocol's symbol size and the RTT assumed before the first sample. ``gso``: UDP
+    generic segmentation offload (False: one send() per datagram). With ``deadline_ms`` a
+    cache, card or stream is sent as the handoff plan encodes it for that deadline
+    (kvtransport.model.plan: ``precision`` "auto" = fp16, int8 or int4 per block by
+    utility, int4 only down to the plan's fidelity floor, for ``rate_mbps`` and
+    ``loss_estimate``, token ranges front first; "keep" sends it as it is; e.g. "fp32"
+    only when asked). ``receiver_speed``: the receiver's
     :class:`~kvtransport.model.cache_builder.ComputeSpeed` when it races
     (:meth:`Receiver.race`): the plan leaves it the context's front to compute while the
     rest streams in, and does not send that front, splitting where the whole cache is in
-    place soonest (kvtransport.model.plan's ``ttft`` objective; the deadline is then a cap);
-    None sends every token range. ``question_tokens`` (with ``receiver_speed``): the
+    place soonest (kvtransport.model.plan's ``ttft`` objective; the deadline is then a
+    cap); None sends every token range. ``question_tokens`` (with ``receiver_speed``): the
     receiver races with its question (``Receiver.race(question_ids=...)``) of about this
     many tokens: the plan sends the context's last ranges layer by layer, so that the
-    receiver runs the question through its model while they arrive, and splits where the
-    first token is out soonest.
+    receiver runs the question through its model while they arrive. Bad values are a
+    :class:`~kvtransport.errors.UserError` when :func:`send` uses them.
+    """
 
-    Returns the sender's final status (``transfer_id``, ``finish_reason``,
-    ``decoded_through`` of ``n_source``, datagrams, loss estimate, ...; ``delivered``:
-    "complete", "partial" or "nothing" as the receiver last reported, and ``note``, one
-    line naming why when it is not complete: no feedback at all, the receiver's refusal,
-    kvtransport.hosts.sender_host.Outgoing.outcome). Blocks the calling
-    thread for at most the deadline plus a round trip; see :func:`send_async`.
+    deadline_ms: float | None = None
+    rho: float | None = None
+    key: bytes | str | None = field(default=None, repr=False)
+    insecure: bool = False
+    rate_mbps: float = 100.0
+    policy: str | None = None
+    bind: str = "0.0.0.0:0"
+    symbol_size: int = DEFAULT_SYMBOL_SIZE
+    initial_rtt_ms: float = DEFAULT_INITIAL_RTT * 1e3
+    gso: bool = True
+    precision: str | tuple[str, ...] = "auto"
+    loss_estimate: float = 0.05
+    receiver_speed: ComputeSpeed | None = None
+    question_tokens: int | None = None
+
+
+NOT_SENT = "no time to send"
+"""``finish_reason`` of a transfer :func:`send` did not start: its deadline left no time."""
+
+
+@dataclass(frozen=True)
+class SentResult:
+    """What :func:`send` did, as the sender last knew it (the sending side's counterpart of
+    :class:`~kvtransport.daemons.api.DeliveredResult`).
+
+    ``delivered``: "complete", "partial" or "nothing" as the receiver last reported;
+    ``note``: one line naming why when it is not complete (no feedback at all, the
+    receiver's refusal, no time to send: kvtransport.hosts.sender_host.Outgoing.outcome),
+    else empty. ``transfer_id``: the id the receiver's result carries, None when nothing
+    was sent (``finish_reason`` :data:`NOT_SENT`, with the sender's one line in
+    ``reason``). ``decoded_through`` of ``n_source`` symbols
+    (``delivered_bytes`` of ``bytes``) are in order at the receiver as it last reported.
+    ``stats``: the sender's other counters and estimates (RTT, drops, the socket's, ...).
+    :meth:`to_dict` is the status as ``kvtransport send --json`` prints it.
+    """
+
+    transfer_id: int | None
+    state: str
+    finish_reason: str | None
+    delivered: str
+    note: str
+    to: str
+    policy: str
+    bytes: int
+    n_source: int | None
+    decoded_through: int
+    delivered_bytes: int
+    source_sent: int
+    repair_sent: int
+    datagrams_sent: int
+    loss_estimate: float | None
+    loss_measured: float | None
+    deadline_s: float
+    elapsed_s: float | None
+    reason: str | None = None
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_complete(self) -> bool:
+        """The receiver reported every block of the transfer in place."""
+        return self.delivered == "complete"
+
+    @classmethod
+    def from_status(cls, status: dict[str, Any]) -> SentResult:
+        """A sender status (kvtransport.hosts.sender_host.Outgoing.status, plus the socket's
+        counters; or :func:`not_sent`'s) as a result: its named keys become the fields,
+        the rest ``stats``."""
+        rest = dict(status)
+        tid = rest.pop("transfer_id", None)
+        named = {f: rest.pop(f, None) for f in _RESULT_FIELDS}
+        return cls(transfer_id=None if tid is None else int(tid, 16), **named, stats=rest)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The status as JSON would hold it (``transfer_id`` in hex, as the CLI prints it)."""
+        tid = None if self.transfer_id is None else f"{self.transfer_id:016x}"
+        named = {f: getattr(self, f) for f in _RESULT_FIELDS}
+        return {"transfer_id": tid, **named, **self.stats}
+
+
+_RESULT_FIELDS = tuple(f.name for f in fields(SentResult) if f.name not in ("transfer_id", "stats"))
+
+
+def send(
+    cache_or_card: Any, to: str | tuple[str, int], *, options: SendOptions | None = None
+) -> SentResult:
+    """Send a KV cache to a receiver (``kvtransport.Receiver``, ``kvtransport recv`` or a
+    receiver daemon) at ``to`` and return when the transfer is over.
+
+    cache_or_card: see :func:`as_transfer`; ``options``: how (:class:`SendOptions`; None:
+    the defaults). Returns the :class:`SentResult`. Blocks the calling thread for at most
+    the deadline plus a round trip; see :func:`send_async`.
 
     A deadline that leaves no time to send (by ``initial_rtt_ms`` a datagram sent now
-    would arrive after it) is not an error: nothing is sent and the status says so
+    would arrive after it) is not an error: nothing is sent and the result says so
     (``state`` "not sent", ``finish_reason`` :data:`NOT_SENT`, ``reason`` the sender's
     one line, nothing delivered); a racing receiver then computes the whole cache itself.
     """
@@ -359,26 +431,28 @@ def send(
     from kvtransport.hosts.sender_host import NoTimeToSend
     from kvtransport.policies.registry import make_policy
 
-    raw_key = api_key(key, insecure)
+    o = SendOptions() if options is None else options
+    if not isinstance(o, SendOptions):
+        raise UserError(f"options must be a kvtransport.SendOptions, not {type(o).__name__}")
+    raw_key = api_key(o.key, o.insecure)
     dest = _address(to, "receiver")
-    local = parse_address(bind, what="bind")
-    plan = handoff_plan(deadline_ms, precision, rate_mbps, loss_estimate=loss_estimate,
-                        initial_rtt_ms=initial_rtt_ms, symbol_size=symbol_size,
-                        receiver_speed=receiver_speed,
-                        question_tokens=question_tokens)  # fmt: skip
+    local = parse_address(o.bind, what="bind")
+    plan = handoff_plan(o.deadline_ms, o.precision, o.rate_mbps, loss_estimate=o.loss_estimate,
+                        initial_rtt_ms=o.initial_rtt_ms, symbol_size=o.symbol_size,
+                        receiver_speed=o.receiver_speed,
+                        question_tokens=o.question_tokens)  # fmt: skip
     transfer = as_transfer(cache_or_card, plan)
-    rate = float(rate_mbps) * 1e6
+    rate = float(o.rate_mbps) * 1e6
     if not rate > 0:
         raise UserError("rate_mbps must be a positive number")
-    if deadline_ms is None and rho is None:
-        rho = 1.0
-    spec = {"deadline_ms": deadline_ms, "rho": rho}
-    deadline_s = deadline_from(spec, transfer.nbytes, rate, symbol_size, raw_key is not None)
-    policy = policy or transfer_policy(transfer, initial_rtt_ms * 1e-3, rate, deadline_s)
+    rho = 1.0 if o.deadline_ms is None and o.rho is None else o.rho
+    spec = {"deadline_ms": o.deadline_ms, "rho": rho}
+    deadline_s = deadline_from(spec, transfer.nbytes, rate, o.symbol_size, raw_key is not None)
+    policy = o.policy or transfer_policy(transfer, o.initial_rtt_ms * 1e-3, rate, deadline_s)
     make_policy(policy)
     warm_kernels(raw_key, policy)
     stop = StopSignal()  # not installed: signals stay the application's
-    sock = DatagramSocket(local, dest, gso=gso)
+    sock = DatagramSocket(local, dest, gso=o.gso)
     try:
         status, _ = run_send(
             sock,
@@ -389,19 +463,15 @@ def send(
             stop=stop,
             key=raw_key,
             policy=policy,
-            symbol_size=symbol_size,
-            initial_rtt=initial_rtt_ms * 1e-3,
+            symbol_size=o.symbol_size,
+            initial_rtt=o.initial_rtt_ms * 1e-3,
         )
     except NoTimeToSend as exc:  # the main job degrades: the receiver computes it all
         status = not_sent(transfer, dest, policy, deadline_s, str(exc))
     finally:
         sock.close()
         stop.close()
-    return status
-
-
-NOT_SENT = "no time to send"
-"""``finish_reason`` of a transfer :func:`send` did not start: its deadline left no time."""
+    return SentResult.from_status(status)
 
 
 def not_sent(
@@ -413,6 +483,8 @@ def not_sent(
         "transfer_id": None,
         "state": "not sent",
         "finish_reason": NOT_SENT,
+        "delivered": "nothing",
+        "note": reason,
         "reason": reason,
         "to": f"{dest[0]}:{dest[1]}",
         "policy": policy,
@@ -426,9 +498,11 @@ def not_sent(
     }
 
 
-async def send_async(cache_or_card: Any, to: str | tuple[str, int], **kwargs: Any) -> dict:
+async def send_async(
+    cache_or_card: Any, to: str | tuple[str, int], *, options: SendOptions | None = None
+) -> SentResult:
     """:func:`send` in a worker thread: awaiting it never blocks the event loop."""
-    return await asyncio.to_thread(send, cache_or_card, to, **kwargs)
+    return await asyncio.to_thread(send, cache_or_card, to, options=options)
 
 
 # ---------------------------------------------------------------------- receiving

@@ -47,13 +47,13 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
 
 from kvtransport.daemons.api import DeliveredResult
-from kvtransport.embed.inprocess import NOT_SENT
+from kvtransport.embed.inprocess import NOT_SENT, SendOptions
 from kvtransport.errors import UserError
 from kvtransport.kvformat import blocks
 from kvtransport.kvformat.kvcache import KVCache
@@ -550,33 +550,36 @@ class _Sent:
 class Pusher:
     """Encode and send caches to receivers in background threads (the producer's side).
 
-    ``send_options`` go to :func:`kvtransport.send` (``key``, ``insecure``,
-    ``rate_mbps``, ...). :meth:`push` returns at once: the stream is encoded (when given
-    as a function) and sent in a pool thread. :meth:`poll` returns the tags whose transfer
-    ended, with the sender's final status (or the exception as ``error``).
+    ``send_options`` are :class:`kvtransport.SendOptions`' fields (``key``, ``insecure``,
+    ``rate_mbps``, ...; the deadline and precision are each push's). :meth:`push` returns
+    at once: the stream is encoded (when given as a function) and sent in a pool thread.
+    :meth:`poll` returns the tags whose transfer ended, with the sender's final status
+    (:meth:`kvtransport.SentResult.to_dict`, or the exception as ``error``).
     ``on_done(tag, status)``, if given, is called with the same in the sending thread as
     each transfer ends (when nobody polls: an idle engine).
     """
 
     def __init__(self, max_parallel: int = 2, on_done: Any = None, **send_options: Any) -> None:
-        from kvtransport.core.protocol import DEFAULT_INITIAL_RTT
         from kvtransport.embed.inprocess import api_key, warm_kernels
         from kvtransport.hosts.policy_choice import default_policy_for
 
         # Load (or compile) the sender's kernels now: done by the first push instead, it
         # took seconds on a busy host and the consumer gave up waiting for that transfer.
         # The pushes are prefix-ordered whole ranges, so send picks the policy for those.
-        key = api_key(send_options.get("key"), bool(send_options.get("insecure", False)))
-        rtt_s = float(send_options.get("initial_rtt_ms", DEFAULT_INITIAL_RTT * 1e3)) * 1e-3
-        rate = send_options.get("rate_mbps")
-        rate_bps = None if rate is None else float(rate) * 1e6
-        policy = send_options.get("policy") or default_policy_for(rtt_s / 2, True, rate_bps)
+        try:
+            options = SendOptions(**send_options)
+        except TypeError as exc:
+            raise UserError(f"Pusher: {exc}") from None
+        key = api_key(options.key, options.insecure)
+        rtt_s = options.initial_rtt_ms * 1e-3
+        rate_bps = float(options.rate_mbps) * 1e6
+        policy = options.policy or default_policy_for(rtt_s / 2, True, rate_bps)
         warm_kernels(key, policy)
         # and the encoder's (its first call imports and allocates for a while)
         tiny = np.zeros((1, 1, 1, 8), np.float32)
         encode_request(KVCache(tiny, tiny, np.zeros(1, np.int64), "warm-up"), "warm-up", 1)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_parallel, "kvt-push")
-        self._options = send_options
+        self._options = options
         self._on_done = on_done
         self._sent: list[_Sent] = []
 
@@ -605,8 +608,8 @@ class Pusher:
             note = f"no time left of the {deadline_ms:.0f} ms deadline to send"
             status = {"finish_reason": NOT_SENT, "delivered": "nothing", "to": to, "note": note}
         else:
-            status = send(encoded, to, **dict(self._options, deadline_ms=left_ms,
-                                               precision="keep"))  # fmt: skip
+            options = replace(self._options, deadline_ms=left_ms, precision="keep")
+            status = send(encoded, to, options=options).to_dict()
         status["bytes_encoded"] = int(encoded.payload.nbytes)
         return status
 

@@ -55,7 +55,9 @@ What bounds the state (every datagram is attacker-controlled):
   sealed refusal (kvtransport.core.feedback.refusal_datagram, within the amplification
   limit), so its sender stops and says why;
 - ``max_bytes`` per transfer: the session refuses symbols beyond it and a manifest
-  announcing more (``too_large``); its decoder holds at most the config's
+  announcing more (``too_large``), or more symbols than a sixteenth of ``window`` (its
+  known-symbol map, a byte per symbol held whole: kvtransport.core.receiver_parts.MAP_SHARE;
+  a large claim at tiny symbols); its decoder holds at most the config's
   ``max_decoder_window`` ESIs, and a manifest naming more is refused (``decoder_window``);
 - ``budget_bytes`` for all of them: the output buffers of the sessions held (receiving,
   or finished and lingering) never exceed it; a session that would is refused its
@@ -118,8 +120,10 @@ from kvtransport.core.wire import (
     Feedback,
     Framer,
     Parser,
+    PeerKeys,
     ReceivedBatch,
     SealKey,
+    UnknownPeer,
     WireError,
     encode_feedback,
     feedback_size,
@@ -169,10 +173,19 @@ Address = Any
 """A peer's address as the shell knows it (a (host, port) tuple over UDP)."""
 
 
-def auth_failures(n: int) -> str:
-    """The one line that names ``n`` datagrams that failed authentication."""
+def auth_failures(n: int, key: SealKey | None = None) -> str:
+    """The one line that names ``n`` datagrams that failed authentication, and what to
+    check for a receiver sealing with ``key`` (identities: the allowlist and the sender's
+    --peer-pub; else the pre-shared key)."""
     plural = "s" if n != 1 else ""
-    return f"{n} datagram{plural} failed authentication: do both ends have the same key?"
+    if isinstance(key, PeerKeys):
+        check = (
+            "is the sender's public key in --allow-pub, and does its --peer-pub name this "
+            "receiver's (and its --key, if any, match)?"
+        )
+    else:
+        check = "do both ends have the same key?"
+    return f"{n} datagram{plural} failed authentication: {check}"
 
 
 @dataclass
@@ -561,6 +574,7 @@ class ReceiverHost:
             "pending": len(self.pending),
             "pool_bytes": self.pool_bytes,
             "replies_withheld": self.replies_withheld,
+            **self._peer_stats(),
             "replay_record": (
                 {
                     "entries": len(self.replay.entries),
@@ -571,6 +585,15 @@ class ReceiverHost:
                 else None
             ),
         }
+
+    def _peer_stats(self) -> dict[str, int]:
+        """With identities: pairwise secrets tried on transfers of no known peer
+        (``peer_tries``, as recv --json) and replies not sealed for want of a known peer
+        (``peer_unsealable``); nothing with a pre-shared key."""
+        key = self.key
+        if not isinstance(key, PeerKeys):
+            return {}
+        return {"peer_tries": key.tries, "peer_unsealable": key.unsealable}
 
     # ------------------------------------------------------------------ internals
 
@@ -708,12 +731,17 @@ class ReceiverHost:
             log.warning("%s", self.last_refusal)
         self._reply(entry, self._refusal(tid, why))
 
-    def _refusal(self, tid: int, why: str) -> bytes:
+    def _refusal(self, tid: int, why: str) -> bytes | None:
         """The sealed refusal of ``tid`` for ``why`` (the same bytes each time, made once
-        per transfer and reason)."""
+        per transfer and reason); None while no peer is known to seal it for
+        (``UnknownPeer``, counted by the keys)."""
         reply = self._refusals.get((tid, why))
         if reply is None:
-            reply = self._refusals[(tid, why)] = refusal_datagram(self.key, tid, why)
+            try:
+                reply = refusal_datagram(self.key, tid, why)
+            except UnknownPeer:
+                return None
+            self._refusals[(tid, why)] = reply
             while len(self._refusals) > REFUSAL_CACHE:
                 self._refusals.popitem(last=False)
         return reply
@@ -724,9 +752,12 @@ class ReceiverHost:
         manifest on it (kvtransport.core.sender). Sealed under a feedback epoch of the
         entry's own (random with a key; 1 without, sessions' being 0 there)."""
         if entry.framer is None:
-            entry.framer = Framer(
-                entry.transfer_id, self.key, epoch=None if self.key is not None else 1
-            )
+            try:
+                entry.framer = Framer(
+                    entry.transfer_id, self.key, epoch=None if self.key is not None else 1
+                )
+            except UnknownPeer:  # its peer's binding forgotten: no probe (counted)
+                return
         delay = min(int((now - entry.highest_at) * 1e6), 0xFFFFFFFF)
         fb = Feedback(entry.highest, delay, entry.seen, 0, 0, 0, 0, 0, 0, 0, 0.0, 1.0, 0, ())
         f = entry.framer
@@ -735,9 +766,12 @@ class ReceiverHost:
         entry.probes += 1
         self._reply(entry, datagram)
 
-    def _reply(self, entry: Pending, datagram: bytes) -> None:
+    def _reply(self, entry: Pending, datagram: bytes | None) -> None:
         """A reply to a transfer without a session, to its peer, if it stays within
-        ``AMPLIFICATION`` times what the peer sent (else withheld, counted)."""
+        ``AMPLIFICATION`` times what the peer sent (else withheld, counted); None (no
+        reply could be sealed) sends nothing."""
+        if datagram is None:
+            return
         n = len(datagram)
         if entry.replied + n > AMPLIFICATION * entry.received:
             self.replies_withheld += 1
@@ -797,7 +831,7 @@ class ReceiverHost:
         notes = []
         bad = reasons.get("bad_tag", 0)
         if bad:
-            notes.append(auth_failures(bad))
+            notes.append(auth_failures(bad, self.key))
         other = reasons.get("bad_version", 0)
         if other:
             notes.append(
