@@ -358,10 +358,11 @@ def _f1(a: str, b: str) -> float:
 
 def report_json(rep: DemoReport) -> str:
     """One JSON object (``--json``)."""
-    return json.dumps(rep.to_dict(), default=_json_default)
+    return json.dumps(rep.to_dict(), default=json_default)
 
 
-def _json_default(obj: Any) -> Any:
+def json_default(obj: Any) -> Any:
+    """``json.dumps``'s default for numpy scalars and arrays (anything else as text)."""
     if isinstance(obj, np.integer | np.floating):
         return obj.item()
     if isinstance(obj, np.ndarray):

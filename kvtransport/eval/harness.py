@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvtransport.demo.demo_report import json_default
 from kvtransport.eval.figures import caption, pyplot
 from kvtransport.eval.handoffs import Case, deliver, prepare_case, samples
-from kvtransport.eval.provenance import json_default, machine, machine_text, provenance_md
+from kvtransport.eval.provenance import machine, machine_text, provenance_md
 from kvtransport.eval.registries import FAMILIES, SCHEMES
 
 ROOT = Path(__file__).resolve().parents[2]

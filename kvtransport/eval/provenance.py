@@ -8,8 +8,6 @@ import platform
 import time
 from typing import Any
 
-import numpy as np
-
 
 def cpu_model() -> str:
     """The CPU's model name (from /proc/cpuinfo; the platform's processor string else)."""
@@ -50,12 +48,3 @@ def provenance_md(command: str, seeds: str, machine_line: str, wall_s: float) ->
         f"command: `{command}`  \nseeds: {seeds}  \nmachine: {machine_line}; "
         f"this figure's wall time {wall_s:.0f} s\n"
     )
-
-
-def json_default(obj: Any) -> Any:
-    """``json.dumps``'s default for numpy scalars and arrays (anything else as text)."""
-    if isinstance(obj, np.integer | np.floating):
-        return obj.item()
-    if isinstance(obj, np.ndarray):
-        return obj.tolist()
-    return str(obj)
